@@ -1,0 +1,1 @@
+"""Modelyard inference service: ONNX models over gRPC."""

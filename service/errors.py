@@ -1,0 +1,31 @@
+"""Domain errors of the service. They carry no transport status: api/errors.py maps them to gRPC."""
+
+from __future__ import annotations
+
+
+class ServiceError(Exception):
+    """Base of every error the service answers a request with."""
+
+
+class ModelNotFound(ServiceError):
+    """The model or the requested version is not known or not served."""
+
+
+class InvalidInput(ServiceError):
+    """A request's tensors or fields do not fit the model; the message names the tensor or field."""
+
+
+class ModelUnavailable(ServiceError):
+    """The model exists but cannot serve right now (loading, draining, shutting down)."""
+
+
+class TooLarge(ServiceError):
+    """A request or response exceeds a configured size limit."""
+
+
+class ModelLoadError(ServiceError):
+    """A model version could not be loaded; the message says which file and why."""
+
+
+class Unsupported(ServiceError):
+    """The request asks for something this model or server does not do."""
