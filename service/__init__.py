@@ -1,1 +1,3 @@
 """Modelyard inference service: ONNX models over gRPC."""
+
+__version__ = "0.1.0"

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from service.errors import InvalidInput
+
 # KServe V2 datatype name -> numpy dtype (little-endian, as the wire formats are).
 NUMPY_BY_NAME: dict[str, np.dtype[np.generic]] = {
     "BOOL": np.dtype(np.bool_),
@@ -57,3 +59,39 @@ def name_of(dtype: np.dtype[np.generic]) -> str:
 
 def is_known(name: str) -> bool:
     return name in NUMPY_BY_NAME
+
+
+def decode_bytes(raw: bytes, shape: tuple[int, ...], tensor: str) -> np.ndarray:
+    """KServe's BYTES encoding (each element: 4-byte little-endian length, then its bytes) -> an
+    object array of bytes. Raises InvalidInput naming the tensor when the encoding is broken."""
+    count = int(np.prod(shape, dtype=np.int64))
+    items: list[bytes] = []
+    view = memoryview(raw)
+    offset = 0
+    while offset < len(view) and len(items) < count:
+        if offset + 4 > len(view):
+            raise InvalidInput(f"tensor {tensor!r}: BYTES element {len(items)} has a truncated length prefix")
+        size = int.from_bytes(view[offset : offset + 4], "little")
+        offset += 4
+        if offset + size > len(view):
+            raise InvalidInput(f"tensor {tensor!r}: BYTES element {len(items)} claims {size} bytes past the end")
+        items.append(bytes(view[offset : offset + size]))
+        offset += size
+    if len(items) != count or offset != len(view):
+        raise InvalidInput(
+            f"tensor {tensor!r}: shape {list(shape)} needs {count} BYTES elements, the data holds "
+            f"{len(items)}{' and trailing bytes' if offset != len(view) else ''}"
+        )
+    array = np.empty(count, dtype=object)
+    array[:] = items
+    return array.reshape(shape)
+
+
+def encode_bytes(array: np.ndarray) -> bytes:
+    """An object/str/bytes array -> KServe's length-prefixed BYTES encoding."""
+    parts = []
+    for item in array.reshape(-1):
+        data = item.encode() if isinstance(item, str) else bytes(item)
+        parts.append(len(data).to_bytes(4, "little"))
+        parts.append(data)
+    return b"".join(parts)

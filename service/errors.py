@@ -29,3 +29,7 @@ class ModelLoadError(ServiceError):
 
 class Unsupported(ServiceError):
     """The request asks for something this model or server does not do."""
+
+
+class ModelRunError(ServiceError):
+    """The runtime failed while running a model on valid-looking input."""

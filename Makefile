@@ -1,0 +1,57 @@
+# Everything runs from a project-local virtual environment; `make up` and `make test` create it.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+BUF_VERSION := 1.75.0
+BUF := .cache/buf/node_modules/.bin/buf
+REPOSITORY ?= models/demo
+
+.PHONY: up test lint gen bench demo-models proto-baseline install install-dev clean
+
+up: $(VENV)/.installed
+	$(PY) -m service --repository $(REPOSITORY)
+
+test: lint
+	$(PY) -m pytest -q
+
+lint: $(VENV)/.installed-dev $(BUF)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy service tests bench proto/generate.py
+	$(PY) proto/generate.py --check
+	$(BUF) lint
+	$(BUF) breaking --against proto/baseline.binpb
+
+gen: $(VENV)/.installed-dev
+	$(PY) proto/generate.py
+
+# Deliberately accept the current contracts as the baseline that `buf breaking` guards.
+proto-baseline: $(BUF)
+	$(BUF) build --exclude-source-info -o proto/baseline.binpb
+
+bench: $(VENV)/.installed-dev
+	$(PY) bench/unary_latency.py
+
+demo-models: $(VENV)/.installed
+	$(PY) -m service.demo_models $(REPOSITORY)
+
+install: $(VENV)/.installed
+install-dev: $(VENV)/.installed-dev
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+
+$(VENV)/.installed: pyproject.toml | $(PY)
+	$(PY) -m pip install --quiet -e .
+	touch $@
+
+$(VENV)/.installed-dev: pyproject.toml | $(PY)
+	$(PY) -m pip install --quiet -e '.[dev]'
+	touch $@ $(VENV)/.installed
+
+$(BUF):
+	npm install --silent --no-save --no-audit --no-fund --prefix .cache/buf @bufbuild/buf@$(BUF_VERSION)
+
+clean:
+	rm -rf $(VENV) .cache .mypy_cache .ruff_cache build *.egg-info

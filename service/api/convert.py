@@ -1,0 +1,69 @@
+"""Our API's tensors (modelyard.inference.v1.Tensor) <-> numpy arrays, and schema messages."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+
+import numpy as np
+
+from modelyard.inference.v1 import tensor_pb2
+from service.datatypes import NUMPY_BY_NAME, decode_bytes, encode_bytes, name_of
+from service.errors import InvalidInput
+from service.runtime.signature import TensorSpec
+
+_PREFIX = "DATA_TYPE_"
+
+
+def datatype_name(value: int) -> str:
+    return tensor_pb2.DataType.Name(value).removeprefix(_PREFIX)  # type: ignore[arg-type]
+
+
+def datatype_value(name: str) -> tensor_pb2.DataType.ValueType:
+    return tensor_pb2.DataType.Value(_PREFIX + name)
+
+
+def to_arrays(tensors: Iterable[tensor_pb2.Tensor]) -> dict[str, np.ndarray]:
+    arrays: dict[str, np.ndarray] = {}
+    for tensor in tensors:
+        if tensor.name in arrays:
+            raise InvalidInput(f"input {tensor.name!r} is given twice")
+        arrays[tensor.name] = to_array(tensor)
+    return arrays
+
+
+def to_array(tensor: tensor_pb2.Tensor) -> np.ndarray:
+    """A zero-copy view of the tensor's bytes (BYTES tensors are decoded into an object array)."""
+    if tensor.datatype == tensor_pb2.DATA_TYPE_UNSPECIFIED or tensor.datatype not in tensor_pb2.DataType.values():
+        raise InvalidInput(f"input {tensor.name!r}: datatype is missing or unknown ({tensor.datatype})")
+    shape = tuple(tensor.shape)
+    if any(d < 0 for d in shape):
+        raise InvalidInput(f"input {tensor.name!r}: shape {list(shape)} has a negative dimension")
+    count = int(np.prod(shape, dtype=np.int64))
+    name = datatype_name(tensor.datatype)
+    if name == "BYTES":
+        return decode_bytes(tensor.raw_data, shape, tensor.name)
+    dtype = NUMPY_BY_NAME[name]
+    if len(tensor.raw_data) != count * dtype.itemsize:
+        raise InvalidInput(
+            f"input {tensor.name!r}: shape {list(shape)} of {name} needs {count * dtype.itemsize} bytes, "
+            f"raw_data has {len(tensor.raw_data)}"
+        )
+    return np.frombuffer(tensor.raw_data, dtype=dtype).reshape(shape)
+
+
+def to_tensors(arrays: Mapping[str, np.ndarray]) -> list[tensor_pb2.Tensor]:
+    return [to_tensor(name, array) for name, array in arrays.items()]
+
+
+def to_tensor(name: str, array: np.ndarray) -> tensor_pb2.Tensor:
+    datatype = name_of(array.dtype)
+    raw = encode_bytes(array) if datatype == "BYTES" else _little_endian(array).tobytes()
+    return tensor_pb2.Tensor(name=name, datatype=datatype_value(datatype), shape=array.shape, raw_data=raw)
+
+
+def to_specs(specs: Iterable[TensorSpec]) -> list[tensor_pb2.TensorSpec]:
+    return [tensor_pb2.TensorSpec(name=s.name, datatype=datatype_value(s.datatype), shape=s.shape) for s in specs]
+
+
+def _little_endian(array: np.ndarray) -> np.ndarray:
+    return array.astype(array.dtype.newbyteorder("<"), copy=False) if array.dtype.byteorder == ">" else array

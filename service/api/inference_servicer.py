@@ -1,0 +1,74 @@
+"""modelyard.inference.v1.InferenceService: thin, converts and delegates to the data plane."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+
+import grpc
+
+from modelyard.inference.v1 import inference_service_pb2 as pb
+from modelyard.inference.v1 import inference_service_pb2_grpc as pb_grpc
+from service.api.convert import to_arrays, to_tensors
+from service.api.errors import serving
+from service.dataplane import DataPlane
+from service.errors import Unsupported
+from service.metrics import ServiceMetrics
+
+
+class InferenceServicer(pb_grpc.InferenceServiceServicer):
+    def __init__(self, dataplane: DataPlane, metrics: ServiceMetrics) -> None:
+        self._dataplane = dataplane
+        self._metrics = metrics
+
+    async def Infer(self, request: pb.InferRequest, context: grpc.aio.ServicerContext) -> pb.InferResponse:
+        async with serving(context, self._metrics, "Infer", request.model_name) as call:
+            result = await self._dataplane.infer(
+                request.model_name, request.model_version, to_arrays(request.inputs), request.output_names
+            )
+            call.version = str(result.version)
+            return pb.InferResponse(
+                model_name=result.model,
+                model_version=call.version,
+                outputs=to_tensors(result.outputs),
+                request_id=request.request_id,
+            )
+        raise AssertionError("unreachable: serving() aborts on every error")
+
+    async def InferStream(
+        self, request: pb.InferStreamRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.InferStreamResponse]:
+        async with serving(context, self._metrics, "InferStream", request.model_name) as call:
+            chunks = self._dataplane.infer_chunks(
+                request.model_name,
+                request.model_version,
+                to_arrays(request.inputs),
+                request.output_names,
+                request.chunk_size,
+            )
+            # aclosing: a cancelled stream releases its version lease at once, not at garbage collection.
+            async with aclosing(chunks):
+                index = 0
+                async for result in chunks:
+                    call.version = str(result.version)
+                    yield pb.InferStreamResponse(
+                        model_name=result.model,
+                        model_version=call.version,
+                        outputs=to_tensors(result.outputs),
+                        request_id=request.request_id,
+                        chunk_index=index,
+                        row_offset=result.row_offset,
+                        last=result.last,
+                    )
+                    index += 1
+
+    async def Generate(
+        self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.GenerateResponse]:
+        async with serving(context, self._metrics, "Generate", request.model_name):
+            raise Unsupported(
+                "Generate is not implemented yet: decoder language model serving arrives with the "
+                "generation feature; use Infer or InferStream"
+            )
+        yield pb.GenerateResponse()  # pragma: no cover - makes this an async generator
+

@@ -1,0 +1,113 @@
+"""modelyard.inference.v1.ModelService: list, describe, load, unload and watch models."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import grpc
+from google.protobuf.timestamp_pb2 import Timestamp
+
+from modelyard.inference.v1 import model_service_pb2 as pb
+from modelyard.inference.v1 import model_service_pb2_grpc as pb_grpc
+from service.api.convert import to_specs
+from service.api.errors import serving
+from service.errors import ModelUnavailable
+from service.metrics import ServiceMetrics
+from service.runtime.manager import ModelEvent, ModelManager, ModelStatus, VersionState, WatchOverflow
+
+PLATFORM = "onnxruntime_onnx"
+
+
+def state_value(state: VersionState) -> pb.ModelState.ValueType:
+    return pb.ModelState.Value(f"MODEL_STATE_{state.value}")
+
+
+def timestamp(seconds: float) -> Timestamp:
+    stamp = Timestamp()
+    stamp.FromNanoseconds(int(seconds * 1e9))
+    return stamp
+
+
+def describe(status: ModelStatus) -> pb.Model:
+    model = pb.Model(
+        name=status.name, max_batch_size=status.max_batch_size, platform=PLATFORM, reason=status.reason
+    )
+    for version in status.versions.values():
+        entry = model.versions.add(
+            version=str(version.version),
+            state=state_value(version.state),
+            reason=version.reason,
+            updated_at=timestamp(version.updated_at),
+            execution_provider=version.provider,
+        )
+        if version.signature is not None:
+            entry.inputs.extend(to_specs(version.signature.inputs))
+            entry.outputs.extend(to_specs(version.signature.outputs))
+            if version.version == status.default_version:
+                model.inputs.extend(entry.inputs)
+                model.outputs.extend(entry.outputs)
+    if status.default_version is not None:
+        model.default_version = str(status.default_version)
+    return model
+
+
+class ModelServicer(pb_grpc.ModelServiceServicer):
+    def __init__(self, manager: ModelManager, metrics: ServiceMetrics) -> None:
+        self._manager = manager
+        self._metrics = metrics
+
+    async def ListModels(
+        self, request: pb.ListModelsRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ListModelsResponse:
+        async with serving(context, self._metrics, "ListModels", ""):
+            return pb.ListModelsResponse(models=[describe(s) for s in self._manager.statuses()])
+        raise AssertionError("unreachable: serving() aborts on every error")
+
+    async def GetModel(self, request: pb.GetModelRequest, context: grpc.aio.ServicerContext) -> pb.GetModelResponse:
+        async with serving(context, self._metrics, "GetModel", request.name):
+            return pb.GetModelResponse(model=describe(self._manager.status(request.name)))
+        raise AssertionError("unreachable: serving() aborts on every error")
+
+    async def LoadModel(
+        self, request: pb.LoadModelRequest, context: grpc.aio.ServicerContext
+    ) -> pb.LoadModelResponse:
+        async with serving(context, self._metrics, "LoadModel", request.name):
+            return pb.LoadModelResponse(model=describe(await self._manager.load(request.name)))
+        raise AssertionError("unreachable: serving() aborts on every error")
+
+    async def UnloadModel(
+        self, request: pb.UnloadModelRequest, context: grpc.aio.ServicerContext
+    ) -> pb.UnloadModelResponse:
+        async with serving(context, self._metrics, "UnloadModel", request.name):
+            return pb.UnloadModelResponse(model=describe(await self._manager.unload(request.name)))
+        raise AssertionError("unreachable: serving() aborts on every error")
+
+    async def WatchModels(
+        self, request: pb.WatchModelsRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.WatchModelsResponse]:
+        wanted = set(request.names)
+        async with serving(context, self._metrics, "WatchModels", ""):
+            with self._manager.watch() as watcher:  # subscribe before the snapshot: no change is missed
+                if request.send_initial_state:
+                    for status in self._manager.statuses():
+                        for v in status.versions.values():
+                            if not wanted or status.name in wanted:
+                                yield _change(ModelEvent(status.name, v.version, v.state, v.reason, v.updated_at))
+                while True:
+                    try:
+                        event = await watcher.get()
+                    except WatchOverflow as exc:
+                        raise ModelUnavailable(str(exc)) from None
+                    if wanted and event.model not in wanted:
+                        continue
+                    yield _change(event)
+
+
+def _change(event: ModelEvent) -> pb.WatchModelsResponse:
+    return pb.WatchModelsResponse(
+        model_name=event.model,
+        version=str(event.version),
+        state=state_value(event.state),
+        reason=event.reason,
+        time=timestamp(event.time),
+    )

@@ -1,0 +1,61 @@
+"""Settings of one service process. Every value has a flag and a MODELYARD_SERVICE_* variable."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+ENV_PREFIX = "MODELYARD_SERVICE_"
+
+
+@dataclass(frozen=True)
+class Settings:
+    repository: Path = Path("models/demo")
+    listen: str = "127.0.0.1:50052"
+    metrics_listen: str = "127.0.0.1:9102"  # empty: no metrics endpoint
+    grace_s: float = 10.0  # on SIGTERM: how long in-flight requests may take to finish
+    drain_timeout_s: float = 30.0  # how long a retired model version waits for its requests
+    max_message_bytes: int = 64 * 1024 * 1024  # larger requests get RESOURCE_EXHAUSTED
+    inference_threads: int = 0  # executor threads for model runs; 0 = one per core
+    log_level: str = "INFO"
+
+
+_HELP = {
+    "repository": "model repository folder (<name>/<version>/model.onnx)",
+    "listen": "gRPC address HOST:PORT (port 0 picks a free port)",
+    "metrics_listen": "Prometheus /metrics address HOST:PORT; empty disables it",
+    "grace_s": "seconds in-flight requests get to finish on shutdown",
+    "drain_timeout_s": "seconds a retired model version waits for its in-flight requests",
+    "max_message_bytes": "largest request or response message, in bytes",
+    "inference_threads": "threads that run models; 0 = one per CPU core",
+    "log_level": "DEBUG, INFO, WARNING or ERROR",
+}
+
+
+def parse_settings(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None) -> Settings:
+    """Flags override environment variables, which override the defaults."""
+    environ = os.environ if environ is None else environ
+    defaults = Settings()
+    parser = argparse.ArgumentParser(prog="modelyard serve", description="Serve an ONNX model repository over gRPC.")
+    for item in fields(Settings):
+        env = ENV_PREFIX + item.name.upper()
+        default = getattr(defaults, item.name)
+        kind = type(default)
+        parser.add_argument(
+            "--" + item.name.replace("_", "-"),
+            dest=item.name,
+            type=kind,
+            default=kind(environ[env]) if env in environ else default,
+            help=f"{_HELP[item.name]} (env {env}; default {default})",
+        )
+    return Settings(**vars(parser.parse_args(argv)))
+
+
+def split_address(address: str) -> tuple[str, int]:
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit():
+        raise ValueError(f"address {address!r} is not HOST:PORT")
+    return host.strip("[]"), int(port)

@@ -1,0 +1,1 @@
+"""The model repository on disk: model configs and version folders."""

@@ -1,0 +1,202 @@
+"""Per-model configuration (`models/<name>/config.yaml`), parsed strictly into frozen dataclasses.
+
+Unknown keys are errors: a typo in a serving config must fail loudly, not be ignored.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+from service.datatypes import is_known
+from service.errors import ModelLoadError
+
+CONFIG_FILE = "config.yaml"
+
+
+class ConfigError(ModelLoadError):
+    """config.yaml is missing a value, has a wrong one, or has an unknown key."""
+
+
+@dataclass(frozen=True)
+class TensorConfig:
+    name: str
+    datatype: str
+    shape: tuple[int, ...]  # includes the batch dimension (-1) when max_batch_size > 0; -1 = any
+
+
+@dataclass(frozen=True)
+class VersionPolicy:
+    """Which versions on disk are served: the newest `latest`, a `specific` list, or `all`."""
+
+    kind: Literal["latest", "specific", "all"] = "latest"
+    latest: int = 1
+    versions: tuple[int, ...] = ()
+
+    def select(self, available: list[int]) -> list[int]:
+        ordered = sorted(available)
+        if self.kind == "all":
+            return ordered
+        if self.kind == "specific":
+            return [v for v in ordered if v in self.versions]
+        return ordered[-self.latest :]
+
+
+@dataclass(frozen=True)
+class ExecutionConfig:
+    provider: Literal["auto", "cuda", "cpu"] = "auto"
+    device_id: int = 0
+    gpu_mem_limit_mb: int = 0  # 0 = no limit
+    intra_op_threads: int = 0  # 0 = ONNX Runtime's default
+    inter_op_threads: int = 0
+
+
+@dataclass(frozen=True)
+class DynamicBatchingConfig:
+    max_queue_delay_us: int = 0
+    preferred_batch_sizes: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    max_batch_size: int = 0
+    version_policy: VersionPolicy = field(default_factory=VersionPolicy)
+    inputs: tuple[TensorConfig, ...] = ()
+    outputs: tuple[TensorConfig, ...] = ()
+    execution: ExecutionConfig = field(default_factory=ExecutionConfig)
+    dynamic_batching: DynamicBatchingConfig | None = None
+    # False when the model has no config.yaml: then the batch dimension is inferred from the graph.
+    explicit: bool = False
+
+
+def load_config(model_dir: Path) -> ModelConfig:
+    """The model's config.yaml, or defaults when there is none."""
+    path = model_dir / CONFIG_FILE
+    if not path.is_file():
+        return ModelConfig()
+    try:
+        raw = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
+        raise ConfigError(f"{path}: cannot read: {exc}") from None
+    try:
+        return parse_config(raw if raw is not None else {})
+    except ConfigError as exc:
+        raise ConfigError(f"{path}: {exc}") from None
+
+
+def parse_config(raw: object) -> ModelConfig:
+    doc = _mapping(raw, "config")
+    _known(
+        doc,
+        "config",
+        {"max_batch_size", "version_policy", "inputs", "outputs", "execution", "dynamic_batching"},
+    )
+    batching = doc.get("dynamic_batching")
+    return ModelConfig(
+        max_batch_size=_int(doc.get("max_batch_size", 0), "max_batch_size", minimum=0),
+        version_policy=_version_policy(doc.get("version_policy", {"latest": 1})),
+        inputs=_tensors(doc.get("inputs", []), "inputs"),
+        outputs=_tensors(doc.get("outputs", []), "outputs"),
+        execution=_execution(doc.get("execution", {})),
+        dynamic_batching=None if batching is None else _batching(batching),
+        explicit=True,
+    )
+
+
+def _version_policy(raw: object) -> VersionPolicy:
+    doc = _mapping(raw, "version_policy")
+    if len(doc) != 1:
+        raise ConfigError("version_policy: give exactly one of latest, specific, all")
+    ((kind, value),) = doc.items()
+    if kind == "latest":
+        return VersionPolicy("latest", latest=_int(value, "version_policy.latest", minimum=1))
+    if kind == "specific":
+        if not isinstance(value, list) or not value:
+            raise ConfigError("version_policy.specific: expected a non-empty list of versions")
+        versions = tuple(_int(v, "version_policy.specific[]", minimum=0) for v in value)
+        return VersionPolicy("specific", versions=versions)
+    if kind == "all":
+        if value not in (None, {}):
+            raise ConfigError("version_policy.all: expected {}")
+        return VersionPolicy("all")
+    raise ConfigError(f"version_policy: unknown policy {kind!r} (expected latest, specific or all)")
+
+
+def _tensors(raw: object, where: str) -> tuple[TensorConfig, ...]:
+    if not isinstance(raw, list):
+        raise ConfigError(f"{where}: expected a list")
+    tensors = []
+    for i, item in enumerate(raw):
+        doc = _mapping(item, f"{where}[{i}]")
+        _known(doc, f"{where}[{i}]", {"name", "datatype", "shape"})
+        name = doc.get("name")
+        if not isinstance(name, str) or not name:
+            raise ConfigError(f"{where}[{i}].name: expected a non-empty string")
+        datatype = doc.get("datatype")
+        if not isinstance(datatype, str) or not is_known(datatype):
+            raise ConfigError(f"{where}[{i}] ({name}).datatype: unknown datatype {datatype!r}")
+        shape = doc.get("shape")
+        if not isinstance(shape, list):
+            raise ConfigError(f"{where}[{i}] ({name}).shape: expected a list of integers")
+        dims = tuple(_int(d, f"{where}[{i}] ({name}).shape[]", minimum=-1) for d in shape)
+        tensors.append(TensorConfig(name, datatype, dims))
+    names = [t.name for t in tensors]
+    if len(set(names)) != len(names):
+        raise ConfigError(f"{where}: duplicate tensor names")
+    return tuple(tensors)
+
+
+def _execution(raw: object) -> ExecutionConfig:
+    doc = _mapping(raw, "execution")
+    _known(
+        doc,
+        "execution",
+        {"provider", "device_id", "gpu_mem_limit_mb", "intra_op_threads", "inter_op_threads"},
+    )
+    provider = doc.get("provider", "auto")
+    if provider not in ("auto", "cuda", "cpu"):
+        raise ConfigError(f"execution.provider: expected auto, cuda or cpu, got {provider!r}")
+    return ExecutionConfig(
+        provider=provider,
+        device_id=_int(doc.get("device_id", 0), "execution.device_id", minimum=0),
+        gpu_mem_limit_mb=_int(doc.get("gpu_mem_limit_mb", 0), "execution.gpu_mem_limit_mb", minimum=0),
+        intra_op_threads=_int(doc.get("intra_op_threads", 0), "execution.intra_op_threads", minimum=0),
+        inter_op_threads=_int(doc.get("inter_op_threads", 0), "execution.inter_op_threads", minimum=0),
+    )
+
+
+def _batching(raw: object) -> DynamicBatchingConfig:
+    doc = _mapping(raw, "dynamic_batching")
+    _known(doc, "dynamic_batching", {"max_queue_delay_us", "preferred_batch_sizes"})
+    sizes = doc.get("preferred_batch_sizes", [])
+    if not isinstance(sizes, list):
+        raise ConfigError("dynamic_batching.preferred_batch_sizes: expected a list of integers")
+    return DynamicBatchingConfig(
+        max_queue_delay_us=_int(doc.get("max_queue_delay_us", 0), "dynamic_batching.max_queue_delay_us", 0),
+        preferred_batch_sizes=tuple(
+            _int(s, "dynamic_batching.preferred_batch_sizes[]", minimum=1) for s in sizes
+        ),
+    )
+
+
+def _mapping(raw: object, where: str) -> Mapping[str, Any]:
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{where}: expected a mapping, got {type(raw).__name__}")
+    return raw
+
+
+def _known(doc: Mapping[str, Any], where: str, allowed: set[str]) -> None:
+    unknown = sorted(set(doc) - allowed)
+    if unknown:
+        raise ConfigError(f"{where}: unknown key(s) {', '.join(map(str, unknown))}")
+
+
+def _int(value: object, where: str, minimum: int) -> int:
+    # bool is an int in Python; `true` is never a valid count.
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise ConfigError(f"{where}: expected an integer >= {minimum}, got {value!r}")
+    return value

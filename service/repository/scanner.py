@@ -1,0 +1,72 @@
+"""Read the repository tree: which models exist and which version folders each holds.
+
+Layout: `<root>/<model>/<version>/model.onnx`, version folders named `3` or `v3`, plus an optional
+`<root>/<model>/config.yaml`. Nothing here loads a model; it only says what is on disk.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from service.errors import ModelLoadError
+
+MODEL_FILE = "model.onnx"
+_MODEL_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
+_VERSION_DIR = re.compile(r"^v?([0-9]{1,9})$")
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """One model folder: its version folders and the problems found while reading them."""
+
+    name: str
+    path: Path
+    versions: dict[int, Path] = field(default_factory=dict)  # version -> model.onnx
+    problems: tuple[str, ...] = ()  # folder-level problems, e.g. "1" and "v1" both present
+
+
+def parse_version(text: str) -> int | None:
+    """`3` or `v3` -> 3; anything else -> None."""
+    match = _VERSION_DIR.match(text)
+    return int(match.group(1)) if match else None
+
+
+def scan_repository(root: Path) -> dict[str, ModelSource]:
+    """Every model folder under root, by name. Hidden and non-conforming names are skipped."""
+    if not root.is_dir():
+        raise ModelLoadError(f"model repository {root} is not a directory")
+    models = {}
+    for entry in sorted(root.iterdir()):
+        if entry.is_dir() and _MODEL_NAME.match(entry.name):
+            models[entry.name] = scan_model(root, entry.name)
+    return models
+
+
+def scan_model(root: Path, name: str) -> ModelSource:
+    if not _MODEL_NAME.match(name):
+        raise ModelLoadError(f"{name!r} is not a valid model name")
+    path = root / name
+    if not path.is_dir():
+        raise ModelLoadError(f"model {name!r} is not in the repository {root}")
+    real_root = root.resolve()
+    versions: dict[int, Path] = {}
+    problems = []
+    for entry in sorted(path.iterdir()):
+        version = parse_version(entry.name)
+        if version is None or not entry.is_dir():
+            continue
+        model_file = entry / MODEL_FILE
+        if not model_file.is_file():
+            continue  # an empty or half-written version folder is not a version yet
+        # Symlinks are fine (Kubernetes volumes use them) as long as they stay inside the repository.
+        if not model_file.resolve().is_relative_to(real_root):
+            problems.append(f"{model_file}: resolves outside the model repository")
+            continue
+        if version in versions:
+            problems.append(f"{path}: version {version} is present twice ({versions[version].parent.name}"
+                            f" and {entry.name})")
+            continue
+        versions[version] = model_file
+    return ModelSource(name, path, versions, tuple(problems))

@@ -1,0 +1,1 @@
+"""ONNX Runtime sessions and the table of served model versions."""

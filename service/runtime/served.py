@@ -1,0 +1,84 @@
+"""What the served table holds: loaded model versions, with in-flight counts for draining."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from service.repository.config import ModelConfig
+from service.runtime.session import ModelRunner
+
+
+@dataclass
+class VersionStats:
+    """Counters behind the KServe/Triton ModelStatistics extension."""
+
+    success_count: int = 0
+    success_ns: int = 0
+    fail_count: int = 0
+    fail_ns: int = 0
+    inference_count: int = 0  # items, counting each batch row
+    execution_count: int = 0  # model runs
+    compute_ns: int = 0
+    last_inference_ms: int = 0
+
+    def record(self, ok: bool, elapsed_ns: int, items: int, compute_ns: int) -> None:
+        if ok:
+            self.success_count += 1
+            self.success_ns += elapsed_ns
+            self.inference_count += items
+            self.execution_count += 1
+            self.compute_ns += compute_ns
+        else:
+            self.fail_count += 1
+            self.fail_ns += elapsed_ns
+        self.last_inference_ms = int(time.time() * 1000)
+
+
+class ServedVersion:
+    """One loaded version. Requests lease it for their whole duration, so that a version taken out
+    of the table is released only after the requests that resolved it have finished."""
+
+    def __init__(self, model: str, version: int, runner: ModelRunner, config: ModelConfig) -> None:
+        self.model = model
+        self.version = version
+        self.runner = runner
+        self.config = config
+        self.stats = VersionStats()
+        self.in_flight = 0
+        self._drained: asyncio.Event | None = None
+
+    def acquire(self) -> None:
+        self.in_flight += 1
+
+    def release(self) -> None:
+        self.in_flight -= 1
+        if self.in_flight == 0 and self._drained is not None:
+            self._drained.set()
+
+    async def drain(self, timeout_s: float) -> bool:
+        """Wait until no request holds this version; False if the timeout passed first."""
+        if self.in_flight == 0:
+            return True
+        self._drained = asyncio.Event()
+        try:
+            await asyncio.wait_for(self._drained.wait(), timeout_s)
+            return True
+        except TimeoutError:
+            return False
+
+
+@dataclass(frozen=True)
+class ServedModel:
+    """The served versions of one model; never mutated, replaced whole on every change."""
+
+    name: str
+    config: ModelConfig
+    versions: Mapping[int, ServedVersion] = field(default_factory=dict)
+
+    @property
+    def default(self) -> ServedVersion:
+        # Requests without a version get the newest served one.
+        return self.versions[max(self.versions)]

@@ -1,0 +1,139 @@
+"""The composition root: settings -> a running service (gRPC server, models, health, metrics)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from modelyard.inference.v1 import inference_service_pb2, inference_service_pb2_grpc
+from modelyard.inference.v1 import model_service_pb2, model_service_pb2_grpc
+from modelyard.kserve.v2 import grpc_service_pb2, grpc_service_pb2_grpc
+from service.api.inference_servicer import InferenceServicer
+from service.api.kserve_servicer import KServeServicer
+from service.api.model_servicer import ModelServicer
+from service.config import Settings, split_address
+from service.dataplane import DataPlane
+from service.metrics import MetricsServer, ServiceMetrics
+from service.runtime.manager import ModelEvent, ModelManager, VersionState, Watcher
+from service.runtime.providers import detect_providers
+
+log = logging.getLogger(__name__)
+
+SERVING = health_pb2.HealthCheckResponse.SERVING
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+def model_health_name(model: str) -> str:
+    """The grpc.health.v1 service name that reports one model's readiness."""
+    return f"models/{model}"
+
+
+@dataclass
+class Service:
+    """A built service. `start` serves and loads the repository; `stop` drains and exits cleanly."""
+
+    settings: Settings
+    server: grpc.aio.Server
+    port: int
+    manager: ModelManager
+    metrics: ServiceMetrics
+    health: health.aio.HealthServicer
+    executor: ThreadPoolExecutor
+    metrics_server: MetricsServer | None = None
+    _events: asyncio.Task[None] | None = None
+
+    @property
+    def address(self) -> str:
+        return f"{split_address(self.settings.listen)[0]}:{self.port}"
+
+    async def start(self) -> None:
+        # Serve at once (health says NOT_SERVING while loading), so orchestrators can probe.
+        await self.health.set("", NOT_SERVING)
+        await self.server.start()
+        if self.settings.metrics_listen:
+            self.metrics_server = MetricsServer(self.metrics, *split_address(self.settings.metrics_listen))
+        with self.manager.watch() as watcher:
+            self._events = asyncio.get_running_loop().create_task(self._follow(watcher))
+            await self.manager.load_all()
+        await self.health.set("", SERVING)
+        ready = [s.name for s in self.manager.statuses() if s.default_version is not None]
+        failed = [s.name for s in self.manager.statuses() if s.default_version is None]
+        log.info(
+            "serving gRPC on %s%s; models ready: %s%s",
+            self.address,
+            f", metrics on http://{self.metrics_address}/metrics" if self.metrics_server else "",
+            ", ".join(ready) or "none",
+            f"; failed: {', '.join(failed)}" if failed else "",
+        )
+
+    @property
+    def metrics_address(self) -> str:
+        assert self.metrics_server is not None
+        return f"{split_address(self.settings.metrics_listen)[0]}:{self.metrics_server.port}"
+
+    async def stop(self, grace_s: float | None = None) -> None:
+        """Health goes NOT_SERVING, new calls are refused, running calls get the grace period."""
+        await self.health.enter_graceful_shutdown()
+        await self.server.stop(self.settings.grace_s if grace_s is None else grace_s)
+        if self._events is not None:
+            self._events.cancel()
+        await self.manager.close()
+        self.executor.shutdown(wait=True)
+        if self.metrics_server is not None:
+            self.metrics_server.stop()
+
+    async def _follow(self, watcher: Watcher) -> None:
+        """Keep per-model health and model metrics in step with model state changes."""
+        while True:
+            event: ModelEvent = await watcher.get()
+            served = self.manager.served(event.model)
+            await self.health.set(model_health_name(event.model), SERVING if served else NOT_SERVING)
+            self.metrics.versions_ready.labels(event.model).set(len(served.versions) if served else 0)
+            if served:
+                self.metrics.known_models.add(event.model)
+            if event.state in (VersionState.READY, VersionState.FAILED):
+                self.metrics.model_loads.labels(event.model, event.state.value.lower()).inc()
+
+
+def build_service(settings: Settings) -> Service:
+    providers = detect_providers()
+    log.info("execution provider: %s (%s)", providers.default, providers.reason)
+    manager = ModelManager(settings.repository, providers, drain_timeout_s=settings.drain_timeout_s)
+    metrics = ServiceMetrics()
+    executor = ThreadPoolExecutor(
+        max_workers=settings.inference_threads or os.cpu_count() or 1, thread_name_prefix="infer"
+    )
+    dataplane = DataPlane(manager, executor)
+    server = grpc.aio.server(
+        options=[
+            ("grpc.max_receive_message_length", settings.max_message_bytes),
+            ("grpc.max_send_message_length", settings.max_message_bytes),
+            ("grpc.so_reuseport", 0),  # a taken port must fail loudly, not be shared
+        ]
+    )
+    inference_service_pb2_grpc.add_InferenceServiceServicer_to_server(InferenceServicer(dataplane, metrics), server)
+    model_service_pb2_grpc.add_ModelServiceServicer_to_server(ModelServicer(manager, metrics), server)
+    grpc_service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(
+        KServeServicer(manager, dataplane, metrics), server
+    )
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection(
+        [
+            inference_service_pb2.DESCRIPTOR.services_by_name["InferenceService"].full_name,
+            model_service_pb2.DESCRIPTOR.services_by_name["ModelService"].full_name,
+            grpc_service_pb2.DESCRIPTOR.services_by_name["GRPCInferenceService"].full_name,
+            health.SERVICE_NAME,
+            reflection.SERVICE_NAME,
+        ],
+        server,
+    )
+    port = server.add_insecure_port(settings.listen)
+    return Service(settings, server, port, manager, metrics, health_servicer, executor)
