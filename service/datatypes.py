@@ -91,7 +91,8 @@ def encode_bytes(array: np.ndarray) -> bytes:
     """An object/str/bytes array -> KServe's length-prefixed BYTES encoding."""
     parts = []
     for item in array.reshape(-1):
-        data = item.encode() if isinstance(item, str) else bytes(item)
+        # As tritonclient does: bytes as they are, anything else by its text (bytes(3) would be 3 zeros).
+        data = item if isinstance(item, bytes) else str(item).encode()
         parts.append(len(data).to_bytes(4, "little"))
         parts.append(data)
     return b"".join(parts)

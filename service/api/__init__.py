@@ -1,0 +1,1 @@
+"""The gRPC API layer: servicers and the conversions between protobuf messages and numpy."""

@@ -1,0 +1,226 @@
+"""inference.GRPCInferenceService: the KServe V2 / Open Inference Protocol with Triton's model
+repository, configuration and statistics extensions, over the same data plane as our own API."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import grpc
+
+from modelyard.kserve.v2 import grpc_service_pb2 as pb
+from modelyard.kserve.v2 import grpc_service_pb2_grpc as pb_grpc
+from modelyard.kserve.v2 import model_config_pb2 as config_pb
+from service import __version__
+from service.api.errors import serving
+from service.api.kserve_tensors import decode_inputs, encode_outputs, requested_outputs
+from service.dataplane import DataPlane
+from service.errors import ModelLoadError, ServiceError
+from service.metrics import ServiceMetrics
+from service.repository.config import ModelConfig
+from service.runtime.manager import ModelManager, VersionState
+from service.runtime.served import ServedVersion
+from service.runtime.signature import TensorSpec
+
+PLATFORM = "onnxruntime_onnx"
+EXTENSIONS = ["model_repository", "model_configuration", "statistics"]
+# Triton reports a model's state with these words in its repository index.
+_INDEX_STATE = {
+    VersionState.LOADING: "LOADING",
+    VersionState.READY: "READY",
+    VersionState.FAILED: "UNAVAILABLE",
+    VersionState.DRAINING: "UNLOADING",
+    VersionState.UNLOADED: "UNAVAILABLE",
+}
+
+
+class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
+    def __init__(self, manager: ModelManager, dataplane: DataPlane, metrics: ServiceMetrics) -> None:
+        self._manager = manager
+        self._dataplane = dataplane
+        self._metrics = metrics
+
+    async def ServerLive(self, request: pb.ServerLiveRequest, context: grpc.aio.ServicerContext) -> pb.ServerLiveResponse:
+        return pb.ServerLiveResponse(live=True)
+
+    async def ServerReady(
+        self, request: pb.ServerReadyRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ServerReadyResponse:
+        return pb.ServerReadyResponse(ready=self._manager.loaded_all)
+
+    async def ModelReady(
+        self, request: pb.ModelReadyRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ModelReadyResponse:
+        try:
+            self._manager.resolve(request.name, request.version)
+        except ServiceError:
+            return pb.ModelReadyResponse(ready=False)
+        return pb.ModelReadyResponse(ready=True)
+
+    async def ServerMetadata(
+        self, request: pb.ServerMetadataRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ServerMetadataResponse:
+        return pb.ServerMetadataResponse(name="modelyard", version=__version__, extensions=EXTENSIONS)
+
+    async def ModelMetadata(
+        self, request: pb.ModelMetadataRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ModelMetadataResponse:
+        async with serving(context, self._metrics, "ModelMetadata", request.name):
+            served = self._manager.resolve(request.name, request.version)
+            model = self._manager.served(request.name)
+            signature = served.runner.signature
+            return pb.ModelMetadataResponse(
+                name=request.name,
+                versions=[str(v) for v in sorted(model.versions)] if model else [],
+                platform=PLATFORM,
+                inputs=[_tensor_metadata(t) for t in signature.inputs],
+                outputs=[_tensor_metadata(t) for t in signature.outputs],
+            )
+        raise AssertionError("unreachable: serving() aborts on every error")
+
+    async def ModelInfer(self, request: pb.ModelInferRequest, context: grpc.aio.ServicerContext) -> pb.ModelInferResponse:
+        async with serving(context, self._metrics, "ModelInfer", request.model_name) as call:
+            response = await self._infer(request)
+            call.version = response.model_version
+            return response
+        raise AssertionError("unreachable: serving() aborts on every error")
+
+    async def ModelStreamInfer(
+        self, request_iterator: AsyncIterator[pb.ModelInferRequest], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.ModelStreamInferResponse]:
+        # Triton's streaming contract: each request gets one response on the stream, and a failed
+        # request answers in-band with error_message instead of ending the stream.
+        async for request in request_iterator:
+            async with serving(context, self._metrics, "ModelStreamInfer", request.model_name) as call:
+                try:
+                    response = await self._infer(request)
+                except ServiceError as exc:
+                    yield pb.ModelStreamInferResponse(error_message=str(exc))
+                    continue
+                call.version = response.model_version
+                yield pb.ModelStreamInferResponse(infer_response=response)
+
+    async def ModelConfig(
+        self, request: pb.ModelConfigRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ModelConfigResponse:
+        async with serving(context, self._metrics, "ModelConfig", request.name):
+            served = self._manager.resolve(request.name, request.version)
+            return pb.ModelConfigResponse(config=_triton_config(served))
+        raise AssertionError("unreachable: serving() aborts on every error")
+
+    async def ModelStatistics(
+        self, request: pb.ModelStatisticsRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ModelStatisticsResponse:
+        async with serving(context, self._metrics, "ModelStatistics", request.name):
+            if request.name:
+                chosen = [self._manager.resolve(request.name, request.version)]
+                if not request.version:  # Triton: no version means every served version
+                    model = self._manager.served(request.name)
+                    chosen = list(model.versions.values()) if model else chosen
+            else:
+                chosen = [
+                    v for s in self._manager.statuses() if (m := self._manager.served(s.name)) for v in m.versions.values()
+                ]
+            return pb.ModelStatisticsResponse(model_stats=[_statistics(v) for v in chosen])
+        raise AssertionError("unreachable: serving() aborts on every error")
+
+    async def RepositoryIndex(
+        self, request: pb.RepositoryIndexRequest, context: grpc.aio.ServicerContext
+    ) -> pb.RepositoryIndexResponse:
+        response = pb.RepositoryIndexResponse()
+        for status in self._manager.statuses():
+            if not status.versions and not request.ready:
+                response.models.add(name=status.name, state="UNAVAILABLE", reason=status.reason)
+            for version in status.versions.values():
+                if request.ready and version.state != VersionState.READY:
+                    continue
+                response.models.add(
+                    name=status.name,
+                    version=str(version.version),
+                    state=_INDEX_STATE[version.state],
+                    reason=version.reason,
+                )
+        return response
+
+    async def RepositoryModelLoad(
+        self, request: pb.RepositoryModelLoadRequest, context: grpc.aio.ServicerContext
+    ) -> pb.RepositoryModelLoadResponse:
+        async with serving(context, self._metrics, "RepositoryModelLoad", request.model_name):
+            status = await self._manager.load(request.model_name)
+            if status.default_version is None:
+                reasons = [status.reason] + [v.reason for v in status.versions.values() if v.reason]
+                raise ModelLoadError(f"failed to load {request.model_name!r}: {'; '.join(r for r in reasons if r)}")
+            return pb.RepositoryModelLoadResponse()
+        raise AssertionError("unreachable: serving() aborts on every error")
+
+    async def RepositoryModelUnload(
+        self, request: pb.RepositoryModelUnloadRequest, context: grpc.aio.ServicerContext
+    ) -> pb.RepositoryModelUnloadResponse:
+        async with serving(context, self._metrics, "RepositoryModelUnload", request.model_name):
+            await self._manager.unload(request.model_name)
+            return pb.RepositoryModelUnloadResponse()
+        raise AssertionError("unreachable: serving() aborts on every error")
+
+    async def _infer(self, request: pb.ModelInferRequest) -> pb.ModelInferResponse:
+        result = await self._dataplane.infer(
+            request.model_name, request.model_version, decode_inputs(request), requested_outputs(request)
+        )
+        response = pb.ModelInferResponse(model_name=result.model, model_version=str(result.version), id=request.id)
+        encode_outputs(response, result.outputs)
+        return response
+
+
+def _tensor_metadata(spec: TensorSpec) -> pb.ModelMetadataResponse.TensorMetadata:
+    return pb.ModelMetadataResponse.TensorMetadata(name=spec.name, datatype=spec.datatype, shape=spec.shape)
+
+
+def _triton_type(datatype: str) -> config_pb.DataType.ValueType:
+    return config_pb.DataType.Value("TYPE_STRING" if datatype == "BYTES" else f"TYPE_{datatype}")
+
+
+def _triton_config(served: ServedVersion) -> config_pb.ModelConfig:
+    signature = served.runner.signature
+    config: ModelConfig = served.config
+    # Triton's dims leave out the batch dimension when the model batches.
+    skip = 1 if signature.max_batch_size else 0
+    triton = config_pb.ModelConfig(
+        name=served.model,
+        platform=PLATFORM,
+        backend="onnxruntime",
+        max_batch_size=signature.max_batch_size,
+        input=[config_pb.ModelInput(name=t.name, data_type=_triton_type(t.datatype), dims=t.shape[skip:])
+               for t in signature.inputs],
+        output=[config_pb.ModelOutput(name=t.name, data_type=_triton_type(t.datatype), dims=t.shape[skip:])
+                for t in signature.outputs],
+        instance_group=[config_pb.ModelInstanceGroup(
+            kind=config_pb.ModelInstanceGroup.KIND_GPU if "CUDA" in served.runner.provider
+            else config_pb.ModelInstanceGroup.KIND_CPU,
+            count=1,
+        )],
+    )
+    policy = config.version_policy
+    if policy.kind == "latest":
+        triton.version_policy.latest.num_versions = policy.latest
+    elif policy.kind == "specific":
+        triton.version_policy.specific.versions.extend(policy.versions)
+    else:
+        triton.version_policy.all.SetInParent()
+    if config.dynamic_batching is not None:
+        triton.dynamic_batching.max_queue_delay_microseconds = config.dynamic_batching.max_queue_delay_us
+        triton.dynamic_batching.preferred_batch_size.extend(config.dynamic_batching.preferred_batch_sizes)
+    return triton
+
+
+def _statistics(served: ServedVersion) -> pb.ModelStatistics:
+    stats = served.stats
+    return pb.ModelStatistics(
+        name=served.model,
+        version=str(served.version),
+        last_inference=stats.last_inference_ms,
+        inference_count=stats.inference_count,
+        execution_count=stats.execution_count,
+        inference_stats=pb.InferStatistics(
+            success=pb.StatisticDuration(count=stats.success_count, ns=stats.success_ns),
+            fail=pb.StatisticDuration(count=stats.fail_count, ns=stats.fail_ns),
+            compute_infer=pb.StatisticDuration(count=stats.execution_count, ns=stats.compute_ns),
+        ),
+    )
