@@ -39,7 +39,9 @@ def parse_settings(argv: Sequence[str] | None = None, environ: Mapping[str, str]
     """Flags override environment variables, which override the defaults."""
     environ = os.environ if environ is None else environ
     defaults = Settings()
-    parser = argparse.ArgumentParser(prog="modelyard serve", description="Serve an ONNX model repository over gRPC.")
+    parser = argparse.ArgumentParser(
+        prog="modelyard serve", description="Serve an ONNX model repository over gRPC."
+    )
     for item in fields(Settings):
         env = ENV_PREFIX + item.name.upper()
         default = getattr(defaults, item.name)

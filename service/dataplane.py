@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncGenerator, Mapping, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass
 
@@ -54,7 +54,7 @@ class DataPlane:
         inputs: Mapping[str, np.ndarray],
         output_names: Sequence[str] = (),
         chunk_size: int = 0,
-    ) -> AsyncIterator[InferResult]:
+    ) -> AsyncGenerator[InferResult]:
         """Run a batch in chunks of rows, yielding each chunk's outputs as soon as it is computed.
         The whole stream holds one version: a swap mid-stream does not change it."""
         with self.manager.lease(model, version) as served:
@@ -89,7 +89,9 @@ class DataPlane:
             # Shapes the schema allows (-1) but the graph's operators reject.
             raise InvalidInput(f"the model rejected the inputs: {_first_line(exc)}") from None
         except Exception as exc:
-            raise ModelRunError(f"model {served.model} version {served.version} failed: {_first_line(exc)}") from None
+            raise ModelRunError(
+                f"model {served.model} version {served.version} failed: {_first_line(exc)}"
+            ) from None
         finally:
             elapsed = time.perf_counter_ns() - start
             rows = next(iter(inputs.values())).shape[0] if served.config.max_batch_size and inputs else 1

@@ -74,7 +74,9 @@ def decode_bytes(raw: bytes, shape: tuple[int, ...], tensor: str) -> np.ndarray:
         size = int.from_bytes(view[offset : offset + 4], "little")
         offset += 4
         if offset + size > len(view):
-            raise InvalidInput(f"tensor {tensor!r}: BYTES element {len(items)} claims {size} bytes past the end")
+            raise InvalidInput(
+                f"tensor {tensor!r}: BYTES element {len(items)} claims {size} bytes past the end"
+            )
         items.append(bytes(view[offset : offset + size]))
         offset += size
     if len(items) != count or offset != len(view):

@@ -12,7 +12,22 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, star
 
 # Sub-millisecond buckets: the service's own overhead is measured in tens of microseconds.
 LATENCY_BUCKETS = (
-    0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+    0.0001,
+    0.00025,
+    0.0005,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
 )
 
 
@@ -23,27 +38,38 @@ class ServiceMetrics:
     def __post_init__(self) -> None:
         labels = ["method", "model", "version", "code"]
         self.requests = Counter(
-            "modelyard_requests", "Requests answered, by method, model, version and gRPC status code.",
-            labels, registry=self.registry,
+            "modelyard_requests",
+            "Requests answered, by method, model, version and gRPC status code.",
+            labels,
+            registry=self.registry,
         )
         self.latency = Histogram(
-            "modelyard_request_duration_seconds", "Time from a request's arrival to its answer.",
-            labels, buckets=LATENCY_BUCKETS, registry=self.registry,
+            "modelyard_request_duration_seconds",
+            "Time from a request's arrival to its answer.",
+            labels,
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
         )
         self.model_loads = Counter(
-            "modelyard_model_loads", "Model version loads, by model and result (ready or failed).",
-            ["model", "result"], registry=self.registry,
+            "modelyard_model_loads",
+            "Model version loads, by model and result (ready or failed).",
+            ["model", "result"],
+            registry=self.registry,
         )
         self.versions_ready = Gauge(
-            "modelyard_model_versions_ready", "Versions currently serving, by model.",
-            ["model"], registry=self.registry,
+            "modelyard_model_versions_ready",
+            "Versions currently serving, by model.",
+            ["model"],
+            registry=self.registry,
         )
         # Names a request made up must not grow the label set without bound.
         self.known_models: set[str] = set()
         # labels() takes a lock and builds a key on every call; the hot path caches the children.
         self._children: dict[tuple[str, str, str, str], tuple[Counter, Histogram]] = {}
 
-    def observe_request(self, method: str, model: str, version: str, code: grpc.StatusCode, seconds: float) -> None:
+    def observe_request(
+        self, method: str, model: str, version: str, code: grpc.StatusCode, seconds: float
+    ) -> None:
         key = (method, model if model in self.known_models else "_unknown", version, code.name)
         children = self._children.get(key)
         if children is None:

@@ -7,14 +7,19 @@ import logging
 import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Protocol
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
-
-from modelyard.inference.v1 import inference_service_pb2, inference_service_pb2_grpc
-from modelyard.inference.v1 import model_service_pb2, model_service_pb2_grpc
+from modelyard.inference.v1 import (
+    inference_service_pb2,
+    inference_service_pb2_grpc,
+    model_service_pb2,
+    model_service_pb2_grpc,
+)
 from modelyard.kserve.v2 import grpc_service_pb2, grpc_service_pb2_grpc
+
 from service.api.inference_servicer import InferenceServicer
 from service.api.kserve_servicer import KServeServicer
 from service.api.model_servicer import ModelServicer
@@ -28,6 +33,16 @@ log = logging.getLogger(__name__)
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+class Health(Protocol):
+    """What the service uses of grpcio-health-checking's asyncio servicer (its stubs omit it)."""
+
+    async def set(
+        self, service: str, status: health_pb2.HealthCheckResponse.ServingStatus.ValueType
+    ) -> None: ...
+
+    async def enter_graceful_shutdown(self) -> None: ...
 
 
 def model_health_name(model: str) -> str:
@@ -44,7 +59,7 @@ class Service:
     port: int
     manager: ModelManager
     metrics: ServiceMetrics
-    health: health.aio.HealthServicer
+    health: Health
     executor: ThreadPoolExecutor
     metrics_server: MetricsServer | None = None
     _events: asyncio.Task[None] | None = None
@@ -59,9 +74,9 @@ class Service:
         await self.server.start()
         if self.settings.metrics_listen:
             self.metrics_server = MetricsServer(self.metrics, *split_address(self.settings.metrics_listen))
-        with self.manager.watch() as watcher:
-            self._events = asyncio.get_running_loop().create_task(self._follow(watcher))
-            await self.manager.load_all()
+        # Subscribed before loading starts, so that no model event escapes health and metrics.
+        self._events = asyncio.get_running_loop().create_task(self._follow(self.manager.subscribe()))
+        await self.manager.load_all()
         await self.health.set("", SERVING)
         ready = [s.name for s in self.manager.statuses() if s.default_version is not None]
         failed = [s.name for s in self.manager.statuses() if s.default_version is None]
@@ -91,6 +106,12 @@ class Service:
 
     async def _follow(self, watcher: Watcher) -> None:
         """Keep per-model health and model metrics in step with model state changes."""
+        try:
+            await self._apply_events(watcher)
+        finally:
+            self.manager.unsubscribe(watcher)
+
+    async def _apply_events(self, watcher: Watcher) -> None:
         while True:
             event: ModelEvent = await watcher.get()
             served = self.manager.served(event.model)
@@ -118,12 +139,14 @@ def build_service(settings: Settings) -> Service:
             ("grpc.so_reuseport", 0),  # a taken port must fail loudly, not be shared
         ]
     )
-    inference_service_pb2_grpc.add_InferenceServiceServicer_to_server(InferenceServicer(dataplane, metrics), server)
+    inference_service_pb2_grpc.add_InferenceServiceServicer_to_server(
+        InferenceServicer(dataplane, metrics), server
+    )
     model_service_pb2_grpc.add_ModelServiceServicer_to_server(ModelServicer(manager, metrics), server)
     grpc_service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(
         KServeServicer(manager, dataplane, metrics), server
     )
-    health_servicer = health.aio.HealthServicer()
+    health_servicer: Health = health.aio.HealthServicer()  # type: ignore[attr-defined]
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
         [

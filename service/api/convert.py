@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 
 import numpy as np
-
 from modelyard.inference.v1 import tensor_pb2
+
 from service.datatypes import NUMPY_BY_NAME, decode_bytes, encode_bytes, name_of
 from service.errors import InvalidInput
 from service.runtime.signature import TensorSpec
@@ -33,7 +33,10 @@ def to_arrays(tensors: Iterable[tensor_pb2.Tensor]) -> dict[str, np.ndarray]:
 
 def to_array(tensor: tensor_pb2.Tensor) -> np.ndarray:
     """A zero-copy view of the tensor's bytes (BYTES tensors are decoded into an object array)."""
-    if tensor.datatype == tensor_pb2.DATA_TYPE_UNSPECIFIED or tensor.datatype not in tensor_pb2.DataType.values():
+    if (
+        tensor.datatype == tensor_pb2.DATA_TYPE_UNSPECIFIED
+        or tensor.datatype not in tensor_pb2.DataType.values()
+    ):
         raise InvalidInput(f"input {tensor.name!r}: datatype is missing or unknown ({tensor.datatype})")
     shape = tuple(tensor.shape)
     if any(d < 0 for d in shape):
@@ -62,7 +65,9 @@ def to_tensor(name: str, array: np.ndarray) -> tensor_pb2.Tensor:
 
 
 def to_specs(specs: Iterable[TensorSpec]) -> list[tensor_pb2.TensorSpec]:
-    return [tensor_pb2.TensorSpec(name=s.name, datatype=datatype_value(s.datatype), shape=s.shape) for s in specs]
+    return [
+        tensor_pb2.TensorSpec(name=s.name, datatype=datatype_value(s.datatype), shape=s.shape) for s in specs
+    ]
 
 
 def _little_endian(array: np.ndarray) -> np.ndarray:

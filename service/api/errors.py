@@ -8,6 +8,7 @@ import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from typing import Any
 
 import grpc
 
@@ -15,6 +16,9 @@ from service import errors
 from service.metrics import ServiceMetrics
 
 log = logging.getLogger(__name__)
+
+# Servicers take any request/response type; the context's type parameters add nothing here.
+Context = grpc.aio.ServicerContext[Any, Any]
 
 _CODES: dict[type[errors.ServiceError], grpc.StatusCode] = {
     errors.ModelNotFound: grpc.StatusCode.NOT_FOUND,
@@ -29,7 +33,7 @@ _CODES: dict[type[errors.ServiceError], grpc.StatusCode] = {
 
 def code_for(exc: errors.ServiceError) -> grpc.StatusCode:
     for kind in type(exc).__mro__:
-        code = _CODES.get(kind)  # type: ignore[arg-type]
+        code = _CODES.get(kind)
         if code is not None:
             return code
     return grpc.StatusCode.INTERNAL
@@ -44,7 +48,7 @@ class CallRecord:
 
 @asynccontextmanager
 async def serving(
-    context: grpc.aio.ServicerContext, metrics: ServiceMetrics, method: str, model: str
+    context: Context, metrics: ServiceMetrics, method: str, model: str
 ) -> AsyncIterator[CallRecord]:
     """Wrap one call: map ServiceError to its status (abort), and record count and latency by
     method, model, version and status code. Every call ends in exactly one status."""
@@ -60,7 +64,7 @@ async def serving(
         code = grpc.StatusCode.CANCELLED
         raise
     except grpc.aio.AbortError:
-        code = context.code() or grpc.StatusCode.UNKNOWN  # type: ignore[assignment]
+        code = context.code()  # abort() set it
         raise
     except Exception:
         code = grpc.StatusCode.INTERNAL

@@ -5,12 +5,11 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 
-import grpc
-
 from modelyard.inference.v1 import inference_service_pb2 as pb
 from modelyard.inference.v1 import inference_service_pb2_grpc as pb_grpc
+
 from service.api.convert import to_arrays, to_tensors
-from service.api.errors import serving
+from service.api.errors import Context, serving
 from service.dataplane import DataPlane
 from service.errors import Unsupported
 from service.metrics import ServiceMetrics
@@ -21,7 +20,7 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         self._dataplane = dataplane
         self._metrics = metrics
 
-    async def Infer(self, request: pb.InferRequest, context: grpc.aio.ServicerContext) -> pb.InferResponse:
+    async def Infer(self, request: pb.InferRequest, context: Context) -> pb.InferResponse:
         async with serving(context, self._metrics, "Infer", request.model_name) as call:
             result = await self._dataplane.infer(
                 request.model_name, request.model_version, to_arrays(request.inputs), request.output_names
@@ -36,7 +35,7 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         raise AssertionError("unreachable: serving() aborts on every error")
 
     async def InferStream(
-        self, request: pb.InferStreamRequest, context: grpc.aio.ServicerContext
+        self, request: pb.InferStreamRequest, context: Context
     ) -> AsyncIterator[pb.InferStreamResponse]:
         async with serving(context, self._metrics, "InferStream", request.model_name) as call:
             chunks = self._dataplane.infer_chunks(
@@ -63,12 +62,12 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
                     index += 1
 
     async def Generate(
-        self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
+        self, request: pb.GenerateRequest, context: Context
     ) -> AsyncIterator[pb.GenerateResponse]:
         async with serving(context, self._metrics, "Generate", request.model_name):
             raise Unsupported(
                 "Generate is not implemented yet: decoder language model serving arrives with the "
                 "generation feature; use Infer or InferStream"
             )
-        yield pb.GenerateResponse()  # pragma: no cover - makes this an async generator
-
+        # Never reached (serving() aborts); the yield makes this a server-streaming handler.
+        yield pb.GenerateResponse()  # type: ignore[unreachable]

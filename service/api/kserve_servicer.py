@@ -5,13 +5,12 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 
-import grpc
-
 from modelyard.kserve.v2 import grpc_service_pb2 as pb
 from modelyard.kserve.v2 import grpc_service_pb2_grpc as pb_grpc
 from modelyard.kserve.v2 import model_config_pb2 as config_pb
+
 from service import __version__
-from service.api.errors import serving
+from service.api.errors import Context, serving
 from service.api.kserve_tensors import decode_inputs, encode_outputs, requested_outputs
 from service.dataplane import DataPlane
 from service.errors import ModelLoadError, ServiceError
@@ -39,17 +38,13 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
         self._dataplane = dataplane
         self._metrics = metrics
 
-    async def ServerLive(self, request: pb.ServerLiveRequest, context: grpc.aio.ServicerContext) -> pb.ServerLiveResponse:
+    async def ServerLive(self, request: pb.ServerLiveRequest, context: Context) -> pb.ServerLiveResponse:
         return pb.ServerLiveResponse(live=True)
 
-    async def ServerReady(
-        self, request: pb.ServerReadyRequest, context: grpc.aio.ServicerContext
-    ) -> pb.ServerReadyResponse:
+    async def ServerReady(self, request: pb.ServerReadyRequest, context: Context) -> pb.ServerReadyResponse:
         return pb.ServerReadyResponse(ready=self._manager.loaded_all)
 
-    async def ModelReady(
-        self, request: pb.ModelReadyRequest, context: grpc.aio.ServicerContext
-    ) -> pb.ModelReadyResponse:
+    async def ModelReady(self, request: pb.ModelReadyRequest, context: Context) -> pb.ModelReadyResponse:
         try:
             self._manager.resolve(request.name, request.version)
         except ServiceError:
@@ -57,12 +52,12 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
         return pb.ModelReadyResponse(ready=True)
 
     async def ServerMetadata(
-        self, request: pb.ServerMetadataRequest, context: grpc.aio.ServicerContext
+        self, request: pb.ServerMetadataRequest, context: Context
     ) -> pb.ServerMetadataResponse:
         return pb.ServerMetadataResponse(name="modelyard", version=__version__, extensions=EXTENSIONS)
 
     async def ModelMetadata(
-        self, request: pb.ModelMetadataRequest, context: grpc.aio.ServicerContext
+        self, request: pb.ModelMetadataRequest, context: Context
     ) -> pb.ModelMetadataResponse:
         async with serving(context, self._metrics, "ModelMetadata", request.name):
             served = self._manager.resolve(request.name, request.version)
@@ -77,7 +72,7 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
             )
         raise AssertionError("unreachable: serving() aborts on every error")
 
-    async def ModelInfer(self, request: pb.ModelInferRequest, context: grpc.aio.ServicerContext) -> pb.ModelInferResponse:
+    async def ModelInfer(self, request: pb.ModelInferRequest, context: Context) -> pb.ModelInferResponse:
         async with serving(context, self._metrics, "ModelInfer", request.model_name) as call:
             response = await self._infer(request)
             call.version = response.model_version
@@ -85,7 +80,7 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
         raise AssertionError("unreachable: serving() aborts on every error")
 
     async def ModelStreamInfer(
-        self, request_iterator: AsyncIterator[pb.ModelInferRequest], context: grpc.aio.ServicerContext
+        self, request_iterator: AsyncIterator[pb.ModelInferRequest], context: Context
     ) -> AsyncIterator[pb.ModelStreamInferResponse]:
         # Triton's streaming contract: each request gets one response on the stream, and a failed
         # request answers in-band with error_message instead of ending the stream.
@@ -99,16 +94,14 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
                 call.version = response.model_version
                 yield pb.ModelStreamInferResponse(infer_response=response)
 
-    async def ModelConfig(
-        self, request: pb.ModelConfigRequest, context: grpc.aio.ServicerContext
-    ) -> pb.ModelConfigResponse:
+    async def ModelConfig(self, request: pb.ModelConfigRequest, context: Context) -> pb.ModelConfigResponse:
         async with serving(context, self._metrics, "ModelConfig", request.name):
             served = self._manager.resolve(request.name, request.version)
             return pb.ModelConfigResponse(config=_triton_config(served))
         raise AssertionError("unreachable: serving() aborts on every error")
 
     async def ModelStatistics(
-        self, request: pb.ModelStatisticsRequest, context: grpc.aio.ServicerContext
+        self, request: pb.ModelStatisticsRequest, context: Context
     ) -> pb.ModelStatisticsResponse:
         async with serving(context, self._metrics, "ModelStatistics", request.name):
             if request.name:
@@ -118,13 +111,16 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
                     chosen = list(model.versions.values()) if model else chosen
             else:
                 chosen = [
-                    v for s in self._manager.statuses() if (m := self._manager.served(s.name)) for v in m.versions.values()
+                    v
+                    for s in self._manager.statuses()
+                    if (m := self._manager.served(s.name))
+                    for v in m.versions.values()
                 ]
             return pb.ModelStatisticsResponse(model_stats=[_statistics(v) for v in chosen])
         raise AssertionError("unreachable: serving() aborts on every error")
 
     async def RepositoryIndex(
-        self, request: pb.RepositoryIndexRequest, context: grpc.aio.ServicerContext
+        self, request: pb.RepositoryIndexRequest, context: Context
     ) -> pb.RepositoryIndexResponse:
         response = pb.RepositoryIndexResponse()
         for status in self._manager.statuses():
@@ -142,18 +138,20 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
         return response
 
     async def RepositoryModelLoad(
-        self, request: pb.RepositoryModelLoadRequest, context: grpc.aio.ServicerContext
+        self, request: pb.RepositoryModelLoadRequest, context: Context
     ) -> pb.RepositoryModelLoadResponse:
         async with serving(context, self._metrics, "RepositoryModelLoad", request.model_name):
             status = await self._manager.load(request.model_name)
             if status.default_version is None:
                 reasons = [status.reason] + [v.reason for v in status.versions.values() if v.reason]
-                raise ModelLoadError(f"failed to load {request.model_name!r}: {'; '.join(r for r in reasons if r)}")
+                raise ModelLoadError(
+                    f"failed to load {request.model_name!r}: {'; '.join(r for r in reasons if r)}"
+                )
             return pb.RepositoryModelLoadResponse()
         raise AssertionError("unreachable: serving() aborts on every error")
 
     async def RepositoryModelUnload(
-        self, request: pb.RepositoryModelUnloadRequest, context: grpc.aio.ServicerContext
+        self, request: pb.RepositoryModelUnloadRequest, context: Context
     ) -> pb.RepositoryModelUnloadResponse:
         async with serving(context, self._metrics, "RepositoryModelUnload", request.model_name):
             await self._manager.unload(request.model_name)
@@ -164,7 +162,9 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
         result = await self._dataplane.infer(
             request.model_name, request.model_version, decode_inputs(request), requested_outputs(request)
         )
-        response = pb.ModelInferResponse(model_name=result.model, model_version=str(result.version), id=request.id)
+        response = pb.ModelInferResponse(
+            model_name=result.model, model_version=str(result.version), id=request.id
+        )
         encode_outputs(response, result.outputs)
         return response
 
@@ -187,15 +187,22 @@ def _triton_config(served: ServedVersion) -> config_pb.ModelConfig:
         platform=PLATFORM,
         backend="onnxruntime",
         max_batch_size=signature.max_batch_size,
-        input=[config_pb.ModelInput(name=t.name, data_type=_triton_type(t.datatype), dims=t.shape[skip:])
-               for t in signature.inputs],
-        output=[config_pb.ModelOutput(name=t.name, data_type=_triton_type(t.datatype), dims=t.shape[skip:])
-                for t in signature.outputs],
-        instance_group=[config_pb.ModelInstanceGroup(
-            kind=config_pb.ModelInstanceGroup.KIND_GPU if "CUDA" in served.runner.provider
-            else config_pb.ModelInstanceGroup.KIND_CPU,
-            count=1,
-        )],
+        input=[
+            config_pb.ModelInput(name=t.name, data_type=_triton_type(t.datatype), dims=t.shape[skip:])
+            for t in signature.inputs
+        ],
+        output=[
+            config_pb.ModelOutput(name=t.name, data_type=_triton_type(t.datatype), dims=t.shape[skip:])
+            for t in signature.outputs
+        ],
+        instance_group=[
+            config_pb.ModelInstanceGroup(
+                kind=config_pb.ModelInstanceGroup.KIND_GPU
+                if "CUDA" in served.runner.provider
+                else config_pb.ModelInstanceGroup.KIND_CPU,
+                count=1,
+            )
+        ],
     )
     policy = config.version_policy
     if policy.kind == "latest":

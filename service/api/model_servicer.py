@@ -4,13 +4,12 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 
-import grpc
 from google.protobuf.timestamp_pb2 import Timestamp
-
 from modelyard.inference.v1 import model_service_pb2 as pb
 from modelyard.inference.v1 import model_service_pb2_grpc as pb_grpc
+
 from service.api.convert import to_specs
-from service.api.errors import serving
+from service.api.errors import Context, serving
 from service.errors import ModelUnavailable
 from service.metrics import ServiceMetrics
 from service.runtime.manager import ModelEvent, ModelManager, ModelStatus, VersionState, WatchOverflow
@@ -56,34 +55,28 @@ class ModelServicer(pb_grpc.ModelServiceServicer):
         self._manager = manager
         self._metrics = metrics
 
-    async def ListModels(
-        self, request: pb.ListModelsRequest, context: grpc.aio.ServicerContext
-    ) -> pb.ListModelsResponse:
+    async def ListModels(self, request: pb.ListModelsRequest, context: Context) -> pb.ListModelsResponse:
         async with serving(context, self._metrics, "ListModels", ""):
             return pb.ListModelsResponse(models=[describe(s) for s in self._manager.statuses()])
         raise AssertionError("unreachable: serving() aborts on every error")
 
-    async def GetModel(self, request: pb.GetModelRequest, context: grpc.aio.ServicerContext) -> pb.GetModelResponse:
+    async def GetModel(self, request: pb.GetModelRequest, context: Context) -> pb.GetModelResponse:
         async with serving(context, self._metrics, "GetModel", request.name):
             return pb.GetModelResponse(model=describe(self._manager.status(request.name)))
         raise AssertionError("unreachable: serving() aborts on every error")
 
-    async def LoadModel(
-        self, request: pb.LoadModelRequest, context: grpc.aio.ServicerContext
-    ) -> pb.LoadModelResponse:
+    async def LoadModel(self, request: pb.LoadModelRequest, context: Context) -> pb.LoadModelResponse:
         async with serving(context, self._metrics, "LoadModel", request.name):
             return pb.LoadModelResponse(model=describe(await self._manager.load(request.name)))
         raise AssertionError("unreachable: serving() aborts on every error")
 
-    async def UnloadModel(
-        self, request: pb.UnloadModelRequest, context: grpc.aio.ServicerContext
-    ) -> pb.UnloadModelResponse:
+    async def UnloadModel(self, request: pb.UnloadModelRequest, context: Context) -> pb.UnloadModelResponse:
         async with serving(context, self._metrics, "UnloadModel", request.name):
             return pb.UnloadModelResponse(model=describe(await self._manager.unload(request.name)))
         raise AssertionError("unreachable: serving() aborts on every error")
 
     async def WatchModels(
-        self, request: pb.WatchModelsRequest, context: grpc.aio.ServicerContext
+        self, request: pb.WatchModelsRequest, context: Context
     ) -> AsyncIterator[pb.WatchModelsResponse]:
         wanted = set(request.names)
         async with serving(context, self._metrics, "WatchModels", ""):
@@ -92,7 +85,9 @@ class ModelServicer(pb_grpc.ModelServiceServicer):
                     for status in self._manager.statuses():
                         for v in status.versions.values():
                             if not wanted or status.name in wanted:
-                                yield _change(ModelEvent(status.name, v.version, v.state, v.reason, v.updated_at))
+                                yield _change(
+                                    ModelEvent(status.name, v.version, v.state, v.reason, v.updated_at)
+                                )
                 while True:
                     try:
                         event = await watcher.get()

@@ -65,8 +65,10 @@ def scan_model(root: Path, name: str) -> ModelSource:
             problems.append(f"{model_file}: resolves outside the model repository")
             continue
         if version in versions:
-            problems.append(f"{path}: version {version} is present twice ({versions[version].parent.name}"
-                            f" and {entry.name})")
+            problems.append(
+                f"{path}: version {version} is present twice ({versions[version].parent.name}"
+                f" and {entry.name})"
+            )
             continue
         versions[version] = model_file
     return ModelSource(name, path, versions, tuple(problems))

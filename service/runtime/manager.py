@@ -155,14 +155,22 @@ class ModelManager:
     def served(self, name: str) -> ServedModel | None:
         return self._table.get(name)
 
-    @contextmanager
-    def watch(self) -> Iterator[Watcher]:
+    def subscribe(self) -> Watcher:
+        """A watcher that receives every model event from now on, until unsubscribed."""
         watcher = Watcher()
         self._watchers.add(watcher)
+        return watcher
+
+    def unsubscribe(self, watcher: Watcher) -> None:
+        self._watchers.discard(watcher)
+
+    @contextmanager
+    def watch(self) -> Iterator[Watcher]:
+        watcher = self.subscribe()
         try:
             yield watcher
         finally:
-            self._watchers.discard(watcher)
+            self.unsubscribe(watcher)
 
     # -- control ---------------------------------------------------------------------------
 
@@ -211,7 +219,10 @@ class ModelManager:
                 loaded[number] = ServedVersion(name, number, runner, config)
                 log.info(
                     "model %s version %d loaded on %s (warm-up run %.0f us, %s)",
-                    name, number, runner.provider, runner.warmup_run_s * 1e6,
+                    name,
+                    number,
+                    runner.provider,
+                    runner.warmup_run_s * 1e6,
                     "inline" if runner.runs_inline else "executor",
                 )
             self._publish(name, config, selected, loaded)
@@ -235,7 +246,9 @@ class ModelManager:
 
     # -- internals -------------------------------------------------------------------------
 
-    def _publish(self, name: str, config: ModelConfig, selected: list[int], loaded: dict[int, ServedVersion]) -> None:
+    def _publish(
+        self, name: str, config: ModelConfig, selected: list[int], loaded: dict[int, ServedVersion]
+    ) -> None:
         old = self._table.get(name)
         versions = dict(loaded)
         if old is not None:
@@ -244,9 +257,14 @@ class ModelManager:
                     # Its reload failed: the old session keeps serving, and status says why.
                     versions[number] = served
                     failed = self._status[name].versions[number]
-                    self._set_version(name, replace(
-                        self._version_ready(served), reason=f"reload failed, previous load serving: {failed.reason}"
-                    ), notify=False)
+                    self._set_version(
+                        name,
+                        replace(
+                            self._version_ready(served),
+                            reason=f"reload failed, previous load serving: {failed.reason}",
+                        ),
+                        notify=False,
+                    )
         for served in loaded.values():
             self._set_version(name, self._version_ready(served))
         self._swap(name, ServedModel(name, config, MappingProxyType(versions)) if versions else None)
@@ -275,19 +293,33 @@ class ModelManager:
         (ONNX Runtime frees a session's memory only when the session object is destroyed)."""
         name, number = served.model, served.version
         if not replaced:
-            self._set_version(name, replace(self._status[name].versions[number], state=VersionState.DRAINING,
-                                            updated_at=time.time()))
+            self._set_version(
+                name,
+                replace(
+                    self._status[name].versions[number], state=VersionState.DRAINING, updated_at=time.time()
+                ),
+            )
         drained = await served.drain(self.drain_timeout_s)
         if not drained:
-            log.warning("model %s version %d released with %d requests still running after %.1f s drain",
-                        name, number, served.in_flight, self.drain_timeout_s)
+            log.warning(
+                "model %s version %d released with %d requests still running after %.1f s drain",
+                name,
+                number,
+                served.in_flight,
+                self.drain_timeout_s,
+            )
         if not replaced:
             self._set_version(name, VersionStatus(number, VersionState.UNLOADED, time.time()))
         log.info("model %s version %d released", name, number)
 
     def _version_ready(self, served: ServedVersion) -> VersionStatus:
-        return VersionStatus(served.version, VersionState.READY, time.time(),
-                             signature=served.runner.signature, provider=served.runner.provider)
+        return VersionStatus(
+            served.version,
+            VersionState.READY,
+            time.time(),
+            signature=served.runner.signature,
+            provider=served.runner.provider,
+        )
 
     def _set_model(self, name: str, reason: str, max_batch_size: int = 0) -> None:
         old = self._status.get(name)

@@ -41,9 +41,7 @@ def detect_providers() -> ProviderChoice:
     try:
         options = ort.SessionOptions()
         options.log_severity_level = 4
-        session = ort.InferenceSession(
-            _probe_model(), sess_options=options, providers=[CUDA, CPU]
-        )
+        session = ort.InferenceSession(_probe_model(), sess_options=options, providers=[CUDA, CPU])
         if CUDA not in session.get_providers():
             return ProviderChoice(False, "the CUDA provider failed to initialise (CUDA/cuDNN libraries?)")
         session.run(None, {"x": np.ones((1,), np.float32)})

@@ -56,7 +56,8 @@ class Signature:
                 batch = array.shape[0]
                 if batch > self.max_batch_size:
                     raise InvalidInput(
-                        f"input {spec.name!r}: batch size {batch} exceeds max_batch_size {self.max_batch_size}"
+                        f"input {spec.name!r}: batch size {batch} exceeds max_batch_size "
+                        f"{self.max_batch_size}"
                     )
                 batch_sizes.add(batch)
         if len(batch_sizes) > 1:
