@@ -48,7 +48,9 @@ def generate(out: Path) -> None:
 
 def differences(a: Path, b: Path) -> list[str]:
     cmp = filecmp.dircmp(a, b, ignore=["__pycache__"])
-    found = [f"only in {cmp.left}: {n}" for n in cmp.left_only] + [f"only in {cmp.right}: {n}" for n in cmp.right_only]
+    found = [f"only in {cmp.left}: {n}" for n in cmp.left_only] + [
+        f"only in {cmp.right}: {n}" for n in cmp.right_only
+    ]
     _, mismatch, errors = filecmp.cmpfiles(a, b, cmp.common_files, shallow=False)
     found += [f"differs: {b / n}" for n in mismatch + errors]
     for sub in cmp.common_dirs:
