@@ -20,6 +20,10 @@ class Settings:
     drain_timeout_s: float = 30.0  # how long a retired model version waits for its requests
     max_message_bytes: int = 64 * 1024 * 1024  # larger requests get RESOURCE_EXHAUSTED
     inference_threads: int = 0  # executor threads for model runs; 0 = one per core
+    control_mode: str = "watch"  # watch: follow the repository on disk; explicit: only Load/Unload calls
+    watch_method: str = "events"  # events (inotify) or poll (file systems without change events)
+    watch_quiet_s: float = 0.25  # a model folder must be this quiet before a change is loaded
+    resync_s: float = 30.0  # full repository reconcile, for changes the OS did not report
     log_level: str = "INFO"
 
 
@@ -32,6 +36,15 @@ _HELP = {
     "max_message_bytes": "largest request or response message, in bytes",
     "inference_threads": "threads that run models; 0 = one per CPU core",
     "log_level": "DEBUG, INFO, WARNING or ERROR",
+    "control_mode": "watch (load changes on disk) or explicit (only LoadModel/UnloadModel)",
+    "watch_method": "events (inotify) or poll",
+    "watch_quiet_s": "seconds a model folder must be quiet before a change is loaded",
+    "resync_s": "seconds between full repository reconciles in watch mode",
+}
+_CHOICES = {
+    "control_mode": ["watch", "explicit"],
+    "watch_method": ["events", "poll"],
+    "log_level": ["DEBUG", "INFO", "WARNING", "ERROR"],
 }
 
 
@@ -50,6 +63,7 @@ def parse_settings(argv: Sequence[str] | None = None, environ: Mapping[str, str]
             "--" + item.name.replace("_", "-"),
             dest=item.name,
             type=kind,
+            choices=_CHOICES.get(item.name),
             default=kind(environ[env]) if env in environ else default,
             help=f"{_HELP[item.name]} (env {env}; default {default})",
         )

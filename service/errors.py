@@ -26,6 +26,11 @@ class TooLarge(ServiceError):
 class ModelLoadError(ServiceError):
     """A model version could not be loaded; the message says which file and why."""
 
+    def __init__(self, message: str, kind: str = "load") -> None:
+        super().__init__(message)
+        # Why, in one word, for metrics: config, checksum, load, schema, incompatible, warmup, memory.
+        self.kind = kind
+
 
 class Unsupported(ServiceError):
     """The request asks for something this model or server does not do."""

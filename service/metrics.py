@@ -56,6 +56,32 @@ class ServiceMetrics:
             ["model", "result"],
             registry=self.registry,
         )
+        self.load_failures = Counter(
+            "modelyard_model_load_failures",
+            "Failed version loads, by model and reason "
+            "(config, checksum, load, schema, incompatible, warmup, memory, provider).",
+            ["model", "reason"],
+            registry=self.registry,
+        )
+        self.load_seconds = Histogram(
+            "modelyard_model_load_duration_seconds",
+            "Time to validate, load and warm up a version.",
+            ["model"],
+            registry=self.registry,
+        )
+        self.swaps = Counter(
+            "modelyard_model_swaps",
+            "Atomic swaps of a model's served versions that brought in new ones.",
+            ["model"],
+            registry=self.registry,
+        )
+        self.drain_seconds = Histogram(
+            "modelyard_model_drain_duration_seconds",
+            "Time a retired version waited for its in-flight requests.",
+            ["model"],
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
         self.versions_ready = Gauge(
             "modelyard_model_versions_ready",
             "Versions currently serving, by model.",

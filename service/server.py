@@ -26,7 +26,8 @@ from service.api.model_servicer import ModelServicer
 from service.config import Settings, split_address
 from service.dataplane import DataPlane
 from service.metrics import MetricsServer, ServiceMetrics
-from service.runtime.manager import ModelEvent, ModelManager, VersionState, Watcher
+from service.repository.watcher import RepositoryWatcher
+from service.runtime.manager import ModelEvent, ModelManager, Watcher
 from service.runtime.providers import detect_providers
 
 log = logging.getLogger(__name__)
@@ -62,6 +63,7 @@ class Service:
     health: Health
     executor: ThreadPoolExecutor
     metrics_server: MetricsServer | None = None
+    watcher: RepositoryWatcher | None = None
     _events: asyncio.Task[None] | None = None
 
     @property
@@ -76,6 +78,16 @@ class Service:
             self.metrics_server = MetricsServer(self.metrics, *split_address(self.settings.metrics_listen))
         # Subscribed before loading starts, so that no model event escapes health and metrics.
         self._events = asyncio.get_running_loop().create_task(self._follow(self.manager.subscribe()))
+        if self.settings.control_mode == "watch":
+            self.watcher = RepositoryWatcher(
+                self.settings.repository,
+                self.manager.reconcile,
+                self.manager.reconcile_all,
+                poll=self.settings.watch_method == "poll",
+                quiet_s=self.settings.watch_quiet_s,
+                resync_s=self.settings.resync_s,
+            )
+            await self.watcher.start()  # before the first load, so that no change slips between
         await self.manager.load_all()
         await self.health.set("", SERVING)
         ready = [s.name for s in self.manager.statuses() if s.default_version is not None]
@@ -96,6 +108,8 @@ class Service:
     async def stop(self, grace_s: float | None = None) -> None:
         """Health goes NOT_SERVING, new calls are refused, running calls get the grace period."""
         await self.health.enter_graceful_shutdown()
+        if self.watcher is not None:
+            await self.watcher.stop()
         await self.server.stop(self.settings.grace_s if grace_s is None else grace_s)
         if self._events is not None:
             self._events.cancel()
@@ -119,15 +133,15 @@ class Service:
             self.metrics.versions_ready.labels(event.model).set(len(served.versions) if served else 0)
             if served:
                 self.metrics.known_models.add(event.model)
-            if event.state in (VersionState.READY, VersionState.FAILED):
-                self.metrics.model_loads.labels(event.model, event.state.value.lower()).inc()
 
 
 def build_service(settings: Settings) -> Service:
     providers = detect_providers()
     log.info("execution provider: %s (%s)", providers.default, providers.reason)
-    manager = ModelManager(settings.repository, providers, drain_timeout_s=settings.drain_timeout_s)
     metrics = ServiceMetrics()
+    manager = ModelManager(
+        settings.repository, providers, metrics=metrics, drain_timeout_s=settings.drain_timeout_s
+    )
     executor = ThreadPoolExecutor(
         max_workers=settings.inference_threads or os.cpu_count() or 1, thread_name_prefix="infer"
     )

@@ -21,6 +21,9 @@ CONFIG_FILE = "config.yaml"
 class ConfigError(ModelLoadError):
     """config.yaml is missing a value, has a wrong one, or has an unknown key."""
 
+    def __init__(self, message: str) -> None:
+        super().__init__(message, kind="config")
+
 
 @dataclass(frozen=True)
 class TensorConfig:
@@ -62,6 +65,17 @@ class DynamicBatchingConfig:
 
 
 @dataclass(frozen=True)
+class ReloadConfig:
+    """How new versions of this model replace served ones."""
+
+    allow_schema_change: bool = False  # may a new version change inputs/outputs?
+    memory_budget_mb: int = 0  # what all served versions together may take; 0 = no budget
+    # When a new version does not fit beside the served one: "fail" keeps the old version serving;
+    # "drain_first" releases the old one, then loads (requests in the gap get UNAVAILABLE).
+    when_over_budget: Literal["fail", "drain_first"] = "fail"
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     max_batch_size: int = 0
     version_policy: VersionPolicy = field(default_factory=VersionPolicy)
@@ -69,6 +83,7 @@ class ModelConfig:
     outputs: tuple[TensorConfig, ...] = ()
     execution: ExecutionConfig = field(default_factory=ExecutionConfig)
     dynamic_batching: DynamicBatchingConfig | None = None
+    reload: ReloadConfig = field(default_factory=ReloadConfig)
     # False when the model has no config.yaml: then the batch dimension is inferred from the graph.
     explicit: bool = False
 
@@ -93,7 +108,7 @@ def parse_config(raw: object) -> ModelConfig:
     _known(
         doc,
         "config",
-        {"max_batch_size", "version_policy", "inputs", "outputs", "execution", "dynamic_batching"},
+        {"max_batch_size", "version_policy", "inputs", "outputs", "execution", "dynamic_batching", "reload"},
     )
     batching = doc.get("dynamic_batching")
     return ModelConfig(
@@ -103,6 +118,7 @@ def parse_config(raw: object) -> ModelConfig:
         outputs=_tensors(doc.get("outputs", []), "outputs"),
         execution=_execution(doc.get("execution", {})),
         dynamic_batching=None if batching is None else _batching(batching),
+        reload=_reload(doc.get("reload", {})),
         explicit=True,
     )
 
@@ -181,6 +197,18 @@ def _batching(raw: object) -> DynamicBatchingConfig:
             _int(s, "dynamic_batching.preferred_batch_sizes[]", minimum=1) for s in sizes
         ),
     )
+
+
+def _reload(raw: object) -> ReloadConfig:
+    doc = _mapping(raw, "reload")
+    _known(doc, "reload", {"allow_schema_change", "memory_budget_mb", "when_over_budget"})
+    allow = doc.get("allow_schema_change", False)
+    if not isinstance(allow, bool):
+        raise ConfigError(f"reload.allow_schema_change: expected true or false, got {allow!r}")
+    when = doc.get("when_over_budget", "fail")
+    if when not in ("fail", "drain_first"):
+        raise ConfigError(f"reload.when_over_budget: expected fail or drain_first, got {when!r}")
+    return ReloadConfig(allow, _int(doc.get("memory_budget_mb", 0), "reload.memory_budget_mb", 0), when)
 
 
 def _mapping(raw: object, where: str) -> Mapping[str, Any]:

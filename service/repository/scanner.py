@@ -27,6 +27,10 @@ class ModelSource:
     problems: tuple[str, ...] = ()  # folder-level problems, e.g. "1" and "v1" both present
 
 
+def is_model_name(text: str) -> bool:
+    return _MODEL_NAME.match(text) is not None
+
+
 def parse_version(text: str) -> int | None:
     """`3` or `v3` -> 3; anything else -> None."""
     match = _VERSION_DIR.match(text)
@@ -72,3 +76,22 @@ def scan_model(root: Path, name: str) -> ModelSource:
             continue
         versions[version] = model_file
     return ModelSource(name, path, versions, tuple(problems))
+
+
+def fingerprint(model_file: Path) -> tuple[object, ...]:
+    """What identifies the bytes of a version without reading them: the resolved file (a Kubernetes
+    `..data` swap changes it), its inode, size and mtime, and the checksum file's."""
+    parts: list[object] = []
+    for path in (model_file, model_file.with_name(model_file.name + ".sha256")):
+        try:
+            st = path.stat()
+        except FileNotFoundError:
+            parts.append(None)
+            continue
+        parts.append((str(path.resolve()), st.st_ino, st.st_size, st.st_mtime_ns))
+    return tuple(parts)
+
+
+def version_bytes(model_file: Path) -> int:
+    """Bytes on disk of a version folder (the model and any external data): its memory estimate."""
+    return sum(p.stat().st_size for p in model_file.parent.rglob("*") if p.is_file())

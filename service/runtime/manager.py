@@ -18,8 +18,10 @@ from pathlib import Path
 from types import MappingProxyType
 
 from service.errors import InvalidInput, ModelLoadError, ModelNotFound, ModelUnavailable
+from service.metrics import ServiceMetrics
+from service.repository.checksum import verify_checksum
 from service.repository.config import ModelConfig, load_config
-from service.repository.scanner import parse_version, scan_model, scan_repository
+from service.repository.scanner import fingerprint, parse_version, scan_model, scan_repository, version_bytes
 from service.runtime.providers import ProviderChoice
 from service.runtime.served import ServedModel, ServedVersion
 from service.runtime.session import ModelRunner, load_runner
@@ -96,11 +98,13 @@ class ModelManager:
         repository: Path,
         providers: ProviderChoice,
         *,
+        metrics: ServiceMetrics | None = None,
         drain_timeout_s: float = 30.0,
         loader: Loader = load_runner,  # test seam: a loader that fails or blocks on demand
     ) -> None:
         self.repository = repository
         self.providers = providers
+        self.metrics = metrics or ServiceMetrics()
         self.drain_timeout_s = drain_timeout_s
         self._loader = loader
         self._table: Mapping[str, ServedModel] = MappingProxyType({})
@@ -108,6 +112,10 @@ class ModelManager:
         self._locks: dict[str, asyncio.Lock] = {}
         self._watchers: set[Watcher] = set()
         self._retiring: set[asyncio.Task[None]] = set()
+        self._held: set[str] = set()  # unloaded by an operator: file changes do not reload them
+        self._reloading: set[str] = set()  # in a drain-first gap (memory budget)
+        # Versions that failed as they are on disk now, so that unrelated events do not retry them.
+        self._failed: dict[tuple[str, int], tuple[tuple[object, ...], ModelConfig]] = {}
         self.loaded_all = False  # True once the start-up load of the whole repository has finished
 
     # -- requests --------------------------------------------------------------------------
@@ -119,6 +127,10 @@ class ModelManager:
             status = self._status.get(name)
             if status is None:
                 raise ModelNotFound(f"model {name!r} is not in the repository")
+            if name in self._reloading:
+                raise ModelUnavailable(
+                    f"model {name!r} is swapping versions within its memory budget; retry shortly"
+                )
             raise ModelUnavailable(f"model {name!r} has no version ready{_because(status)}")
         if not version:
             return model.default
@@ -176,61 +188,37 @@ class ModelManager:
 
     async def load_all(self) -> None:
         """Load every model of the repository; a model that fails does not stop the others."""
-        loop = asyncio.get_running_loop()
-        names = await loop.run_in_executor(None, lambda: sorted(scan_repository(self.repository)))
-        for name in names:
-            await self.load(name)
+        await self.reconcile_all()
         self.loaded_all = True
 
-    async def load(self, name: str) -> ModelStatus:
-        """(Re)load a model: load and validate every version the policy selects, then swap them in
-        together. A version that fails to load never replaces one that serves."""
-        async with self._lock(name):
-            loop = asyncio.get_running_loop()
-            try:
-                source = await loop.run_in_executor(None, scan_model, self.repository, name)
-                config = await loop.run_in_executor(None, load_config, source.path)
-            except ModelLoadError as exc:
-                if name not in self._status and not (self.repository / name).is_dir():
-                    raise ModelNotFound(str(exc)) from None
-                log.error("model %s failed to load: %s", name, exc)
-                self._set_model(name, reason=str(exc))
-                return self._status[name]
-            for problem in source.problems:
-                log.error("model %s: %s", name, problem)
-            selected = config.version_policy.select(list(source.versions))
-            reason = "; ".join(source.problems)
-            if not selected:
-                reason = reason or f"no version folder with a {source.path}/<version>/model.onnx"
-                log.error("model %s has no version to serve: %s", name, reason)
-            self._set_model(name, reason=reason, max_batch_size=config.max_batch_size)
+    async def reconcile_all(self) -> None:
+        """Bring every model in line with disk: new models load, removed ones unload."""
+        names = await asyncio.get_running_loop().run_in_executor(None, scan_repository, self.repository)
+        for name in sorted(set(names) | set(self._status)):
+            await self.reconcile(name)
 
-            loaded: dict[int, ServedVersion] = {}
-            for number in selected:
-                self._set_version(name, VersionStatus(number, VersionState.LOADING, time.time()))
-                try:
-                    runner = await loop.run_in_executor(
-                        None, self._loader, source.versions[number], config, self.providers
-                    )
-                except ModelLoadError as exc:
-                    log.error("model %s version %d failed to load: %s", name, number, exc)
-                    self._set_version(name, VersionStatus(number, VersionState.FAILED, time.time(), str(exc)))
-                    continue
-                loaded[number] = ServedVersion(name, number, runner, config)
-                log.info(
-                    "model %s version %d loaded on %s (warm-up run %.0f us, %s)",
-                    name,
-                    number,
-                    runner.provider,
-                    runner.warmup_run_s * 1e6,
-                    "inline" if runner.runs_inline else "executor",
-                )
-            self._publish(name, config, selected, loaded)
-            return self._status[name]
+    async def load(self, name: str) -> ModelStatus:
+        """Explicit load (LoadModel, RepositoryModelLoad): serve what is on disk now."""
+        self._held.discard(name)
+        async with self._lock(name):
+            status = await self._reconcile(name)
+        if status is None:
+            raise ModelNotFound(f"model {name!r} is not in the repository {self.repository}")
+        return status
+
+    async def reconcile(self, name: str) -> ModelStatus | None:
+        """Serve what is on disk for `name`: load new or changed versions, validate them, swap them
+        in together, retire versions that left. Unchanged versions keep their sessions. A model an
+        operator unloaded stays unloaded until loaded explicitly."""
+        async with self._lock(name):
+            if name in self._held:
+                return self._status.get(name)
+            return await self._reconcile(name)
 
     async def unload(self, name: str) -> ModelStatus:
         async with self._lock(name):
             self.status(name)  # NOT_FOUND for a model the manager never saw
+            self._held.add(name)
             old = self._table.get(name)
             self._swap(name, None)
             if old is not None:
@@ -246,32 +234,193 @@ class ModelManager:
 
     # -- internals -------------------------------------------------------------------------
 
+    async def _reconcile(self, name: str) -> ModelStatus | None:
+        loop = asyncio.get_running_loop()
+        try:
+            source = await loop.run_in_executor(None, scan_model, self.repository, name)
+        except ModelLoadError:
+            await self._remove(name)  # the folder is gone (or its name is not a model name)
+            return None
+        try:
+            config = await loop.run_in_executor(None, load_config, source.path)
+        except ModelLoadError as exc:
+            # A broken config.yaml changes nothing that serves; status and metrics say why.
+            log.error("model %s: %s", name, exc)
+            self._set_model(
+                name, reason=str(exc), max_batch_size=self._status.get(name, _NO_STATUS).max_batch_size
+            )
+            self.metrics.load_failures.labels(name, exc.kind).inc()
+            return self._status[name]
+        for problem in source.problems:
+            log.error("model %s: %s", name, problem)
+        selected = config.version_policy.select(list(source.versions))
+        reason = "; ".join(source.problems)
+        if not selected:
+            reason = reason or f"no version folder with a {source.path}/<version>/model.onnx"
+            log.error("model %s has no version to serve: %s", name, reason)
+        self._set_model(name, reason=reason, max_batch_size=config.max_batch_size)
+        self._forget_unselected(name, selected)
+
+        current = dict(served.versions) if (served := self._table.get(name)) else {}
+        fingerprints = await loop.run_in_executor(
+            None, lambda: {n: fingerprint(source.versions[n]) for n in selected}
+        )
+        kept: dict[int, ServedVersion] = {}
+        loaded: dict[int, ServedVersion] = {}
+        for number in selected:
+            old = current.get(number)
+            if old is not None and old.fingerprint == fingerprints[number] and old.config == config:
+                kept[number] = old
+                continue
+            if self._failed.get((name, number)) == (fingerprints[number], config):
+                continue  # it failed as it is now; try again when its files or the config change
+            reference = max({**current, **kept, **loaded}.items(), default=(0, None))[1]
+            version = await self._load_version(
+                name, number, source.versions[number], config, fingerprints[number], reference, current
+            )
+            if version is not None:
+                loaded[number] = version
+        self._publish(name, config, selected, kept, loaded, source.versions)
+        return self._status[name]
+
+    async def _load_version(
+        self,
+        name: str,
+        number: int,
+        model_file: Path,
+        config: ModelConfig,
+        print_: tuple[object, ...],
+        reference: ServedVersion | None,
+        current: dict[int, ServedVersion],
+    ) -> ServedVersion | None:
+        """Validate and load one version; on failure record why and return None."""
+        loop = asyncio.get_running_loop()
+        self._set_version(name, VersionStatus(number, VersionState.LOADING, time.time()))
+        started = time.perf_counter()
+        try:
+            memory = await loop.run_in_executor(None, version_bytes, model_file)
+            await self._make_room(name, number, memory, config, current)
+            await loop.run_in_executor(None, verify_checksum, model_file)
+            runner = await loop.run_in_executor(None, self._loader, model_file, config, self.providers)
+            if reference is not None and not config.reload.allow_schema_change:
+                _check_compatible(runner.signature, reference, model_file)
+        except ModelLoadError as exc:
+            log.error("model %s version %d failed to load: %s", name, number, exc)
+            self._failed[(name, number)] = (print_, config)
+            self.metrics.load_failures.labels(name, exc.kind).inc()
+            self.metrics.model_loads.labels(name, "failed").inc()
+            self._set_version(name, VersionStatus(number, VersionState.FAILED, time.time(), str(exc)))
+            return None
+        self._failed.pop((name, number), None)
+        elapsed = time.perf_counter() - started
+        self.metrics.model_loads.labels(name, "ready").inc()
+        self.metrics.load_seconds.labels(name).observe(elapsed)
+        log.info(
+            "model %s version %d loaded on %s in %.0f ms (warm-up run %.0f us, %s)",
+            name,
+            number,
+            runner.provider,
+            elapsed * 1e3,
+            runner.warmup_run_s * 1e6,
+            "inline" if runner.runs_inline else "executor",
+        )
+        return ServedVersion(name, number, runner, config, print_, memory)
+
+    async def _make_room(
+        self, name: str, number: int, need: int, config: ModelConfig, current: dict[int, ServedVersion]
+    ) -> None:
+        """Check the model's memory budget before loading; free room first if the config allows."""
+        budget = config.reload.memory_budget_mb * 1024 * 1024
+        served = self._table.get(name)
+        in_use = sum(v.memory_bytes for v in served.versions.values()) if served else 0
+        if not budget or in_use + need <= budget:
+            return
+        mb = 1024 * 1024
+        if config.reload.when_over_budget == "fail" or served is None:
+            raise ModelLoadError(
+                f"version {number} needs {need / mb:.1f} MB beside the {in_use / mb:.1f} MB served; "
+                f"the memory budget is {budget / mb:.1f} MB (reload.when_over_budget: fail)",
+                "memory",
+            )
+        # drain_first: release the version this one replaces (or the oldest), then load.
+        victim = served.versions.get(number) or served.versions[min(served.versions)]
+        log.warning(
+            "model %s: releasing version %d before loading version %d (memory budget)",
+            name,
+            victim.version,
+            number,
+        )
+        rest = {n: v for n, v in served.versions.items() if v is not victim}
+        self._reloading.add(name)
+        self._swap(name, ServedModel(name, served.config, MappingProxyType(rest)) if rest else None)
+        current.pop(victim.version, None)
+        await self._retire(victim)
+        if in_use - victim.memory_bytes + need > budget:
+            raise ModelLoadError(
+                f"version {number} needs {need / mb:.1f} MB; the memory budget is {budget / mb:.1f} MB",
+                "memory",
+            )
+
     def _publish(
-        self, name: str, config: ModelConfig, selected: list[int], loaded: dict[int, ServedVersion]
+        self,
+        name: str,
+        config: ModelConfig,
+        selected: list[int],
+        kept: dict[int, ServedVersion],
+        loaded: dict[int, ServedVersion],
+        on_disk: Mapping[int, Path],
     ) -> None:
         old = self._table.get(name)
-        versions = dict(loaded)
-        if old is not None:
-            for number, served in old.versions.items():
-                if number in selected and number not in loaded:
-                    # Its reload failed: the old session keeps serving, and status says why.
-                    versions[number] = served
-                    failed = self._status[name].versions[number]
-                    self._set_version(
-                        name,
-                        replace(
-                            self._version_ready(served),
-                            reason=f"reload failed, previous load serving: {failed.reason}",
-                        ),
-                        notify=False,
-                    )
+        current = dict(old.versions) if old else {}
+        versions = {**kept, **loaded}
+        for number in selected:
+            if number not in versions and number in current:
+                # Its reload failed: the old session keeps serving, and status says why.
+                served = current[number]
+                versions[number] = served
+                failed = self._status[name].versions[number]
+                reason = f"reload failed, previous load serving: {failed.reason}"
+                self._set_version(name, replace(self._version_ready(served), reason=reason), notify=False)
+        # A bad version never replaces a good one: while selected versions are missing, the served
+        # versions they would have replaced keep serving (newest first), if still on disk.
+        for number in sorted(current, reverse=True):
+            if len(versions) >= len(selected):
+                break
+            if number not in versions and number in on_disk:
+                versions[number] = current[number]
         for served in loaded.values():
             self._set_version(name, self._version_ready(served))
+        self._reloading.discard(name)
         self._swap(name, ServedModel(name, config, MappingProxyType(versions)) if versions else None)
+        if loaded:
+            self.metrics.swaps.labels(name).inc()
+        for number, served in current.items():
+            if versions.get(number) is not served:
+                self._start_retiring(served, replaced=number in versions)
+
+    def _forget_unselected(self, name: str, selected: list[int]) -> None:
+        """Status lists the versions disk and policy select, and those still serving or draining."""
+        model = self._status[name]
+        keep = {
+            n: v
+            for n, v in model.versions.items()
+            if n in selected or v.state not in (VersionState.FAILED, VersionState.UNLOADED)
+        }
+        if len(keep) != len(model.versions):
+            self._status[name] = replace(model, versions=MappingProxyType(keep))
+        self._failed = {k: v for k, v in self._failed.items() if k[0] != name or k[1] in selected}
+
+    async def _remove(self, name: str) -> None:
+        """The model's folder left the repository: retire its versions and forget it."""
+        if name not in self._status:
+            return
+        old = self._table.get(name)
+        self._swap(name, None)
         if old is not None:
-            for number, served in old.versions.items():
-                if versions.get(number) is not served:
-                    self._start_retiring(served, replaced=number in versions)
+            await asyncio.gather(*(self._retire(v) for v in old.versions.values()))
+        log.info("model %s left the repository", name)
+        del self._status[name]
+        self._failed = {k: v for k, v in self._failed.items() if k[0] != name}
 
     def _swap(self, name: str, model: ServedModel | None) -> None:
         table = dict(self._table)
@@ -289,17 +438,14 @@ class ModelManager:
         task.add_done_callback(self._retiring.discard)
 
     async def _retire(self, served: ServedVersion, replaced: bool = False) -> None:
-        """Wait for the version's in-flight requests, then drop the last reference to its session
-        (ONNX Runtime frees a session's memory only when the session object is destroyed)."""
+        """Wait for the version's in-flight requests, then drop the table's reference to its
+        session (ONNX Runtime frees a session's memory only when the session object is destroyed)."""
         name, number = served.model, served.version
         if not replaced:
-            self._set_version(
-                name,
-                replace(
-                    self._status[name].versions[number], state=VersionState.DRAINING, updated_at=time.time()
-                ),
-            )
+            self._set_version(name, VersionStatus(number, VersionState.DRAINING, time.time()))
+        started = time.perf_counter()
         drained = await served.drain(self.drain_timeout_s)
+        self.metrics.drain_seconds.labels(name).observe(time.perf_counter() - started)
         if not drained:
             log.warning(
                 "model %s version %d released with %d requests still running after %.1f s drain",
@@ -308,7 +454,7 @@ class ModelManager:
                 served.in_flight,
                 self.drain_timeout_s,
             )
-        if not replaced:
+        if not replaced and name in self._status:
             self._set_version(name, VersionStatus(number, VersionState.UNLOADED, time.time()))
         log.info("model %s version %d released", name, number)
 
@@ -339,6 +485,25 @@ class ModelManager:
 
     def _lock(self, name: str) -> asyncio.Lock:
         return self._locks.setdefault(name, asyncio.Lock())
+
+
+_NO_STATUS = ModelStatus("", MappingProxyType({}))
+
+
+def _check_compatible(new: Signature, served: ServedVersion, model_file: Path) -> None:
+    """A new version must take and give the tensors the served one does, unless the config allows
+    a schema change: clients built against the served schema must keep working."""
+    old = served.runner.signature
+    if (old.inputs, old.outputs) != (new.inputs, new.outputs):
+
+        def show(sig: Signature) -> str:
+            return ", ".join(f"{t.name}:{t.describe()}" for t in sig.inputs + sig.outputs)
+
+        raise ModelLoadError(
+            f"{model_file}: schema differs from served version {served.version} "
+            f"({show(new)} vs {show(old)}); set reload.allow_schema_change: true to allow it",
+            "incompatible",
+        )
 
 
 def _because(status: ModelStatus) -> str:

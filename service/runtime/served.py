@@ -41,11 +41,21 @@ class ServedVersion:
     """One loaded version. Requests lease it for their whole duration, so that a version taken out
     of the table is released only after the requests that resolved it have finished."""
 
-    def __init__(self, model: str, version: int, runner: ModelRunner, config: ModelConfig) -> None:
+    def __init__(
+        self,
+        model: str,
+        version: int,
+        runner: ModelRunner,
+        config: ModelConfig,
+        fingerprint: tuple[object, ...] = (),
+        memory_bytes: int = 0,
+    ) -> None:
         self.model = model
         self.version = version
         self.runner = runner
         self.config = config
+        self.fingerprint = fingerprint  # the files it was loaded from; a change means reload
+        self.memory_bytes = memory_bytes  # estimate, for the model's memory budget
         self.stats = VersionStats()
         self.in_flight = 0
         self._drained: asyncio.Event | None = None

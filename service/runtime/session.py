@@ -62,7 +62,7 @@ def load_runner(model_file: Path, config: ModelConfig, providers: ProviderChoice
 def _provider_for(config: ModelConfig, providers: ProviderChoice, model_file: Path) -> str:
     wanted = config.execution.provider
     if wanted == "cuda" and not providers.cuda_usable:
-        raise ModelLoadError(f"{model_file}: execution.provider is cuda but {providers.reason}")
+        raise ModelLoadError(f"{model_file}: execution.provider is cuda but {providers.reason}", "provider")
     if wanted == "cpu":
         return CPU
     return providers.default
@@ -99,7 +99,8 @@ def _signature(session: ort.InferenceSession, config: ModelConfig, model_file: P
             if not spec.shape or spec.shape[0] not in (-1, config.max_batch_size):
                 raise ModelLoadError(
                     f"{model_file}: max_batch_size is {config.max_batch_size} but {spec.name!r} has shape "
-                    f"{list(spec.shape)}, whose first dimension is not a dynamic batch dimension"
+                    f"{list(spec.shape)}, whose first dimension is not a dynamic batch dimension",
+                    "schema",
                 )
     return Signature(inputs, outputs, config.max_batch_size)
 
@@ -107,7 +108,7 @@ def _signature(session: ort.InferenceSession, config: ModelConfig, model_file: P
 def _spec(arg: Any, model_file: Path) -> TensorSpec:
     datatype = NAME_BY_ORT.get(arg.type)
     if datatype is None:
-        raise ModelLoadError(f"{model_file}: tensor {arg.name!r} has unsupported type {arg.type}")
+        raise ModelLoadError(f"{model_file}: tensor {arg.name!r} has unsupported type {arg.type}", "schema")
     # Symbolic ("batch") and unknown (None) dimensions both accept any size.
     shape = tuple(d if isinstance(d, int) and d >= 0 else -1 for d in (arg.shape or []))
     return TensorSpec(arg.name, datatype, shape)
@@ -121,7 +122,8 @@ def _apply_config(
     if set(by_name) != {t.name for t in configured}:
         raise ModelLoadError(
             f"{model_file}: config {kind}s {sorted(t.name for t in configured)} do not match the graph's "
-            f"{sorted(by_name)}"
+            f"{sorted(by_name)}",
+            "schema",
         )
     specs = []
     for want in configured:
@@ -132,7 +134,8 @@ def _apply_config(
         if want.datatype != have.datatype or not compatible:
             raise ModelLoadError(
                 f"{model_file}: config {kind} {want.name!r} is {want.datatype}{list(want.shape)} but the "
-                f"graph has {have.describe()}"
+                f"graph has {have.describe()}",
+                "schema",
             )
         specs.append(TensorSpec(want.name, want.datatype, want.shape))
     return tuple(specs)
@@ -147,7 +150,7 @@ def _warm_up(runner: ModelRunner, model_file: Path) -> float:
             runner.run(feeds, runner.signature.output_names)
             timings.append(time.perf_counter() - start)
     except Exception as exc:
-        raise ModelLoadError(f"{model_file}: warm-up run failed: {_first_line(exc)}") from None
+        raise ModelLoadError(f"{model_file}: warm-up run failed: {_first_line(exc)}", "warmup") from None
     return statistics.median(timings)
 
 
