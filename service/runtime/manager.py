@@ -12,6 +12,7 @@ import enum
 import logging
 import time
 from collections.abc import Callable, Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -22,6 +23,7 @@ from service.metrics import ServiceMetrics
 from service.repository.checksum import verify_checksum
 from service.repository.config import ModelConfig, load_config
 from service.repository.scanner import fingerprint, parse_version, scan_model, scan_repository, version_bytes
+from service.runtime.memory import trim_heap
 from service.runtime.providers import ProviderChoice
 from service.runtime.served import ServedModel, ServedVersion
 from service.runtime.session import ModelRunner, load_runner
@@ -115,6 +117,9 @@ class ModelManager:
         self._held: set[str] = set()  # unloaded by an operator: file changes do not reload them
         self._reloading: set[str] = set()  # in a drain-first gap (memory budget)
         # Versions that failed as they are on disk now, so that unrelated events do not retry them.
+        # Loads, file reads and releases run on one thread: loads of a 2-core machine gain nothing
+        # from running side by side, and one thread keeps freed memory in one malloc arena.
+        self._io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model-io")
         self._failed: dict[tuple[str, int], tuple[tuple[object, ...], ModelConfig]] = {}
         self.loaded_all = False  # True once the start-up load of the whole repository has finished
 
@@ -193,7 +198,7 @@ class ModelManager:
 
     async def reconcile_all(self) -> None:
         """Bring every model in line with disk: new models load, removed ones unload."""
-        names = await asyncio.get_running_loop().run_in_executor(None, scan_repository, self.repository)
+        names = await asyncio.get_running_loop().run_in_executor(self._io, scan_repository, self.repository)
         for name in sorted(set(names) | set(self._status)):
             await self.reconcile(name)
 
@@ -231,18 +236,19 @@ class ModelManager:
             await self.unload(name)
         if self._retiring:
             await asyncio.gather(*self._retiring)
+        self._io.shutdown(wait=True)
 
     # -- internals -------------------------------------------------------------------------
 
     async def _reconcile(self, name: str) -> ModelStatus | None:
         loop = asyncio.get_running_loop()
         try:
-            source = await loop.run_in_executor(None, scan_model, self.repository, name)
+            source = await loop.run_in_executor(self._io, scan_model, self.repository, name)
         except ModelLoadError:
             await self._remove(name)  # the folder is gone (or its name is not a model name)
             return None
         try:
-            config = await loop.run_in_executor(None, load_config, source.path)
+            config = await loop.run_in_executor(self._io, load_config, source.path)
         except ModelLoadError as exc:
             # A broken config.yaml changes nothing that serves; status and metrics say why.
             log.error("model %s: %s", name, exc)
@@ -274,7 +280,10 @@ class ModelManager:
                 continue
             if self._failed.get((name, number)) == (fingerprints[number], config):
                 continue  # it failed as it is now; try again when its files or the config change
-            reference = max({**current, **kept, **loaded}.items(), default=(0, None))[1]
+            newest = max({**current, **kept, **loaded}.items(), default=(0, None))[1]
+            # The schema a new version must keep: the newest served one's (taken before a
+            # drain-first load may release that version).
+            reference = (newest.version, newest.runner.signature) if newest else None
             version = await self._load_version(
                 name, number, source.versions[number], config, fingerprints[number], reference, current
             )
@@ -290,7 +299,7 @@ class ModelManager:
         model_file: Path,
         config: ModelConfig,
         print_: tuple[object, ...],
-        reference: ServedVersion | None,
+        reference: tuple[int, Signature] | None,
         current: dict[int, ServedVersion],
     ) -> ServedVersion | None:
         """Validate and load one version; on failure record why and return None."""
@@ -298,10 +307,10 @@ class ModelManager:
         self._set_version(name, VersionStatus(number, VersionState.LOADING, time.time()))
         started = time.perf_counter()
         try:
-            memory = await loop.run_in_executor(None, version_bytes, model_file)
+            memory = await loop.run_in_executor(self._io, version_bytes, model_file)
             await self._make_room(name, number, memory, config, current)
-            await loop.run_in_executor(None, verify_checksum, model_file)
-            runner = await loop.run_in_executor(None, self._loader, model_file, config, self.providers)
+            await loop.run_in_executor(self._io, verify_checksum, model_file)
+            runner = await loop.run_in_executor(self._io, self._loader, model_file, config, self.providers)
             if reference is not None and not config.reload.allow_schema_change:
                 _check_compatible(runner.signature, reference, model_file)
         except ModelLoadError as exc:
@@ -454,6 +463,8 @@ class ModelManager:
                 served.in_flight,
                 self.drain_timeout_s,
             )
+        served.drop_session()
+        await asyncio.get_running_loop().run_in_executor(self._io, trim_heap)
         if not replaced and name in self._status:
             self._set_version(name, VersionStatus(number, VersionState.UNLOADED, time.time()))
         log.info("model %s version %d released", name, number)
@@ -490,17 +501,17 @@ class ModelManager:
 _NO_STATUS = ModelStatus("", MappingProxyType({}))
 
 
-def _check_compatible(new: Signature, served: ServedVersion, model_file: Path) -> None:
+def _check_compatible(new: Signature, reference: tuple[int, Signature], model_file: Path) -> None:
     """A new version must take and give the tensors the served one does, unless the config allows
     a schema change: clients built against the served schema must keep working."""
-    old = served.runner.signature
+    served_version, old = reference
     if (old.inputs, old.outputs) != (new.inputs, new.outputs):
 
         def show(sig: Signature) -> str:
             return ", ".join(f"{t.name}:{t.describe()}" for t in sig.inputs + sig.outputs)
 
         raise ModelLoadError(
-            f"{model_file}: schema differs from served version {served.version} "
+            f"{model_file}: schema differs from served version {served_version} "
             f"({show(new)} vs {show(old)}); set reload.allow_schema_change: true to allow it",
             "incompatible",
         )

@@ -68,6 +68,11 @@ class ServedVersion:
         if self.in_flight == 0 and self._drained is not None:
             self._drained.set()
 
+    def drop_session(self) -> None:
+        """Drop the session, so that ONNX Runtime frees it now rather than whenever the last
+        reference goes. A request still running past the drain timeout fails instead."""
+        del self.runner
+
     async def drain(self, timeout_s: float) -> bool:
         """Wait until no request holds this version; False if the timeout passed first."""
         if self.in_flight == 0:
