@@ -9,6 +9,7 @@ import sys
 from collections.abc import Sequence
 
 from service.config import Settings, parse_settings
+from service.logs import configure as configure_logging
 from service.server import build_service
 
 log = logging.getLogger("service")
@@ -41,9 +42,5 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"modelyard: unknown command {args[0]!r}; try `modelyard serve --help`", file=sys.stderr)
         return 2
     settings = parse_settings(args)
-    logging.basicConfig(
-        level=settings.log_level.upper(),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
+    configure_logging(settings.log_level, settings.log_format)
     return asyncio.run(serve(settings))

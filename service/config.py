@@ -25,6 +25,7 @@ class Settings:
     watch_quiet_s: float = 0.25  # a model folder must be this quiet before a change is loaded
     resync_s: float = 30.0  # full repository reconcile, for changes the OS did not report
     log_level: str = "INFO"
+    log_format: str = "text"  # text, or json: one object per line for log collectors
 
 
 _HELP = {
@@ -36,6 +37,7 @@ _HELP = {
     "max_message_bytes": "largest request or response message, in bytes",
     "inference_threads": "threads that run models; 0 = one per CPU core",
     "log_level": "DEBUG, INFO, WARNING or ERROR",
+    "log_format": "text or json (one object per line)",
     "control_mode": "watch (load changes on disk) or explicit (only LoadModel/UnloadModel)",
     "watch_method": "events (inotify) or poll",
     "watch_quiet_s": "seconds a model folder must be quiet before a change is loaded",
@@ -45,6 +47,7 @@ _CHOICES = {
     "control_mode": ["watch", "explicit"],
     "watch_method": ["events", "poll"],
     "log_level": ["DEBUG", "INFO", "WARNING", "ERROR"],
+    "log_format": ["text", "json"],
 }
 
 
