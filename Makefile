@@ -6,7 +6,7 @@ BUF_VERSION := 1.75.0
 BUF := .cache/buf/node_modules/.bin/buf
 REPOSITORY ?= models/demo
 
-.PHONY: up test lint gen bench demo-models proto-baseline install install-dev clean
+.PHONY: up test lint gen bench demo-models proto-baseline install install-dev system-deps clean
 
 up: $(VENV)/.installed
 	$(PY) -m service --repository $(REPOSITORY)
@@ -14,7 +14,7 @@ up: $(VENV)/.installed
 test: lint
 	$(PY) -m pytest -q
 
-lint: $(VENV)/.installed-dev $(BUF)
+lint: $(VENV)/.installed-dev $(BUF) system-deps
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy service tests bench proto/generate.py
@@ -49,6 +49,10 @@ $(VENV)/.installed: pyproject.toml | $(PY)
 $(VENV)/.installed-dev: pyproject.toml | $(PY)
 	$(PY) -m pip install --quiet -e '.[dev]'
 	touch $@ $(VENV)/.installed
+
+# Debian packages the tests need: libb64 for Triton's perf_analyzer.
+system-deps:
+	@dpkg -s libb64-0d >/dev/null 2>&1 || { apt-get update -qq && apt-get install -y -qq libb64-0d >/dev/null; }
 
 $(BUF):
 	npm install --silent --no-save --no-audit --no-fund --prefix .cache/buf @bufbuild/buf@$(BUF_VERSION)

@@ -41,10 +41,11 @@ class DataPlane:
         inputs: Mapping[str, np.ndarray],
         output_names: Sequence[str] = (),
     ) -> InferResult:
+        admitted = time.perf_counter_ns()
         with self.manager.lease(model, version) as served:
             served.runner.signature.check_inputs(inputs)
             names = served.runner.signature.select_outputs(output_names)
-            outputs = await self._run(served, inputs, names)
+            outputs = await self._run(served, inputs, names, admitted)
             return InferResult(model, served.version, outputs)
 
     async def infer_chunks(
@@ -63,16 +64,17 @@ class DataPlane:
             names = signature.select_outputs(output_names)
             batch = next(iter(inputs.values())).shape[0] if signature.max_batch_size and inputs else 0
             if not batch:
-                yield InferResult(model, served.version, await self._run(served, inputs, names))
+                outputs = await self._run(served, inputs, names, time.perf_counter_ns())
+                yield InferResult(model, served.version, outputs)
                 return
             step = min(chunk_size or signature.max_batch_size, signature.max_batch_size)
             for offset in range(0, batch, step):
                 chunk = {name: array[offset : offset + step] for name, array in inputs.items()}
-                outputs = await self._run(served, chunk, names)
+                outputs = await self._run(served, chunk, names, time.perf_counter_ns())
                 yield InferResult(model, served.version, outputs, offset, last=offset + step >= batch)
 
     async def _run(
-        self, served: ServedVersion, inputs: Mapping[str, np.ndarray], names: Sequence[str]
+        self, served: ServedVersion, inputs: Mapping[str, np.ndarray], names: Sequence[str], admitted_ns: int
     ) -> dict[str, np.ndarray]:
         runner = served.runner
         start = time.perf_counter_ns()
@@ -93,9 +95,11 @@ class DataPlane:
                 f"model {served.model} version {served.version} failed: {_first_line(exc)}"
             ) from None
         finally:
-            elapsed = time.perf_counter_ns() - start
+            end = time.perf_counter_ns()
             rows = next(iter(inputs.values())).shape[0] if served.config.max_batch_size and inputs else 1
-            served.stats.record(ok, elapsed, rows, elapsed)
+            served.stats.record(
+                ok, end - admitted_ns, rows, queue_ns=start - admitted_ns, compute_ns=end - start
+            )
         return dict(zip(names, arrays, strict=True))
 
 

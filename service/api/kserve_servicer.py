@@ -228,6 +228,12 @@ def _statistics(served: ServedVersion) -> pb.ModelStatistics:
         inference_stats=pb.InferStatistics(
             success=pb.StatisticDuration(count=stats.success_count, ns=stats.success_ns),
             fail=pb.StatisticDuration(count=stats.fail_count, ns=stats.fail_ns),
+            # perf_analyzer finds the version it measured by the queue count that grew.
+            queue=pb.StatisticDuration(count=stats.success_count, ns=stats.queue_ns),
+            # Tensor conversion is not timed apart: it is inside the queue time (input) and the
+            # request total (output). The counts must match compute_infer's for perf_analyzer.
+            compute_input=pb.StatisticDuration(count=stats.execution_count),
             compute_infer=pb.StatisticDuration(count=stats.execution_count, ns=stats.compute_ns),
+            compute_output=pb.StatisticDuration(count=stats.execution_count),
         ),
     )

@@ -21,15 +21,17 @@ class VersionStats:
     fail_ns: int = 0
     inference_count: int = 0  # items, counting each batch row
     execution_count: int = 0  # model runs
+    queue_ns: int = 0  # admission to the start of the run
     compute_ns: int = 0
     last_inference_ms: int = 0
 
-    def record(self, ok: bool, elapsed_ns: int, items: int, compute_ns: int) -> None:
+    def record(self, ok: bool, elapsed_ns: int, items: int, queue_ns: int, compute_ns: int) -> None:
         if ok:
             self.success_count += 1
             self.success_ns += elapsed_ns
             self.inference_count += items
             self.execution_count += 1
+            self.queue_ns += queue_ns
             self.compute_ns += compute_ns
         else:
             self.fail_count += 1
