@@ -44,11 +44,15 @@ NAME_BY_ORT: dict[str, str] = {
     "tensor(string)": "BYTES",
 }
 
+_NAME_BY_DTYPE = {dt: name for name, dt in NUMPY_BY_NAME.items() if name != "BYTES"}
 _NAME_BY_KIND_SIZE = {(dt.kind, dt.itemsize): name for name, dt in NUMPY_BY_NAME.items() if name != "BYTES"}
 
 
 def name_of(dtype: np.dtype[np.generic]) -> str:
     """KServe name of a numpy dtype; object and string arrays are BYTES."""
+    known = _NAME_BY_DTYPE.get(dtype)  # the common case, on every tensor of every request
+    if known is not None:
+        return known
     if dtype.kind in "OSU":
         return "BYTES"
     try:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Mapping
 
 import numpy as np
@@ -14,8 +15,12 @@ from service.runtime.signature import TensorSpec
 _PREFIX = "DATA_TYPE_"
 
 
-def datatype_name(value: int) -> str:
-    return tensor_pb2.DataType.Name(value).removeprefix(_PREFIX)  # type: ignore[arg-type]
+# Precomputed: this runs for every tensor of every request.
+_NAME_BY_VALUE = {
+    value: name.removeprefix(_PREFIX)
+    for name, value in tensor_pb2.DataType.items()
+    if value != tensor_pb2.DATA_TYPE_UNSPECIFIED
+}
 
 
 def datatype_value(name: str) -> tensor_pb2.DataType.ValueType:
@@ -33,16 +38,13 @@ def to_arrays(tensors: Iterable[tensor_pb2.Tensor]) -> dict[str, np.ndarray]:
 
 def to_array(tensor: tensor_pb2.Tensor) -> np.ndarray:
     """A zero-copy view of the tensor's bytes (BYTES tensors are decoded into an object array)."""
-    if (
-        tensor.datatype == tensor_pb2.DATA_TYPE_UNSPECIFIED
-        or tensor.datatype not in tensor_pb2.DataType.values()
-    ):
+    name = _NAME_BY_VALUE.get(tensor.datatype)
+    if name is None:
         raise InvalidInput(f"input {tensor.name!r}: datatype is missing or unknown ({tensor.datatype})")
     shape = tuple(tensor.shape)
-    if any(d < 0 for d in shape):
+    if min(shape, default=0) < 0:
         raise InvalidInput(f"input {tensor.name!r}: shape {list(shape)} has a negative dimension")
-    count = int(np.prod(shape, dtype=np.int64))
-    name = datatype_name(tensor.datatype)
+    count = math.prod(shape)
     if name == "BYTES":
         return decode_bytes(tensor.raw_data, shape, tensor.name)
     dtype = NUMPY_BY_NAME[name]
