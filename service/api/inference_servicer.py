@@ -10,7 +10,7 @@ from modelyard.inference.v1 import inference_service_pb2 as pb
 from modelyard.inference.v1 import inference_service_pb2_grpc as pb_grpc
 
 from service.api.convert import to_arrays, to_tensors
-from service.api.errors import Context, serving
+from service.api.errors import Context, deadline_passed, serving
 from service.api.generation_convert import to_generate_params, to_generate_response
 from service.dataplane import DataPlane
 from service.generation.plane import GenerationPlane
@@ -74,6 +74,7 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
                 request.model_version,
                 to_generate_params(request),
                 deadline=None if remaining is None else time.monotonic() + remaining,
+                deadline_passed=lambda: deadline_passed(context),
             )
             # aclosing: a cancelled stream leaves its batch and releases its lease at once.
             async with aclosing(events):

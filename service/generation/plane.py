@@ -8,9 +8,10 @@ served version gets its own decode loop (Engine), created on its first Generate.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 import weakref
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable
 from concurrent.futures import Executor
 
 from service.errors import NotGenerative
@@ -33,10 +34,17 @@ class GenerationPlane:
         self._engines: weakref.WeakKeyDictionary[ServedVersion, Engine] = weakref.WeakKeyDictionary()
 
     async def generate(
-        self, model: str, version: str, params: GenerateParams, deadline: float | None = None
+        self,
+        model: str,
+        version: str,
+        params: GenerateParams,
+        deadline: float | None = None,
+        deadline_passed: Callable[[], bool] | None = None,
     ) -> AsyncGenerator[TokenEvent]:
         """Stream a generation's events, ending with the one that carries the finish reason.
-        `deadline` is a time.monotonic() value. Closing the generator early cancels the sequence."""
+        `deadline` is a time.monotonic() value after which the work is dropped. Closing the
+        generator early cancels the sequence; `deadline_passed` tells then whether that was the
+        deadline (the transport's own clock is the one that fired) rather than the client."""
         with self._manager.lease(model, version) as served:
             decoder = served.runner.decoder
             if decoder is None:
@@ -62,14 +70,17 @@ class GenerationPlane:
             engine = self._engine(served)
             sequence = engine.submit(request)
             finished = False
+            index = 0
             try:
                 while not finished:
-                    event = await sequence.next_event()
+                    event = merge(await sequence.take(), index)
                     finished = event.finish is not None
+                    index += 1
                     yield event
             finally:
                 if not finished:
                     late = deadline is not None and time.monotonic() >= deadline
+                    late = late or (deadline_passed is not None and deadline_passed())
                     engine.release(sequence, "deadline" if late else "cancelled")
 
     async def close(self) -> None:
@@ -94,3 +105,17 @@ class GenerationPlane:
             )
             self._engines[served] = engine
         return engine
+
+
+def merge(events: list[TokenEvent], index: int) -> TokenEvent:
+    """Tokens that piled up while the reader was busy, as one event: fewer, larger messages for a
+    reader that is behind, which is when per-message cost matters most."""
+    last = events[-1]
+    if len(events) == 1 and last.index == index:
+        return last
+    return dataclasses.replace(
+        last,
+        index=index,
+        text="".join(e.text for e in events),
+        token_ids=tuple(t for e in events for t in e.token_ids),
+    )

@@ -51,7 +51,7 @@ class TokenEvent:
     """One streamed event: the tokens it adds and the text they release. The last event of a
     stream carries the finish reason, usage and time to first token."""
 
-    index: int
+    index: int  # the event's sequence number in its stream
     text: str
     token_ids: tuple[int, ...]
     version: int
@@ -124,13 +124,22 @@ class Sequence:
 
     # -- the reader's side -------------------------------------------------------------------
 
-    async def next_event(self) -> TokenEvent:
+    async def take(self) -> list[TokenEvent]:
+        """Every event buffered now (waiting for one if there is none). A reader that keeps up
+        gets one token per call; one that fell behind gets what piled up, in one go."""
         while not self._events:
             self._readable.clear()
             await self._readable.wait()
-        item = self._events.popleft()
-        if self.state is State.PAUSED and self.has_room:
+        taken: list[TokenEvent] = []
+        while self._events:
+            item = self._events[0]
+            if isinstance(item, BaseException):
+                if taken:
+                    break  # the events before the error first; the error on the next call
+                self._events.popleft()
+                raise item
+            taken.append(item)
+            self._events.popleft()
+        if self.state is State.PAUSED:
             self._on_drained()
-        if isinstance(item, BaseException):
-            raise item
-        return item
+        return taken

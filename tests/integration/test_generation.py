@@ -100,10 +100,10 @@ async def stub(gen_service: Service) -> AsyncIterator[pb_grpc.InferenceServiceSt
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def slow_stub(gen_service: Service) -> AsyncIterator[pb_grpc.InferenceServiceStub]:
-    """A client with a small, fixed HTTP/2 window (1 KiB): when it stops reading, what gRPC itself
-    buffers is small, so the sequence's own pause shows (and a stream that is not read does not
-    run to its end inside gRPC's buffers)."""
-    options = [("grpc.http2.lookahead_bytes", 1024), ("grpc.http2.bdp_probe", 0)]
+    """A client with the smallest fixed HTTP/2 window gRPC allows: when it stops reading, what gRPC
+    itself buffers is small, so the sequence's own pause shows (and a stream that is not read does
+    not run to its end inside gRPC's buffers)."""
+    options = [("grpc.http2.lookahead_bytes", 1), ("grpc.http2.bdp_probe", 0)]
     async with grpc.aio.insecure_channel(gen_service.address, options=options) as channel:
         yield pb_grpc.InferenceServiceStub(channel)
 
@@ -154,11 +154,12 @@ async def test_tokens_arrive_one_message_at_a_time_and_a_slow_reader_pauses(slow
     await asyncio.sleep(0.5)
     produced = gauge(gen_service, "modelyard_generation_tokens_total", "tight") - before
     await asyncio.sleep(0.3)
-    assert gauge(gen_service, "modelyard_generation_tokens_total", "tight") - before == produced < 150
+    assert gauge(gen_service, "modelyard_generation_tokens_total", "tight") - before == produced < 50
     assert gauge(gen_service, "modelyard_generation_active_sequences", "tight") == 1
     responses = [first, *await rest(call)]
-    assert [r.sequence_number for r in responses] == list(range(200))
-    assert all(len(r.token_ids) == 1 for r in responses)
+    # Tokens that piled up while the reader slept come in fewer, larger messages; none is lost.
+    assert [r.sequence_number for r in responses] == list(range(len(responses)))
+    assert len(ids(responses)) == 200 and len(responses) > 1
     assert responses[-1].finish_reason == pb.FINISH_REASON_LENGTH
     assert all(r.finish_reason == pb.FINISH_REASON_UNSPECIFIED for r in responses[:-1])
     assert not any(r.HasField("usage") for r in responses[:-1])
@@ -203,12 +204,13 @@ async def test_a_seed_reproduces_and_another_seed_differs(stub) -> None:
 
 
 async def test_stop_sequence_spanning_tokens_ends_the_text_before_it(stub) -> None:
+    tokenizer = Tokenizer.from_file(str(CODELM / "1" / "tokenizer.json"))
     free = await generate(stub, prompt=PROMPTS[3], max_tokens=40)
-    pieces = [r.text for r in free]
+    full = text(free)
+    pieces = [tokenizer.decode([t]) for t in ids(free)]
     # A stop sequence made of the end of one token's text and the start of the next one's.
-    i = next(i for i in range(3, len(pieces) - 1) if len(pieces[i]) >= 2 and pieces[i + 1])
+    i = next(i for i in range(3, len(pieces) - 1) if len(pieces[i]) >= 2 and pieces[i + 1].strip())
     stop = pieces[i][-2:] + pieces[i + 1][:1]
-    full = "".join(pieces)
     stopped = await generate(stub, prompt=PROMPTS[3], max_tokens=40, stop=[stop, "never-produced"])
     assert stopped[-1].finish_reason == pb.FINISH_REASON_STOP
     assert text(stopped) == full[: full.index(stop)]
@@ -295,7 +297,7 @@ async def test_a_full_queue_answers_resource_exhausted(stub, slow_stub, gen_serv
         await generate(stub, model_name="tight", prompt=PROMPTS[2], max_tokens=5)
     assert caught.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     running.cancel()
-    assert len(await rest(queued)) == 5  # the queued one gets the slot when it frees
+    assert len(ids(await rest(queued))) == 5  # the queued one gets the slot when it frees
 
 
 # --- bad input ---------------------------------------------------------------------------------------
