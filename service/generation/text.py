@@ -38,22 +38,25 @@ class IncrementalDetokenizer:
         self._ids: list[int] = []
         self._prefix = 0  # window start: tokens before it are released and out of context
         self._read = 0  # tokens before it have been released as text
+        self._before = ""  # the decoding of ids[_prefix:_read], kept: it changes only on release
 
     def push(self, token_id: int) -> str:
         self._ids.append(token_id)
-        before = self._decoder.decode(self._ids[self._prefix : self._read])
         after = self._decoder.decode(self._ids[self._prefix :])
-        if len(after) > len(before) and not after.endswith(_INCOMPLETE):
+        if len(after) > len(self._before) and not after.endswith(_INCOMPLETE):
+            released = after[len(self._before) :]
             self._prefix, self._read = self._read, len(self._ids)
-            return after[len(before) :]
+            self._before = self._decoder.decode(self._ids[self._prefix : self._read])
+            return released
         return ""
 
     def flush(self) -> str:
         """What is still held at the end (an incomplete character decodes as U+FFFD)."""
-        before = self._decoder.decode(self._ids[self._prefix : self._read])
         after = self._decoder.decode(self._ids[self._prefix :])
+        released = after[len(self._before) :]
         self._prefix = self._read = len(self._ids)
-        return after[len(before) :]
+        self._before = ""
+        return released
 
 
 class StopMatcher:
