@@ -16,6 +16,12 @@ from modelyard.inference.v1 import inference_service_pb2 as pb
 from modelyard.inference.v1 import inference_service_pb2_grpc as pb_grpc
 
 
+def unescape(text: str) -> str:
+    """Backslash escapes typed on a command line ("\\n") as the characters they name; other
+    non-ASCII text stays as it is."""
+    return text.encode("latin-1", "backslashreplace").decode("unicode_escape")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Stream a completion from Modelyard's Generate.")
     parser.add_argument("prompt", nargs="?", default="def __init__(self")
@@ -30,13 +36,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     request = pb.GenerateRequest(
         model_name=args.model,
-        prompt=args.prompt.encode().decode("unicode_escape"),
+        prompt=unescape(args.prompt),
         max_tokens=args.max_tokens,
         temperature=args.temperature,
         top_k=args.top_k,
         top_p=args.top_p,
         seed=args.seed,
-        stop=[s.encode().decode("unicode_escape") for s in args.stop],
+        stop=[unescape(s) for s in args.stop],
     )
     with grpc.insecure_channel(args.address) as channel:
         stub = pb_grpc.InferenceServiceStub(channel)

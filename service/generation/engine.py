@@ -177,8 +177,7 @@ class Engine:
         changes = self._plan_leaving()
         admitted = self._admit()
         if admitted:
-            for sequence, result in zip(admitted, await self._prefill(admitted), strict=True):
-                self._after_prefill(sequence, result)
+            await self._prefill(admitted)
         self._plan_joining(changes)
         # A batch that still has rows has runnable ones: rows whose reader is behind are pausing.
         if changes or any(len(batch) for batch in self._batches):
@@ -247,22 +246,26 @@ class Engine:
         self._batches.append(batch)
         return batch
 
-    async def _prefill(self, sequences: list[Sequence]) -> list[tuple[Cache, int] | Exception]:
+    async def _prefill(self, sequences: list[Sequence]) -> None:
+        """Run the admitted prompts in the executor, one after another. Each first token is handed
+        to the event loop as soon as its prompt is done (call_soon_threadsafe), so that it streams
+        while the next prompt runs; all those callbacks run before this coroutine resumes, since
+        the loop runs callbacks in the order they were scheduled and the executor's completion
+        is scheduled last."""
+        loop = asyncio.get_running_loop()
         layout = self._model.layout
 
-        def run() -> list[tuple[Cache, int] | Exception]:
-            results: list[tuple[Cache, int] | Exception] = []
+        def run() -> None:
             for sequence in sequences:
+                result: tuple[Cache, int] | Exception
                 try:
                     cache, logits = prefill(self._runner, layout, sequence.request.prompt_ids)
-                    results.append(
-                        (cache, choose(logits[: self._vocab], sequence.request.sampling, sequence.rng))
-                    )
+                    result = (cache, choose(logits[: self._vocab], sequence.request.sampling, sequence.rng))
                 except Exception as exc:  # one bad prompt must not fail the others
-                    results.append(exc)
-            return results
+                    result = exc
+                loop.call_soon_threadsafe(self._after_prefill, sequence, result)
 
-        return await asyncio.get_running_loop().run_in_executor(self._executor, run)
+        await loop.run_in_executor(self._executor, run)
 
     def _after_prefill(self, sequence: Sequence, result: tuple[Cache, int] | Exception) -> None:
         if isinstance(result, Exception):
