@@ -5,6 +5,10 @@ and models are serialized deterministically, so the same arguments always give b
 files. ``python -m service.demo_models [ROOT]`` rebuilds the demo repository (default
 ``models/demo``); a unit test checks that the committed tree equals a fresh build.
 
+The demo language model (``codelm``) is the one model not built here: ``models/train_demo_lm.py``
+trains it (torch, a few minutes) and writes its folder into the demo repository. A rebuild keeps
+that folder as it is, and the freshness test compares everything else.
+
 IR version and opset: onnx 1.23 writes IR 14 by default, which ONNX Runtime (up to 1.31 at least)
 refuses. IR 10 with opset 17 loads in every ONNX Runtime this project supports (IR 10 needs
 ORT >= 1.18, the project requires >= 1.22) and has every operator used here, with CUDA kernels.
@@ -28,7 +32,9 @@ from onnx import TensorProto, helper, numpy_helper
 __all__ = [
     "IR_VERSION",
     "OPSET",
+    "TRAINED_MODELS",
     "build_demo_repository",
+    "copy_trained_models",
     "dense_classifier",
     "dense_stack",
     "main",
@@ -45,6 +51,11 @@ OPSET = 17
 PRODUCER = "modelyard.demo_models"
 BATCH_DIM = "batch"
 DEFAULT_ROOT = Path("models/demo")
+# Model folders of the demo repository that a training script writes (models/train_demo_lm.py),
+# not this module: a rebuild carries them over unchanged.
+TRAINED_MODELS = ("codelm",)
+# Where the committed demo repository lies, for builds elsewhere that want its trained models.
+COMMITTED_ROOT = Path(__file__).resolve().parents[1] / "models" / "demo"
 
 # Version folder names the repository accepts: "3" (as Triton writes them) or "v3".
 _VERSION_RE = re.compile(r"^v?[0-9]+$")
@@ -295,8 +306,20 @@ def _looks_like_repository(root: Path) -> bool:
     return True
 
 
+def copy_trained_models(source: Path, root: Path) -> list[str]:
+    """Copy the trained demo models (TRAINED_MODELS) that ``source`` holds into ``root``; returns
+    the names copied."""
+    copied = []
+    for name in TRAINED_MODELS:
+        if (source / name).is_dir():
+            shutil.copytree(source / name, root / name, dirs_exist_ok=True)
+            copied.append(name)
+    return copied
+
+
 def rebuild_demo_repository(root: Path) -> None:
-    """Replace ``root`` with a fresh demo repository: built aside, then swapped in.
+    """Replace ``root`` with a fresh demo repository: built aside, then swapped in. The trained
+    models (TRAINED_MODELS) already in ``root`` are carried over unchanged.
 
     Refuses to delete a folder that does not look like a model repository.
     """
@@ -310,6 +333,7 @@ def rebuild_demo_repository(root: Path) -> None:
         fresh.chmod(0o755)
         build_demo_repository(fresh)
         if root.exists():
+            copy_trained_models(root, fresh)
             old = Path(tempfile.mkdtemp(dir=root.parent, prefix=f".{root.name}.old."))
             os.replace(root, old / root.name)
         os.replace(fresh, root)

@@ -38,3 +38,15 @@ class Unsupported(ServiceError):
 
 class ModelRunError(ServiceError):
     """The runtime failed while running a model on valid-looking input."""
+
+
+class NotGenerative(ServiceError):
+    """Generate was asked of a model that cannot generate: not a decoder, or no tokenizer."""
+
+
+class Overloaded(ServiceError):
+    """The model's queue for this kind of work is full; the client may retry later."""
+
+
+class DeadlineExceeded(ServiceError):
+    """The request's deadline passed before its work was done; the work is dropped, not finished."""

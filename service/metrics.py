@@ -31,6 +31,34 @@ LATENCY_BUCKETS = (
 )
 
 
+# Decode steps batch up to a model's max_concurrent_sequences rows.
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+
+
+@dataclass(frozen=True)
+class GenerationMetrics:
+    """The generation metrics of one model version, with their labels bound once (hot path)."""
+
+    time_to_first_token: Histogram
+    inter_token: Histogram
+    tokens: Counter
+    active: Gauge
+    waiting: Gauge
+    step_rows: Histogram
+    step_seconds: Histogram
+    _finished: Counter
+    _cancellations: Counter
+    _labels: tuple[str, str]
+
+    def finished(self, reason: str) -> None:
+        """A sequence ended: length, stop, eos, cancelled, deadline or error."""
+        self._finished.labels(*self._labels, reason).inc()
+
+    def cancelled(self, cause: str) -> None:
+        """A sequence was abandoned by its client: cancelled (or disconnected), or deadline."""
+        self._cancellations.labels(*self._labels, cause).inc()
+
+
 @dataclass
 class ServiceMetrics:
     registry: CollectorRegistry = field(default_factory=CollectorRegistry)
@@ -88,6 +116,7 @@ class ServiceMetrics:
             ["model"],
             registry=self.registry,
         )
+        self._generation_families(["model", "version"])
         # Names a request made up must not grow the label set without bound.
         self.known_models: set[str] = set()
         # labels() takes a lock and builds a key on every call; the hot path caches the children.
@@ -103,6 +132,78 @@ class ServiceMetrics:
             self._children[key] = children
         children[0].inc()
         children[1].observe(seconds)
+
+    def _generation_families(self, labels: list[str]) -> None:
+        self.generation_ttft = Histogram(
+            "modelyard_generation_time_to_first_token_seconds",
+            "Time from a generation's arrival (queueing included) to its first token.",
+            labels,
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.generation_inter_token = Histogram(
+            "modelyard_generation_inter_token_seconds",
+            "Time between consecutive tokens of one sequence.",
+            labels,
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.generation_tokens = Counter(
+            "modelyard_generation_tokens", "Tokens generated.", labels, registry=self.registry
+        )
+        self.generation_active = Gauge(
+            "modelyard_generation_active_sequences",
+            "Sequences holding a decode slot (running or paused for a slow reader).",
+            labels,
+            registry=self.registry,
+        )
+        self.generation_waiting = Gauge(
+            "modelyard_generation_waiting_sequences",
+            "Sequences queued for a decode slot.",
+            labels,
+            registry=self.registry,
+        )
+        self.generation_step_rows = Histogram(
+            "modelyard_generation_decode_batch_rows",
+            "Sequences per decode step (the batch that one model run advances).",
+            labels,
+            buckets=BATCH_BUCKETS,
+            registry=self.registry,
+        )
+        self.generation_step_seconds = Histogram(
+            "modelyard_generation_decode_step_seconds",
+            "Duration of one decode step (model run and sampling).",
+            labels,
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.generation_finished = Counter(
+            "modelyard_generation_finished",
+            "Generations ended, by reason: length, stop, eos, cancelled, deadline, error.",
+            [*labels, "reason"],
+            registry=self.registry,
+        )
+        self.generation_cancellations = Counter(
+            "modelyard_generation_cancellations",
+            "Generations abandoned by their client, by cause: cancelled (or disconnected), deadline.",
+            [*labels, "cause"],
+            registry=self.registry,
+        )
+
+    def generation(self, model: str, version: str) -> GenerationMetrics:
+        labels = (model, version)
+        return GenerationMetrics(
+            time_to_first_token=self.generation_ttft.labels(*labels),
+            inter_token=self.generation_inter_token.labels(*labels),
+            tokens=self.generation_tokens.labels(*labels),
+            active=self.generation_active.labels(*labels),
+            waiting=self.generation_waiting.labels(*labels),
+            step_rows=self.generation_step_rows.labels(*labels),
+            step_seconds=self.generation_step_seconds.labels(*labels),
+            _finished=self.generation_finished,
+            _cancellations=self.generation_cancellations,
+            _labels=labels,
+        )
 
 
 class MetricsServer:

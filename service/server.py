@@ -25,6 +25,7 @@ from service.api.kserve_servicer import KServeServicer
 from service.api.model_servicer import ModelServicer
 from service.config import Settings, split_address
 from service.dataplane import DataPlane
+from service.generation.plane import GenerationPlane
 from service.metrics import MetricsServer, ServiceMetrics
 from service.repository.watcher import RepositoryWatcher
 from service.runtime.manager import ModelEvent, ModelManager, Watcher
@@ -62,6 +63,7 @@ class Service:
     metrics: ServiceMetrics
     health: Health
     executor: ThreadPoolExecutor
+    generation: GenerationPlane | None = None
     metrics_server: MetricsServer | None = None
     watcher: RepositoryWatcher | None = None
     _events: asyncio.Task[None] | None = None
@@ -113,6 +115,8 @@ class Service:
         await self.server.stop(self.settings.grace_s if grace_s is None else grace_s)
         if self._events is not None:
             self._events.cancel()
+        if self.generation is not None:
+            await self.generation.close()  # decode loops use the executor: stop them first
         await self.manager.close()
         self.executor.shutdown(wait=True)
         if self.metrics_server is not None:
@@ -146,6 +150,7 @@ def build_service(settings: Settings) -> Service:
         max_workers=settings.inference_threads or os.cpu_count() or 1, thread_name_prefix="infer"
     )
     dataplane = DataPlane(manager, executor)
+    generation = GenerationPlane(manager, executor, metrics)
     server = grpc.aio.server(
         options=[
             ("grpc.max_receive_message_length", settings.max_message_bytes),
@@ -154,7 +159,7 @@ def build_service(settings: Settings) -> Service:
         ]
     )
     inference_service_pb2_grpc.add_InferenceServiceServicer_to_server(
-        InferenceServicer(dataplane, metrics), server
+        InferenceServicer(dataplane, generation, metrics), server
     )
     model_service_pb2_grpc.add_ModelServiceServicer_to_server(ModelServicer(manager, metrics), server)
     grpc_service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(
@@ -173,4 +178,4 @@ def build_service(settings: Settings) -> Service:
         server,
     )
     port = server.add_insecure_port(settings.listen)
-    return Service(settings, server, port, manager, metrics, health_servicer, executor)
+    return Service(settings, server, port, manager, metrics, health_servicer, executor, generation)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 
@@ -9,15 +10,17 @@ from modelyard.inference.v1 import inference_service_pb2 as pb
 from modelyard.inference.v1 import inference_service_pb2_grpc as pb_grpc
 
 from service.api.convert import to_arrays, to_tensors
-from service.api.errors import Context, serving
+from service.api.errors import Context, deadline_passed, serving
+from service.api.generation_convert import to_generate_params, to_generate_response
 from service.dataplane import DataPlane
-from service.errors import Unsupported
+from service.generation.plane import GenerationPlane
 from service.metrics import ServiceMetrics
 
 
 class InferenceServicer(pb_grpc.InferenceServiceServicer):
-    def __init__(self, dataplane: DataPlane, metrics: ServiceMetrics) -> None:
+    def __init__(self, dataplane: DataPlane, generation: GenerationPlane, metrics: ServiceMetrics) -> None:
         self._dataplane = dataplane
+        self._generation = generation
         self._metrics = metrics
 
     async def Infer(self, request: pb.InferRequest, context: Context) -> pb.InferResponse:
@@ -64,10 +67,17 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
     async def Generate(
         self, request: pb.GenerateRequest, context: Context
     ) -> AsyncIterator[pb.GenerateResponse]:
-        async with serving(context, self._metrics, "Generate", request.model_name):
-            raise Unsupported(
-                "Generate is not implemented yet: decoder language model serving arrives with the "
-                "generation feature; use Infer or InferStream"
+        async with serving(context, self._metrics, "Generate", request.model_name) as call:
+            remaining = context.time_remaining()
+            events = self._generation.generate(
+                request.model_name,
+                request.model_version,
+                to_generate_params(request),
+                deadline=None if remaining is None else time.monotonic() + remaining,
+                deadline_passed=lambda: deadline_passed(context),
             )
-        # Never reached (serving() aborts); the yield makes this a server-streaming handler.
-        yield pb.GenerateResponse()  # type: ignore[unreachable]
+            # aclosing: a cancelled stream leaves its batch and releases its lease at once.
+            async with aclosing(events):
+                async for event in events:
+                    call.version = str(event.version)
+                    yield to_generate_response(event, request.request_id)

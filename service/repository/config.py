@@ -6,7 +6,7 @@ Unknown keys are errors: a typo in a serving config must fail loudly, not be ign
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Literal
 
@@ -76,6 +76,20 @@ class ReloadConfig:
 
 
 @dataclass(frozen=True)
+class GenerationConfig:
+    """How a decoder language model serves Generate. Ignored for models that are not decoders."""
+
+    max_concurrent_sequences: int = 16  # sequences decoding at once (the rows of a decode step)
+    max_waiting: int = 64  # sequences queued beyond those; one more gets RESOURCE_EXHAUSTED
+    max_tokens: int = 512  # the largest max_tokens a request may ask for
+    default_max_tokens: int = 64  # for requests that leave max_tokens at 0
+    context_length: int = 0  # 0 = from the model file's metadata (context_length, n_positions, ...)
+    eos_token: str = ""  # "" = the tokenizer's end-of-text special token, if it has a known one
+    continuous_batching: bool = True  # False: every sequence decodes alone (a benchmark baseline)
+    stream_buffer: int = 16  # tokens buffered per stream before its sequence pauses for the reader
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     max_batch_size: int = 0
     version_policy: VersionPolicy = field(default_factory=VersionPolicy)
@@ -84,6 +98,7 @@ class ModelConfig:
     execution: ExecutionConfig = field(default_factory=ExecutionConfig)
     dynamic_batching: DynamicBatchingConfig | None = None
     reload: ReloadConfig = field(default_factory=ReloadConfig)
+    generation: GenerationConfig = field(default_factory=GenerationConfig)
     # False when the model has no config.yaml: then the batch dimension is inferred from the graph.
     explicit: bool = False
 
@@ -108,7 +123,16 @@ def parse_config(raw: object) -> ModelConfig:
     _known(
         doc,
         "config",
-        {"max_batch_size", "version_policy", "inputs", "outputs", "execution", "dynamic_batching", "reload"},
+        {
+            "max_batch_size",
+            "version_policy",
+            "inputs",
+            "outputs",
+            "execution",
+            "dynamic_batching",
+            "reload",
+            "generation",
+        },
     )
     batching = doc.get("dynamic_batching")
     return ModelConfig(
@@ -119,6 +143,7 @@ def parse_config(raw: object) -> ModelConfig:
         execution=_execution(doc.get("execution", {})),
         dynamic_batching=None if batching is None else _batching(batching),
         reload=_reload(doc.get("reload", {})),
+        generation=_generation(doc.get("generation", {})),
         explicit=True,
     )
 
@@ -202,13 +227,43 @@ def _batching(raw: object) -> DynamicBatchingConfig:
 def _reload(raw: object) -> ReloadConfig:
     doc = _mapping(raw, "reload")
     _known(doc, "reload", {"allow_schema_change", "memory_budget_mb", "when_over_budget"})
-    allow = doc.get("allow_schema_change", False)
-    if not isinstance(allow, bool):
-        raise ConfigError(f"reload.allow_schema_change: expected true or false, got {allow!r}")
+    allow = _bool(doc.get("allow_schema_change", False), "reload.allow_schema_change")
     when = doc.get("when_over_budget", "fail")
     if when not in ("fail", "drain_first"):
         raise ConfigError(f"reload.when_over_budget: expected fail or drain_first, got {when!r}")
     return ReloadConfig(allow, _int(doc.get("memory_budget_mb", 0), "reload.memory_budget_mb", 0), when)
+
+
+def _generation(raw: object) -> GenerationConfig:
+    doc = _mapping(raw, "generation")
+    defaults = GenerationConfig()
+    _known(doc, "generation", {f.name for f in fields(GenerationConfig)})
+    eos = doc.get("eos_token", defaults.eos_token)
+    if not isinstance(eos, str):
+        raise ConfigError(f"generation.eos_token: expected a string, got {eos!r}")
+    batching = _bool(
+        doc.get("continuous_batching", defaults.continuous_batching), "generation.continuous_batching"
+    )
+
+    def count(key: str, minimum: int) -> int:
+        return _int(doc.get(key, getattr(defaults, key)), f"generation.{key}", minimum)
+
+    config = GenerationConfig(
+        max_concurrent_sequences=count("max_concurrent_sequences", 1),
+        max_waiting=count("max_waiting", 0),
+        max_tokens=count("max_tokens", 1),
+        default_max_tokens=count("default_max_tokens", 1),
+        context_length=count("context_length", 0),
+        eos_token=eos,
+        continuous_batching=batching,
+        stream_buffer=count("stream_buffer", 1),
+    )
+    if config.default_max_tokens > config.max_tokens:
+        raise ConfigError(
+            f"generation.default_max_tokens ({config.default_max_tokens}) exceeds generation.max_tokens "
+            f"({config.max_tokens})"
+        )
+    return config
 
 
 def _mapping(raw: object, where: str) -> Mapping[str, Any]:
@@ -221,6 +276,12 @@ def _known(doc: Mapping[str, Any], where: str, allowed: set[str]) -> None:
     unknown = sorted(set(doc) - allowed)
     if unknown:
         raise ConfigError(f"{where}: unknown key(s) {', '.join(map(str, unknown))}")
+
+
+def _bool(value: object, where: str) -> bool:
+    if not isinstance(value, bool):
+        raise ConfigError(f"{where}: expected true or false, got {value!r}")
+    return value
 
 
 def _int(value: object, where: str, minimum: int) -> int:

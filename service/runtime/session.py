@@ -16,6 +16,7 @@ import onnxruntime as ort
 
 from service.datatypes import NAME_BY_ORT, NUMPY_BY_NAME
 from service.errors import ModelLoadError
+from service.generation.model import DecoderModel, load_decoder
 from service.repository.config import ModelConfig, TensorConfig
 from service.runtime.providers import CPU, CUDA, ProviderChoice
 from service.runtime.signature import Signature, TensorSpec
@@ -36,6 +37,7 @@ class ModelRunner:
     signature: Signature
     provider: str
     warmup_run_s: float  # median warm-up run time, on inputs with every dynamic dimension = 1
+    decoder: DecoderModel | None = None  # set when the graph is in the decoder layout (Generate)
 
     @property
     def runs_inline(self) -> bool:
@@ -55,7 +57,9 @@ def load_runner(model_file: Path, config: ModelConfig, providers: ProviderChoice
     except Exception as exc:  # ORT raises a variety of types for a bad file
         raise ModelLoadError(f"{model_file}: onnxruntime cannot load it: {_first_line(exc)}") from None
     signature = _signature(session, config, model_file)
-    runner = ModelRunner(session, signature, session.get_providers()[0], warmup_run_s=0.0)
+    metadata = dict(session.get_modelmeta().custom_metadata_map)
+    decoder = load_decoder(signature, metadata, config.generation, model_file)
+    runner = ModelRunner(session, signature, session.get_providers()[0], warmup_run_s=0.0, decoder=decoder)
     return dataclasses.replace(runner, warmup_run_s=_warm_up(runner, model_file))
 
 
@@ -142,7 +146,10 @@ def _apply_config(
 
 
 def _warm_up(runner: ModelRunner, model_file: Path) -> float:
-    feeds = {spec.name: _sample(spec) for spec in runner.signature.inputs}
+    if runner.decoder is not None:
+        feeds = runner.decoder.layout.sample_feeds()
+    else:
+        feeds = {spec.name: _sample(spec) for spec in runner.signature.inputs}
     timings = []
     try:
         for _ in range(WARMUP_RUNS):

@@ -220,12 +220,12 @@ async def test_infer_stream_bad_input_is_one_error(stub) -> None:
     assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
 
 
-async def test_generate_is_unimplemented_with_a_clear_message(stub) -> None:
+async def test_generate_on_a_model_that_is_not_a_decoder_is_failed_precondition(stub) -> None:
     with pytest.raises(grpc.aio.AioRpcError) as caught:
         async for _ in stub.Generate(pb.GenerateRequest(model_name="classifier", prompt="hi")):
             pass
-    assert caught.value.code() == grpc.StatusCode.UNIMPLEMENTED
-    assert "Generate" in caught.value.details()
+    assert caught.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "not a decoder" in caught.value.details()
 
 
 async def test_concurrent_requests_each_get_their_own_answer(stub) -> None:

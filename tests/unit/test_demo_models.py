@@ -67,11 +67,39 @@ def test_two_builds_are_byte_identical(tmp_path: Path) -> None:
     }
 
 
+def built(root: Path) -> dict[str, bytes]:
+    """The part of a demo tree that this module builds: everything but the trained models."""
+    return {
+        rel: data for rel, data in tree(root).items() if rel.split("/")[0] not in demo_models.TRAINED_MODELS
+    }
+
+
 def test_committed_demo_repository_is_fresh(demo: Path) -> None:
     assert COMMITTED_DEMO.is_dir(), "models/demo is missing: run `python -m service.demo_models`"
-    assert tree(COMMITTED_DEMO) == tree(demo), (
+    assert built(COMMITTED_DEMO) == tree(demo), (
         "models/demo is stale: rebuild it with `python -m service.demo_models models/demo`"
     )
+
+
+def test_committed_trained_models_are_complete_and_small() -> None:
+    """The trained language model is committed whole (so `make up` needs no training) and small."""
+    trained = {rel: data for rel, data in tree(COMMITTED_DEMO).items() if rel not in built(COMMITTED_DEMO)}
+    assert set(trained) == {"codelm/config.yaml", "codelm/1/model.onnx", "codelm/1/tokenizer.json"}
+    assert len(trained["codelm/1/model.onnx"]) < 8 * 1024 * 1024
+    model = onnx.load_model_from_string(trained["codelm/1/model.onnx"])
+    assert model.ir_version <= 10  # what ONNX Runtime accepts
+    assert {p.key: p.value for p in model.metadata_props}["context_length"] == "256"
+
+
+def test_rebuild_keeps_the_trained_models(tmp_path: Path, demo: Path) -> None:
+    root = tmp_path / "demo"
+    write_model(root, "stale", 1, scaled_identity(2, 1.0))
+    assert demo_models.copy_trained_models(COMMITTED_DEMO, root) == ["codelm"]
+    rebuild_demo_repository(root)
+    assert built(root) == tree(demo)
+    assert {rel: data for rel, data in tree(root).items() if rel.startswith("codelm/")} == {
+        rel: data for rel, data in tree(COMMITTED_DEMO).items() if rel.startswith("codelm/")
+    }
 
 
 def test_demo_files_are_small(demo: Path) -> None:

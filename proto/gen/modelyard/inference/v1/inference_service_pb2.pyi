@@ -36,7 +36,10 @@ class _FinishReasonEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_FinishRe
     FINISH_REASON_EOS: _FinishReason.ValueType  # 3
     """FINISH_REASON_EOS means the model produced its end-of-sequence token."""
     FINISH_REASON_CANCELLED: _FinishReason.ValueType  # 4
-    """FINISH_REASON_CANCELLED means the client cancelled."""
+    """FINISH_REASON_CANCELLED means the client cancelled. The service itself ends a cancelled
+    stream with the gRPC status CANCELLED (nobody is left to read an event); a proxy that ends
+    a stream on a client's behalf reports it with this reason.
+    """
 
 class FinishReason(_FinishReason, metaclass=_FinishReasonEnumTypeWrapper):
     """FinishReason says why a generation ended."""
@@ -50,7 +53,10 @@ FINISH_REASON_STOP: FinishReason.ValueType  # 2
 FINISH_REASON_EOS: FinishReason.ValueType  # 3
 """FINISH_REASON_EOS means the model produced its end-of-sequence token."""
 FINISH_REASON_CANCELLED: FinishReason.ValueType  # 4
-"""FINISH_REASON_CANCELLED means the client cancelled."""
+"""FINISH_REASON_CANCELLED means the client cancelled. The service itself ends a cancelled
+stream with the gRPC status CANCELLED (nobody is left to read an event); a proxy that ends
+a stream on a client's behalf reports it with this reason.
+"""
 Global___FinishReason: _TypeAlias = FinishReason  # noqa: Y015
 
 @_typing.final
@@ -251,17 +257,28 @@ class GenerateRequest(_message.Message):
     model_version: _builtins.str
     """model_version pins a version; empty means the newest served version."""
     prompt: _builtins.str
-    """prompt is the text to continue."""
+    """prompt is the text to continue; it must leave room for at least one token in the model's
+    context.
+    """
     max_tokens: _builtins.int
-    """max_tokens bounds the number of generated tokens."""
+    """max_tokens bounds the number of generated tokens; 0 means the model's default_max_tokens,
+    more than the model's max_tokens is INVALID_ARGUMENT. Generation also ends (with
+    FINISH_REASON_LENGTH) when prompt and completion fill the model's context.
+    """
     temperature: _builtins.float
-    """temperature scales the logits before sampling; 0 means greedy decoding."""
+    """temperature scales the logits before sampling; 0 means greedy decoding; negative is
+    INVALID_ARGUMENT.
+    """
     top_k: _builtins.int
     """top_k keeps the k most likely tokens before sampling; 0 disables it."""
     top_p: _builtins.float
-    """top_p keeps the smallest set of tokens whose probability reaches top_p; 0 means 1."""
+    """top_p keeps the smallest set of tokens whose probability reaches top_p, in (0, 1]; 0 (unset)
+    means 1.
+    """
     seed: _builtins.int
-    """seed makes sampling reproducible: the same seed gives the same output."""
+    """seed makes sampling reproducible: the same seed gives the same output (on the same model
+    version, when run alone).
+    """
     request_id: _builtins.str
     """request_id is echoed in every response."""
     @_builtins.property
@@ -270,7 +287,9 @@ class GenerateRequest(_message.Message):
 
     @_builtins.property
     def stop(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
-        """stop lists sequences that end the generation when produced; they are not returned."""
+        """stop lists up to 16 sequences (1 to 256 characters) that end the generation when produced,
+        even across tokens; the stop sequence's text is not returned, its tokens are counted.
+        """
 
     def __init__(
         self,
@@ -338,18 +357,24 @@ class GenerateResponse(_message.Message):
     TIME_TO_FIRST_TOKEN_FIELD_NUMBER: _builtins.int
     REQUEST_ID_FIELD_NUMBER: _builtins.int
     sequence_number: _builtins.int
-    """sequence_number counts events from 0, so that a client can detect gaps and resume."""
+    """sequence_number counts events from 0, so that a client can detect gaps and resume.
+    An event carries one token, or several when the reader fell behind.
+    """
     model_version: _builtins.str
     """model_version is the version that generates; it is the same for every event."""
     text: _builtins.str
-    """text is the new text of this event."""
+    """text is the new text of this event; it may be empty while a token ends in the middle of a
+    character or may start a stop sequence (that text comes with a later event, or never).
+    """
     finish_reason: Global___FinishReason.ValueType
     """finish_reason is set on the last event only."""
     request_id: _builtins.str
     """request_id echoes the request's request_id."""
     @_builtins.property
     def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
-        """token_ids are the tokens this event adds."""
+        """token_ids are the tokens this event adds, the end-of-sequence token included (it has no
+        text).
+        """
 
     @_builtins.property
     def usage(self) -> Global___Usage:
@@ -357,7 +382,9 @@ class GenerateResponse(_message.Message):
 
     @_builtins.property
     def time_to_first_token(self) -> _duration_pb2.Duration:
-        """time_to_first_token is set on the last event only: from admission to the first token."""
+        """time_to_first_token is set on the last event only: from the request's arrival at the model
+        (time queued for a slot included) to its first token.
+        """
 
     def __init__(
         self,

@@ -68,7 +68,9 @@ class InferenceServiceServicer:
     def InferStream(self, request, context):
         """InferStream runs the model on a batch in chunks of rows and streams one response per
         chunk as soon as it is computed, so that a client sees the first rows of a large batch
-        early. Every response comes from the same model version.
+        early. Every response comes from the same model version. This holds for every model,
+        decoder language models included: their graph runs once per chunk, as with Infer; text
+        generation (a decode loop with a KV cache) is Generate.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -76,7 +78,12 @@ class InferenceServiceServicer:
 
     def Generate(self, request, context):
         """Generate streams text from a decoder language model, one event per new token, and ends
-        with an event that carries the finish reason and token usage.
+        with an event that carries the finish reason and token usage. Concurrent streams share
+        decode steps. A reader that falls behind gets the tokens that piled up in one event and
+        pauses its sequence (the server never buffers without bound); a cancelled stream leaves
+        the batch at the next step. Errors: INVALID_ARGUMENT naming the field, FAILED_PRECONDITION
+        for a model that is not a decoder (or has no tokenizer.json), RESOURCE_EXHAUSTED when the
+        model's slots and queue are full, DEADLINE_EXCEEDED when the call's deadline passes.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -40,11 +40,18 @@ class InferenceServiceStub:
     InferStream: _grpc.UnaryStreamMultiCallable[_inference_service_pb2.InferStreamRequest, _inference_service_pb2.InferStreamResponse]
     """InferStream runs the model on a batch in chunks of rows and streams one response per
     chunk as soon as it is computed, so that a client sees the first rows of a large batch
-    early. Every response comes from the same model version.
+    early. Every response comes from the same model version. This holds for every model,
+    decoder language models included: their graph runs once per chunk, as with Infer; text
+    generation (a decode loop with a KV cache) is Generate.
     """
     Generate: _grpc.UnaryStreamMultiCallable[_inference_service_pb2.GenerateRequest, _inference_service_pb2.GenerateResponse]
     """Generate streams text from a decoder language model, one event per new token, and ends
-    with an event that carries the finish reason and token usage.
+    with an event that carries the finish reason and token usage. Concurrent streams share
+    decode steps. A reader that falls behind gets the tokens that piled up in one event and
+    pauses its sequence (the server never buffers without bound); a cancelled stream leaves
+    the batch at the next step. Errors: INVALID_ARGUMENT naming the field, FAILED_PRECONDITION
+    for a model that is not a decoder (or has no tokenizer.json), RESOURCE_EXHAUSTED when the
+    model's slots and queue are full, DEADLINE_EXCEEDED when the call's deadline passes.
     """
 
 @_typing.type_check_only
@@ -59,11 +66,18 @@ class InferenceServiceAsyncStub(InferenceServiceStub):
     InferStream: _aio.UnaryStreamMultiCallable[_inference_service_pb2.InferStreamRequest, _inference_service_pb2.InferStreamResponse]  # type: ignore[assignment]
     """InferStream runs the model on a batch in chunks of rows and streams one response per
     chunk as soon as it is computed, so that a client sees the first rows of a large batch
-    early. Every response comes from the same model version.
+    early. Every response comes from the same model version. This holds for every model,
+    decoder language models included: their graph runs once per chunk, as with Infer; text
+    generation (a decode loop with a KV cache) is Generate.
     """
     Generate: _aio.UnaryStreamMultiCallable[_inference_service_pb2.GenerateRequest, _inference_service_pb2.GenerateResponse]  # type: ignore[assignment]
     """Generate streams text from a decoder language model, one event per new token, and ends
-    with an event that carries the finish reason and token usage.
+    with an event that carries the finish reason and token usage. Concurrent streams share
+    decode steps. A reader that falls behind gets the tokens that piled up in one event and
+    pauses its sequence (the server never buffers without bound); a cancelled stream leaves
+    the batch at the next step. Errors: INVALID_ARGUMENT naming the field, FAILED_PRECONDITION
+    for a model that is not a decoder (or has no tokenizer.json), RESOURCE_EXHAUSTED when the
+    model's slots and queue are full, DEADLINE_EXCEEDED when the call's deadline passes.
     """
 
 class InferenceServiceServicer(metaclass=_abc_1.ABCMeta):
@@ -87,7 +101,9 @@ class InferenceServiceServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_abc.Iterator[_inference_service_pb2.InferStreamResponse], _abc.AsyncIterator[_inference_service_pb2.InferStreamResponse]]:
         """InferStream runs the model on a batch in chunks of rows and streams one response per
         chunk as soon as it is computed, so that a client sees the first rows of a large batch
-        early. Every response comes from the same model version.
+        early. Every response comes from the same model version. This holds for every model,
+        decoder language models included: their graph runs once per chunk, as with Infer; text
+        generation (a decode loop with a KV cache) is Generate.
         """
 
     @_abc_1.abstractmethod
@@ -97,7 +113,12 @@ class InferenceServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_abc.Iterator[_inference_service_pb2.GenerateResponse], _abc.AsyncIterator[_inference_service_pb2.GenerateResponse]]:
         """Generate streams text from a decoder language model, one event per new token, and ends
-        with an event that carries the finish reason and token usage.
+        with an event that carries the finish reason and token usage. Concurrent streams share
+        decode steps. A reader that falls behind gets the tokens that piled up in one event and
+        pauses its sequence (the server never buffers without bound); a cancelled stream leaves
+        the batch at the next step. Errors: INVALID_ARGUMENT naming the field, FAILED_PRECONDITION
+        for a model that is not a decoder (or has no tokenizer.json), RESOURCE_EXHAUSTED when the
+        model's slots and queue are full, DEADLINE_EXCEEDED when the call's deadline passes.
         """
 
 def add_InferenceServiceServicer_to_server(servicer: InferenceServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

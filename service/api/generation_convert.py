@@ -1,0 +1,45 @@
+"""Generate messages (modelyard.inference.v1) <-> the generation plane's request and events."""
+
+from __future__ import annotations
+
+from modelyard.inference.v1 import inference_service_pb2 as pb
+
+from service.generation.params import GenerateParams
+from service.generation.sequence import FinishReason, TokenEvent
+
+_FINISH = {
+    FinishReason.LENGTH: pb.FINISH_REASON_LENGTH,
+    FinishReason.STOP: pb.FINISH_REASON_STOP,
+    FinishReason.EOS: pb.FINISH_REASON_EOS,
+    FinishReason.CANCELLED: pb.FINISH_REASON_CANCELLED,
+}
+
+
+def to_generate_params(request: pb.GenerateRequest) -> GenerateParams:
+    return GenerateParams(
+        prompt=request.prompt,
+        prompt_token_ids=tuple(request.prompt_token_ids),
+        max_tokens=request.max_tokens,
+        temperature=request.temperature,
+        top_k=request.top_k,
+        top_p=request.top_p,
+        seed=request.seed if request.HasField("seed") else None,
+        stop=tuple(request.stop),
+    )
+
+
+def to_generate_response(event: TokenEvent, request_id: str) -> pb.GenerateResponse:
+    response = pb.GenerateResponse(
+        sequence_number=event.index,
+        model_version=str(event.version),
+        text=event.text,
+        token_ids=event.token_ids,
+        request_id=request_id,
+    )
+    if event.finish is not None:
+        response.finish_reason = _FINISH[event.finish]
+        if event.usage is not None:
+            response.usage.prompt_tokens = event.usage.prompt_tokens
+            response.usage.completion_tokens = event.usage.completion_tokens
+        response.time_to_first_token.FromNanoseconds(round(event.time_to_first_token_s * 1e9))
+    return response

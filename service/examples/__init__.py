@@ -1,0 +1,1 @@
+"""Small runnable clients that show how to call the service."""

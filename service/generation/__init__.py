@@ -1,0 +1,1 @@
+"""Text generation with decoder language models: KV-cache decoding, continuous batching, sampling."""

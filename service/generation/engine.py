@@ -1,0 +1,429 @@
+"""The decode loop of one decoder model version: admission, continuous batching, delivery.
+
+One asyncio task per model version runs the loop while there is work and ends when there is none.
+Each turn of the loop:
+
+1. drops sequences whose reader left (cancelled, disconnected) or whose deadline passed, pauses
+   those whose reader is behind (buffer full) and resumes those whose reader caught up;
+2. admits queued sequences into free slots and prefills their prompts (first token at once);
+3. runs one decode step for every running sequence together, as one batch.
+
+Joins and leaves happen only between steps (continuous batching). Model runs, cache copies and
+sampling go to the executor; the event loop only plans, and turns tokens into text and events.
+With `continuous_batching: false` (or a graph without position_ids, whose positions would shift
+under padding) every sequence decodes in a batch of its own instead.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import deque
+from collections.abc import Iterable
+from concurrent.futures import Executor
+from dataclasses import dataclass, field
+from typing import TypeVar
+
+from service.errors import DeadlineExceeded, ModelRunError, ModelUnavailable, Overloaded, ServiceError
+from service.generation.decoder import Cache, DecodeBatch, StepRunner, prefill
+from service.generation.model import DecoderModel
+from service.generation.sampling import choose, choose_rows
+from service.generation.sequence import (
+    FinishReason,
+    GenerationRequest,
+    Sequence,
+    State,
+    TokenEvent,
+    Usage,
+)
+from service.metrics import GenerationMetrics
+
+log = logging.getLogger(__name__)
+
+# Prompt tokens prefilled per turn (at least one prompt): bounds how long a burst of new
+# arrivals can hold up the tokens of the sequences already running.
+PREFILL_TOKEN_BUDGET = 1024
+T = TypeVar("T")
+
+
+@dataclass
+class _Change:
+    """What one batch does this turn, decided on the event loop, applied in the executor."""
+
+    leaving: list[Sequence] = field(default_factory=list)
+    pausing: list[Sequence] = field(default_factory=list)
+    joining: list[tuple[Sequence, Cache, int]] = field(default_factory=list)
+
+
+@dataclass
+class _Advanced:
+    members: list[Sequence]
+    tokens: list[int]
+    kept: dict[int, tuple[Cache, int]]
+    seconds: float
+
+
+class Engine:
+    def __init__(
+        self,
+        model: DecoderModel,
+        runner: StepRunner,
+        version: int,
+        executor: Executor,
+        metrics: GenerationMetrics,
+    ) -> None:
+        assert model.codec is not None, "an engine needs a tokenizer"
+        self._model = model
+        self._codec = model.codec
+        self._runner = runner
+        self._version = version
+        self._executor = executor
+        self._metrics = metrics
+        self._settings = model.settings
+        self._vocab = model.vocab
+        self._shared_batches = self._settings.continuous_batching and model.layout.has_position_ids
+        self._waiting: deque[Sequence] = deque()
+        self._slots: set[Sequence] = set()  # admitted: prefill, running or paused
+        self._batches: list[DecodeBatch[Sequence]] = []
+        self._batch_of: dict[int, DecodeBatch[Sequence]] = {}  # id(sequence) -> its batch
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self._closed = False
+
+    @property
+    def active(self) -> int:
+        return len(self._slots)
+
+    @property
+    def waiting(self) -> int:
+        return len(self._waiting)
+
+    # -- the readers' side -------------------------------------------------------------------
+
+    def submit(self, request: GenerationRequest) -> Sequence:
+        """Queue a validated request; Overloaded when every slot and queue place is taken."""
+        if self._closed:
+            raise ModelUnavailable("the model version is shutting down")
+        if request.deadline is not None and time.monotonic() >= request.deadline:
+            raise DeadlineExceeded("the deadline passed before the generation was queued")
+        capacity = self._settings.max_concurrent_sequences + self._settings.max_waiting
+        if len(self._slots) + len(self._waiting) >= capacity:
+            raise Overloaded(
+                f"{len(self._slots)} sequences are generating and {len(self._waiting)} are queued, "
+                f"the most this model takes (max_concurrent_sequences "
+                f"{self._settings.max_concurrent_sequences} + max_waiting {self._settings.max_waiting}); "
+                "retry later"
+            )
+        sequence = Sequence(request, self._codec, self._version, self._settings.stream_buffer, self._kick)
+        self._waiting.append(sequence)
+        self._gauges()
+        self._kick()
+        return sequence
+
+    def release(self, sequence: Sequence, cause: str) -> None:
+        """The reader left before the end ("cancelled" or "deadline"): the sequence leaves its
+        batch at the next step, and its cache is freed there."""
+        if sequence.state is State.DONE:
+            return
+        sequence.cancel_cause = cause
+        self._metrics.cancelled(cause)
+        self._metrics.finished(cause)
+        if sequence.state is State.WAITING:
+            self._waiting.remove(sequence)
+        sequence.state = State.DONE
+        self._gauges()
+        self._kick()
+
+    async def close(self) -> None:
+        """Stop the loop (service shutdown); every unfinished stream ends UNAVAILABLE."""
+        self._closed = True
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        self._fail_all(
+            ModelUnavailable("the service is shutting down"), set(self._slots) | set(self._waiting)
+        )
+
+    # -- the loop ----------------------------------------------------------------------------
+
+    def _kick(self) -> None:
+        self._wake.set()
+        if not self._closed and (self._task is None or self._task.done()):
+            self._task = asyncio.get_running_loop().create_task(self._loop(), name="decode-loop")
+
+    async def _loop(self) -> None:
+        while self._slots or self._waiting:
+            self._wake.clear()
+            try:
+                worked = await self._turn()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # a bug or a runtime failure: end the streams, keep serving
+                log.exception("decode loop of version %d failed", self._version)
+                self._fail_all(
+                    ModelRunError(f"generation failed: {exc}"), set(self._slots) | set(self._waiting)
+                )
+            self._gauges()
+            if not worked:
+                # Every sequence is paused for its reader (or just left): wait for a reader or
+                # a new arrival instead of spinning.
+                await self._wake.wait()
+        self._gauges()
+
+    async def _turn(self) -> bool:
+        """One turn; False when there was nothing to do (every sequence waits for its reader)."""
+        self._expire(time.monotonic())
+        changes = self._plan_leaving()
+        admitted = self._admit()
+        if admitted:
+            await self._prefill(admitted)
+        self._plan_joining(changes)
+        # A batch that still has rows has runnable ones: rows whose reader is behind are pausing.
+        if changes or any(len(batch) for batch in self._batches):
+            await self._advance(changes)
+            return True
+        return bool(admitted)
+
+    def _expire(self, now: float) -> None:
+        for sequence in [*self._waiting, *self._slots]:
+            if sequence.state is not State.DONE and sequence.expired(now):
+                self._metrics.cancelled("deadline")
+                self._metrics.finished("deadline")
+                if sequence.state is State.WAITING:
+                    self._waiting.remove(sequence)
+                sequence.fail(DeadlineExceeded("the deadline passed during generation"))
+
+    def _plan_leaving(self) -> dict[int, _Change]:
+        """Finished or abandoned rows leave; rows whose reader is behind pause; paused or prefilled
+        sequences that are done give their slot back at once (they hold no batch row)."""
+        changes: dict[int, _Change] = {}
+        for sequence in list(self._slots):
+            batch = self._batch_of.get(id(sequence))
+            if sequence.state is State.DONE:
+                if batch is None:
+                    self._free(sequence)
+                else:
+                    changes.setdefault(id(batch), _Change()).leaving.append(sequence)
+            elif sequence.state is State.RUNNING and sequence.buffer_full and batch is not None:
+                changes.setdefault(id(batch), _Change()).pausing.append(sequence)
+        return changes
+
+    def _admit(self) -> list[Sequence]:
+        admitted: list[Sequence] = []
+        budget = PREFILL_TOKEN_BUDGET
+        while self._waiting and len(self._slots) < self._settings.max_concurrent_sequences:
+            size = len(self._waiting[0].request.prompt_ids)
+            if admitted and size > budget:
+                break
+            sequence = self._waiting.popleft()
+            sequence.state = State.PREFILL
+            self._slots.add(sequence)
+            admitted.append(sequence)
+            budget -= size
+        return admitted
+
+    def _plan_joining(self, changes: dict[int, _Change]) -> None:
+        """Prefilled sequences, and paused ones whose reader caught up, join a batch."""
+        for sequence in list(self._slots):
+            if sequence.state not in (State.PAUSED, State.PREFILL) or sequence.cache is None:
+                continue
+            if not sequence.has_room:
+                sequence.state = State.PAUSED
+                continue
+            batch = self._batch_for_joining()
+            changes.setdefault(id(batch), _Change()).joining.append(
+                (sequence, sequence.cache, sequence.next_token)
+            )
+            self._batch_of[id(sequence)] = batch
+            sequence.cache = None
+            sequence.state = State.RUNNING
+
+    def _batch_for_joining(self) -> DecodeBatch[Sequence]:
+        if self._shared_batches and self._batches:
+            return self._batches[0]
+        batch: DecodeBatch[Sequence] = DecodeBatch(self._runner, self._model.layout)
+        self._batches.append(batch)
+        return batch
+
+    async def _prefill(self, sequences: list[Sequence]) -> None:
+        """Run the admitted prompts in the executor, one after another. Each first token is handed
+        to the event loop as soon as its prompt is done (call_soon_threadsafe), so that it streams
+        while the next prompt runs; all those callbacks run before this coroutine resumes, since
+        the loop runs callbacks in the order they were scheduled and the executor's completion
+        is scheduled last."""
+        loop = asyncio.get_running_loop()
+        layout = self._model.layout
+
+        def run() -> None:
+            for sequence in sequences:
+                result: tuple[Cache, int] | Exception
+                try:
+                    cache, logits = prefill(self._runner, layout, sequence.request.prompt_ids)
+                    result = (cache, choose(logits[: self._vocab], sequence.request.sampling, sequence.rng))
+                except Exception as exc:  # one bad prompt must not fail the others
+                    result = exc
+                loop.call_soon_threadsafe(self._after_prefill, sequence, result)
+
+        await loop.run_in_executor(self._executor, run)
+
+    def _after_prefill(self, sequence: Sequence, result: tuple[Cache, int] | Exception) -> None:
+        if isinstance(result, Exception):
+            self._fail(sequence, _run_error(result))
+            self._free(sequence)
+            return
+        cache, token = result
+        if sequence.state is State.DONE:  # its reader left while the prompt ran
+            self._free(sequence)
+            return
+        self._deliver(sequence, token, time.monotonic())
+        if sequence.done:  # the first token ended it (eos, stop, max_tokens 1)
+            self._free(sequence)
+            return
+        sequence.cache = cache
+        sequence.next_token = token
+
+    async def _advance(self, changes: dict[int, _Change]) -> None:
+        """Apply each batch's changes and step it, in the executor; then deliver the tokens."""
+        loop = asyncio.get_running_loop()
+        batches = list(self._batches)
+        work = [(batch, changes.get(id(batch), _Change())) for batch in batches]
+        results = await asyncio.gather(
+            *(
+                loop.run_in_executor(self._executor, self._advance_sync, batch, change)
+                for batch, change in work
+            ),
+            return_exceptions=True,
+        )
+        now = time.monotonic()
+        for (batch, change), result in zip(work, results, strict=True):
+            for sequence in change.leaving:
+                self._batch_of.pop(id(sequence), None)
+                self._free(sequence)
+            if isinstance(result, BaseException):
+                self._fail_batch(batch, change, result)
+                continue
+            for sequence in change.pausing:
+                self._batch_of.pop(id(sequence), None)
+                cache, token = result.kept[id(sequence)]
+                if sequence.state is State.DONE:
+                    self._free(sequence)
+                else:
+                    sequence.state, sequence.cache, sequence.next_token = State.PAUSED, cache, token
+            if result.members:
+                self._metrics.step_rows.observe(len(result.members))
+                self._metrics.step_seconds.observe(result.seconds)
+            for sequence, token in zip(result.members, result.tokens, strict=True):
+                self._deliver(sequence, token, now)
+            if not len(batch):
+                self._batches.remove(batch)
+
+    def _advance_sync(self, batch: DecodeBatch[Sequence], change: _Change) -> _Advanced:
+        kept = batch.remove([*change.leaving, *change.pausing], keep=change.pausing)
+        batch.add(change.joining)
+        if not len(batch):
+            return _Advanced([], [], kept, 0.0)
+        start = time.perf_counter()
+        logits = batch.step()
+        members = list(batch.members)
+        tokens = choose_rows(
+            logits[:, : self._vocab], [m.request.sampling for m in members], [m.rng for m in members]
+        )
+        batch.set_next(tokens)
+        return _Advanced(members, tokens, kept, time.perf_counter() - start)
+
+    # -- tokens to events --------------------------------------------------------------------
+
+    def _deliver(self, sequence: Sequence, token: int, now: float) -> None:
+        if sequence.state is State.DONE:
+            return  # its reader left during the step: the token is dropped
+        sequence.generated += 1
+        request = sequence.request
+        finish: FinishReason | None = None
+        if token == self._codec.eos_id:
+            finish, text = FinishReason.EOS, sequence.text.finish()
+        else:
+            delta = sequence.text.push(token)
+            text = delta.text
+            if delta.stopped:
+                finish = FinishReason.STOP
+            elif (
+                sequence.generated >= request.max_tokens
+                or len(request.prompt_ids) + sequence.generated >= self._model.context_length
+            ):
+                finish = FinishReason.LENGTH
+                text += sequence.text.finish()
+        self._metrics.tokens.inc()
+        if sequence.generated == 1:
+            sequence.first_token_at = now
+            self._metrics.time_to_first_token.observe(now - sequence.submitted_at)
+        else:
+            self._metrics.inter_token.observe(now - sequence.last_token_at)
+        sequence.last_token_at = now
+        event = TokenEvent(sequence.generated - 1, text, (token,), self._version)
+        if finish is not None:
+            sequence.state = State.DONE
+            self._metrics.finished(finish.value)
+            event = TokenEvent(
+                event.index,
+                text,
+                event.token_ids,
+                self._version,
+                finish,
+                Usage(len(request.prompt_ids), sequence.generated),
+                sequence.first_token_at - sequence.submitted_at,
+            )
+        sequence.push(event)
+
+    # -- bookkeeping -------------------------------------------------------------------------
+
+    def _free(self, sequence: Sequence) -> None:
+        sequence.cache = None
+        self._slots.discard(sequence)
+
+    def _fail(self, sequence: Sequence, error: ServiceError) -> None:
+        if sequence.state is not State.DONE:
+            self._metrics.finished("error")
+            sequence.fail(error)
+
+    def _fail_batch(self, batch: DecodeBatch[Sequence], change: _Change, error: BaseException) -> None:
+        """A batch whose step failed is dropped whole: its caches are in an unknown state."""
+        log.error("decode step of version %d failed: %s", self._version, error)
+        members = [*batch.members, *change.pausing, *(s for s, _, _ in change.joining)]
+        for sequence in _unique(members):
+            self._fail(sequence, _run_error(error))
+            self._batch_of.pop(id(sequence), None)
+            self._free(sequence)
+        if batch in self._batches:
+            self._batches.remove(batch)
+
+    def _fail_all(self, error: ServiceError, sequences: Iterable[Sequence]) -> None:
+        for sequence in sequences:
+            self._fail(sequence, error)
+            self._free(sequence)
+        self._waiting.clear()
+        self._batches.clear()
+        self._batch_of.clear()
+        self._gauges()
+
+    def _gauges(self) -> None:
+        self._metrics.active.set(len(self._slots))
+        self._metrics.waiting.set(len(self._waiting))
+
+
+def _run_error(exc: BaseException) -> ServiceError:
+    if isinstance(exc, ServiceError):
+        return exc
+    text = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:500]
+    return ModelRunError(f"generation failed: {text}")
+
+
+def _unique(items: Iterable[T]) -> list[T]:
+    """Distinct objects, in order (by identity: sequences are not hashable by value)."""
+    seen: set[int] = set()
+    out = []
+    for item in items:
+        if id(item) not in seen:
+            seen.add(id(item))
+            out.append(item)
+    return out

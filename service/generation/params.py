@@ -1,0 +1,91 @@
+"""A Generate request as the client sent it, and its validation against the model.
+
+Every error is InvalidInput and names the field, so a client can tell which value to fix.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from service.errors import InvalidInput
+from service.generation.model import DecoderModel
+from service.generation.sampling import SamplingParams
+from service.generation.sequence import GenerationRequest
+
+MAX_STOP_SEQUENCES = 16
+MAX_STOP_CHARS = 256
+# Prompt text longer than this many characters per context token cannot fit; refusing it before
+# tokenizing keeps a huge prompt from costing the tokenizer's time.
+MAX_CHARS_PER_TOKEN = 64
+
+
+@dataclass(frozen=True)
+class GenerateParams:
+    """Transport-agnostic request fields; zero values mean "the default", as in the proto."""
+
+    prompt: str = ""
+    prompt_token_ids: tuple[int, ...] = ()
+    max_tokens: int = 0
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 0.0  # 0 = 1 (no nucleus cut), because 0 is what an unset proto3 float reads as
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+
+
+def check_fields(params: GenerateParams, model: DecoderModel) -> None:
+    """Everything that can be checked before tokenizing the prompt."""
+    if not params.prompt and not params.prompt_token_ids:
+        raise InvalidInput("prompt: empty; give prompt text or prompt_token_ids")
+    if params.prompt and len(params.prompt) > model.context_length * MAX_CHARS_PER_TOKEN:
+        raise InvalidInput(
+            f"prompt: {len(params.prompt)} characters cannot fit the model's context of "
+            f"{model.context_length} tokens"
+        )
+    limit = model.settings.max_tokens
+    if params.max_tokens > limit:
+        raise InvalidInput(f"max_tokens: {params.max_tokens} exceeds this model's limit of {limit}")
+    if not math.isfinite(params.temperature) or params.temperature < 0:
+        raise InvalidInput(f"temperature: must be >= 0 (0 = greedy), got {params.temperature}")
+    if not math.isfinite(params.top_p) or not 0 <= params.top_p <= 1:
+        raise InvalidInput(f"top_p: must be in (0, 1] (0 = unset = 1), got {params.top_p}")
+    if params.top_k < 0:
+        raise InvalidInput(f"top_k: must be >= 0 (0 = no limit), got {params.top_k}")
+    if len(params.stop) > MAX_STOP_SEQUENCES:
+        raise InvalidInput(f"stop: at most {MAX_STOP_SEQUENCES} sequences, got {len(params.stop)}")
+    for stop in params.stop:
+        if not stop or len(stop) > MAX_STOP_CHARS:
+            raise InvalidInput(
+                f"stop: each sequence must have 1 to {MAX_STOP_CHARS} characters, got {stop!r}"
+            )
+
+
+def build_request(
+    params: GenerateParams, prompt_ids: list[int], model: DecoderModel, deadline: float | None
+) -> GenerationRequest:
+    """The validated request, given the prompt's token ids."""
+    field = "prompt_token_ids" if params.prompt_token_ids else "prompt"
+    if not prompt_ids:
+        raise InvalidInput(f"{field}: the prompt has no tokens")
+    vocab = model.vocab
+    bad = [t for t in prompt_ids if not 0 <= t < vocab]
+    if bad:
+        raise InvalidInput(f"prompt_token_ids: {bad[0]} is not a token id of this model (0..{vocab - 1})")
+    if len(prompt_ids) >= model.context_length:
+        raise InvalidInput(
+            f"{field}: {len(prompt_ids)} tokens leave no room in the model's context of "
+            f"{model.context_length} tokens"
+        )
+    return GenerationRequest(
+        prompt_ids=tuple(prompt_ids),
+        max_tokens=params.max_tokens or model.settings.default_max_tokens,
+        sampling=SamplingParams(
+            temperature=params.temperature,
+            top_k=params.top_k,
+            top_p=params.top_p or 1.0,
+            seed=params.seed,
+        ),
+        stop=params.stop,
+        deadline=deadline,
+    )

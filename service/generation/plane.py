@@ -1,0 +1,121 @@
+"""The transport-agnostic Generate path: resolve and lease a version, validate, stream its events.
+
+A stream leases the version it resolved for its whole life, so a stream that started on v1
+finishes on v1 even if v2 is swapped in meanwhile (the retiring v1 drains until it does). Each
+served version gets its own decode loop (Engine), created on its first Generate.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+import weakref
+from collections.abc import AsyncGenerator, Callable
+from concurrent.futures import Executor
+
+from service.errors import NotGenerative
+from service.generation.decoder import StepRunner
+from service.generation.engine import Engine
+from service.generation.params import GenerateParams, build_request, check_fields
+from service.generation.sequence import TokenEvent
+from service.metrics import ServiceMetrics
+from service.runtime.manager import ModelManager
+from service.runtime.providers import CUDA
+from service.runtime.served import ServedVersion
+
+
+class GenerationPlane:
+    def __init__(self, manager: ModelManager, executor: Executor, metrics: ServiceMetrics) -> None:
+        self._manager = manager
+        self._executor = executor
+        self._metrics = metrics
+        # Weak keys: an engine lives as long as its version is referenced (served or draining).
+        self._engines: weakref.WeakKeyDictionary[ServedVersion, Engine] = weakref.WeakKeyDictionary()
+
+    async def generate(
+        self,
+        model: str,
+        version: str,
+        params: GenerateParams,
+        deadline: float | None = None,
+        deadline_passed: Callable[[], bool] | None = None,
+    ) -> AsyncGenerator[TokenEvent]:
+        """Stream a generation's events, ending with the one that carries the finish reason.
+        `deadline` is a time.monotonic() value after which the work is dropped. Closing the
+        generator early cancels the sequence; `deadline_passed` tells then whether that was the
+        deadline (the transport's own clock is the one that fired) rather than the client."""
+        with self._manager.lease(model, version) as served:
+            decoder = served.runner.decoder
+            if decoder is None:
+                raise NotGenerative(
+                    f"model {served.model!r} version {served.version} is not a decoder language model "
+                    "(Generate needs input_ids, attention_mask and past_key_values.* inputs with logits and "
+                    "present.* outputs); use Infer"
+                )
+            if decoder.codec is None:
+                raise NotGenerative(
+                    f"model {served.model!r} version {served.version} has no tokenizer.json beside its "
+                    "model.onnx"
+                )
+            check_fields(params, decoder)
+            codec = decoder.codec
+            if params.prompt_token_ids:
+                prompt_ids = list(params.prompt_token_ids)
+            else:  # tokenizing is CPU work: not on the event loop
+                prompt_ids = await asyncio.get_running_loop().run_in_executor(
+                    self._executor, codec.encode, params.prompt
+                )
+            request = build_request(params, prompt_ids, decoder, deadline)
+            engine = self._engine(served)
+            sequence = engine.submit(request)
+            finished = False
+            index = 0
+            try:
+                while not finished:
+                    event = merge(await sequence.take(), index)
+                    finished = event.finish is not None
+                    index += 1
+                    yield event
+            finally:
+                if not finished:
+                    late = deadline is not None and time.monotonic() >= deadline
+                    late = late or (deadline_passed is not None and deadline_passed())
+                    engine.release(sequence, "deadline" if late else "cancelled")
+
+    async def close(self) -> None:
+        """End every decode loop (on shutdown, after the server stopped taking calls)."""
+        await asyncio.gather(*(engine.close() for engine in list(self._engines.values())))
+
+    def _engine(self, served: ServedVersion) -> Engine:
+        engine = self._engines.get(served)
+        if engine is None:
+            decoder = served.runner.decoder
+            assert decoder is not None
+            device = "cuda" if served.runner.provider == CUDA else ""
+            runner = StepRunner(
+                served.runner.session, decoder.layout, device, served.config.execution.device_id
+            )
+            engine = Engine(
+                decoder,
+                runner,
+                served.version,
+                self._executor,
+                self._metrics.generation(served.model, str(served.version)),
+            )
+            self._engines[served] = engine
+        return engine
+
+
+def merge(events: list[TokenEvent], index: int) -> TokenEvent:
+    """Tokens that piled up while the reader was busy, as one event: fewer, larger messages for a
+    reader that is behind, which is when per-message cost matters most."""
+    last = events[-1]
+    if len(events) == 1 and last.index == index:
+        return last
+    return dataclasses.replace(
+        last,
+        index=index,
+        text="".join(e.text for e in events),
+        token_ids=tuple(t for e in events for t in e.token_ids),
+    )

@@ -1,0 +1,145 @@
+"""One generation as the decode loop and its reader share it: request, state, bounded event buffer.
+
+The decode loop writes events, the reader (one gRPC stream) takes them. The buffer is bounded by
+the loop, not by the reader: a sequence whose buffer is full is paused (left out of decode steps)
+until the reader catches up, so a slow reader costs a paused slot, never a growing buffer.
+Everything here runs on the event loop thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from service.generation.decoder import Cache
+from service.generation.sampling import SamplingParams
+from service.generation.text import Decoder, TextStream
+
+
+class FinishReason(enum.Enum):
+    LENGTH = "length"
+    STOP = "stop"
+    EOS = "eos"
+    CANCELLED = "cancelled"
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """A validated request: every field fits the model."""
+
+    prompt_ids: tuple[int, ...]
+    max_tokens: int
+    sampling: SamplingParams
+    stop: tuple[str, ...] = ()
+    deadline: float | None = None  # time.monotonic() after which the work is dropped
+
+
+@dataclass(frozen=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    """One streamed event: the tokens it adds and the text they release. The last event of a
+    stream carries the finish reason, usage and time to first token."""
+
+    index: int  # the event's sequence number in its stream
+    text: str
+    token_ids: tuple[int, ...]
+    version: int
+    finish: FinishReason | None = None
+    usage: Usage | None = None
+    time_to_first_token_s: float = 0.0
+
+
+class State(enum.Enum):
+    WAITING = "waiting"  # queued for a slot
+    PREFILL = "prefill"  # has a slot; its prompt runs next
+    RUNNING = "running"  # a row of a decode batch
+    PAUSED = "paused"  # holds its slot and cache, out of the batch until its reader catches up
+    DONE = "done"
+
+
+class Sequence:
+    def __init__(
+        self,
+        request: GenerationRequest,
+        decoder: Decoder,
+        version: int,
+        buffer: int,
+        on_drained: Callable[[], None],
+    ) -> None:
+        self.request = request
+        self.version = version
+        self.state = State.WAITING
+        self.rng: np.random.Generator = request.sampling.generator()
+        self.text = TextStream(decoder, request.stop)
+        self.generated = 0
+        self.cache: Cache | None = None  # while PAUSED, or between prefill and joining a batch
+        self.next_token = 0
+        self.cancel_cause = ""  # set when the reader leaves: "cancelled" or "deadline"
+        self.submitted_at = time.monotonic()
+        self.first_token_at = 0.0
+        self.last_token_at = 0.0
+        self._buffer = buffer
+        self._events: deque[TokenEvent | BaseException] = deque()
+        self._readable = asyncio.Event()
+        self._on_drained = on_drained
+
+    # -- the decode loop's side --------------------------------------------------------------
+
+    @property
+    def done(self) -> bool:
+        return self.state is State.DONE
+
+    @property
+    def buffer_full(self) -> bool:
+        return len(self._events) >= self._buffer
+
+    @property
+    def has_room(self) -> bool:
+        return len(self._events) < self._buffer
+
+    def push(self, event: TokenEvent) -> None:
+        self._events.append(event)
+        self._readable.set()
+
+    def fail(self, error: BaseException) -> None:
+        """End the stream with an error (the reader raises it after the events before it)."""
+        self.state = State.DONE
+        self.cache = None
+        self._events.append(error)
+        self._readable.set()
+
+    def expired(self, now: float) -> bool:
+        return self.request.deadline is not None and now >= self.request.deadline
+
+    # -- the reader's side -------------------------------------------------------------------
+
+    async def take(self) -> list[TokenEvent]:
+        """Every event buffered now (waiting for one if there is none). A reader that keeps up
+        gets one token per call; one that fell behind gets what piled up, in one go."""
+        while not self._events:
+            self._readable.clear()
+            await self._readable.wait()
+        taken: list[TokenEvent] = []
+        while self._events:
+            item = self._events[0]
+            if isinstance(item, BaseException):
+                if taken:
+                    break  # the events before the error first; the error on the next call
+                self._events.popleft()
+                raise item
+            taken.append(item)
+            self._events.popleft()
+        if self.state is State.PAUSED:
+            self._on_drained()
+        return taken

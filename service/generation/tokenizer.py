@@ -1,0 +1,68 @@
+"""A model version's tokenizer (`tokenizer.json`, the Hugging Face `tokenizers` format)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+from tokenizers import Tokenizer
+
+TOKENIZER_FILE = "tokenizer.json"
+# End-of-text tokens of the common tokenizer families, tried in order when the config names none.
+KNOWN_EOS = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>", "<|eot_id|>", "<|im_end|>")
+
+
+class TokenizerError(Exception):
+    """tokenizer.json cannot be read, or the configured end-of-text token is not in it."""
+
+
+class TextCodec:
+    """Text <-> token ids. Thread-safe for encode/decode (the Rust tokenizer takes no Python state)."""
+
+    def __init__(self, tokenizer: Tokenizer, eos_token: str = "") -> None:
+        self._tokenizer = tokenizer
+        self.vocab_size: int = tokenizer.get_vocab_size(with_added_tokens=True)
+        self.eos_id: int | None = self._eos_id(eos_token)
+
+    @classmethod
+    def from_file(cls, path: Path, eos_token: str = "") -> TextCodec:
+        try:
+            tokenizer = Tokenizer.from_file(str(path))
+        except Exception as exc:  # the Rust side raises a bare Exception for any parse error
+            raise TokenizerError(f"{path}: not a tokenizers tokenizer.json: {exc}") from None
+        try:
+            return cls(tokenizer, eos_token)
+        except TokenizerError as exc:
+            raise TokenizerError(f"{path}: {exc}") from None
+
+    def encode(self, text: str) -> list[int]:
+        return list(self._tokenizer.encode(text).ids)
+
+    def decode(self, ids: Sequence[int]) -> str:
+        # Special tokens (the end-of-text token) are markers, not text.
+        return str(self._tokenizer.decode(list(ids), skip_special_tokens=True))
+
+    def _eos_id(self, configured: str) -> int | None:
+        if configured:
+            token_id = self._tokenizer.token_to_id(configured)
+            if token_id is None:
+                raise TokenizerError(f"generation.eos_token {configured!r} is not a token of the tokenizer")
+            return int(token_id)
+        for name in KNOWN_EOS:
+            token_id = self._tokenizer.token_to_id(name)
+            if token_id is not None:
+                return int(token_id)
+        return None  # generation then ends by length or stop sequence only
+
+
+def find_tokenizer(model_file: Path) -> Path | None:
+    """tokenizer.json beside model.onnx (one per version), else in the model's folder (shared).
+    Like model files, it must not resolve outside the repository (<root>/<model>/<version>/)."""
+    root = model_file.parent.parent.parent.resolve()
+    for folder in (model_file.parent, model_file.parent.parent):
+        candidate = folder / TOKENIZER_FILE
+        if candidate.is_file():
+            if not candidate.resolve().is_relative_to(root):
+                raise TokenizerError(f"{candidate}: resolves outside the model repository")
+            return candidate
+    return None
