@@ -4,11 +4,16 @@ in one process), served over HTTP on the metrics address."""
 from __future__ import annotations
 
 import threading
+from bisect import bisect_left
+from collections.abc import Iterator
 from dataclasses import dataclass, field
+from itertools import accumulate
 from wsgiref.simple_server import WSGIServer
 
 import grpc
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.utils import floatToGoString
 
 # Sub-millisecond buckets: the service's own overhead is measured in tens of microseconds.
 LATENCY_BUCKETS = (
@@ -33,6 +38,51 @@ LATENCY_BUCKETS = (
 
 # Decode steps batch up to a model's max_concurrent_sequences rows.
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+
+
+class RequestLog:
+    """Count and latency histogram of answered requests (`modelyard_requests_total` and
+    `modelyard_request_duration_seconds`), by method, model, version and status code.
+
+    A collector of its own because it runs once per request: prometheus_client's Counter and
+    Histogram take a lock per observation and walk the buckets in Python, several microseconds on
+    a path whose whole cost is tens. Observations happen on the event loop thread only; a scrape
+    (on the HTTP thread) copies each series, so it may see a request in the count a moment before
+    its latency is in the sum, never a torn number."""
+
+    LABELS = ("method", "model", "version", "code")
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        # label values -> [observations per bucket (the last one +Inf)..., sum of seconds]
+        self._series: dict[tuple[str, ...], list[float]] = {}
+        registry.register(self)
+
+    def observe(self, key: tuple[str, ...], seconds: float) -> None:
+        series = self._series.get(key)
+        if series is None:
+            series = self._series[key] = [0.0] * (len(LATENCY_BUCKETS) + 2)
+        series[bisect_left(LATENCY_BUCKETS, seconds)] += 1  # Prometheus buckets are "less or equal"
+        series[-1] += seconds
+
+    def collect(self) -> Iterator[Metric]:
+        counts = CounterMetricFamily(
+            "modelyard_requests",
+            "Requests answered, by method, model, version and gRPC status code.",
+            labels=self.LABELS,
+        )
+        latency = HistogramMetricFamily(
+            "modelyard_request_duration_seconds",
+            "Time from a request's arrival to its answer.",
+            labels=self.LABELS,
+        )
+        bounds = [floatToGoString(b) for b in LATENCY_BUCKETS] + ["+Inf"]  # type: ignore[no-untyped-call]
+        for key, series in list(self._series.items()):
+            snapshot = list(series)
+            cumulative = list(accumulate(snapshot[:-1]))
+            latency.add_metric(list(key), list(zip(bounds, cumulative, strict=True)), sum_value=snapshot[-1])
+            counts.add_metric(list(key), cumulative[-1])
+        yield counts
+        yield latency
 
 
 @dataclass(frozen=True)
@@ -64,20 +114,7 @@ class ServiceMetrics:
     registry: CollectorRegistry = field(default_factory=CollectorRegistry)
 
     def __post_init__(self) -> None:
-        labels = ["method", "model", "version", "code"]
-        self.requests = Counter(
-            "modelyard_requests",
-            "Requests answered, by method, model, version and gRPC status code.",
-            labels,
-            registry=self.registry,
-        )
-        self.latency = Histogram(
-            "modelyard_request_duration_seconds",
-            "Time from a request's arrival to its answer.",
-            labels,
-            buckets=LATENCY_BUCKETS,
-            registry=self.registry,
-        )
+        self.requests = RequestLog(self.registry)
         self.model_loads = Counter(
             "modelyard_model_loads",
             "Model version loads, by model and result (ready or failed).",
@@ -119,19 +156,12 @@ class ServiceMetrics:
         self._generation_families(["model", "version"])
         # Names a request made up must not grow the label set without bound.
         self.known_models: set[str] = set()
-        # labels() takes a lock and builds a key on every call; the hot path caches the children.
-        self._children: dict[tuple[str, str, str, str], tuple[Counter, Histogram]] = {}
 
     def observe_request(
         self, method: str, model: str, version: str, code: grpc.StatusCode, seconds: float
     ) -> None:
         key = (method, model if model in self.known_models else "_unknown", version, code.name)
-        children = self._children.get(key)
-        if children is None:
-            children = (self.requests.labels(*key), self.latency.labels(*key))
-            self._children[key] = children
-        children[0].inc()
-        children[1].observe(seconds)
+        self.requests.observe(key, seconds)
 
     def _generation_families(self, labels: list[str]) -> None:
         self.generation_ttft = Histogram(

@@ -15,12 +15,13 @@ from service.runtime.signature import TensorSpec
 _PREFIX = "DATA_TYPE_"
 
 
-# Precomputed: this runs for every tensor of every request.
+# Precomputed: these run for every tensor of every request.
 _NAME_BY_VALUE = {
     value: name.removeprefix(_PREFIX)
     for name, value in tensor_pb2.DataType.items()
     if value != tensor_pb2.DATA_TYPE_UNSPECIFIED
 }
+_VALUE_BY_DTYPE = {NUMPY_BY_NAME[name]: value for value, name in _NAME_BY_VALUE.items() if name != "BYTES"}
 
 
 def datatype_value(name: str) -> tensor_pb2.DataType.ValueType:
@@ -61,6 +62,9 @@ def to_tensors(arrays: Mapping[str, np.ndarray]) -> list[tensor_pb2.Tensor]:
 
 
 def to_tensor(name: str, array: np.ndarray) -> tensor_pb2.Tensor:
+    value = _VALUE_BY_DTYPE.get(array.dtype)  # little-endian numeric: the common case, no conversion
+    if value is not None:
+        return tensor_pb2.Tensor(name=name, datatype=value, shape=array.shape, raw_data=array.tobytes())
     datatype = name_of(array.dtype)
     raw = encode_bytes(array) if datatype == "BYTES" else _little_endian(array).tobytes()
     return tensor_pb2.Tensor(name=name, datatype=datatype_value(datatype), shape=array.shape, raw_data=raw)

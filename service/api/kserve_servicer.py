@@ -70,14 +70,12 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
                 inputs=[_tensor_metadata(t) for t in signature.inputs],
                 outputs=[_tensor_metadata(t) for t in signature.outputs],
             )
-        raise AssertionError("unreachable: serving() aborts on every error")
 
     async def ModelInfer(self, request: pb.ModelInferRequest, context: Context) -> pb.ModelInferResponse:
         async with serving(context, self._metrics, "ModelInfer", request.model_name) as call:
             response = await self._infer(request)
             call.version = response.model_version
             return response
-        raise AssertionError("unreachable: serving() aborts on every error")
 
     async def ModelStreamInfer(
         self, request_iterator: AsyncIterator[pb.ModelInferRequest], context: Context
@@ -98,7 +96,6 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
         async with serving(context, self._metrics, "ModelConfig", request.name):
             served = self._manager.resolve(request.name, request.version)
             return pb.ModelConfigResponse(config=_triton_config(served))
-        raise AssertionError("unreachable: serving() aborts on every error")
 
     async def ModelStatistics(
         self, request: pb.ModelStatisticsRequest, context: Context
@@ -117,7 +114,6 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
                     for v in m.versions.values()
                 ]
             return pb.ModelStatisticsResponse(model_stats=[_statistics(v) for v in chosen])
-        raise AssertionError("unreachable: serving() aborts on every error")
 
     async def RepositoryIndex(
         self, request: pb.RepositoryIndexRequest, context: Context
@@ -148,7 +144,6 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
                     f"failed to load {request.model_name!r}: {'; '.join(r for r in reasons if r)}"
                 )
             return pb.RepositoryModelLoadResponse()
-        raise AssertionError("unreachable: serving() aborts on every error")
 
     async def RepositoryModelUnload(
         self, request: pb.RepositoryModelUnloadRequest, context: Context
@@ -156,7 +151,6 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
         async with serving(context, self._metrics, "RepositoryModelUnload", request.model_name):
             await self._manager.unload(request.model_name)
             return pb.RepositoryModelUnloadResponse()
-        raise AssertionError("unreachable: serving() aborts on every error")
 
     async def _infer(self, request: pb.ModelInferRequest) -> pb.ModelInferResponse:
         result = await self._dataplane.infer(

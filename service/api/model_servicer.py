@@ -58,22 +58,18 @@ class ModelServicer(pb_grpc.ModelServiceServicer):
     async def ListModels(self, request: pb.ListModelsRequest, context: Context) -> pb.ListModelsResponse:
         async with serving(context, self._metrics, "ListModels", ""):
             return pb.ListModelsResponse(models=[describe(s) for s in self._manager.statuses()])
-        raise AssertionError("unreachable: serving() aborts on every error")
 
     async def GetModel(self, request: pb.GetModelRequest, context: Context) -> pb.GetModelResponse:
         async with serving(context, self._metrics, "GetModel", request.name):
             return pb.GetModelResponse(model=describe(self._manager.status(request.name)))
-        raise AssertionError("unreachable: serving() aborts on every error")
 
     async def LoadModel(self, request: pb.LoadModelRequest, context: Context) -> pb.LoadModelResponse:
         async with serving(context, self._metrics, "LoadModel", request.name):
             return pb.LoadModelResponse(model=describe(await self._manager.load(request.name)))
-        raise AssertionError("unreachable: serving() aborts on every error")
 
     async def UnloadModel(self, request: pb.UnloadModelRequest, context: Context) -> pb.UnloadModelResponse:
         async with serving(context, self._metrics, "UnloadModel", request.name):
             return pb.UnloadModelResponse(model=describe(await self._manager.unload(request.name)))
-        raise AssertionError("unreachable: serving() aborts on every error")
 
     async def WatchModels(
         self, request: pb.WatchModelsRequest, context: Context

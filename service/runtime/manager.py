@@ -91,6 +91,22 @@ class Watcher:
         return await self.queue.get()
 
 
+class Lease:
+    """Holds a served version for one request (a class, not a generator: it runs per request)."""
+
+    __slots__ = ("_served",)
+
+    def __init__(self, served: ServedVersion) -> None:
+        self._served = served
+
+    def __enter__(self) -> ServedVersion:
+        self._served.acquire()
+        return self._served
+
+    def __exit__(self, *exc: object) -> None:
+        self._served.release()
+
+
 Loader = Callable[[Path, ModelConfig, ProviderChoice], ModelRunner]
 
 
@@ -149,14 +165,9 @@ class ModelManager:
             )
         return served
 
-    @contextmanager
-    def lease(self, name: str, version: str = "") -> Iterator[ServedVersion]:
-        served = self.resolve(name, version)
-        served.acquire()
-        try:
-            yield served
-        finally:
-            served.release()
+    def lease(self, name: str, version: str = "") -> Lease:
+        """`with manager.lease(name, version) as served:` holds that version until the block ends."""
+        return Lease(self.resolve(name, version))
 
     # -- state -----------------------------------------------------------------------------
 

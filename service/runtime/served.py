@@ -36,7 +36,7 @@ class VersionStats:
         else:
             self.fail_count += 1
             self.fail_ns += elapsed_ns
-        self.last_inference_ms = int(time.time() * 1000)
+        self.last_inference_ms = time.time_ns() // 1_000_000
 
 
 class ServedVersion:

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 
-from service.datatypes import name_of
+from service.datatypes import NUMPY_BY_NAME, name_of
 from service.errors import InvalidInput
 
 
@@ -31,37 +32,51 @@ class Signature:
     def output_names(self) -> tuple[str, ...]:
         return tuple(t.name for t in self.outputs)
 
+    @cached_property
+    def _input_names(self) -> frozenset[str]:
+        return frozenset(t.name for t in self.inputs)
+
+    @cached_property
+    def _input_checks(
+        self,
+    ) -> tuple[tuple[TensorSpec, np.dtype[np.generic], tuple[tuple[int, int], ...]], ...]:
+        """Per input: its spec, numpy dtype and fixed (index, size) dimensions, computed once: the
+        checks run on every request."""
+        return tuple(
+            (spec, NUMPY_BY_NAME[spec.datatype], tuple((i, d) for i, d in enumerate(spec.shape) if d != -1))
+            for spec in self.inputs
+        )
+
     def check_inputs(self, feeds: Mapping[str, np.ndarray]) -> None:
         """Raise InvalidInput naming the first tensor that does not fit the schema."""
-        expected = {t.name: t for t in self.inputs}
-        unknown = sorted(set(feeds) - set(expected))
-        if unknown:
-            raise InvalidInput(f"unknown input {unknown[0]!r}; the model's inputs are {sorted(expected)}")
-        missing = sorted(set(expected) - set(feeds))
-        if missing:
-            raise InvalidInput(f"missing input {missing[0]!r}; the model's inputs are {sorted(expected)}")
-        batch_sizes = set()
-        for spec in self.inputs:
+        if feeds.keys() != self._input_names:
+            expected = sorted(self._input_names)
+            unknown = sorted(set(feeds) - self._input_names)
+            if unknown:
+                raise InvalidInput(f"unknown input {unknown[0]!r}; the model's inputs are {expected}")
+            missing = sorted(self._input_names - set(feeds))
+            raise InvalidInput(f"missing input {missing[0]!r}; the model's inputs are {expected}")
+        batch = -1
+        for spec, dtype, fixed in self._input_checks:
             array = feeds[spec.name]
-            got = name_of(array.dtype)
-            if got != spec.datatype:
-                raise InvalidInput(f"input {spec.name!r}: expected datatype {spec.datatype}, got {got}")
-            if len(array.shape) != len(spec.shape) or any(
-                want not in (-1, have) for want, have in zip(spec.shape, array.shape, strict=True)
-            ):
+            if array.dtype != dtype:
                 raise InvalidInput(
-                    f"input {spec.name!r}: expected shape {list(spec.shape)}, got {list(array.shape)}"
+                    f"input {spec.name!r}: expected datatype {spec.datatype}, got {name_of(array.dtype)}"
+                )
+            shape = array.shape
+            if len(shape) != len(spec.shape) or any(shape[i] != size for i, size in fixed):
+                raise InvalidInput(
+                    f"input {spec.name!r}: expected shape {list(spec.shape)}, got {list(shape)}"
                 )
             if self.max_batch_size:
-                batch = array.shape[0]
-                if batch > self.max_batch_size:
+                if shape[0] > self.max_batch_size:
                     raise InvalidInput(
-                        f"input {spec.name!r}: batch size {batch} exceeds max_batch_size "
+                        f"input {spec.name!r}: batch size {shape[0]} exceeds max_batch_size "
                         f"{self.max_batch_size}"
                     )
-                batch_sizes.add(batch)
-        if len(batch_sizes) > 1:
-            raise InvalidInput(f"inputs disagree on the batch size: {sorted(batch_sizes)}")
+                if batch not in (-1, shape[0]):
+                    raise InvalidInput(f"inputs disagree on the batch size: {sorted({batch, shape[0]})}")
+                batch = shape[0]
 
     def select_outputs(self, names: Sequence[str]) -> tuple[str, ...]:
         """The outputs to compute: the requested names in order, or all of them when none are named."""
