@@ -30,10 +30,10 @@ proto-baseline: $(BUF)
 	$(BUF) build --exclude-source-info -o proto/baseline.binpb
 
 bench: $(VENV)/.installed-dev
-	$(PY) bench/unary_latency.py
+	$(PY) -m bench.unary_latency
 
 bench-generate: $(VENV)/.installed-dev
-	$(PY) bench/generate.py
+	$(PY) -m bench.generate
 
 demo-models: $(VENV)/.installed
 	$(PY) -m service.demo_models $(REPOSITORY)

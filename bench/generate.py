@@ -2,7 +2,7 @@
 32 concurrent streams, with continuous batching on and off, and our per-token time against a bare
 loop of onnxruntime calls on the same model. All in one run, on the same machine.
 
-    .venv/bin/python bench/generate.py [--tokens 64] [--rounds 2]
+    .venv/bin/python -m bench.generate [--tokens 64] [--rounds 2]
 
 The service runs in a child process (`python -m service`), as an operator runs it; this process
 is the client. The demo model (models/demo/codelm) is served twice from a temporary repository:
@@ -19,16 +19,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import re
 import shutil
 import statistics
-import subprocess
-import sys
 import tempfile
-import threading
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -39,9 +33,10 @@ from modelyard.inference.v1 import inference_service_pb2 as pb
 from modelyard.inference.v1 import inference_service_pb2_grpc as pb_grpc
 from tokenizers import Tokenizer
 
+from bench.processes import running_service
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 CODELM = REPO_ROOT / "models" / "demo" / "codelm"
-SERVING = re.compile(r"serving gRPC on (\S+?)[,;]")
 PROMPTS = [
     "def __init__(self",
     "import os\n",
@@ -82,34 +77,6 @@ class Round:
     @property
     def tokens_per_s(self) -> float:
         return sum(s.tokens for s in self.streams) / self.wall_s
-
-
-@contextmanager
-def service(repository: Path) -> Iterator[str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MODELYARD_")}
-    cmd = [sys.executable, "-m", "service", "--repository", str(repository), "--listen", "127.0.0.1:0"]
-    cmd += ["--metrics-listen", ""]
-    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, env=env, cwd=REPO_ROOT)
-    assert proc.stderr is not None
-    address: list[str] = []
-    ready = threading.Event()
-
-    def pump() -> None:
-        assert proc.stderr is not None
-        for line in proc.stderr:
-            if not address and (m := SERVING.search(line)):
-                address.append(m.group(1))
-                ready.set()
-        ready.set()
-
-    threading.Thread(target=pump, daemon=True).start()
-    try:
-        if not ready.wait(120) or not address:
-            raise RuntimeError("the service did not start")
-        yield address[0]
-    finally:
-        proc.terminate()
-        proc.wait(30)
 
 
 async def one_stream(stub: pb_grpc.InferenceServiceStub, model: str, prompt: str, tokens: int) -> Stream:
@@ -188,6 +155,13 @@ async def measure(address: str, tokens: int, rounds: int) -> dict[tuple[str, int
     return results
 
 
+async def measure_on_service(
+    repository: Path, tokens: int, rounds: int
+) -> dict[tuple[str, int], list[Round]]:
+    async with running_service(repository, repository) as server:
+        return await measure(f"127.0.0.1:{server.port}", tokens, rounds)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=64, help="max_tokens per stream")
@@ -198,8 +172,7 @@ def main() -> int:
         for name, batching in (("codelm", "true"), ("codelm-solo", "false")):
             shutil.copytree(CODELM / "1", repository / name / "1")
             (repository / name / "config.yaml").write_text(CONFIG.format(batching=batching))
-        with service(repository) as address:
-            results = asyncio.run(measure(address, args.tokens, args.rounds))
+        results = asyncio.run(measure_on_service(repository, args.tokens, args.rounds))
         bare = bare_loop(
             CODELM / "1" / "model.onnx",
             Tokenizer.from_file(str(CODELM / "1" / "tokenizer.json")),
