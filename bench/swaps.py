@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
 import shutil
 import statistics
@@ -66,6 +67,8 @@ class Clients:
     phase: Phase = field(default_factory=Phase)
     first_seen: dict[int, float] = field(default_factory=dict)
     stopping: bool = False
+    last_version: int = 0  # set when the last version is published
+    last_arrived: asyncio.Event = field(default_factory=asyncio.Event)
 
     async def run(self) -> None:
         while not self.stopping:
@@ -77,7 +80,10 @@ class Clients:
                 continue
             end = time.perf_counter()
             self.phase.latencies_s.append(end - start)
-            self.first_seen.setdefault(int(reply.model_version), end)
+            version = int(reply.model_version)
+            self.first_seen.setdefault(version, end)
+            if version == self.last_version:
+                self.last_arrived.set()
 
 
 def publish(root: Path, staging: Path, version: int) -> None:
@@ -116,6 +122,7 @@ async def run(args: argparse.Namespace, tmp: Path) -> int:
 
         swapping = clients.phase = Phase(started=time.perf_counter())
         published: dict[int, float] = {}
+        clients.last_version = args.swaps + 1
         interval = args.phase_s / args.swaps
         for version in range(2, args.swaps + 2):
             publish(root, staging, version)
@@ -123,10 +130,8 @@ async def run(args: argparse.Namespace, tmp: Path) -> int:
             if (old := root / "m" / str(version - 2)).exists():
                 shutil.rmtree(old)
             await asyncio.sleep(interval)
-        newest = args.swaps + 1
-        deadline = time.perf_counter() + 10
-        while newest not in clients.first_seen and time.perf_counter() < deadline:
-            await asyncio.sleep(0.01)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(clients.last_arrived.wait(), 10)
         swapping.ended = time.perf_counter()
         clients.stopping = True
         await asyncio.gather(*tasks)
