@@ -13,12 +13,8 @@ from __future__ import annotations
 import base64
 import importlib.util
 import json
-import os
-import re
-import signal
 import subprocess
 import sys
-import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,13 +25,12 @@ import onnxruntime as ort
 import pytest
 
 from service import demo_models
+from tests.support import REPO_ROOT, start_service_process
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("tritonclient") is None, reason="tritonclient is not installed"
 )
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
-_SERVING = re.compile(r"serving gRPC on (\S+?)(?:, metrics on (http://\S+/metrics))?;")
 
 # Runs in a child process: `python -c CLIENT ADDRESS`. Sections run in order and share one
 # service, so each one leaves the service as it found it (the repository section runs last).
@@ -360,64 +355,26 @@ class Run:
     returncode: int
 
 
-def _start_service(repository: Path, timeout: float = 60.0) -> tuple[subprocess.Popen[str], str, list[str]]:
-    """A minimal copy of conftest's starter (a module-scoped fixture cannot use its factory)."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MODELYARD_")}
-    cmd = [
-        sys.executable,
-        "-m",
-        "service",
-        "--repository",
-        str(repository),
-        "--listen",
-        "127.0.0.1:0",
-        "--metrics-listen",
-        "127.0.0.1:0",
-    ]
-    proc = subprocess.Popen(
-        cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=env, cwd=REPO_ROOT
-    )
-    lines: list[str] = []
-    address: list[str] = []
-    found = threading.Event()
-
-    def pump() -> None:  # keep reading so the child never blocks on a full pipe
-        assert proc.stderr is not None
-        for line in proc.stderr:
-            lines.append(line.rstrip())
-            if not address and (m := _SERVING.search(line)):
-                address.append(m.group(1))
-                found.set()
-        found.set()
-
-    threading.Thread(target=pump, daemon=True).start()
-    if not found.wait(timeout) or not address:
-        proc.kill()
-        proc.wait()
-        raise AssertionError("service did not start:\n" + "\n".join(lines))
-    return proc, address[0], lines
-
-
 @pytest.fixture(scope="module")
 def run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Run]:
     repository = tmp_path_factory.mktemp("tritonclient") / "models"
     demo_models.build_demo_repository(repository)
-    proc, address, log = _start_service(repository)
+    service = start_service_process(repository)
     try:
         client = subprocess.run(
-            [sys.executable, "-c", CLIENT, address], capture_output=True, text=True, timeout=90, cwd=REPO_ROOT
+            [sys.executable, "-c", CLIENT, service.address],
+            capture_output=True,
+            text=True,
+            timeout=90,
+            cwd=REPO_ROOT,
         )
-        assert client.returncode == 0, f"client failed:\n{client.stderr}\nservice log:\n" + "\n".join(log)
+        assert client.returncode == 0, f"client failed:\n{client.stderr}\nservice log:\n" + "\n".join(
+            service.log
+        )
         results = json.loads(client.stdout)
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-        try:
-            returncode = proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            returncode = proc.wait()
-    yield Run(repository, results, log, returncode)
+        returncode = service.stop()
+    yield Run(repository, results, service.log, returncode)
 
 
 def section(run: Run, name: str) -> Any:
