@@ -38,3 +38,11 @@ class Unsupported(ServiceError):
 
 class ModelRunError(ServiceError):
     """The runtime failed while running a model on valid-looking input."""
+
+
+class Overloaded(ServiceError):
+    """The model's queue for this kind of work is full; the client may retry later."""
+
+
+class DeadlineExceeded(ServiceError):
+    """The request's deadline passed before its work was done; the work is dropped, not finished."""

@@ -28,6 +28,8 @@ _CODES: dict[type[errors.ServiceError], grpc.StatusCode] = {
     errors.ModelLoadError: grpc.StatusCode.FAILED_PRECONDITION,
     errors.Unsupported: grpc.StatusCode.UNIMPLEMENTED,
     errors.ModelRunError: grpc.StatusCode.INTERNAL,
+    errors.Overloaded: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    errors.DeadlineExceeded: grpc.StatusCode.DEADLINE_EXCEEDED,
 }
 
 
@@ -37,6 +39,12 @@ def code_for(exc: errors.ServiceError) -> grpc.StatusCode:
         if code is not None:
             return code
     return grpc.StatusCode.INTERNAL
+
+
+def deadline_passed(context: Context) -> bool:
+    """True once the call's deadline has passed (gRPC then cancels the handler)."""
+    remaining = context.time_remaining()
+    return remaining is not None and remaining <= 0
 
 
 @dataclass
@@ -61,7 +69,7 @@ async def serving(
         code = code_for(exc)
         await context.abort(code, str(exc))
     except (asyncio.CancelledError, GeneratorExit):  # the client went away mid-call or mid-stream
-        code = grpc.StatusCode.CANCELLED
+        code = grpc.StatusCode.DEADLINE_EXCEEDED if deadline_passed(context) else grpc.StatusCode.CANCELLED
         raise
     except grpc.aio.AbortError:
         code = context.code()  # abort() set it
