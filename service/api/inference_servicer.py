@@ -10,6 +10,7 @@ from modelyard.inference.v1 import inference_service_pb2_grpc as pb_grpc
 
 from service.api.convert import to_arrays, to_tensors
 from service.api.errors import Context, serving
+from service.api.scheduling import scheduling
 from service.dataplane import DataPlane
 from service.errors import Unsupported
 from service.metrics import ServiceMetrics
@@ -23,7 +24,11 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
     async def Infer(self, request: pb.InferRequest, context: Context) -> pb.InferResponse:
         async with serving(context, self._metrics, "Infer", request.model_name) as call:
             result = await self._dataplane.infer(
-                request.model_name, request.model_version, to_arrays(request.inputs), request.output_names
+                request.model_name,
+                request.model_version,
+                to_arrays(request.inputs),
+                request.output_names,
+                scheduling(context, request.priority, request.timeout_us),
             )
             call.version = str(result.version)
             return pb.InferResponse(
@@ -44,6 +49,7 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
                 to_arrays(request.inputs),
                 request.output_names,
                 request.chunk_size,
+                scheduling(context, request.priority, request.timeout_us),
             )
             # aclosing: a cancelled stream releases its version lease at once, not at garbage collection.
             async with aclosing(chunks):
