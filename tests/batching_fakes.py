@@ -30,6 +30,7 @@ class ManualClock:
 
     async def wait(self, event: asyncio.Event, until: float | None) -> None:
         if until is not None and self._now >= until:
+            await asyncio.sleep(0)
             return
         self._waiting.add(event)
         try:

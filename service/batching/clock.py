@@ -14,7 +14,8 @@ class Clock(Protocol):
 
     async def wait(self, event: asyncio.Event, until: float | None) -> None:
         """Return when `event` is set or, at the latest, once `now() >= until` (never, if None).
-        Waking early is allowed: callers re-check their state after every wait."""
+        Waking early is allowed: callers re-check their state after every wait. It always yields to
+        the event loop, even when `until` has passed, so that a caller's loop cannot starve it."""
         ...
 
 
@@ -30,6 +31,7 @@ class MonotonicClock:
             return
         delay = until - time.monotonic()
         if delay <= 0:
+            await asyncio.sleep(0)
             return
         # A timer that sets the event is cheaper than asyncio.wait_for, which makes a task per call;
         # the caller clears the event before it looks at its state again.
