@@ -7,10 +7,12 @@ up to max_batch_size rows. The batch leaves at once when it reaches the largest 
 size (or max_batch_size), otherwise when its oldest request has waited max_queue_delay_us. While
 every slot is busy, requests pile up, so batches grow with the load by themselves.
 
+A request that finds nothing queued and a slot free runs at once (waiting could gain nothing).
 A batch is concatenated, run once, and its outputs are split back per request, all on an executor
-thread (the event loop only plans). Models cheap enough to run inline run on the loop, batched
-with whatever arrived in the same turn of the loop. A batch that fails is rerun one request at a
-time, so that one request's bad values cannot fail the requests that happened to share its run.
+thread (the event loop only plans). Models cheap enough to run inline run on the loop; their runs
+end before the next request is read, so they batch only when a max_queue_delay holds requests
+back. A batch that fails is rerun one request at a time, so that one request's bad values cannot
+fail the requests that happened to share its run.
 
 The batcher does not lease versions: callers hold their version's lease while queued, so a
 retiring version drains its queue before `close`.
@@ -23,7 +25,7 @@ import logging
 import os
 import time
 from collections.abc import Callable, Hashable, Mapping, Sequence
-from concurrent.futures import Executor
+from concurrent.futures import Executor, Future
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -80,8 +82,9 @@ def default_concurrency(config: ModelConfig, provider: str, cpus: int) -> int:
     if provider == CUDA:
         return 2  # one batch's host side (copies, Python) overlaps the other's kernels
     threads = config.execution.intra_op_threads
-    # ONNX Runtime's default intra-op pool already uses every core for one run.
-    return max(1, cpus // threads) if threads else 1
+    # ONNX Runtime's default intra-op pool already uses every core for one run. With a smaller
+    # pool, runs share the cores but one: the event loop (gRPC, batching) needs one to itself.
+    return max(1, (cpus - 1) // threads) if threads else 1
 
 
 @dataclass(eq=False)
@@ -90,7 +93,7 @@ class _Pending:
 
     feeds: Mapping[str, np.ndarray]
     names: tuple[str, ...]
-    key: Hashable
+    key: Hashable  # None when it never queues
     rows: int
     future: asyncio.Future[Outputs]
     arrived_ns: int
@@ -121,7 +124,6 @@ class Batcher:
         self._busy = 0  # batches running
         self._wake = asyncio.Event()
         self._loop_task: asyncio.Task[None] | None = None
-        self._running: set[asyncio.Task[None]] = set()
         self._closed = False
 
     @property
@@ -142,24 +144,26 @@ class Batcher:
         """Run one request's (checked) inputs as part of a batch; raise InvalidInput (priority),
         Overloaded (queue full), DeadlineExceeded (deadline passed while queued), ModelUnavailable
         (the version stopped), or what the run raised."""
-        if self._closed or self._runner is None:
+        runner = self._runner
+        if self._closed or runner is None:
             raise ModelUnavailable(f"{self.name} is no longer served")
-        loop = asyncio.get_running_loop()
-        pending = _Pending(
-            feeds,
-            tuple(names),
-            batch_key(feeds),
-            batch_rows(feeds),
-            loop.create_future(),
-            time.perf_counter_ns(),
-        )
+        rows = batch_rows(feeds)
+        arrived = time.perf_counter_ns()
         if self._can_run_now():
             # A free slot and nothing queued: nothing can join, and waiting gains nothing.
             level, _ = self._queue.check(scheduling)
             self._metrics.dequeued(level, 0.0)
             self._stats.record_queue(0)
+            if runner.runs_inline:
+                return self._run_inline(runner, feeds, tuple(names), rows, arrived)
+            pending = _Pending(
+                feeds, tuple(names), None, rows, asyncio.get_running_loop().create_future(), arrived
+            )
             self._start([pending])
             return await pending.future
+        pending = _Pending(
+            feeds, tuple(names), batch_key(feeds), rows, asyncio.get_running_loop().create_future(), arrived
+        )
         ticket = self._queue.admit(pending, scheduling)
         self._kick()
         try:
@@ -169,14 +173,27 @@ class Batcher:
             self._queue.remove(ticket)
             raise
 
+    def _run_inline(
+        self, runner: Runner, feeds: Mapping[str, np.ndarray], names: tuple[str, ...], rows: int, arrived: int
+    ) -> Outputs:
+        """A request alone, on the event loop: the cheapest path, for models whose runs take
+        microseconds (no future, no concatenation, no split)."""
+        self._metrics.batch_size.observe(rows)
+        runs: list[tuple[int, int]] = []
+        try:
+            outputs = _execute(runner, feeds, names, self.name, runs)
+        except ServiceError:
+            self._stats.record_request(False, time.perf_counter_ns() - arrived)
+            raise
+        self._stats.record_execution(*runs[0])
+        self._stats.record_request(True, time.perf_counter_ns() - arrived)
+        return outputs
+
     def _can_run_now(self) -> bool:
-        assert self._runner is not None
+        # An inline model (a run of microseconds) always finds the batcher idle: its runs end
+        # before the event loop takes the next request. It batches only with a max_queue_delay.
         return (
-            not self._queue
-            and self._busy < self.settings.concurrency
-            and not self.settings.max_queue_delay_s
-            # Inline runs go through the loop, which batches the requests of one loop turn.
-            and not self._runner.runs_inline
+            not self._queue and self._busy < self.settings.concurrency and not self.settings.max_queue_delay_s
         )
 
     async def close(self) -> None:
@@ -205,14 +222,16 @@ class Batcher:
     async def _loop(self) -> None:
         while True:
             self._wake.clear()
-            try:
-                until = self._turn()
-            except Exception:  # a bug: answer what waits rather than leave it hanging for ever
-                log.exception("batcher of %s failed", self.name)
-                for ticket in self._queue.close():
-                    self._fail(ticket.item, ModelRunError(f"the batcher of {self.name} failed"))
-                until = None
-            await self._clock.wait(self._wake, until)
+            await self._clock.wait(self._wake, self._safe_turn())
+
+    def _safe_turn(self) -> float | None:
+        try:
+            return self._turn()
+        except Exception:  # a bug: answer what waits rather than leave it hanging for ever
+            log.exception("batcher of %s failed", self.name)
+            for ticket in self._queue.close():
+                self._fail(ticket.item, ModelRunError(f"the batcher of {self.name} failed"))
+            return None
 
     def _turn(self) -> float | None:
         """Drop expired requests and start what may start; return when to look again (None: when
@@ -275,20 +294,28 @@ class Batcher:
             finally:
                 self._busy -= 1
             return
-        task = asyncio.get_running_loop().create_task(self._run(runner, items))
-        self._running.add(task)
-        task.add_done_callback(self._running.discard)
-
-    async def _run(self, runner: Runner, items: list[_Pending]) -> None:
+        loop = asyncio.get_running_loop()
         try:
-            done = await asyncio.get_running_loop().run_in_executor(
-                self._executor, _compute, runner, items, self.name
-            )
-        except Exception as exc:  # the executor is shut down, or a bug
-            done = _Computed([run_error(exc, self.name)] * len(items), [])
-        finally:
+            future = self._executor.submit(_compute, runner, items, self.name)
+        except RuntimeError as exc:  # the executor is shut down
             self._busy -= 1
-            self._kick()
+            self._deliver(items, _Computed([run_error(exc, self.name)] * len(items), []))
+            return
+        # One hop back to the event loop when the run ends. (run_in_executor and a task take four,
+        # each behind every callback already waiting on a busy loop, while the model sits idle.)
+        future.add_done_callback(lambda done: loop.call_soon_threadsafe(self._finished, items, done))
+
+    def _finished(self, items: list[_Pending], future: Future[_Computed]) -> None:
+        self._busy -= 1
+        try:
+            done = future.result()
+        except Exception as exc:  # a bug in _compute
+            done = _Computed([run_error(exc, self.name)] * len(items), [])
+        if not self._closed:
+            # The next batch starts before this one's answers go out: the model's time is the
+            # scarce resource, the answers cost the loop, not the model.
+            self._safe_turn()
+            self._kick()  # the loop task works out its next wake-up again
         self._deliver(items, done)
 
     def _deliver(self, items: list[_Pending], done: _Computed) -> None:

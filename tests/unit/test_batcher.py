@@ -209,11 +209,18 @@ async def test_a_lone_request_waits_out_the_queue_delay_for_company(executor: Th
     assert rig.ran()[-1] == [3, 4, 5]
 
 
-async def test_inline_models_batch_what_arrives_in_one_loop_turn(executor: ThreadPoolExecutor) -> None:
+async def test_inline_models_run_at_once_or_batch_with_a_delay(executor: ThreadPoolExecutor) -> None:
     rig = Rig(executor, inline=True, max_batch_size=8, target_rows=8)
-    results = await asyncio.gather(*(rig.send(v) for v in range(5)))
-    assert rig.ran() == [[0, 1, 2, 3, 4]]
-    assert [float(r["y"][0, 0]) for r in results] == [0, 2, 4, 6, 8]
+    results = await asyncio.gather(*(rig.send(v) for v in range(3)))
+    assert rig.ran() == [[0], [1], [2]]  # each ran before the next arrived: nothing to batch
+    assert [float(r["y"][0, 0]) for r in results] == [0, 2, 4]
+    delayed = Rig(executor, inline=True, max_batch_size=8, target_rows=8, max_queue_delay_s=0.001)
+    waiting = [delayed.send(v) for v in range(5)]
+    await settle()
+    assert delayed.runner.runs == []
+    delayed.clock.advance(0.001)
+    await asyncio.gather(*waiting)
+    assert delayed.ran() == [[0, 1, 2, 3, 4]]
 
 
 async def test_a_failing_request_does_not_fail_its_batch(executor: ThreadPoolExecutor) -> None:
@@ -281,5 +288,7 @@ def test_default_concurrency_fits_the_device() -> None:
     assert default_concurrency(ModelConfig(), CPU, cpus=2) == 1  # ORT's pool already uses every core
     assert default_concurrency(ModelConfig(), CPU, cpus=16) == 1
     four_threads = ModelConfig(execution=ExecutionConfig(intra_op_threads=4))
-    assert default_concurrency(four_threads, CPU, cpus=16) == 4
+    assert default_concurrency(four_threads, CPU, cpus=16) == 3  # a core left to the event loop
+    one_thread = ModelConfig(execution=ExecutionConfig(intra_op_threads=1))
+    assert default_concurrency(one_thread, CPU, cpus=2) == 1
     assert default_concurrency(ModelConfig(), CUDA, cpus=2) == 2
