@@ -130,8 +130,11 @@ class AdmissionQueue(Generic[T]):
         self._name = name  # says whose queue it is in error messages, e.g. "model m version 3"
         # One insertion-ordered dict per level: O(1) removal of any ticket, oldest first.
         self._levels: list[dict[int, Ticket[T]]] = [{} for _ in range(policy.priority_levels)]
-        # Deadlines in a heap; tickets that left the queue stay in it until they reach the top.
+        # Deadlines in a heap; tickets that left the queue stay in it until they reach the top, or
+        # until they are half of it: then it is rebuilt, so that work answered long before its
+        # deadline (a 30 s gRPC deadline, say) is not kept alive for that long.
         self._deadlines: list[tuple[float, int, Ticket[T]]] = []
+        self._stale = 0
         self._sequence = itertools.count()
         self._count = 0
 
@@ -210,8 +213,10 @@ class AdmissionQueue(Generic[T]):
         expired: list[Ticket[T]] = []
         while self._deadlines and self._deadlines[0][0] <= now:
             _, _, ticket = heapq.heappop(self._deadlines)
-            if ticket.queued:
-                self._unlink(ticket)
+            if not ticket.queued:
+                self._stale -= 1
+            else:
+                self._unlink(ticket, in_heap=False)
                 self._observer.dropped(ticket.level, DEADLINE)
                 expired.append(ticket)
         return expired
@@ -220,6 +225,7 @@ class AdmissionQueue(Generic[T]):
         """The earliest deadline of the work still waiting, so that a loop knows when to wake."""
         while self._deadlines and not self._deadlines[0][2].queued:
             heapq.heappop(self._deadlines)
+            self._stale -= 1
         return self._deadlines[0][0] if self._deadlines else None
 
     def take(self, tickets: Iterable[Ticket[T]]) -> None:
@@ -245,6 +251,7 @@ class AdmissionQueue(Generic[T]):
             self._unlink(ticket)
             self._observer.dropped(ticket.level, SHUTDOWN)
         self._deadlines.clear()
+        self._stale = 0
         return left
 
     # -- looking -----------------------------------------------------------------------------
@@ -267,9 +274,15 @@ class AdmissionQueue(Generic[T]):
     def depth(self, level: int) -> int:
         return len(self._levels[level - 1])
 
-    def _unlink(self, ticket: Ticket[T]) -> None:
+    def _unlink(self, ticket: Ticket[T], in_heap: bool = True) -> None:
         queue = self._levels[ticket.level - 1]
         del queue[ticket.number]
         ticket.queued = False
         self._count -= 1
         self._observer.depth(ticket.level, len(queue))
+        if ticket.deadline is not None and in_heap:
+            self._stale += 1
+            if self._stale > 64 and self._stale * 2 > len(self._deadlines):
+                self._deadlines = [entry for entry in self._deadlines if entry[2].queued]
+                heapq.heapify(self._deadlines)
+                self._stale = 0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import weakref
 from collections import Counter
 
 import pytest
@@ -169,3 +170,21 @@ def test_take_and_close() -> None:
 def test_policy_checks_itself(kwargs: dict[str, object], words: str) -> None:
     with pytest.raises(ValueError, match=words):
         AdmissionPolicy(**kwargs)  # type: ignore[arg-type]
+
+
+class Work:
+    """An item that can be watched for being freed."""
+
+
+def test_answered_work_is_not_kept_until_its_deadline() -> None:
+    queue: AdmissionQueue[Work] = AdmissionQueue(AdmissionPolicy(), ManualClock())
+    watched = []
+    for _ in range(500):
+        work = Work()
+        watched.append(weakref.ref(work))
+        queue.admit(work, Scheduling(time_remaining_s=30.0))
+        queue.pop()
+        del work
+    kept = sum(ref() is not None for ref in watched)
+    assert kept <= 130, f"{kept} answered items are still referenced by the deadline heap"
+    assert queue.next_deadline() is None
