@@ -6,7 +6,7 @@ BUF_VERSION := 1.75.0
 BUF := .cache/buf/node_modules/.bin/buf
 REPOSITORY ?= models/demo
 
-.PHONY: up test lint gen bench demo-models proto-baseline install install-dev clean
+.PHONY: up test lint gen bench bench-batching demo-models proto-baseline install install-dev clean
 
 up: $(VENV)/.installed
 	$(PY) -m service --repository $(REPOSITORY)
@@ -31,6 +31,9 @@ proto-baseline: $(BUF)
 
 bench: $(VENV)/.installed-dev
 	$(PY) bench/unary_latency.py
+
+bench-batching: $(VENV)/.installed-dev
+	$(PY) bench/batching.py
 
 demo-models: $(VENV)/.installed
 	$(PY) -m service.demo_models $(REPOSITORY)

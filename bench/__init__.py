@@ -1,0 +1,1 @@
+"""Benchmarks: one script per question, printing ratios measured in one run."""
