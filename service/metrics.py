@@ -44,17 +44,21 @@ class BatchingMetrics:
     It is the version's queue observer (service.batching.queue.QueueObserver)."""
 
     def __init__(self, metrics: ServiceMetrics, model: str, version: str, levels: int) -> None:
+        self._owner = metrics
         self._labels = (model, version)
+        # Shared with any other batcher of the same model and version (a version reloaded with a
+        # new config has two for a while): they update the same series.
+        self._series = metrics.batching_series(self._labels)
         self._rejections_family = metrics.queue_rejections
-        self._families: list[tuple[MetricWrapperBase, tuple[str, ...]]] = []
         self._queue_seconds = [self._bind(metrics.queue_seconds, str(n)) for n in range(1, levels + 1)]
         self._depth = [self._bind(metrics.queue_depth, str(n)) for n in range(1, levels + 1)]
         self._rejections: dict[tuple[int, str], Counter] = {}
         self.batch_size = self._bind(metrics.batch_size)
+        self._closed = False
 
     def _bind(self, family: M, *extra: str) -> M:
         labels = (*self._labels, *extra)
-        self._families.append((family, labels))
+        self._series.add((family, labels))
         return family.labels(*labels)
 
     def depth(self, level: int, depth: int) -> None:
@@ -71,9 +75,12 @@ class BatchingMetrics:
         child.inc()
 
     def close(self) -> None:
-        """The version is gone: its series leave the registry, so that dashboards do not show
-        a retired version's queue for ever."""
-        for family, labels in self._families:
+        """The batcher is gone. When it was the last of its model version, the version's series
+        leave the registry, so that dashboards do not show a retired version's queue for ever."""
+        if self._closed:
+            return
+        self._closed = True
+        for family, labels in self._owner.release_batching_series(self._labels):
             with contextlib.suppress(KeyError):
                 family.remove(*labels)
 
@@ -139,6 +146,9 @@ class ServiceMetrics:
         self.known_models: set[str] = set()
         # labels() takes a lock and builds a key on every call; the hot path caches the children.
         self._children: dict[tuple[str, str, str, str], tuple[Counter, Histogram]] = {}
+        self._batching_series: dict[
+            tuple[str, str], tuple[int, set[tuple[MetricWrapperBase, tuple[str, ...]]]]
+        ] = {}
         self._batching_families()
 
     def _batching_families(self) -> None:
@@ -173,6 +183,22 @@ class ServiceMetrics:
 
     def batching(self, model: str, version: str, levels: int) -> BatchingMetrics:
         return BatchingMetrics(self, model, version, levels)
+
+    def batching_series(self, labels: tuple[str, str]) -> set[tuple[MetricWrapperBase, tuple[str, ...]]]:
+        """The batching series of one model version, shared by its batchers (counted)."""
+        users, series = self._batching_series.get(labels, (0, set()))
+        self._batching_series[labels] = (users + 1, series)
+        return series
+
+    def release_batching_series(
+        self, labels: tuple[str, str]
+    ) -> set[tuple[MetricWrapperBase, tuple[str, ...]]]:
+        """One batcher of the version is gone; the series to remove once none is left."""
+        users, series = self._batching_series.pop(labels, (1, set()))
+        if users > 1:
+            self._batching_series[labels] = (users - 1, series)
+            return set()
+        return series
 
     def observe_request(
         self, method: str, model: str, version: str, code: grpc.StatusCode, seconds: float
