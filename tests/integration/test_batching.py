@@ -350,3 +350,23 @@ async def test_model_config_reports_the_batching_policy(
     assert batching.default_queue_policy.max_queue_size == 4
     assert batching.default_queue_policy.allow_timeout_override
     assert batching.priority_queue_policy[1].max_queue_size == 4
+
+
+async def test_stream_chunks_queue_at_the_request_priority(
+    live: Service, stub: pb_grpc.InferenceServiceAsyncStub
+) -> None:
+    x = np.arange(2 * WIDTH, dtype=np.float32).reshape(2, WIDTH)
+    request = pb.InferStreamRequest(
+        model_name="scaled", inputs=[to_tensor("INPUT0", x)], chunk_size=1, priority=1
+    )
+    chunks = [to_array(r.outputs[0]) async for r in stub.InferStream(request)]
+    assert [len(c) for c in chunks] == [1, 1]
+    np.testing.assert_array_equal(np.concatenate(chunks), x * np.float32(2))
+    assert (
+        sample(live, "modelyard_queue_duration_seconds_count", model="scaled", version="1", priority="1") == 2
+    )
+    request.priority = 3
+    with pytest.raises(grpc.aio.AioRpcError) as refused:
+        async for _ in stub.InferStream(request):
+            pass
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
