@@ -6,7 +6,7 @@ BUF_VERSION := 1.75.0
 BUF := .cache/buf/node_modules/.bin/buf
 REPOSITORY ?= models/demo
 
-.PHONY: up test lint gen bench bench-generate demo-models proto-baseline install install-dev system-deps clean
+.PHONY: up test lint gen bench bench-generate bench-batching bench-swaps demo-models proto-baseline install install-dev system-deps clean
 
 up: $(VENV)/.installed
 	$(PY) -m service --repository $(REPOSITORY)
@@ -34,6 +34,12 @@ bench: $(VENV)/.installed-dev
 
 bench-generate: $(VENV)/.installed-dev
 	$(PY) -m bench.generate
+
+bench-swaps: $(VENV)/.installed-dev
+	$(PY) -m bench.swaps
+
+bench-batching: $(VENV)/.installed-dev
+	$(PY) -m bench.batching
 
 demo-models: $(VENV)/.installed
 	$(PY) -m service.demo_models $(REPOSITORY)

@@ -1,7 +1,8 @@
 """The transport-agnostic request path: resolve a version, check the inputs, run, return outputs.
 
 Both gRPC APIs (ours and KServe V2) convert their messages and call this; nothing here knows
-about protobuf or gRPC.
+about protobuf or gRPC. A version whose config asks for dynamic batching runs requests through
+its batcher (queue, priorities, deadlines); any other runs each request as it comes.
 """
 
 from __future__ import annotations
@@ -13,11 +14,11 @@ from concurrent.futures import Executor
 from dataclasses import dataclass
 
 import numpy as np
-from onnxruntime.capi.onnxruntime_pybind11_state import InvalidArgument
 
-from service.errors import InvalidInput, ModelRunError
+from service.batching.queue import DEFAULT_SCHEDULING, Scheduling
 from service.runtime.manager import ModelManager
 from service.runtime.served import ServedVersion
+from service.runtime.session import run_error
 
 
 @dataclass(frozen=True)
@@ -40,12 +41,15 @@ class DataPlane:
         version: str,
         inputs: Mapping[str, np.ndarray],
         output_names: Sequence[str] = (),
+        scheduling: Scheduling = DEFAULT_SCHEDULING,
     ) -> InferResult:
         admitted = time.perf_counter_ns()
+        # The lease is held while the request waits in a batcher's queue, too: a retiring version
+        # answers what it has queued before it is released.
         with self.manager.lease(model, version) as served:
             served.runner.signature.check_inputs(inputs)
             names = served.runner.signature.select_outputs(output_names)
-            outputs = await self._run(served, inputs, names, admitted)
+            outputs = await self._run(served, inputs, names, scheduling, admitted)
             return InferResult(model, served.version, outputs)
 
     async def infer_chunks(
@@ -55,27 +59,36 @@ class DataPlane:
         inputs: Mapping[str, np.ndarray],
         output_names: Sequence[str] = (),
         chunk_size: int = 0,
+        scheduling: Scheduling = DEFAULT_SCHEDULING,
     ) -> AsyncGenerator[InferResult]:
         """Run a batch in chunks of rows, yielding each chunk's outputs as soon as it is computed.
-        The whole stream holds one version: a swap mid-stream does not change it."""
+        The whole stream holds one version: a swap mid-stream does not change it. With dynamic
+        batching each chunk queues at the request's priority, with the request's deadline."""
         with self.manager.lease(model, version) as served:
             signature = served.runner.signature
             signature.check_inputs(inputs)
             names = signature.select_outputs(output_names)
             batch = next(iter(inputs.values())).shape[0] if signature.max_batch_size and inputs else 0
             if not batch:
-                outputs = await self._run(served, inputs, names, time.perf_counter_ns())
+                outputs = await self._run(served, inputs, names, scheduling, time.perf_counter_ns())
                 yield InferResult(model, served.version, outputs)
                 return
             step = min(chunk_size or signature.max_batch_size, signature.max_batch_size)
             for offset in range(0, batch, step):
                 chunk = {name: array[offset : offset + step] for name, array in inputs.items()}
-                outputs = await self._run(served, chunk, names, time.perf_counter_ns())
+                outputs = await self._run(served, chunk, names, scheduling, time.perf_counter_ns())
                 yield InferResult(model, served.version, outputs, offset, last=offset + step >= batch)
 
     async def _run(
-        self, served: ServedVersion, inputs: Mapping[str, np.ndarray], names: Sequence[str], admitted_ns: int
+        self,
+        served: ServedVersion,
+        inputs: Mapping[str, np.ndarray],
+        names: Sequence[str],
+        scheduling: Scheduling,
+        admitted_ns: int,
     ) -> dict[str, np.ndarray]:
+        if served.batcher is not None:
+            return await served.batcher.infer(inputs, names, scheduling)
         runner = served.runner
         start = time.perf_counter_ns()
         ok = False
@@ -87,13 +100,8 @@ class DataPlane:
                     self._executor, runner.run, inputs, names
                 )
             ok = True
-        except InvalidArgument as exc:
-            # Shapes the schema allows (-1) but the graph's operators reject.
-            raise InvalidInput(f"the model rejected the inputs: {_first_line(exc)}") from None
         except Exception as exc:
-            raise ModelRunError(
-                f"model {served.model} version {served.version} failed: {_first_line(exc)}"
-            ) from None
+            raise run_error(exc, f"model {served.model} version {served.version}") from None
         finally:
             end = time.perf_counter_ns()
             rows = next(iter(inputs.values())).shape[0] if served.config.max_batch_size and inputs else 1
@@ -101,7 +109,3 @@ class DataPlane:
                 ok, end - admitted_ns, rows, queue_ns=start - admitted_ns, compute_ns=end - start
             )
         return dict(zip(names, arrays, strict=True))
-
-
-def _first_line(exc: BaseException) -> str:
-    return (str(exc).strip().splitlines() or [type(exc).__name__])[0][:500]

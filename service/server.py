@@ -23,13 +23,16 @@ from modelyard.kserve.v2 import grpc_service_pb2, grpc_service_pb2_grpc
 from service.api.inference_servicer import InferenceServicer
 from service.api.kserve_servicer import KServeServicer
 from service.api.model_servicer import ModelServicer
+from service.batching.batcher import batcher_factory
+from service.batching.clock import Clock
 from service.config import Settings, split_address
 from service.dataplane import DataPlane
 from service.generation.plane import GenerationPlane
 from service.metrics import MetricsServer, ServiceMetrics
 from service.repository.watcher import RepositoryWatcher
-from service.runtime.manager import ModelEvent, ModelManager, Watcher
+from service.runtime.manager import Loader, ModelEvent, ModelManager, Watcher
 from service.runtime.providers import detect_providers
+from service.runtime.session import load_runner
 
 log = logging.getLogger(__name__)
 
@@ -139,15 +142,25 @@ class Service:
                 self.metrics.known_models.add(event.model)
 
 
-def build_service(settings: Settings) -> Service:
+def build_service(
+    settings: Settings,
+    *,
+    loader: Loader = load_runner,  # test seam: runners that count or hold their runs
+    clock: Clock | None = None,  # test seam: the batching queues' clock, stepped by hand
+) -> Service:
     providers = detect_providers()
     log.info("execution provider: %s (%s)", providers.default, providers.reason)
     metrics = ServiceMetrics()
-    manager = ModelManager(
-        settings.repository, providers, metrics=metrics, drain_timeout_s=settings.drain_timeout_s
-    )
     executor = ThreadPoolExecutor(
         max_workers=settings.inference_threads or os.cpu_count() or 1, thread_name_prefix="infer"
+    )
+    manager = ModelManager(
+        settings.repository,
+        providers,
+        metrics=metrics,
+        drain_timeout_s=settings.drain_timeout_s,
+        loader=loader,
+        batching=batcher_factory(executor, metrics, clock),
     )
     dataplane = DataPlane(manager, executor)
     generation = GenerationPlane(manager, executor, metrics)

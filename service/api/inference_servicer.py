@@ -12,6 +12,7 @@ from modelyard.inference.v1 import inference_service_pb2_grpc as pb_grpc
 from service.api.convert import to_arrays, to_tensors
 from service.api.errors import Context, deadline_passed, serving
 from service.api.generation_convert import to_generate_params, to_generate_response
+from service.api.scheduling import scheduling
 from service.dataplane import DataPlane
 from service.generation.plane import GenerationPlane
 from service.metrics import ServiceMetrics
@@ -26,7 +27,11 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
     async def Infer(self, request: pb.InferRequest, context: Context) -> pb.InferResponse:
         async with serving(context, self._metrics, "Infer", request.model_name) as call:
             result = await self._dataplane.infer(
-                request.model_name, request.model_version, to_arrays(request.inputs), request.output_names
+                request.model_name,
+                request.model_version,
+                to_arrays(request.inputs),
+                request.output_names,
+                scheduling(context, request.priority, request.timeout_us),
             )
             call.version = str(result.version)
             return pb.InferResponse(
@@ -46,6 +51,7 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
                 to_arrays(request.inputs),
                 request.output_names,
                 request.chunk_size,
+                scheduling(context, request.priority, request.timeout_us),
             )
             # aclosing: a cancelled stream releases its version lease at once, not at garbage collection.
             async with aclosing(chunks):

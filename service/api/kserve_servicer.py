@@ -12,6 +12,8 @@ from modelyard.kserve.v2 import model_config_pb2 as config_pb
 from service import __version__
 from service.api.errors import Context, serving
 from service.api.kserve_tensors import decode_inputs, encode_outputs, requested_outputs
+from service.api.scheduling import kserve_scheduling
+from service.batching.queue import QueuePolicy
 from service.dataplane import DataPlane
 from service.errors import ModelLoadError, ServiceError
 from service.metrics import ServiceMetrics
@@ -73,7 +75,7 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
 
     async def ModelInfer(self, request: pb.ModelInferRequest, context: Context) -> pb.ModelInferResponse:
         async with serving(context, self._metrics, "ModelInfer", request.model_name) as call:
-            response = await self._infer(request)
+            response = await self._infer(request, context)
             call.version = response.model_version
             return response
 
@@ -85,7 +87,7 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
         async for request in request_iterator:
             async with serving(context, self._metrics, "ModelStreamInfer", request.model_name) as call:
                 try:
-                    response = await self._infer(request)
+                    response = await self._infer(request, context)
                 except ServiceError as exc:
                     yield pb.ModelStreamInferResponse(error_message=str(exc))
                     continue
@@ -152,9 +154,13 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
             await self._manager.unload(request.model_name)
             return pb.RepositoryModelUnloadResponse()
 
-    async def _infer(self, request: pb.ModelInferRequest) -> pb.ModelInferResponse:
+    async def _infer(self, request: pb.ModelInferRequest, context: Context) -> pb.ModelInferResponse:
         result = await self._dataplane.infer(
-            request.model_name, request.model_version, decode_inputs(request), requested_outputs(request)
+            request.model_name,
+            request.model_version,
+            decode_inputs(request),
+            requested_outputs(request),
+            kserve_scheduling(context, request.parameters),
         )
         response = pb.ModelInferResponse(
             model_name=result.model, model_version=str(result.version), id=request.id
@@ -206,9 +212,25 @@ def _triton_config(served: ServedVersion) -> config_pb.ModelConfig:
     else:
         triton.version_policy.all.SetInParent()
     if config.dynamic_batching is not None:
-        triton.dynamic_batching.max_queue_delay_microseconds = config.dynamic_batching.max_queue_delay_us
-        triton.dynamic_batching.preferred_batch_size.extend(config.dynamic_batching.preferred_batch_sizes)
+        batching = config.dynamic_batching
+        admission = batching.admission
+        triton.dynamic_batching.max_queue_delay_microseconds = batching.max_queue_delay_us
+        triton.dynamic_batching.preferred_batch_size.extend(batching.preferred_batch_sizes)
+        triton.dynamic_batching.priority_levels = admission.priority_levels
+        triton.dynamic_batching.default_priority_level = admission.default_priority_level
+        triton.dynamic_batching.default_queue_policy.CopyFrom(_queue_policy(admission.default_queue_policy))
+        for level, level_policy in admission.priority_queue_policy:
+            triton.dynamic_batching.priority_queue_policy[level].CopyFrom(_queue_policy(level_policy))
     return triton
+
+
+def _queue_policy(policy: QueuePolicy) -> config_pb.ModelQueuePolicy:
+    return config_pb.ModelQueuePolicy(
+        timeout_action=config_pb.ModelQueuePolicy.REJECT,
+        default_timeout_microseconds=policy.default_timeout_us,
+        allow_timeout_override=policy.allow_timeout_override,
+        max_queue_size=policy.max_queue_size,
+    )
 
 
 def _statistics(served: ServedVersion) -> pb.ModelStatistics:
@@ -223,7 +245,7 @@ def _statistics(served: ServedVersion) -> pb.ModelStatistics:
             success=pb.StatisticDuration(count=stats.success_count, ns=stats.success_ns),
             fail=pb.StatisticDuration(count=stats.fail_count, ns=stats.fail_ns),
             # perf_analyzer finds the version it measured by the queue count that grew.
-            queue=pb.StatisticDuration(count=stats.success_count, ns=stats.queue_ns),
+            queue=pb.StatisticDuration(count=stats.queue_count, ns=stats.queue_ns),
             # Tensor conversion is not timed apart: it is inside the queue time (input) and the
             # request total (output). The counts must match compute_infer's for perf_analyzer.
             compute_input=pb.StatisticDuration(count=stats.execution_count),

@@ -12,6 +12,7 @@ from typing import Any, Literal
 
 import yaml
 
+from service.batching.queue import AdmissionPolicy, QueuePolicy
 from service.datatypes import is_known
 from service.errors import ModelLoadError
 
@@ -60,8 +61,17 @@ class ExecutionConfig:
 
 @dataclass(frozen=True)
 class DynamicBatchingConfig:
+    """How requests to a version are queued and batched (the YAML keys are flat; the priority and
+    queue policy keys become `admission`)."""
+
+    # How long a request may wait for others to share its run while a run slot is free; 0 = none:
+    # batches still grow under load, from the requests that queue while every slot is busy.
     max_queue_delay_us: int = 0
+    # A batch leaves as soon as it reaches the largest of these (or max_batch_size).
     preferred_batch_sizes: tuple[int, ...] = ()
+    # Batches of this version that run at once; 0 = sized to the machine (service/batching/batcher.py).
+    max_concurrent_batches: int = 0
+    admission: AdmissionPolicy = field(default_factory=AdmissionPolicy)
 
 
 @dataclass(frozen=True)
@@ -141,7 +151,7 @@ def parse_config(raw: object) -> ModelConfig:
         inputs=_tensors(doc.get("inputs", []), "inputs"),
         outputs=_tensors(doc.get("outputs", []), "outputs"),
         execution=_execution(doc.get("execution", {})),
-        dynamic_batching=None if batching is None else _batching(batching),
+        dynamic_batching=None if batching is None else _batching(batching, doc.get("max_batch_size", 0)),
         reload=_reload(doc.get("reload", {})),
         generation=_generation(doc.get("generation", {})),
         explicit=True,
@@ -210,17 +220,80 @@ def _execution(raw: object) -> ExecutionConfig:
     )
 
 
-def _batching(raw: object) -> DynamicBatchingConfig:
+def _batching(raw: object, max_batch_size: object) -> DynamicBatchingConfig:
     doc = _mapping(raw, "dynamic_batching")
-    _known(doc, "dynamic_batching", {"max_queue_delay_us", "preferred_batch_sizes"})
+    _known(
+        doc,
+        "dynamic_batching",
+        {
+            "max_queue_delay_us",
+            "preferred_batch_sizes",
+            "max_concurrent_batches",
+            "priority_levels",
+            "default_priority_level",
+            "default_queue_policy",
+            "priority_queue_policy",
+        },
+    )
+    if not isinstance(max_batch_size, int) or max_batch_size < 1:
+        raise ConfigError("dynamic_batching: needs max_batch_size >= 1 (requests are batched along it)")
     sizes = doc.get("preferred_batch_sizes", [])
     if not isinstance(sizes, list):
         raise ConfigError("dynamic_batching.preferred_batch_sizes: expected a list of integers")
+    preferred = tuple(_int(s, "dynamic_batching.preferred_batch_sizes[]", minimum=1) for s in sizes)
+    if any(size > max_batch_size for size in preferred):
+        raise ConfigError(
+            f"dynamic_batching.preferred_batch_sizes: {list(preferred)} has a size above max_batch_size "
+            f"{max_batch_size}"
+        )
     return DynamicBatchingConfig(
         max_queue_delay_us=_int(doc.get("max_queue_delay_us", 0), "dynamic_batching.max_queue_delay_us", 0),
-        preferred_batch_sizes=tuple(
-            _int(s, "dynamic_batching.preferred_batch_sizes[]", minimum=1) for s in sizes
+        preferred_batch_sizes=preferred,
+        max_concurrent_batches=_int(
+            doc.get("max_concurrent_batches", 0), "dynamic_batching.max_concurrent_batches", 0
         ),
+        admission=_admission(doc),
+    )
+
+
+def _admission(doc: Mapping[str, Any]) -> AdmissionPolicy:
+    where = "dynamic_batching"
+    levels = _int(doc.get("priority_levels", 1), f"{where}.priority_levels", minimum=1)
+    # Requests that name no priority wait at the lowest level unless the config says otherwise, so
+    # that latency-sensitive callers can go ahead by asking for a higher one.
+    default_level = _int(doc.get("default_priority_level", levels), f"{where}.default_priority_level", 1)
+    if default_level > levels:
+        raise ConfigError(
+            f"{where}.default_priority_level: {default_level} is not a level in 1..{levels} (priority_levels)"
+        )
+    default = _queue_policy(
+        doc.get("default_queue_policy", {}), f"{where}.default_queue_policy", QueuePolicy()
+    )
+    raw_levels = _mapping(doc.get("priority_queue_policy", {}), f"{where}.priority_queue_policy")
+    per_level = []
+    for name, value in raw_levels.items():
+        key: object = name  # YAML gives int keys for `{1: ...}`; anything else is an error
+        if isinstance(key, bool) or not isinstance(key, int) or not 1 <= key <= levels:
+            raise ConfigError(
+                f"{where}.priority_queue_policy: key {key!r} is not a priority level in 1..{levels}"
+            )
+        # Keys a level leaves out come from default_queue_policy.
+        per_level.append((key, _queue_policy(value, f"{where}.priority_queue_policy.{key}", default)))
+    return AdmissionPolicy(levels, default_level, default, tuple(sorted(per_level, key=lambda kv: kv[0])))
+
+
+def _queue_policy(raw: object, where: str, base: QueuePolicy) -> QueuePolicy:
+    doc = _mapping(raw, where)
+    _known(doc, where, {"max_queue_size", "default_timeout_us", "allow_timeout_override"})
+    allow = doc.get("allow_timeout_override", base.allow_timeout_override)
+    if not isinstance(allow, bool):
+        raise ConfigError(f"{where}.allow_timeout_override: expected true or false, got {allow!r}")
+    return QueuePolicy(
+        max_queue_size=_int(doc.get("max_queue_size", base.max_queue_size), f"{where}.max_queue_size", 0),
+        default_timeout_us=_int(
+            doc.get("default_timeout_us", base.default_timeout_us), f"{where}.default_timeout_us", 0
+        ),
+        allow_timeout_override=allow,
     )
 
 

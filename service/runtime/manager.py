@@ -17,6 +17,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
 from types import MappingProxyType
+from typing import TYPE_CHECKING
 
 from service.errors import InvalidInput, ModelLoadError, ModelNotFound, ModelUnavailable
 from service.metrics import ServiceMetrics
@@ -28,6 +29,9 @@ from service.runtime.providers import ProviderChoice
 from service.runtime.served import ServedModel, ServedVersion
 from service.runtime.session import ModelRunner, load_runner
 from service.runtime.signature import Signature
+
+if TYPE_CHECKING:
+    from service.batching.batcher import Batcher
 
 log = logging.getLogger(__name__)
 
@@ -108,6 +112,8 @@ class Lease:
 
 
 Loader = Callable[[Path, ModelConfig, ProviderChoice], ModelRunner]
+# Builds the batcher of a loaded version whose config asks for dynamic batching.
+BatcherFactory = Callable[[ServedVersion], "Batcher"]
 
 
 class ModelManager:
@@ -119,12 +125,14 @@ class ModelManager:
         metrics: ServiceMetrics | None = None,
         drain_timeout_s: float = 30.0,
         loader: Loader = load_runner,  # test seam: a loader that fails or blocks on demand
+        batching: BatcherFactory | None = None,
     ) -> None:
         self.repository = repository
         self.providers = providers
         self.metrics = metrics or ServiceMetrics()
         self.drain_timeout_s = drain_timeout_s
         self._loader = loader
+        self._batching = batching
         self._table: Mapping[str, ServedModel] = MappingProxyType({})
         self._status: dict[str, ModelStatus] = {}
         self._locks: dict[str, asyncio.Lock] = {}
@@ -344,7 +352,10 @@ class ModelManager:
             runner.warmup_run_s * 1e6,
             "inline" if runner.runs_inline else "executor",
         )
-        return ServedVersion(name, number, runner, config, print_, memory)
+        served = ServedVersion(name, number, runner, config, print_, memory)
+        if config.dynamic_batching is not None and self._batching is not None:
+            served.batcher = self._batching(served)
+        return served
 
     async def _make_room(
         self, name: str, number: int, need: int, config: ModelConfig, current: dict[int, ServedVersion]
@@ -474,6 +485,7 @@ class ModelManager:
                 served.in_flight,
                 self.drain_timeout_s,
             )
+        await served.stop_batching()
         served.drop_session()
         await asyncio.get_running_loop().run_in_executor(self._io, trim_heap)
         if not replaced and name in self._status:

@@ -6,9 +6,13 @@ import asyncio
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from service.repository.config import ModelConfig
 from service.runtime.session import ModelRunner
+
+if TYPE_CHECKING:
+    from service.batching.batcher import Batcher
 
 
 @dataclass
@@ -21,22 +25,38 @@ class VersionStats:
     fail_ns: int = 0
     inference_count: int = 0  # items, counting each batch row
     execution_count: int = 0  # model runs
-    queue_ns: int = 0  # admission to the start of the run
     compute_ns: int = 0
+    # Admission to the start of the run: the batcher's queue, or the checks before an own run.
+    # Every successful request counts once (perf_analyzer finds its model version by this count).
+    queue_count: int = 0
+    queue_ns: int = 0
     last_inference_ms: int = 0
 
     def record(self, ok: bool, elapsed_ns: int, items: int, queue_ns: int, compute_ns: int) -> None:
+        """One request that was one run of its own (no batching)."""
+        self.record_request(ok, elapsed_ns)
+        if ok:
+            self.record_queue(queue_ns)
+            self.record_execution(items, compute_ns)
+
+    def record_request(self, ok: bool, elapsed_ns: int) -> None:
         if ok:
             self.success_count += 1
             self.success_ns += elapsed_ns
-            self.inference_count += items
-            self.execution_count += 1
-            self.queue_ns += queue_ns
-            self.compute_ns += compute_ns
         else:
             self.fail_count += 1
             self.fail_ns += elapsed_ns
         self.last_inference_ms = time.time_ns() // 1_000_000
+
+    def record_execution(self, items: int, compute_ns: int) -> None:
+        """One successful model run, of `items` batch rows (from one request or several)."""
+        self.inference_count += items
+        self.execution_count += 1
+        self.compute_ns += compute_ns
+
+    def record_queue(self, waited_ns: int) -> None:
+        self.queue_count += 1
+        self.queue_ns += waited_ns
 
 
 class ServedVersion:
@@ -59,6 +79,8 @@ class ServedVersion:
         self.fingerprint = fingerprint  # the files it was loaded from; a change means reload
         self.memory_bytes = memory_bytes  # estimate, for the model's memory budget
         self.stats = VersionStats()
+        # Set by the manager when the config asks for dynamic batching; requests then go through it.
+        self.batcher: Batcher | None = None
         self.in_flight = 0
         self._drained: asyncio.Event | None = None
 
@@ -69,6 +91,11 @@ class ServedVersion:
         self.in_flight -= 1
         if self.in_flight == 0 and self._drained is not None:
             self._drained.set()
+
+    async def stop_batching(self) -> None:
+        """Stop the batcher (after draining: nothing is queued any more) and let go of its runner."""
+        if self.batcher is not None:
+            await self.batcher.close()
 
     def drop_session(self) -> None:
         """Drop the session, so that ONNX Runtime frees it now rather than whenever the last

@@ -13,9 +13,10 @@ from typing import Any
 
 import numpy as np
 import onnxruntime as ort
+from onnxruntime.capi.onnxruntime_pybind11_state import InvalidArgument
 
 from service.datatypes import NAME_BY_ORT, NUMPY_BY_NAME
-from service.errors import ModelLoadError
+from service.errors import InvalidInput, ModelLoadError, ModelRunError, ServiceError
 from service.generation.model import DecoderModel, load_decoder
 from service.repository.config import ModelConfig, TensorConfig
 from service.runtime.providers import CPU, CUDA, ProviderChoice
@@ -45,6 +46,16 @@ class ModelRunner:
 
     def run(self, feeds: Mapping[str, np.ndarray], output_names: Sequence[str]) -> list[np.ndarray]:
         return self.session.run(list(output_names), dict(feeds))  # type: ignore[no-any-return]
+
+
+def run_error(exc: Exception, label: str) -> ServiceError:
+    """The answer for a failed run of the model `label` names ("model m version 3")."""
+    if isinstance(exc, ServiceError):
+        return exc
+    if isinstance(exc, InvalidArgument):
+        # Shapes the schema allows (-1) but the graph's operators reject.
+        return InvalidInput(f"the model rejected the inputs: {_first_line(exc)}")
+    return ModelRunError(f"{label} failed: {_first_line(exc)}")
 
 
 def load_runner(model_file: Path, config: ModelConfig, providers: ProviderChoice) -> ModelRunner:

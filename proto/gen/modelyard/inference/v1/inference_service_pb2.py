@@ -26,29 +26,29 @@ from google.protobuf import duration_pb2 as google_dot_protobuf_dot_duration__pb
 from modelyard.inference.v1 import tensor_pb2 as modelyard_dot_inference_dot_v1_dot_tensor__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n.modelyard/inference/v1/inference_service.proto\x12\x16modelyard.inference.v1\x1a\x1egoogle/protobuf/duration.proto\x1a#modelyard/inference/v1/tensor.proto\"\x93\x01\n\x0cInferRequest\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x15\n\rmodel_version\x18\x02 \x01(\t\x12.\n\x06inputs\x18\x03 \x03(\x0b\x32\x1e.modelyard.inference.v1.Tensor\x12\x14\n\x0coutput_names\x18\x04 \x03(\t\x12\x12\n\nrequest_id\x18\x05 \x01(\t\"\x7f\n\rInferResponse\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x15\n\rmodel_version\x18\x02 \x01(\t\x12/\n\x07outputs\x18\x03 \x03(\x0b\x32\x1e.modelyard.inference.v1.Tensor\x12\x12\n\nrequest_id\x18\x04 \x01(\t\"\xad\x01\n\x12InferStreamRequest\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x15\n\rmodel_version\x18\x02 \x01(\t\x12.\n\x06inputs\x18\x03 \x03(\x0b\x32\x1e.modelyard.inference.v1.Tensor\x12\x14\n\x0coutput_names\x18\x04 \x03(\t\x12\x12\n\nrequest_id\x18\x05 \x01(\t\x12\x12\n\nchunk_size\x18\x06 \x01(\r\"\xbc\x01\n\x13InferStreamResponse\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x15\n\rmodel_version\x18\x02 \x01(\t\x12/\n\x07outputs\x18\x03 \x03(\x0b\x32\x1e.modelyard.inference.v1.Tensor\x12\x12\n\nrequest_id\x18\x04 \x01(\t\x12\x13\n\x0b\x63hunk_index\x18\x05 \x01(\r\x12\x12\n\nrow_offset\x18\x06 \x01(\x04\x12\x0c\n\x04last\x18\x07 \x01(\x08\"\xeb\x01\n\x0fGenerateRequest\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x15\n\rmodel_version\x18\x02 \x01(\t\x12\x0e\n\x06prompt\x18\x03 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x04 \x03(\x03\x12\x12\n\nmax_tokens\x18\x05 \x01(\r\x12\x13\n\x0btemperature\x18\x06 \x01(\x02\x12\r\n\x05top_k\x18\x07 \x01(\r\x12\r\n\x05top_p\x18\x08 \x01(\x02\x12\x11\n\x04seed\x18\t \x01(\x04H\x00\x88\x01\x01\x12\x0c\n\x04stop\x18\n \x03(\t\x12\x12\n\nrequest_id\x18\x0b \x01(\tB\x07\n\x05_seed\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\"\x9a\x02\n\x10GenerateResponse\x12\x17\n\x0fsequence_number\x18\x01 \x01(\x04\x12\x15\n\rmodel_version\x18\x02 \x01(\t\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x11\n\ttoken_ids\x18\x04 \x03(\x03\x12;\n\rfinish_reason\x18\x05 \x01(\x0e\x32$.modelyard.inference.v1.FinishReason\x12,\n\x05usage\x18\x06 \x01(\x0b\x32\x1d.modelyard.inference.v1.Usage\x12\x36\n\x13time_to_first_token\x18\x07 \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x12\n\nrequest_id\x18\x08 \x01(\t*\x93\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x02\x12\x15\n\x11\x46INISH_REASON_EOS\x10\x03\x12\x1b\n\x17\x46INISH_REASON_CANCELLED\x10\x04\x32\xb3\x02\n\x10InferenceService\x12T\n\x05Infer\x12$.modelyard.inference.v1.InferRequest\x1a%.modelyard.inference.v1.InferResponse\x12h\n\x0bInferStream\x12*.modelyard.inference.v1.InferStreamRequest\x1a+.modelyard.inference.v1.InferStreamResponse0\x01\x12_\n\x08Generate\x12\'.modelyard.inference.v1.GenerateRequest\x1a(.modelyard.inference.v1.GenerateResponse0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n.modelyard/inference/v1/inference_service.proto\x12\x16modelyard.inference.v1\x1a\x1egoogle/protobuf/duration.proto\x1a#modelyard/inference/v1/tensor.proto\"\xb9\x01\n\x0cInferRequest\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x15\n\rmodel_version\x18\x02 \x01(\t\x12.\n\x06inputs\x18\x03 \x03(\x0b\x32\x1e.modelyard.inference.v1.Tensor\x12\x14\n\x0coutput_names\x18\x04 \x03(\t\x12\x12\n\nrequest_id\x18\x05 \x01(\t\x12\x10\n\x08priority\x18\x06 \x01(\r\x12\x12\n\ntimeout_us\x18\x07 \x01(\x04\"\x7f\n\rInferResponse\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x15\n\rmodel_version\x18\x02 \x01(\t\x12/\n\x07outputs\x18\x03 \x03(\x0b\x32\x1e.modelyard.inference.v1.Tensor\x12\x12\n\nrequest_id\x18\x04 \x01(\t\"\xd3\x01\n\x12InferStreamRequest\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x15\n\rmodel_version\x18\x02 \x01(\t\x12.\n\x06inputs\x18\x03 \x03(\x0b\x32\x1e.modelyard.inference.v1.Tensor\x12\x14\n\x0coutput_names\x18\x04 \x03(\t\x12\x12\n\nrequest_id\x18\x05 \x01(\t\x12\x12\n\nchunk_size\x18\x06 \x01(\r\x12\x10\n\x08priority\x18\x07 \x01(\r\x12\x12\n\ntimeout_us\x18\x08 \x01(\x04\"\xbc\x01\n\x13InferStreamResponse\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x15\n\rmodel_version\x18\x02 \x01(\t\x12/\n\x07outputs\x18\x03 \x03(\x0b\x32\x1e.modelyard.inference.v1.Tensor\x12\x12\n\nrequest_id\x18\x04 \x01(\t\x12\x13\n\x0b\x63hunk_index\x18\x05 \x01(\r\x12\x12\n\nrow_offset\x18\x06 \x01(\x04\x12\x0c\n\x04last\x18\x07 \x01(\x08\"\xeb\x01\n\x0fGenerateRequest\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x15\n\rmodel_version\x18\x02 \x01(\t\x12\x0e\n\x06prompt\x18\x03 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x04 \x03(\x03\x12\x12\n\nmax_tokens\x18\x05 \x01(\r\x12\x13\n\x0btemperature\x18\x06 \x01(\x02\x12\r\n\x05top_k\x18\x07 \x01(\r\x12\r\n\x05top_p\x18\x08 \x01(\x02\x12\x11\n\x04seed\x18\t \x01(\x04H\x00\x88\x01\x01\x12\x0c\n\x04stop\x18\n \x03(\t\x12\x12\n\nrequest_id\x18\x0b \x01(\tB\x07\n\x05_seed\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\"\x9a\x02\n\x10GenerateResponse\x12\x17\n\x0fsequence_number\x18\x01 \x01(\x04\x12\x15\n\rmodel_version\x18\x02 \x01(\t\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x11\n\ttoken_ids\x18\x04 \x03(\x03\x12;\n\rfinish_reason\x18\x05 \x01(\x0e\x32$.modelyard.inference.v1.FinishReason\x12,\n\x05usage\x18\x06 \x01(\x0b\x32\x1d.modelyard.inference.v1.Usage\x12\x36\n\x13time_to_first_token\x18\x07 \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x12\n\nrequest_id\x18\x08 \x01(\t*\x93\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x02\x12\x15\n\x11\x46INISH_REASON_EOS\x10\x03\x12\x1b\n\x17\x46INISH_REASON_CANCELLED\x10\x04\x32\xb3\x02\n\x10InferenceService\x12T\n\x05Infer\x12$.modelyard.inference.v1.InferRequest\x1a%.modelyard.inference.v1.InferResponse\x12h\n\x0bInferStream\x12*.modelyard.inference.v1.InferStreamRequest\x1a+.modelyard.inference.v1.InferStreamResponse0\x01\x12_\n\x08Generate\x12\'.modelyard.inference.v1.GenerateRequest\x1a(.modelyard.inference.v1.GenerateResponse0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'modelyard.inference.v1.inference_service_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=1372
-  _globals['_FINISHREASON']._serialized_end=1519
+  _globals['_FINISHREASON']._serialized_start=1448
+  _globals['_FINISHREASON']._serialized_end=1595
   _globals['_INFERREQUEST']._serialized_start=144
-  _globals['_INFERREQUEST']._serialized_end=291
-  _globals['_INFERRESPONSE']._serialized_start=293
-  _globals['_INFERRESPONSE']._serialized_end=420
-  _globals['_INFERSTREAMREQUEST']._serialized_start=423
-  _globals['_INFERSTREAMREQUEST']._serialized_end=596
-  _globals['_INFERSTREAMRESPONSE']._serialized_start=599
-  _globals['_INFERSTREAMRESPONSE']._serialized_end=787
-  _globals['_GENERATEREQUEST']._serialized_start=790
-  _globals['_GENERATEREQUEST']._serialized_end=1025
-  _globals['_USAGE']._serialized_start=1027
-  _globals['_USAGE']._serialized_end=1084
-  _globals['_GENERATERESPONSE']._serialized_start=1087
-  _globals['_GENERATERESPONSE']._serialized_end=1369
-  _globals['_INFERENCESERVICE']._serialized_start=1522
-  _globals['_INFERENCESERVICE']._serialized_end=1829
+  _globals['_INFERREQUEST']._serialized_end=329
+  _globals['_INFERRESPONSE']._serialized_start=331
+  _globals['_INFERRESPONSE']._serialized_end=458
+  _globals['_INFERSTREAMREQUEST']._serialized_start=461
+  _globals['_INFERSTREAMREQUEST']._serialized_end=672
+  _globals['_INFERSTREAMRESPONSE']._serialized_start=675
+  _globals['_INFERSTREAMRESPONSE']._serialized_end=863
+  _globals['_GENERATEREQUEST']._serialized_start=866
+  _globals['_GENERATEREQUEST']._serialized_end=1101
+  _globals['_USAGE']._serialized_start=1103
+  _globals['_USAGE']._serialized_end=1160
+  _globals['_GENERATERESPONSE']._serialized_start=1163
+  _globals['_GENERATERESPONSE']._serialized_end=1445
+  _globals['_INFERENCESERVICE']._serialized_start=1598
+  _globals['_INFERENCESERVICE']._serialized_end=1905
 # @@protoc_insertion_point(module_scope)

@@ -70,12 +70,26 @@ class InferRequest(_message.Message):
     INPUTS_FIELD_NUMBER: _builtins.int
     OUTPUT_NAMES_FIELD_NUMBER: _builtins.int
     REQUEST_ID_FIELD_NUMBER: _builtins.int
+    PRIORITY_FIELD_NUMBER: _builtins.int
+    TIMEOUT_US_FIELD_NUMBER: _builtins.int
     model_name: _builtins.str
     """model_name names the model in the repository."""
     model_version: _builtins.str
     """model_version pins a version ("3" or "v3"); empty means the newest served version."""
     request_id: _builtins.str
     """request_id is echoed in the response, for correlating logs and traces."""
+    priority: _builtins.int
+    """priority is the request's priority level where the model batches dynamically: 1 is the
+    highest, up to the model's priority_levels; 0 means the model's default level. A request
+    waits only behind requests of its own or a higher priority. Models that run requests as they
+    come ignore it.
+    """
+    timeout_us: _builtins.int
+    """timeout_us shortens, in microseconds, how long the request may wait in the model's queue,
+    where the model's queue policy allows it (allow_timeout_override); 0 keeps the policy's
+    timeout. A request whose time runs out while queued fails with DEADLINE_EXCEEDED and is never
+    run. The call's gRPC deadline always applies as well.
+    """
     @_builtins.property
     def inputs(self) -> _containers.RepeatedCompositeFieldContainer[_tensor_pb2.Tensor]:
         """inputs are the model inputs, one tensor per input name."""
@@ -92,10 +106,12 @@ class InferRequest(_message.Message):
         inputs: _abc.Iterable[_tensor_pb2.Tensor] | None = ...,
         output_names: _abc.Iterable[_builtins.str] | None = ...,
         request_id: _builtins.str = ...,
+        priority: _builtins.int = ...,
+        timeout_us: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["inputs", b"inputs", "model_name", b"model_name", "model_version", b"model_version", "output_names", b"output_names", "request_id", b"request_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["inputs", b"inputs", "model_name", b"model_name", "model_version", b"model_version", "output_names", b"output_names", "priority", b"priority", "request_id", b"request_id", "timeout_us", b"timeout_us"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -149,6 +165,8 @@ class InferStreamRequest(_message.Message):
     OUTPUT_NAMES_FIELD_NUMBER: _builtins.int
     REQUEST_ID_FIELD_NUMBER: _builtins.int
     CHUNK_SIZE_FIELD_NUMBER: _builtins.int
+    PRIORITY_FIELD_NUMBER: _builtins.int
+    TIMEOUT_US_FIELD_NUMBER: _builtins.int
     model_name: _builtins.str
     """model_name names the model in the repository."""
     model_version: _builtins.str
@@ -158,6 +176,14 @@ class InferStreamRequest(_message.Message):
     chunk_size: _builtins.int
     """chunk_size is the number of batch rows per response; 0 means the model's max batch size.
     A model without a batch dimension answers in a single response.
+    """
+    priority: _builtins.int
+    """priority is the priority level of every chunk where the model batches dynamically, as in
+    InferRequest.priority.
+    """
+    timeout_us: _builtins.int
+    """timeout_us shortens how long each chunk may wait in the model's queue, as in
+    InferRequest.timeout_us.
     """
     @_builtins.property
     def inputs(self) -> _containers.RepeatedCompositeFieldContainer[_tensor_pb2.Tensor]:
@@ -178,10 +204,12 @@ class InferStreamRequest(_message.Message):
         output_names: _abc.Iterable[_builtins.str] | None = ...,
         request_id: _builtins.str = ...,
         chunk_size: _builtins.int = ...,
+        priority: _builtins.int = ...,
+        timeout_us: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["chunk_size", b"chunk_size", "inputs", b"inputs", "model_name", b"model_name", "model_version", b"model_version", "output_names", b"output_names", "request_id", b"request_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["chunk_size", b"chunk_size", "inputs", b"inputs", "model_name", b"model_name", "model_version", b"model_version", "output_names", b"output_names", "priority", b"priority", "request_id", b"request_id", "timeout_us", b"timeout_us"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -1,0 +1,416 @@
+"""Dynamic batching: throughput and latency with batching off and on, and priorities under a burst.
+
+Two kinds of model, served from one temporary repository with batching off and on:
+
+  dense   ``dense_stack(32, 512)``: 32 MatMuls of 512x512 (32 MiB of weights, built here, never
+          committed). Bound by weight bandwidth: in ONNX Runtime here a run of 64 rows costs about
+          6x one row, not 64x, so batching pays. Served off, on, and on+wait (see VARIANTS).
+  tiny    ``scaled_identity(16)``: one Mul. Its run costs microseconds; all its cost is gRPC and
+          Python, so batching cannot make the model cheaper and must not make serving dearer.
+
+Phase 1, for concurrency 1, 8, 32 and 64 closed-loop clients of one row each: throughput, p50/p99
+latency and rows per model run of every mode (the modes take turns level by level, in an order
+rotated every round, so that drift in the machine's load hits them alike), and the gain of each
+batched mode over batching off at 32 and 64.
+
+Phase 2, the burst: 64 closed-loop clients of low-priority bulk traffic (8 rows per request)
+saturate the batched dense model while an interactive client sends one row every 10 ms (paced,
+not waiting for answers) and measures its latency: alone, under the bulk at priority 1, under the
+bulk at the default (low) priority, and, for reference, under the same bulk on the unbatched model.
+
+    .venv/bin/python bench/batching.py [--duration 3] [--rounds 3] [--levels 1,8,32,64]
+
+The service runs as a child process (`python -m service`), on 127.0.0.1 only; this process is the
+client (grpc.aio, pre-serialized requests, so that the client spends little per call). Results go
+to bench/results/batching.json. Every process started here is stopped before exit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import grpc
+import numpy as np
+from modelyard.inference.v1 import inference_service_pb2 as pb
+from modelyard.kserve.v2 import grpc_service_pb2 as kpb
+from modelyard.kserve.v2 import grpc_service_pb2_grpc as kpb_grpc
+
+from service.api.convert import to_array, to_tensor
+from service.demo_models import dense_stack, scaled_identity, write_model
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "bench" / "results" / "batching.json"
+INFER = "/modelyard.inference.v1.InferenceService/Infer"
+_SERVING = re.compile(r"serving gRPC on (\S+?)[;,]")
+
+DENSE_LAYERS, DENSE_WIDTH = 32, 512
+TINY_WIDTH = 16
+MAX_BATCH = 64
+BATCHING: dict[str, Any] = {
+    "max_queue_delay_us": 0,  # per variant, below
+    "priority_levels": 2,
+    "default_priority_level": 2,
+    "default_queue_policy": {"max_queue_size": 256},
+    "priority_queue_policy": {1: {"max_queue_size": 64}},
+}
+# The same for every variant. One ONNX Runtime thread per run: on 2 cores, a run that took both
+# would starve the event loop that serves gRPC (measured: every variant gains from it), and the
+# two executor threads still run two unbatched requests at once.
+EXECUTION = {"intra_op_threads": 1}
+# kind -> mode -> (model, max_queue_delay_us; None = no batching). "on": a batch leaves as soon as
+# the run slot is free, with whatever queued meanwhile (a lone request runs at once). "on+wait":
+# a batch that is not full waits up to 5 ms for company, longer than a batch runs, so that the
+# waves of requests that closed-loop clients send merge into fewer, larger batches; it costs a
+# lone request those 5 ms (Triton's max_queue_delay semantics).
+VARIANTS: dict[str, dict[str, tuple[str, int | None]]] = {
+    "dense": {"off": ("dense", None), "on": ("dense-batched", 0), "on+wait": ("dense-batched-wait", 5000)},
+    "tiny": {"off": ("tiny", None), "on": ("tiny-batched", 0)},
+}
+INTERACTIVE_INTERVAL_S = 0.010
+BULK_CLIENTS = 64
+BULK_ROWS = 8  # bulk callers send several rows per request, as batch jobs do
+
+
+def build_repository(root: Path) -> None:
+    graphs = {
+        "dense": dense_stack(DENSE_LAYERS, DENSE_WIDTH, seed=0),
+        "tiny": scaled_identity(TINY_WIDTH, 2.0),
+    }
+    for kind, modes in VARIANTS.items():
+        for name, delay_us in modes.values():
+            config: dict[str, Any] = {"max_batch_size": MAX_BATCH, "execution": EXECUTION}
+            if delay_us is not None:
+                config["dynamic_batching"] = BATCHING | {"max_queue_delay_us": delay_us}
+            write_model(root, name, 1, graphs[kind], config)
+
+
+@dataclass
+class Server:
+    proc: subprocess.Popen[str]
+    address: str
+    log: list[str] = field(default_factory=list)
+
+
+@contextmanager
+def served(repository: Path) -> Iterator[Server]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MODELYARD_")}
+    cmd = [sys.executable, "-m", "service", "--repository", str(repository)]
+    cmd += ["--listen", "127.0.0.1:0", "--metrics-listen", "", "--log-level", "INFO"]
+    proc = subprocess.Popen(
+        cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=env, cwd=ROOT
+    )
+    lines: list[str] = []
+    found: list[str] = []
+    ready = threading.Event()
+
+    def pump() -> None:  # keep reading, so that the child never blocks on a full pipe
+        assert proc.stderr is not None
+        for line in proc.stderr:
+            lines.append(line.rstrip())
+            if not found and (match := _SERVING.search(line)):
+                found.append(match.group(1))
+                ready.set()
+        ready.set()
+
+    threading.Thread(target=pump, daemon=True).start()
+    try:
+        if not ready.wait(120) or not found:
+            raise RuntimeError("the service did not start:\n" + "\n".join(lines))
+        yield Server(proc, found[0], lines)
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+def request_bytes(model: str, x: np.ndarray, priority: int = 0) -> bytes:
+    request = pb.InferRequest(model_name=model, inputs=[to_tensor("INPUT0", x)], priority=priority)
+    return request.SerializeToString()
+
+
+def payload(kind: str, seed: int = 0, rows: int = 1) -> np.ndarray:
+    width = DENSE_WIDTH if kind == "dense" else TINY_WIDTH
+    return np.random.default_rng(seed).standard_normal((rows, width), dtype=np.float32)
+
+
+@dataclass
+class Measure:
+    """Latencies (seconds) of the requests that started inside the measured window."""
+
+    seconds: float
+    latencies: list[float] = field(default_factory=list)
+    errors: Counter[str] = field(default_factory=Counter)
+
+    def merge(self, other: Measure) -> None:
+        self.seconds += other.seconds
+        self.latencies += other.latencies
+        self.errors.update(other.errors)
+
+    def summary(self) -> dict[str, Any]:
+        values = np.array(self.latencies) if self.latencies else np.array([np.nan])
+        return {
+            "throughput": len(self.latencies) / self.seconds,
+            "p50_ms": float(np.percentile(values, 50)) * 1e3,
+            "p99_ms": float(np.percentile(values, 99)) * 1e3,
+            "requests": len(self.latencies),
+            "errors": dict(self.errors),
+        }
+
+
+Call = grpc.aio.UnaryUnaryMultiCallable[bytes, bytes]
+
+
+async def closed_loop(call: Call, body: bytes, clients: int, warmup: float, duration: float) -> Measure:
+    """`clients` callers, each sending its next request when the last one is answered."""
+    start = time.perf_counter() + warmup
+    stop = start + duration
+    measure = Measure(duration)
+
+    async def client() -> None:
+        while (sent := time.perf_counter()) < stop:
+            try:
+                await call(body)
+            except grpc.aio.AioRpcError as exc:
+                if sent >= start:
+                    measure.errors[exc.code().name] += 1
+                continue
+            if sent >= start:
+                measure.latencies.append(time.perf_counter() - sent)
+
+    await asyncio.gather(*(client() for _ in range(clients)))
+    return measure
+
+
+async def paced(call: Call, body: bytes, interval: float, warmup: float, duration: float) -> Measure:
+    """One request every `interval` seconds, each on its own (open loop: a slow answer does not
+    delay the next request, so queueing shows in the latencies)."""
+    start = time.perf_counter() + warmup
+    stop = start + duration
+    measure = Measure(duration)
+    tasks: list[asyncio.Task[None]] = []
+
+    async def one(sent: float) -> None:
+        try:
+            await call(body)
+        except grpc.aio.AioRpcError as exc:
+            measure.errors[exc.code().name] += 1
+            return
+        if sent >= start:
+            measure.latencies.append(time.perf_counter() - sent)
+
+    due = time.perf_counter()
+    while due < stop:
+        tasks.append(asyncio.ensure_future(one(due)))
+        due += interval
+        await asyncio.sleep(max(0.0, due - time.perf_counter()))
+    await asyncio.gather(*tasks)
+    return measure
+
+
+def check_outputs(channel: grpc.Channel) -> dict[str, Any]:
+    """Batched answers equal unbatched ones (tiny: exactly; dense: within float tolerance)."""
+    from modelyard.inference.v1 import inference_service_pb2_grpc as pb_grpc
+
+    stub = pb_grpc.InferenceServiceStub(channel)
+    found: dict[str, Any] = {}
+    for kind in ("dense", "tiny"):
+        x = payload(kind, seed=7)
+        off = to_array(
+            stub.Infer(pb.InferRequest(model_name=kind, inputs=[to_tensor("INPUT0", x)])).outputs[0]
+        )
+        on_request = pb.InferRequest(model_name=f"{kind}-batched", inputs=[to_tensor("INPUT0", x)])
+        on = to_array(stub.Infer(on_request).outputs[0])
+        found[kind] = {
+            "bit_exact": bool(np.array_equal(off, on)),
+            "max_abs_diff": float(np.abs(off - on).max()),
+        }
+        if not np.allclose(off, on, rtol=1e-5, atol=1e-5):
+            raise AssertionError(f"{kind}: batched output differs from unbatched: {found[kind]}")
+    return found
+
+
+async def phase_levels(
+    address: str, levels: list[int], rounds: int, warmup: float, duration: float
+) -> dict[str, dict[int, dict[str, Any]]]:
+    results: dict[str, dict[int, dict[str, Any]]] = {}
+    async with grpc.aio.insecure_channel(address) as channel:
+        call: Call = channel.unary_unary(INFER, None, None)
+        kserve = kpb_grpc.GRPCInferenceServiceStub(channel)
+        for kind, modes in VARIANTS.items():
+            bodies = {mode: request_bytes(name, payload(kind)) for mode, (name, _) in modes.items()}
+            for level in levels:
+                measures: dict[str, Measure] = {}
+                runs: Counter[tuple[str, str]] = Counter()  # batched models' rows and runs, warm-up too
+                order = list(modes)
+                for round_ in range(rounds):
+                    # Rotate the order, so that drift in the machine's load hits every mode alike.
+                    for mode in order[round_ % len(order) :] + order[: round_ % len(order)]:
+                        name = modes[mode][0]
+                        before = await _counts(kserve, name)
+                        measure = await closed_loop(call, bodies[mode], level, warmup, duration)
+                        after = await _counts(kserve, name)
+                        runs[(mode, "rows")] += after[0] - before[0]
+                        runs[(mode, "runs")] += after[1] - before[1]
+                        if mode in measures:
+                            measures[mode].merge(measure)
+                        else:
+                            measures[mode] = measure
+                summary = {mode: m.summary() for mode, m in measures.items()}
+                for mode in summary:
+                    summary[mode]["rows_per_run"] = runs[(mode, "rows")] / max(runs[(mode, "runs")], 1)
+                print(f"  {kind:5} c={level:<3} " + "  ".join(_line(mode, summary[mode]) for mode in modes))
+                results.setdefault(kind, {})[level] = summary
+    return results
+
+
+async def _counts(kserve: kpb_grpc.GRPCInferenceServiceAsyncStub, model: str) -> tuple[int, int]:
+    """Rows and runs of the model so far (KServe statistics: inference and execution counts)."""
+    stats = await kserve.ModelStatistics(kpb.ModelStatisticsRequest(name=model))
+    return stats.model_stats[0].inference_count, stats.model_stats[0].execution_count
+
+
+def _line(mode: str, s: dict[str, Any]) -> str:
+    errors = f" errors {s['errors']}" if s["errors"] else ""
+    rows = f" [{s['rows_per_run']:4.1f} rows/run]" if mode != "off" else ""
+    return f"{mode}: {s['throughput']:5.0f}/s p50 {s['p50_ms']:6.2f} p99 {s['p99_ms']:6.2f} ms{rows}{errors}"
+
+
+async def phase_burst(address: str, warmup: float, duration: float) -> dict[str, dict[str, Any]]:
+    x = payload("dense", seed=1)
+    scenarios = [
+        ("alone, batched model", "dense-batched", None, 1),
+        ("under bulk, batched, priority 1", "dense-batched", "dense-batched", 1),
+        ("under bulk, batched, default priority", "dense-batched", "dense-batched", 0),
+        ("under bulk, unbatched model", "dense", "dense", 0),
+    ]
+    results: dict[str, dict[str, Any]] = {}
+    async with (
+        grpc.aio.insecure_channel(address) as channel,
+        grpc.aio.insecure_channel(address, options=[("grpc.use_local_subchannel_pool", 1)]) as bulk_channel,
+    ):
+        call: Call = channel.unary_unary(INFER, None, None)
+        bulk_call: Call = bulk_channel.unary_unary(INFER, None, None)
+        for label, model, bulk_model, priority in scenarios:
+            interactive = paced(
+                call, request_bytes(model, x, priority), INTERACTIVE_INTERVAL_S, warmup, duration
+            )
+            if bulk_model is None:
+                measure = await interactive
+                bulk = None
+            else:
+                bulk_body = request_bytes(bulk_model, payload("dense", seed=2, rows=BULK_ROWS))
+                measure, bulk = await asyncio.gather(
+                    interactive, closed_loop(bulk_call, bulk_body, BULK_CLIENTS, warmup, duration)
+                )
+            entry: dict[str, Any] = {
+                "interactive": measure.summary(),
+                "bulk": bulk.summary() if bulk else None,
+            }
+            results[label] = entry
+            line = f"  {label:38} interactive: p50 {entry['interactive']['p50_ms']:6.2f} ms"
+            line += f" p99 {entry['interactive']['p99_ms']:7.2f} ms"
+            if bulk is not None:
+                line += f"   bulk: {entry['bulk']['throughput']:6.0f}/s p99 {entry['bulk']['p99_ms']:7.2f} ms"
+            print(line)
+    return results
+
+
+def ratios(levels: dict[str, dict[int, dict[str, Any]]]) -> dict[str, dict[int, dict[str, dict[str, float]]]]:
+    """Each batched mode against batching off, at the same concurrency."""
+    out: dict[str, dict[int, dict[str, dict[str, float]]]] = {}
+    for kind, per_level in levels.items():
+        for level, modes in per_level.items():
+            off = modes["off"]
+            out.setdefault(kind, {})[level] = {
+                mode: {
+                    "throughput": values["throughput"] / off["throughput"],
+                    "p99": values["p99_ms"] / off["p99_ms"],
+                }
+                for mode, values in modes.items()
+                if mode != "off"
+            }
+    return out
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--duration", type=float, default=3.0, help="measured seconds per point and round")
+    parser.add_argument("--warmup", type=float, default=0.5, help="unmeasured seconds before each point")
+    parser.add_argument("--rounds", type=int, default=3, help="rounds per point, mode order rotating")
+    parser.add_argument("--levels", default="1,8,32,64", help="client concurrency levels")
+    parser.add_argument("--output", type=Path, default=RESULTS)
+    args = parser.parse_args()
+    levels = [int(v) for v in args.levels.split(",")]
+
+    workdir = Path(tempfile.mkdtemp(prefix="modelyard-bench-batching-"))
+    try:
+        build_repository(workdir / "models")
+        with served(workdir / "models") as server:
+            print(f"service on {server.address}; {os.cpu_count()} CPUs; {platform.machine()}")
+            with grpc.insecure_channel(server.address) as channel:
+                exactness = check_outputs(channel)
+            print(f"batched vs unbatched outputs: {exactness}")
+            print("phase 1: closed-loop clients, batching off / on")
+            by_level = asyncio.run(
+                phase_levels(server.address, levels, args.rounds, args.warmup, args.duration)
+            )
+            gains = ratios(by_level)
+            print("gains over batching off (throughput ratio; p99 ratio, lower is better):")
+            for kind in gains:
+                for level in (32, 64):
+                    for mode, g in gains[kind].get(level, {}).items():
+                        ratio = f"throughput x{g['throughput']:.2f}, p99 x{g['p99']:.2f}"
+                        print(f"  {kind:5} c={level} {mode:7}: {ratio}")
+            print(
+                f"phase 2: burst (bulk: {BULK_CLIENTS} closed-loop low-priority clients on the dense model)"
+            )
+            burst = asyncio.run(phase_burst(server.address, args.warmup, args.duration))
+            batching_lines = [line for line in server.log if "batches up to" in line]
+        report = {
+            "machine": {"cpus": os.cpu_count(), "python": platform.python_version()},
+            "settings": vars(args) | {"output": str(args.output)},
+            "models": {
+                "dense": f"dense_stack({DENSE_LAYERS}, {DENSE_WIDTH}): weight-bandwidth bound",
+                "tiny": f"scaled_identity({TINY_WIDTH}): overhead bound",
+            },
+            "config": {"max_batch_size": MAX_BATCH, "execution": EXECUTION, "dynamic_batching": BATCHING},
+            "batchers": batching_lines,
+            "outputs": exactness,
+            "levels": by_level,
+            "gains": gains,
+            "burst": burst,
+        }
+        args.output.parent.mkdir(parents=True, exist_ok=True)
+        args.output.write_text(json.dumps(report, indent=2, default=str))
+        print(f"results: {args.output}")
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

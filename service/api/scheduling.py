@@ -1,0 +1,39 @@
+"""A call's priority, queue timeout and deadline, read from either API into one Scheduling."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from modelyard.kserve.v2.grpc_service_pb2 import InferParameter
+
+from service.api.errors import Context
+from service.api.kserve_tensors import parameter_value
+from service.batching.queue import Scheduling
+from service.errors import InvalidInput
+
+# Triton's request parameters (tritonclient sends priority as uint64, timeout as int64, in us).
+PRIORITY = "priority"
+TIMEOUT = "timeout"
+
+
+def scheduling(context: Context, priority: int = 0, timeout_us: int = 0) -> Scheduling:
+    """Our API: the request's fields, and the call's gRPC deadline."""
+    return Scheduling(priority, timeout_us, context.time_remaining())
+
+
+def kserve_scheduling(context: Context, parameters: Mapping[str, InferParameter]) -> Scheduling:
+    """KServe V2: Triton's `priority` and `timeout` (microseconds) request parameters."""
+    return scheduling(
+        context, _count(parameters, PRIORITY, "a priority level"), _count(parameters, TIMEOUT, "microseconds")
+    )
+
+
+def _count(parameters: Mapping[str, InferParameter], name: str, unit: str) -> int:
+    if name not in parameters:
+        return 0
+    value = parameter_value(parameters[name])
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise InvalidInput(
+            f"request parameter {name!r} must be a non-negative integer ({unit}), got {value!r}"
+        )
+    return value

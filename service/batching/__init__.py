@@ -1,0 +1,1 @@
+"""Admission control (bounded per-priority queues, deadlines, cancellation) and dynamic batching."""

@@ -1,0 +1,423 @@
+"""The dynamic batcher of one model version: requests queue, batch, run together, and part again.
+
+Requests wait in an AdmissionQueue (priorities, bounded queues, deadlines). A loop on the event
+loop forms a batch whenever a run slot is free: the head of the queue (highest priority, oldest)
+and the requests behind it whose inputs match it apart from the batch dimension, in queue order,
+up to max_batch_size rows. The batch leaves at once when it reaches the largest preferred batch
+size (or max_batch_size), otherwise when its oldest request has waited max_queue_delay_us. While
+every slot is busy, requests pile up, so batches grow with the load by themselves.
+
+A request that finds nothing queued and a slot free runs at once (waiting could gain nothing).
+A batch is concatenated, run once, and its outputs are split back per request, all on an executor
+thread (the event loop only plans). Models cheap enough to run inline run on the loop; their runs
+end before the next request is read, so they batch only when a max_queue_delay holds requests
+back. A batch that fails is rerun one request at a time, so that one request's bad values cannot
+fail the requests that happened to share its run.
+
+The batcher does not lease versions: callers hold their version's lease while queued, so a
+retiring version drains its queue before `close`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from collections.abc import Callable, Hashable, Mapping, Sequence
+from concurrent.futures import Executor, Future
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+
+from service.batching.clock import Clock, MonotonicClock
+from service.batching.queue import DEFAULT_SCHEDULING, AdmissionPolicy, AdmissionQueue, Scheduling, Ticket
+from service.batching.tensors import batch_key, batch_rows, concat, split
+from service.errors import DeadlineExceeded, ModelRunError, ModelUnavailable, ServiceError
+from service.metrics import BatchingMetrics, ServiceMetrics
+from service.repository.config import ModelConfig
+from service.runtime.providers import CUDA
+from service.runtime.served import ServedVersion, VersionStats
+from service.runtime.session import run_error
+
+log = logging.getLogger(__name__)
+
+Outputs = dict[str, np.ndarray]
+
+
+class Runner(Protocol):
+    """What the batcher needs of a model runner (service.runtime.session.ModelRunner)."""
+
+    @property
+    def runs_inline(self) -> bool: ...
+
+    def run(self, feeds: Mapping[str, np.ndarray], output_names: Sequence[str]) -> list[np.ndarray]: ...
+
+
+@dataclass(frozen=True)
+class BatchSettings:
+    max_batch_size: int
+    target_rows: int  # a batch leaves as soon as it holds this many rows
+    max_queue_delay_s: float
+    concurrency: int  # batches running at once
+    admission: AdmissionPolicy
+
+    @classmethod
+    def from_config(cls, config: ModelConfig, provider: str, cpus: int) -> BatchSettings:
+        batching = config.dynamic_batching
+        if batching is None or not config.max_batch_size:
+            raise ValueError("the model config asks for no dynamic batching")
+        return cls(
+            max_batch_size=config.max_batch_size,
+            target_rows=max(batching.preferred_batch_sizes, default=config.max_batch_size),
+            max_queue_delay_s=batching.max_queue_delay_us / 1e6,
+            concurrency=batching.max_concurrent_batches or default_concurrency(config, provider, cpus),
+            admission=batching.admission,
+        )
+
+
+def default_concurrency(config: ModelConfig, provider: str, cpus: int) -> int:
+    """Batches that keep the device busy without oversubscribing it."""
+    if provider == CUDA:
+        return 2  # one batch's host side (copies, Python) overlaps the other's kernels
+    threads = config.execution.intra_op_threads
+    # ONNX Runtime's default intra-op pool already uses every core for one run. With a smaller
+    # pool, runs share the cores but one: the event loop (gRPC, batching) needs one to itself.
+    return max(1, (cpus - 1) // threads) if threads else 1
+
+
+@dataclass(eq=False)
+class _Pending:
+    """One request in the batcher: its inputs, and the future its caller awaits."""
+
+    feeds: Mapping[str, np.ndarray]
+    names: tuple[str, ...]
+    key: Hashable  # None when it never queues
+    rows: int
+    future: asyncio.Future[Outputs]
+    arrived_ns: int
+
+
+Outcome = Outputs | ServiceError
+
+
+class Batcher:
+    def __init__(
+        self,
+        runner: Runner,
+        settings: BatchSettings,
+        executor: Executor,
+        stats: VersionStats,
+        metrics: BatchingMetrics,
+        clock: Clock | None = None,  # test seam: a clock stepped by hand
+        name: str = "the model",  # for messages: "model m version 3"
+    ) -> None:
+        self.settings = settings
+        self.name = name
+        self._runner: Runner | None = runner
+        self._executor = executor
+        self._stats = stats
+        self._metrics = metrics
+        self._clock = clock or MonotonicClock()
+        self._queue: AdmissionQueue[_Pending] = AdmissionQueue(settings.admission, self._clock, metrics, name)
+        self._busy = 0  # batches running
+        self._wake = asyncio.Event()
+        self._wake_at: float | None = None  # when the loop looks again unless woken (None: never)
+        self._loop_task: asyncio.Task[None] | None = None
+        self._closed = False
+
+    @property
+    def queued(self) -> int:
+        return len(self._queue)
+
+    def queued_at(self, level: int) -> int:
+        return self._queue.depth(level)
+
+    # -- requests -----------------------------------------------------------------------------
+
+    async def infer(
+        self,
+        feeds: Mapping[str, np.ndarray],
+        names: Sequence[str],
+        scheduling: Scheduling = DEFAULT_SCHEDULING,
+    ) -> Outputs:
+        """Run one request's (checked) inputs as part of a batch; raise InvalidInput (priority),
+        Overloaded (queue full), DeadlineExceeded (deadline passed while queued), ModelUnavailable
+        (the version stopped), or what the run raised."""
+        runner = self._runner
+        if self._closed or runner is None:
+            raise ModelUnavailable(f"{self.name} is no longer served")
+        rows = batch_rows(feeds)
+        arrived = time.perf_counter_ns()
+        if self._can_run_now():
+            # A free slot and nothing queued: nothing can join, and waiting gains nothing.
+            level, _ = self._queue.check(scheduling)
+            self._metrics.dequeued(level, 0.0)
+            self._stats.record_queue(0)
+            if runner.runs_inline:
+                return self._run_inline(runner, feeds, tuple(names), rows, arrived)
+            pending = _Pending(
+                feeds, tuple(names), None, rows, asyncio.get_running_loop().create_future(), arrived
+            )
+            self._start([pending])
+            return await pending.future
+        pending = _Pending(
+            feeds, tuple(names), batch_key(feeds), rows, asyncio.get_running_loop().create_future(), arrived
+        )
+        ticket = self._queue.admit(pending, scheduling)
+        # While every slot is busy an arrival changes nothing the loop is waiting for, unless its
+        # deadline comes first: skipping the wake-up saves the loop a turn per request under load.
+        if self._busy < self.settings.concurrency or _earlier(ticket.deadline, self._wake_at):
+            self._kick()
+        try:
+            return await pending.future
+        except asyncio.CancelledError:
+            # The client left (or its gRPC deadline passed): while queued it never runs.
+            self._queue.remove(ticket)
+            raise
+
+    def _run_inline(
+        self, runner: Runner, feeds: Mapping[str, np.ndarray], names: tuple[str, ...], rows: int, arrived: int
+    ) -> Outputs:
+        """A request alone, on the event loop: the cheapest path, for models whose runs take
+        microseconds (no future, no concatenation, no split)."""
+        self._metrics.batch_size.observe(rows)
+        runs: list[tuple[int, int]] = []
+        try:
+            outputs = _execute(runner, feeds, names, self.name, runs)
+        except ServiceError:
+            self._stats.record_request(False, time.perf_counter_ns() - arrived)
+            raise
+        self._stats.record_execution(*runs[0])
+        self._stats.record_request(True, time.perf_counter_ns() - arrived)
+        return outputs
+
+    def _can_run_now(self) -> bool:
+        # An inline model (a run of microseconds) always finds the batcher idle: its runs end
+        # before the event loop takes the next request. It batches only with a max_queue_delay.
+        return (
+            not self._queue and self._busy < self.settings.concurrency and not self.settings.max_queue_delay_s
+        )
+
+    async def close(self) -> None:
+        """Stop (the version retired and drained): anything still queued is answered UNAVAILABLE;
+        the runner is let go of, so that its session can be freed."""
+        self._closed = True
+        for ticket in self._queue.close():
+            self._fail(ticket.item, ModelUnavailable(f"{self.name} stopped serving before the request ran"))
+        if self._loop_task is not None:
+            self._loop_task.cancel()
+            await asyncio.gather(self._loop_task, return_exceptions=True)
+        self._runner = None
+        self._metrics.close()
+
+    # -- the loop -----------------------------------------------------------------------------
+
+    def _kick(self) -> None:
+        if self._closed:
+            return
+        self._wake.set()
+        if self._loop_task is None:
+            self._loop_task = asyncio.get_running_loop().create_task(
+                self._loop(), name=f"batcher {self.name}"
+            )
+
+    async def _loop(self) -> None:
+        while True:
+            self._wake.clear()
+            self._wake_at = self._safe_turn()
+            await self._clock.wait(self._wake, self._wake_at)
+
+    def _safe_turn(self) -> float | None:
+        try:
+            return self._turn()
+        except Exception:  # a bug: answer what waits rather than leave it hanging for ever
+            log.exception("batcher of %s failed", self.name)
+            for ticket in self._queue.close():
+                self._fail(ticket.item, ModelRunError(f"the batcher of {self.name} failed"))
+            return None
+
+    def _turn(self) -> float | None:
+        """Drop expired requests and start what may start; return when to look again (None: when
+        something happens)."""
+        for ticket in self._queue.expire():
+            self._fail(
+                ticket.item,
+                DeadlineExceeded(f"the request's deadline passed while it waited for {self.name}; not run"),
+            )
+        wake_at = self._queue.next_deadline()
+        while self._queue and self._busy < self.settings.concurrency:
+            batch, ready_at = self._plan()
+            if ready_at > self._clock.now():
+                wake_at = ready_at if wake_at is None else min(wake_at, ready_at)
+                break
+            self._queue.take(batch)
+            now = self._clock.now()
+            for ticket in batch:
+                self._stats.record_queue(int((now - ticket.enqueued_at) * 1e9))
+            self._start([ticket.item for ticket in batch])
+            wake_at = self._queue.next_deadline()
+        return wake_at
+
+    def _plan(self) -> tuple[list[Ticket[_Pending]], float]:
+        """The next batch, and when it may leave: now if it is full, else when its oldest request
+        has waited max_queue_delay."""
+        settings = self.settings
+        batch: list[Ticket[_Pending]] = []
+        rows = 0
+        oldest = float("inf")
+        full = False
+        key: Hashable = None
+        for ticket in self._queue:
+            item = ticket.item
+            if batch and item.key != key:
+                continue  # cannot share this run; it leads a later batch
+            if batch and rows + item.rows > settings.max_batch_size:
+                full = True
+                break
+            if not batch:
+                key = item.key
+            batch.append(ticket)
+            rows += item.rows
+            oldest = min(oldest, ticket.enqueued_at)
+            if rows >= settings.target_rows:
+                full = True
+                break
+        return batch, (self._clock.now() if full else oldest + settings.max_queue_delay_s)
+
+    # -- running ------------------------------------------------------------------------------
+
+    def _start(self, items: list[_Pending]) -> None:
+        self._busy += 1
+        self._metrics.batch_size.observe(sum(item.rows for item in items))
+        runner = self._runner
+        assert runner is not None
+        if runner.runs_inline:
+            try:
+                self._deliver(items, _compute(runner, items, self.name))
+            finally:
+                self._busy -= 1
+            return
+        loop = asyncio.get_running_loop()
+        try:
+            future = self._executor.submit(_compute, runner, items, self.name)
+        except RuntimeError as exc:  # the executor is shut down
+            self._busy -= 1
+            self._deliver(items, _Computed([run_error(exc, self.name)] * len(items), []))
+            return
+        # One hop back to the event loop when the run ends. (run_in_executor and a task take four,
+        # each behind every callback already waiting on a busy loop, while the model sits idle.)
+        future.add_done_callback(lambda done: loop.call_soon_threadsafe(self._finished, items, done))
+
+    def _finished(self, items: list[_Pending], future: Future[_Computed]) -> None:
+        self._busy -= 1
+        try:
+            done = future.result()
+        except Exception as exc:  # a bug in _compute
+            done = _Computed([run_error(exc, self.name)] * len(items), [])
+        if not self._closed:
+            # The next batch starts before this one's answers go out: the model's time is the
+            # scarce resource, the answers cost the loop, not the model.
+            self._safe_turn()
+            self._kick()  # the loop task works out its next wake-up again
+        self._deliver(items, done)
+
+    def _deliver(self, items: list[_Pending], done: _Computed) -> None:
+        # Statistics are kept here, on the event loop, not on executor threads.
+        for rows, compute_ns in done.runs:
+            self._stats.record_execution(rows, compute_ns)
+        now = time.perf_counter_ns()
+        for item, outcome in zip(items, done.outcomes, strict=True):
+            ok = not isinstance(outcome, ServiceError)
+            self._stats.record_request(ok, now - item.arrived_ns)
+            if item.future.done():  # its caller left while it ran
+                continue
+            if isinstance(outcome, ServiceError):
+                item.future.set_exception(outcome)
+            else:
+                item.future.set_result(outcome)
+
+    def _fail(self, item: _Pending, error: ServiceError) -> None:
+        self._stats.record_request(False, time.perf_counter_ns() - item.arrived_ns)
+        if not item.future.done():
+            item.future.set_exception(error)
+
+
+def _earlier(deadline: float | None, wake_at: float | None) -> bool:
+    return deadline is not None and (wake_at is None or deadline < wake_at)
+
+
+@dataclass
+class _Computed:
+    outcomes: list[Outcome]  # one per request of the batch
+    runs: list[tuple[int, int]]  # (rows, compute ns) of each successful model run
+
+
+def _compute(runner: Runner, items: list[_Pending], name: str) -> _Computed:
+    """On an executor thread: concatenate, run once, split. If the batch fails, run each request
+    alone, so that each gets its own answer."""
+    runs: list[tuple[int, int]] = []
+    names = tuple(dict.fromkeys(output for item in items for output in item.names))
+    try:
+        outputs = _execute(runner, concat([item.feeds for item in items]), names, name, runs)
+        pieces = split(outputs, [item.rows for item in items])
+    except ServiceError as exc:
+        if len(items) == 1:
+            return _Computed([exc], runs)
+        return _Computed([_alone(runner, item, name, runs) for item in items], runs)
+    outcomes: list[Outcome] = [
+        {output: piece[output] for output in item.names} for item, piece in zip(items, pieces, strict=True)
+    ]
+    return _Computed(outcomes, runs)
+
+
+def _alone(runner: Runner, item: _Pending, name: str, runs: list[tuple[int, int]]) -> Outcome:
+    try:
+        return _execute(runner, item.feeds, item.names, name, runs)
+    except ServiceError as exc:
+        return exc
+
+
+def _execute(
+    runner: Runner,
+    feeds: Mapping[str, np.ndarray],
+    names: tuple[str, ...],
+    label: str,
+    runs: list[tuple[int, int]],
+) -> Outputs:
+    start = time.perf_counter_ns()
+    try:
+        arrays = runner.run(feeds, names)
+    except Exception as exc:
+        raise run_error(exc, label) from None
+    runs.append((batch_rows(feeds), time.perf_counter_ns() - start))
+    return dict(zip(names, arrays, strict=True))
+
+
+def batcher_factory(
+    executor: Executor, metrics: ServiceMetrics, clock: Clock | None = None, cpus: int = 0
+) -> Callable[[ServedVersion], Batcher]:
+    """What the model manager calls for each loaded version whose config asks for batching."""
+
+    def build(served: ServedVersion) -> Batcher:
+        provider = served.runner.provider
+        settings = BatchSettings.from_config(served.config, provider, cpus or os.cpu_count() or 1)
+        label = f"model {served.model} version {served.version}"
+        levels = settings.admission.priority_levels
+        log.info(
+            "%s batches up to %d rows (leaves at %d or after %.0f us), %d batch%s at a time, "
+            "%d priority level%s",
+            label,
+            settings.max_batch_size,
+            settings.target_rows,
+            settings.max_queue_delay_s * 1e6,
+            settings.concurrency,
+            "" if settings.concurrency == 1 else "es",
+            levels,
+            "" if levels == 1 else "s",
+        )
+        batching_metrics = metrics.batching(served.model, str(served.version), levels)
+        return Batcher(served.runner, settings, executor, served.stats, batching_metrics, clock, label)
+
+    return build

@@ -1,0 +1,46 @@
+"""Pure helpers for batching tensors: which requests may share a run, concatenation, splitting."""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Mapping, Sequence
+
+import numpy as np
+
+from service.errors import ModelRunError
+
+Feeds = Mapping[str, np.ndarray]
+
+
+def batch_key(feeds: Feeds) -> Hashable:
+    """Requests with equal keys can be concatenated along the batch dimension: the same input
+    names, element types and shapes apart from the first (batch) dimension."""
+    return tuple(sorted((name, array.dtype.str, array.shape[1:]) for name, array in feeds.items()))
+
+
+def batch_rows(feeds: Feeds) -> int:
+    """The size of the batch dimension (inputs agree on it: the signature checked them)."""
+    return next(iter(feeds.values())).shape[0] if feeds else 0
+
+
+def concat(parts: Sequence[Feeds]) -> dict[str, np.ndarray]:
+    """The inputs of several requests as one batch, in order; a single request is not copied."""
+    if len(parts) == 1:
+        return dict(parts[0])
+    return {name: np.concatenate([part[name] for part in parts], axis=0) for name in parts[0]}
+
+
+def split(outputs: Mapping[str, np.ndarray], rows: Sequence[int]) -> list[dict[str, np.ndarray]]:
+    """One batch's outputs cut back into each request's rows (views, not copies)."""
+    total = sum(rows)
+    for name, array in outputs.items():
+        if array.ndim == 0 or array.shape[0] != total:
+            raise ModelRunError(
+                f"output {name!r} has shape {list(array.shape)}, whose first dimension is not the "
+                f"batch of {total} rows: its rows cannot be given back to the requests of the batch"
+            )
+    pieces: list[dict[str, np.ndarray]] = []
+    start = 0
+    for count in rows:
+        pieces.append({name: array[start : start + count] for name, array in outputs.items()})
+        start += count
+    return pieces
