@@ -15,8 +15,8 @@ from wsgiref.simple_server import WSGIServer
 import grpc
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily, Metric
-from prometheus_client.utils import floatToGoString
 from prometheus_client.metrics import MetricWrapperBase
+from prometheus_client.utils import floatToGoString
 
 # Sub-millisecond buckets: the service's own overhead is measured in tens of microseconds.
 LATENCY_BUCKETS = (

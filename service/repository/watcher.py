@@ -11,7 +11,6 @@ inotify queues).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
 import time
@@ -23,6 +22,7 @@ from watchdog.observers import Observer
 from watchdog.observers.api import BaseObserver
 from watchdog.observers.polling import PollingObserver
 
+from service.batching.clock import MonotonicClock
 from service.repository.scanner import is_model_name
 
 log = logging.getLogger(__name__)
@@ -53,6 +53,8 @@ class RepositoryWatcher:
         self._wake = asyncio.Event()
         self._observer: BaseObserver | None = None
         self._task: asyncio.Task[None] | None = None
+        self._stopping = False
+        self._clock = MonotonicClock()
 
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
@@ -64,6 +66,8 @@ class RepositoryWatcher:
         log.info("watching %s for model changes (%s)", self.root, "polling" if self._poll else "inotify")
 
     async def stop(self) -> None:
+        self._stopping = True
+        self._wake.set()
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
@@ -74,7 +78,7 @@ class RepositoryWatcher:
 
     def touched(self, path: str) -> None:
         """Note a change at `path` (on the event loop)."""
-        self._dirty[self.model_of(path)] = asyncio.get_running_loop().time()
+        self._dirty[self.model_of(path)] = self._clock.now()
         self._wake.set()
 
     def model_of(self, path: str) -> str:
@@ -85,14 +89,14 @@ class RepositoryWatcher:
         return parts[0] if parts and is_model_name(parts[0]) else EVERY_MODEL
 
     async def _run(self) -> None:
-        loop = asyncio.get_running_loop()
-        next_resync = loop.time() + self.resync_s
-        while True:
+        next_resync = self._clock.now() + self.resync_s
+        while not self._stopping:
             wake_at = min([next_resync, *(t + self.quiet_s for t in self._dirty.values())])
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), max(0.0, wake_at - loop.time()))
+            # A timer and an event, not asyncio.wait_for: on Python 3.11 wait_for can swallow a
+            # cancel that lands as its wait ends, and stop() would then wait on this loop for ever.
+            await self._clock.wait(self._wake, wake_at)
             self._wake.clear()
-            now = loop.time()
+            now = self._clock.now()
             if now >= next_resync:
                 self._dirty.setdefault(EVERY_MODEL, now - self.quiet_s)
                 next_resync = now + self.resync_s
