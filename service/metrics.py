@@ -4,6 +4,7 @@ in one process), served over HTTP on the metrics address."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 from bisect import bisect_left
 from collections.abc import Iterator
@@ -46,7 +47,8 @@ BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
 class BatchingMetrics:
     """The batching metrics of one model version, labels bound once (they are on the hot path).
-    It is the version's queue observer (service.batching.queue.QueueObserver)."""
+    It is the version's queue observer (service.batching.queue.QueueObserver), for its batcher's
+    queue and for its decode loop's wait queue alike."""
 
     def __init__(self, metrics: ServiceMetrics, model: str, version: str, levels: int) -> None:
         self._owner = metrics
@@ -58,8 +60,12 @@ class BatchingMetrics:
         self._queue_seconds = [self._bind(metrics.queue_seconds, str(n)) for n in range(1, levels + 1)]
         self._depth = [self._bind(metrics.queue_depth, str(n)) for n in range(1, levels + 1)]
         self._rejections: dict[tuple[int, str], Counter] = {}
-        self.batch_size = self._bind(metrics.batch_size)
         self._closed = False
+
+    @functools.cached_property
+    def batch_size(self) -> Histogram:
+        # Bound on first use: a decode loop's queue runs no batches and exports no batch sizes.
+        return self._bind(self._owner.batch_size)
 
     def _bind(self, family: M, *extra: str) -> M:
         labels = (*self._labels, *extra)
@@ -219,20 +225,22 @@ class ServiceMetrics:
         levels = ["model", "version", "priority"]
         self.queue_seconds = Histogram(
             "modelyard_queue_duration_seconds",
-            "Time a request waited in its model version's batching queue before its batch ran.",
+            "Time a request waited in its model version's queue (batching, or decode slots) before it ran.",
             levels,
             buckets=LATENCY_BUCKETS,
             registry=self.registry,
         )
         self.queue_depth = Gauge(
             "modelyard_queue_depth",
-            "Requests waiting in a model version's batching queue, by priority level (1 is highest).",
+            "Requests waiting in a model version's queue (batching, or decode slots), by priority level "
+            "(1 is highest).",
             levels,
             registry=self.registry,
         )
         self.queue_rejections = Counter(
             "modelyard_queue_rejections",
-            "Requests refused by a batching queue or removed from it without running, by reason: "
+            "Requests refused by a queue (batching, or decode slots) or removed from it without running, "
+            "by reason: "
             "queue_full, deadline, cancelled, shutdown.",
             [*levels, "reason"],
             registry=self.registry,

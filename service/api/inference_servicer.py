@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 
@@ -73,12 +72,11 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         self, request: pb.GenerateRequest, context: Context
     ) -> AsyncIterator[pb.GenerateResponse]:
         async with serving(context, self._metrics, "Generate", request.model_name) as call:
-            remaining = context.time_remaining()
             events = self._generation.generate(
                 request.model_name,
                 request.model_version,
                 to_generate_params(request),
-                deadline=None if remaining is None else time.monotonic() + remaining,
+                scheduling(context, request.priority, request.timeout_us),
                 deadline_passed=lambda: deadline_passed(context),
             )
             # aclosing: a cancelled stream leaves its batch and releases its lease at once.

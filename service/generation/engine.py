@@ -1,11 +1,16 @@
 """The decode loop of one decoder model version: admission, continuous batching, delivery.
 
+Sequences wait for a decode slot in an AdmissionQueue, the one the dynamic batcher uses: per
+priority level bounded queues (a full one refuses at once), deadlines while waiting, removal on
+cancel, and its metrics. A slot that frees goes to the queue's head (highest priority, oldest).
+
 One asyncio task per model version runs the loop while there is work and ends when there is none.
 Each turn of the loop:
 
-1. drops sequences whose reader left (cancelled, disconnected) or whose deadline passed, pauses
-   those whose reader is behind (buffer full) and resumes those whose reader caught up;
-2. admits queued sequences into free slots and prefills their prompts (first token at once);
+1. drops waiting sequences whose deadline passed (never prefilled), running ones whose reader left
+   (cancelled, disconnected) or whose deadline passed, pauses those whose reader is behind (buffer
+   full) and resumes those whose reader caught up;
+2. gives free slots to queued sequences and prefills their prompts (first token at once);
 3. runs one decode step for every running sequence together, as one batch.
 
 Joins and leaves happen only between steps (continuous batching). Model runs, cache copies and
@@ -17,6 +22,7 @@ under padding) every sequence decodes in a batch of its own instead.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections import deque
@@ -25,7 +31,9 @@ from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from typing import TypeVar
 
-from service.errors import DeadlineExceeded, ModelRunError, ModelUnavailable, Overloaded, ServiceError
+from service.batching.clock import MonotonicClock
+from service.batching.queue import DEFAULT_SCHEDULING, AdmissionQueue, QueueObserver, Scheduling
+from service.errors import DeadlineExceeded, ModelRunError, ModelUnavailable, ServiceError
 from service.generation.decoder import Cache, DecodeBatch, StepRunner, prefill
 from service.generation.model import DecoderModel
 from service.generation.sampling import choose, choose_rows
@@ -72,6 +80,8 @@ class Engine:
         version: int,
         executor: Executor,
         metrics: GenerationMetrics,
+        queue_metrics: QueueObserver | None = None,
+        name: str = "the model",  # for messages: "model m version 3"
     ) -> None:
         assert model.codec is not None, "an engine needs a tokenizer"
         self._model = model
@@ -83,8 +93,13 @@ class Engine:
         self._settings = model.settings
         self._vocab = model.vocab
         self._shared_batches = self._settings.continuous_batching and model.layout.has_position_ids
-        self._waiting: deque[Sequence] = deque()
+        # The engine's times are time.monotonic() (request deadlines too); the queue's clock is the same.
+        self._clock = MonotonicClock()
+        self._queue: AdmissionQueue[Sequence] = AdmissionQueue(
+            self._settings.admission, self._clock, queue_metrics, name
+        )
         self._slots: set[Sequence] = set()  # admitted: prefill, running or paused
+        self._unprefilled: deque[Sequence] = deque()  # given a slot, prompt not run yet
         self._batches: list[DecodeBatch[Sequence]] = []
         self._batch_of: dict[int, DecodeBatch[Sequence]] = {}  # id(sequence) -> its batch
         self._wake = asyncio.Event()
@@ -97,26 +112,27 @@ class Engine:
 
     @property
     def waiting(self) -> int:
-        return len(self._waiting)
+        return len(self._queue)
 
     # -- the readers' side -------------------------------------------------------------------
 
-    def submit(self, request: GenerationRequest) -> Sequence:
-        """Queue a validated request; Overloaded when every slot and queue place is taken."""
+    def submit(self, request: GenerationRequest, scheduling: Scheduling = DEFAULT_SCHEDULING) -> Sequence:
+        """Queue a validated request at its priority; raise what AdmissionQueue.admit raises:
+        InvalidInput (no such priority), DeadlineExceeded (already late), Overloaded (its
+        level's queue is full)."""
         if self._closed:
             raise ModelUnavailable("the model version is shutting down")
-        if request.deadline is not None and time.monotonic() >= request.deadline:
-            raise DeadlineExceeded("the deadline passed before the generation was queued")
-        capacity = self._settings.max_concurrent_sequences + self._settings.max_waiting
-        if len(self._slots) + len(self._waiting) >= capacity:
-            raise Overloaded(
-                f"{len(self._slots)} sequences are generating and {len(self._waiting)} are queued, "
-                f"the most this model takes (max_concurrent_sequences "
-                f"{self._settings.max_concurrent_sequences} + max_waiting {self._settings.max_waiting}); "
-                "retry later"
+        if request.deadline is not None:
+            # The queue measures the client's time from now: what is left of the request's
+            # deadline, so that both end at the same instant.
+            scheduling = dataclasses.replace(
+                scheduling, time_remaining_s=request.deadline - self._clock.now()
             )
         sequence = Sequence(request, self._codec, self._version, self._settings.stream_buffer, self._kick)
-        self._waiting.append(sequence)
+        sequence.ticket = self._queue.admit(sequence, scheduling)
+        # A free slot is taken now, not at the loop's next turn: arrivals that fit in free slots
+        # must not count against (or be refused by) the wait queue's bound.
+        self._seat()
         self._gauges()
         self._kick()
         return sequence
@@ -129,8 +145,8 @@ class Engine:
         sequence.cancel_cause = cause
         self._metrics.cancelled(cause)
         self._metrics.finished(cause)
-        if sequence.state is State.WAITING:
-            self._waiting.remove(sequence)
+        if sequence.state is State.WAITING and sequence.ticket is not None:
+            self._queue.remove(sequence.ticket)
         sequence.state = State.DONE
         self._gauges()
         self._kick()
@@ -141,9 +157,7 @@ class Engine:
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
-        self._fail_all(
-            ModelUnavailable("the service is shutting down"), set(self._slots) | set(self._waiting)
-        )
+        self._fail_all(ModelUnavailable("the service is shutting down"))
 
     # -- the loop ----------------------------------------------------------------------------
 
@@ -153,7 +167,7 @@ class Engine:
             self._task = asyncio.get_running_loop().create_task(self._loop(), name="decode-loop")
 
     async def _loop(self) -> None:
-        while self._slots or self._waiting:
+        while self._slots or self._queue:
             self._wake.clear()
             try:
                 worked = await self._turn()
@@ -161,20 +175,19 @@ class Engine:
                 raise
             except Exception as exc:  # a bug or a runtime failure: end the streams, keep serving
                 log.exception("decode loop of version %d failed", self._version)
-                self._fail_all(
-                    ModelRunError(f"generation failed: {exc}"), set(self._slots) | set(self._waiting)
-                )
+                self._fail_all(ModelRunError(f"generation failed: {exc}"))
             self._gauges()
             if not worked:
-                # Every sequence is paused for its reader (or just left): wait for a reader or
-                # a new arrival instead of spinning.
-                await self._wake.wait()
+                # Every sequence is paused for its reader (or just left): wait for a reader, a new
+                # arrival or the next deadline of a waiting sequence instead of spinning.
+                await self._clock.wait(self._wake, self._queue.next_deadline())
         self._gauges()
 
     async def _turn(self) -> bool:
         """One turn; False when there was nothing to do (every sequence waits for its reader)."""
         self._expire(time.monotonic())
         changes = self._plan_leaving()
+        self._seat()
         admitted = self._admit()
         if admitted:
             await self._prefill(admitted)
@@ -186,12 +199,15 @@ class Engine:
         return bool(admitted)
 
     def _expire(self, now: float) -> None:
-        for sequence in [*self._waiting, *self._slots]:
+        for ticket in self._queue.expire():
+            self._metrics.cancelled("deadline")
+            self._metrics.finished("deadline")
+            ticket.item.fail(DeadlineExceeded("the deadline passed while the generation waited for a slot"))
+        # The queue's deadlines end at the slot; a sequence that has one keeps its client's deadline.
+        for sequence in self._slots:
             if sequence.state is not State.DONE and sequence.expired(now):
                 self._metrics.cancelled("deadline")
                 self._metrics.finished("deadline")
-                if sequence.state is State.WAITING:
-                    self._waiting.remove(sequence)
                 sequence.fail(DeadlineExceeded("the deadline passed during generation"))
 
     def _plan_leaving(self) -> dict[int, _Change]:
@@ -209,17 +225,30 @@ class Engine:
                 changes.setdefault(id(batch), _Change()).pausing.append(sequence)
         return changes
 
-    def _admit(self) -> list[Sequence]:
-        admitted: list[Sequence] = []
-        budget = PREFILL_TOKEN_BUDGET
-        while self._waiting and len(self._slots) < self._settings.max_concurrent_sequences:
-            size = len(self._waiting[0].request.prompt_ids)
-            if admitted and size > budget:
-                break
-            sequence = self._waiting.popleft()
+    def _seat(self) -> None:
+        """Give every free slot to the head of the queue: the highest priority, then the oldest."""
+        while len(self._slots) < self._settings.max_concurrent_sequences:
+            ticket = self._queue.pop()
+            if ticket is None:
+                return
+            sequence = ticket.item
             sequence.state = State.PREFILL
             self._slots.add(sequence)
-            admitted.append(sequence)
+            self._unprefilled.append(sequence)
+
+    def _admit(self) -> list[Sequence]:
+        """The seated sequences whose prompts run this turn, within the prefill budget."""
+        admitted: list[Sequence] = []
+        budget = PREFILL_TOKEN_BUDGET
+        while self._unprefilled:
+            sequence = self._unprefilled[0]
+            if sequence.state is State.DONE:  # left before its prompt ran; _plan_leaving frees it
+                self._unprefilled.popleft()
+                continue
+            size = len(sequence.request.prompt_ids)
+            if admitted and size > budget:
+                break
+            admitted.append(self._unprefilled.popleft())
             budget -= size
         return admitted
 
@@ -397,18 +426,19 @@ class Engine:
         if batch in self._batches:
             self._batches.remove(batch)
 
-    def _fail_all(self, error: ServiceError, sequences: Iterable[Sequence]) -> None:
-        for sequence in sequences:
+    def _fail_all(self, error: ServiceError) -> None:
+        waiting = [ticket.item for ticket in self._queue.close()]
+        for sequence in [*self._slots, *waiting]:
             self._fail(sequence, error)
             self._free(sequence)
-        self._waiting.clear()
+        self._unprefilled.clear()
         self._batches.clear()
         self._batch_of.clear()
         self._gauges()
 
     def _gauges(self) -> None:
         self._metrics.active.set(len(self._slots))
-        self._metrics.waiting.set(len(self._waiting))
+        self._metrics.waiting.set(len(self._queue))
 
 
 def _run_error(exc: BaseException) -> ServiceError:

@@ -14,6 +14,7 @@ import weakref
 from collections.abc import AsyncGenerator, Callable
 from concurrent.futures import Executor
 
+from service.batching.queue import DEFAULT_SCHEDULING, Scheduling
 from service.errors import NotGenerative
 from service.generation.decoder import StepRunner
 from service.generation.engine import Engine
@@ -38,13 +39,16 @@ class GenerationPlane:
         model: str,
         version: str,
         params: GenerateParams,
-        deadline: float | None = None,
+        scheduling: Scheduling = DEFAULT_SCHEDULING,
         deadline_passed: Callable[[], bool] | None = None,
     ) -> AsyncGenerator[TokenEvent]:
         """Stream a generation's events, ending with the one that carries the finish reason.
-        `deadline` is a time.monotonic() value after which the work is dropped. Closing the
-        generator early cancels the sequence; `deadline_passed` tells then whether that was the
-        deadline (the transport's own clock is the one that fired) rather than the client."""
+        `scheduling` gives its priority and queue timeout for a decode slot, and the time left to
+        its client's deadline, after which the work is dropped. Closing the generator early
+        cancels the sequence; `deadline_passed` tells then whether that was the deadline (the
+        transport's own clock is the one that fired) rather than the client."""
+        remaining = scheduling.time_remaining_s
+        deadline = None if remaining is None else time.monotonic() + remaining
         with self._manager.lease(model, version) as served:
             decoder = served.runner.decoder
             if decoder is None:
@@ -68,7 +72,7 @@ class GenerationPlane:
                 )
             request = build_request(params, prompt_ids, decoder, deadline)
             engine = self._engine(served)
-            sequence = engine.submit(request)
+            sequence = engine.submit(request, scheduling)
             finished = False
             index = 0
             try:
@@ -96,12 +100,16 @@ class GenerationPlane:
             runner = StepRunner(
                 served.runner.session, decoder.layout, device, served.config.execution.device_id
             )
+            model, version = served.model, str(served.version)
             engine = Engine(
                 decoder,
                 runner,
                 served.version,
                 self._executor,
-                self._metrics.generation(served.model, str(served.version)),
+                self._metrics.generation(model, version),
+                # The wait queue reports as a batcher's does: the same queue metrics, by model and version.
+                self._metrics.batching(model, version, decoder.settings.admission.priority_levels),
+                f"model {model} version {version}",
             )
             self._engines[served] = engine
         return engine

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from service.batching.queue import Ticket
 from service.generation.decoder import Cache
 from service.generation.sampling import SamplingParams
 from service.generation.text import Decoder, TextStream
@@ -61,7 +62,7 @@ class TokenEvent:
 
 
 class State(enum.Enum):
-    WAITING = "waiting"  # queued for a slot
+    WAITING = "waiting"  # in the engine's AdmissionQueue, for a slot
     PREFILL = "prefill"  # has a slot; its prompt runs next
     RUNNING = "running"  # a row of a decode batch
     PAUSED = "paused"  # holds its slot and cache, out of the batch until its reader catches up
@@ -86,6 +87,7 @@ class Sequence:
         self.cache: Cache | None = None  # while PAUSED, or between prefill and joining a batch
         self.next_token = 0
         self.cancel_cause = ""  # set when the reader leaves: "cancelled" or "deadline"
+        self.ticket: Ticket[Sequence] | None = None  # its place in the wait queue, while WAITING
         self.submitted_at = time.monotonic()
         self.first_token_at = 0.0
         self.last_token_at = 0.0

@@ -85,18 +85,29 @@ class ReloadConfig:
     when_over_budget: Literal["fail", "drain_first"] = "fail"
 
 
+# `generation.max_waiting`: how many sequences may wait for a decode slot, unless the section's
+# default_queue_policy sets max_queue_size itself.
+DEFAULT_MAX_WAITING = 64
+
+
+def _generation_admission() -> AdmissionPolicy:
+    return AdmissionPolicy(default_queue_policy=QueuePolicy(max_queue_size=DEFAULT_MAX_WAITING))
+
+
 @dataclass(frozen=True)
 class GenerationConfig:
-    """How a decoder language model serves Generate. Ignored for models that are not decoders."""
+    """How a decoder language model serves Generate. Ignored for models that are not decoders.
+    The YAML keys are flat; max_waiting and the priority and queue policy keys become `admission`,
+    the rules of the wait queue for decode slots (the same rules as dynamic_batching's queue)."""
 
     max_concurrent_sequences: int = 16  # sequences decoding at once (the rows of a decode step)
-    max_waiting: int = 64  # sequences queued beyond those; one more gets RESOURCE_EXHAUSTED
     max_tokens: int = 512  # the largest max_tokens a request may ask for
     default_max_tokens: int = 64  # for requests that leave max_tokens at 0
     context_length: int = 0  # 0 = from the model file's metadata (context_length, n_positions, ...)
     eos_token: str = ""  # "" = the tokenizer's end-of-text special token, if it has a known one
     continuous_batching: bool = True  # False: every sequence decodes alone (a benchmark baseline)
     stream_buffer: int = 16  # tokens buffered per stream before its sequence pauses for the reader
+    admission: AdmissionPolicy = field(default_factory=_generation_admission)
 
 
 @dataclass(frozen=True)
@@ -225,15 +236,7 @@ def _batching(raw: object, max_batch_size: object) -> DynamicBatchingConfig:
     _known(
         doc,
         "dynamic_batching",
-        {
-            "max_queue_delay_us",
-            "preferred_batch_sizes",
-            "max_concurrent_batches",
-            "priority_levels",
-            "default_priority_level",
-            "default_queue_policy",
-            "priority_queue_policy",
-        },
+        {"max_queue_delay_us", "preferred_batch_sizes", "max_concurrent_batches", *ADMISSION_KEYS},
     )
     if not isinstance(max_batch_size, int) or max_batch_size < 1:
         raise ConfigError("dynamic_batching: needs max_batch_size >= 1 (requests are batched along it)")
@@ -252,12 +255,21 @@ def _batching(raw: object, max_batch_size: object) -> DynamicBatchingConfig:
         max_concurrent_batches=_int(
             doc.get("max_concurrent_batches", 0), "dynamic_batching.max_concurrent_batches", 0
         ),
-        admission=_admission(doc),
+        admission=_admission(doc, "dynamic_batching", QueuePolicy()),
     )
 
 
-def _admission(doc: Mapping[str, Any]) -> AdmissionPolicy:
-    where = "dynamic_batching"
+# The keys of a queue's admission rules, the same in every section that queues work.
+ADMISSION_KEYS = (
+    "priority_levels",
+    "default_priority_level",
+    "default_queue_policy",
+    "priority_queue_policy",
+)
+
+
+def _admission(doc: Mapping[str, Any], where: str, base: QueuePolicy) -> AdmissionPolicy:
+    """The admission keys of section `where`; `base` gives what default_queue_policy leaves out."""
     levels = _int(doc.get("priority_levels", 1), f"{where}.priority_levels", minimum=1)
     # Requests that name no priority wait at the lowest level unless the config says otherwise, so
     # that latency-sensitive callers can go ahead by asking for a higher one.
@@ -266,9 +278,7 @@ def _admission(doc: Mapping[str, Any]) -> AdmissionPolicy:
         raise ConfigError(
             f"{where}.default_priority_level: {default_level} is not a level in 1..{levels} (priority_levels)"
         )
-    default = _queue_policy(
-        doc.get("default_queue_policy", {}), f"{where}.default_queue_policy", QueuePolicy()
-    )
+    default = _queue_policy(doc.get("default_queue_policy", {}), f"{where}.default_queue_policy", base)
     raw_levels = _mapping(doc.get("priority_queue_policy", {}), f"{where}.priority_queue_policy")
     per_level = []
     for name, value in raw_levels.items():
@@ -310,7 +320,8 @@ def _reload(raw: object) -> ReloadConfig:
 def _generation(raw: object) -> GenerationConfig:
     doc = _mapping(raw, "generation")
     defaults = GenerationConfig()
-    _known(doc, "generation", {f.name for f in fields(GenerationConfig)})
+    flat = {f.name for f in fields(GenerationConfig)} - {"admission"}
+    _known(doc, "generation", {*flat, "max_waiting", *ADMISSION_KEYS})
     eos = doc.get("eos_token", defaults.eos_token)
     if not isinstance(eos, str):
         raise ConfigError(f"generation.eos_token: expected a string, got {eos!r}")
@@ -321,15 +332,18 @@ def _generation(raw: object) -> GenerationConfig:
     def count(key: str, minimum: int) -> int:
         return _int(doc.get(key, getattr(defaults, key)), f"generation.{key}", minimum)
 
+    # max_waiting (older than the queue policies) is the default queue's size; it must be at least
+    # 1 because a max_queue_size of 0 means "no bound", the opposite of what 0 waiting used to mean.
+    waiting = _int(doc.get("max_waiting", DEFAULT_MAX_WAITING), "generation.max_waiting", minimum=1)
     config = GenerationConfig(
         max_concurrent_sequences=count("max_concurrent_sequences", 1),
-        max_waiting=count("max_waiting", 0),
         max_tokens=count("max_tokens", 1),
         default_max_tokens=count("default_max_tokens", 1),
         context_length=count("context_length", 0),
         eos_token=eos,
         continuous_batching=batching,
         stream_buffer=count("stream_buffer", 1),
+        admission=_admission(doc, "generation", QueuePolicy(max_queue_size=waiting)),
     )
     if config.default_max_tokens > config.max_tokens:
         raise ConfigError(

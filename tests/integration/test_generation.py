@@ -8,6 +8,7 @@ prompts, and the metrics it reads are per model, so tests do not see each other'
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import shutil
 import time
 from collections.abc import AsyncIterator, Callable
@@ -36,6 +37,15 @@ TIGHT = """generation:
   max_tokens: 256
   stream_buffer: 2
 """
+# One slot and two priority levels (requests that name none wait at 2, the lowest), whose queues
+# let a request shorten its wait with timeout_us.
+RANKED = """generation:
+  max_concurrent_sequences: 1
+  max_tokens: 256
+  stream_buffer: 2
+  priority_levels: 2
+  default_queue_policy: {max_queue_size: 4, allow_timeout_override: true}
+"""
 EOS_PROMPT, EOS_AT = "the quick brown", 3
 EOS_AT_FOUND = -1
 PROMPTS = [
@@ -54,6 +64,8 @@ def gen_repository(tmp_path_factory: pytest.TempPathFactory) -> Path:
     # The same model under a tight config: one slot, one queue place, a 2-token stream buffer.
     shutil.copytree(CODELM / "1", root / "tight" / "1")
     (root / "tight" / "config.yaml").write_text(TIGHT)
+    shutil.copytree(CODELM / "1", root / "ranked" / "1")
+    (root / "ranked" / "config.yaml").write_text(RANKED)
     shutil.copytree(CODELM / "1", root / "swapped" / "1")
     tokenizer = hf_decoder.tiny_tokenizer()
     vocab = tokenizer.get_vocab_size()
@@ -134,7 +146,7 @@ def gauge(service: Service, name: str, model: str, version: str = "1", **labels:
     return value or 0.0
 
 
-async def eventually(check: Callable[[], bool], within_s: float = 5.0) -> None:
+async def eventually(check: Callable[[], bool], within_s: float = 30.0) -> None:
     deadline = time.monotonic() + within_s
     while not check():
         assert time.monotonic() < deadline, "condition not reached in time"
@@ -293,11 +305,106 @@ async def test_a_full_queue_answers_resource_exhausted(stub, slow_stub, gen_serv
     await running.read()  # holds the one slot (paused: nobody reads)
     queued = stub.Generate(pb.GenerateRequest(model_name="tight", prompt=PROMPTS[1], max_tokens=5))
     await eventually(lambda: gauge(gen_service, "modelyard_generation_waiting_sequences", "tight") == 1)
+    full_before = gauge(gen_service, QUEUE_REJECTIONS, "tight", priority="1", reason="queue_full")
     with pytest.raises(grpc.aio.AioRpcError) as caught:
         await generate(stub, model_name="tight", prompt=PROMPTS[2], max_tokens=5)
     assert caught.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert gauge(gen_service, QUEUE_REJECTIONS, "tight", priority="1", reason="queue_full") == full_before + 1
     running.cancel()
     assert len(ids(await rest(queued))) == 5  # the queued one gets the slot when it frees
+
+
+# --- waiting for a slot: the admission queue the batcher uses --------------------------------------
+
+QUEUE_DEPTH = "modelyard_queue_depth"
+QUEUE_REJECTIONS = "modelyard_queue_rejections_total"
+FIRST_TOKENS = "modelyard_generation_time_to_first_token_seconds_count"
+
+
+@contextlib.asynccontextmanager
+async def slot_held(slow_stub: Any, service: Service, model: str) -> AsyncIterator[Any]:
+    """The model's one slot, held by a stream that nobody reads after its first token (it pauses
+    and keeps the slot), until the block cancels it or ends."""
+    call = slow_stub.Generate(pb.GenerateRequest(model_name=model, prompt=PROMPTS[0], max_tokens=250))
+    await call.read()
+    try:
+        yield call
+    finally:
+        call.cancel()
+        await eventually(lambda: gauge(service, "modelyard_generation_active_sequences", model) == 0)
+
+
+def queued(service: Service, model: str, level: str, depth: int) -> Callable[[], bool]:
+    return lambda: gauge(service, QUEUE_DEPTH, model, priority=level) == depth
+
+
+async def test_a_higher_priority_generation_gets_the_next_slot_first(stub, slow_stub, gen_service) -> None:
+    order: list[str] = []
+
+    async def wait_then_read(name: str, priority: int) -> list[pb.GenerateResponse]:
+        call = stub.Generate(
+            pb.GenerateRequest(model_name="ranked", prompt=PROMPTS[1], max_tokens=3, priority=priority)
+        )
+        first = await call.read()
+        order.append(name)  # first tokens arrive in the order the streams got the slot
+        return [first, *await rest(call)]
+
+    async with slot_held(slow_stub, gen_service, "ranked") as holder:
+        streams = []
+        # Two at the default (lowest) level, named and unnamed, then one at the highest.
+        for name, priority, level, depth in [("low-1", 2, "2", 1), ("low-2", 0, "2", 2), ("high", 1, "1", 1)]:
+            streams.append(asyncio.create_task(wait_then_read(name, priority)))
+            await eventually(queued(gen_service, "ranked", level, depth))
+        holder.cancel()  # the slot frees: the highest priority first, then the oldest of the rest
+        answers = await asyncio.gather(*streams)
+    assert order == ["high", "low-1", "low-2"]
+    assert all(len(ids(answer)) == 3 for answer in answers)
+    assert gauge(gen_service, QUEUE_DEPTH, "ranked", priority="1") == 0
+    assert gauge(gen_service, QUEUE_DEPTH, "ranked", priority="2") == 0
+
+
+async def test_a_generation_whose_wait_runs_out_is_deadline_exceeded_and_never_runs(
+    stub, slow_stub, gen_service
+) -> None:
+    async with slot_held(slow_stub, gen_service, "ranked"):
+        first_tokens = gauge(gen_service, FIRST_TOKENS, "ranked")
+        expired = gauge(gen_service, QUEUE_REJECTIONS, "ranked", priority="2", reason="deadline")
+        # The queue's timeout, shortened by the request, ends it; the far gRPC deadline only keeps
+        # a broken engine from hanging the test (its details would then differ).
+        call = stub.Generate(
+            pb.GenerateRequest(model_name="ranked", prompt=PROMPTS[3], max_tokens=3, timeout_us=100_000),
+            timeout=60,
+        )
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            await rest(call)
+        assert caught.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        assert "waited for a slot" in caught.value.details()
+        assert gauge(gen_service, QUEUE_REJECTIONS, "ranked", priority="2", reason="deadline") == expired + 1
+        assert gauge(gen_service, FIRST_TOKENS, "ranked") == first_tokens  # its prompt never ran
+        assert gauge(gen_service, QUEUE_DEPTH, "ranked", priority="2") == 0
+
+
+async def test_a_cancelled_waiting_generation_leaves_the_queue(stub, slow_stub, gen_service) -> None:
+    async with slot_held(slow_stub, gen_service, "ranked"):
+        first_tokens = gauge(gen_service, FIRST_TOKENS, "ranked")
+        cancelled = gauge(gen_service, QUEUE_REJECTIONS, "ranked", priority="1", reason="cancelled")
+        waiting = stub.Generate(pb.GenerateRequest(model_name="ranked", prompt=PROMPTS[2], priority=1))
+        await eventually(queued(gen_service, "ranked", "1", 1))
+        assert gauge(gen_service, "modelyard_generation_waiting_sequences", "ranked") == 1
+        waiting.cancel()
+        await eventually(queued(gen_service, "ranked", "1", 0))
+        assert gauge(gen_service, "modelyard_generation_waiting_sequences", "ranked") == 0
+        assert (
+            gauge(gen_service, QUEUE_REJECTIONS, "ranked", priority="1", reason="cancelled") == cancelled + 1
+        )
+        assert gauge(gen_service, FIRST_TOKENS, "ranked") == first_tokens  # its prompt never ran
+
+
+async def test_a_priority_the_model_lacks_is_invalid_argument(stub) -> None:
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await generate(stub, model_name="ranked", prompt="x", priority=3)
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert caught.value.details().startswith("priority 3 is not a priority level of model ranked version 1")
 
 
 # --- bad input ---------------------------------------------------------------------------------------

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from service.batching.queue import AdmissionPolicy, QueuePolicy
 from service.generation.layout import NotADecoder, decoder_layout
-from service.repository.config import ConfigError, GenerationConfig, parse_config
+from service.repository.config import DEFAULT_MAX_WAITING, ConfigError, GenerationConfig, parse_config
 from service.runtime.signature import Signature, TensorSpec
 
 
@@ -13,7 +14,7 @@ def test_generation_section_parses_with_defaults_for_the_rest() -> None:
     config = parse_config({"generation": {"max_concurrent_sequences": 4, "eos_token": "</s>"}})
     assert config.generation.max_concurrent_sequences == 4
     assert config.generation.eos_token == "</s>"
-    assert config.generation.max_waiting == GenerationConfig().max_waiting
+    assert config.generation.admission == GenerationConfig().admission
     assert parse_config({}).generation == GenerationConfig()
 
 
@@ -23,6 +24,12 @@ def test_generation_section_parses_with_defaults_for_the_rest() -> None:
         ({"max_concurrent": 4}, "unknown key(s) max_concurrent"),
         ({"max_concurrent_sequences": 0}, "generation.max_concurrent_sequences"),
         ({"max_waiting": -1}, "generation.max_waiting"),
+        # 0 would be an unbounded queue (max_queue_size 0), not "no waiting" as it once meant.
+        ({"max_waiting": 0}, "generation.max_waiting: expected an integer >= 1"),
+        ({"priority_levels": 0}, "generation.priority_levels"),
+        ({"priority_levels": 2, "default_priority_level": 3}, "generation.default_priority_level"),
+        ({"priority_queue_policy": {2: {}}}, "generation.priority_queue_policy: key 2"),
+        ({"default_queue_policy": {"max_queue_size": -1}}, "generation.default_queue_policy.max_queue_size"),
         ({"continuous_batching": "yes"}, "generation.continuous_batching"),
         ({"eos_token": 2}, "generation.eos_token"),
         ({"max_tokens": 8, "default_max_tokens": 16}, "exceeds generation.max_tokens"),
@@ -32,6 +39,34 @@ def test_generation_section_parses_with_defaults_for_the_rest() -> None:
 def test_bad_generation_settings_are_errors(raw: object, words: str) -> None:
     with pytest.raises(ConfigError, match=words.replace("(", r"\(").replace(")", r"\)")):
         parse_config({"generation": raw})
+
+
+def test_generation_admission_keys_parse_like_dynamic_batching() -> None:
+    raw = {
+        "priority_levels": 2,
+        "default_queue_policy": {"default_timeout_us": 5000, "allow_timeout_override": True},
+        "priority_queue_policy": {1: {"max_queue_size": 4}},
+    }
+    generation = parse_config({"generation": {**raw, "max_waiting": 8}}).generation.admission
+    batching = parse_config({"max_batch_size": 4, "dynamic_batching": raw}).dynamic_batching
+    assert batching is not None
+    # The same rules, except that max_waiting sizes the generation queues that set no size.
+    assert generation.default_priority_level == batching.admission.default_priority_level == 2
+    assert generation.policy(2) == QueuePolicy(8, 5000, True)
+    assert generation.policy(1) == batching.admission.policy(1) == QueuePolicy(4, 5000, True)
+    assert batching.admission.policy(2) == QueuePolicy(0, 5000, True)
+
+
+def test_max_waiting_is_the_default_queue_size_unless_the_policy_sets_one() -> None:
+    def default(**generation: object) -> QueuePolicy:
+        return parse_config({"generation": generation}).generation.admission.default_queue_policy
+
+    assert default() == QueuePolicy(max_queue_size=DEFAULT_MAX_WAITING)
+    assert default(max_waiting=3) == QueuePolicy(max_queue_size=3)
+    assert default(max_waiting=3, default_queue_policy={"max_queue_size": 0}).max_queue_size == 0
+    assert GenerationConfig().admission == AdmissionPolicy(
+        1, 1, QueuePolicy(max_queue_size=DEFAULT_MAX_WAITING)
+    )
 
 
 def spec(name: str, datatype: str, *shape: int) -> TensorSpec:

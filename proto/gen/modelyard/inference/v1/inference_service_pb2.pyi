@@ -280,6 +280,8 @@ class GenerateRequest(_message.Message):
     SEED_FIELD_NUMBER: _builtins.int
     STOP_FIELD_NUMBER: _builtins.int
     REQUEST_ID_FIELD_NUMBER: _builtins.int
+    PRIORITY_FIELD_NUMBER: _builtins.int
+    TIMEOUT_US_FIELD_NUMBER: _builtins.int
     model_name: _builtins.str
     """model_name names a decoder language model in the repository."""
     model_version: _builtins.str
@@ -309,6 +311,18 @@ class GenerateRequest(_message.Message):
     """
     request_id: _builtins.str
     """request_id is echoed in every response."""
+    priority: _builtins.int
+    """priority is the generation's priority level while it waits for a decode slot (beyond the
+    model's max_concurrent_sequences): 1 is the highest, up to the model's
+    generation.priority_levels; 0 means the model's default level. A free slot goes to the
+    highest-priority waiting generation first, the oldest within a level.
+    """
+    timeout_us: _builtins.int
+    """timeout_us shortens, in microseconds, how long the generation may wait for a decode slot,
+    where the model's queue policy allows it (allow_timeout_override); 0 keeps the policy's
+    timeout. A generation whose time runs out while waiting fails with DEADLINE_EXCEEDED and is
+    never run. The call's gRPC deadline always applies as well, while waiting and generating.
+    """
     @_builtins.property
     def prompt_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """prompt_token_ids, when set, are used instead of tokenizing prompt."""
@@ -333,10 +347,12 @@ class GenerateRequest(_message.Message):
         seed: _builtins.int | None = ...,
         stop: _abc.Iterable[_builtins.str] | None = ...,
         request_id: _builtins.str = ...,
+        priority: _builtins.int = ...,
+        timeout_us: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_seed", b"_seed", "seed", b"seed"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_seed", b"_seed", "max_tokens", b"max_tokens", "model_name", b"model_name", "model_version", b"model_version", "prompt", b"prompt", "prompt_token_ids", b"prompt_token_ids", "request_id", b"request_id", "seed", b"seed", "stop", b"stop", "temperature", b"temperature", "top_k", b"top_k", "top_p", b"top_p"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_seed", b"_seed", "max_tokens", b"max_tokens", "model_name", b"model_name", "model_version", b"model_version", "priority", b"priority", "prompt", b"prompt", "prompt_token_ids", b"prompt_token_ids", "request_id", b"request_id", "seed", b"seed", "stop", b"stop", "temperature", b"temperature", "timeout_us", b"timeout_us", "top_k", b"top_k", "top_p", b"top_p"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__seed: _TypeAlias = _typing.Literal["seed"]  # noqa: Y015
     _WhichOneofArgType__seed: _TypeAlias = _typing.Literal["_seed", b"_seed"]  # noqa: Y015
