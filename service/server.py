@@ -30,9 +30,10 @@ from service.dataplane import DataPlane
 from service.generation.plane import GenerationPlane
 from service.metrics import MetricsServer, ServiceMetrics
 from service.repository.watcher import RepositoryWatcher
-from service.runtime.manager import Loader, ModelEvent, ModelManager, Watcher
+from service.runtime.manager import Loader, ModelManager
 from service.runtime.providers import detect_providers
 from service.runtime.session import load_runner
+from service.runtime.status import ModelEvent, Watcher
 
 log = logging.getLogger(__name__)
 

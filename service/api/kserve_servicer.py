@@ -18,9 +18,10 @@ from service.dataplane import DataPlane
 from service.errors import ModelLoadError, ServiceError
 from service.metrics import ServiceMetrics
 from service.repository.config import ModelConfig
-from service.runtime.manager import ModelManager, VersionState
+from service.runtime.manager import ModelManager
 from service.runtime.served import ServedVersion
 from service.runtime.signature import TensorSpec
+from service.runtime.status import VersionState
 
 PLATFORM = "onnxruntime_onnx"
 EXTENSIONS = ["model_repository", "model_configuration", "statistics"]

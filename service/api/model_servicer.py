@@ -12,7 +12,8 @@ from service.api.convert import to_specs
 from service.api.errors import Context, serving
 from service.errors import ModelUnavailable
 from service.metrics import ServiceMetrics
-from service.runtime.manager import ModelEvent, ModelManager, ModelStatus, VersionState, WatchOverflow
+from service.runtime.manager import ModelManager
+from service.runtime.status import ModelEvent, ModelStatus, VersionState, WatchOverflow
 
 PLATFORM = "onnxruntime_onnx"
 

@@ -25,7 +25,7 @@ from service import demo_models
 from service.api.convert import to_array, to_tensor
 from service.batching.batcher import Batcher
 from service.config import Settings
-from service.runtime.manager import VersionState
+from service.runtime.status import VersionState
 from service.server import Service, build_service
 from tests.batching_fakes import ManualClock, RecordingRunner, Runners, eventually
 

@@ -24,7 +24,7 @@ from onnx import TensorProto, helper
 from service import demo_models
 from service.api.convert import to_array, to_tensor
 from service.config import Settings
-from service.runtime.manager import VersionState
+from service.runtime.status import VersionState
 from service.server import Service, build_service
 
 FEATURES = 4
