@@ -55,7 +55,7 @@ class BatchingMetrics:
         self._labels = (model, version)
         # Shared with any other batcher of the same model and version (a version reloaded with a
         # new config has two for a while): they update the same series.
-        self._series = metrics.batching_series(self._labels)
+        self._series = metrics.version_series(self._labels)
         self._rejections_family = metrics.queue_rejections
         self._queue_seconds = [self._bind(metrics.queue_seconds, str(n)) for n in range(1, levels + 1)]
         self._depth = [self._bind(metrics.queue_depth, str(n)) for n in range(1, levels + 1)]
@@ -91,7 +91,7 @@ class BatchingMetrics:
         if self._closed:
             return
         self._closed = True
-        for family, labels in self._owner.release_batching_series(self._labels):
+        for family, labels in self._owner.release_version_series(self._labels):
             with contextlib.suppress(KeyError):
                 family.remove(*labels)
 
@@ -159,14 +159,25 @@ class GenerationMetrics:
     _finished: Counter
     _cancellations: Counter
     _labels: tuple[str, str]
+    _owner: ServiceMetrics
+    _series: set[tuple[MetricWrapperBase, tuple[str, ...]]]
 
     def finished(self, reason: str) -> None:
         """A sequence ended: length, stop, eos, cancelled, deadline or error."""
+        self._series.add((self._finished, (*self._labels, reason)))
         self._finished.labels(*self._labels, reason).inc()
 
     def cancelled(self, cause: str) -> None:
         """A sequence was abandoned by its client: cancelled (or disconnected), or deadline."""
+        self._series.add((self._cancellations, (*self._labels, cause)))
         self._cancellations.labels(*self._labels, cause).inc()
+
+    def close(self) -> None:
+        """The version's decode loop is gone: once nothing else serves this model version, its
+        series leave the registry (dashboards do not show a retired version for ever)."""
+        for family, labels in self._owner.release_version_series(self._labels):
+            with contextlib.suppress(KeyError):
+                family.remove(*labels)
 
 
 @dataclass
@@ -216,7 +227,7 @@ class ServiceMetrics:
         self._generation_families(["model", "version"])
         # Names a request made up must not grow the label set without bound.
         self.known_models: set[str] = set()
-        self._batching_series: dict[
+        self._version_series: dict[
             tuple[str, str], tuple[int, set[tuple[MetricWrapperBase, tuple[str, ...]]]]
         ] = {}
         self._batching_families()
@@ -256,19 +267,21 @@ class ServiceMetrics:
     def batching(self, model: str, version: str, levels: int) -> BatchingMetrics:
         return BatchingMetrics(self, model, version, levels)
 
-    def batching_series(self, labels: tuple[str, str]) -> set[tuple[MetricWrapperBase, tuple[str, ...]]]:
-        """The batching series of one model version, shared by its batchers (counted)."""
-        users, series = self._batching_series.get(labels, (0, set()))
-        self._batching_series[labels] = (users + 1, series)
+    def version_series(self, labels: tuple[str, str]) -> set[tuple[MetricWrapperBase, tuple[str, ...]]]:
+        """The series of one model version (batching and generation), shared by everything that
+        serves that version (counted), so that a replaced version's leaving does not remove series
+        its successor with the same number already uses."""
+        users, series = self._version_series.get(labels, (0, set()))
+        self._version_series[labels] = (users + 1, series)
         return series
 
-    def release_batching_series(
+    def release_version_series(
         self, labels: tuple[str, str]
     ) -> set[tuple[MetricWrapperBase, tuple[str, ...]]]:
-        """One batcher of the version is gone; the series to remove once none is left."""
-        users, series = self._batching_series.pop(labels, (1, set()))
+        """One user of the version's series is gone; the series to remove once none is left."""
+        users, series = self._version_series.pop(labels, (1, set()))
         if users > 1:
-            self._batching_series[labels] = (users - 1, series)
+            self._version_series[labels] = (users - 1, series)
             return set()
         return series
 
@@ -337,6 +350,17 @@ class ServiceMetrics:
 
     def generation(self, model: str, version: str) -> GenerationMetrics:
         labels = (model, version)
+        series = self.version_series(labels)
+        for family in (
+            self.generation_ttft,
+            self.generation_inter_token,
+            self.generation_tokens,
+            self.generation_active,
+            self.generation_waiting,
+            self.generation_step_rows,
+            self.generation_step_seconds,
+        ):
+            series.add((family, labels))
         return GenerationMetrics(
             time_to_first_token=self.generation_ttft.labels(*labels),
             inter_token=self.generation_inter_token.labels(*labels),
@@ -348,6 +372,8 @@ class ServiceMetrics:
             _finished=self.generation_finished,
             _cancellations=self.generation_cancellations,
             _labels=labels,
+            _owner=self,
+            _series=series,
         )
 
 

@@ -20,7 +20,7 @@ from service.generation.decoder import StepRunner
 from service.generation.engine import Engine
 from service.generation.params import GenerateParams, build_request, check_fields
 from service.generation.sequence import TokenEvent
-from service.metrics import ServiceMetrics
+from service.metrics import BatchingMetrics, GenerationMetrics, ServiceMetrics
 from service.runtime.manager import ModelManager
 from service.runtime.providers import CUDA
 from service.runtime.served import ServedVersion
@@ -33,6 +33,7 @@ class GenerationPlane:
         self._metrics = metrics
         # Weak keys: an engine lives as long as its version is referenced (served or draining).
         self._engines: weakref.WeakKeyDictionary[ServedVersion, Engine] = weakref.WeakKeyDictionary()
+        self._metrics_of: dict[Engine, tuple[GenerationMetrics, BatchingMetrics]] = {}
 
     async def generate(
         self,
@@ -101,18 +102,32 @@ class GenerationPlane:
                 served.runner.session, decoder.layout, device, served.config.execution.device_id
             )
             model, version = served.model, str(served.version)
+            metrics = self._metrics.generation(model, version)
+            # The wait queue reports as a batcher's does: the same queue metrics, by model and version.
+            queue_metrics = self._metrics.batching(model, version, decoder.settings.admission.priority_levels)
             engine = Engine(
                 decoder,
                 runner,
                 served.version,
                 self._executor,
-                self._metrics.generation(model, version),
-                # The wait queue reports as a batcher's does: the same queue metrics, by model and version.
-                self._metrics.batching(model, version, decoder.settings.admission.priority_levels),
+                metrics,
+                queue_metrics,
                 f"model {model} version {version}",
             )
             self._engines[served] = engine
+            self._metrics_of[engine] = (metrics, queue_metrics)
+            served.on_retire(self._retire)
         return engine
+
+    async def _retire(self, served: ServedVersion) -> None:
+        """The version retired (and drained): end its decode loop and its metric series, and let go
+        of the engine, whose step runner holds the version's session."""
+        engine = self._engines.pop(served, None)
+        if engine is None:
+            return
+        await engine.close()
+        for metrics in self._metrics_of.pop(engine):
+            metrics.close()
 
 
 def merge(events: list[TokenEvent], index: int) -> TokenEvent:

@@ -426,7 +426,7 @@ class ModelManager:
                 served.in_flight,
                 self.drain_timeout_s,
             )
-        await served.stop_batching()
+        await served.stop_workers()
         served.drop_session()
         await asyncio.get_running_loop().run_in_executor(self._io, trim_heap)
         if not replaced and name in self._status:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -81,6 +81,8 @@ class ServedVersion:
         self.stats = VersionStats()
         # Set by the manager when the config asks for dynamic batching; requests then go through it.
         self.batcher: Batcher | None = None
+        # Other workers of this version (a generation decode loop), stopped when it retires.
+        self._retire_hooks: list[Callable[[ServedVersion], Awaitable[None]]] = []
         self.in_flight = 0
         self._drained: asyncio.Event | None = None
 
@@ -92,10 +94,17 @@ class ServedVersion:
         if self.in_flight == 0 and self._drained is not None:
             self._drained.set()
 
-    async def stop_batching(self) -> None:
-        """Stop the batcher (after draining: nothing is queued any more) and let go of its runner."""
+    def on_retire(self, hook: Callable[[ServedVersion], Awaitable[None]]) -> None:
+        self._retire_hooks.append(hook)
+
+    async def stop_workers(self) -> None:
+        """Stop the batcher and the other workers of this version (after draining: nothing is
+        queued any more) and let go of them, and so of their references to the session."""
         if self.batcher is not None:
             await self.batcher.close()
+        hooks, self._retire_hooks = self._retire_hooks, []
+        for hook in hooks:
+            await hook(self)
 
     def drop_session(self) -> None:
         """Drop the session, so that ONNX Runtime frees it now rather than whenever the last

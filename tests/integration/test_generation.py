@@ -21,6 +21,7 @@ import pytest_asyncio
 import yaml
 from modelyard.inference.v1 import inference_service_pb2 as pb
 from modelyard.inference.v1 import inference_service_pb2_grpc as pb_grpc
+from prometheus_client import generate_latest
 from tokenizers import Tokenizer
 
 from service import demo_models
@@ -257,13 +258,21 @@ async def test_greedy_tokens_are_the_same_alone_and_batched(stub, gen_service) -
 
 
 async def test_a_stream_keeps_its_version_across_a_swap(stub, gen_service, gen_repository) -> None:
+    def series(version: str) -> bool:
+        body = generate_latest(gen_service.metrics.registry).decode()
+        return f'modelyard_generation_tokens_total{{model="swapped",version="{version}"}}' in body
+
     call = stub.Generate(pb.GenerateRequest(model_name="swapped", prompt=PROMPTS[0], max_tokens=30))
     first = await call.read()
     assert first.model_version == "1"
+    assert series("1")
     shutil.copytree(gen_repository / "swapped" / "1", gen_repository / "swapped" / "2")
     await gen_service.manager.load("swapped")  # v2 now serves new requests
     assert (await generate(stub, model_name="swapped", prompt="x", max_tokens=1))[0].model_version == "2"
     assert {r.model_version for r in await rest(call)} == {"1"}
+    # v1 drained and retired: its decode loop ended and its metric series left with it.
+    await eventually(lambda: not series("1"))
+    assert series("2")
 
 
 # --- cancellation, deadlines, load ----------------------------------------------------------------
