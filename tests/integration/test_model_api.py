@@ -213,3 +213,36 @@ async def test_model_file_escaping_the_repository_is_refused(tmp_path: Path) -> 
         assert status.default_version is None and "outside the model repository" in status.reason
     finally:
         await service.stop(grace_s=1.0)
+
+
+async def test_external_data_escaping_the_version_folder_is_refused(tmp_path: Path) -> None:
+    """A model whose initializer points outside its folder (`../../secret`) never loads."""
+    from onnx import TensorProto, helper
+
+    (tmp_path / "secret.bin").write_bytes(np.ones(4, np.float32).tobytes())
+    root = tmp_path / "models"
+    weight = TensorProto(name="W", data_type=TensorProto.FLOAT, dims=[4], data_location=TensorProto.EXTERNAL)
+    for key, value in (("location", "../../../secret.bin"), ("offset", "0"), ("length", "16")):
+        weight.external_data.add(key=key, value=value)
+    graph = helper.make_graph(
+        [helper.make_node("Add", ["x", "W"], ["y"])],
+        "escape",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [4])],
+        [weight],
+    )
+    (root / "evil" / "1").mkdir(parents=True)
+    # helper.make_model, not demo_models.make_model: onnx's own checker would refuse to build it.
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", demo_models.OPSET)])
+    model.ir_version = demo_models.IR_VERSION
+    (root / "evil" / "1" / "model.onnx").write_bytes(model.SerializeToString())
+    demo_models.write_model(root, "good", 1, demo_models.scaled_identity(4, 2.0))
+    service = build_service(Settings(repository=root, listen="127.0.0.1:0", metrics_listen=""))
+    await service.start()
+    try:
+        status = service.manager.status("evil")
+        assert status.default_version is None
+        assert "escapes model directory" in status.versions[1].reason
+        assert service.manager.status("good").default_version == 1
+    finally:
+        await service.stop(grace_s=1.0)
