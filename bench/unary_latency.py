@@ -376,7 +376,7 @@ THREAD = re.compile(r"^thread \((?P<tid>\d+)\): ?(?P<name>.*)$")
 SERVICE_CATEGORIES: list[tuple[str, Callable[[str, str], bool]]] = [
     ("ORT session.run (+ ORT python wrapper)", lambda fn, f: "onnxruntime" in f or fn == "ModelRunner.run"),
     ("to_arrays (proto -> numpy)", lambda fn, f: fn in ("to_arrays", "to_array", "datatype_name")),
-    ("to_tensors (numpy -> proto)", lambda fn, f: fn in ("to_tensors", "to_tensor", "_little_endian")),
+    ("to_tensors (numpy -> proto)", lambda fn, f: fn in ("to_tensors", "to_tensor", "to_wire")),
     ("signature checks", lambda fn, f: f.endswith(("signature.py", "datatypes.py"))),
     ("metrics (prometheus)", lambda fn, f: "observe_request" in fn or "prometheus_client" in f),
     ("per-version stats", lambda fn, f: "VersionStats" in fn),

@@ -61,6 +61,18 @@ def name_of(dtype: np.dtype[np.generic]) -> str:
         raise ValueError(f"unsupported numpy dtype {dtype}") from None
 
 
+def to_wire(array: np.ndarray) -> tuple[str, bytes]:
+    """An array's KServe datatype name and its bytes as both wire formats carry them: row-major,
+    little-endian, BYTES length-prefixed. ValueError for a dtype with no KServe name."""
+    name = _NAME_BY_DTYPE.get(array.dtype)
+    if name is not None:  # little-endian numeric: the common case, no conversion
+        return name, array.tobytes()
+    name = name_of(array.dtype)
+    if name == "BYTES":
+        return name, encode_bytes(array)
+    return name, array.astype(NUMPY_BY_NAME[name], copy=False).tobytes()
+
+
 def is_known(name: str) -> bool:
     return name in NUMPY_BY_NAME
 

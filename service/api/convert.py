@@ -8,7 +8,7 @@ from collections.abc import Iterable, Mapping
 import numpy as np
 from modelyard.inference.v1 import tensor_pb2
 
-from service.datatypes import NUMPY_BY_NAME, decode_bytes, encode_bytes, name_of
+from service.datatypes import NUMPY_BY_NAME, decode_bytes, to_wire
 from service.errors import InvalidInput
 from service.runtime.signature import TensorSpec
 
@@ -21,11 +21,11 @@ _NAME_BY_VALUE = {
     for name, value in tensor_pb2.DataType.items()
     if value != tensor_pb2.DATA_TYPE_UNSPECIFIED
 }
-_VALUE_BY_DTYPE = {NUMPY_BY_NAME[name]: value for value, name in _NAME_BY_VALUE.items() if name != "BYTES"}
+_VALUE_BY_NAME = {name: value for value, name in _NAME_BY_VALUE.items()}
 
 
 def datatype_value(name: str) -> tensor_pb2.DataType.ValueType:
-    return tensor_pb2.DataType.Value(_PREFIX + name)
+    return _VALUE_BY_NAME[name]
 
 
 def to_arrays(tensors: Iterable[tensor_pb2.Tensor]) -> dict[str, np.ndarray]:
@@ -62,19 +62,11 @@ def to_tensors(arrays: Mapping[str, np.ndarray]) -> list[tensor_pb2.Tensor]:
 
 
 def to_tensor(name: str, array: np.ndarray) -> tensor_pb2.Tensor:
-    value = _VALUE_BY_DTYPE.get(array.dtype)  # little-endian numeric: the common case, no conversion
-    if value is not None:
-        return tensor_pb2.Tensor(name=name, datatype=value, shape=array.shape, raw_data=array.tobytes())
-    datatype = name_of(array.dtype)
-    raw = encode_bytes(array) if datatype == "BYTES" else _little_endian(array).tobytes()
-    return tensor_pb2.Tensor(name=name, datatype=datatype_value(datatype), shape=array.shape, raw_data=raw)
+    datatype, raw = to_wire(array)
+    return tensor_pb2.Tensor(name=name, datatype=_VALUE_BY_NAME[datatype], shape=array.shape, raw_data=raw)
 
 
 def to_specs(specs: Iterable[TensorSpec]) -> list[tensor_pb2.TensorSpec]:
     return [
         tensor_pb2.TensorSpec(name=s.name, datatype=datatype_value(s.datatype), shape=s.shape) for s in specs
     ]
-
-
-def _little_endian(array: np.ndarray) -> np.ndarray:
-    return array.astype(array.dtype.newbyteorder("<"), copy=False) if array.dtype.byteorder == ">" else array

@@ -22,7 +22,7 @@ from modelyard.kserve.v2.grpc_service_pb2 import (
     ModelInferResponse,
 )
 
-from service.datatypes import NUMPY_BY_NAME, decode_bytes, encode_bytes, name_of
+from service.datatypes import NUMPY_BY_NAME, decode_bytes, to_wire
 from service.errors import InvalidInput, Unsupported
 
 Array = npt.NDArray[Any]
@@ -101,15 +101,11 @@ def encode_outputs(response: ModelInferResponse, outputs: Mapping[str, npt.Array
     for name, value in outputs.items():
         array = np.asarray(value)
         try:
-            datatype = name_of(array.dtype)
+            datatype, data = to_wire(array)
         except ValueError:
             raise Unsupported(
                 f"output {name!r}: numpy dtype {array.dtype} has no KServe V2 datatype"
             ) from None
-        if datatype == "BYTES":
-            data = encode_bytes(array)
-        else:
-            data = np.ascontiguousarray(array, dtype=NUMPY_BY_NAME[datatype]).tobytes()
         response.outputs.add(name=name, datatype=datatype, shape=array.shape)
         response.raw_output_contents.append(data)
 
