@@ -17,7 +17,8 @@ test: lint
 lint: $(VENV)/.installed-dev $(BUF) system-deps
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
-	$(VENV)/bin/mypy service tests bench proto/generate.py
+	$(VENV)/bin/mypy service tests bench proto/generate.py proto/python/modelyard
+	$(VENV)/bin/lint-imports
 	$(PY) proto/generate.py --check
 	$(BUF) lint
 	$(BUF) breaking --against proto/baseline.binpb
@@ -52,7 +53,7 @@ $(PY):
 	$(PY) -m pip install --quiet --upgrade pip
 
 $(VENV)/.installed: pyproject.toml | $(PY)
-	$(PY) -m pip install --quiet -e .
+	$(PY) -m pip install --quiet -e '.[service]'
 	touch $@
 
 $(VENV)/.installed-dev: pyproject.toml | $(PY)

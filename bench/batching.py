@@ -52,8 +52,8 @@ import numpy as np
 from modelyard.inference.v1 import inference_service_pb2 as pb
 from modelyard.kserve.v2 import grpc_service_pb2 as kpb
 from modelyard.kserve.v2 import grpc_service_pb2_grpc as kpb_grpc
+from modelyard.tensors import to_array, to_tensor
 
-from service.api.convert import to_array, to_tensor
 from service.demo_models import dense_stack, scaled_identity, write_model
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -260,7 +260,8 @@ async def breakdown(repository: Path, request: pb.InferRequest, iterations: int)
     reports what it could not time instead of failing the benchmark."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from service.api.convert import to_arrays, to_tensors
+    from modelyard.tensors import to_arrays, to_tensors
+
     from service.api.errors import serving
     from service.api.inference_servicer import InferenceServicer
     from service.dataplane import DataPlane

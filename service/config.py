@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-import argparse
-import os
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
+
+from modelyard.common import logs
+from modelyard.common.settings import parse_settings as parse
 
 ENV_PREFIX = "MODELYARD_SERVICE_"
 
@@ -46,35 +47,20 @@ _HELP = {
 _CHOICES = {
     "control_mode": ["watch", "explicit"],
     "watch_method": ["events", "poll"],
-    "log_level": ["DEBUG", "INFO", "WARNING", "ERROR"],
-    "log_format": ["text", "json"],
+    "log_level": logs.LEVELS,
+    "log_format": logs.FORMATS,
 }
 
 
 def parse_settings(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None) -> Settings:
     """Flags override environment variables, which override the defaults."""
-    environ = os.environ if environ is None else environ
-    defaults = Settings()
-    parser = argparse.ArgumentParser(
-        prog="modelyard serve", description="Serve an ONNX model repository over gRPC."
+    return parse(
+        Settings,
+        ENV_PREFIX,
+        argv,
+        environ,
+        prog="modelyard serve",
+        description="Serve an ONNX model repository over gRPC.",
+        help=_HELP,
+        choices=_CHOICES,
     )
-    for item in fields(Settings):
-        env = ENV_PREFIX + item.name.upper()
-        default = getattr(defaults, item.name)
-        kind = type(default)
-        parser.add_argument(
-            "--" + item.name.replace("_", "-"),
-            dest=item.name,
-            type=kind,
-            choices=_CHOICES.get(item.name),
-            default=kind(environ[env]) if env in environ else default,
-            help=f"{_HELP[item.name]} (env {env}; default {default})",
-        )
-    return Settings(**vars(parser.parse_args(argv)))
-
-
-def split_address(address: str) -> tuple[str, int]:
-    host, _, port = address.rpartition(":")
-    if not host or not port.isdigit():
-        raise ValueError(f"address {address!r} is not HOST:PORT")
-    return host.strip("[]"), int(port)

@@ -5,16 +5,14 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import threading
 from bisect import bisect_left
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from itertools import accumulate
 from typing import TypeVar
-from wsgiref.simple_server import WSGIServer
 
 import grpc
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.metrics import MetricWrapperBase
 from prometheus_client.utils import floatToGoString
@@ -375,21 +373,3 @@ class ServiceMetrics:
             _owner=self,
             _series=series,
         )
-
-
-class MetricsServer:
-    """The /metrics HTTP endpoint (prometheus_client's WSGI server on a thread)."""
-
-    def __init__(self, metrics: ServiceMetrics, host: str, port: int) -> None:
-        self._httpd: WSGIServer
-        self._thread: threading.Thread
-        self._httpd, self._thread = start_http_server(port, addr=host, registry=metrics.registry)
-
-    @property
-    def port(self) -> int:
-        return int(self._httpd.server_port)
-
-    def stop(self) -> None:
-        self._httpd.shutdown()
-        self._httpd.server_close()
-        self._thread.join(timeout=5)

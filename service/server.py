@@ -12,6 +12,9 @@ from typing import Protocol
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+from modelyard.common import health as health_names
+from modelyard.common.metrics_http import MetricsServer
+from modelyard.common.settings import split_address
 from modelyard.inference.v1 import (
     inference_service_pb2,
     inference_service_pb2_grpc,
@@ -25,10 +28,10 @@ from service.api.kserve_servicer import KServeServicer
 from service.api.model_servicer import ModelServicer
 from service.batching.batcher import batcher_factory
 from service.batching.clock import Clock
-from service.config import Settings, split_address
+from service.config import Settings
 from service.dataplane import DataPlane
 from service.generation.plane import GenerationPlane
-from service.metrics import MetricsServer, ServiceMetrics
+from service.metrics import ServiceMetrics
 from service.repository.watcher import RepositoryWatcher
 from service.runtime.manager import Loader, ModelManager
 from service.runtime.providers import detect_providers
@@ -49,11 +52,6 @@ class Health(Protocol):
     ) -> None: ...
 
     async def enter_graceful_shutdown(self) -> None: ...
-
-
-def model_health_name(model: str) -> str:
-    """The grpc.health.v1 service name that reports one model's readiness."""
-    return f"models/{model}"
 
 
 @dataclass
@@ -78,10 +76,12 @@ class Service:
 
     async def start(self) -> None:
         # Serve at once (health says NOT_SERVING while loading), so orchestrators can probe.
-        await self.health.set("", NOT_SERVING)
+        await self.health.set(health_names.SERVER, NOT_SERVING)
         await self.server.start()
         if self.settings.metrics_listen:
-            self.metrics_server = MetricsServer(self.metrics, *split_address(self.settings.metrics_listen))
+            self.metrics_server = MetricsServer(
+                self.metrics.registry, *split_address(self.settings.metrics_listen)
+            )
         # Subscribed before loading starts, so that no model event escapes health and metrics.
         self._events = asyncio.get_running_loop().create_task(self._follow(self.manager.subscribe()))
         if self.settings.control_mode == "watch":
@@ -95,7 +95,7 @@ class Service:
             )
             await self.watcher.start()  # before the first load, so that no change slips between
         await self.manager.load_all()
-        await self.health.set("", SERVING)
+        await self.health.set(health_names.SERVER, SERVING)
         ready = [s.name for s in self.manager.statuses() if s.default_version is not None]
         failed = [s.name for s in self.manager.statuses() if s.default_version is None]
         log.info(
@@ -137,7 +137,9 @@ class Service:
         while True:
             event: ModelEvent = await watcher.get()
             served = self.manager.served(event.model)
-            await self.health.set(model_health_name(event.model), SERVING if served else NOT_SERVING)
+            await self.health.set(
+                health_names.model_service_name(event.model), SERVING if served else NOT_SERVING
+            )
             self.metrics.versions_ready.labels(event.model).set(len(served.versions) if served else 0)
             if served:
                 self.metrics.known_models.add(event.model)

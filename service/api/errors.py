@@ -8,6 +8,7 @@ import time
 from typing import Any
 
 import grpc
+from modelyard.tensors import TensorError
 
 from service import errors
 from service.metrics import ServiceMetrics
@@ -17,7 +18,9 @@ log = logging.getLogger(__name__)
 # Servicers take any request/response type; the context's type parameters add nothing here.
 Context = grpc.aio.ServicerContext[Any, Any]
 
-_CODES: dict[type[errors.ServiceError], grpc.StatusCode] = {
+# TensorError: the shared tensor decoder (modelyard.tensors) found a malformed tensor.
+_CODES: dict[type[Exception], grpc.StatusCode] = {
+    TensorError: grpc.StatusCode.INVALID_ARGUMENT,
     errors.ModelNotFound: grpc.StatusCode.NOT_FOUND,
     errors.InvalidInput: grpc.StatusCode.INVALID_ARGUMENT,
     errors.ModelUnavailable: grpc.StatusCode.UNAVAILABLE,
@@ -31,7 +34,7 @@ _CODES: dict[type[errors.ServiceError], grpc.StatusCode] = {
 }
 
 
-def code_for(exc: errors.ServiceError) -> grpc.StatusCode:
+def code_for(exc: Exception) -> grpc.StatusCode:
     for kind in type(exc).__mro__:
         code = _CODES.get(kind)
         if code is not None:
@@ -73,7 +76,7 @@ class serving:
         try:
             if exc is None:
                 return
-            if isinstance(exc, errors.ServiceError):
+            if isinstance(exc, errors.ServiceError | TensorError):
                 code = code_for(exc)
                 await self._context.abort(code, str(exc))
             elif isinstance(exc, asyncio.CancelledError | GeneratorExit):  # the client went away

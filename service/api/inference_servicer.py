@@ -7,8 +7,8 @@ from contextlib import aclosing
 
 from modelyard.inference.v1 import inference_service_pb2 as pb
 from modelyard.inference.v1 import inference_service_pb2_grpc as pb_grpc
+from modelyard.tensors import to_arrays, to_tensors
 
-from service.api.convert import to_arrays, to_tensors
 from service.api.errors import Context, deadline_passed, serving
 from service.api.generation_convert import to_generate_params, to_generate_response
 from service.api.scheduling import scheduling

@@ -21,8 +21,8 @@ from modelyard.kserve.v2.grpc_service_pb2 import (
     ModelInferRequest,
     ModelInferResponse,
 )
+from modelyard.tensors import NUMPY_BY_NAME, decode_bytes, to_wire
 
-from service.datatypes import NUMPY_BY_NAME, decode_bytes, to_wire
 from service.errors import InvalidInput, Unsupported
 
 Array = npt.NDArray[Any]

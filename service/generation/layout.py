@@ -13,8 +13,8 @@ import re
 from dataclasses import dataclass
 
 import numpy as np
+from modelyard.tensors import NUMPY_BY_NAME
 
-from service.datatypes import NUMPY_BY_NAME
 from service.runtime.signature import Signature, TensorSpec
 
 INPUT_IDS = "input_ids"

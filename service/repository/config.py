@@ -11,9 +11,9 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
+from modelyard.tensors import is_known
 
 from service.batching.queue import AdmissionPolicy, QueuePolicy
-from service.datatypes import is_known
 from service.errors import ModelLoadError
 
 CONFIG_FILE = "config.yaml"

@@ -13,9 +13,10 @@ from typing import Any
 
 import numpy as np
 import onnxruntime as ort
+from modelyard.tensors import NUMPY_BY_NAME
 from onnxruntime.capi.onnxruntime_pybind11_state import InvalidArgument
 
-from service.datatypes import NAME_BY_ORT, NUMPY_BY_NAME
+from service.datatypes import NAME_BY_ORT
 from service.errors import InvalidInput, ModelLoadError, ModelRunError, ServiceError
 from service.generation.model import DecoderModel, load_decoder
 from service.repository.config import ModelConfig, TensorConfig

@@ -7,8 +7,8 @@ from dataclasses import dataclass
 from functools import cached_property
 
 import numpy as np
+from modelyard.tensors import NUMPY_BY_NAME, name_of
 
-from service.datatypes import NUMPY_BY_NAME, name_of
 from service.errors import InvalidInput
 
 

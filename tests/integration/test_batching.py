@@ -20,9 +20,9 @@ from modelyard.inference.v1 import inference_service_pb2 as pb
 from modelyard.inference.v1 import inference_service_pb2_grpc as pb_grpc
 from modelyard.kserve.v2 import grpc_service_pb2 as kpb
 from modelyard.kserve.v2 import grpc_service_pb2_grpc as kpb_grpc
+from modelyard.tensors import to_array, to_tensor
 
 from service import demo_models
-from service.api.convert import to_array, to_tensor
 from service.batching.batcher import Batcher
 from service.config import Settings
 from service.runtime.status import VersionState

@@ -19,10 +19,10 @@ from modelyard.inference.v1 import inference_service_pb2 as pb
 from modelyard.inference.v1 import inference_service_pb2_grpc as pb_grpc
 from modelyard.inference.v1 import model_service_pb2 as mpb
 from modelyard.inference.v1 import model_service_pb2_grpc as mpb_grpc
+from modelyard.tensors import to_array, to_tensor
 from onnx import TensorProto, helper
 
 from service import demo_models
-from service.api.convert import to_array, to_tensor
 from service.config import Settings
 from service.runtime.status import VersionState
 from service.server import Service, build_service

@@ -11,8 +11,8 @@ import pytest
 from modelyard.inference.v1 import inference_service_pb2 as pb
 from modelyard.inference.v1 import inference_service_pb2_grpc as pb_grpc
 from modelyard.inference.v1 import tensor_pb2
+from modelyard.tensors import to_array, to_tensor
 
-from service.api.convert import to_array, to_tensor
 from service.config import Settings
 from service.server import build_service
 

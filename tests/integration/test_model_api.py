@@ -11,16 +11,17 @@ import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+from modelyard.common.health import model_service_name
 from modelyard.inference.v1 import inference_service_pb2 as ipb
 from modelyard.inference.v1 import inference_service_pb2_grpc as ipb_grpc
 from modelyard.inference.v1 import model_service_pb2 as pb
 from modelyard.inference.v1 import model_service_pb2_grpc as pb_grpc
 from modelyard.inference.v1 import tensor_pb2
+from modelyard.tensors import to_tensor
 
 from service import demo_models
-from service.api.convert import to_tensor
 from service.config import Settings
-from service.server import Service, build_service, model_health_name
+from service.server import Service, build_service
 
 READY = pb.MODEL_STATE_READY
 
@@ -101,11 +102,11 @@ async def test_health_overall_and_per_model(service: Service, channel) -> None:
     check = await health.Check(health_pb2.HealthCheckRequest(service=""))
     assert check.status == health_pb2.HealthCheckResponse.SERVING
     await asyncio.sleep(0.05)  # per-model health follows model events
-    per_model = await health.Check(health_pb2.HealthCheckRequest(service=model_health_name("classifier")))
+    per_model = await health.Check(health_pb2.HealthCheckRequest(service=model_service_name("classifier")))
     assert per_model.status == health_pb2.HealthCheckResponse.SERVING
     await service.manager.unload("classifier")
     await asyncio.sleep(0.05)
-    per_model = await health.Check(health_pb2.HealthCheckRequest(service=model_health_name("classifier")))
+    per_model = await health.Check(health_pb2.HealthCheckRequest(service=model_service_name("classifier")))
     assert per_model.status == health_pb2.HealthCheckResponse.NOT_SERVING
 
 

@@ -13,9 +13,9 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from modelyard.inference.v1 import inference_service_pb2 as pb
 from modelyard.inference.v1 import inference_service_pb2_grpc as pb_grpc
+from modelyard.tensors import to_array, to_tensor
 
 from service import demo_models
-from service.api.convert import to_array, to_tensor
 
 SLOW_ROWS = 3000
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from modelyard.inference.v1 import tensor_pb2
+from modelyard.tensors import TensorError, to_array, to_tensor
 
-from service.api.convert import to_array, to_tensor
 from service.errors import InvalidInput
 from service.runtime.signature import Signature, TensorSpec
 
@@ -82,7 +82,7 @@ def test_decoding_is_zero_copy() -> None:
     ],
 )
 def test_malformed_tensors_name_the_tensor(tensor: tensor_pb2.Tensor, words: list[str]) -> None:
-    with pytest.raises(InvalidInput) as caught:
+    with pytest.raises(TensorError) as caught:
         to_array(tensor)
     assert all(w in str(caught.value) for w in words), str(caught.value)
 

@@ -1,4 +1,6 @@
-"""Logging set-up: readable text for a terminal, one JSON object per line for log collectors."""
+"""Logging set-up for every process: readable text for a terminal, one JSON object per line for
+log collectors. A record that carries `trace_id` / `span_id` attributes (set by a tracing filter)
+has them in its JSON object, so log lines join their traces."""
 
 from __future__ import annotations
 
@@ -8,6 +10,9 @@ import sys
 import time
 
 TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+FORMATS = ("text", "json")
+_TRACE_FIELDS = ("trace_id", "span_id")
 
 
 class JsonFormatter(logging.Formatter):
@@ -19,6 +24,10 @@ class JsonFormatter(logging.Formatter):
             "logger": record.name,
             "message": record.getMessage(),
         }
+        for name in _TRACE_FIELDS:
+            value = getattr(record, name, None)
+            if value:
+                entry[name] = value
         if record.exc_info:
             entry["exception"] = self.formatException(record.exc_info)
         return json.dumps(entry, ensure_ascii=False)

@@ -1,0 +1,1 @@
+"""What the service, sidecar and gateway processes share. Imports no process package."""

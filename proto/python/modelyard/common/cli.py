@@ -1,0 +1,38 @@
+"""The `modelyard` command: `modelyard serve|sidecar|gateway ...` runs that process's own command
+line (the same as `python -m service|sidecar|gateway ...`).
+
+The process package is imported by name when its verb is used, so a sidecar host runs `modelyard
+sidecar` without the service's dependencies installed, and this package imports no process.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from collections.abc import Sequence
+
+from modelyard.common.lifecycle import EXIT_USAGE
+
+# verb -> the process package whose cli.main takes the rest of the arguments.
+COMMANDS = {"serve": "service", "sidecar": "sidecar", "gateway": "gateway"}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not args or args[0] in ("-h", "--help"):
+        print(f"usage: modelyard {{{','.join(COMMANDS)}}} [--help | options]", file=sys.stderr)
+        return 0 if args else EXIT_USAGE
+    package = COMMANDS.get(args[0])
+    if package is None:
+        print(f"modelyard: unknown command {args[0]!r}; try `modelyard --help`", file=sys.stderr)
+        return EXIT_USAGE
+    try:
+        module = importlib.import_module(f"{package}.cli")
+    except ImportError as exc:
+        print(
+            f"modelyard {args[0]}: {exc}; install it with pip install 'modelyard[{package}]'",
+            file=sys.stderr,
+        )
+        return EXIT_USAGE
+    code: int = module.main(args[1:])
+    return code

@@ -1,0 +1,27 @@
+"""gRPC metadata keys (and HTTP headers) that carry routing, identity and outcome between the
+processes. Lower case: gRPC metadata keys are."""
+
+from __future__ import annotations
+
+# Request: which model and version to route to, and who asks.
+MODEL_NAME = "x-model-name"
+MODEL_VERSION = "x-model-version"  # a pin; else the sidecar dyes the request stable or canary
+REQUEST_ID = "x-request-id"
+PRIORITY = "x-priority"  # the batching priority level, where the message leaves it 0
+CANARY_WEIGHT = "x-canary-weight"  # 0-100, set by operators at the edge
+USER_ID = "x-user-id"  # the default stickiness key for dyeing
+TENANT_ID = "x-tenant-id"
+AUTHORIZATION = "authorization"
+
+# Response: what served the request, and why it failed.
+SERVED_VERSION = "x-served-version"  # initial metadata of every answer from the service
+MODEL_DYE = "x-model-dye"  # stable or canary
+DYE_FALLBACK = "x-dye-fallback"  # why the dye was overridden (e.g. breaker-open)
+ERROR_REASON = "x-error-reason"  # trailing metadata of every error; values in reasons.py
+# gRPC's own retry hint (milliseconds), honoured by gRPC's retry policy; sent with overload answers.
+RETRY_PUSHBACK_MS = "grpc-retry-pushback-ms"
+
+# W3C trace context.
+TRACEPARENT = "traceparent"
+TRACESTATE = "tracestate"
+BAGGAGE = "baggage"
