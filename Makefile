@@ -17,7 +17,7 @@ test: lint
 lint: $(VENV)/.installed-dev $(BUF) system-deps
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
-	$(VENV)/bin/mypy service tests bench proto/generate.py proto/python/modelyard
+	$(VENV)/bin/mypy service sidecar tests bench proto/generate.py proto/python/modelyard
 	$(VENV)/bin/lint-imports
 	$(PY) proto/generate.py --check
 	$(BUF) lint
