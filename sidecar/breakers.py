@@ -41,7 +41,7 @@ class Permit:
 OnChange = Callable[[BreakerKey, State, State, str], None]
 
 
-class _Listener(pybreaker.CircuitBreakerListener):  # type: ignore[misc]
+class _Listener(pybreaker.CircuitBreakerListener):
     def __init__(self, breaker: Breaker) -> None:
         self._breaker = breaker
 

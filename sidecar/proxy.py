@@ -12,9 +12,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 from grpc_reflection.v1alpha import reflection_pb2
@@ -35,6 +35,12 @@ from sidecar.wire import WireError, read_model_fields, with_version
 log = logging.getLogger(__name__)
 
 Context = grpc.aio.ServicerContext[bytes, bytes]
+if TYPE_CHECKING:
+    _Handler = grpc.GenericRpcHandler[bytes, bytes]
+    _MethodHandler = grpc.RpcMethodHandler[bytes, bytes]
+else:
+    _Handler = grpc.GenericRpcHandler
+    _MethodHandler = grpc.RpcMethodHandler
 Metadata = tuple[tuple[str, str | bytes], ...]
 
 _DATA_METHODS = frozenset(
@@ -103,14 +109,14 @@ def method_table() -> dict[str, MethodInfo]:
     return table
 
 
-def error_reason(trailing: Sequence[tuple[str, Any]] | None) -> str:
+def error_reason(trailing: Iterable[Any] | None) -> str:
     for key, value in trailing or ():
         if key == headers.ERROR_REASON:
             return value if isinstance(value, str) else value.decode()
     return ""
 
 
-def is_fault(code: grpc.StatusCode, trailing: Sequence[tuple[str, Any]] | None) -> bool:
+def is_fault(code: grpc.StatusCode, trailing: Iterable[Any] | None) -> bool:
     """Whether an answer counts against the upstream: server faults, never client mistakes.
     A deadline that passed counts (a slow upstream); `x-error-reason` decides the rest."""
     if code == grpc.StatusCode.OK:
@@ -166,7 +172,7 @@ class Plan:
         return with_version(message, self.version)
 
 
-class Proxy(grpc.GenericRpcHandler):
+class Proxy(_Handler):
     def __init__(
         self,
         upstreams: Upstreams,
@@ -182,14 +188,14 @@ class Proxy(grpc.GenericRpcHandler):
         self._limits = limits
         self._metrics = metrics
         self._tracing = tracing
-        self._handlers: dict[str, grpc.RpcMethodHandler] = {}
+        self._handlers: dict[str, _MethodHandler] = {}
         for info in method_table().values():
             self._handlers[info.path] = self._make_handler(info)
 
-    def service(self, handler_call_details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler | None:
+    def service(self, handler_call_details: grpc.HandlerCallDetails) -> _MethodHandler | None:
         return self._handlers.get(handler_call_details.method)
 
-    def _make_handler(self, info: MethodInfo) -> grpc.RpcMethodHandler:
+    def _make_handler(self, info: MethodInfo) -> _MethodHandler:
         if info.kind == "unary_unary":
 
             async def unary_unary(request: bytes, context: Context) -> bytes:
@@ -382,13 +388,13 @@ class Proxy(grpc.GenericRpcHandler):
                             retry = self._retry(plan, tried)
                         if retry is None:
                             await context.abort(
-                                code, exc.details() or "", (*tuple(trailing or ()), *plan.answer_metadata)
+                                code, exc.details() or "", _with(trailing, plan.answer_metadata)
                             )
                         plan = retry
                         continue
                 self._report(plan, code, None, time.perf_counter() - attempt_started)
                 initial = await call.initial_metadata()
-                await context.send_initial_metadata((*tuple(initial or ()), *plan.answer_metadata))
+                await context.send_initial_metadata(_with(initial, plan.answer_metadata))
                 trailing = await call.trailing_metadata()
                 if trailing:
                     context.set_trailing_metadata(tuple(trailing))
@@ -430,7 +436,7 @@ class Proxy(grpc.GenericRpcHandler):
                     call = method(_requests(plan, first, more), metadata=attempt.metadata, timeout=timeout)
                 try:
                     initial = await call.initial_metadata()
-                    await context.send_initial_metadata((*tuple(initial or ()), *plan.answer_metadata))
+                    await context.send_initial_metadata(_with(initial, plan.answer_metadata))
                     async for message in call:
                         yield message
                     trailing = await call.trailing_metadata()
@@ -441,9 +447,7 @@ class Proxy(grpc.GenericRpcHandler):
                     trailing = exc.trailing_metadata()
                     self._report(plan, code, trailing, None)
                     attempt.failed(code)
-                    await context.abort(
-                        code, exc.details() or "", (*tuple(trailing or ()), *plan.answer_metadata)
-                    )
+                    await context.abort(code, exc.details() or "", _with(trailing, plan.answer_metadata))
         except (asyncio.CancelledError, GeneratorExit):
             code = grpc.StatusCode.CANCELLED
             raise
@@ -463,6 +467,10 @@ async def _requests(
     if more is not None:
         async for message in more:
             yield plan.body(message)
+
+
+def _with(received: Iterable[Any] | None, added: Metadata) -> Metadata:
+    return (*((key, value) for key, value in received or ()), *added)
 
 
 def _strip(forward: Metadata) -> Metadata:

@@ -73,7 +73,7 @@ class Upstream:
         return not self.watched or version in self.served.get(model, ())
 
     def reachable(self) -> bool:
-        return self.channel.get_state() is not grpc.ChannelConnectivity.TRANSIENT_FAILURE
+        return self.channel.get_state(try_to_connect=False) is not grpc.ChannelConnectivity.TRANSIENT_FAILURE
 
     def method(self, path: str, kind: str) -> Any:
         """The channel's multicallable for a method, bytes in and out (no (de)serializers)."""
@@ -85,7 +85,7 @@ class Upstream:
                 "stream_unary": self.channel.stream_unary,
                 "stream_stream": self.channel.stream_stream,
             }[kind]
-            found = self._methods[(path, kind)] = make(path)
+            found = self._methods[(path, kind)] = make(path, None, None)
         return found
 
 
@@ -117,7 +117,7 @@ class Upstreams:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         for upstream in self.all:
-            await upstream.channel.close()
+            await upstream.channel.close(None)
 
     def versions(self, model: str) -> set[str]:
         found: set[str] = set()
