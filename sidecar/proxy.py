@@ -73,6 +73,7 @@ FAULT_CODES = frozenset(
 )
 FALLBACK_BREAKER = "breaker-open"
 FALLBACK_UNAVAILABLE = "unavailable"
+FALLBACK_CANARY_FAULT = "canary-fault"
 
 
 @dataclass(frozen=True, slots=True)
@@ -306,12 +307,14 @@ class Proxy(_Handler):
         )
 
     def _take(
-        self, model: str, version: str, exclude: Sequence[Upstream]
+        self, model: str, version: str, exclude: Sequence[Upstream], fallback_to_any: bool = True
     ) -> tuple[tuple[Upstream, Breaker, Permit] | None, bool]:
         """The first upstream for the version whose breaker lets a call through; and whether a
         breaker refused. With no upstream known to serve it, any (it answers NOT_FOUND itself)."""
         blocked = False
-        candidates = self._upstreams.candidates(model, version) or self._upstreams.any()
+        candidates = self._upstreams.candidates(model, version)
+        if not candidates and fallback_to_any:
+            candidates = self._upstreams.any()
         for upstream in candidates:
             if upstream in exclude:
                 continue
@@ -322,15 +325,37 @@ class Proxy(_Handler):
             blocked = True
         return None, blocked
 
-    def _retry(self, plan: Plan, tried: list[Upstream]) -> Plan | None:
-        """After an upstream could not be reached: another for the same version, else stable."""
-        decision = Decision(plan.version, plan.dye, stable=plan.stable)
-        if plan.dye == CANARY:
-            decision = Decision(plan.version, CANARY, canary=plan.version, stable=plan.stable)
-        try:
-            return self._choose(plan.model, decision, _strip(plan.forward), plan.tenant, exclude=tried)
-        except Refused:
-            return None
+    def _retry(self, plan: Plan, tried: list[Upstream], unreachable: bool) -> Plan | None:
+        """A unary call failed before any answer reached the client: an upstream could not be
+        reached (try another for the same version), or a canary failed (the stable version
+        answers instead: a canary's faults count against its breaker, never against a user)."""
+        forward = _strip(plan.forward)
+        if unreachable:
+            found, _ = self._take(plan.model, plan.version, tried, fallback_to_any=False)
+            if found is not None:
+                return self._plan_for(plan, plan.version, plan.dye, plan.fallback, found, forward)
+        if plan.dye == CANARY and plan.stable:
+            found, _ = self._take(plan.model, plan.stable, tried if unreachable else ())
+            if found is not None:
+                reason = FALLBACK_UNAVAILABLE if unreachable else FALLBACK_CANARY_FAULT
+                self._metrics.fallbacks.labels(plan.model, reason).inc()
+                return self._plan_for(plan, plan.stable, STABLE, reason, found, forward)
+        return None
+
+    @staticmethod
+    def _plan_for(
+        plan: Plan,
+        version: str,
+        dye: str,
+        fallback: str,
+        found: tuple[Upstream, Breaker, Permit],
+        forward: Metadata,
+    ) -> Plan:
+        upstream, breaker, permit = found
+        forward = (*forward, (headers.MODEL_VERSION, version), (headers.MODEL_DYE, dye))
+        return Plan(
+            plan.model, version, dye, fallback, plan.stable, upstream, breaker, permit, forward, plan.tenant
+        )
 
     def _report(self, plan: Plan, code: grpc.StatusCode, trailing: Any, latency: float | None) -> None:
         if plan.reported or plan.breaker is None or plan.permit is None:
@@ -382,10 +407,11 @@ class Proxy(_Handler):
                         trailing = exc.trailing_metadata()
                         self._report(plan, code, trailing, None)
                         attempt.failed(code)
+                        unreachable = code == grpc.StatusCode.UNAVAILABLE and not error_reason(trailing)
                         retry = None
-                        if code == grpc.StatusCode.UNAVAILABLE and not error_reason(trailing):
+                        if unreachable or (plan.dye == CANARY and is_fault(code, trailing)):
                             tried.append(plan.upstream)
-                            retry = self._retry(plan, tried)
+                            retry = self._retry(plan, tried, unreachable)
                         if retry is None:
                             await context.abort(
                                 code, exc.details() or "", _with(trailing, plan.answer_metadata)

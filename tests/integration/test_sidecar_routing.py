@@ -1,0 +1,130 @@
+"""Version dyeing through a real sidecar in front of a real service serving scaler v1 and v2:
+canary share, stickiness, monotonic weight changes, pins, header weight, live config changes."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import grpc
+import pytest
+import yaml
+
+from service.server import Service
+from sidecar.server import Sidecar
+from tests.sidecar_support import admin_async, eventually, infer, known_versions, running_sidecar
+
+USERS = [f"user-{i}" for i in range(300)]
+
+
+def write_config(path: Path, doc: dict[str, object]) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(yaml.safe_dump(doc))
+    tmp.replace(path)
+
+
+@pytest.fixture
+def config(tmp_path: Path) -> Path:
+    path = tmp_path / "routes.yaml"
+    write_config(path, {"models": {"scaler": {"canary_weight": 30}}})
+    return path
+
+
+@pytest.fixture
+async def sidecar(service: Service, config: Path) -> AsyncIterator[Sidecar]:
+    async with running_sidecar([service.address], config=config) as running:
+        await known_versions(running, "scaler", {"1", "2"})
+        yield running
+
+
+@pytest.fixture
+async def through(sidecar: Sidecar) -> AsyncIterator[grpc.aio.Channel]:
+    async with grpc.aio.insecure_channel(sidecar.address) as channel:
+        yield channel
+
+
+async def versions_by_user(channel: grpc.aio.Channel, **kwargs) -> dict[str, str]:
+    seen = {}
+    for user in USERS:
+        answer = await infer(channel, user=user, **kwargs)
+        assert answer.dye == ("canary" if answer.version == "2" else "stable")
+        seen[user] = answer.version
+    return seen
+
+
+async def test_canary_share_is_the_weight_and_users_keep_their_version(through) -> None:
+    first = await versions_by_user(through)
+    share = sum(v == "2" for v in first.values()) / len(first)
+    assert abs(share - 0.30) < 0.07, share
+    # The canary really answered: scaler v2 multiplies by 3, v1 by 2.
+    canary_user = next(u for u, v in first.items() if v == "2")
+    answer = await infer(through, user=canary_user)
+    assert answer.response.outputs[0].raw_data[:4] == b"\x00\x00\x40\x40"  # 3.0f
+    assert await versions_by_user(through) == first  # sticky
+
+
+async def test_raising_the_weight_by_admin_moves_users_only_to_the_canary(sidecar, through) -> None:
+    before = await versions_by_user(through)
+    answer = await admin_async(sidecar, "/canary/scaler", "PUT", {"canary_weight": 60})
+    assert answer["canary_weight"] == 60
+    after = await versions_by_user(through)
+    assert all(after[u] == "2" for u in USERS if before[u] == "2")
+    moved = sum(after[u] != before[u] for u in USERS) / len(USERS)
+    assert 0.2 < moved < 0.4, moved
+    listing = await admin_async(sidecar, "/canary")
+    assert listing["models"]["scaler"]["canary_weight"] == 60
+    refused = await admin_async(sidecar, "/canary/scaler", "PUT", {"canary_weight": 101})
+    assert "0 to 100" in refused["error"]
+
+
+async def test_a_pin_by_header_or_by_field_chooses_the_version(through) -> None:
+    for user in USERS[:40]:
+        by_header = await infer(through, user=user, metadata=[("x-model-version", "1"), ("x-canary-weight", "100")])
+        assert (by_header.version, by_header.dye) == ("1", "pinned")
+        by_field = await infer(through, user=user, version="2", metadata=[("x-canary-weight", "0")])
+        assert (by_field.version, by_field.dye) == ("2", "pinned")
+
+
+async def test_the_header_weight_overrides_the_config(through) -> None:
+    assert set((await versions_by_user(through, metadata=[("x-canary-weight", "100")])).values()) == {"2"}
+    assert set((await versions_by_user(through, metadata=[("x-canary-weight", "0")])).values()) == {"1"}
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await infer(through, user="u", metadata=[("x-canary-weight", "half")])
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "x-canary-weight" in caught.value.details()
+    assert ("x-error-reason", "invalid_argument") in tuple(caught.value.trailing_metadata())
+
+
+async def test_a_config_file_change_applies_without_a_restart(sidecar, through, config: Path) -> None:
+    write_config(config, {"models": {"scaler": {"canary_weight": 100}}})
+
+    async def all_canary() -> bool:
+        return {(await infer(through, user=u)).version for u in USERS[:20]} == {"2"}
+
+    await eventually(all_canary, what="weight 100 from the file")
+    # The versions can be set by the file too: v1 becomes the canary.
+    write_config(config, {"models": {"scaler": {"canary_weight": 100, "stable": "2", "canary": "1"}}})
+
+    async def swapped() -> bool:
+        return {(await infer(through, user=u)).version for u in USERS[:20]} == {"1"}
+
+    await eventually(swapped, what="canary v1 from the file")
+    # A broken file keeps the current routes.
+    config.write_text("models: [")
+    await eventually(lambda: sidecar.routes.reload_if_changed() is False)
+    assert {(await infer(through, user=u)).version for u in USERS[:20]} == {"1"}
+
+
+async def test_a_model_with_one_version_is_all_stable(through) -> None:
+    answer = await infer(through, "classifier", user="u", features=64, metadata=[("x-canary-weight", "100")])
+    assert answer.dye == "stable"
+
+
+async def test_errors_pass_through_with_code_message_and_trailers(through) -> None:
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await infer(through, "no-such-model", user="u")
+    assert caught.value.code() == grpc.StatusCode.NOT_FOUND
+    assert "no-such-model" in caught.value.details()
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await infer(through, user="u", features=5)  # wrong shape
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT

@@ -1,0 +1,137 @@
+"""Helpers for the sidecar tests: a sidecar in this process, its admin endpoint, polling."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import urllib.error
+import urllib.request
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import grpc
+import numpy as np
+from modelyard.inference.v1 import inference_service_pb2 as pb
+from modelyard.inference.v1 import inference_service_pb2_grpc as pb_grpc
+from modelyard.tensors import to_tensor
+
+from sidecar.config import Settings
+from sidecar.server import Sidecar, build_sidecar
+from sidecar.tracing import Tracing
+
+
+async def eventually(
+    check: Callable[[], Awaitable[bool] | bool], timeout: float = 30.0, interval: float = 0.05, what: str = ""
+) -> None:
+    """Poll `check` until it is true; fail after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        result = check()
+        if not isinstance(result, bool):
+            result = await result
+        if result:
+            return
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not true within {timeout} s: {what or check}")
+        await asyncio.sleep(interval)
+
+
+@asynccontextmanager
+async def running_sidecar(
+    upstreams: Sequence[str], config: Path | None = None, tracing: Tracing | None = None, **settings: Any
+) -> AsyncIterator[Sidecar]:
+    sidecar = build_sidecar(
+        Settings(
+            listen="127.0.0.1:0",
+            upstream=tuple(upstreams),
+            admin_listen="127.0.0.1:0",
+            config=str(config) if config else "",
+            config_poll_s=0.05,
+            **settings,
+        ),
+        tracing=tracing,
+    )
+    await sidecar.start()
+    try:
+        yield sidecar
+    finally:
+        await sidecar.stop(grace_s=1.0)
+
+
+async def known_versions(sidecar: Sidecar, model: str, versions: set[str]) -> None:
+    await eventually(lambda: sidecar.upstreams.versions(model) == versions, what=f"{model} {versions}")
+
+
+def admin(sidecar: Sidecar, path: str, method: str = "GET", body: object = None) -> Any:
+    data = json.dumps(body).encode() if body is not None else None
+    request = urllib.request.Request(f"http://{sidecar.admin_address}{path}", data=data, method=method)
+    try:
+        with urllib.request.urlopen(request, timeout=10) as answer:
+            raw = answer.read()
+    except urllib.error.HTTPError as exc:
+        raw = exc.read()
+    return raw.decode() if path == "/metrics" else json.loads(raw)
+
+
+async def admin_async(sidecar: Sidecar, path: str, method: str = "GET", body: object = None) -> Any:
+    return await asyncio.to_thread(admin, sidecar, path, method, body)
+
+
+def breaker_state(sidecar: Sidecar, model: str, version: str) -> set[str]:
+    return {
+        str(b["state"])
+        for b in sidecar.breakers.snapshot()
+        if b["model"] == model and b["version"] == version
+    }
+
+
+class Answer:
+    """One Infer through the sidecar: the response and the metadata the client saw."""
+
+    def __init__(self, response: pb.InferResponse, initial: dict[str, str], trailing: dict[str, str]) -> None:
+        self.response = response
+        self.initial = initial
+        self.trailing = trailing
+
+    @property
+    def version(self) -> str:
+        # The service's x-served-version where it sends it, and the response field always.
+        served = self.initial.get("x-served-version")
+        assert served is None or served == self.response.model_version
+        return self.response.model_version
+
+    @property
+    def dye(self) -> str | None:
+        return self.initial.get("x-model-dye")
+
+    @property
+    def fallback(self) -> str | None:
+        return self.initial.get("x-dye-fallback")
+
+
+async def infer(
+    channel: grpc.aio.Channel,
+    model: str = "scaler",
+    *,
+    user: str | None = None,
+    rows: int = 1,
+    features: int = 16,
+    version: str = "",
+    metadata: Sequence[tuple[str, str]] = (),
+    timeout: float = 30.0,
+) -> Answer:
+    stub = pb_grpc.InferenceServiceStub(channel)
+    md = [*metadata, *([("x-user-id", user)] if user else [])]
+    x = np.ones((rows, features), np.float32)
+    call = stub.Infer(
+        pb.InferRequest(model_name=model, model_version=version, inputs=[to_tensor("INPUT0", x)]),
+        metadata=md,
+        timeout=timeout,
+    )
+    response = await call
+    initial = {k: v for k, v in (await call.initial_metadata() or ()) if isinstance(v, str)}
+    trailing = {k: v for k, v in (await call.trailing_metadata() or ()) if isinstance(v, str)}
+    return Answer(response, initial, trailing)
