@@ -418,6 +418,7 @@ class Proxy(_Handler):
                             )
                         plan = retry
                         continue
+                code = grpc.StatusCode.OK  # this attempt answered, whatever an earlier one did
                 self._report(plan, code, None, time.perf_counter() - attempt_started)
                 initial = await call.initial_metadata()
                 await context.send_initial_metadata(_with(initial, plan.answer_metadata))

@@ -119,13 +119,14 @@ async def infer(
     user: str | None = None,
     rows: int = 1,
     features: int = 16,
+    value: float = 1.0,
     version: str = "",
     metadata: Sequence[tuple[str, str]] = (),
     timeout: float = 30.0,
 ) -> Answer:
     stub = pb_grpc.InferenceServiceStub(channel)
     md = [*metadata, *([("x-user-id", user)] if user else [])]
-    x = np.ones((rows, features), np.float32)
+    x = np.full((rows, features), value, np.float32)
     call = stub.Infer(
         pb.InferRequest(model_name=model, model_version=version, inputs=[to_tensor("INPUT0", x)]),
         metadata=md,
