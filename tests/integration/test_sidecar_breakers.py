@@ -146,7 +146,9 @@ async def test_a_killed_canary_process_is_routed_around_and_comes_back(
             assert breaker_state(sidecar, "scaler", "2") == {"closed"}
 
 
-async def test_client_mistakes_never_trip_a_breaker(tmp_path: Path, stable: ServiceProcess, service_process) -> None:
+async def test_client_mistakes_never_trip_a_breaker(
+    tmp_path: Path, stable: ServiceProcess, service_process
+) -> None:
     canary = service_process(canary_repository(tmp_path, demo_models.scaled_identity(16, 3.0)))
     config = routes(tmp_path / "routes.yaml", backoff_s=5, backoff_max_s=5)
     async with running_sidecar([stable.address, canary.address], config=config) as sidecar:

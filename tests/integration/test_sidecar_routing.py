@@ -79,7 +79,9 @@ async def test_raising_the_weight_by_admin_moves_users_only_to_the_canary(sideca
 
 async def test_a_pin_by_header_or_by_field_chooses_the_version(through) -> None:
     for user in USERS[:40]:
-        by_header = await infer(through, user=user, metadata=[("x-model-version", "1"), ("x-canary-weight", "100")])
+        by_header = await infer(
+            through, user=user, metadata=[("x-model-version", "1"), ("x-canary-weight", "100")]
+        )
         assert (by_header.version, by_header.dye) == ("1", "pinned")
         by_field = await infer(through, user=user, version="2", metadata=[("x-canary-weight", "0")])
         assert (by_field.version, by_field.dye) == ("2", "pinned")
