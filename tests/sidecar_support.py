@@ -32,10 +32,13 @@ from tests.support import REPO_ROOT
 
 
 async def eventually(
-    check: Callable[[], Awaitable[bool] | bool], timeout: float = 30.0, interval: float = 0.05, what: str = ""
+    check: Callable[[], Awaitable[bool] | bool],
+    within_s: float = 30.0,
+    interval: float = 0.05,
+    what: str = "",
 ) -> None:
-    """Poll `check` until it is true; fail after `timeout` seconds."""
-    deadline = time.monotonic() + timeout
+    """Poll `check` until it is true; fail after `within_s` seconds."""
+    deadline = time.monotonic() + within_s
     while True:
         result = check()
         if not isinstance(result, bool):
@@ -43,7 +46,7 @@ async def eventually(
         if result:
             return
         if time.monotonic() > deadline:
-            raise AssertionError(f"not true within {timeout} s: {what or check}")
+            raise AssertionError(f"not true within {within_s} s: {what or check}")
         await asyncio.sleep(interval)
 
 
@@ -88,6 +91,10 @@ async def admin_async(sidecar: Sidecar, path: str, method: str = "GET", body: ob
     return await asyncio.to_thread(admin, sidecar, path, method, body)
 
 
+def pairs(metadata: Any) -> list[tuple[str, Any]]:
+    return [(key, value) for key, value in metadata or ()]
+
+
 def breaker_state(sidecar: Sidecar, model: str, version: str) -> set[str]:
     return {
         str(b["state"])
@@ -130,7 +137,7 @@ async def infer(
     value: float = 1.0,
     version: str = "",
     metadata: Sequence[tuple[str, str]] = (),
-    timeout: float = 30.0,
+    deadline_s: float = 30.0,
 ) -> Answer:
     stub = pb_grpc.InferenceServiceStub(channel)
     md = [*metadata, *([("x-user-id", user)] if user else [])]
@@ -138,7 +145,7 @@ async def infer(
     call = stub.Infer(
         pb.InferRequest(model_name=model, model_version=version, inputs=[to_tensor("INPUT0", x)]),
         metadata=md,
-        timeout=timeout,
+        timeout=deadline_s,
     )
     response = await call
     initial = {k: v for k, v in (await call.initial_metadata() or ()) if isinstance(v, str)}

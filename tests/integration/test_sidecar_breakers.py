@@ -21,6 +21,7 @@ from tests.sidecar_support import (
     eventually,
     infer,
     known_versions,
+    pairs,
     running_sidecar,
 )
 from tests.support import ServiceProcess
@@ -92,7 +93,7 @@ async def test_a_failing_canary_trips_falls_back_without_errors_and_recovers(
             with pytest.raises(grpc.aio.AioRpcError) as caught:
                 await infer(channel, user="u", value=100.0, version="2")
             assert caught.value.code() == grpc.StatusCode.UNAVAILABLE
-            assert ("x-error-reason", "breaker_open") in tuple(caught.value.trailing_metadata())
+            assert ("x-error-reason", "breaker_open") in pairs(caught.value.trailing_metadata())
 
             (shown,) = [b for b in await admin_async(sidecar, "/breakers") if b["version"] == "2"]
             assert shown["state"] == "open" and shown["reason"] == "error_rate"
@@ -107,7 +108,7 @@ async def test_a_failing_canary_trips_falls_back_without_errors_and_recovers(
                 answer = await infer(channel, user="u", value=100.0, metadata=list(CANARY.items()))
                 return answer.version == "2" and answer.dye == "canary" and answer.fallback is None
 
-            await eventually(canary_answers, timeout=60, interval=0.2, what="the canary answers again")
+            await eventually(canary_answers, within_s=60, interval=0.2, what="the canary answers again")
             await canary_answers()  # the second probe
             assert breaker_state(sidecar, "scaler", "2") == {"closed"}
 
@@ -141,7 +142,7 @@ async def test_a_killed_canary_process_is_routed_around_and_comes_back(
             async def canary_answers() -> bool:
                 return (await infer(channel, user="u", metadata=list(CANARY.items()))).version == "2"
 
-            await eventually(canary_answers, timeout=60, interval=0.2, what="the revived canary answers")
+            await eventually(canary_answers, within_s=60, interval=0.2, what="the revived canary answers")
             assert await canary_answers()  # the second probe
             assert breaker_state(sidecar, "scaler", "2") == {"closed"}
 
@@ -191,7 +192,7 @@ async def test_a_slow_canary_trips_on_latency(tmp_path: Path, service_process) -
                 answer = await infer(channel, "wide", user=f"u{i}", features=512)
                 assert answer.version == "2"
             for i in range(20):  # a batch of 1500 rows is slow on the canary only
-                answer = await infer(channel, "wide", user=f"u{i}", rows=1500, features=512, timeout=60)
+                answer = await infer(channel, "wide", user=f"u{i}", rows=1500, features=512, deadline_s=60)
                 if answer.fallback == "breaker-open":
                     break
             assert answer.version == "1" and answer.fallback == "breaker-open"

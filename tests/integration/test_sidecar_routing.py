@@ -12,14 +12,14 @@ import yaml
 
 from service.server import Service
 from sidecar.server import Sidecar
-from tests.sidecar_support import admin_async, eventually, infer, known_versions, running_sidecar
+from tests.sidecar_support import admin_async, eventually, infer, known_versions, pairs, running_sidecar
 
 USERS = [f"user-{i}" for i in range(300)]
 
 
-def write_config(path: Path, doc: dict[str, object]) -> None:
+def write_config(path: Path, doc: dict[str, object] | str) -> None:
     tmp = path.with_suffix(".tmp")
-    tmp.write_text(yaml.safe_dump(doc))
+    tmp.write_text(doc if isinstance(doc, str) else yaml.safe_dump(doc))
     tmp.replace(path)
 
 
@@ -94,7 +94,7 @@ async def test_the_header_weight_overrides_the_config(through) -> None:
         await infer(through, user="u", metadata=[("x-canary-weight", "half")])
     assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "x-canary-weight" in caught.value.details()
-    assert ("x-error-reason", "invalid_argument") in tuple(caught.value.trailing_metadata())
+    assert ("x-error-reason", "invalid_argument") in pairs(caught.value.trailing_metadata())
 
 
 async def test_a_config_file_change_applies_without_a_restart(sidecar, through, config: Path) -> None:
@@ -112,7 +112,7 @@ async def test_a_config_file_change_applies_without_a_restart(sidecar, through, 
 
     await eventually(swapped, what="canary v1 from the file")
     # A broken file keeps the current routes.
-    config.write_text("models: [")
+    write_config(config, "models: [")
     await eventually(lambda: sidecar.routes.reload_if_changed() is False)
     assert {(await infer(through, user=u)).version for u in USERS[:20]} == {"1"}
 

@@ -47,6 +47,10 @@ def breaker(clock: FakeClock, changes: list[tuple[State, State, str]]) -> Breake
     )
 
 
+def state(breaker: Breaker) -> State:
+    return breaker.state
+
+
 def call(breaker: Breaker, fault: bool = False, latency: float | None = 0.01) -> bool:
     permit = breaker.allow()
     if permit is None:
@@ -58,7 +62,7 @@ def call(breaker: Breaker, fault: bool = False, latency: float | None = 0.01) ->
 def test_faults_below_the_minimum_number_of_calls_never_trip(breaker: Breaker) -> None:
     for _ in range(POLICY.min_calls - 1):
         call(breaker, fault=True)
-    assert breaker.state is State.CLOSED
+    assert state(breaker) is State.CLOSED
 
 
 def test_trips_on_the_error_rate_over_the_window(breaker: Breaker, changes, clock: FakeClock) -> None:
@@ -66,9 +70,9 @@ def test_trips_on_the_error_rate_over_the_window(breaker: Breaker, changes, cloc
         call(breaker)
     for _ in range(5):
         call(breaker, fault=True)
-    assert breaker.state is State.CLOSED  # 5 faults in 11 calls: under half
+    assert state(breaker) is State.CLOSED  # 5 faults in 11 calls: under half
     call(breaker, fault=True)
-    assert breaker.state is State.OPEN  # 6 in 12
+    assert state(breaker) is State.OPEN  # 6 in 12
     assert changes == [(State.CLOSED, State.OPEN, "error_rate")]
     assert breaker.allow() is None
 
@@ -80,24 +84,24 @@ def test_old_calls_leave_the_window(breaker: Breaker, clock: FakeClock) -> None:
     for _ in range(10):
         call(breaker)
     call(breaker, fault=True)
-    assert breaker.state is State.CLOSED
+    assert state(breaker) is State.CLOSED
 
 
 def test_half_open_after_the_backoff_lets_a_limited_number_of_probes(breaker: Breaker, clock) -> None:
     for _ in range(10):
         call(breaker, fault=True)
-    assert breaker.state is State.OPEN
+    assert state(breaker) is State.OPEN
     clock.now += 0.99
     assert breaker.allow() is None
     clock.now += 0.02
     first, second = breaker.allow(), breaker.allow()
     assert first is not None and second is not None and first.probe and second.probe
-    assert breaker.state is State.HALF_OPEN
+    assert state(breaker) is State.HALF_OPEN
     assert breaker.allow() is None  # two probes in flight: the limit
     breaker.report(first, False, 0.01)
-    assert breaker.state is State.HALF_OPEN
+    assert state(breaker) is State.HALF_OPEN
     breaker.report(second, False, 0.01)
-    assert breaker.state is State.CLOSED
+    assert state(breaker) is State.CLOSED
     assert call(breaker)
 
 
@@ -106,7 +110,7 @@ def test_a_failed_probe_reopens_with_a_growing_capped_backoff(breaker: Breaker, 
         call(breaker, fault=True)
     waits = []
     for _ in range(5):
-        assert breaker.state is State.OPEN
+        assert state(breaker) is State.OPEN
         waits.append(breaker.adaptive.backoff_s)
         clock.now += breaker.adaptive.backoff_s
         assert call(breaker, fault=True)  # the probe fails
@@ -115,7 +119,7 @@ def test_a_failed_probe_reopens_with_a_growing_capped_backoff(breaker: Breaker, 
     # Recovery resets the backoff.
     clock.now += breaker.adaptive.backoff_s
     assert call(breaker) and call(breaker)
-    assert breaker.state is State.CLOSED and breaker.adaptive.backoff_s == 1
+    assert state(breaker) is State.CLOSED and breaker.adaptive.backoff_s == 1
 
 
 def test_trips_when_p99_latency_exceeds_the_learned_baseline(breaker: Breaker, changes) -> None:
@@ -124,9 +128,9 @@ def test_trips_when_p99_latency_exceeds_the_learned_baseline(breaker: Breaker, c
     assert breaker.adaptive.baseline == pytest.approx(0.020)
     for _ in range(10):
         call(breaker, latency=0.030)  # slower, but under 4x the baseline
-    assert breaker.state is State.CLOSED
+    assert state(breaker) is State.CLOSED
     call(breaker, latency=0.200)  # p99 of the window now 10x the baseline
-    assert breaker.state is State.OPEN
+    assert state(breaker) is State.OPEN
     assert changes[-1][2] == "latency"
 
 
@@ -134,10 +138,10 @@ def test_a_slow_probe_counts_as_failed(breaker: Breaker, clock) -> None:
     for _ in range(20):
         call(breaker, latency=0.020)
     call(breaker, latency=1.0)
-    assert breaker.state is State.OPEN
+    assert state(breaker) is State.OPEN
     clock.now += 1
     call(breaker, latency=1.0)
-    assert breaker.state is State.OPEN and breaker.adaptive.trips == 2
+    assert state(breaker) is State.OPEN and breaker.adaptive.trips == 2
 
 
 def test_latency_under_the_floor_never_trips(breaker: Breaker) -> None:
@@ -145,16 +149,16 @@ def test_latency_under_the_floor_never_trips(breaker: Breaker) -> None:
         call(breaker, latency=0.001)
     for _ in range(30):
         call(breaker, latency=0.040)  # 40x the baseline, but under the 50 ms floor
-    assert breaker.state is State.CLOSED
+    assert state(breaker) is State.CLOSED
 
 
 def test_a_report_from_before_a_state_change_is_ignored(breaker: Breaker) -> None:
     early = breaker.allow()
     for _ in range(10):
         call(breaker, fault=True)
-    assert breaker.state is State.OPEN and early is not None
+    assert state(breaker) is State.OPEN and early is not None
     breaker.report(early, False, 0.01)
-    assert breaker.state is State.OPEN
+    assert state(breaker) is State.OPEN
 
 
 def test_a_cancelled_probe_frees_its_slot(breaker: Breaker, clock) -> None:
