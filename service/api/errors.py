@@ -10,7 +10,7 @@ from typing import Any
 import grpc
 from modelyard.tensors import TensorError
 
-from service import errors
+from service import errors, tracing
 from service.metrics import ServiceMetrics
 
 log = logging.getLogger(__name__)
@@ -55,7 +55,7 @@ class serving:
     A class rather than an @asynccontextmanager: it runs on every request, and a generator-based
     context manager costs several microseconds more per call."""
 
-    __slots__ = ("_context", "_method", "_metrics", "_model", "_start", "version")
+    __slots__ = ("_context", "_method", "_metrics", "_model", "_span", "_start", "version")
 
     def __init__(self, context: Context, metrics: ServiceMetrics, method: str, model: str) -> None:
         self._context = context
@@ -63,10 +63,12 @@ class serving:
         self._method = method
         self._model = model
         self._start = 0.0
+        self._span: object = None
         self.version = ""  # the version that answered, set by the handler for the metrics
 
     async def __aenter__(self) -> serving:
         self._start = time.perf_counter()
+        self._span = tracing.start(self._context, self._method, self._model)
         return self
 
     async def __aexit__(
@@ -94,6 +96,7 @@ class serving:
                     code, f"{self._method} failed with an internal error; see the server log"
                 )
         finally:
+            tracing.end(self._span, self.version, code)
             self._metrics.observe_request(
                 self._method, self._model, self.version, code, time.perf_counter() - self._start
             )

@@ -1,0 +1,90 @@
+"""One trace across client, sidecar and service: spans exported over OTLP/gRPC to a receiver in
+this process (a real endpoint, from the opentelemetry-proto service definitions), with the
+parent/child links and the routing attributes."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
+
+from sidecar.tracing import configure
+from tests.sidecar_support import eventually, infer, known_versions, running_sidecar
+
+TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
+CLIENT_SPAN = "00f067aa0ba902b7"
+
+
+class Receiver(trace_service_pb2_grpc.TraceServiceServicer):
+    def __init__(self) -> None:
+        self.spans: list[tuple[str, Any]] = []  # (service.name, span)
+
+    async def Export(self, request, context):
+        for resource_spans in request.resource_spans:
+            name = next(
+                a.value.string_value for a in resource_spans.resource.attributes if a.key == "service.name"
+            )
+            for scope in resource_spans.scope_spans:
+                self.spans.extend((name, span) for span in scope.spans)
+        return trace_service_pb2.ExportTraceServiceResponse()
+
+
+@pytest.fixture
+async def receiver() -> AsyncIterator[tuple[Receiver, str]]:
+    server = grpc.aio.server()
+    servicer = Receiver()
+    trace_service_pb2_grpc.add_TraceServiceServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        yield servicer, f"127.0.0.1:{port}"
+    finally:
+        await server.stop(0)
+
+
+def attributes(span: Any) -> dict[str, Any]:
+    return {a.key: a.value.string_value or a.value.int_value for a in span.attributes}
+
+
+async def test_one_trace_from_client_through_sidecar_to_service(
+    receiver, repository: Path, service_process, monkeypatch
+) -> None:
+    collected, endpoint = receiver
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", f"http://{endpoint}")
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_INSECURE", "true")
+    monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "50")
+    upstream = service_process(repository)  # inherits the OTEL_* environment
+    tracing = configure("modelyard-sidecar")
+    assert tracing.enabled
+    async with running_sidecar([upstream.address], tracing=tracing) as sidecar:
+        await known_versions(sidecar, "scaler", {"1", "2"})
+        async with grpc.aio.insecure_channel(sidecar.address) as channel:
+            parent = [("traceparent", f"00-{TRACE_ID}-{CLIENT_SPAN}-01"), ("x-canary-weight", "100")]
+            answer = await infer(channel, user="u", metadata=parent)
+            assert (answer.version, answer.dye) == ("2", "canary")
+        await tracing.flush()
+
+        def ours() -> list[tuple[str, Any]]:
+            return [(n, s) for n, s in collected.spans if s.trace_id.hex() == TRACE_ID]
+
+        await eventually(lambda: {n for n, _ in ours()} == {"modelyard-sidecar", "modelyard-service"})
+    spans = ours()
+    (server,) = [s for n, s in spans if n == "modelyard-sidecar" and s.kind == s.SPAN_KIND_SERVER]
+    (client,) = [s for n, s in spans if n == "modelyard-sidecar" and s.kind == s.SPAN_KIND_CLIENT]
+    (service,) = [s for n, s in spans if n == "modelyard-service"]
+    assert server.parent_span_id.hex() == CLIENT_SPAN  # continues the caller's trace
+    assert client.parent_span_id == server.span_id
+    assert service.parent_span_id == client.span_id
+    assert server.name == "modelyard.inference.v1.InferenceService/Infer"
+    routed = attributes(server)
+    assert routed["modelyard.model"] == "scaler"
+    assert routed["modelyard.version"] == "2" and routed["modelyard.dye"] == "canary"
+    assert attributes(client)["modelyard.breaker.state"] == "closed"
+    served = attributes(service)
+    assert served["modelyard.version"] == "2"
+    assert served["modelyard.baggage.model.dye"] == "canary"  # baggage travelled with the call
+    assert served["modelyard.baggage.model.version"] == "2"
