@@ -23,7 +23,7 @@ from modelyard.inference.v1 import inference_service_pb2_grpc as pb_grpc
 from service import demo_models
 from tests.integration.test_entry_points import HEAVY, RUN_REFUSING
 from tests.integration.test_perf_analyzer import perf_analyzer
-from tests.sidecar_support import SidecarProcess, eventually, infer, start_sidecar_process
+from tests.sidecar_support import SidecarProcess, eventually, infer, pairs, start_sidecar_process
 from tests.support import ServiceProcess
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
@@ -191,9 +191,39 @@ async def test_the_sidecar_serves_without_numpy_or_onnxruntime(upstream, sidecar
     assert sidecar.stop() == 0
 
 
-async def _answers(channel: grpc.aio.Channel) -> bool:
+async def test_tenant_rate_and_concurrency_limits(upstream, sidecar_process, tmp_path: Path) -> None:
+    config = tmp_path / "routes.yaml"
+    config.write_text("tenants:\n  acme: {rate: 0.5, burst: 2}\n  beta: {concurrency: 1}\n")
+    sidecar = sidecar_process("--upstream", upstream.address, "--config", str(config))
+    async with grpc.aio.insecure_channel(sidecar.address) as channel:
+        acme = [("x-tenant-id", "acme")]
+        await infer(channel, user="u", metadata=acme)
+        await infer(channel, user="u", metadata=acme)
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            await infer(channel, user="u", metadata=acme)
+        assert caught.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        trailers = dict(pairs(caught.value.trailing_metadata()))
+        assert trailers["x-error-reason"] == "tenant_limit"
+        assert 0 < int(trailers["grpc-retry-pushback-ms"]) <= 2000
+        assert "acme" in caught.value.details()
+        await infer(channel, user="u", metadata=[("x-tenant-id", "other")])  # no limit for others
+
+        stub = pb_grpc.InferenceServiceStub(channel)
+        beta = [("x-tenant-id", "beta")]
+        stream = stub.Generate(
+            pb.GenerateRequest(model_name="tight", prompt="x", max_tokens=250), metadata=beta
+        )
+        await stream.read()
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            await infer(channel, user="u", metadata=beta)
+        assert caught.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        stream.cancel()
+        await eventually(lambda: _answers(channel, beta), what="beta's slot is free again")
+
+
+async def _answers(channel: grpc.aio.Channel, metadata: list[tuple[str, str]] | None = None) -> bool:
     try:
-        return (await infer(channel, user="u")).dye in {"stable", "canary"}
+        return (await infer(channel, user="u", metadata=metadata or [])).dye in {"stable", "canary"}
     except grpc.aio.AioRpcError:
         await asyncio.sleep(0.1)
         return False
