@@ -6,10 +6,11 @@ BUF_VERSION := 1.75.0
 BUF := .cache/buf/node_modules/.bin/buf
 REPOSITORY ?= models/demo
 
-.PHONY: up test lint gen bench bench-generate bench-batching bench-swaps demo-models proto-baseline install install-dev system-deps clean
+.PHONY: up test lint gen bench bench-generate bench-batching bench-swaps bench-sidecar demo-models proto-baseline install install-dev system-deps clean
 
+# The service and its sidecar together (deploy/up.py); clients call the sidecar on 127.0.0.1:50051.
 up: $(VENV)/.installed
-	$(PY) -m service --repository $(REPOSITORY)
+	$(PY) deploy/up.py --repository $(REPOSITORY) $(if $(SIDECAR_CONFIG),--sidecar-config $(SIDECAR_CONFIG))
 
 test: lint
 	$(PY) -m pytest -q
@@ -17,7 +18,7 @@ test: lint
 lint: $(VENV)/.installed-dev $(BUF) system-deps
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
-	$(VENV)/bin/mypy service sidecar tests bench proto/generate.py proto/python/modelyard
+	$(VENV)/bin/mypy service sidecar tests bench deploy/up.py proto/generate.py proto/python/modelyard
 	$(VENV)/bin/lint-imports
 	$(PY) proto/generate.py --check
 	$(BUF) lint
@@ -42,6 +43,9 @@ bench-swaps: $(VENV)/.installed-dev
 bench-batching: $(VENV)/.installed-dev
 	$(PY) -m bench.batching
 
+bench-sidecar: $(VENV)/.installed-dev
+	$(PY) -m bench.sidecar
+
 demo-models: $(VENV)/.installed
 	$(PY) -m service.demo_models $(REPOSITORY)
 
@@ -53,7 +57,7 @@ $(PY):
 	$(PY) -m pip install --quiet --upgrade pip
 
 $(VENV)/.installed: pyproject.toml | $(PY)
-	$(PY) -m pip install --quiet -e '.[service]'
+	$(PY) -m pip install --quiet -e '.[service,sidecar]'
 	touch $@
 
 $(VENV)/.installed-dev: pyproject.toml | $(PY)
