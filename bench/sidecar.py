@@ -158,7 +158,7 @@ async def ttft(address: str, concurrency: int, streams: int) -> dict[str, float]
             call = stub.Generate(request)
             await call.read()
             firsts.append(time.perf_counter() - started)
-            while await call.read() is not grpc.aio.EOF:
+            while await call.read() is not grpc.aio.EOF:  # type: ignore[attr-defined]
                 pass
 
         for _ in range(max(1, streams // concurrency)):
