@@ -7,8 +7,12 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import grpc
+import numpy as np
 import pytest
 import yaml
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+from modelyard.kserve.v2 import grpc_service_pb2 as kserve
+from modelyard.kserve.v2 import grpc_service_pb2_grpc as kserve_grpc
 
 from service.server import Service
 from sidecar.server import Sidecar
@@ -130,3 +134,36 @@ async def test_errors_pass_through_with_code_message_and_trailers(through) -> No
     with pytest.raises(grpc.aio.AioRpcError) as caught:
         await infer(through, user="u", features=5)  # wrong shape
     assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+async def test_kserve_bidi_stream_is_dyed_per_message(through) -> None:
+    stub = kserve_grpc.GRPCInferenceServiceStub(through)
+    data = np.ones((1, 16), np.float32).tobytes()
+
+    def request(i: int, version: str = "") -> kserve.ModelInferRequest:
+        tensor = kserve.ModelInferRequest.InferInputTensor(name="INPUT0", datatype="FP32", shape=[1, 16])
+        return kserve.ModelInferRequest(
+            model_name="scaler", model_version=version, id=str(i), inputs=[tensor], raw_input_contents=[data]
+        )
+
+    async def requests():
+        for i in range(4):
+            yield request(i)
+        yield request(4, version="1")  # a pinned message keeps its own version
+
+    call = stub.ModelStreamInfer(requests(), metadata=[("x-canary-weight", "100"), ("x-user-id", "u")])
+    answers = [a async for a in call]
+    assert [a.infer_response.id for a in answers] == ["0", "1", "2", "3", "4"]
+    assert [a.infer_response.model_version for a in answers] == ["2", "2", "2", "2", "1"]
+    assert dict(pairs(await call.initial_metadata()))["x-model-dye"] == "canary"
+
+
+async def test_reflection_of_the_upstream_answers_through_the_sidecar(through) -> None:
+    stub = reflection_pb2_grpc.ServerReflectionStub(through)
+
+    async def ask():
+        yield reflection_pb2.ServerReflectionRequest(list_services="")
+
+    (answer,) = [a async for a in stub.ServerReflectionInfo(ask())]
+    names = {s.name for s in answer.list_services_response.service}
+    assert "modelyard.inference.v1.InferenceService" in names and "inference.GRPCInferenceService" in names
