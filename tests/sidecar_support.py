@@ -52,7 +52,11 @@ async def eventually(
 
 @asynccontextmanager
 async def running_sidecar(
-    upstreams: Sequence[str], config: Path | None = None, tracing: Tracing | None = None, **settings: Any
+    upstreams: Sequence[str],
+    config: Path | None = None,
+    tracing: Tracing | None = None,
+    clock: Callable[[], float] | None = None,
+    **settings: Any,
 ) -> AsyncIterator[Sidecar]:
     sidecar = build_sidecar(
         Settings(
@@ -64,12 +68,23 @@ async def running_sidecar(
             **settings,
         ),
         tracing=tracing,
+        clock=clock,
     )
     await sidecar.start()
     try:
         yield sidecar
     finally:
         await sidecar.stop(grace_s=1.0)
+
+
+class SteppedClock:
+    """The breakers' clock, moved by the test: backoffs end when the test says so."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
 
 
 async def known_versions(sidecar: Sidecar, model: str, versions: set[str]) -> None:

@@ -16,6 +16,7 @@ from onnx import TensorProto, helper
 
 from service import demo_models
 from tests.sidecar_support import (
+    SteppedClock,
     admin_async,
     breaker_state,
     eventually,
@@ -74,7 +75,8 @@ async def test_a_failing_canary_trips_falls_back_without_errors_and_recovers(
     root = canary_repository(tmp_path, fails_on_large_values())
     canary = service_process(root)
     config = routes(tmp_path / "routes.yaml", backoff_s=2, backoff_max_s=2, latency_floor_s=5)
-    async with running_sidecar([stable.address, canary.address], config=config) as sidecar:
+    clock = SteppedClock()  # the breaker stays open until the test moves time on
+    async with running_sidecar([stable.address, canary.address], config=config, clock=clock) as sidecar:
         await known_versions(sidecar, "scaler", {"1", "2"})
         async with grpc.aio.insecure_channel(sidecar.address) as channel:
             fallbacks = []
@@ -105,6 +107,7 @@ async def test_a_failing_canary_trips_falls_back_without_errors_and_recovers(
             demo_models.write_model(root, "scaler", 2, demo_models.scaled_identity(16, 3.0), SCALER)
 
             async def canary_answers() -> bool:
+                clock.now += 2  # each backoff ends at once (a probe may come before the reload)
                 answer = await infer(channel, user="u", value=100.0, metadata=list(CANARY.items()))
                 return answer.version == "2" and answer.dye == "canary" and answer.fallback is None
 
