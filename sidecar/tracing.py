@@ -60,13 +60,18 @@ class Tracing:
 
         carrier = {k: v for k, v in md if isinstance(v, str)}
         parent = self._propagator.extract(carrier)
+        from opentelemetry import context, trace
+
         service, _, method = path[1:].rpartition("/")
-        return self._tracer.start_span(
+        span = self._tracer.start_span(
             path[1:],
             context=parent,
             kind=SpanKind.SERVER,
             attributes={"rpc.system": "grpc", "rpc.service": service, "rpc.method": method},
         )
+        # Current for the rest of this call's task, so that its log lines carry the ids.
+        context.attach(trace.set_span_in_context(span, parent))
+        return span
 
     @contextmanager
     def attempt(self, parent: Any, plan: Plan, path: str) -> Iterator[Attempt]:
@@ -119,6 +124,19 @@ class Tracing:
             await asyncio.to_thread(self._provider.force_flush)
 
 
+class TraceIds(logging.Filter):
+    """Puts the current span's trace and span ids on log records (JSON logs show them)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        from opentelemetry import trace
+
+        context = trace.get_current_span().get_span_context()
+        if context.is_valid:
+            record.trace_id = format(context.trace_id, "032x")
+            record.span_id = format(context.span_id, "016x")
+        return True
+
+
 def _route_attributes(plan: Plan) -> dict[str, str]:
     attributes = {"modelyard.model": plan.model}
     if plan.version:
@@ -154,5 +172,7 @@ def configure(service_name: str, environ: Mapping[str, str] | None = None) -> Tr
         resource=Resource.create({"service.name": env.get("OTEL_SERVICE_NAME", service_name)})
     )
     provider.add_span_processor(BatchSpanProcessor(exporter))
+    for handler in logging.getLogger().handlers:
+        handler.addFilter(TraceIds())
     log.info("tracing on: OTLP %s to %s", protocol, endpoint)
     return Tracing(provider)
