@@ -51,6 +51,32 @@ class SidecarMetrics:
             registry=self.registry,
         )
 
+        self.shadow_calls = Counter(
+            "modelyard_sidecar_shadow_calls",
+            "Stable calls mirrored to the canary, by outcome: compared, failed, dropped (over the bound)",
+            ["model", "outcome"],
+            registry=self.registry,
+        )
+        self.shadow_max_abs_diff = Histogram(
+            "modelyard_sidecar_shadow_max_abs_diff",
+            "Largest absolute difference between the stable and canary outputs of a mirrored call",
+            ["model"],
+            buckets=(0.0, 1e-6, 1e-4, 1e-3, 1e-2, 0.1, 1.0, 10.0),
+            registry=self.registry,
+        )
+        self.shadow_rows = Counter(
+            "modelyard_sidecar_shadow_rows",
+            "Output rows compared by argmax in mirrored calls",
+            ["model"],
+            registry=self.registry,
+        )
+        self.shadow_rows_agreeing = Counter(
+            "modelyard_sidecar_shadow_rows_agreeing",
+            "Output rows whose argmax agreed between stable and canary",
+            ["model"],
+            registry=self.registry,
+        )
+
     def breaker_changed(self, key: BreakerKey, new: State) -> None:
         labels = (key.upstream, key.model, key.version)
         self.breaker_state.labels(*labels).set(STATE_VALUES[new])

@@ -27,7 +27,9 @@ from sidecar.breakers import Breaker, Breakers, Permit
 from sidecar.limits import TenantLimits
 from sidecar.metrics import SidecarMetrics
 from sidecar.routes import RouteSource
-from sidecar.routing import CANARY, STABLE, Decision, RoutingError, decide
+from sidecar.routing import CANARY, STABLE, Decision, RoutingError, decide, stable_and_canary
+from sidecar.shadow import METHODS as SHADOWED
+from sidecar.shadow import Shadows
 from sidecar.tracing import Tracing
 from sidecar.upstreams import Upstream, Upstreams
 from sidecar.wire import WireError, read_model_fields, with_version
@@ -182,7 +184,9 @@ class Proxy(_Handler):
         limits: TenantLimits,
         metrics: SidecarMetrics,
         tracing: Tracing,
+        shadows: Shadows,
     ) -> None:
+        self._shadows = shadows
         self._upstreams = upstreams
         self._breakers = breakers
         self._routes = routes
@@ -357,6 +361,34 @@ class Proxy(_Handler):
             plan.model, version, dye, fallback, plan.stable, upstream, breaker, permit, forward, plan.tenant
         )
 
+    def _maybe_shadow(self, info: MethodInfo, plan: Plan, request: bytes, answer: bytes) -> None:
+        """Mirror a stable answer's request to the canary (shadow.py), if the route file asks."""
+        policy = self._routes.table.shadow
+        if not self._shadows.wants(policy):
+            return
+        route = self._routes.table.route(plan.model)
+        _, canary = stable_and_canary(route, self._upstreams.versions(plan.model))
+        if not canary or canary == plan.version:
+            return
+        upstream = next(
+            (
+                u
+                for u in self._upstreams.candidates(plan.model, canary)
+                if self._breakers.get(u.address, plan.model, canary).would_allow()
+            ),
+            None,
+        )
+        if upstream is None:
+            return
+        forward = (*_strip(plan.forward), (headers.MODEL_VERSION, canary), (headers.MODEL_DYE, "shadow"))
+        method = upstream.method(info.path, "unary_unary")
+
+        async def send(message: bytes) -> bytes:
+            answer: bytes = await method(with_version(message, canary), metadata=forward, timeout=30)
+            return answer
+
+        self._shadows.mirror(policy, plan.model, info.path, request, answer, send)
+
     def _report(self, plan: Plan, code: grpc.StatusCode, trailing: Any, latency: float | None) -> None:
         if plan.reported or plan.breaker is None or plan.permit is None:
             return
@@ -425,6 +457,8 @@ class Proxy(_Handler):
                 trailing = await call.trailing_metadata()
                 if trailing:
                     context.set_trailing_metadata(tuple(trailing))
+                if plan.dye == STABLE and info.path in SHADOWED:
+                    self._maybe_shadow(info, plan, request, response)
                 return response
         except asyncio.CancelledError:
             code = grpc.StatusCode.CANCELLED

@@ -8,6 +8,7 @@
     tenants:
       acme: {rate: 50, burst: 100, concurrency: 8}             # see limits.TenantLimit
       "*": {rate: 0, burst: 0, concurrency: 0}                 # any other tenant; 0 = unlimited
+    shadow: {share: 5, max_in_flight: 4}     # mirror 5% of stable unary calls to the canary
 
 The whole table is built and then rebound, so a request never sees half a configuration. A file
 change replaces the table (admin changes included: the last writer wins).
@@ -28,6 +29,7 @@ from modelyard.common import headers
 from sidecar.adaptive import BreakerPolicy
 from sidecar.limits import TenantLimit
 from sidecar.routing import ModelRoute, normalize_version, parse_weight
+from sidecar.shadow import ShadowPolicy
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +45,7 @@ class RouteTable:
     models: Mapping[str, ModelRoute] = field(default_factory=dict)
     breaker: BreakerPolicy = field(default_factory=BreakerPolicy)
     tenants: Mapping[str, TenantLimit] = field(default_factory=dict)
+    shadow: ShadowPolicy = field(default_factory=ShadowPolicy)
 
     def route(self, model: str) -> ModelRoute:
         found = self.models.get(model)
@@ -106,7 +109,7 @@ def _dataclass_from(cls: type[Any], raw: object, where: str) -> Any:
 
 def parse_table(doc: object) -> RouteTable:
     top = _mapping(doc, "config")
-    unknown = set(top) - {"stickiness_header", "canary_weight", "models", "breaker", "tenants"}
+    unknown = set(top) - {"stickiness_header", "canary_weight", "models", "breaker", "tenants", "shadow"}
     if unknown:
         raise ConfigError(f"config: unknown keys {sorted(unknown)}")
     weight = _weight(top["canary_weight"], "canary_weight") if "canary_weight" in top else 0.0
@@ -124,6 +127,7 @@ def parse_table(doc: object) -> RouteTable:
         models=models,
         breaker=_dataclass_from(BreakerPolicy, top.get("breaker"), "breaker"),
         tenants=tenants,
+        shadow=_dataclass_from(ShadowPolicy, top.get("shadow"), "shadow"),
     )
 
 

@@ -21,6 +21,7 @@ from sidecar.limits import TenantLimits
 from sidecar.metrics import SidecarMetrics
 from sidecar.proxy import Proxy
 from sidecar.routes import RouteSource
+from sidecar.shadow import Shadows
 from sidecar.tracing import Tracing, configure
 from sidecar.upstreams import Upstreams, UpstreamSpec
 
@@ -49,6 +50,7 @@ class Sidecar:
     metrics: SidecarMetrics
     health: Health
     tracing: Tracing
+    shadows: Shadows
     admin: AdminServer | None = None
     _changed: asyncio.Event = field(default_factory=asyncio.Event)
     _tasks: list[asyncio.Task[None]] = field(default_factory=list)
@@ -89,6 +91,7 @@ class Sidecar:
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self.shadows.close()
         await self.upstreams.close()
         if self.admin is not None:
             self.admin.stop()
@@ -159,8 +162,12 @@ def build_sidecar(
     server = grpc.aio.server(options=[*message_limits, ("grpc.so_reuseport", 0)])
     health_servicer: Health = health.aio.HealthServicer()  # type: ignore[attr-defined]
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    server.add_generic_rpc_handlers((Proxy(upstreams, breakers, routes, TenantLimits(), metrics, tracing),))
+    shadows = Shadows(metrics)
+    proxy = Proxy(upstreams, breakers, routes, TenantLimits(), metrics, tracing, shadows)
+    server.add_generic_rpc_handlers((proxy,))
     port = server.add_insecure_port(settings.listen)
-    sidecar = Sidecar(settings, server, port, upstreams, breakers, routes, metrics, health_servicer, tracing)
+    sidecar = Sidecar(
+        settings, server, port, upstreams, breakers, routes, metrics, health_servicer, tracing, shadows
+    )
     sidecar_ref.append(sidecar)
     return sidecar

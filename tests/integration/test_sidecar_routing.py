@@ -167,3 +167,31 @@ async def test_reflection_of_the_upstream_answers_through_the_sidecar(through) -
     (answer,) = [a async for a in stub.ServerReflectionInfo(ask())]
     names = {s.name for s in answer.list_services_response.service}
     assert "modelyard.inference.v1.InferenceService" in names and "inference.GRPCInferenceService" in names
+
+
+async def test_shadow_mirrors_stable_calls_to_the_canary_and_compares(sidecar, through, config: Path) -> None:
+    write_config(
+        config, {"models": {"scaler": {"canary_weight": 0}}, "shadow": {"share": 100, "max_in_flight": 64}}
+    )
+    await eventually(lambda: sidecar.routes.table.shadow.share == 100)
+
+    def sample(name: str, **labels: str) -> float:
+        return sidecar.metrics.registry.get_sample_value(name, {"model": "scaler", **labels}) or 0.0
+
+    for user in USERS[:20]:
+        answer = await infer(through, user=user, rows=2)
+        assert (answer.version, answer.dye) == ("1", "stable")  # the client gets the stable answer
+    await eventually(
+        lambda: (
+            sample("modelyard_sidecar_shadow_calls_total", outcome="compared")
+            + sample("modelyard_sidecar_shadow_calls_total", outcome="dropped")
+            == 20
+        )
+    )
+    compared = sample("modelyard_sidecar_shadow_calls_total", outcome="compared")
+    assert compared >= 1
+    # v1 doubles, v2 triples: on ones the outputs differ by exactly 1.0, the argmax agrees.
+    assert sample("modelyard_sidecar_shadow_max_abs_diff_bucket", le="0.1") == 0
+    assert sample("modelyard_sidecar_shadow_max_abs_diff_bucket", le="1.0") == compared
+    assert sample("modelyard_sidecar_shadow_rows_total") == 2 * compared
+    assert sample("modelyard_sidecar_shadow_rows_agreeing_total") == 2 * compared
