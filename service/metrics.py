@@ -45,7 +45,7 @@ BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
 class BatchingMetrics:
     """The batching metrics of one model version, labels bound once (they are on the hot path).
-    It is the version's queue observer (service.batching.queue.QueueObserver), for its batcher's
+    It is the version's queue observer (service.scheduling.queue.QueueObserver), for its batcher's
     queue and for its decode loop's wait queue alike."""
 
     def __init__(self, metrics: ServiceMetrics, model: str, version: str, levels: int) -> None:

@@ -26,8 +26,7 @@ from modelyard.kserve.v2 import grpc_service_pb2, grpc_service_pb2_grpc
 from service.api.inference_servicer import InferenceServicer
 from service.api.kserve_servicer import KServeServicer
 from service.api.model_servicer import ModelServicer
-from service.batching.batcher import batcher_factory
-from service.batching.clock import Clock
+from service.batching.layer import BatchingLayer
 from service.config import Settings
 from service.dataplane import DataPlane
 from service.generation.plane import GenerationPlane
@@ -37,6 +36,7 @@ from service.runtime.manager import Loader, ModelManager
 from service.runtime.providers import detect_providers
 from service.runtime.session import load_runner
 from service.runtime.status import ModelEvent, Watcher
+from service.scheduling.clock import Clock
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +66,7 @@ class Service:
     health: Health
     executor: ThreadPoolExecutor
     generation: GenerationPlane | None = None
+    batching: BatchingLayer | None = None
     metrics_server: MetricsServer | None = None
     watcher: RepositoryWatcher | None = None
     _events: asyncio.Task[None] | None = None
@@ -163,9 +164,11 @@ def build_service(
         metrics=metrics,
         drain_timeout_s=settings.drain_timeout_s,
         loader=loader,
-        batching=batcher_factory(executor, metrics, clock),
     )
-    dataplane = DataPlane(manager, executor)
+    # The layers above the runtime attach to each version as it loads and let go as it retires.
+    batching = BatchingLayer(executor, metrics, clock)
+    manager.on_load(batching.attach)
+    dataplane = DataPlane(manager, executor, batching)
     generation = GenerationPlane(manager, executor, metrics)
     server = grpc.aio.server(
         options=[
@@ -194,4 +197,4 @@ def build_service(
         server,
     )
     port = server.add_insecure_port(settings.listen)
-    return Service(settings, server, port, manager, metrics, health_servicer, executor, generation)
+    return Service(settings, server, port, manager, metrics, health_servicer, executor, generation, batching)

@@ -19,7 +19,7 @@ HOLD_LIMIT_S = 30.0  # a held run that is never released fails the test instead 
 
 
 class ManualClock:
-    """A batching clock that moves only when the test says so (service.batching.clock.Clock)."""
+    """A batching clock that moves only when the test says so (service.scheduling.clock.Clock)."""
 
     def __init__(self, start: float = 1000.0) -> None:
         self._now = start

@@ -14,7 +14,6 @@ import weakref
 from collections.abc import AsyncGenerator, Callable
 from concurrent.futures import Executor
 
-from service.batching.queue import DEFAULT_SCHEDULING, Scheduling
 from service.errors import NotGenerative
 from service.generation.decoder import StepRunner
 from service.generation.engine import Engine
@@ -24,6 +23,7 @@ from service.metrics import BatchingMetrics, GenerationMetrics, ServiceMetrics
 from service.runtime.manager import ModelManager
 from service.runtime.providers import CUDA
 from service.runtime.served import ServedVersion
+from service.scheduling.queue import DEFAULT_SCHEDULING, Scheduling
 
 
 class GenerationPlane:

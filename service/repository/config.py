@@ -13,8 +13,8 @@ from typing import Any, Literal
 import yaml
 from modelyard.tensors import is_known
 
-from service.batching.queue import AdmissionPolicy, QueuePolicy
 from service.errors import ModelLoadError
+from service.scheduling.queue import AdmissionPolicy, QueuePolicy
 
 CONFIG_FILE = "config.yaml"
 

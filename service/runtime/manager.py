@@ -16,7 +16,6 @@ from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
 from types import MappingProxyType
-from typing import TYPE_CHECKING
 
 from service.errors import InvalidInput, ModelLoadError, ModelNotFound, ModelUnavailable
 from service.metrics import ServiceMetrics
@@ -29,9 +28,6 @@ from service.runtime.served import ServedModel, ServedVersion
 from service.runtime.session import ModelRunner, load_runner
 from service.runtime.signature import Signature
 from service.runtime.status import ModelEvent, ModelStatus, VersionState, VersionStatus, Watcher
-
-if TYPE_CHECKING:
-    from service.batching.batcher import Batcher
 
 log = logging.getLogger(__name__)
 
@@ -53,8 +49,9 @@ class Lease:
 
 
 Loader = Callable[[Path, ModelConfig, ProviderChoice], ModelRunner]
-# Builds the batcher of a loaded version whose config asks for dynamic batching.
-BatcherFactory = Callable[[ServedVersion], "Batcher"]
+# A layer above (batching) attaching to a version that just loaded, before it serves; it lets go
+# through ServedVersion.on_retire.
+LoadHook = Callable[[ServedVersion], None]
 
 
 class ModelManager:
@@ -66,14 +63,13 @@ class ModelManager:
         metrics: ServiceMetrics | None = None,
         drain_timeout_s: float = 30.0,
         loader: Loader = load_runner,  # test seam: a loader that fails or blocks on demand
-        batching: BatcherFactory | None = None,
     ) -> None:
         self.repository = repository
         self.providers = providers
         self.metrics = metrics or ServiceMetrics()
         self.drain_timeout_s = drain_timeout_s
         self._loader = loader
-        self._batching = batching
+        self._load_hooks: list[LoadHook] = []
         self._table: Mapping[str, ServedModel] = MappingProxyType({})
         self._status: dict[str, ModelStatus] = {}
         self._locks: dict[str, asyncio.Lock] = {}
@@ -148,6 +144,10 @@ class ModelManager:
             yield watcher
         finally:
             self.unsubscribe(watcher)
+
+    def on_load(self, hook: LoadHook) -> None:
+        """Call `hook` with every version that loads from now on, before it serves a request."""
+        self._load_hooks.append(hook)
 
     # -- control ---------------------------------------------------------------------------
 
@@ -294,8 +294,8 @@ class ModelManager:
             "inline" if runner.runs_inline else "executor",
         )
         served = ServedVersion(name, number, runner, config, print_, memory)
-        if config.dynamic_batching is not None and self._batching is not None:
-            served.batcher = self._batching(served)
+        for attach in self._load_hooks:
+            attach(served)
         return served
 
     async def _make_room(

@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
 import statistics
 import time
 from collections.abc import Mapping, Sequence
+from concurrent.futures import Executor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import onnxruntime as ort
@@ -49,7 +51,42 @@ class ModelRunner:
         return self.session.run(list(output_names), dict(feeds))  # type: ignore[no-any-return]
 
 
-def run_error(exc: Exception, label: str) -> ServiceError:
+class Runnable(Protocol):
+    """What running a model needs of its runner (ModelRunner, or a test's stand-in)."""
+
+    @property
+    def runs_inline(self) -> bool: ...
+
+    def run(self, feeds: Mapping[str, np.ndarray], output_names: Sequence[str]) -> list[np.ndarray]: ...
+
+
+def run_checked(
+    runner: Runnable, feeds: Mapping[str, np.ndarray], output_names: Sequence[str], label: str
+) -> list[np.ndarray]:
+    """Run once, here (on whatever thread calls it); a failure becomes the ServiceError that
+    run_error gives."""
+    try:
+        return runner.run(feeds, output_names)
+    except Exception as exc:
+        raise run_error(exc, label) from None
+
+
+async def run_model(
+    runner: Runnable,
+    feeds: Mapping[str, np.ndarray],
+    output_names: Sequence[str],
+    executor: Executor,
+    label: str,
+) -> list[np.ndarray]:
+    """Run once: inline on the event loop when the model is cheap enough, else on the executor."""
+    if runner.runs_inline:
+        return run_checked(runner, feeds, output_names, label)
+    return await asyncio.get_running_loop().run_in_executor(
+        executor, run_checked, runner, feeds, output_names, label
+    )
+
+
+def run_error(exc: BaseException, label: str) -> ServiceError:
     """The answer for a failed run of the model `label` names ("model m version 3")."""
     if isinstance(exc, ServiceError):
         return exc

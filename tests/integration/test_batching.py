@@ -106,7 +106,8 @@ def kserve(channel: grpc.aio.Channel) -> kpb_grpc.GRPCInferenceServiceAsyncStub:
 def batcher(service: Service, model: str, version: int = 1) -> Batcher:
     served = service.manager.served(model)
     assert served is not None
-    found = served.versions[version].batcher
+    assert service.batching is not None
+    found = service.batching.batcher(served.versions[version])
     assert found is not None
     return found
 

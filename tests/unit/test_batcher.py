@@ -15,12 +15,12 @@ import numpy as np
 import pytest
 
 from service.batching.batcher import Batcher, BatchSettings, default_concurrency
-from service.batching.queue import AdmissionPolicy, QueuePolicy, Scheduling
 from service.errors import DeadlineExceeded, InvalidInput, ModelRunError, ModelUnavailable, Overloaded
 from service.metrics import ServiceMetrics
 from service.repository.config import ExecutionConfig, ModelConfig
 from service.runtime.providers import CPU, CUDA
 from service.runtime.served import VersionStats
+from service.scheduling.queue import AdmissionPolicy, QueuePolicy, Scheduling
 from tests.batching_fakes import FakeRunner, ManualClock, eventually
 
 ADMISSION = AdmissionPolicy(
