@@ -141,6 +141,8 @@ class Service:
             await self.health.set(
                 health_names.model_service_name(event.model), SERVING if served else NOT_SERVING
             )
+            if not self.manager.knows(event.model):
+                continue  # it left the repository, and its series with it
             self.metrics.versions_ready.labels(event.model).set(len(served.versions) if served else 0)
             if served:
                 self.metrics.known_models.add(event.model)

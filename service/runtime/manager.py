@@ -128,6 +128,10 @@ class ModelManager:
     def served(self, name: str) -> ServedModel | None:
         return self._table.get(name)
 
+    def knows(self, name: str) -> bool:
+        """True while `name` is a model of the repository (served or not)."""
+        return name in self._status
+
     def subscribe(self) -> Watcher:
         """A watcher that receives every model event from now on, until unsubscribed."""
         watcher = Watcher()
@@ -392,6 +396,7 @@ class ModelManager:
             await asyncio.gather(*(self._retire(v) for v in old.versions.values()))
         log.info("model %s left the repository", name)
         del self._status[name]
+        self.metrics.forget_model(name)
         self._failed = {k: v for k, v in self._failed.items() if k[0] != name}
 
     def _swap(self, name: str, model: ServedModel | None) -> None:
@@ -417,7 +422,8 @@ class ModelManager:
             self._set_version(name, VersionStatus(number, VersionState.DRAINING, time.time()))
         started = time.perf_counter()
         drained = await served.drain(self.drain_timeout_s)
-        self.metrics.drain_seconds.labels(name).observe(time.perf_counter() - started)
+        if name in self._status:  # a model that left the repository has no series any more
+            self.metrics.drain_seconds.labels(name).observe(time.perf_counter() - started)
         if not drained:
             log.warning(
                 "model %s version %d released with %d requests still running after %.1f s drain",
