@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import threading
-import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -134,15 +133,3 @@ class Runners:
 
     def __getitem__(self, key: tuple[str, int]) -> RecordingRunner:
         return self.loaded[key]
-
-
-EVENTUALLY_LIMIT_S = 20.0  # bounds a broken test only; nothing waits this long when things work
-
-
-async def eventually(check: Callable[[], bool], what: str = "condition") -> None:
-    """Wait until `check()` holds, polling; nothing here depends on how fast the machine is."""
-    deadline = time.monotonic() + EVENTUALLY_LIMIT_S
-    while not check():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.005)

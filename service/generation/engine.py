@@ -116,6 +116,11 @@ class Engine:
     def waiting(self) -> int:
         return len(self._queue)
 
+    @property
+    def paused(self) -> int:
+        """Sequences holding a slot out of the decode steps until their reader catches up."""
+        return sum(1 for sequence in self._slots if sequence.state is State.PAUSED)
+
     # -- the readers' side -------------------------------------------------------------------
 
     def submit(self, request: GenerationRequest, scheduling: Scheduling = DEFAULT_SCHEDULING) -> Sequence:

@@ -27,7 +27,8 @@ from service.batching.batcher import Batcher
 from service.config import Settings
 from service.runtime.status import VersionState
 from service.server import Service, build_service
-from tests.batching_fakes import ManualClock, RecordingRunner, Runners, eventually
+from tests.batching_fakes import ManualClock, RecordingRunner, Runners
+from tests.support import eventually, metric
 
 WIDTH = 8
 DENSE_WIDTH = 64
@@ -112,6 +113,17 @@ def batcher(service: Service, model: str, version: int = 1) -> Batcher:
     return found
 
 
+def rejections(service: Service, reason: str) -> float | None:
+    return metric(
+        service.metrics.registry,
+        "modelyard_queue_rejections_total",
+        model="scaled",
+        version="1",
+        priority="2",
+        reason=reason,
+    )
+
+
 def row(value: float) -> np.ndarray:
     return np.full((1, WIDTH), value, np.float32)
 
@@ -163,10 +175,6 @@ async def queue(
     return call
 
 
-def sample(service: Service, name: str, **labels: str) -> float:
-    return service.metrics.registry.get_sample_value(name, labels) or 0.0
-
-
 async def test_batches_form_under_concurrency_and_match_unbatched_runs(
     live: Service, runners: Runners, stub: pb_grpc.InferenceServiceAsyncStub, root: Path
 ) -> None:
@@ -193,9 +201,11 @@ async def test_batches_form_under_concurrency_and_match_unbatched_runs(
         (alone,) = session.run(None, {"INPUT0": x})
         np.testing.assert_allclose(to_array(response.outputs[0]), alone, rtol=1e-5, atol=1e-6)
     labels = {"model": "dense", "version": "1"}
-    assert sample(live, "modelyard_batch_size_count", **labels) == 2
-    assert sample(live, "modelyard_batch_size_sum", **labels) == sum(len(x) for x in xs)
-    assert sample(live, "modelyard_queue_duration_seconds_count", **labels, priority="1") == 16
+    assert metric(live.metrics.registry, "modelyard_batch_size_count", **labels) == 2
+    assert metric(live.metrics.registry, "modelyard_batch_size_sum", **labels) == sum(len(x) for x in xs)
+    assert (
+        metric(live.metrics.registry, "modelyard_queue_duration_seconds_count", **labels, priority="1") == 16
+    )
 
 
 async def test_high_priority_overtakes_a_saturated_low_priority_queue(
@@ -213,8 +223,7 @@ async def test_high_priority_overtakes_a_saturated_low_priority_queue(
     assert ran(runners["scaled", 1]) == [[0], [1, 2], [10, 11], [12, 13]]
     for value, response in zip([0, 10, 11, 12, 13, 1, 2], responses, strict=True):
         np.testing.assert_array_equal(to_array(response.outputs[0]), row(value) * np.float32(2))
-    assert sample(live, "modelyard_queue_rejections_total", model="scaled", version="1", priority="2",
-                  reason="queue_full") == 1  # fmt: skip
+    assert rejections(live, "queue_full") == 1
 
 
 async def test_grpc_deadline_passed_while_queued_never_runs(
@@ -255,8 +264,7 @@ async def test_queue_timeout_from_either_api_expires_and_never_runs(
     runners["scaled", 1].gate.open()
     await first
     assert ran(runners["scaled", 1]) == [[0]]
-    assert sample(live, "modelyard_queue_rejections_total", model="scaled", version="1", priority="2",
-                  reason="deadline") == 2  # fmt: skip
+    assert rejections(live, "deadline") == 2
 
 
 async def test_cancelled_while_queued_is_removed(
@@ -266,8 +274,7 @@ async def test_cancelled_while_queued_is_removed(
     leaving = await queue(live, stub, 7, level=2)
     leaving.cancel()
     await eventually(lambda: batcher(live, "scaled").queued == 0, "the cancelled request to leave")
-    assert sample(live, "modelyard_queue_rejections_total", model="scaled", version="1", priority="2",
-                  reason="cancelled") == 1  # fmt: skip
+    assert rejections(live, "cancelled") == 1
     runners["scaled", 1].gate.open()
     await first
     assert ran(runners["scaled", 1]) == [[0]]
@@ -335,9 +342,7 @@ async def test_a_retiring_version_answers_what_it_has_queued(
     )
     # The retired version's queue series left the registry.
     assert (
-        live.metrics.registry.get_sample_value(
-            "modelyard_queue_depth", {"model": "scaled", "version": "1", "priority": "2"}
-        )
+        metric(live.metrics.registry, "modelyard_queue_depth", model="scaled", version="1", priority="2")
         is None
     )
 
@@ -364,7 +369,14 @@ async def test_stream_chunks_queue_at_the_request_priority(
     assert [len(c) for c in chunks] == [1, 1]
     np.testing.assert_array_equal(np.concatenate(chunks), x * np.float32(2))
     assert (
-        sample(live, "modelyard_queue_duration_seconds_count", model="scaled", version="1", priority="1") == 2
+        metric(
+            live.metrics.registry,
+            "modelyard_queue_duration_seconds_count",
+            model="scaled",
+            version="1",
+            priority="1",
+        )
+        == 2
     )
     request.priority = 3
     with pytest.raises(grpc.aio.AioRpcError) as refused:

@@ -21,7 +21,8 @@ from service.repository.config import ExecutionConfig, ModelConfig
 from service.runtime.providers import CPU, CUDA
 from service.runtime.served import VersionStats
 from service.scheduling.queue import AdmissionPolicy, QueuePolicy, Scheduling
-from tests.batching_fakes import FakeRunner, ManualClock, eventually
+from tests.batching_fakes import FakeRunner, ManualClock
+from tests.support import eventually, metric
 
 ADMISSION = AdmissionPolicy(
     priority_levels=2,
@@ -67,8 +68,8 @@ class Rig:
         )
         return task
 
-    def sample(self, name: str, **labels: str) -> float:
-        return self.metrics.registry.get_sample_value(name, {"model": "m", "version": "1", **labels}) or 0.0
+    def sample(self, name: str, **labels: str) -> float | None:
+        return metric(self.metrics.registry, name, model="m", version="1", **labels)
 
     def ran(self) -> list[list[float]]:
         """The requests (by value) of each run, in order."""
@@ -267,7 +268,7 @@ async def test_close_answers_what_is_left_and_refuses_more(executor: ThreadPoolE
         await left
     with pytest.raises(ModelUnavailable):
         await rig.send(2)
-    assert rig.sample("modelyard_queue_depth", priority="2") == 0  # the version's series are gone
+    assert rig.sample("modelyard_queue_depth", priority="2") is None  # the version's series are gone
     rig.runner.gate.open()
     await first
 
