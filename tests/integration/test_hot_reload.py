@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
 import os
 import shutil
@@ -113,6 +114,9 @@ async def test_versions_swap_under_load_without_a_failed_request(
             answers.append((version, scale))
             newest_seen = max(newest_seen, version)
 
+    def seen(version: int) -> bool:
+        return newest_seen >= version
+
     delays = []
     async with grpc.aio.insecure_channel(live.address) as channel:
         stub = pb_grpc.InferenceServiceStub(channel)
@@ -124,7 +128,7 @@ async def test_versions_swap_under_load_without_a_failed_request(
                 else:
                     publish_by_rename(root, tmp_path / "staging", version, model_bytes(version))
                 published = time.perf_counter()
-                await eventually(lambda v=version: newest_seen >= v, within_s=5)
+                await eventually(functools.partial(seen, version), f"version {version} answers", within_s=5)
                 delays.append(time.perf_counter() - published)
                 old = root / "m" / str(version - 2)
                 for folder in (old, root / "m" / f"v{version - 2}"):
@@ -177,7 +181,7 @@ async def test_a_bad_version_never_replaces_a_good_one(
 ) -> None:
     async with grpc.aio.insecure_channel(live.address) as channel:
         models = mpb_grpc.ModelServiceStub(channel)
-        events = models.WatchModels(mpb.WatchModelsRequest(names=["m"], send_initial_state=True))
+        events: Any = models.WatchModels(mpb.WatchModelsRequest(names=["m"], send_initial_state=True))
         initial = await events.read()  # the watch is subscribed: no later change escapes it
         assert (initial.version, initial.state) == ("1", mpb.MODEL_STATE_READY)
         publish_by_rename(root, tmp_path / "staging", 2, data, checksum)
