@@ -23,11 +23,13 @@ class ManualClock:
     def __init__(self, start: float = 1000.0) -> None:
         self._now = start
         self._waiting: set[asyncio.Event] = set()
+        self.waits = 0  # calls to wait: each one is a loop that took its turn and looks again
 
     def now(self) -> float:
         return self._now
 
     async def wait(self, event: asyncio.Event, until: float | None) -> None:
+        self.waits += 1
         if until is not None and self._now >= until:
             await asyncio.sleep(0)
             return
