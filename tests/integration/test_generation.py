@@ -23,7 +23,7 @@ from modelyard.inference.v1 import inference_service_pb2_grpc as pb_grpc
 from prometheus_client import generate_latest
 from tokenizers import Tokenizer
 
-from service import demo_models
+from models import demo_models
 from service.config import Settings
 from service.server import Service, build_service
 from tests import hf_decoder

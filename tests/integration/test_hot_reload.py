@@ -23,7 +23,7 @@ from modelyard.inference.v1 import model_service_pb2_grpc as mpb_grpc
 from modelyard.tensors import to_array, to_tensor
 from onnx import TensorProto, helper
 
-from service import demo_models
+from models import demo_models
 from service.config import Settings
 from service.runtime.status import VersionState
 from service.server import Service, build_service

@@ -19,7 +19,7 @@ from modelyard.inference.v1 import model_service_pb2_grpc as pb_grpc
 from modelyard.inference.v1 import tensor_pb2
 from modelyard.tensors import to_tensor
 
-from service import demo_models
+from models import demo_models
 from service.config import Settings
 from service.server import Service, build_service
 from tests.support import eventually

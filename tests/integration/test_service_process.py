@@ -16,7 +16,7 @@ from modelyard.inference.v1 import inference_service_pb2 as pb
 from modelyard.inference.v1 import inference_service_pb2_grpc as pb_grpc
 from modelyard.tensors import to_array, to_tensor
 
-from service import demo_models
+from models import demo_models
 from tests.support import eventually, metric
 
 SLOW_ROWS = 3000
