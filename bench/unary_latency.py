@@ -269,7 +269,10 @@ async def breakdown(repository: Path, request: pb.InferRequest, iterations: int)
     from service.runtime.manager import ModelManager
     from service.runtime.providers import ProviderChoice
 
-    class Context:  # Infer touches its context only on errors
+    class Context:  # Infer reads the time left to the call's deadline, and otherwise only errors
+        def time_remaining(self) -> float | None:
+            return None  # no deadline
+
         def __getattr__(self, name: str) -> Any:
             raise RuntimeError(f"context.{name} used: the request failed")
 

@@ -326,6 +326,10 @@ async def test_a_retiring_version_answers_what_it_has_queued(
 ) -> None:
     first = await hold_first(live, runners, stub)
     queued = await queue(live, stub, 4, level=2)
+    served = live.manager.served("scaled")
+    assert served is not None and live.batching is not None
+    old = served.versions[1]
+    assert live.batching.batcher(old) is not None
     demo_models.write_model(root, "scaled", 2, demo_models.scaled_identity(WIDTH, 3.0))
     await live.manager.load("scaled")  # version 2 replaces version 1 (latest 1)
     newer = await infer(stub, 1)
@@ -340,7 +344,9 @@ async def test_a_retiring_version_answers_what_it_has_queued(
     await eventually(
         lambda: live.manager.status("scaled").versions[1].state == VersionState.UNLOADED, "version 1 released"
     )
-    # The retired version's queue series left the registry.
+    # The batching layer let go of the retired version's batcher, and its queue series left the registry.
+    assert live.batching.batcher(old) is None
+    assert live.batching.batcher(live.manager.resolve("scaled")) is not None
     assert (
         metric(live.metrics.registry, "modelyard_queue_depth", model="scaled", version="1", priority="2")
         is None
