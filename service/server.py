@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 from concurrent.futures import ThreadPoolExecutor
@@ -29,6 +30,7 @@ from service.api.model_servicer import ModelServicer
 from service.batching.layer import BatchingLayer
 from service.config import Settings
 from service.dataplane import DataPlane
+from service.generation.model import recognize_decoder
 from service.generation.plane import GenerationPlane
 from service.metrics import ServiceMetrics
 from service.repository.watcher import RepositoryWatcher
@@ -151,7 +153,7 @@ class Service:
 def build_service(
     settings: Settings,
     *,
-    loader: Loader = load_runner,  # test seam: runners that count or hold their runs
+    loader: Loader | None = None,  # test seam: runners that count or hold their runs
     clock: Clock | None = None,  # test seam: the batching queues' clock, stepped by hand
 ) -> Service:
     providers = detect_providers()
@@ -165,7 +167,8 @@ def build_service(
         providers,
         metrics=metrics,
         drain_timeout_s=settings.drain_timeout_s,
-        loader=loader,
+        # Generation recognises decoder graphs as they load; the runtime knows nothing of them.
+        loader=loader or functools.partial(load_runner, recognizers=[recognize_decoder]),
     )
     # The layers above the runtime attach to each version as it loads and let go as it retires.
     batching = BatchingLayer(executor, metrics, clock)
