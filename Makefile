@@ -18,7 +18,7 @@ test: lint
 lint: $(VENV)/.installed-dev $(BUF) system-deps
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
-	$(VENV)/bin/mypy service sidecar tests bench deploy/up.py proto/generate.py proto/python/modelyard
+	$(VENV)/bin/mypy service sidecar tests bench deploy/up.py models/__init__.py models/demo_models.py proto/generate.py proto/python/modelyard
 	$(VENV)/bin/lint-imports
 	$(PY) proto/generate.py --check
 	$(BUF) lint
@@ -47,7 +47,7 @@ bench-sidecar: $(VENV)/.installed-dev
 	$(PY) -m bench.sidecar
 
 demo-models: $(VENV)/.installed
-	$(PY) -m service.demo_models $(REPOSITORY)
+	$(PY) -m models.demo_models $(REPOSITORY)
 
 install: $(VENV)/.installed
 install-dev: $(VENV)/.installed-dev

@@ -43,7 +43,7 @@ from modelyard.kserve.v2 import grpc_service_pb2 as kserve
 from modelyard.kserve.v2 import grpc_service_pb2_grpc as kserve_grpc
 
 from bench.processes import ServerProcess, running_service
-from service import demo_models
+from models import demo_models
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_OUTPUT = ROOT / "bench" / "results" / "sidecar.json"

@@ -10,10 +10,9 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 import urllib.error
 import urllib.request
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,26 +27,7 @@ from modelyard.tensors import to_tensor
 from sidecar.config import Settings
 from sidecar.server import Sidecar, build_sidecar
 from sidecar.tracing import Tracing
-from tests.support import REPO_ROOT
-
-
-async def eventually(
-    check: Callable[[], Awaitable[bool] | bool],
-    within_s: float = 30.0,
-    interval: float = 0.05,
-    what: str = "",
-) -> None:
-    """Poll `check` until it is true; fail after `within_s` seconds."""
-    deadline = time.monotonic() + within_s
-    while True:
-        result = check()
-        if not isinstance(result, bool):
-            result = await result
-        if result:
-            return
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not true within {within_s} s: {what or check}")
-        await asyncio.sleep(interval)
+from tests.support import REPO_ROOT, eventually
 
 
 @asynccontextmanager
@@ -88,7 +68,7 @@ class SteppedClock:
 
 
 async def known_versions(sidecar: Sidecar, model: str, versions: set[str]) -> None:
-    await eventually(lambda: sidecar.upstreams.versions(model) == versions, what=f"{model} {versions}")
+    await eventually(lambda: sidecar.upstreams.versions(model) == versions, f"{model} {versions}")
 
 
 def admin(sidecar: Sidecar, path: str, method: str = "GET", body: object = None) -> Any:

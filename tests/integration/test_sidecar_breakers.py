@@ -14,18 +14,17 @@ import pytest
 import yaml
 from onnx import TensorProto, helper
 
-from service import demo_models
+from models import demo_models
 from tests.sidecar_support import (
     SteppedClock,
     admin_async,
     breaker_state,
-    eventually,
     infer,
     known_versions,
     pairs,
     running_sidecar,
 )
-from tests.support import ServiceProcess
+from tests.support import ServiceProcess, eventually
 
 SCALER = {"max_batch_size": 64, "version_policy": {"latest": 2}}
 USERS = [f"user-{i}" for i in range(40)]
@@ -111,7 +110,7 @@ async def test_a_failing_canary_trips_falls_back_without_errors_and_recovers(
                 answer = await infer(channel, user="u", value=100.0, metadata=list(CANARY.items()))
                 return answer.version == "2" and answer.dye == "canary" and answer.fallback is None
 
-            await eventually(canary_answers, within_s=60, interval=0.2, what="the canary answers again")
+            await eventually(canary_answers, within_s=60, what="the canary answers again")
             await canary_answers()  # the second probe
             assert breaker_state(sidecar, "scaler", "2") == {"closed"}
 
@@ -145,7 +144,7 @@ async def test_a_killed_canary_process_is_routed_around_and_comes_back(
             async def canary_answers() -> bool:
                 return (await infer(channel, user="u", metadata=list(CANARY.items()))).version == "2"
 
-            await eventually(canary_answers, within_s=60, interval=0.2, what="the revived canary answers")
+            await eventually(canary_answers, within_s=60, what="the revived canary answers")
             assert await canary_answers()  # the second probe
             assert breaker_state(sidecar, "scaler", "2") == {"closed"}
 

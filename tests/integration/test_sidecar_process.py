@@ -20,11 +20,11 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from modelyard.inference.v1 import inference_service_pb2 as pb
 from modelyard.inference.v1 import inference_service_pb2_grpc as pb_grpc
 
-from service import demo_models
+from models import demo_models
 from tests.integration.test_entry_points import HEAVY, RUN_REFUSING
 from tests.integration.test_perf_analyzer import perf_analyzer
-from tests.sidecar_support import SidecarProcess, eventually, infer, pairs, start_sidecar_process
-from tests.support import ServiceProcess
+from tests.sidecar_support import SidecarProcess, infer, pairs, start_sidecar_process
+from tests.support import ServiceProcess, eventually, metric
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
@@ -60,16 +60,9 @@ def sidecar_process() -> Iterator[Callable[..., SidecarProcess]]:
             process.stop(signal.SIGKILL)
 
 
-def scrape(url: str, name: str, **labels: str) -> float:
+def scrape(url: str, name: str, **labels: str) -> float | None:
     with urllib.request.urlopen(url, timeout=10) as answer:
-        text = answer.read().decode()
-    want = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
-    for line in text.splitlines():
-        if line.startswith(name + "{"):
-            found = ",".join(sorted(line[line.index("{") + 1 : line.index("}")].split(",")))
-            if found == want:
-                return float(line.rsplit(" ", 1)[1])
-    return 0.0
+        return metric(answer.read().decode(), name, **labels)
 
 
 async def test_health_follows_the_upstream_and_sigterm_exits_zero(upstream, sidecar_process) -> None:
@@ -109,7 +102,7 @@ async def test_generate_streams_through_and_a_cancel_frees_the_sequence(upstream
         assert [e.sequence_number for e in events] == list(range(len(events)))
         assert events[-1].finish_reason == pb.FINISH_REASON_LENGTH and events[-1].usage.completion_tokens == 5
 
-        before = scrape(metrics, "modelyard_generation_cancellations_total", cause="cancelled", **labels)
+        before = scrape(metrics, "modelyard_generation_cancellations_total", cause="cancelled", **labels) or 0
         call = stub.Generate(pb.GenerateRequest(model_name="tight", prompt="def f(", max_tokens=250))
         await call.read()
         await call.read()

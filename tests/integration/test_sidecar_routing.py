@@ -16,7 +16,8 @@ from modelyard.kserve.v2 import grpc_service_pb2_grpc as kserve_grpc
 
 from service.server import Service
 from sidecar.server import Sidecar
-from tests.sidecar_support import admin_async, eventually, infer, known_versions, pairs, running_sidecar
+from tests.sidecar_support import admin_async, infer, known_versions, pairs, running_sidecar
+from tests.support import eventually
 
 USERS = [f"user-{i}" for i in range(300)]
 

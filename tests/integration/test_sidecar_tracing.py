@@ -13,7 +13,8 @@ import pytest
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 
 from sidecar.tracing import configure
-from tests.sidecar_support import eventually, infer, known_versions, running_sidecar
+from tests.sidecar_support import infer, known_versions, running_sidecar
+from tests.support import eventually
 
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
 CLIENT_SPAN = "00f067aa0ba902b7"
