@@ -139,7 +139,8 @@ class Upstreams:
         return serving
 
     def any(self) -> list[Upstream]:
-        return self.candidates("", "") or list(self.all)
+        """Every upstream, serving and reachable ones first (for calls that name no model)."""
+        return sorted(self.all, key=lambda u: (not u.serving, not u.reachable()))
 
     async def _follow_models(self, upstream: Upstream) -> None:
         stub = model_service_pb2_grpc.ModelServiceStub(upstream.channel)
