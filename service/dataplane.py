@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from service import tracing
 from service.batching.layer import BatchingLayer
 from service.runtime.manager import ModelManager
 from service.runtime.served import ServedVersion
@@ -92,12 +93,14 @@ class DataPlane:
     ) -> dict[str, np.ndarray]:
         batcher = self._batching.batcher(served) if self._batching is not None else None
         if batcher is not None:
-            return await batcher.infer(inputs, names, scheduling)
+            with tracing.step("batch"):
+                return await batcher.infer(inputs, names, scheduling)
         runner = served.runner
         start = time.perf_counter_ns()
         ok = False
         try:
-            arrays = await run_model(runner, inputs, names, self._executor, served.label)
+            with tracing.step("run"):
+                arrays = await run_model(runner, inputs, names, self._executor, served.label)
             ok = True
         finally:
             end = time.perf_counter_ns()

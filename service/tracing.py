@@ -1,16 +1,21 @@
 """The service's part of a trace: a server span per call (receive to answer), continuing the
 caller's W3C `traceparent` (the sidecar's client span) and reading its `baggage` (model version
-and dye). On when an OTLP endpoint is configured (`OTEL_EXPORTER_OTLP_ENDPOINT` or
-`OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`), off otherwise; off, a call pays one global read.
+and dye), with child spans for its steps (`run`: the model's run; `batch`: waiting in a dynamic
+batcher's queue and the batch's run; for Generate, `prefill`: waiting for a decode slot and the
+prompt's pass, up to the first token, then `stream`: the rest of the tokens).
 
-The OpenTelemetry SDK is imported only when tracing is on.
+On when an OTLP endpoint is configured (`OTEL_EXPORTER_OTLP_ENDPOINT` or
+`OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`), off otherwise; off, a call pays one global read. The
+OpenTelemetry SDK is imported only when tracing is on.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from collections.abc import Mapping
+from contextvars import ContextVar
 from typing import Any
 
 import grpc
@@ -20,6 +25,9 @@ log = logging.getLogger(__name__)
 _tracer: Any = None
 _propagator: Any = None
 _provider: Any = None
+# The call's server span, for the spans of its steps (same task: the handler's).
+_current: ContextVar[Any] = ContextVar("modelyard_service_span", default=None)
+_OFF = contextlib.nullcontext()
 
 
 def configure(environ: Mapping[str, str] | None = None) -> bool:
@@ -75,14 +83,65 @@ def start(context: grpc.aio.ServicerContext[Any, Any], method: str, model: str) 
         value = baggage.get_baggage(key, parent)
         if value is not None:
             attributes[f"modelyard.baggage.{key}"] = str(value)
-    return _tracer.start_span(
+    span = _tracer.start_span(
         f"modelyard.service/{method}", context=parent, kind=SpanKind.SERVER, attributes=attributes
     )
+    _current.set(span)
+    return span
+
+
+def step(name: str) -> contextlib.AbstractContextManager[Any]:
+    """A child span of the call's span around one step (a model run; a batch's queue and run)."""
+    parent = _current.get()
+    if parent is None:
+        return _OFF
+    from opentelemetry import trace
+
+    span: contextlib.AbstractContextManager[Any] = _tracer.start_as_current_span(
+        name, context=trace.set_span_in_context(parent)
+    )
+    return span
+
+
+class Steps:
+    """Consecutive child spans across a stream's yields (no context is attached, so they may span
+    an async generator's suspensions): `next` ends one step and begins the following one."""
+
+    __slots__ = ("_parent", "_span")
+
+    def __init__(self, parent: Any, first: str) -> None:
+        self._parent = parent
+        self._span: Any = None
+        if parent is not None:
+            self.next(first)
+
+    def next(self, name: str) -> None:
+        if self._parent is None:
+            return
+        from opentelemetry import trace
+
+        self.end()
+        self._span = _tracer.start_span(name, context=trace.set_span_in_context(self._parent))
+
+    def end(self) -> None:
+        if self._span is not None:
+            self._span.end()
+            self._span = None
+
+
+_NO_STEPS = Steps(None, "")
+
+
+def steps(first: str) -> Steps:
+    """Child spans of the call's span for the phases of a stream, starting with `first`."""
+    parent = _current.get()
+    return _NO_STEPS if parent is None else Steps(parent, first)
 
 
 def end(span: Any, version: str, code: grpc.StatusCode) -> None:
     if span is None:
         return
+    _current.set(None)
     from opentelemetry.trace import Status, StatusCode
 
     if version:
