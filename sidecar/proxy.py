@@ -76,6 +76,7 @@ FAULT_CODES = frozenset(
 FALLBACK_BREAKER = "breaker-open"
 FALLBACK_UNAVAILABLE = "unavailable"
 FALLBACK_CANARY_FAULT = "canary-fault"
+ANONYMOUS = "-"  # the tenant of calls without x-tenant-id (limited by the "*" entry)
 
 
 @dataclass(frozen=True, slots=True)
@@ -259,7 +260,7 @@ class Proxy(_Handler):
             )
         except RoutingError as exc:
             raise Refused(grpc.StatusCode.INVALID_ARGUMENT, str(exc), ErrorReason.INVALID_ARGUMENT) from exc
-        tenant = received.get(headers.TENANT_ID, "")
+        tenant = received.get(headers.TENANT_ID) or ANONYMOUS
         if table.tenants:
             refusal = self._limits.acquire(tenant, table.tenants)
             if refusal is not None:

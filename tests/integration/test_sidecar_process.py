@@ -16,6 +16,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from modelyard.inference.v1 import inference_service_pb2 as pb
 from modelyard.inference.v1 import inference_service_pb2_grpc as pb_grpc
@@ -186,7 +187,8 @@ async def test_the_sidecar_serves_without_numpy_or_onnxruntime(upstream, sidecar
 
 async def test_tenant_rate_and_concurrency_limits(upstream, sidecar_process, tmp_path: Path) -> None:
     config = tmp_path / "routes.yaml"
-    config.write_text("tenants:\n  acme: {rate: 0.5, burst: 2}\n  beta: {concurrency: 1}\n")
+    limits = {"acme": {"rate": 0.5, "burst": 2}, "beta": {"concurrency": 1}, "*": {"concurrency": 1}}
+    config.write_text(yaml.safe_dump({"tenants": limits}))
     sidecar = sidecar_process("--upstream", upstream.address, "--config", str(config))
     async with grpc.aio.insecure_channel(sidecar.address) as channel:
         acme = [("x-tenant-id", "acme")]
@@ -199,7 +201,9 @@ async def test_tenant_rate_and_concurrency_limits(upstream, sidecar_process, tmp
         assert trailers["x-error-reason"] == "tenant_limit"
         assert 0 < int(trailers["grpc-retry-pushback-ms"]) <= 2000
         assert "acme" in caught.value.details()
-        await infer(channel, user="u", metadata=[("x-tenant-id", "other")])  # no limit for others
+        for _ in range(3):  # anyone else: one call at a time, and a finished call frees its place
+            await infer(channel, user="u", metadata=[("x-tenant-id", "other")])
+            await infer(channel, user="u")
 
         stub = pb_grpc.InferenceServiceStub(channel)
         beta = [("x-tenant-id", "beta")]
