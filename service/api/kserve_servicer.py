@@ -5,14 +5,17 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 
+from modelyard.common.reasons import ErrorReason
 from modelyard.kserve.v2 import grpc_service_pb2 as pb
 from modelyard.kserve.v2 import grpc_service_pb2_grpc as pb_grpc
 from modelyard.kserve.v2 import model_config_pb2 as config_pb
+from modelyard.tensors import TensorError
 
 from service import __version__
 from service.api.errors import Context, serving
 from service.api.kserve_tensors import decode_inputs, encode_outputs, requested_outputs
-from service.api.scheduling import kserve_scheduling
+from service.api.metadata import call_fields
+from service.api.scheduling import kserve_priority, kserve_scheduling
 from service.batching.queue import QueuePolicy
 from service.dataplane import DataPlane
 from service.errors import ModelLoadError, ServiceError
@@ -77,22 +80,32 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
     async def ModelInfer(self, request: pb.ModelInferRequest, context: Context) -> pb.ModelInferResponse:
         async with serving(context, self._metrics, "ModelInfer", request.model_name) as call:
             response = await self._infer(request, context)
-            call.version = response.model_version
+            await call.answered(response.model_version)
             return response
 
     async def ModelStreamInfer(
         self, request_iterator: AsyncIterator[pb.ModelInferRequest], context: Context
     ) -> AsyncIterator[pb.ModelStreamInferResponse]:
         # Triton's streaming contract: each request gets one response on the stream, and a failed
-        # request answers in-band with error_message instead of ending the stream.
+        # request answers in-band with error_message instead of ending the stream; its reason
+        # rides in infer_response.parameters["error_reason"] (Triton clients read error_message
+        # first and ignore the rest). One stream may serve several models and versions: its
+        # x-served-version (initial metadata, sent once) is the version of the first response,
+        # absent when that response is an error; each response's model_version says the rest.
+        first = True
         async for request in request_iterator:
             async with serving(context, self._metrics, "ModelStreamInfer", request.model_name) as call:
                 try:
                     response = await self._infer(request, context)
-                except ServiceError as exc:
-                    yield pb.ModelStreamInferResponse(error_message=str(exc))
+                except (ServiceError, TensorError) as exc:
+                    first = False
+                    yield _in_band_error(request, exc, call.in_band(exc))
                     continue
-                call.version = response.model_version
+                if first:
+                    first = False
+                    await call.answered(response.model_version)
+                else:
+                    call.version = response.model_version
                 yield pb.ModelStreamInferResponse(infer_response=response)
 
     async def ModelConfig(self, request: pb.ModelConfigRequest, context: Context) -> pb.ModelConfigResponse:
@@ -156,18 +169,33 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
             return pb.RepositoryModelUnloadResponse()
 
     async def _infer(self, request: pb.ModelInferRequest, context: Context) -> pb.ModelInferResponse:
+        version, request_id, priority = call_fields(
+            context, request.model_version, request.id, kserve_priority(request.parameters)
+        )
         result = await self._dataplane.infer(
             request.model_name,
-            request.model_version,
+            version,
             decode_inputs(request),
             requested_outputs(request),
-            kserve_scheduling(context, request.parameters),
+            kserve_scheduling(context, request.parameters, priority),
         )
         response = pb.ModelInferResponse(
-            model_name=result.model, model_version=str(result.version), id=request.id
+            model_name=result.model, model_version=str(result.version), id=request_id
         )
         encode_outputs(response, result.outputs)
         return response
+
+
+# The in-band error's parameter that carries its x-error-reason value on a KServe stream.
+ERROR_REASON_PARAMETER = "error_reason"
+
+
+def _in_band_error(
+    request: pb.ModelInferRequest, exc: Exception, reason: ErrorReason
+) -> pb.ModelStreamInferResponse:
+    failed = pb.ModelInferResponse(model_name=request.model_name, id=request.id)
+    failed.parameters[ERROR_REASON_PARAMETER].string_param = reason.value
+    return pb.ModelStreamInferResponse(error_message=str(exc), infer_response=failed)
 
 
 def _tensor_metadata(spec: TensorSpec) -> pb.ModelMetadataResponse.TensorMetadata:
