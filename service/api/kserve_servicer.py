@@ -65,8 +65,9 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
     async def ModelMetadata(
         self, request: pb.ModelMetadataRequest, context: Context
     ) -> pb.ModelMetadataResponse:
-        async with serving(context, self._metrics, "ModelMetadata", request.name):
+        async with serving(context, self._metrics, "ModelMetadata", request.name) as call:
             served = self._manager.resolve(request.name, request.version)
+            await call.answered(str(served.version))
             model = self._manager.served(request.name)
             signature = served.runner.signature
             return pb.ModelMetadataResponse(
@@ -109,8 +110,9 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
                 yield pb.ModelStreamInferResponse(infer_response=response)
 
     async def ModelConfig(self, request: pb.ModelConfigRequest, context: Context) -> pb.ModelConfigResponse:
-        async with serving(context, self._metrics, "ModelConfig", request.name):
+        async with serving(context, self._metrics, "ModelConfig", request.name) as call:
             served = self._manager.resolve(request.name, request.version)
+            await call.answered(str(served.version))
             return pb.ModelConfigResponse(config=_triton_config(served))
 
     async def ModelStatistics(

@@ -224,6 +224,13 @@ async def test_kserve_takes_the_headers_where_the_request_leaves_them_empty(kser
     response = await call
     assert (response.model_version, response.id) == ("2", "own")
     assert first(await call.initial_metadata(), headers.SERVED_VERSION) == "2"
+    # The calls that describe one version name it too.
+    for describe, version in (
+        (kserve.ModelMetadata(kpb.ModelMetadataRequest(name="scaler", version="1")), "1"),
+        (kserve.ModelConfig(kpb.ModelConfigRequest(name="scaler")), "2"),
+    ):
+        await describe
+        assert first(await describe.initial_metadata(), headers.SERVED_VERSION) == version
 
 
 async def test_kserve_stream_names_its_first_version_and_answers_each_request(kserve) -> None:
@@ -433,3 +440,33 @@ async def test_a_queue_timeout_is_deadline(
         assert (error.code(), reason(error)) == (grpc.StatusCode.DEADLINE_EXCEEDED, ErrorReason.DEADLINE)
     runners["scaled", 1].gate.open()
     await held
+
+
+@pytest.fixture
+async def gen_live(tmp_path: Path) -> AsyncIterator[Service]:
+    root = tmp_path / "generation"
+    assert demo_models.copy_trained_models(demo_models.COMMITTED_ROOT, root) == ["codelm"]
+    service = build_service(Settings(repository=root, listen="127.0.0.1:0", metrics_listen=""))
+    await service.start()
+    try:
+        yield service
+    finally:
+        await service.stop(grace_s=1.0)
+
+
+async def test_generate_takes_the_headers_and_names_its_version_before_the_first_token(
+    gen_live: Service,
+) -> None:
+    async with grpc.aio.insecure_channel(gen_live.address) as channel:
+        stub = pb_grpc.InferenceServiceStub(channel)
+        request = pb.GenerateRequest(model_name="codelm", prompt="def ", max_tokens=3)
+        call = stub.Generate(request, metadata=meta(version="1", request_id="g-1", priority="1"))
+        assert first(await call.initial_metadata(), headers.SERVED_VERSION) == "1"
+        events = [e async for e in call]
+        assert events[-1].finish_reason == pb.FINISH_REASON_LENGTH
+        assert {(e.model_version, e.request_id) for e in events} == {("1", "g-1")}
+        for version, why in (("9", "version_not_found"), ("x", "invalid_argument")):
+            error = await refused(stub.Generate(request, metadata=meta(version=version)))
+            assert reason(error) == why, error.details()
+        error = await refused(stub.Generate(request, metadata=meta(priority="urgent")))
+        assert reason(error) == "invalid_argument" and headers.PRIORITY in error.details()
