@@ -22,6 +22,7 @@ from service.generation.model import DecoderModel, load_decoder
 from service.repository.config import ModelConfig, TensorConfig
 from service.runtime.providers import CPU, CUDA, ProviderChoice
 from service.runtime.signature import Signature, TensorSpec
+from service.runtime.strings import feeds_for_ort, outputs_from_ort
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +47,10 @@ class ModelRunner:
         return self.warmup_run_s < INLINE_RUN_LIMIT_S
 
     def run(self, feeds: Mapping[str, np.ndarray], output_names: Sequence[str]) -> list[np.ndarray]:
-        return self.session.run(list(output_names), dict(feeds))  # type: ignore[no-any-return]
+        strings = self.signature.string_inputs
+        ort_feeds = feeds_for_ort(feeds, strings) if strings else dict(feeds)
+        arrays: list[np.ndarray] = self.session.run(list(output_names), ort_feeds)
+        return outputs_from_ort(arrays) if self.signature.string_outputs else arrays
 
 
 def run_error(exc: Exception, label: str) -> ServiceError:

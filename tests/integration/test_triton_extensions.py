@@ -1,0 +1,160 @@
+"""Triton protocol details through NVIDIA's tritonclient: BYTES tensors, model load with a config
+or files, classification, BF16, streaming final responses, statistics, log and trace settings.
+
+As in test_tritonclient.py, tritonclient cannot be imported in this process (both register the
+protobuf package `inference`), so one client process runs every section and prints JSON.
+"""
+
+from __future__ import annotations
+
+import base64
+import importlib.util
+import json
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from service.demo_models import scaled_identity, write_model
+from tests.integration.test_tritonclient import Run, assert_error, section
+from tests.strings_model import string_identity
+from tests.support import REPO_ROOT, start_service_process
+
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("tritonclient") is None, reason="tritonclient is not installed"
+)
+
+CLIENT = r"""
+import base64, json, sys, threading, traceback
+
+import numpy as np
+import tritonclient.grpc as grpcclient
+from tritonclient.utils import InferenceServerException
+
+client = grpcclient.InferenceServerClient(url=sys.argv[1])
+
+
+def enc(array):
+    array = np.ascontiguousarray(array)
+    return {"dtype": array.dtype.str, "shape": list(array.shape),
+            "b64": base64.b64encode(array.tobytes()).decode("ascii")}
+
+
+def b64s(items):
+    return [base64.b64encode(x).decode("ascii") for x in items]
+
+
+def error_of(call):
+    try:
+        call()
+    except InferenceServerException as exc:
+        return {"status": exc.status(), "message": exc.message()}
+    return None
+
+
+def tensor(name, array, datatype):
+    inp = grpcclient.InferInput(name, list(array.shape), datatype)
+    inp.set_data_from_numpy(array)
+    return inp
+
+
+ITEMS = [b"hello", b"", b"a\x00b", "\u00e9\u20ac".encode(), b"\x00", b"\t \n"]
+
+
+def text_array():
+    array = np.empty((2, 3), dtype=object)
+    array.reshape(-1)[:] = ITEMS
+    return array
+
+
+def bytes_section():
+    out = {}
+    for model in ("text", "text_batched"):
+        result = client.infer(model, [tensor("TEXT", text_array(), "BYTES")])
+        out[model] = b64s(result.as_numpy("ECHO").reshape(-1).tolist())
+        out[model + "_shape"] = list(result.as_numpy("ECHO").shape)
+    done, box = threading.Event(), []
+
+    def callback(result, error):
+        box.append(error.message() if error else b64s(result.as_numpy("ECHO").reshape(-1).tolist()))
+        done.set()
+
+    client.start_stream(callback=callback)
+    try:
+        client.async_stream_infer("text_batched", [tensor("TEXT", text_array(), "BYTES")])
+        out["stream_delivered"] = done.wait(30)
+    finally:
+        client.stop_stream()
+    out["stream"] = box
+    bad = np.array([[b"ok", b"\xff\xfe"]], dtype=object)
+    out["non_utf8"] = error_of(lambda: client.infer("text", [tensor("TEXT", bad, "BYTES")]))
+    return out
+
+
+SECTIONS = [bytes_section]
+results = {}
+for section in SECTIONS:
+    try:
+        results[section.__name__] = {"ok": True, "value": section()}
+    except Exception:
+        results[section.__name__] = {"ok": False, "error": traceback.format_exc()}
+client.close()
+json.dump(results, sys.stdout)
+"""
+
+ITEMS = [b"hello", b"", b"a\x00b", "é€".encode(), b"\x00", b"\t \n"]
+
+
+def build_repository(root: Path) -> None:
+    write_model(root, "text", 1, string_identity(), {"max_batch_size": 8})
+    write_model(
+        root,
+        "text_batched",
+        1,
+        string_identity(),
+        {"max_batch_size": 8, "dynamic_batching": {"max_queue_delay_us": 1000}},
+    )
+    write_model(root, "scaler", 1, scaled_identity(16, 2.0), {"max_batch_size": 64})
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Run]:
+    repository = tmp_path_factory.mktemp("triton-extensions") / "models"
+    build_repository(repository)
+    service = start_service_process(repository)
+    try:
+        client = subprocess.run(
+            [sys.executable, "-c", CLIENT, service.address],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            cwd=REPO_ROOT,
+        )
+        assert client.returncode == 0, f"client failed:\n{client.stderr}\nservice log:\n" + "\n".join(
+            service.log
+        )
+        results = json.loads(client.stdout)
+    finally:
+        returncode = service.stop()
+    yield Run(repository, results, service.log, returncode)
+
+
+def b64s(items: list[bytes]) -> list[str]:
+    return [base64.b64encode(x).decode("ascii") for x in items]
+
+
+def test_bytes_round_trip_byte_for_byte(run: Run) -> None:
+    result = section(run, "bytes_section")
+    for model in ("text", "text_batched"):
+        assert result[model] == b64s(ITEMS), model
+        assert result[model + "_shape"] == [2, 3]
+    assert result["stream_delivered"]
+    assert result["stream"] == [b64s(ITEMS)]
+    assert_error(result["non_utf8"], "INVALID_ARGUMENT", "TEXT", "UTF-8")
+
+
+def test_service_log_clean_and_graceful_stop(run: Run) -> None:
+    assert not [line for line in run.log if "Traceback" in line or "internal error" in line], run.log
+    assert run.returncode == 0, run.log[-20:]
