@@ -3,6 +3,7 @@ repository, configuration and statistics extensions, over the same data plane as
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 
 from modelyard.kserve.v2 import grpc_service_pb2 as pb
@@ -11,6 +12,7 @@ from modelyard.kserve.v2 import model_config_pb2 as config_pb
 
 from service import __version__
 from service.api.errors import Context, serving
+from service.api.kserve_config import load_parameters
 from service.api.kserve_tensors import decode_inputs, encode_outputs, requested_outputs
 from service.api.scheduling import kserve_scheduling
 from service.batching.queue import QueuePolicy
@@ -18,7 +20,8 @@ from service.dataplane import DataPlane
 from service.errors import ModelLoadError, ServiceError
 from service.metrics import ServiceMetrics
 from service.repository.config import ModelConfig
-from service.runtime.manager import ModelManager
+from service.repository.uploads import write_upload
+from service.runtime.manager import LoadOverride, ModelManager
 from service.runtime.served import ServedVersion
 from service.runtime.signature import TensorSpec
 from service.runtime.status import VersionState
@@ -140,7 +143,24 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
         self, request: pb.RepositoryModelLoadRequest, context: Context
     ) -> pb.RepositoryModelLoadResponse:
         async with serving(context, self._metrics, "RepositoryModelLoad", request.model_name):
-            status = await self._manager.load(request.model_name)
+            override = None
+            load = load_parameters(request.model_name, request.parameters)
+            if load.config is not None:
+                upload = None
+                if load.files:
+                    upload = await asyncio.get_running_loop().run_in_executor(
+                        None, write_upload, None, request.model_name, load.files
+                    )
+                override = LoadOverride(load.config, upload)
+            status = await self._manager.load(request.model_name, override)
+            failed = [
+                f"version {v.version}: {v.reason}"
+                for v in status.versions.values()
+                if v.state == VersionState.FAILED
+            ]
+            if override is not None and failed:
+                # The override was not applied in full: say so rather than answer OK.
+                raise ModelLoadError(f"failed to load {request.model_name!r}: {'; '.join(failed)}")
             if status.default_version is None:
                 reasons = [status.reason] + [v.reason for v in status.versions.values() if v.reason]
                 raise ModelLoadError(

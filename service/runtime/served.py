@@ -78,6 +78,8 @@ class ServedVersion:
         self.config = config
         self.fingerprint = fingerprint  # the files it was loaded from; a change means reload
         self.memory_bytes = memory_bytes  # estimate, for the model's memory budget
+        # Class labels by output name, from the config's label files (classification extension).
+        self.labels: Mapping[str, tuple[str, ...]] = {}
         self.stats = VersionStats()
         # Set by the manager when the config asks for dynamic batching; requests then go through it.
         self.batcher: Batcher | None = None

@@ -15,10 +15,11 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from service.demo_models import scaled_identity, write_model
-from tests.integration.test_tritonclient import Run, assert_error, section
+from tests.integration.test_tritonclient import Run, arr, assert_error, section
 from tests.strings_model import string_identity
 from tests.support import REPO_ROOT, start_service_process
 
@@ -93,7 +94,44 @@ def bytes_section():
     return out
 
 
-SECTIONS = [bytes_section]
+def load_section():
+    import pathlib
+    x = np.ones((5, 16), np.float32)
+    model_bytes = (pathlib.Path(sys.argv[2]) / "scaler" / "1" / "model.onnx").read_bytes()
+    out = {"before": client.get_model_config("scaler").config.max_batch_size}
+    client.load_model("scaler", config='{"max_batch_size": 4}')
+    out["after"] = client.get_model_config("scaler").config.max_batch_size
+    out["too_big"] = error_of(lambda: client.infer("scaler", [tensor("INPUT0", x, "FP32")]))
+    out["fits"] = enc(client.infer("scaler", [tensor("INPUT0", x[:4], "FP32")]).as_numpy("OUTPUT0"))
+    out["malformed"] = error_of(lambda: client.load_model("scaler", config='{"max_batch_size": '))
+    out["unknown_field"] = error_of(lambda: client.load_model("scaler", config='{"no_such": 1}'))
+    sequence = json.dumps({"sequence_batching": {"max_sequence_idle_microseconds": 5}})
+    out["unsupported"] = error_of(lambda: client.load_model("scaler", config=sequence))
+    too_big = json.dumps({"max_batch_size": 4, "dynamic_batching": {"preferred_batch_size": [8]}})
+    out["invalid_value"] = error_of(lambda: client.load_model("scaler", config=too_big))
+    out["still_four"] = client.get_model_config("scaler").config.max_batch_size
+    client.load_model("scaler")
+    out["reverted"] = client.get_model_config("scaler").config.max_batch_size
+    upload_config = json.dumps({"max_batch_size": 8, "input": [
+        {"name": "INPUT0", "data_type": "TYPE_FP32", "dims": [16]}]})
+    out["files_without_config"] = error_of(
+        lambda: client.load_model("uploaded", files={"file:1/model.onnx": model_bytes}))
+    out["escaping_path"] = error_of(lambda: client.load_model(
+        "uploaded", config=upload_config, files={"file:../1/model.onnx": model_bytes}))
+    out["no_model_file"] = error_of(
+        lambda: client.load_model("uploaded", config=upload_config, files={"file:1/other.onnx": model_bytes}))
+    out["garbage_model"] = error_of(
+        lambda: client.load_model("uploaded", config=upload_config, files={"file:1/model.onnx": b"not onnx"}))
+    client.load_model("uploaded", config=upload_config, files={"file:1/model.onnx": model_bytes})
+    out["uploaded_config"] = client.get_model_config("uploaded").config.max_batch_size
+    out["uploaded_y"] = enc(client.infer("uploaded", [tensor("INPUT0", x, "FP32")]).as_numpy("OUTPUT0"))
+    out["uploaded_too_big"] = error_of(
+        lambda: client.infer("uploaded", [tensor("INPUT0", np.ones((9, 16), np.float32), "FP32")]))
+    client.unload_model("uploaded")
+    return out
+
+
+SECTIONS = [bytes_section, load_section]
 results = {}
 for section in SECTIONS:
     try:
@@ -126,7 +164,7 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Run]:
     service = start_service_process(repository)
     try:
         client = subprocess.run(
-            [sys.executable, "-c", CLIENT, service.address],
+            [sys.executable, "-c", CLIENT, service.address, str(repository)],
             capture_output=True,
             text=True,
             timeout=120,
@@ -153,6 +191,28 @@ def test_bytes_round_trip_byte_for_byte(run: Run) -> None:
     assert result["stream_delivered"]
     assert result["stream"] == [b64s(ITEMS)]
     assert_error(result["non_utf8"], "INVALID_ARGUMENT", "TEXT", "UTF-8")
+
+
+def test_load_with_config_override_and_files(run: Run) -> None:
+    result = section(run, "load_section")
+    assert (result["before"], result["after"]) == (64, 4)
+    assert_error(result["too_big"], "INVALID_ARGUMENT", "exceeds max_batch_size 4")
+    np.testing.assert_array_equal(arr(result["fits"]), np.full((4, 16), 2.0, np.float32))
+    assert_error(result["malformed"], "INVALID_ARGUMENT", "config")
+    assert_error(result["unknown_field"], "INVALID_ARGUMENT", "no_such")
+    assert_error(result["unsupported"], "INVALID_ARGUMENT", "sequence_batching")
+    assert_error(result["invalid_value"], "INVALID_ARGUMENT", "preferred_batch_sizes")
+    assert result["still_four"] == 4  # a refused load changes nothing
+    assert result["reverted"] == 64  # a load without a config goes back to config.yaml
+    assert_error(result["files_without_config"], "INVALID_ARGUMENT", "config")
+    assert_error(result["escaping_path"], "INVALID_ARGUMENT", "../1/model.onnx")
+    assert_error(result["no_model_file"], "INVALID_ARGUMENT", "model.onnx")
+    assert_error(result["garbage_model"], "FAILED_PRECONDITION", "onnxruntime cannot load it")
+    assert result["uploaded_config"] == 8
+    np.testing.assert_array_equal(arr(result["uploaded_y"]), np.full((5, 16), 2.0, np.float32))
+    assert_error(result["uploaded_too_big"], "INVALID_ARGUMENT", "max_batch_size 8")
+    # The files went to a private folder, not into the repository.
+    assert not (run.repository / "uploaded").exists()
 
 
 def test_service_log_clean_and_graceful_stop(run: Run) -> None:
