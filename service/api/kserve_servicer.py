@@ -12,8 +12,9 @@ from modelyard.kserve.v2 import model_config_pb2 as config_pb
 
 from service import __version__
 from service.api.errors import Context, serving
+from service.api.kserve_classification import top_k
 from service.api.kserve_config import load_parameters
-from service.api.kserve_tensors import decode_inputs, encode_outputs, requested_outputs
+from service.api.kserve_tensors import classification_counts, decode_inputs, encode_outputs, requested_outputs
 from service.api.scheduling import kserve_scheduling
 from service.batching.queue import QueuePolicy
 from service.dataplane import DataPlane
@@ -27,7 +28,7 @@ from service.runtime.signature import TensorSpec
 from service.runtime.status import VersionState
 
 PLATFORM = "onnxruntime_onnx"
-EXTENSIONS = ["model_repository", "model_configuration", "statistics"]
+EXTENSIONS = ["classification", "model_repository", "model_configuration", "statistics"]
 # Triton reports a model's state with these words in its repository index.
 _INDEX_STATE = {
     VersionState.LOADING: "LOADING",
@@ -176,17 +177,30 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
             return pb.RepositoryModelUnloadResponse()
 
     async def _infer(self, request: pb.ModelInferRequest, context: Context) -> pb.ModelInferResponse:
+        inputs = decode_inputs(request)
+        names = requested_outputs(request)
+        classify = classification_counts(request)
+        version = request.model_version
+        if classify:
+            # Pin the version whose label files apply: resolved in the same step as the lease.
+            served = self._manager.resolve(request.model_name, version)
+            version = str(served.version)
         result = await self._dataplane.infer(
-            request.model_name,
-            request.model_version,
-            decode_inputs(request),
-            requested_outputs(request),
-            kserve_scheduling(context, request.parameters),
+            request.model_name, version, inputs, names, kserve_scheduling(context, request.parameters)
         )
         response = pb.ModelInferResponse(
             model_name=result.model, model_version=str(result.version), id=request.id
         )
-        encode_outputs(response, result.outputs)
+        outputs = result.outputs
+        if classify:
+            batched = bool(served.config.max_batch_size)
+            outputs = {
+                name: top_k(name, array, classify[name], batched, served.labels.get(name, ()))
+                if name in classify
+                else array
+                for name, array in outputs.items()
+            }
+        encode_outputs(response, outputs)
         return response
 
 
@@ -203,6 +217,7 @@ def _triton_config(served: ServedVersion) -> config_pb.ModelConfig:
     config: ModelConfig = served.config
     # Triton's dims leave out the batch dimension when the model batches.
     skip = 1 if signature.max_batch_size else 0
+    labels = {t.name: t.label_filename for t in config.outputs}
     triton = config_pb.ModelConfig(
         name=served.model,
         platform=PLATFORM,
@@ -213,7 +228,12 @@ def _triton_config(served: ServedVersion) -> config_pb.ModelConfig:
             for t in signature.inputs
         ],
         output=[
-            config_pb.ModelOutput(name=t.name, data_type=_triton_type(t.datatype), dims=t.shape[skip:])
+            config_pb.ModelOutput(
+                name=t.name,
+                data_type=_triton_type(t.datatype),
+                dims=t.shape[skip:],
+                label_filename=labels.get(t.name, ""),
+            )
             for t in signature.outputs
         ],
         instance_group=[

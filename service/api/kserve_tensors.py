@@ -122,6 +122,28 @@ def requested_outputs(request: ModelInferRequest) -> list[str]:
     return names
 
 
+def classification_counts(request: ModelInferRequest) -> dict[str, int]:
+    """The requested outputs that ask for classification (parameter `classification` = k), by
+    name. Any other output parameter is refused: none may be silently ignored."""
+    counts: dict[str, int] = {}
+    for output in request.outputs:
+        for key, value in output.parameters.items():
+            if key == "classification":
+                count = parameter_value(value)
+                if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+                    raise InvalidInput(
+                        f"output {output.name!r}: parameter 'classification' must be a positive integer"
+                    )
+                counts[output.name] = count
+            elif key.startswith("shared_memory_"):
+                raise Unsupported(
+                    f"output {output.name!r}: parameter {key!r}: shared memory is not enabled on this server"
+                )
+            else:
+                raise InvalidInput(f"output {output.name!r}: unknown parameter {key!r}")
+    return counts
+
+
 def parameter_value(parameter: InferParameter) -> bool | int | str | float | None:
     """The value held by an InferParameter's oneof, or None when none is set."""
     match parameter.WhichOneof("parameter_choice"):

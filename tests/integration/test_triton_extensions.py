@@ -18,8 +18,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from service.demo_models import scaled_identity, write_model
-from tests.integration.test_tritonclient import Run, arr, assert_error, section
+from service.demo_models import dense_classifier, scaled_identity, write_model
+from tests.integration.test_tritonclient import Run, arr, assert_error, ort_run, section
 from tests.strings_model import string_identity
 from tests.support import REPO_ROOT, start_service_process
 
@@ -35,6 +35,7 @@ import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
 client = grpcclient.InferenceServerClient(url=sys.argv[1])
+rng = np.random.default_rng(7)
 
 
 def enc(array):
@@ -131,7 +132,25 @@ def load_section():
     return out
 
 
-SECTIONS = [bytes_section, load_section]
+def classification_section():
+    x = rng.standard_normal((3, 64), dtype=np.float32)
+    top3 = client.infer("labelled", [tensor("INPUT0", x, "FP32")],
+                        outputs=[grpcclient.InferRequestedOutput("OUTPUT0", class_count=3)])
+    every = client.infer("labelled", [tensor("INPUT0", x[:1], "FP32")],
+                         outputs=[grpcclient.InferRequestedOutput("OUTPUT0", class_count=100)])
+    response = top3.get_response().outputs[0]
+    return {
+        "x": enc(x),
+        "top3": [[s.decode() for s in row] for row in top3.as_numpy("OUTPUT0").tolist()],
+        "datatype": response.datatype, "shape": list(response.shape),
+        "every": [s.decode() for s in every.as_numpy("OUTPUT0").reshape(-1).tolist()],
+        "on_bytes": error_of(lambda: client.infer("text", [tensor("TEXT", text_array(), "BYTES")],
+                             outputs=[grpcclient.InferRequestedOutput("ECHO", class_count=2)])),
+        "label_filename": client.get_model_config("labelled").config.output[0].label_filename,
+    }
+
+
+SECTIONS = [bytes_section, load_section, classification_section]
 results = {}
 for section in SECTIONS:
     try:
@@ -143,6 +162,9 @@ json.dump(results, sys.stdout)
 """
 
 ITEMS = [b"hello", b"", b"a\x00b", "é€".encode(), b"\x00", b"\t \n"]
+# Class 5 has an empty line: Triton then writes no label. Class 7 has no line at all.
+CLASS_NAMES = ["zero", "one", "two", "three", "four", "", "six"]
+LABELS = {"label_filename": "labels.txt"}
 
 
 def build_repository(root: Path) -> None:
@@ -155,6 +177,17 @@ def build_repository(root: Path) -> None:
         {"max_batch_size": 8, "dynamic_batching": {"max_queue_delay_us": 1000}},
     )
     write_model(root, "scaler", 1, scaled_identity(16, 2.0), {"max_batch_size": 64})
+    write_model(
+        root,
+        "labelled",
+        1,
+        dense_classifier(64, 32, 8, seed=1),
+        {
+            "max_batch_size": 8,
+            "outputs": [{"name": "OUTPUT0", "datatype": "FP32", "shape": [-1, 8], **LABELS}],
+        },
+    )
+    (root / "labelled" / "labels.txt").write_text("\n".join(CLASS_NAMES) + "\n")
 
 
 @pytest.fixture(scope="module")
@@ -213,6 +246,23 @@ def test_load_with_config_override_and_files(run: Run) -> None:
     assert_error(result["uploaded_too_big"], "INVALID_ARGUMENT", "max_batch_size 8")
     # The files went to a private folder, not into the repository.
     assert not (run.repository / "uploaded").exists()
+
+
+def expected_classes(row: np.ndarray, k: int) -> list[str]:
+    order = sorted(range(len(row)), key=lambda i: (-row[i], i))[:k]
+    names = [*CLASS_NAMES, ""]
+    return [f"{float(row[i]):f}:{i}" + (f":{names[i]}" if names[i] else "") for i in order]
+
+
+def test_classification_top_k_with_labels(run: Run) -> None:
+    result = section(run, "classification_section")
+    x = arr(result["x"])
+    probabilities = ort_run(run.repository, "labelled", "1", {"INPUT0": x})[0]
+    assert (result["datatype"], result["shape"]) == ("BYTES", [3, 3])
+    assert result["top3"] == [expected_classes(row, 3) for row in probabilities]
+    assert result["every"] == expected_classes(probabilities[0], 8)  # k capped at the class count
+    assert_error(result["on_bytes"], "INVALID_ARGUMENT", "ECHO", "numeric")
+    assert result["label_filename"] == "labels.txt"
 
 
 def test_service_log_clean_and_graceful_stop(run: Run) -> None:
