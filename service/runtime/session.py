@@ -20,6 +20,7 @@ from service.datatypes import NAME_BY_ORT
 from service.errors import InvalidInput, ModelLoadError, ModelRunError, ServiceError
 from service.generation.model import DecoderModel, load_decoder
 from service.repository.config import ModelConfig, TensorConfig
+from service.runtime import bf16
 from service.runtime.providers import CPU, CUDA, ProviderChoice
 from service.runtime.signature import Signature, TensorSpec
 from service.runtime.strings import feeds_for_ort, outputs_from_ort
@@ -49,7 +50,11 @@ class ModelRunner:
     def run(self, feeds: Mapping[str, np.ndarray], output_names: Sequence[str]) -> list[np.ndarray]:
         strings = self.signature.string_inputs
         ort_feeds = feeds_for_ort(feeds, strings) if strings else dict(feeds)
-        arrays: list[np.ndarray] = self.session.run(list(output_names), ort_feeds)
+        arrays: list[np.ndarray]
+        if self.signature.has_bf16:
+            arrays = bf16.run(self.session, ort_feeds, output_names)
+        else:
+            arrays = self.session.run(list(output_names), ort_feeds)
         return outputs_from_ort(arrays) if self.signature.string_outputs else arrays
 
 

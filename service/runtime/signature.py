@@ -38,6 +38,10 @@ class Signature:
         return frozenset(t.name for t in self.inputs if t.datatype == "BYTES")
 
     @cached_property
+    def has_bf16(self) -> bool:
+        return any(t.datatype == "BF16" for t in self.inputs + self.outputs)
+
+    @cached_property
     def string_outputs(self) -> bool:
         return any(t.datatype == "BYTES" for t in self.outputs)
 

@@ -15,10 +15,12 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
+import ml_dtypes
 import numpy as np
 import pytest
 
 from service.demo_models import dense_classifier, scaled_identity, write_model
+from tests.bf16_model import bf16_double
 from tests.integration.test_tritonclient import Run, arr, assert_error, ort_run, section
 from tests.strings_model import string_identity
 from tests.support import REPO_ROOT, start_service_process
@@ -150,7 +152,23 @@ def classification_section():
     }
 
 
-SECTIONS = [bytes_section, load_section, classification_section]
+def bf16_section():
+    from tritonclient.grpc import model_config_pb2
+    x = np.array([[1.0, -2.5, 0.1, 7.0], [0.0, 1e-3, -65504.0, 3.0]], np.float32)
+    result = client.infer("bf16", [tensor("X", x, "BF16")])
+    meta = client.get_model_metadata("bf16")
+    config = client.get_model_config("bf16").config
+    return {
+        "x": enc(x), "y": enc(result.as_numpy("Y")), "y32": enc(result.as_numpy("Y32")),
+        "outputs": [(o.name, o.datatype) for o in result.get_response().outputs],
+        "metadata": [(t.name, t.datatype) for t in list(meta.inputs) + list(meta.outputs)],
+        "config": [model_config_pb2.DataType.Name(t.data_type)
+                   for t in list(config.input) + list(config.output)],
+        "as_fp32": error_of(lambda: client.infer("bf16", [tensor("X", x, "FP32")])),
+    }
+
+
+SECTIONS = [bytes_section, load_section, classification_section, bf16_section]
 results = {}
 for section in SECTIONS:
     try:
@@ -187,6 +205,7 @@ def build_repository(root: Path) -> None:
             "outputs": [{"name": "OUTPUT0", "datatype": "FP32", "shape": [-1, 8], **LABELS}],
         },
     )
+    write_model(root, "bf16", 1, bf16_double(), {"max_batch_size": 8})
     (root / "labelled" / "labels.txt").write_text("\n".join(CLASS_NAMES) + "\n")
 
 
@@ -263,6 +282,19 @@ def test_classification_top_k_with_labels(run: Run) -> None:
     assert result["every"] == expected_classes(probabilities[0], 8)  # k capped at the class count
     assert_error(result["on_bytes"], "INVALID_ARGUMENT", "ECHO", "numeric")
     assert result["label_filename"] == "labels.txt"
+
+
+def test_bf16_end_to_end(run: Run) -> None:
+    result = section(run, "bf16_section")
+    x = arr(result["x"])
+    # tritonclient sends BF16 as the upper half of each FP32 (truncation); so do we here.
+    sent = (x.view(np.uint32) & np.uint32(0xFFFF0000)).view(np.float32)
+    assert result["outputs"] == [["Y", "BF16"], ["Y32", "FP32"]]
+    np.testing.assert_array_equal(arr(result["y32"]), sent * 2)
+    np.testing.assert_array_equal(arr(result["y"]), (sent * 2).astype(ml_dtypes.bfloat16).astype(np.float32))
+    assert result["metadata"] == [["X", "BF16"], ["Y", "BF16"], ["Y32", "FP32"]]
+    assert result["config"] == ["TYPE_BF16", "TYPE_BF16", "TYPE_FP32"]
+    assert_error(result["as_fp32"], "INVALID_ARGUMENT", "X", "BF16")
 
 
 def test_service_log_clean_and_graceful_stop(run: Run) -> None:
