@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
+from dataclasses import replace
 
 from modelyard.kserve.v2 import grpc_service_pb2 as pb
 from modelyard.kserve.v2 import grpc_service_pb2_grpc as pb_grpc
@@ -14,11 +15,17 @@ from service import __version__
 from service.api.errors import Context, serving
 from service.api.kserve_classification import top_k
 from service.api.kserve_config import load_parameters
-from service.api.kserve_tensors import classification_counts, decode_inputs, encode_outputs, requested_outputs
+from service.api.kserve_tensors import (
+    classification_counts,
+    decode_inputs,
+    encode_outputs,
+    parameter_value,
+    requested_outputs,
+)
 from service.api.scheduling import kserve_scheduling
 from service.batching.queue import QueuePolicy
 from service.dataplane import DataPlane
-from service.errors import ModelLoadError, ServiceError
+from service.errors import InvalidInput, ModelLoadError, ServiceError
 from service.metrics import ServiceMetrics
 from service.repository.config import ModelConfig
 from service.repository.uploads import write_upload
@@ -28,6 +35,9 @@ from service.runtime.signature import TensorSpec
 from service.runtime.status import VersionState
 
 PLATFORM = "onnxruntime_onnx"
+# Triton's streaming parameters: the request asks, each response says whether it is the last.
+ENABLE_FINAL_RESPONSE = "triton_enable_empty_final_response"
+FINAL_RESPONSE = "triton_final_response"
 EXTENSIONS = ["classification", "model_repository", "model_configuration", "statistics"]
 # Triton reports a model's state with these words in its repository index.
 _INDEX_STATE = {
@@ -70,9 +80,13 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
             served = self._manager.resolve(request.name, request.version)
             model = self._manager.served(request.name)
             signature = served.runner.signature
+            if request.version:  # Triton: the requested version only
+                versions = [str(served.version)]
+            else:
+                versions = [str(v) for v in sorted(model.versions)] if model else []
             return pb.ModelMetadataResponse(
                 name=request.name,
-                versions=[str(v) for v in sorted(model.versions)] if model else [],
+                versions=versions,
                 platform=PLATFORM,
                 inputs=[_tensor_metadata(t) for t in signature.inputs],
                 outputs=[_tensor_metadata(t) for t in signature.outputs],
@@ -92,11 +106,16 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
         async for request in request_iterator:
             async with serving(context, self._metrics, "ModelStreamInfer", request.model_name) as call:
                 try:
+                    final_flag = _empty_final_response(request)
                     response = await self._infer(request, context)
                 except ServiceError as exc:
                     yield pb.ModelStreamInferResponse(error_message=str(exc))
                     continue
                 call.version = response.model_version
+                if final_flag:
+                    # One response per request: it is also the final one, so no empty response
+                    # follows (Triton sends one only when the final flag comes apart from data).
+                    response.parameters[FINAL_RESPONSE].bool_param = True
                 yield pb.ModelStreamInferResponse(infer_response=response)
 
     async def ModelConfig(self, request: pb.ModelConfigRequest, context: Context) -> pb.ModelConfigResponse:
@@ -180,14 +199,18 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
         inputs = decode_inputs(request)
         names = requested_outputs(request)
         classify = classification_counts(request)
+        scheduling = kserve_scheduling(context, request.parameters)
         version = request.model_version
-        if classify:
-            # Pin the version whose label files apply: resolved in the same step as the lease.
+        if classify or scheduling.priority:
+            # Pin the version whose label files and priority levels apply: resolved in the same
+            # step as the data plane's lease (no await between), so it is the version that runs.
             served = self._manager.resolve(request.model_name, version)
             version = str(served.version)
-        result = await self._dataplane.infer(
-            request.model_name, version, inputs, names, kserve_scheduling(context, request.parameters)
-        )
+            batching = served.config.dynamic_batching
+            if batching is None or scheduling.priority > batching.admission.priority_levels:
+                # As Triton: a priority the model does not have means its default level.
+                scheduling = replace(scheduling, priority=0)
+        result = await self._dataplane.infer(request.model_name, version, inputs, names, scheduling)
         response = pb.ModelInferResponse(
             model_name=result.model, model_version=str(result.version), id=request.id
         )
@@ -202,6 +225,16 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
             }
         encode_outputs(response, outputs)
         return response
+
+
+def _empty_final_response(request: pb.ModelInferRequest) -> bool:
+    """Whether the client asked for Triton's final-response flag on a stream."""
+    if ENABLE_FINAL_RESPONSE not in request.parameters:
+        return False
+    value = parameter_value(request.parameters[ENABLE_FINAL_RESPONSE])
+    if not isinstance(value, bool):
+        raise InvalidInput(f"request parameter {ENABLE_FINAL_RESPONSE!r} must be a bool, got {value!r}")
+    return value
 
 
 def _tensor_metadata(spec: TensorSpec) -> pb.ModelMetadataResponse.TensorMetadata:
@@ -287,10 +320,13 @@ def _statistics(served: ServedVersion) -> pb.ModelStatistics:
             fail=pb.StatisticDuration(count=stats.fail_count, ns=stats.fail_ns),
             # perf_analyzer finds the version it measured by the queue count that grew.
             queue=pb.StatisticDuration(count=stats.queue_count, ns=stats.queue_ns),
-            # Tensor conversion is not timed apart: it is inside the queue time (input) and the
-            # request total (output). The counts must match compute_infer's for perf_analyzer.
-            compute_input=pb.StatisticDuration(count=stats.execution_count),
-            compute_infer=pb.StatisticDuration(count=stats.execution_count, ns=stats.compute_ns),
-            compute_output=pb.StatisticDuration(count=stats.execution_count),
+            # Per request, as Triton counts them. Tensor conversion is not timed apart: it is
+            # inside the queue time (input) and the request total (output); the counts must match
+            # compute_infer's for perf_analyzer.
+            compute_input=pb.StatisticDuration(count=stats.compute_request_count),
+            compute_infer=pb.StatisticDuration(
+                count=stats.compute_request_count, ns=stats.compute_request_ns
+            ),
+            compute_output=pb.StatisticDuration(count=stats.compute_request_count),
         ),
     )

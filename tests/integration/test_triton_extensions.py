@@ -168,7 +168,62 @@ def bf16_section():
     }
 
 
-SECTIONS = [bytes_section, load_section, classification_section, bf16_section]
+def protocol_section():
+    x = np.ones((2, 16), np.float32)
+    lock, done, received = threading.Lock(), threading.Event(), []
+
+    def callback(result, error):
+        with lock:
+            if error is not None:
+                received.append({"error": error.message()})
+            else:
+                params = result.get_response().parameters
+                flag = "triton_final_response"
+                final = params[flag].bool_param if flag in params else None
+                received.append({"id": result.get_response().id, "final": final,
+                                 "has_output": result.as_numpy("OUTPUT0") is not None})
+            if len(received) == 2:
+                done.set()
+
+    client.start_stream(callback=callback)
+    try:
+        client.async_stream_infer("scaler", [tensor("INPUT0", x, "FP32")], request_id="with",
+                                  enable_empty_final_response=True)
+        client.async_stream_infer("scaler", [tensor("INPUT0", x, "FP32")], request_id="without")
+        delivered = done.wait(30)
+    finally:
+        client.stop_stream()
+
+    def stats(model):
+        (s,) = client.get_inference_statistics(model).model_stats
+        i = s.inference_stats
+        return {"success": i.success.count, "fail": i.fail.count, "queue": i.queue.count,
+                "compute_infer": i.compute_infer.count, "compute_input": i.compute_input.count,
+                "compute_output": i.compute_output.count, "compute_ns": i.compute_infer.ns,
+                "execution_count": s.execution_count}
+
+    before = stats("scaler")
+    for _ in range(3):
+        client.infer("scaler", [tensor("INPUT0", x, "FP32")])
+    bad = error_of(lambda: client.infer("scaler", [tensor("INPUT0", np.ones((2, 15), np.float32), "FP32")]))
+    after = stats("scaler")
+    text = np.array([[b"x"]], dtype=object)
+
+    def echo_at(priority):
+        result = client.infer("text_batched", [tensor("TEXT", text, "BYTES")], priority=priority)
+        return b64s(result.as_numpy("ECHO").reshape(-1).tolist())
+
+    return {
+        "delivered": delivered, "received": received,
+        "before": before, "after": after, "bad": bad,
+        "metadata_v1": list(client.get_model_metadata("scaler", model_version="1").versions),
+        "metadata_any": list(client.get_model_metadata("scaler").versions),
+        "priority_out_of_range": echo_at(9),
+        "priority_in_range": echo_at(1),
+    }
+
+
+SECTIONS = [bytes_section, load_section, classification_section, bf16_section, protocol_section]
 results = {}
 for section in SECTIONS:
     try:
@@ -192,7 +247,7 @@ def build_repository(root: Path) -> None:
         "text_batched",
         1,
         string_identity(),
-        {"max_batch_size": 8, "dynamic_batching": {"max_queue_delay_us": 1000}},
+        {"max_batch_size": 8, "dynamic_batching": {"max_queue_delay_us": 1000, "priority_levels": 2}},
     )
     write_model(root, "scaler", 1, scaled_identity(16, 2.0), {"max_batch_size": 64})
     write_model(
@@ -295,6 +350,28 @@ def test_bf16_end_to_end(run: Run) -> None:
     assert result["metadata"] == [["X", "BF16"], ["Y", "BF16"], ["Y32", "FP32"]]
     assert result["config"] == ["TYPE_BF16", "TYPE_BF16", "TYPE_FP32"]
     assert_error(result["as_fp32"], "INVALID_ARGUMENT", "X", "BF16")
+
+
+def test_streaming_final_flag_metadata_statistics_priority(run: Run) -> None:
+    result = section(run, "protocol_section")
+    assert result["delivered"], result["received"]
+    # Asked for: the one response of the request carries triton_final_response = true (no empty
+    # response follows: the data and the final flag come together). Not asked for: no flag.
+    assert result["received"] == [
+        {"id": "with", "final": True, "has_output": True},
+        {"id": "without", "final": None, "has_output": True},
+    ]
+    before, after = result["before"], result["after"]
+    assert after["success"] - before["success"] == 3
+    assert after["fail"] - before["fail"] == 1  # the request whose shape did not fit
+    for counter in ("compute_infer", "compute_input", "compute_output", "queue"):
+        assert after[counter] - before[counter] == 3, counter
+    assert after["compute_ns"] > before["compute_ns"]
+    assert_error(result["bad"], "INVALID_ARGUMENT", "INPUT0")
+    assert result["metadata_v1"] == ["1"]
+    assert result["metadata_any"] == ["1"]
+    assert result["priority_out_of_range"] == b64s([b"x"])  # the default level, as Triton
+    assert result["priority_in_range"] == b64s([b"x"])
 
 
 def test_service_log_clean_and_graceful_stop(run: Run) -> None:
