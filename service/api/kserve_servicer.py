@@ -15,17 +15,18 @@ from service import __version__
 from service.api.errors import Context, serving
 from service.api.kserve_classification import top_k
 from service.api.kserve_config import load_parameters
+from service.api.kserve_settings import LogSettings, LogValue, TraceSettings
 from service.api.kserve_tensors import (
-    classification_counts,
     decode_inputs,
     encode_outputs,
+    output_options,
     parameter_value,
     requested_outputs,
 )
 from service.api.scheduling import kserve_scheduling
 from service.batching.queue import QueuePolicy
 from service.dataplane import DataPlane
-from service.errors import InvalidInput, ModelLoadError, ServiceError
+from service.errors import InvalidInput, ModelLoadError, ServiceError, Unsupported
 from service.metrics import ServiceMetrics
 from service.repository.config import ModelConfig
 from service.repository.uploads import write_upload
@@ -33,12 +34,26 @@ from service.runtime.manager import LoadOverride, ModelManager
 from service.runtime.served import ServedVersion
 from service.runtime.signature import TensorSpec
 from service.runtime.status import VersionState
+from service.shm.registry import RegionNotFound, SharedMemoryRegistry
 
 PLATFORM = "onnxruntime_onnx"
+CUDA_SHM_REFUSAL = (
+    "CUDA shared memory is not supported: this server does not import CUDA IPC handles (tensors "
+    "reach ONNX Runtime from host memory); use system shared memory or inline tensors"
+)
 # Triton's streaming parameters: the request asks, each response says whether it is the last.
 ENABLE_FINAL_RESPONSE = "triton_enable_empty_final_response"
 FINAL_RESPONSE = "triton_final_response"
-EXTENSIONS = ["classification", "model_repository", "model_configuration", "statistics"]
+EXTENSIONS = [
+    "classification",
+    "model_repository",
+    "schedule_policy",
+    "model_configuration",
+    "system_shared_memory",
+    "statistics",
+    "trace",
+    "logging",
+]
 # Triton reports a model's state with these words in its repository index.
 _INDEX_STATE = {
     VersionState.LOADING: "LOADING",
@@ -50,10 +65,19 @@ _INDEX_STATE = {
 
 
 class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
-    def __init__(self, manager: ModelManager, dataplane: DataPlane, metrics: ServiceMetrics) -> None:
+    def __init__(
+        self,
+        manager: ModelManager,
+        dataplane: DataPlane,
+        metrics: ServiceMetrics,
+        shm: SharedMemoryRegistry | None = None,
+    ) -> None:
         self._manager = manager
+        self._shm = shm if shm is not None else SharedMemoryRegistry()
         self._dataplane = dataplane
         self._metrics = metrics
+        self._logs = LogSettings()
+        self._traces = TraceSettings()
 
     async def ServerLive(self, request: pb.ServerLiveRequest, context: Context) -> pb.ServerLiveResponse:
         return pb.ServerLiveResponse(live=True)
@@ -195,10 +219,93 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
             await self._manager.unload(request.model_name)
             return pb.RepositoryModelUnloadResponse()
 
+    async def SystemSharedMemoryStatus(
+        self, request: pb.SystemSharedMemoryStatusRequest, context: Context
+    ) -> pb.SystemSharedMemoryStatusResponse:
+        async with serving(context, self._metrics, "SystemSharedMemoryStatus", ""):
+            response = pb.SystemSharedMemoryStatusResponse()
+            for spec in self._shm.status(request.name):
+                response.regions[spec.name].CopyFrom(
+                    pb.SystemSharedMemoryStatusResponse.RegionStatus(
+                        name=spec.name, key=spec.key, offset=spec.offset, byte_size=spec.byte_size
+                    )
+                )
+            return response
+
+    async def SystemSharedMemoryRegister(
+        self, request: pb.SystemSharedMemoryRegisterRequest, context: Context
+    ) -> pb.SystemSharedMemoryRegisterResponse:
+        async with serving(context, self._metrics, "SystemSharedMemoryRegister", ""):
+            await asyncio.get_running_loop().run_in_executor(
+                None, self._shm.register, request.name, request.key, request.offset, request.byte_size
+            )
+            return pb.SystemSharedMemoryRegisterResponse()
+
+    async def SystemSharedMemoryUnregister(
+        self, request: pb.SystemSharedMemoryUnregisterRequest, context: Context
+    ) -> pb.SystemSharedMemoryUnregisterResponse:
+        async with serving(context, self._metrics, "SystemSharedMemoryUnregister", ""):
+            self._shm.unregister(request.name)
+            return pb.SystemSharedMemoryUnregisterResponse()
+
+    async def CudaSharedMemoryStatus(
+        self, request: pb.CudaSharedMemoryStatusRequest, context: Context
+    ) -> pb.CudaSharedMemoryStatusResponse:
+        async with serving(context, self._metrics, "CudaSharedMemoryStatus", ""):
+            if request.name:
+                raise RegionNotFound(f"no CUDA shared memory region {request.name!r} is registered")
+            return pb.CudaSharedMemoryStatusResponse()  # none can be registered
+
+    async def CudaSharedMemoryRegister(
+        self, request: pb.CudaSharedMemoryRegisterRequest, context: Context
+    ) -> pb.CudaSharedMemoryRegisterResponse:
+        async with serving(context, self._metrics, "CudaSharedMemoryRegister", ""):
+            raise Unsupported(CUDA_SHM_REFUSAL)
+
+    async def CudaSharedMemoryUnregister(
+        self, request: pb.CudaSharedMemoryUnregisterRequest, context: Context
+    ) -> pb.CudaSharedMemoryUnregisterResponse:
+        async with serving(context, self._metrics, "CudaSharedMemoryUnregister", ""):
+            return pb.CudaSharedMemoryUnregisterResponse()  # none is registered: nothing to do
+
+    async def LogSettings(self, request: pb.LogSettingsRequest, context: Context) -> pb.LogSettingsResponse:
+        async with serving(context, self._metrics, "LogSettings", ""):
+            changes: dict[str, LogValue] = {}
+            for key, value in request.settings.items():
+                kind = value.WhichOneof("parameter_choice")
+                if kind is None:
+                    raise InvalidInput(f"log setting {key!r} has no value")
+                changes[key] = getattr(value, kind)
+            current = self._logs.update(changes)
+            response = pb.LogSettingsResponse()
+            for key, setting in current.items():
+                entry = response.settings[key]
+                if isinstance(setting, bool):
+                    entry.bool_param = setting
+                elif isinstance(setting, int):
+                    entry.uint32_param = setting
+                else:
+                    entry.string_param = setting
+            return response
+
+    async def TraceSetting(
+        self, request: pb.TraceSettingRequest, context: Context
+    ) -> pb.TraceSettingResponse:
+        async with serving(context, self._metrics, "TraceSetting", request.model_name):
+            if request.model_name:
+                self._manager.status(request.model_name)  # NOT_FOUND for a model it does not know
+            changes = {key: tuple(value.value) for key, value in request.settings.items()}
+            current = self._traces.update(changes, request.model_name)
+            response = pb.TraceSettingResponse()
+            for key, values in current.items():
+                response.settings[key].value.extend(values)
+            return response
+
     async def _infer(self, request: pb.ModelInferRequest, context: Context) -> pb.ModelInferResponse:
-        inputs = decode_inputs(request)
+        inputs = decode_inputs(request, self._shm)
         names = requested_outputs(request)
-        classify = classification_counts(request)
+        options = output_options(request)
+        classify = options.classify
         scheduling = kserve_scheduling(context, request.parameters)
         version = request.model_version
         if classify or scheduling.priority:
@@ -223,7 +330,7 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
                 else array
                 for name, array in outputs.items()
             }
-        encode_outputs(response, outputs)
+        encode_outputs(response, outputs, options.in_shm, self._shm)
         return response
 
 

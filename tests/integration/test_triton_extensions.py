@@ -30,7 +30,7 @@ pytestmark = pytest.mark.skipif(
 )
 
 CLIENT = r"""
-import base64, json, sys, threading, traceback
+import base64, json, os, sys, threading, traceback
 
 import numpy as np
 import tritonclient.grpc as grpcclient
@@ -223,7 +223,93 @@ def protocol_section():
     }
 
 
-SECTIONS = [bytes_section, load_section, classification_section, bf16_section, protocol_section]
+def shm_section():
+    # Python's own POSIX shared memory (tritonclient's helper module needs pkg_resources).
+    from multiprocessing import shared_memory
+    x = rng.standard_normal((4, 16), dtype=np.float32)
+    name_in, name_out = f"modelyard_test_in_{os.getpid()}", f"modelyard_test_out_{os.getpid()}"
+    key_in, key_out = "/" + name_in, "/" + name_out
+    region_in = shared_memory.SharedMemory(name_in, create=True, size=x.nbytes + 64)
+    region_out = shared_memory.SharedMemory(name_out, create=True, size=x.nbytes)
+
+    def out_contents():
+        return np.frombuffer(region_out.buf, np.float32, count=x.size).reshape(4, 16).copy()
+
+    out = {"x": enc(x)}
+    try:
+        region_in.buf[64:64 + x.nbytes] = x.tobytes()
+        client.unregister_system_shared_memory()
+        client.register_system_shared_memory("in", key_in, x.nbytes + 64)
+        client.register_system_shared_memory("out", key_out, x.nbytes)
+        status = client.get_system_shared_memory_status()
+        out["status"] = sorted((r.name, r.key, r.offset, r.byte_size) for r in status.regions.values())
+        inp = grpcclient.InferInput("INPUT0", [4, 16], "FP32")
+        inp.set_shared_memory("in", x.nbytes, offset=64)
+        requested = grpcclient.InferRequestedOutput("OUTPUT0")
+        requested.set_shared_memory("out", x.nbytes)
+        result = client.infer("scaler", [inp], outputs=[requested])
+        out["outputs"] = [(o.name, o.datatype, list(o.shape)) for o in result.get_response().outputs]
+        out["raw_lengths"] = [len(r) for r in result.get_response().raw_output_contents]
+        out["y"] = enc(out_contents())
+        # Mixed: input inline, output to shared memory; and the other way round.
+        requested_only = grpcclient.InferRequestedOutput("OUTPUT0")
+        requested_only.set_shared_memory("out", x.nbytes)
+        client.infer("scaler", [tensor("INPUT0", x * 2, "FP32")], outputs=[requested_only])
+        out["y_mixed"] = enc(out_contents())
+        from_shm = client.infer("scaler", [inp])
+        out["y_inline"] = enc(from_shm.as_numpy("OUTPUT0"))
+
+        def with_input(region, size, offset=0):
+            bad = grpcclient.InferInput("INPUT0", [4, 16], "FP32")
+            bad.set_shared_memory(region, size, offset=offset)
+            return lambda: client.infer("scaler", [bad])
+
+        out["input_past_end"] = error_of(with_input("in", x.nbytes, offset=128))
+        out["input_wrong_size"] = error_of(with_input("in", x.nbytes - 4))
+        out["unknown_region"] = error_of(with_input("nope", x.nbytes))
+        small = grpcclient.InferRequestedOutput("OUTPUT0")
+        small.set_shared_memory("out", x.nbytes // 2)
+        out["output_too_small"] = error_of(lambda: client.infer("scaler", [inp], outputs=[small]))
+        out["duplicate"] = error_of(lambda: client.register_system_shared_memory("in", key_in, 16))
+        out["too_long"] = error_of(
+            lambda: client.register_system_shared_memory("long", key_in, 16, offset=x.nbytes + 60))
+        out["missing_key"] = error_of(lambda: client.register_system_shared_memory("m", "/no_such_key_x", 4))
+        out["status_unknown"] = error_of(lambda: client.get_system_shared_memory_status("nope"))
+        out["cuda"] = error_of(lambda: client.register_cuda_shared_memory("c", b"\0" * 64, 0, 16))
+        out["cuda_status"] = len(client.get_cuda_shared_memory_status().regions)
+        client.unregister_system_shared_memory("in")
+        out["after_one"] = sorted(client.get_system_shared_memory_status().regions)
+        client.unregister_system_shared_memory()
+        out["after_all"] = sorted(client.get_system_shared_memory_status().regions)
+        out["extensions"] = list(client.get_server_metadata().extensions)
+    finally:
+        for region in (region_in, region_out):
+            region.close()
+            region.unlink()
+    return out
+
+
+def settings_section():
+    out = {"log_before": json.loads(json.dumps(client.get_log_settings(as_json=True)))}
+    out["log_verbose"] = client.update_log_settings({"log_verbose_level": 1}, as_json=True)
+    out["log_back"] = client.update_log_settings({"log_verbose_level": 0, "log_info": True}, as_json=True)
+    out["log_file"] = error_of(lambda: client.update_log_settings({"log_file": "/tmp/x.log"}))
+    out["log_unknown"] = error_of(lambda: client.update_log_settings({"log_colour": True}))
+    out["trace_global"] = client.get_trace_settings(as_json=True)
+    out["trace_model"] = client.update_trace_settings(
+        model_name="scaler", settings={"trace_rate": "5", "trace_level": ["TIMESTAMPS"]}, as_json=True)
+    out["trace_global_after"] = client.get_trace_settings(as_json=True)
+    out["trace_cleared"] = client.update_trace_settings(
+        model_name="scaler", settings={"trace_rate": None}, as_json=True)
+    update = client.update_trace_settings
+    out["trace_bad_level"] = error_of(lambda: update(settings={"trace_level": ["LOUD"]}))
+    out["trace_bad_rate"] = error_of(lambda: update(settings={"trace_rate": "0"}))
+    out["trace_unknown_model"] = error_of(lambda: update(model_name="nope", settings={}))
+    return out
+
+
+SECTIONS = [bytes_section, load_section, classification_section, bf16_section, protocol_section,
+            shm_section, settings_section]
 results = {}
 for section in SECTIONS:
     try:
@@ -372,6 +458,57 @@ def test_streaming_final_flag_metadata_statistics_priority(run: Run) -> None:
     assert result["metadata_any"] == ["1"]
     assert result["priority_out_of_range"] == b64s([b"x"])  # the default level, as Triton
     assert result["priority_in_range"] == b64s([b"x"])
+
+
+def test_system_shared_memory(run: Run) -> None:
+    result = section(run, "shm_section")
+    x = arr(result["x"])
+    assert [(name, offset, size) for name, _, offset, size in result["status"]] == [
+        ("in", 0, x.nbytes + 64),
+        ("out", 0, x.nbytes),
+    ]
+    np.testing.assert_array_equal(arr(result["y"]), x * np.float32(2))
+    assert result["outputs"] == [["OUTPUT0", "FP32", [4, 16]]]
+    assert result["raw_lengths"] == [0]  # written into the region; the raw entry stays, empty
+    np.testing.assert_array_equal(arr(result["y_mixed"]), x * np.float32(4))
+    np.testing.assert_array_equal(arr(result["y_inline"]), x * np.float32(2))
+    assert_error(result["input_past_end"], "INVALID_ARGUMENT", "INPUT0", "leave shared memory region 'in'")
+    assert_error(result["input_wrong_size"], "INVALID_ARGUMENT", "INPUT0", "bytes")
+    assert_error(result["unknown_region"], "INVALID_ARGUMENT", "'nope'")
+    assert_error(result["output_too_small"], "INVALID_ARGUMENT", "OUTPUT0", "do not fit")
+    assert_error(result["duplicate"], "INVALID_ARGUMENT", "already registered")
+    assert_error(result["too_long"], "INVALID_ARGUMENT", "exceeds")
+    assert_error(result["missing_key"], "INVALID_ARGUMENT", "cannot be opened")
+    assert_error(result["status_unknown"], "NOT_FOUND", "nope")
+    assert_error(result["cuda"], "UNIMPLEMENTED", "CUDA shared memory is not supported")
+    assert result["cuda_status"] == 0
+    assert result["after_one"] == ["out"]
+    assert result["after_all"] == []
+    assert "system_shared_memory" in result["extensions"]
+    assert "cuda_shared_memory" not in result["extensions"]
+
+
+def test_log_and_trace_settings(run: Run) -> None:
+    result = section(run, "settings_section")
+    settings = result["log_before"]["settings"]
+    assert settings["log_info"] == {"bool_param": True}
+    assert settings["log_verbose_level"] in ({"uint32_param": 0}, {})
+    assert result["log_verbose"]["settings"]["log_verbose_level"] == {"uint32_param": 1}
+    assert result["log_back"]["settings"]["log_info"] == {"bool_param": True}
+    assert result["log_back"]["settings"]["log_verbose_level"] in ({"uint32_param": 0}, {})
+    # The verbose level reached the live logger: the service logged at DEBUG meanwhile.
+    assert any(" DEBUG " in line for line in run.log), run.log[-20:]
+    assert_error(result["log_file"], "INVALID_ARGUMENT", "stderr")
+    assert_error(result["log_unknown"], "INVALID_ARGUMENT", "log_colour")
+    assert result["trace_global"]["settings"]["trace_level"] == {"value": ["OFF"]}
+    model = result["trace_model"]["settings"]
+    assert model["trace_rate"] == {"value": ["5"]}
+    assert model["trace_level"] == {"value": ["TIMESTAMPS"]}
+    assert result["trace_global_after"]["settings"]["trace_rate"] == {"value": ["1000"]}
+    assert result["trace_cleared"]["settings"]["trace_rate"] == {"value": ["1000"]}  # back to global
+    assert_error(result["trace_bad_level"], "INVALID_ARGUMENT", "LOUD")
+    assert_error(result["trace_bad_rate"], "INVALID_ARGUMENT", "trace_rate")
+    assert_error(result["trace_unknown_model"], "NOT_FOUND", "nope")
 
 
 def test_service_log_clean_and_graceful_stop(run: Run) -> None:

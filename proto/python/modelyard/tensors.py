@@ -86,7 +86,7 @@ def to_wire(array: np.ndarray) -> tuple[str, bytes]:
     return name, array.astype(NUMPY_BY_NAME[name], copy=False).tobytes()
 
 
-def decode_bytes(raw: bytes, shape: tuple[int, ...], tensor: str) -> np.ndarray:
+def decode_bytes(raw: bytes | memoryview, shape: tuple[int, ...], tensor: str) -> np.ndarray:
     """KServe's BYTES encoding (each element: 4-byte little-endian length, then its bytes) -> an
     object array of bytes. Raises TensorError naming the tensor when the encoding is broken."""
     count = int(np.prod(shape, dtype=np.int64))
