@@ -42,7 +42,10 @@ _BATCHING = {
     "max_queue_delay_microseconds",
     "priority_levels",
     "default_priority_level",
+    "default_queue_policy",
+    "priority_queue_policy",
 }
+_QUEUE = {"timeout_action", "default_timeout_microseconds", "allow_timeout_override", "max_queue_size"}
 _GROUP = {"name", "kind", "count", "gpus"}
 
 
@@ -161,7 +164,28 @@ def _batching(batching: config_pb.ModelDynamicBatching) -> dict[str, Any]:
         doc["priority_levels"] = batching.priority_levels
     if batching.default_priority_level:
         doc["default_priority_level"] = batching.default_priority_level
+    if batching.HasField("default_queue_policy"):
+        doc["default_queue_policy"] = _queue_policy(batching.default_queue_policy, "default_queue_policy")
+    if batching.priority_queue_policy:
+        doc["priority_queue_policy"] = {
+            int(level): _queue_policy(policy, f"priority_queue_policy[{level}]")
+            for level, policy in batching.priority_queue_policy.items()
+        }
     return doc
+
+
+def _queue_policy(policy: config_pb.ModelQueuePolicy, where: str) -> dict[str, Any]:
+    _only(policy, _QUEUE, f"dynamic_batching.{where}.")
+    if policy.timeout_action != config_pb.ModelQueuePolicy.REJECT:
+        raise InvalidInput(
+            f"load parameter 'config': dynamic_batching.{where}.timeout_action: only REJECT (a request "
+            "whose queue time runs out is answered, never run late)"
+        )
+    return {
+        "max_queue_size": policy.max_queue_size,
+        "default_timeout_us": policy.default_timeout_microseconds,
+        "allow_timeout_override": policy.allow_timeout_override,
+    }
 
 
 def _execution(groups: Any) -> dict[str, Any]:

@@ -113,6 +113,11 @@ def load_section():
     too_big = json.dumps({"max_batch_size": 4, "dynamic_batching": {"preferred_batch_size": [8]}})
     out["invalid_value"] = error_of(lambda: client.load_model("scaler", config=too_big))
     out["still_four"] = client.get_model_config("scaler").config.max_batch_size
+    # What get_model_config answers loads back unchanged (the round trip of a Triton user).
+    for model in ("text_batched", "labelled"):
+        before = client.get_model_config(model, as_json=True)["config"]
+        client.load_model(model, config=json.dumps(before))
+        out[model + "_round_trip"] = client.get_model_config(model, as_json=True)["config"] == before
     client.load_model("scaler")
     out["reverted"] = client.get_model_config("scaler").config.max_batch_size
     upload_config = json.dumps({"max_batch_size": 8, "input": [
@@ -397,6 +402,7 @@ def test_load_with_config_override_and_files(run: Run) -> None:
     assert_error(result["invalid_value"], "INVALID_ARGUMENT", "preferred_batch_sizes")
     assert result["still_four"] == 4  # a refused load changes nothing
     assert result["reverted"] == 64  # a load without a config goes back to config.yaml
+    assert result["text_batched_round_trip"] and result["labelled_round_trip"]
     assert_error(result["files_without_config"], "INVALID_ARGUMENT", "config")
     assert_error(result["escaping_path"], "INVALID_ARGUMENT", "../1/model.onnx")
     assert_error(result["no_model_file"], "INVALID_ARGUMENT", "model.onnx")

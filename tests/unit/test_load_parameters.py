@@ -50,6 +50,10 @@ def test_full_triton_config_maps_onto_ours() -> None:
         ('{"dynamic_batching": {"preserve_ordering": true}, "max_batch_size": 2}', "preserve_ordering"),
         ('{"dynamic_batching": {}}', "max_batch_size"),
         ('{"instance_group": [{"count": 2}]}', "count"),
+        (
+            '{"max_batch_size": 2, "dynamic_batching": {"default_queue_policy": {"timeout_action": "DELAY"}}}',
+            "only REJECT",
+        ),
         ('{"input": [{"name": "x", "dims": [1]}]}', "data_type"),
     ],
 )
