@@ -51,7 +51,8 @@ def test_full_triton_config_maps_onto_ours() -> None:
         ('{"dynamic_batching": {}}', "max_batch_size"),
         ('{"instance_group": [{"count": 2}]}', "count"),
         (
-            '{"max_batch_size": 2, "dynamic_batching": {"default_queue_policy": {"timeout_action": "DELAY"}}}',
+            '{"max_batch_size": 2, "dynamic_batching": '
+            '{"default_queue_policy": {"timeout_action": "DELAY"}}}',
             "only REJECT",
         ),
         ('{"input": [{"name": "x", "dims": [1]}]}', "data_type"),
