@@ -22,7 +22,7 @@ from modelyard.kserve.v2.grpc_service_pb2 import (
     ModelInferRequest,
     ModelInferResponse,
 )
-from modelyard.tensors import NUMPY_BY_NAME, decode_bytes, to_wire
+from modelyard.tensors import NUMPY_BY_NAME, decode_bytes, name_of, to_wire
 
 from service.errors import InvalidInput, Unsupported
 from service.shm.registry import SharedMemoryRegistry
@@ -131,16 +131,24 @@ def encode_outputs(
     for name, value in outputs.items():
         array = np.asarray(value)
         try:
-            datatype, data = to_wire(array)
+            datatype = name_of(array.dtype)
+            at = in_shm.get(name)
+            if at is not None and shm is not None:
+                region, offset, size = at
+                if array.dtype == NUMPY_BY_NAME[datatype] and datatype != "BYTES":
+                    # Straight from the array into the region: no intermediate bytes object.
+                    shm.write(
+                        region, offset, size, np.ascontiguousarray(array).reshape(-1).view(np.uint8), name
+                    )
+                else:
+                    shm.write(region, offset, size, to_wire(array)[1], name)
+                data = b""
+            else:
+                datatype, data = to_wire(array)
         except ValueError:
             raise Unsupported(
                 f"output {name!r}: numpy dtype {array.dtype} has no KServe V2 datatype"
             ) from None
-        at = in_shm.get(name)
-        if at is not None and shm is not None:
-            region, offset, size = at
-            shm.write(region, offset, size, data, name)
-            data = b""
         response.outputs.add(name=name, datatype=datatype, shape=array.shape)
         response.raw_output_contents.append(data)
 

@@ -20,6 +20,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
+import numpy as np
+import numpy.typing as npt
+
 from service.errors import InvalidInput, ModelNotFound
 
 SHM_ROOT = Path("/dev/shm")
@@ -121,7 +124,9 @@ class SharedMemoryRegistry:
         start = spec.offset + offset
         return memoryview(self._map(spec.key))[start : start + size]
 
-    def write(self, name: str, offset: int, capacity: int, data: bytes, tensor: str) -> None:
+    def write(
+        self, name: str, offset: int, capacity: int, data: bytes | npt.NDArray[np.uint8], tensor: str
+    ) -> None:
         """Write `data` at `offset` of the region, if it fits both the request's byte size for the
         tensor and the region."""
         spec = self._spec(name, tensor)
@@ -132,7 +137,9 @@ class SharedMemoryRegistry:
                 f"shared memory region {name!r}"
             )
         start = spec.offset + offset
-        self._map(spec.key)[start : start + len(data)] = data
+        target = np.frombuffer(self._map(spec.key), dtype=np.uint8, count=len(data), offset=start)
+        target[:] = np.frombuffer(data, dtype=np.uint8) if isinstance(data, bytes) else data
+        del target  # the mapping can be closed once no view of it is left
 
     def close(self) -> None:
         with self._lock:
