@@ -4,7 +4,9 @@ Requests wait in an AdmissionQueue (priorities, bounded queues, deadlines). A lo
 loop forms a batch whenever a run slot is free: the head of the queue (highest priority, oldest)
 and the requests behind it whose inputs match it apart from the batch dimension, in queue order,
 up to max_batch_size rows. The batch leaves at once when it reaches the largest preferred batch
-size (or max_batch_size), otherwise when its oldest request has waited max_queue_delay_us. While
+size (or max_batch_size), or, as Triton's dynamic batcher, when what is queued makes a smaller
+preferred size (the largest one reachable leaves); otherwise when its oldest request has waited
+max_queue_delay_us. While
 every slot is busy, requests pile up, so batches grow with the load by themselves.
 
 A request that finds nothing queued and a slot free runs at once (waiting could gain nothing).
