@@ -51,10 +51,16 @@ class ModelRunner:
         strings = self.signature.string_inputs
         ort_feeds = feeds_for_ort(feeds, strings) if strings else dict(feeds)
         arrays: list[np.ndarray]
-        if self.signature.has_bf16:
-            arrays = bf16.run(self.session, ort_feeds, output_names)
-        else:
-            arrays = self.session.run(list(output_names), ort_feeds)
+        try:
+            if self.signature.has_bf16:
+                arrays = bf16.run(self.session, ort_feeds, output_names)
+            else:
+                arrays = self.session.run(list(output_names), ort_feeds)
+        except UnicodeDecodeError:  # the binding decodes string outputs as UTF-8, strictly
+            raise ModelRunError(
+                "a BYTES output holds bytes that are not UTF-8, which ONNX Runtime's Python binding "
+                "cannot return"
+            ) from None
         return outputs_from_ort(arrays) if self.signature.string_outputs else arrays
 
 

@@ -7,9 +7,10 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 import pytest
+from onnx import TensorProto, helper
 
-from service.demo_models import serialize
-from service.errors import InvalidInput
+from service.demo_models import make_model, serialize
+from service.errors import InvalidInput, ModelLoadError
 from service.repository.config import ModelConfig
 from service.runtime.providers import detect_providers
 from service.runtime.session import load_runner
@@ -69,3 +70,20 @@ def test_non_utf8_input_is_refused_naming_tensor_and_element() -> None:
     check_utf8("TEXT", objects([b"ok", "é".encode()]))
     with pytest.raises(InvalidInput, match=r"input 'TEXT': BYTES element 1 is not valid UTF-8"):
         check_utf8("TEXT", objects([b"ok", b"\xff\xfe"]))
+
+
+def test_a_model_that_emits_non_utf8_fails_to_load_saying_why(tmp_path: Path) -> None:
+    constant = helper.make_tensor("c", TensorProto.STRING, [1], vals=[b"\xff\xfe"])  # type: ignore[list-item]
+    graph = helper.make_graph(
+        [
+            helper.make_node("Identity", ["TEXT"], ["copy"]),
+            helper.make_node("Constant", [], ["ECHO"], value=constant),
+        ],
+        "bad_strings",
+        [helper.make_tensor_value_info("TEXT", TensorProto.STRING, [1])],
+        [helper.make_tensor_value_info("ECHO", TensorProto.STRING, [1])],
+    )
+    path = tmp_path / "model.onnx"
+    path.write_bytes(serialize(make_model(graph)))
+    with pytest.raises(ModelLoadError, match="not UTF-8"):
+        load_runner(path, ModelConfig(), detect_providers())
