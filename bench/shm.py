@@ -31,7 +31,7 @@ from modelyard.kserve.v2 import grpc_service_pb2_grpc as pb_grpc
 from onnx import TensorProto, helper
 
 from bench.processes import ROOT, running_service
-from service.demo_models import make_model, write_model
+from models.demo_models import make_model, write_model
 
 MIB = 1024 * 1024
 RESULTS = ROOT / "bench" / "results" / "shm.json"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import onnx
 from onnx import TensorProto, helper
 
-from service.demo_models import make_model
+from models.demo_models import make_model
 
 
 def bf16_double(features: int = 4) -> onnx.ModelProto:

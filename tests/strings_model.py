@@ -5,7 +5,7 @@ from __future__ import annotations
 import onnx
 from onnx import TensorProto, helper
 
-from service.demo_models import make_model
+from models.demo_models import make_model
 
 
 def string_identity(batch: bool = True) -> onnx.ModelProto:

@@ -24,7 +24,6 @@ from service.api.kserve_tensors import (
     requested_outputs,
 )
 from service.api.scheduling import kserve_scheduling
-from service.batching.queue import QueuePolicy
 from service.dataplane import DataPlane
 from service.errors import InvalidInput, ModelLoadError, ServiceError, Unsupported
 from service.metrics import ServiceMetrics
@@ -34,6 +33,7 @@ from service.runtime.manager import LoadOverride, ModelManager
 from service.runtime.served import ServedVersion
 from service.runtime.signature import TensorSpec
 from service.runtime.status import VersionState
+from service.scheduling.queue import QueuePolicy
 from service.shm.registry import RegionNotFound, SharedMemoryRegistry
 
 PLATFORM = "onnxruntime_onnx"

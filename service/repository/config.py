@@ -14,8 +14,8 @@ from typing import Any, Literal
 import yaml
 from modelyard.tensors import is_known
 
-from service.batching.queue import AdmissionPolicy, QueuePolicy
 from service.errors import ModelLoadError
+from service.scheduling.queue import AdmissionPolicy, QueuePolicy
 
 CONFIG_FILE = "config.yaml"
 # A label file is a plain file name beside config.yaml: no folders, nothing hidden.
@@ -126,8 +126,6 @@ class ModelConfig:
     dynamic_batching: DynamicBatchingConfig | None = None
     reload: ReloadConfig = field(default_factory=ReloadConfig)
     generation: GenerationConfig = field(default_factory=GenerationConfig)
-    # False when the model has no config.yaml: then the batch dimension is inferred from the graph.
-    explicit: bool = False
 
 
 def load_config(model_dir: Path) -> ModelConfig:
@@ -171,7 +169,6 @@ def parse_config(raw: object) -> ModelConfig:
         dynamic_batching=None if batching is None else _batching(batching, doc.get("max_batch_size", 0)),
         reload=_reload(doc.get("reload", {})),
         generation=_generation(doc.get("generation", {})),
-        explicit=True,
     )
 
 

@@ -17,8 +17,8 @@ from modelyard.inference.v1 import model_service_pb2_grpc as mpb_grpc
 from modelyard.inference.v1 import tensor_pb2
 from modelyard.tensors import to_array, to_tensor
 
+from models.demo_models import write_model
 from service.config import Settings
-from service.demo_models import write_model
 from service.server import build_service
 from tests.bf16_model import bf16_double
 

@@ -13,8 +13,8 @@ from modelyard.inference.v1 import inference_service_pb2 as pb
 from modelyard.inference.v1 import inference_service_pb2_grpc as pb_grpc
 from modelyard.tensors import to_array, to_tensor
 
+from models.demo_models import write_model
 from service.config import Settings
-from service.demo_models import write_model
 from service.server import build_service
 from tests.strings_model import string_identity
 

@@ -19,7 +19,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from service.demo_models import dense_classifier, scaled_identity, write_model
+from models.demo_models import dense_classifier, scaled_identity, write_model
 from tests.bf16_model import bf16_double
 from tests.integration.test_tritonclient import Run, arr, assert_error, ort_run, section
 from tests.strings_model import string_identity

@@ -8,7 +8,7 @@ import ml_dtypes
 import numpy as np
 from modelyard import tensors
 
-from service.demo_models import serialize
+from models.demo_models import serialize
 from service.repository.config import ModelConfig
 from service.runtime.providers import detect_providers
 from service.runtime.session import load_runner

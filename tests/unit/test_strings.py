@@ -9,7 +9,7 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper
 
-from service.demo_models import make_model, serialize
+from models.demo_models import make_model, serialize
 from service.errors import InvalidInput, ModelLoadError
 from service.repository.config import ModelConfig
 from service.runtime.providers import detect_providers
