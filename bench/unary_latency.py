@@ -53,7 +53,7 @@ from modelyard.inference.v1 import inference_service_pb2_grpc as pb_grpc
 from modelyard.inference.v1 import tensor_pb2
 
 from bench.processes import CLK_TCK, SERVICE_READY, ServerProcess
-from service.demo_models import scaled_identity, write_model
+from models.demo_models import scaled_identity, write_model
 
 ROOT = Path(__file__).resolve().parent.parent
 BENCH = ROOT / "bench"
