@@ -7,9 +7,11 @@ import asyncio
 from collections.abc import AsyncIterator
 from dataclasses import replace
 
+from modelyard.common.reasons import ErrorReason
 from modelyard.kserve.v2 import grpc_service_pb2 as pb
 from modelyard.kserve.v2 import grpc_service_pb2_grpc as pb_grpc
 from modelyard.kserve.v2 import model_config_pb2 as config_pb
+from modelyard.tensors import TensorError
 
 from service import __version__
 from service.api.errors import Context, serving
@@ -23,7 +25,8 @@ from service.api.kserve_tensors import (
     parameter_value,
     requested_outputs,
 )
-from service.api.scheduling import kserve_scheduling
+from service.api.metadata import call_fields
+from service.api.scheduling import kserve_priority, kserve_scheduling
 from service.dataplane import DataPlane
 from service.errors import InvalidInput, ModelLoadError, ServiceError, Unsupported
 from service.metrics import ServiceMetrics
@@ -100,8 +103,9 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
     async def ModelMetadata(
         self, request: pb.ModelMetadataRequest, context: Context
     ) -> pb.ModelMetadataResponse:
-        async with serving(context, self._metrics, "ModelMetadata", request.name):
+        async with serving(context, self._metrics, "ModelMetadata", request.name) as call:
             served = self._manager.resolve(request.name, request.version)
+            await call.answered(str(served.version))
             model = self._manager.served(request.name)
             signature = served.runner.signature
             if request.version:  # Triton: the requested version only
@@ -119,23 +123,33 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
     async def ModelInfer(self, request: pb.ModelInferRequest, context: Context) -> pb.ModelInferResponse:
         async with serving(context, self._metrics, "ModelInfer", request.model_name) as call:
             response = await self._infer(request, context)
-            call.version = response.model_version
+            await call.answered(response.model_version)
             return response
 
     async def ModelStreamInfer(
         self, request_iterator: AsyncIterator[pb.ModelInferRequest], context: Context
     ) -> AsyncIterator[pb.ModelStreamInferResponse]:
         # Triton's streaming contract: each request gets one response on the stream, and a failed
-        # request answers in-band with error_message instead of ending the stream.
+        # request answers in-band with error_message instead of ending the stream; its reason
+        # rides in infer_response.parameters["error_reason"] (Triton clients read error_message
+        # first and ignore the rest). One stream may serve several models and versions: its
+        # x-served-version (initial metadata, sent once) is the version of the first response,
+        # absent when that response is an error; each response's model_version says the rest.
+        first = True
         async for request in request_iterator:
             async with serving(context, self._metrics, "ModelStreamInfer", request.model_name) as call:
                 try:
                     final_flag = _empty_final_response(request)
                     response = await self._infer(request, context)
-                except ServiceError as exc:
-                    yield pb.ModelStreamInferResponse(error_message=str(exc))
+                except (ServiceError, TensorError) as exc:
+                    first = False
+                    yield _in_band_error(request, exc, call.in_band(exc))
                     continue
-                call.version = response.model_version
+                if first:
+                    first = False
+                    await call.answered(response.model_version)
+                else:
+                    call.version = response.model_version
                 if final_flag:
                     # One response per request: it is also the final one, so no empty response
                     # follows (Triton sends one only when the final flag comes apart from data).
@@ -143,8 +157,9 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
                 yield pb.ModelStreamInferResponse(infer_response=response)
 
     async def ModelConfig(self, request: pb.ModelConfigRequest, context: Context) -> pb.ModelConfigResponse:
-        async with serving(context, self._metrics, "ModelConfig", request.name):
+        async with serving(context, self._metrics, "ModelConfig", request.name) as call:
             served = self._manager.resolve(request.name, request.version)
+            await call.answered(str(served.version))
             return pb.ModelConfigResponse(config=_triton_config(served))
 
     async def ModelStatistics(
@@ -302,12 +317,14 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
             return response
 
     async def _infer(self, request: pb.ModelInferRequest, context: Context) -> pb.ModelInferResponse:
+        version, request_id, priority = call_fields(
+            context, request.model_version, request.id, kserve_priority(request.parameters)
+        )
         inputs = decode_inputs(request, self._shm)
         names = requested_outputs(request)
         options = output_options(request)
         classify = options.classify
-        scheduling = kserve_scheduling(context, request.parameters)
-        version = request.model_version
+        scheduling = kserve_scheduling(context, request.parameters, priority)
         if classify or scheduling.priority:
             # Pin the version whose label files and priority levels apply: resolved in the same
             # step as the data plane's lease (no await between), so it is the version that runs.
@@ -319,7 +336,7 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
                 scheduling = replace(scheduling, priority=0)
         result = await self._dataplane.infer(request.model_name, version, inputs, names, scheduling)
         response = pb.ModelInferResponse(
-            model_name=result.model, model_version=str(result.version), id=request.id
+            model_name=result.model, model_version=str(result.version), id=request_id
         )
         outputs = result.outputs
         if classify:
@@ -332,6 +349,18 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
             }
         encode_outputs(response, outputs, options.in_shm, self._shm)
         return response
+
+
+# The in-band error's parameter that carries its x-error-reason value on a KServe stream.
+ERROR_REASON_PARAMETER = "error_reason"
+
+
+def _in_band_error(
+    request: pb.ModelInferRequest, exc: Exception, reason: ErrorReason
+) -> pb.ModelStreamInferResponse:
+    failed = pb.ModelInferResponse(model_name=request.model_name, id=request.id)
+    failed.parameters[ERROR_REASON_PARAMETER].string_param = reason.value
+    return pb.ModelStreamInferResponse(error_message=str(exc), infer_response=failed)
 
 
 def _empty_final_response(request: pb.ModelInferRequest) -> bool:

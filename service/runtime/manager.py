@@ -17,7 +17,13 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from types import MappingProxyType
 
-from service.errors import InvalidInput, ModelLoadError, ModelNotFound, ModelUnavailable
+from service.errors import (
+    InvalidInput,
+    ModelLoadError,
+    ModelNotFound,
+    ModelUnavailable,
+    VersionNotFound,
+)
 from service.metrics import ServiceMetrics
 from service.repository.checksum import verify_checksum
 from service.repository.config import ModelConfig, load_config
@@ -118,7 +124,7 @@ class ModelManager:
             raise InvalidInput(f"model_version {version!r} is not a version number (e.g. '3' or 'v3')")
         served = model.versions.get(number)
         if served is None:
-            raise ModelNotFound(
+            raise VersionNotFound(
                 f"model {name!r} has no served version {number}; served versions: {sorted(model.versions)}"
             )
         return served

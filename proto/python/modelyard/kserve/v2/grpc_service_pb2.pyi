@@ -428,7 +428,11 @@ Global___InferTensorContents: _TypeAlias = InferTensorContents  # noqa: Y015
 
 @_typing.final
 class ModelInferRequest(_message.Message):
-    """Request message for ModelInfer."""
+    """Request message for ModelInfer.
+    Modelyard: model_name (field 1) and model_version (field 2) are where a proxy reads them
+    from the wire bytes. Where model_version, id or the "priority" parameter are left empty, the
+    x-model-version, x-request-id and x-priority headers are used.
+    """
 
     DESCRIPTOR: _descriptor.Descriptor
 
