@@ -16,6 +16,7 @@ import numpy as np
 
 from service import tracing
 from service.batching.layer import BatchingLayer
+from service.errors import ServiceError
 from service.runtime.manager import ModelManager
 from service.runtime.served import ServedVersion
 from service.runtime.session import run_model
@@ -29,6 +30,19 @@ class InferResult:
     outputs: dict[str, np.ndarray]
     row_offset: int = 0  # for chunks of a streamed batch
     last: bool = True  # False on every chunk of a streamed batch but the final one
+
+
+def _checked(
+    served: ServedVersion, inputs: Mapping[str, np.ndarray], output_names: Sequence[str], admitted_ns: int
+) -> tuple[str, ...]:
+    """The outputs to compute, once the inputs fit the version; a request they do not fit counts
+    as a failed inference of that version (as Triton's statistics count it)."""
+    try:
+        served.runner.signature.check_inputs(inputs)
+        return served.runner.signature.select_outputs(output_names)
+    except ServiceError:
+        served.stats.record_request(False, time.perf_counter_ns() - admitted_ns)
+        raise
 
 
 class DataPlane:
@@ -51,8 +65,7 @@ class DataPlane:
         # The lease is held while the request waits in a batcher's queue, too: a retiring version
         # answers what it has queued before it is released.
         with self.manager.lease(model, version) as served:
-            served.runner.signature.check_inputs(inputs)
-            names = served.runner.signature.select_outputs(output_names)
+            names = _checked(served, inputs, output_names, admitted)
             outputs = await self._run(served, inputs, names, scheduling, admitted)
             return InferResult(model, served.version, outputs)
 
@@ -70,8 +83,7 @@ class DataPlane:
         batching each chunk queues at the request's priority, with the request's deadline."""
         with self.manager.lease(model, version) as served:
             signature = served.runner.signature
-            signature.check_inputs(inputs)
-            names = signature.select_outputs(output_names)
+            names = _checked(served, inputs, output_names, time.perf_counter_ns())
             batch = next(iter(inputs.values())).shape[0] if signature.max_batch_size and inputs else 0
             if not batch:
                 outputs = await self._run(served, inputs, names, scheduling, time.perf_counter_ns())

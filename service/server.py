@@ -26,6 +26,7 @@ from modelyard.kserve.v2 import grpc_service_pb2, grpc_service_pb2_grpc
 
 from service.api.inference_servicer import InferenceServicer
 from service.api.kserve_servicer import KServeServicer
+from service.api.limits import SizeLimitedServer, transport_limit
 from service.api.model_servicer import ModelServicer
 from service.batching.layer import BatchingLayer
 from service.config import Settings
@@ -177,17 +178,21 @@ def build_service(
     generation = GenerationPlane(manager, executor, metrics)
     server = grpc.aio.server(
         options=[
-            ("grpc.max_receive_message_length", settings.max_message_bytes),
+            # Above the configured limit, which the handlers check so as to answer with a reason.
+            ("grpc.max_receive_message_length", transport_limit(settings.max_message_bytes)),
             ("grpc.max_send_message_length", settings.max_message_bytes),
             ("grpc.so_reuseport", 0),  # a taken port must fail loudly, not be shared
         ]
     )
-    inference_service_pb2_grpc.add_InferenceServiceServicer_to_server(
-        InferenceServicer(dataplane, generation, metrics), server
+    limited = SizeLimitedServer(server, settings.max_message_bytes, metrics)
+    limited.add(
+        inference_service_pb2_grpc.add_InferenceServiceServicer_to_server,
+        InferenceServicer(dataplane, generation, metrics),
     )
-    model_service_pb2_grpc.add_ModelServiceServicer_to_server(ModelServicer(manager, metrics), server)
-    grpc_service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(
-        KServeServicer(manager, dataplane, metrics), server
+    limited.add(model_service_pb2_grpc.add_ModelServiceServicer_to_server, ModelServicer(manager, metrics))
+    limited.add(
+        grpc_service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server,
+        KServeServicer(manager, dataplane, metrics),
     )
     health_servicer: Health = health.aio.HealthServicer()  # type: ignore[attr-defined]
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

@@ -21,8 +21,10 @@ from onnxruntime.capi.onnxruntime_pybind11_state import InvalidArgument
 from service.datatypes import NAME_BY_ORT
 from service.errors import InvalidInput, ModelLoadError, ModelRunError, ServiceError
 from service.repository.config import ModelConfig, TensorConfig
+from service.runtime import bf16
 from service.runtime.providers import CPU, CUDA, ProviderChoice
 from service.runtime.signature import Signature, TensorSpec
+from service.runtime.strings import feeds_for_ort, outputs_from_ort
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +62,20 @@ class ModelRunner:
         return self.warmup_run_s < INLINE_RUN_LIMIT_S
 
     def run(self, feeds: Mapping[str, np.ndarray], output_names: Sequence[str]) -> list[np.ndarray]:
-        return self.session.run(list(output_names), dict(feeds))  # type: ignore[no-any-return]
+        strings = self.signature.string_inputs
+        ort_feeds = feeds_for_ort(feeds, strings) if strings else dict(feeds)
+        arrays: list[np.ndarray]
+        try:
+            if self.signature.has_bf16:
+                arrays = bf16.run(self.session, ort_feeds, output_names)
+            else:
+                arrays = self.session.run(list(output_names), ort_feeds)
+        except UnicodeDecodeError:  # the binding decodes string outputs as UTF-8, strictly
+            raise ModelRunError(
+                "a BYTES output holds bytes that are not UTF-8, which ONNX Runtime's Python binding "
+                "cannot return"
+            ) from None
+        return outputs_from_ort(arrays) if self.signature.string_outputs else arrays
 
 
 class Runnable(Protocol):
