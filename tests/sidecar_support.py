@@ -108,9 +108,8 @@ class Answer:
 
     @property
     def version(self) -> str:
-        # The service's x-served-version where it sends it, and the response field always.
-        served = self.initial.get("x-served-version")
-        assert served is None or served == self.response.model_version
+        # The service's x-served-version passes through the sidecar, and says what the body says.
+        assert self.initial.get("x-served-version") == self.response.model_version
         return self.response.model_version
 
     @property
