@@ -412,6 +412,21 @@ class Proxy(_Handler):
 
     # --- calls ----------------------------------------------------------------------------
 
+    async def _stream_retry(self, plan: Plan, call: Any, tried: list[Upstream]) -> Plan | None:
+        """A server stream that ended before its first message (a trailers-only answer): nothing
+        reached the client yet, so an unreachable upstream or a canary fault is retried as for
+        unary calls."""
+        code = await call.code()
+        if code == grpc.StatusCode.OK:
+            return None
+        trailing = await call.trailing_metadata()
+        unreachable = code == grpc.StatusCode.UNAVAILABLE and not error_reason(trailing)
+        if not unreachable and not (plan.dye == CANARY and is_fault(code, trailing)):
+            return None
+        self._report(plan, code, trailing, None)
+        tried.append(plan.upstream)
+        return self._retry(plan, tried, unreachable)
+
     async def _unary(self, info: MethodInfo, request: bytes, context: Context) -> bytes:
         started = time.perf_counter()
         code = grpc.StatusCode.OK
@@ -488,28 +503,39 @@ class Proxy(_Handler):
                 code = refused.code
                 self._tracing.refused(span, refused.reason)
                 await context.abort(refused.code, str(refused), _refusal_md(refused))
-            assert plan is not None
-            with self._tracing.attempt(span, plan, info.path) as attempt:
-                timeout = context.time_remaining()
-                method = plan.upstream.method(info.path, info.kind)
-                if info.kind == "unary_stream":
-                    call = method(plan.body(first or b""), metadata=attempt.metadata, timeout=timeout)
-                else:
-                    call = method(_requests(plan, first, more), metadata=attempt.metadata, timeout=timeout)
-                try:
-                    initial = await call.initial_metadata()
-                    await context.send_initial_metadata(_with(initial, plan.answer_metadata))
-                    async for message in call:
-                        yield message
-                    trailing = await call.trailing_metadata()
-                    if trailing:
-                        context.set_trailing_metadata(tuple(trailing))
-                except grpc.aio.AioRpcError as exc:
-                    code = exc.code()
-                    trailing = exc.trailing_metadata()
-                    self._report(plan, code, trailing, None)
-                    attempt.failed(code)
-                    await context.abort(code, exc.details() or "", _with(trailing, plan.answer_metadata))
+            tried: list[Upstream] = []
+            while True:
+                assert plan is not None
+                with self._tracing.attempt(span, plan, info.path) as attempt:
+                    timeout = context.time_remaining()
+                    method = plan.upstream.method(info.path, info.kind)
+                    if info.kind == "unary_stream":
+                        call = method(plan.body(first or b""), metadata=attempt.metadata, timeout=timeout)
+                    else:
+                        call = method(
+                            _requests(plan, first, more), metadata=attempt.metadata, timeout=timeout
+                        )
+                    try:
+                        initial = await call.initial_metadata()
+                        if info.kind == "unary_stream" and call.done():
+                            retry = await self._stream_retry(plan, call, tried)
+                            if retry is not None:
+                                attempt.failed(await call.code())
+                                plan = retry
+                                continue
+                        await context.send_initial_metadata(_with(initial, plan.answer_metadata))
+                        async for message in call:
+                            yield message
+                        trailing = await call.trailing_metadata()
+                        if trailing:
+                            context.set_trailing_metadata(tuple(trailing))
+                    except grpc.aio.AioRpcError as exc:
+                        code = exc.code()
+                        trailing = exc.trailing_metadata()
+                        self._report(plan, code, trailing, None)
+                        attempt.failed(code)
+                        await context.abort(code, exc.details() or "", _with(trailing, plan.answer_metadata))
+                break
         except (asyncio.CancelledError, GeneratorExit):
             code = grpc.StatusCode.CANCELLED
             raise

@@ -9,9 +9,13 @@ from collections.abc import Callable
 from pathlib import Path
 
 import grpc
+import numpy as np
 import onnx
 import pytest
 import yaml
+from modelyard.inference.v1 import inference_service_pb2 as pb
+from modelyard.inference.v1 import inference_service_pb2_grpc as pb_grpc
+from modelyard.tensors import to_tensor
 from onnx import TensorProto, helper
 
 from models import demo_models
@@ -128,6 +132,16 @@ async def test_a_killed_canary_process_is_routed_around_and_comes_back(
         async with grpc.aio.insecure_channel(sidecar.address) as channel:
             assert (await infer(channel, user="u", metadata=list(CANARY.items()))).version == "2"
             canary.stop(signal.SIGKILL)
+            # A server stream that fails before its first message is retried too: on stable.
+            stub = pb_grpc.InferenceServiceStub(channel)
+            x = to_tensor("INPUT0", np.ones((4, 16), np.float32))
+            stream = stub.InferStream(
+                pb.InferStreamRequest(model_name="scaler", inputs=[x], chunk_size=2),
+                metadata=[*CANARY.items(), ("x-user-id", "u")],
+            )
+            chunks = [chunk async for chunk in stream]
+            assert [c.model_version for c in chunks] == ["1", "1"]
+            assert dict(pairs(await stream.initial_metadata()))["x-dye-fallback"] == "unavailable"
             reasons = set()
             for user in USERS * 3:
                 answer = await infer(channel, user=user, metadata=list(CANARY.items()))
