@@ -59,8 +59,22 @@ def configure(environ: Mapping[str, str] | None = None) -> bool:
     _provider.add_span_processor(BatchSpanProcessor(exporter))
     _tracer = _provider.get_tracer("modelyard.service")
     _propagator = CompositePropagator([TraceContextTextMapPropagator(), W3CBaggagePropagator()])
+    for handler in logging.getLogger().handlers:
+        handler.addFilter(TraceIds())
     log.info("tracing on: OTLP %s to %s", protocol, endpoint)
     return True
+
+
+class TraceIds(logging.Filter):
+    """Puts the current call's trace and span ids on log records (JSON logs show them)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        span = _current.get()
+        if span is not None:
+            ids = span.get_span_context()
+            record.trace_id = format(ids.trace_id, "032x")
+            record.span_id = format(ids.span_id, "016x")
+        return True
 
 
 def shutdown() -> None:
