@@ -77,6 +77,19 @@ class SidecarMetrics:
             registry=self.registry,
         )
 
+        self.shadow_tokens = Counter(
+            "modelyard_sidecar_shadow_tokens",
+            "Generated tokens compared in mirrored greedy generations (the longer output's length)",
+            ["model"],
+            registry=self.registry,
+        )
+        self.shadow_tokens_agreeing = Counter(
+            "modelyard_sidecar_shadow_tokens_agreeing",
+            "Generated tokens that agreed (the common prefix) in mirrored greedy generations",
+            ["model"],
+            registry=self.registry,
+        )
+
     def breaker_changed(self, key: BreakerKey, new: State) -> None:
         labels = (key.upstream, key.model, key.version)
         self.breaker_state.labels(*labels).set(STATE_VALUES[new])

@@ -28,8 +28,9 @@ from sidecar.limits import TenantLimits
 from sidecar.metrics import SidecarMetrics
 from sidecar.routes import RouteSource
 from sidecar.routing import CANARY, STABLE, Decision, RoutingError, decide, stable_and_canary
+from sidecar.shadow import GENERATE as SHADOWED_STREAM
 from sidecar.shadow import METHODS as SHADOWED
-from sidecar.shadow import Shadows
+from sidecar.shadow import Shadows, is_greedy, token_ids
 from sidecar.tracing import Tracing
 from sidecar.upstreams import Upstream, Upstreams
 from sidecar.wire import WireError, read_model_fields, with_version
@@ -362,26 +363,24 @@ class Proxy(_Handler):
             plan.model, version, dye, fallback, plan.stable, upstream, breaker, permit, forward, plan.tenant
         )
 
-    def _maybe_shadow(self, info: MethodInfo, plan: Plan, request: bytes, answer: bytes) -> None:
-        """Mirror a stable answer's request to the canary (shadow.py), if the route file asks."""
-        policy = self._routes.table.shadow
-        if not self._shadows.wants(policy):
-            return
+    def _shadow_target(self, plan: Plan) -> tuple[str, Upstream, Metadata] | None:
+        """The canary version, an upstream whose breaker lets calls through, and the metadata."""
         route = self._routes.table.route(plan.model)
         _, canary = stable_and_canary(route, self._upstreams.versions(plan.model))
         if not canary or canary == plan.version:
+            return None
+        for upstream in self._upstreams.candidates(plan.model, canary):
+            if self._breakers.get(upstream.address, plan.model, canary).would_allow():
+                md = (*_strip(plan.forward), (headers.MODEL_VERSION, canary), (headers.MODEL_DYE, "shadow"))
+                return canary, upstream, md
+        return None
+
+    def _maybe_shadow(self, info: MethodInfo, plan: Plan, request: bytes, answer: bytes) -> None:
+        """Mirror a stable answer's request to the canary (shadow.py), if the route file asks."""
+        policy = self._routes.table.shadow
+        if not self._shadows.wants(policy) or (target := self._shadow_target(plan)) is None:
             return
-        upstream = next(
-            (
-                u
-                for u in self._upstreams.candidates(plan.model, canary)
-                if self._breakers.get(u.address, plan.model, canary).would_allow()
-            ),
-            None,
-        )
-        if upstream is None:
-            return
-        forward = (*_strip(plan.forward), (headers.MODEL_VERSION, canary), (headers.MODEL_DYE, "shadow"))
+        canary, upstream, forward = target
         method = upstream.method(info.path, "unary_unary")
 
         async def send(message: bytes) -> bytes:
@@ -389,6 +388,28 @@ class Proxy(_Handler):
             return answer
 
         self._shadows.mirror(policy, plan.model, info.path, request, answer, send)
+
+    def _wants_shadow(self, info: MethodInfo, plan: Plan, request: bytes | None) -> list[int] | None:
+        """A list to collect the stable stream's tokens in, when this Generate is mirrored."""
+        if info.path != SHADOWED_STREAM or plan.dye != STABLE or request is None:
+            return None
+        if not self._shadows.wants(self._routes.table.shadow) or not is_greedy(request):
+            return None
+        return []
+
+    def _shadow_generation(self, plan: Plan, request: bytes, tokens: list[int]) -> None:
+        if (target := self._shadow_target(plan)) is None:
+            return
+        canary, upstream, forward = target
+        method = upstream.method(SHADOWED_STREAM, "unary_stream")
+
+        async def send(message: bytes) -> list[int]:
+            produced: list[int] = []
+            async for event in method(with_version(message, canary), metadata=forward, timeout=120):
+                produced.extend(token_ids(event))
+            return produced
+
+        self._shadows.mirror_tokens(self._routes.table.shadow, plan.model, request, tokens, send)
 
     def _report(self, plan: Plan, code: grpc.StatusCode, trailing: Any, latency: float | None) -> None:
         if plan.reported or plan.breaker is None or plan.permit is None:
@@ -524,11 +545,16 @@ class Proxy(_Handler):
                                 plan = retry
                                 continue
                         await context.send_initial_metadata(_with(initial, plan.answer_metadata))
+                        shadowed = self._wants_shadow(info, plan, first)
                         async for message in call:
+                            if shadowed is not None:
+                                shadowed.extend(token_ids(message))
                             yield message
                         trailing = await call.trailing_metadata()
                         if trailing:
                             context.set_trailing_metadata(tuple(trailing))
+                        if shadowed is not None and first is not None:
+                            self._shadow_generation(plan, first, shadowed)
                     except grpc.aio.AioRpcError as exc:
                         code = exc.code()
                         trailing = exc.trailing_metadata()

@@ -1,8 +1,9 @@
 """Shadow comparison: a share of stable-dyed unary calls is mirrored to the canary version and
 the two answers compared (max absolute difference and per-row argmax agreement of each output),
-as metrics. The client only ever gets the stable answer and never waits for the shadow: the
-mirror runs in the background after the answer has gone, and at most `max_in_flight` at once;
-beyond that a new shadow call is dropped (counted), so shadow load goes first under pressure.
+as metrics; greedy Generate streams are compared token by token. The client only ever gets the
+stable answer and never waits for the shadow: the mirror runs in the background after the answer
+has gone, and at most `max_in_flight` at once; beyond that a new shadow call is dropped
+(counted), so shadow load goes first under pressure.
 
 Answers are decoded here (protobuf only, no numpy): only for mirrored calls, off the hot path.
 """
@@ -14,9 +15,11 @@ import asyncio
 import logging
 import random
 import sys
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass
+from typing import Any
 
+from google.protobuf.message import DecodeError
 from modelyard.inference.v1 import inference_service_pb2, tensor_pb2
 from modelyard.kserve.v2 import grpc_service_pb2
 
@@ -25,6 +28,7 @@ from sidecar.metrics import SidecarMetrics
 log = logging.getLogger(__name__)
 
 INFER = "/modelyard.inference.v1.InferenceService/Infer"
+GENERATE = "/modelyard.inference.v1.InferenceService/Generate"
 MODEL_INFER = "/inference.GRPCInferenceService/ModelInfer"
 METHODS = frozenset({INFER, MODEL_INFER})
 MAX_COMPARED = 1 << 20  # elements per output; beyond it only the first ones are compared
@@ -117,11 +121,35 @@ def compare(stable: dict[str, Output], canary: dict[str, Output]) -> Comparison:
     return Comparison(worst, rows, agreeing)
 
 
+def is_greedy(request: bytes) -> bool:
+    """Only greedy generations (temperature 0) are comparable token by token."""
+    try:
+        return inference_service_pb2.GenerateRequest.FromString(request).temperature == 0
+    except DecodeError:
+        return False
+
+
+def token_ids(event: bytes) -> list[int]:
+    return list(inference_service_pb2.GenerateResponse.FromString(event).token_ids)
+
+
+def token_agreement(stable: Sequence[int], canary: Sequence[int]) -> tuple[int, int]:
+    """(tokens compared, tokens agreeing): the longer output's length, and the common prefix's
+    (after a first difference, greedy outputs go their own ways)."""
+    agreeing = 0
+    for a, b in zip(stable, canary, strict=False):
+        if a != b:
+            break
+        agreeing += 1
+    return max(len(stable), len(canary)), agreeing
+
+
 Send = Callable[[bytes], Awaitable[bytes]]
+SendStream = Callable[[bytes], Awaitable[list[int]]]
 
 
 class Shadows:
-    """Mirrors calls in the background, bounded; the proxy calls `maybe_mirror` after answering."""
+    """Mirrors calls in the background, bounded; the proxy calls `mirror` once it has answered."""
 
     def __init__(self, metrics: SidecarMetrics, chance: Callable[[], float] = random.random) -> None:
         self._metrics = metrics
@@ -136,13 +164,35 @@ class Shadows:
     ) -> bool:
         """Send `request` to the canary in the background and compare its answer with `stable`,
         unless `max_in_flight` shadow calls are running; returns whether it started."""
+        return self._start(policy, model, self._run(model, method, request, stable, send))
+
+    def mirror_tokens(
+        self, policy: ShadowPolicy, model: str, request: bytes, stable: list[int], send: SendStream
+    ) -> bool:
+        """The same for a greedy Generate: the canary's tokens against the stable stream's."""
+        return self._start(policy, model, self._run_tokens(model, request, stable, send))
+
+    def _start(self, policy: ShadowPolicy, model: str, work: Coroutine[Any, Any, None]) -> bool:
         if len(self._in_flight) >= policy.max_in_flight:
+            work.close()
             self._metrics.shadow_calls.labels(model, "dropped").inc()
             return False
-        task = asyncio.get_running_loop().create_task(self._run(model, method, request, stable, send))
+        task = asyncio.get_running_loop().create_task(work)
         self._in_flight.add(task)
         task.add_done_callback(self._in_flight.discard)
         return True
+
+    async def _run_tokens(self, model: str, request: bytes, stable: list[int], send: SendStream) -> None:
+        try:
+            canary = await send(request)
+        except Exception as exc:
+            log.debug("shadow generation on %s failed: %s", model, exc)
+            self._metrics.shadow_calls.labels(model, "failed").inc()
+            return
+        compared, agreeing = token_agreement(stable, canary)
+        self._metrics.shadow_calls.labels(model, "compared").inc()
+        self._metrics.shadow_tokens.labels(model).inc(compared)
+        self._metrics.shadow_tokens_agreeing.labels(model).inc(agreeing)
 
     async def _run(self, model: str, method: str, request: bytes, stable: bytes, send: Send) -> None:
         try:

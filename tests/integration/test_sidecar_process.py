@@ -38,6 +38,9 @@ def repository(tmp_path: Path) -> Path:
     demo_models.build_demo_repository(root)
     shutil.copytree(demo_models.COMMITTED_ROOT / "codelm" / "1", root / "tight" / "1")
     (root / "tight" / "config.yaml").write_text(TIGHT)
+    for version in ("1", "2"):  # two identical versions of a decoder: a canary that agrees
+        shutil.copytree(demo_models.COMMITTED_ROOT / "codelm" / "1", root / "twin" / version)
+    (root / "twin" / "config.yaml").write_text("version_policy: {latest: 2}\n")
     return root
 
 
@@ -224,3 +227,30 @@ async def _answers(channel: grpc.aio.Channel, metadata: list[tuple[str, str]] | 
     except grpc.aio.AioRpcError:
         await asyncio.sleep(0.1)
         return False
+
+
+async def test_shadow_compares_greedy_generations_token_by_token(upstream, sidecar_process, tmp_path) -> None:
+    config = tmp_path / "routes.yaml"
+    config.write_text(yaml.safe_dump({"shadow": {"share": 100, "max_in_flight": 8}}))
+    sidecar = sidecar_process("--upstream", upstream.address, "--config", str(config))
+    assert sidecar.admin_url is not None
+    async with grpc.aio.insecure_channel(sidecar.address) as channel:
+        stub = pb_grpc.InferenceServiceStub(channel)
+        request = pb.GenerateRequest(model_name="twin", prompt="def f(", max_tokens=6)
+
+        async def stable_events() -> list[pb.GenerateResponse]:
+            call = stub.Generate(request, metadata=[("x-user-id", "u")])
+            events = [e async for e in call]
+            assert dict(pairs(await call.initial_metadata()))["x-model-dye"] == "stable"
+            return events
+
+        await eventually(lambda: _answers(channel), what="the sidecar knows the versions")
+        events = await stable_events()
+        assert all(e.model_version == "1" for e in events)
+        produced = sum(len(e.token_ids) for e in events)
+
+        def compared(name: str) -> float | None:
+            return scrape(f"{sidecar.admin_url}/metrics", name, model="twin")
+
+        await eventually(lambda: compared("modelyard_sidecar_shadow_tokens_total") == produced)
+        assert compared("modelyard_sidecar_shadow_tokens_agreeing_total") == produced  # the same weights

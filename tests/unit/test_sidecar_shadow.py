@@ -12,7 +12,17 @@ from modelyard.inference.v1 import tensor_pb2
 from modelyard.kserve.v2 import grpc_service_pb2 as kserve
 
 from sidecar.metrics import SidecarMetrics
-from sidecar.shadow import INFER, MODEL_INFER, ShadowPolicy, Shadows, compare, decode_outputs
+from sidecar.shadow import (
+    INFER,
+    MODEL_INFER,
+    ShadowPolicy,
+    Shadows,
+    compare,
+    decode_outputs,
+    is_greedy,
+    token_agreement,
+    token_ids,
+)
 
 
 def answer(rows: list[list[float]]) -> bytes:
@@ -76,3 +86,13 @@ async def test_shadow_calls_are_bounded_and_extra_ones_dropped() -> None:
         return metrics.registry.get_sample_value(name, {"model": "m", **labels}) or 0.0
 
     assert sample("modelyard_sidecar_shadow_calls_total", outcome="dropped") == 3
+
+
+def test_greedy_generations_compare_by_their_common_prefix() -> None:
+    assert is_greedy(pb.GenerateRequest(model_name="m", prompt="x").SerializeToString())
+    assert not is_greedy(pb.GenerateRequest(model_name="m", temperature=0.7).SerializeToString())
+    assert not is_greedy(b"\x0a\x10abc")  # not a message
+    assert token_ids(pb.GenerateResponse(token_ids=[5, 6]).SerializeToString()) == [5, 6]
+    assert token_agreement([1, 2, 3, 4], [1, 2, 9, 4]) == (4, 2)  # after a difference, nothing counts
+    assert token_agreement([1, 2], [1, 2, 3]) == (3, 2)
+    assert token_agreement([], []) == (0, 0)
