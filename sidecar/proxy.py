@@ -365,6 +365,8 @@ class Proxy(_Handler):
 
     def _shadow_target(self, plan: Plan) -> tuple[str, Upstream, Metadata] | None:
         """The canary version, an upstream whose breaker lets calls through, and the metadata."""
+        if not plan.version:
+            return None  # the model's versions are not known (yet): nothing to compare against
         route = self._routes.table.route(plan.model)
         _, canary = stable_and_canary(route, self._upstreams.versions(plan.model))
         if not canary or canary == plan.version:

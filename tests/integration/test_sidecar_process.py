@@ -244,7 +244,12 @@ async def test_shadow_compares_greedy_generations_token_by_token(upstream, sidec
             assert dict(pairs(await call.initial_metadata()))["x-model-dye"] == "stable"
             return events
 
-        await eventually(lambda: _answers(channel), what="the sidecar knows the versions")
+        async def knows_both() -> bool:  # a call dyed canary: both versions are known
+            call = stub.Generate(request, metadata=[("x-canary-weight", "100"), ("x-user-id", "u")])
+            _ = [e async for e in call]
+            return bool(dict(pairs(await call.initial_metadata())).get("x-model-dye") == "canary")
+
+        await eventually(knows_both, what="the sidecar knows both versions of twin")
         events = await stable_events()
         assert all(e.model_version == "1" for e in events)
         produced = sum(len(e.token_ids) for e in events)
