@@ -40,7 +40,7 @@ class ModelRoute:
 @dataclass(frozen=True, slots=True)
 class Decision:
     version: str  # empty: the model's versions are unknown; the service picks its default
-    dye: str  # stable, canary or pinned
+    dye: str  # stable, canary or pinned; empty when the versions are unknown
     canary: str = ""  # the canary version when dyed canary (for the fallback), else empty
     stable: str = ""  # the stable version, where a canary may fall back to
 
@@ -95,6 +95,8 @@ def decide(
     if pin:
         return Decision(normalize_version(pin), PINNED)
     stable, canary = stable_and_canary(route, served)
+    if not stable:
+        return Decision("", "")  # versions unknown (yet): undyed, the service answers as it would
     if not canary or canary == stable:
         return Decision(stable, STABLE, stable=stable)
     weight = route.canary_weight if header_weight is None else parse_weight(header_weight)

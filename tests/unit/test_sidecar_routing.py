@@ -83,3 +83,8 @@ def test_without_a_key_requests_spread_by_the_weight() -> None:
     route = ModelRoute(canary_weight=50)
     dyes = [decide(route, SERVED, pin="", sticky_key=None, header_weight=None).dye for _ in range(2000)]
     assert 0.4 < dyes.count(CANARY) / len(dyes) < 0.6
+
+
+def test_unknown_versions_leave_the_call_undyed() -> None:
+    decision = decide(ModelRoute(canary_weight=100), set(), pin="", sticky_key="u", header_weight=None)
+    assert (decision.version, decision.dye) == ("", "")
