@@ -17,9 +17,11 @@ test: lint
 lint: $(VENV)/.installed-dev $(BUF) system-deps
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
-	$(VENV)/bin/mypy service tests bench proto/generate.py proto/python/modelyard
+	$(VENV)/bin/mypy service gateway tests bench proto/generate.py proto/python/modelyard envoy/render.py
 	$(VENV)/bin/lint-imports
 	$(PY) proto/generate.py --check
+	$(PY) envoy/render.py --check
+	$(VENV)/bin/envoy --mode validate -c envoy/envoy.yaml --log-level warn
 	$(BUF) lint
 	$(BUF) breaking --against proto/baseline.binpb
 

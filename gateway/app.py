@@ -108,7 +108,9 @@ class Gateway:
 
     async def start(self) -> None:
         settings = self.settings
-        self.upstream = Upstream(settings.upstream, settings.upstream_timeout_s, settings.upstream_lookahead_bytes)
+        self.upstream = Upstream(
+            settings.upstream, settings.upstream_timeout_s, settings.upstream_lookahead_bytes
+        )
         app = build_app(settings, self.upstream, self.registry, self.metrics)
         host, port = split_address(settings.listen)
         sock = socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET)

@@ -17,6 +17,9 @@ class Settings:
     upstream: str = "127.0.0.1:50051"  # the sidecar (it forwards the service's API unchanged)
     grace_s: float = 10.0
     max_body_bytes: int = 1024 * 1024  # larger request bodies get 413
+    # A failure in the first moments (load shed, unknown model) is an HTTP status; a stream whose
+    # first token takes longer (queued for a slot) opens anyway and heartbeats while it waits.
+    first_event_wait_s: float = 1.0
     heartbeat_s: float = 15.0  # an SSE comment line after this long without an event
     retry_ms: int = 3000  # the `retry:` hint sent to EventSource clients
     # Resume: a stream whose client went away keeps generating into its buffer (up to
@@ -40,12 +43,13 @@ _HELP = {
     "upstream": "gRPC address HOST:PORT of the sidecar (or a service)",
     "grace_s": "seconds in-flight requests get to finish on shutdown",
     "max_body_bytes": "largest request body in bytes (larger: 413)",
+    "first_event_wait_s": "seconds to wait for the first token before the stream opens anyway",
     "heartbeat_s": "seconds of silence after which an SSE stream gets a comment heartbeat",
     "retry_ms": "reconnect delay hinted to EventSource clients (SSE retry:)",
     "resume_window_s": "seconds a stream is kept for Last-Event-ID resume after its client left; 0: none",
     "resume_buffer_events": "most events a stream buffers for resume (generation pauses when full)",
     "max_streams": "most SSE streams held at once; more are answered 429",
-    "upstream_lookahead_bytes": "HTTP/2 lookahead window to the upstream in bytes; 0 = gRPC's adaptive default",
+    "upstream_lookahead_bytes": "HTTP/2 lookahead window to the upstream (bytes); 0 = gRPC's default",
     "upstream_timeout_s": "deadline of each upstream gRPC call in seconds; 0 = none",
     "log_level": "DEBUG, INFO, WARNING or ERROR",
     "log_format": "text or json (one object per line)",

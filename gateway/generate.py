@@ -9,6 +9,7 @@ time_to_first_token_ms, model_version}, `error` {status, code, reason, message}.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from typing import Any
 
@@ -89,10 +90,14 @@ class GenerateEndpoints:
         call = self.upstream.inference.Generate(generate, metadata=metadata, timeout=self.upstream.timeout_s)
         stream = self.registry.start(generate.model_name, call)
         try:
-            await stream.started()
+            async with asyncio.timeout(self.settings.first_event_wait_s):
+                await stream.started()
+        except TimeoutError:
+            pass  # still queued upstream: open the stream now, heartbeats keep it alive
         except BaseException:
             self.registry.drop(stream)
             raise
+        stream.opened = True
         if stream.failure is not None:
             self.registry.drop(stream)
             raise stream.failure

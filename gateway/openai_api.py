@@ -38,6 +38,7 @@ def is_openai_path(path: str) -> bool:
     """Errors on these paths use OpenAI's error object (the generate endpoints use errors.py's)."""
     return path.rstrip("/") in PATHS
 
+
 _ERROR_TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",

@@ -82,6 +82,7 @@ class Stream:
         self._changed = asyncio.Event()
         self._started = asyncio.Event()  # the first event, or the failure, is known
         self.readers = 0
+        self.opened = False  # a 200 was sent: a failure from now on is an error event
         self.finished = False
         self.producer: asyncio.Task[None] | None = None
         self.expiry: asyncio.TimerHandle | None = None
@@ -117,7 +118,7 @@ class Stream:
             self._started.set()
 
     async def _fail(self, error: errors.HttpError) -> None:
-        if self._next == 0:
+        if self._next == 0 and not self.opened:
             self.failure = error
             self.finished = True
             return
