@@ -20,7 +20,7 @@ class SseEvent:
 
 
 async def read_events(response: httpx.Response) -> AsyncIterator[SseEvent]:
-    name, ident, data = "message", "", []
+    name, ident, data = "message", "", list[str]()
     async for line in response.aiter_lines():
         if line == "":
             if data:

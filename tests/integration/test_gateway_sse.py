@@ -39,7 +39,9 @@ def sse_repository(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("gateway") / "models"
     for name in MODELS:
         shutil.copytree(CODELM / "1", root / name / "1")
-        (root / name / "config.yaml").write_text(SMALL if name != "codelm" else (CODELM / "config.yaml").read_text())
+        (root / name / "config.yaml").write_text(
+            SMALL if name != "codelm" else (CODELM / "config.yaml").read_text()
+        )
     return root
 
 
@@ -147,7 +149,9 @@ async def test_resume_after_disconnect_yields_exactly_the_remaining_tokens(clien
                 first.append(event)
             if len(first) == 5:
                 break  # the client goes away mid-stream
-    resumes = gateway.metrics.registry.get_sample_value("modelyard_gateway_resumes_total", {"outcome": "resumed"})
+    resumes = gateway.metrics.registry.get_sample_value(
+        "modelyard_gateway_resumes_total", {"outcome": "resumed"}
+    )
     # EventSource's reconnect: the same GET/POST with Last-Event-ID; the prompt is not needed.
     async with client.stream(
         "GET", "/v1/models/resumed/generate", headers={"Last-Event-ID": first[-1].id}
@@ -157,7 +161,9 @@ async def test_resume_after_disconnect_yields_exactly_the_remaining_tokens(clien
     assert rest[0].id.split(":")[1] == "5"
     assert token_ids(first) + token_ids(rest) == want
     assert rest[-1].event == "done" and rest[-1].data["usage"]["completion_tokens"] == 60
-    after = gateway.metrics.registry.get_sample_value("modelyard_gateway_resumes_total", {"outcome": "resumed"})
+    after = gateway.metrics.registry.get_sample_value(
+        "modelyard_gateway_resumes_total", {"outcome": "resumed"}
+    )
     assert after == (resumes or 0) + 1
 
     # Reconnecting after done (as EventSource does ~3 s after the end) starts nothing: 204.
@@ -184,12 +190,16 @@ async def test_an_expired_stream_is_cancelled_upstream_and_cannot_be_resumed(sse
         before = sample(sse_service, "modelyard_generation_cancellations_total", "kept", cause="cancelled")
         async with (
             httpx.AsyncClient(base_url=gateway.url, timeout=60) as http,
-            http.stream("POST", "/v1/models/kept/generate", json={"prompt": "x", "max_tokens": 256}) as response,
+            http.stream(
+                "POST", "/v1/models/kept/generate", json={"prompt": "x", "max_tokens": 256}
+            ) as response,
         ):
             first = await anext(e async for e in read_events(response) if e.event == "token")
         await eventually(
-            lambda: sample(sse_service, "modelyard_generation_cancellations_total", "kept", cause="cancelled")
-            == before + 1
+            lambda: (
+                sample(sse_service, "modelyard_generation_cancellations_total", "kept", cause="cancelled")
+                == before + 1
+            )
         )
         assert sample(sse_service, "modelyard_generation_active_sequences", "kept") == 0
         assert sample(sse_service, "modelyard_generation_tokens_total", "kept") < 200
@@ -206,14 +216,18 @@ async def test_without_resume_a_disconnect_cancels_upstream_at_once(sse_service)
         before = sample(sse_service, "modelyard_generation_cancellations_total", "dropped", cause="cancelled")
         async with (
             httpx.AsyncClient(base_url=gateway.url, timeout=60) as http,
-            http.stream("POST", "/v1/models/dropped/generate", json={"prompt": "x", "max_tokens": 256}) as response,
+            http.stream(
+                "POST", "/v1/models/dropped/generate", json={"prompt": "x", "max_tokens": 256}
+            ) as response,
         ):
             async for event in read_events(response):
                 if event.event == "token":
                     break
         await eventually(
-            lambda: sample(sse_service, "modelyard_generation_cancellations_total", "dropped", cause="cancelled")
-            == before + 1
+            lambda: (
+                sample(sse_service, "modelyard_generation_cancellations_total", "dropped", cause="cancelled")
+                == before + 1
+            )
         )
         assert sample(sse_service, "modelyard_generation_tokens_total", "dropped") < 200
         assert gateway.metrics.registry.get_sample_value("modelyard_gateway_disconnects_total") == 1
@@ -232,7 +246,12 @@ async def test_without_resume_a_disconnect_cancels_upstream_at_once(sse_service)
         ("/v1/models/codelm/generate", {"json": {"prompt": "x", "temperature": -1}}, 400, "invalid_argument"),
         ("/v1/models/codelm/generate", {"content": b"{not json"}, 400, "invalid_argument"),
         ("/v1/models/codelm/generate", {"json": {"max_tokens": 3}}, 422, "invalid_argument"),
-        ("/v1/models/codelm/generate", {"json": {"prompt": "x", "max_tokens": "many"}}, 422, "invalid_argument"),
+        (
+            "/v1/models/codelm/generate",
+            {"json": {"prompt": "x", "max_tokens": "many"}},
+            422,
+            "invalid_argument",
+        ),
         ("/v1/models/codelm/generate", {"json": ["prompt"]}, 400, "invalid_argument"),
         ("/v1/models/codelm/generate", {"json": {"prompt": "x" * 2_000_000}}, 413, "too_large"),
     ],
@@ -255,7 +274,9 @@ async def test_a_failure_after_the_first_token_arrives_as_an_error_event(tmp_pat
     try:
         async with (
             httpx.AsyncClient(base_url=gateway.url, timeout=60) as http,
-            http.stream("POST", "/v1/models/codelm/generate", json={"prompt": "x", "max_tokens": 256}) as response,
+            http.stream(
+                "POST", "/v1/models/codelm/generate", json={"prompt": "x", "max_tokens": 256}
+            ) as response,
         ):
             events = read_events(response)
             first = await anext(e async for e in events if e.event == "token")

@@ -22,7 +22,7 @@ class Connection:
         self.changed = asyncio.Event()
         self.gone = asyncio.Event()
 
-    async def send(self, message: dict[str, Any]) -> None:
+    async def send(self, message: Any) -> None:
         self.sent.append(message)
         self.changed.set()
 
@@ -100,6 +100,8 @@ def test_one_table_maps_grpc_status_to_http(code, status, retry_after) -> None:
 
 def test_retry_after_follows_the_upstream_pushback_and_its_reason() -> None:
     error = errors.from_status(
-        grpc.StatusCode.RESOURCE_EXHAUSTED, "full", {"grpc-retry-pushback-ms": "2500", "x-error-reason": "tenant_limit"}
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+        "full",
+        {"grpc-retry-pushback-ms": "2500", "x-error-reason": "tenant_limit"},
     )
     assert error.headers() == {"x-error-reason": "tenant_limit", "retry-after": "3"}
