@@ -18,7 +18,7 @@ from starlette.routing import BaseRoute, Mount, Route
 from starlette.staticfiles import StaticFiles
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from gateway import errors, openai_api
+from gateway import errors, kserve_rest, openai_api
 from gateway.config import Settings
 from gateway.generate import GenerateEndpoints
 from gateway.metrics import GatewayMetrics
@@ -34,6 +34,7 @@ def build_app(
 ) -> Starlette:
     generate = GenerateEndpoints(upstream, registry, settings, metrics)
     openai = openai_api.OpenAIEndpoints(upstream, generate, settings)
+    kserve = kserve_rest.KServeEndpoints(upstream, settings)
 
     async def metrics_endpoint(request: Request) -> Response:
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
@@ -50,6 +51,15 @@ def build_app(
         Route("/v1/models", openai.models, methods=["GET"]),
         Route("/v1/completions", openai.completions, methods=["POST"]),
         Route("/v1/chat/completions", openai.chat_completions, methods=["POST"]),
+        Route("/v2/health/live", kserve.live, methods=["GET"]),
+        Route("/v2/health/ready", kserve.ready, methods=["GET"]),
+        Route("/v2", kserve.server_metadata, methods=["GET"]),
+        Route("/v2/models/{model}", kserve.model_metadata, methods=["GET"]),
+        Route("/v2/models/{model}/versions/{version}", kserve.model_metadata, methods=["GET"]),
+        Route("/v2/models/{model}/ready", kserve.model_ready, methods=["GET"]),
+        Route("/v2/models/{model}/versions/{version}/ready", kserve.model_ready, methods=["GET"]),
+        Route("/v2/models/{model}/infer", kserve.infer, methods=["POST"]),
+        Route("/v2/models/{model}/versions/{version}/infer", kserve.infer, methods=["POST"]),
         Route("/metrics", metrics_endpoint, methods=["GET"]),
         Route("/healthz", live, methods=["GET"]),
     ]
@@ -66,6 +76,9 @@ def build_app(
 async def _error_response(request: Request, exc: errors.HttpError) -> Response:
     if openai_api.is_openai_path(request.url.path):
         return openai_api.error_response(exc)
+    if request.url.path.startswith("/v2"):  # KServe V2: {"error": "<message>"}, as tritonclient reads it
+        body = {"error": exc.message, "code": exc.code, "reason": exc.reason}
+        return JSONResponse(body, status_code=exc.status, headers=exc.headers())
     return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers())
 
 
