@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import gc
 from collections.abc import AsyncIterator
+from typing import Any
 
 import httpx
 import numpy as np
@@ -28,11 +29,11 @@ async def gateway(service: Service) -> AsyncIterator[Gateway]:
         await running.stop()
 
 
-def triton_session(address: str) -> dict[str, object]:
+def triton_session(address: str) -> dict[str, Any]:
     """Runs in a thread (tritonclient.http blocks): what a Triton HTTP user does."""
     client = tritonhttp.InferenceServerClient(url=address)
     x = np.arange(48, dtype=np.float32).reshape(3, 16)
-    out: dict[str, object] = {
+    out: dict[str, Any] = {
         "live": client.is_server_live(),
         "ready": client.is_server_ready(),
         "scaler_ready": client.is_model_ready("scaler", "1"),
