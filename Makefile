@@ -8,8 +8,9 @@ REPOSITORY ?= models/demo
 
 .PHONY: up test lint gen bench bench-generate bench-batching bench-swaps demo-models proto-baseline install install-dev system-deps clean
 
-up: $(VENV)/.installed
-	$(PY) -m service --repository $(REPOSITORY)
+# service (50052), sidecar (50051), gateway (8000) and Envoy (8080) until Ctrl-C.
+up: $(VENV)/.installed-dev
+	$(PY) -m stack --repository $(REPOSITORY)
 
 test: lint
 	$(PY) -m pytest -q
@@ -17,7 +18,7 @@ test: lint
 lint: $(VENV)/.installed-dev $(BUF) system-deps
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
-	$(VENV)/bin/mypy service gateway tests bench proto/generate.py proto/python/modelyard envoy/render.py
+	$(VENV)/bin/mypy service gateway stack tests bench proto/generate.py proto/python/modelyard envoy/render.py
 	$(VENV)/bin/lint-imports
 	$(PY) proto/generate.py --check
 	$(PY) envoy/render.py --check
