@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 import grpc
+from modelyard.common import headers
 from modelyard.inference.v1 import inference_service_pb2 as pb
 
 from gateway import errors, upstream
@@ -93,20 +94,21 @@ class Stream:
         """Read the upstream call to its end into the buffer (cancelled: the call is cancelled)."""
         try:
             self.headers = upstream.returned(await call.initial_metadata())
+            dye = self.headers.get(headers.MODEL_DYE)
             async for response in call:
-                self.headers.setdefault("x-served-version", response.model_version)
+                self.headers.setdefault(headers.SERVED_VERSION, response.model_version)
                 if response.token_ids or response.text:
-                    await self._append(
-                        TOKEN,
-                        {
-                            "text": response.text,
-                            "token_ids": list(response.token_ids),
-                            "index": response.sequence_number,
-                            "model_version": response.model_version,
-                        },
-                    )
+                    token: dict[str, Any] = {
+                        "text": response.text,
+                        "token_ids": list(response.token_ids),
+                        "index": response.sequence_number,
+                        "model_version": response.model_version,
+                    }
+                    if dye and self._next == 0:  # for EventSource, which cannot read headers
+                        token["model_dye"] = dye
+                    await self._append(TOKEN, token)
                 if response.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
-                    await self._append(DONE, done_data(response))
+                    await self._append(DONE, {**done_data(response), "model_dye": dye or ""})
             if not self.finished:  # the upstream ended without a final event: a fault upstream
                 await self._fail(errors.HttpError(502, "INTERNAL", "internal", "stream ended without done"))
         except grpc.aio.AioRpcError as exc:
