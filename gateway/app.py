@@ -128,6 +128,9 @@ class Gateway:
         host, port = split_address(settings.listen)
         sock = socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET)
         sock.setblocking(False)
+        # Accepted connections inherit it (Linux): small SSE writes go out at once, not after the
+        # peer's delayed ACK (Nagle), which would add tens of ms to time to first token.
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self._socket = sock
         config = uvicorn.Config(
             app,

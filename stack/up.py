@@ -285,6 +285,7 @@ async def run(settings: Settings) -> int:
             f"  KServe V2 REST   {edge}/v2\n"
             f"  gRPC / gRPC-Web  127.0.0.1:{port} (Envoy), {upstream} ({behind})\n"
             f"  gateway          http://{gateway.address}\n"
+            f"  service          {service.address}\n"
             f"  metrics          {' '.join(metrics)}\n",
             flush=True,
         )
