@@ -242,6 +242,8 @@ async def test_openai_client_through_envoy(envoy) -> None:
             model="codelm", messages=[{"role": "user", "content": "sort a list"}], max_tokens=6, stream=True
         )
         chunks = [c async for c in stream]
+        whole = await client.completions.create(model="codelm", prompt="import", max_tokens=5, temperature=0)
+    assert whole.usage is not None and whole.usage.completion_tokens == 5 and whole.choices[0].text
     assert chunks[-1].choices[0].finish_reason == "length"
     assert sum(1 for c in chunks if c.choices[0].delta.content) >= 1
 

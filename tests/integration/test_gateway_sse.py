@@ -8,15 +8,20 @@ per-model service metrics it reads are its own.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import shutil
 import signal
 import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
+from typing import Any
 
+import grpc
 import httpx
 import pytest
 import pytest_asyncio
+from modelyard.inference.v1 import inference_service_pb2 as pb
+from modelyard.inference.v1 import inference_service_pb2_grpc as pb_grpc
 
 from gateway.app import Gateway
 from gateway.config import Settings as GatewaySettings
@@ -31,7 +36,11 @@ pytestmark = pytest.mark.asyncio(loop_scope="module")
 CODELM = demo_models.COMMITTED_ROOT / "codelm"
 # One slot and a 2-token stream buffer: a reader that stops pauses the sequence quickly.
 SMALL = "generation:\n  max_concurrent_sequences: 4\n  max_tokens: 256\n  stream_buffer: 2\n"
-MODELS = ("codelm", "resumed", "dropped", "kept")
+MODELS = ("codelm", "resumed", "dropped", "kept", "tight", "drained")
+# One decode slot and one queue place: a third request is shed (RESOURCE_EXHAUSTED).
+TIGHT = (
+    "generation:\n  max_concurrent_sequences: 1\n  max_waiting: 1\n  max_tokens: 256\n  stream_buffer: 2\n"
+)
 
 
 @pytest.fixture(scope="module")
@@ -39,9 +48,8 @@ def sse_repository(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("gateway") / "models"
     for name in MODELS:
         shutil.copytree(CODELM / "1", root / name / "1")
-        (root / name / "config.yaml").write_text(
-            SMALL if name != "codelm" else (CODELM / "config.yaml").read_text()
-        )
+        config = {"codelm": (CODELM / "config.yaml").read_text(), "tight": TIGHT}.get(name, SMALL)
+        (root / name / "config.yaml").write_text(config)
     return root
 
 
@@ -296,3 +304,86 @@ async def test_metrics_endpoint_counts_requests_and_streams(client) -> None:
     assert 'modelyard_gateway_requests_total{route="/v1/models/{model}/generate",status="200"}' in text
     assert "modelyard_gateway_time_to_first_byte_seconds_bucket" in text
     assert "modelyard_gateway_streams" in text
+
+
+@contextlib.asynccontextmanager
+async def holding_slot(service: Service, model: str) -> AsyncIterator[Any]:
+    """A direct gRPC reader that takes the model's one slot and stops reading (its sequence pauses)."""
+    options = [("grpc.http2.lookahead_bytes", 1), ("grpc.http2.bdp_probe", 0)]
+    async with grpc.aio.insecure_channel(service.address, options=options) as channel:
+        call = pb_grpc.InferenceServiceStub(channel).Generate(
+            pb.GenerateRequest(model_name=model, prompt="x", max_tokens=256)
+        )
+        await call.read()
+        try:
+            yield call
+        finally:
+            call.cancel()
+
+
+async def test_load_shed_is_429_with_retry_after_and_a_late_deadline_is_504(client, sse_service) -> None:
+    async with holding_slot(sse_service, "tight") as holder:
+        gateway = await start_gateway(sse_service.address, first_event_wait_s=0.2)
+        try:
+            async with (
+                httpx.AsyncClient(base_url=gateway.url, timeout=60) as http,
+                # Waits in the one queue place: its stream opens with heartbeats after 0.2 s.
+                http.stream(
+                    "POST", "/v1/models/tight/generate", json={"prompt": "y", "max_tokens": 2}
+                ) as queued,
+            ):
+                assert queued.status_code == 200
+                shed = await http.post("/v1/models/tight/generate", json={"prompt": "z"})
+                assert shed.status_code == 429, shed.text
+                assert (
+                    shed.headers["retry-after"].isdigit() and shed.json()["error"]["reason"] == "queue_full"
+                )
+                holder.cancel()
+                events = events_only([e async for e in read_events(queued)])
+                assert [e.event for e in events] == ["token", "token", "done"]
+        finally:
+            await gateway.stop()
+    impatient = await start_gateway(sse_service.address, upstream_timeout_s=0.000001)
+    try:
+        async with httpx.AsyncClient(base_url=impatient.url) as http:
+            late = await http.post("/v1/models/codelm/generate", json={"prompt": "x"})
+        assert late.status_code == 504 and late.json()["error"]["code"] == "DEADLINE_EXCEEDED"
+    finally:
+        await impatient.stop()
+
+
+async def test_streams_over_the_limit_are_refused_with_429(sse_service) -> None:
+    gateway = await start_gateway(sse_service.address, max_streams=1)
+    try:
+        async with httpx.AsyncClient(base_url=gateway.url, timeout=60) as http:
+            first = await http.post("/v1/models/codelm/generate", json={"prompt": "x", "max_tokens": 2})
+            assert first.status_code == 200  # ended, and kept for a late reconnect: it still counts
+            second = await http.post("/v1/models/codelm/generate", json={"prompt": "x", "max_tokens": 2})
+        assert second.status_code == 429 and "retry-after" in second.headers
+    finally:
+        await gateway.stop()
+
+
+async def test_shutdown_ends_open_streams_with_an_error_event_and_cancels_upstream(sse_service) -> None:
+    gateway = await start_gateway(sse_service.address, upstream_lookahead_bytes=1, resume_buffer_events=4)
+    before = sample(sse_service, "modelyard_generation_cancellations_total", "drained", cause="cancelled")
+    async with (
+        httpx.AsyncClient(base_url=gateway.url, timeout=60) as http,
+        http.stream(
+            "POST", "/v1/models/drained/generate", json={"prompt": "x", "max_tokens": 256}
+        ) as response,
+    ):
+        events = read_events(response)
+        await anext(e async for e in events if e.event == "token")
+        stopping = asyncio.ensure_future(gateway.stop())
+        rest = [e async for e in events if e.event in ("token", "done", "error")]
+        await stopping
+    assert (
+        rest[-1].event == "error" and rest[-1].data["reason"] == "draining" and rest[-1].data["status"] == 503
+    )
+    await eventually(
+        lambda: (
+            sample(sse_service, "modelyard_generation_cancellations_total", "drained", cause="cancelled")
+            == before + 1
+        )
+    )
