@@ -49,9 +49,10 @@ class Upstream:
     def __init__(self, address: str, timeout_s: float, lookahead_bytes: int = 0) -> None:
         self.address = address
         self.timeout_s = timeout_s or None
-        options: list[tuple[str, int]] = []
+        # Messages as large as the service accepts (its --max-message-bytes default), not gRPC's 4 MiB.
+        options = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)]
         if lookahead_bytes > 0:
-            options = [("grpc.http2.lookahead_bytes", lookahead_bytes), ("grpc.http2.bdp_probe", 0)]
+            options += [("grpc.http2.lookahead_bytes", lookahead_bytes), ("grpc.http2.bdp_probe", 0)]
         self.channel = grpc.aio.insecure_channel(address, options=options)
         self.inference = inference_grpc.InferenceServiceStub(self.channel)
         self.models = model_grpc.ModelServiceStub(self.channel)
