@@ -96,9 +96,7 @@ class _Counted:
 
         async def counting(message: Message) -> None:
             if message["type"] == "http.response.start":
-                route = scope.get("route")
-                name = getattr(route, "path", "other")
-                self.metrics.requests.labels(name, str(message["status"])).inc()
+                self.metrics.count(getattr(scope.get("route"), "path", "other"), message["status"])
             await send(message)
 
         await self.app(scope, receive, counting)

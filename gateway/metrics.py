@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 _TTFB_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
@@ -9,6 +11,7 @@ _TTFB_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2
 
 class GatewayMetrics:
     def __init__(self) -> None:
+        self._counted: dict[tuple[str, int], Any] = {}  # (route, status) -> its counter child
         self.registry = CollectorRegistry()
         self.requests = Counter(
             "modelyard_gateway_requests",
@@ -49,3 +52,10 @@ class GatewayMetrics:
             "Upstream calls cancelled because nobody was reading them",
             registry=self.registry,
         )
+
+    def count(self, route: str, status: int) -> None:
+        """One answer; the labelled child is kept, as looking it up costs more than the increment."""
+        child = self._counted.get((route, status))
+        if child is None:
+            child = self._counted[(route, status)] = self.requests.labels(route, str(status))
+        child.inc()

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import json
 import logging
 import secrets
@@ -162,15 +163,16 @@ class Stream:
 
     def since(self, seq: int) -> list[Event]:
         """Buffered events from `seq` on; Evicted if `seq` has already left the buffer."""
-        if self._events and seq < self._events[0].seq:
+        if not self._events:
+            return []
+        offset = seq - self._events[0].seq
+        if offset < 0:
             raise Evicted(seq)
-        return [e for e in self._events if e.seq >= seq]
+        return list(itertools.islice(self._events, offset, None))  # sequence numbers are contiguous
 
     def event(self, seq: int) -> Event | None:
-        for e in self._events:
-            if e.seq == seq:
-                return e
-        return None
+        offset = seq - self._events[0].seq if self._events else -1
+        return self._events[offset] if 0 <= offset < len(self._events) else None
 
     def delivered(self, seq: int) -> None:
         if seq > self._delivered:
