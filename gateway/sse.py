@@ -74,21 +74,26 @@ class SSEResponse(Response):
 
     async def _write(self, send: Send) -> None:
         stream = self.stream
-        # The retry hint first, and a comment naming the stream (an id for logs and for resume by hand).
-        await _body(send, f"retry: {self.retry_ms}\n: stream {format_id(stream.id, self.start)}\n\n".encode())
+        # The retry hint first, and a comment naming the stream (an id for logs and for resume by
+        # hand), in the same write as the events already there.
+        preamble = f"retry: {self.retry_ms}\n: stream {format_id(stream.id, self.start)}\n\n".encode()
         position = self.start
         while True:
             try:
                 events = stream.since(position)
             except Evicted:  # a second reader of the same stream ran ahead of this one
-                await _body(send, LAGGED)
+                await _body(send, preamble + LAGGED)
                 return
             if not events:
+                if preamble:
+                    await _body(send, preamble)
+                    preamble = b""
                 await stream.wait_change(self.heartbeat_s)
                 if not stream.since(position):
                     await _body(send, HEARTBEAT)
                 continue
-            await _body(send, b"".join(encode(stream.id, e) for e in events))
+            await _body(send, preamble + b"".join(encode(stream.id, e) for e in events))
+            preamble = b""
             position = events[-1].seq + 1
             stream.delivered(events[-1].seq)
             if events[-1].terminal:

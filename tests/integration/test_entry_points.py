@@ -62,7 +62,9 @@ def test_the_gateway_command_starts_without_numpy_onnxruntime_or_the_service() -
     assert "--upstream" in result.stdout and "MODELYARD_GATEWAY_UPSTREAM" in result.stdout
 
 
-@pytest.mark.parametrize(("verb", "option"), [("serve", "--repository"), ("gateway", "--upstream"), ("up", "--envoy-port")])
+@pytest.mark.parametrize(
+    ("verb", "option"), [("serve", "--repository"), ("gateway", "--upstream"), ("up", "--envoy-port")]
+)
 def test_the_modelyard_command_dispatches_to_each_process(verb: str, option: str) -> None:
     result = run("", "modelyard.common.cli", verb, "--help")
     assert result.returncode == 0, result.stderr

@@ -136,7 +136,8 @@ async def test_get_for_event_source_takes_query_parameters(client) -> None:
     async with client.stream("GET", "/v1/models/codelm/generate", params=params) as response:
         assert response.status_code == 200
         events = events_only(await collect(response))
-    assert [e.event for e in events] == ["token"] * 5 + ["done"]
+    assert {e.event for e in events[:-1]} == {"token"} and events[-1].event == "done"
+    assert len(token_ids(events)) == 5  # several tokens may share an event when they piled up
     post = await client.post("/v1/models/codelm/generate", json={"prompt": "import os\n", "max_tokens": 5})
     assert token_ids(events_only([e async for e in read_events(post)])) == token_ids(events)
 
@@ -209,7 +210,8 @@ async def test_an_expired_stream_is_cancelled_upstream_and_cannot_be_resumed(sse
                 == before + 1
             )
         )
-        assert sample(sse_service, "modelyard_generation_active_sequences", "kept") == 0
+        # The slot is released just after the cancellation is counted.
+        await eventually(lambda: sample(sse_service, "modelyard_generation_active_sequences", "kept") == 0)
         assert sample(sse_service, "modelyard_generation_tokens_total", "kept") < 200
         async with httpx.AsyncClient(base_url=gateway.url) as http:
             late = await http.get("/v1/models/kept/generate", headers={"Last-Event-ID": first.id})
@@ -340,7 +342,7 @@ async def test_load_shed_is_429_with_retry_after_and_a_late_deadline_is_504(clie
                 )
                 holder.cancel()
                 events = events_only([e async for e in read_events(queued)])
-                assert [e.event for e in events] == ["token", "token", "done"]
+                assert events[-1].event == "done" and len(token_ids(events)) == 2
         finally:
             await gateway.stop()
     impatient = await start_gateway(sse_service.address, upstream_timeout_s=0.000001)
