@@ -10,7 +10,7 @@ REPOSITORY ?= models/demo
 
 # service (50052), sidecar (50051), gateway (8000) and Envoy (8080) until Ctrl-C.
 up: $(VENV)/.installed-dev
-	$(PY) -m stack --repository $(REPOSITORY)
+	$(PY) -m stack --repository $(REPOSITORY) $(if $(SIDECAR_CONFIG),--sidecar-config $(SIDECAR_CONFIG))
 
 test: lint browser-deps
 	$(PY) -m pytest -q

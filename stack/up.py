@@ -44,6 +44,7 @@ class Settings:
     envoy_port: int = 8080
     envoy_admin_port: int = 9901
     sidecar: bool = True  # run the sidecar when its package is installed
+    sidecar_config: str = ""  # the sidecar's route file (YAML), passed as its --config
     start_timeout_s: float = 120.0
     grace_s: float = 10.0
 
@@ -58,6 +59,7 @@ _HELP = {
     "envoy_port": "Envoy listener port on 127.0.0.1 (0: any free port)",
     "envoy_admin_port": "Envoy admin port on 127.0.0.1 (0: any free port)",
     "sidecar": "run the sidecar between gateway/Envoy and the service (when installed)",
+    "sidecar_config": "the sidecar's route file (YAML); empty: its defaults",
     "start_timeout_s": "seconds each process gets to become ready",
     "grace_s": "seconds each process gets to stop before it is killed",
 }
@@ -224,7 +226,7 @@ async def run(settings: Settings) -> int:
         if use_sidecar:
             sidecar = Child("sidecar", re.compile(r"sidecar serving gRPC on (\S+?)[,;]"))
             children.append(sidecar)
-            await sidecar.start(
+            command = [
                 python,
                 "-m",
                 "sidecar",
@@ -232,9 +234,11 @@ async def run(settings: Settings) -> int:
                 settings.sidecar_listen,
                 "--upstream",
                 service.address,
-                "--admin-listen",
-                settings.sidecar_admin,
-            )
+            ]
+            command += ["--admin-listen", settings.sidecar_admin]
+            if settings.sidecar_config:
+                command += ["--config", settings.sidecar_config]
+            await sidecar.start(*command)
             await _started(sidecar, settings, stopping)
             upstream = sidecar.address
         else:
