@@ -18,7 +18,7 @@ test: lint browser-deps
 lint: $(VENV)/.installed-dev $(BUF) system-deps
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
-	$(VENV)/bin/mypy service gateway stack tests bench proto/generate.py proto/python/modelyard envoy/render.py
+	$(VENV)/bin/mypy service gateway stack tests bench models/__init__.py models/demo_models.py proto/generate.py proto/python/modelyard envoy/render.py
 	$(VENV)/bin/lint-imports
 	$(PY) proto/generate.py --check
 	$(PY) envoy/render.py --check
@@ -78,7 +78,7 @@ bench-batching: $(VENV)/.installed-dev
 	$(PY) -m bench.batching
 
 demo-models: $(VENV)/.installed
-	$(PY) -m service.demo_models $(REPOSITORY)
+	$(PY) -m models.demo_models $(REPOSITORY)
 
 install: $(VENV)/.installed
 install-dev: $(VENV)/.installed-dev

@@ -37,7 +37,8 @@ HTTP_STATUS: dict[grpc.StatusCode, int] = {
 _DEFAULT_REASON: dict[grpc.StatusCode, ErrorReason] = {
     grpc.StatusCode.INVALID_ARGUMENT: ErrorReason.INVALID_ARGUMENT,
     grpc.StatusCode.NOT_FOUND: ErrorReason.MODEL_NOT_FOUND,
-    grpc.StatusCode.RESOURCE_EXHAUSTED: ErrorReason.QUEUE_FULL,
+    # Without a reason it is gRPC core refusing an oversized message: queue_full always says so.
+    grpc.StatusCode.RESOURCE_EXHAUSTED: ErrorReason.TOO_LARGE,
     grpc.StatusCode.UNAVAILABLE: ErrorReason.UNAVAILABLE,
     grpc.StatusCode.DEADLINE_EXCEEDED: ErrorReason.DEADLINE,
     grpc.StatusCode.CANCELLED: ErrorReason.CANCELLED,
@@ -87,6 +88,8 @@ def overloaded(message: str) -> HttpError:
 def from_status(code: grpc.StatusCode, message: str, metadata: dict[str, str]) -> HttpError:
     status = HTTP_STATUS.get(code, 500)
     reason = metadata.get(headers.ERROR_REASON) or _DEFAULT_REASON.get(code, ErrorReason.INTERNAL)
+    if reason == ErrorReason.TOO_LARGE:
+        status = 413  # not load: retrying the same request fails the same way
     retry_after: int | None = None
     if status in (429, 503):
         pushback = metadata.get(headers.RETRY_PUSHBACK_MS, "")

@@ -7,7 +7,6 @@ its batcher (queue, priorities, deadlines); any other runs each request as it co
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import AsyncGenerator, Mapping, Sequence
 from concurrent.futures import Executor
@@ -15,10 +14,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from service.batching.queue import DEFAULT_SCHEDULING, Scheduling
+from service.batching.layer import BatchingLayer
+from service.errors import ServiceError
 from service.runtime.manager import ModelManager
 from service.runtime.served import ServedVersion
-from service.runtime.session import run_error
+from service.runtime.session import run_model
+from service.scheduling.queue import DEFAULT_SCHEDULING, Scheduling
 
 
 @dataclass(frozen=True)
@@ -30,10 +31,26 @@ class InferResult:
     last: bool = True  # False on every chunk of a streamed batch but the final one
 
 
+def _checked(
+    served: ServedVersion, inputs: Mapping[str, np.ndarray], output_names: Sequence[str], admitted_ns: int
+) -> tuple[str, ...]:
+    """The outputs to compute, once the inputs fit the version; a request they do not fit counts
+    as a failed inference of that version (as Triton's statistics count it)."""
+    try:
+        served.runner.signature.check_inputs(inputs)
+        return served.runner.signature.select_outputs(output_names)
+    except ServiceError:
+        served.stats.record_request(False, time.perf_counter_ns() - admitted_ns)
+        raise
+
+
 class DataPlane:
-    def __init__(self, manager: ModelManager, executor: Executor) -> None:
+    def __init__(
+        self, manager: ModelManager, executor: Executor, batching: BatchingLayer | None = None
+    ) -> None:
         self.manager = manager
         self._executor = executor
+        self._batching = batching
 
     async def infer(
         self,
@@ -47,8 +64,7 @@ class DataPlane:
         # The lease is held while the request waits in a batcher's queue, too: a retiring version
         # answers what it has queued before it is released.
         with self.manager.lease(model, version) as served:
-            served.runner.signature.check_inputs(inputs)
-            names = served.runner.signature.select_outputs(output_names)
+            names = _checked(served, inputs, output_names, admitted)
             outputs = await self._run(served, inputs, names, scheduling, admitted)
             return InferResult(model, served.version, outputs)
 
@@ -66,8 +82,7 @@ class DataPlane:
         batching each chunk queues at the request's priority, with the request's deadline."""
         with self.manager.lease(model, version) as served:
             signature = served.runner.signature
-            signature.check_inputs(inputs)
-            names = signature.select_outputs(output_names)
+            names = _checked(served, inputs, output_names, time.perf_counter_ns())
             batch = next(iter(inputs.values())).shape[0] if signature.max_batch_size and inputs else 0
             if not batch:
                 outputs = await self._run(served, inputs, names, scheduling, time.perf_counter_ns())
@@ -87,21 +102,15 @@ class DataPlane:
         scheduling: Scheduling,
         admitted_ns: int,
     ) -> dict[str, np.ndarray]:
-        if served.batcher is not None:
-            return await served.batcher.infer(inputs, names, scheduling)
+        batcher = self._batching.batcher(served) if self._batching is not None else None
+        if batcher is not None:
+            return await batcher.infer(inputs, names, scheduling)
         runner = served.runner
         start = time.perf_counter_ns()
         ok = False
         try:
-            if runner.runs_inline:
-                arrays = runner.run(inputs, names)
-            else:
-                arrays = await asyncio.get_running_loop().run_in_executor(
-                    self._executor, runner.run, inputs, names
-                )
+            arrays = await run_model(runner, inputs, names, self._executor, served.label)
             ok = True
-        except Exception as exc:
-            raise run_error(exc, f"model {served.model} version {served.version}") from None
         finally:
             end = time.perf_counter_ns()
             rows = next(iter(inputs.values())).shape[0] if served.config.max_batch_size and inputs else 1

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 from concurrent.futures import ThreadPoolExecutor
@@ -25,11 +26,12 @@ from modelyard.kserve.v2 import grpc_service_pb2, grpc_service_pb2_grpc
 
 from service.api.inference_servicer import InferenceServicer
 from service.api.kserve_servicer import KServeServicer
+from service.api.limits import SizeLimitedServer, transport_limit
 from service.api.model_servicer import ModelServicer
-from service.batching.batcher import batcher_factory
-from service.batching.clock import Clock
+from service.batching.layer import BatchingLayer
 from service.config import Settings
 from service.dataplane import DataPlane
+from service.generation.model import recognize_decoder
 from service.generation.plane import GenerationPlane
 from service.metrics import ServiceMetrics
 from service.repository.watcher import RepositoryWatcher
@@ -37,6 +39,7 @@ from service.runtime.manager import Loader, ModelManager
 from service.runtime.providers import detect_providers
 from service.runtime.session import load_runner
 from service.runtime.status import ModelEvent, Watcher
+from service.scheduling.clock import Clock
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +69,7 @@ class Service:
     health: Health
     executor: ThreadPoolExecutor
     generation: GenerationPlane | None = None
+    batching: BatchingLayer | None = None
     metrics_server: MetricsServer | None = None
     watcher: RepositoryWatcher | None = None
     _events: asyncio.Task[None] | None = None
@@ -140,6 +144,8 @@ class Service:
             await self.health.set(
                 health_names.model_service_name(event.model), SERVING if served else NOT_SERVING
             )
+            if not self.manager.knows(event.model):
+                continue  # it left the repository, and its series with it
             self.metrics.versions_ready.labels(event.model).set(len(served.versions) if served else 0)
             if served:
                 self.metrics.known_models.add(event.model)
@@ -148,7 +154,7 @@ class Service:
 def build_service(
     settings: Settings,
     *,
-    loader: Loader = load_runner,  # test seam: runners that count or hold their runs
+    loader: Loader | None = None,  # test seam: runners that count or hold their runs
     clock: Clock | None = None,  # test seam: the batching queues' clock, stepped by hand
 ) -> Service:
     providers = detect_providers()
@@ -162,24 +168,31 @@ def build_service(
         providers,
         metrics=metrics,
         drain_timeout_s=settings.drain_timeout_s,
-        loader=loader,
-        batching=batcher_factory(executor, metrics, clock),
+        # Generation recognises decoder graphs as they load; the runtime knows nothing of them.
+        loader=loader or functools.partial(load_runner, recognizers=[recognize_decoder]),
     )
-    dataplane = DataPlane(manager, executor)
+    # The layers above the runtime attach to each version as it loads and let go as it retires.
+    batching = BatchingLayer(executor, metrics, clock)
+    manager.on_load(batching.attach)
+    dataplane = DataPlane(manager, executor, batching)
     generation = GenerationPlane(manager, executor, metrics)
     server = grpc.aio.server(
         options=[
-            ("grpc.max_receive_message_length", settings.max_message_bytes),
+            # Above the configured limit, which the handlers check so as to answer with a reason.
+            ("grpc.max_receive_message_length", transport_limit(settings.max_message_bytes)),
             ("grpc.max_send_message_length", settings.max_message_bytes),
             ("grpc.so_reuseport", 0),  # a taken port must fail loudly, not be shared
         ]
     )
-    inference_service_pb2_grpc.add_InferenceServiceServicer_to_server(
-        InferenceServicer(dataplane, generation, metrics), server
+    limited = SizeLimitedServer(server, settings.max_message_bytes, metrics)
+    limited.add(
+        inference_service_pb2_grpc.add_InferenceServiceServicer_to_server,
+        InferenceServicer(dataplane, generation, metrics),
     )
-    model_service_pb2_grpc.add_ModelServiceServicer_to_server(ModelServicer(manager, metrics), server)
-    grpc_service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(
-        KServeServicer(manager, dataplane, metrics), server
+    limited.add(model_service_pb2_grpc.add_ModelServiceServicer_to_server, ModelServicer(manager, metrics))
+    limited.add(
+        grpc_service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server,
+        KServeServicer(manager, dataplane, metrics),
     )
     health_servicer: Health = health.aio.HealthServicer()  # type: ignore[attr-defined]
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -194,4 +207,4 @@ def build_service(
         server,
     )
     port = server.add_insecure_port(settings.listen)
-    return Service(settings, server, port, manager, metrics, health_servicer, executor, generation)
+    return Service(settings, server, port, manager, metrics, health_servicer, executor, generation, batching)

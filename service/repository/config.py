@@ -5,6 +5,7 @@ Unknown keys are errors: a typo in a serving config must fail loudly, not be ign
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -13,10 +14,12 @@ from typing import Any, Literal
 import yaml
 from modelyard.tensors import is_known
 
-from service.batching.queue import AdmissionPolicy, QueuePolicy
 from service.errors import ModelLoadError
+from service.scheduling.queue import AdmissionPolicy, QueuePolicy
 
 CONFIG_FILE = "config.yaml"
+# A label file is a plain file name beside config.yaml: no folders, nothing hidden.
+_LABEL_FILE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
 
 
 class ConfigError(ModelLoadError):
@@ -31,6 +34,9 @@ class TensorConfig:
     name: str
     datatype: str
     shape: tuple[int, ...]  # includes the batch dimension (-1) when max_batch_size > 0; -1 = any
+    # Outputs only: a file in the model's folder with one class label per line (Triton's
+    # classification extension reads labels from it).
+    label_filename: str = ""
 
 
 @dataclass(frozen=True)
@@ -120,8 +126,6 @@ class ModelConfig:
     dynamic_batching: DynamicBatchingConfig | None = None
     reload: ReloadConfig = field(default_factory=ReloadConfig)
     generation: GenerationConfig = field(default_factory=GenerationConfig)
-    # False when the model has no config.yaml: then the batch dimension is inferred from the graph.
-    explicit: bool = False
 
 
 def load_config(model_dir: Path) -> ModelConfig:
@@ -165,7 +169,6 @@ def parse_config(raw: object) -> ModelConfig:
         dynamic_batching=None if batching is None else _batching(batching, doc.get("max_batch_size", 0)),
         reload=_reload(doc.get("reload", {})),
         generation=_generation(doc.get("generation", {})),
-        explicit=True,
     )
 
 
@@ -194,7 +197,11 @@ def _tensors(raw: object, where: str) -> tuple[TensorConfig, ...]:
     tensors = []
     for i, item in enumerate(raw):
         doc = _mapping(item, f"{where}[{i}]")
-        _known(doc, f"{where}[{i}]", {"name", "datatype", "shape"})
+        _known(
+            doc,
+            f"{where}[{i}]",
+            {"name", "datatype", "shape", *(("label_filename",) if where == "outputs" else ())},
+        )
         name = doc.get("name")
         if not isinstance(name, str) or not name:
             raise ConfigError(f"{where}[{i}].name: expected a non-empty string")
@@ -205,7 +212,13 @@ def _tensors(raw: object, where: str) -> tuple[TensorConfig, ...]:
         if not isinstance(shape, list):
             raise ConfigError(f"{where}[{i}] ({name}).shape: expected a list of integers")
         dims = tuple(_int(d, f"{where}[{i}] ({name}).shape[]", minimum=-1) for d in shape)
-        tensors.append(TensorConfig(name, datatype, dims))
+        labels = doc.get("label_filename", "")
+        if not isinstance(labels, str) or (labels and not _LABEL_FILE.match(labels)):
+            raise ConfigError(
+                f"{where}[{i}] ({name}).label_filename: expected a file name in the model's folder, "
+                f"got {labels!r}"
+            )
+        tensors.append(TensorConfig(name, datatype, dims, labels))
     names = [t.name for t in tensors]
     if len(set(names)) != len(names):
         raise ConfigError(f"{where}: duplicate tensor names")

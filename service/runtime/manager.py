@@ -13,25 +13,29 @@ import time
 from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from types import MappingProxyType
-from typing import TYPE_CHECKING
 
-from service.errors import InvalidInput, ModelLoadError, ModelNotFound, ModelUnavailable
+from service.errors import (
+    InvalidInput,
+    ModelLoadError,
+    ModelNotFound,
+    ModelUnavailable,
+    VersionNotFound,
+)
 from service.metrics import ServiceMetrics
 from service.repository.checksum import verify_checksum
 from service.repository.config import ModelConfig, load_config
+from service.repository.labels import load_labels
 from service.repository.scanner import fingerprint, parse_version, scan_model, scan_repository, version_bytes
+from service.repository.uploads import Upload
 from service.runtime.memory import trim_heap
 from service.runtime.providers import ProviderChoice
 from service.runtime.served import ServedModel, ServedVersion
 from service.runtime.session import ModelRunner, load_runner
 from service.runtime.signature import Signature
 from service.runtime.status import ModelEvent, ModelStatus, VersionState, VersionStatus, Watcher
-
-if TYPE_CHECKING:
-    from service.batching.batcher import Batcher
 
 log = logging.getLogger(__name__)
 
@@ -53,8 +57,19 @@ class Lease:
 
 
 Loader = Callable[[Path, ModelConfig, ProviderChoice], ModelRunner]
-# Builds the batcher of a loaded version whose config asks for dynamic batching.
-BatcherFactory = Callable[[ServedVersion], "Batcher"]
+# A layer above (batching) attaching to a version that just loaded, before it serves; it lets go
+# through ServedVersion.on_retire.
+LoadHook = Callable[[ServedVersion], None]
+
+
+@dataclass(frozen=True)
+class LoadOverride:
+    """What an explicit load brings instead of the repository's (Triton's load parameters): a
+    config that replaces config.yaml, and optionally the model's files in a private folder. It
+    holds until the model's next explicit load."""
+
+    config: ModelConfig
+    upload: Upload | None = None
 
 
 class ModelManager:
@@ -66,14 +81,13 @@ class ModelManager:
         metrics: ServiceMetrics | None = None,
         drain_timeout_s: float = 30.0,
         loader: Loader = load_runner,  # test seam: a loader that fails or blocks on demand
-        batching: BatcherFactory | None = None,
     ) -> None:
         self.repository = repository
         self.providers = providers
         self.metrics = metrics or ServiceMetrics()
         self.drain_timeout_s = drain_timeout_s
         self._loader = loader
-        self._batching = batching
+        self._load_hooks: list[LoadHook] = []
         self._table: Mapping[str, ServedModel] = MappingProxyType({})
         self._status: dict[str, ModelStatus] = {}
         self._locks: dict[str, asyncio.Lock] = {}
@@ -86,6 +100,7 @@ class ModelManager:
         # from running side by side, and one thread keeps freed memory in one malloc arena.
         self._io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model-io")
         self._failed: dict[tuple[str, int], tuple[tuple[object, ...], ModelConfig]] = {}
+        self._overrides: dict[str, LoadOverride] = {}
         self.loaded_all = False  # True once the start-up load of the whole repository has finished
 
     # -- requests --------------------------------------------------------------------------
@@ -109,7 +124,7 @@ class ModelManager:
             raise InvalidInput(f"model_version {version!r} is not a version number (e.g. '3' or 'v3')")
         served = model.versions.get(number)
         if served is None:
-            raise ModelNotFound(
+            raise VersionNotFound(
                 f"model {name!r} has no served version {number}; served versions: {sorted(model.versions)}"
             )
         return served
@@ -132,6 +147,10 @@ class ModelManager:
     def served(self, name: str) -> ServedModel | None:
         return self._table.get(name)
 
+    def knows(self, name: str) -> bool:
+        """True while `name` is a model of the repository (served or not)."""
+        return name in self._status
+
     def subscribe(self) -> Watcher:
         """A watcher that receives every model event from now on, until unsubscribed."""
         watcher = Watcher()
@@ -149,6 +168,10 @@ class ModelManager:
         finally:
             self.unsubscribe(watcher)
 
+    def on_load(self, hook: LoadHook) -> None:
+        """Call `hook` with every version that loads from now on, before it serves a request."""
+        self._load_hooks.append(hook)
+
     # -- control ---------------------------------------------------------------------------
 
     async def load_all(self) -> None:
@@ -162,11 +185,20 @@ class ModelManager:
         for name in sorted(set(names) | set(self._status)):
             await self.reconcile(name)
 
-    async def load(self, name: str) -> ModelStatus:
-        """Explicit load (LoadModel, RepositoryModelLoad): serve what is on disk now."""
+    async def load(self, name: str, override: LoadOverride | None = None) -> ModelStatus:
+        """Explicit load (LoadModel, RepositoryModelLoad): serve what is on disk now, or with
+        `override` what the request brings; a later load without one goes back to the repository."""
         self._held.discard(name)
         async with self._lock(name):
+            previous = self._overrides.pop(name, None)
+            if override is not None:
+                self._overrides[name] = override
             status = await self._reconcile(name)
+            if status is None:
+                self._overrides.pop(name, None)
+            if previous is not None and previous.upload is not None:
+                # The sessions loaded from it hold their own copy of the model (or an open map).
+                await asyncio.get_running_loop().run_in_executor(self._io, previous.upload.remove)
         if status is None:
             raise ModelNotFound(f"model {name!r} is not in the repository {self.repository}")
         return status
@@ -196,19 +228,28 @@ class ModelManager:
             await self.unload(name)
         if self._retiring:
             await asyncio.gather(*self._retiring)
+        for override in self._overrides.values():
+            if override.upload is not None:
+                override.upload.remove()
+        self._overrides.clear()
         self._io.shutdown(wait=True)
 
     # -- internals -------------------------------------------------------------------------
 
     async def _reconcile(self, name: str) -> ModelStatus | None:
         loop = asyncio.get_running_loop()
+        override = self._overrides.get(name)
+        root = override.upload.root if override and override.upload else self.repository
         try:
-            source = await loop.run_in_executor(self._io, scan_model, self.repository, name)
+            source = await loop.run_in_executor(self._io, scan_model, root, name)
         except ModelLoadError:
             await self._remove(name)  # the folder is gone (or its name is not a model name)
             return None
         try:
-            config = await loop.run_in_executor(self._io, load_config, source.path)
+            if override is not None:
+                config = override.config
+            else:
+                config = await loop.run_in_executor(self._io, load_config, source.path)
         except ModelLoadError as exc:
             # A broken config.yaml changes nothing that serves; status and metrics say why.
             log.error("model %s: %s", name, exc)
@@ -271,6 +312,7 @@ class ModelManager:
             await self._make_room(name, number, memory, config, current)
             await loop.run_in_executor(self._io, verify_checksum, model_file)
             runner = await loop.run_in_executor(self._io, self._loader, model_file, config, self.providers)
+            labels = await loop.run_in_executor(self._io, load_labels, model_file.parent.parent, config)
             if reference is not None and not config.reload.allow_schema_change:
                 _check_compatible(runner.signature, reference, model_file)
         except ModelLoadError as exc:
@@ -294,8 +336,9 @@ class ModelManager:
             "inline" if runner.runs_inline else "executor",
         )
         served = ServedVersion(name, number, runner, config, print_, memory)
-        if config.dynamic_batching is not None and self._batching is not None:
-            served.batcher = self._batching(served)
+        served.labels = labels
+        for attach in self._load_hooks:
+            attach(served)
         return served
 
     async def _make_room(
@@ -392,6 +435,7 @@ class ModelManager:
             await asyncio.gather(*(self._retire(v) for v in old.versions.values()))
         log.info("model %s left the repository", name)
         del self._status[name]
+        self.metrics.forget_model(name)
         self._failed = {k: v for k, v in self._failed.items() if k[0] != name}
 
     def _swap(self, name: str, model: ServedModel | None) -> None:
@@ -417,7 +461,8 @@ class ModelManager:
             self._set_version(name, VersionStatus(number, VersionState.DRAINING, time.time()))
         started = time.perf_counter()
         drained = await served.drain(self.drain_timeout_s)
-        self.metrics.drain_seconds.labels(name).observe(time.perf_counter() - started)
+        if name in self._status:  # a model that left the repository has no series any more
+            self.metrics.drain_seconds.labels(name).observe(time.perf_counter() - started)
         if not drained:
             log.warning(
                 "model %s version %d released with %d requests still running after %.1f s drain",

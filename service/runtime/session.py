@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
 import statistics
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Executor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import onnxruntime as ort
@@ -18,10 +20,11 @@ from onnxruntime.capi.onnxruntime_pybind11_state import InvalidArgument
 
 from service.datatypes import NAME_BY_ORT
 from service.errors import InvalidInput, ModelLoadError, ModelRunError, ServiceError
-from service.generation.model import DecoderModel, load_decoder
 from service.repository.config import ModelConfig, TensorConfig
+from service.runtime import bf16
 from service.runtime.providers import CPU, CUDA, ProviderChoice
 from service.runtime.signature import Signature, TensorSpec
+from service.runtime.strings import feeds_for_ort, outputs_from_ort
 
 log = logging.getLogger(__name__)
 
@@ -29,6 +32,19 @@ log = logging.getLogger(__name__)
 # this 2-core machine), so it runs inline on the event loop; anything slower goes to the executor.
 INLINE_RUN_LIMIT_S = 50e-6
 WARMUP_RUNS = 5
+
+
+class GraphKind(Protocol):
+    """What a layer above recognised in a graph as it loaded (generation: a decoder language
+    model), kept with the runner for that layer. The runtime only asks it for warm-up inputs: such
+    a graph takes inputs the signature alone cannot fill (a cache whose lengths must agree)."""
+
+    def warmup_feeds(self) -> dict[str, np.ndarray]: ...
+
+
+# Recognises its kind of graph as a version loads (None: not that kind); a ModelLoadError fails
+# the load. The composition root passes the layers' recognisers; the runtime knows none of them.
+Recognizer = Callable[[Signature, Mapping[str, str], ModelConfig, Path], GraphKind | None]
 
 
 @dataclass(frozen=True)
@@ -39,17 +55,65 @@ class ModelRunner:
     signature: Signature
     provider: str
     warmup_run_s: float  # median warm-up run time, on inputs with every dynamic dimension = 1
-    decoder: DecoderModel | None = None  # set when the graph is in the decoder layout (Generate)
+    kind: GraphKind | None = None  # what a layer above recognised in the graph (a decoder: Generate)
 
     @property
     def runs_inline(self) -> bool:
         return self.warmup_run_s < INLINE_RUN_LIMIT_S
 
     def run(self, feeds: Mapping[str, np.ndarray], output_names: Sequence[str]) -> list[np.ndarray]:
-        return self.session.run(list(output_names), dict(feeds))  # type: ignore[no-any-return]
+        strings = self.signature.string_inputs
+        ort_feeds = feeds_for_ort(feeds, strings) if strings else dict(feeds)
+        arrays: list[np.ndarray]
+        try:
+            if self.signature.has_bf16:
+                arrays = bf16.run(self.session, ort_feeds, output_names)
+            else:
+                arrays = self.session.run(list(output_names), ort_feeds)
+        except UnicodeDecodeError:  # the binding decodes string outputs as UTF-8, strictly
+            raise ModelRunError(
+                "a BYTES output holds bytes that are not UTF-8, which ONNX Runtime's Python binding "
+                "cannot return"
+            ) from None
+        return outputs_from_ort(arrays) if self.signature.string_outputs else arrays
 
 
-def run_error(exc: Exception, label: str) -> ServiceError:
+class Runnable(Protocol):
+    """What running a model needs of its runner (ModelRunner, or a test's stand-in)."""
+
+    @property
+    def runs_inline(self) -> bool: ...
+
+    def run(self, feeds: Mapping[str, np.ndarray], output_names: Sequence[str]) -> list[np.ndarray]: ...
+
+
+def run_checked(
+    runner: Runnable, feeds: Mapping[str, np.ndarray], output_names: Sequence[str], label: str
+) -> list[np.ndarray]:
+    """Run once, here (on whatever thread calls it); a failure becomes the ServiceError that
+    run_error gives."""
+    try:
+        return runner.run(feeds, output_names)
+    except Exception as exc:
+        raise run_error(exc, label) from None
+
+
+async def run_model(
+    runner: Runnable,
+    feeds: Mapping[str, np.ndarray],
+    output_names: Sequence[str],
+    executor: Executor,
+    label: str,
+) -> list[np.ndarray]:
+    """Run once: inline on the event loop when the model is cheap enough, else on the executor."""
+    if runner.runs_inline:
+        return run_checked(runner, feeds, output_names, label)
+    return await asyncio.get_running_loop().run_in_executor(
+        executor, run_checked, runner, feeds, output_names, label
+    )
+
+
+def run_error(exc: BaseException, label: str) -> ServiceError:
     """The answer for a failed run of the model `label` names ("model m version 3")."""
     if isinstance(exc, ServiceError):
         return exc
@@ -59,8 +123,14 @@ def run_error(exc: Exception, label: str) -> ServiceError:
     return ModelRunError(f"{label} failed: {_first_line(exc)}")
 
 
-def load_runner(model_file: Path, config: ModelConfig, providers: ProviderChoice) -> ModelRunner:
-    """Build and validate a session; raise ModelLoadError naming the file and the reason."""
+def load_runner(
+    model_file: Path,
+    config: ModelConfig,
+    providers: ProviderChoice,
+    recognizers: Sequence[Recognizer] = (),
+) -> ModelRunner:
+    """Build and validate a session; raise ModelLoadError naming the file and the reason. The
+    first recognizer that knows the graph gives its kind."""
     provider = _provider_for(config, providers, model_file)
     try:
         session = ort.InferenceSession(
@@ -70,8 +140,12 @@ def load_runner(model_file: Path, config: ModelConfig, providers: ProviderChoice
         raise ModelLoadError(f"{model_file}: onnxruntime cannot load it: {_first_line(exc)}") from None
     signature = _signature(session, config, model_file)
     metadata = dict(session.get_modelmeta().custom_metadata_map)
-    decoder = load_decoder(signature, metadata, config.generation, model_file)
-    runner = ModelRunner(session, signature, session.get_providers()[0], warmup_run_s=0.0, decoder=decoder)
+    kind: GraphKind | None = None
+    for recognize in recognizers:
+        kind = recognize(signature, metadata, config, model_file)
+        if kind is not None:
+            break
+    runner = ModelRunner(session, signature, session.get_providers()[0], warmup_run_s=0.0, kind=kind)
     return dataclasses.replace(runner, warmup_run_s=_warm_up(runner, model_file))
 
 
@@ -158,8 +232,8 @@ def _apply_config(
 
 
 def _warm_up(runner: ModelRunner, model_file: Path) -> float:
-    if runner.decoder is not None:
-        feeds = runner.decoder.layout.sample_feeds()
+    if runner.kind is not None:
+        feeds = runner.kind.warmup_feeds()
     else:
         feeds = {spec.name: _sample(spec) for spec in runner.signature.inputs}
     timings = []

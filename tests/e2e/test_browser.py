@@ -16,7 +16,7 @@ import pytest_asyncio
 
 from gateway.app import Gateway
 from gateway.config import Settings as GatewaySettings
-from service import demo_models
+from models import demo_models
 from service.config import Settings
 from service.server import Service, build_service
 from tests.envoy_support import start_envoy

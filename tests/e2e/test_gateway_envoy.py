@@ -25,7 +25,7 @@ from modelyard.inference.v1 import model_service_pb2 as model_pb
 
 from gateway.app import Gateway
 from gateway.config import Settings as GatewaySettings
-from service import demo_models
+from models import demo_models
 from service.config import Settings
 from service.server import Service, build_service
 from tests.envoy_support import (

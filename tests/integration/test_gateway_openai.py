@@ -14,7 +14,7 @@ import pytest_asyncio
 from gateway import chat_template
 from gateway.app import Gateway
 from gateway.config import Settings as GatewaySettings
-from service import demo_models
+from models import demo_models
 from service.config import Settings
 from service.server import build_service
 from tests.sse_client import events_only, read_events

@@ -25,7 +25,7 @@ from modelyard.inference.v1 import inference_service_pb2_grpc as pb_grpc
 
 from gateway.app import Gateway
 from gateway.config import Settings as GatewaySettings
-from service import demo_models
+from models import demo_models
 from service.config import Settings
 from service.server import Service, build_service
 from tests.sse_client import SseEvent, events_only, read_events, token_ids

@@ -93,7 +93,8 @@ def test_event_ids_round_trip_and_bad_ones_are_refused() -> None:
     ],
 )
 def test_one_table_maps_grpc_status_to_http(code, status, retry_after) -> None:
-    error = errors.from_status(code, "msg", {})
+    reason = {grpc.StatusCode.RESOURCE_EXHAUSTED: {"x-error-reason": "queue_full"}}.get(code, {})
+    error = errors.from_status(code, "msg", reason)
     assert error.status == status and error.code == code.name
     assert error.headers().get("retry-after") == retry_after
 
@@ -105,3 +106,9 @@ def test_retry_after_follows_the_upstream_pushback_and_its_reason() -> None:
         {"grpc-retry-pushback-ms": "2500", "x-error-reason": "tenant_limit"},
     )
     assert error.headers() == {"x-error-reason": "tenant_limit", "retry-after": "3"}
+
+
+def test_resource_exhausted_for_size_is_413_not_load() -> None:
+    for metadata in ({}, {"x-error-reason": "too_large"}):  # gRPC core's refusal carries no reason
+        error = errors.from_status(grpc.StatusCode.RESOURCE_EXHAUSTED, "big", metadata)
+        assert error.status == 413 and error.reason == "too_large" and "retry-after" not in error.headers()

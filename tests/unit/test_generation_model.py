@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from service.batching.queue import AdmissionPolicy, QueuePolicy
 from service.generation.layout import NotADecoder, decoder_layout
 from service.repository.config import DEFAULT_MAX_WAITING, ConfigError, GenerationConfig, parse_config
 from service.runtime.signature import Signature, TensorSpec
+from service.scheduling.queue import AdmissionPolicy, QueuePolicy
 
 
 def test_generation_section_parses_with_defaults_for_the_rest() -> None:
