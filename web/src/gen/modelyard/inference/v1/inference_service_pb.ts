@@ -17,7 +17,8 @@ export const file_modelyard_inference_v1_inference_service: GenFile = /*@__PURE_
   fileDesc("Ci5tb2RlbHlhcmQvaW5mZXJlbmNlL3YxL2luZmVyZW5jZV9zZXJ2aWNlLnByb3RvEhZtb2RlbHlhcmQuaW5mZXJlbmNlLnYxIrkBCgxJbmZlclJlcXVlc3QSEgoKbW9kZWxfbmFtZRgBIAEoCRIVCg1tb2RlbF92ZXJzaW9uGAIgASgJEi4KBmlucHV0cxgDIAMoCzIeLm1vZGVseWFyZC5pbmZlcmVuY2UudjEuVGVuc29yEhQKDG91dHB1dF9uYW1lcxgEIAMoCRISCgpyZXF1ZXN0X2lkGAUgASgJEhAKCHByaW9yaXR5GAYgASgNEhIKCnRpbWVvdXRfdXMYByABKAQifwoNSW5mZXJSZXNwb25zZRISCgptb2RlbF9uYW1lGAEgASgJEhUKDW1vZGVsX3ZlcnNpb24YAiABKAkSLwoHb3V0cHV0cxgDIAMoCzIeLm1vZGVseWFyZC5pbmZlcmVuY2UudjEuVGVuc29yEhIKCnJlcXVlc3RfaWQYBCABKAki0wEKEkluZmVyU3RyZWFtUmVxdWVzdBISCgptb2RlbF9uYW1lGAEgASgJEhUKDW1vZGVsX3ZlcnNpb24YAiABKAkSLgoGaW5wdXRzGAMgAygLMh4ubW9kZWx5YXJkLmluZmVyZW5jZS52MS5UZW5zb3ISFAoMb3V0cHV0X25hbWVzGAQgAygJEhIKCnJlcXVlc3RfaWQYBSABKAkSEgoKY2h1bmtfc2l6ZRgGIAEoDRIQCghwcmlvcml0eRgHIAEoDRISCgp0aW1lb3V0X3VzGAggASgEIrwBChNJbmZlclN0cmVhbVJlc3BvbnNlEhIKCm1vZGVsX25hbWUYASABKAkSFQoNbW9kZWxfdmVyc2lvbhgCIAEoCRIvCgdvdXRwdXRzGAMgAygLMh4ubW9kZWx5YXJkLmluZmVyZW5jZS52MS5UZW5zb3ISEgoKcmVxdWVzdF9pZBgEIAEoCRITCgtjaHVua19pbmRleBgFIAEoDRISCgpyb3dfb2Zmc2V0GAYgASgEEgwKBGxhc3QYByABKAgikQIKD0dlbmVyYXRlUmVxdWVzdBISCgptb2RlbF9uYW1lGAEgASgJEhUKDW1vZGVsX3ZlcnNpb24YAiABKAkSDgoGcHJvbXB0GAMgASgJEhgKEHByb21wdF90b2tlbl9pZHMYBCADKAMSEgoKbWF4X3Rva2VucxgFIAEoDRITCgt0ZW1wZXJhdHVyZRgGIAEoAhINCgV0b3BfaxgHIAEoDRINCgV0b3BfcBgIIAEoAhIRCgRzZWVkGAkgASgESACIAQESDAoEc3RvcBgKIAMoCRISCgpyZXF1ZXN0X2lkGAsgASgJEhAKCHByaW9yaXR5GAwgASgNEhIKCnRpbWVvdXRfdXMYDSABKARCBwoFX3NlZWQiOQoFVXNhZ2USFQoNcHJvbXB0X3Rva2VucxgBIAEoDRIZChFjb21wbGV0aW9uX3Rva2VucxgCIAEoDSKaAgoQR2VuZXJhdGVSZXNwb25zZRIXCg9zZXF1ZW5jZV9udW1iZXIYASABKAQSFQoNbW9kZWxfdmVyc2lvbhgCIAEoCRIMCgR0ZXh0GAMgASgJEhEKCXRva2VuX2lkcxgEIAMoAxI7Cg1maW5pc2hfcmVhc29uGAUgASgOMiQubW9kZWx5YXJkLmluZmVyZW5jZS52MS5GaW5pc2hSZWFzb24SLAoFdXNhZ2UYBiABKAsyHS5tb2RlbHlhcmQuaW5mZXJlbmNlLnYxLlVzYWdlEjYKE3RpbWVfdG9fZmlyc3RfdG9rZW4YByABKAsyGS5nb29nbGUucHJvdG9idWYuRHVyYXRpb24SEgoKcmVxdWVzdF9pZBgIIAEoCSqTAQoMRmluaXNoUmVhc29uEh0KGUZJTklTSF9SRUFTT05fVU5TUEVDSUZJRUQQABIYChRGSU5JU0hfUkVBU09OX0xFTkdUSBABEhYKEkZJTklTSF9SRUFTT05fU1RPUBACEhUKEUZJTklTSF9SRUFTT05fRU9TEAMSGwoXRklOSVNIX1JFQVNPTl9DQU5DRUxMRUQQBDKzAgoQSW5mZXJlbmNlU2VydmljZRJUCgVJbmZlchIkLm1vZGVseWFyZC5pbmZlcmVuY2UudjEuSW5mZXJSZXF1ZXN0GiUubW9kZWx5YXJkLmluZmVyZW5jZS52MS5JbmZlclJlc3BvbnNlEmgKC0luZmVyU3RyZWFtEioubW9kZWx5YXJkLmluZmVyZW5jZS52MS5JbmZlclN0cmVhbVJlcXVlc3QaKy5tb2RlbHlhcmQuaW5mZXJlbmNlLnYxLkluZmVyU3RyZWFtUmVzcG9uc2UwARJfCghHZW5lcmF0ZRInLm1vZGVseWFyZC5pbmZlcmVuY2UudjEuR2VuZXJhdGVSZXF1ZXN0GigubW9kZWx5YXJkLmluZmVyZW5jZS52MS5HZW5lcmF0ZVJlc3BvbnNlMAFiBnByb3RvMw", [file_google_protobuf_duration, file_modelyard_inference_v1_tensor]);
 
 /**
- * InferRequest asks for one run of a model.
+ * InferRequest asks for one run of a model. Fields 1 and 2 (model, version) are fixed: a proxy
+ * reads them from the wire.
  *
  * @generated from message modelyard.inference.v1.InferRequest
  */
@@ -30,7 +31,8 @@ export type InferRequest = Message<"modelyard.inference.v1.InferRequest"> & {
   modelName: string;
 
   /**
-   * model_version pins a version ("3" or "v3"); empty means the newest served version.
+   * model_version pins a version ("3" or "v3"); empty means the x-model-version header's
+   * version, else the newest served version.
    *
    * @generated from field: string model_version = 2;
    */
@@ -51,7 +53,8 @@ export type InferRequest = Message<"modelyard.inference.v1.InferRequest"> & {
   outputNames: string[];
 
   /**
-   * request_id is echoed in the response, for correlating logs and traces.
+   * request_id is echoed in the response, for correlating logs and traces; empty means the
+   * x-request-id header's.
    *
    * @generated from field: string request_id = 5;
    */
@@ -59,9 +62,9 @@ export type InferRequest = Message<"modelyard.inference.v1.InferRequest"> & {
 
   /**
    * priority is the request's priority level where the model batches dynamically: 1 is the
-   * highest, up to the model's priority_levels; 0 means the model's default level. A request
-   * waits only behind requests of its own or a higher priority. Models that run requests as they
-   * come ignore it.
+   * highest, up to the model's priority_levels; 0 means the x-priority header's level, else the
+   * model's default level. A request waits only behind requests of its own or a higher
+   * priority. Models that run requests as they come ignore it.
    *
    * @generated from field: uint32 priority = 6;
    */
@@ -128,7 +131,8 @@ export const InferResponseSchema: GenMessage<InferResponse> = /*@__PURE__*/
   messageDesc(file_modelyard_inference_v1_inference_service, 1);
 
 /**
- * InferStreamRequest asks for a run of a batch, streamed in chunks of rows.
+ * InferStreamRequest asks for a run of a batch, streamed in chunks of rows. Fields 1 and 2 (model, version) are fixed: a proxy
+ * reads them from the wire.
  *
  * @generated from message modelyard.inference.v1.InferStreamRequest
  */
@@ -141,7 +145,8 @@ export type InferStreamRequest = Message<"modelyard.inference.v1.InferStreamRequ
   modelName: string;
 
   /**
-   * model_version pins a version; empty means the newest served version.
+   * model_version pins a version; empty means the x-model-version header's version, else the
+   * newest served version.
    *
    * @generated from field: string model_version = 2;
    */
@@ -163,7 +168,7 @@ export type InferStreamRequest = Message<"modelyard.inference.v1.InferStreamRequ
   outputNames: string[];
 
   /**
-   * request_id is echoed in every response.
+   * request_id is echoed in every response; empty means the x-request-id header's.
    *
    * @generated from field: string request_id = 5;
    */
@@ -265,7 +270,8 @@ export const InferStreamResponseSchema: GenMessage<InferStreamResponse> = /*@__P
   messageDesc(file_modelyard_inference_v1_inference_service, 3);
 
 /**
- * GenerateRequest asks a decoder language model to continue a prompt.
+ * GenerateRequest asks a decoder language model to continue a prompt. Fields 1 and 2 (model, version) are fixed: a proxy
+ * reads them from the wire.
  *
  * @generated from message modelyard.inference.v1.GenerateRequest
  */
@@ -278,7 +284,8 @@ export type GenerateRequest = Message<"modelyard.inference.v1.GenerateRequest"> 
   modelName: string;
 
   /**
-   * model_version pins a version; empty means the newest served version.
+   * model_version pins a version; empty means the x-model-version header's version, else the
+   * newest served version.
    *
    * @generated from field: string model_version = 2;
    */
@@ -348,7 +355,7 @@ export type GenerateRequest = Message<"modelyard.inference.v1.GenerateRequest"> 
   stop: string[];
 
   /**
-   * request_id is echoed in every response.
+   * request_id is echoed in every response; empty means the x-request-id header's.
    *
    * @generated from field: string request_id = 11;
    */
@@ -357,8 +364,9 @@ export type GenerateRequest = Message<"modelyard.inference.v1.GenerateRequest"> 
   /**
    * priority is the generation's priority level while it waits for a decode slot (beyond the
    * model's max_concurrent_sequences): 1 is the highest, up to the model's
-   * generation.priority_levels; 0 means the model's default level. A free slot goes to the
-   * highest-priority waiting generation first, the oldest within a level.
+   * generation.priority_levels; 0 means the x-priority header's level, else the model's default
+   * level. A free slot goes to the highest-priority waiting generation first, the oldest within a
+   * level.
    *
    * @generated from field: uint32 priority = 12;
    */
@@ -537,6 +545,17 @@ export const FinishReasonSchema: GenEnum<FinishReason> = /*@__PURE__*/
 /**
  * InferenceService runs models. Every call names a model and, optionally, a version; without
  * a version the newest served version answers, and the version that answered is returned.
+ *
+ * Wire layout a proxy relies on: every request message of this service carries the model name
+ * as field 1 and the version as field 2 (both strings, as in KServe's ModelInferRequest), so
+ * that a proxy reads them from the wire bytes without this schema. New request messages keep
+ * that layout; these two fields never move.
+ *
+ * Metadata: where a request leaves model_version, request_id or priority empty, the service
+ * takes them from the x-model-version, x-request-id and x-priority headers (a request's own
+ * field wins). Every answer carries the version that answered as x-served-version in its
+ * initial metadata (streams: before the first message); every error carries a machine-readable
+ * x-error-reason in its trailing metadata (values: modelyard.common.reasons; see the README).
  *
  * @generated from service modelyard.inference.v1.InferenceService
  */

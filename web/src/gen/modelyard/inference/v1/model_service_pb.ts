@@ -188,7 +188,8 @@ export const ListModelsResponseSchema: GenMessage<ListModelsResponse> = /*@__PUR
   messageDesc(file_modelyard_inference_v1_model_service, 3);
 
 /**
- * GetModelRequest names the model to describe.
+ * GetModelRequest names the model to describe. Field 1 is the model name; field 2 is kept for a
+ * version.
  *
  * @generated from message modelyard.inference.v1.GetModelRequest
  */
@@ -230,7 +231,8 @@ export const GetModelResponseSchema: GenMessage<GetModelResponse> = /*@__PURE__*
   messageDesc(file_modelyard_inference_v1_model_service, 5);
 
 /**
- * LoadModelRequest names the model to load.
+ * LoadModelRequest names the model to load. Field 1 is the model name; field 2 is kept for a
+ * version.
  *
  * @generated from message modelyard.inference.v1.LoadModelRequest
  */
@@ -272,7 +274,8 @@ export const LoadModelResponseSchema: GenMessage<LoadModelResponse> = /*@__PURE_
   messageDesc(file_modelyard_inference_v1_model_service, 7);
 
 /**
- * UnloadModelRequest names the model to unload.
+ * UnloadModelRequest names the model to unload. Field 1 is the model name; field 2 is kept for a
+ * version.
  *
  * @generated from message modelyard.inference.v1.UnloadModelRequest
  */
@@ -448,6 +451,10 @@ export const ModelStateSchema: GenEnum<ModelState> = /*@__PURE__*/
 
 /**
  * ModelService lists, describes, loads and unloads models, and streams their state changes.
+ * Its requests that name one model carry the name as field 1 and keep field 2 for a version,
+ * as InferenceService's requests do (a proxy reads them from the wire); ListModelsRequest and
+ * WatchModelsRequest name no single model and are not routed by model. Errors carry
+ * x-error-reason in their trailing metadata, as InferenceService's do.
  *
  * @generated from service modelyard.inference.v1.ModelService
  */
