@@ -268,8 +268,7 @@ async def run(settings: Settings) -> int:
             str(config_file),
             "--admin-address-path",
             str(admin_file),
-            "--base-id",
-            str(settings.envoy_port or 7),
+            "--use-dynamic-base-id",  # a free hot-restart id: several stacks may run on one host
             "--log-level",
             "warn",
         )

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import base64
 import importlib.util
+import itertools
 import json
 import os
 import re
@@ -22,6 +23,9 @@ from typing import Any
 from tests.support import REPO_ROOT
 
 ENVOY = Path(sys.executable).with_name("envoy")
+# Hot-restart shared memory is keyed by --base-id: one per Envoy, unique across the processes of
+# this host (other test runs included), from this process's id and a counter.
+_BASE_IDS = itertools.count(1000 + (os.getpid() % 400_000) * 10)
 
 
 def render_module() -> ModuleType:
@@ -75,7 +79,7 @@ def start_envoy(
     path.write_text(render.render(config))
     admin_path = tmp / "admin-address"
     log = tmp / "envoy.log"
-    base_id = 1000 + os.getpid() % 50000 + int(time.monotonic_ns() % 1000)
+    base_id = next(_BASE_IDS)
     cmd = [str(ENVOY), "-c", str(path), "--base-id", str(base_id), "--admin-address-path", str(admin_path)]
     cmd += ["--log-level", "warn", "--log-path", str(log), "--concurrency", "2"]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
