@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import re
 import signal
 import statistics
@@ -150,6 +151,11 @@ async def throughput(once: Callable[[], Awaitable[Timing]], streams: int, rounds
     return total / (time.perf_counter() - start)
 
 
+def cpu_s(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().split(") ")[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def rss_kib(pid: int) -> int:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("VmRSS:"):
@@ -197,7 +203,10 @@ async def main(args: argparse.Namespace) -> None:
             paths["Envoy -> gateway SSE"] = lambda: sse_once(edge, args.tokens)
             rows = await measure(paths, args.requests)
             direct_tps = await throughput(lambda: grpc_once(direct, args.tokens), args.streams)
+            gateway_pid = stack.gateway_pid()
+            cpu_before, started = cpu_s(gateway_pid), time.perf_counter()
             chain_tps = await throughput(lambda: sse_once(edge, args.tokens), args.streams)
+            gateway_cpu = (cpu_s(gateway_pid) - cpu_before) / (chain_tps * (time.perf_counter() - started))
         held, per_stream = await held_streams(stack.gateway, stack.gateway_pid(), args.held)
     finally:
         stack.stop()
@@ -215,6 +224,7 @@ async def main(args: argparse.Namespace) -> None:
         f"\n{args.streams} concurrent streams: direct {direct_tps:,.0f} tokens/s, "
         f"chain {chain_tps:,.0f} tokens/s ({chain_tps / direct_tps:.2f} x direct)"
     )
+    print(f"gateway CPU per streamed token at {args.streams} streams: {gateway_cpu * 1e3:.3f} ms")
     print(f"gateway RSS with {args.held} held SSE streams: +{held} KiB, {per_stream:.1f} KiB per stream")
 
 
