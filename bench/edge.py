@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import re
 import signal
@@ -118,9 +119,7 @@ async def sse_once(client: httpx.AsyncClient, tokens: int) -> Timing:
             elif line.startswith("data: ") and event == "token":
                 last = time.perf_counter()
                 first = first or last
-                count += line.count('"token_ids":[') and len(
-                    line.split('"token_ids":[')[1].split("]")[0].split(",")
-                )
+                count += len(json.loads(line[6:])["token_ids"])
     return first - start, (last - first) / max(1, count - 1), count
 
 
