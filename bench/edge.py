@@ -125,9 +125,9 @@ async def sse_once(client: httpx.AsyncClient, tokens: int) -> Timing:
 
 async def measure(
     paths: dict[str, Callable[[], Awaitable[Timing]]], n: int
-) -> list[tuple[str, float, float]]:
-    """Medians per path; the paths take turns request by request, so load from elsewhere on the
-    machine falls on all of them alike."""
+) -> list[tuple[str, float, float, float]]:
+    """Median TTFT and per-token time, and the fastest TTFT, per path; the paths take turns request
+    by request, so load from elsewhere on the machine falls on all of them alike."""
     for once in paths.values():
         for _ in range(3):  # warm-up: connections, first-call paths
             await once()
