@@ -1,8 +1,8 @@
 """End to end through a real Envoy (config rendered by envoy/render.py, ephemeral ports, own
 --base-id): gRPC-Web to the sidecar cluster, SSE to the gateway, CORS, operator canary weights.
 
-Until the sidecar lands, the sidecar cluster points at the service itself (the sidecar forwards the
-same API unchanged).
+The gateway and Envoy's sidecar cluster call a real sidecar in front of the service where the sidecar
+package is installed, and the service itself otherwise (the sidecar forwards the same API unchanged).
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ from tests.envoy_support import (
     grpc_web_parse,
     grpc_web_text_decode,
     start_envoy,
+    start_sidecar,
 )
 from tests.sse_client import events_only, read_events, token_ids
 
@@ -65,10 +66,21 @@ async def service(e2e_repository: Path) -> AsyncIterator[Service]:
         await running.stop(grace_s=1.0)
 
 
+@pytest.fixture(scope="module")
+def upstream(service: Service) -> Iterator[str]:
+    """The sidecar in front of the service where its package is installed, else the service."""
+    sidecar = start_sidecar(service.address)
+    try:
+        yield sidecar.address if sidecar else service.address
+    finally:
+        if sidecar:
+            sidecar.stop()
+
+
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def gateway(service: Service) -> AsyncIterator[Gateway]:
+async def gateway(upstream: str) -> AsyncIterator[Gateway]:
     settings = GatewaySettings(
-        listen="127.0.0.1:0", upstream=service.address, heartbeat_s=1.0, first_event_wait_s=0.3
+        listen="127.0.0.1:0", upstream=upstream, heartbeat_s=1.0, first_event_wait_s=0.3
     )
     running = Gateway(settings)
     await running.start()
@@ -80,13 +92,10 @@ async def gateway(service: Service) -> AsyncIterator[Gateway]:
 
 @pytest.fixture(scope="module")
 def envoy(
-    gateway: Gateway, service: Service, tmp_path_factory: pytest.TempPathFactory
+    gateway: Gateway, upstream: str, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[EnvoyProcess]:
     process = start_envoy(
-        tmp_path_factory.mktemp("envoy"),
-        gateway.address,
-        service.address,
-        model_canary_weights={"codelm": 25},
+        tmp_path_factory.mktemp("envoy"), gateway.address, upstream, model_canary_weights={"codelm": 25}
     )
     try:
         yield process
