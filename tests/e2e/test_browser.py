@@ -6,6 +6,7 @@ packages when missing)."""
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import json
 import shutil
 from collections.abc import AsyncIterator
@@ -19,7 +20,7 @@ from gateway.config import Settings as GatewaySettings
 from models import demo_models
 from service.config import Settings
 from service.server import Service, build_service
-from tests.envoy_support import start_envoy
+from tests.envoy_support import start_envoy, start_sidecar
 from tests.support import REPO_ROOT
 
 pytestmark = [
@@ -41,16 +42,18 @@ async def stack(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[str]:
     assert demo_models.copy_trained_models(demo_models.COMMITTED_ROOT, root) == ["codelm"]
     service: Service = build_service(Settings(repository=root, listen="127.0.0.1:0", metrics_listen=""))
     await service.start()
-    gateway = Gateway(GatewaySettings(listen="127.0.0.1:0", upstream=service.address))
+    sidecar = await asyncio.to_thread(start_sidecar, service.address)  # where it is installed
+    upstream = sidecar.address if sidecar else service.address
+    gateway = Gateway(GatewaySettings(listen="127.0.0.1:0", upstream=upstream))
     await gateway.start()
-    envoy = await asyncio.to_thread(
-        start_envoy, tmp_path_factory.mktemp("envoy"), gateway.address, service.address
-    )
+    envoy = await asyncio.to_thread(start_envoy, tmp_path_factory.mktemp("envoy"), gateway.address, upstream)
     try:
         yield envoy.url
     finally:
         envoy.stop()
         await gateway.stop()
+        if sidecar:
+            sidecar.stop()
         await service.stop(grace_s=1.0)
 
 
@@ -75,4 +78,8 @@ async def test_page_lists_models_over_grpc_web_and_streams_a_generation(stack: s
     assert result["token_events"] > 1  # the text came as a stream of token events
     assert result["status"].startswith("done done: length, 40 tokens"), result
     assert len(result["output"]) > 20 and result["version"] == "1"
+    # The dye the sidecar chose (stable or canary), or "none" where no sidecar runs.
+    assert result["dye"] in ({"stable", "canary"} if importlib.util.find_spec("sidecar") else {"none"}), (
+        result
+    )
     assert screenshot.stat().st_size > 5000
