@@ -274,24 +274,46 @@ async def test_openai_client_through_envoy(envoy) -> None:
 # --- the operator's canary weight reaches the sidecar -------------------------------------------
 
 
-async def test_rendered_canary_weight_reaches_the_sidecar_cluster(tmp_path, gateway) -> None:
-    """A recording gRPC server stands where the sidecar listens: what arrives is what Envoy sent."""
-    seen: list[dict[str, str]] = []
+async def test_rendered_canary_weight_reaches_the_sidecar(tmp_path) -> None:
+    """A recording gRPC server stands where the sidecar listens: what arrives is what Envoy (for
+    gRPC-Web) and the gateway behind Envoy (for SSE) sent. The weight is rendered for codelm only."""
+    seen: list[tuple[str, dict[str, str]]] = []
 
-    async def record(request: bytes, context: grpc.aio.ServicerContext[bytes, bytes]) -> bytes:
-        seen.append({k: v for k, v in context.invocation_metadata() if isinstance(v, str)})
+    def metadata(context: grpc.aio.ServicerContext[bytes, bytes]) -> dict[str, str]:
+        return {k: v for k, v in context.invocation_metadata() if isinstance(v, str)}
+
+    async def list_models(request: bytes, context: grpc.aio.ServicerContext[bytes, bytes]) -> bytes:
+        seen.append(("grpc-web", metadata(context)))
         return model_pb.ListModelsResponse().SerializeToString()
 
-    handler = grpc.method_handlers_generic_handler(
-        "modelyard.inference.v1.ModelService",
-        {"ListModels": grpc.unary_unary_rpc_method_handler(record)},
-    )
+    async def generate(
+        request: bytes, context: grpc.aio.ServicerContext[bytes, bytes]
+    ) -> AsyncIterator[bytes]:
+        seen.append(("sse", metadata(context)))
+        done = pb.GenerateResponse(
+            model_version="1", text="x", token_ids=[1], finish_reason=pb.FINISH_REASON_LENGTH
+        )
+        yield done.SerializeToString()
+
     server = grpc.aio.server()
-    server.add_generic_rpc_handlers([handler])
-    port = server.add_insecure_port("127.0.0.1:0")
+    server.add_generic_rpc_handlers(
+        [
+            grpc.method_handlers_generic_handler(
+                "modelyard.inference.v1.ModelService",
+                {"ListModels": grpc.unary_unary_rpc_method_handler(list_models)},
+            ),
+            grpc.method_handlers_generic_handler(
+                "modelyard.inference.v1.InferenceService",
+                {"Generate": grpc.unary_stream_rpc_method_handler(generate)},
+            ),
+        ]
+    )
+    recorder = f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}"
     await server.start()
+    gateway = Gateway(GatewaySettings(listen="127.0.0.1:0", upstream=recorder))
+    await gateway.start()
     envoy = await asyncio.to_thread(
-        start_envoy, tmp_path, gateway.address, f"127.0.0.1:{port}", model_canary_weights={"codelm": 25}
+        start_envoy, tmp_path, gateway.address, recorder, model_canary_weights={"codelm": 25}
     )
     try:
         async with httpx.AsyncClient(base_url=envoy.url) as client:
@@ -307,8 +329,14 @@ async def test_rendered_canary_weight_reaches_the_sidecar_cluster(tmp_path, gate
                     },
                 )
                 assert grpc_web_parse(response.content)[1]["grpc-status"] == "0"
+                sse = await client.post(
+                    f"/v1/models/{name}/generate", json={"prompt": "x"}, headers={"x-canary-weight": "99"}
+                )
+                assert events_only([e async for e in read_events(sse)])[-1].event == "done"
     finally:
         envoy.stop()
+        await gateway.stop()
         await server.stop(None)
-    assert seen[0]["x-canary-weight"] == "25"  # the operator's weight overrides the client's
-    assert seen[1]["x-canary-weight"] == "99"  # no weight rendered for this model
+    weights = [(kind, m.get("x-canary-weight")) for kind, m in seen]
+    # The operator's weight overrides the client's for codelm; other models keep the client's.
+    assert weights == [("grpc-web", "25"), ("sse", "25"), ("grpc-web", "99"), ("sse", "99")]
