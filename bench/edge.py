@@ -2,7 +2,7 @@
 
     .venv/bin/python -m bench.edge [--requests 20] [--tokens 32] [--streams 32]
 
-The stack runs as `make up` runs it (python -m stack: service, the sidecar when installed, gateway,
+The stack runs as `make up` runs it (python -m deploy: service, the sidecar when installed, gateway,
 Envoy; ephemeral ports). At concurrency 1 it measures time to first token (TTFT: request sent to
 first token received) and per-token latency (first to last token / (tokens - 1)) for: the service
 directly (gRPC), the sidecar (gRPC, when present), the gateway's SSE, and Envoy -> gateway SSE;
@@ -39,7 +39,7 @@ Timing = tuple[float, float, int]  # ttft s, per-token s, tokens
 
 class Stack:
     def __init__(self) -> None:
-        cmd = [sys.executable, "-m", "stack", "--service-listen", "127.0.0.1:0", "--service-metrics", ""]
+        cmd = [sys.executable, "-m", "deploy", "--service-listen", "127.0.0.1:0", "--service-metrics", ""]
         cmd += ["--sidecar-listen", "127.0.0.1:0", "--sidecar-admin", "", "--gateway-listen", "127.0.0.1:0"]
         cmd += ["--envoy-port", "0", "--envoy-admin-port", "0"]
         self.proc = subprocess.Popen(

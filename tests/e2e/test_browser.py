@@ -1,6 +1,6 @@
 """The browser page in Debian's headless Chromium (driven by playwright-core) through a real Envoy:
 the models panel fills over gRPC-Web, a generation streams in with EventSource, and a screenshot is
-saved as an artifact (tests/e2e/artifacts/page.png; `make test` installs chromium and web/'s npm
+saved as an artifact (tests/e2e/artifacts/page.png; `make test` installs chromium and gateway/web/'s npm
 packages when missing)."""
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from modelyard.common.lifecycle import EXIT_USAGE
 
 # verb -> the process package whose cli.main takes the rest of the arguments.
-COMMANDS = {"serve": "service", "sidecar": "sidecar", "gateway": "gateway", "up": "stack"}
+COMMANDS = {"serve": "service", "sidecar": "sidecar", "gateway": "gateway", "up": "deploy"}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

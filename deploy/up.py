@@ -28,7 +28,7 @@ from types import ModuleType
 
 from modelyard.common.settings import parse_settings as parse
 
-log = logging.getLogger("stack")
+log = logging.getLogger("deploy")
 ROOT = Path(__file__).resolve().parents[1]
 ENVOY = Path(sys.executable).with_name("envoy")
 

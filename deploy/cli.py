@@ -1,4 +1,4 @@
-"""Command line: `python -m stack` (also `modelyard up`, `make up`)."""
+"""Command line: `python -m deploy` (also `modelyard up`, `make up`)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from collections.abc import Sequence
 
 from modelyard.common.logs import configure as configure_logging
 
-from stack.up import parse_settings, run
+from deploy.up import parse_settings, run
 
 
 def main(argv: Sequence[str] | None = None) -> int:

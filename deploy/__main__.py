@@ -1,5 +1,5 @@
 import sys
 
-from stack.cli import main
+from deploy.cli import main
 
 sys.exit(main())
