@@ -15,6 +15,7 @@ from modelyard.tensors import is_known
 
 from service.batching.queue import AdmissionPolicy, QueuePolicy
 from service.errors import ModelLoadError
+from service.repository.files import read_inside, shown
 
 CONFIG_FILE = "config.yaml"
 
@@ -124,19 +125,36 @@ class ModelConfig:
     explicit: bool = False
 
 
-def load_config(model_dir: Path) -> ModelConfig:
-    """The model's config.yaml, or defaults when there is none."""
+def load_config(model_dir: Path, root: Path | None = None) -> ModelConfig:
+    """The model's config.yaml, or defaults when there is none. `root` is the repository (default:
+    the model folder's parent); a config.yaml that resolves outside it is refused unopened."""
+    root = model_dir.parent if root is None else root
     path = model_dir / CONFIG_FILE
     if not path.is_file():
         return ModelConfig()
+    name = shown(root, path)
     try:
-        raw = yaml.safe_load(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
-        raise ConfigError(f"{path}: cannot read: {exc}") from None
+        text = read_inside(root, path).decode("utf-8")
+    except ModelLoadError as exc:
+        raise ConfigError(str(exc)) from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"{name}: not UTF-8 text") from None
+    try:
+        raw = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{name}: not valid YAML{_where(exc)}") from None
     try:
         return parse_config(raw if raw is not None else {})
     except ConfigError as exc:
-        raise ConfigError(f"{path}: {exc}") from None
+        raise ConfigError(f"{name}: {exc}") from None
+
+
+def _where(exc: yaml.YAMLError) -> str:
+    """Where the YAML parser stopped, without its message: the parser quotes the text it read."""
+    mark = getattr(exc, "problem_mark", None)
+    if mark is None:
+        return ""
+    return f" (line {mark.line + 1}, column {mark.column + 1})"
 
 
 def parse_config(raw: object) -> ModelConfig:

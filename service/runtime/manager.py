@@ -22,6 +22,7 @@ from service.errors import InvalidInput, ModelLoadError, ModelNotFound, ModelUna
 from service.metrics import ServiceMetrics
 from service.repository.checksum import verify_checksum
 from service.repository.config import ModelConfig, load_config
+from service.repository.files import scrub
 from service.repository.scanner import fingerprint, parse_version, scan_model, scan_repository, version_bytes
 from service.runtime.memory import trim_heap
 from service.runtime.providers import ProviderChoice
@@ -168,7 +169,7 @@ class ModelManager:
         async with self._lock(name):
             status = await self._reconcile(name)
         if status is None:
-            raise ModelNotFound(f"model {name!r} is not in the repository {self.repository}")
+            raise ModelNotFound(f"model {name!r} is not in the repository")
         return status
 
     async def reconcile(self, name: str) -> ModelStatus | None:
@@ -208,7 +209,7 @@ class ModelManager:
             await self._remove(name)  # the folder is gone (or its name is not a model name)
             return None
         try:
-            config = await loop.run_in_executor(self._io, load_config, source.path)
+            config = await loop.run_in_executor(self._io, load_config, source.path, self.repository)
         except ModelLoadError as exc:
             # A broken config.yaml changes nothing that serves; status and metrics say why.
             log.error("model %s: %s", name, exc)
@@ -222,7 +223,7 @@ class ModelManager:
         selected = config.version_policy.select(list(source.versions))
         reason = "; ".join(source.problems)
         if not selected:
-            reason = reason or f"no version folder with a {source.path}/<version>/model.onnx"
+            reason = reason or f"no version folder with a {name}/<version>/model.onnx"
             log.error("model %s has no version to serve: %s", name, reason)
         self._set_model(name, reason=reason, max_batch_size=config.max_batch_size)
         self._forget_unselected(name, selected)
@@ -269,7 +270,7 @@ class ModelManager:
         try:
             memory = await loop.run_in_executor(self._io, version_bytes, model_file)
             await self._make_room(name, number, memory, config, current)
-            await loop.run_in_executor(self._io, verify_checksum, model_file)
+            await loop.run_in_executor(self._io, verify_checksum, model_file, self.repository)
             runner = await loop.run_in_executor(self._io, self._loader, model_file, config, self.providers)
             if reference is not None and not config.reload.allow_schema_change:
                 _check_compatible(runner.signature, reference, model_file)
@@ -446,9 +447,12 @@ class ModelManager:
         old = self._status.get(name)
         versions = dict(old.versions) if old else {}
         default = old.default_version if old else None
+        reason = scrub(reason, self.repository)  # clients see paths relative to the repository
         self._status[name] = ModelStatus(name, MappingProxyType(versions), reason, max_batch_size, default)
 
     def _set_version(self, name: str, status: VersionStatus, notify: bool = True) -> None:
+        if status.reason:
+            status = replace(status, reason=scrub(status.reason, self.repository))
         model = self._status[name]
         versions = dict(model.versions)
         versions[status.version] = status
