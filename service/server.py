@@ -7,14 +7,16 @@ import logging
 import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, cast
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
+from grpc_reflection.v1alpha import _async as reflection_aio
+from grpc_reflection.v1alpha import reflection, reflection_pb2_grpc
 from modelyard.common import health as health_names
 from modelyard.common.metrics_http import MetricsServer
 from modelyard.common.settings import split_address
+from modelyard.common.throttle import LogThrottle
 from modelyard.inference.v1 import (
     inference_service_pb2,
     inference_service_pb2_grpc,
@@ -26,6 +28,7 @@ from modelyard.kserve.v2 import grpc_service_pb2, grpc_service_pb2_grpc
 from service.api.inference_servicer import InferenceServicer
 from service.api.kserve_servicer import KServeServicer
 from service.api.model_servicer import ModelServicer
+from service.api.wire import CleanDecoding, OnUndecodable
 from service.batching.batcher import batcher_factory
 from service.batching.clock import Clock
 from service.config import Settings
@@ -145,6 +148,16 @@ class Service:
                 self.metrics.known_models.add(event.model)
 
 
+def _undecodable_reporter(metrics: ServiceMetrics) -> OnUndecodable:
+    throttle = LogThrottle(log)
+
+    def report(method: str) -> None:
+        metrics.observe_request(method.rsplit("/", 1)[-1], "", "", grpc.StatusCode.INVALID_ARGUMENT, 0.0)
+        throttle.log(logging.WARNING, "refused an undecodable %s request", method)
+
+    return report
+
+
 def build_service(
     settings: Settings,
     *,
@@ -174,24 +187,31 @@ def build_service(
             ("grpc.so_reuseport", 0),  # a taken port must fail loudly, not be shared
         ]
     )
+    # Every servicer is added through CleanDecoding: undecodable request bytes are refused with
+    # INVALID_ARGUMENT (and one rate-limited log line), not UNKNOWN with a traceback per request.
+    # (cast: it takes the server's place in the generated functions, which only register handlers)
+    registry = cast(grpc.aio.Server, CleanDecoding(server, _undecodable_reporter(metrics)))
     inference_service_pb2_grpc.add_InferenceServiceServicer_to_server(
-        InferenceServicer(dataplane, generation, metrics), server
+        InferenceServicer(dataplane, generation, metrics), registry
     )
-    model_service_pb2_grpc.add_ModelServiceServicer_to_server(ModelServicer(manager, metrics), server)
+    model_service_pb2_grpc.add_ModelServiceServicer_to_server(ModelServicer(manager, metrics), registry)
     grpc_service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(
-        KServeServicer(manager, dataplane, metrics), server
+        KServeServicer(manager, dataplane, metrics), registry
     )
     health_servicer: Health = health.aio.HealthServicer()  # type: ignore[attr-defined]
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    reflection.enable_server_reflection(
-        [
-            inference_service_pb2.DESCRIPTOR.services_by_name["InferenceService"].full_name,
-            model_service_pb2.DESCRIPTOR.services_by_name["ModelService"].full_name,
-            grpc_service_pb2.DESCRIPTOR.services_by_name["GRPCInferenceService"].full_name,
-            health.SERVICE_NAME,
-            reflection.SERVICE_NAME,
-        ],
-        server,
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, registry)
+    # What reflection.enable_server_reflection does for an aio server, through CleanDecoding.
+    reflection_pb2_grpc.add_ServerReflectionServicer_to_server(
+        reflection_aio.ReflectionServicer(
+            [
+                inference_service_pb2.DESCRIPTOR.services_by_name["InferenceService"].full_name,
+                model_service_pb2.DESCRIPTOR.services_by_name["ModelService"].full_name,
+                grpc_service_pb2.DESCRIPTOR.services_by_name["GRPCInferenceService"].full_name,
+                health.SERVICE_NAME,
+                reflection.SERVICE_NAME,
+            ]
+        ),
+        registry,
     )
     port = server.add_insecure_port(settings.listen)
     return Service(settings, server, port, manager, metrics, health_servicer, executor, generation)

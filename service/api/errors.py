@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 import time
 from typing import Any
 
@@ -42,6 +43,22 @@ def code_for(exc: Exception) -> grpc.StatusCode:
     return grpc.StatusCode.INTERNAL
 
 
+def internal_error(method: str, model: str, message: str, exc: BaseException | None = None) -> str:
+    """Log an INTERNAL answer under a fresh error id (with the traceback of a bug of ours) and
+    return the message for the client, which carries the same id."""
+    error_id = secrets.token_hex(6)
+    log.error(
+        "%s on model %r failed [error id %s]%s",
+        method,
+        model,
+        error_id,
+        f": {message}" if message else "",
+        exc_info=exc,
+    )
+    detail = message or f"{method} failed with an internal error"
+    return f"{detail} [error id {error_id}; the server log has the details]"
+
+
 def deadline_passed(context: Context) -> bool:
     """True once the call's deadline has passed (gRPC then cancels the handler)."""
     remaining = context.time_remaining()
@@ -78,7 +95,10 @@ class serving:
                 return
             if isinstance(exc, errors.ServiceError | TensorError):
                 code = code_for(exc)
-                await self._context.abort(code, str(exc))
+                message = str(exc)
+                if code == grpc.StatusCode.INTERNAL:  # a runtime failure on valid-looking input
+                    message = internal_error(self._method, self._model, message)
+                await self._context.abort(code, message)
             elif isinstance(exc, asyncio.CancelledError | GeneratorExit):  # the client went away
                 code = (
                     grpc.StatusCode.DEADLINE_EXCEEDED
@@ -89,10 +109,7 @@ class serving:
                 code = self._context.code()  # abort() set it
             elif isinstance(exc, Exception):
                 code = grpc.StatusCode.INTERNAL
-                log.error("%s on model %r failed", self._method, self._model, exc_info=exc)
-                await self._context.abort(
-                    code, f"{self._method} failed with an internal error; see the server log"
-                )
+                await self._context.abort(code, internal_error(self._method, self._model, "", exc))
         finally:
             self._metrics.observe_request(
                 self._method, self._model, self.version, code, time.perf_counter() - self._start

@@ -1,0 +1,159 @@
+"""Requests whose bytes do not parse are the client's mistake: INVALID_ARGUMENT and one log line.
+
+grpc.aio parses a request before any handler runs, and a parse failure there answers UNKNOWN and
+logs a full traceback per request (a log flood on demand). Servicers are therefore added through
+`CleanDecoding`, which stands in for the server: every handler they register parses with a
+deserializer that never raises (it returns `Undecodable` instead), and its behavior refuses an
+`Undecodable` request with INVALID_ARGUMENT before the servicer sees it.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+import grpc
+
+from service.api.errors import Context
+
+# Called with the full method name of each refused message (logs and metrics, rate-limited there).
+OnUndecodable = Callable[[str], None]
+
+
+class Undecodable:
+    """Stands for a request whose bytes are not a valid message of the method's request type."""
+
+    __slots__ = ()
+
+
+_UNDECODABLE = Undecodable()
+
+
+def _never_raises(deserialize: Callable[[bytes], Any] | None) -> Callable[[bytes], Any] | None:
+    if deserialize is None:
+        return None
+
+    def parse(data: bytes) -> Any:
+        try:
+            return deserialize(data)
+        except Exception:  # protobuf's DecodeError, or anything a parser raises on bad bytes
+            return _UNDECODABLE
+
+    return parse
+
+
+class CleanDecoding:
+    """Pass this in place of the grpc.aio server to generated `add_*Servicer_to_server` functions."""
+
+    def __init__(self, server: grpc.aio.Server, on_undecodable: OnUndecodable) -> None:
+        self._server = server
+        self._on_undecodable = on_undecodable
+
+    def add_generic_rpc_handlers(self, handlers: Sequence[grpc.GenericRpcHandler[Any, Any]]) -> None:
+        self._server.add_generic_rpc_handlers(tuple(_Generic(h, self._wrap) for h in handlers))
+
+    def add_registered_method_handlers(self, service: str, handlers: Mapping[str, Any]) -> None:
+        wrapped = {name: self._wrap(f"/{service}/{name}", h) for name, h in handlers.items()}
+        self._server.add_registered_method_handlers(service, wrapped)  # type: ignore[attr-defined]
+
+    def _wrap(self, method: str, handler: Any) -> Any:
+        if handler is None:
+            return None
+        refuse = _refuser(method, self._on_undecodable)
+        behaviors: dict[str, Any] = {"request_deserializer": _never_raises(handler.request_deserializer)}
+        if handler.unary_unary is not None:
+            behaviors["unary_unary"] = _unary_unary(handler.unary_unary, refuse)
+        elif handler.unary_stream is not None:
+            behaviors["unary_stream"] = _unary_stream(handler.unary_stream, refuse)
+        elif handler.stream_unary is not None:
+            behaviors["stream_unary"] = _stream_request(handler.stream_unary, refuse)
+        elif handler.stream_stream is not None:
+            behaviors["stream_stream"] = _stream_request(handler.stream_stream, refuse)
+        return handler._replace(**behaviors)
+
+
+Refuse = Callable[[Context], Any]
+
+
+def _refuser(method: str, on_undecodable: OnUndecodable) -> Refuse:
+    kind = method.rsplit("/", 1)[-1]
+
+    async def refuse(context: Context) -> None:
+        on_undecodable(method)
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"the {kind} request is not a valid message")
+
+    return refuse
+
+
+def _unary_unary(inner: Any, refuse: Refuse) -> Any:
+    async def call(request: Any, context: Context) -> Any:
+        if request is _UNDECODABLE:
+            await refuse(context)
+        return await inner(request, context)
+
+    return call
+
+
+def _unary_stream(inner: Any, refuse: Refuse) -> Any:
+    if not inspect.isasyncgenfunction(inner):  # writes with context.write: a coroutine
+
+        async def write(request: Any, context: Context) -> Any:
+            if request is _UNDECODABLE:
+                await refuse(context)
+            return await inner(request, context)
+
+        return write
+
+    async def stream(request: Any, context: Context) -> AsyncIterator[Any]:
+        if request is _UNDECODABLE:
+            await refuse(context)
+        async for response in inner(request, context):
+            yield response
+
+    return stream
+
+
+def _stream_request(inner: Any, refuse: Refuse) -> Any:
+    async def checked(requests: AsyncIterator[Any], context: Context) -> AsyncIterator[Any]:
+        async for request in requests:
+            if request is _UNDECODABLE:
+                await refuse(context)
+            yield request
+
+    if inspect.isasyncgenfunction(inner):
+
+        async def stream(requests: AsyncIterator[Any], context: Context) -> AsyncIterator[Any]:
+            async for response in inner(checked(requests, context), context):
+                yield response
+
+        return stream
+
+    async def call(requests: AsyncIterator[Any], context: Context) -> Any:
+        return await inner(checked(requests, context), context)
+
+    return call
+
+
+if TYPE_CHECKING:  # generic in grpc-stubs only
+    _GenericBase = grpc.GenericRpcHandler[Any, Any]
+else:
+    _GenericBase = grpc.GenericRpcHandler
+
+
+class _Generic(_GenericBase):
+    """A generic handler whose method handlers are wrapped (once per method, then cached)."""
+
+    def __init__(self, inner: grpc.GenericRpcHandler[Any, Any], wrap: Callable[[str, Any], Any]) -> None:
+        self._inner = inner
+        self._wrap = wrap
+        self._cache: dict[str, Any] = {}
+
+    def service(self, handler_call_details: grpc.HandlerCallDetails) -> Any:
+        method = handler_call_details.method
+        wrapped = self._cache.get(method)
+        if wrapped is None:
+            wrapped = self._wrap(method, self._inner.service(handler_call_details))
+            if wrapped is not None:  # only methods that exist: unknown names must not grow it
+                self._cache[method] = wrapped
+        return wrapped
