@@ -9,16 +9,20 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncGenerator, Mapping, Sequence
+from collections.abc import AsyncGenerator, Callable, Mapping, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass
+from typing import TypeVar
 
 import numpy as np
 
 from service.batching.queue import DEFAULT_SCHEDULING, Scheduling
+from service.intake import TensorHeader, check_headers, offload
 from service.runtime.manager import ModelManager
 from service.runtime.served import ServedVersion
 from service.runtime.session import run_error
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -34,6 +38,18 @@ class DataPlane:
     def __init__(self, manager: ModelManager, executor: Executor) -> None:
         self.manager = manager
         self._executor = executor
+
+    async def decode(
+        self, model: str, version: str, headers: Sequence[TensorHeader], decode: Callable[[], T]
+    ) -> T:
+        """Check a request's tensors (their headers) against the version that will serve it, then
+        decode them: inline when small, in the executor when large, so that the event loop never
+        waits on a request's decoding. `infer` checks the decoded arrays again, under its lease."""
+        served = self.manager.resolve(model, version)
+        check_headers(served.runner.signature, headers)
+        if offload(headers):
+            return await asyncio.get_running_loop().run_in_executor(self._executor, decode)
+        return decode()
 
     async def infer(
         self,

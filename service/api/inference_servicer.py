@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from contextlib import aclosing
+from functools import partial
 
+import numpy as np
 from modelyard.inference.v1 import inference_service_pb2 as pb
 from modelyard.inference.v1 import inference_service_pb2_grpc as pb_grpc
+from modelyard.inference.v1 import tensor_pb2
 from modelyard.tensors import to_arrays, to_tensors
 
 from service.api.errors import Context, deadline_passed, serving
 from service.api.generation_convert import to_generate_params, to_generate_response
 from service.api.scheduling import scheduling
+from service.api.tensor_headers import our_headers
 from service.dataplane import DataPlane
 from service.generation.plane import GenerationPlane
 from service.metrics import ServiceMetrics
@@ -23,12 +27,19 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         self._generation = generation
         self._metrics = metrics
 
+    async def _inputs(
+        self, model: str, version: str, tensors: Sequence[tensor_pb2.Tensor]
+    ) -> dict[str, np.ndarray]:
+        """The request's arrays, decoded only once their headers fit the model (service/intake.py)."""
+        return await self._dataplane.decode(model, version, our_headers(tensors), partial(to_arrays, tensors))
+
     async def Infer(self, request: pb.InferRequest, context: Context) -> pb.InferResponse:
         async with serving(context, self._metrics, "Infer", request.model_name) as call:
+            inputs = await self._inputs(request.model_name, request.model_version, request.inputs)
             result = await self._dataplane.infer(
                 request.model_name,
                 request.model_version,
-                to_arrays(request.inputs),
+                inputs,
                 request.output_names,
                 scheduling(context, request.priority, request.timeout_us),
             )
@@ -44,10 +55,11 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         self, request: pb.InferStreamRequest, context: Context
     ) -> AsyncIterator[pb.InferStreamResponse]:
         async with serving(context, self._metrics, "InferStream", request.model_name) as call:
+            inputs = await self._inputs(request.model_name, request.model_version, request.inputs)
             chunks = self._dataplane.infer_chunks(
                 request.model_name,
                 request.model_version,
-                to_arrays(request.inputs),
+                inputs,
                 request.output_names,
                 request.chunk_size,
                 scheduling(context, request.priority, request.timeout_us),

@@ -4,6 +4,7 @@ repository, configuration and statistics extensions, over the same data plane as
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from functools import partial
 
 from modelyard.kserve.v2 import grpc_service_pb2 as pb
 from modelyard.kserve.v2 import grpc_service_pb2_grpc as pb_grpc
@@ -13,6 +14,7 @@ from service import __version__
 from service.api.errors import Context, serving
 from service.api.kserve_tensors import decode_inputs, encode_outputs, requested_outputs
 from service.api.scheduling import kserve_scheduling
+from service.api.tensor_headers import kserve_headers
 from service.batching.queue import QueuePolicy
 from service.dataplane import DataPlane
 from service.errors import ModelLoadError, ServiceError
@@ -156,10 +158,15 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
             return pb.RepositoryModelUnloadResponse()
 
     async def _infer(self, request: pb.ModelInferRequest, context: Context) -> pb.ModelInferResponse:
+        # Decoded only once the tensors' headers fit the model (service/intake.py).
+        headers = kserve_headers(request)
+        inputs = await self._dataplane.decode(
+            request.model_name, request.model_version, headers, partial(decode_inputs, request)
+        )
         result = await self._dataplane.infer(
             request.model_name,
             request.model_version,
-            decode_inputs(request),
+            inputs,
             requested_outputs(request),
             kserve_scheduling(context, request.parameters),
         )
