@@ -36,3 +36,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_USAGE
     code: int = module.main(args[1:])
     return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())
