@@ -13,11 +13,12 @@ from collections.abc import AsyncGenerator, Callable, Mapping, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass
 from typing import TypeVar
+from weakref import WeakKeyDictionary
 
 import numpy as np
 
 from service.batching.queue import DEFAULT_SCHEDULING, Scheduling
-from service.intake import TensorHeader, check_headers, offload
+from service.intake import Bounds, TensorHeader, bounds_for, check_headers, offload
 from service.runtime.manager import ModelManager
 from service.runtime.served import ServedVersion
 from service.runtime.session import run_error
@@ -38,6 +39,7 @@ class DataPlane:
     def __init__(self, manager: ModelManager, executor: Executor) -> None:
         self.manager = manager
         self._executor = executor
+        self._bounds: WeakKeyDictionary[ServedVersion, Bounds] = WeakKeyDictionary()  # per version
 
     async def decode(
         self, model: str, version: str, headers: Sequence[TensorHeader], decode: Callable[[], T]
@@ -46,7 +48,10 @@ class DataPlane:
         decode them: inline when small, in the executor when large, so that the event loop never
         waits on a request's decoding. `infer` checks the decoded arrays again, under its lease."""
         served = self.manager.resolve(model, version)
-        check_headers(served.runner.signature, headers)
+        bounds = self._bounds.get(served)
+        if bounds is None:
+            bounds = self._bounds[served] = bounds_for(served.config.limits, served.runner.decoder)
+        check_headers(served.runner.signature, headers, bounds)
         if offload(headers):
             return await asyncio.get_running_loop().run_in_executor(self._executor, decode)
         return decode()

@@ -112,6 +112,15 @@ class GenerationConfig:
 
 
 @dataclass(frozen=True)
+class LimitsConfig:
+    """What one request may ask of a model, checked from its tensors' headers before decoding.
+    Beyond them a request gets RESOURCE_EXHAUSTED naming the limit."""
+
+    max_elements: int = 1 << 24  # elements across all inputs of a request (16 Mi)
+    max_request_bytes: int = 64 << 20  # bytes of a request's tensor payloads (64 MiB)
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     max_batch_size: int = 0
     version_policy: VersionPolicy = field(default_factory=VersionPolicy)
@@ -121,6 +130,7 @@ class ModelConfig:
     dynamic_batching: DynamicBatchingConfig | None = None
     reload: ReloadConfig = field(default_factory=ReloadConfig)
     generation: GenerationConfig = field(default_factory=GenerationConfig)
+    limits: LimitsConfig = field(default_factory=LimitsConfig)
     # False when the model has no config.yaml: then the batch dimension is inferred from the graph.
     explicit: bool = False
 
@@ -171,6 +181,7 @@ def parse_config(raw: object) -> ModelConfig:
             "dynamic_batching",
             "reload",
             "generation",
+            "limits",
         },
     )
     batching = doc.get("dynamic_batching")
@@ -183,6 +194,7 @@ def parse_config(raw: object) -> ModelConfig:
         dynamic_batching=None if batching is None else _batching(batching, doc.get("max_batch_size", 0)),
         reload=_reload(doc.get("reload", {})),
         generation=_generation(doc.get("generation", {})),
+        limits=_limits(doc.get("limits", {})),
         explicit=True,
     )
 
@@ -369,6 +381,18 @@ def _generation(raw: object) -> GenerationConfig:
             f"({config.max_tokens})"
         )
     return config
+
+
+def _limits(raw: object) -> LimitsConfig:
+    doc = _mapping(raw, "limits")
+    _known(doc, "limits", {"max_elements", "max_request_bytes"})
+    defaults = LimitsConfig()
+    return LimitsConfig(
+        max_elements=_int(doc.get("max_elements", defaults.max_elements), "limits.max_elements", 1),
+        max_request_bytes=_int(
+            doc.get("max_request_bytes", defaults.max_request_bytes), "limits.max_request_bytes", 1
+        ),
+    )
 
 
 def _mapping(raw: object, where: str) -> Mapping[str, Any]:

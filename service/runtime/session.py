@@ -29,6 +29,10 @@ log = logging.getLogger(__name__)
 # this 2-core machine), so it runs inline on the event loop; anything slower goes to the executor.
 INLINE_RUN_LIMIT_S = 50e-6
 WARMUP_RUNS = 5
+# A run this long has likely grown ONNX Runtime's arena (which keeps what it grew, for the life of
+# the session: one large request would hold gigabytes for good), so it is followed by a warm-up
+# sized run with arena shrinkage, which frees the arena's unused chunks. Cheap beside such a run.
+SHRINK_AFTER_S = 0.1
 
 
 @dataclass(frozen=True)
@@ -40,13 +44,24 @@ class ModelRunner:
     provider: str
     warmup_run_s: float  # median warm-up run time, on inputs with every dynamic dimension = 1
     decoder: DecoderModel | None = None  # set when the graph is in the decoder layout (Generate)
+    sample_feeds: Mapping[str, np.ndarray] = dataclasses.field(default_factory=dict)  # the warm-up's
+    shrink_options: ort.RunOptions | None = None  # arena shrinkage of the session's devices
 
     @property
     def runs_inline(self) -> bool:
         return self.warmup_run_s < INLINE_RUN_LIMIT_S
 
     def run(self, feeds: Mapping[str, np.ndarray], output_names: Sequence[str]) -> list[np.ndarray]:
-        return self.session.run(list(output_names), dict(feeds))  # type: ignore[no-any-return]
+        start = time.perf_counter()
+        outputs: list[np.ndarray] = self.session.run(list(output_names), dict(feeds))
+        if time.perf_counter() - start > SHRINK_AFTER_S:
+            self.give_back_memory()
+        return outputs
+
+    def give_back_memory(self) -> None:
+        """Free the arena's unused chunks (those a large run grew) with a warm-up sized run."""
+        if self.shrink_options is not None and self.sample_feeds:
+            self.session.run(list(self.signature.output_names), dict(self.sample_feeds), self.shrink_options)
 
 
 def run_error(exc: Exception, label: str) -> ServiceError:
@@ -72,7 +87,23 @@ def load_runner(model_file: Path, config: ModelConfig, providers: ProviderChoice
     metadata = dict(session.get_modelmeta().custom_metadata_map)
     decoder = load_decoder(signature, metadata, config.generation, model_file)
     runner = ModelRunner(session, signature, session.get_providers()[0], warmup_run_s=0.0, decoder=decoder)
-    return dataclasses.replace(runner, warmup_run_s=_warm_up(runner, model_file))
+    if decoder is not None:
+        feeds = decoder.layout.sample_feeds()
+    else:
+        feeds = {spec.name: _sample(spec) for spec in signature.inputs}
+    return dataclasses.replace(
+        runner,
+        warmup_run_s=_warm_up(runner, feeds, model_file),
+        sample_feeds=feeds,
+        shrink_options=_shrink_options(runner.provider, config),
+    )
+
+
+def _shrink_options(provider: str, config: ModelConfig) -> ort.RunOptions:
+    options = ort.RunOptions()
+    devices = "cpu:0" + (f";gpu:{config.execution.device_id}" if provider == CUDA else "")
+    options.add_run_config_entry("memory.enable_memory_arena_shrinkage", devices)
+    return options
 
 
 def _provider_for(config: ModelConfig, providers: ProviderChoice, model_file: Path) -> str:
@@ -157,11 +188,7 @@ def _apply_config(
     return tuple(specs)
 
 
-def _warm_up(runner: ModelRunner, model_file: Path) -> float:
-    if runner.decoder is not None:
-        feeds = runner.decoder.layout.sample_feeds()
-    else:
-        feeds = {spec.name: _sample(spec) for spec in runner.signature.inputs}
+def _warm_up(runner: ModelRunner, feeds: Mapping[str, np.ndarray], model_file: Path) -> float:
     timings = []
     try:
         for _ in range(WARMUP_RUNS):

@@ -57,6 +57,8 @@ def test_defaults_without_a_config_file(tmp_path: Path) -> None:
         ({"execution": {"provider": "tpu"}}, "execution.provider"),
         ({"dynamic_batching": {"max_queue_delay_us": 1, "priority": 2}}, "unknown key(s) priority"),
         ([1, 2], "expected a mapping"),
+        ({"limits": {"max_elements": 0}}, "limits.max_elements"),
+        ({"limits": {"max_bytes": 1}}, "unknown key(s) max_bytes"),
     ],
 )
 def test_bad_configs_name_the_key(raw: object, words: str) -> None:
