@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import secrets
 import time
@@ -32,6 +33,7 @@ _CODES: dict[type[Exception], grpc.StatusCode] = {
     errors.NotGenerative: grpc.StatusCode.FAILED_PRECONDITION,
     errors.Overloaded: grpc.StatusCode.RESOURCE_EXHAUSTED,
     errors.DeadlineExceeded: grpc.StatusCode.DEADLINE_EXCEEDED,
+    errors.ReaderStalled: grpc.StatusCode.ABORTED,
 }
 
 
@@ -57,6 +59,24 @@ def internal_error(method: str, model: str, message: str, exc: BaseException | N
     )
     detail = message or f"{method} failed with an internal error"
     return f"{detail} [error id {error_id}; the server log has the details]"
+
+
+_ending: set[asyncio.Task[None]] = set()
+
+
+def end_stalled(context: Context, error: BaseException) -> None:
+    """End a stream whose reader stalled. Its handler is blocked writing (HTTP/2 flow control),
+    so the status is sent from a task of its own: it follows the messages already written, once
+    the client reads them (or goes away)."""
+
+    async def abort() -> None:
+        # abort() raises AbortError once the status is set; the handler ends with it.
+        with contextlib.suppress(Exception):
+            await context.abort(grpc.StatusCode.ABORTED, str(error))
+
+    task = asyncio.get_running_loop().create_task(abort())
+    _ending.add(task)
+    task.add_done_callback(_ending.discard)
 
 
 def deadline_passed(context: Context) -> bool:

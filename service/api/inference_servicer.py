@@ -12,7 +12,7 @@ from modelyard.inference.v1 import inference_service_pb2_grpc as pb_grpc
 from modelyard.inference.v1 import tensor_pb2
 from modelyard.tensors import to_arrays, to_tensors
 
-from service.api.errors import Context, deadline_passed, serving
+from service.api.errors import Context, deadline_passed, end_stalled, serving
 from service.api.generation_convert import to_generate_params, to_generate_response
 from service.api.scheduling import scheduling
 from service.api.tensor_headers import our_headers
@@ -90,6 +90,7 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
                 to_generate_params(request),
                 scheduling(context, request.priority, request.timeout_us),
                 deadline_passed=lambda: deadline_passed(context),
+                on_stalled=lambda error: end_stalled(context, error),
             )
             # aclosing: a cancelled stream leaves its batch and releases its lease at once.
             async with aclosing(events):

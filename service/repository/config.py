@@ -89,10 +89,17 @@ class ReloadConfig:
 # `generation.max_waiting`: how many sequences may wait for a decode slot, unless the section's
 # default_queue_policy sets max_queue_size itself.
 DEFAULT_MAX_WAITING = 64
+# How long a stream may wait for a decode slot unless default_queue_policy says otherwise: a
+# queue that slow readers keep full must not hold the streams behind them forever.
+DEFAULT_GENERATION_QUEUE_TIMEOUT_US = 60_000_000
 
 
 def _generation_admission() -> AdmissionPolicy:
-    return AdmissionPolicy(default_queue_policy=QueuePolicy(max_queue_size=DEFAULT_MAX_WAITING))
+    return AdmissionPolicy(
+        default_queue_policy=QueuePolicy(
+            max_queue_size=DEFAULT_MAX_WAITING, default_timeout_us=DEFAULT_GENERATION_QUEUE_TIMEOUT_US
+        )
+    )
 
 
 @dataclass(frozen=True)
@@ -108,6 +115,9 @@ class GenerationConfig:
     eos_token: str = ""  # "" = the tokenizer's end-of-text special token, if it has a known one
     continuous_batching: bool = True  # False: every sequence decodes alone (a benchmark baseline)
     stream_buffer: int = 16  # tokens buffered per stream before its sequence pauses for the reader
+    # How long a sequence may stay paused while its reader takes nothing (a stalled client): past
+    # it the stream ends (ABORTED) and its decode slot is freed. 0 = no limit.
+    stall_timeout_ms: int = 30_000
     admission: AdmissionPolicy = field(default_factory=_generation_admission)
 
 
@@ -373,7 +383,12 @@ def _generation(raw: object) -> GenerationConfig:
         eos_token=eos,
         continuous_batching=batching,
         stream_buffer=count("stream_buffer", 1),
-        admission=_admission(doc, "generation", QueuePolicy(max_queue_size=waiting)),
+        stall_timeout_ms=count("stall_timeout_ms", 0),
+        admission=_admission(
+            doc,
+            "generation",
+            QueuePolicy(max_queue_size=waiting, default_timeout_us=DEFAULT_GENERATION_QUEUE_TIMEOUT_US),
+        ),
     )
     if config.default_max_tokens > config.max_tokens:
         raise ConfigError(
