@@ -185,6 +185,13 @@ class ServiceMetrics:
 
     def __post_init__(self) -> None:
         self.requests = RequestLog(self.registry)
+        self.auth_denials = Counter(
+            "modelyard_auth_denials",
+            "Calls refused for want of a credential, by surface (management or inference) and "
+            "outcome (unauthenticated, denied).",
+            ["surface", "outcome"],
+            registry=self.registry,
+        )
         self.model_loads = Counter(
             "modelyard_model_loads",
             "Model version loads, by model and result (ready or failed).",

@@ -7,6 +7,7 @@ import logging
 import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Protocol, cast
 
 import grpc
@@ -14,9 +15,11 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import _async as reflection_aio
 from grpc_reflection.v1alpha import reflection, reflection_pb2_grpc
 from modelyard.common import health as health_names
+from modelyard.common.auth import Authorizer, AuthSettings
 from modelyard.common.metrics_http import MetricsServer
 from modelyard.common.settings import split_address
 from modelyard.common.throttle import LogThrottle
+from modelyard.common.tls import TlsFiles, grpc_server_credentials, is_loopback, warn_if_plaintext
 from modelyard.inference.v1 import (
     inference_service_pb2,
     inference_service_pb2_grpc,
@@ -25,10 +28,11 @@ from modelyard.inference.v1 import (
 )
 from modelyard.kserve.v2 import grpc_service_pb2, grpc_service_pb2_grpc
 
+from service.api.access import guards
 from service.api.inference_servicer import InferenceServicer
 from service.api.kserve_servicer import KServeServicer
 from service.api.model_servicer import ModelServicer
-from service.api.wire import CleanDecoding, OnUndecodable
+from service.api.wire import Guarded, OnUndecodable
 from service.batching.batcher import batcher_factory
 from service.batching.clock import Clock
 from service.config import Settings
@@ -71,6 +75,7 @@ class Service:
     generation: GenerationPlane | None = None
     metrics_server: MetricsServer | None = None
     watcher: RepositoryWatcher | None = None
+    tls: TlsFiles | None = None  # of the gRPC and metrics listeners
     _events: asyncio.Task[None] | None = None
 
     @property
@@ -83,7 +88,7 @@ class Service:
         await self.server.start()
         if self.settings.metrics_listen:
             self.metrics_server = MetricsServer(
-                self.metrics.registry, *split_address(self.settings.metrics_listen)
+                self.metrics.registry, *split_address(self.settings.metrics_listen), tls=self.tls
             )
         # Subscribed before loading starts, so that no model event escapes health and metrics.
         self._events = asyncio.get_running_loop().create_task(self._follow(self.manager.subscribe()))
@@ -187,10 +192,15 @@ def build_service(
             ("grpc.so_reuseport", 0),  # a taken port must fail loudly, not be shared
         ]
     )
-    # Every servicer is added through CleanDecoding: undecodable request bytes are refused with
-    # INVALID_ARGUMENT (and one rate-limited log line), not UNKNOWN with a traceback per request.
+    # Every servicer is added through Guarded: calls pass authorization (service/api/access.py),
+    # and undecodable request bytes are refused with INVALID_ARGUMENT (and one rate-limited log
+    # line), not UNKNOWN with a traceback per request.
     # (cast: it takes the server's place in the generated functions, which only register handlers)
-    registry = cast(grpc.aio.Server, CleanDecoding(server, _undecodable_reporter(metrics)))
+    tls, authorizer = _security(settings)
+    registry = cast(
+        grpc.aio.Server,
+        Guarded(server, _undecodable_reporter(metrics), guards(authorizer, settings.auth_inference, metrics)),
+    )
     inference_service_pb2_grpc.add_InferenceServiceServicer_to_server(
         InferenceServicer(dataplane, generation, metrics), registry
     )
@@ -200,7 +210,7 @@ def build_service(
     )
     health_servicer: Health = health.aio.HealthServicer()  # type: ignore[attr-defined]
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, registry)
-    # What reflection.enable_server_reflection does for an aio server, through CleanDecoding.
+    # What reflection.enable_server_reflection does for an aio server, through Guarded.
     reflection_pb2_grpc.add_ServerReflectionServicer_to_server(
         reflection_aio.ReflectionServicer(
             [
@@ -213,5 +223,29 @@ def build_service(
         ),
         registry,
     )
-    port = server.add_insecure_port(settings.listen)
-    return Service(settings, server, port, manager, metrics, health_servicer, executor, generation)
+    if tls is None:
+        port = server.add_insecure_port(settings.listen)
+    else:
+        port = server.add_secure_port(settings.listen, grpc_server_credentials(tls))
+    return Service(settings, server, port, manager, metrics, health_servicer, executor, generation, tls=tls)
+
+
+def _security(settings: Settings) -> tuple[TlsFiles | None, Authorizer]:
+    """TLS files and the authorizer from the settings; ValueError for a combination that cannot
+    work (half a key pair, client identities without mTLS, auth_inference without credentials)."""
+    tls = TlsFiles.from_settings(settings.tls_cert, settings.tls_key, settings.tls_client_ca)
+    tokens = Path(settings.auth_tokens_file) if settings.auth_tokens_file else None
+    authorizer = Authorizer(AuthSettings(tokens, settings.auth_client_names))
+    if settings.auth_client_names and (tls is None or tls.client_ca is None):
+        raise ValueError("auth_client_names names mTLS client identities: it needs tls_client_ca")
+    if settings.auth_inference and not authorizer.configured:
+        raise ValueError("auth_inference needs auth_tokens_file or auth_client_names")
+    host = split_address(settings.listen)[0]
+    warn_if_plaintext(host, "the gRPC listener", tls)
+    if not authorizer.configured and not is_loopback(host):
+        log.warning(
+            "the gRPC listener on %s takes LoadModel/UnloadModel and repository calls from any client "
+            "(configure auth_tokens_file, see README Security)",
+            host or "all addresses",
+        )
+    return tls, authorizer

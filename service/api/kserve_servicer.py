@@ -17,7 +17,7 @@ from service.api.scheduling import kserve_scheduling
 from service.api.tensor_headers import kserve_headers
 from service.batching.queue import QueuePolicy
 from service.dataplane import DataPlane
-from service.errors import ModelLoadError, ServiceError
+from service.errors import ModelLoadError, ServiceError, Unsupported
 from service.metrics import ServiceMetrics
 from service.repository.config import ModelConfig
 from service.runtime.manager import ModelManager
@@ -142,6 +142,14 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
         self, request: pb.RepositoryModelLoadRequest, context: Context
     ) -> pb.RepositoryModelLoadResponse:
         async with serving(context, self._metrics, "RepositoryModelLoad", request.model_name):
+            overrides = sorted(k for k in request.parameters if k == "config" or k.startswith("file:"))
+            if overrides:
+                # Triton loads a config (and files) sent with the call; this server serves the
+                # repository as it is on disk, so it refuses rather than ignore them silently.
+                raise Unsupported(
+                    f"RepositoryModelLoad parameters {', '.join(overrides)} are not supported: models are "
+                    "loaded as the repository holds them (edit config.yaml there)"
+                )
             status = await self._manager.load(request.model_name)
             if status.default_version is None:
                 reasons = [status.reason] + [v.reason for v in status.versions.values() if v.reason]

@@ -1,16 +1,20 @@
-"""Requests whose bytes do not parse are the client's mistake: INVALID_ARGUMENT and one log line.
+"""What every call passes before its servicer: authorization, and a request that parsed.
 
-grpc.aio parses a request before any handler runs, and a parse failure there answers UNKNOWN and
-logs a full traceback per request (a log flood on demand). Servicers are therefore added through
-`CleanDecoding`, which stands in for the server: every handler they register parses with a
-deserializer that never raises (it returns `Undecodable` instead), and its behavior refuses an
-`Undecodable` request with INVALID_ARGUMENT before the servicer sees it.
+Servicers are added through `Guarded`, which stands in for the server: every handler they
+register is wrapped.
+
+- Authorization: a guard (service/api/access.py) chosen per method at registration runs first
+  and aborts the call (UNAUTHENTICATED / PERMISSION_DENIED) when it is not allowed.
+- Undecodable requests: grpc.aio parses a request before any handler runs, and a parse failure
+  there answers UNKNOWN and logs a full traceback per request (a log flood on demand). The
+  wrapped handlers parse with a deserializer that never raises (it returns `Undecodable`), and
+  refuse an `Undecodable` request with INVALID_ARGUMENT before the servicer sees it.
 """
 
 from __future__ import annotations
 
 import inspect
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import grpc
@@ -19,6 +23,10 @@ from service.api.errors import Context
 
 # Called with the full method name of each refused message (logs and metrics, rate-limited there).
 OnUndecodable = Callable[[str], None]
+# Runs before the servicer; aborts the call when the caller may not make it.
+Guard = Callable[[Context], Awaitable[None]]
+# The guard of a method (by its full name), or None for a method open to every caller.
+GuardFor = Callable[[str], Guard | None]
 
 
 class Undecodable:
@@ -43,12 +51,15 @@ def _never_raises(deserialize: Callable[[bytes], Any] | None) -> Callable[[bytes
     return parse
 
 
-class CleanDecoding:
+class Guarded:
     """Pass this in place of the grpc.aio server to generated `add_*Servicer_to_server` functions."""
 
-    def __init__(self, server: grpc.aio.Server, on_undecodable: OnUndecodable) -> None:
+    def __init__(
+        self, server: grpc.aio.Server, on_undecodable: OnUndecodable, guard_for: GuardFor | None = None
+    ) -> None:
         self._server = server
         self._on_undecodable = on_undecodable
+        self._guard_for = guard_for or (lambda method: None)
 
     def add_generic_rpc_handlers(self, handlers: Sequence[grpc.GenericRpcHandler[Any, Any]]) -> None:
         self._server.add_generic_rpc_handlers(tuple(_Generic(h, self._wrap) for h in handlers))
@@ -60,7 +71,7 @@ class CleanDecoding:
     def _wrap(self, method: str, handler: Any) -> Any:
         if handler is None:
             return None
-        refuse = _refuser(method, self._on_undecodable)
+        refuse = _Refuse(method, self._on_undecodable, self._guard_for(method))
         behaviors: dict[str, Any] = {"request_deserializer": _never_raises(handler.request_deserializer)}
         if handler.unary_unary is not None:
             behaviors["unary_unary"] = _unary_unary(handler.unary_unary, refuse)
@@ -73,63 +84,74 @@ class CleanDecoding:
         return handler._replace(**behaviors)
 
 
-Refuse = Callable[[Context], Any]
+class _Refuse:
+    """A method's checks: `admit` (the guard) at the start of a call, `check` on each request."""
 
+    __slots__ = ("_guard", "_kind", "_method", "_on_undecodable")
 
-def _refuser(method: str, on_undecodable: OnUndecodable) -> Refuse:
-    kind = method.rsplit("/", 1)[-1]
+    def __init__(self, method: str, on_undecodable: OnUndecodable, guard: Guard | None) -> None:
+        self._method = method
+        self._kind = method.rsplit("/", 1)[-1]
+        self._on_undecodable = on_undecodable
+        self._guard = guard
 
-    async def refuse(context: Context) -> None:
-        on_undecodable(method)
-        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"the {kind} request is not a valid message")
+    async def admit(self, context: Context) -> None:
+        if self._guard is not None:
+            await self._guard(context)
 
-    return refuse
-
-
-def _unary_unary(inner: Any, refuse: Refuse) -> Any:
-    async def call(request: Any, context: Context) -> Any:
+    async def check(self, request: Any, context: Context) -> None:
         if request is _UNDECODABLE:
-            await refuse(context)
+            self._on_undecodable(self._method)
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT, f"the {self._kind} request is not a valid message"
+            )
+
+
+def _unary_unary(inner: Any, refuse: _Refuse) -> Any:
+    async def call(request: Any, context: Context) -> Any:
+        await refuse.admit(context)
+        await refuse.check(request, context)
         return await inner(request, context)
 
     return call
 
 
-def _unary_stream(inner: Any, refuse: Refuse) -> Any:
+def _unary_stream(inner: Any, refuse: _Refuse) -> Any:
     if not inspect.isasyncgenfunction(inner):  # writes with context.write: a coroutine
 
         async def write(request: Any, context: Context) -> Any:
-            if request is _UNDECODABLE:
-                await refuse(context)
+            await refuse.admit(context)
+            await refuse.check(request, context)
             return await inner(request, context)
 
         return write
 
     async def stream(request: Any, context: Context) -> AsyncIterator[Any]:
-        if request is _UNDECODABLE:
-            await refuse(context)
+        await refuse.admit(context)
+        await refuse.check(request, context)
         async for response in inner(request, context):
             yield response
 
     return stream
 
 
-def _stream_request(inner: Any, refuse: Refuse) -> Any:
+def _stream_request(inner: Any, refuse: _Refuse) -> Any:
     async def checked(requests: AsyncIterator[Any], context: Context) -> AsyncIterator[Any]:
         async for request in requests:
-            if request is _UNDECODABLE:
-                await refuse(context)
+            await refuse.check(request, context)
             yield request
 
     if inspect.isasyncgenfunction(inner):
 
         async def stream(requests: AsyncIterator[Any], context: Context) -> AsyncIterator[Any]:
+            await refuse.admit(context)
             async for response in inner(checked(requests, context), context):
                 yield response
 
         return stream
 
     async def call(requests: AsyncIterator[Any], context: Context) -> Any:
+        await refuse.admit(context)
         return await inner(checked(requests, context), context)
 
     return call
