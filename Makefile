@@ -6,7 +6,7 @@ BUF_VERSION := 1.75.0
 BUF := .cache/buf/node_modules/.bin/buf
 REPOSITORY ?= models/demo
 
-.PHONY: up test lint gen bench bench-generate bench-batching bench-swaps demo-models proto-baseline install install-dev system-deps clean
+.PHONY: up test lint gen bench bench-generate bench-batching bench-swaps bench-soak demo-models proto-baseline install install-dev system-deps clean
 
 up: $(VENV)/.installed
 	$(PY) -m service --repository $(REPOSITORY)
@@ -38,6 +38,9 @@ bench-generate: $(VENV)/.installed-dev
 
 bench-swaps: $(VENV)/.installed-dev
 	$(PY) -m bench.swaps
+
+bench-soak: $(VENV)/.installed-dev
+	$(PY) -m bench.soak
 
 bench-batching: $(VENV)/.installed-dev
 	$(PY) -m bench.batching
