@@ -17,7 +17,7 @@ test: lint
 lint: $(VENV)/.installed-dev $(BUF) system-deps
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
-	$(VENV)/bin/mypy service tests bench proto/generate.py proto/python/modelyard
+	$(VENV)/bin/mypy service tests bench models/__init__.py models/demo_models.py proto/generate.py proto/python/modelyard
 	$(VENV)/bin/lint-imports
 	$(PY) proto/generate.py --check
 	$(BUF) lint
@@ -46,7 +46,7 @@ bench-batching: $(VENV)/.installed-dev
 	$(PY) -m bench.batching
 
 demo-models: $(VENV)/.installed
-	$(PY) -m service.demo_models $(REPOSITORY)
+	$(PY) -m models.demo_models $(REPOSITORY)
 
 install: $(VENV)/.installed
 install-dev: $(VENV)/.installed-dev

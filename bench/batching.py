@@ -54,7 +54,7 @@ from modelyard.kserve.v2 import grpc_service_pb2 as kpb
 from modelyard.kserve.v2 import grpc_service_pb2_grpc as kpb_grpc
 from modelyard.tensors import to_array, to_tensor
 
-from service.demo_models import dense_stack, scaled_identity, write_model
+from models.demo_models import dense_stack, scaled_identity, write_model
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results" / "batching.json"

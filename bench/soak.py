@@ -34,7 +34,7 @@ from modelyard.tensors import to_tensor
 
 from bench.processes import running_service
 from bench.swaps import CLASSES, FEATURES, HIDDEN, publish, rss_mb
-from service.demo_models import COMMITTED_ROOT, dense_classifier, write_model
+from models.demo_models import COMMITTED_ROOT, dense_classifier, write_model
 
 PROMPTS = ["def add(a, b):", "import os\n", "class Point:", "for i in range(10):"]
 GARBAGE = b"\x0a\xff\xff\xff\xff\x0f\x01"

@@ -35,7 +35,7 @@ from modelyard.inference.v1 import inference_service_pb2_grpc as pb_grpc
 from modelyard.tensors import to_tensor
 
 from bench.processes import ServerProcess, running_service
-from service.demo_models import dense_classifier, serialize, write_model
+from models.demo_models import dense_classifier, serialize, write_model
 
 FEATURES, HIDDEN, CLASSES = 512, 512, 16
 

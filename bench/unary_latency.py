@@ -53,7 +53,7 @@ from modelyard.inference.v1 import inference_service_pb2_grpc as pb_grpc
 from modelyard.inference.v1 import tensor_pb2
 
 from bench.processes import CLK_TCK, SERVICE_READY, ServerProcess
-from service.demo_models import scaled_identity, write_model
+from models.demo_models import scaled_identity, write_model
 
 ROOT = Path(__file__).resolve().parent.parent
 BENCH = ROOT / "bench"
@@ -269,7 +269,10 @@ async def breakdown(repository: Path, request: pb.InferRequest, iterations: int)
     from service.runtime.manager import ModelManager
     from service.runtime.providers import ProviderChoice
 
-    class Context:  # Infer touches its context only on errors
+    class Context:  # Infer reads the time left to the call's deadline, and otherwise only errors
+        def time_remaining(self) -> float | None:
+            return None  # no deadline
+
         def __getattr__(self, name: str) -> Any:
             raise RuntimeError(f"context.{name} used: the request failed")
 

@@ -17,11 +17,13 @@ from weakref import WeakKeyDictionary
 
 import numpy as np
 
-from service.batching.queue import DEFAULT_SCHEDULING, Scheduling
+from service.batching.layer import BatchingLayer
+from service.generation.model import DecoderModel
 from service.intake import Bounds, TensorHeader, bounds_for, check_headers, offload
 from service.runtime.manager import ModelManager
 from service.runtime.served import ServedVersion
-from service.runtime.session import run_error
+from service.runtime.session import run_model
+from service.scheduling.queue import DEFAULT_SCHEDULING, Scheduling
 
 T = TypeVar("T")
 
@@ -36,9 +38,12 @@ class InferResult:
 
 
 class DataPlane:
-    def __init__(self, manager: ModelManager, executor: Executor) -> None:
+    def __init__(
+        self, manager: ModelManager, executor: Executor, batching: BatchingLayer | None = None
+    ) -> None:
         self.manager = manager
         self._executor = executor
+        self._batching = batching
         self._bounds: WeakKeyDictionary[ServedVersion, Bounds] = WeakKeyDictionary()  # per version
 
     async def decode(
@@ -50,7 +55,9 @@ class DataPlane:
         served = self.manager.resolve(model, version)
         bounds = self._bounds.get(served)
         if bounds is None:
-            bounds = self._bounds[served] = bounds_for(served.config.limits, served.runner.decoder)
+            kind = served.runner.kind
+            decoder = kind if isinstance(kind, DecoderModel) else None
+            bounds = self._bounds[served] = bounds_for(served.config.limits, decoder)
         check_headers(served.runner.signature, headers, bounds)
         if offload(headers):
             return await asyncio.get_running_loop().run_in_executor(self._executor, decode)
@@ -108,21 +115,15 @@ class DataPlane:
         scheduling: Scheduling,
         admitted_ns: int,
     ) -> dict[str, np.ndarray]:
-        if served.batcher is not None:
-            return await served.batcher.infer(inputs, names, scheduling)
+        batcher = self._batching.batcher(served) if self._batching is not None else None
+        if batcher is not None:
+            return await batcher.infer(inputs, names, scheduling)
         runner = served.runner
         start = time.perf_counter_ns()
         ok = False
         try:
-            if runner.runs_inline:
-                arrays = runner.run(inputs, names)
-            else:
-                arrays = await asyncio.get_running_loop().run_in_executor(
-                    self._executor, runner.run, inputs, names
-                )
+            arrays = await run_model(runner, inputs, names, self._executor, served.label)
             ok = True
-        except Exception as exc:
-            raise run_error(exc, f"model {served.model} version {served.version}") from None
         finally:
             end = time.perf_counter_ns()
             rows = next(iter(inputs.values())).shape[0] if served.config.max_batch_size and inputs else 1

@@ -45,7 +45,7 @@ BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
 class BatchingMetrics:
     """The batching metrics of one model version, labels bound once (they are on the hot path).
-    It is the version's queue observer (service.batching.queue.QueueObserver), for its batcher's
+    It is the version's queue observer (service.scheduling.queue.QueueObserver), for its batcher's
     queue and for its decode loop's wait queue alike."""
 
     def __init__(self, metrics: ServiceMetrics, model: str, version: str, levels: int) -> None:
@@ -114,6 +114,10 @@ class RequestLog:
         # label values -> [observations per bucket (the last one +Inf)..., sum of seconds]
         self._series: dict[tuple[str, ...], list[float]] = {}
         registry.register(self)
+
+    def forget_model(self, model: str) -> None:
+        # One assignment: a scrape on the HTTP thread sees the old dict or the new one.
+        self._series = {key: series for key, series in self._series.items() if key[1] != model}
 
     def observe(self, key: tuple[str, ...], seconds: float) -> None:
         series = self._series.get(key)
@@ -231,7 +235,8 @@ class ServiceMetrics:
             registry=self.registry,
         )
         self._generation_families(["model", "version"])
-        # Names a request made up must not grow the label set without bound.
+        # Requests label their model by name only while it is in the repository and has served:
+        # names a request made up must not grow the label set without bound.
         self.known_models: set[str] = set()
         self._version_series: dict[
             tuple[str, str], tuple[int, set[tuple[MetricWrapperBase, tuple[str, ...]]]]
@@ -290,6 +295,21 @@ class ServiceMetrics:
             self._version_series[labels] = (users - 1, series)
             return set()
         return series
+
+    def forget_model(self, model: str) -> None:
+        """The model left the repository: its series leave the registry and requests that still
+        name it count as `_unknown`, so that label sets follow the repository instead of growing."""
+        self.known_models.discard(model)
+        self.requests.forget_model(model)
+        for family in (
+            self.model_loads,
+            self.load_failures,
+            self.load_seconds,
+            self.swaps,
+            self.drain_seconds,
+            self.versions_ready,
+        ):
+            family.remove_by_labels({"model": model})
 
     def observe_request(
         self, method: str, model: str, version: str, code: grpc.StatusCode, seconds: float

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 from concurrent.futures import ThreadPoolExecutor
@@ -33,10 +34,10 @@ from service.api.inference_servicer import InferenceServicer
 from service.api.kserve_servicer import KServeServicer
 from service.api.model_servicer import ModelServicer
 from service.api.wire import Guarded, OnUndecodable
-from service.batching.batcher import batcher_factory
-from service.batching.clock import Clock
+from service.batching.layer import BatchingLayer
 from service.config import Settings
 from service.dataplane import DataPlane
+from service.generation.model import recognize_decoder
 from service.generation.plane import GenerationPlane
 from service.metrics import ServiceMetrics
 from service.repository.watcher import RepositoryWatcher
@@ -44,6 +45,7 @@ from service.runtime.manager import Loader, ModelManager
 from service.runtime.providers import detect_providers
 from service.runtime.session import load_runner
 from service.runtime.status import ModelEvent, Watcher
+from service.scheduling.clock import Clock
 
 log = logging.getLogger(__name__)
 
@@ -73,6 +75,7 @@ class Service:
     health: Health
     executor: ThreadPoolExecutor
     generation: GenerationPlane | None = None
+    batching: BatchingLayer | None = None
     metrics_server: MetricsServer | None = None
     watcher: RepositoryWatcher | None = None
     tls: TlsFiles | None = None  # of the gRPC and metrics listeners
@@ -148,6 +151,8 @@ class Service:
             await self.health.set(
                 health_names.model_service_name(event.model), SERVING if served else NOT_SERVING
             )
+            if not self.manager.knows(event.model):
+                continue  # it left the repository, and its series with it
             self.metrics.versions_ready.labels(event.model).set(len(served.versions) if served else 0)
             if served:
                 self.metrics.known_models.add(event.model)
@@ -166,7 +171,7 @@ def _undecodable_reporter(metrics: ServiceMetrics) -> OnUndecodable:
 def build_service(
     settings: Settings,
     *,
-    loader: Loader = load_runner,  # test seam: runners that count or hold their runs
+    loader: Loader | None = None,  # test seam: runners that count or hold their runs
     clock: Clock | None = None,  # test seam: the batching queues' clock, stepped by hand
 ) -> Service:
     providers = detect_providers()
@@ -180,10 +185,13 @@ def build_service(
         providers,
         metrics=metrics,
         drain_timeout_s=settings.drain_timeout_s,
-        loader=loader,
-        batching=batcher_factory(executor, metrics, clock),
+        # Generation recognises decoder graphs as they load; the runtime knows nothing of them.
+        loader=loader or functools.partial(load_runner, recognizers=[recognize_decoder]),
     )
-    dataplane = DataPlane(manager, executor)
+    # The layers above the runtime attach to each version as it loads and let go as it retires.
+    batching = BatchingLayer(executor, metrics, clock)
+    manager.on_load(batching.attach)
+    dataplane = DataPlane(manager, executor, batching)
     generation = GenerationPlane(manager, executor, metrics)
     server = grpc.aio.server(
         options=[
@@ -227,7 +235,9 @@ def build_service(
         port = server.add_insecure_port(settings.listen)
     else:
         port = server.add_secure_port(settings.listen, grpc_server_credentials(tls))
-    return Service(settings, server, port, manager, metrics, health_servicer, executor, generation, tls=tls)
+    return Service(
+        settings, server, port, manager, metrics, health_servicer, executor, generation, batching, tls=tls
+    )
 
 
 def _security(settings: Settings) -> tuple[TlsFiles | None, Authorizer]:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import threading
-import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -19,16 +18,18 @@ HOLD_LIMIT_S = 30.0  # a held run that is never released fails the test instead 
 
 
 class ManualClock:
-    """A batching clock that moves only when the test says so (service.batching.clock.Clock)."""
+    """A batching clock that moves only when the test says so (service.scheduling.clock.Clock)."""
 
     def __init__(self, start: float = 1000.0) -> None:
         self._now = start
         self._waiting: set[asyncio.Event] = set()
+        self.waits = 0  # calls to wait: each one is a loop that took its turn and looks again
 
     def now(self) -> float:
         return self._now
 
     async def wait(self, event: asyncio.Event, until: float | None) -> None:
+        self.waits += 1
         if until is not None and self._now >= until:
             await asyncio.sleep(0)
             return
@@ -134,15 +135,3 @@ class Runners:
 
     def __getitem__(self, key: tuple[str, int]) -> RecordingRunner:
         return self.loaded[key]
-
-
-EVENTUALLY_LIMIT_S = 20.0  # bounds a broken test only; nothing waits this long when things work
-
-
-async def eventually(check: Callable[[], bool], what: str = "condition") -> None:
-    """Wait until `check()` holds, polling; nothing here depends on how fast the machine is."""
-    deadline = time.monotonic() + EVENTUALLY_LIMIT_S
-    while not check():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.005)

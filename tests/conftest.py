@@ -9,7 +9,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from service import demo_models
+from models import demo_models
 from service.config import Settings
 from service.server import Service, build_service
 from tests.support import ServiceProcess, start_service_process

@@ -19,7 +19,7 @@ import onnxruntime as ort
 from onnx import TensorProto, helper, numpy_helper
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from service.demo_models import IR_VERSION, OPSET
+from models.demo_models import IR_VERSION, OPSET
 
 CORPUS = [
     "the quick brown fox jumps over the lazy dog",

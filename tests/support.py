@@ -1,17 +1,51 @@
-"""Helpers the tests share that are not fixtures: a service in a child process."""
+"""Helpers the tests share that are not fixtures: the one polling wait, metric reading, and a
+service in a child process."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import re
 import signal
 import subprocess
 import sys
 import threading
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from prometheus_client import CollectorRegistry
+from prometheus_client.parser import text_string_to_metric_families
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
+EVENTUALLY_LIMIT_S = 20.0  # bounds a broken test only; nothing waits this long when things work
+
+
+async def eventually(
+    check: Callable[[], bool], what: str = "condition", within_s: float = EVENTUALLY_LIMIT_S
+) -> None:
+    """Wait until `check()` holds, polling, for things that send no event a test can wait on;
+    fail after `within_s`. Nothing here depends on how fast the machine is."""
+    deadline = time.monotonic() + within_s
+    while not check():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.005)
+
+
+def metric(source: CollectorRegistry | str, name: str, **labels: str) -> float | None:
+    """The value of one series, from a registry or a scraped /metrics text; None when the series
+    does not exist (a check that a series is gone must tell that from a zero)."""
+    if isinstance(source, CollectorRegistry):
+        return source.get_sample_value(name, labels)
+    for family in text_string_to_metric_families(source):
+        for sample in family.samples:
+            if sample.name == name and sample.labels == labels:
+                return float(sample.value)
+    return None
+
+
 _SERVING = re.compile(r"serving gRPC on (\S+?)(?:, metrics on (http://\S+/metrics))?;")
 
 

@@ -15,7 +15,6 @@ from service.api.errors import Context, serving
 from service.api.kserve_tensors import decode_inputs, encode_outputs, requested_outputs
 from service.api.scheduling import kserve_scheduling
 from service.api.tensor_headers import kserve_headers
-from service.batching.queue import QueuePolicy
 from service.dataplane import DataPlane
 from service.errors import ModelLoadError, ServiceError, Unsupported
 from service.metrics import ServiceMetrics
@@ -24,6 +23,7 @@ from service.runtime.manager import ModelManager
 from service.runtime.served import ServedVersion
 from service.runtime.signature import TensorSpec
 from service.runtime.status import VersionState
+from service.scheduling.queue import QueuePolicy
 
 PLATFORM = "onnxruntime_onnx"
 EXTENSIONS = ["model_repository", "model_configuration", "statistics"]

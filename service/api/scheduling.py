@@ -8,8 +8,8 @@ from modelyard.kserve.v2.grpc_service_pb2 import InferParameter
 
 from service.api.errors import Context
 from service.api.kserve_tensors import parameter_value
-from service.batching.queue import Scheduling
 from service.errors import InvalidInput
+from service.scheduling.queue import Scheduling
 
 # Triton's request parameters (tritonclient sends priority as uint64, timeout as int64, in us).
 PRIORITY = "priority"

@@ -1,1 +1,1 @@
-"""Admission control (bounded per-priority queues, deadlines, cancellation) and dynamic batching."""
+"""Dynamic batching: requests to one model version queue, batch, run together and part again."""

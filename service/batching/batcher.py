@@ -22,37 +22,27 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import time
-from collections.abc import Callable, Hashable, Mapping, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from concurrent.futures import Executor, Future
 from dataclasses import dataclass
-from typing import Protocol
 
 import numpy as np
 
-from service.batching.clock import Clock, MonotonicClock
-from service.batching.queue import DEFAULT_SCHEDULING, AdmissionPolicy, AdmissionQueue, Scheduling, Ticket
 from service.batching.tensors import batch_key, batch_rows, concat, split
 from service.errors import DeadlineExceeded, ModelRunError, ModelUnavailable, ServiceError
-from service.metrics import BatchingMetrics, ServiceMetrics
+from service.metrics import BatchingMetrics
 from service.repository.config import ModelConfig
 from service.runtime.providers import CUDA
-from service.runtime.served import ServedVersion, VersionStats
-from service.runtime.session import run_error
+from service.runtime.served import VersionStats
+from service.runtime.session import Runnable as Runner
+from service.runtime.session import run_checked, run_error
+from service.scheduling.clock import Clock, MonotonicClock
+from service.scheduling.queue import DEFAULT_SCHEDULING, AdmissionPolicy, AdmissionQueue, Scheduling, Ticket
 
 log = logging.getLogger(__name__)
 
 Outputs = dict[str, np.ndarray]
-
-
-class Runner(Protocol):
-    """What the batcher needs of a model runner (service.runtime.session.ModelRunner)."""
-
-    @property
-    def runs_inline(self) -> bool: ...
-
-    def run(self, feeds: Mapping[str, np.ndarray], output_names: Sequence[str]) -> list[np.ndarray]: ...
 
 
 @dataclass(frozen=True)
@@ -387,37 +377,6 @@ def _execute(
     runs: list[tuple[int, int]],
 ) -> Outputs:
     start = time.perf_counter_ns()
-    try:
-        arrays = runner.run(feeds, names)
-    except Exception as exc:
-        raise run_error(exc, label) from None
+    arrays = run_checked(runner, feeds, names, label)
     runs.append((batch_rows(feeds), time.perf_counter_ns() - start))
     return dict(zip(names, arrays, strict=True))
-
-
-def batcher_factory(
-    executor: Executor, metrics: ServiceMetrics, clock: Clock | None = None, cpus: int = 0
-) -> Callable[[ServedVersion], Batcher]:
-    """What the model manager calls for each loaded version whose config asks for batching."""
-
-    def build(served: ServedVersion) -> Batcher:
-        provider = served.runner.provider
-        settings = BatchSettings.from_config(served.config, provider, cpus or os.cpu_count() or 1)
-        label = f"model {served.model} version {served.version}"
-        levels = settings.admission.priority_levels
-        log.info(
-            "%s batches up to %d rows (leaves at %d or after %.0f us), %d batch%s at a time, "
-            "%d priority level%s",
-            label,
-            settings.max_batch_size,
-            settings.target_rows,
-            settings.max_queue_delay_s * 1e6,
-            settings.concurrency,
-            "" if settings.concurrency == 1 else "es",
-            levels,
-            "" if levels == 1 else "s",
-        )
-        batching_metrics = metrics.batching(served.model, str(served.version), levels)
-        return Batcher(served.runner, settings, executor, served.stats, batching_metrics, clock, label)
-
-    return build

@@ -31,9 +31,7 @@ from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from typing import TypeVar
 
-from service.batching.clock import MonotonicClock
-from service.batching.queue import DEFAULT_SCHEDULING, AdmissionQueue, QueueObserver, Scheduling
-from service.errors import DeadlineExceeded, ModelRunError, ModelUnavailable, ReaderStalled, ServiceError
+from service.errors import DeadlineExceeded, ModelUnavailable, ReaderStalled, ServiceError
 from service.generation.decoder import Cache, DecodeBatch, StepRunner, prefill
 from service.generation.model import DecoderModel
 from service.generation.sampling import choose, choose_rows
@@ -46,6 +44,9 @@ from service.generation.sequence import (
     Usage,
 )
 from service.metrics import GenerationMetrics
+from service.runtime.session import run_error
+from service.scheduling.clock import MonotonicClock
+from service.scheduling.queue import DEFAULT_SCHEDULING, AdmissionQueue, QueueObserver, Scheduling
 
 log = logging.getLogger(__name__)
 
@@ -85,6 +86,7 @@ class Engine:
     ) -> None:
         assert model.codec is not None, "an engine needs a tokenizer"
         self._model = model
+        self._name = name
         self._codec = model.codec
         self._runner = runner
         self._version = version
@@ -114,6 +116,11 @@ class Engine:
     @property
     def waiting(self) -> int:
         return len(self._queue)
+
+    @property
+    def paused(self) -> int:
+        """Sequences holding a slot out of the decode steps until their reader catches up."""
+        return sum(1 for sequence in self._slots if sequence.state is State.PAUSED)
 
     # -- the readers' side -------------------------------------------------------------------
 
@@ -176,7 +183,7 @@ class Engine:
                 raise
             except Exception as exc:  # a bug or a runtime failure: end the streams, keep serving
                 log.exception("decode loop of version %d failed", self._version)
-                self._fail_all(ModelRunError(f"generation failed: {exc}"))
+                self._fail_all(run_error(exc, self._name))
             self._gauges()
             if not worked:
                 # Every sequence is paused for its reader (or just left): wait for a reader, a new
@@ -326,7 +333,7 @@ class Engine:
 
     def _after_prefill(self, sequence: Sequence, result: tuple[Cache, int] | Exception) -> None:
         if isinstance(result, Exception):
-            self._fail(sequence, _run_error(result))
+            self._fail(sequence, run_error(result, self._name))
             self._free(sequence)
             return
         cache, token = result
@@ -449,7 +456,7 @@ class Engine:
         log.error("decode step of version %d failed: %s", self._version, error)
         members = [*batch.members, *change.pausing, *(s for s, _, _ in change.joining)]
         for sequence in _unique(members):
-            self._fail(sequence, _run_error(error))
+            self._fail(sequence, run_error(error, self._name))
             self._batch_of.pop(id(sequence), None)
             self._free(sequence)
         if batch in self._batches:
@@ -468,13 +475,6 @@ class Engine:
     def _gauges(self) -> None:
         self._metrics.active.set(len(self._slots))
         self._metrics.waiting.set(len(self._queue))
-
-
-def _run_error(exc: BaseException) -> ServiceError:
-    if isinstance(exc, ServiceError):
-        return exc
-    text = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:500]
-    return ModelRunError(f"generation failed: {text}")
 
 
 def _unique(items: Iterable[T]) -> list[T]:

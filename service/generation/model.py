@@ -4,13 +4,16 @@ tokenizer, its context length and its generation settings."""
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+
+import numpy as np
 
 from service.errors import ModelLoadError
 from service.generation.layout import DecoderLayout, NotADecoder, decoder_layout
 from service.generation.tokenizer import TextCodec, TokenizerError, find_tokenizer
-from service.repository.config import GenerationConfig
+from service.repository.config import GenerationConfig, ModelConfig
 from service.runtime.signature import Signature
 
 log = logging.getLogger(__name__)
@@ -27,12 +30,23 @@ class DecoderModel:
     context_length: int
     settings: GenerationConfig
 
+    def warmup_feeds(self) -> dict[str, np.ndarray]:
+        """The runtime's warm-up input (service.runtime.session.GraphKind)."""
+        return self.layout.sample_feeds()
+
     @property
     def vocab(self) -> int:
         """Tokens that can be sampled: the logits' width, capped by the tokenizer's vocabulary
         (exports often pad the embedding matrix to a multiple of 64)."""
         sizes = [n for n in (self.layout.vocab, self.codec.vocab_size if self.codec else -1) if n > 0]
         return min(sizes) if sizes else -1
+
+
+def recognize_decoder(
+    signature: Signature, metadata: Mapping[str, str], config: ModelConfig, model_file: Path
+) -> DecoderModel | None:
+    """The generation layer's recognizer for the runtime's loader (service.runtime.session)."""
+    return load_decoder(signature, dict(metadata), config.generation, model_file)
 
 
 def load_decoder(

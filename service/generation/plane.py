@@ -14,16 +14,17 @@ import weakref
 from collections.abc import AsyncGenerator, Callable
 from concurrent.futures import Executor
 
-from service.batching.queue import DEFAULT_SCHEDULING, Scheduling
 from service.errors import NotGenerative
 from service.generation.decoder import StepRunner
 from service.generation.engine import Engine
+from service.generation.model import DecoderModel
 from service.generation.params import GenerateParams, build_request, check_fields
 from service.generation.sequence import TokenEvent
 from service.metrics import BatchingMetrics, GenerationMetrics, ServiceMetrics
 from service.runtime.manager import ModelManager
 from service.runtime.providers import CUDA
 from service.runtime.served import ServedVersion
+from service.scheduling.queue import DEFAULT_SCHEDULING, Scheduling
 
 
 class GenerationPlane:
@@ -54,8 +55,8 @@ class GenerationPlane:
         remaining = scheduling.time_remaining_s
         deadline = None if remaining is None else time.monotonic() + remaining
         with self._manager.lease(model, version) as served:
-            decoder = served.runner.decoder
-            if decoder is None:
+            decoder = served.runner.kind
+            if not isinstance(decoder, DecoderModel):
                 raise NotGenerative(
                     f"model {served.model!r} version {served.version} is not a decoder language model "
                     "(Generate needs input_ids, attention_mask and past_key_values.* inputs with logits and "
@@ -99,8 +100,8 @@ class GenerationPlane:
     def _engine(self, served: ServedVersion) -> Engine:
         engine = self._engines.get(served)
         if engine is None:
-            decoder = served.runner.decoder
-            assert decoder is not None
+            decoder = served.runner.kind
+            assert isinstance(decoder, DecoderModel)
             device = "cuda" if served.runner.provider == CUDA else ""
             runner = StepRunner(
                 served.runner.session, decoder.layout, device, served.config.execution.device_id

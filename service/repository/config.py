@@ -13,9 +13,9 @@ from typing import Any, Literal
 import yaml
 from modelyard.tensors import is_known
 
-from service.batching.queue import AdmissionPolicy, QueuePolicy
 from service.errors import ModelLoadError
 from service.repository.files import read_inside, shown
+from service.scheduling.queue import AdmissionPolicy, QueuePolicy
 
 CONFIG_FILE = "config.yaml"
 
@@ -141,8 +141,6 @@ class ModelConfig:
     reload: ReloadConfig = field(default_factory=ReloadConfig)
     generation: GenerationConfig = field(default_factory=GenerationConfig)
     limits: LimitsConfig = field(default_factory=LimitsConfig)
-    # False when the model has no config.yaml: then the batch dimension is inferred from the graph.
-    explicit: bool = False
 
 
 def load_config(model_dir: Path, root: Path | None = None) -> ModelConfig:
@@ -205,7 +203,6 @@ def parse_config(raw: object) -> ModelConfig:
         reload=_reload(doc.get("reload", {})),
         generation=_generation(doc.get("generation", {})),
         limits=_limits(doc.get("limits", {})),
-        explicit=True,
     )
 
 

@@ -16,7 +16,6 @@ from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
 from types import MappingProxyType
-from typing import TYPE_CHECKING
 
 from service.errors import InvalidInput, ModelLoadError, ModelNotFound, ModelUnavailable
 from service.metrics import ServiceMetrics
@@ -30,9 +29,6 @@ from service.runtime.served import ServedModel, ServedVersion
 from service.runtime.session import ModelRunner, load_runner
 from service.runtime.signature import Signature
 from service.runtime.status import ModelEvent, ModelStatus, VersionState, VersionStatus, Watcher
-
-if TYPE_CHECKING:
-    from service.batching.batcher import Batcher
 
 log = logging.getLogger(__name__)
 
@@ -54,8 +50,9 @@ class Lease:
 
 
 Loader = Callable[[Path, ModelConfig, ProviderChoice], ModelRunner]
-# Builds the batcher of a loaded version whose config asks for dynamic batching.
-BatcherFactory = Callable[[ServedVersion], "Batcher"]
+# A layer above (batching) attaching to a version that just loaded, before it serves; it lets go
+# through ServedVersion.on_retire.
+LoadHook = Callable[[ServedVersion], None]
 
 
 class ModelManager:
@@ -67,14 +64,13 @@ class ModelManager:
         metrics: ServiceMetrics | None = None,
         drain_timeout_s: float = 30.0,
         loader: Loader = load_runner,  # test seam: a loader that fails or blocks on demand
-        batching: BatcherFactory | None = None,
     ) -> None:
         self.repository = repository
         self.providers = providers
         self.metrics = metrics or ServiceMetrics()
         self.drain_timeout_s = drain_timeout_s
         self._loader = loader
-        self._batching = batching
+        self._load_hooks: list[LoadHook] = []
         self._table: Mapping[str, ServedModel] = MappingProxyType({})
         self._status: dict[str, ModelStatus] = {}
         self._locks: dict[str, asyncio.Lock] = {}
@@ -133,6 +129,10 @@ class ModelManager:
     def served(self, name: str) -> ServedModel | None:
         return self._table.get(name)
 
+    def knows(self, name: str) -> bool:
+        """True while `name` is a model of the repository (served or not)."""
+        return name in self._status
+
     def subscribe(self) -> Watcher:
         """A watcher that receives every model event from now on, until unsubscribed."""
         watcher = Watcher()
@@ -149,6 +149,10 @@ class ModelManager:
             yield watcher
         finally:
             self.unsubscribe(watcher)
+
+    def on_load(self, hook: LoadHook) -> None:
+        """Call `hook` with every version that loads from now on, before it serves a request."""
+        self._load_hooks.append(hook)
 
     # -- control ---------------------------------------------------------------------------
 
@@ -295,8 +299,8 @@ class ModelManager:
             "inline" if runner.runs_inline else "executor",
         )
         served = ServedVersion(name, number, runner, config, print_, memory)
-        if config.dynamic_batching is not None and self._batching is not None:
-            served.batcher = self._batching(served)
+        for attach in self._load_hooks:
+            attach(served)
         return served
 
     async def _make_room(
@@ -393,6 +397,7 @@ class ModelManager:
             await asyncio.gather(*(self._retire(v) for v in old.versions.values()))
         log.info("model %s left the repository", name)
         del self._status[name]
+        self.metrics.forget_model(name)
         self._failed = {k: v for k, v in self._failed.items() if k[0] != name}
 
     def _swap(self, name: str, model: ServedModel | None) -> None:
@@ -418,7 +423,8 @@ class ModelManager:
             self._set_version(name, VersionStatus(number, VersionState.DRAINING, time.time()))
         started = time.perf_counter()
         drained = await served.drain(self.drain_timeout_s)
-        self.metrics.drain_seconds.labels(name).observe(time.perf_counter() - started)
+        if name in self._status:  # a model that left the repository has no series any more
+            self.metrics.drain_seconds.labels(name).observe(time.perf_counter() - started)
         if not drained:
             log.warning(
                 "model %s version %d released with %d requests still running after %.1f s drain",

@@ -6,13 +6,12 @@ import asyncio
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from service.repository.config import ModelConfig
 from service.runtime.session import ModelRunner
 
-if TYPE_CHECKING:
-    from service.batching.batcher import Batcher
+# What a layer above (batching, generation) registers to let go of a version that retired.
+RetireHook = Callable[["ServedVersion"], Awaitable[None]]
 
 
 @dataclass
@@ -61,7 +60,11 @@ class VersionStats:
 
 class ServedVersion:
     """One loaded version. Requests lease it for their whole duration, so that a version taken out
-    of the table is released only after the requests that resolved it have finished."""
+    of the table is released only after the requests that resolved it have finished.
+
+    The layers above (batching, generation) keep their own per-version workers; they attach when
+    the version loads (ModelManager.on_load) or on first use, and register a retire hook here to
+    let go of them, so that nothing here knows what they are."""
 
     def __init__(
         self,
@@ -74,15 +77,14 @@ class ServedVersion:
     ) -> None:
         self.model = model
         self.version = version
+        self.label = f"model {model} version {version}"  # for messages and logs
         self.runner = runner
         self.config = config
         self.fingerprint = fingerprint  # the files it was loaded from; a change means reload
         self.memory_bytes = memory_bytes  # estimate, for the model's memory budget
         self.stats = VersionStats()
-        # Set by the manager when the config asks for dynamic batching; requests then go through it.
-        self.batcher: Batcher | None = None
-        # Other workers of this version (a generation decode loop), stopped when it retires.
-        self._retire_hooks: list[Callable[[ServedVersion], Awaitable[None]]] = []
+        # The workers of the layers above (a batcher, a decode loop), stopped when it retires.
+        self._retire_hooks: list[RetireHook] = []
         self.in_flight = 0
         self._drained: asyncio.Event | None = None
 
@@ -94,14 +96,13 @@ class ServedVersion:
         if self.in_flight == 0 and self._drained is not None:
             self._drained.set()
 
-    def on_retire(self, hook: Callable[[ServedVersion], Awaitable[None]]) -> None:
+    def on_retire(self, hook: RetireHook) -> None:
+        """Call `hook` when this version retires, after it drained, before its session is dropped."""
         self._retire_hooks.append(hook)
 
     async def stop_workers(self) -> None:
-        """Stop the batcher and the other workers of this version (after draining: nothing is
-        queued any more) and let go of them, and so of their references to the session."""
-        if self.batcher is not None:
-            await self.batcher.close()
+        """Stop the workers the layers above attached to this version (after draining: nothing is
+        queued any more), in the order they attached, so that they let go of the session."""
         hooks, self._retire_hooks = self._retire_hooks, []
         for hook in hooks:
             await hook(self)

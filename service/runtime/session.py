@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
 import statistics
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Executor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import onnxruntime as ort
@@ -18,7 +20,6 @@ from onnxruntime.capi.onnxruntime_pybind11_state import InvalidArgument
 
 from service.datatypes import NAME_BY_ORT
 from service.errors import InvalidInput, ModelLoadError, ModelRunError, ServiceError
-from service.generation.model import DecoderModel, load_decoder
 from service.repository.config import ModelConfig, TensorConfig
 from service.runtime.providers import CPU, CUDA, ProviderChoice
 from service.runtime.signature import Signature, TensorSpec
@@ -35,6 +36,19 @@ WARMUP_RUNS = 5
 SHRINK_AFTER_S = 0.1
 
 
+class GraphKind(Protocol):
+    """What a layer above recognised in a graph as it loaded (generation: a decoder language
+    model), kept with the runner for that layer. The runtime only asks it for warm-up inputs: such
+    a graph takes inputs the signature alone cannot fill (a cache whose lengths must agree)."""
+
+    def warmup_feeds(self) -> dict[str, np.ndarray]: ...
+
+
+# Recognises its kind of graph as a version loads (None: not that kind); a ModelLoadError fails
+# the load. The composition root passes the layers' recognisers; the runtime knows none of them.
+Recognizer = Callable[[Signature, Mapping[str, str], ModelConfig, Path], GraphKind | None]
+
+
 @dataclass(frozen=True)
 class ModelRunner:
     """A loaded, validated, warmed-up session. `run` is thread-safe (ORT sessions are)."""
@@ -43,7 +57,7 @@ class ModelRunner:
     signature: Signature
     provider: str
     warmup_run_s: float  # median warm-up run time, on inputs with every dynamic dimension = 1
-    decoder: DecoderModel | None = None  # set when the graph is in the decoder layout (Generate)
+    kind: GraphKind | None = None  # what a layer above recognised in the graph (a decoder: Generate)
     sample_feeds: Mapping[str, np.ndarray] = dataclasses.field(default_factory=dict)  # the warm-up's
     shrink_options: ort.RunOptions | None = None  # arena shrinkage of the session's devices
 
@@ -64,7 +78,42 @@ class ModelRunner:
             self.session.run(list(self.signature.output_names), dict(self.sample_feeds), self.shrink_options)
 
 
-def run_error(exc: Exception, label: str) -> ServiceError:
+class Runnable(Protocol):
+    """What running a model needs of its runner (ModelRunner, or a test's stand-in)."""
+
+    @property
+    def runs_inline(self) -> bool: ...
+
+    def run(self, feeds: Mapping[str, np.ndarray], output_names: Sequence[str]) -> list[np.ndarray]: ...
+
+
+def run_checked(
+    runner: Runnable, feeds: Mapping[str, np.ndarray], output_names: Sequence[str], label: str
+) -> list[np.ndarray]:
+    """Run once, here (on whatever thread calls it); a failure becomes the ServiceError that
+    run_error gives."""
+    try:
+        return runner.run(feeds, output_names)
+    except Exception as exc:
+        raise run_error(exc, label) from None
+
+
+async def run_model(
+    runner: Runnable,
+    feeds: Mapping[str, np.ndarray],
+    output_names: Sequence[str],
+    executor: Executor,
+    label: str,
+) -> list[np.ndarray]:
+    """Run once: inline on the event loop when the model is cheap enough, else on the executor."""
+    if runner.runs_inline:
+        return run_checked(runner, feeds, output_names, label)
+    return await asyncio.get_running_loop().run_in_executor(
+        executor, run_checked, runner, feeds, output_names, label
+    )
+
+
+def run_error(exc: BaseException, label: str) -> ServiceError:
     """The answer for a failed run of the model `label` names ("model m version 3")."""
     if isinstance(exc, ServiceError):
         return exc
@@ -74,8 +123,14 @@ def run_error(exc: Exception, label: str) -> ServiceError:
     return ModelRunError(f"{label} failed: {_first_line(exc)}")
 
 
-def load_runner(model_file: Path, config: ModelConfig, providers: ProviderChoice) -> ModelRunner:
-    """Build and validate a session; raise ModelLoadError naming the file and the reason."""
+def load_runner(
+    model_file: Path,
+    config: ModelConfig,
+    providers: ProviderChoice,
+    recognizers: Sequence[Recognizer] = (),
+) -> ModelRunner:
+    """Build and validate a session; raise ModelLoadError naming the file and the reason. The
+    first recognizer that knows the graph gives its kind."""
     provider = _provider_for(config, providers, model_file)
     try:
         session = ort.InferenceSession(
@@ -85,10 +140,14 @@ def load_runner(model_file: Path, config: ModelConfig, providers: ProviderChoice
         raise ModelLoadError(f"{model_file}: onnxruntime cannot load it: {_first_line(exc)}") from None
     signature = _signature(session, config, model_file)
     metadata = dict(session.get_modelmeta().custom_metadata_map)
-    decoder = load_decoder(signature, metadata, config.generation, model_file)
-    runner = ModelRunner(session, signature, session.get_providers()[0], warmup_run_s=0.0, decoder=decoder)
-    if decoder is not None:
-        feeds = decoder.layout.sample_feeds()
+    kind: GraphKind | None = None
+    for recognize in recognizers:
+        kind = recognize(signature, metadata, config, model_file)
+        if kind is not None:
+            break
+    runner = ModelRunner(session, signature, session.get_providers()[0], warmup_run_s=0.0, kind=kind)
+    if kind is not None:
+        feeds = kind.warmup_feeds()
     else:
         feeds = {spec.name: _sample(spec) for spec in signature.inputs}
     return dataclasses.replace(

@@ -22,12 +22,13 @@ from modelyard.kserve.v2 import grpc_service_pb2 as kpb
 from modelyard.kserve.v2 import grpc_service_pb2_grpc as kpb_grpc
 from modelyard.tensors import to_array, to_tensor
 
-from service import demo_models
+from models import demo_models
 from service.batching.batcher import Batcher
 from service.config import Settings
 from service.runtime.status import VersionState
 from service.server import Service, build_service
-from tests.batching_fakes import ManualClock, RecordingRunner, Runners, eventually
+from tests.batching_fakes import ManualClock, RecordingRunner, Runners
+from tests.support import eventually, metric
 
 WIDTH = 8
 DENSE_WIDTH = 64
@@ -106,9 +107,21 @@ def kserve(channel: grpc.aio.Channel) -> kpb_grpc.GRPCInferenceServiceAsyncStub:
 def batcher(service: Service, model: str, version: int = 1) -> Batcher:
     served = service.manager.served(model)
     assert served is not None
-    found = served.versions[version].batcher
+    assert service.batching is not None
+    found = service.batching.batcher(served.versions[version])
     assert found is not None
     return found
+
+
+def rejections(service: Service, reason: str) -> float | None:
+    return metric(
+        service.metrics.registry,
+        "modelyard_queue_rejections_total",
+        model="scaled",
+        version="1",
+        priority="2",
+        reason=reason,
+    )
 
 
 def row(value: float) -> np.ndarray:
@@ -162,10 +175,6 @@ async def queue(
     return call
 
 
-def sample(service: Service, name: str, **labels: str) -> float:
-    return service.metrics.registry.get_sample_value(name, labels) or 0.0
-
-
 async def test_batches_form_under_concurrency_and_match_unbatched_runs(
     live: Service, runners: Runners, stub: pb_grpc.InferenceServiceAsyncStub, root: Path
 ) -> None:
@@ -192,9 +201,11 @@ async def test_batches_form_under_concurrency_and_match_unbatched_runs(
         (alone,) = session.run(None, {"INPUT0": x})
         np.testing.assert_allclose(to_array(response.outputs[0]), alone, rtol=1e-5, atol=1e-6)
     labels = {"model": "dense", "version": "1"}
-    assert sample(live, "modelyard_batch_size_count", **labels) == 2
-    assert sample(live, "modelyard_batch_size_sum", **labels) == sum(len(x) for x in xs)
-    assert sample(live, "modelyard_queue_duration_seconds_count", **labels, priority="1") == 16
+    assert metric(live.metrics.registry, "modelyard_batch_size_count", **labels) == 2
+    assert metric(live.metrics.registry, "modelyard_batch_size_sum", **labels) == sum(len(x) for x in xs)
+    assert (
+        metric(live.metrics.registry, "modelyard_queue_duration_seconds_count", **labels, priority="1") == 16
+    )
 
 
 async def test_high_priority_overtakes_a_saturated_low_priority_queue(
@@ -212,8 +223,7 @@ async def test_high_priority_overtakes_a_saturated_low_priority_queue(
     assert ran(runners["scaled", 1]) == [[0], [1, 2], [10, 11], [12, 13]]
     for value, response in zip([0, 10, 11, 12, 13, 1, 2], responses, strict=True):
         np.testing.assert_array_equal(to_array(response.outputs[0]), row(value) * np.float32(2))
-    assert sample(live, "modelyard_queue_rejections_total", model="scaled", version="1", priority="2",
-                  reason="queue_full") == 1  # fmt: skip
+    assert rejections(live, "queue_full") == 1
 
 
 async def test_grpc_deadline_passed_while_queued_never_runs(
@@ -254,8 +264,7 @@ async def test_queue_timeout_from_either_api_expires_and_never_runs(
     runners["scaled", 1].gate.open()
     await first
     assert ran(runners["scaled", 1]) == [[0]]
-    assert sample(live, "modelyard_queue_rejections_total", model="scaled", version="1", priority="2",
-                  reason="deadline") == 2  # fmt: skip
+    assert rejections(live, "deadline") == 2
 
 
 async def test_cancelled_while_queued_is_removed(
@@ -265,8 +274,7 @@ async def test_cancelled_while_queued_is_removed(
     leaving = await queue(live, stub, 7, level=2)
     leaving.cancel()
     await eventually(lambda: batcher(live, "scaled").queued == 0, "the cancelled request to leave")
-    assert sample(live, "modelyard_queue_rejections_total", model="scaled", version="1", priority="2",
-                  reason="cancelled") == 1  # fmt: skip
+    assert rejections(live, "cancelled") == 1
     runners["scaled", 1].gate.open()
     await first
     assert ran(runners["scaled", 1]) == [[0]]
@@ -318,6 +326,10 @@ async def test_a_retiring_version_answers_what_it_has_queued(
 ) -> None:
     first = await hold_first(live, runners, stub)
     queued = await queue(live, stub, 4, level=2)
+    served = live.manager.served("scaled")
+    assert served is not None and live.batching is not None
+    old = served.versions[1]
+    assert live.batching.batcher(old) is not None
     demo_models.write_model(root, "scaled", 2, demo_models.scaled_identity(WIDTH, 3.0))
     await live.manager.load("scaled")  # version 2 replaces version 1 (latest 1)
     newer = await infer(stub, 1)
@@ -332,11 +344,11 @@ async def test_a_retiring_version_answers_what_it_has_queued(
     await eventually(
         lambda: live.manager.status("scaled").versions[1].state == VersionState.UNLOADED, "version 1 released"
     )
-    # The retired version's queue series left the registry.
+    # The batching layer let go of the retired version's batcher, and its queue series left the registry.
+    assert live.batching.batcher(old) is None
+    assert live.batching.batcher(live.manager.resolve("scaled")) is not None
     assert (
-        live.metrics.registry.get_sample_value(
-            "modelyard_queue_depth", {"model": "scaled", "version": "1", "priority": "2"}
-        )
+        metric(live.metrics.registry, "modelyard_queue_depth", model="scaled", version="1", priority="2")
         is None
     )
 
@@ -363,7 +375,14 @@ async def test_stream_chunks_queue_at_the_request_priority(
     assert [len(c) for c in chunks] == [1, 1]
     np.testing.assert_array_equal(np.concatenate(chunks), x * np.float32(2))
     assert (
-        sample(live, "modelyard_queue_duration_seconds_count", model="scaled", version="1", priority="1") == 2
+        metric(
+            live.metrics.registry,
+            "modelyard_queue_duration_seconds_count",
+            model="scaled",
+            version="1",
+            priority="1",
+        )
+        == 2
     )
     request.priority = 3
     with pytest.raises(grpc.aio.AioRpcError) as refused:

@@ -18,7 +18,7 @@ from modelyard.kserve.v2 import grpc_service_pb2_grpc as kpb_grpc
 from modelyard.tensors import to_tensor
 from onnx import TensorProto, helper
 
-from service import demo_models
+from models import demo_models
 from service.config import Settings
 from service.server import Service, build_service
 from tests import hf_decoder

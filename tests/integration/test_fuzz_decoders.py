@@ -21,7 +21,7 @@ from modelyard.kserve.v2 import grpc_service_pb2_grpc as kpb_grpc
 from modelyard.tensors import NUMPY_BY_NAME, datatype_value
 from onnx import TensorProto, helper
 
-from service import demo_models
+from models import demo_models
 from tests.support import ServiceProcess, start_service_process
 
 CLIENT_ERRORS = {

@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import shutil
-import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
@@ -24,10 +23,11 @@ from modelyard.inference.v1 import inference_service_pb2_grpc as pb_grpc
 from prometheus_client import generate_latest
 from tokenizers import Tokenizer
 
-from service import demo_models
+from models import demo_models
 from service.config import Settings
 from service.server import Service, build_service
 from tests import hf_decoder
+from tests.support import eventually, metric
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -142,32 +142,29 @@ def text(responses: list[pb.GenerateResponse]) -> str:
     return "".join(r.text for r in responses)
 
 
-def gauge(service: Service, name: str, model: str, version: str = "1", **labels: str) -> float:
-    value = service.metrics.registry.get_sample_value(name, {"model": model, "version": version, **labels})
-    return value or 0.0
+def gauge(service: Service, name: str, model: str, version: str = "1", **labels: str) -> float | None:
+    """A series of the model version; None while it does not exist (before its first event)."""
+    return metric(service.metrics.registry, name, model=model, version=version, **labels)
 
 
-async def eventually(check: Callable[[], bool], within_s: float = 30.0) -> None:
-    deadline = time.monotonic() + within_s
-    while not check():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        await asyncio.sleep(0.01)
+def paused(service: Service, model: str) -> int:
+    """Sequences of the model paused for their reader (out of the decode steps, slot kept)."""
+    assert service.generation is not None
+    return sum(e.paused for v, e in list(service.generation._engines.items()) if v.model == model)
 
 
 # --- streaming -----------------------------------------------------------------------------------
 
 
 async def test_tokens_arrive_one_message_at_a_time_and_a_slow_reader_pauses(slow_stub, gen_service) -> None:
-    before = gauge(gen_service, "modelyard_generation_tokens_total", "tight")
+    before = gauge(gen_service, "modelyard_generation_tokens_total", "tight") or 0.0
     call = slow_stub.Generate(pb.GenerateRequest(model_name="tight", prompt=PROMPTS[0], max_tokens=200))
     first = await call.read()
     assert first.sequence_number == 0 and len(first.token_ids) == 1 and first.model_version == "1"
     # The reader stops: the window fills, the 2-token stream buffer fills, the sequence pauses
-    # (keeping its slot) instead of running ahead to 200 tokens.
-    await asyncio.sleep(0.5)
-    produced = gauge(gen_service, "modelyard_generation_tokens_total", "tight") - before
-    await asyncio.sleep(0.3)
-    assert gauge(gen_service, "modelyard_generation_tokens_total", "tight") - before == produced < 50
+    # (keeping its slot, out of the decode steps) instead of running ahead to 200 tokens.
+    await eventually(lambda: paused(gen_service, "tight") == 1, "the sequence to pause for its reader")
+    assert gauge(gen_service, "modelyard_generation_tokens_total", "tight") - before < 50
     assert gauge(gen_service, "modelyard_generation_active_sequences", "tight") == 1
     responses = [first, *await rest(call)]
     # Tokens that piled up while the reader slept come in fewer, larger messages; none is lost.
@@ -279,8 +276,8 @@ async def test_a_stream_keeps_its_version_across_a_swap(stub, gen_service, gen_r
 
 
 async def test_cancel_frees_the_slot(stub, slow_stub, gen_service) -> None:
-    cancelled_before = gauge(
-        gen_service, "modelyard_generation_cancellations_total", "tight", cause="cancelled"
+    cancelled_before = (
+        gauge(gen_service, "modelyard_generation_cancellations_total", "tight", cause="cancelled") or 0.0
     )
     call = slow_stub.Generate(pb.GenerateRequest(model_name="tight", prompt=PROMPTS[1], max_tokens=200))
     await call.read()
@@ -297,16 +294,30 @@ async def test_cancel_frees_the_slot(stub, slow_stub, gen_service) -> None:
 
 
 async def test_deadline_ends_the_stream_and_frees_the_slot(slow_stub, gen_service) -> None:
+    def deadlines() -> float | None:
+        return gauge(gen_service, "modelyard_generation_cancellations_total", "tight", cause="deadline")
+
+    before = deadlines() or 0.0
     call = slow_stub.Generate(
         pb.GenerateRequest(model_name="tight", prompt=PROMPTS[2], max_tokens=200), timeout=0.5
     )
     await call.read()  # then read nothing: the sequence pauses and the deadline passes
-    await asyncio.sleep(0.8)
+    # The service sees the deadline pass: the stream is released as a deadline cancellation.
+    await eventually(
+        lambda: (
+            (gauge(gen_service, "modelyard_generation_cancellations_total", "tight", cause="deadline") or 0)
+            > before
+        ),
+        "the deadline to end the sequence",
+    )
     with pytest.raises(grpc.aio.AioRpcError) as caught:
         await rest(call)
     assert caught.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     await eventually(lambda: gauge(gen_service, "modelyard_generation_active_sequences", "tight") == 0)
-    assert gauge(gen_service, "modelyard_generation_cancellations_total", "tight", cause="deadline") >= 1
+    assert (
+        gauge(gen_service, "modelyard_generation_cancellations_total", "tight", cause="deadline")
+        == before + 1
+    )
 
 
 async def test_a_full_queue_answers_resource_exhausted(stub, slow_stub, gen_service) -> None:
@@ -314,7 +325,7 @@ async def test_a_full_queue_answers_resource_exhausted(stub, slow_stub, gen_serv
     await running.read()  # holds the one slot (paused: nobody reads)
     queued = stub.Generate(pb.GenerateRequest(model_name="tight", prompt=PROMPTS[1], max_tokens=5))
     await eventually(lambda: gauge(gen_service, "modelyard_generation_waiting_sequences", "tight") == 1)
-    full_before = gauge(gen_service, QUEUE_REJECTIONS, "tight", priority="1", reason="queue_full")
+    full_before = gauge(gen_service, QUEUE_REJECTIONS, "tight", priority="1", reason="queue_full") or 0.0
     with pytest.raises(grpc.aio.AioRpcError) as caught:
         await generate(stub, model_name="tight", prompt=PROMPTS[2], max_tokens=5)
     assert caught.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
@@ -377,7 +388,7 @@ async def test_a_generation_whose_wait_runs_out_is_deadline_exceeded_and_never_r
 ) -> None:
     async with slot_held(slow_stub, gen_service, "ranked"):
         first_tokens = gauge(gen_service, FIRST_TOKENS, "ranked")
-        expired = gauge(gen_service, QUEUE_REJECTIONS, "ranked", priority="2", reason="deadline")
+        expired = gauge(gen_service, QUEUE_REJECTIONS, "ranked", priority="2", reason="deadline") or 0.0
         # The queue's timeout, shortened by the request, ends it; the far gRPC deadline only keeps
         # a broken engine from hanging the test (its details would then differ).
         call = stub.Generate(
@@ -396,7 +407,7 @@ async def test_a_generation_whose_wait_runs_out_is_deadline_exceeded_and_never_r
 async def test_a_cancelled_waiting_generation_leaves_the_queue(stub, slow_stub, gen_service) -> None:
     async with slot_held(slow_stub, gen_service, "ranked"):
         first_tokens = gauge(gen_service, FIRST_TOKENS, "ranked")
-        cancelled = gauge(gen_service, QUEUE_REJECTIONS, "ranked", priority="1", reason="cancelled")
+        cancelled = gauge(gen_service, QUEUE_REJECTIONS, "ranked", priority="1", reason="cancelled") or 0.0
         waiting = stub.Generate(pb.GenerateRequest(model_name="ranked", prompt=PROMPTS[2], priority=1))
         await eventually(queued(gen_service, "ranked", "1", 1))
         assert gauge(gen_service, "modelyard_generation_waiting_sequences", "ranked") == 1

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
 import os
 import shutil
@@ -22,10 +23,11 @@ from modelyard.inference.v1 import model_service_pb2_grpc as mpb_grpc
 from modelyard.tensors import to_array, to_tensor
 from onnx import TensorProto, helper
 
-from service import demo_models
+from models import demo_models
 from service.config import Settings
 from service.runtime.status import VersionState
 from service.server import Service, build_service
+from tests.support import eventually, metric
 
 FEATURES = 4
 CONFIG = {"max_batch_size": 8, "version_policy": {"latest": 1}}
@@ -57,7 +59,7 @@ async def publish_by_copy(root: Path, version: int, data: bytes, pieces: int = 4
         for i in range(0, len(data), step):
             f.write(data[i : i + step])
             f.flush()
-            await asyncio.sleep(0.02)
+            await asyncio.sleep(0.02)  # the pace of the copy, not a wait for the service
 
 
 @pytest.fixture
@@ -83,15 +85,6 @@ async def live(root: Path) -> AsyncIterator[Service]:
         yield service
     finally:
         await service.stop(grace_s=1.0)
-
-
-async def wait_for(condition, within_s: float = 5.0) -> float:
-    start = time.perf_counter()
-    while not condition():
-        if time.perf_counter() - start > within_s:
-            raise AssertionError("condition not met in time")
-        await asyncio.sleep(0.01)
-    return time.perf_counter() - start
 
 
 def request(version: str = "") -> pb.InferRequest:
@@ -121,6 +114,9 @@ async def test_versions_swap_under_load_without_a_failed_request(
             answers.append((version, scale))
             newest_seen = max(newest_seen, version)
 
+    def seen(version: int) -> bool:
+        return newest_seen >= version
+
     delays = []
     async with grpc.aio.insecure_channel(live.address) as channel:
         stub = pb_grpc.InferenceServiceStub(channel)
@@ -132,7 +128,7 @@ async def test_versions_swap_under_load_without_a_failed_request(
                 else:
                     publish_by_rename(root, tmp_path / "staging", version, model_bytes(version))
                 published = time.perf_counter()
-                await wait_for(lambda v=version: newest_seen >= v, within_s=5)
+                await eventually(functools.partial(seen, version), f"version {version} answers", within_s=5)
                 delays.append(time.perf_counter() - published)
                 old = root / "m" / str(version - 2)
                 for folder in (old, root / "m" / f"v{version - 2}"):
@@ -152,7 +148,7 @@ async def test_versions_swap_under_load_without_a_failed_request(
     assert max(delays) < 1.0
     status = live.manager.status("m")
     assert status.default_version == 23
-    await wait_for(lambda: not live.manager._retiring)
+    await eventually(lambda: not live.manager._retiring)
     versions = live.manager.status("m").versions
     assert versions[23].state == VersionState.READY
     assert all(v.state == VersionState.UNLOADED for n, v in versions.items() if n != 23)
@@ -185,13 +181,16 @@ async def test_a_bad_version_never_replaces_a_good_one(
 ) -> None:
     async with grpc.aio.insecure_channel(live.address) as channel:
         models = mpb_grpc.ModelServiceStub(channel)
-        events = models.WatchModels(mpb.WatchModelsRequest(names=["m"]))
-        await asyncio.sleep(0.1)
+        events: Any = models.WatchModels(mpb.WatchModelsRequest(names=["m"], send_initial_state=True))
+        initial = await events.read()  # the watch is subscribed: no later change escapes it
+        assert (initial.version, initial.state) == ("1", mpb.MODEL_STATE_READY)
         publish_by_rename(root, tmp_path / "staging", 2, data, checksum)
-        async for change in events:
+        while (change := await events.read()) is not grpc.aio.EOF:  # type: ignore[attr-defined]
             if change.version == "2" and change.state == mpb.MODEL_STATE_FAILED:
                 assert words in change.reason and "m/2/model.onnx" in change.reason
                 break
+        else:
+            raise AssertionError("the watch ended before version 2 failed")
         events.cancel()
         reply = await pb_grpc.InferenceServiceStub(channel).Infer(request())
         assert reply.model_version == "1"
@@ -207,7 +206,7 @@ async def test_a_bad_version_never_replaces_a_good_one(
     publish_by_rename(
         root, tmp_path / "staging", 2, model_bytes(2), hashlib.sha256(model_bytes(2)).hexdigest()
     )
-    await wait_for(lambda: live.manager.status("m").default_version == 2)
+    await eventually(lambda: live.manager.status("m").default_version == 2)
 
 
 async def test_schema_change_allowed_by_config(live: Service, root: Path, tmp_path: Path) -> None:
@@ -218,9 +217,10 @@ async def test_schema_change_allowed_by_config(live: Service, root: Path, tmp_pa
         demo_models.scaled_identity(FEATURES, 1.0),
         {**CONFIG, "reload": {"allow_schema_change": True}},
     )
-    await asyncio.sleep(0.3)
+    # Version 1 reloads with the new config before version 2 comes.
+    await eventually(lambda: live.manager.resolve("m").config.reload.allow_schema_change, "the new config")
     publish_by_rename(root, tmp_path / "staging", 2, model_bytes(2, features=FEATURES * 2))
-    await wait_for(lambda: live.manager.status("m").default_version == 2)
+    await eventually(lambda: live.manager.status("m").default_version == 2)
     served = live.manager.resolve("m")
     assert served.runner.signature.inputs[0].shape == (-1, FEATURES * 2)
 
@@ -230,7 +230,7 @@ async def test_a_stream_that_spans_a_swap_finishes_on_its_version(
 ) -> None:
     wide = 65536  # 256 KiB per row: the stream outgrows flow-control windows and waits for the reader
     demo_models.write_model(root, "w", 1, demo_models.scaled_identity(wide, 1.0), {"max_batch_size": 64})
-    await wait_for(lambda: live.manager.served("w") is not None)
+    await eventually(lambda: live.manager.served("w") is not None)
     x = np.ones((64, wide), np.float32)
     async with grpc.aio.insecure_channel(live.address) as channel:
         stub = pb_grpc.InferenceServiceStub(channel)
@@ -240,26 +240,39 @@ async def test_a_stream_that_spans_a_swap_finishes_on_its_version(
         first: Any = await stream.read()
         assert first.model_version == "1"
         demo_models.write_model(root, "w", 2, demo_models.scaled_identity(wide, 2.0))
-        await wait_for(lambda: live.manager.status("w").default_version == 2)
+        await eventually(lambda: live.manager.status("w").default_version == 2)
         # v1 is out of the table but waits for this stream before its session is released.
-        await wait_for(lambda: live.manager.status("w").versions[1].state == VersionState.DRAINING)
-        await asyncio.sleep(0.2)
-        assert live.manager.status("w").versions[1].state == VersionState.DRAINING
+        await eventually(lambda: live.manager.status("w").versions[1].state == VersionState.DRAINING)
+        # The rest of the stream runs on v1's session: had it been released, these runs would fail.
         rest: list[Any] = []
         while (reply := await stream.read()) is not grpc.aio.EOF:  # type: ignore[attr-defined]
             rest.append(reply)
         assert len(rest) == 63 and {r.model_version for r in rest} == {"1"}
         assert all(float(to_array(r.outputs[0])[0, 0]) == 1.0 for r in rest)
-    await wait_for(lambda: live.manager.status("w").versions[1].state == VersionState.UNLOADED)
+    await eventually(lambda: live.manager.status("w").versions[1].state == VersionState.UNLOADED)
 
 
 async def test_deleting_and_adding_models(live: Service, root: Path) -> None:
     demo_models.write_model(root, "extra", 3, demo_models.scaled_identity(2, 5.0))
-    await wait_for(lambda: live.manager.served("extra") is not None)
+    await eventually(lambda: live.manager.served("extra") is not None)
+    registry = live.metrics.registry
+    await eventually(lambda: metric(registry, "modelyard_model_versions_ready", model="extra") == 1)
+    assert metric(registry, "modelyard_model_loads_total", model="extra", result="ready") == 1
+    async with grpc.aio.insecure_channel(live.address) as channel:
+        x = to_tensor("INPUT0", np.ones((1, 2), np.float32))
+        await pb_grpc.InferenceServiceStub(channel).Infer(pb.InferRequest(model_name="extra", inputs=[x]))
+    ok = {"method": "Infer", "version": "3", "code": "OK"}
+    assert metric(registry, "modelyard_requests_total", model="extra", **ok) == 1
     shutil.rmtree(root / "extra")
-    await wait_for(lambda: "extra" not in {s.name for s in live.manager.statuses()})
+    await eventually(lambda: "extra" not in {s.name for s in live.manager.statuses()})
     with pytest.raises(Exception, match="not in the repository"):
         live.manager.resolve("extra")
+    # Its series left with it, and its name no longer labels requests.
+    await eventually(lambda: not live.manager._retiring)
+    assert metric(registry, "modelyard_model_versions_ready", model="extra") is None
+    assert metric(registry, "modelyard_model_loads_total", model="extra", result="ready") is None
+    assert metric(registry, "modelyard_requests_total", model="extra", **ok) is None
+    assert "extra" not in live.metrics.known_models
 
 
 async def test_kubernetes_style_symlink_swap(tmp_path: Path) -> None:
@@ -273,7 +286,7 @@ async def test_kubernetes_style_symlink_swap(tmp_path: Path) -> None:
         demo_models.write_model(root / "..2026_02", "m", 2, demo_models.scaled_identity(FEATURES, 2.0))
         (root / "..data_tmp").symlink_to("..2026_02")
         os.rename(root / "..data_tmp", root / "..data")  # the atomic swap the kubelet does
-        await wait_for(lambda: service.manager.status("m").default_version == 2)
+        await eventually(lambda: service.manager.status("m").default_version == 2)
     finally:
         await service.stop(grace_s=1.0)
 
@@ -282,7 +295,7 @@ async def test_explicit_mode_loads_only_when_asked(root: Path, tmp_path: Path) -
     service = await started(root, control_mode="explicit")
     try:
         publish_by_rename(root, tmp_path / "staging", 2, model_bytes(2))
-        await asyncio.sleep(0.5)
+        assert service.watcher is None  # nothing follows the disk: only LoadModel brings v2 in
         assert service.manager.status("m").default_version == 1
         async with grpc.aio.insecure_channel(service.address) as channel:
             models = mpb_grpc.ModelServiceStub(channel)
@@ -295,7 +308,10 @@ async def test_explicit_mode_loads_only_when_asked(root: Path, tmp_path: Path) -
 async def test_unloaded_model_stays_unloaded_until_loaded(live: Service, root: Path, tmp_path: Path) -> None:
     await live.manager.unload("m")
     publish_by_rename(root, tmp_path / "staging", 2, model_bytes(2))
-    await asyncio.sleep(0.5)
+    # What the watcher does on this change and on its periodic resync, done here, so that the
+    # check does not depend on when the watcher's turn comes.
+    await live.manager.reconcile("m")
+    await live.manager.reconcile_all()
     assert live.manager.served("m") is None
     status = await live.manager.load("m")
     assert status.default_version == 2
@@ -318,13 +334,13 @@ async def test_memory_budget(root: Path, tmp_path: Path, when: str) -> None:
         os.rename(folder, root / "m" / "2")
         status = service.manager.status
         if when == "fail":
-            await wait_for(
+            await eventually(
                 lambda: 2 in status("m").versions and status("m").versions[2].state == VersionState.FAILED
             )
             assert "memory budget is 1.0 MB" in status("m").versions[2].reason
             assert status("m").default_version == 1
         else:
-            await wait_for(lambda: status("m").default_version == 2)
+            await eventually(lambda: status("m").default_version == 2)
             assert status("m").versions[1].state == VersionState.UNLOADED
     finally:
         await service.stop(grace_s=1.0)

@@ -19,9 +19,10 @@ from modelyard.inference.v1 import model_service_pb2_grpc as pb_grpc
 from modelyard.inference.v1 import tensor_pb2
 from modelyard.tensors import to_tensor
 
-from service import demo_models
+from models import demo_models
 from service.config import Settings
 from service.server import Service, build_service
+from tests.support import eventually
 
 READY = pb.MODEL_STATE_READY
 
@@ -55,13 +56,16 @@ async def test_unload_then_load_is_watched(models, channel) -> None:
     infer = ipb_grpc.InferenceServiceStub(channel)
     x = ipb.InferRequest(model_name="scaler", inputs=[to_tensor("INPUT0", np.ones((1, 16), np.float32))])
     events: list[tuple[str, str, int]] = []
+    stream = models.WatchModels(pb.WatchModelsRequest(names=["scaler"], send_initial_state=True))
+    # The initial state (both versions READY) says the watch is subscribed: nothing after escapes it.
+    initial = {((await stream.read()).version) for _ in range(2)}
+    assert initial == {"1", "2"}
 
     async def watch() -> None:
-        async for change in models.WatchModels(pb.WatchModelsRequest(names=["scaler"])):
+        while (change := await stream.read()) is not grpc.aio.EOF:  # type: ignore[attr-defined]
             events.append((change.model_name, change.version, change.state))
 
     watcher = asyncio.ensure_future(watch())
-    await asyncio.sleep(0.2)  # let the watch subscribe
     unloaded = (await models.UnloadModel(pb.UnloadModelRequest(name="scaler"))).model
     assert {v.state for v in unloaded.versions} == {pb.MODEL_STATE_UNLOADED} and not unloaded.default_version
     with pytest.raises(grpc.aio.AioRpcError) as caught:
@@ -70,8 +74,9 @@ async def test_unload_then_load_is_watched(models, channel) -> None:
     loaded = (await models.LoadModel(pb.LoadModelRequest(name="scaler"))).model
     assert loaded.default_version == "2"
     assert (await infer.Infer(x)).model_version == "2"
-    await asyncio.sleep(0.2)
+    await eventually(lambda: len(events) == 8, "both versions' four events")
     watcher.cancel()
+    stream.cancel()
     states = [(v, s) for _, v, s in events]
     for version in ("1", "2"):
         mine = [s for v, s in states if v == version]
@@ -101,13 +106,16 @@ async def test_health_overall_and_per_model(service: Service, channel) -> None:
     health = health_pb2_grpc.HealthStub(channel)
     check = await health.Check(health_pb2.HealthCheckRequest(service=""))
     assert check.status == health_pb2.HealthCheckResponse.SERVING
-    await asyncio.sleep(0.05)  # per-model health follows model events
-    per_model = await health.Check(health_pb2.HealthCheckRequest(service=model_service_name("classifier")))
-    assert per_model.status == health_pb2.HealthCheckResponse.SERVING
+    # Per-model health follows model events: watch it change.
+    watch = health.Watch(health_pb2.HealthCheckRequest(service=model_service_name("classifier")))
+    statuses = []
+    while (reply := await watch.read()).status != health_pb2.HealthCheckResponse.SERVING:
+        statuses.append(reply.status)
     await service.manager.unload("classifier")
-    await asyncio.sleep(0.05)
-    per_model = await health.Check(health_pb2.HealthCheckRequest(service=model_service_name("classifier")))
-    assert per_model.status == health_pb2.HealthCheckResponse.NOT_SERVING
+    while (reply := await watch.read()).status != health_pb2.HealthCheckResponse.NOT_SERVING:
+        statuses.append(reply.status)
+    watch.cancel()
+    assert all(s == health_pb2.HealthCheckResponse.SERVICE_UNKNOWN for s in statuses)
 
 
 async def test_reflection_lists_services(channel) -> None:

@@ -11,7 +11,7 @@ import pytest
 from modelyard.inference.v1 import model_service_pb2 as pb
 from modelyard.inference.v1 import model_service_pb2_grpc as pb_grpc
 
-from service import demo_models
+from models import demo_models
 from service.config import Settings
 from service.generation.tokenizer import TextCodec, TokenizerError, find_tokenizer
 from service.server import build_service

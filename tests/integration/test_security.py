@@ -22,7 +22,7 @@ from modelyard.kserve.v2 import grpc_service_pb2 as kpb
 from modelyard.kserve.v2 import grpc_service_pb2_grpc as kpb_grpc
 from modelyard.tensors import to_tensor
 
-from service import demo_models
+from models import demo_models
 from service.config import Settings
 from service.server import Service, build_service
 from tests.certs import Authority, Pem

@@ -6,6 +6,7 @@ import asyncio
 import signal
 import time
 from pathlib import Path
+from urllib.request import urlopen
 
 import grpc
 import numpy as np
@@ -15,17 +16,23 @@ from modelyard.inference.v1 import inference_service_pb2 as pb
 from modelyard.inference.v1 import inference_service_pb2_grpc as pb_grpc
 from modelyard.tensors import to_array, to_tensor
 
-from service import demo_models
+from models import demo_models
+from tests.support import eventually, metric
 
 SLOW_ROWS = 3000
 
 
 @pytest.fixture
 def slow_repository(tmp_path: Path) -> Path:
-    """A model whose run takes a noticeable time (a stack of 512x512 layers on many rows)."""
+    """A model whose run takes a noticeable time (a stack of 512x512 layers on many rows). It runs
+    one batch at a time, so that a second request waits in its queue, where /metrics shows it."""
     root = tmp_path / "models"
     demo_models.write_model(
-        root, "slow", 1, demo_models.dense_stack(layers=8, width=512, seed=0), {"max_batch_size": SLOW_ROWS}
+        root,
+        "slow",
+        1,
+        demo_models.dense_stack(layers=8, width=512, seed=0),
+        {"max_batch_size": SLOW_ROWS, "dynamic_batching": {"max_concurrent_batches": 1}},
     )
     demo_models.write_model(root, "fast", 1, demo_models.scaled_identity(4, 2.0), {"max_batch_size": 8})
     return root
@@ -43,16 +50,20 @@ async def test_sigterm_drains_in_flight_requests_then_exits_zero(
             await health.Check(health_pb2.HealthCheckRequest())
         ).status == health_pb2.HealthCheckResponse.SERVING
         x = np.ones((SLOW_ROWS, 512), np.float32)
-        started = time.perf_counter()
-        await stub.Infer(pb.InferRequest(model_name="slow", inputs=[to_tensor("INPUT0", x)]))
-        one_run = time.perf_counter() - started
         in_flight = [
             asyncio.ensure_future(
                 stub.Infer(pb.InferRequest(model_name="slow", inputs=[to_tensor("INPUT0", x)]))
             )
             for _ in range(2)
         ]
-        await asyncio.sleep(min(0.2, one_run / 4))
+
+        # Both arrived once one waits in the queue (the other one holds the only run slot).
+        def queued() -> float | None:  # a loopback scrape: a millisecond
+            body = urlopen(process.metrics_url, timeout=5).read().decode()
+            return metric(body, "modelyard_queue_depth", model="slow", version="1", priority="1")
+
+        await eventually(lambda: queued() == 1 or any(c.done() for c in in_flight), "both requests in")
+        assert not any(c.done() for c in in_flight), "a request finished before the other one arrived"
         process.proc.send_signal(signal.SIGTERM)
         results = await asyncio.gather(*in_flight)
         assert all(

@@ -14,7 +14,7 @@ import pytest
 from modelyard.inference.v1 import inference_service_pb2 as pb
 from modelyard.inference.v1 import inference_service_pb2_grpc as pb_grpc
 
-from service import demo_models
+from models import demo_models
 from service.config import Settings
 from service.repository.config import DEFAULT_GENERATION_QUEUE_TIMEOUT_US, parse_config
 from service.server import Service, build_service

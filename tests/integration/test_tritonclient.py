@@ -24,7 +24,7 @@ import numpy as np
 import onnxruntime as ort
 import pytest
 
-from service import demo_models
+from models import demo_models
 from tests.support import REPO_ROOT, start_service_process
 
 pytestmark = pytest.mark.skipif(

@@ -7,13 +7,13 @@ from collections import Counter
 
 import pytest
 
-from service.batching.queue import (
+from service.errors import DeadlineExceeded, InvalidInput, Overloaded
+from service.scheduling.queue import (
     AdmissionPolicy,
     AdmissionQueue,
     QueuePolicy,
     Scheduling,
 )
-from service.errors import DeadlineExceeded, InvalidInput, Overloaded
 from tests.batching_fakes import ManualClock
 
 

@@ -15,13 +15,14 @@ import numpy as np
 import pytest
 
 from service.batching.batcher import Batcher, BatchSettings, default_concurrency
-from service.batching.queue import AdmissionPolicy, QueuePolicy, Scheduling
 from service.errors import DeadlineExceeded, InvalidInput, ModelRunError, ModelUnavailable, Overloaded
 from service.metrics import ServiceMetrics
 from service.repository.config import ExecutionConfig, ModelConfig
 from service.runtime.providers import CPU, CUDA
 from service.runtime.served import VersionStats
-from tests.batching_fakes import FakeRunner, ManualClock, eventually
+from service.scheduling.queue import AdmissionPolicy, QueuePolicy, Scheduling
+from tests.batching_fakes import FakeRunner, ManualClock
+from tests.support import eventually, metric
 
 ADMISSION = AdmissionPolicy(
     priority_levels=2,
@@ -67,8 +68,8 @@ class Rig:
         )
         return task
 
-    def sample(self, name: str, **labels: str) -> float:
-        return self.metrics.registry.get_sample_value(name, {"model": "m", "version": "1", **labels}) or 0.0
+    def sample(self, name: str, **labels: str) -> float | None:
+        return metric(self.metrics.registry, name, model="m", version="1", **labels)
 
     def ran(self) -> list[list[float]]:
         """The requests (by value) of each run, in order."""
@@ -82,10 +83,16 @@ async def executor() -> AsyncIterator[ThreadPoolExecutor]:
     pool.shutdown(wait=True)
 
 
-async def settle() -> None:
-    """Let every ready task on the loop take its turn (the batcher's loop included)."""
-    for _ in range(20):
-        await asyncio.sleep(0)
+async def queued(rig: Rig, count: int) -> None:
+    """Wait until `count` requests wait in the batcher's queue."""
+    await eventually(lambda: rig.batcher.queued == count, f"{count} requests queued")
+
+
+async def looked_at_time(rig: Rig, seconds: float) -> None:
+    """Step the clock, and wait until the batcher's loop has taken its turn at the new time."""
+    waits = rig.clock.waits
+    rig.clock.advance(seconds)
+    await eventually(lambda: rig.clock.waits > waits, "the batcher's loop to look at the time")
 
 
 async def held_first(rig: Rig) -> asyncio.Future[dict[str, np.ndarray]]:
@@ -100,7 +107,7 @@ async def test_requests_that_wait_together_run_together(executor: ThreadPoolExec
     rig = Rig(executor, max_batch_size=4, target_rows=4)
     first = await held_first(rig)
     waiting = [rig.send(v) for v in (1, 2, 3, 4, 5, 6)]
-    await settle()
+    await queued(rig, 6)
     assert rig.batcher.queued == 6
     rig.runner.gate.open()
     results = await asyncio.gather(first, *waiting)
@@ -120,7 +127,7 @@ async def test_only_matching_shapes_share_a_run_and_others_still_run(executor: T
     wide = rig.send(1, width=5)
     narrow = [rig.send(v) for v in (2, 3)]
     big = rig.send(4, rows=3)  # 3 rows do not fit beside the 2 narrow rows (max 4)
-    await settle()
+    await queued(rig, 4)
     rig.runner.gate.open()
     await asyncio.gather(first, wide, *narrow, big)
     assert rig.ran() == [[0], [1], [2, 3], [4, 4, 4]]
@@ -131,11 +138,11 @@ async def test_higher_priority_overtakes_a_full_low_priority_queue(executor: Thr
     rig = Rig(executor, max_batch_size=2, target_rows=2)
     first = await held_first(rig)
     low = [rig.send(10 + i) for i in range(6)]  # fills level 2 (max_queue_size 6)
-    await settle()
+    await queued(rig, 6)
     with pytest.raises(Overloaded, match="priority 2 queue"):
         await rig.send(99)  # refused at once: the held run is still holding every slot
     high = [rig.send(1, priority=1), rig.send(2, priority=1)]
-    await settle()
+    await queued(rig, 8)
     assert rig.batcher.queued_at(1) == 2 and rig.batcher.queued_at(2) == 6
     assert rig.sample("modelyard_queue_depth", priority="1") == 2
     rig.runner.gate.open()
@@ -149,7 +156,7 @@ async def test_deadline_passed_in_the_queue_is_answered_and_never_run(executor: 
     first = await held_first(rig)
     expiring = rig.send(1, timeout_us=1000)  # level 2 allows a shorter timeout
     kept = rig.send(2)
-    await settle()
+    await queued(rig, 2)
     rig.clock.advance(0.002)
     with pytest.raises(DeadlineExceeded, match="not run"):
         await expiring  # answered while the held run still holds the slot
@@ -164,9 +171,8 @@ async def test_client_deadline_counts_too(executor: ThreadPoolExecutor) -> None:
     rig = Rig(executor)
     first = await held_first(rig)
     expiring = rig.send(1, time_remaining_s=0.5)
-    await settle()
-    rig.clock.advance(0.4)
-    await settle()
+    await queued(rig, 1)
+    await looked_at_time(rig, 0.4)
     assert not expiring.done()
     rig.clock.advance(0.2)
     with pytest.raises(DeadlineExceeded):
@@ -182,11 +188,9 @@ async def test_cancelled_while_queued_is_removed_and_never_run(executor: ThreadP
     rig = Rig(executor)
     first = await held_first(rig)
     leaving, staying = rig.send(1), rig.send(2)
-    await settle()
-    assert rig.batcher.queued == 2
+    await queued(rig, 2)
     leaving.cancel()
-    await settle()
-    assert rig.batcher.queued == 1
+    await queued(rig, 1)
     assert rig.sample("modelyard_queue_rejections_total", priority="2", reason="cancelled") == 1
     rig.runner.gate.open()
     await asyncio.gather(first, staying)
@@ -196,10 +200,11 @@ async def test_cancelled_while_queued_is_removed_and_never_run(executor: ThreadP
 async def test_a_lone_request_waits_out_the_queue_delay_for_company(executor: ThreadPoolExecutor) -> None:
     rig = Rig(executor, max_queue_delay_s=0.001, target_rows=3)
     lone = rig.send(1)
-    await settle()
-    assert rig.runner.runs == [] and rig.batcher.queued == 1
+    await queued(rig, 1)
+    assert rig.runner.runs == []
     second = rig.send(2)
-    await settle()
+    await queued(rig, 2)
+    await looked_at_time(rig, 0.0)
     assert rig.runner.runs == []  # two rows: not yet the preferred three
     rig.clock.advance(0.001)
     await asyncio.gather(lone, second)
@@ -216,7 +221,7 @@ async def test_inline_models_run_at_once_or_batch_with_a_delay(executor: ThreadP
     assert [float(r["y"][0, 0]) for r in results] == [0, 2, 4]
     delayed = Rig(executor, inline=True, max_batch_size=8, target_rows=8, max_queue_delay_s=0.001)
     waiting = [delayed.send(v) for v in range(5)]
-    await settle()
+    await queued(delayed, 5)
     assert delayed.runner.runs == []
     delayed.clock.advance(0.001)
     await asyncio.gather(*waiting)
@@ -227,7 +232,7 @@ async def test_a_failing_request_does_not_fail_its_batch(executor: ThreadPoolExe
     rig = Rig(executor)
     first = await held_first(rig)
     good, bad, other = rig.send(1), rig.send(float("nan")), rig.send(3)
-    await settle()
+    await queued(rig, 3)
     rig.runner.gate.open()
     await first
     assert float((await good)["y"][0, 0]) == 2 and float((await other)["y"][0, 0]) == 6
@@ -243,7 +248,7 @@ async def test_outputs_each_request_asked_for(executor: ThreadPoolExecutor) -> N
     x = np.ones((1, 3), np.float32)
     sums = asyncio.ensure_future(rig.batcher.infer({"x": x}, ("s",)))
     both = asyncio.ensure_future(rig.batcher.infer({"x": x}, ("s", "y")))
-    await settle()
+    await queued(rig, 2)
     rig.runner.gate.open()
     await first
     assert list(await sums) == ["s"] and list(await both) == ["s", "y"]
@@ -261,13 +266,13 @@ async def test_close_answers_what_is_left_and_refuses_more(executor: ThreadPoolE
     rig = Rig(executor)
     first = await held_first(rig)
     left = rig.send(1)
-    await settle()
+    await queued(rig, 1)
     await rig.batcher.close()
     with pytest.raises(ModelUnavailable):
         await left
     with pytest.raises(ModelUnavailable):
         await rig.send(2)
-    assert rig.sample("modelyard_queue_depth", priority="2") == 0  # the version's series are gone
+    assert rig.sample("modelyard_queue_depth", priority="2") is None  # the version's series are gone
     rig.runner.gate.open()
     await first
 
@@ -278,8 +283,7 @@ async def test_concurrent_batches_up_to_the_limit(executor: ThreadPoolExecutor) 
     running = [rig.send(1), rig.send(2)]
     await eventually(lambda: rig.runner.gate.entered == 2, "two runs at once")
     third = rig.send(3)
-    await settle()
-    assert rig.batcher.queued == 1
+    await queued(rig, 1)
     rig.runner.gate.open()
     await asyncio.gather(*running, third)
 

@@ -7,9 +7,9 @@ from typing import Any
 import pytest
 
 from service.batching.batcher import BatchSettings
-from service.batching.queue import AdmissionPolicy, QueuePolicy
 from service.repository.config import ConfigError, parse_config
 from service.runtime.providers import CPU
+from service.scheduling.queue import AdmissionPolicy, QueuePolicy
 
 ISSUE_EXAMPLE: dict[str, Any] = {
     "max_batch_size": 64,

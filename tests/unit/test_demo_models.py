@@ -10,8 +10,8 @@ import onnxruntime as ort
 import pytest
 import yaml
 
-from service import demo_models
-from service.demo_models import (
+from models import demo_models
+from models.demo_models import (
     build_demo_repository,
     dense_classifier,
     dense_stack,
@@ -75,9 +75,9 @@ def built(root: Path) -> dict[str, bytes]:
 
 
 def test_committed_demo_repository_is_fresh(demo: Path) -> None:
-    assert COMMITTED_DEMO.is_dir(), "models/demo is missing: run `python -m service.demo_models`"
+    assert COMMITTED_DEMO.is_dir(), "models/demo is missing: run `python -m models.demo_models`"
     assert built(COMMITTED_DEMO) == tree(demo), (
-        "models/demo is stale: rebuild it with `python -m service.demo_models models/demo`"
+        "models/demo is stale: rebuild it with `python -m models.demo_models models/demo`"
     )
 
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 
-from service.batching.queue import AdmissionPolicy, QueuePolicy
 from service.generation.layout import NotADecoder, decoder_layout
 from service.repository.config import (
     DEFAULT_GENERATION_QUEUE_TIMEOUT_US,
@@ -14,6 +13,7 @@ from service.repository.config import (
     parse_config,
 )
 from service.runtime.signature import Signature, TensorSpec
+from service.scheduling.queue import AdmissionPolicy, QueuePolicy
 
 
 def test_generation_section_parses_with_defaults_for_the_rest() -> None:

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from service.config import parse_settings
-from service.repository.config import ConfigError, VersionPolicy, load_config, parse_config
+from service.repository.config import ConfigError, ModelConfig, VersionPolicy, load_config, parse_config
 from service.repository.scanner import parse_version, scan_model, scan_repository
 
 
@@ -28,7 +28,7 @@ def test_full_config_parses() -> None:
             "dynamic_batching": {"max_queue_delay_us": 2000, "preferred_batch_sizes": [8, 16]},
         }
     )
-    assert config.max_batch_size == 32 and config.explicit
+    assert config.max_batch_size == 32
     assert config.version_policy == VersionPolicy("specific", versions=(1, 3))
     assert config.inputs[0].shape == (-1, 256) and config.outputs[0].name == "OUTPUT0"
     assert config.execution.provider == "cuda" and config.execution.gpu_mem_limit_mb == 512
@@ -37,7 +37,7 @@ def test_full_config_parses() -> None:
 
 def test_defaults_without_a_config_file(tmp_path: Path) -> None:
     config = load_config(tmp_path)
-    assert config.max_batch_size == 0 and not config.explicit
+    assert config == ModelConfig()
     assert config.version_policy == VersionPolicy("latest", latest=1)
 
 

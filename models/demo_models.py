@@ -2,7 +2,7 @@
 
 Every builder returns an ``onnx.ModelProto``; weights come from ``numpy.random.default_rng(seed)``
 and models are serialized deterministically, so the same arguments always give byte-identical
-files. ``python -m service.demo_models [ROOT]`` rebuilds the demo repository (default
+files. ``python -m models.demo_models [ROOT]`` rebuilds the demo repository (default
 ``models/demo``); a unit test checks that the committed tree equals a fresh build.
 
 The demo language model (``codelm``) is the one model not built here: ``models/train_demo_lm.py``
@@ -55,11 +55,11 @@ DEFAULT_ROOT = Path("models/demo")
 # not this module: a rebuild carries them over unchanged.
 TRAINED_MODELS = ("codelm",)
 # Where the committed demo repository lies, for builds elsewhere that want its trained models.
-COMMITTED_ROOT = Path(__file__).resolve().parents[1] / "models" / "demo"
+COMMITTED_ROOT = Path(__file__).resolve().parent / "demo"
 
 # Version folder names the repository accepts: "3" (as Triton writes them) or "v3".
 _VERSION_RE = re.compile(r"^v?[0-9]+$")
-_CONFIG_HEADER = "# Written by service.demo_models.write_model.\n"
+_CONFIG_HEADER = "# Written by models.demo_models.write_model.\n"
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 
 
@@ -346,10 +346,10 @@ def rebuild_demo_repository(root: Path) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m service.demo_models [ROOT]``: rebuild the demo repository (default models/demo)."""
+    """``python -m models.demo_models [ROOT]``: rebuild the demo repository (default models/demo)."""
     args = list(sys.argv[1:] if argv is None else argv)
     if len(args) > 1 or (args and args[0] in ("-h", "--help")):
-        print(f"usage: python -m service.demo_models [ROOT]   (default {DEFAULT_ROOT})", file=sys.stderr)
+        print(f"usage: python -m models.demo_models [ROOT]   (default {DEFAULT_ROOT})", file=sys.stderr)
         return 0 if args and args[0] in ("-h", "--help") else 2
     root = Path(args[0]) if args else DEFAULT_ROOT
     try:
