@@ -34,6 +34,14 @@ def is_inside(root: Path, path: Path) -> bool:
     return path.resolve().is_relative_to(root.resolve())
 
 
+def check_tree_inside(root: Path, folder: Path) -> None:
+    """Raise OutsideRepository for the first file or folder under `folder` (a version folder) that
+    resolves outside `root`: ONNX Runtime opens a model's external data files itself, checking
+    their names but not where their symlinks lead."""
+    for path in sorted(folder.rglob("*")):
+        resolve_inside(root, path)
+
+
 def read_inside(root: Path, path: Path, limit: int = 64 << 20) -> bytes:
     """The bytes of `path`, opened only once it resolves inside `root`. The resolved path is what
     is opened (with O_NOFOLLOW), so a symlink swapped in between the check and the open is refused

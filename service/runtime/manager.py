@@ -21,7 +21,7 @@ from service.errors import InvalidInput, ModelLoadError, ModelNotFound, ModelUna
 from service.metrics import ServiceMetrics
 from service.repository.checksum import verify_checksum
 from service.repository.config import ModelConfig, load_config
-from service.repository.files import scrub
+from service.repository.files import check_tree_inside, scrub
 from service.repository.scanner import fingerprint, parse_version, scan_model, scan_repository, version_bytes
 from service.runtime.memory import trim_heap
 from service.runtime.providers import ProviderChoice
@@ -274,6 +274,7 @@ class ModelManager:
         try:
             memory = await loop.run_in_executor(self._io, version_bytes, model_file)
             await self._make_room(name, number, memory, config, current)
+            await loop.run_in_executor(self._io, check_tree_inside, self.repository, model_file.parent)
             await loop.run_in_executor(self._io, verify_checksum, model_file, self.repository)
             runner = await loop.run_in_executor(self._io, self._loader, model_file, config, self.providers)
             if reference is not None and not config.reload.allow_schema_change:

@@ -7,6 +7,7 @@ import hashlib
 from pathlib import Path
 
 import grpc
+import numpy as np
 import pytest
 from modelyard.inference.v1 import model_service_pb2 as pb
 from modelyard.inference.v1 import model_service_pb2_grpc as pb_grpc
@@ -67,6 +68,33 @@ async def test_files_resolving_outside_are_refused_and_nothing_leaks(tmp_path: P
     for name, text in reasons.items():
         assert "hunter2" not in text and "root:x" not in text, name
         assert str(tmp_path) not in text, name
+
+
+async def test_external_data_symlinked_outside_is_refused(tmp_path: Path) -> None:
+    """External data named inside the version folder, but a symlink to a file outside it: ONNX
+    Runtime checks the name only, so the service refuses the version before loading it."""
+    from onnx import TensorProto, helper
+
+    secret = tmp_path / "secret.bin"
+    secret.write_bytes(np.full(4, 7.0, np.float32).tobytes())
+    root = tmp_path / "models"
+    weight = TensorProto(name="W", data_type=TensorProto.FLOAT, dims=[4], data_location=TensorProto.EXTERNAL)
+    for key, value in (("location", "weights.bin"), ("offset", "0"), ("length", "16")):
+        weight.external_data.add(key=key, value=value)
+    graph = helper.make_graph(
+        [helper.make_node("Add", ["x", "W"], ["y"])],
+        "leak",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [4])],
+        [weight],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", demo_models.OPSET)])
+    model.ir_version = demo_models.IR_VERSION
+    (root / "leak" / "1").mkdir(parents=True)
+    (root / "leak" / "1" / "model.onnx").write_bytes(model.SerializeToString())
+    (root / "leak" / "1" / "weights.bin").symlink_to(secret)
+    reasons = await _reasons(root)
+    assert "leak/1/weights.bin: resolves outside the model repository" in reasons["leak"]
 
 
 def test_tokenizer_resolving_outside_is_refused(tmp_path: Path) -> None:
