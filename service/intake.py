@@ -78,6 +78,7 @@ def check_headers(signature: Signature, headers: Sequence[TensorHeader], bounds:
                 f"input {header.name!r}: expected datatype {spec.datatype}, got {header.datatype}"
             )
         shape = header.shape
+        elements += element_count(shape, header.name)  # negative or overflowing shapes: TensorError
         if len(shape) != len(spec.shape) or any(
             want != -1 and have != want for have, want in zip(shape, spec.shape, strict=True)
         ):
@@ -85,7 +86,6 @@ def check_headers(signature: Signature, headers: Sequence[TensorHeader], bounds:
         limit = signature.max_batch_size
         if limit and shape and shape[0] > limit:
             raise InvalidInput(f"input {header.name!r}: batch size {shape[0]} exceeds max_batch_size {limit}")
-        elements += element_count(shape, header.name)  # overflowing shapes: TensorError
         for axis, largest, what in bounds.dims.get(header.name, ()):
             if axis < len(shape) and shape[axis] > largest:
                 raise InvalidInput(f"input {header.name!r}: dimension {axis} is {shape[axis]}, beyond {what}")

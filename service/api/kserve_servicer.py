@@ -6,12 +6,14 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from functools import partial
 
+import grpc
 from modelyard.kserve.v2 import grpc_service_pb2 as pb
 from modelyard.kserve.v2 import grpc_service_pb2_grpc as pb_grpc
 from modelyard.kserve.v2 import model_config_pb2 as config_pb
+from modelyard.tensors import TensorError
 
 from service import __version__
-from service.api.errors import Context, serving
+from service.api.errors import Context, code_for, internal_error, serving
 from service.api.kserve_tensors import decode_inputs, encode_outputs, requested_outputs
 from service.api.scheduling import kserve_scheduling
 from service.api.tensor_headers import kserve_headers
@@ -91,8 +93,11 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
             async with serving(context, self._metrics, "ModelStreamInfer", request.model_name) as call:
                 try:
                     response = await self._infer(request, context)
-                except ServiceError as exc:
-                    yield pb.ModelStreamInferResponse(error_message=str(exc))
+                except (ServiceError, TensorError) as exc:
+                    message = str(exc)
+                    if code_for(exc) == grpc.StatusCode.INTERNAL:  # ours: logged under an error id
+                        message = internal_error("ModelStreamInfer", request.model_name, message)
+                    yield pb.ModelStreamInferResponse(error_message=message)
                     continue
                 call.version = response.model_version
                 yield pb.ModelStreamInferResponse(infer_response=response)

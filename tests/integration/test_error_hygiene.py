@@ -123,3 +123,22 @@ async def test_overflowing_shapes_are_invalid_argument_on_both_apis(
         with pytest.raises(grpc.aio.AioRpcError) as caught:
             await request
         assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT, caught.value.details()
+
+
+async def test_stream_infer_answers_an_overflowing_shape_in_band_and_goes_on(
+    channel: grpc.aio.Channel,
+) -> None:
+    kserve = kpb_grpc.GRPCInferenceServiceStub(channel)
+    tensor = kpb.ModelInferRequest.InferInputTensor
+
+    def request(shape: list[int], data: bytes) -> kpb.ModelInferRequest:
+        return kpb.ModelInferRequest(
+            model_name="scaler",
+            inputs=[tensor(name="INPUT0", datatype="FP32", shape=shape)],
+            raw_input_contents=[data],
+        )
+
+    call: Any = kserve.ModelStreamInfer(iter([request([2**62, 0], b""), request([1, 16], bytes(64))]))
+    answers = [r async for r in call]
+    assert "more elements than any tensor may" in answers[0].error_message
+    assert answers[1].infer_response.model_version == "2" and not answers[1].error_message
