@@ -269,9 +269,15 @@ async def breakdown(repository: Path, request: pb.InferRequest, iterations: int)
     from service.runtime.manager import ModelManager
     from service.runtime.providers import ProviderChoice
 
-    class Context:  # Infer reads the time left to the call's deadline, and otherwise only errors
+    class Context:  # what a successful Infer asks of its context; anything else means it failed
         def time_remaining(self) -> float | None:
-            return None  # no deadline
+            return None
+
+        def invocation_metadata(self) -> tuple[tuple[str, str], ...]:
+            return ()
+
+        async def send_initial_metadata(self, metadata: object) -> None:
+            pass
 
         def __getattr__(self, name: str) -> Any:
             raise RuntimeError(f"context.{name} used: the request failed")

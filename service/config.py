@@ -19,7 +19,7 @@ class Settings:
     metrics_listen: str = "127.0.0.1:9102"  # empty: no metrics endpoint
     grace_s: float = 10.0  # on SIGTERM: how long in-flight requests may take to finish
     drain_timeout_s: float = 30.0  # how long a retired model version waits for its requests
-    max_message_bytes: int = 64 * 1024 * 1024  # larger requests get RESOURCE_EXHAUSTED
+    max_message_bytes: int = 64 * 1024 * 1024  # larger requests: RESOURCE_EXHAUSTED, too_large
     inference_threads: int = 0  # executor threads for model runs; 0 = one per core
     control_mode: str = "watch"  # watch: follow the repository on disk; explicit: only Load/Unload calls
     watch_method: str = "events"  # events (inotify) or poll (file systems without change events)

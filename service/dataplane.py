@@ -18,6 +18,7 @@ from weakref import WeakKeyDictionary
 import numpy as np
 
 from service.batching.layer import BatchingLayer
+from service.errors import ServiceError
 from service.generation.model import DecoderModel
 from service.intake import Bounds, TensorHeader, bounds_for, check_headers, offload
 from service.runtime.manager import ModelManager
@@ -35,6 +36,19 @@ class InferResult:
     outputs: dict[str, np.ndarray]
     row_offset: int = 0  # for chunks of a streamed batch
     last: bool = True  # False on every chunk of a streamed batch but the final one
+
+
+def _checked(
+    served: ServedVersion, inputs: Mapping[str, np.ndarray], output_names: Sequence[str], admitted_ns: int
+) -> tuple[str, ...]:
+    """The outputs to compute, once the inputs fit the version; a request they do not fit counts
+    as a failed inference of that version (as Triton's statistics count it)."""
+    try:
+        served.runner.signature.check_inputs(inputs)
+        return served.runner.signature.select_outputs(output_names)
+    except ServiceError:
+        served.stats.record_request(False, time.perf_counter_ns() - admitted_ns)
+        raise
 
 
 class DataPlane:
@@ -75,8 +89,7 @@ class DataPlane:
         # The lease is held while the request waits in a batcher's queue, too: a retiring version
         # answers what it has queued before it is released.
         with self.manager.lease(model, version) as served:
-            served.runner.signature.check_inputs(inputs)
-            names = served.runner.signature.select_outputs(output_names)
+            names = _checked(served, inputs, output_names, admitted)
             outputs = await self._run(served, inputs, names, scheduling, admitted)
             return InferResult(model, served.version, outputs)
 
@@ -94,8 +107,7 @@ class DataPlane:
         batching each chunk queues at the request's priority, with the request's deadline."""
         with self.manager.lease(model, version) as served:
             signature = served.runner.signature
-            signature.check_inputs(inputs)
-            names = signature.select_outputs(output_names)
+            names = _checked(served, inputs, output_names, time.perf_counter_ns())
             batch = next(iter(inputs.values())).shape[0] if signature.max_batch_size and inputs else 0
             if not batch:
                 outputs = await self._run(served, inputs, names, scheduling, time.perf_counter_ns())

@@ -16,5 +16,6 @@ NAME_BY_ORT: dict[str, str] = {
     "tensor(float16)": "FP16",
     "tensor(float)": "FP32",
     "tensor(double)": "FP64",
+    "tensor(bfloat16)": "BF16",
     "tensor(string)": "BYTES",
 }

@@ -8,7 +8,12 @@ class ServiceError(Exception):
 
 
 class ModelNotFound(ServiceError):
-    """The model or the requested version is not known or not served."""
+    """No model of that name is known."""
+
+
+class VersionNotFound(ModelNotFound):
+    """The model is known, but the requested version is not served (a subclass: callers that only
+    care that nothing answers catch ModelNotFound)."""
 
 
 class InvalidInput(ServiceError):

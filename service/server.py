@@ -32,6 +32,7 @@ from modelyard.kserve.v2 import grpc_service_pb2, grpc_service_pb2_grpc
 from service.api.access import guards
 from service.api.inference_servicer import InferenceServicer
 from service.api.kserve_servicer import KServeServicer
+from service.api.limits import SizeLimitedServer, transport_limit
 from service.api.model_servicer import ModelServicer
 from service.api.wire import Guarded, OnUndecodable
 from service.batching.layer import BatchingLayer
@@ -195,20 +196,22 @@ def build_service(
     generation = GenerationPlane(manager, executor, metrics)
     server = grpc.aio.server(
         options=[
-            ("grpc.max_receive_message_length", settings.max_message_bytes),
+            # Above the configured limit, which the handlers check so as to answer with a reason.
+            ("grpc.max_receive_message_length", transport_limit(settings.max_message_bytes)),
             ("grpc.max_send_message_length", settings.max_message_bytes),
             ("grpc.so_reuseport", 0),  # a taken port must fail loudly, not be shared
         ]
     )
     # Every servicer is added through Guarded: calls pass authorization (service/api/access.py),
     # and undecodable request bytes are refused with INVALID_ARGUMENT (and one rate-limited log
-    # line), not UNKNOWN with a traceback per request.
+    # line), not UNKNOWN with a traceback per request. The API services are size-checked first
+    # (service/api/limits.py: the message arrives as bytes, is measured, then parsed).
     # (cast: it takes the server's place in the generated functions, which only register handlers)
     tls, authorizer = _security(settings)
-    registry = cast(
-        grpc.aio.Server,
-        Guarded(server, _undecodable_reporter(metrics), guards(authorizer, settings.auth_inference, metrics)),
-    )
+    guard_for = guards(authorizer, settings.auth_inference, metrics)
+    reporter = _undecodable_reporter(metrics)
+    limited = SizeLimitedServer(server, settings.max_message_bytes, metrics)
+    registry = cast(grpc.aio.Server, Guarded(limited, reporter, guard_for))
     inference_service_pb2_grpc.add_InferenceServiceServicer_to_server(
         InferenceServicer(dataplane, generation, metrics), registry
     )

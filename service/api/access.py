@@ -1,5 +1,5 @@
 """Who may call which method: the management surface (loading and unloading models, the KServe
-repository extension) needs a credential once tokens or client identities are configured;
+repository, shared-memory, log and trace extensions) needs a credential once tokens or client identities are configured;
 inference and metadata calls need one only with `auth_inference`; health and reflection stay
 open (orchestrators probe them). Denials are counted and logged (rate-limited) and answer the
 same few words whatever was wrong."""
@@ -27,6 +27,15 @@ MANAGEMENT = frozenset(
         "/inference.GRPCInferenceService/RepositoryIndex",
         "/inference.GRPCInferenceService/RepositoryModelLoad",
         "/inference.GRPCInferenceService/RepositoryModelUnload",
+        # Registering shared memory makes the server map a region by its key: not for anyone.
+        "/inference.GRPCInferenceService/SystemSharedMemoryStatus",
+        "/inference.GRPCInferenceService/SystemSharedMemoryRegister",
+        "/inference.GRPCInferenceService/SystemSharedMemoryUnregister",
+        "/inference.GRPCInferenceService/CudaSharedMemoryStatus",
+        "/inference.GRPCInferenceService/CudaSharedMemoryRegister",
+        "/inference.GRPCInferenceService/CudaSharedMemoryUnregister",
+        "/inference.GRPCInferenceService/LogSettings",
+        "/inference.GRPCInferenceService/TraceSetting",
     }
 )
 ALWAYS_OPEN = ("/grpc.health.v1.Health/", "/grpc.reflection.")

@@ -7,9 +7,11 @@ import contextlib
 import logging
 import secrets
 import time
-from typing import Any
+from typing import Any, NoReturn
 
 import grpc
+from modelyard.common import headers
+from modelyard.common.reasons import ErrorReason
 from modelyard.tensors import TensorError
 
 from service import errors
@@ -20,29 +22,61 @@ log = logging.getLogger(__name__)
 # Servicers take any request/response type; the context's type parameters add nothing here.
 Context = grpc.aio.ServicerContext[Any, Any]
 
+# The one table: each domain error's gRPC status and its x-error-reason (modelyard.common.reasons).
+# Looked up along the exception's MRO, so VersionNotFound (a ModelNotFound) finds its own row first.
 # TensorError: the shared tensor decoder (modelyard.tensors) found a malformed tensor.
-_CODES: dict[type[Exception], grpc.StatusCode] = {
-    TensorError: grpc.StatusCode.INVALID_ARGUMENT,
-    errors.ModelNotFound: grpc.StatusCode.NOT_FOUND,
-    errors.InvalidInput: grpc.StatusCode.INVALID_ARGUMENT,
-    errors.ModelUnavailable: grpc.StatusCode.UNAVAILABLE,
-    errors.TooLarge: grpc.StatusCode.RESOURCE_EXHAUSTED,
-    errors.ModelLoadError: grpc.StatusCode.FAILED_PRECONDITION,
-    errors.Unsupported: grpc.StatusCode.UNIMPLEMENTED,
-    errors.ModelRunError: grpc.StatusCode.INTERNAL,
-    errors.NotGenerative: grpc.StatusCode.FAILED_PRECONDITION,
-    errors.Overloaded: grpc.StatusCode.RESOURCE_EXHAUSTED,
-    errors.DeadlineExceeded: grpc.StatusCode.DEADLINE_EXCEEDED,
-    errors.ReaderStalled: grpc.StatusCode.ABORTED,
+_STATUS: dict[type[BaseException], tuple[grpc.StatusCode, ErrorReason]] = {
+    TensorError: (grpc.StatusCode.INVALID_ARGUMENT, ErrorReason.INVALID_ARGUMENT),
+    errors.InvalidInput: (grpc.StatusCode.INVALID_ARGUMENT, ErrorReason.INVALID_ARGUMENT),
+    errors.ModelNotFound: (grpc.StatusCode.NOT_FOUND, ErrorReason.MODEL_NOT_FOUND),
+    errors.VersionNotFound: (grpc.StatusCode.NOT_FOUND, ErrorReason.VERSION_NOT_FOUND),
+    errors.ModelUnavailable: (grpc.StatusCode.UNAVAILABLE, ErrorReason.DRAINING),
+    errors.TooLarge: (grpc.StatusCode.RESOURCE_EXHAUSTED, ErrorReason.TOO_LARGE),
+    errors.ModelLoadError: (grpc.StatusCode.FAILED_PRECONDITION, ErrorReason.MODEL_FAILED),
+    errors.Unsupported: (grpc.StatusCode.UNIMPLEMENTED, ErrorReason.UNSUPPORTED),
+    errors.ModelRunError: (grpc.StatusCode.INTERNAL, ErrorReason.MODEL_FAILED),
+    errors.NotGenerative: (grpc.StatusCode.FAILED_PRECONDITION, ErrorReason.FAILED_PRECONDITION),
+    errors.Overloaded: (grpc.StatusCode.RESOURCE_EXHAUSTED, ErrorReason.QUEUE_FULL),
+    errors.DeadlineExceeded: (grpc.StatusCode.DEADLINE_EXCEEDED, ErrorReason.DEADLINE),
+    errors.ReaderStalled: (grpc.StatusCode.ABORTED, ErrorReason.READER_STALLED),
+    # Not domain errors, but every way a call ends has its row: the client went away (the
+    # deadline's row is chosen by deadline_passed), and anything else is a bug of ours.
+    asyncio.CancelledError: (grpc.StatusCode.CANCELLED, ErrorReason.CANCELLED),
+    Exception: (grpc.StatusCode.INTERNAL, ErrorReason.INTERNAL),
 }
+_DEADLINE = _STATUS[errors.DeadlineExceeded]
+_INTERNAL = _STATUS[Exception]
 
 
-def code_for(exc: Exception) -> grpc.StatusCode:
+def status_for(exc: BaseException) -> tuple[grpc.StatusCode, ErrorReason]:
+    """The gRPC status code and x-error-reason that answer `exc`."""
     for kind in type(exc).__mro__:
-        code = _CODES.get(kind)
-        if code is not None:
-            return code
-    return grpc.StatusCode.INTERNAL
+        found = _STATUS.get(kind)
+        if found is not None:
+            return found
+    return _INTERNAL
+
+
+def reason_metadata(reason: ErrorReason) -> tuple[tuple[str, str]]:
+    return ((headers.ERROR_REASON, reason.value),)
+
+
+async def abort(context: Context, exc: Exception, method: str = "", model: str = "") -> NoReturn:
+    """End the call with exc's status, its message and its reason in the trailing metadata. An
+    INTERNAL answer is logged under an error id that its message carries too."""
+    code, reason = status_for(exc)
+    message = str(exc)
+    if code == grpc.StatusCode.INTERNAL:
+        message = internal_error(method or "a call", model, message)
+    await context.abort(code, message, trailing_metadata=reason_metadata(reason))
+    raise AssertionError("unreachable: abort raises")  # pragma: no cover
+
+
+def in_band_message(exc: BaseException, method: str, model: str) -> str:
+    """The message of an error answered inside a stream (Triton's error_message): as abort's."""
+    if status_for(exc)[0] == grpc.StatusCode.INTERNAL:
+        return internal_error(method, model, str(exc))
+    return str(exc)
 
 
 def internal_error(method: str, model: str, message: str, exc: BaseException | None = None) -> str:
@@ -69,12 +103,13 @@ def end_stalled(context: Context, error: BaseException) -> None:
     so the status is sent from a task of its own: it follows the messages already written, once
     the client reads them (or goes away)."""
 
-    async def abort() -> None:
+    async def abort_stalled() -> None:
         # abort() raises AbortError once the status is set; the handler ends with it.
+        code, reason = status_for(error)
         with contextlib.suppress(Exception):
-            await context.abort(grpc.StatusCode.ABORTED, str(error))
+            await context.abort(code, str(error), trailing_metadata=reason_metadata(reason))
 
-    task = asyncio.get_running_loop().create_task(abort())
+    task = asyncio.get_running_loop().create_task(abort_stalled())
     _ending.add(task)
     task.add_done_callback(_ending.discard)
 
@@ -86,13 +121,14 @@ def deadline_passed(context: Context) -> bool:
 
 
 class serving:
-    """Wrap one call: map ServiceError to its status (abort), and record count and latency by
-    method, model, version and status code. Every call ends in exactly one status.
+    """Wrap one call: map an error to its status and x-error-reason (abort), send x-served-version
+    once the version that answers is known, and record count and latency by method, model,
+    version and status code. Every call ends in exactly one status.
 
     A class rather than an @asynccontextmanager: it runs on every request, and a generator-based
     context manager costs several microseconds more per call."""
 
-    __slots__ = ("_context", "_method", "_metrics", "_model", "_start", "version")
+    __slots__ = ("_code", "_context", "_method", "_metrics", "_model", "_start", "version")
 
     def __init__(self, context: Context, metrics: ServiceMetrics, method: str, model: str) -> None:
         self._context = context
@@ -100,7 +136,20 @@ class serving:
         self._method = method
         self._model = model
         self._start = 0.0
-        self.version = ""  # the version that answered, set by the handler for the metrics
+        self._code = grpc.StatusCode.OK  # an error answered in-band (KServe streams) sets it
+        self.version = ""  # the version that answered: x-served-version, and the metrics label
+
+    async def answered(self, version: str) -> None:
+        """The version that answers is known: send it as x-served-version in the initial
+        metadata, before the answer itself (streams: call it before the first message)."""
+        self.version = version
+        await self._context.send_initial_metadata(((headers.SERVED_VERSION, version),))
+
+    def in_band(self, exc: Exception) -> ErrorReason:
+        """An error answered inside a stream's message rather than by the call's status: count it
+        under its status code, and return its reason for the message."""
+        self._code, reason = status_for(exc)
+        return reason
 
     async def __aenter__(self) -> serving:
         self._start = time.perf_counter()
@@ -109,27 +158,33 @@ class serving:
     async def __aexit__(
         self, kind: type[BaseException] | None, exc: BaseException | None, tb: object
     ) -> None:
-        code = grpc.StatusCode.OK
+        code = self._code
         try:
             if exc is None:
                 return
             if isinstance(exc, errors.ServiceError | TensorError):
-                code = code_for(exc)
+                code, reason = status_for(exc)
                 message = str(exc)
                 if code == grpc.StatusCode.INTERNAL:  # a runtime failure on valid-looking input
                     message = internal_error(self._method, self._model, message)
-                await self._context.abort(code, message)
+                await self._context.abort(code, message, trailing_metadata=reason_metadata(reason))
             elif isinstance(exc, asyncio.CancelledError | GeneratorExit):  # the client went away
-                code = (
-                    grpc.StatusCode.DEADLINE_EXCEEDED
-                    if deadline_passed(self._context)
-                    else grpc.StatusCode.CANCELLED
+                # gRPC has answered the client already (CANCELLED, or DEADLINE_EXCEEDED from its own
+                # deadline timer); the reason is set for completeness and for anything reading the
+                # call's metadata on this side.
+                code, reason = (
+                    _DEADLINE if deadline_passed(self._context) else _STATUS[asyncio.CancelledError]
                 )
+                self._context.set_trailing_metadata(reason_metadata(reason))
             elif isinstance(exc, grpc.aio.AbortError):
-                code = self._context.code()  # abort() set it
+                code = self._context.code()  # abort() set it, with its reason
             elif isinstance(exc, Exception):
-                code = grpc.StatusCode.INTERNAL
-                await self._context.abort(code, internal_error(self._method, self._model, "", exc))
+                code, reason = _INTERNAL
+                await self._context.abort(
+                    code,
+                    internal_error(self._method, self._model, "", exc),
+                    trailing_metadata=reason_metadata(reason),
+                )
         finally:
             self._metrics.observe_request(
                 self._method, self._model, self.version, code, time.perf_counter() - self._start

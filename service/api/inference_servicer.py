@@ -14,6 +14,7 @@ from modelyard.tensors import to_arrays, to_tensors
 
 from service.api.errors import Context, deadline_passed, end_stalled, serving
 from service.api.generation_convert import to_generate_params, to_generate_response
+from service.api.metadata import call_fields
 from service.api.scheduling import scheduling
 from service.api.tensor_headers import our_headers
 from service.dataplane import DataPlane
@@ -35,45 +36,53 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
 
     async def Infer(self, request: pb.InferRequest, context: Context) -> pb.InferResponse:
         async with serving(context, self._metrics, "Infer", request.model_name) as call:
-            inputs = await self._inputs(request.model_name, request.model_version, request.inputs)
+            version, request_id, priority = call_fields(
+                context, request.model_version, request.request_id, request.priority
+            )
+            inputs = await self._inputs(request.model_name, version, request.inputs)
             result = await self._dataplane.infer(
                 request.model_name,
-                request.model_version,
+                version,
                 inputs,
                 request.output_names,
-                scheduling(context, request.priority, request.timeout_us),
+                scheduling(context, priority, request.timeout_us),
             )
-            call.version = str(result.version)
-            return pb.InferResponse(
+            response = pb.InferResponse(
                 model_name=result.model,
-                model_version=call.version,
+                model_version=str(result.version),
                 outputs=to_tensors(result.outputs),
-                request_id=request.request_id,
+                request_id=request_id,
             )
+            await call.answered(response.model_version)
+            return response
 
     async def InferStream(
         self, request: pb.InferStreamRequest, context: Context
     ) -> AsyncIterator[pb.InferStreamResponse]:
         async with serving(context, self._metrics, "InferStream", request.model_name) as call:
-            inputs = await self._inputs(request.model_name, request.model_version, request.inputs)
+            version, request_id, priority = call_fields(
+                context, request.model_version, request.request_id, request.priority
+            )
+            inputs = await self._inputs(request.model_name, version, request.inputs)
             chunks = self._dataplane.infer_chunks(
                 request.model_name,
-                request.model_version,
+                version,
                 inputs,
                 request.output_names,
                 request.chunk_size,
-                scheduling(context, request.priority, request.timeout_us),
+                scheduling(context, priority, request.timeout_us),
             )
             # aclosing: a cancelled stream releases its version lease at once, not at garbage collection.
             async with aclosing(chunks):
                 index = 0
                 async for result in chunks:
-                    call.version = str(result.version)
+                    if not index:  # every chunk comes from the same version
+                        await call.answered(str(result.version))
                     yield pb.InferStreamResponse(
                         model_name=result.model,
                         model_version=call.version,
                         outputs=to_tensors(result.outputs),
-                        request_id=request.request_id,
+                        request_id=request_id,
                         chunk_index=index,
                         row_offset=result.row_offset,
                         last=result.last,
@@ -84,16 +93,20 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         self, request: pb.GenerateRequest, context: Context
     ) -> AsyncIterator[pb.GenerateResponse]:
         async with serving(context, self._metrics, "Generate", request.model_name) as call:
+            version, request_id, priority = call_fields(
+                context, request.model_version, request.request_id, request.priority
+            )
             events = self._generation.generate(
                 request.model_name,
-                request.model_version,
+                version,
                 to_generate_params(request),
-                scheduling(context, request.priority, request.timeout_us),
+                scheduling(context, priority, request.timeout_us),
                 deadline_passed=lambda: deadline_passed(context),
                 on_stalled=lambda error: end_stalled(context, error),
             )
             # aclosing: a cancelled stream leaves its batch and releases its lease at once.
             async with aclosing(events):
                 async for event in events:
-                    call.version = str(event.version)
-                    yield to_generate_response(event, request.request_id)
+                    if not call.version:  # every event comes from the same version
+                        await call.answered(str(event.version))
+                    yield to_generate_response(event, request_id)

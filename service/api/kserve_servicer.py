@@ -3,32 +3,62 @@ repository, configuration and statistics extensions, over the same data plane as
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from functools import partial
 
-import grpc
+from modelyard.common.reasons import ErrorReason
 from modelyard.kserve.v2 import grpc_service_pb2 as pb
 from modelyard.kserve.v2 import grpc_service_pb2_grpc as pb_grpc
 from modelyard.kserve.v2 import model_config_pb2 as config_pb
 from modelyard.tensors import TensorError
 
 from service import __version__
-from service.api.errors import Context, code_for, internal_error, serving
-from service.api.kserve_tensors import decode_inputs, encode_outputs, requested_outputs
-from service.api.scheduling import kserve_scheduling
+from service.api.errors import Context, in_band_message, serving
+from service.api.kserve_classification import top_k
+from service.api.kserve_config import load_parameters
+from service.api.kserve_settings import LogSettings, LogValue, TraceSettings
+from service.api.kserve_tensors import (
+    decode_inputs,
+    encode_outputs,
+    output_options,
+    parameter_value,
+    requested_outputs,
+)
+from service.api.metadata import call_fields
+from service.api.scheduling import kserve_priority, kserve_scheduling
 from service.api.tensor_headers import kserve_headers
 from service.dataplane import DataPlane
-from service.errors import ModelLoadError, ServiceError, Unsupported
+from service.errors import InvalidInput, ModelLoadError, ServiceError, Unsupported
 from service.metrics import ServiceMetrics
 from service.repository.config import ModelConfig
-from service.runtime.manager import ModelManager
+from service.repository.uploads import write_upload
+from service.runtime.manager import LoadOverride, ModelManager
 from service.runtime.served import ServedVersion
 from service.runtime.signature import TensorSpec
 from service.runtime.status import VersionState
 from service.scheduling.queue import QueuePolicy
+from service.shm.registry import RegionNotFound, SharedMemoryRegistry
 
 PLATFORM = "onnxruntime_onnx"
-EXTENSIONS = ["model_repository", "model_configuration", "statistics"]
+CUDA_SHM_REFUSAL = (
+    "CUDA shared memory is not supported: this server does not import CUDA IPC handles (tensors "
+    "reach ONNX Runtime from host memory); use system shared memory or inline tensors"
+)
+# Triton's streaming parameters: the request asks, each response says whether it is the last.
+ENABLE_FINAL_RESPONSE = "triton_enable_empty_final_response"
+FINAL_RESPONSE = "triton_final_response"
+EXTENSIONS = [
+    "classification",
+    "model_repository",
+    "schedule_policy",
+    "model_configuration",
+    "system_shared_memory",
+    "statistics",
+    "trace",
+    "logging",
+]
 # Triton reports a model's state with these words in its repository index.
 _INDEX_STATE = {
     VersionState.LOADING: "LOADING",
@@ -40,10 +70,19 @@ _INDEX_STATE = {
 
 
 class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
-    def __init__(self, manager: ModelManager, dataplane: DataPlane, metrics: ServiceMetrics) -> None:
+    def __init__(
+        self,
+        manager: ModelManager,
+        dataplane: DataPlane,
+        metrics: ServiceMetrics,
+        shm: SharedMemoryRegistry | None = None,
+    ) -> None:
         self._manager = manager
+        self._shm = shm if shm is not None else SharedMemoryRegistry()
         self._dataplane = dataplane
         self._metrics = metrics
+        self._logs = LogSettings()
+        self._traces = TraceSettings()
 
     async def ServerLive(self, request: pb.ServerLiveRequest, context: Context) -> pb.ServerLiveResponse:
         return pb.ServerLiveResponse(live=True)
@@ -66,13 +105,18 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
     async def ModelMetadata(
         self, request: pb.ModelMetadataRequest, context: Context
     ) -> pb.ModelMetadataResponse:
-        async with serving(context, self._metrics, "ModelMetadata", request.name):
+        async with serving(context, self._metrics, "ModelMetadata", request.name) as call:
             served = self._manager.resolve(request.name, request.version)
+            await call.answered(str(served.version))
             model = self._manager.served(request.name)
             signature = served.runner.signature
+            if request.version:  # Triton: the requested version only
+                versions = [str(served.version)]
+            else:
+                versions = [str(v) for v in sorted(model.versions)] if model else []
             return pb.ModelMetadataResponse(
                 name=request.name,
-                versions=[str(v) for v in sorted(model.versions)] if model else [],
+                versions=versions,
                 platform=PLATFORM,
                 inputs=[_tensor_metadata(t) for t in signature.inputs],
                 outputs=[_tensor_metadata(t) for t in signature.outputs],
@@ -81,30 +125,43 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
     async def ModelInfer(self, request: pb.ModelInferRequest, context: Context) -> pb.ModelInferResponse:
         async with serving(context, self._metrics, "ModelInfer", request.model_name) as call:
             response = await self._infer(request, context)
-            call.version = response.model_version
+            await call.answered(response.model_version)
             return response
 
     async def ModelStreamInfer(
         self, request_iterator: AsyncIterator[pb.ModelInferRequest], context: Context
     ) -> AsyncIterator[pb.ModelStreamInferResponse]:
         # Triton's streaming contract: each request gets one response on the stream, and a failed
-        # request answers in-band with error_message instead of ending the stream.
+        # request answers in-band with error_message instead of ending the stream; its reason
+        # rides in infer_response.parameters["error_reason"] (Triton clients read error_message
+        # first and ignore the rest). One stream may serve several models and versions: its
+        # x-served-version (initial metadata, sent once) is the version of the first response,
+        # absent when that response is an error; each response's model_version says the rest.
+        first = True
         async for request in request_iterator:
             async with serving(context, self._metrics, "ModelStreamInfer", request.model_name) as call:
                 try:
+                    final_flag = _empty_final_response(request)
                     response = await self._infer(request, context)
                 except (ServiceError, TensorError) as exc:
-                    message = str(exc)
-                    if code_for(exc) == grpc.StatusCode.INTERNAL:  # ours: logged under an error id
-                        message = internal_error("ModelStreamInfer", request.model_name, message)
-                    yield pb.ModelStreamInferResponse(error_message=message)
+                    first = False
+                    yield _in_band_error(request, exc, call.in_band(exc))
                     continue
-                call.version = response.model_version
+                if first:
+                    first = False
+                    await call.answered(response.model_version)
+                else:
+                    call.version = response.model_version
+                if final_flag:
+                    # One response per request: it is also the final one, so no empty response
+                    # follows (Triton sends one only when the final flag comes apart from data).
+                    response.parameters[FINAL_RESPONSE].bool_param = True
                 yield pb.ModelStreamInferResponse(infer_response=response)
 
     async def ModelConfig(self, request: pb.ModelConfigRequest, context: Context) -> pb.ModelConfigResponse:
-        async with serving(context, self._metrics, "ModelConfig", request.name):
+        async with serving(context, self._metrics, "ModelConfig", request.name) as call:
             served = self._manager.resolve(request.name, request.version)
+            await call.answered(str(served.version))
             return pb.ModelConfigResponse(config=_triton_config(served))
 
     async def ModelStatistics(
@@ -147,15 +204,24 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
         self, request: pb.RepositoryModelLoadRequest, context: Context
     ) -> pb.RepositoryModelLoadResponse:
         async with serving(context, self._metrics, "RepositoryModelLoad", request.model_name):
-            overrides = sorted(k for k in request.parameters if k == "config" or k.startswith("file:"))
-            if overrides:
-                # Triton loads a config (and files) sent with the call; this server serves the
-                # repository as it is on disk, so it refuses rather than ignore them silently.
-                raise Unsupported(
-                    f"RepositoryModelLoad parameters {', '.join(overrides)} are not supported: models are "
-                    "loaded as the repository holds them (edit config.yaml there)"
-                )
-            status = await self._manager.load(request.model_name)
+            override = None
+            load = load_parameters(request.model_name, request.parameters)
+            if load.config is not None:
+                upload = None
+                if load.files:
+                    upload = await asyncio.get_running_loop().run_in_executor(
+                        None, write_upload, None, request.model_name, load.files
+                    )
+                override = LoadOverride(load.config, upload)
+            status = await self._manager.load(request.model_name, override)
+            failed = [
+                f"version {v.version}: {v.reason}"
+                for v in status.versions.values()
+                if v.state == VersionState.FAILED
+            ]
+            if override is not None and failed:
+                # The override was not applied in full: say so rather than answer OK.
+                raise ModelLoadError(f"failed to load {request.model_name!r}: {'; '.join(failed)}")
             if status.default_version is None:
                 reasons = [status.reason] + [v.reason for v in status.versions.values() if v.reason]
                 raise ModelLoadError(
@@ -170,24 +236,148 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
             await self._manager.unload(request.model_name)
             return pb.RepositoryModelUnloadResponse()
 
+    async def SystemSharedMemoryStatus(
+        self, request: pb.SystemSharedMemoryStatusRequest, context: Context
+    ) -> pb.SystemSharedMemoryStatusResponse:
+        async with serving(context, self._metrics, "SystemSharedMemoryStatus", ""):
+            response = pb.SystemSharedMemoryStatusResponse()
+            for spec in self._shm.status(request.name):
+                response.regions[spec.name].CopyFrom(
+                    pb.SystemSharedMemoryStatusResponse.RegionStatus(
+                        name=spec.name, key=spec.key, offset=spec.offset, byte_size=spec.byte_size
+                    )
+                )
+            return response
+
+    async def SystemSharedMemoryRegister(
+        self, request: pb.SystemSharedMemoryRegisterRequest, context: Context
+    ) -> pb.SystemSharedMemoryRegisterResponse:
+        async with serving(context, self._metrics, "SystemSharedMemoryRegister", ""):
+            await asyncio.get_running_loop().run_in_executor(
+                None, self._shm.register, request.name, request.key, request.offset, request.byte_size
+            )
+            return pb.SystemSharedMemoryRegisterResponse()
+
+    async def SystemSharedMemoryUnregister(
+        self, request: pb.SystemSharedMemoryUnregisterRequest, context: Context
+    ) -> pb.SystemSharedMemoryUnregisterResponse:
+        async with serving(context, self._metrics, "SystemSharedMemoryUnregister", ""):
+            self._shm.unregister(request.name)
+            return pb.SystemSharedMemoryUnregisterResponse()
+
+    async def CudaSharedMemoryStatus(
+        self, request: pb.CudaSharedMemoryStatusRequest, context: Context
+    ) -> pb.CudaSharedMemoryStatusResponse:
+        async with serving(context, self._metrics, "CudaSharedMemoryStatus", ""):
+            if request.name:
+                raise RegionNotFound(f"no CUDA shared memory region {request.name!r} is registered")
+            return pb.CudaSharedMemoryStatusResponse()  # none can be registered
+
+    async def CudaSharedMemoryRegister(
+        self, request: pb.CudaSharedMemoryRegisterRequest, context: Context
+    ) -> pb.CudaSharedMemoryRegisterResponse:
+        async with serving(context, self._metrics, "CudaSharedMemoryRegister", ""):
+            raise Unsupported(CUDA_SHM_REFUSAL)
+
+    async def CudaSharedMemoryUnregister(
+        self, request: pb.CudaSharedMemoryUnregisterRequest, context: Context
+    ) -> pb.CudaSharedMemoryUnregisterResponse:
+        async with serving(context, self._metrics, "CudaSharedMemoryUnregister", ""):
+            return pb.CudaSharedMemoryUnregisterResponse()  # none is registered: nothing to do
+
+    async def LogSettings(self, request: pb.LogSettingsRequest, context: Context) -> pb.LogSettingsResponse:
+        async with serving(context, self._metrics, "LogSettings", ""):
+            changes: dict[str, LogValue] = {}
+            for key, value in request.settings.items():
+                kind = value.WhichOneof("parameter_choice")
+                if kind is None:
+                    raise InvalidInput(f"log setting {key!r} has no value")
+                changes[key] = getattr(value, kind)
+            current = self._logs.update(changes)
+            response = pb.LogSettingsResponse()
+            for key, setting in current.items():
+                entry = response.settings[key]
+                if isinstance(setting, bool):
+                    entry.bool_param = setting
+                elif isinstance(setting, int):
+                    entry.uint32_param = setting
+                else:
+                    entry.string_param = setting
+            return response
+
+    async def TraceSetting(
+        self, request: pb.TraceSettingRequest, context: Context
+    ) -> pb.TraceSettingResponse:
+        async with serving(context, self._metrics, "TraceSetting", request.model_name):
+            if request.model_name:
+                self._manager.status(request.model_name)  # NOT_FOUND for a model it does not know
+            changes = {key: tuple(value.value) for key, value in request.settings.items()}
+            current = self._traces.update(changes, request.model_name)
+            response = pb.TraceSettingResponse()
+            for key, values in current.items():
+                response.settings[key].value.extend(values)
+            return response
+
     async def _infer(self, request: pb.ModelInferRequest, context: Context) -> pb.ModelInferResponse:
+        version, request_id, priority = call_fields(
+            context, request.model_version, request.id, kserve_priority(request.parameters)
+        )
         # Decoded only once the tensors' headers fit the model (service/intake.py).
         headers = kserve_headers(request)
         inputs = await self._dataplane.decode(
-            request.model_name, request.model_version, headers, partial(decode_inputs, request)
+            request.model_name, version, headers, partial(decode_inputs, request, self._shm)
         )
-        result = await self._dataplane.infer(
-            request.model_name,
-            request.model_version,
-            inputs,
-            requested_outputs(request),
-            kserve_scheduling(context, request.parameters),
-        )
+        names = requested_outputs(request)
+        options = output_options(request)
+        classify = options.classify
+        scheduling = kserve_scheduling(context, request.parameters, priority)
+        if classify or scheduling.priority:
+            # Pin the version whose label files and priority levels apply: resolved in the same
+            # step as the data plane's lease (no await between), so it is the version that runs.
+            served = self._manager.resolve(request.model_name, version)
+            version = str(served.version)
+            batching = served.config.dynamic_batching
+            if batching is None or scheduling.priority > batching.admission.priority_levels:
+                # As Triton: a priority the model does not have means its default level.
+                scheduling = replace(scheduling, priority=0)
+        result = await self._dataplane.infer(request.model_name, version, inputs, names, scheduling)
         response = pb.ModelInferResponse(
-            model_name=result.model, model_version=str(result.version), id=request.id
+            model_name=result.model, model_version=str(result.version), id=request_id
         )
-        encode_outputs(response, result.outputs)
+        outputs = result.outputs
+        if classify:
+            batched = bool(served.config.max_batch_size)
+            outputs = {
+                name: top_k(name, array, classify[name], batched, served.labels.get(name, ()))
+                if name in classify
+                else array
+                for name, array in outputs.items()
+            }
+        encode_outputs(response, outputs, options.in_shm, self._shm)
         return response
+
+
+# The in-band error's parameter that carries its x-error-reason value on a KServe stream.
+ERROR_REASON_PARAMETER = "error_reason"
+
+
+def _in_band_error(
+    request: pb.ModelInferRequest, exc: Exception, reason: ErrorReason
+) -> pb.ModelStreamInferResponse:
+    failed = pb.ModelInferResponse(model_name=request.model_name, id=request.id)
+    failed.parameters[ERROR_REASON_PARAMETER].string_param = reason.value
+    message = in_band_message(exc, "ModelStreamInfer", request.model_name)
+    return pb.ModelStreamInferResponse(error_message=message, infer_response=failed)
+
+
+def _empty_final_response(request: pb.ModelInferRequest) -> bool:
+    """Whether the client asked for Triton's final-response flag on a stream."""
+    if ENABLE_FINAL_RESPONSE not in request.parameters:
+        return False
+    value = parameter_value(request.parameters[ENABLE_FINAL_RESPONSE])
+    if not isinstance(value, bool):
+        raise InvalidInput(f"request parameter {ENABLE_FINAL_RESPONSE!r} must be a bool, got {value!r}")
+    return value
 
 
 def _tensor_metadata(spec: TensorSpec) -> pb.ModelMetadataResponse.TensorMetadata:
@@ -203,6 +393,7 @@ def _triton_config(served: ServedVersion) -> config_pb.ModelConfig:
     config: ModelConfig = served.config
     # Triton's dims leave out the batch dimension when the model batches.
     skip = 1 if signature.max_batch_size else 0
+    labels = {t.name: t.label_filename for t in config.outputs}
     triton = config_pb.ModelConfig(
         name=served.model,
         platform=PLATFORM,
@@ -213,7 +404,12 @@ def _triton_config(served: ServedVersion) -> config_pb.ModelConfig:
             for t in signature.inputs
         ],
         output=[
-            config_pb.ModelOutput(name=t.name, data_type=_triton_type(t.datatype), dims=t.shape[skip:])
+            config_pb.ModelOutput(
+                name=t.name,
+                data_type=_triton_type(t.datatype),
+                dims=t.shape[skip:],
+                label_filename=labels.get(t.name, ""),
+            )
             for t in signature.outputs
         ],
         instance_group=[
@@ -267,10 +463,13 @@ def _statistics(served: ServedVersion) -> pb.ModelStatistics:
             fail=pb.StatisticDuration(count=stats.fail_count, ns=stats.fail_ns),
             # perf_analyzer finds the version it measured by the queue count that grew.
             queue=pb.StatisticDuration(count=stats.queue_count, ns=stats.queue_ns),
-            # Tensor conversion is not timed apart: it is inside the queue time (input) and the
-            # request total (output). The counts must match compute_infer's for perf_analyzer.
-            compute_input=pb.StatisticDuration(count=stats.execution_count),
-            compute_infer=pb.StatisticDuration(count=stats.execution_count, ns=stats.compute_ns),
-            compute_output=pb.StatisticDuration(count=stats.execution_count),
+            # Per request, as Triton counts them. Tensor conversion is not timed apart: it is
+            # inside the queue time (input) and the request total (output); the counts must match
+            # compute_infer's for perf_analyzer.
+            compute_input=pb.StatisticDuration(count=stats.compute_request_count),
+            compute_infer=pb.StatisticDuration(
+                count=stats.compute_request_count, ns=stats.compute_request_ns
+            ),
+            compute_output=pb.StatisticDuration(count=stats.compute_request_count),
         ),
     )

@@ -10,6 +10,7 @@ InvalidInput naming the tensor.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -20,9 +21,10 @@ from modelyard.kserve.v2.grpc_service_pb2 import (
     ModelInferRequest,
     ModelInferResponse,
 )
-from modelyard.tensors import NUMPY_BY_NAME, TensorError, decode_bytes, element_count, to_wire
+from modelyard.tensors import NUMPY_BY_NAME, TensorError, decode_bytes, element_count, name_of, to_wire
 
 from service.errors import InvalidInput, Unsupported
+from service.shm.registry import SharedMemoryRegistry
 
 Array = npt.NDArray[Any]
 
@@ -57,50 +59,91 @@ _KNOWN = ", ".join(NUMPY_BY_NAME)
 
 _InputTensor = ModelInferRequest.InferInputTensor
 
+# Triton's tensor parameters for shared memory.
+_SHM_REGION = "shared_memory_region"
+_SHM_OFFSET = "shared_memory_offset"
+_SHM_SIZE = "shared_memory_byte_size"
+_SHM_KEYS = (_SHM_REGION, _SHM_OFFSET, _SHM_SIZE)
+ShmLocation = tuple[str, int, int]  # region, offset, byte size
 
-def decode_inputs(request: ModelInferRequest) -> dict[str, Array]:
+
+def decode_inputs(request: ModelInferRequest, shm: SharedMemoryRegistry | None = None) -> dict[str, Array]:
     """The request's input tensors as arrays, by name.
 
-    Arrays decoded from raw contents are read-only, zero-copy views of the request's bytes; BYTES
-    tensors become object arrays of `bytes`.
+    Arrays decoded from raw contents are read-only, zero-copy views of the request's bytes (or of
+    a shared memory region, for an input that names one); BYTES tensors become object arrays of
+    `bytes`. Raw contents are given for the inputs not in shared memory, in their order.
     """
+    located = [_shm_location(tensor, "input") for tensor in request.inputs]
+    inline = [t for t, at in zip(request.inputs, located, strict=True) if at is None]
     raw = request.raw_input_contents
-    if raw and len(raw) != len(request.inputs):
-        if len(raw) < len(request.inputs):
-            missing = request.inputs[len(raw)].name
+    if raw and len(raw) != len(inline):
+        if len(raw) < len(inline):
+            missing = inline[len(raw)].name
             raise InvalidInput(
                 f"input {missing!r} has no raw_input_contents entry: the request has "
-                f"{len(request.inputs)} inputs but {len(raw)} raw entries (raw contents must be "
-                "given for every input, in the order of 'inputs')"
+                f"{len(inline)} inputs {'outside shared memory ' if len(inline) < len(located) else ''}"
+                f"but {len(raw)} raw entries (raw contents must be given for every input, in the order "
+                "of 'inputs')"
             )
         raise InvalidInput(
-            f"the request has {len(raw)} raw_input_contents entries but only {len(request.inputs)} inputs"
+            f"the request has {len(raw)} raw_input_contents entries but only {len(inline)} inputs"
         )
     arrays: dict[str, Array] = {}
-    for index, tensor in enumerate(request.inputs):
+    raw_index = 0
+    for index, (tensor, at) in enumerate(zip(request.inputs, located, strict=True)):
         if not tensor.name:
             raise InvalidInput(f"input #{index} has no name")
         if tensor.name in arrays:
             raise InvalidInput(f"input {tensor.name!r} is given more than once")
-        if raw:
+        if at is not None:
+            if tensor.HasField("contents"):
+                raise InvalidInput(f"input {tensor.name!r}: 'contents' must not be set with shared memory")
+            if shm is None:
+                raise Unsupported(f"input {tensor.name!r}: shared memory is not enabled on this server")
+            region, offset, size = at
+            arrays[tensor.name] = _from_raw(tensor, shm.view(region, offset, size, tensor.name))
+        elif raw:
             if tensor.HasField("contents"):
                 raise InvalidInput(
                     f"input {tensor.name!r}: 'contents' must not be set when raw_input_contents is used"
                 )
-            arrays[tensor.name] = _from_raw(tensor, raw[index])
+            arrays[tensor.name] = _from_raw(tensor, raw[raw_index])
+            raw_index += 1
         else:
             arrays[tensor.name] = _from_contents(tensor)
     return arrays
 
 
-def encode_outputs(response: ModelInferResponse, outputs: Mapping[str, npt.ArrayLike]) -> None:
-    """Append each array to the response as an output tensor with its data in raw_output_contents."""
+def encode_outputs(
+    response: ModelInferResponse,
+    outputs: Mapping[str, npt.ArrayLike],
+    in_shm: Mapping[str, ShmLocation] | None = None,
+    shm: SharedMemoryRegistry | None = None,
+) -> None:
+    """Append each array to the response as an output tensor with its data in raw_output_contents,
+    or written into its shared memory region (then, as Triton, with an empty raw entry so that
+    raw contents stay aligned with outputs)."""
     if len(response.outputs) != len(response.raw_output_contents):
         raise ValueError("response already holds outputs without raw contents; cannot append raw outputs")
+    in_shm = in_shm or {}
     for name, value in outputs.items():
         array = np.asarray(value)
         try:
-            datatype, data = to_wire(array)
+            datatype = name_of(array.dtype)
+            at = in_shm.get(name)
+            if at is not None and shm is not None:
+                region, offset, size = at
+                if array.dtype == NUMPY_BY_NAME[datatype] and datatype != "BYTES":
+                    # Straight from the array into the region: no intermediate bytes object.
+                    shm.write(
+                        region, offset, size, np.ascontiguousarray(array).reshape(-1).view(np.uint8), name
+                    )
+                else:
+                    shm.write(region, offset, size, to_wire(array)[1], name)
+                data = b""
+            else:
+                datatype, data = to_wire(array)
         except ValueError:
             raise Unsupported(
                 f"output {name!r}: numpy dtype {array.dtype} has no KServe V2 datatype"
@@ -119,6 +162,54 @@ def requested_outputs(request: ModelInferRequest) -> list[str]:
             raise InvalidInput(f"output {output.name!r} is requested more than once")
         names.append(output.name)
     return names
+
+
+@dataclass(frozen=True)
+class OutputOptions:
+    """What the requested outputs ask beyond their names: Triton's classification (k, by output)
+    and shared memory (region, offset, byte size, by output)."""
+
+    classify: dict[str, int] = field(default_factory=dict)
+    in_shm: dict[str, ShmLocation] = field(default_factory=dict)
+
+
+def output_options(request: ModelInferRequest) -> OutputOptions:
+    """The requested outputs' parameters; any we do not handle is refused, never ignored."""
+    options = OutputOptions()
+    for output in request.outputs:
+        at = _shm_location(output, "output")
+        if at is not None:
+            options.in_shm[output.name] = at
+        for key, value in output.parameters.items():
+            if key == "classification":
+                count = parameter_value(value)
+                if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+                    raise InvalidInput(
+                        f"output {output.name!r}: parameter 'classification' must be a positive integer"
+                    )
+                options.classify[output.name] = count
+            elif key not in _SHM_KEYS:
+                raise InvalidInput(f"output {output.name!r}: unknown parameter {key!r}")
+    return options
+
+
+def _shm_location(tensor: Any, kind: str) -> ShmLocation | None:
+    """(region, offset, byte size) when the tensor's parameters put it in shared memory."""
+    parameters = tensor.parameters
+    if not any(key in parameters for key in _SHM_KEYS):
+        return None
+    region = parameter_value(parameters[_SHM_REGION]) if _SHM_REGION in parameters else None
+    if not isinstance(region, str) or not region:
+        raise InvalidInput(f"{kind} {tensor.name!r}: shared_memory_region must name a region")
+    values = []
+    for key in (_SHM_OFFSET, _SHM_SIZE):
+        value = parameter_value(parameters[key]) if key in parameters else 0
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise InvalidInput(f"{kind} {tensor.name!r}: {key} must be a non-negative integer")
+        values.append(value)
+    if _SHM_SIZE not in parameters:
+        raise InvalidInput(f"{kind} {tensor.name!r}: shared memory needs shared_memory_byte_size")
+    return region, values[0], values[1]
 
 
 def parameter_value(parameter: InferParameter) -> bool | int | str | float | None:
@@ -150,7 +241,7 @@ def _checked_shape(tensor: _InputTensor) -> tuple[tuple[int, ...], int, np.dtype
     return shape, count, dtype
 
 
-def _from_raw(tensor: _InputTensor, data: bytes) -> Array:
+def _from_raw(tensor: _InputTensor, data: bytes | memoryview) -> Array:
     shape, count, dtype = _checked_shape(tensor)
     if tensor.datatype == "BYTES":
         try:

@@ -21,11 +21,17 @@ def scheduling(context: Context, priority: int = 0, timeout_us: int = 0) -> Sche
     return Scheduling(priority, timeout_us, context.time_remaining())
 
 
-def kserve_scheduling(context: Context, parameters: Mapping[str, InferParameter]) -> Scheduling:
-    """KServe V2: Triton's `priority` and `timeout` (microseconds) request parameters."""
-    return scheduling(
-        context, _count(parameters, PRIORITY, "a priority level"), _count(parameters, TIMEOUT, "microseconds")
-    )
+def kserve_priority(parameters: Mapping[str, InferParameter]) -> int:
+    """KServe V2: Triton's `priority` request parameter; 0 when absent."""
+    return _count(parameters, PRIORITY, "a priority level")
+
+
+def kserve_scheduling(
+    context: Context, parameters: Mapping[str, InferParameter], priority: int
+) -> Scheduling:
+    """KServe V2: the priority (kserve_priority, or the x-priority header) and Triton's `timeout`
+    request parameter (microseconds)."""
+    return scheduling(context, priority, _count(parameters, TIMEOUT, "microseconds"))
 
 
 def _count(parameters: Mapping[str, InferParameter], name: str, unit: str) -> int:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import grpc
 
@@ -51,11 +51,23 @@ def _never_raises(deserialize: Callable[[bytes], Any] | None) -> Callable[[bytes
     return parse
 
 
+class Registrar(Protocol):
+    """What generated `add_*Servicer_to_server` functions use of a server: a grpc.aio server, or
+    another stand-in (service/api/limits.py's size check) that passes handlers on."""
+
+    def add_generic_rpc_handlers(self, handlers: Sequence[Any]) -> None: ...
+
+    def add_registered_method_handlers(self, service: str, handlers: Mapping[str, Any]) -> None: ...
+
+
 class Guarded:
     """Pass this in place of the grpc.aio server to generated `add_*Servicer_to_server` functions."""
 
     def __init__(
-        self, server: grpc.aio.Server, on_undecodable: OnUndecodable, guard_for: GuardFor | None = None
+        self,
+        server: Registrar | grpc.aio.Server,
+        on_undecodable: OnUndecodable,
+        guard_for: GuardFor | None = None,
     ) -> None:
         self._server = server
         self._on_undecodable = on_undecodable
@@ -66,7 +78,7 @@ class Guarded:
 
     def add_registered_method_handlers(self, service: str, handlers: Mapping[str, Any]) -> None:
         wrapped = {name: self._wrap(f"/{service}/{name}", h) for name, h in handlers.items()}
-        self._server.add_registered_method_handlers(service, wrapped)  # type: ignore[attr-defined]
+        self._server.add_registered_method_handlers(service, wrapped)  # type: ignore[union-attr]
 
     def _wrap(self, method: str, handler: Any) -> Any:
         if handler is None:

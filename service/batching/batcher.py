@@ -4,7 +4,9 @@ Requests wait in an AdmissionQueue (priorities, bounded queues, deadlines). A lo
 loop forms a batch whenever a run slot is free: the head of the queue (highest priority, oldest)
 and the requests behind it whose inputs match it apart from the batch dimension, in queue order,
 up to max_batch_size rows. The batch leaves at once when it reaches the largest preferred batch
-size (or max_batch_size), otherwise when its oldest request has waited max_queue_delay_us. While
+size (or max_batch_size), or, as Triton's dynamic batcher, when what is queued makes a smaller
+preferred size (the largest one reachable leaves); otherwise when its oldest request has waited
+max_queue_delay_us. While
 every slot is busy, requests pile up, so batches grow with the load by themselves.
 
 A request that finds nothing queued and a slot free runs at once (waiting could gain nothing).
@@ -52,6 +54,7 @@ class BatchSettings:
     max_queue_delay_s: float
     concurrency: int  # batches running at once
     admission: AdmissionPolicy
+    preferred: frozenset[int] = frozenset()  # preferred_batch_sizes
 
     @classmethod
     def from_config(cls, config: ModelConfig, provider: str, cpus: int) -> BatchSettings:
@@ -64,6 +67,7 @@ class BatchSettings:
             max_queue_delay_s=batching.max_queue_delay_us / 1e6,
             concurrency=batching.max_concurrent_batches or default_concurrency(config, provider, cpus),
             admission=batching.admission,
+            preferred=frozenset(batching.preferred_batch_sizes),
         )
 
 
@@ -180,6 +184,7 @@ class Batcher:
             self._stats.record_request(False, time.perf_counter_ns() - arrived)
             raise
         self._stats.record_execution(*runs[0])
+        self._stats.record_compute(1, runs[0][1])
         self._stats.record_request(True, time.perf_counter_ns() - arrived)
         return outputs
 
@@ -259,6 +264,7 @@ class Batcher:
         oldest = float("inf")
         full = False
         key: Hashable = None
+        preferred_at = 0  # batch length at the largest preferred size reached on the way
         for ticket in self._queue:
             item = ticket.item
             if batch and item.key != key:
@@ -274,6 +280,13 @@ class Batcher:
             if rows >= settings.target_rows:
                 full = True
                 break
+            if rows in settings.preferred:
+                preferred_at = len(batch)
+        if not full and preferred_at:
+            # As Triton's dynamic batcher: what is queued makes a preferred size, so that batch
+            # leaves now rather than waiting out max_queue_delay for a larger one.
+            del batch[preferred_at:]
+            full = True
         return batch, (self._clock.now() if full else oldest + settings.max_queue_delay_s)
 
     # -- running ------------------------------------------------------------------------------
@@ -317,6 +330,12 @@ class Batcher:
         # Statistics are kept here, on the event loop, not on executor threads.
         for rows, compute_ns in done.runs:
             self._stats.record_execution(rows, compute_ns)
+        served = sum(not isinstance(outcome, ServiceError) for outcome in done.outcomes)
+        if len(done.runs) == 1:  # one run served every successful request of the batch
+            self._stats.record_compute(served, done.runs[0][1])
+        else:  # the batch failed and was rerun request by request: one run per success
+            for _, compute_ns in done.runs:
+                self._stats.record_compute(1, compute_ns)
         now = time.perf_counter_ns()
         for item, outcome in zip(items, done.outcomes, strict=True):
             ok = not isinstance(outcome, ServiceError)

@@ -5,6 +5,7 @@ Unknown keys are errors: a typo in a serving config must fail loudly, not be ign
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -18,6 +19,8 @@ from service.repository.files import read_inside, shown
 from service.scheduling.queue import AdmissionPolicy, QueuePolicy
 
 CONFIG_FILE = "config.yaml"
+# A label file is a plain file name beside config.yaml: no folders, nothing hidden.
+_LABEL_FILE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
 
 
 class ConfigError(ModelLoadError):
@@ -32,6 +35,9 @@ class TensorConfig:
     name: str
     datatype: str
     shape: tuple[int, ...]  # includes the batch dimension (-1) when max_batch_size > 0; -1 = any
+    # Outputs only: a file in the model's folder with one class label per line (Triton's
+    # classification extension reads labels from it).
+    label_filename: str = ""
 
 
 @dataclass(frozen=True)
@@ -231,7 +237,11 @@ def _tensors(raw: object, where: str) -> tuple[TensorConfig, ...]:
     tensors = []
     for i, item in enumerate(raw):
         doc = _mapping(item, f"{where}[{i}]")
-        _known(doc, f"{where}[{i}]", {"name", "datatype", "shape"})
+        _known(
+            doc,
+            f"{where}[{i}]",
+            {"name", "datatype", "shape", *(("label_filename",) if where == "outputs" else ())},
+        )
         name = doc.get("name")
         if not isinstance(name, str) or not name:
             raise ConfigError(f"{where}[{i}].name: expected a non-empty string")
@@ -242,7 +252,13 @@ def _tensors(raw: object, where: str) -> tuple[TensorConfig, ...]:
         if not isinstance(shape, list):
             raise ConfigError(f"{where}[{i}] ({name}).shape: expected a list of integers")
         dims = tuple(_int(d, f"{where}[{i}] ({name}).shape[]", minimum=-1) for d in shape)
-        tensors.append(TensorConfig(name, datatype, dims))
+        labels = doc.get("label_filename", "")
+        if not isinstance(labels, str) or (labels and not _LABEL_FILE.match(labels)):
+            raise ConfigError(
+                f"{where}[{i}] ({name}).label_filename: expected a file name in the model's folder, "
+                f"got {labels!r}"
+            )
+        tensors.append(TensorConfig(name, datatype, dims, labels))
     names = [t.name for t in tensors]
     if len(set(names)) != len(names):
         raise ConfigError(f"{where}: duplicate tensor names")

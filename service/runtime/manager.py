@@ -13,16 +13,24 @@ import time
 from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from types import MappingProxyType
 
-from service.errors import InvalidInput, ModelLoadError, ModelNotFound, ModelUnavailable
+from service.errors import (
+    InvalidInput,
+    ModelLoadError,
+    ModelNotFound,
+    ModelUnavailable,
+    VersionNotFound,
+)
 from service.metrics import ServiceMetrics
 from service.repository.checksum import verify_checksum
 from service.repository.config import ModelConfig, load_config
 from service.repository.files import check_tree_inside, scrub
+from service.repository.labels import load_labels
 from service.repository.scanner import fingerprint, parse_version, scan_model, scan_repository, version_bytes
+from service.repository.uploads import Upload
 from service.runtime.memory import trim_heap
 from service.runtime.providers import ProviderChoice
 from service.runtime.served import ServedModel, ServedVersion
@@ -55,6 +63,16 @@ Loader = Callable[[Path, ModelConfig, ProviderChoice], ModelRunner]
 LoadHook = Callable[[ServedVersion], None]
 
 
+@dataclass(frozen=True)
+class LoadOverride:
+    """What an explicit load brings instead of the repository's (Triton's load parameters): a
+    config that replaces config.yaml, and optionally the model's files in a private folder. It
+    holds until the model's next explicit load."""
+
+    config: ModelConfig
+    upload: Upload | None = None
+
+
 class ModelManager:
     def __init__(
         self,
@@ -83,6 +101,7 @@ class ModelManager:
         # from running side by side, and one thread keeps freed memory in one malloc arena.
         self._io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model-io")
         self._failed: dict[tuple[str, int], tuple[tuple[object, ...], ModelConfig]] = {}
+        self._overrides: dict[str, LoadOverride] = {}
         self.loaded_all = False  # True once the start-up load of the whole repository has finished
 
     # -- requests --------------------------------------------------------------------------
@@ -106,7 +125,7 @@ class ModelManager:
             raise InvalidInput(f"model_version {version!r} is not a version number (e.g. '3' or 'v3')")
         served = model.versions.get(number)
         if served is None:
-            raise ModelNotFound(
+            raise VersionNotFound(
                 f"model {name!r} has no served version {number}; served versions: {sorted(model.versions)}"
             )
         return served
@@ -167,11 +186,20 @@ class ModelManager:
         for name in sorted(set(names) | set(self._status)):
             await self.reconcile(name)
 
-    async def load(self, name: str) -> ModelStatus:
-        """Explicit load (LoadModel, RepositoryModelLoad): serve what is on disk now."""
+    async def load(self, name: str, override: LoadOverride | None = None) -> ModelStatus:
+        """Explicit load (LoadModel, RepositoryModelLoad): serve what is on disk now, or with
+        `override` what the request brings; a later load without one goes back to the repository."""
         self._held.discard(name)
         async with self._lock(name):
+            previous = self._overrides.pop(name, None)
+            if override is not None:
+                self._overrides[name] = override
             status = await self._reconcile(name)
+            if status is None:
+                self._overrides.pop(name, None)
+            if previous is not None and previous.upload is not None:
+                # The sessions loaded from it hold their own copy of the model (or an open map).
+                await asyncio.get_running_loop().run_in_executor(self._io, previous.upload.remove)
         if status is None:
             raise ModelNotFound(f"model {name!r} is not in the repository")
         return status
@@ -201,19 +229,28 @@ class ModelManager:
             await self.unload(name)
         if self._retiring:
             await asyncio.gather(*self._retiring)
+        for override in self._overrides.values():
+            if override.upload is not None:
+                override.upload.remove()
+        self._overrides.clear()
         self._io.shutdown(wait=True)
 
     # -- internals -------------------------------------------------------------------------
 
     async def _reconcile(self, name: str) -> ModelStatus | None:
         loop = asyncio.get_running_loop()
+        override = self._overrides.get(name)
+        root = override.upload.root if override and override.upload else self.repository
         try:
-            source = await loop.run_in_executor(self._io, scan_model, self.repository, name)
+            source = await loop.run_in_executor(self._io, scan_model, root, name)
         except ModelLoadError:
             await self._remove(name)  # the folder is gone (or its name is not a model name)
             return None
         try:
-            config = await loop.run_in_executor(self._io, load_config, source.path, self.repository)
+            if override is not None:
+                config = override.config
+            else:
+                config = await loop.run_in_executor(self._io, load_config, source.path, root)
         except ModelLoadError as exc:
             # A broken config.yaml changes nothing that serves; status and metrics say why.
             log.error("model %s: %s", name, exc)
@@ -274,9 +311,11 @@ class ModelManager:
         try:
             memory = await loop.run_in_executor(self._io, version_bytes, model_file)
             await self._make_room(name, number, memory, config, current)
-            await loop.run_in_executor(self._io, check_tree_inside, self.repository, model_file.parent)
-            await loop.run_in_executor(self._io, verify_checksum, model_file, self.repository)
+            root = model_file.parent.parent.parent  # <root>/<model>/<version>/model.onnx
+            await loop.run_in_executor(self._io, check_tree_inside, root, model_file.parent)
+            await loop.run_in_executor(self._io, verify_checksum, model_file, root)
             runner = await loop.run_in_executor(self._io, self._loader, model_file, config, self.providers)
+            labels = await loop.run_in_executor(self._io, load_labels, model_file.parent.parent, config)
             if reference is not None and not config.reload.allow_schema_change:
                 _check_compatible(runner.signature, reference, model_file)
         except ModelLoadError as exc:
@@ -300,6 +339,7 @@ class ModelManager:
             "inline" if runner.runs_inline else "executor",
         )
         served = ServedVersion(name, number, runner, config, print_, memory)
+        served.labels = labels
         for attach in self._load_hooks:
             attach(served)
         return served

@@ -30,6 +30,10 @@ class VersionStats:
     queue_count: int = 0
     queue_ns: int = 0
     last_inference_ms: int = 0
+    # Per request, as Triton's inference_stats.compute_*: each successful request counts once,
+    # charged the compute time of the run that served it (a batch's run, for each request in it).
+    compute_request_count: int = 0
+    compute_request_ns: int = 0
 
     def record(self, ok: bool, elapsed_ns: int, items: int, queue_ns: int, compute_ns: int) -> None:
         """One request that was one run of its own (no batching)."""
@@ -37,6 +41,7 @@ class VersionStats:
         if ok:
             self.record_queue(queue_ns)
             self.record_execution(items, compute_ns)
+            self.record_compute(1, compute_ns)
 
     def record_request(self, ok: bool, elapsed_ns: int) -> None:
         if ok:
@@ -52,6 +57,11 @@ class VersionStats:
         self.inference_count += items
         self.execution_count += 1
         self.compute_ns += compute_ns
+
+    def record_compute(self, requests: int, compute_ns: int) -> None:
+        """`requests` successful requests served by one run of `compute_ns`."""
+        self.compute_request_count += requests
+        self.compute_request_ns += requests * compute_ns
 
     def record_queue(self, waited_ns: int) -> None:
         self.queue_count += 1
@@ -82,6 +92,8 @@ class ServedVersion:
         self.config = config
         self.fingerprint = fingerprint  # the files it was loaded from; a change means reload
         self.memory_bytes = memory_bytes  # estimate, for the model's memory budget
+        # Class labels by output name, from the config's label files (classification extension).
+        self.labels: Mapping[str, tuple[str, ...]] = {}
         self.stats = VersionStats()
         # The workers of the layers above (a batcher, a decode loop), stopped when it retires.
         self._retire_hooks: list[RetireHook] = []

@@ -21,8 +21,10 @@ from onnxruntime.capi.onnxruntime_pybind11_state import InvalidArgument
 from service.datatypes import NAME_BY_ORT
 from service.errors import InvalidInput, ModelLoadError, ModelRunError, ServiceError
 from service.repository.config import ModelConfig, TensorConfig
+from service.runtime import bf16
 from service.runtime.providers import CPU, CUDA, ProviderChoice
 from service.runtime.signature import Signature, TensorSpec
+from service.runtime.strings import feeds_for_ort, outputs_from_ort
 
 log = logging.getLogger(__name__)
 
@@ -66,16 +68,31 @@ class ModelRunner:
         return self.warmup_run_s < INLINE_RUN_LIMIT_S
 
     def run(self, feeds: Mapping[str, np.ndarray], output_names: Sequence[str]) -> list[np.ndarray]:
+        strings = self.signature.string_inputs
+        ort_feeds = feeds_for_ort(feeds, strings) if strings else dict(feeds)
+        arrays: list[np.ndarray]
         start = time.perf_counter()
-        outputs: list[np.ndarray] = self.session.run(list(output_names), dict(feeds))
+        try:
+            if self.signature.has_bf16:
+                arrays = bf16.run(self.session, ort_feeds, output_names)
+            else:
+                arrays = self.session.run(list(output_names), ort_feeds)
+        except UnicodeDecodeError:  # the binding decodes string outputs as UTF-8, strictly
+            raise ModelRunError(
+                "a BYTES output holds bytes that are not UTF-8, which ONNX Runtime's Python binding "
+                "cannot return"
+            ) from None
         if time.perf_counter() - start > SHRINK_AFTER_S:
             self.give_back_memory()
-        return outputs
+        return outputs_from_ort(arrays) if self.signature.string_outputs else arrays
 
     def give_back_memory(self) -> None:
         """Free the arena's unused chunks (those a large run grew) with a warm-up sized run."""
-        if self.shrink_options is not None and self.sample_feeds:
-            self.session.run(list(self.signature.output_names), dict(self.sample_feeds), self.shrink_options)
+        if self.shrink_options is None or not self.sample_feeds or self.signature.has_bf16:
+            return
+        strings = self.signature.string_inputs
+        feeds = feeds_for_ort(self.sample_feeds, strings) if strings else dict(self.sample_feeds)
+        self.session.run(list(self.signature.output_names), feeds, self.shrink_options)
 
 
 class Runnable(Protocol):

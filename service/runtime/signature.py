@@ -10,6 +10,7 @@ import numpy as np
 from modelyard.tensors import NUMPY_BY_NAME, name_of
 
 from service.errors import InvalidInput
+from service.runtime.strings import check_utf8
 
 
 @dataclass(frozen=True)
@@ -31,6 +32,18 @@ class Signature:
     @property
     def output_names(self) -> tuple[str, ...]:
         return tuple(t.name for t in self.outputs)
+
+    @cached_property
+    def string_inputs(self) -> frozenset[str]:
+        return frozenset(t.name for t in self.inputs if t.datatype == "BYTES")
+
+    @cached_property
+    def has_bf16(self) -> bool:
+        return any(t.datatype == "BF16" for t in self.inputs + self.outputs)
+
+    @cached_property
+    def string_outputs(self) -> bool:
+        return any(t.datatype == "BYTES" for t in self.outputs)
 
     @cached_property
     def _input_names(self) -> frozenset[str]:
@@ -77,6 +90,8 @@ class Signature:
                 if batch not in (-1, shape[0]):
                     raise InvalidInput(f"inputs disagree on the batch size: {sorted({batch, shape[0]})}")
                 batch = shape[0]
+            if spec.datatype == "BYTES":
+                check_utf8(spec.name, array)
 
     def select_outputs(self, names: Sequence[str]) -> tuple[str, ...]:
         """The outputs to compute: the requested names in order, or all of them when none are named."""

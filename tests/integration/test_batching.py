@@ -296,7 +296,6 @@ async def test_kserve_priority_parameter(
     kserve: kpb_grpc.GRPCInferenceServiceAsyncStub,
 ) -> None:
     for bad, words in (
-        (kpb.InferParameter(uint64_param=3), "priority 3"),
         (kpb.InferParameter(string_param="high"), "'priority' must be a non-negative integer"),
     ):
         with pytest.raises(grpc.aio.AioRpcError) as refused:
@@ -318,6 +317,11 @@ async def test_kserve_priority_parameter(
     assert ran(runners["scaled", 1]) == [[0], [1, 10], [11]]
     np.testing.assert_array_equal(
         np.frombuffer(answer.raw_output_contents[0], np.float32), np.full(WIDTH, 2.0)
+    )
+    # As Triton: a priority level the model does not have (it has 2) runs at the default level.
+    fallback = await kserve.ModelInfer(kserve_request(1, priority=kpb.InferParameter(uint64_param=3)))
+    np.testing.assert_array_equal(
+        np.frombuffer(fallback.raw_output_contents[0], np.float32), np.full(WIDTH, 2.0)
     )
 
 

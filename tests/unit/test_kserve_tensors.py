@@ -175,7 +175,8 @@ def test_bytes_encoding_matches_tritonclient() -> None:
     assert response.raw_output_contents[0] == utils.serialize_byte_tensor(array).item()
     theirs = utils.deserialize_bytes_tensor(response.raw_output_contents[0])
     assert theirs.tolist() == list(WORDS)
-    for datatype in NUMERIC:
+    # tritonclient has no numpy bfloat16 (it sends FP32 arrays truncated to BF16): not compared.
+    for datatype in (d for d in NUMERIC if d != "BF16"):
         assert utils.np_to_triton_dtype(NUMPY_BY_NAME[datatype]) == datatype
 
 

@@ -1,6 +1,6 @@
 """Tensors as both gRPC APIs carry them <-> numpy arrays: the client-side helpers of the contracts.
 
-Element types have KServe V2 names ("FP32", "INT64", "BYTES", ...); numeric tensors travel as
+Element types have KServe V2 names ("FP32", "INT64", "BF16", "BYTES", ...); numeric tensors travel as
 row-major little-endian bytes, BYTES tensors as KServe's length-prefixed encoding. Clients use
 `to_tensor` / `to_array` with our API's `Tensor` message; the service uses the same functions (one
 implementation for both sides). Needs numpy; the rest of the contracts package does not.
@@ -12,9 +12,10 @@ import math
 from collections.abc import Iterable, Mapping
 
 try:
+    import ml_dtypes
     import numpy as np
 except ImportError as exc:  # pragma: no cover - depends on the install
-    raise ImportError("modelyard.tensors needs numpy: pip install 'modelyard[client]'") from exc
+    raise ImportError("modelyard.tensors needs numpy and ml_dtypes: pip install 'modelyard[client]'") from exc
 
 from modelyard.inference.v1 import tensor_pb2
 
@@ -37,6 +38,9 @@ NUMPY_BY_NAME: dict[str, np.dtype[np.generic]] = {
     "FP16": np.dtype("<f2"),
     "FP32": np.dtype("<f4"),
     "FP64": np.dtype("<f8"),
+    # numpy has no bfloat16; ml_dtypes' is a real numpy dtype, distinct from uint16, so a BF16
+    # tensor keeps its name through every check and computes like a float for clients.
+    "BF16": np.dtype(ml_dtypes.bfloat16),
     "BYTES": np.dtype(np.object_),
 }
 
@@ -104,7 +108,7 @@ def element_count(shape: tuple[int, ...], tensor: str) -> int:
     return math.prod(shape)
 
 
-def decode_bytes(raw: bytes, shape: tuple[int, ...], tensor: str) -> np.ndarray:
+def decode_bytes(raw: bytes | memoryview, shape: tuple[int, ...], tensor: str) -> np.ndarray:
     """KServe's BYTES encoding (each element: 4-byte little-endian length, then its bytes) -> an
     object array of bytes. Raises TensorError naming the tensor when the encoding is broken."""
     count = element_count(shape, tensor)

@@ -61,7 +61,9 @@ Global___FinishReason: _TypeAlias = FinishReason  # noqa: Y015
 
 @_typing.final
 class InferRequest(_message.Message):
-    """InferRequest asks for one run of a model."""
+    """InferRequest asks for one run of a model. Fields 1 and 2 (model, version) are fixed: a proxy
+    reads them from the wire.
+    """
 
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -75,14 +77,18 @@ class InferRequest(_message.Message):
     model_name: _builtins.str
     """model_name names the model in the repository."""
     model_version: _builtins.str
-    """model_version pins a version ("3" or "v3"); empty means the newest served version."""
+    """model_version pins a version ("3" or "v3"); empty means the x-model-version header's
+    version, else the newest served version.
+    """
     request_id: _builtins.str
-    """request_id is echoed in the response, for correlating logs and traces."""
+    """request_id is echoed in the response, for correlating logs and traces; empty means the
+    x-request-id header's.
+    """
     priority: _builtins.int
     """priority is the request's priority level where the model batches dynamically: 1 is the
-    highest, up to the model's priority_levels; 0 means the model's default level. A request
-    waits only behind requests of its own or a higher priority. Models that run requests as they
-    come ignore it.
+    highest, up to the model's priority_levels; 0 means the x-priority header's level, else the
+    model's default level. A request waits only behind requests of its own or a higher
+    priority. Models that run requests as they come ignore it.
     """
     timeout_us: _builtins.int
     """timeout_us shortens, in microseconds, how long the request may wait in the model's queue,
@@ -155,7 +161,9 @@ Global___InferResponse: _TypeAlias = InferResponse  # noqa: Y015
 
 @_typing.final
 class InferStreamRequest(_message.Message):
-    """InferStreamRequest asks for a run of a batch, streamed in chunks of rows."""
+    """InferStreamRequest asks for a run of a batch, streamed in chunks of rows. Fields 1 and 2 (model, version) are fixed: a proxy
+    reads them from the wire.
+    """
 
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -170,9 +178,11 @@ class InferStreamRequest(_message.Message):
     model_name: _builtins.str
     """model_name names the model in the repository."""
     model_version: _builtins.str
-    """model_version pins a version; empty means the newest served version."""
+    """model_version pins a version; empty means the x-model-version header's version, else the
+    newest served version.
+    """
     request_id: _builtins.str
-    """request_id is echoed in every response."""
+    """request_id is echoed in every response; empty means the x-request-id header's."""
     chunk_size: _builtins.int
     """chunk_size is the number of batch rows per response; 0 means the model's max batch size.
     A model without a batch dimension answers in a single response.
@@ -265,7 +275,9 @@ Global___InferStreamResponse: _TypeAlias = InferStreamResponse  # noqa: Y015
 
 @_typing.final
 class GenerateRequest(_message.Message):
-    """GenerateRequest asks a decoder language model to continue a prompt."""
+    """GenerateRequest asks a decoder language model to continue a prompt. Fields 1 and 2 (model, version) are fixed: a proxy
+    reads them from the wire.
+    """
 
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -285,7 +297,9 @@ class GenerateRequest(_message.Message):
     model_name: _builtins.str
     """model_name names a decoder language model in the repository."""
     model_version: _builtins.str
-    """model_version pins a version; empty means the newest served version."""
+    """model_version pins a version; empty means the x-model-version header's version, else the
+    newest served version.
+    """
     prompt: _builtins.str
     """prompt is the text to continue; it must leave room for at least one token in the model's
     context.
@@ -310,12 +324,13 @@ class GenerateRequest(_message.Message):
     version, when run alone).
     """
     request_id: _builtins.str
-    """request_id is echoed in every response."""
+    """request_id is echoed in every response; empty means the x-request-id header's."""
     priority: _builtins.int
     """priority is the generation's priority level while it waits for a decode slot (beyond the
     model's max_concurrent_sequences): 1 is the highest, up to the model's
-    generation.priority_levels; 0 means the model's default level. A free slot goes to the
-    highest-priority waiting generation first, the oldest within a level.
+    generation.priority_levels; 0 means the x-priority header's level, else the model's default
+    level. A free slot goes to the highest-priority waiting generation first, the oldest within a
+    level.
     """
     timeout_us: _builtins.int
     """timeout_us shortens, in microseconds, how long the generation may wait for a decode slot,

@@ -28,6 +28,17 @@ if _version_not_supported:
 class InferenceServiceStub:
     """InferenceService runs models. Every call names a model and, optionally, a version; without
     a version the newest served version answers, and the version that answered is returned.
+
+    Wire layout a proxy relies on: every request message of this service carries the model name
+    as field 1 and the version as field 2 (both strings, as in KServe's ModelInferRequest), so
+    that a proxy reads them from the wire bytes without this schema. New request messages keep
+    that layout; these two fields never move.
+
+    Metadata: where a request leaves model_version, request_id or priority empty, the service
+    takes them from the x-model-version, x-request-id and x-priority headers (a request's own
+    field wins). Every answer carries the version that answered as x-served-version in its
+    initial metadata (streams: before the first message); every error carries a machine-readable
+    x-error-reason in its trailing metadata (values: modelyard.common.reasons; see the README).
     """
 
     def __init__(self, channel):
@@ -56,6 +67,17 @@ class InferenceServiceStub:
 class InferenceServiceServicer:
     """InferenceService runs models. Every call names a model and, optionally, a version; without
     a version the newest served version answers, and the version that answered is returned.
+
+    Wire layout a proxy relies on: every request message of this service carries the model name
+    as field 1 and the version as field 2 (both strings, as in KServe's ModelInferRequest), so
+    that a proxy reads them from the wire bytes without this schema. New request messages keep
+    that layout; these two fields never move.
+
+    Metadata: where a request leaves model_version, request_id or priority empty, the service
+    takes them from the x-model-version, x-request-id and x-priority headers (a request's own
+    field wins). Every answer carries the version that answered as x-served-version in its
+    initial metadata (streams: before the first message); every error carries a machine-readable
+    x-error-reason in its trailing metadata (values: modelyard.common.reasons; see the README).
     """
 
     def Infer(self, request, context):
@@ -118,6 +140,17 @@ def add_InferenceServiceServicer_to_server(servicer, server):
 class InferenceService:
     """InferenceService runs models. Every call names a model and, optionally, a version; without
     a version the newest served version answers, and the version that answered is returned.
+
+    Wire layout a proxy relies on: every request message of this service carries the model name
+    as field 1 and the version as field 2 (both strings, as in KServe's ModelInferRequest), so
+    that a proxy reads them from the wire bytes without this schema. New request messages keep
+    that layout; these two fields never move.
+
+    Metadata: where a request leaves model_version, request_id or priority empty, the service
+    takes them from the x-model-version, x-request-id and x-priority headers (a request's own
+    field wins). Every answer carries the version that answered as x-served-version in its
+    initial metadata (streams: before the first message); every error carries a machine-readable
+    x-error-reason in its trailing metadata (values: modelyard.common.reasons; see the README).
     """
 
     @staticmethod

@@ -29,6 +29,17 @@ GRPC_VERSION: str
 class InferenceServiceStub:
     """InferenceService runs models. Every call names a model and, optionally, a version; without
     a version the newest served version answers, and the version that answered is returned.
+
+    Wire layout a proxy relies on: every request message of this service carries the model name
+    as field 1 and the version as field 2 (both strings, as in KServe's ModelInferRequest), so
+    that a proxy reads them from the wire bytes without this schema. New request messages keep
+    that layout; these two fields never move.
+
+    Metadata: where a request leaves model_version, request_id or priority empty, the service
+    takes them from the x-model-version, x-request-id and x-priority headers (a request's own
+    field wins). Every answer carries the version that answered as x-served-version in its
+    initial metadata (streams: before the first message); every error carries a machine-readable
+    x-error-reason in its trailing metadata (values: modelyard.common.reasons; see the README).
     """
 
     @_typing.overload
@@ -58,6 +69,17 @@ class InferenceServiceStub:
 class InferenceServiceAsyncStub(InferenceServiceStub):
     """InferenceService runs models. Every call names a model and, optionally, a version; without
     a version the newest served version answers, and the version that answered is returned.
+
+    Wire layout a proxy relies on: every request message of this service carries the model name
+    as field 1 and the version as field 2 (both strings, as in KServe's ModelInferRequest), so
+    that a proxy reads them from the wire bytes without this schema. New request messages keep
+    that layout; these two fields never move.
+
+    Metadata: where a request leaves model_version, request_id or priority empty, the service
+    takes them from the x-model-version, x-request-id and x-priority headers (a request's own
+    field wins). Every answer carries the version that answered as x-served-version in its
+    initial metadata (streams: before the first message); every error carries a machine-readable
+    x-error-reason in its trailing metadata (values: modelyard.common.reasons; see the README).
     """
 
     def __init__(self, channel: _aio.Channel) -> None: ...
@@ -83,6 +105,17 @@ class InferenceServiceAsyncStub(InferenceServiceStub):
 class InferenceServiceServicer(metaclass=_abc_1.ABCMeta):
     """InferenceService runs models. Every call names a model and, optionally, a version; without
     a version the newest served version answers, and the version that answered is returned.
+
+    Wire layout a proxy relies on: every request message of this service carries the model name
+    as field 1 and the version as field 2 (both strings, as in KServe's ModelInferRequest), so
+    that a proxy reads them from the wire bytes without this schema. New request messages keep
+    that layout; these two fields never move.
+
+    Metadata: where a request leaves model_version, request_id or priority empty, the service
+    takes them from the x-model-version, x-request-id and x-priority headers (a request's own
+    field wins). Every answer carries the version that answered as x-served-version in its
+    initial metadata (streams: before the first message); every error carries a machine-readable
+    x-error-reason in its trailing metadata (values: modelyard.common.reasons; see the README).
     """
 
     @_abc_1.abstractmethod

@@ -212,7 +212,9 @@ Global___ListModelsResponse: _TypeAlias = ListModelsResponse  # noqa: Y015
 
 @_typing.final
 class GetModelRequest(_message.Message):
-    """GetModelRequest names the model to describe."""
+    """GetModelRequest names the model to describe. Field 1 is the model name; field 2 is kept for a
+    version.
+    """
 
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -258,7 +260,9 @@ Global___GetModelResponse: _TypeAlias = GetModelResponse  # noqa: Y015
 
 @_typing.final
 class LoadModelRequest(_message.Message):
-    """LoadModelRequest names the model to load."""
+    """LoadModelRequest names the model to load. Field 1 is the model name; field 2 is kept for a
+    version.
+    """
 
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -304,7 +308,9 @@ Global___LoadModelResponse: _TypeAlias = LoadModelResponse  # noqa: Y015
 
 @_typing.final
 class UnloadModelRequest(_message.Message):
-    """UnloadModelRequest names the model to unload."""
+    """UnloadModelRequest names the model to unload. Field 1 is the model name; field 2 is kept for a
+    version.
+    """
 
     DESCRIPTOR: _descriptor.Descriptor
 

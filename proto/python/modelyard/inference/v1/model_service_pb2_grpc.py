@@ -27,6 +27,10 @@ if _version_not_supported:
 
 class ModelServiceStub:
     """ModelService lists, describes, loads and unloads models, and streams their state changes.
+    Its requests that name one model carry the name as field 1 and keep field 2 for a version,
+    as InferenceService's requests do (a proxy reads them from the wire); ListModelsRequest and
+    WatchModelsRequest name no single model and are not routed by model. Errors carry
+    x-error-reason in their trailing metadata, as InferenceService's do.
     """
 
     def __init__(self, channel):
@@ -64,6 +68,10 @@ class ModelServiceStub:
 
 class ModelServiceServicer:
     """ModelService lists, describes, loads and unloads models, and streams their state changes.
+    Its requests that name one model carry the name as field 1 and keep field 2 for a version,
+    as InferenceService's requests do (a proxy reads them from the wire); ListModelsRequest and
+    WatchModelsRequest name no single model and are not routed by model. Errors carry
+    x-error-reason in their trailing metadata, as InferenceService's do.
     """
 
     def ListModels(self, request, context):
@@ -140,6 +148,10 @@ def add_ModelServiceServicer_to_server(servicer, server):
  # This class is part of an EXPERIMENTAL API.
 class ModelService:
     """ModelService lists, describes, loads and unloads models, and streams their state changes.
+    Its requests that name one model carry the name as field 1 and keep field 2 for a version,
+    as InferenceService's requests do (a proxy reads them from the wire); ListModelsRequest and
+    WatchModelsRequest name no single model and are not routed by model. Errors carry
+    x-error-reason in their trailing metadata, as InferenceService's do.
     """
 
     @staticmethod

@@ -27,7 +27,12 @@ GRPC_GENERATED_VERSION: str
 GRPC_VERSION: str
 
 class ModelServiceStub:
-    """ModelService lists, describes, loads and unloads models, and streams their state changes."""
+    """ModelService lists, describes, loads and unloads models, and streams their state changes.
+    Its requests that name one model carry the name as field 1 and keep field 2 for a version,
+    as InferenceService's requests do (a proxy reads them from the wire); ListModelsRequest and
+    WatchModelsRequest name no single model and are not routed by model. Errors carry
+    x-error-reason in their trailing metadata, as InferenceService's do.
+    """
 
     @_typing.overload
     def __new__(cls, channel: _grpc.Channel) -> _Self: ...
@@ -48,7 +53,12 @@ class ModelServiceStub:
 
 @_typing.type_check_only
 class ModelServiceAsyncStub(ModelServiceStub):
-    """ModelService lists, describes, loads and unloads models, and streams their state changes."""
+    """ModelService lists, describes, loads and unloads models, and streams their state changes.
+    Its requests that name one model carry the name as field 1 and keep field 2 for a version,
+    as InferenceService's requests do (a proxy reads them from the wire); ListModelsRequest and
+    WatchModelsRequest name no single model and are not routed by model. Errors carry
+    x-error-reason in their trailing metadata, as InferenceService's do.
+    """
 
     def __init__(self, channel: _aio.Channel) -> None: ...
     ListModels: _aio.UnaryUnaryMultiCallable[_model_service_pb2.ListModelsRequest, _model_service_pb2.ListModelsResponse]  # type: ignore[assignment]
@@ -65,7 +75,12 @@ class ModelServiceAsyncStub(ModelServiceStub):
     """WatchModels streams model state changes as they happen."""
 
 class ModelServiceServicer(metaclass=_abc_1.ABCMeta):
-    """ModelService lists, describes, loads and unloads models, and streams their state changes."""
+    """ModelService lists, describes, loads and unloads models, and streams their state changes.
+    Its requests that name one model carry the name as field 1 and keep field 2 for a version,
+    as InferenceService's requests do (a proxy reads them from the wire); ListModelsRequest and
+    WatchModelsRequest name no single model and are not routed by model. Errors carry
+    x-error-reason in their trailing metadata, as InferenceService's do.
+    """
 
     @_abc_1.abstractmethod
     def ListModels(

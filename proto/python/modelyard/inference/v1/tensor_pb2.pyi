@@ -55,6 +55,8 @@ class _DataTypeEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_DataType.Val
     """DATA_TYPE_BYTES is a variable-length byte string per element; in raw_data each element is
     a 4-byte little-endian length followed by its bytes, as in KServe V2.
     """
+    DATA_TYPE_BF16: _DataType.ValueType  # 14
+    """DATA_TYPE_BF16 is bfloat16 (the upper half of an IEEE 754 single), 2 bytes little-endian."""
 
 class DataType(_DataType, metaclass=_DataTypeEnumTypeWrapper):
     """DataType is the element type of a tensor. The names follow the KServe V2 protocol so that
@@ -91,6 +93,8 @@ DATA_TYPE_BYTES: DataType.ValueType  # 13
 """DATA_TYPE_BYTES is a variable-length byte string per element; in raw_data each element is
 a 4-byte little-endian length followed by its bytes, as in KServe V2.
 """
+DATA_TYPE_BF16: DataType.ValueType  # 14
+"""DATA_TYPE_BF16 is bfloat16 (the upper half of an IEEE 754 single), 2 bytes little-endian."""
 Global___DataType: _TypeAlias = DataType  # noqa: Y015
 
 @_typing.final

@@ -18,9 +18,8 @@ under modelyard/kserve/v2 only so that the generated Python modules are
 modelyard.kserve.v2.grpc_service_pb2 (and _grpc); buf's naming rules that cannot hold for a
 fixed external contract are waived for this directory alone in buf.yaml.
 
-Left out on purpose: the shared-memory, trace-setting and log-setting RPCs and their messages.
-A client calling them gets UNIMPLEMENTED, which is what tritonclient expects from a server
-without those extensions.
+Also Triton's system and CUDA shared-memory, trace-setting and log-setting RPCs (the server
+answers the CUDA shared-memory ones with a clear refusal where it cannot honour them).
 """
 
 from collections import abc as _abc
@@ -429,7 +428,11 @@ Global___InferTensorContents: _TypeAlias = InferTensorContents  # noqa: Y015
 
 @_typing.final
 class ModelInferRequest(_message.Message):
-    """Request message for ModelInfer."""
+    """Request message for ModelInfer.
+    Modelyard: model_name (field 1) and model_version (field 2) are where a proxy reads them
+    from the wire bytes. Where model_version, id or the "priority" parameter are left empty, the
+    x-model-version, x-request-id and x-priority headers are used.
+    """
 
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -1466,3 +1469,677 @@ class RepositoryModelUnloadResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___RepositoryModelUnloadResponse: _TypeAlias = RepositoryModelUnloadResponse  # noqa: Y015
+
+@_typing.final
+class SystemSharedMemoryStatusRequest(_message.Message):
+    """Request message for SystemSharedMemoryStatus."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    """The name of the region to get status for. If empty the status is returned for all
+    registered regions.
+    """
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["name", b"name"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SystemSharedMemoryStatusRequest: _TypeAlias = SystemSharedMemoryStatusRequest  # noqa: Y015
+
+@_typing.final
+class SystemSharedMemoryStatusResponse(_message.Message):
+    """Response message for SystemSharedMemoryStatus."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    @_typing.final
+    class RegionStatus(_message.Message):
+        """Status for a shared memory region."""
+
+        DESCRIPTOR: _descriptor.Descriptor
+
+        NAME_FIELD_NUMBER: _builtins.int
+        KEY_FIELD_NUMBER: _builtins.int
+        OFFSET_FIELD_NUMBER: _builtins.int
+        BYTE_SIZE_FIELD_NUMBER: _builtins.int
+        name: _builtins.str
+        """The name for the shared memory region."""
+        key: _builtins.str
+        """The key of the underlying memory object that contains the shared memory region."""
+        offset: _builtins.int
+        """Offset, in bytes, within the underlying memory object to the start of the region."""
+        byte_size: _builtins.int
+        """Size of the shared memory region, in bytes."""
+        def __init__(
+            self,
+            *,
+            name: _builtins.str = ...,
+            key: _builtins.str = ...,
+            offset: _builtins.int = ...,
+            byte_size: _builtins.int = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["byte_size", b"byte_size", "key", b"key", "name", b"name", "offset", b"offset"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    @_typing.final
+    class RegionsEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        @_builtins.property
+        def value(self) -> Global___SystemSharedMemoryStatusResponse.RegionStatus: ...
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: Global___SystemSharedMemoryStatusResponse.RegionStatus | None = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _typing.Literal["value", b"value"]  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    REGIONS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def regions(self) -> _containers.MessageMap[_builtins.str, Global___SystemSharedMemoryStatusResponse.RegionStatus]:
+        """Status for each of the registered regions, indexed by region name."""
+
+    def __init__(
+        self,
+        *,
+        regions: _abc.Mapping[_builtins.str, Global___SystemSharedMemoryStatusResponse.RegionStatus] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["regions", b"regions"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SystemSharedMemoryStatusResponse: _TypeAlias = SystemSharedMemoryStatusResponse  # noqa: Y015
+
+@_typing.final
+class SystemSharedMemoryRegisterRequest(_message.Message):
+    """Request message for SystemSharedMemoryRegister."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    KEY_FIELD_NUMBER: _builtins.int
+    OFFSET_FIELD_NUMBER: _builtins.int
+    BYTE_SIZE_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    """The name of the region to register."""
+    key: _builtins.str
+    """The key of the underlying memory object that contains the shared memory region."""
+    offset: _builtins.int
+    """Offset, in bytes, within the underlying memory object to the start of the region."""
+    byte_size: _builtins.int
+    """Size of the shared memory region, in bytes."""
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+        key: _builtins.str = ...,
+        offset: _builtins.int = ...,
+        byte_size: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["byte_size", b"byte_size", "key", b"key", "name", b"name", "offset", b"offset"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SystemSharedMemoryRegisterRequest: _TypeAlias = SystemSharedMemoryRegisterRequest  # noqa: Y015
+
+@_typing.final
+class SystemSharedMemoryRegisterResponse(_message.Message):
+    """Response message for SystemSharedMemoryRegister."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SystemSharedMemoryRegisterResponse: _TypeAlias = SystemSharedMemoryRegisterResponse  # noqa: Y015
+
+@_typing.final
+class SystemSharedMemoryUnregisterRequest(_message.Message):
+    """Request message for SystemSharedMemoryUnregister."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    """The name of the system region to unregister. If empty all system shared-memory regions are
+    unregistered.
+    """
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["name", b"name"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SystemSharedMemoryUnregisterRequest: _TypeAlias = SystemSharedMemoryUnregisterRequest  # noqa: Y015
+
+@_typing.final
+class SystemSharedMemoryUnregisterResponse(_message.Message):
+    """Response message for SystemSharedMemoryUnregister."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SystemSharedMemoryUnregisterResponse: _TypeAlias = SystemSharedMemoryUnregisterResponse  # noqa: Y015
+
+@_typing.final
+class CudaSharedMemoryStatusRequest(_message.Message):
+    """Request message for CudaSharedMemoryStatus."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    """The name of the region to get status for. If empty the status is returned for all
+    registered regions.
+    """
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["name", b"name"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CudaSharedMemoryStatusRequest: _TypeAlias = CudaSharedMemoryStatusRequest  # noqa: Y015
+
+@_typing.final
+class CudaSharedMemoryStatusResponse(_message.Message):
+    """Response message for CudaSharedMemoryStatus."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    @_typing.final
+    class RegionStatus(_message.Message):
+        """Status for a shared memory region."""
+
+        DESCRIPTOR: _descriptor.Descriptor
+
+        NAME_FIELD_NUMBER: _builtins.int
+        DEVICE_ID_FIELD_NUMBER: _builtins.int
+        BYTE_SIZE_FIELD_NUMBER: _builtins.int
+        name: _builtins.str
+        """The name for the shared memory region."""
+        device_id: _builtins.int
+        """The GPU device ID where the cudaIPC handle was created."""
+        byte_size: _builtins.int
+        """Size of the shared memory region, in bytes."""
+        def __init__(
+            self,
+            *,
+            name: _builtins.str = ...,
+            device_id: _builtins.int = ...,
+            byte_size: _builtins.int = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["byte_size", b"byte_size", "device_id", b"device_id", "name", b"name"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    @_typing.final
+    class RegionsEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        @_builtins.property
+        def value(self) -> Global___CudaSharedMemoryStatusResponse.RegionStatus: ...
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: Global___CudaSharedMemoryStatusResponse.RegionStatus | None = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _typing.Literal["value", b"value"]  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    REGIONS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def regions(self) -> _containers.MessageMap[_builtins.str, Global___CudaSharedMemoryStatusResponse.RegionStatus]:
+        """Status for each of the registered regions, indexed by region name."""
+
+    def __init__(
+        self,
+        *,
+        regions: _abc.Mapping[_builtins.str, Global___CudaSharedMemoryStatusResponse.RegionStatus] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["regions", b"regions"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CudaSharedMemoryStatusResponse: _TypeAlias = CudaSharedMemoryStatusResponse  # noqa: Y015
+
+@_typing.final
+class CudaSharedMemoryRegisterRequest(_message.Message):
+    """Request message for CudaSharedMemoryRegister."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    RAW_HANDLE_FIELD_NUMBER: _builtins.int
+    DEVICE_ID_FIELD_NUMBER: _builtins.int
+    BYTE_SIZE_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    """The name of the region to register."""
+    raw_handle: _builtins.bytes
+    """The raw serialized cudaIPC handle."""
+    device_id: _builtins.int
+    """The GPU device ID on which the cudaIPC handle was created."""
+    byte_size: _builtins.int
+    """Size of the shared memory block, in bytes."""
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+        raw_handle: _builtins.bytes = ...,
+        device_id: _builtins.int = ...,
+        byte_size: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["byte_size", b"byte_size", "device_id", b"device_id", "name", b"name", "raw_handle", b"raw_handle"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CudaSharedMemoryRegisterRequest: _TypeAlias = CudaSharedMemoryRegisterRequest  # noqa: Y015
+
+@_typing.final
+class CudaSharedMemoryRegisterResponse(_message.Message):
+    """Response message for CudaSharedMemoryRegister."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CudaSharedMemoryRegisterResponse: _TypeAlias = CudaSharedMemoryRegisterResponse  # noqa: Y015
+
+@_typing.final
+class CudaSharedMemoryUnregisterRequest(_message.Message):
+    """Request message for CudaSharedMemoryUnregister."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    """The name of the cuda region to unregister. If empty all cuda shared-memory regions are
+    unregistered.
+    """
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["name", b"name"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CudaSharedMemoryUnregisterRequest: _TypeAlias = CudaSharedMemoryUnregisterRequest  # noqa: Y015
+
+@_typing.final
+class CudaSharedMemoryUnregisterResponse(_message.Message):
+    """Response message for CudaSharedMemoryUnregister."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CudaSharedMemoryUnregisterResponse: _TypeAlias = CudaSharedMemoryUnregisterResponse  # noqa: Y015
+
+@_typing.final
+class TraceSettingRequest(_message.Message):
+    """Request message for TraceSetting."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    @_typing.final
+    class SettingValue(_message.Message):
+        """The values to be associated with a trace setting. If no value is provided, the setting will
+        be cleared and the global setting value will be used.
+        """
+
+        DESCRIPTOR: _descriptor.Descriptor
+
+        VALUE_FIELD_NUMBER: _builtins.int
+        @_builtins.property
+        def value(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+            """The value."""
+
+        def __init__(
+            self,
+            *,
+            value: _abc.Iterable[_builtins.str] | None = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    @_typing.final
+    class SettingsEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        @_builtins.property
+        def value(self) -> Global___TraceSettingRequest.SettingValue: ...
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: Global___TraceSettingRequest.SettingValue | None = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _typing.Literal["value", b"value"]  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    SETTINGS_FIELD_NUMBER: _builtins.int
+    MODEL_NAME_FIELD_NUMBER: _builtins.int
+    model_name: _builtins.str
+    """The name of the model to apply the new trace settings. If not given, the new settings will
+    be applied globally.
+    """
+    @_builtins.property
+    def settings(self) -> _containers.MessageMap[_builtins.str, Global___TraceSettingRequest.SettingValue]:
+        """The new setting values to be updated, settings that are not specified will remain unchanged."""
+
+    def __init__(
+        self,
+        *,
+        settings: _abc.Mapping[_builtins.str, Global___TraceSettingRequest.SettingValue] | None = ...,
+        model_name: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["model_name", b"model_name", "settings", b"settings"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___TraceSettingRequest: _TypeAlias = TraceSettingRequest  # noqa: Y015
+
+@_typing.final
+class TraceSettingResponse(_message.Message):
+    """Response message for TraceSetting."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    @_typing.final
+    class SettingValue(_message.Message):
+        """The values associated with a trace setting."""
+
+        DESCRIPTOR: _descriptor.Descriptor
+
+        VALUE_FIELD_NUMBER: _builtins.int
+        @_builtins.property
+        def value(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+            """The value."""
+
+        def __init__(
+            self,
+            *,
+            value: _abc.Iterable[_builtins.str] | None = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    @_typing.final
+    class SettingsEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        @_builtins.property
+        def value(self) -> Global___TraceSettingResponse.SettingValue: ...
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: Global___TraceSettingResponse.SettingValue | None = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _typing.Literal["value", b"value"]  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    SETTINGS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def settings(self) -> _containers.MessageMap[_builtins.str, Global___TraceSettingResponse.SettingValue]:
+        """The current trace settings, including any changes specified by TraceSettingRequest."""
+
+    def __init__(
+        self,
+        *,
+        settings: _abc.Mapping[_builtins.str, Global___TraceSettingResponse.SettingValue] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["settings", b"settings"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___TraceSettingResponse: _TypeAlias = TraceSettingResponse  # noqa: Y015
+
+@_typing.final
+class LogSettingsRequest(_message.Message):
+    """Request message for LogSettings."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    @_typing.final
+    class SettingValue(_message.Message):
+        """The value of a log setting."""
+
+        DESCRIPTOR: _descriptor.Descriptor
+
+        BOOL_PARAM_FIELD_NUMBER: _builtins.int
+        UINT32_PARAM_FIELD_NUMBER: _builtins.int
+        STRING_PARAM_FIELD_NUMBER: _builtins.int
+        bool_param: _builtins.bool
+        """A boolean parameter value."""
+        uint32_param: _builtins.int
+        """An uint32 parameter value."""
+        string_param: _builtins.str
+        """A string parameter value."""
+        def __init__(
+            self,
+            *,
+            bool_param: _builtins.bool = ...,
+            uint32_param: _builtins.int = ...,
+            string_param: _builtins.str = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _typing.Literal["bool_param", b"bool_param", "parameter_choice", b"parameter_choice", "string_param", b"string_param", "uint32_param", b"uint32_param"]  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["bool_param", b"bool_param", "parameter_choice", b"parameter_choice", "string_param", b"string_param", "uint32_param", b"uint32_param"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        _WhichOneofReturnType_parameter_choice: _TypeAlias = _typing.Literal["bool_param", "uint32_param", "string_param"]  # noqa: Y015
+        _WhichOneofArgType_parameter_choice: _TypeAlias = _typing.Literal["parameter_choice", b"parameter_choice"]  # noqa: Y015
+        def WhichOneof(self, oneof_group: _WhichOneofArgType_parameter_choice) -> _WhichOneofReturnType_parameter_choice | None: ...
+
+    @_typing.final
+    class SettingsEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        @_builtins.property
+        def value(self) -> Global___LogSettingsRequest.SettingValue: ...
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: Global___LogSettingsRequest.SettingValue | None = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _typing.Literal["value", b"value"]  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    SETTINGS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def settings(self) -> _containers.MessageMap[_builtins.str, Global___LogSettingsRequest.SettingValue]:
+        """The current log settings."""
+
+    def __init__(
+        self,
+        *,
+        settings: _abc.Mapping[_builtins.str, Global___LogSettingsRequest.SettingValue] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["settings", b"settings"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___LogSettingsRequest: _TypeAlias = LogSettingsRequest  # noqa: Y015
+
+@_typing.final
+class LogSettingsResponse(_message.Message):
+    """Response message for LogSettings."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    @_typing.final
+    class SettingValue(_message.Message):
+        """The value of a log setting."""
+
+        DESCRIPTOR: _descriptor.Descriptor
+
+        BOOL_PARAM_FIELD_NUMBER: _builtins.int
+        UINT32_PARAM_FIELD_NUMBER: _builtins.int
+        STRING_PARAM_FIELD_NUMBER: _builtins.int
+        bool_param: _builtins.bool
+        """A boolean parameter value."""
+        uint32_param: _builtins.int
+        """An uint32 parameter value."""
+        string_param: _builtins.str
+        """A string parameter value."""
+        def __init__(
+            self,
+            *,
+            bool_param: _builtins.bool = ...,
+            uint32_param: _builtins.int = ...,
+            string_param: _builtins.str = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _typing.Literal["bool_param", b"bool_param", "parameter_choice", b"parameter_choice", "string_param", b"string_param", "uint32_param", b"uint32_param"]  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["bool_param", b"bool_param", "parameter_choice", b"parameter_choice", "string_param", b"string_param", "uint32_param", b"uint32_param"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        _WhichOneofReturnType_parameter_choice: _TypeAlias = _typing.Literal["bool_param", "uint32_param", "string_param"]  # noqa: Y015
+        _WhichOneofArgType_parameter_choice: _TypeAlias = _typing.Literal["parameter_choice", b"parameter_choice"]  # noqa: Y015
+        def WhichOneof(self, oneof_group: _WhichOneofArgType_parameter_choice) -> _WhichOneofReturnType_parameter_choice | None: ...
+
+    @_typing.final
+    class SettingsEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        @_builtins.property
+        def value(self) -> Global___LogSettingsResponse.SettingValue: ...
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: Global___LogSettingsResponse.SettingValue | None = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _typing.Literal["value", b"value"]  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    SETTINGS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def settings(self) -> _containers.MessageMap[_builtins.str, Global___LogSettingsResponse.SettingValue]:
+        """The current log settings."""
+
+    def __init__(
+        self,
+        *,
+        settings: _abc.Mapping[_builtins.str, Global___LogSettingsResponse.SettingValue] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["settings", b"settings"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___LogSettingsResponse: _TypeAlias = LogSettingsResponse  # noqa: Y015

@@ -95,6 +95,46 @@ class GRPCInferenceServiceStub:
                 request_serializer=modelyard_dot_kserve_dot_v2_dot_grpc__service__pb2.RepositoryModelUnloadRequest.SerializeToString,
                 response_deserializer=modelyard_dot_kserve_dot_v2_dot_grpc__service__pb2.RepositoryModelUnloadResponse.FromString,
                 _registered_method=True)
+        self.SystemSharedMemoryStatus = channel.unary_unary(
+                '/inference.GRPCInferenceService/SystemSharedMemoryStatus',
+                request_serializer=modelyard_dot_kserve_dot_v2_dot_grpc__service__pb2.SystemSharedMemoryStatusRequest.SerializeToString,
+                response_deserializer=modelyard_dot_kserve_dot_v2_dot_grpc__service__pb2.SystemSharedMemoryStatusResponse.FromString,
+                _registered_method=True)
+        self.SystemSharedMemoryRegister = channel.unary_unary(
+                '/inference.GRPCInferenceService/SystemSharedMemoryRegister',
+                request_serializer=modelyard_dot_kserve_dot_v2_dot_grpc__service__pb2.SystemSharedMemoryRegisterRequest.SerializeToString,
+                response_deserializer=modelyard_dot_kserve_dot_v2_dot_grpc__service__pb2.SystemSharedMemoryRegisterResponse.FromString,
+                _registered_method=True)
+        self.SystemSharedMemoryUnregister = channel.unary_unary(
+                '/inference.GRPCInferenceService/SystemSharedMemoryUnregister',
+                request_serializer=modelyard_dot_kserve_dot_v2_dot_grpc__service__pb2.SystemSharedMemoryUnregisterRequest.SerializeToString,
+                response_deserializer=modelyard_dot_kserve_dot_v2_dot_grpc__service__pb2.SystemSharedMemoryUnregisterResponse.FromString,
+                _registered_method=True)
+        self.CudaSharedMemoryStatus = channel.unary_unary(
+                '/inference.GRPCInferenceService/CudaSharedMemoryStatus',
+                request_serializer=modelyard_dot_kserve_dot_v2_dot_grpc__service__pb2.CudaSharedMemoryStatusRequest.SerializeToString,
+                response_deserializer=modelyard_dot_kserve_dot_v2_dot_grpc__service__pb2.CudaSharedMemoryStatusResponse.FromString,
+                _registered_method=True)
+        self.CudaSharedMemoryRegister = channel.unary_unary(
+                '/inference.GRPCInferenceService/CudaSharedMemoryRegister',
+                request_serializer=modelyard_dot_kserve_dot_v2_dot_grpc__service__pb2.CudaSharedMemoryRegisterRequest.SerializeToString,
+                response_deserializer=modelyard_dot_kserve_dot_v2_dot_grpc__service__pb2.CudaSharedMemoryRegisterResponse.FromString,
+                _registered_method=True)
+        self.CudaSharedMemoryUnregister = channel.unary_unary(
+                '/inference.GRPCInferenceService/CudaSharedMemoryUnregister',
+                request_serializer=modelyard_dot_kserve_dot_v2_dot_grpc__service__pb2.CudaSharedMemoryUnregisterRequest.SerializeToString,
+                response_deserializer=modelyard_dot_kserve_dot_v2_dot_grpc__service__pb2.CudaSharedMemoryUnregisterResponse.FromString,
+                _registered_method=True)
+        self.TraceSetting = channel.unary_unary(
+                '/inference.GRPCInferenceService/TraceSetting',
+                request_serializer=modelyard_dot_kserve_dot_v2_dot_grpc__service__pb2.TraceSettingRequest.SerializeToString,
+                response_deserializer=modelyard_dot_kserve_dot_v2_dot_grpc__service__pb2.TraceSettingResponse.FromString,
+                _registered_method=True)
+        self.LogSettings = channel.unary_unary(
+                '/inference.GRPCInferenceService/LogSettings',
+                request_serializer=modelyard_dot_kserve_dot_v2_dot_grpc__service__pb2.LogSettingsRequest.SerializeToString,
+                response_deserializer=modelyard_dot_kserve_dot_v2_dot_grpc__service__pb2.LogSettingsResponse.FromString,
+                _registered_method=True)
 
 
 class GRPCInferenceServiceServicer:
@@ -185,6 +225,62 @@ class GRPCInferenceServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SystemSharedMemoryStatus(self, request, context):
+        """Get the status of all registered system-shared-memory regions.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def SystemSharedMemoryRegister(self, request, context):
+        """Register a system-shared-memory region.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def SystemSharedMemoryUnregister(self, request, context):
+        """Unregister a system-shared-memory region.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CudaSharedMemoryStatus(self, request, context):
+        """Get the status of all registered CUDA-shared-memory regions.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CudaSharedMemoryRegister(self, request, context):
+        """Register a CUDA-shared-memory region.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CudaSharedMemoryUnregister(self, request, context):
+        """Unregister a CUDA-shared-memory region.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def TraceSetting(self, request, context):
+        """Update and get the trace setting of the Triton server.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def LogSettings(self, request, context):
+        """Update and get the log settings of the Triton server.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_GRPCInferenceServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -247,6 +343,46 @@ def add_GRPCInferenceServiceServicer_to_server(servicer, server):
                     servicer.RepositoryModelUnload,
                     request_deserializer=modelyard_dot_kserve_dot_v2_dot_grpc__service__pb2.RepositoryModelUnloadRequest.FromString,
                     response_serializer=modelyard_dot_kserve_dot_v2_dot_grpc__service__pb2.RepositoryModelUnloadResponse.SerializeToString,
+            ),
+            'SystemSharedMemoryStatus': grpc.unary_unary_rpc_method_handler(
+                    servicer.SystemSharedMemoryStatus,
+                    request_deserializer=modelyard_dot_kserve_dot_v2_dot_grpc__service__pb2.SystemSharedMemoryStatusRequest.FromString,
+                    response_serializer=modelyard_dot_kserve_dot_v2_dot_grpc__service__pb2.SystemSharedMemoryStatusResponse.SerializeToString,
+            ),
+            'SystemSharedMemoryRegister': grpc.unary_unary_rpc_method_handler(
+                    servicer.SystemSharedMemoryRegister,
+                    request_deserializer=modelyard_dot_kserve_dot_v2_dot_grpc__service__pb2.SystemSharedMemoryRegisterRequest.FromString,
+                    response_serializer=modelyard_dot_kserve_dot_v2_dot_grpc__service__pb2.SystemSharedMemoryRegisterResponse.SerializeToString,
+            ),
+            'SystemSharedMemoryUnregister': grpc.unary_unary_rpc_method_handler(
+                    servicer.SystemSharedMemoryUnregister,
+                    request_deserializer=modelyard_dot_kserve_dot_v2_dot_grpc__service__pb2.SystemSharedMemoryUnregisterRequest.FromString,
+                    response_serializer=modelyard_dot_kserve_dot_v2_dot_grpc__service__pb2.SystemSharedMemoryUnregisterResponse.SerializeToString,
+            ),
+            'CudaSharedMemoryStatus': grpc.unary_unary_rpc_method_handler(
+                    servicer.CudaSharedMemoryStatus,
+                    request_deserializer=modelyard_dot_kserve_dot_v2_dot_grpc__service__pb2.CudaSharedMemoryStatusRequest.FromString,
+                    response_serializer=modelyard_dot_kserve_dot_v2_dot_grpc__service__pb2.CudaSharedMemoryStatusResponse.SerializeToString,
+            ),
+            'CudaSharedMemoryRegister': grpc.unary_unary_rpc_method_handler(
+                    servicer.CudaSharedMemoryRegister,
+                    request_deserializer=modelyard_dot_kserve_dot_v2_dot_grpc__service__pb2.CudaSharedMemoryRegisterRequest.FromString,
+                    response_serializer=modelyard_dot_kserve_dot_v2_dot_grpc__service__pb2.CudaSharedMemoryRegisterResponse.SerializeToString,
+            ),
+            'CudaSharedMemoryUnregister': grpc.unary_unary_rpc_method_handler(
+                    servicer.CudaSharedMemoryUnregister,
+                    request_deserializer=modelyard_dot_kserve_dot_v2_dot_grpc__service__pb2.CudaSharedMemoryUnregisterRequest.FromString,
+                    response_serializer=modelyard_dot_kserve_dot_v2_dot_grpc__service__pb2.CudaSharedMemoryUnregisterResponse.SerializeToString,
+            ),
+            'TraceSetting': grpc.unary_unary_rpc_method_handler(
+                    servicer.TraceSetting,
+                    request_deserializer=modelyard_dot_kserve_dot_v2_dot_grpc__service__pb2.TraceSettingRequest.FromString,
+                    response_serializer=modelyard_dot_kserve_dot_v2_dot_grpc__service__pb2.TraceSettingResponse.SerializeToString,
+            ),
+            'LogSettings': grpc.unary_unary_rpc_method_handler(
+                    servicer.LogSettings,
+                    request_deserializer=modelyard_dot_kserve_dot_v2_dot_grpc__service__pb2.LogSettingsRequest.FromString,
+                    response_serializer=modelyard_dot_kserve_dot_v2_dot_grpc__service__pb2.LogSettingsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -574,6 +710,222 @@ class GRPCInferenceService:
             '/inference.GRPCInferenceService/RepositoryModelUnload',
             modelyard_dot_kserve_dot_v2_dot_grpc__service__pb2.RepositoryModelUnloadRequest.SerializeToString,
             modelyard_dot_kserve_dot_v2_dot_grpc__service__pb2.RepositoryModelUnloadResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SystemSharedMemoryStatus(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/inference.GRPCInferenceService/SystemSharedMemoryStatus',
+            modelyard_dot_kserve_dot_v2_dot_grpc__service__pb2.SystemSharedMemoryStatusRequest.SerializeToString,
+            modelyard_dot_kserve_dot_v2_dot_grpc__service__pb2.SystemSharedMemoryStatusResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SystemSharedMemoryRegister(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/inference.GRPCInferenceService/SystemSharedMemoryRegister',
+            modelyard_dot_kserve_dot_v2_dot_grpc__service__pb2.SystemSharedMemoryRegisterRequest.SerializeToString,
+            modelyard_dot_kserve_dot_v2_dot_grpc__service__pb2.SystemSharedMemoryRegisterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SystemSharedMemoryUnregister(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/inference.GRPCInferenceService/SystemSharedMemoryUnregister',
+            modelyard_dot_kserve_dot_v2_dot_grpc__service__pb2.SystemSharedMemoryUnregisterRequest.SerializeToString,
+            modelyard_dot_kserve_dot_v2_dot_grpc__service__pb2.SystemSharedMemoryUnregisterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CudaSharedMemoryStatus(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/inference.GRPCInferenceService/CudaSharedMemoryStatus',
+            modelyard_dot_kserve_dot_v2_dot_grpc__service__pb2.CudaSharedMemoryStatusRequest.SerializeToString,
+            modelyard_dot_kserve_dot_v2_dot_grpc__service__pb2.CudaSharedMemoryStatusResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CudaSharedMemoryRegister(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/inference.GRPCInferenceService/CudaSharedMemoryRegister',
+            modelyard_dot_kserve_dot_v2_dot_grpc__service__pb2.CudaSharedMemoryRegisterRequest.SerializeToString,
+            modelyard_dot_kserve_dot_v2_dot_grpc__service__pb2.CudaSharedMemoryRegisterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CudaSharedMemoryUnregister(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/inference.GRPCInferenceService/CudaSharedMemoryUnregister',
+            modelyard_dot_kserve_dot_v2_dot_grpc__service__pb2.CudaSharedMemoryUnregisterRequest.SerializeToString,
+            modelyard_dot_kserve_dot_v2_dot_grpc__service__pb2.CudaSharedMemoryUnregisterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def TraceSetting(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/inference.GRPCInferenceService/TraceSetting',
+            modelyard_dot_kserve_dot_v2_dot_grpc__service__pb2.TraceSettingRequest.SerializeToString,
+            modelyard_dot_kserve_dot_v2_dot_grpc__service__pb2.TraceSettingResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LogSettings(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/inference.GRPCInferenceService/LogSettings',
+            modelyard_dot_kserve_dot_v2_dot_grpc__service__pb2.LogSettingsRequest.SerializeToString,
+            modelyard_dot_kserve_dot_v2_dot_grpc__service__pb2.LogSettingsResponse.FromString,
             options,
             channel_credentials,
             insecure,

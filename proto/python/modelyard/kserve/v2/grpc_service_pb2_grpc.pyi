@@ -18,9 +18,8 @@ under modelyard/kserve/v2 only so that the generated Python modules are
 modelyard.kserve.v2.grpc_service_pb2 (and _grpc); buf's naming rules that cannot hold for a
 fixed external contract are waived for this directory alone in buf.yaml.
 
-Left out on purpose: the shared-memory, trace-setting and log-setting RPCs and their messages.
-A client calling them gets UNIMPLEMENTED, which is what tritonclient expects from a server
-without those extensions.
+Also Triton's system and CUDA shared-memory, trace-setting and log-setting RPCs (the server
+answers the CUDA shared-memory ones with a clear refusal where it cannot honour them).
 """
 
 from collections import abc as _abc
@@ -77,6 +76,22 @@ class GRPCInferenceServiceStub:
     """Load or reload a model from a repository."""
     RepositoryModelUnload: _grpc.UnaryUnaryMultiCallable[_grpc_service_pb2.RepositoryModelUnloadRequest, _grpc_service_pb2.RepositoryModelUnloadResponse]
     """Unload a model."""
+    SystemSharedMemoryStatus: _grpc.UnaryUnaryMultiCallable[_grpc_service_pb2.SystemSharedMemoryStatusRequest, _grpc_service_pb2.SystemSharedMemoryStatusResponse]
+    """Get the status of all registered system-shared-memory regions."""
+    SystemSharedMemoryRegister: _grpc.UnaryUnaryMultiCallable[_grpc_service_pb2.SystemSharedMemoryRegisterRequest, _grpc_service_pb2.SystemSharedMemoryRegisterResponse]
+    """Register a system-shared-memory region."""
+    SystemSharedMemoryUnregister: _grpc.UnaryUnaryMultiCallable[_grpc_service_pb2.SystemSharedMemoryUnregisterRequest, _grpc_service_pb2.SystemSharedMemoryUnregisterResponse]
+    """Unregister a system-shared-memory region."""
+    CudaSharedMemoryStatus: _grpc.UnaryUnaryMultiCallable[_grpc_service_pb2.CudaSharedMemoryStatusRequest, _grpc_service_pb2.CudaSharedMemoryStatusResponse]
+    """Get the status of all registered CUDA-shared-memory regions."""
+    CudaSharedMemoryRegister: _grpc.UnaryUnaryMultiCallable[_grpc_service_pb2.CudaSharedMemoryRegisterRequest, _grpc_service_pb2.CudaSharedMemoryRegisterResponse]
+    """Register a CUDA-shared-memory region."""
+    CudaSharedMemoryUnregister: _grpc.UnaryUnaryMultiCallable[_grpc_service_pb2.CudaSharedMemoryUnregisterRequest, _grpc_service_pb2.CudaSharedMemoryUnregisterResponse]
+    """Unregister a CUDA-shared-memory region."""
+    TraceSetting: _grpc.UnaryUnaryMultiCallable[_grpc_service_pb2.TraceSettingRequest, _grpc_service_pb2.TraceSettingResponse]
+    """Update and get the trace setting of the Triton server."""
+    LogSettings: _grpc.UnaryUnaryMultiCallable[_grpc_service_pb2.LogSettingsRequest, _grpc_service_pb2.LogSettingsResponse]
+    """Update and get the log settings of the Triton server."""
 
 @_typing.type_check_only
 class GRPCInferenceServiceAsyncStub(GRPCInferenceServiceStub):
@@ -107,6 +122,22 @@ class GRPCInferenceServiceAsyncStub(GRPCInferenceServiceStub):
     """Load or reload a model from a repository."""
     RepositoryModelUnload: _aio.UnaryUnaryMultiCallable[_grpc_service_pb2.RepositoryModelUnloadRequest, _grpc_service_pb2.RepositoryModelUnloadResponse]  # type: ignore[assignment]
     """Unload a model."""
+    SystemSharedMemoryStatus: _aio.UnaryUnaryMultiCallable[_grpc_service_pb2.SystemSharedMemoryStatusRequest, _grpc_service_pb2.SystemSharedMemoryStatusResponse]  # type: ignore[assignment]
+    """Get the status of all registered system-shared-memory regions."""
+    SystemSharedMemoryRegister: _aio.UnaryUnaryMultiCallable[_grpc_service_pb2.SystemSharedMemoryRegisterRequest, _grpc_service_pb2.SystemSharedMemoryRegisterResponse]  # type: ignore[assignment]
+    """Register a system-shared-memory region."""
+    SystemSharedMemoryUnregister: _aio.UnaryUnaryMultiCallable[_grpc_service_pb2.SystemSharedMemoryUnregisterRequest, _grpc_service_pb2.SystemSharedMemoryUnregisterResponse]  # type: ignore[assignment]
+    """Unregister a system-shared-memory region."""
+    CudaSharedMemoryStatus: _aio.UnaryUnaryMultiCallable[_grpc_service_pb2.CudaSharedMemoryStatusRequest, _grpc_service_pb2.CudaSharedMemoryStatusResponse]  # type: ignore[assignment]
+    """Get the status of all registered CUDA-shared-memory regions."""
+    CudaSharedMemoryRegister: _aio.UnaryUnaryMultiCallable[_grpc_service_pb2.CudaSharedMemoryRegisterRequest, _grpc_service_pb2.CudaSharedMemoryRegisterResponse]  # type: ignore[assignment]
+    """Register a CUDA-shared-memory region."""
+    CudaSharedMemoryUnregister: _aio.UnaryUnaryMultiCallable[_grpc_service_pb2.CudaSharedMemoryUnregisterRequest, _grpc_service_pb2.CudaSharedMemoryUnregisterResponse]  # type: ignore[assignment]
+    """Unregister a CUDA-shared-memory region."""
+    TraceSetting: _aio.UnaryUnaryMultiCallable[_grpc_service_pb2.TraceSettingRequest, _grpc_service_pb2.TraceSettingResponse]  # type: ignore[assignment]
+    """Update and get the trace setting of the Triton server."""
+    LogSettings: _aio.UnaryUnaryMultiCallable[_grpc_service_pb2.LogSettingsRequest, _grpc_service_pb2.LogSettingsResponse]  # type: ignore[assignment]
+    """Update and get the log settings of the Triton server."""
 
 class GRPCInferenceServiceServicer(metaclass=_abc_1.ABCMeta):
     """Inference server gRPC endpoints."""
@@ -206,5 +237,69 @@ class GRPCInferenceServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_grpc_service_pb2.RepositoryModelUnloadResponse, _abc.Awaitable[_grpc_service_pb2.RepositoryModelUnloadResponse]]:
         """Unload a model."""
+
+    @_abc_1.abstractmethod
+    def SystemSharedMemoryStatus(
+        self,
+        request: _grpc_service_pb2.SystemSharedMemoryStatusRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_grpc_service_pb2.SystemSharedMemoryStatusResponse, _abc.Awaitable[_grpc_service_pb2.SystemSharedMemoryStatusResponse]]:
+        """Get the status of all registered system-shared-memory regions."""
+
+    @_abc_1.abstractmethod
+    def SystemSharedMemoryRegister(
+        self,
+        request: _grpc_service_pb2.SystemSharedMemoryRegisterRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_grpc_service_pb2.SystemSharedMemoryRegisterResponse, _abc.Awaitable[_grpc_service_pb2.SystemSharedMemoryRegisterResponse]]:
+        """Register a system-shared-memory region."""
+
+    @_abc_1.abstractmethod
+    def SystemSharedMemoryUnregister(
+        self,
+        request: _grpc_service_pb2.SystemSharedMemoryUnregisterRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_grpc_service_pb2.SystemSharedMemoryUnregisterResponse, _abc.Awaitable[_grpc_service_pb2.SystemSharedMemoryUnregisterResponse]]:
+        """Unregister a system-shared-memory region."""
+
+    @_abc_1.abstractmethod
+    def CudaSharedMemoryStatus(
+        self,
+        request: _grpc_service_pb2.CudaSharedMemoryStatusRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_grpc_service_pb2.CudaSharedMemoryStatusResponse, _abc.Awaitable[_grpc_service_pb2.CudaSharedMemoryStatusResponse]]:
+        """Get the status of all registered CUDA-shared-memory regions."""
+
+    @_abc_1.abstractmethod
+    def CudaSharedMemoryRegister(
+        self,
+        request: _grpc_service_pb2.CudaSharedMemoryRegisterRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_grpc_service_pb2.CudaSharedMemoryRegisterResponse, _abc.Awaitable[_grpc_service_pb2.CudaSharedMemoryRegisterResponse]]:
+        """Register a CUDA-shared-memory region."""
+
+    @_abc_1.abstractmethod
+    def CudaSharedMemoryUnregister(
+        self,
+        request: _grpc_service_pb2.CudaSharedMemoryUnregisterRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_grpc_service_pb2.CudaSharedMemoryUnregisterResponse, _abc.Awaitable[_grpc_service_pb2.CudaSharedMemoryUnregisterResponse]]:
+        """Unregister a CUDA-shared-memory region."""
+
+    @_abc_1.abstractmethod
+    def TraceSetting(
+        self,
+        request: _grpc_service_pb2.TraceSettingRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_grpc_service_pb2.TraceSettingResponse, _abc.Awaitable[_grpc_service_pb2.TraceSettingResponse]]:
+        """Update and get the trace setting of the Triton server."""
+
+    @_abc_1.abstractmethod
+    def LogSettings(
+        self,
+        request: _grpc_service_pb2.LogSettingsRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_grpc_service_pb2.LogSettingsResponse, _abc.Awaitable[_grpc_service_pb2.LogSettingsResponse]]:
+        """Update and get the log settings of the Triton server."""
 
 def add_GRPCInferenceServiceServicer_to_server(servicer: GRPCInferenceServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

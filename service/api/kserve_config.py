@@ -1,0 +1,209 @@
+"""Triton's model configuration (model_config.proto, as JSON in a load request's `config`
+parameter) -> our config.yaml document, validated by the same parser as a repository config.
+
+Triton's JSON is parsed into the ModelConfig message itself, so a malformed document or an unknown
+field fails exactly where Triton's would. Every field that is set must map onto our config; one
+that has no counterpart here is refused by name rather than ignored.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from google.protobuf import json_format
+from google.protobuf.message import Message
+from modelyard.kserve.v2 import model_config_pb2 as config_pb
+from modelyard.kserve.v2.grpc_service_pb2 import ModelRepositoryParameter
+
+from service.errors import InvalidInput, ModelLoadError
+from service.repository.config import ModelConfig, parse_config
+from service.repository.uploads import check_paths
+
+PLATFORM = "onnxruntime_onnx"
+BACKEND = "onnxruntime"
+
+_TOP = {
+    "name",
+    "platform",
+    "backend",
+    "max_batch_size",
+    "input",
+    "output",
+    "version_policy",
+    "dynamic_batching",
+    "instance_group",
+}
+_INPUT = {"name", "data_type", "dims"}
+_OUTPUT = {"name", "data_type", "dims", "label_filename"}
+_BATCHING = {
+    "preferred_batch_size",
+    "max_queue_delay_microseconds",
+    "priority_levels",
+    "default_priority_level",
+    "default_queue_policy",
+    "priority_queue_policy",
+}
+_QUEUE = {"timeout_action", "default_timeout_microseconds", "allow_timeout_override", "max_queue_size"}
+_GROUP = {"name", "kind", "count", "gpus"}
+
+
+@dataclass(frozen=True)
+class LoadParameters:
+    config: ModelConfig | None = None
+    files: dict[str, bytes] = field(default_factory=dict)  # relative path -> content, checked
+
+
+def load_parameters(model: str, parameters: Mapping[str, ModelRepositoryParameter]) -> LoadParameters:
+    """A RepositoryModelLoad's parameters, validated: `config` (Triton JSON) and `file:<path>`
+    (bytes). Anything else is refused by name, never ignored."""
+    config: ModelConfig | None = None
+    files: dict[str, bytes] = {}
+    for key, value in parameters.items():
+        kind = value.WhichOneof("parameter_choice")
+        if key == "config":
+            if kind != "string_param":
+                raise InvalidInput("load parameter 'config' must be a string holding JSON")
+            config = parse_triton_config(value.string_param, model)
+        elif key.startswith("file:"):
+            if kind != "bytes_param":
+                raise InvalidInput(f"load parameter {key!r} must be bytes (the file's content)")
+            files[key.removeprefix("file:")] = value.bytes_param
+        else:
+            raise InvalidInput(f"load parameter {key!r} is not supported (supported: config, file:<path>)")
+    if files:
+        if config is None:
+            # As Triton: the files replace the model's folder, so its config.yaml is not there.
+            raise InvalidInput("load parameters 'file:<path>' need the 'config' parameter as well")
+        check_paths(files)
+    return LoadParameters(config, files)
+
+
+def parse_triton_config(text: str, model: str) -> ModelConfig:
+    """The model's config from a Triton JSON ModelConfig; InvalidInput naming what is wrong."""
+    try:
+        message = json_format.Parse(text, config_pb.ModelConfig())
+    except json_format.ParseError as exc:
+        raise InvalidInput(f"load parameter 'config' is not a Triton model configuration: {exc}") from None
+    try:
+        return parse_config(_to_document(message, model))
+    except ModelLoadError as exc:  # ConfigError: the same checks as a repository's config.yaml
+        raise InvalidInput(f"load parameter 'config': {exc}") from None
+
+
+def _to_document(config: config_pb.ModelConfig, model: str) -> dict[str, Any]:
+    _only(config, _TOP, "")
+    if config.name and config.name != model:
+        raise InvalidInput(f"load parameter 'config': name {config.name!r} is not the model {model!r}")
+    if config.platform and config.platform != PLATFORM:
+        raise InvalidInput(f"load parameter 'config': platform {config.platform!r} (only {PLATFORM!r})")
+    if config.backend and config.backend != BACKEND:
+        raise InvalidInput(f"load parameter 'config': backend {config.backend!r} (only {BACKEND!r})")
+    batch = config.max_batch_size
+    doc: dict[str, Any] = {"max_batch_size": batch}
+    if config.input:
+        doc["inputs"] = [_tensor(t, _INPUT, f"input[{i}]", batch) for i, t in enumerate(config.input)]
+    if config.output:
+        doc["outputs"] = [_tensor(t, _OUTPUT, f"output[{i}]", batch) for i, t in enumerate(config.output)]
+    if config.HasField("version_policy"):
+        doc["version_policy"] = _version_policy(config.version_policy)
+    if config.HasField("dynamic_batching"):
+        doc["dynamic_batching"] = _batching(config.dynamic_batching)
+    if config.instance_group:
+        doc["execution"] = _execution(config.instance_group)
+    return doc
+
+
+def _only(message: Message, allowed: set[str], where: str) -> None:
+    for descriptor, _ in message.ListFields():
+        if descriptor.name not in allowed:
+            raise InvalidInput(
+                f"load parameter 'config': field {where}{descriptor.name} is not supported by this server"
+            )
+
+
+def _datatype(value: config_pb.DataType.ValueType, where: str) -> str:
+    name = config_pb.DataType.Name(value).removeprefix("TYPE_")
+    if name == "INVALID":
+        raise InvalidInput(f"load parameter 'config': {where}.data_type is missing")
+    return "BYTES" if name == "STRING" else name
+
+
+def _tensor(tensor: Any, allowed: set[str], where: str, batch: int) -> dict[str, Any]:
+    _only(tensor, allowed, f"{where}.")
+    # Triton's dims leave out the batch dimension when the model batches; ours include it.
+    shape = ([-1] if batch else []) + list(tensor.dims)
+    doc: dict[str, Any] = {
+        "name": tensor.name,
+        "datatype": _datatype(tensor.data_type, where),
+        "shape": shape,
+    }
+    if getattr(tensor, "label_filename", ""):
+        doc["label_filename"] = tensor.label_filename
+    return doc
+
+
+def _version_policy(policy: config_pb.ModelVersionPolicy) -> dict[str, Any]:
+    match policy.WhichOneof("policy_choice"):
+        case "latest":
+            return {"latest": policy.latest.num_versions}
+        case "specific":
+            return {"specific": list(policy.specific.versions)}
+        case _:
+            return {"all": {}}
+
+
+def _batching(batching: config_pb.ModelDynamicBatching) -> dict[str, Any]:
+    _only(batching, _BATCHING, "dynamic_batching.")
+    doc: dict[str, Any] = {
+        "max_queue_delay_us": batching.max_queue_delay_microseconds,
+        "preferred_batch_sizes": list(batching.preferred_batch_size),
+    }
+    if batching.priority_levels:
+        doc["priority_levels"] = batching.priority_levels
+    if batching.default_priority_level:
+        doc["default_priority_level"] = batching.default_priority_level
+    if batching.HasField("default_queue_policy"):
+        doc["default_queue_policy"] = _queue_policy(batching.default_queue_policy, "default_queue_policy")
+    if batching.priority_queue_policy:
+        doc["priority_queue_policy"] = {
+            int(level): _queue_policy(policy, f"priority_queue_policy[{level}]")
+            for level, policy in batching.priority_queue_policy.items()
+        }
+    return doc
+
+
+def _queue_policy(policy: config_pb.ModelQueuePolicy, where: str) -> dict[str, Any]:
+    _only(policy, _QUEUE, f"dynamic_batching.{where}.")
+    if policy.timeout_action != config_pb.ModelQueuePolicy.REJECT:
+        raise InvalidInput(
+            f"load parameter 'config': dynamic_batching.{where}.timeout_action: only REJECT (a request "
+            "whose queue time runs out is answered, never run late)"
+        )
+    return {
+        "max_queue_size": policy.max_queue_size,
+        "default_timeout_us": policy.default_timeout_microseconds,
+        "allow_timeout_override": policy.allow_timeout_override,
+    }
+
+
+def _execution(groups: Any) -> dict[str, Any]:
+    if len(groups) != 1:
+        raise InvalidInput(
+            "load parameter 'config': instance_group: one group only (one session per version)"
+        )
+    (group,) = groups
+    _only(group, _GROUP, "instance_group[0].")
+    if group.count > 1:
+        raise InvalidInput("load parameter 'config': instance_group[0].count above 1 is not supported")
+    kind = config_pb.ModelInstanceGroup.Kind.Name(group.kind)
+    if kind == "KIND_CPU":
+        return {"provider": "cpu"}
+    if kind == "KIND_GPU":
+        if len(group.gpus) > 1:
+            raise InvalidInput("load parameter 'config': instance_group[0].gpus: one GPU only")
+        return {"provider": "cuda", "device_id": group.gpus[0] if group.gpus else 0}
+    if kind == "KIND_AUTO":
+        return {"provider": "auto"}
+    raise InvalidInput(f"load parameter 'config': instance_group[0].kind {kind} is not supported")

@@ -1,0 +1,116 @@
+"""The request size limit, checked where it can answer with x-error-reason `too_large`.
+
+gRPC's own limit (grpc.max_receive_message_length) refuses an oversized message inside gRPC core,
+before any handler runs: the client gets RESOURCE_EXHAUSTED with no trailing metadata of ours, so
+a proxy could not tell it from an overloaded queue by its reason. So gRPC is given a higher
+transport limit (transport_limit), the handlers receive each request message as bytes, and a
+message over the configured limit is refused here, with its reason, before it is parsed. Only a
+message over the transport limit still gets gRPC's bare RESOURCE_EXHAUSTED."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from contextlib import aclosing
+from typing import Any, TypeAlias, TypeVar
+
+import grpc
+
+from service.api.errors import Context, abort
+from service.errors import TooLarge
+from service.metrics import ServiceMetrics
+
+_GRPC_MAX = 2**31 - 1  # gRPC's message length options are C ints
+Servicer = TypeVar("Servicer")
+# grpc's type stubs describe the sync API: a handler's behaviours and types are Any here.
+Handler: TypeAlias = "grpc.RpcMethodHandler[Any, Any]"
+
+
+def transport_limit(max_message_bytes: int) -> int:
+    """gRPC's receive limit: twice the configured one, so that messages up to there reach
+    the handler's check and get their reason; memory per call stays bounded."""
+    return min(2 * max_message_bytes, _GRPC_MAX)
+
+
+def too_large(size: int, limit: int) -> TooLarge:
+    return TooLarge(f"request message of {size} bytes is over the server's limit of {limit} bytes")
+
+
+class SizeLimitedServer:
+    """Stands in for the grpc.aio server in the generated add_*Servicer_to_server functions: it
+    registers each method's handler wrapped so that the request arrives as bytes, its size is
+    checked against `limit`, and only then is it parsed. No extra work per call beyond a len()."""
+
+    def __init__(self, server: grpc.aio.Server, limit: int, metrics: ServiceMetrics) -> None:
+        self._server = server
+        self._limit = limit
+        self._metrics = metrics
+
+    def add(self, add_to_server: Callable[[Servicer, Any], None], servicer: Servicer) -> None:
+        """Register with a generated add_*Servicer_to_server function, size-checked."""
+        add_to_server(servicer, self)
+
+    def add_generic_rpc_handlers(self, handlers: Sequence[grpc.GenericRpcHandler[Any, Any]]) -> None:
+        # The generated code passes the same methods again to add_registered_method_handlers,
+        # where they are wrapped and registered both ways.
+        pass
+
+    def add_registered_method_handlers(self, service: str, handlers: Mapping[str, Handler]) -> None:
+        wrapped = {name: self._wrap(name, handler) for name, handler in handlers.items()}
+        self._server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service, wrapped),))
+        # grpc.aio.Server has it (the generated code calls it); the type stubs lag behind.
+        self._server.add_registered_method_handlers(service, wrapped)  # type: ignore[attr-defined]
+
+    def _wrap(self, method: str, handler: Handler) -> Handler:
+        limit = self._limit
+        parse: Any = handler.request_deserializer
+        serialize = handler.response_serializer
+
+        async def refuse(context: Context, size: int) -> None:
+            self._metrics.observe_request(method, "", "", grpc.StatusCode.RESOURCE_EXHAUSTED, 0.0)
+            await abort(context, too_large(size, limit))
+
+        if handler.unary_unary is not None:
+            unary_unary: Any = handler.unary_unary
+
+            async def checked_unary_unary(raw: bytes, context: Context) -> Any:
+                if len(raw) > limit:
+                    await refuse(context, len(raw))
+                return await unary_unary(parse(raw), context)
+
+            return grpc.unary_unary_rpc_method_handler(checked_unary_unary, response_serializer=serialize)
+        if handler.unary_stream is not None:
+            unary_stream: Any = handler.unary_stream
+
+            async def checked_unary_stream(raw: bytes, context: Context) -> AsyncIterator[Any]:
+                if len(raw) > limit:
+                    await refuse(context, len(raw))
+                # aclosing: a cancelled call closes the servicer's stream (and its leases) at once.
+                async with aclosing(unary_stream(parse(raw), context)) as responses:
+                    async for response in responses:
+                        yield response
+
+            return grpc.unary_stream_rpc_method_handler(checked_unary_stream, response_serializer=serialize)
+        if handler.stream_stream is not None:
+            stream_stream: Any = handler.stream_stream
+
+            async def checked_stream_stream(
+                raws: AsyncIterator[bytes], context: Context
+            ) -> AsyncIterator[Any]:
+                async def requests() -> AsyncIterator[Any]:
+                    async for raw in raws:
+                        if len(raw) > limit:
+                            raise too_large(len(raw), limit)
+                        yield parse(raw)
+
+                # An oversized message on a stream ends the stream, with its reason: the servicer
+                # never saw it, so it cannot answer it in-band.
+                try:
+                    async with aclosing(stream_stream(requests(), context)) as responses:
+                        async for response in responses:
+                            yield response
+                except TooLarge as exc:
+                    self._metrics.observe_request(method, "", "", grpc.StatusCode.RESOURCE_EXHAUSTED, 0.0)
+                    await abort(context, exc)
+
+            return grpc.stream_stream_rpc_method_handler(checked_stream_stream, response_serializer=serialize)
+        raise TypeError(f"{method}: client-streaming methods are not size-checked here")

@@ -1,0 +1,41 @@
+"""What a proxy in front of the service sends and reads in gRPC metadata: the request's version,
+id and priority in headers (used where the message leaves its own fields empty), and the version
+that answered (x-served-version, in the initial metadata of every answer)."""
+
+from __future__ import annotations
+
+from modelyard.common import headers
+
+from service.api.errors import Context
+from service.errors import InvalidInput
+
+_UINT32_MAX = 2**32 - 1
+
+
+def call_fields(context: Context, version: str, request_id: str, priority: int) -> tuple[str, str, int]:
+    """The request's model version, request id and priority: the message's own fields where set,
+    else the x-model-version, x-request-id and x-priority headers. The headers are read in one
+    pass, and only when a field is empty."""
+    if version and request_id and priority:
+        return version, request_id, priority
+    # Values are str: only keys ending in -bin carry bytes.
+    for key, value in context.invocation_metadata() or ():
+        if key == headers.MODEL_VERSION:
+            version = version or str(value)
+        elif key == headers.REQUEST_ID:
+            request_id = request_id or str(value)
+        elif key == headers.PRIORITY and not priority:
+            priority = _priority(str(value))
+    return version, request_id, priority
+
+
+def _priority(text: str) -> int:
+    if not (text.isascii() and text.isdigit()) or int(text) > _UINT32_MAX:
+        raise InvalidInput(
+            f"header {headers.PRIORITY!r} must be a non-negative integer priority level, got {text!r}"
+        )
+    return int(text)
+
+
+def served_version(version: str) -> tuple[tuple[str, str]]:
+    return ((headers.SERVED_VERSION, version),)

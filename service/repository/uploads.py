@@ -1,0 +1,77 @@
+"""Model files sent with a load request (Triton's `file:<path>` parameters), written into a private
+folder that this module creates and owns, laid out as a repository holding that one model.
+
+A path is taken only when it is plain: relative, '/'-separated, each part a conservative file
+name, the first part a version folder (`1/model.onnx`, `1/weights.bin`) or a file beside the
+versions (a labels file). No part may be '.', '..' or hidden, so nothing is written outside the
+folder; files are created new (O_EXCL, no symlink followed).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import tempfile
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from service.errors import InvalidInput
+from service.repository.scanner import MODEL_FILE, parse_version
+
+_PART = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
+_RESERVED = {"config.yaml", "config.pbtxt"}  # the config travels in the `config` parameter
+MAX_DEPTH = 4
+
+
+@dataclass(frozen=True)
+class Upload:
+    """A private repository root holding the model `name`; remove() deletes it."""
+
+    root: Path
+    name: str
+
+    def remove(self) -> None:
+        shutil.rmtree(self.root, ignore_errors=True)
+
+
+def check_paths(files: Mapping[str, bytes]) -> dict[tuple[str, ...], bytes]:
+    """The files by their validated relative path parts; InvalidInput naming a bad one."""
+    checked: dict[tuple[str, ...], bytes] = {}
+    for path, data in files.items():
+        parts = tuple(path.split("/"))
+        where = f"load parameter 'file:{path}'"
+        if not path or len(parts) > MAX_DEPTH or not all(_PART.match(p) for p in parts):
+            raise InvalidInput(
+                f"{where}: the path must be relative, '/'-separated plain names (e.g. 1/model.onnx)"
+            )
+        if len(parts) == 1 and parts[0] in _RESERVED:
+            raise InvalidInput(f"{where}: give the configuration in the 'config' parameter")
+        if len(parts) > 1 and parse_version(parts[0]) is None:
+            raise InvalidInput(f"{where}: folders must be version folders ('1', '2', ...)")
+        checked[parts] = data
+    if not any(len(p) == 2 and p[1] == MODEL_FILE for p in checked):
+        raise InvalidInput(f"load parameter 'file:...': no '<version>/{MODEL_FILE}' among the files")
+    return checked
+
+
+def write_upload(base: Path | None, name: str, files: Mapping[str, bytes]) -> Upload:
+    """Write the files under a new private folder (mode 0700) in `base` (default: the system's
+    temporary folder). Blocking: run it in an executor."""
+    checked = check_paths(files)
+    root = Path(tempfile.mkdtemp(prefix="modelyard-load-", dir=base))
+    upload = Upload(root, name)
+    try:
+        model_dir = root / name
+        model_dir.mkdir()
+        for parts, data in checked.items():
+            target = model_dir.joinpath(*parts)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+            with os.fdopen(fd, "wb") as handle:
+                handle.write(data)
+    except BaseException:
+        upload.remove()
+        raise
+    return upload

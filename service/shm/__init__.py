@@ -1,0 +1,1 @@
+"""System shared memory regions (Triton's shared-memory extension)."""

@@ -1,0 +1,40 @@
+"""The one table from domain errors to gRPC status codes and x-error-reason values."""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+
+import grpc
+from modelyard.common.reasons import ErrorReason
+from modelyard.tensors import TensorError
+
+from service import errors
+from service.api.errors import status_for
+
+
+def test_every_domain_error_has_its_own_row() -> None:
+    # A new error class must be placed in the table, not fall through to `internal`.
+    kinds = [k for _, k in inspect.getmembers(errors, inspect.isclass) if issubclass(k, errors.ServiceError)]
+    assert len(kinds) > 10
+    for kind in kinds:
+        if kind is errors.ServiceError:
+            continue
+        code, reason = status_for(kind("x") if kind is not errors.ModelLoadError else kind("x", "load"))
+        assert reason != ErrorReason.INTERNAL, kind
+        assert code != grpc.StatusCode.OK
+
+
+def test_the_rows_a_proxy_depends_on() -> None:
+    assert status_for(errors.ModelNotFound("m")) == (grpc.StatusCode.NOT_FOUND, ErrorReason.MODEL_NOT_FOUND)
+    assert status_for(errors.VersionNotFound("v")) == (
+        grpc.StatusCode.NOT_FOUND,
+        ErrorReason.VERSION_NOT_FOUND,
+    )
+    exhausted = grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert status_for(errors.Overloaded("q")) == (exhausted, ErrorReason.QUEUE_FULL)
+    assert status_for(errors.TooLarge("t")) == (exhausted, ErrorReason.TOO_LARGE)
+    assert status_for(TensorError("t")) == (grpc.StatusCode.INVALID_ARGUMENT, ErrorReason.INVALID_ARGUMENT)
+    assert status_for(errors.ModelRunError("r")) == (grpc.StatusCode.INTERNAL, ErrorReason.MODEL_FAILED)
+    assert status_for(asyncio.CancelledError()) == (grpc.StatusCode.CANCELLED, ErrorReason.CANCELLED)
+    assert status_for(KeyError("bug")) == (grpc.StatusCode.INTERNAL, ErrorReason.INTERNAL)

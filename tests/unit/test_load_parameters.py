@@ -1,0 +1,104 @@
+"""Triton load parameters: the config JSON mapped onto our config, and uploaded file paths."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from modelyard.kserve.v2.grpc_service_pb2 import ModelRepositoryParameter
+
+from service.api.kserve_config import load_parameters, parse_triton_config
+from service.errors import InvalidInput
+from service.repository.config import TensorConfig
+from service.repository.uploads import check_paths, write_upload
+
+
+def test_full_triton_config_maps_onto_ours() -> None:
+    text = json.dumps(
+        {
+            "name": "m",
+            "platform": "onnxruntime_onnx",
+            "max_batch_size": 8,
+            "input": [{"name": "x", "data_type": "TYPE_FP32", "dims": [4]}],
+            "output": [{"name": "y", "data_type": "TYPE_STRING", "dims": [-1], "label_filename": "l.txt"}],
+            "version_policy": {"specific": {"versions": [1, 3]}},
+            "dynamic_batching": {"max_queue_delay_microseconds": 500, "preferred_batch_size": [4, 8]},
+            "instance_group": [{"kind": "KIND_CPU", "count": 1}],
+        }
+    )
+    config = parse_triton_config(text, "m")
+    assert config.max_batch_size == 8
+    assert config.inputs == (TensorConfig("x", "FP32", (-1, 4)),)
+    assert config.outputs == (TensorConfig("y", "BYTES", (-1, -1), "l.txt"),)
+    assert (config.version_policy.kind, config.version_policy.versions) == ("specific", (1, 3))
+    assert config.dynamic_batching is not None
+    assert config.dynamic_batching.max_queue_delay_us == 500
+    assert config.dynamic_batching.preferred_batch_sizes == (4, 8)
+    assert config.execution.provider == "cpu"
+
+
+@pytest.mark.parametrize(
+    ("text", "named"),
+    [
+        ("{", "not a Triton model configuration"),
+        ('{"max_batch_size": "x"}', "max_batch_size"),
+        ('{"nonsense": 1}', "nonsense"),
+        ('{"ensemble_scheduling": {}}', "ensemble_scheduling"),
+        ('{"name": "other"}', "other"),
+        ('{"backend": "pytorch"}', "pytorch"),
+        ('{"dynamic_batching": {"preserve_ordering": true}, "max_batch_size": 2}', "preserve_ordering"),
+        ('{"dynamic_batching": {}}', "max_batch_size"),
+        ('{"instance_group": [{"count": 2}]}', "count"),
+        (
+            '{"max_batch_size": 2, "dynamic_batching": '
+            '{"default_queue_policy": {"timeout_action": "DELAY"}}}',
+            "only REJECT",
+        ),
+        ('{"input": [{"name": "x", "dims": [1]}]}', "data_type"),
+    ],
+)
+def test_refused_configs_name_the_problem(text: str, named: str) -> None:
+    with pytest.raises(InvalidInput, match=named):
+        parse_triton_config(text, "m")
+
+
+def param(**kwargs: object) -> ModelRepositoryParameter:
+    return ModelRepositoryParameter(**kwargs)  # type: ignore[arg-type]
+
+
+def test_load_parameters_refuse_unknown_keys_and_files_without_config() -> None:
+    with pytest.raises(InvalidInput, match="'poll'"):
+        load_parameters("m", {"poll": param(bool_param=True)})
+    with pytest.raises(InvalidInput, match="'config' parameter as well"):
+        load_parameters("m", {"file:1/model.onnx": param(bytes_param=b"x")})
+    with pytest.raises(InvalidInput, match="must be a string"):
+        load_parameters("m", {"config": param(bytes_param=b"{}")})
+    assert load_parameters("m", {}).config is None
+
+
+@pytest.mark.parametrize(
+    "path",
+    [
+        "../1/model.onnx",
+        "/1/model.onnx",
+        "1/../../x",
+        "1//model.onnx",
+        ".hidden",
+        "x/model.onnx",
+        "config.yaml",
+    ],
+)
+def test_unsafe_paths_are_refused(path: str) -> None:
+    with pytest.raises(InvalidInput):
+        check_paths({path: b"", "1/model.onnx": b""})
+
+
+def test_upload_is_private_and_laid_out_as_a_repository(tmp_path: Path) -> None:
+    upload = write_upload(tmp_path, "m", {"1/model.onnx": b"abc", "labels.txt": b"a\nb\n"})
+    assert upload.root.parent == tmp_path
+    assert (upload.root.stat().st_mode & 0o777) == 0o700
+    assert (upload.root / "m" / "1" / "model.onnx").read_bytes() == b"abc"
+    assert (upload.root / "m" / "labels.txt").read_bytes() == b"a\nb\n"
+    upload.remove()
+    assert not upload.root.exists()

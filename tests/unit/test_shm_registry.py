@@ -1,0 +1,71 @@
+"""The shared-memory registry on real POSIX shared memory: bounds, views, writes, unregister."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from multiprocessing import shared_memory
+
+import numpy as np
+import pytest
+
+from service.errors import InvalidInput
+from service.shm.registry import LocalRegionStore, RegionNotFound, RegionSpec, SharedMemoryRegistry
+
+
+@pytest.fixture
+def region() -> Iterator[shared_memory.SharedMemory]:
+    block = shared_memory.SharedMemory(f"modelyard_unit_{os.getpid()}", create=True, size=256)
+    try:
+        yield block
+    finally:
+        block.close()
+        block.unlink()
+
+
+def test_view_and_write_stay_within_the_region(region: shared_memory.SharedMemory) -> None:
+    registry = SharedMemoryRegistry()
+    registry.register("r", "/" + region.name, 64, 128)  # bytes 64..191 of the object
+    region.buf[64:72] = np.arange(2, dtype=np.float32).tobytes()
+    view = registry.view("r", 0, 8, "x")
+    assert np.frombuffer(view, np.float32).tolist() == [0.0, 1.0]
+    registry.write("r", 120, 8, b"\x01" * 8, "y")
+    assert bytes(region.buf[184:192]) == b"\x01" * 8
+    with pytest.raises(InvalidInput, match=r"'x'.*leave shared memory region 'r'"):
+        registry.view("r", 124, 8, "x")
+    with pytest.raises(InvalidInput, match="do not fit"):
+        registry.write("r", 0, 4, b"12345678", "y")
+    del view
+    registry.unregister("r")
+    with pytest.raises(InvalidInput, match="no system shared memory region 'r'"):
+        registry.view("r", 0, 8, "x")
+    registry.close()
+
+
+def test_registration_is_checked(region: shared_memory.SharedMemory) -> None:
+    registry = SharedMemoryRegistry()
+    key = "/" + region.name
+    with pytest.raises(InvalidInput, match="exceeds"):
+        registry.register("r", key, 200, 100)
+    for bad_key in ("/../etc/passwd", "a/b", "/nope_not_there"):
+        with pytest.raises(InvalidInput):
+            registry.register("r", bad_key, 0, 1)
+    registry.register("r", key, 0, 8)
+    with pytest.raises(InvalidInput, match="already registered"):
+        registry.register("r", key, 0, 8)
+    assert registry.status() == [RegionSpec("r", key, 0, 8)]
+    with pytest.raises(RegionNotFound):
+        registry.status("other")
+    registry.unregister()
+    assert registry.status() == []
+    registry.close()
+
+
+def test_a_registration_made_elsewhere_is_opened_by_key(region: shared_memory.SharedMemory) -> None:
+    # Two registries over one store stand for two worker processes: either serves the region.
+    store = LocalRegionStore()
+    SharedMemoryRegistry(store).register("r", "/" + region.name, 0, 16)
+    other = SharedMemoryRegistry(store)
+    other.write("r", 0, 4, b"abcd", "y")
+    assert bytes(region.buf[:4]) == b"abcd"
+    other.close()
