@@ -1,8 +1,8 @@
 """Who may call which method: the management surface (loading and unloading models, the KServe
-repository, shared-memory, log and trace extensions) needs a credential once tokens or client identities are configured;
-inference and metadata calls need one only with `auth_inference`; health and reflection stay
-open (orchestrators probe them). Denials are counted and logged (rate-limited) and answer the
-same few words whatever was wrong."""
+repository, shared-memory, log and trace extensions) needs a credential once tokens or client
+identities are configured; inference and metadata calls need one only with `auth_inference`;
+health and reflection stay open (orchestrators probe them). Denials are counted and logged
+(rate-limited) and answer the same few words whatever was wrong."""
 
 from __future__ import annotations
 
