@@ -16,6 +16,7 @@ from typing import TypeVar
 from weakref import WeakKeyDictionary
 
 import numpy as np
+from modelyard.tensors import TensorError
 
 from service.batching.layer import BatchingLayer
 from service.errors import ServiceError
@@ -66,13 +67,20 @@ class DataPlane:
         """Check a request's tensors (their headers) against the version that will serve it, then
         decode them: inline when small, in the executor when large, so that the event loop never
         waits on a request's decoding. `infer` checks the decoded arrays again, under its lease."""
+        started = time.perf_counter_ns()
         served = self.manager.resolve(model, version)
         bounds = self._bounds.get(served)
         if bounds is None:
             kind = served.runner.kind
             decoder = kind if isinstance(kind, DecoderModel) else None
             bounds = self._bounds[served] = bounds_for(served.config.limits, decoder)
-        check_headers(served.runner.signature, headers, bounds)
+        try:
+            check_headers(served.runner.signature, headers, bounds)
+        except (ServiceError, TensorError):
+            # A request that does not fit counts as a failed inference of the version, as when
+            # check_inputs refuses it (Triton's statistics count it so).
+            served.stats.record_request(False, time.perf_counter_ns() - started)
+            raise
         if offload(headers):
             return await asyncio.get_running_loop().run_in_executor(self._executor, decode)
         return decode()

@@ -220,7 +220,10 @@ def build_service(
         KServeServicer(manager, dataplane, metrics), registry
     )
     health_servicer: Health = health.aio.HealthServicer()  # type: ignore[attr-defined]
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, registry)
+    # Health and reflection are not size-checked (as before); they pass Guarded too. Health's
+    # Watch writes with context.write, which the size check's stream wrapper does not take.
+    plain = cast(grpc.aio.Server, Guarded(server, reporter, guard_for))
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, plain)
     # What reflection.enable_server_reflection does for an aio server, through Guarded.
     reflection_pb2_grpc.add_ServerReflectionServicer_to_server(
         reflection_aio.ReflectionServicer(
@@ -232,7 +235,7 @@ def build_service(
                 reflection.SERVICE_NAME,
             ]
         ),
-        registry,
+        plain,
     )
     if tls is None:
         port = server.add_insecure_port(settings.listen)

@@ -215,14 +215,3 @@ async def test_settings_that_cannot_work_are_refused(root: Path, pki: dict[str, 
     ):
         with pytest.raises(ValueError):
             build_service(dataclasses.replace(base, **bad))
-
-
-async def test_repository_load_with_a_config_parameter_is_refused(serve: Any) -> None:
-    service = await serve()
-    async with grpc.aio.insecure_channel(service.address) as channel:
-        request = kpb.RepositoryModelLoadRequest(model_name="scaler")
-        request.parameters["config"].string_param = '{"max_batch_size": 8}'
-        with pytest.raises(grpc.aio.AioRpcError) as caught:
-            await kpb_grpc.GRPCInferenceServiceStub(channel).RepositoryModelLoad(request)
-        assert caught.value.code() == grpc.StatusCode.UNIMPLEMENTED
-        assert "config" in (caught.value.details() or "")
