@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import shutil
 import ssl
+import urllib.error
 import urllib.request
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
@@ -101,10 +103,7 @@ async def test_tls_serves_grpc_and_metrics_and_refuses_plaintext(serve: Any, pki
             grpc.StatusCode.UNAVAILABLE,
             grpc.StatusCode.DEADLINE_EXCEEDED,
         )
-    context = ssl.create_default_context(cafile=pki["ca"].path)
-    url = f"https://localhost:{service.metrics_server.port}/metrics"
-    with urllib.request.urlopen(url, context=context, timeout=10) as reply:  # noqa: ASYNC210
-        assert b"modelyard_requests" in reply.read()
+    assert await asyncio.to_thread(scrape, service, pki["ca"].path, "localhost")
 
 
 async def test_mtls_refuses_clients_without_a_certificate_of_its_ca(serve: Any, pki: dict[str, Any]) -> None:
@@ -116,6 +115,10 @@ async def test_mtls_refuses_clients_without_a_certificate_of_its_ca(serve: Any, 
         async with secure(service, ca, client) as channel:
             code = await code_of(ipb_grpc.InferenceServiceStub(channel).Infer(INFER, timeout=5))
             assert code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED), client
+    # The metrics endpoint asks for the same client certificates.
+    assert await asyncio.to_thread(scrape, service, ca, "127.0.0.1", pki["client"])
+    assert not await asyncio.to_thread(scrape, service, ca, "127.0.0.1")
+    assert not await asyncio.to_thread(scrape, service, ca, "127.0.0.1", pki["rogue"])
 
 
 async def test_certificates_reload_without_a_restart(serve: Any, pki: dict[str, Any], tmp_path: Path) -> None:
@@ -135,6 +138,23 @@ async def test_certificates_reload_without_a_restart(serve: Any, pki: dict[str, 
     async with secure(service, renewed_ca.path) as channel:
         infer = ipb_grpc.InferenceServiceStub(channel)
         assert await code_of(infer.Infer(INFER, timeout=5)) == grpc.StatusCode.OK
+    # The metrics endpoint too, for a scraper that connects by IP address (no server name sent).
+    assert await asyncio.to_thread(scrape, service, renewed_ca.path, "127.0.0.1")
+
+
+def scrape(service: Service, ca: Path, host: str, client: Pem | None = None) -> bool:
+    """Whether /metrics answers over HTTPS to a client trusting `ca` (with `client`'s certificate)."""
+    context = ssl.create_default_context(cafile=ca)
+    context.check_hostname = False  # the test certificates name localhost and 127.0.0.1
+    if client is not None:
+        context.load_cert_chain(client.cert, client.key)
+    assert service.metrics_server is not None
+    url = f"https://{host}:{service.metrics_server.port}/metrics"
+    try:
+        with urllib.request.urlopen(url, context=context, timeout=10) as reply:
+            return b"modelyard_requests" in reply.read()
+    except (urllib.error.URLError, ssl.SSLError, ConnectionError):
+        return False
 
 
 async def test_tokens_guard_management_and_leave_inference_open(

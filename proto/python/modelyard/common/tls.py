@@ -5,8 +5,8 @@
 - `grpc_server_credentials`: grpc's dynamic credentials; the files are looked at again on each new
   handshake and re-read when they changed (cert-manager renewals, Kubernetes secret swaps), without
   a restart. A broken new file keeps the previous certificate serving, with a warning.
-- `http_ssl_context`: the same for an HTTP server (the metrics endpoint): a context whose
-  handshakes switch to a fresh context once the files changed.
+- `HttpTls`: the same for an HTTP server (the metrics endpoint): each accepted connection gets
+  a context built from the files again once they changed.
 - `warn_if_plaintext`: a listener on a non-loopback address without TLS says so at start.
 """
 
@@ -108,34 +108,32 @@ def grpc_server_credentials(files: TlsFiles) -> grpc.ServerCredentials:
     )
 
 
-def http_ssl_context(files: TlsFiles) -> ssl.SSLContext:
-    """A server context for an HTTP listener; on each handshake it switches the connection to a
-    context built from the files again once they changed."""
-    watched = _Watched(files)
-    current = [_context(files)]
+class HttpTls:
+    """Server contexts for an HTTP listener: `current()` (called per accepted connection) gives a
+    context built from the files again once they changed. Per connection rather than per SNI
+    callback: scrapers that connect by IP address send no server name."""
 
-    def on_hello(sock: ssl.SSLObject | ssl.SSLSocket, server_name: str | None, ctx: ssl.SSLContext) -> None:
-        if watched.changed():
+    def __init__(self, files: TlsFiles) -> None:
+        self._watched = _Watched(files)
+        self._context = _context(files)
+
+    def current(self) -> ssl.SSLContext:
+        if self._watched.changed():
             try:
-                current[0] = _context(files, on_hello)
+                self._context = _context(self._watched.files)
+                log.info("TLS certificate reloaded from %s", self._watched.files.cert)
             except (OSError, ssl.SSLError, ValueError) as exc:
                 log.warning("TLS files changed but cannot be used (%s); keeping the previous ones", exc)
-        if sock.context is not current[0]:
-            sock.context = current[0]
-
-    current[0] = _context(files, on_hello)
-    return current[0]
+        return self._context
 
 
-def _context(files: TlsFiles, on_hello: object = None) -> ssl.SSLContext:
+def _context(files: TlsFiles) -> ssl.SSLContext:
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     context.minimum_version = ssl.TLSVersion.TLSv1_2
     context.load_cert_chain(files.cert, files.key)
     if files.client_ca is not None:
         context.load_verify_locations(cafile=files.client_ca)
         context.verify_mode = ssl.CERT_REQUIRED
-    if on_hello is not None:
-        context.sni_callback = on_hello  # type: ignore[assignment]
     return context
 
 
