@@ -73,9 +73,9 @@ class DataPlane:
         if bounds is None:
             kind = served.runner.kind
             decoder = kind if isinstance(kind, DecoderModel) else None
-            bounds = self._bounds[served] = bounds_for(served.config.limits, decoder)
+            bounds = self._bounds[served] = bounds_for(served.runner.signature, served.config.limits, decoder)
         try:
-            check_headers(served.runner.signature, headers, bounds)
+            check_headers(bounds, headers)
         except (ServiceError, TensorError):
             # A request that does not fit counts as a failed inference of the version, as when
             # check_inputs refuses it (Triton's statistics count it so).

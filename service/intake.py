@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from modelyard.tensors import element_count
 
@@ -20,15 +21,14 @@ from service.errors import InvalidInput, TooLarge
 from service.generation.layout import ATTENTION_MASK, INPUT_IDS, POSITION_IDS
 from service.generation.model import DecoderModel
 from service.repository.config import LimitsConfig
-from service.runtime.signature import Signature
+from service.runtime.signature import Signature, TensorSpec
 
 # Payloads that take Python work per element (BYTES, typed contents) above this many bytes are
 # decoded in an executor; below it the hop to a thread costs more than the decoding.
 INLINE_DECODE_BYTES = 64 * 1024
 
 
-@dataclass(frozen=True, slots=True)
-class TensorHeader:
+class TensorHeader(NamedTuple):  # a tuple: made for every tensor of every request
     name: str
     datatype: str | None  # KServe name; None when the request's datatype is unknown (the decoder says so)
     shape: tuple[int, ...]
@@ -38,63 +38,64 @@ class TensorHeader:
 
 @dataclass(frozen=True)
 class Bounds:
-    """What one request to a version may ask: the config's limits, and per input the dimensions
-    bounded by the model (a decoder's context length and concurrent sequences)."""
+    """What one request to a version may take, computed once per version: its inputs (datatype,
+    shape, fixed dimensions), batch size, the config's limits, and per input the dimensions bounded
+    by the model (a decoder's context length and concurrent sequences)."""
 
+    inputs: Mapping[str, tuple[TensorSpec, tuple[tuple[int, int], ...]]]  # name -> spec, fixed dims
+    max_batch_size: int
     max_elements: int
     max_request_bytes: int
     # input name -> (axis, largest size, what sets it) for each bounded dimension
     dims: Mapping[str, tuple[tuple[int, int, str], ...]] = field(default_factory=dict)
 
 
-def bounds_for(limits: LimitsConfig, decoder: DecoderModel | None) -> Bounds:
+def bounds_for(signature: Signature, limits: LimitsConfig, decoder: DecoderModel | None = None) -> Bounds:
     """A version's bounds. A decoder graph called through Infer is bounded as Generate bounds it:
     sequences no longer than the context length, no more rows than concurrent sequences."""
-    if decoder is None:
-        return Bounds(limits.max_elements, limits.max_request_bytes)
-    context = (1, decoder.context_length, f"the context length {decoder.context_length}")
-    rows = decoder.settings.max_concurrent_sequences
-    batch = (0, rows, f"generation.max_concurrent_sequences {rows}")
-    past = (2, decoder.context_length, context[2])
-    dims = {name: (batch, context) for name in (INPUT_IDS, ATTENTION_MASK, POSITION_IDS)}
-    dims.update({name: (batch, past) for name in decoder.layout.past_names})
-    return Bounds(limits.max_elements, limits.max_request_bytes, dims)
+    inputs = {
+        spec.name: (spec, tuple((i, d) for i, d in enumerate(spec.shape) if d != -1))
+        for spec in signature.inputs
+    }
+    dims: dict[str, tuple[tuple[int, int, str], ...]] = {}
+    if decoder is not None:
+        context = (1, decoder.context_length, f"the context length {decoder.context_length}")
+        rows = decoder.settings.max_concurrent_sequences
+        batch = (0, rows, f"generation.max_concurrent_sequences {rows}")
+        past = (2, decoder.context_length, context[2])
+        dims = {name: (batch, context) for name in (INPUT_IDS, ATTENTION_MASK, POSITION_IDS)}
+        dims.update({name: (batch, past) for name in decoder.layout.past_names})
+    return Bounds(inputs, signature.max_batch_size, limits.max_elements, limits.max_request_bytes, dims)
 
 
-UNBOUNDED = Bounds(max_elements=1 << 62, max_request_bytes=1 << 62)
-
-
-def check_headers(signature: Signature, headers: Sequence[TensorHeader], bounds: Bounds = UNBOUNDED) -> None:
-    """Raise InvalidInput (or TensorError) for the first tensor that cannot fit `signature` or a
+def check_headers(bounds: Bounds, headers: Sequence[TensorHeader]) -> None:
+    """Raise InvalidInput (or TensorError) for the first tensor that cannot fit the version or a
     bounded dimension, TooLarge when the request is over the element or byte limit."""
-    specs = {spec.name: spec for spec in signature.inputs}
-    elements = 0
+    elements = size = 0
     for header in headers:
-        spec = specs.get(header.name)
-        if spec is None:
-            raise InvalidInput(f"unknown input {header.name!r}; the model's inputs are {sorted(specs)}")
-        if header.datatype is not None and header.datatype != spec.datatype:
-            raise InvalidInput(
-                f"input {header.name!r}: expected datatype {spec.datatype}, got {header.datatype}"
-            )
-        shape = header.shape
-        elements += element_count(shape, header.name)  # negative or overflowing shapes: TensorError
-        if len(shape) != len(spec.shape) or any(
-            want != -1 and have != want for have, want in zip(shape, spec.shape, strict=True)
-        ):
-            raise InvalidInput(f"input {header.name!r}: expected shape {list(spec.shape)}, got {list(shape)}")
-        limit = signature.max_batch_size
+        name, datatype, shape = header.name, header.datatype, header.shape
+        found = bounds.inputs.get(name)
+        if found is None:
+            raise InvalidInput(f"unknown input {name!r}; the model's inputs are {sorted(bounds.inputs)}")
+        spec, fixed = found
+        if datatype is not None and datatype != spec.datatype:
+            raise InvalidInput(f"input {name!r}: expected datatype {spec.datatype}, got {datatype}")
+        elements += element_count(shape, name)  # negative or overflowing shapes: TensorError
+        if len(shape) != len(spec.shape) or any(shape[i] != d for i, d in fixed):
+            raise InvalidInput(f"input {name!r}: expected shape {list(spec.shape)}, got {list(shape)}")
+        limit = bounds.max_batch_size
         if limit and shape and shape[0] > limit:
-            raise InvalidInput(f"input {header.name!r}: batch size {shape[0]} exceeds max_batch_size {limit}")
-        for axis, largest, what in bounds.dims.get(header.name, ()):
-            if axis < len(shape) and shape[axis] > largest:
-                raise InvalidInput(f"input {header.name!r}: dimension {axis} is {shape[axis]}, beyond {what}")
+            raise InvalidInput(f"input {name!r}: batch size {shape[0]} exceeds max_batch_size {limit}")
+        if bounds.dims:
+            for axis, largest, what in bounds.dims.get(name, ()):
+                if axis < len(shape) and shape[axis] > largest:
+                    raise InvalidInput(f"input {name!r}: dimension {axis} is {shape[axis]}, beyond {what}")
+        size += header.nbytes
     if elements > bounds.max_elements:
         raise TooLarge(
             f"the request's inputs hold {elements} elements; the model takes at most "
             f"{bounds.max_elements} (limits.max_elements)"
         )
-    size = sum(h.nbytes for h in headers)
     if size > bounds.max_request_bytes:
         raise TooLarge(
             f"the request's tensors hold {size} bytes; the model takes at most "

@@ -6,10 +6,12 @@ import pytest
 from modelyard.tensors import TensorError
 
 from service.errors import InvalidInput
-from service.intake import INLINE_DECODE_BYTES, TensorHeader, check_headers, offload
+from service.intake import INLINE_DECODE_BYTES, TensorHeader, bounds_for, check_headers, offload
+from service.repository.config import LimitsConfig
 from service.runtime.signature import Signature, TensorSpec
 
 SIG = Signature((TensorSpec("x", "FP32", (-1, 4)), TensorSpec("s", "BYTES", (-1,))), (), max_batch_size=8)
+BOUNDS = bounds_for(SIG, LimitsConfig())
 
 
 def header(name: str, datatype: str | None, shape: tuple[int, ...], nbytes: int = 0) -> TensorHeader:
@@ -28,19 +30,19 @@ def header(name: str, datatype: str | None, shape: tuple[int, ...], nbytes: int 
 )
 def test_headers_that_cannot_fit_are_refused(bad: TensorHeader, words: str) -> None:
     with pytest.raises(InvalidInput) as caught:
-        check_headers(SIG, [bad])
+        check_headers(BOUNDS, [bad])
     assert words in str(caught.value)
 
 
 def test_overflowing_shapes_are_refused_from_the_header() -> None:
     sig = Signature((TensorSpec("x", "FP32", (-1, -1, -1)),), (), max_batch_size=0)
     with pytest.raises(TensorError):
-        check_headers(sig, [header("x", "FP32", (2**31, 2**31, 2**31))])
+        check_headers(bounds_for(sig, LimitsConfig()), [header("x", "FP32", (2**31, 2**31, 2**31))])
 
 
 def test_fitting_headers_pass_and_large_per_element_payloads_leave_the_loop() -> None:
     small = [header("x", "FP32", (2, 4), 32), header("s", "BYTES", (2,), 10)]
-    check_headers(SIG, small)
+    check_headers(BOUNDS, small)
     assert not offload(small)
     assert offload([header("s", "BYTES", (8,), INLINE_DECODE_BYTES + 1)])
     assert not offload([header("x", "FP32", (8, 4), 10 * INLINE_DECODE_BYTES)])  # zero-copy view

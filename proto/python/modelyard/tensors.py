@@ -95,6 +95,9 @@ def element_count(shape: tuple[int, ...], tensor: str) -> int:
     """The number of elements of `shape`, after checking that every dimension is >= 0 and that the
     shape, zero dimensions aside, stays under MAX_SHAPE_ELEMENTS (numpy refuses larger ones even
     when they hold no element). Raises TensorError naming the tensor."""
+    count = math.prod(shape)
+    if 0 < count <= MAX_SHAPE_ELEMENTS and min(shape, default=1) > 0:
+        return count  # the common case, on every tensor of every request
     if min(shape, default=0) < 0:
         raise TensorError(f"input {tensor!r}: shape {list(shape)} has a negative dimension")
     span = 1
@@ -105,7 +108,7 @@ def element_count(shape: tuple[int, ...], tensor: str) -> int:
                 f"input {tensor!r}: shape {list(shape)} has more elements than any tensor may "
                 f"({MAX_SHAPE_ELEMENTS})"
             )
-    return math.prod(shape)
+    return count
 
 
 def decode_bytes(raw: bytes | memoryview, shape: tuple[int, ...], tensor: str) -> np.ndarray:
