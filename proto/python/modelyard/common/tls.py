@@ -94,6 +94,7 @@ def grpc_server_credentials(files: TlsFiles) -> grpc.ServerCredentials:
         if not watched.changed():
             return None
         try:
+            _context(files)  # a key that does not match its certificate (mid-swap) fails here
             fresh = config(*files.read())
         except Exception as exc:  # a half-written file: keep serving the previous certificate
             log.warning("TLS files changed but cannot be used (%s); keeping the previous ones", exc)
