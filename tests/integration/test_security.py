@@ -28,6 +28,7 @@ from models import demo_models
 from service.config import Settings
 from service.server import Service, build_service
 from tests.certs import Authority, Pem
+from tests.support import ServiceProcess
 
 TOKEN = "s3cret-token-for-tests"
 INFER = ipb.InferRequest(model_name="scaler", inputs=[to_tensor("INPUT0", np.ones((1, 4), np.float32))])
@@ -70,11 +71,11 @@ async def serve(root: Path) -> AsyncIterator[Callable[..., Any]]:
         await service.stop(grace_s=1.0)
 
 
-def secure(service: Service, ca: Path, client: Pem | None = None) -> grpc.aio.Channel:
+def secure(port: int, ca: Path, client: Pem | None = None) -> grpc.aio.Channel:
     key_cert = client.read() if client else (None, None)
     credentials = grpc.ssl_channel_credentials(ca.read_bytes(), key_cert[1], key_cert[0])
     return grpc.aio.secure_channel(
-        f"127.0.0.1:{service.port}", credentials, options=[("grpc.ssl_target_name_override", "localhost")]
+        f"127.0.0.1:{port}", credentials, options=[("grpc.ssl_target_name_override", "localhost")]
     )
 
 
@@ -95,7 +96,7 @@ def tls_settings(pki: dict[str, Any], mtls: bool = False) -> dict[str, str]:
 
 async def test_tls_serves_grpc_and_metrics_and_refuses_plaintext(serve: Any, pki: dict[str, Any]) -> None:
     service = await serve(**tls_settings(pki))
-    async with secure(service, pki["ca"].path) as channel:
+    async with secure(service.port, pki["ca"].path) as channel:
         reply = await ipb_grpc.InferenceServiceStub(channel).Infer(INFER)
         assert reply.model_version == "1"
     async with grpc.aio.insecure_channel(service.address) as plain:
@@ -109,10 +110,10 @@ async def test_tls_serves_grpc_and_metrics_and_refuses_plaintext(serve: Any, pki
 async def test_mtls_refuses_clients_without_a_certificate_of_its_ca(serve: Any, pki: dict[str, Any]) -> None:
     service = await serve(**tls_settings(pki, mtls=True))
     ca = pki["ca"].path
-    async with secure(service, ca, pki["client"]) as channel:
+    async with secure(service.port, ca, pki["client"]) as channel:
         assert await code_of(ipb_grpc.InferenceServiceStub(channel).Infer(INFER)) == grpc.StatusCode.OK
     for client in (None, pki["rogue"]):
-        async with secure(service, ca, client) as channel:
+        async with secure(service.port, ca, client) as channel:
             code = await code_of(ipb_grpc.InferenceServiceStub(channel).Infer(INFER, timeout=5))
             assert code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED), client
     # The metrics endpoint asks for the same client certificates.
@@ -128,14 +129,14 @@ async def test_certificates_reload_without_a_restart(serve: Any, pki: dict[str, 
     service = await serve(tls_cert=str(live.cert), tls_key=str(live.key))
     renewed_ca = Authority(tmp_path / "renewed", "renewed-ca")
     renewed = renewed_ca.issue("server", server=True)
-    async with secure(service, renewed_ca.path) as channel:
+    async with secure(service.port, renewed_ca.path) as channel:
         infer = ipb_grpc.InferenceServiceStub(channel)
         assert await code_of(infer.Infer(INFER, timeout=5)) != grpc.StatusCode.OK
     # Swapped as cert-manager does: new files renamed into place.
     for source, target in ((renewed.cert, live.cert), (renewed.key, live.key)):
         shutil.copy(source, target.with_suffix(".new"))
         target.with_suffix(".new").replace(target)
-    async with secure(service, renewed_ca.path) as channel:
+    async with secure(service.port, renewed_ca.path) as channel:
         infer = ipb_grpc.InferenceServiceStub(channel)
         assert await code_of(infer.Infer(INFER, timeout=5)) == grpc.StatusCode.OK
     # The metrics endpoint too, for a scraper that connects by IP address (no server name sent).
@@ -219,10 +220,10 @@ async def test_inference_guarded_when_configured(serve: Any, tmp_path: Path) -> 
 async def test_mtls_client_identity_authorizes_management(serve: Any, pki: dict[str, Any]) -> None:
     service = await serve(**tls_settings(pki, mtls=True), auth_client_names=("good-client",))
     unload = mpb.UnloadModelRequest(name="scaler")
-    async with secure(service, pki["ca"].path, pki["other"]) as channel:
+    async with secure(service.port, pki["ca"].path, pki["other"]) as channel:
         code = await code_of(mpb_grpc.ModelServiceStub(channel).UnloadModel(unload))
         assert code == grpc.StatusCode.PERMISSION_DENIED
-    async with secure(service, pki["ca"].path, pki["client"]) as channel:
+    async with secure(service.port, pki["ca"].path, pki["client"]) as channel:
         assert await code_of(mpb_grpc.ModelServiceStub(channel).UnloadModel(unload)) == grpc.StatusCode.OK
 
 
@@ -235,3 +236,19 @@ async def test_settings_that_cannot_work_are_refused(root: Path, pki: dict[str, 
     ):
         with pytest.raises(ValueError):
             build_service(dataclasses.replace(base, **bad))
+
+
+async def test_a_tls_service_process_logs_no_line_per_failed_handshake(
+    root: Path, pki: dict[str, Any], service_process: Callable[..., ServiceProcess]
+) -> None:
+    """gRPC core would log every failed handshake at INFO (a line per connection, on demand)."""
+    server = pki["server"]
+    process = service_process(root, "--tls-cert", str(server.cert), "--tls-key", str(server.key))
+    for _ in range(3):
+        async with grpc.aio.insecure_channel(process.address) as plain:
+            code = await code_of(ipb_grpc.InferenceServiceStub(plain).Infer(INFER, timeout=3))
+            assert code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+    port = int(process.address.rsplit(":", 1)[1])
+    async with secure(port, pki["ca"].path) as channel:
+        assert await code_of(ipb_grpc.InferenceServiceStub(channel).Infer(INFER)) == grpc.StatusCode.OK
+    assert not [line for line in process.log if "Handshake failed" in line], process.log
