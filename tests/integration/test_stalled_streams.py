@@ -78,6 +78,8 @@ async def test_a_stalled_reader_loses_its_slot_and_ends_aborted(service: Service
                 read += 1
         assert caught.value.code() == grpc.StatusCode.ABORTED
         assert "generation.stall_timeout_ms" in (caught.value.details() or "")
+        trailers: Any = caught.value.trailing_metadata() or ()
+        assert [v for k, v in trailers if k == "x-error-reason"] == ["reader_stalled"]
         assert read < 200
 
 
