@@ -6,7 +6,7 @@ BUF_VERSION := 1.75.0
 BUF := .cache/buf/node_modules/.bin/buf
 REPOSITORY ?= models/demo
 
-.PHONY: web web-deps web-check browser-deps bench-edge up test lint gen bench bench-generate bench-batching bench-swaps demo-models proto-baseline install install-dev system-deps clean
+.PHONY: web web-deps web-check browser-deps bench-edge up test lint gen bench bench-generate bench-batching bench-swaps bench-soak demo-models proto-baseline install install-dev system-deps clean
 
 # service (50052), sidecar (50051), gateway (8000) and Envoy (8080) until Ctrl-C.
 up: $(VENV)/.installed-stack
@@ -74,6 +74,9 @@ bench-generate: $(VENV)/.installed-dev
 
 bench-swaps: $(VENV)/.installed-dev
 	$(PY) -m bench.swaps
+
+bench-soak: $(VENV)/.installed-dev
+	$(PY) -m bench.soak
 
 bench-batching: $(VENV)/.installed-dev
 	$(PY) -m bench.batching
