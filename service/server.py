@@ -8,14 +8,19 @@ import logging
 import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Protocol
+from pathlib import Path
+from typing import Protocol, cast
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
+from grpc_reflection.v1alpha import _async as reflection_aio
+from grpc_reflection.v1alpha import reflection, reflection_pb2_grpc
 from modelyard.common import health as health_names
+from modelyard.common.auth import Authorizer, AuthSettings
 from modelyard.common.metrics_http import MetricsServer
 from modelyard.common.settings import split_address
+from modelyard.common.throttle import LogThrottle
+from modelyard.common.tls import TlsFiles, grpc_server_credentials, is_loopback, warn_if_plaintext
 from modelyard.inference.v1 import (
     inference_service_pb2,
     inference_service_pb2_grpc,
@@ -24,10 +29,12 @@ from modelyard.inference.v1 import (
 )
 from modelyard.kserve.v2 import grpc_service_pb2, grpc_service_pb2_grpc
 
+from service.api.access import guards
 from service.api.inference_servicer import InferenceServicer
 from service.api.kserve_servicer import KServeServicer
 from service.api.limits import SizeLimitedServer, transport_limit
 from service.api.model_servicer import ModelServicer
+from service.api.wire import Guarded, OnUndecodable
 from service.batching.layer import BatchingLayer
 from service.config import Settings
 from service.dataplane import DataPlane
@@ -72,6 +79,7 @@ class Service:
     batching: BatchingLayer | None = None
     metrics_server: MetricsServer | None = None
     watcher: RepositoryWatcher | None = None
+    tls: TlsFiles | None = None  # of the gRPC and metrics listeners
     _events: asyncio.Task[None] | None = None
 
     @property
@@ -84,7 +92,7 @@ class Service:
         await self.server.start()
         if self.settings.metrics_listen:
             self.metrics_server = MetricsServer(
-                self.metrics.registry, *split_address(self.settings.metrics_listen)
+                self.metrics.registry, *split_address(self.settings.metrics_listen), tls=self.tls
             )
         # Subscribed before loading starts, so that no model event escapes health and metrics.
         self._events = asyncio.get_running_loop().create_task(self._follow(self.manager.subscribe()))
@@ -151,6 +159,16 @@ class Service:
                 self.metrics.known_models.add(event.model)
 
 
+def _undecodable_reporter(metrics: ServiceMetrics) -> OnUndecodable:
+    throttle = LogThrottle(log)
+
+    def report(method: str) -> None:
+        metrics.observe_request(method.rsplit("/", 1)[-1], "", "", grpc.StatusCode.INVALID_ARGUMENT, 0.0)
+        throttle.log(logging.WARNING, "refused an undecodable %s request", method)
+
+    return report
+
+
 def build_service(
     settings: Settings,
     *,
@@ -184,27 +202,66 @@ def build_service(
             ("grpc.so_reuseport", 0),  # a taken port must fail loudly, not be shared
         ]
     )
+    # Every servicer is added through Guarded: calls pass authorization (service/api/access.py),
+    # and undecodable request bytes are refused with INVALID_ARGUMENT (and one rate-limited log
+    # line), not UNKNOWN with a traceback per request. The API services are size-checked first
+    # (service/api/limits.py: the message arrives as bytes, is measured, then parsed).
+    # (cast: it takes the server's place in the generated functions, which only register handlers)
+    tls, authorizer = _security(settings)
+    guard_for = guards(authorizer, settings.auth_inference, metrics)
+    reporter = _undecodable_reporter(metrics)
     limited = SizeLimitedServer(server, settings.max_message_bytes, metrics)
-    limited.add(
-        inference_service_pb2_grpc.add_InferenceServiceServicer_to_server,
-        InferenceServicer(dataplane, generation, metrics),
+    registry = cast(grpc.aio.Server, Guarded(limited, reporter, guard_for))
+    inference_service_pb2_grpc.add_InferenceServiceServicer_to_server(
+        InferenceServicer(dataplane, generation, metrics), registry
     )
-    limited.add(model_service_pb2_grpc.add_ModelServiceServicer_to_server, ModelServicer(manager, metrics))
-    limited.add(
-        grpc_service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server,
-        KServeServicer(manager, dataplane, metrics),
+    model_service_pb2_grpc.add_ModelServiceServicer_to_server(ModelServicer(manager, metrics), registry)
+    grpc_service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(
+        KServeServicer(manager, dataplane, metrics), registry
     )
     health_servicer: Health = health.aio.HealthServicer()  # type: ignore[attr-defined]
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    reflection.enable_server_reflection(
-        [
-            inference_service_pb2.DESCRIPTOR.services_by_name["InferenceService"].full_name,
-            model_service_pb2.DESCRIPTOR.services_by_name["ModelService"].full_name,
-            grpc_service_pb2.DESCRIPTOR.services_by_name["GRPCInferenceService"].full_name,
-            health.SERVICE_NAME,
-            reflection.SERVICE_NAME,
-        ],
-        server,
+    # Health and reflection are not size-checked (as before); they pass Guarded too. Health's
+    # Watch writes with context.write, which the size check's stream wrapper does not take.
+    plain = cast(grpc.aio.Server, Guarded(server, reporter, guard_for))
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, plain)
+    # What reflection.enable_server_reflection does for an aio server, through Guarded.
+    reflection_pb2_grpc.add_ServerReflectionServicer_to_server(
+        reflection_aio.ReflectionServicer(
+            [
+                inference_service_pb2.DESCRIPTOR.services_by_name["InferenceService"].full_name,
+                model_service_pb2.DESCRIPTOR.services_by_name["ModelService"].full_name,
+                grpc_service_pb2.DESCRIPTOR.services_by_name["GRPCInferenceService"].full_name,
+                health.SERVICE_NAME,
+                reflection.SERVICE_NAME,
+            ]
+        ),
+        plain,
     )
-    port = server.add_insecure_port(settings.listen)
-    return Service(settings, server, port, manager, metrics, health_servicer, executor, generation, batching)
+    if tls is None:
+        port = server.add_insecure_port(settings.listen)
+    else:
+        port = server.add_secure_port(settings.listen, grpc_server_credentials(tls))
+    return Service(
+        settings, server, port, manager, metrics, health_servicer, executor, generation, batching, tls=tls
+    )
+
+
+def _security(settings: Settings) -> tuple[TlsFiles | None, Authorizer]:
+    """TLS files and the authorizer from the settings; ValueError for a combination that cannot
+    work (half a key pair, client identities without mTLS, auth_inference without credentials)."""
+    tls = TlsFiles.from_settings(settings.tls_cert, settings.tls_key, settings.tls_client_ca)
+    tokens = Path(settings.auth_tokens_file) if settings.auth_tokens_file else None
+    authorizer = Authorizer(AuthSettings(tokens, settings.auth_client_names))
+    if settings.auth_client_names and (tls is None or tls.client_ca is None):
+        raise ValueError("auth_client_names names mTLS client identities: it needs tls_client_ca")
+    if settings.auth_inference and not authorizer.configured:
+        raise ValueError("auth_inference needs auth_tokens_file or auth_client_names")
+    host = split_address(settings.listen)[0]
+    warn_if_plaintext(host, "the gRPC listener", tls)
+    if not authorizer.configured and not is_loopback(host):
+        log.warning(
+            "the gRPC listener on %s takes LoadModel/UnloadModel and repository calls from any client "
+            "(configure auth_tokens_file, see README Security)",
+            host or "all addresses",
+        )
+    return tls, authorizer
