@@ -11,7 +11,8 @@ Closed: every call is recorded in a sliding window of `window_s` seconds (at mos
 Once the window holds `min_calls`, it trips when the share of faults reaches `error_rate`, or
 when the window's p99 latency exceeds both `latency_floor_s` and `latency_multiple` x the baseline.
 The baseline is the p99 learned while healthy (a moving average, updated at most every
-`latency_check_s`). Half-open lets `probes` calls through at a time; others are refused.
+`latency_check_s`, from windows whose p99 is at most 1.5x the baseline). Half-open lets
+`probes` calls through at a time; others are refused.
 
 Time comes from an injectable clock, so tests step it instead of sleeping.
 """
@@ -26,6 +27,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 
 Clock = Callable[[], float]
+HEALTHY = 1.5  # a window's p99 up to this multiple of the baseline still teaches the baseline
 
 
 class State(StrEnum):
@@ -149,10 +151,13 @@ class AdaptivePolicy:
         limit = self.latency_limit()
         if limit is not None and observed > limit:
             return Trip.LATENCY
-        # Healthy: learn slowly, so that a gradual slide still has to cross the multiple.
-        self.baseline = (
-            observed if self.baseline is None else self.baseline + 0.2 * (observed - self.baseline)
-        )
+        # Learn slowly, and only from windows that look healthy (at most HEALTHY x the baseline;
+        # faster is always learned), so that a slide towards slow cannot drag the baseline along.
+        base = self.baseline
+        if base is None:
+            self.baseline = observed
+        elif observed <= HEALTHY * base:
+            self.baseline = base + 0.2 * (observed - base)
         return None
 
     def probe_failed(self, fault: bool, latency: float | None) -> bool:

@@ -186,7 +186,7 @@ async def test_a_slow_canary_trips_on_latency(tmp_path: Path, service_process) -
     root = tmp_path / "models"
     config = {"max_batch_size": 4096, "version_policy": {"latest": 2}}
     demo_models.write_model(root, "wide", 1, demo_models.scaled_identity(512, 2.0), config)
-    demo_models.write_model(root, "wide", 2, demo_models.dense_stack(layers=8, width=512), config)
+    demo_models.write_model(root, "wide", 2, demo_models.dense_stack(layers=16, width=512), config)
     upstream = service_process(root)
     doc = {
         "models": {"wide": {"canary_weight": 100}},
@@ -205,10 +205,10 @@ async def test_a_slow_canary_trips_on_latency(tmp_path: Path, service_process) -
     async with running_sidecar([upstream.address], config=tmp_path / "routes.yaml") as sidecar:
         await known_versions(sidecar, "wide", {"1", "2"})
         async with grpc.aio.insecure_channel(sidecar.address, options=big) as channel:
-            for i in range(12):  # fast while small: the baseline is learned
+            for i in range(30):  # fast while small: the baseline is learned
                 answer = await infer(channel, "wide", user=f"u{i}", features=512)
                 assert answer.version == "2"
-            for i in range(20):  # a batch of 4000 rows is slow on the canary only (~17 GFLOP)
+            for i in range(20):  # a batch of 4000 rows is slow on the canary only (~34 GFLOP)
                 answer = await infer(channel, "wide", user=f"u{i}", rows=4000, features=512, deadline_s=60)
                 if answer.fallback == "breaker-open":
                     break

@@ -134,6 +134,16 @@ def test_trips_when_p99_latency_exceeds_the_learned_baseline(breaker: Breaker, c
     assert changes[-1][2] == "latency"
 
 
+def test_a_slide_towards_slow_is_not_learned(breaker: Breaker, changes) -> None:
+    for _ in range(40):
+        call(breaker, latency=0.020)
+    for _ in range(30):
+        call(breaker, latency=0.050)  # 2.5x: not a trip, not healthy enough to learn from
+    assert breaker.adaptive.baseline == pytest.approx(0.020)
+    call(breaker, latency=0.090)  # 4.5x the baseline (a learned 50 ms would have hidden it)
+    assert state(breaker) is State.OPEN and changes[-1][2] == "latency"
+
+
 def test_a_slow_probe_counts_as_failed(breaker: Breaker, clock) -> None:
     for _ in range(20):
         call(breaker, latency=0.020)
