@@ -9,7 +9,8 @@ State machine (one instance per upstream x model x version):
 
 Closed: every call is recorded in a sliding window of `window_s` seconds (at most `max_samples`).
 Once the window holds `min_calls`, it trips when the share of faults reaches `error_rate`, or
-when the window's p99 latency exceeds both `latency_floor_s` and `latency_multiple` x the baseline.
+when the window's p99 latency (of at least `latency_min_calls` timed calls) exceeds both
+`latency_floor_s` and `latency_multiple` x the baseline.
 The baseline is the p99 learned while healthy (a moving average, updated at most every
 `latency_check_s`, from windows whose p99 is at most 1.5x the baseline). Half-open lets
 `probes` calls through at a time; others are refused.
@@ -46,6 +47,7 @@ class Trip(StrEnum):
 class BreakerPolicy:
     window_s: float = 10.0
     min_calls: int = 20
+    latency_min_calls: int = 100  # a p99 of fewer samples is just their maximum: one hiccup
     error_rate: float = 0.5
     latency_multiple: float = 4.0
     latency_floor_s: float = 0.25  # a p99 below this never trips, however small the baseline
@@ -57,8 +59,13 @@ class BreakerPolicy:
     max_samples: int = 5000
 
     def __post_init__(self) -> None:
-        if self.window_s <= 0 or self.min_calls < 1 or self.probes < 1 or self.max_samples < 1:
-            raise ValueError("window_s, min_calls, probes and max_samples must be positive")
+        if (
+            min(self.min_calls, self.latency_min_calls, self.probes, self.max_samples) < 1
+            or self.window_s <= 0
+        ):
+            raise ValueError(
+                "window_s, min_calls, latency_min_calls, probes and max_samples must be positive"
+            )
         if not 0 < self.error_rate <= 1:
             raise ValueError("error_rate must be in (0, 1]")
         if self.latency_multiple <= 1 or self.backoff_factor < 1:
@@ -145,7 +152,7 @@ class AdaptivePolicy:
 
     def _check_latency(self) -> Trip | None:
         latencies = self.window.latencies()
-        if len(latencies) < self.policy.min_calls:
+        if len(latencies) < self.policy.latency_min_calls:
             return None
         observed = p99(latencies)
         limit = self.latency_limit()

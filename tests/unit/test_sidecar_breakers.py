@@ -11,6 +11,7 @@ from sidecar.breakers import Breaker, BreakerKey, Breakers
 POLICY = BreakerPolicy(
     window_s=10,
     min_calls=10,
+    latency_min_calls=10,
     error_rate=0.5,
     latency_multiple=4,
     latency_floor_s=0.05,
