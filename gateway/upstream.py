@@ -10,7 +10,10 @@ from modelyard.inference.v1 import inference_service_pb2_grpc as inference_grpc
 from modelyard.inference.v1 import model_service_pb2_grpc as model_grpc
 from modelyard.kserve.v2 import grpc_service_pb2_grpc as kserve_grpc
 
-# HTTP request headers passed on as gRPC metadata: routing, identity and trace context.
+from gateway.tls import UpstreamTls
+
+# HTTP request headers passed on as gRPC metadata: routing, identity and trace context, and the
+# caller's credential (`authorization`), so a token-protected sidecar or service decides.
 FORWARDED = (
     headers.MODEL_VERSION,
     headers.CANARY_WEIGHT,
@@ -46,14 +49,23 @@ def returned(metadata: Iterable[tuple[str, str | bytes]] | None) -> dict[str, st
 class Upstream:
     """The channel and stubs; created inside the running event loop (grpc.aio binds to it)."""
 
-    def __init__(self, address: str, timeout_s: float, lookahead_bytes: int = 0) -> None:
+    def __init__(
+        self, address: str, timeout_s: float, lookahead_bytes: int = 0, tls: UpstreamTls | None = None
+    ) -> None:
         self.address = address
         self.timeout_s = timeout_s or None
         # Messages as large as the service accepts (its --max-message-bytes default), not gRPC's 4 MiB.
-        options = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)]
+        options: list[tuple[str, int | str]] = [
+            ("grpc.max_receive_message_length", 64 << 20),
+            ("grpc.max_send_message_length", 64 << 20),
+        ]
         if lookahead_bytes > 0:
             options += [("grpc.http2.lookahead_bytes", lookahead_bytes), ("grpc.http2.bdp_probe", 0)]
-        self.channel = grpc.aio.insecure_channel(address, options=options)
+        if tls is None:
+            self.channel = grpc.aio.insecure_channel(address, options=options)
+        else:
+            options += tls.options()
+            self.channel = grpc.aio.secure_channel(address, tls.credentials(), options=options)
         self.inference = inference_grpc.InferenceServiceStub(self.channel)
         self.models = model_grpc.ModelServiceStub(self.channel)
         self.kserve = kserve_grpc.GRPCInferenceServiceStub(self.channel)
