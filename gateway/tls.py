@@ -9,6 +9,7 @@ again from the files once they changed (a broken new file keeps the previous one
 
 from __future__ import annotations
 
+import os
 import ssl
 from dataclasses import dataclass
 from pathlib import Path
@@ -53,14 +54,27 @@ class UpstreamTls:
             return None
         return cls(_path(ca), _path(cert), _path(key), settings.upstream_server_name)
 
+    def stamp(self) -> tuple[object, ...]:
+        """What changes when any of the files changes (path targets, inode, size, mtime)."""
+        out: list[object] = []
+        for path in (self.ca, self.cert, self.key):
+            if path is not None:
+                st = path.stat()
+                out.append((os.path.realpath(path), st.st_ino, st.st_size, st.st_mtime_ns))
+        return tuple(out)
+
     def credentials(self) -> grpc.ChannelCredentials:
-        """Read once, when the channel is made (grpc's channel credentials are fixed for its life)."""
+        """The files as they are now; ValueError/OSError for a client key that is not its
+        certificate's (mid-swap) or an unreadable file. grpc fixes a channel's credentials for its
+        life: a change of the files takes a new channel."""
+        if self.cert is not None and self.key is not None:
+            ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT).load_cert_chain(self.cert, self.key)  # SSLError: OSError
         root = self.ca.read_bytes() if self.ca else None
         key = self.key.read_bytes() if self.key else None
         cert = self.cert.read_bytes() if self.cert else None
         return grpc.ssl_channel_credentials(root, key, cert)
 
-    def options(self) -> list[tuple[str, str]]:
+    def options(self) -> list[tuple[str, int | str]]:
         return [("grpc.ssl_target_name_override", self.server_name)] if self.server_name else []
 
 

@@ -13,6 +13,7 @@ import httpx
 import pytest
 from modelyard.common import auth
 
+from gateway import upstream
 from gateway.app import Gateway
 from gateway.config import Settings as GatewaySettings
 from gateway.config import parse_settings
@@ -186,6 +187,31 @@ async def test_gateway_client_certificate_is_its_identity_upstream(
     assert denied.status_code == 403 and denied.headers["x-error-reason"] == "permission_denied"
     assert (await through(pki["other"], authorization=f"Bearer {TOKEN}")).status_code == 200
     assert (await through(None, authorization=f"Bearer {TOKEN}")).status_code == 503  # no handshake
+
+
+async def test_renewed_upstream_client_certificate_is_used_without_a_restart(
+    start: Any, pki: dict[str, Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(upstream, "RECHECK_S", 0.0)
+    service = await start(
+        "service", auth_client_names=("good-client",), auth_inference=True, **listener_tls(pki, mtls=True)
+    )
+    live = Pem(tmp_path / "gateway.crt", tmp_path / "gateway.key")
+    install(pki["other"], live)
+    gateway = await start(
+        "gateway",
+        upstream=service.address,
+        upstream_ca=str(pki["ca"].path),
+        upstream_cert=str(live.cert),
+        upstream_key=str(live.key),
+    )
+    async with httpx.AsyncClient(base_url=gateway.url, timeout=30) as http:
+        assert (await http.post("/v2/models/scaler/infer", json=INFER)).status_code == 403
+        install(Pem(pki["client"].cert, pki["other"].key), live)  # a broken swap: the old one stays
+        assert (await http.post("/v2/models/scaler/infer", json=INFER)).status_code == 403
+        install(pki["client"], live)  # the allowed identity
+        answer = await http.post("/v2/models/scaler/infer", json=INFER)
+        assert answer.status_code == 200, answer.text
 
 
 def test_tls_settings_come_from_flags_and_environment(pki: dict[str, Any]) -> None:
