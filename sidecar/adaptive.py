@@ -1,0 +1,186 @@
+"""When a breaker trips, and how it recovers: the adaptive policy, apart from any transport.
+
+State machine (one instance per upstream x model x version):
+
+    closed --(error rate or p99 latency over threshold)--> open
+    open --(backoff elapsed; the next call asks)--> half-open
+    half-open --(`probes` calls succeed)--> closed      (backoff resets)
+    half-open --(a probe fails or is slow)--> open      (backoff x factor, capped)
+
+Closed: every call is recorded in a sliding window of `window_s` seconds (at most `max_samples`).
+Once the window holds `min_calls`, it trips when the share of faults reaches `error_rate`, or
+when the window's p99 latency (of at least `latency_min_calls` timed calls) exceeds both
+`latency_floor_s` and `latency_multiple` x the baseline.
+The baseline is the p99 learned while healthy (a moving average, updated at most every
+`latency_check_s`, from windows whose p99 is at most 1.5x the baseline). Half-open lets
+`probes` calls through at a time; others are refused.
+
+Time comes from an injectable clock, so tests step it instead of sleeping.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from enum import StrEnum
+
+Clock = Callable[[], float]
+HEALTHY = 1.5  # a window's p99 up to this multiple of the baseline still teaches the baseline
+
+
+class State(StrEnum):
+    CLOSED = "closed"
+    OPEN = "open"
+    HALF_OPEN = "half-open"
+
+
+class Trip(StrEnum):
+    ERROR_RATE = "error_rate"
+    LATENCY = "latency"
+    PROBE_FAILED = "probe_failed"
+
+
+@dataclass(frozen=True)
+class BreakerPolicy:
+    window_s: float = 10.0
+    min_calls: int = 20
+    latency_min_calls: int = 100  # a p99 of fewer samples is just their maximum: one hiccup
+    error_rate: float = 0.5
+    latency_multiple: float = 4.0
+    latency_floor_s: float = 0.25  # a p99 below this never trips, however small the baseline
+    latency_check_s: float = 0.1
+    backoff_s: float = 1.0
+    backoff_factor: float = 2.0
+    backoff_max_s: float = 30.0
+    probes: int = 3
+    max_samples: int = 5000
+
+    def __post_init__(self) -> None:
+        if (
+            min(self.min_calls, self.latency_min_calls, self.probes, self.max_samples) < 1
+            or self.window_s <= 0
+        ):
+            raise ValueError(
+                "window_s, min_calls, latency_min_calls, probes and max_samples must be positive"
+            )
+        if not 0 < self.error_rate <= 1:
+            raise ValueError("error_rate must be in (0, 1]")
+        if self.latency_multiple <= 1 or self.backoff_factor < 1:
+            raise ValueError("latency_multiple must exceed 1 and backoff_factor be at least 1")
+        if not 0 < self.backoff_s <= self.backoff_max_s:
+            raise ValueError("backoff_s must be positive and at most backoff_max_s")
+
+
+def p99(samples: list[float]) -> float:
+    ordered = sorted(samples)
+    return ordered[min(len(ordered) - 1, math.ceil(0.99 * len(ordered)) - 1)]
+
+
+class Window:
+    """Calls of the last `window_s` seconds: (time, fault, latency or None). Running counts keep
+    recording O(1); latency percentiles are computed only when checked."""
+
+    def __init__(self, policy: BreakerPolicy) -> None:
+        self.policy = policy
+        self._calls: deque[tuple[float, bool, float | None]] = deque()
+        self.faults = 0
+
+    def __len__(self) -> int:
+        return len(self._calls)
+
+    def add(self, now: float, fault: bool, latency: float | None) -> None:
+        self._calls.append((now, fault, latency))
+        self.faults += fault
+        self.trim(now)
+
+    def trim(self, now: float) -> None:
+        horizon = now - self.policy.window_s
+        calls = self._calls
+        while calls and (calls[0][0] < horizon or len(calls) > self.policy.max_samples):
+            self.faults -= calls.popleft()[1]
+
+    def latencies(self) -> list[float]:
+        return [latency for _, _, latency in self._calls if latency is not None]
+
+    def clear(self) -> None:
+        self._calls.clear()
+        self.faults = 0
+
+
+class AdaptivePolicy:
+    """The decisions of one breaker; the caller applies them (breakers.py)."""
+
+    def __init__(self, policy: BreakerPolicy, clock: Clock = time.monotonic) -> None:
+        self.policy = policy
+        self._clock = clock
+        self.window = Window(policy)
+        self.baseline: float | None = None  # learned p99 while healthy
+        self._last_check = -math.inf
+        self.trips = 0  # consecutive trips without recovery: the backoff's exponent
+        self.opened_at = 0.0
+        self.reason: Trip | None = None
+
+    def now(self) -> float:
+        return self._clock()
+
+    @property
+    def backoff_s(self) -> float:
+        p = self.policy
+        return min(p.backoff_max_s, p.backoff_s * p.backoff_factor ** max(0, self.trips - 1))
+
+    def latency_limit(self) -> float | None:
+        if self.baseline is None:
+            return None
+        return max(self.policy.latency_floor_s, self.policy.latency_multiple * self.baseline)
+
+    def record(self, fault: bool, latency: float | None) -> Trip | None:
+        """A call that ended while closed; returns why to open, or None."""
+        now = self._clock()
+        self.window.add(now, fault, latency)
+        window = self.window
+        if len(window) < self.policy.min_calls:
+            return None
+        if window.faults >= self.policy.error_rate * len(window):
+            return Trip.ERROR_RATE
+        if latency is not None and now - self._last_check >= self.policy.latency_check_s:
+            self._last_check = now
+            return self._check_latency()
+        return None
+
+    def _check_latency(self) -> Trip | None:
+        latencies = self.window.latencies()
+        if len(latencies) < self.policy.latency_min_calls:
+            return None
+        observed = p99(latencies)
+        limit = self.latency_limit()
+        if limit is not None and observed > limit:
+            return Trip.LATENCY
+        # Learn slowly, and only from windows that look healthy (at most HEALTHY x the baseline;
+        # faster is always learned), so that a slide towards slow cannot drag the baseline along.
+        base = self.baseline
+        if base is None:
+            self.baseline = observed
+        elif observed <= HEALTHY * base:
+            self.baseline = base + 0.2 * (observed - base)
+        return None
+
+    def probe_failed(self, fault: bool, latency: float | None) -> bool:
+        limit = self.latency_limit()
+        return fault or (latency is not None and limit is not None and latency > limit)
+
+    def opened(self, reason: Trip) -> None:
+        self.trips += 1
+        self.opened_at = self._clock()
+        self.reason = reason
+        self.window.clear()
+
+    def closed(self) -> None:
+        self.trips = 0
+        self.reason = None
+        self.window.clear()
+
+    def backoff_over(self) -> bool:
+        return self._clock() - self.opened_at >= self.backoff_s

@@ -1,0 +1,181 @@
+"""Circuit breakers, one per upstream x model x version, on `pybreaker` wrapped for asyncio.
+
+pybreaker keeps the state (in its pluggable storage) and tells listeners about transitions;
+its own `call` can't guard a coroutine (it counts the un-awaited coroutine as a success and
+holds a thread lock across the call). So the proxy asks `allow()` before the call and reports
+the outcome with `report()` when the call (or stream) has ended; the decisions (when to trip,
+backoff, probes) come from adaptive.py. Everything runs on the event loop thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import pybreaker
+
+from sidecar.adaptive import AdaptivePolicy, BreakerPolicy, Clock, State, Trip
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class BreakerKey:
+    upstream: str
+    model: str
+    version: str
+
+
+@dataclass(frozen=True, slots=True)
+class Permit:
+    """Leave to make one call; hand it back with the outcome."""
+
+    generation: int  # the breaker's state generation when allowed; a stale report is ignored
+    probe: bool
+
+
+# key, old state, new state, why (the trip reason on opening, else empty)
+OnChange = Callable[[BreakerKey, State, State, str], None]
+
+
+class _Listener(pybreaker.CircuitBreakerListener):
+    def __init__(self, breaker: Breaker) -> None:
+        self._breaker = breaker
+
+    def state_change(self, cb: Any, old_state: Any, new_state: Any) -> None:
+        if old_state is None or old_state.name == new_state.name:
+            return
+        self._breaker.changed(State(old_state.name), State(new_state.name))
+
+
+class Breaker:
+    def __init__(self, key: BreakerKey, policy: BreakerPolicy, clock: Clock, on_change: OnChange) -> None:
+        self.key = key
+        self.adaptive = AdaptivePolicy(policy, clock)
+        self._on_change = on_change
+        self._cb = pybreaker.CircuitBreaker(
+            fail_max=2**31 - 1,  # never trips by pybreaker's own count; adaptive.py decides
+            reset_timeout=policy.backoff_s,
+            name=f"{key.upstream}/{key.model}/{key.version}",
+            listeners=[_Listener(self)],
+        )
+        self._generation = 0
+        self._probes_in_flight = 0
+        self._probe_successes = 0
+
+    @property
+    def state(self) -> State:
+        return State(self._cb.current_state)
+
+    def would_allow(self) -> bool:
+        """Whether `allow` would let a call through now, without taking a probe slot."""
+        state = self._cb.current_state
+        if state == pybreaker.STATE_CLOSED:
+            return True
+        if state == pybreaker.STATE_OPEN:
+            return self.adaptive.backoff_over()
+        return self._probes_in_flight + self._probe_successes < self.adaptive.policy.probes
+
+    def allow(self) -> Permit | None:
+        state = self._cb.current_state
+        if state == pybreaker.STATE_CLOSED:
+            return Permit(self._generation, False)
+        if state == pybreaker.STATE_OPEN:
+            if not self.adaptive.backoff_over():
+                return None
+            self._transition(self._cb.half_open)
+        if self._probes_in_flight + self._probe_successes >= self.adaptive.policy.probes:
+            return None
+        self._probes_in_flight += 1
+        return Permit(self._generation, True)
+
+    def report(self, permit: Permit, fault: bool, latency: float | None) -> None:
+        """The outcome of an allowed call: `fault` counts against the upstream; `latency` (s) is
+        given for calls whose duration means something (unary), else None."""
+        if permit.generation != self._generation:
+            return  # the state changed while the call ran; its outcome belongs to the past
+        if permit.probe:
+            self._probes_in_flight -= 1
+            if self.adaptive.probe_failed(fault, latency):
+                self._open(Trip.PROBE_FAILED)
+                return
+            self._probe_successes += 1
+            if self._probe_successes >= self.adaptive.policy.probes:
+                self.adaptive.closed()
+                self._transition(self._cb.close)
+            return
+        trip = self.adaptive.record(fault, latency)
+        if trip is not None:
+            self._open(trip)
+
+    def release(self, permit: Permit) -> None:
+        """The call ended with no verdict on the upstream (the client cancelled)."""
+        if permit.probe and permit.generation == self._generation:
+            self._probes_in_flight -= 1
+
+    def _open(self, reason: Trip) -> None:
+        self.adaptive.opened(reason)
+        self._cb._reset_timeout = self.adaptive.backoff_s  # shown by pybreaker's own views
+        self._transition(self._cb.open)
+
+    def _transition(self, change: Callable[[], object]) -> None:
+        self._generation += 1
+        self._probes_in_flight = 0
+        self._probe_successes = 0
+        change()
+
+    def changed(self, old: State, new: State) -> None:
+        reason = self.adaptive.reason.value if new is State.OPEN and self.adaptive.reason else ""
+        self._on_change(self.key, old, new, reason)
+
+    def snapshot(self) -> dict[str, object]:
+        a = self.adaptive
+        return {
+            "upstream": self.key.upstream,
+            "model": self.key.model,
+            "version": self.key.version,
+            "state": self.state.value,
+            "reason": a.reason.value if a.reason else None,
+            "backoff_s": a.backoff_s if self.state is not State.CLOSED else None,
+            "window_calls": len(a.window),
+            "window_faults": a.window.faults,
+            "baseline_p99_s": a.baseline,
+            "trips": a.trips,
+        }
+
+
+class Breakers:
+    """All breakers of a sidecar, created on first use."""
+
+    def __init__(
+        self,
+        policy: BreakerPolicy,
+        on_change: OnChange,
+        clock: Clock = time.monotonic,  # test seam: stepped by hand in the unit tests
+    ) -> None:
+        self._policy = policy
+        self._clock = clock
+        self._on_change = on_change
+        self._breakers: dict[BreakerKey, Breaker] = {}
+
+    def get(self, upstream: str, model: str, version: str) -> Breaker:
+        key = BreakerKey(upstream, model, version)
+        breaker = self._breakers.get(key)
+        if breaker is None:
+            breaker = self._breakers[key] = Breaker(key, self._policy, self._clock, self._on_change)
+        return breaker
+
+    def set_policy(self, policy: BreakerPolicy) -> None:
+        """New thresholds (config reload) apply to breakers made from now on and to existing ones."""
+        if policy == self._policy:
+            return
+        self._policy = policy
+        for breaker in self._breakers.values():
+            breaker.adaptive.policy = policy
+            breaker.adaptive.window.policy = policy
+
+    def snapshot(self) -> list[dict[str, object]]:
+        return [b.snapshot() for _, b in sorted(self._breakers.items(), key=lambda kv: str(kv[0]))]

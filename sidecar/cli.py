@@ -1,0 +1,19 @@
+"""Command line: `python -m sidecar ...` (also `modelyard sidecar ...`)."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from collections.abc import Sequence
+
+from modelyard.common.lifecycle import run_process
+from modelyard.common.logs import configure as configure_logging
+
+from sidecar.config import parse_settings
+from sidecar.server import build_sidecar
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    settings = parse_settings(sys.argv[1:] if argv is None else argv)
+    configure_logging(settings.log_level, settings.log_format)
+    return asyncio.run(run_process(lambda: build_sidecar(settings), "sidecar", settings.grace_s))

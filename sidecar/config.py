@@ -1,0 +1,52 @@
+"""Settings of one sidecar process. Every value has a flag and a MODELYARD_SIDECAR_* variable."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from modelyard.common import logs
+from modelyard.common.settings import parse_settings as parse
+
+ENV_PREFIX = "MODELYARD_SIDECAR_"
+
+
+@dataclass(frozen=True)
+class Settings:
+    listen: str = "127.0.0.1:50051"
+    upstream: tuple[str, ...] = ("127.0.0.1:50052",)
+    admin_listen: str = "127.0.0.1:9101"  # /metrics, /breakers, /canary; empty disables it
+    config: str = ""  # the route file (YAML); empty: defaults and admin changes only
+    config_poll_s: float = 1.0
+    grace_s: float = 10.0
+    max_message_bytes: int = 64 * 1024 * 1024
+    log_level: str = "INFO"
+    log_format: str = "text"
+
+
+_HELP = {
+    "listen": "gRPC address HOST:PORT the clients call (port 0 picks a free port)",
+    "upstream": "a service HOST:PORT, optionally @VERSION[+VERSION] it alone serves; repeat for several",
+    "admin_listen": "admin HTTP address HOST:PORT (/metrics, /breakers, /canary); empty disables it",
+    "config": "route file (YAML): canary weights, versions, breaker thresholds, tenant limits",
+    "config_poll_s": "seconds between checks of the route file for changes",
+    "grace_s": "seconds in-flight calls get to finish on shutdown",
+    "max_message_bytes": "largest request or response message, in bytes",
+    "log_level": "DEBUG, INFO, WARNING or ERROR",
+    "log_format": "text or json (one object per line)",
+}
+_CHOICES = {"log_level": logs.LEVELS, "log_format": logs.FORMATS}
+
+
+def parse_settings(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None) -> Settings:
+    """Flags override environment variables, which override the defaults."""
+    return parse(
+        Settings,
+        ENV_PREFIX,
+        argv,
+        environ,
+        prog="modelyard sidecar",
+        description="Route, dye and guard calls to Modelyard services.",
+        help=_HELP,
+        choices=_CHOICES,
+    )

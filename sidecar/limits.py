@@ -1,0 +1,76 @@
+"""Per-tenant limits (the `x-tenant-id` header): a token bucket (rate, burst) and a cap on
+concurrent calls. A call beyond them is refused with RESOURCE_EXHAUSTED and a retry hint."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+ANY_TENANT = "*"
+
+
+@dataclass(frozen=True)
+class TenantLimit:
+    rate: float = 0.0  # calls per second; 0 = no rate limit
+    burst: float = 0.0  # bucket size; 0 = max(1, rate)
+    concurrency: int = 0  # calls in flight; 0 = no limit
+
+    def __post_init__(self) -> None:
+        if self.rate < 0 or self.burst < 0 or self.concurrency < 0:
+            raise ValueError("rate, burst and concurrency must not be negative")
+
+
+@dataclass(frozen=True, slots=True)
+class Refusal:
+    message: str
+    retry_after_s: float
+
+
+class _Bucket:
+    __slots__ = ("in_flight", "limit", "stamp", "tokens")
+
+    def __init__(self, limit: TenantLimit, now: float) -> None:
+        self.limit = limit
+        self.tokens = self.capacity
+        self.stamp = now
+        self.in_flight = 0
+
+    @property
+    def capacity(self) -> float:
+        return self.limit.burst or max(1.0, self.limit.rate)
+
+
+class TenantLimits:
+    """Admission per tenant. `acquire` before the call, `release` after it (when it was admitted)."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        self._buckets: dict[str, _Bucket] = {}
+
+    def acquire(self, tenant: str, limits: Mapping[str, TenantLimit]) -> Refusal | None:
+        limit = limits.get(tenant) or limits.get(ANY_TENANT)
+        if limit is None:
+            return None
+        now = self._clock()
+        bucket = self._buckets.get(tenant)
+        if bucket is None or bucket.limit != limit:  # new tenant, or its limit changed
+            bucket = self._buckets[tenant] = _Bucket(limit, now) if bucket is None else bucket
+            bucket.limit = limit
+            bucket.tokens = min(bucket.tokens, bucket.capacity)
+        if limit.concurrency and bucket.in_flight >= limit.concurrency:
+            return Refusal(f"tenant {tenant!r} has {limit.concurrency} calls in flight (its limit)", 0.05)
+        if limit.rate:
+            bucket.tokens = min(bucket.capacity, bucket.tokens + (now - bucket.stamp) * limit.rate)
+            bucket.stamp = now
+            if bucket.tokens < 1.0:
+                wait = (1.0 - bucket.tokens) / limit.rate
+                return Refusal(f"tenant {tenant!r} is over its rate limit of {limit.rate:g}/s", wait)
+            bucket.tokens -= 1.0
+        bucket.in_flight += 1
+        return None
+
+    def release(self, tenant: str) -> None:
+        bucket = self._buckets.get(tenant)
+        if bucket is not None and bucket.in_flight > 0:
+            bucket.in_flight -= 1

@@ -1,0 +1,96 @@
+"""The sidecar's Prometheus metrics, in its own registry (tests run several sidecars at once)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from sidecar.adaptive import State
+from sidecar.breakers import BreakerKey
+
+STATE_VALUES = {State.CLOSED: 0, State.HALF_OPEN: 1, State.OPEN: 2}
+
+
+class SidecarMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.requests = Counter(
+            "modelyard_sidecar_requests",
+            "Calls the sidecar answered, by method, model, dye and status code",
+            ["method", "model", "dye", "code"],
+            registry=self.registry,
+        )
+        self.latency = Histogram(
+            "modelyard_sidecar_request_seconds",
+            "Time from a call's arrival to its answer (unary) or end (streams)",
+            ["method"],
+            buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
+            registry=self.registry,
+        )
+        self.fallbacks = Counter(
+            "modelyard_sidecar_dye_fallbacks",
+            "Canary-dyed calls sent to the stable version instead, by reason",
+            ["model", "reason"],
+            registry=self.registry,
+        )
+        self.breaker_state = Gauge(
+            "modelyard_sidecar_breaker_state",
+            "Breaker state per upstream, model and version: 0 closed, 1 half-open, 2 open",
+            ["upstream", "model", "version"],
+            registry=self.registry,
+        )
+        self.breaker_transitions = Counter(
+            "modelyard_sidecar_breaker_transitions",
+            "Breaker state changes, by the state entered",
+            ["upstream", "model", "version", "to"],
+            registry=self.registry,
+        )
+        self.tenant_refusals = Counter(
+            "modelyard_sidecar_tenant_refusals",
+            "Calls refused by a tenant's rate or concurrency limit",
+            ["tenant"],
+            registry=self.registry,
+        )
+
+        self.shadow_calls = Counter(
+            "modelyard_sidecar_shadow_calls",
+            "Stable calls mirrored to the canary, by outcome: compared, failed, dropped (over the bound)",
+            ["model", "outcome"],
+            registry=self.registry,
+        )
+        self.shadow_max_abs_diff = Histogram(
+            "modelyard_sidecar_shadow_max_abs_diff",
+            "Largest absolute difference between the stable and canary outputs of a mirrored call",
+            ["model"],
+            buckets=(0.0, 1e-6, 1e-4, 1e-3, 1e-2, 0.1, 1.0, 10.0),
+            registry=self.registry,
+        )
+        self.shadow_rows = Counter(
+            "modelyard_sidecar_shadow_rows",
+            "Output rows compared by argmax in mirrored calls",
+            ["model"],
+            registry=self.registry,
+        )
+        self.shadow_rows_agreeing = Counter(
+            "modelyard_sidecar_shadow_rows_agreeing",
+            "Output rows whose argmax agreed between stable and canary",
+            ["model"],
+            registry=self.registry,
+        )
+
+        self.shadow_tokens = Counter(
+            "modelyard_sidecar_shadow_tokens",
+            "Generated tokens compared in mirrored greedy generations (the longer output's length)",
+            ["model"],
+            registry=self.registry,
+        )
+        self.shadow_tokens_agreeing = Counter(
+            "modelyard_sidecar_shadow_tokens_agreeing",
+            "Generated tokens that agreed (the common prefix) in mirrored greedy generations",
+            ["model"],
+            registry=self.registry,
+        )
+
+    def breaker_changed(self, key: BreakerKey, new: State) -> None:
+        labels = (key.upstream, key.model, key.version)
+        self.breaker_state.labels(*labels).set(STATE_VALUES[new])
+        self.breaker_transitions.labels(*labels, new.value).inc()

@@ -1,0 +1,597 @@
+"""The proxy: every method of the service forwarded as bytes (no decode, no re-encode).
+
+Data calls (Infer, InferStream, Generate, KServe ModelInfer and ModelStreamInfer) are dyed
+(routing.py), guarded by breakers (breakers.py) and tenant limits (limits.py); the chosen version
+travels as field 2 (appended to the message: the last occurrence wins on the wire) and as the
+`x-model-version` header. Other calls go to an upstream that serves the named model, or any.
+Metadata, deadline, cancellation and the full status (code, message, trailers) pass through.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Iterable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import grpc
+from grpc_reflection.v1alpha import reflection_pb2
+from modelyard.common import headers
+from modelyard.common.reasons import ErrorReason, is_server_fault
+from modelyard.inference.v1 import inference_service_pb2, model_service_pb2
+from modelyard.kserve.v2 import grpc_service_pb2
+
+from sidecar.breakers import Breaker, Breakers, Permit
+from sidecar.limits import TenantLimits
+from sidecar.metrics import SidecarMetrics
+from sidecar.routes import RouteSource
+from sidecar.routing import CANARY, STABLE, Decision, RoutingError, decide, stable_and_canary
+from sidecar.shadow import GENERATE as SHADOWED_STREAM
+from sidecar.shadow import METHODS as SHADOWED
+from sidecar.shadow import Shadows, is_greedy, token_ids
+from sidecar.tracing import Tracing
+from sidecar.upstreams import Upstream, Upstreams
+from sidecar.wire import WireError, read_model_fields, with_version
+
+log = logging.getLogger(__name__)
+
+Context = grpc.aio.ServicerContext[bytes, bytes]
+if TYPE_CHECKING:
+    _Handler = grpc.GenericRpcHandler[bytes, bytes]
+    _MethodHandler = grpc.RpcMethodHandler[bytes, bytes]
+else:
+    _Handler = grpc.GenericRpcHandler
+    _MethodHandler = grpc.RpcMethodHandler
+Metadata = tuple[tuple[str, str | bytes], ...]
+
+_DATA_METHODS = frozenset(
+    {
+        "/modelyard.inference.v1.InferenceService/Infer",
+        "/modelyard.inference.v1.InferenceService/InferStream",
+        "/modelyard.inference.v1.InferenceService/Generate",
+        "/inference.GRPCInferenceService/ModelInfer",
+        "/inference.GRPCInferenceService/ModelStreamInfer",
+    }
+)
+# Calls whose fields 1 and 2 are a model name and version, but that are not dyed.
+_MODEL_METHODS = frozenset(
+    {
+        "/inference.GRPCInferenceService/ModelReady",
+        "/inference.GRPCInferenceService/ModelMetadata",
+        "/inference.GRPCInferenceService/ModelConfig",
+        "/inference.GRPCInferenceService/ModelStatistics",
+    }
+)
+# Request headers the sidecar sets itself (or that only make sense on one hop).
+_DROP = frozenset({headers.MODEL_VERSION, headers.MODEL_DYE, "user-agent", "te", "content-type"})
+FAULT_CODES = frozenset(
+    {
+        grpc.StatusCode.UNAVAILABLE,
+        grpc.StatusCode.INTERNAL,
+        grpc.StatusCode.UNKNOWN,
+        grpc.StatusCode.DEADLINE_EXCEEDED,
+    }
+)
+FALLBACK_BREAKER = "breaker-open"
+FALLBACK_UNAVAILABLE = "unavailable"
+FALLBACK_CANARY_FAULT = "canary-fault"
+ANONYMOUS = "-"  # the tenant of calls without x-tenant-id (limited by the "*" entry)
+
+
+@dataclass(frozen=True, slots=True)
+class MethodInfo:
+    path: str
+    kind: str  # unary_unary, unary_stream or stream_stream
+    routed: bool  # dyed, guarded by breakers and tenant limits
+    model_addressed: bool  # fields 1 and 2 name the model and version
+
+
+def method_table() -> dict[str, MethodInfo]:
+    services = [
+        inference_service_pb2.DESCRIPTOR.services_by_name["InferenceService"],
+        model_service_pb2.DESCRIPTOR.services_by_name["ModelService"],
+        grpc_service_pb2.DESCRIPTOR.services_by_name["GRPCInferenceService"],
+        reflection_pb2.DESCRIPTOR.services_by_name["ServerReflection"],
+    ]
+    table = {}
+    for service in services:
+        for method in service.methods:
+            path = f"/{service.full_name}/{method.name}"
+            if method.client_streaming and not method.server_streaming:
+                continue  # none in our APIs
+            kind = ("stream" if method.client_streaming else "unary") + (
+                "_stream" if method.server_streaming else "_unary"
+            )
+            routed = path in _DATA_METHODS
+            table[path] = MethodInfo(path, kind, routed, routed or path in _MODEL_METHODS)
+    # grpcurl and friends ask for reflection v1 first; the service answers v1alpha only, and
+    # the messages are the same, so forward v1 where the upstream knows it and let it answer.
+    table["/grpc.reflection.v1.ServerReflection/ServerReflectionInfo"] = MethodInfo(
+        "/grpc.reflection.v1.ServerReflection/ServerReflectionInfo", "stream_stream", False, False
+    )
+    return table
+
+
+def error_reason(trailing: Iterable[Any] | None) -> str:
+    for key, value in trailing or ():
+        if key == headers.ERROR_REASON:
+            return value if isinstance(value, str) else value.decode()
+    return ""
+
+
+def is_fault(code: grpc.StatusCode, trailing: Iterable[Any] | None) -> bool:
+    """Whether an answer counts against the upstream: server faults, never client mistakes.
+    A deadline that passed counts (a slow upstream); `x-error-reason` decides the rest."""
+    if code == grpc.StatusCode.OK:
+        return False
+    if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+        return True
+    reason = error_reason(trailing)
+    return is_server_fault(reason) if reason else code in FAULT_CODES
+
+
+class Refused(Exception):
+    def __init__(self, code: grpc.StatusCode, message: str, reason: str, extra: Metadata = ()) -> None:
+        super().__init__(message)
+        self.code = code
+        self.reason = reason
+        self.extra = extra
+
+
+@dataclass(slots=True)
+class Plan:
+    """Where one call goes. Rebuilt (with another upstream or version) for a retry."""
+
+    model: str
+    version: str
+    dye: str
+    fallback: str
+    stable: str
+    upstream: Upstream
+    breaker: Breaker | None
+    permit: Permit | None
+    forward: Metadata  # request metadata for the upstream
+    tenant: str
+    reported: bool = False
+
+    @property
+    def answer_metadata(self) -> Metadata:
+        """What the client's response metadata gets from the sidecar."""
+        if not self.dye:
+            return ()
+        md: Metadata = ((headers.MODEL_DYE, self.dye),)
+        return (*md, (headers.DYE_FALLBACK, self.fallback)) if self.fallback else md
+
+    def body(self, message: bytes) -> bytes:
+        """The message with the chosen version in field 2, unless it carries one already."""
+        if not self.version or not self.dye:
+            return message
+        try:
+            fields = read_model_fields(message)
+        except WireError:
+            return message  # the upstream answers INVALID_ARGUMENT for it
+        if fields.version or (fields.name and fields.name != self.model):
+            return message
+        return with_version(message, self.version)
+
+
+class Proxy(_Handler):
+    def __init__(
+        self,
+        upstreams: Upstreams,
+        breakers: Breakers,
+        routes: RouteSource,
+        limits: TenantLimits,
+        metrics: SidecarMetrics,
+        tracing: Tracing,
+        shadows: Shadows,
+    ) -> None:
+        self._shadows = shadows
+        self._upstreams = upstreams
+        self._breakers = breakers
+        self._routes = routes
+        self._limits = limits
+        self._metrics = metrics
+        self._tracing = tracing
+        self._handlers: dict[str, _MethodHandler] = {}
+        for info in method_table().values():
+            self._handlers[info.path] = self._make_handler(info)
+
+    def service(self, handler_call_details: grpc.HandlerCallDetails) -> _MethodHandler | None:
+        return self._handlers.get(handler_call_details.method)
+
+    def _make_handler(self, info: MethodInfo) -> _MethodHandler:
+        if info.kind == "unary_unary":
+
+            async def unary_unary(request: bytes, context: Context) -> bytes:
+                return await self._unary(info, request, context)
+
+            return grpc.unary_unary_rpc_method_handler(unary_unary)
+        # grpc.aio tells streaming handlers by inspect.isasyncgenfunction: they must be one.
+        if info.kind == "unary_stream":
+
+            async def unary_stream(request: bytes, context: Context) -> AsyncIterator[bytes]:
+                async for message in self._stream(info, request, None, context):
+                    yield message
+
+            return grpc.unary_stream_rpc_method_handler(unary_stream)
+
+        async def stream_stream(requests: AsyncIterator[bytes], context: Context) -> AsyncIterator[bytes]:
+            first = None
+            async for message in requests:
+                first = message
+                break
+            async for message in self._stream(info, first, requests, context):
+                yield message
+
+        return grpc.stream_stream_rpc_method_handler(stream_stream)
+
+    # --- planning -------------------------------------------------------------------------
+
+    def _plan(self, info: MethodInfo, request: bytes | None, md: Metadata) -> Plan:
+        received = {key: value for key, value in md if isinstance(value, str)}
+        forward = tuple((k, v) for k, v in md if k not in _DROP and not k.startswith(":"))
+        model = pin = ""
+        if info.model_addressed:
+            try:
+                fields = read_model_fields(request or b"")
+            except WireError as exc:
+                raise Refused(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"the request is not a valid message: {exc}",
+                    ErrorReason.INVALID_ARGUMENT,
+                ) from exc
+            model = fields.name or received.get(headers.MODEL_NAME, "")
+            pin = fields.version or received.get(headers.MODEL_VERSION, "")
+        if not info.routed:
+            candidates = self._upstreams.candidates(model, pin) if info.model_addressed else []
+            upstream = (candidates or self._upstreams.any())[0]
+            return Plan(model, pin, "", "", "", upstream, None, None, forward, "")
+        table = self._routes.table
+        sticky = received.get(table.stickiness_header) or received.get(headers.REQUEST_ID)
+        try:
+            decision = decide(
+                table.route(model),
+                self._upstreams.versions(model),
+                pin=pin,
+                sticky_key=sticky,
+                header_weight=received.get(headers.CANARY_WEIGHT),
+            )
+        except RoutingError as exc:
+            raise Refused(grpc.StatusCode.INVALID_ARGUMENT, str(exc), ErrorReason.INVALID_ARGUMENT) from exc
+        tenant = received.get(headers.TENANT_ID) or ANONYMOUS
+        if table.tenants:
+            refusal = self._limits.acquire(tenant, table.tenants)
+            if refusal is not None:
+                self._metrics.tenant_refusals.labels(tenant).inc()
+                retry_ms = str(max(1, round(refusal.retry_after_s * 1000)))
+                raise Refused(
+                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    refusal.message,
+                    ErrorReason.TENANT_LIMIT,
+                    ((headers.RETRY_PUSHBACK_MS, retry_ms),),
+                )
+        else:
+            tenant = ""
+        try:
+            return self._choose(model, decision, forward, tenant, exclude=())
+        except Refused:
+            if tenant:
+                self._limits.release(tenant)
+            raise
+
+    def _choose(
+        self, model: str, decision: Decision, forward: Metadata, tenant: str, exclude: Sequence[Upstream]
+    ) -> Plan:
+        found, blocked = self._take(model, decision.version, exclude)
+        dye, version, fallback = decision.dye, decision.version, ""
+        if found is None and decision.dye == CANARY and decision.stable:
+            fallback = FALLBACK_BREAKER if blocked else FALLBACK_UNAVAILABLE
+            dye, version = STABLE, decision.stable
+            found, _ = self._take(model, version, exclude)
+            if found is not None:
+                self._metrics.fallbacks.labels(model, fallback).inc()
+        if found is None:
+            if blocked:
+                raise Refused(
+                    grpc.StatusCode.UNAVAILABLE,
+                    f"model {model!r} version {version}: circuit breaker open",
+                    ErrorReason.BREAKER_OPEN,
+                )
+            raise Refused(
+                grpc.StatusCode.UNAVAILABLE,
+                f"model {model!r} version {version or '(default)'}: no upstream left to try",
+                ErrorReason.UNAVAILABLE,
+            )
+        upstream, breaker, permit = found
+        if version:
+            forward = (*forward, (headers.MODEL_VERSION, version), (headers.MODEL_DYE, dye))
+        return Plan(
+            model, version, dye, fallback, decision.stable, upstream, breaker, permit, forward, tenant
+        )
+
+    def _take(
+        self, model: str, version: str, exclude: Sequence[Upstream], fallback_to_any: bool = True
+    ) -> tuple[tuple[Upstream, Breaker, Permit] | None, bool]:
+        """The first upstream for the version whose breaker lets a call through; and whether a
+        breaker refused. With no upstream known to serve it, any (it answers NOT_FOUND itself)."""
+        blocked = False
+        candidates = self._upstreams.candidates(model, version)
+        if not candidates and fallback_to_any:
+            candidates = self._upstreams.any()
+        for upstream in candidates:
+            if upstream in exclude:
+                continue
+            breaker = self._breakers.get(upstream.address, model, version)
+            permit = breaker.allow()
+            if permit is not None:
+                return (upstream, breaker, permit), blocked
+            blocked = True
+        return None, blocked
+
+    def _retry(self, plan: Plan, tried: list[Upstream], unreachable: bool) -> Plan | None:
+        """A unary call failed before any answer reached the client: an upstream could not be
+        reached (try another for the same version), or a canary failed (the stable version
+        answers instead: a canary's faults count against its breaker, never against a user)."""
+        forward = _strip(plan.forward)
+        if unreachable:
+            found, _ = self._take(plan.model, plan.version, tried, fallback_to_any=False)
+            if found is not None:
+                return self._plan_for(plan, plan.version, plan.dye, plan.fallback, found, forward)
+        if plan.dye == CANARY and plan.stable:
+            found, _ = self._take(plan.model, plan.stable, tried if unreachable else ())
+            if found is not None:
+                reason = FALLBACK_UNAVAILABLE if unreachable else FALLBACK_CANARY_FAULT
+                self._metrics.fallbacks.labels(plan.model, reason).inc()
+                return self._plan_for(plan, plan.stable, STABLE, reason, found, forward)
+        return None
+
+    @staticmethod
+    def _plan_for(
+        plan: Plan,
+        version: str,
+        dye: str,
+        fallback: str,
+        found: tuple[Upstream, Breaker, Permit],
+        forward: Metadata,
+    ) -> Plan:
+        upstream, breaker, permit = found
+        forward = (*forward, (headers.MODEL_VERSION, version), (headers.MODEL_DYE, dye))
+        return Plan(
+            plan.model, version, dye, fallback, plan.stable, upstream, breaker, permit, forward, plan.tenant
+        )
+
+    def _shadow_target(self, plan: Plan) -> tuple[str, Upstream, Metadata] | None:
+        """The canary version, an upstream whose breaker lets calls through, and the metadata."""
+        if not plan.version:
+            return None  # the model's versions are not known (yet): nothing to compare against
+        route = self._routes.table.route(plan.model)
+        _, canary = stable_and_canary(route, self._upstreams.versions(plan.model))
+        if not canary or canary == plan.version:
+            return None
+        for upstream in self._upstreams.candidates(plan.model, canary):
+            if self._breakers.get(upstream.address, plan.model, canary).would_allow():
+                md = (*_strip(plan.forward), (headers.MODEL_VERSION, canary), (headers.MODEL_DYE, "shadow"))
+                return canary, upstream, md
+        return None
+
+    def _maybe_shadow(self, info: MethodInfo, plan: Plan, request: bytes, answer: bytes) -> None:
+        """Mirror a stable answer's request to the canary (shadow.py), if the route file asks."""
+        policy = self._routes.table.shadow
+        if not self._shadows.wants(policy) or (target := self._shadow_target(plan)) is None:
+            return
+        canary, upstream, forward = target
+        method = upstream.method(info.path, "unary_unary")
+
+        async def send(message: bytes) -> bytes:
+            answer: bytes = await method(with_version(message, canary), metadata=forward, timeout=30)
+            return answer
+
+        self._shadows.mirror(policy, plan.model, info.path, request, answer, send)
+
+    def _wants_shadow(self, info: MethodInfo, plan: Plan, request: bytes | None) -> list[int] | None:
+        """A list to collect the stable stream's tokens in, when this Generate is mirrored."""
+        if info.path != SHADOWED_STREAM or plan.dye != STABLE or request is None:
+            return None
+        if not self._shadows.wants(self._routes.table.shadow) or not is_greedy(request):
+            return None
+        return []
+
+    def _shadow_generation(self, plan: Plan, request: bytes, tokens: list[int]) -> None:
+        if (target := self._shadow_target(plan)) is None:
+            return
+        canary, upstream, forward = target
+        method = upstream.method(SHADOWED_STREAM, "unary_stream")
+
+        async def send(message: bytes) -> list[int]:
+            produced: list[int] = []
+            async for event in method(with_version(message, canary), metadata=forward, timeout=120):
+                produced.extend(token_ids(event))
+            return produced
+
+        self._shadows.mirror_tokens(self._routes.table.shadow, plan.model, request, tokens, send)
+
+    def _report(self, plan: Plan, code: grpc.StatusCode, trailing: Any, latency: float | None) -> None:
+        if plan.reported or plan.breaker is None or plan.permit is None:
+            return
+        plan.reported = True
+        if code == grpc.StatusCode.CANCELLED and not error_reason(trailing):
+            plan.breaker.release(plan.permit)  # the client went away: no verdict on the upstream
+            return
+        plan.breaker.report(plan.permit, is_fault(code, trailing), latency)
+
+    def _finish(self, info: MethodInfo, plan: Plan | None, code: grpc.StatusCode, started: float) -> None:
+        if plan is not None:
+            self._report(plan, code, None, None)
+            if plan.tenant:
+                self._limits.release(plan.tenant)
+        method = info.path.rpartition("/")[2]
+        self._metrics.requests.labels(
+            method, plan.model if plan else "", plan.dye if plan else "", code.name
+        ).inc()
+        self._metrics.latency.labels(method).observe(time.perf_counter() - started)
+
+    # --- calls ----------------------------------------------------------------------------
+
+    async def _stream_retry(self, plan: Plan, call: Any, tried: list[Upstream]) -> Plan | None:
+        """A server stream that ended before its first message (a trailers-only answer): nothing
+        reached the client yet, so an unreachable upstream or a canary fault is retried as for
+        unary calls."""
+        code = await call.code()
+        if code == grpc.StatusCode.OK:
+            return None
+        trailing = await call.trailing_metadata()
+        unreachable = code == grpc.StatusCode.UNAVAILABLE and not error_reason(trailing)
+        if not unreachable and not (plan.dye == CANARY and is_fault(code, trailing)):
+            return None
+        self._report(plan, code, trailing, None)
+        tried.append(plan.upstream)
+        return self._retry(plan, tried, unreachable)
+
+    async def _unary(self, info: MethodInfo, request: bytes, context: Context) -> bytes:
+        started = time.perf_counter()
+        code = grpc.StatusCode.OK
+        plan: Plan | None = None
+        md = tuple(context.invocation_metadata() or ())
+        span = self._tracing.server_span(info.path, md)
+        try:
+            try:
+                plan = self._plan(info, request, md)
+            except Refused as refused:
+                code = refused.code
+                self._tracing.refused(span, refused.reason)
+                await context.abort(refused.code, str(refused), _refusal_md(refused))
+            tried: list[Upstream] = []
+            while True:
+                assert plan is not None
+                attempt_started = time.perf_counter()
+                with self._tracing.attempt(span, plan, info.path) as attempt:
+                    call = plan.upstream.method(info.path, "unary_unary")(
+                        plan.body(request), metadata=attempt.metadata, timeout=context.time_remaining()
+                    )
+                    try:
+                        response: bytes = await call
+                    except grpc.aio.AioRpcError as exc:
+                        code = exc.code()
+                        trailing = exc.trailing_metadata()
+                        self._report(plan, code, trailing, None)
+                        attempt.failed(code)
+                        unreachable = code == grpc.StatusCode.UNAVAILABLE and not error_reason(trailing)
+                        retry = None
+                        if unreachable or (plan.dye == CANARY and is_fault(code, trailing)):
+                            tried.append(plan.upstream)
+                            retry = self._retry(plan, tried, unreachable)
+                        if retry is None:
+                            await context.abort(
+                                code, exc.details() or "", _with(trailing, plan.answer_metadata)
+                            )
+                        plan = retry
+                        continue
+                code = grpc.StatusCode.OK  # this attempt answered, whatever an earlier one did
+                self._report(plan, code, None, time.perf_counter() - attempt_started)
+                initial = await call.initial_metadata()
+                await context.send_initial_metadata(_with(initial, plan.answer_metadata))
+                trailing = await call.trailing_metadata()
+                if trailing:
+                    context.set_trailing_metadata(tuple(trailing))
+                if plan.dye == STABLE and info.path in SHADOWED:
+                    self._maybe_shadow(info, plan, request, response)
+                return response
+        except asyncio.CancelledError:
+            code = grpc.StatusCode.CANCELLED
+            raise
+        finally:
+            self._tracing.end(span, plan, code)
+            self._finish(info, plan, code, started)
+
+    async def _stream(
+        self,
+        info: MethodInfo,
+        first: bytes | None,
+        more: AsyncIterator[bytes] | None,
+        context: Context,
+    ) -> AsyncIterator[bytes]:
+        started = time.perf_counter()
+        code = grpc.StatusCode.OK
+        plan: Plan | None = None
+        md = tuple(context.invocation_metadata() or ())
+        span = self._tracing.server_span(info.path, md)
+        call: Any = None
+        try:
+            try:
+                plan = self._plan(info, first, md)
+            except Refused as refused:
+                code = refused.code
+                self._tracing.refused(span, refused.reason)
+                await context.abort(refused.code, str(refused), _refusal_md(refused))
+            tried: list[Upstream] = []
+            while True:
+                assert plan is not None
+                with self._tracing.attempt(span, plan, info.path) as attempt:
+                    timeout = context.time_remaining()
+                    method = plan.upstream.method(info.path, info.kind)
+                    if info.kind == "unary_stream":
+                        call = method(plan.body(first or b""), metadata=attempt.metadata, timeout=timeout)
+                    else:
+                        call = method(
+                            _requests(plan, first, more), metadata=attempt.metadata, timeout=timeout
+                        )
+                    try:
+                        initial = await call.initial_metadata()
+                        if info.kind == "unary_stream" and call.done():
+                            retry = await self._stream_retry(plan, call, tried)
+                            if retry is not None:
+                                attempt.failed(await call.code())
+                                plan = retry
+                                continue
+                        await context.send_initial_metadata(_with(initial, plan.answer_metadata))
+                        shadowed = self._wants_shadow(info, plan, first)
+                        async for message in call:
+                            if shadowed is not None:
+                                shadowed.extend(token_ids(message))
+                            yield message
+                        trailing = await call.trailing_metadata()
+                        if trailing:
+                            context.set_trailing_metadata(tuple(trailing))
+                        if shadowed is not None and first is not None:
+                            self._shadow_generation(plan, first, shadowed)
+                    except grpc.aio.AioRpcError as exc:
+                        code = exc.code()
+                        trailing = exc.trailing_metadata()
+                        self._report(plan, code, trailing, None)
+                        attempt.failed(code)
+                        await context.abort(code, exc.details() or "", _with(trailing, plan.answer_metadata))
+                break
+        except (asyncio.CancelledError, GeneratorExit):
+            code = grpc.StatusCode.CANCELLED
+            raise
+        finally:
+            if call is not None and not call.done():
+                call.cancel()  # the client went away: so does the upstream call, at once
+            self._tracing.end(span, plan, code)
+            self._finish(info, plan, code, started)
+
+
+async def _requests(
+    plan: Plan, first: bytes | None, more: AsyncIterator[bytes] | None
+) -> AsyncIterator[bytes]:
+    if first is None:
+        return
+    yield plan.body(first)
+    if more is not None:
+        async for message in more:
+            yield plan.body(message)
+
+
+def _with(received: Iterable[Any] | None, added: Metadata) -> Metadata:
+    return (*((key, value) for key, value in received or ()), *added)
+
+
+def _strip(forward: Metadata) -> Metadata:
+    return tuple((k, v) for k, v in forward if k not in (headers.MODEL_VERSION, headers.MODEL_DYE))
+
+
+def _refusal_md(refused: Refused) -> Metadata:
+    return ((headers.ERROR_REASON, refused.reason), *refused.extra)

@@ -1,0 +1,106 @@
+"""Version dyeing: which version answers a request.
+
+Precedence: a pin (field 2 of the request or the `x-model-version` header) chooses the version.
+Otherwise the request is dyed `stable` or `canary`: its sticky key (the `x-user-id` header, or
+the configured header; else `x-request-id`; else random) hashes into one of 10,000 buckets, and
+buckets below weight x 100 are canary. The same key always lands in the same bucket, so a user
+keeps their dye for a given weight, and raising the weight only moves users from stable to canary.
+
+The weight (0-100) comes from the `x-canary-weight` header when present, else from the model's
+route (config file or admin endpoint). The stable and canary versions come from the route, else
+from the versions the upstreams serve: the newest is the canary, the one before it stable.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+BUCKETS = 10_000
+STABLE = "stable"
+CANARY = "canary"
+PINNED = "pinned"
+
+
+class RoutingError(ValueError):
+    """A request header the router cannot use (the message names it)."""
+
+
+@dataclass(frozen=True, slots=True)
+class ModelRoute:
+    """How one model's traffic splits. Empty versions: taken from what the upstreams serve."""
+
+    canary_weight: float = 0.0
+    stable: str = ""
+    canary: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    version: str  # empty: the model's versions are unknown; the service picks its default
+    dye: str  # stable, canary or pinned; empty when the versions are unknown
+    canary: str = ""  # the canary version when dyed canary (for the fallback), else empty
+    stable: str = ""  # the stable version, where a canary may fall back to
+
+
+def normalize_version(text: str) -> str:
+    """The service accepts "3" and "v3"; compare versions in one spelling."""
+    return text[1:] if text[:1] in ("v", "V") and text[1:].isdigit() else text
+
+
+def bucket(key: str) -> int:
+    """A stable bucket in [0, 10000): the same in every process (Python's hash() is salted)."""
+    digest = hashlib.blake2b(key.encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") % BUCKETS
+
+
+def is_canary(key: str, weight: float) -> bool:
+    return bucket(key) < weight * (BUCKETS / 100)
+
+
+def parse_weight(text: str) -> float:
+    try:
+        weight = float(text)
+    except ValueError:
+        weight = -1.0
+    if not 0.0 <= weight <= 100.0:
+        raise RoutingError(f"x-canary-weight must be a number from 0 to 100, not {text!r}")
+    return weight
+
+
+def stable_and_canary(route: ModelRoute, served: Iterable[str]) -> tuple[str, str]:
+    """(stable, canary) for a model: the route's versions where set, else the two newest served
+    versions (numeric order); with one served version there is no canary."""
+    ordered = sorted(set(served), key=_version_key)
+    canary = route.canary or (ordered[-1] if len(ordered) >= 2 else "")
+    stable = route.stable or next((v for v in reversed(ordered) if v != canary), "")
+    return stable, canary
+
+
+def _version_key(version: str) -> tuple[int, str]:
+    return (int(version), "") if version.isdigit() else (-1, version)
+
+
+def decide(
+    route: ModelRoute,
+    served: Iterable[str],
+    *,
+    pin: str,
+    sticky_key: str | None,
+    header_weight: str | None,
+) -> Decision:
+    """The version for one request. `sticky_key` None means no key: a random bucket."""
+    if pin:
+        return Decision(normalize_version(pin), PINNED)
+    stable, canary = stable_and_canary(route, served)
+    if not stable:
+        return Decision("", "")  # versions unknown (yet): undyed, the service answers as it would
+    if not canary or canary == stable:
+        return Decision(stable, STABLE, stable=stable)
+    weight = route.canary_weight if header_weight is None else parse_weight(header_weight)
+    key = sticky_key if sticky_key is not None else os.urandom(8).hex()
+    if is_canary(key, weight):
+        return Decision(canary, CANARY, canary=canary, stable=stable)
+    return Decision(stable, STABLE, stable=stable)

@@ -1,0 +1,173 @@
+"""The composition root: settings -> a running sidecar (proxy, breakers, routes, health, admin)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from modelyard.common import health as health_names
+from modelyard.common.settings import split_address
+
+from sidecar.adaptive import Clock, State
+from sidecar.admin import AdminServer
+from sidecar.breakers import BreakerKey, Breakers
+from sidecar.config import Settings
+from sidecar.limits import TenantLimits
+from sidecar.metrics import SidecarMetrics
+from sidecar.proxy import Proxy
+from sidecar.routes import RouteSource
+from sidecar.shadow import Shadows
+from sidecar.tracing import Tracing, configure
+from sidecar.upstreams import Upstreams, UpstreamSpec
+
+log = logging.getLogger(__name__)
+
+SERVING = health_pb2.HealthCheckResponse.SERVING
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+class Health(Protocol):
+    async def set(
+        self, service: str, status: health_pb2.HealthCheckResponse.ServingStatus.ValueType
+    ) -> None: ...
+
+    async def enter_graceful_shutdown(self) -> None: ...
+
+
+@dataclass
+class Sidecar:
+    settings: Settings
+    server: grpc.aio.Server
+    port: int
+    upstreams: Upstreams
+    breakers: Breakers
+    routes: RouteSource
+    metrics: SidecarMetrics
+    health: Health
+    tracing: Tracing
+    shadows: Shadows
+    admin: AdminServer | None = None
+    _changed: asyncio.Event = field(default_factory=asyncio.Event)
+    _tasks: list[asyncio.Task[None]] = field(default_factory=list)
+    _models: set[str] = field(default_factory=set)
+
+    @property
+    def address(self) -> str:
+        return f"{split_address(self.settings.listen)[0]}:{self.port}"
+
+    @property
+    def admin_address(self) -> str:
+        assert self.admin is not None
+        return f"{split_address(self.settings.admin_listen)[0]}:{self.admin.port}"
+
+    async def start(self) -> None:
+        await self.health.set(health_names.SERVER, NOT_SERVING)
+        loop = asyncio.get_running_loop()
+        self.upstreams.start()
+        await self.server.start()
+        if self.settings.admin_listen:
+            host, port = split_address(self.settings.admin_listen)
+            self.admin = AdminServer(
+                host, port, self.metrics.registry, self.routes, self.breakers.snapshot, loop
+            )
+        self._tasks.append(loop.create_task(self._follow_upstreams()))
+        if self.settings.config:
+            self._tasks.append(loop.create_task(self._watch_config()))
+        log.info(
+            "sidecar serving gRPC on %s%s; upstreams: %s",
+            self.address,
+            f", admin on http://{self.admin_address}" if self.admin else "",
+            ", ".join(u.address for u in self.upstreams.all),
+        )
+
+    async def stop(self, grace_s: float | None = None) -> None:
+        await self.health.enter_graceful_shutdown()
+        await self.server.stop(self.settings.grace_s if grace_s is None else grace_s)
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self.shadows.close()
+        await self.upstreams.close()
+        if self.admin is not None:
+            self.admin.stop()
+        await self.tracing.close()
+
+    def upstreams_changed(self) -> None:
+        self._changed.set()
+
+    async def _follow_upstreams(self) -> None:
+        """The sidecar's health follows its upstreams': SERVING while one serves; per model,
+        while a serving upstream has a ready version of it."""
+        while True:
+            await self._changed.wait()
+            self._changed.clear()
+            serving = [u for u in self.upstreams.all if u.serving]
+            await self.health.set(health_names.SERVER, SERVING if serving else NOT_SERVING)
+            models = {m for u in serving for m in u.served}
+            for model in models | self._models:
+                await self.health.set(
+                    health_names.model_service_name(model), SERVING if model in models else NOT_SERVING
+                )
+            self._models |= models
+
+    async def _watch_config(self) -> None:
+        while True:
+            await asyncio.sleep(self.settings.config_poll_s)
+            if self.routes.reload_if_changed():
+                self.breakers.set_policy(self.routes.table.breaker)
+
+
+def build_sidecar(
+    settings: Settings,
+    *,
+    clock: Clock | None = None,  # test seam: the breakers' clock
+    tracing: Tracing | None = None,  # test seam: default from the OTEL_* environment
+) -> Sidecar:
+    routes = RouteSource(Path(settings.config) if settings.config else None)
+    metrics = SidecarMetrics()
+
+    def breaker_changed(key: BreakerKey, old: State, new: State, reason: str) -> None:
+        log.warning(
+            "breaker %s/%s/%s: %s -> %s%s",
+            key.upstream,
+            key.model,
+            key.version,
+            old.value,
+            new.value,
+            f" ({reason})" if reason else "",
+        )
+        metrics.breaker_changed(key, new)
+
+    breakers = (
+        Breakers(routes.table.breaker, breaker_changed)
+        if clock is None
+        else Breakers(routes.table.breaker, breaker_changed, clock)
+    )
+    message_limits = [
+        ("grpc.max_receive_message_length", settings.max_message_bytes),
+        ("grpc.max_send_message_length", settings.max_message_bytes),
+    ]
+    sidecar_ref: list[Sidecar] = []
+    upstreams = Upstreams(
+        [UpstreamSpec.parse(text) for text in settings.upstream],
+        message_limits,
+        on_change=lambda: sidecar_ref[0].upstreams_changed() if sidecar_ref else None,
+    )
+    tracing = tracing if tracing is not None else configure("modelyard-sidecar")
+    server = grpc.aio.server(options=[*message_limits, ("grpc.so_reuseport", 0)])
+    health_servicer: Health = health.aio.HealthServicer()  # type: ignore[attr-defined]
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    shadows = Shadows(metrics)
+    proxy = Proxy(upstreams, breakers, routes, TenantLimits(), metrics, tracing, shadows)
+    server.add_generic_rpc_handlers((proxy,))
+    port = server.add_insecure_port(settings.listen)
+    sidecar = Sidecar(
+        settings, server, port, upstreams, breakers, routes, metrics, health_servicer, tracing, shadows
+    )
+    sidecar_ref.append(sidecar)
+    return sidecar

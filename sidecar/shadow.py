@@ -1,0 +1,218 @@
+"""Shadow comparison: a share of stable-dyed unary calls is mirrored to the canary version and
+the two answers compared (max absolute difference and per-row argmax agreement of each output),
+as metrics; greedy Generate streams are compared token by token. The client only ever gets the
+stable answer and never waits for the shadow: the mirror runs in the background after the answer
+has gone, and at most `max_in_flight` at once; beyond that a new shadow call is dropped
+(counted), so shadow load goes first under pressure.
+
+Answers are decoded here (protobuf only, no numpy): only for mirrored calls, off the hot path.
+"""
+
+from __future__ import annotations
+
+import array
+import asyncio
+import logging
+import random
+import sys
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from google.protobuf.message import DecodeError
+from modelyard.inference.v1 import inference_service_pb2, tensor_pb2
+from modelyard.kserve.v2 import grpc_service_pb2
+
+from sidecar.metrics import SidecarMetrics
+
+log = logging.getLogger(__name__)
+
+INFER = "/modelyard.inference.v1.InferenceService/Infer"
+GENERATE = "/modelyard.inference.v1.InferenceService/Generate"
+MODEL_INFER = "/inference.GRPCInferenceService/ModelInfer"
+METHODS = frozenset({INFER, MODEL_INFER})
+MAX_COMPARED = 1 << 20  # elements per output; beyond it only the first ones are compared
+
+# KServe datatype names (our enum's names without DATA_TYPE_) -> array typecodes.
+_TYPECODES = {
+    "FP32": "f",
+    "FP64": "d",
+    "INT8": "b",
+    "INT16": "h",
+    "INT32": "i",
+    "INT64": "q",
+    "UINT8": "B",
+    "UINT16": "H",
+    "UINT32": "I",
+    "UINT64": "Q",
+}
+
+
+@dataclass(frozen=True)
+class ShadowPolicy:
+    share: float = 0.0  # percent of stable-dyed unary Infer / ModelInfer calls mirrored
+    max_in_flight: int = 4
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.share <= 100 or self.max_in_flight < 0:
+            raise ValueError("share must be 0-100 and max_in_flight not negative")
+
+
+@dataclass(frozen=True)
+class Output:
+    shape: tuple[int, ...]
+    datatype: str
+    raw: bytes
+
+
+@dataclass(frozen=True)
+class Comparison:
+    max_abs_diff: float  # over every compared output; inf when shapes or types differ
+    rows: int  # rows whose argmax was compared
+    rows_agreeing: int
+
+
+def decode_outputs(method: str, answer: bytes) -> dict[str, Output]:
+    if method == INFER:
+        response = inference_service_pb2.InferResponse.FromString(answer)
+        return {t.name: Output(tuple(t.shape), _type_name(t.datatype), t.raw_data) for t in response.outputs}
+    kserve = grpc_service_pb2.ModelInferResponse.FromString(answer)
+    raws = list(kserve.raw_output_contents)
+    return {
+        t.name: Output(tuple(t.shape), t.datatype, raws[i] if i < len(raws) else b"")
+        for i, t in enumerate(kserve.outputs)
+    }
+
+
+def _type_name(datatype: int) -> str:
+    return tensor_pb2.DataType.Name(datatype).removeprefix("DATA_TYPE_")  # type: ignore[arg-type]
+
+
+def _values(output: Output) -> Sequence[float] | None:
+    code = _TYPECODES.get(output.datatype)
+    if code is None:
+        return None
+    values = array.array(code)
+    size = values.itemsize
+    values.frombytes(output.raw[: len(output.raw) // size * size][: MAX_COMPARED * size])
+    if sys.byteorder != "little":
+        values.byteswap()
+    return values
+
+
+def compare(stable: dict[str, Output], canary: dict[str, Output]) -> Comparison:
+    worst = 0.0
+    rows = agreeing = 0
+    for name, a in stable.items():
+        b = canary.get(name)
+        if b is None or a.shape != b.shape or a.datatype != b.datatype:
+            worst = float("inf")
+            continue
+        x, y = _values(a), _values(b)
+        if x is None or y is None:
+            worst = max(worst, 0.0 if a.raw == b.raw else float("inf"))
+            continue
+        worst = max(worst, max((abs(p - q) for p, q in zip(x, y, strict=False)), default=0.0))
+        width = a.shape[-1] if len(a.shape) >= 2 and a.shape[-1] > 0 else len(x)
+        for start in range(0, min(len(x), len(y)) - width + 1, width):
+            rows += 1
+            row_x, row_y = x[start : start + width], y[start : start + width]
+            agreeing += row_x.index(max(row_x)) == row_y.index(max(row_y))
+    return Comparison(worst, rows, agreeing)
+
+
+def is_greedy(request: bytes) -> bool:
+    """Only greedy generations (temperature 0) are comparable token by token."""
+    try:
+        return inference_service_pb2.GenerateRequest.FromString(request).temperature == 0
+    except DecodeError:
+        return False
+
+
+def token_ids(event: bytes) -> list[int]:
+    return list(inference_service_pb2.GenerateResponse.FromString(event).token_ids)
+
+
+def token_agreement(stable: Sequence[int], canary: Sequence[int]) -> tuple[int, int]:
+    """(tokens compared, tokens agreeing): the longer output's length, and the common prefix's
+    (after a first difference, greedy outputs go their own ways)."""
+    agreeing = 0
+    for a, b in zip(stable, canary, strict=False):
+        if a != b:
+            break
+        agreeing += 1
+    return max(len(stable), len(canary)), agreeing
+
+
+Send = Callable[[bytes], Awaitable[bytes]]
+SendStream = Callable[[bytes], Awaitable[list[int]]]
+
+
+class Shadows:
+    """Mirrors calls in the background, bounded; the proxy calls `mirror` once it has answered."""
+
+    def __init__(self, metrics: SidecarMetrics, chance: Callable[[], float] = random.random) -> None:
+        self._metrics = metrics
+        self._chance = chance
+        self._in_flight: set[asyncio.Task[None]] = set()
+
+    def wants(self, policy: ShadowPolicy) -> bool:
+        return policy.share > 0 and self._chance() * 100 < policy.share
+
+    def mirror(
+        self, policy: ShadowPolicy, model: str, method: str, request: bytes, stable: bytes, send: Send
+    ) -> bool:
+        """Send `request` to the canary in the background and compare its answer with `stable`,
+        unless `max_in_flight` shadow calls are running; returns whether it started."""
+        return self._start(policy, model, self._run(model, method, request, stable, send))
+
+    def mirror_tokens(
+        self, policy: ShadowPolicy, model: str, request: bytes, stable: list[int], send: SendStream
+    ) -> bool:
+        """The same for a greedy Generate: the canary's tokens against the stable stream's."""
+        return self._start(policy, model, self._run_tokens(model, request, stable, send))
+
+    def _start(self, policy: ShadowPolicy, model: str, work: Coroutine[Any, Any, None]) -> bool:
+        if len(self._in_flight) >= policy.max_in_flight:
+            work.close()
+            self._metrics.shadow_calls.labels(model, "dropped").inc()
+            return False
+        task = asyncio.get_running_loop().create_task(work)
+        self._in_flight.add(task)
+        task.add_done_callback(self._in_flight.discard)
+        return True
+
+    async def _run_tokens(self, model: str, request: bytes, stable: list[int], send: SendStream) -> None:
+        try:
+            canary = await send(request)
+        except Exception as exc:
+            log.debug("shadow generation on %s failed: %s", model, exc)
+            self._metrics.shadow_calls.labels(model, "failed").inc()
+            return
+        compared, agreeing = token_agreement(stable, canary)
+        self._metrics.shadow_calls.labels(model, "compared").inc()
+        self._metrics.shadow_tokens.labels(model).inc(compared)
+        self._metrics.shadow_tokens_agreeing.labels(model).inc(agreeing)
+
+    async def _run(self, model: str, method: str, request: bytes, stable: bytes, send: Send) -> None:
+        try:
+            answer = await send(request)
+        except Exception as exc:  # the canary's failure is a finding, not an error of ours
+            log.debug("shadow call to %s failed: %s", model, exc)
+            self._metrics.shadow_calls.labels(model, "failed").inc()
+            return
+        try:
+            result = compare(decode_outputs(method, stable), decode_outputs(method, answer))
+        except Exception:
+            log.exception("shadow comparison for %s failed", model)
+            self._metrics.shadow_calls.labels(model, "failed").inc()
+            return
+        self._metrics.shadow_calls.labels(model, "compared").inc()
+        self._metrics.shadow_max_abs_diff.labels(model).observe(result.max_abs_diff)
+        self._metrics.shadow_rows.labels(model).inc(result.rows)
+        self._metrics.shadow_rows_agreeing.labels(model).inc(result.rows_agreeing)
+
+    async def close(self) -> None:
+        for task in list(self._in_flight):
+            task.cancel()
+        await asyncio.gather(*self._in_flight, return_exceptions=True)

@@ -1,0 +1,178 @@
+"""OpenTelemetry tracing: a server span per call, a client span per upstream attempt, W3C
+`traceparent` and `baggage` passed on to the service. On when an OTLP endpoint is configured
+(`OTEL_EXPORTER_OTLP_ENDPOINT` or `OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`; protocol from
+`OTEL_EXPORTER_OTLP_PROTOCOL`: grpc, the default, or http/protobuf); off, it costs a few
+attribute reads per call. Health checks are not traced (the proxy never sees them).
+
+The SDK is imported only when tracing is on, so the hot path of a sidecar without it stays lean.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any
+
+import grpc
+
+if TYPE_CHECKING:
+    from sidecar.proxy import Metadata, Plan
+
+log = logging.getLogger(__name__)
+
+
+class Attempt:
+    """One upstream attempt: the metadata to send (with the trace context when tracing)."""
+
+    __slots__ = ("metadata", "span")
+
+    def __init__(self, metadata: Metadata, span: Any = None) -> None:
+        self.metadata = metadata
+        self.span = span
+
+    def failed(self, code: grpc.StatusCode) -> None:
+        if self.span is not None:
+            from opentelemetry.trace import Status, StatusCode
+
+            self.span.set_attribute("rpc.grpc.status_code", code.value[0])
+            self.span.set_status(Status(StatusCode.ERROR, code.name))
+
+
+class Tracing:
+    def __init__(self, provider: Any = None) -> None:
+        self._provider = provider
+        self.enabled = provider is not None
+        if provider is not None:
+            from opentelemetry.baggage.propagation import W3CBaggagePropagator
+            from opentelemetry.propagators.composite import CompositePropagator
+            from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+            self._tracer = provider.get_tracer("modelyard.sidecar")
+            self._propagator = CompositePropagator([TraceContextTextMapPropagator(), W3CBaggagePropagator()])
+
+    def server_span(self, path: str, md: Metadata) -> Any:
+        if not self.enabled:
+            return None
+        from opentelemetry.trace import SpanKind
+
+        carrier = {k: v for k, v in md if isinstance(v, str)}
+        parent = self._propagator.extract(carrier)
+        from opentelemetry import context, trace
+
+        service, _, method = path[1:].rpartition("/")
+        span = self._tracer.start_span(
+            path[1:],
+            context=parent,
+            kind=SpanKind.SERVER,
+            attributes={"rpc.system": "grpc", "rpc.service": service, "rpc.method": method},
+        )
+        # Current for the rest of this call's task, so that its log lines carry the ids.
+        context.attach(trace.set_span_in_context(span, parent))
+        return span
+
+    @contextmanager
+    def attempt(self, parent: Any, plan: Plan, path: str) -> Iterator[Attempt]:
+        if parent is None:
+            yield Attempt(plan.forward)
+            return
+        from opentelemetry import baggage, trace
+        from opentelemetry.trace import SpanKind
+
+        context = trace.set_span_in_context(parent)
+        attributes: dict[str, Any] = {"net.peer.name": plan.upstream.address, **_route_attributes(plan)}
+        if plan.breaker is not None:
+            attributes["modelyard.breaker.state"] = plan.breaker.state.value
+        span = self._tracer.start_span(path[1:], context=context, kind=SpanKind.CLIENT, attributes=attributes)
+        context = trace.set_span_in_context(span, context)
+        if plan.version:
+            context = baggage.set_baggage("model.version", plan.version, context)
+            context = baggage.set_baggage("model.dye", plan.dye, context)
+        carrier: dict[str, str] = {}
+        self._propagator.inject(carrier, context)
+        metadata = tuple((k, v) for k, v in plan.forward if k not in carrier) + tuple(carrier.items())
+        try:
+            yield Attempt(metadata, span)
+        finally:
+            span.end()
+
+    def refused(self, span: Any, reason: str) -> None:
+        if span is not None:
+            span.set_attribute("modelyard.error_reason", reason)
+
+    def end(self, span: Any, plan: Plan | None, code: grpc.StatusCode) -> None:
+        if span is None:
+            return
+        from opentelemetry.trace import Status, StatusCode
+
+        if plan is not None:
+            span.set_attributes(_route_attributes(plan))
+        span.set_attribute("rpc.grpc.status_code", code.value[0])
+        if code != grpc.StatusCode.OK:
+            span.set_status(Status(StatusCode.ERROR, code.name))
+        span.end()
+
+    async def close(self) -> None:
+        if self._provider is not None:
+            # Off the loop: the exporter's thread may be sending to a receiver on this very loop.
+            await asyncio.to_thread(self._provider.shutdown)
+
+    async def flush(self) -> None:
+        if self._provider is not None:
+            await asyncio.to_thread(self._provider.force_flush)
+
+
+class TraceIds(logging.Filter):
+    """Puts the current span's trace and span ids on log records (JSON logs show them)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        from opentelemetry import trace
+
+        context = trace.get_current_span().get_span_context()
+        if context.is_valid:
+            record.trace_id = format(context.trace_id, "032x")
+            record.span_id = format(context.span_id, "016x")
+        return True
+
+
+def _route_attributes(plan: Plan) -> dict[str, str]:
+    attributes = {"modelyard.model": plan.model}
+    if plan.version:
+        attributes["modelyard.version"] = plan.version
+    if plan.dye:
+        attributes["modelyard.dye"] = plan.dye
+    if plan.fallback:
+        attributes["modelyard.fallback"] = plan.fallback
+    return attributes
+
+
+def configure(service_name: str, environ: Mapping[str, str] | None = None) -> Tracing:
+    """Tracing from the standard OTEL_* variables; off when no OTLP endpoint is set."""
+    env = os.environ if environ is None else environ
+    endpoint = env.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or env.get("OTEL_EXPORTER_OTLP_ENDPOINT")
+    if not endpoint or env.get("OTEL_SDK_DISABLED", "").lower() == "true":
+        return Tracing()
+    from opentelemetry.sdk.resources import Resource
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor
+
+    protocol = env.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL") or env.get("OTEL_EXPORTER_OTLP_PROTOCOL", "grpc")
+    exporter: Any
+    if protocol == "grpc":
+        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter as GrpcExporter
+
+        exporter = GrpcExporter()
+    else:
+        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter as HttpExporter
+
+        exporter = HttpExporter()
+    provider = TracerProvider(
+        resource=Resource.create({"service.name": env.get("OTEL_SERVICE_NAME", service_name)})
+    )
+    provider.add_span_processor(BatchSpanProcessor(exporter))
+    for handler in logging.getLogger().handlers:
+        handler.addFilter(TraceIds())
+    log.info("tracing on: OTLP %s to %s", protocol, endpoint)
+    return Tracing(provider)

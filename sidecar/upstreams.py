@@ -1,0 +1,195 @@
+"""The service instances behind the sidecar: one pooled channel each, what they serve (followed
+with WatchModels) and whether they are up (followed with the health Watch).
+
+An upstream may be labelled with the versions it serves (`HOST:PORT@2`, or `@1+2`), so that a
+canary can live in another process or pod; without a label, what its WatchModels reports decides.
+What an upstream served is kept while its watch is broken: a dropped connection is the breakers'
+business, not a reason to re-dye every user.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from modelyard.inference.v1 import model_service_pb2, model_service_pb2_grpc
+
+from sidecar.routing import normalize_version
+
+log = logging.getLogger(__name__)
+
+READY = model_service_pb2.MODEL_STATE_READY
+_RETRY_MIN_S, _RETRY_MAX_S = 0.1, 2.0
+
+# Reconnect quickly once an upstream comes back (gRPC's default backoff grows to two minutes).
+CHANNEL_OPTIONS: tuple[tuple[str, Any], ...] = (
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+    ("grpc.enable_retries", 0),  # the sidecar decides about retries itself
+)
+
+
+@dataclass(frozen=True)
+class UpstreamSpec:
+    address: str
+    versions: frozenset[str] | None = None  # a label: the only versions sent there
+
+    @classmethod
+    def parse(cls, text: str) -> UpstreamSpec:
+        address, _, label = text.partition("@")
+        if not address.rpartition(":")[2].isdigit():
+            raise ValueError(f"upstream {text!r} is not HOST:PORT[@VERSION[+VERSION...]]")
+        versions = frozenset(normalize_version(v) for v in label.split("+") if v) if label else None
+        return cls(address, versions)
+
+
+class Upstream:
+    def __init__(self, spec: UpstreamSpec, options: Iterable[tuple[str, Any]]) -> None:
+        self.address = spec.address
+        self.labels = spec.versions
+        self.channel = grpc.aio.insecure_channel(spec.address, options=[*CHANNEL_OPTIONS, *options])
+        self.served: dict[str, frozenset[str]] = {}  # model -> READY versions; rebound whole
+        self.watched = False  # WatchModels has answered at least once
+        self.serving = False  # the upstream's own health ("" service)
+        self._methods: dict[tuple[str, str], Any] = {}
+
+    def versions(self, model: str) -> frozenset[str]:
+        served = self.served.get(model, frozenset())
+        if self.labels is None:
+            return served
+        return self.labels & served if self.watched else self.labels
+
+    def serves(self, model: str, version: str) -> bool:
+        if not version:
+            return not self.watched or model in self.served
+        if self.labels is not None and version not in self.labels:
+            return False
+        return not self.watched or version in self.served.get(model, ())
+
+    def reachable(self) -> bool:
+        return self.channel.get_state(try_to_connect=False) is not grpc.ChannelConnectivity.TRANSIENT_FAILURE
+
+    def method(self, path: str, kind: str) -> Any:
+        """The channel's multicallable for a method, bytes in and out (no (de)serializers)."""
+        found = self._methods.get((path, kind))
+        if found is None:
+            make = {
+                "unary_unary": self.channel.unary_unary,
+                "unary_stream": self.channel.unary_stream,
+                "stream_unary": self.channel.stream_unary,
+                "stream_stream": self.channel.stream_stream,
+            }[kind]
+            found = self._methods[(path, kind)] = make(path, None, None)
+        return found
+
+
+class Upstreams:
+    """All upstreams, and the tasks that follow their models and health."""
+
+    def __init__(
+        self,
+        specs: Iterable[UpstreamSpec],
+        options: Iterable[tuple[str, Any]] = (),
+        on_change: Callable[[], None] = lambda: None,  # models or health changed somewhere
+    ) -> None:
+        options = list(options)
+        self.all = [Upstream(spec, options) for spec in specs]
+        if not self.all:
+            raise ValueError("at least one upstream is needed")
+        self._on_change = on_change
+        self._tasks: list[asyncio.Task[None]] = []
+        self._turn = 0
+
+    def start(self) -> None:
+        loop = asyncio.get_running_loop()
+        for upstream in self.all:
+            self._tasks.append(loop.create_task(self._follow_models(upstream)))
+            self._tasks.append(loop.create_task(self._follow_health(upstream)))
+
+    async def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        for upstream in self.all:
+            await upstream.channel.close(None)
+
+    def versions(self, model: str) -> set[str]:
+        found: set[str] = set()
+        for upstream in self.all:
+            found |= upstream.versions(model)
+        return found
+
+    def models(self) -> set[str]:
+        return {model for upstream in self.all for model in upstream.served}
+
+    def candidates(self, model: str, version: str) -> list[Upstream]:
+        """Upstreams that serve the version, reachable ones first, in turn."""
+        serving = [u for u in self.all if u.serves(model, version)]
+        if len(serving) > 1:
+            self._turn += 1
+            shift = self._turn % len(serving)
+            serving = serving[shift:] + serving[:shift]
+            serving.sort(key=lambda u: not u.reachable())  # stable: keeps the turn among equals
+        return serving
+
+    def any(self) -> list[Upstream]:
+        """Every upstream, serving and reachable ones first (for calls that name no model)."""
+        return sorted(self.all, key=lambda u: (not u.serving, not u.reachable()))
+
+    async def _follow_models(self, upstream: Upstream) -> None:
+        stub = model_service_pb2_grpc.ModelServiceStub(upstream.channel)
+        delay = _RETRY_MIN_S
+        while True:
+            served: dict[str, frozenset[str]] | None = None
+            try:
+                call = stub.WatchModels(model_service_pb2.WatchModelsRequest(send_initial_state=True))
+                async for event in call:
+                    # A fresh watch starts from its initial state, not from what we knew.
+                    served = dict(upstream.served) if served is not None else {}
+                    versions = set(served.get(event.model_name, ()))
+                    version = normalize_version(event.version)
+                    if event.state == READY:
+                        versions.add(version)
+                    else:
+                        versions.discard(version)
+                    if versions:
+                        served[event.model_name] = frozenset(versions)
+                    else:
+                        served.pop(event.model_name, None)
+                    upstream.served = served
+                    upstream.watched = True
+                    delay = _RETRY_MIN_S
+                    self._on_change()
+            except grpc.aio.AioRpcError as exc:
+                log.debug("model watch on %s ended: %s", upstream.address, exc.code())
+            await asyncio.sleep(delay)
+            delay = min(_RETRY_MAX_S, delay * 2)
+
+    async def _follow_health(self, upstream: Upstream) -> None:
+        stub = health_pb2_grpc.HealthStub(upstream.channel)
+        delay = _RETRY_MIN_S
+        while True:
+            try:
+                async for answer in stub.Watch(health_pb2.HealthCheckRequest(service="")):
+                    serving = answer.status == health_pb2.HealthCheckResponse.SERVING
+                    if serving != upstream.serving:
+                        log.info(
+                            "upstream %s is %s", upstream.address, "serving" if serving else "not serving"
+                        )
+                    upstream.serving = serving
+                    delay = _RETRY_MIN_S
+                    self._on_change()
+            except grpc.aio.AioRpcError as exc:
+                log.debug("health watch on %s ended: %s", upstream.address, exc.code())
+            if upstream.serving:
+                log.warning("upstream %s is unreachable", upstream.address)
+                upstream.serving = False
+                self._on_change()
+            await asyncio.sleep(delay)
+            delay = min(_RETRY_MAX_S, delay * 2)

@@ -1,0 +1,205 @@
+"""Helpers for the sidecar tests: a sidecar in this process, its admin endpoint, polling."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import urllib.error
+import urllib.request
+from collections.abc import AsyncIterator, Callable, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import grpc
+import numpy as np
+from modelyard.inference.v1 import inference_service_pb2 as pb
+from modelyard.inference.v1 import inference_service_pb2_grpc as pb_grpc
+from modelyard.tensors import to_tensor
+
+from sidecar.config import Settings
+from sidecar.server import Sidecar, build_sidecar
+from sidecar.tracing import Tracing
+from tests.support import REPO_ROOT, eventually
+
+
+@asynccontextmanager
+async def running_sidecar(
+    upstreams: Sequence[str],
+    config: Path | None = None,
+    tracing: Tracing | None = None,
+    clock: Callable[[], float] | None = None,
+    **settings: Any,
+) -> AsyncIterator[Sidecar]:
+    sidecar = build_sidecar(
+        Settings(
+            listen="127.0.0.1:0",
+            upstream=tuple(upstreams),
+            admin_listen="127.0.0.1:0",
+            config=str(config) if config else "",
+            config_poll_s=0.05,
+            **settings,
+        ),
+        tracing=tracing,
+        clock=clock,
+    )
+    await sidecar.start()
+    try:
+        yield sidecar
+    finally:
+        await sidecar.stop(grace_s=1.0)
+
+
+class SteppedClock:
+    """The breakers' clock, moved by the test: backoffs end when the test says so."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+async def known_versions(sidecar: Sidecar, model: str, versions: set[str]) -> None:
+    await eventually(lambda: sidecar.upstreams.versions(model) == versions, f"{model} {versions}")
+
+
+def admin(sidecar: Sidecar, path: str, method: str = "GET", body: object = None) -> Any:
+    data = json.dumps(body).encode() if body is not None else None
+    request = urllib.request.Request(f"http://{sidecar.admin_address}{path}", data=data, method=method)
+    try:
+        with urllib.request.urlopen(request, timeout=10) as answer:
+            raw = answer.read()
+    except urllib.error.HTTPError as exc:
+        raw = exc.read()
+    return raw.decode() if path == "/metrics" else json.loads(raw)
+
+
+async def admin_async(sidecar: Sidecar, path: str, method: str = "GET", body: object = None) -> Any:
+    return await asyncio.to_thread(admin, sidecar, path, method, body)
+
+
+def pairs(metadata: Any) -> list[tuple[str, Any]]:
+    return [(key, value) for key, value in metadata or ()]
+
+
+def breaker_state(sidecar: Sidecar, model: str, version: str) -> set[str]:
+    return {
+        str(b["state"])
+        for b in sidecar.breakers.snapshot()
+        if b["model"] == model and b["version"] == version
+    }
+
+
+class Answer:
+    """One Infer through the sidecar: the response and the metadata the client saw."""
+
+    def __init__(self, response: pb.InferResponse, initial: dict[str, str], trailing: dict[str, str]) -> None:
+        self.response = response
+        self.initial = initial
+        self.trailing = trailing
+
+    @property
+    def version(self) -> str:
+        # The service's x-served-version passes through the sidecar, and says what the body says.
+        assert self.initial.get("x-served-version") == self.response.model_version
+        return self.response.model_version
+
+    @property
+    def dye(self) -> str | None:
+        return self.initial.get("x-model-dye")
+
+    @property
+    def fallback(self) -> str | None:
+        return self.initial.get("x-dye-fallback")
+
+
+async def infer(
+    channel: grpc.aio.Channel,
+    model: str = "scaler",
+    *,
+    user: str | None = None,
+    rows: int = 1,
+    features: int = 16,
+    value: float = 1.0,
+    version: str = "",
+    metadata: Sequence[tuple[str, str]] = (),
+    deadline_s: float = 30.0,
+) -> Answer:
+    stub = pb_grpc.InferenceServiceStub(channel)
+    md = [*metadata, *([("x-user-id", user)] if user else [])]
+    x = np.full((rows, features), value, np.float32)
+    call = stub.Infer(
+        pb.InferRequest(model_name=model, model_version=version, inputs=[to_tensor("INPUT0", x)]),
+        metadata=md,
+        timeout=deadline_s,
+    )
+    response = await call
+    initial = {k: v for k, v in (await call.initial_metadata() or ()) if isinstance(v, str)}
+    trailing = {k: v for k, v in (await call.trailing_metadata() or ()) if isinstance(v, str)}
+    return Answer(response, initial, trailing)
+
+
+_SIDECAR_SERVING = re.compile(r"sidecar serving gRPC on (\S+?)(?:, admin on (http://\S+))?;")
+
+
+@dataclass
+class SidecarProcess:
+    """`python -m sidecar` in a child process, as an operator runs it."""
+
+    proc: subprocess.Popen[str]
+    address: str
+    admin_url: str | None
+    log: list[str] = field(default_factory=list)
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 30.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+            raise
+
+
+def start_sidecar_process(
+    *args: str, prefix: Sequence[str] = ("-m", "sidecar"), env: dict[str, str] | None = None
+) -> SidecarProcess:
+    """`prefix` replaces `-m sidecar` (e.g. with a runner that refuses some imports)."""
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("MODELYARD_", "OTEL_"))}
+    cmd = [sys.executable, *prefix, "--listen", "127.0.0.1:0", "--admin-listen", "127.0.0.1:0", *args]
+    proc = subprocess.Popen(
+        cmd,
+        stderr=subprocess.PIPE,
+        stdout=subprocess.DEVNULL,
+        text=True,
+        env={**base, **(env or {})},
+        cwd=REPO_ROOT,
+    )
+    lines: list[str] = []
+    ready: list[re.Match[str]] = []
+    found = threading.Event()
+
+    def pump() -> None:  # keep reading so the child never blocks on a full pipe
+        assert proc.stderr is not None
+        for line in proc.stderr:
+            lines.append(line.rstrip())
+            if not ready and (m := _SIDECAR_SERVING.search(line)):
+                ready.append(m)
+                found.set()
+        found.set()
+
+    threading.Thread(target=pump, daemon=True).start()
+    if not found.wait(60) or not ready:
+        proc.kill()
+        proc.wait()
+        raise AssertionError("sidecar did not start:\n" + "\n".join(lines))
+    return SidecarProcess(proc, ready[0].group(1), ready[0].group(2), lines)
