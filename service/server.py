@@ -6,9 +6,10 @@ import asyncio
 import functools
 import logging
 import os
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -24,6 +25,7 @@ from modelyard.inference.v1 import (
 )
 from modelyard.kserve.v2 import grpc_service_pb2, grpc_service_pb2_grpc
 
+from service.api.errors import set_served_by
 from service.api.inference_servicer import InferenceServicer
 from service.api.kserve_servicer import KServeServicer
 from service.api.limits import SizeLimitedServer, transport_limit
@@ -40,6 +42,10 @@ from service.runtime.providers import detect_providers
 from service.runtime.session import load_runner
 from service.runtime.status import ModelEvent, Watcher
 from service.scheduling.clock import Clock
+from service.shm.files import FileRegionStore
+from service.shm.registry import SharedMemoryRegistry
+from service.workers import protocol as workers
+from service.workers.member import FanOutRegistrar, WorkerLink, WorkerRole, metrics_handler
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +78,10 @@ class Service:
     batching: BatchingLayer | None = None
     metrics_server: MetricsServer | None = None
     watcher: RepositoryWatcher | None = None
+    # One of several workers (service.workers): model control and health go through the
+    # supervisor, and `internal` serves the supervisor on a unix socket.
+    link: WorkerLink | None = None
+    internal: grpc.aio.Server | None = None
     _events: asyncio.Task[None] | None = None
 
     @property
@@ -81,7 +91,8 @@ class Service:
     async def start(self) -> None:
         # Serve at once (health says NOT_SERVING while loading), so orchestrators can probe.
         await self.health.set(health_names.SERVER, NOT_SERVING)
-        await self.server.start()
+        # A worker takes its share of the port's traffic only once the supervisor admits it.
+        await (self.server if self.internal is None else self.internal).start()
         if self.settings.metrics_listen:
             self.metrics_server = MetricsServer(
                 self.metrics.registry, *split_address(self.settings.metrics_listen)
@@ -99,9 +110,16 @@ class Service:
             )
             await self.watcher.start()  # before the first load, so that no change slips between
         await self.manager.load_all()
-        await self.health.set(health_names.SERVER, SERVING)
         ready = [s.name for s in self.manager.statuses() if s.default_version is not None]
         failed = [s.name for s in self.manager.statuses() if s.default_version is None]
+        if self.link is not None:
+            await self.health.set(workers.LOCAL, SERVING)
+            await self.link.wait_admitted()
+            await self.server.start()
+            self.link.follow(self.health.set)
+            log.info("worker %d took its share of the port; models ready: %s", self.link.role.index, ready)
+            return
+        await self.health.set(health_names.SERVER, SERVING)
         log.info(
             "serving gRPC on %s%s; models ready: %s%s",
             self.address,
@@ -120,7 +138,13 @@ class Service:
         await self.health.enter_graceful_shutdown()
         if self.watcher is not None:
             await self.watcher.stop()
-        await self.server.stop(self.settings.grace_s if grace_s is None else grace_s)
+        grace = self.settings.grace_s if grace_s is None else grace_s
+        if self.internal is not None:
+            await asyncio.gather(self.server.stop(grace), self.internal.stop(grace))
+        else:
+            await self.server.stop(grace)
+        if self.link is not None:
+            await self.link.close()
         if self._events is not None:
             self._events.cancel()
         if self.generation is not None:
@@ -156,6 +180,7 @@ def build_service(
     *,
     loader: Loader | None = None,  # test seam: runners that count or hold their runs
     clock: Clock | None = None,  # test seam: the batching queues' clock, stepped by hand
+    worker: WorkerRole | None = None,  # one of several worker processes (service.workers)
 ) -> Service:
     providers = detect_providers()
     log.info("execution provider: %s (%s)", providers.default, providers.reason)
@@ -176,25 +201,66 @@ def build_service(
     manager.on_load(batching.attach)
     dataplane = DataPlane(manager, executor, batching)
     generation = GenerationPlane(manager, executor, metrics)
-    server = grpc.aio.server(
-        options=[
-            # Above the configured limit, which the handlers check so as to answer with a reason.
-            ("grpc.max_receive_message_length", transport_limit(settings.max_message_bytes)),
-            ("grpc.max_send_message_length", settings.max_message_bytes),
-            ("grpc.so_reuseport", 0),  # a taken port must fail loudly, not be shared
-        ]
-    )
-    limited = SizeLimitedServer(server, settings.max_message_bytes, metrics)
-    limited.add(
-        inference_service_pb2_grpc.add_InferenceServiceServicer_to_server,
-        InferenceServicer(dataplane, generation, metrics),
-    )
-    limited.add(model_service_pb2_grpc.add_ModelServiceServicer_to_server, ModelServicer(manager, metrics))
-    limited.add(
-        grpc_service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server,
-        KServeServicer(manager, dataplane, metrics),
-    )
+    limits = [
+        # Above the configured limit, which the handlers check so as to answer with a reason.
+        ("grpc.max_receive_message_length", transport_limit(settings.max_message_bytes)),
+        ("grpc.max_send_message_length", settings.max_message_bytes),
+    ]
+    # A taken port must fail loudly, not be shared; workers share it (the supervisor holds it).
+    server = grpc.aio.server(options=[*limits, ("grpc.so_reuseport", 0 if worker is None else 1)])
+    link = WorkerLink(worker) if worker is not None else None
+    shm = SharedMemoryRegistry(FileRegionStore(worker.folder.regions) if worker is not None else None)
+    servicers: list[tuple[Callable[[Any, Any], None], object]] = [
+        (
+            inference_service_pb2_grpc.add_InferenceServiceServicer_to_server,
+            InferenceServicer(dataplane, generation, metrics),
+        ),
+        (model_service_pb2_grpc.add_ModelServiceServicer_to_server, ModelServicer(manager, metrics)),
+        (
+            grpc_service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server,
+            KServeServicer(manager, dataplane, metrics, shm=shm),
+        ),
+    ]
     health_servicer: Health = health.aio.HealthServicer()  # type: ignore[attr-defined]
+    _add_apis(server, servicers, health_servicer, settings, metrics, link)
+    port = server.add_insecure_port(settings.listen)
+    internal = None
+    if worker is not None:
+        # The supervisor's way in: the same servicers answering for this worker alone.
+        internal = grpc.aio.server(options=limits)
+        _add_apis(internal, servicers, health_servicer, settings, metrics, None)
+        internal.add_generic_rpc_handlers((metrics_handler(metrics.registry),))
+        internal.add_insecure_port(worker.folder.worker(worker.index))
+        set_served_by(f"worker-{worker.index}")
+    return Service(
+        settings,
+        server,
+        port,
+        manager,
+        metrics,
+        health_servicer,
+        executor,
+        generation,
+        batching,
+        link=link,
+        internal=internal,
+    )
+
+
+def _add_apis(
+    server: grpc.aio.Server,
+    servicers: list[tuple[Callable[[Any, Any], None], object]],
+    health_servicer: Health,
+    settings: Settings,
+    metrics: ServiceMetrics,
+    link: WorkerLink | None,
+) -> None:
+    limited = SizeLimitedServer(server, settings.max_message_bytes, metrics)
+    for add, servicer in servicers:
+        if link is None:
+            limited.add(add, servicer)
+        else:  # model control and reads answered by every worker through the supervisor
+            add(servicer, FanOutRegistrar(limited, link))
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
         [
@@ -206,5 +272,3 @@ def build_service(
         ],
         server,
     )
-    port = server.add_insecure_port(settings.listen)
-    return Service(settings, server, port, manager, metrics, health_servicer, executor, generation, batching)
