@@ -36,6 +36,7 @@ from tests.support import REPO_ROOT, ServiceProcess, eventually, metric
 
 CHANNELS = 16  # connections; SO_REUSEPORT spreads them by hash: all on one of 2 workers is 2**-15
 SERVING = health_pb2.HealthCheckResponse.SERVING
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 X = np.ones((1, 4), np.float32)
 
 
@@ -171,6 +172,16 @@ async def test_a_killed_worker_restarts_while_the_others_serve(
                 except grpc.aio.AioRpcError as exc:
                     failures.append(exc)
 
+        statuses: list[int] = []
+
+        async def watch_health() -> None:
+            async for reply in health_pb2_grpc.HealthStub(survivors[0]).Watch(
+                health_pb2.HealthCheckRequest()
+            ):
+                statuses.append(reply.status)
+
+        watching = asyncio.ensure_future(watch_health())
+        await eventually(lambda: statuses == [SERVING], "the whole service serving")
         tasks = [asyncio.ensure_future(load(c)) for c in survivors]
         victim = pids(process)[0]
         os.kill(victim, signal.SIGKILL)
@@ -185,8 +196,11 @@ async def test_a_killed_worker_restarts_while_the_others_serve(
         assert failures == []  # not one request failed on the surviving worker's connections
         assert any("worker 0 (pid" in line and "restarting it in" in line for line in process.log)
         assert metric(scrape(process), "modelyard_worker_restarts_total", worker="0") == 1
-        health = health_pb2_grpc.HealthStub(channels[0])
-        assert (await health.Check(health_pb2.HealthCheckRequest())).status == SERVING
+        # A survivor said NOT_SERVING while a worker was missing, and SERVING once all were back.
+        await eventually(lambda: statuses[-1] == SERVING and NOT_SERVING in statuses, "health back")
+        watching.cancel()
+    assert process.stop() == 0  # SIGTERM: every worker drains, the supervisor exits cleanly
+    assert sum("stopped (exit code 0)" in line for line in process.log) == 2
 
 
 async def test_a_version_swap_under_load_fails_no_request(service_process, small_repository: Path) -> None:
