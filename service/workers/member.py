@@ -10,7 +10,7 @@ import ctypes
 import logging
 import os
 import signal
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -76,6 +76,8 @@ class FanOutRegistrar:
         self._inner.add_generic_rpc_handlers(handlers)
 
     def add_registered_method_handlers(self, service: str, handlers: Mapping[str, Handler]) -> None:
+        if service == "modelyard.inference.v1.ModelService":
+            handlers = {**handlers, "WatchModels": self._link.watch_handler()}
         replaced = {
             name: self._link.fanned_handler(f"/{service}/{name}")
             if f"/{service}/{name}" in FANNED
@@ -137,6 +139,21 @@ class WorkerLink:
             return fanned.merge(protocol.unpack(answers))
 
         return grpc.unary_unary_rpc_method_handler(
+            forward, request_deserializer=_identity, response_serializer=_identity
+        )
+
+    def watch_handler(self) -> Handler:
+        """WatchModels answered by the supervisor's merged watch (the same from every worker)."""
+
+        async def forward(request: bytes, context: Context) -> AsyncIterator[bytes]:
+            stream = self.channel.unary_stream(protocol.WATCH, None, None)(request)
+            try:
+                async for event in stream:
+                    yield event
+            except grpc.aio.AioRpcError as exc:
+                await context.abort(exc.code(), exc.details() or "")
+
+        return grpc.unary_stream_rpc_method_handler(
             forward, request_deserializer=_identity, response_serializer=_identity
         )
 

@@ -23,6 +23,19 @@ _ORDER = [
 ]
 
 
+def least_ready(events: Sequence[pb.WatchModelsResponse], missing: bool) -> pb.WatchModelsResponse:
+    """One version's event from the workers' latest events for it; `missing`: some worker has not
+    reported the version at all (it has not started loading it)."""
+    worst = min(events, key=lambda e: _ORDER.index(e.state))
+    if missing and worst.state == pb.MODEL_STATE_READY:
+        merged = pb.WatchModelsResponse()
+        merged.CopyFrom(worst)
+        merged.state = pb.MODEL_STATE_LOADING
+        merged.reason = "not yet on every worker"
+        return merged
+    return worst
+
+
 def merge_models(models: Sequence[pb.Model]) -> pb.Model:
     merged = pb.Model()
     merged.CopyFrom(models[0])

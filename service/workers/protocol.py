@@ -31,6 +31,7 @@ def admitted(index: int) -> str:
 
 # Methods that are not in any public API (generic handlers, bytes in and out).
 BROADCAST = "/modelyard.internal.Coordinator/Broadcast"  # on the supervisor
+WATCH = "/modelyard.internal.Coordinator/WatchModels"  # on the supervisor: the merged watch
 METRICS = "/modelyard.internal.Worker/Metrics"  # on a worker's unix socket: its scrape, text
 
 # Metadata of a Broadcast call.

@@ -16,7 +16,7 @@ import signal
 import socket
 import sys
 import tempfile
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -35,6 +35,7 @@ from service.config import ENV_PREFIX, Settings
 from service.workers import protocol
 from service.workers.member import CHANNEL_OPTIONS
 from service.workers.metrics_sum import sum_scrapes
+from service.workers.watch import MergedWatch
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +60,7 @@ class Slot:
     ever_admitted: bool = False
     scrape_channel: grpc.Channel | None = None  # sync: scrapes run on the HTTP thread
     restarts: int = 0
+    watching: asyncio.Task[None] | None = None  # its WatchModels, followed for the merged watch
 
 
 @dataclass
@@ -79,6 +81,7 @@ class Supervisor:
     # Model control applied to every worker, last call per model, replayed to a worker that joins.
     _changes: dict[str, tuple[str, bytes]] = field(default_factory=dict)
     _control: asyncio.Lock = field(default_factory=asyncio.Lock)
+    _watch: MergedWatch = field(default_factory=MergedWatch)
 
     @property
     def address(self) -> str:
@@ -95,13 +98,16 @@ class Supervisor:
         self._coordinator = grpc.aio.server()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._coordinator)
         service, method = protocol.BROADCAST.strip("/").split("/")
-        self._coordinator.add_generic_rpc_handlers(
-            (
-                grpc.method_handlers_generic_handler(
-                    service, {method: grpc.unary_unary_rpc_method_handler(self._broadcast)}
-                ),
-            )
-        )
+        _, watch = protocol.WATCH.strip("/").split("/")
+        handlers = {
+            method: grpc.unary_unary_rpc_method_handler(self._broadcast),
+            watch: grpc.unary_stream_rpc_method_handler(
+                self._watch_models,
+                request_deserializer=model_pb.WatchModelsRequest.FromString,
+                response_serializer=model_pb.WatchModelsResponse.SerializeToString,
+            ),
+        }
+        self._coordinator.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service, handlers),))
         self._coordinator.add_insecure_port(self.folder.coordinator)
         await self._coordinator.start()
         registry = CollectorRegistry()
@@ -227,6 +233,7 @@ class Supervisor:
             if reply.status == SERVING and not slot.admitted:
                 async with self._control:
                     await self._replay(slot)
+                    slot.watching = await self._watch.join(slot.index, slot.channel)
                     slot.admitted = slot.ever_admitted = True
                 await self._health.set(protocol.admitted(slot.index), SERVING)
                 log.info("worker %d admitted", slot.index)
@@ -236,6 +243,11 @@ class Supervisor:
 
     async def _leave(self, slot: Slot) -> None:
         slot.admitted = False
+        if slot.watching is not None:
+            slot.watching.cancel()
+            await asyncio.gather(slot.watching, return_exceptions=True)
+            slot.watching = None
+        self._watch.leave(slot.index)
         await self._health.set(protocol.admitted(slot.index), NOT_SERVING)
         await self._update_health()
         if slot.channel is not None:
@@ -299,6 +311,15 @@ class Supervisor:
                 raise result
             answers.append(result)
         return answers
+
+    async def _watch_models(
+        self, request: model_pb.WatchModelsRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> AsyncIterator[model_pb.WatchModelsResponse]:
+        try:
+            async for event in self._watch.stream(request):
+                yield event
+        except OverflowError as exc:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
 
     async def _ready_models(self) -> list[str]:
         slot = self._slots[0]

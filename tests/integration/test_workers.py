@@ -205,10 +205,21 @@ async def test_a_killed_worker_restarts_while_the_others_serve(
 
 async def test_a_version_swap_under_load_fails_no_request(service_process, small_repository: Path) -> None:
     process = service_process(small_repository, "--workers", "2", "--watch-quiet-s", "0.1")
-    async with connections(process.address, 8) as channels:
+    async with connections(process.address) as channels:
+        workers = await by_worker(channels)
+        assert set(workers) == {"worker-0", "worker-1"}
         failures: list[BaseException] = []
         versions: Counter[str] = Counter()
         stop = asyncio.Event()
+        events: dict[str, list[tuple[str, int]]] = {"worker-0": [], "worker-1": []}
+        ready_two = {name: asyncio.Event() for name in events}
+
+        async def watch(worker: str) -> None:
+            stub = model_grpc.ModelServiceStub(workers[worker][0])
+            async for event in stub.WatchModels(model_pb.WatchModelsRequest(names=["double"])):
+                events[worker].append((event.version, event.state))
+                if (event.version, event.state) == ("2", model_pb.MODEL_STATE_READY):
+                    ready_two[worker].set()
 
         async def load(channel: grpc.aio.Channel) -> None:
             stub = pb_grpc.InferenceServiceStub(channel)
@@ -219,30 +230,26 @@ async def test_a_version_swap_under_load_fails_no_request(service_process, small
                 except grpc.aio.AioRpcError as exc:
                     failures.append(exc)
 
+        watchers = [asyncio.ensure_future(watch(name)) for name in events]
         tasks = [asyncio.ensure_future(load(c)) for c in channels]
         await eventually(lambda: versions["1"] > 20, "load on version 1")
         demo_models.write_model(small_repository, "double", 2, demo_models.scaled_identity(4, 3.0))
-        control = model_grpc.ModelServiceStub(channels[0])
-
-        async def all_serve_two() -> bool:
-            model = (await control.GetModel(model_pb.GetModelRequest(name="double"))).model
-            return model.default_version == "2" and all(
-                v.state == model_pb.MODEL_STATE_READY for v in model.versions if v.version == "2"
-            )
-
-        for _ in range(2000):
-            if await all_serve_two():
-                break
-            await asyncio.sleep(0.01)
-        assert await all_serve_two()
-        # GetModel says every worker serves it: from here on, every connection answers with 2.
+        # The merged watch says READY for version 2 once every worker serves it, on any worker.
+        await asyncio.wait_for(asyncio.gather(*(e.wait() for e in ready_two.values())), 60)
+        model = (
+            await model_grpc.ModelServiceStub(channels[0]).GetModel(model_pb.GetModelRequest(name="double"))
+        ).model
+        assert model.default_version == "2"
+        for channel in channels:  # every connection, whichever worker, answers with version 2 now
+            assert (await pb_grpc.InferenceServiceStub(channel).Infer(infer_request())).model_version == "2"
         before = versions["2"]
         await eventually(lambda: versions["2"] > before + 20, "load on version 2")
         stop.set()
         await asyncio.gather(*tasks)
+        for watcher in watchers:
+            watcher.cancel()
         assert failures == []
-        for channel in channels:
-            assert (await pb_grpc.InferenceServiceStub(channel).Infer(infer_request())).model_version == "2"
+        assert events["worker-0"] == events["worker-1"]  # one service: the same events from either
 
 
 async def test_shared_memory_registered_through_one_worker_serves_on_any(
