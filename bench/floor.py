@@ -62,12 +62,26 @@ def request_for(api: str, model: str, features: int) -> Any:
     return pb.InferRequest(model_name=model, inputs=[tensor])
 
 
-async def measure(call: Call, request: Any, concurrency: int, args: argparse.Namespace) -> dict[str, float]:
+async def measure(
+    server: ServerProcess, call: Call, request: Any, concurrency: int, args: argparse.Namespace
+) -> dict[str, float]:
+    cpu: list[float] = []
+
+    async def sample() -> None:  # the server's CPU seconds at the measured window's edges
+        await asyncio.sleep(args.warmup)
+        cpu.append(server.cpu_seconds())
+        await asyncio.sleep(args.duration)
+        cpu.append(server.cpu_seconds())
+
+    sampler = asyncio.create_task(sample())
     latencies, window = await drive(call, request, concurrency, args.warmup, args.duration)
+    await sampler
     return {
         "throughput": latencies.size / window,
         "p50_us": float(np.percentile(latencies, 50) / 1e3),
         "p99_us": float(np.percentile(latencies, 99) / 1e3),
+        # Less disturbed by other load on the machine than latency and throughput are.
+        "server_cpu_us_per_request": (cpu[1] - cpu[0]) / latencies.size * 1e6,
     }
 
 
@@ -124,12 +138,13 @@ async def run(args: argparse.Namespace) -> int:
                         for index, c in enumerate(args.concurrency):
                             order = (bare, service) if (round_ + index) % 2 == 0 else (service, bare)
                             for server in order:
-                                result = await measure(calls[(server.name, api)], request, c, args)
+                                result = await measure(server, calls[(server.name, api)], request, c, args)
                                 row = {"round": round_, "model": model, "api": api, "concurrency": c}
                                 rows.append({**row, "server": server.name, **result})
                                 print(
                                     f"round {round_ + 1} {model:<4} {api:<6} c={c:<2} {server.name:<7} "
-                                    f"p50 {result['p50_us']:7.1f} us  {result['throughput']:7.0f} req/s",
+                                    f"p50 {result['p50_us']:7.1f} us  {result['throughput']:7.0f} req/s  "
+                                    f"CPU {result['server_cpu_us_per_request']:6.1f} us/req",
                                     file=sys.stderr,
                                 )
             profiles = []
@@ -159,12 +174,16 @@ async def run(args: argparse.Namespace) -> int:
                 server.stop()
     summary = summarize(rows, args)
     print(f"\nserver pinned to core {SERVER_CORE}, client to core {CLIENT_CORE}" if pin else "\nnot pinned")
-    print(f"{'model':<5} {'api':<7} {'p50 c=1 service/bare':>22} {'throughput c=16 service/bare':>30}")
+    print(
+        f"{'model':<5} {'api':<7} {'p50 c=1 service/bare':>22} {'throughput c=16 service/bare':>30} "
+        f"{'CPU/request c=16 service/bare':>31}"
+    )
     for key, value in summary.items():
         model, api = key.split("/")
         print(
             f"{model:<5} {api:<7} {value.get('p50_c1', float('nan')):>22.2f} "
-            f"{value.get('tput_c16', float('nan')):>30.2f}"
+            f"{value.get('tput_c16', float('nan')):>30.2f} "
+            f"{value.get('cpu_per_request_c16', float('nan')):>31.2f}"
         )
     if args.profile:
         print_profiles(profiles, 15)
@@ -181,11 +200,13 @@ def summarize(rows: list[dict[str, Any]], args: argparse.Namespace) -> dict[str,
         by.setdefault(key, {})[row["server"]] = (
             row["p50_us"] if row["concurrency"] == 1 else row["throughput"]
         )
+        cpu_key = (row["model"], row["api"], -row["concurrency"], row["round"])
+        by.setdefault(cpu_key, {})[row["server"]] = row["server_cpu_us_per_request"]
     summary: dict[str, dict[str, float]] = {}
     for model in args.models:
         for api in args.apis:
             entry: dict[str, float] = {}
-            for c, name in ((1, "p50_c1"), (16, "tput_c16")):
+            for c, name in ((1, "p50_c1"), (16, "tput_c16"), (-16, "cpu_per_request_c16")):
                 ratios = [
                     v["service"] / v["bare"]
                     for (m, a, cc, _), v in by.items()

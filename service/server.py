@@ -39,7 +39,7 @@ from service.metrics import ServiceMetrics
 from service.repository.watcher import RepositoryWatcher
 from service.runtime.manager import Loader, ModelManager
 from service.runtime.providers import detect_providers
-from service.runtime.session import load_runner
+from service.runtime.session import inline_run_limit_s, load_runner
 from service.runtime.status import ModelEvent, Watcher
 from service.scheduling.clock import Clock
 from service.shm.files import FileRegionStore
@@ -194,7 +194,12 @@ def build_service(
         metrics=metrics,
         drain_timeout_s=settings.drain_timeout_s,
         # Generation recognises decoder graphs as they load; the runtime knows nothing of them.
-        loader=loader or functools.partial(load_runner, recognizers=[recognize_decoder]),
+        loader=loader
+        or functools.partial(
+            load_runner,
+            recognizers=[recognize_decoder],
+            inline_limit_s=inline_run_limit_s(worker.count if worker is not None else 1),
+        ),
     )
     # The layers above the runtime attach to each version as it loads and let go as it retires.
     batching = BatchingLayer(executor, metrics, clock)

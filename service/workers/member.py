@@ -43,6 +43,7 @@ CHANNEL_OPTIONS = [
 class WorkerRole:
     index: int
     folder: protocol.ControlFolder
+    count: int = 1  # workers in all
 
     @classmethod
     def from_environment(cls, environ: Mapping[str, str] | None = None) -> WorkerRole | None:
@@ -50,7 +51,9 @@ class WorkerRole:
         if protocol.ENV_CONTROL not in environ:
             return None
         return cls(
-            int(environ[protocol.ENV_INDEX]), protocol.ControlFolder(Path(environ[protocol.ENV_CONTROL]))
+            int(environ[protocol.ENV_INDEX]),
+            protocol.ControlFolder(Path(environ[protocol.ENV_CONTROL])),
+            int(environ.get(protocol.ENV_COUNT, "1")),
         )
 
 

@@ -16,6 +16,7 @@ from modelyard.common import headers
 # Environment of a worker process (set by the supervisor only; operators set MODELYARD_SERVICE_*).
 ENV_CONTROL = "MODELYARD_WORKER_CONTROL"  # the private folder
 ENV_INDEX = "MODELYARD_WORKER_INDEX"
+ENV_COUNT = "MODELYARD_WORKER_COUNT"
 
 # Health services. A worker's own readiness (its repository loaded), read by the supervisor:
 LOCAL = "modelyard.internal.worker"

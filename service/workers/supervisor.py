@@ -221,6 +221,7 @@ class Supervisor:
         env[ENV_PREFIX + "METRICS_LISTEN"] = ""  # the supervisor serves the sum
         env[protocol.ENV_CONTROL] = str(self.folder.path)
         env[protocol.ENV_INDEX] = str(index)
+        env[protocol.ENV_COUNT] = str(self.count)
         return env
 
     async def _join(self, slot: Slot) -> None:
