@@ -6,22 +6,58 @@ BUF_VERSION := 1.75.0
 BUF := .cache/buf/node_modules/.bin/buf
 REPOSITORY ?= models/demo
 
-.PHONY: up test lint gen bench bench-generate bench-batching bench-swaps demo-models proto-baseline install install-dev system-deps clean
+.PHONY: web web-deps web-check browser-deps bench-edge up test lint gen bench bench-generate bench-batching bench-swaps bench-soak demo-models proto-baseline install install-dev system-deps clean
 
-up: $(VENV)/.installed
-	$(PY) -m service --repository $(REPOSITORY)
+# service (50052), sidecar (50051), gateway (8000) and Envoy (8080) until Ctrl-C.
+up: $(VENV)/.installed-stack
+	$(PY) -m deploy --repository $(REPOSITORY) $(if $(SIDECAR_CONFIG),--sidecar-config $(SIDECAR_CONFIG))
 
-test: lint
+test: lint browser-deps
 	$(PY) -m pytest -q
 
 lint: $(VENV)/.installed-dev $(BUF) system-deps
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
-	$(VENV)/bin/mypy service tests bench models/__init__.py models/demo_models.py proto/generate.py proto/python/modelyard
+	$(VENV)/bin/mypy service gateway deploy tests bench models/__init__.py models/demo_models.py proto/generate.py proto/python/modelyard envoy/render.py
 	$(VENV)/bin/lint-imports
 	$(PY) proto/generate.py --check
+	$(PY) envoy/render.py --check
+	$(VENV)/bin/envoy --mode validate -c envoy/envoy.yaml --log-level warn
+	$(MAKE) --no-print-directory web-check
 	$(BUF) lint
 	$(BUF) breaking --against proto/baseline.binpb
+
+# The browser page's gRPC-Web client: TypeScript from our protos (buf generate + protoc-gen-es),
+# type-checked, bundled by esbuild into gateway/static/app.js (committed: the gateway serves it
+# without node; web-check fails when the committed files are stale).
+WEB := gateway/web
+WEB_GEN := cd $(WEB) && ./node_modules/.bin/buf generate --template buf.gen.yaml --path ../../proto/modelyard/inference ../../proto
+WEB_BUNDLE := cd $(WEB) && ./node_modules/.bin/tsc -p . && ./node_modules/.bin/esbuild src/app.ts --bundle --format=esm \
+	--target=es2020 --minify --legal-comments=none --log-level=warning
+
+web-deps: $(WEB)/node_modules/.installed
+
+$(WEB)/node_modules/.installed: $(WEB)/package.json $(WEB)/package-lock.json
+	npm ci --prefix $(WEB) --silent --no-audit --no-fund
+	touch $@
+
+web: web-deps
+	$(WEB_GEN)
+	$(WEB_BUNDLE) --outfile=../static/app.js
+
+web-check: web-deps
+	rm -rf .cache/web-check
+	$(WEB_GEN) -o ../../.cache/web-check
+	diff -r $(WEB)/src/gen .cache/web-check/src/gen
+	$(WEB_BUNDLE) --outfile=../../.cache/web-check/app.js
+	cmp gateway/static/app.js .cache/web-check/app.js
+
+# Debian's chromium for the browser test (tests/e2e/test_browser.py), and playwright-core.
+browser-deps: web-deps
+	@command -v chromium >/dev/null 2>&1 || { apt-get update -qq && apt-get install -y -qq chromium >/dev/null; }
+
+bench-edge: $(VENV)/.installed-dev
+	$(PY) -m bench.edge
 
 gen: $(VENV)/.installed-dev
 	$(PY) proto/generate.py
@@ -38,6 +74,9 @@ bench-generate: $(VENV)/.installed-dev
 
 bench-swaps: $(VENV)/.installed-dev
 	$(PY) -m bench.swaps
+
+bench-soak: $(VENV)/.installed-dev
+	$(PY) -m bench.soak
 
 bench-batching: $(VENV)/.installed-dev
 	$(PY) -m bench.batching
@@ -56,9 +95,14 @@ $(VENV)/.installed: pyproject.toml | $(PY)
 	$(PY) -m pip install --quiet -e '.[service]'
 	touch $@
 
+# What `make up` runs: every process, none of the dev tools.
+$(VENV)/.installed-stack: pyproject.toml | $(PY)
+	$(PY) -m pip install --quiet -e '.[service,gateway]'
+	touch $@ $(VENV)/.installed
+
 $(VENV)/.installed-dev: pyproject.toml | $(PY)
 	$(PY) -m pip install --quiet -e '.[dev]'
-	touch $@ $(VENV)/.installed
+	touch $@ $(VENV)/.installed $(VENV)/.installed-stack
 
 # Debian packages the tests need: libb64 for Triton's perf_analyzer.
 system-deps:

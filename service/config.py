@@ -27,6 +27,16 @@ class Settings:
     watch_method: str = "events"  # events (inotify) or poll (file systems without change events)
     watch_quiet_s: float = 0.25  # a model folder must be this quiet before a change is loaded
     resync_s: float = 30.0  # full repository reconcile, for changes the OS did not report
+    # TLS on the gRPC and metrics listeners (both files, or neither); with a client CA, clients
+    # must present a certificate it signed (mTLS). Files are re-read when they change.
+    tls_cert: str = ""
+    tls_key: str = ""
+    tls_client_ca: str = ""
+    # Authorization: bearer tokens (one per line) and/or allowed mTLS client identities (CN/SAN).
+    # When either is set, LoadModel/UnloadModel and the KServe repository extension need one.
+    auth_tokens_file: str = ""
+    auth_client_names: tuple[str, ...] = ()
+    auth_inference: bool = False  # inference and metadata calls need a credential too
     log_level: str = "INFO"
     log_format: str = "text"  # text, or json: one object per line for log collectors
 
@@ -41,6 +51,12 @@ _HELP = {
     "inference_threads": "threads that run models; 0 = one per CPU core",
     "workers": "service processes sharing the gRPC port (each with its own sessions): N, or auto "
     "for one per CPU core",
+    "tls_cert": "PEM certificate chain of the gRPC and metrics listeners; empty: no TLS",
+    "tls_key": "PEM private key for tls_cert",
+    "tls_client_ca": "PEM CA bundle; when set, clients must present a certificate it signed (mTLS)",
+    "auth_tokens_file": "file of bearer tokens, one per line; management calls then need one",
+    "auth_client_names": "an mTLS client identity (certificate CN or SAN) allowed to call (repeatable)",
+    "auth_inference": "require a credential for inference and metadata calls too",
     "log_level": "DEBUG, INFO, WARNING or ERROR",
     "log_format": "text or json (one object per line)",
     "control_mode": "watch (load changes on disk) or explicit (only LoadModel/UnloadModel)",

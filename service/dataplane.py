@@ -7,19 +7,27 @@ its batcher (queue, priorities, deadlines); any other runs each request as it co
 
 from __future__ import annotations
 
+import asyncio
 import time
-from collections.abc import AsyncGenerator, Mapping, Sequence
+from collections.abc import AsyncGenerator, Callable, Mapping, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass
+from typing import TypeVar
+from weakref import WeakKeyDictionary
 
 import numpy as np
+from modelyard.tensors import TensorError
 
 from service.batching.layer import BatchingLayer
 from service.errors import ServiceError
+from service.generation.model import DecoderModel
+from service.intake import Bounds, TensorHeader, bounds_for, check_headers, offload
 from service.runtime.manager import ModelManager
 from service.runtime.served import ServedVersion
 from service.runtime.session import run_model
 from service.scheduling.queue import DEFAULT_SCHEDULING, Scheduling
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -51,6 +59,31 @@ class DataPlane:
         self.manager = manager
         self._executor = executor
         self._batching = batching
+        self._bounds: WeakKeyDictionary[ServedVersion, Bounds] = WeakKeyDictionary()  # per version
+
+    async def decode(
+        self, model: str, version: str, headers: Sequence[TensorHeader], decode: Callable[[], T]
+    ) -> T:
+        """Check a request's tensors (their headers) against the version that will serve it, then
+        decode them: inline when small, in the executor when large, so that the event loop never
+        waits on a request's decoding. `infer` checks the decoded arrays again, under its lease."""
+        started = time.perf_counter_ns()
+        served = self.manager.resolve(model, version)
+        bounds = self._bounds.get(served)
+        if bounds is None:
+            kind = served.runner.kind
+            decoder = kind if isinstance(kind, DecoderModel) else None
+            bounds = self._bounds[served] = bounds_for(served.runner.signature, served.config.limits, decoder)
+        try:
+            check_headers(bounds, headers)
+        except (ServiceError, TensorError):
+            # A request that does not fit counts as a failed inference of the version, as when
+            # check_inputs refuses it (Triton's statistics count it so).
+            served.stats.record_request(False, time.perf_counter_ns() - started)
+            raise
+        if offload(headers):
+            return await asyncio.get_running_loop().run_in_executor(self._executor, decode)
+        return decode()
 
     async def infer(
         self,

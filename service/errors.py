@@ -55,3 +55,7 @@ class Overloaded(ServiceError):
 
 class DeadlineExceeded(ServiceError):
     """The request's deadline passed before its work was done; the work is dropped, not finished."""
+
+
+class ReaderStalled(ServiceError):
+    """A stream's reader took nothing for longer than the stall limit; its work was dropped."""

@@ -165,12 +165,13 @@ class GenerationMetrics:
     _series: set[tuple[MetricWrapperBase, tuple[str, ...]]]
 
     def finished(self, reason: str) -> None:
-        """A sequence ended: length, stop, eos, cancelled, deadline or error."""
+        """A sequence ended: length, stop, eos, cancelled, deadline, stalled or error."""
         self._series.add((self._finished, (*self._labels, reason)))
         self._finished.labels(*self._labels, reason).inc()
 
     def cancelled(self, cause: str) -> None:
-        """A sequence was abandoned by its client: cancelled (or disconnected), or deadline."""
+        """A sequence was abandoned by its client: cancelled (or disconnected), deadline, or stalled
+        (its reader took nothing past generation.stall_timeout_ms)."""
         self._series.add((self._cancellations, (*self._labels, cause)))
         self._cancellations.labels(*self._labels, cause).inc()
 
@@ -188,6 +189,13 @@ class ServiceMetrics:
 
     def __post_init__(self) -> None:
         self.requests = RequestLog(self.registry)
+        self.auth_denials = Counter(
+            "modelyard_auth_denials",
+            "Calls refused for want of a credential, by surface (management or inference) and "
+            "outcome (unauthenticated, denied).",
+            ["surface", "outcome"],
+            registry=self.registry,
+        )
         self.model_loads = Counter(
             "modelyard_model_loads",
             "Model version loads, by model and result (ready or failed).",

@@ -9,14 +9,19 @@ import os
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Protocol
+from pathlib import Path
+from typing import Any, Protocol, cast
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
+from grpc_reflection.v1alpha import _async as reflection_aio
+from grpc_reflection.v1alpha import reflection, reflection_pb2_grpc
 from modelyard.common import health as health_names
+from modelyard.common.auth import Authorizer, AuthSettings
 from modelyard.common.metrics_http import MetricsServer
 from modelyard.common.settings import split_address
+from modelyard.common.throttle import LogThrottle
+from modelyard.common.tls import TlsFiles, grpc_server_credentials, is_loopback, warn_if_plaintext
 from modelyard.inference.v1 import (
     inference_service_pb2,
     inference_service_pb2_grpc,
@@ -25,11 +30,13 @@ from modelyard.inference.v1 import (
 )
 from modelyard.kserve.v2 import grpc_service_pb2, grpc_service_pb2_grpc
 
+from service.api.access import guards
 from service.api.errors import set_served_by
 from service.api.inference_servicer import InferenceServicer
 from service.api.kserve_servicer import KServeServicer
 from service.api.limits import SizeLimitedServer, transport_limit
 from service.api.model_servicer import ModelServicer
+from service.api.wire import Guarded, GuardFor, OnUndecodable
 from service.batching.layer import BatchingLayer
 from service.config import Settings
 from service.dataplane import DataPlane
@@ -78,6 +85,7 @@ class Service:
     batching: BatchingLayer | None = None
     metrics_server: MetricsServer | None = None
     watcher: RepositoryWatcher | None = None
+    tls: TlsFiles | None = None  # of the gRPC and metrics listeners
     # One of several workers (service.workers): model control and health go through the
     # supervisor, and `internal` serves the supervisor on a unix socket.
     link: WorkerLink | None = None
@@ -95,7 +103,7 @@ class Service:
         await (self.server if self.internal is None else self.internal).start()
         if self.settings.metrics_listen:
             self.metrics_server = MetricsServer(
-                self.metrics.registry, *split_address(self.settings.metrics_listen)
+                self.metrics.registry, *split_address(self.settings.metrics_listen), tls=self.tls
             )
         # Subscribed before loading starts, so that no model event escapes health and metrics.
         self._events = asyncio.get_running_loop().create_task(self._follow(self.manager.subscribe()))
@@ -175,6 +183,16 @@ class Service:
                 self.metrics.known_models.add(event.model)
 
 
+def _undecodable_reporter(metrics: ServiceMetrics) -> OnUndecodable:
+    throttle = LogThrottle(log)
+
+    def report(method: str) -> None:
+        metrics.observe_request(method.rsplit("/", 1)[-1], "", "", grpc.StatusCode.INVALID_ARGUMENT, 0.0)
+        throttle.log(logging.WARNING, "refused an undecodable %s request", method)
+
+    return report
+
+
 def build_service(
     settings: Settings,
     *,
@@ -213,6 +231,9 @@ def build_service(
     ]
     # A taken port must fail loudly, not be shared; workers share it (the supervisor holds it).
     server = grpc.aio.server(options=[*limits, ("grpc.so_reuseport", 0 if worker is None else 1)])
+    tls, authorizer = _security(settings)
+    guard_for = guards(authorizer, settings.auth_inference, metrics)
+    reporter = _undecodable_reporter(metrics)
     link = WorkerLink(worker) if worker is not None else None
     shm = SharedMemoryRegistry(FileRegionStore(worker.folder.regions) if worker is not None else None)
     servicers: list[tuple[Callable[[Any, Any], None], object]] = [
@@ -227,13 +248,17 @@ def build_service(
         ),
     ]
     health_servicer: Health = health.aio.HealthServicer()  # type: ignore[attr-defined]
-    _add_apis(server, servicers, health_servicer, settings, metrics, link)
-    port = server.add_insecure_port(settings.listen)
+    _add_apis(server, servicers, health_servicer, settings, metrics, reporter, guard_for, link)
+    if tls is None:
+        port = server.add_insecure_port(settings.listen)
+    else:
+        port = server.add_secure_port(settings.listen, grpc_server_credentials(tls))
     internal = None
     if worker is not None:
-        # The supervisor's way in: the same servicers answering for this worker alone.
+        # The supervisor's way in, on a unix socket in its private folder (no credentials): the
+        # same servicers, answering for this worker alone, and this worker's scrape.
         internal = grpc.aio.server(options=limits)
-        _add_apis(internal, servicers, health_servicer, settings, metrics, None)
+        _add_apis(internal, servicers, health_servicer, settings, metrics, reporter, None, None)
         internal.add_generic_rpc_handlers((metrics_handler(metrics.registry),))
         internal.add_insecure_port(worker.folder.worker(worker.index))
         set_served_by(f"worker-{worker.index}")
@@ -247,6 +272,7 @@ def build_service(
         executor,
         generation,
         batching,
+        tls=tls,
         link=link,
         internal=internal,
     )
@@ -258,22 +284,58 @@ def _add_apis(
     health_servicer: Health,
     settings: Settings,
     metrics: ServiceMetrics,
+    reporter: OnUndecodable,
+    guard_for: GuardFor | None,
     link: WorkerLink | None,
 ) -> None:
+    """Register the APIs on `server`. Every servicer is added through Guarded: calls pass
+    authorization (service/api/access.py), and undecodable request bytes are refused with
+    INVALID_ARGUMENT (and one rate-limited log line), not UNKNOWN with a traceback per request.
+    The API services are size-checked first (service/api/limits.py: the message arrives as
+    bytes, is measured, then parsed). In a worker, model control and reads go to every worker
+    through the supervisor (FanOutRegistrar, in front of Guarded: they pass its checks too).
+    (cast: each takes the server's place in the generated functions, which only register handlers)"""
     limited = SizeLimitedServer(server, settings.max_message_bytes, metrics)
+    registry: Any = Guarded(limited, reporter, guard_for)
+    if link is not None:
+        registry = FanOutRegistrar(registry, link)
     for add, servicer in servicers:
-        if link is None:
-            limited.add(add, servicer)
-        else:  # model control and reads answered by every worker through the supervisor
-            add(servicer, FanOutRegistrar(limited, link))
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    reflection.enable_server_reflection(
-        [
-            inference_service_pb2.DESCRIPTOR.services_by_name["InferenceService"].full_name,
-            model_service_pb2.DESCRIPTOR.services_by_name["ModelService"].full_name,
-            grpc_service_pb2.DESCRIPTOR.services_by_name["GRPCInferenceService"].full_name,
-            health.SERVICE_NAME,
-            reflection.SERVICE_NAME,
-        ],
-        server,
+        add(servicer, registry)
+    # Health and reflection are not size-checked (as before); they pass Guarded too. Health's
+    # Watch writes with context.write, which the size check's stream wrapper does not take.
+    plain = cast(grpc.aio.Server, Guarded(server, reporter, guard_for))
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, plain)
+    # What reflection.enable_server_reflection does for an aio server, through Guarded.
+    reflection_pb2_grpc.add_ServerReflectionServicer_to_server(
+        reflection_aio.ReflectionServicer(
+            [
+                inference_service_pb2.DESCRIPTOR.services_by_name["InferenceService"].full_name,
+                model_service_pb2.DESCRIPTOR.services_by_name["ModelService"].full_name,
+                grpc_service_pb2.DESCRIPTOR.services_by_name["GRPCInferenceService"].full_name,
+                health.SERVICE_NAME,
+                reflection.SERVICE_NAME,
+            ]
+        ),
+        plain,
     )
+
+
+def _security(settings: Settings) -> tuple[TlsFiles | None, Authorizer]:
+    """TLS files and the authorizer from the settings; ValueError for a combination that cannot
+    work (half a key pair, client identities without mTLS, auth_inference without credentials)."""
+    tls = TlsFiles.from_settings(settings.tls_cert, settings.tls_key, settings.tls_client_ca)
+    tokens = Path(settings.auth_tokens_file) if settings.auth_tokens_file else None
+    authorizer = Authorizer(AuthSettings(tokens, settings.auth_client_names))
+    if settings.auth_client_names and (tls is None or tls.client_ca is None):
+        raise ValueError("auth_client_names names mTLS client identities: it needs tls_client_ca")
+    if settings.auth_inference and not authorizer.configured:
+        raise ValueError("auth_inference needs auth_tokens_file or auth_client_names")
+    host = split_address(settings.listen)[0]
+    warn_if_plaintext(host, "the gRPC listener", tls)
+    if not authorizer.configured and not is_loopback(host):
+        log.warning(
+            "the gRPC listener on %s takes LoadModel/UnloadModel and repository calls from any client "
+            "(configure auth_tokens_file, see README Security)",
+            host or "all addresses",
+        )
+    return tls, authorizer

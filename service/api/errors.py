@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import secrets
 import time
 from typing import Any, NoReturn
 
@@ -36,6 +38,7 @@ _STATUS: dict[type[BaseException], tuple[grpc.StatusCode, ErrorReason]] = {
     errors.NotGenerative: (grpc.StatusCode.FAILED_PRECONDITION, ErrorReason.FAILED_PRECONDITION),
     errors.Overloaded: (grpc.StatusCode.RESOURCE_EXHAUSTED, ErrorReason.QUEUE_FULL),
     errors.DeadlineExceeded: (grpc.StatusCode.DEADLINE_EXCEEDED, ErrorReason.DEADLINE),
+    errors.ReaderStalled: (grpc.StatusCode.ABORTED, ErrorReason.READER_STALLED),
     # Not domain errors, but every way a call ends has its row: the client went away (the
     # deadline's row is chosen by deadline_passed), and anything else is a bug of ours.
     asyncio.CancelledError: (grpc.StatusCode.CANCELLED, ErrorReason.CANCELLED),
@@ -58,11 +61,57 @@ def reason_metadata(reason: ErrorReason) -> tuple[tuple[str, str]]:
     return ((headers.ERROR_REASON, reason.value),)
 
 
-async def abort(context: Context, exc: Exception) -> NoReturn:
-    """End the call with exc's status, its message and its reason in the trailing metadata."""
+async def abort(context: Context, exc: Exception, method: str = "", model: str = "") -> NoReturn:
+    """End the call with exc's status, its message and its reason in the trailing metadata. An
+    INTERNAL answer is logged under an error id that its message carries too."""
     code, reason = status_for(exc)
-    await context.abort(code, str(exc), trailing_metadata=reason_metadata(reason))
+    message = str(exc)
+    if code == grpc.StatusCode.INTERNAL:
+        message = internal_error(method or "a call", model, message)
+    await context.abort(code, message, trailing_metadata=reason_metadata(reason))
     raise AssertionError("unreachable: abort raises")  # pragma: no cover
+
+
+def in_band_message(exc: BaseException, method: str, model: str) -> str:
+    """The message of an error answered inside a stream (Triton's error_message): as abort's."""
+    if status_for(exc)[0] == grpc.StatusCode.INTERNAL:
+        return internal_error(method, model, str(exc))
+    return str(exc)
+
+
+def internal_error(method: str, model: str, message: str, exc: BaseException | None = None) -> str:
+    """Log an INTERNAL answer under a fresh error id (with the traceback of a bug of ours) and
+    return the message for the client, which carries the same id."""
+    error_id = secrets.token_hex(6)
+    log.error(
+        "%s on model %r failed [error id %s]%s",
+        method,
+        model,
+        error_id,
+        f": {message}" if message else "",
+        exc_info=exc,
+    )
+    detail = message or f"{method} failed with an internal error"
+    return f"{detail} [error id {error_id}; the server log has the details]"
+
+
+_ending: set[asyncio.Task[None]] = set()
+
+
+def end_stalled(context: Context, error: BaseException) -> None:
+    """End a stream whose reader stalled. Its handler is blocked writing (HTTP/2 flow control),
+    so the status is sent from a task of its own: it follows the messages already written, once
+    the client reads them (or goes away)."""
+
+    async def abort_stalled() -> None:
+        # abort() raises AbortError once the status is set; the handler ends with it.
+        code, reason = status_for(error)
+        with contextlib.suppress(Exception):
+            await context.abort(code, str(error), trailing_metadata=reason_metadata(reason))
+
+    task = asyncio.get_running_loop().create_task(abort_stalled())
+    _ending.add(task)
+    task.add_done_callback(_ending.discard)
 
 
 def deadline_passed(context: Context) -> bool:
@@ -128,7 +177,10 @@ class serving:
                 return
             if isinstance(exc, errors.ServiceError | TensorError):
                 code, reason = status_for(exc)
-                await self._context.abort(code, str(exc), trailing_metadata=reason_metadata(reason))
+                message = str(exc)
+                if code == grpc.StatusCode.INTERNAL:  # a runtime failure on valid-looking input
+                    message = internal_error(self._method, self._model, message)
+                await self._context.abort(code, message, trailing_metadata=reason_metadata(reason))
             elif isinstance(exc, asyncio.CancelledError | GeneratorExit):  # the client went away
                 # gRPC has answered the client already (CANCELLED, or DEADLINE_EXCEEDED from its own
                 # deadline timer); the reason is set for completeness and for anything reading the
@@ -141,10 +193,9 @@ class serving:
                 code = self._context.code()  # abort() set it, with its reason
             elif isinstance(exc, Exception):
                 code, reason = _INTERNAL
-                log.error("%s on model %r failed", self._method, self._model, exc_info=exc)
                 await self._context.abort(
                     code,
-                    f"{self._method} failed with an internal error; see the server log",
+                    internal_error(self._method, self._model, "", exc),
                     trailing_metadata=reason_metadata(reason),
                 )
         finally:

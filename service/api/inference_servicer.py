@@ -2,17 +2,21 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from contextlib import aclosing
+from functools import partial
 
+import numpy as np
 from modelyard.inference.v1 import inference_service_pb2 as pb
 from modelyard.inference.v1 import inference_service_pb2_grpc as pb_grpc
+from modelyard.inference.v1 import tensor_pb2
 from modelyard.tensors import to_arrays, to_tensors
 
-from service.api.errors import Context, deadline_passed, serving
+from service.api.errors import Context, deadline_passed, end_stalled, serving
 from service.api.generation_convert import to_generate_params, to_generate_response
 from service.api.metadata import call_fields
 from service.api.scheduling import scheduling
+from service.api.tensor_headers import our_headers
 from service.dataplane import DataPlane
 from service.generation.plane import GenerationPlane
 from service.metrics import ServiceMetrics
@@ -24,15 +28,22 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         self._generation = generation
         self._metrics = metrics
 
+    async def _inputs(
+        self, model: str, version: str, tensors: Sequence[tensor_pb2.Tensor]
+    ) -> dict[str, np.ndarray]:
+        """The request's arrays, decoded only once their headers fit the model (service/intake.py)."""
+        return await self._dataplane.decode(model, version, our_headers(tensors), partial(to_arrays, tensors))
+
     async def Infer(self, request: pb.InferRequest, context: Context) -> pb.InferResponse:
         async with serving(context, self._metrics, "Infer", request.model_name) as call:
             version, request_id, priority = call_fields(
                 context, request.model_version, request.request_id, request.priority
             )
+            inputs = await self._inputs(request.model_name, version, request.inputs)
             result = await self._dataplane.infer(
                 request.model_name,
                 version,
-                to_arrays(request.inputs),
+                inputs,
                 request.output_names,
                 scheduling(context, priority, request.timeout_us),
             )
@@ -52,10 +63,11 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
             version, request_id, priority = call_fields(
                 context, request.model_version, request.request_id, request.priority
             )
+            inputs = await self._inputs(request.model_name, version, request.inputs)
             chunks = self._dataplane.infer_chunks(
                 request.model_name,
                 version,
-                to_arrays(request.inputs),
+                inputs,
                 request.output_names,
                 request.chunk_size,
                 scheduling(context, priority, request.timeout_us),
@@ -90,6 +102,7 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
                 to_generate_params(request),
                 scheduling(context, priority, request.timeout_us),
                 deadline_passed=lambda: deadline_passed(context),
+                on_stalled=lambda error: end_stalled(context, error),
             )
             # aclosing: a cancelled stream leaves its batch and releases its lease at once.
             async with aclosing(events):

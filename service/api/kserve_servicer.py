@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 from dataclasses import replace
+from functools import partial
 
 from modelyard.common.reasons import ErrorReason
 from modelyard.kserve.v2 import grpc_service_pb2 as pb
@@ -14,7 +15,7 @@ from modelyard.kserve.v2 import model_config_pb2 as config_pb
 from modelyard.tensors import TensorError
 
 from service import __version__
-from service.api.errors import Context, serving
+from service.api.errors import Context, in_band_message, serving
 from service.api.kserve_classification import top_k
 from service.api.kserve_config import load_parameters
 from service.api.kserve_settings import LogSettings, LogValue, TraceSettings
@@ -27,6 +28,7 @@ from service.api.kserve_tensors import (
 )
 from service.api.metadata import call_fields
 from service.api.scheduling import kserve_priority, kserve_scheduling
+from service.api.tensor_headers import kserve_headers
 from service.dataplane import DataPlane
 from service.errors import InvalidInput, ModelLoadError, ServiceError, Unsupported
 from service.metrics import ServiceMetrics
@@ -320,7 +322,11 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
         version, request_id, priority = call_fields(
             context, request.model_version, request.id, kserve_priority(request.parameters)
         )
-        inputs = decode_inputs(request, self._shm)
+        # Decoded only once the tensors' headers fit the model (service/intake.py).
+        headers = kserve_headers(request)
+        inputs = await self._dataplane.decode(
+            request.model_name, version, headers, partial(decode_inputs, request, self._shm)
+        )
         names = requested_outputs(request)
         options = output_options(request)
         classify = options.classify
@@ -360,7 +366,8 @@ def _in_band_error(
 ) -> pb.ModelStreamInferResponse:
     failed = pb.ModelInferResponse(model_name=request.model_name, id=request.id)
     failed.parameters[ERROR_REASON_PARAMETER].string_param = reason.value
-    return pb.ModelStreamInferResponse(error_message=str(exc), infer_response=failed)
+    message = in_band_message(exc, "ModelStreamInfer", request.model_name)
+    return pb.ModelStreamInferResponse(error_message=message, infer_response=failed)
 
 
 def _empty_final_response(request: pb.ModelInferRequest) -> bool:

@@ -9,7 +9,6 @@ InvalidInput naming the tensor.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -22,7 +21,7 @@ from modelyard.kserve.v2.grpc_service_pb2 import (
     ModelInferRequest,
     ModelInferResponse,
 )
-from modelyard.tensors import NUMPY_BY_NAME, decode_bytes, name_of, to_wire
+from modelyard.tensors import NUMPY_BY_NAME, TensorError, decode_bytes, element_count, name_of, to_wire
 
 from service.errors import InvalidInput, Unsupported
 from service.shm.registry import SharedMemoryRegistry
@@ -235,15 +234,20 @@ def _checked_shape(tensor: _InputTensor) -> tuple[tuple[int, ...], int, np.dtype
     if dtype is None:
         raise InvalidInput(f"input {tensor.name!r}: unknown datatype {tensor.datatype!r} (known: {_KNOWN})")
     shape = tuple(tensor.shape)
-    if any(d < 0 for d in shape):
-        raise InvalidInput(f"input {tensor.name!r}: shape {list(shape)} has a negative dimension")
-    return shape, math.prod(shape), dtype
+    try:
+        count = element_count(shape, tensor.name)
+    except TensorError as exc:
+        raise InvalidInput(str(exc)) from None
+    return shape, count, dtype
 
 
 def _from_raw(tensor: _InputTensor, data: bytes | memoryview) -> Array:
     shape, count, dtype = _checked_shape(tensor)
     if tensor.datatype == "BYTES":
-        return decode_bytes(data, shape, tensor.name)
+        try:
+            return decode_bytes(data, shape, tensor.name)
+        except TensorError as exc:
+            raise InvalidInput(str(exc)) from None
     expected = count * dtype.itemsize
     if len(data) != expected:
         raise InvalidInput(

@@ -31,7 +31,7 @@ from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from typing import TypeVar
 
-from service.errors import DeadlineExceeded, ModelUnavailable, ServiceError
+from service.errors import DeadlineExceeded, ModelUnavailable, ReaderStalled, ServiceError
 from service.generation.decoder import Cache, DecodeBatch, StepRunner, prefill
 from service.generation.model import DecoderModel
 from service.generation.sampling import choose, choose_rows
@@ -104,6 +104,7 @@ class Engine:
         self._unprefilled: deque[Sequence] = deque()  # given a slot, prompt not run yet
         self._batches: list[DecodeBatch[Sequence]] = []
         self._batch_of: dict[int, DecodeBatch[Sequence]] = {}  # id(sequence) -> its batch
+        self._stall_s = self._settings.stall_timeout_ms / 1000
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._closed = False
@@ -187,8 +188,23 @@ class Engine:
             if not worked:
                 # Every sequence is paused for its reader (or just left): wait for a reader, a new
                 # arrival or the next deadline of a waiting sequence instead of spinning.
-                await self._clock.wait(self._wake, self._queue.next_deadline())
+                await self._clock.wait(self._wake, self._next_deadline())
         self._gauges()
+
+    def _stalled(self, sequence: Sequence, now: float) -> bool:
+        return (
+            self._stall_s > 0
+            and sequence.state is State.PAUSED
+            and now - sequence.paused_since >= self._stall_s
+        )
+
+    def _next_deadline(self) -> float | None:
+        """When the loop must look again with nothing else happening: a waiting sequence's
+        deadline, or the moment a paused sequence's reader counts as stalled."""
+        deadlines = [d for d in (self._queue.next_deadline(),) if d is not None]
+        if self._stall_s:
+            deadlines += [s.paused_since + self._stall_s for s in self._slots if s.state is State.PAUSED]
+        return min(deadlines, default=None)
 
     async def _turn(self) -> bool:
         """One turn; False when there was nothing to do (every sequence waits for its reader)."""
@@ -216,6 +232,17 @@ class Engine:
                 self._metrics.cancelled("deadline")
                 self._metrics.finished("deadline")
                 sequence.fail(DeadlineExceeded("the deadline passed during generation"))
+            elif self._stalled(sequence, now):
+                # Its reader took nothing while it was paused: free the slot for the others.
+                self._metrics.cancelled("stalled")
+                self._metrics.finished("stalled")
+                error = ReaderStalled(
+                    f"the stream's reader took no tokens for {self._stall_s:g} s "
+                    "(generation.stall_timeout_ms); the generation was dropped"
+                )
+                sequence.fail(error)
+                if sequence.on_stalled is not None:
+                    sequence.on_stalled(error)
 
     def _plan_leaving(self) -> dict[int, _Change]:
         """Finished or abandoned rows leave; rows whose reader is behind pause; paused or prefilled
@@ -265,7 +292,8 @@ class Engine:
             if sequence.state not in (State.PAUSED, State.PREFILL) or sequence.cache is None:
                 continue
             if not sequence.has_room:
-                sequence.state = State.PAUSED
+                if sequence.state is not State.PAUSED:
+                    sequence.state, sequence.paused_since = State.PAUSED, time.monotonic()
                 continue
             batch = self._batch_for_joining()
             changes.setdefault(id(batch), _Change()).joining.append(
@@ -346,6 +374,7 @@ class Engine:
                     self._free(sequence)
                 else:
                     sequence.state, sequence.cache, sequence.next_token = State.PAUSED, cache, token
+                    sequence.paused_since = now
             if result.members:
                 self._metrics.step_rows.observe(len(result.members))
                 self._metrics.step_seconds.observe(result.seconds)

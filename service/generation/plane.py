@@ -43,12 +43,15 @@ class GenerationPlane:
         params: GenerateParams,
         scheduling: Scheduling = DEFAULT_SCHEDULING,
         deadline_passed: Callable[[], bool] | None = None,
+        on_stalled: Callable[[BaseException], None] | None = None,
     ) -> AsyncGenerator[TokenEvent]:
         """Stream a generation's events, ending with the one that carries the finish reason.
         `scheduling` gives its priority and queue timeout for a decode slot, and the time left to
         its client's deadline, after which the work is dropped. Closing the generator early
         cancels the sequence; `deadline_passed` tells then whether that was the deadline (the
-        transport's own clock is the one that fired) rather than the client."""
+        transport's own clock is the one that fired) rather than the client. `on_stalled` is
+        called if the sequence is dropped because its reader took nothing for too long (the
+        reader is then blocked writing, so the transport must end the stream)."""
         remaining = scheduling.time_remaining_s
         deadline = None if remaining is None else time.monotonic() + remaining
         with self._manager.lease(model, version) as served:
@@ -75,6 +78,7 @@ class GenerationPlane:
             request = build_request(params, prompt_ids, decoder, deadline)
             engine = self._engine(served)
             sequence = engine.submit(request, scheduling)
+            sequence.on_stalled = on_stalled
             finished = False
             index = 0
             try:

@@ -91,6 +91,10 @@ class Sequence:
         self.submitted_at = time.monotonic()
         self.first_token_at = 0.0
         self.last_token_at = 0.0
+        self.paused_since = 0.0  # when it last paused for its reader
+        # Told when the sequence is dropped because its reader stalled: the reader is then blocked
+        # in a write, so the transport must end the stream from outside it.
+        self.on_stalled: Callable[[BaseException], None] | None = None
         self._buffer = buffer
         self._events: deque[TokenEvent | BaseException] = deque()
         self._readable = asyncio.Event()

@@ -7,6 +7,9 @@ from pathlib import Path
 
 from tokenizers import Tokenizer
 
+from service.errors import ModelLoadError
+from service.repository.files import is_inside, read_inside, shown
+
 TOKENIZER_FILE = "tokenizer.json"
 # End-of-text tokens of the common tokenizer families, tried in order when the config names none.
 KNOWN_EOS = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>", "<|eot_id|>", "<|im_end|>")
@@ -25,15 +28,24 @@ class TextCodec:
         self.eos_id: int | None = self._eos_id(eos_token)
 
     @classmethod
-    def from_file(cls, path: Path, eos_token: str = "") -> TextCodec:
+    def from_file(cls, path: Path, eos_token: str = "", root: Path | None = None) -> TextCodec:
+        """The tokenizer in `path`, read only once it resolves inside the repository `root`
+        (default: <root>/<model>/<version>/tokenizer.json's root)."""
+        root = path.parent.parent.parent if root is None else root
+        name = shown(root, path)
         try:
-            tokenizer = Tokenizer.from_file(str(path))
+            text = read_inside(root, path, limit=256 << 20).decode("utf-8")
+            tokenizer = Tokenizer.from_str(text)
+        except ModelLoadError as exc:
+            raise TokenizerError(str(exc)) from None
+        except UnicodeDecodeError:
+            raise TokenizerError(f"{name}: not UTF-8 text") from None
         except Exception as exc:  # the Rust side raises a bare Exception for any parse error
-            raise TokenizerError(f"{path}: not a tokenizers tokenizer.json: {exc}") from None
+            raise TokenizerError(f"{name}: not a tokenizers tokenizer.json: {exc}") from None
         try:
             return cls(tokenizer, eos_token)
         except TokenizerError as exc:
-            raise TokenizerError(f"{path}: {exc}") from None
+            raise TokenizerError(f"{name}: {exc}") from None
 
     def encode(self, text: str) -> list[int]:
         return list(self._tokenizer.encode(text).ids)
@@ -58,11 +70,11 @@ class TextCodec:
 def find_tokenizer(model_file: Path) -> Path | None:
     """tokenizer.json beside model.onnx (one per version), else in the model's folder (shared).
     Like model files, it must not resolve outside the repository (<root>/<model>/<version>/)."""
-    root = model_file.parent.parent.parent.resolve()
+    root = model_file.parent.parent.parent
     for folder in (model_file.parent, model_file.parent.parent):
         candidate = folder / TOKENIZER_FILE
         if candidate.is_file():
-            if not candidate.resolve().is_relative_to(root):
-                raise TokenizerError(f"{candidate}: resolves outside the model repository")
+            if not is_inside(root, candidate):
+                raise TokenizerError(f"{shown(root, candidate)}: resolves outside the model repository")
             return candidate
     return None

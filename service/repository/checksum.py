@@ -7,6 +7,7 @@ import re
 from pathlib import Path
 
 from service.errors import ModelLoadError
+from service.repository.files import read_inside, resolve_inside, shown
 
 _HEX = re.compile(r"^([0-9a-fA-F]{64})\b")
 _CHUNK = 1 << 20
@@ -16,16 +17,20 @@ def checksum_file(model_file: Path) -> Path:
     return model_file.with_name(model_file.name + ".sha256")
 
 
-def verify_checksum(model_file: Path) -> None:
+def verify_checksum(model_file: Path, root: Path | None = None) -> None:
     """Raise ModelLoadError (kind "checksum") when a checksum file exists and does not match.
     Accepts a bare digest or `sha256sum` output ("<digest>  model.onnx"). Blocking: run it in an
     executor."""
+    root = model_file.parent.parent.parent if root is None else root  # <root>/<model>/<version>/
     sums = checksum_file(model_file)
     if not sums.exists():
         return
-    match = _HEX.match(sums.read_text(encoding="ascii", errors="replace").strip())
+    # Read only once it resolves inside the repository, and never quoted back: only its name is.
+    text = read_inside(root, sums, limit=4096).decode("ascii", errors="replace")
+    match = _HEX.match(text.strip())
     if match is None:
-        raise ModelLoadError(f"{sums}: not a sha256 digest", "checksum")
+        raise ModelLoadError(f"{shown(root, sums)}: not a sha256 digest", "checksum")
+    resolve_inside(root, model_file)
     digest = hashlib.sha256()
     with model_file.open("rb") as f:
         while chunk := f.read(_CHUNK):
@@ -33,6 +38,6 @@ def verify_checksum(model_file: Path) -> None:
     expected = match.group(1).lower()
     if digest.hexdigest() != expected:
         raise ModelLoadError(
-            f"{model_file}: sha256 {digest.hexdigest()} does not match {sums.name} ({expected})",
+            f"{shown(root, model_file)}: sha256 {digest.hexdigest()} does not match {sums.name} ({expected})",
             "checksum",
         )

@@ -15,6 +15,7 @@ import yaml
 from modelyard.tensors import is_known
 
 from service.errors import ModelLoadError
+from service.repository.files import read_inside, shown
 from service.scheduling.queue import AdmissionPolicy, QueuePolicy
 
 CONFIG_FILE = "config.yaml"
@@ -94,10 +95,17 @@ class ReloadConfig:
 # `generation.max_waiting`: how many sequences may wait for a decode slot, unless the section's
 # default_queue_policy sets max_queue_size itself.
 DEFAULT_MAX_WAITING = 64
+# How long a stream may wait for a decode slot unless default_queue_policy says otherwise: a
+# queue that slow readers keep full must not hold the streams behind them forever.
+DEFAULT_GENERATION_QUEUE_TIMEOUT_US = 60_000_000
 
 
 def _generation_admission() -> AdmissionPolicy:
-    return AdmissionPolicy(default_queue_policy=QueuePolicy(max_queue_size=DEFAULT_MAX_WAITING))
+    return AdmissionPolicy(
+        default_queue_policy=QueuePolicy(
+            max_queue_size=DEFAULT_MAX_WAITING, default_timeout_us=DEFAULT_GENERATION_QUEUE_TIMEOUT_US
+        )
+    )
 
 
 @dataclass(frozen=True)
@@ -113,7 +121,19 @@ class GenerationConfig:
     eos_token: str = ""  # "" = the tokenizer's end-of-text special token, if it has a known one
     continuous_batching: bool = True  # False: every sequence decodes alone (a benchmark baseline)
     stream_buffer: int = 16  # tokens buffered per stream before its sequence pauses for the reader
+    # How long a sequence may stay paused while its reader takes nothing (a stalled client): past
+    # it the stream ends (ABORTED) and its decode slot is freed. 0 = no limit.
+    stall_timeout_ms: int = 30_000
     admission: AdmissionPolicy = field(default_factory=_generation_admission)
+
+
+@dataclass(frozen=True)
+class LimitsConfig:
+    """What one request may ask of a model, checked from its tensors' headers before decoding.
+    Beyond them a request gets RESOURCE_EXHAUSTED naming the limit."""
+
+    max_elements: int = 1 << 24  # elements across all inputs of a request (16 Mi)
+    max_request_bytes: int = 64 << 20  # bytes of a request's tensor payloads (64 MiB)
 
 
 @dataclass(frozen=True)
@@ -126,21 +146,39 @@ class ModelConfig:
     dynamic_batching: DynamicBatchingConfig | None = None
     reload: ReloadConfig = field(default_factory=ReloadConfig)
     generation: GenerationConfig = field(default_factory=GenerationConfig)
+    limits: LimitsConfig = field(default_factory=LimitsConfig)
 
 
-def load_config(model_dir: Path) -> ModelConfig:
-    """The model's config.yaml, or defaults when there is none."""
+def load_config(model_dir: Path, root: Path | None = None) -> ModelConfig:
+    """The model's config.yaml, or defaults when there is none. `root` is the repository (default:
+    the model folder's parent); a config.yaml that resolves outside it is refused unopened."""
+    root = model_dir.parent if root is None else root
     path = model_dir / CONFIG_FILE
     if not path.is_file():
         return ModelConfig()
+    name = shown(root, path)
     try:
-        raw = yaml.safe_load(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
-        raise ConfigError(f"{path}: cannot read: {exc}") from None
+        text = read_inside(root, path).decode("utf-8")
+    except ModelLoadError as exc:
+        raise ConfigError(str(exc)) from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"{name}: not UTF-8 text") from None
+    try:
+        raw = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{name}: not valid YAML{_where(exc)}") from None
     try:
         return parse_config(raw if raw is not None else {})
     except ConfigError as exc:
-        raise ConfigError(f"{path}: {exc}") from None
+        raise ConfigError(f"{name}: {exc}") from None
+
+
+def _where(exc: yaml.YAMLError) -> str:
+    """Where the YAML parser stopped, without its message: the parser quotes the text it read."""
+    mark = getattr(exc, "problem_mark", None)
+    if mark is None:
+        return ""
+    return f" (line {mark.line + 1}, column {mark.column + 1})"
 
 
 def parse_config(raw: object) -> ModelConfig:
@@ -157,6 +195,7 @@ def parse_config(raw: object) -> ModelConfig:
             "dynamic_batching",
             "reload",
             "generation",
+            "limits",
         },
     )
     batching = doc.get("dynamic_batching")
@@ -169,6 +208,7 @@ def parse_config(raw: object) -> ModelConfig:
         dynamic_batching=None if batching is None else _batching(batching, doc.get("max_batch_size", 0)),
         reload=_reload(doc.get("reload", {})),
         generation=_generation(doc.get("generation", {})),
+        limits=_limits(doc.get("limits", {})),
     )
 
 
@@ -356,7 +396,12 @@ def _generation(raw: object) -> GenerationConfig:
         eos_token=eos,
         continuous_batching=batching,
         stream_buffer=count("stream_buffer", 1),
-        admission=_admission(doc, "generation", QueuePolicy(max_queue_size=waiting)),
+        stall_timeout_ms=count("stall_timeout_ms", 0),
+        admission=_admission(
+            doc,
+            "generation",
+            QueuePolicy(max_queue_size=waiting, default_timeout_us=DEFAULT_GENERATION_QUEUE_TIMEOUT_US),
+        ),
     )
     if config.default_max_tokens > config.max_tokens:
         raise ConfigError(
@@ -364,6 +409,18 @@ def _generation(raw: object) -> GenerationConfig:
             f"({config.max_tokens})"
         )
     return config
+
+
+def _limits(raw: object) -> LimitsConfig:
+    doc = _mapping(raw, "limits")
+    _known(doc, "limits", {"max_elements", "max_request_bytes"})
+    defaults = LimitsConfig()
+    return LimitsConfig(
+        max_elements=_int(doc.get("max_elements", defaults.max_elements), "limits.max_elements", 1),
+        max_request_bytes=_int(
+            doc.get("max_request_bytes", defaults.max_request_bytes), "limits.max_request_bytes", 1
+        ),
+    )
 
 
 def _mapping(raw: object, where: str) -> Mapping[str, Any]:

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from service.errors import ModelLoadError
 from service.repository.config import ConfigError, ModelConfig
+from service.repository.files import read_inside, shown
 
 MAX_LABEL_FILE_BYTES = 16 * 1024 * 1024
 
@@ -17,14 +19,15 @@ def load_labels(model_dir: Path, config: ModelConfig) -> dict[str, tuple[str, ..
         if not output.label_filename:
             continue
         path = model_dir / output.label_filename
+        # Symlinks are fine (Kubernetes volumes use them) while they stay in the repository: the
+        # file is opened only once it resolves inside it, and its content is never quoted.
         try:
-            # Symlinks are fine (Kubernetes volumes use them) while they stay in the repository.
-            if not path.resolve().is_relative_to(model_dir.resolve().parent):
-                raise ConfigError(f"{path}: resolves outside the model repository")
-            if path.stat().st_size > MAX_LABEL_FILE_BYTES:
-                raise ConfigError(f"{path}: a label file may hold at most 16 MiB")
-            text = path.read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as exc:
-            raise ConfigError(f"outputs ({output.name}).label_filename: cannot read {path}: {exc}") from None
+            text = read_inside(model_dir.parent, path, limit=MAX_LABEL_FILE_BYTES).decode("utf-8")
+        except ModelLoadError as exc:
+            raise ConfigError(f"outputs ({output.name}).label_filename: {exc}") from None
+        except UnicodeDecodeError:
+            raise ConfigError(
+                f"outputs ({output.name}).label_filename: {shown(model_dir.parent, path)} is not UTF-8 text"
+            ) from None
         labels[output.name] = tuple(text.splitlines())
     return labels

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from service.errors import ModelLoadError
+from service.repository.files import is_inside, shown
 
 MODEL_FILE = "model.onnx"
 _MODEL_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
@@ -53,8 +54,7 @@ def scan_model(root: Path, name: str) -> ModelSource:
         raise ModelLoadError(f"{name!r} is not a valid model name")
     path = root / name
     if not path.is_dir():
-        raise ModelLoadError(f"model {name!r} is not in the repository {root}")
-    real_root = root.resolve()
+        raise ModelLoadError(f"model {name!r} is not in the repository")
     versions: dict[int, Path] = {}
     problems = []
     for entry in sorted(path.iterdir()):
@@ -65,12 +65,12 @@ def scan_model(root: Path, name: str) -> ModelSource:
         if not model_file.is_file():
             continue  # an empty or half-written version folder is not a version yet
         # Symlinks are fine (Kubernetes volumes use them) as long as they stay inside the repository.
-        if not model_file.resolve().is_relative_to(real_root):
-            problems.append(f"{model_file}: resolves outside the model repository")
+        if not is_inside(root, model_file):
+            problems.append(f"{shown(root, model_file)}: resolves outside the model repository")
             continue
         if version in versions:
             problems.append(
-                f"{path}: version {version} is present twice ({versions[version].parent.name}"
+                f"{name}: version {version} is present twice ({versions[version].parent.name}"
                 f" and {entry.name})"
             )
             continue

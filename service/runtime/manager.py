@@ -27,6 +27,7 @@ from service.errors import (
 from service.metrics import ServiceMetrics
 from service.repository.checksum import verify_checksum
 from service.repository.config import ModelConfig, load_config
+from service.repository.files import check_tree_inside, scrub
 from service.repository.labels import load_labels
 from service.repository.scanner import fingerprint, parse_version, scan_model, scan_repository, version_bytes
 from service.repository.uploads import Upload
@@ -200,7 +201,7 @@ class ModelManager:
                 # The sessions loaded from it hold their own copy of the model (or an open map).
                 await asyncio.get_running_loop().run_in_executor(self._io, previous.upload.remove)
         if status is None:
-            raise ModelNotFound(f"model {name!r} is not in the repository {self.repository}")
+            raise ModelNotFound(f"model {name!r} is not in the repository")
         return status
 
     async def reconcile(self, name: str) -> ModelStatus | None:
@@ -249,7 +250,7 @@ class ModelManager:
             if override is not None:
                 config = override.config
             else:
-                config = await loop.run_in_executor(self._io, load_config, source.path)
+                config = await loop.run_in_executor(self._io, load_config, source.path, root)
         except ModelLoadError as exc:
             # A broken config.yaml changes nothing that serves; status and metrics say why.
             log.error("model %s: %s", name, exc)
@@ -263,7 +264,7 @@ class ModelManager:
         selected = config.version_policy.select(list(source.versions))
         reason = "; ".join(source.problems)
         if not selected:
-            reason = reason or f"no version folder with a {source.path}/<version>/model.onnx"
+            reason = reason or f"no version folder with a {name}/<version>/model.onnx"
             log.error("model %s has no version to serve: %s", name, reason)
         self._set_model(name, reason=reason, max_batch_size=config.max_batch_size)
         self._forget_unselected(name, selected)
@@ -310,7 +311,9 @@ class ModelManager:
         try:
             memory = await loop.run_in_executor(self._io, version_bytes, model_file)
             await self._make_room(name, number, memory, config, current)
-            await loop.run_in_executor(self._io, verify_checksum, model_file)
+            root = model_file.parent.parent.parent  # <root>/<model>/<version>/model.onnx
+            await loop.run_in_executor(self._io, check_tree_inside, root, model_file.parent)
+            await loop.run_in_executor(self._io, verify_checksum, model_file, root)
             runner = await loop.run_in_executor(self._io, self._loader, model_file, config, self.providers)
             labels = await loop.run_in_executor(self._io, load_labels, model_file.parent.parent, config)
             if reference is not None and not config.reload.allow_schema_change:
@@ -491,9 +494,12 @@ class ModelManager:
         old = self._status.get(name)
         versions = dict(old.versions) if old else {}
         default = old.default_version if old else None
+        reason = scrub(reason, self.repository)  # clients see paths relative to the repository
         self._status[name] = ModelStatus(name, MappingProxyType(versions), reason, max_batch_size, default)
 
     def _set_version(self, name: str, status: VersionStatus, notify: bool = True) -> None:
+        if status.reason:
+            status = replace(status, reason=scrub(status.reason, self.repository))
         model = self._status[name]
         versions = dict(model.versions)
         versions[status.version] = status

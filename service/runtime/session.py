@@ -37,6 +37,10 @@ INLINE_RUN_LIMIT_S = 50e-6
 # the event loop (and so the latency it adds to other requests).
 ONE_CORE_INLINE_RUN_LIMIT_S = 500e-6
 WARMUP_RUNS = 5
+# A run this long has likely grown ONNX Runtime's arena (which keeps what it grew, for the life of
+# the session: one large request would hold gigabytes for good), so it is followed by a warm-up
+# sized run with arena shrinkage, which frees the arena's unused chunks. Cheap beside such a run.
+SHRINK_AFTER_S = 0.1
 
 
 class GraphKind(Protocol):
@@ -62,6 +66,8 @@ class ModelRunner:
     warmup_run_s: float  # median warm-up run time, on inputs with every dynamic dimension = 1
     kind: GraphKind | None = None  # what a layer above recognised in the graph (a decoder: Generate)
     inline_limit_s: float = INLINE_RUN_LIMIT_S  # runs shorter than this go inline (inline_run_limit_s)
+    sample_feeds: Mapping[str, np.ndarray] = dataclasses.field(default_factory=dict)  # the warm-up's
+    shrink_options: ort.RunOptions | None = None  # arena shrinkage of the session's devices
 
     @property
     def runs_inline(self) -> bool:
@@ -71,6 +77,7 @@ class ModelRunner:
         strings = self.signature.string_inputs
         ort_feeds = feeds_for_ort(feeds, strings) if strings else dict(feeds)
         arrays: list[np.ndarray]
+        start = time.perf_counter()
         try:
             if self.signature.has_bf16:
                 arrays = bf16.run(self.session, ort_feeds, output_names)
@@ -81,7 +88,17 @@ class ModelRunner:
                 "a BYTES output holds bytes that are not UTF-8, which ONNX Runtime's Python binding "
                 "cannot return"
             ) from None
+        if time.perf_counter() - start > SHRINK_AFTER_S:
+            self.give_back_memory()
         return outputs_from_ort(arrays) if self.signature.string_outputs else arrays
+
+    def give_back_memory(self) -> None:
+        """Free the arena's unused chunks (those a large run grew) with a warm-up sized run."""
+        if self.shrink_options is None or not self.sample_feeds or self.signature.has_bf16:
+            return
+        strings = self.signature.string_inputs
+        feeds = feeds_for_ort(self.sample_feeds, strings) if strings else dict(self.sample_feeds)
+        self.session.run(list(self.signature.output_names), feeds, self.shrink_options)
 
 
 def inline_run_limit_s(processes: int = 1) -> float:
@@ -171,7 +188,23 @@ def load_runner(
         kind=kind,
         inline_limit_s=inline_limit_s,
     )
-    return dataclasses.replace(runner, warmup_run_s=_warm_up(runner, model_file))
+    if kind is not None:
+        feeds = kind.warmup_feeds()
+    else:
+        feeds = {spec.name: _sample(spec) for spec in signature.inputs}
+    return dataclasses.replace(
+        runner,
+        warmup_run_s=_warm_up(runner, feeds, model_file),
+        sample_feeds=feeds,
+        shrink_options=_shrink_options(runner.provider, config),
+    )
+
+
+def _shrink_options(provider: str, config: ModelConfig) -> ort.RunOptions:
+    options = ort.RunOptions()
+    devices = "cpu:0" + (f";gpu:{config.execution.device_id}" if provider == CUDA else "")
+    options.add_run_config_entry("memory.enable_memory_arena_shrinkage", devices)
+    return options
 
 
 def _provider_for(config: ModelConfig, providers: ProviderChoice, model_file: Path) -> str:
@@ -256,11 +289,7 @@ def _apply_config(
     return tuple(specs)
 
 
-def _warm_up(runner: ModelRunner, model_file: Path) -> float:
-    if runner.kind is not None:
-        feeds = runner.kind.warmup_feeds()
-    else:
-        feeds = {spec.name: _sample(spec) for spec in runner.signature.inputs}
+def _warm_up(runner: ModelRunner, feeds: Mapping[str, np.ndarray], model_file: Path) -> float:
     timings = []
     try:
         for _ in range(WARMUP_RUNS):

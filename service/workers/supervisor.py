@@ -26,6 +26,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from modelyard.common import health as health_names
 from modelyard.common.metrics_http import MetricsServer
 from modelyard.common.settings import split_address
+from modelyard.common.tls import TlsFiles
 from modelyard.inference.v1 import model_service_pb2 as model_pb
 from prometheus_client import CollectorRegistry, Counter, Gauge
 from prometheus_client.core import GaugeMetricFamily, Metric
@@ -122,7 +123,12 @@ class Supervisor:
         )
         registry.register(_Scrapes(self))
         if self.settings.metrics_listen:
-            self._metrics_server = MetricsServer(registry, *split_address(self.settings.metrics_listen))
+            tls = TlsFiles.from_settings(
+                self.settings.tls_cert, self.settings.tls_key, self.settings.tls_client_ca
+            )
+            self._metrics_server = MetricsServer(
+                registry, *split_address(self.settings.metrics_listen), tls=tls
+            )
         self._slots = [Slot(i) for i in range(self.count)]
         loop = asyncio.get_running_loop()
         self._tasks = [loop.create_task(self._supervise(slot)) for slot in self._slots]

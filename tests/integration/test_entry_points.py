@@ -56,7 +56,15 @@ def test_the_hook_refuses_what_a_process_needs() -> None:
     assert "refused: this process must start without it" in result.stderr
 
 
-@pytest.mark.parametrize(("verb", "option"), [("serve", "--repository")])
+def test_the_gateway_command_starts_without_numpy_onnxruntime_or_the_service() -> None:
+    result = run(HEAVY + ",service", "gateway", "--help")
+    assert result.returncode == 0, result.stderr
+    assert "--upstream" in result.stdout and "MODELYARD_GATEWAY_UPSTREAM" in result.stdout
+
+
+@pytest.mark.parametrize(
+    ("verb", "option"), [("serve", "--repository"), ("gateway", "--upstream"), ("up", "--envoy-port")]
+)
 def test_the_modelyard_command_dispatches_to_each_process(verb: str, option: str) -> None:
     result = run("", "modelyard.common.cli", verb, "--help")
     assert result.returncode == 0, result.stderr

@@ -5,7 +5,13 @@ from __future__ import annotations
 import pytest
 
 from service.generation.layout import NotADecoder, decoder_layout
-from service.repository.config import DEFAULT_MAX_WAITING, ConfigError, GenerationConfig, parse_config
+from service.repository.config import (
+    DEFAULT_GENERATION_QUEUE_TIMEOUT_US,
+    DEFAULT_MAX_WAITING,
+    ConfigError,
+    GenerationConfig,
+    parse_config,
+)
 from service.runtime.signature import Signature, TensorSpec
 from service.scheduling.queue import AdmissionPolicy, QueuePolicy
 
@@ -61,11 +67,12 @@ def test_max_waiting_is_the_default_queue_size_unless_the_policy_sets_one() -> N
     def default(**generation: object) -> QueuePolicy:
         return parse_config({"generation": generation}).generation.admission.default_queue_policy
 
-    assert default() == QueuePolicy(max_queue_size=DEFAULT_MAX_WAITING)
-    assert default(max_waiting=3) == QueuePolicy(max_queue_size=3)
+    wait = DEFAULT_GENERATION_QUEUE_TIMEOUT_US  # queued streams wait a bounded time by default
+    assert default() == QueuePolicy(max_queue_size=DEFAULT_MAX_WAITING, default_timeout_us=wait)
+    assert default(max_waiting=3) == QueuePolicy(max_queue_size=3, default_timeout_us=wait)
     assert default(max_waiting=3, default_queue_policy={"max_queue_size": 0}).max_queue_size == 0
     assert GenerationConfig().admission == AdmissionPolicy(
-        1, 1, QueuePolicy(max_queue_size=DEFAULT_MAX_WAITING)
+        1, 1, QueuePolicy(max_queue_size=DEFAULT_MAX_WAITING, default_timeout_us=wait)
     )
 
 

@@ -57,6 +57,8 @@ def test_defaults_without_a_config_file(tmp_path: Path) -> None:
         ({"execution": {"provider": "tpu"}}, "execution.provider"),
         ({"dynamic_batching": {"max_queue_delay_us": 1, "priority": 2}}, "unknown key(s) priority"),
         ([1, 2], "expected a mapping"),
+        ({"limits": {"max_elements": 0}}, "limits.max_elements"),
+        ({"limits": {"max_bytes": 1}}, "unknown key(s) max_bytes"),
     ],
 )
 def test_bad_configs_name_the_key(raw: object, words: str) -> None:
@@ -65,11 +67,24 @@ def test_bad_configs_name_the_key(raw: object, words: str) -> None:
     assert words in str(caught.value)
 
 
-def test_bad_yaml_names_the_file(tmp_path: Path) -> None:
-    (tmp_path / "config.yaml").write_text("max_batch_size: [")
+def test_bad_yaml_names_the_file_relative_and_quotes_nothing(tmp_path: Path) -> None:
+    (tmp_path / "config.yaml").write_text("max_batch_size: 1\nsecret-value: [ {")
     with pytest.raises(ConfigError) as caught:
         load_config(tmp_path)
-    assert str(tmp_path / "config.yaml") in str(caught.value)
+    message = str(caught.value)
+    assert message.startswith(f"{tmp_path.name}/config.yaml: not valid YAML (line ")
+    assert str(tmp_path) not in message and "secret" not in message
+
+
+def test_config_resolving_outside_the_repository_is_refused(tmp_path: Path) -> None:
+    secret = tmp_path / "secret.txt"
+    secret.write_text("password: hunter2 [\n")
+    root = tmp_path / "models"
+    (root / "m").mkdir(parents=True)
+    (root / "m" / "config.yaml").symlink_to(secret)
+    with pytest.raises(ConfigError) as caught:
+        load_config(root / "m", root)
+    assert str(caught.value) == "m/config.yaml: resolves outside the model repository"
 
 
 @pytest.mark.parametrize(

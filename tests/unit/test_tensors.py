@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from modelyard.inference.v1 import tensor_pb2
-from modelyard.tensors import TensorError, to_array, to_tensor
+from modelyard.tensors import TensorError, element_count, to_array, to_tensor
 
 from service.errors import InvalidInput
 from service.runtime.signature import Signature, TensorSpec
@@ -131,3 +131,19 @@ def test_unknown_or_repeated_outputs() -> None:
         SIGNATURE.select_outputs(["x"])
     with pytest.raises(InvalidInput, match="twice"):
         SIGNATURE.select_outputs(["sum", "sum"])
+
+
+@pytest.mark.parametrize(
+    ("shape", "count"),
+    [((), 1), ((0,), 0), ((3, 4), 12), ((2**40, 0), 0), ((0, 2**47), 0), ((2**24, 2**24), 2**48)],
+)
+def test_element_count(shape: tuple[int, ...], count: int) -> None:
+    assert element_count(shape, "x") == count
+
+
+@pytest.mark.parametrize(
+    "shape", [(-1,), (2, -3), (2**62,), (2**62, 0), (0, 2**31, 2**31), (2**24, 2**24, 2)]
+)
+def test_element_count_refuses_negative_and_overflowing_shapes(shape: tuple[int, ...]) -> None:
+    with pytest.raises(TensorError, match="'x'"):
+        element_count(shape, "x")

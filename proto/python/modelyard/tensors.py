@@ -86,10 +86,40 @@ def to_wire(array: np.ndarray) -> tuple[str, bytes]:
     return name, array.astype(NUMPY_BY_NAME[name], copy=False).tobytes()
 
 
+# No tensor a message can carry comes near this many elements (or bytes); shapes beyond it (whose
+# element count would overflow numpy's sizes) are the client's error, refused before any work.
+MAX_SHAPE_ELEMENTS = 1 << 48
+
+
+def element_count(shape: tuple[int, ...], tensor: str) -> int:
+    """The number of elements of `shape`, after checking that every dimension is >= 0 and that the
+    shape, zero dimensions aside, stays under MAX_SHAPE_ELEMENTS (numpy refuses larger ones even
+    when they hold no element). Raises TensorError naming the tensor."""
+    count = math.prod(shape)
+    if 0 < count <= MAX_SHAPE_ELEMENTS and min(shape, default=1) > 0:
+        return count  # the common case, on every tensor of every request
+    if min(shape, default=0) < 0:
+        raise TensorError(f"input {tensor!r}: shape {list(shape)} has a negative dimension")
+    span = 1
+    for dim in shape:
+        span *= max(dim, 1)
+        if span > MAX_SHAPE_ELEMENTS:
+            raise TensorError(
+                f"input {tensor!r}: shape {list(shape)} has more elements than any tensor may "
+                f"({MAX_SHAPE_ELEMENTS})"
+            )
+    return count
+
+
 def decode_bytes(raw: bytes | memoryview, shape: tuple[int, ...], tensor: str) -> np.ndarray:
     """KServe's BYTES encoding (each element: 4-byte little-endian length, then its bytes) -> an
     object array of bytes. Raises TensorError naming the tensor when the encoding is broken."""
-    count = int(np.prod(shape, dtype=np.int64))
+    count = element_count(shape, tensor)
+    if count > len(raw) // 4:  # every element takes at least its 4-byte length prefix
+        raise TensorError(
+            f"tensor {tensor!r}: shape {list(shape)} needs {count} BYTES elements, the data "
+            f"({len(raw)} bytes) cannot hold that many"
+        )
     items: list[bytes] = []
     view = memoryview(raw)
     offset = 0
@@ -125,6 +155,11 @@ def encode_bytes(array: np.ndarray) -> bytes:
     return b"".join(parts)
 
 
+def datatype_name(value: tensor_pb2.DataType.ValueType) -> str | None:
+    """The KServe datatype name of our API's DataType enum value; None when unknown or unset."""
+    return _NAME_BY_VALUE.get(value)
+
+
 def datatype_value(name: str) -> tensor_pb2.DataType.ValueType:
     """Our API's DataType enum value for a KServe datatype name."""
     return _VALUE_BY_NAME[name]
@@ -145,9 +180,7 @@ def to_array(tensor: tensor_pb2.Tensor) -> np.ndarray:
     if name is None:
         raise TensorError(f"input {tensor.name!r}: datatype is missing or unknown ({tensor.datatype})")
     shape = tuple(tensor.shape)
-    if min(shape, default=0) < 0:
-        raise TensorError(f"input {tensor.name!r}: shape {list(shape)} has a negative dimension")
-    count = math.prod(shape)
+    count = element_count(shape, tensor.name)
     if name == "BYTES":
         return decode_bytes(tensor.raw_data, shape, tensor.name)
     dtype = NUMPY_BY_NAME[name]

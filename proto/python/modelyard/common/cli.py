@@ -12,9 +12,10 @@ import sys
 from collections.abc import Sequence
 
 from modelyard.common.lifecycle import EXIT_USAGE
+from modelyard.common.logs import quiet_grpc_core
 
 # verb -> the process package whose cli.main takes the rest of the arguments.
-COMMANDS = {"serve": "service", "sidecar": "sidecar", "gateway": "gateway"}
+COMMANDS = {"serve": "service", "sidecar": "sidecar", "gateway": "gateway", "up": "deploy"}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -26,6 +27,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if package is None:
         print(f"modelyard: unknown command {args[0]!r}; try `modelyard --help`", file=sys.stderr)
         return EXIT_USAGE
+    quiet_grpc_core()  # before the process imports grpc
     try:
         module = importlib.import_module(f"{package}.cli")
     except ImportError as exc:

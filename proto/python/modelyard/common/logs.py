@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import sys
 import time
 
@@ -37,3 +38,10 @@ def configure(level: str, fmt: str) -> None:
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(JsonFormatter() if fmt == "json" else logging.Formatter(TEXT_FORMAT))
     logging.basicConfig(level=level.upper(), handlers=[handler], force=True)
+
+
+def quiet_grpc_core() -> None:
+    """gRPC core logs every failed TLS handshake (and other per-connection events) at INFO, one line
+    per connection attempt that any client can cause. Keep it to errors unless the operator sets
+    GRPC_VERBOSITY. Call before grpc is imported: the core reads it once."""
+    os.environ.setdefault("GRPC_VERBOSITY", "ERROR")

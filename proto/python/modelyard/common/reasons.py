@@ -22,6 +22,7 @@ class ErrorReason(StrEnum):
     TENANT_LIMIT = "tenant_limit"  # a tenant's rate or concurrency limit
     DEADLINE = "deadline"  # the request's deadline passed before its work was done
     CANCELLED = "cancelled"  # the client went away
+    READER_STALLED = "reader_stalled"  # the client stopped reading its stream; its slot was freed
     DRAINING = "draining"  # the model or server is loading, draining or shutting down
     BREAKER_OPEN = "breaker_open"  # a sidecar's breaker refuses calls to this version
     # Faults: the server failed on a request that looked valid.

@@ -1,0 +1,246 @@
+"""Edge benchmark: what the HTTP edge adds to a generation, in one run on this machine.
+
+    .venv/bin/python -m bench.edge [--requests 20] [--tokens 32] [--streams 32]
+
+The stack runs as `make up` runs it (python -m deploy: service, the sidecar when installed, gateway,
+Envoy; ephemeral ports). At concurrency 1 it measures time to first token (TTFT: request sent to
+first token received) and per-token latency (first to last token / (tokens - 1)) for: the service
+directly (gRPC), the sidecar (gRPC, when present), the gateway's SSE, and Envoy -> gateway SSE;
+reported as medians and as ratios to direct. Then tokens/s with 32 concurrent streams, direct
+versus the whole chain, and the gateway's resident memory per held SSE stream (streams opened and
+left unread, so the gateway holds each one in its buffer).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import re
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import grpc
+import httpx
+from modelyard.inference.v1 import inference_service_pb2 as pb
+from modelyard.inference.v1 import inference_service_pb2_grpc as pb_grpc
+
+ROOT = Path(__file__).resolve().parents[1]
+PROMPT = "def __init__(self"
+Timing = tuple[float, float, int]  # ttft s, per-token s, tokens
+
+
+class Stack:
+    def __init__(self) -> None:
+        cmd = [sys.executable, "-m", "deploy", "--service-listen", "127.0.0.1:0", "--service-metrics", ""]
+        cmd += ["--sidecar-listen", "127.0.0.1:0", "--sidecar-admin", "", "--gateway-listen", "127.0.0.1:0"]
+        cmd += ["--envoy-port", "0", "--envoy-admin-port", "0"]
+        self.proc = subprocess.Popen(
+            cmd,
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+            start_new_session=True,
+        )
+        self.lines: list[str] = []
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.lines.append(line)
+            if line.startswith("  service "):
+                break
+        text = "".join(self.lines)
+        if "Modelyard is up" not in text:
+            self.stop()
+            raise RuntimeError("the stack did not come up:\n" + text)
+        self.edge = _find(r"browser page\s+(http://\S+)/", text)
+        self.gateway = _find(r"gateway\s+(http://\S+)", text)
+        self.service = _find(r"service\s+(\S+)", text)
+        found = re.search(r"\(Envoy\), (\S+) \(sidecar\)", text)
+        self.sidecar = found.group(1) if found else None
+
+    def gateway_pid(self) -> int:
+        for line in subprocess.run(
+            ["ps", "-o", "pid=,args=", "--ppid", str(self.proc.pid)], capture_output=True, text=True
+        ).stdout.splitlines():
+            if "-m gateway" in line:
+                return int(line.split()[0])
+        raise RuntimeError("gateway process not found")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def _find(pattern: str, text: str) -> str:
+    found = re.search(pattern, text)
+    assert found, pattern
+    return found.group(1)
+
+
+def request(tokens: int) -> pb.GenerateRequest:
+    return pb.GenerateRequest(model_name="codelm", prompt=PROMPT, max_tokens=tokens)
+
+
+async def grpc_once(stub: Any, tokens: int) -> Timing:
+    start = time.perf_counter()
+    first = last = 0.0
+    count = 0
+    async for response in stub.Generate(request(tokens)):
+        if response.token_ids:
+            last = time.perf_counter()
+            first = first or last
+            count += len(response.token_ids)
+    return first - start, (last - first) / max(1, count - 1), count
+
+
+async def sse_once(client: httpx.AsyncClient, tokens: int) -> Timing:
+    start = time.perf_counter()
+    first = last = 0.0
+    count = 0
+    body = {"prompt": PROMPT, "max_tokens": tokens}
+    async with client.stream("POST", "/v1/models/codelm/generate", json=body) as response:
+        event = ""
+        async for line in response.aiter_lines():
+            if line.startswith("event: "):
+                event = line[7:]
+            elif line.startswith("data: ") and event == "token":
+                last = time.perf_counter()
+                first = first or last
+                count += len(json.loads(line[6:])["token_ids"])
+    return first - start, (last - first) / max(1, count - 1), count
+
+
+async def measure(
+    paths: dict[str, Callable[[], Awaitable[Timing]]], n: int
+) -> list[tuple[str, float, float, float]]:
+    """Median TTFT and per-token time, and the fastest TTFT, per path; the paths take turns request
+    by request, so load from elsewhere on the machine falls on all of them alike."""
+    for once in paths.values():
+        for _ in range(3):  # warm-up: connections, first-call paths
+            await once()
+    runs: dict[str, list[Timing]] = {name: [] for name in paths}
+    for _ in range(n):
+        for name, once in paths.items():
+            runs[name].append(await once())
+    return [
+        (
+            name,
+            statistics.median(r[0] for r in got),
+            statistics.median(r[1] for r in got),
+            min(r[0] for r in got),
+        )
+        for name, got in runs.items()
+    ]
+
+
+async def throughput(once: Callable[[], Awaitable[Timing]], streams: int, rounds: int = 2) -> float:
+    start = time.perf_counter()
+    total = 0
+    for _ in range(rounds):
+        results = await asyncio.gather(*(once() for _ in range(streams)))
+        total += sum(r[2] for r in results)
+    return total / (time.perf_counter() - start)
+
+
+def cpu_s(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().split(") ")[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def rss_kib(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1])
+    return 0
+
+
+async def held_streams(gateway: str, pid: int, count: int) -> tuple[int, float]:
+    """Open `count` SSE streams, read each one's first event and stop reading; RSS growth per stream."""
+    before = rss_kib(pid)
+    limits = httpx.Limits(max_connections=count + 4)
+    async with httpx.AsyncClient(base_url=gateway, timeout=120, limits=limits) as client:
+        opened: list[httpx.Response] = []
+        for _ in range(count):
+            req = client.build_request(
+                "POST", "/v1/models/codelm/generate", json={"prompt": PROMPT, "max_tokens": 256}
+            )
+            response = await client.send(req, stream=True)
+            opened.append(response)
+        await asyncio.sleep(1.0)
+        during = rss_kib(pid)
+        for response in opened:
+            await response.aclose()
+    return during - before, (during - before) / count
+
+
+async def main(args: argparse.Namespace) -> None:
+    stack = Stack()
+    try:
+        limits = httpx.Limits(max_connections=args.streams + 4)
+        async with (
+            grpc.aio.insecure_channel(stack.service) as channel,
+            grpc.aio.insecure_channel(stack.sidecar or stack.service) as side,
+            httpx.AsyncClient(base_url=stack.gateway, timeout=60) as gw,
+            httpx.AsyncClient(base_url=stack.edge, timeout=120, limits=limits) as edge,
+        ):
+            direct = pb_grpc.InferenceServiceStub(channel)
+            sidecar = pb_grpc.InferenceServiceStub(side)
+            paths: dict[str, Callable[[], Awaitable[Timing]]] = {
+                "service (gRPC, direct)": lambda: grpc_once(direct, args.tokens)
+            }
+            if stack.sidecar:
+                paths["sidecar (gRPC)"] = lambda: grpc_once(sidecar, args.tokens)
+            paths["gateway SSE"] = lambda: sse_once(gw, args.tokens)
+            paths["Envoy -> gateway SSE"] = lambda: sse_once(edge, args.tokens)
+            rows = await measure(paths, args.requests)
+            direct_tps = await throughput(lambda: grpc_once(direct, args.tokens), args.streams)
+            gateway_pid = stack.gateway_pid()
+            cpu_before, started = cpu_s(gateway_pid), time.perf_counter()
+            chain_tps = await throughput(lambda: sse_once(edge, args.tokens), args.streams)
+            gateway_cpu = (cpu_s(gateway_pid) - cpu_before) / (chain_tps * (time.perf_counter() - started))
+        held, per_stream = await held_streams(stack.gateway, stack.gateway_pid(), args.held)
+    finally:
+        stack.stop()
+    base_ttft, base_tok, base_min = rows[0][1], rows[0][2], rows[0][3]
+    chain = "Envoy -> gateway -> sidecar -> service" if stack.sidecar else "Envoy -> gateway -> service"
+    print(f"\nEdge benchmark: codelm, {args.tokens} tokens, greedy, {args.requests} requests, concurrency 1")
+    print(f"chain measured: {chain}\n")
+    print(
+        f"{'path':<26}{'TTFT ms':>9}{'x direct':>9}{'+ms':>7}{'min ms':>8}{'+ms':>7}"
+        f"{'per-token ms':>13}{'x direct':>9}"
+    )
+    for name, ttft, tok, least in rows:
+        print(
+            f"{name:<26}{ttft * 1e3:>9.2f}{ttft / base_ttft:>9.2f}{(ttft - base_ttft) * 1e3:>7.2f}"
+            f"{least * 1e3:>8.2f}{(least - base_min) * 1e3:>7.2f}{tok * 1e3:>13.3f}{tok / base_tok:>9.2f}"
+        )
+    print(
+        f"\n{args.streams} concurrent streams: direct {direct_tps:,.0f} tokens/s, "
+        f"chain {chain_tps:,.0f} tokens/s ({chain_tps / direct_tps:.2f} x direct)"
+    )
+    print(f"gateway CPU per streamed token at {args.streams} streams: {gateway_cpu * 1e3:.3f} ms")
+    print(f"gateway RSS with {args.held} held SSE streams: +{held} KiB, {per_stream:.1f} KiB per stream")
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--requests", type=int, default=20)
+    parser.add_argument("--tokens", type=int, default=32)
+    parser.add_argument("--streams", type=int, default=32)
+    parser.add_argument("--held", type=int, default=64)
+    asyncio.run(main(parser.parse_args()))

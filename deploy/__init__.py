@@ -1,0 +1,1 @@
+"""`make up` / `modelyard up`: the whole stack (service, sidecar, gateway, Envoy) on this machine."""

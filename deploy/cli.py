@@ -1,0 +1,17 @@
+"""Command line: `python -m deploy` (also `modelyard up`, `make up`)."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from collections.abc import Sequence
+
+from modelyard.common.logs import configure as configure_logging
+
+from deploy.up import parse_settings, run
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    settings = parse_settings(sys.argv[1:] if argv is None else argv)
+    configure_logging("INFO", "text")
+    return asyncio.run(run(settings))

@@ -1,0 +1,333 @@
+"""The one supervisor of the local stack: starts service -> sidecar -> gateway -> Envoy, each once
+the one before it is ready (a process is ready when it logs its bound address; Envoy when its
+admin /ready says LIVE), prints the URLs, and on Ctrl-C (SIGINT) or SIGTERM stops them in reverse
+order. A process that dies is reported and the rest are stopped: nothing is left behind.
+
+Each address may use port 0: the supervisor reads every process's bound address from its log and
+renders Envoy's config (envoy/render.py) with the addresses that are really in use. Without the
+sidecar package installed, the gateway and Envoy call the service directly (same API).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import importlib.util
+import json
+import logging
+import re
+import signal
+import sys
+import tempfile
+import urllib.request
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+
+from modelyard.common.settings import parse_settings as parse
+
+log = logging.getLogger("deploy")
+ROOT = Path(__file__).resolve().parents[1]
+ENVOY = Path(sys.executable).with_name("envoy")
+
+
+@dataclass(frozen=True)
+class Settings:
+    repository: str = "models/demo"
+    service_listen: str = "127.0.0.1:50052"
+    service_metrics: str = "127.0.0.1:9102"
+    sidecar_listen: str = "127.0.0.1:50051"
+    sidecar_admin: str = "127.0.0.1:9101"
+    gateway_listen: str = "127.0.0.1:8000"
+    envoy_port: int = 8080
+    envoy_admin_port: int = 9901
+    sidecar: bool = True  # run the sidecar when its package is installed
+    sidecar_config: str = ""  # the sidecar's route file (YAML), passed as its --config
+    start_timeout_s: float = 120.0
+    grace_s: float = 10.0
+
+
+_HELP = {
+    "repository": "model repository the service serves",
+    "service_listen": "service gRPC address",
+    "service_metrics": "service /metrics address",
+    "sidecar_listen": "sidecar gRPC address",
+    "sidecar_admin": "sidecar admin/metrics address",
+    "gateway_listen": "gateway HTTP address",
+    "envoy_port": "Envoy listener port on 127.0.0.1 (0: any free port)",
+    "envoy_admin_port": "Envoy admin port on 127.0.0.1 (0: any free port)",
+    "sidecar": "run the sidecar between gateway/Envoy and the service (when installed)",
+    "sidecar_config": "the sidecar's route file (YAML); empty: its defaults",
+    "start_timeout_s": "seconds each process gets to become ready",
+    "grace_s": "seconds each process gets to stop before it is killed",
+}
+
+
+def parse_settings(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None) -> Settings:
+    return parse(
+        Settings,
+        "MODELYARD_UP_",
+        argv,
+        environ,
+        prog="modelyard up",
+        description="Run service, sidecar, gateway and Envoy together until Ctrl-C.",
+        help=_HELP,
+    )
+
+
+class Child:
+    """One process of the stack: its output is echoed with its name, its ready line is awaited."""
+
+    def __init__(self, name: str, ready: re.Pattern[str] | None) -> None:
+        self.name = name
+        self.ready_pattern = ready
+        self.proc: asyncio.subprocess.Process | None = None
+        self.address = ""
+        self.ready = asyncio.Event()
+        self._pump: asyncio.Task[None] | None = None
+
+    async def start(self, *cmd: str) -> None:
+        # Its own session: Ctrl-C reaches only the supervisor, which stops the stack in order; and
+        # the child gets SIGTERM if the supervisor itself dies (Linux), so nothing is left behind.
+        self.proc = await asyncio.create_subprocess_exec(
+            *cmd,
+            stdout=asyncio.subprocess.DEVNULL,
+            stderr=asyncio.subprocess.PIPE,
+            cwd=ROOT,
+            start_new_session=True,
+            preexec_fn=_die_with_parent,
+        )
+        log.info("%s started (pid %d)", self.name, self.proc.pid)
+        self._pump = asyncio.get_running_loop().create_task(self._read())
+
+    async def _read(self) -> None:
+        assert self.proc is not None and self.proc.stderr is not None
+        async for raw in self.proc.stderr:
+            line = raw.decode(errors="replace").rstrip()
+            print(f"[{self.name}] {line}", file=sys.stderr, flush=True)
+            if self.ready_pattern is not None and not self.ready.is_set():
+                found = self.ready_pattern.search(line)
+                if found:
+                    self.address = found.group(1)
+                    self.ready.set()
+
+    async def wait_ready(self, timeout_s: float) -> None:
+        assert self.proc is not None
+        exited = asyncio.ensure_future(self.proc.wait())
+        ready = asyncio.ensure_future(self.ready.wait())
+        try:
+            done, _ = await asyncio.wait(
+                {exited, ready}, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED
+            )
+        finally:
+            exited.cancel()
+            ready.cancel()
+        if ready not in done:
+            code = self.proc.returncode
+            raise RuntimeError(
+                f"{self.name} {'exited with ' + str(code) if code is not None else 'did not start'}"
+            )
+
+    async def stop(self, grace_s: float) -> None:
+        if self.proc is None or self.proc.returncode is not None:
+            return
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            await asyncio.wait_for(self.proc.wait(), grace_s)
+        except TimeoutError:
+            log.warning("%s did not stop in %.0f s: killed", self.name, grace_s)
+            self.proc.kill()
+            await self.proc.wait()
+        if self._pump is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self._pump, 5)
+
+
+def _die_with_parent() -> None:
+    with contextlib.suppress(OSError, AttributeError):
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+def _render_module() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("envoy_render", ROOT / "envoy" / "render.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["envoy_render"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def _host_port(address: str) -> tuple[str, int]:
+    host, _, port = address.rpartition(":")
+    return host.strip("[]"), int(port)
+
+
+async def _envoy_ready(admin_file: Path, envoy: Child, timeout_s: float) -> tuple[str, int]:
+    """Envoy has no ready line: poll its admin /ready (the one polling wait), then read its port."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    assert envoy.proc is not None
+    while True:
+        if envoy.proc.returncode is not None:
+            raise RuntimeError(f"envoy exited with {envoy.proc.returncode}")
+        text = await asyncio.to_thread(_read, admin_file)
+        if text:
+            admin = "http://" + text
+            with contextlib.suppress(OSError):
+                body = await asyncio.to_thread(_get, admin + "/ready")
+                if body.strip() == b"LIVE":
+                    listeners = json.loads(await asyncio.to_thread(_get, admin + "/listeners?format=json"))
+                    port = listeners["listener_statuses"][0]["local_address"]["socket_address"]["port_value"]
+                    return admin, int(port)
+        if loop.time() > deadline:
+            raise RuntimeError("envoy did not become ready")
+        await asyncio.sleep(0.1)
+
+
+def _read(path: Path) -> str:
+    return path.read_text().strip() if path.exists() else ""
+
+
+def _get(url: str) -> bytes:
+    with urllib.request.urlopen(url, timeout=2) as response:
+        body: bytes = response.read()
+        return body
+
+
+async def run(settings: Settings) -> int:
+    stopping = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stopping.set)
+    python = sys.executable
+    use_sidecar = settings.sidecar and importlib.util.find_spec("sidecar") is not None
+    children: list[Child] = []
+    workdir = Path(tempfile.mkdtemp(prefix="modelyard-up-"))
+    code = 0
+    try:
+        service = Child("service", re.compile(r"serving gRPC on (\S+?)[,;]"))
+        children.append(service)
+        await service.start(
+            python,
+            "-m",
+            "service",
+            "--repository",
+            settings.repository,
+            "--listen",
+            settings.service_listen,
+            "--metrics-listen",
+            settings.service_metrics,
+        )
+        await _started(service, settings, stopping)
+        upstream = service.address
+        if use_sidecar:
+            sidecar = Child("sidecar", re.compile(r"sidecar serving gRPC on (\S+?)[,;]"))
+            children.append(sidecar)
+            command = [
+                python,
+                "-m",
+                "sidecar",
+                "--listen",
+                settings.sidecar_listen,
+                "--upstream",
+                service.address,
+            ]
+            command += ["--admin-listen", settings.sidecar_admin]
+            if settings.sidecar_config:
+                command += ["--config", settings.sidecar_config]
+            await sidecar.start(*command)
+            await _started(sidecar, settings, stopping)
+            upstream = sidecar.address
+        else:
+            log.info("no sidecar package: the gateway and Envoy call the service directly")
+        gateway = Child("gateway", re.compile(r"serving HTTP on http://(\S+) "))
+        children.append(gateway)
+        await gateway.start(
+            python, "-m", "gateway", "--listen", settings.gateway_listen, "--upstream", upstream
+        )
+        await _started(gateway, settings, stopping)
+
+        render = _render_module()
+        config = render.RenderSettings(
+            listen=("127.0.0.1", settings.envoy_port),
+            admin=("127.0.0.1", settings.envoy_admin_port),
+            gateway=_host_port(gateway.address),
+            sidecar=_host_port(upstream),
+        )
+        config_file = workdir / "envoy.yaml"
+        config_file.write_text(render.render(config))
+        admin_file = workdir / "envoy-admin"
+        envoy = Child("envoy", None)
+        children.append(envoy)
+        await envoy.start(
+            str(ENVOY),
+            "-c",
+            str(config_file),
+            "--admin-address-path",
+            str(admin_file),
+            "--use-dynamic-base-id",  # a free hot-restart id: several stacks may run on one host
+            "--log-level",
+            "warn",
+        )
+        admin, port = await _envoy_ready(admin_file, envoy, settings.start_timeout_s)
+        edge = f"http://127.0.0.1:{port}"
+        behind = "sidecar" if use_sidecar else "service"
+        metrics = [f"http://{gateway.address}/metrics", f"{admin}/stats/prometheus"]
+        if settings.service_metrics:
+            metrics.insert(0, f"http://{settings.service_metrics}/metrics")
+        if use_sidecar and settings.sidecar_admin:
+            metrics.insert(1, f"http://{settings.sidecar_admin}/metrics")
+        print(
+            "\nModelyard is up (Ctrl-C stops everything):\n"
+            f"  browser page     {edge}/\n"
+            f"  SSE              {edge}/v1/models/codelm/generate?prompt=def%20main()\n"
+            f"  OpenAI base URL  {edge}/v1\n"
+            f"  KServe V2 REST   {edge}/v2\n"
+            f"  gRPC / gRPC-Web  127.0.0.1:{port} (Envoy), {upstream} ({behind})\n"
+            f"  gateway          http://{gateway.address}\n"
+            f"  service          {service.address}\n"
+            f"  metrics          {' '.join(metrics)}\n",
+            flush=True,
+        )
+        code = await _watch(children, stopping)
+    except RuntimeError as exc:
+        log.error("%s; stopping the rest", exc)
+        code = 1
+    except asyncio.CancelledError:
+        code = 1
+    finally:
+        for child in reversed(children):
+            await child.stop(settings.grace_s)
+        log.info("all stopped")
+    return code
+
+
+async def _started(child: Child, settings: Settings, stopping: asyncio.Event) -> None:
+    waiting = asyncio.ensure_future(child.wait_ready(settings.start_timeout_s))
+    interrupted = asyncio.ensure_future(stopping.wait())
+    await asyncio.wait({waiting, interrupted}, return_when=asyncio.FIRST_COMPLETED)
+    interrupted.cancel()
+    if not waiting.done():
+        waiting.cancel()
+        raise asyncio.CancelledError
+    waiting.result()
+
+
+async def _watch(children: list[Child], stopping: asyncio.Event) -> int:
+    """Until a signal (0) or a process's death (1, reported)."""
+    waits = {asyncio.ensure_future(c.proc.wait()): c for c in children if c.proc is not None}
+    stop = asyncio.ensure_future(stopping.wait())
+    done, _ = await asyncio.wait({stop, *waits}, return_when=asyncio.FIRST_COMPLETED)
+    for task in (stop, *waits):
+        task.cancel()
+    if stop in done:
+        log.info("stopping (signal)")
+        return 0
+    for task in done:
+        child = waits[task]
+        assert child.proc is not None
+        log.error("%s exited with %s; stopping the rest", child.name, child.proc.returncode)
+    return 1

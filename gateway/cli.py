@@ -1,0 +1,19 @@
+"""Command line: `python -m gateway ...` (also `modelyard gateway ...`)."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from collections.abc import Sequence
+
+from modelyard.common.lifecycle import run_process
+from modelyard.common.logs import configure as configure_logging
+
+from gateway.app import build_gateway
+from gateway.config import parse_settings
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    settings = parse_settings(sys.argv[1:] if argv is None else argv)
+    configure_logging(settings.log_level, settings.log_format)
+    return asyncio.run(run_process(lambda: build_gateway(settings), "gateway", settings.grace_s))

@@ -1,0 +1,71 @@
+"""Settings of one gateway process. Every value has a flag and a MODELYARD_GATEWAY_* variable."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from modelyard.common import logs
+from modelyard.common.settings import parse_settings as parse
+
+ENV_PREFIX = "MODELYARD_GATEWAY_"
+
+
+@dataclass(frozen=True)
+class Settings:
+    listen: str = "127.0.0.1:8000"
+    upstream: str = "127.0.0.1:50051"  # the sidecar (it forwards the service's API unchanged)
+    grace_s: float = 10.0
+    max_body_bytes: int = 1024 * 1024  # larger request bodies get 413
+    # A failure in the first moments (load shed, unknown model) is an HTTP status; a stream whose
+    # first token takes longer (queued for a slot) opens anyway and heartbeats while it waits.
+    first_event_wait_s: float = 1.0
+    heartbeat_s: float = 15.0  # an SSE comment line after this long without an event
+    retry_ms: int = 3000  # the `retry:` hint sent to EventSource clients
+    # Resume: a stream whose client went away keeps generating into its buffer (up to
+    # resume_buffer_events not yet read) for resume_window_s; then it is cancelled upstream. A
+    # finished stream is kept as long so a late reconnect is answered, not restarted. 0 = no resume:
+    # a disconnect cancels the upstream call at once.
+    resume_window_s: float = 30.0
+    resume_buffer_events: int = 512
+    max_streams: int = 1024  # streams held at once (attached or kept for resume); more get 429
+    # gRPC's own flow-control window buffers many small token messages (64 KiB and up: thousands of
+    # tokens) before a stopped reader is felt upstream. A small lookahead (bytes; 0 = gRPC's adaptive
+    # default) makes a stalled stream pause the service's sequence after a few tokens.
+    upstream_lookahead_bytes: int = 0
+    upstream_timeout_s: float = 0.0  # deadline of each upstream call; 0 = none (streams may be long)
+    log_level: str = "INFO"
+    log_format: str = "text"
+
+
+_HELP = {
+    "listen": "HTTP address HOST:PORT (port 0 picks a free port)",
+    "upstream": "gRPC address HOST:PORT of the sidecar (or a service)",
+    "grace_s": "seconds in-flight requests get to finish on shutdown",
+    "max_body_bytes": "largest request body in bytes (larger: 413)",
+    "first_event_wait_s": "seconds to wait for the first token before the stream opens anyway",
+    "heartbeat_s": "seconds of silence after which an SSE stream gets a comment heartbeat",
+    "retry_ms": "reconnect delay hinted to EventSource clients (SSE retry:)",
+    "resume_window_s": "seconds a stream is kept for Last-Event-ID resume after its client left; 0: none",
+    "resume_buffer_events": "most events a stream buffers for resume (generation pauses when full)",
+    "max_streams": "most SSE streams held at once; more are answered 429",
+    "upstream_lookahead_bytes": "HTTP/2 lookahead window to the upstream (bytes); 0 = gRPC's default",
+    "upstream_timeout_s": "deadline of each upstream gRPC call in seconds; 0 = none",
+    "log_level": "DEBUG, INFO, WARNING or ERROR",
+    "log_format": "text or json (one object per line)",
+}
+_CHOICES = {"log_level": logs.LEVELS, "log_format": logs.FORMATS}
+
+
+def parse_settings(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None) -> Settings:
+    """Flags override environment variables, which override the defaults."""
+    return parse(
+        Settings,
+        ENV_PREFIX,
+        argv,
+        environ,
+        prog="modelyard gateway",
+        description="HTTP gateway: SSE and OpenAI-compatible endpoints over the sidecar's gRPC API.",
+        help=_HELP,
+        choices=_CHOICES,
+    )

@@ -1,0 +1,153 @@
+"""SSE generation: `POST /v1/models/{model}/generate` (JSON body) and `GET` with query parameters
+(for EventSource). A request with `Last-Event-ID` (header, or `last_event_id` query parameter)
+resumes the stream it names instead of starting a generation.
+
+Events: `token` {text, token_ids, index, model_version}, `done` {finish_reason, usage,
+time_to_first_token_ms, model_version}, `error` {status, code, reason, message}. Each has
+`id: <stream>:<seq>`. A failure before the first event is an HTTP error instead (errors.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+from modelyard.common import headers
+from modelyard.inference.v1 import inference_service_pb2 as pb
+from starlette.requests import Request
+from starlette.responses import Response
+
+from gateway import errors, http
+from gateway.config import Settings
+from gateway.metrics import GatewayMetrics
+from gateway.sse import SSEResponse
+from gateway.streams import Evicted, Registry, Stream, parse_id
+from gateway.upstream import Upstream, forward
+
+_QUERY_NUMBERS: dict[str, type] = {
+    "max_tokens": int,
+    "temperature": float,
+    "top_k": int,
+    "top_p": float,
+    "seed": int,
+    "priority": int,
+}
+
+
+def generate_request(model: str, body: dict[str, Any], request_id: str) -> pb.GenerateRequest:
+    """A GenerateRequest from the JSON fields; 422 naming the field that is missing or mistyped."""
+    prompt = http.get_str(body, "prompt", "") or ""
+    token_ids = http.get_int_list(body, "prompt_token_ids")
+    if not prompt and not token_ids:
+        raise http.invalid("prompt", "required (or prompt_token_ids)")
+    request = pb.GenerateRequest(
+        model_name=model,
+        model_version=http.get_str(body, "model_version", "") or "",
+        prompt=prompt,
+        prompt_token_ids=token_ids,
+        max_tokens=http.get_int(body, "max_tokens"),
+        temperature=http.get_float(body, "temperature"),
+        top_k=http.get_int(body, "top_k"),
+        top_p=http.get_float(body, "top_p"),
+        stop=http.get_str_list(body, "stop"),
+        request_id=request_id,
+        priority=http.get_int(body, "priority"),
+    )
+    if body.get("seed") is not None:
+        request.seed = http.get_int(body, "seed")
+    return request
+
+
+class GenerateEndpoints:
+    def __init__(
+        self, upstream: Upstream, registry: Registry, settings: Settings, metrics: GatewayMetrics
+    ) -> None:
+        self.upstream = upstream
+        self.registry = registry
+        self.settings = settings
+        self.metrics = metrics
+
+    async def post(self, request: Request) -> Response:
+        model = request.path_params["model"]
+        last = _last_event_id(request)
+        if last is not None:
+            return self._resume(model, last)
+        return await self.start(request, model, await http.read_json(request, self.settings.max_body_bytes))
+
+    async def get(self, request: Request) -> Response:
+        model = request.path_params["model"]
+        last = _last_event_id(request)
+        if last is not None:
+            return self._resume(model, last)
+        return await self.start(request, model, http.query_fields(request, _QUERY_NUMBERS))
+
+    async def open_stream(self, request: Request, generate: pb.GenerateRequest) -> Stream:
+        """Start the upstream call and wait for its first event; the stream has one reader attached
+        (the caller must detach it), or the call's failure is raised as an HttpError."""
+        started = time.perf_counter()
+        metadata = forward(request.headers)
+        call = self.upstream.inference.Generate(generate, metadata=metadata, timeout=self.upstream.timeout_s)
+        stream = self.registry.start(generate.model_name, call)
+        try:
+            async with asyncio.timeout(self.settings.first_event_wait_s):
+                await stream.started()
+        except TimeoutError:
+            pass  # still queued upstream: open the stream now, heartbeats keep it alive
+        except BaseException:
+            self.registry.drop(stream)
+            raise
+        stream.opened = True
+        if stream.failure is not None:
+            self.registry.drop(stream)
+            raise stream.failure
+        self.metrics.ttfb.labels("generate").observe(time.perf_counter() - started)
+        return stream
+
+    async def start(self, request: Request, model: str, body: dict[str, Any]) -> Response:
+        generate = generate_request(model, body, request.headers.get(headers.REQUEST_ID, ""))
+        stream = await self.open_stream(request, generate)
+        return self._respond(stream, 0)
+
+    def _resume(self, model: str, last: str) -> Response:
+        try:
+            stream_id, seq = parse_id(last)
+        except ValueError as exc:
+            self.metrics.resumes.labels("invalid").inc()
+            raise errors.bad_request(str(exc)) from None
+        stream = self.registry.get(stream_id)
+        if stream is None or stream.model != model:
+            self.metrics.resumes.labels("unknown").inc()
+            raise errors.not_found(
+                f"stream {stream_id} is unknown or expired (streams are kept "
+                f"{self.settings.resume_window_s:g} s after their client leaves); start a new generation",
+                reason="stream_not_found",
+            )
+        if seq >= stream.next_seq:
+            self.metrics.resumes.labels("invalid").inc()
+            raise errors.bad_request(f"event {last} is ahead of stream {stream_id}")
+        event = stream.event(seq)
+        if event is not None and event.terminal:
+            # The client saw the end: 204 tells an EventSource to stop reconnecting.
+            self.metrics.resumes.labels("ended").inc()
+            return Response(status_code=204)
+        try:
+            stream.since(seq + 1)
+        except Evicted:
+            self.metrics.resumes.labels("evicted").inc()
+            raise errors.HttpError(
+                410, "OUT_OF_RANGE", "resume_too_old", f"event {last} has left the stream's resume buffer"
+            ) from None
+        self.metrics.resumes.labels("resumed").inc()
+        self.registry.attach(stream)
+        return self._respond(stream, seq + 1)
+
+    def _respond(self, stream: Stream, start: int) -> Response:
+        settings = self.settings
+        return SSEResponse(
+            stream, start, self.registry, self.metrics, settings.heartbeat_s, settings.retry_ms, {}
+        )
+
+
+def _last_event_id(request: Request) -> str | None:
+    return request.headers.get("last-event-id") or request.query_params.get("last_event_id")

@@ -1,0 +1,295 @@
+"""Generation streams kept for SSE: each upstream Generate call becomes a numbered sequence of events
+in a bounded buffer, which readers (the SSE connection, then any reconnect with Last-Event-ID) read
+from a position. The buffer is what makes resume exact: a reconnect continues from the event after
+the one it names, so no token is lost or repeated.
+
+Disconnect policy (documented in README): when a stream's last reader leaves before the end,
+- with resume_window_s > 0 the upstream call keeps running into the buffer; once
+  `resume_buffer_events` events are waiting unread, the stream stops reading from gRPC, so the
+  service's own flow control pauses the sequence (no unbounded buffer). If nobody resumes within
+  resume_window_s the upstream call is cancelled (the service frees the sequence) and the stream is
+  forgotten;
+- with resume_window_s == 0 the upstream call is cancelled at once.
+A finished stream is kept for resume_window_s as well, so an EventSource that reconnects after the
+end is told so (204) instead of starting a new generation.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import json
+import logging
+import secrets
+from collections import deque
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import grpc
+from modelyard.common import headers
+from modelyard.inference.v1 import inference_service_pb2 as pb
+
+from gateway import errors, upstream
+from gateway.metrics import GatewayMetrics
+
+log = logging.getLogger(__name__)
+
+TOKEN, DONE, ERROR = "token", "done", "error"
+FINISH_REASONS = {
+    pb.FINISH_REASON_UNSPECIFIED: "unspecified",
+    pb.FINISH_REASON_LENGTH: "length",
+    pb.FINISH_REASON_STOP: "stop",
+    pb.FINISH_REASON_EOS: "eos",
+    pb.FINISH_REASON_CANCELLED: "cancelled",
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Event:
+    seq: int
+    name: str  # token, done or error
+    data: dict[str, Any]
+
+    @property
+    def terminal(self) -> bool:
+        return self.name != TOKEN
+
+
+class GenerateCall(Protocol):
+    """What a Stream needs of a grpc.aio server-streaming call."""
+
+    def __aiter__(self) -> AsyncIterator[pb.GenerateResponse]: ...
+
+    async def initial_metadata(self) -> Any: ...
+
+    def cancel(self) -> bool: ...
+
+
+class Evicted(Exception):
+    """The position asked for has left the buffer."""
+
+
+class Stream:
+    def __init__(self, stream_id: str, model: str, bound: int) -> None:
+        self.id = stream_id
+        self.model = model
+        self.headers: dict[str, str] = {}  # x-served-version, x-model-dye from the upstream call
+        self.failure: errors.HttpError | None = None  # set when the call failed before any event
+        self._bound = bound
+        self._events: deque[Event] = deque()
+        self._next = 0  # sequence number of the next event
+        self._delivered = -1  # highest sequence number written to a reader
+        self._changed = asyncio.Event()
+        self._started = asyncio.Event()  # the first event, or the failure, is known
+        self.readers = 0
+        self.opened = False  # a 200 was sent: a failure from now on is an error event
+        self.finished = False
+        self.producer: asyncio.Task[None] | None = None
+        self.expiry: asyncio.TimerHandle | None = None
+
+    # --- the producer side ---------------------------------------------------------------------
+
+    async def run(self, call: GenerateCall) -> None:
+        """Read the upstream call to its end into the buffer (cancelled: the call is cancelled)."""
+        try:
+            self.headers = upstream.returned(await call.initial_metadata())
+            dye = self.headers.get(headers.MODEL_DYE)
+            async for response in call:
+                self.headers.setdefault(headers.SERVED_VERSION, response.model_version)
+                if response.token_ids or response.text:
+                    token: dict[str, Any] = {
+                        "text": response.text,
+                        "token_ids": list(response.token_ids),
+                        "index": response.sequence_number,
+                        "model_version": response.model_version,
+                    }
+                    if dye and self._next == 0:  # for EventSource, which cannot read headers
+                        token["model_dye"] = dye
+                    await self._append(TOKEN, token)
+                if response.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
+                    await self._append(DONE, {**done_data(response), "model_dye": dye or ""})
+            if not self.finished:  # the upstream ended without a final event: a fault upstream
+                await self._fail(errors.HttpError(502, "INTERNAL", "internal", "stream ended without done"))
+        except grpc.aio.AioRpcError as exc:
+            await self._fail(errors.from_rpc_error(exc))
+        except asyncio.CancelledError:
+            call.cancel()
+            raise
+        finally:
+            self._started.set()
+
+    async def _fail(self, error: errors.HttpError) -> None:
+        if self._next == 0 and not self.opened:
+            self.failure = error
+            self.finished = True
+            return
+        data = {"status": error.status, "code": error.code, "reason": error.reason, "message": error.message}
+        await self._append(ERROR, data)
+
+    def abort(self, error: errors.HttpError) -> None:
+        """End the stream now with an error event (the gateway is shutting down)."""
+        if self.finished:
+            return
+        data = {"status": error.status, "code": error.code, "reason": error.reason, "message": error.message}
+        self._events.append(Event(self._next, ERROR, data))
+        self._next += 1
+        self.finished = True
+        self._started.set()
+        self._wake()
+
+    async def _append(self, name: str, data: dict[str, Any]) -> None:
+        # Full of events nobody has read yet: pause (the upstream call stops being read, so the
+        # service pauses the sequence) until a reader catches up or the stream expires.
+        while len(self._events) >= self._bound and self._events[0].seq > self._delivered:
+            await self._wait()
+        if len(self._events) >= self._bound:
+            self._events.popleft()
+        self._events.append(Event(self._next, name, data))
+        self._next += 1
+        self.finished = name != TOKEN
+        self._started.set()
+        self._wake()
+
+    # --- the reader side -----------------------------------------------------------------------
+
+    async def started(self) -> None:
+        await self._started.wait()
+
+    @property
+    def next_seq(self) -> int:
+        return self._next
+
+    def since(self, seq: int) -> list[Event]:
+        """Buffered events from `seq` on; Evicted if `seq` has already left the buffer."""
+        if not self._events:
+            return []
+        offset = seq - self._events[0].seq
+        if offset < 0:
+            raise Evicted(seq)
+        return list(itertools.islice(self._events, offset, None))  # sequence numbers are contiguous
+
+    def event(self, seq: int) -> Event | None:
+        offset = seq - self._events[0].seq if self._events else -1
+        return self._events[offset] if 0 <= offset < len(self._events) else None
+
+    def delivered(self, seq: int) -> None:
+        if seq > self._delivered:
+            self._delivered = seq
+            self._wake()
+
+    async def wait_change(self, within_s: float) -> None:
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(within_s):
+                await self._wait()
+
+    def _wake(self) -> None:
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    async def _wait(self) -> None:
+        await self._changed.wait()
+
+
+def done_data(response: pb.GenerateResponse) -> dict[str, Any]:
+    usage = response.usage
+    return {
+        "finish_reason": FINISH_REASONS.get(response.finish_reason, "unspecified"),
+        "usage": {
+            "prompt_tokens": usage.prompt_tokens,
+            "completion_tokens": usage.completion_tokens,
+            "total_tokens": usage.prompt_tokens + usage.completion_tokens,
+        },
+        "time_to_first_token_ms": response.time_to_first_token.ToNanoseconds() / 1e6,
+        "model_version": response.model_version,
+    }
+
+
+def format_id(stream_id: str, seq: int) -> str:
+    return f"{stream_id}:{seq}"
+
+
+def parse_id(text: str) -> tuple[str, int]:
+    stream_id, _, seq = text.strip().rpartition(":")
+    if not stream_id or not seq.isdigit():
+        raise ValueError(f"Last-Event-ID {text!r} is not an event id of this gateway (<stream>:<seq>)")
+    return stream_id, int(seq)
+
+
+def encode(stream_id: str, event: Event) -> bytes:
+    data = json.dumps(event.data, ensure_ascii=False, separators=(",", ":"))
+    return f"id: {format_id(stream_id, event.seq)}\nevent: {event.name}\ndata: {data}\n\n".encode()
+
+
+class Registry:
+    """The streams held by this process, each until it expires."""
+
+    def __init__(self, window_s: float, bound: int, limit: int, metrics: GatewayMetrics) -> None:
+        self.window_s = window_s
+        self.bound = bound
+        self.limit = limit
+        self.metrics = metrics
+        self._streams: dict[str, Stream] = {}
+
+    def __len__(self) -> int:
+        return len(self._streams)
+
+    def get(self, stream_id: str) -> Stream | None:
+        return self._streams.get(stream_id)
+
+    def start(self, model: str, call: GenerateCall) -> Stream:
+        """A new stream reading `call`, with one reader attached (the request that started it)."""
+        if len(self._streams) >= self.limit:
+            call.cancel()
+            raise errors.overloaded(f"the gateway holds {self.limit} streams, its limit")
+        stream = Stream(secrets.token_urlsafe(12), model, self.bound)
+        self._streams[stream.id] = stream
+        stream.readers = 1
+        stream.producer = asyncio.get_running_loop().create_task(stream.run(call))
+        stream.producer.add_done_callback(lambda _: self._ended(stream))
+        self.metrics.streams.set(len(self._streams))
+        return stream
+
+    def attach(self, stream: Stream) -> None:
+        stream.readers += 1
+        if stream.expiry is not None:
+            stream.expiry.cancel()
+            stream.expiry = None
+
+    def detach(self, stream: Stream) -> None:
+        stream.readers -= 1
+        if stream.readers > 0:
+            return
+        if self.window_s <= 0 or stream.failure is not None:
+            self.drop(stream)
+        elif stream.expiry is None:
+            stream.expiry = asyncio.get_running_loop().call_later(self.window_s, self._expire, stream)
+
+    def drop(self, stream: Stream) -> None:
+        """Forget the stream and cancel its upstream call if it still runs."""
+        if stream.expiry is not None:
+            stream.expiry.cancel()
+            stream.expiry = None
+        if stream.producer is not None and not stream.producer.done():
+            stream.producer.cancel()
+            self.metrics.cancelled.inc()
+        if self._streams.pop(stream.id, None) is not None:
+            self.metrics.streams.set(len(self._streams))
+
+    def _expire(self, stream: Stream) -> None:
+        stream.expiry = None
+        if stream.readers == 0:
+            log.debug("stream %s expired", stream.id)
+            self.drop(stream)
+
+    def _ended(self, stream: Stream) -> None:
+        if stream.readers == 0 and stream.expiry is None and stream.id in self._streams:
+            stream.expiry = asyncio.get_running_loop().call_later(self.window_s, self._expire, stream)
+
+    def close(self) -> None:
+        """Shutting down: every open stream ends with an error event, every upstream call is cancelled."""
+        draining = errors.HttpError(503, "UNAVAILABLE", "draining", "the gateway is shutting down", 1)
+        for stream in list(self._streams.values()):
+            stream.abort(draining)
+            self.drop(stream)
