@@ -200,8 +200,15 @@ class Engine:
 
     def _next_deadline(self) -> float | None:
         """When the loop must look again with nothing else happening: a waiting sequence's
-        deadline, or the moment a paused sequence's reader counts as stalled."""
+        deadline, a seated sequence's deadline (its handler may never see the deadline pass: gRPC
+        can abandon a stream whose send failed without closing it), or the moment a paused
+        sequence's reader counts as stalled."""
         deadlines = [d for d in (self._queue.next_deadline(),) if d is not None]
+        deadlines += [
+            s.request.deadline
+            for s in self._slots
+            if s.request.deadline is not None and s.state is not State.DONE
+        ]
         if self._stall_s:
             deadlines += [s.paused_since + self._stall_s for s in self._slots if s.state is State.PAUSED]
         return min(deadlines, default=None)
