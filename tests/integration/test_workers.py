@@ -103,6 +103,12 @@ async def test_requests_spread_over_workers_and_one_scrape_sums_them(
             for channel in channels:
                 seen[await served_by(channel)] += 1
         assert set(seen) == {"worker-0", "worker-1"}, seen
+        # KServe statistics sum the workers too, whichever worker answers.
+        for channel in channels[:2]:
+            stats = await kgrpc.GRPCInferenceServiceStub(channel).ModelStatistics(
+                kpb.ModelStatisticsRequest(name="double")
+            )
+            assert [s.inference_count for s in stats.model_stats] == [3 * CHANNELS]
         text = scrape(process)
     # One scrape: the workers' request series summed, and each worker's own count beside them.
     assert metric(
@@ -148,6 +154,29 @@ async def test_explicit_load_and_unload_reach_every_worker(service_process, smal
             for c in channels
         }
         assert answers == {model_pb.MODEL_STATE_READY}
+
+
+async def test_model_control_through_workers_needs_a_credential(
+    service_process, small_repository: Path, tmp_path: Path
+) -> None:
+    tokens = tmp_path / "tokens"
+    tokens.write_text("s3cret\n")
+    process = service_process(
+        small_repository, "--workers", "2", "--control-mode", "explicit", "--auth-tokens-file", str(tokens)
+    )
+    async with connections(process.address, 4) as channels:
+        control = model_grpc.ModelServiceStub(channels[0])
+        with pytest.raises(grpc.aio.AioRpcError) as denied:
+            await control.UnloadModel(model_pb.UnloadModelRequest(name="double"))
+        assert denied.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        for channel in channels:  # the refused call changed nothing on any worker
+            await pb_grpc.InferenceServiceStub(channel).Infer(infer_request())
+        await control.UnloadModel(
+            model_pb.UnloadModelRequest(name="double"), metadata=[("authorization", "Bearer s3cret")]
+        )
+        for channel in channels:
+            with pytest.raises(grpc.aio.AioRpcError):
+                await pb_grpc.InferenceServiceStub(channel).Infer(infer_request())
 
 
 async def test_a_killed_worker_restarts_while_the_others_serve(
