@@ -27,24 +27,29 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
+import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import flatbuffers  # type: ignore[import-untyped]
+import flatbuffers
 import grpc
 import numpy as np
 from flatbuffers import number_types as N
-from flatbuffers.table import Table  # type: ignore[import-untyped]
+from flatbuffers.table import Table
+from modelyard import flat
 from modelyard.inference.v1 import inference_service_pb2 as pb
 from modelyard.inference.v1 import tensor_pb2
 
-from bench.processes import CLK_TCK, ROOT
+from bench.processes import CLK_TCK, ROOT, SERVICE_READY
+from models.demo_models import scaled_identity, write_model
 
 LIMIT = 256 * 1024 * 1024
 OPTIONS = [("grpc.max_receive_message_length", LIMIT), ("grpc.max_send_message_length", LIMIT)]
 PROTO, FLAT = "/bench.Tensors/Proto", "/bench.Tensors/Flat"
+INFER = "/modelyard.inference.v1.InferenceService/Infer"
 DEFAULT_OUTPUT = ROOT / "bench" / "results" / "flatbuffers_tensors.json"
 
 # -- the FlatBuffers encoding (what flatc would generate for bench/tensors.fbs) --------------
@@ -95,11 +100,11 @@ def flat_decode(buffer: bytes) -> np.ndarray:
 # -- the protobuf encoding (raw little-endian bytes) -----------------------------------------
 
 
-def proto_request(array: np.ndarray) -> bytes:
+def proto_request(array: np.ndarray, model: str = "echo") -> bytes:
     tensor = tensor_pb2.Tensor(
         name="INPUT0", datatype=tensor_pb2.DATA_TYPE_FP32, shape=array.shape, raw_data=array.tobytes()
     )
-    return pb.InferRequest(model_name="echo", inputs=[tensor]).SerializeToString()
+    return pb.InferRequest(model_name=model, inputs=[tensor]).SerializeToString()
 
 
 def proto_decode_request(buffer: bytes) -> np.ndarray:
@@ -157,16 +162,20 @@ def cpu_seconds(pid: int) -> float:
 
 
 async def measure(
-    channel: grpc.aio.Channel, pid: int, method: str, array: np.ndarray, n: int
+    channel: grpc.aio.Channel, pid: int, method: str, array: np.ndarray, n: int, service: bool, model: str
 ) -> dict[str, float]:
-    call = channel.unary_unary(method, None, None)
+    target = (INFER if method == PROTO else flat.METHOD) if service else method
+    call = channel.unary_unary(target, None, None)
     latencies = []
     cpu0 = cpu_seconds(pid)
     start = time.perf_counter()
     for _ in range(n):
         t0 = time.perf_counter()
         if method == PROTO:
-            answer = proto_decode_response(await call(proto_request(array)))
+            answer = proto_decode_response(await call(proto_request(array, model)))
+        elif service:
+            reply = flat.decode_response(await call(flat.encode_request(model, {"INPUT0": array})))
+            answer = reply.tensors["OUTPUT0"]
         else:
             answer = flat_decode(await call(flat_encode("INPUT0", array)))
         latencies.append(time.perf_counter() - t0)
@@ -179,42 +188,55 @@ async def measure(
     }
 
 
-def start_server() -> subprocess.Popen[str]:
-    """The server in a child process (on core 1 when there are two); this process moves to core 0."""
+def start_server(args: argparse.Namespace, workdir: Path) -> subprocess.Popen[str]:
+    """The server in a child process (on core 1 when there are two); this process moves to core 0.
+    With --service: the service, on identity models of each size (modelyard.flat.v1 against our v1
+    Infer); else the bare server above."""
     pin = (os.cpu_count() or 1) >= 2
     if pin:
         os.sched_setaffinity(0, {0})
-    return subprocess.Popen(
-        [
-            *(["taskset", "-c", "1"] if pin else []),
-            sys.executable,
-            "-m",
-            "bench.flatbuffers_tensors",
-            "--serve",
-        ],
-        stdout=subprocess.PIPE,
-        cwd=ROOT,
-        text=True,
-    )
+    prefix = ["taskset", "-c", "1"] if pin else []
+    if not args.service:
+        argv = [*prefix, sys.executable, "-m", "bench.flatbuffers_tensors", "--serve"]
+        return subprocess.Popen(argv, stdout=subprocess.PIPE, cwd=ROOT, text=True)
+    for mib in args.sizes_mib:
+        write_model(workdir, f"id{mib}", 1, scaled_identity(mib * 1024 * 1024 // 4, 1.0, batch=False), {})
+    argv = [
+        *(*prefix, sys.executable, "-m", "service", "--repository", str(workdir), "--listen", "127.0.0.1:0"),
+        *("--metrics-listen", "", "--max-message-bytes", str(LIMIT // 2)),
+    ]
+    return subprocess.Popen(argv, stderr=subprocess.PIPE, cwd=ROOT, text=True)
+
+
+def server_port(server: subprocess.Popen[str], service: bool) -> int:
+    if not service:
+        assert server.stdout is not None
+        return int(server.stdout.readline())
+    assert server.stderr is not None
+    for line in server.stderr:
+        if match := SERVICE_READY.search(line):
+            threading.Thread(target=server.stderr.read, daemon=True).start()  # keep the pipe drained
+            return int(match.group(1))
+    raise RuntimeError("the service did not start")
 
 
 async def run(args: argparse.Namespace, server: subprocess.Popen[str]) -> int:
     pin = (os.cpu_count() or 1) >= 2
     try:
-        assert server.stdout is not None
-        port = int(server.stdout.readline())
+        port = server_port(server, args.service)
         rows = []
         async with grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=OPTIONS) as channel:
             for mib in args.sizes_mib:
                 array = np.random.default_rng(0).standard_normal((mib * 1024 * 1024 // 4,), np.float32)
                 n = max(3, args.requests // mib)
                 np.testing.assert_array_equal(flat_decode(flat_encode("x", array)), array)
+                model = f"id{mib}"
                 for method in (PROTO, FLAT):  # warm-up
-                    await measure(channel, server.pid, method, array, 2)
+                    await measure(channel, server.pid, method, array, 2, args.service, model)
                 for round_ in range(args.rounds):
                     order = (PROTO, FLAT) if round_ % 2 == 0 else (FLAT, PROTO)
                     for method in order:
-                        result = await measure(channel, server.pid, method, array, n)
+                        result = await measure(channel, server.pid, method, array, n, args.service, model)
                         name = "protobuf" if method == PROTO else "flatbuffers"
                         rows.append({"mib": mib, "round": round_, "encoding": name, **result})
                         print(
@@ -241,7 +263,8 @@ async def run(args: argparse.Namespace, server: subprocess.Popen[str]) -> int:
             f"server CPU {s['server_cpu_ms_per_request']:.2f}x"
         )
     args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text(json.dumps({"pinned": pin, "summary": summary, "rows": rows}, indent=2))
+    document = {"pinned": pin, "through_service": args.service, "summary": summary, "rows": rows}
+    args.output.write_text(json.dumps(document, indent=2))
     return 0
 
 
@@ -253,6 +276,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--requests", type=int, default=64, help="requests per round at 1 MiB (fewer when larger)"
     )
     parser.add_argument("--output", type=Path, default=DEFAULT_OUTPUT)
+    parser.add_argument("--service", action="store_true", help="through the service (identity models)")
     parser.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
     return parser.parse_args(argv)
 
@@ -262,7 +286,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.serve:
         asyncio.run(serve())
         return 0
-    return asyncio.run(run(args, start_server()))
+    with tempfile.TemporaryDirectory(prefix="bench-flat-") as tmp:
+        return asyncio.run(run(args, start_server(args, Path(tmp))))
 
 
 if __name__ == "__main__":

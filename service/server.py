@@ -16,6 +16,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import _async as reflection_aio
 from grpc_reflection.v1alpha import reflection, reflection_pb2_grpc
+from modelyard import flat as flat_contract
 from modelyard.common import health as health_names
 from modelyard.common.auth import Authorizer, AuthSettings
 from modelyard.common.metrics_http import MetricsServer
@@ -32,6 +33,7 @@ from modelyard.kserve.v2 import grpc_service_pb2, grpc_service_pb2_grpc
 
 from service.api.access import guards
 from service.api.errors import set_served_by
+from service.api.flat_servicer import FlatInferenceServicer
 from service.api.inference_servicer import InferenceServicer
 from service.api.kserve_servicer import KServeServicer
 from service.api.limits import SizeLimitedServer, transport_limit
@@ -247,6 +249,7 @@ def build_service(
             KServeServicer(manager, dataplane, metrics, shm=shm),
         ),
     ]
+    servicers.append((_add_flat_servicer, FlatInferenceServicer(dataplane, metrics)))
     health_servicer: Health = health.aio.HealthServicer()  # type: ignore[attr-defined]
     _add_apis(server, servicers, health_servicer, settings, metrics, reporter, guard_for, link)
     if tls is None:
@@ -276,6 +279,11 @@ def build_service(
         link=link,
         internal=internal,
     )
+
+
+def _add_flat_servicer(servicer: FlatInferenceServicer, registry: Any) -> None:
+    """What a generated add_*Servicer_to_server does, for the FlatBuffers method (no protobuf)."""
+    registry.add_registered_method_handlers(flat_contract.SERVICE, servicer.handlers())
 
 
 def _add_apis(
