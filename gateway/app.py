@@ -10,6 +10,7 @@ from pathlib import Path
 
 import uvicorn
 from modelyard.common.settings import split_address
+from modelyard.common.tls import TlsFiles, warn_if_plaintext
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -23,6 +24,7 @@ from gateway.config import Settings
 from gateway.generate import GenerateEndpoints
 from gateway.metrics import GatewayMetrics
 from gateway.streams import Registry
+from gateway.tls import UpstreamTls, listener_context
 from gateway.upstream import Upstream
 
 log = logging.getLogger(__name__)
@@ -116,14 +118,21 @@ class Gateway:
         self._socket: socket.socket | None = None
         self._main: asyncio.Task[None] | None = None
         self.address = ""
+        # ValueError here (half a certificate pair) stops the process before it binds anything.
+        self.tls = TlsFiles.from_settings(settings.tls_cert, settings.tls_key, settings.tls_client_ca)
+        self.upstream_tls = UpstreamTls.from_settings(settings)
 
     async def start(self) -> None:
         settings = self.settings
         self.upstream = Upstream(
-            settings.upstream, settings.upstream_timeout_s, settings.upstream_lookahead_bytes
+            settings.upstream,
+            settings.upstream_timeout_s,
+            settings.upstream_lookahead_bytes,
+            self.upstream_tls,
         )
         app = build_app(settings, self.upstream, self.registry, self.metrics)
         host, port = split_address(settings.listen)
+        warn_if_plaintext(host, "the gateway's HTTP listener", self.tls)
         sock = socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET)
         sock.setblocking(False)
         # Accepted connections inherit it (Linux): small SSE writes go out at once, not after the
@@ -139,6 +148,8 @@ class Gateway:
             h11_max_incomplete_event_size=64 * 1024,
         )
         config.load()
+        # Set after load(): uvicorn would build a fixed context from file names; ours follows the files.
+        config.ssl = listener_context(self.tls) if self.tls is not None else None
         server = uvicorn.Server(config)
         server.lifespan = config.lifespan_class(config)
         await server.startup(sockets=[sock])
@@ -147,12 +158,16 @@ class Gateway:
         bound_host, bound_port = sock.getsockname()[:2]
         self.address = f"{bound_host}:{bound_port}"
         log.info(
-            "serving HTTP on http://%s (metrics at /metrics); upstream %s;", self.address, settings.upstream
+            "serving HTTP on %s (metrics at /metrics); upstream %s%s;",
+            self.url,
+            settings.upstream,
+            " over TLS" if self.upstream_tls is not None else "",
         )
 
     @property
     def url(self) -> str:
-        return f"http://{self.address}"
+        scheme = "https" if self.tls is not None else "http"
+        return f"{scheme}://{self.address}"
 
     async def stop(self) -> None:
         # Open streams end with an `event: error` (draining) so connections close, then the server drains.

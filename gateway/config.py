@@ -34,6 +34,16 @@ class Settings:
     # default) makes a stalled stream pause the service's sequence after a few tokens.
     upstream_lookahead_bytes: int = 0
     upstream_timeout_s: float = 0.0  # deadline of each upstream call; 0 = none (streams may be long)
+    # TLS of the HTTP listener, as the service's: certificate and key, optional client CA (mTLS).
+    tls_cert: str = ""
+    tls_key: str = ""
+    tls_client_ca: str = ""
+    # TLS to the upstream: on with upstream_tls or any of the files below.
+    upstream_tls: bool = False
+    upstream_ca: str = ""
+    upstream_cert: str = ""
+    upstream_key: str = ""
+    upstream_server_name: str = ""
     log_level: str = "INFO"
     log_format: str = "text"
 
@@ -51,6 +61,14 @@ _HELP = {
     "max_streams": "most SSE streams held at once; more are answered 429",
     "upstream_lookahead_bytes": "HTTP/2 lookahead window to the upstream (bytes); 0 = gRPC's default",
     "upstream_timeout_s": "deadline of each upstream gRPC call in seconds; 0 = none",
+    "tls_cert": "PEM certificate chain of the HTTP listener; empty: plain HTTP",
+    "tls_key": "PEM private key for tls_cert",
+    "tls_client_ca": "PEM CA bundle; when set, HTTP clients must present a certificate it signed (mTLS)",
+    "upstream_tls": "reach the upstream over TLS, verified with the system's roots unless upstream_ca is set",
+    "upstream_ca": "PEM CA bundle that signed the upstream's certificate (implies upstream_tls)",
+    "upstream_cert": "PEM client certificate the gateway presents to the upstream (mTLS)",
+    "upstream_key": "PEM private key for upstream_cert",
+    "upstream_server_name": "name to check in the upstream's certificate instead of the address's host",
     "log_level": "DEBUG, INFO, WARNING or ERROR",
     "log_format": "text or json (one object per line)",
 }

@@ -36,6 +36,8 @@ HTTP_STATUS: dict[grpc.StatusCode, int] = {
 # Reason when the upstream sent none (e.g. it could not be reached at all).
 _DEFAULT_REASON: dict[grpc.StatusCode, ErrorReason] = {
     grpc.StatusCode.INVALID_ARGUMENT: ErrorReason.INVALID_ARGUMENT,
+    grpc.StatusCode.UNAUTHENTICATED: ErrorReason.UNAUTHENTICATED,
+    grpc.StatusCode.PERMISSION_DENIED: ErrorReason.PERMISSION_DENIED,
     grpc.StatusCode.NOT_FOUND: ErrorReason.MODEL_NOT_FOUND,
     # Without a reason it is gRPC core refusing an oversized message: queue_full always says so.
     grpc.StatusCode.RESOURCE_EXHAUSTED: ErrorReason.TOO_LARGE,

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
+import logging
+import time
 from collections.abc import Iterable, Mapping
 
 import grpc
@@ -10,7 +13,17 @@ from modelyard.inference.v1 import inference_service_pb2_grpc as inference_grpc
 from modelyard.inference.v1 import model_service_pb2_grpc as model_grpc
 from modelyard.kserve.v2 import grpc_service_pb2_grpc as kserve_grpc
 
-# HTTP request headers passed on as gRPC metadata: routing, identity and trace context.
+from gateway.tls import UpstreamTls
+
+log = logging.getLogger(__name__)
+# How often the upstream TLS files are looked at again (stat), at most.
+RECHECK_S = 1.0
+# A channel replaced after its TLS files changed closes once its calls end, or after this long
+# (long streams included); new calls go to the new channel at once.
+RETIRED_GRACE_S = 3600.0
+
+# HTTP request headers passed on as gRPC metadata: routing, identity and trace context, and the
+# caller's credential (`authorization`), so a token-protected sidecar or service decides.
 FORWARDED = (
     headers.MODEL_VERSION,
     headers.CANARY_WEIGHT,
@@ -44,19 +57,77 @@ def returned(metadata: Iterable[tuple[str, str | bytes]] | None) -> dict[str, st
 
 
 class Upstream:
-    """The channel and stubs; created inside the running event loop (grpc.aio binds to it)."""
+    """The channel and stubs; created inside the running event loop (grpc.aio binds to it). With
+    TLS, a change of the CA or client certificate files (a renewal) is picked up without a restart:
+    the next call after it goes over a new channel made with them."""
 
-    def __init__(self, address: str, timeout_s: float, lookahead_bytes: int = 0) -> None:
+    def __init__(
+        self, address: str, timeout_s: float, lookahead_bytes: int = 0, tls: UpstreamTls | None = None
+    ) -> None:
         self.address = address
         self.timeout_s = timeout_s or None
         # Messages as large as the service accepts (its --max-message-bytes default), not gRPC's 4 MiB.
-        options = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)]
+        options: list[tuple[str, int | str]] = [
+            ("grpc.max_receive_message_length", 64 << 20),
+            ("grpc.max_send_message_length", 64 << 20),
+        ]
         if lookahead_bytes > 0:
             options += [("grpc.http2.lookahead_bytes", lookahead_bytes), ("grpc.http2.bdp_probe", 0)]
-        self.channel = grpc.aio.insecure_channel(address, options=options)
-        self.inference = inference_grpc.InferenceServiceStub(self.channel)
-        self.models = model_grpc.ModelServiceStub(self.channel)
-        self.kserve = kserve_grpc.GRPCInferenceServiceStub(self.channel)
+        self._options = options + (tls.options() if tls is not None else [])
+        self._tls = tls
+        self._stamp = tls.stamp() if tls is not None else ()
+        self._checked = time.monotonic()
+        self._retired: set[asyncio.Task[None]] = set()
+        self._connect(tls.credentials() if tls is not None else None)
+
+    def _connect(self, credentials: grpc.ChannelCredentials | None) -> None:
+        if credentials is None:
+            self.channel = grpc.aio.insecure_channel(self.address, options=self._options)
+        else:
+            self.channel = grpc.aio.secure_channel(self.address, credentials, options=self._options)
+        self._inference = inference_grpc.InferenceServiceStub(self.channel)
+        self._models = model_grpc.ModelServiceStub(self.channel)
+        self._kserve = kserve_grpc.GRPCInferenceServiceStub(self.channel)
+
+    @property
+    def inference(self) -> inference_grpc.InferenceServiceAsyncStub:
+        self._refresh()
+        return self._inference
+
+    @property
+    def models(self) -> model_grpc.ModelServiceAsyncStub:
+        self._refresh()
+        return self._models
+
+    @property
+    def kserve(self) -> kserve_grpc.GRPCInferenceServiceAsyncStub:
+        self._refresh()
+        return self._kserve
+
+    def _refresh(self) -> None:
+        tls = self._tls
+        now = time.monotonic()
+        if tls is None or now - self._checked < RECHECK_S:
+            return
+        self._checked = now
+        try:
+            stamp = tls.stamp()
+            if stamp == self._stamp:
+                return
+            self._stamp = stamp
+            credentials = tls.credentials()
+        except (OSError, ValueError) as exc:  # mid-swap: the next change of the files tries again
+            log.warning("upstream TLS files changed but cannot be used (%s); keeping the previous ones", exc)
+            return
+        old = self.channel
+        self._connect(credentials)
+        retiring = asyncio.get_running_loop().create_task(old.close(RETIRED_GRACE_S))
+        self._retired.add(retiring)
+        retiring.add_done_callback(self._retired.discard)
+        log.info("upstream TLS files reloaded; new calls use a new channel to %s", self.address)
 
     async def close(self) -> None:
         await self.channel.close(None)
+        for retiring in list(self._retired):
+            retiring.cancel()
+        await asyncio.gather(*self._retired, return_exceptions=True)

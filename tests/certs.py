@@ -7,6 +7,7 @@ import datetime
 import ipaddress
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
@@ -66,6 +67,27 @@ class Authority:
             )
         )
         return pem
+
+
+def make_pki(folder: Path) -> dict[str, Any]:
+    """A CA with a server and two clients, and a rogue CA's client with a name the first CA issued."""
+    ca = Authority(folder / "pki", "test-ca")
+    rogue = Authority(folder / "rogue", "rogue-ca")
+    return {
+        "ca": ca,
+        "server": ca.issue("server", server=True),
+        "client": ca.issue("good-client", server=False),
+        "other": ca.issue("other-client", server=False),
+        "rogue": rogue.issue("good-client", server=False),  # the right name, the wrong CA
+    }
+
+
+def install(source: Pem, target: Pem) -> None:
+    """Put `source`'s files at `target`'s paths as cert-manager does: new files renamed into place."""
+    for new, path in ((source.cert, target.cert), (source.key, target.key)):
+        staged = path.with_suffix(".new")
+        staged.write_bytes(new.read_bytes())
+        staged.replace(path)
 
 
 def _builder(

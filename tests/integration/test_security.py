@@ -27,7 +27,7 @@ from modelyard.tensors import to_tensor
 from models import demo_models
 from service.config import Settings
 from service.server import Service, build_service
-from tests.certs import Authority, Pem
+from tests.certs import Authority, Pem, install, make_pki
 from tests.support import ServiceProcess
 
 TOKEN = "s3cret-token-for-tests"
@@ -36,15 +36,7 @@ INFER = ipb.InferRequest(model_name="scaler", inputs=[to_tensor("INPUT0", np.one
 
 @pytest.fixture
 def pki(tmp_path: Path) -> dict[str, Any]:
-    ca = Authority(tmp_path / "pki", "test-ca")
-    rogue = Authority(tmp_path / "rogue", "rogue-ca")
-    return {
-        "ca": ca,
-        "server": ca.issue("server", server=True),
-        "client": ca.issue("good-client", server=False),
-        "other": ca.issue("other-client", server=False),
-        "rogue": rogue.issue("good-client", server=False),  # the right name, the wrong CA
-    }
+    return make_pki(tmp_path)
 
 
 @pytest.fixture
@@ -132,10 +124,7 @@ async def test_certificates_reload_without_a_restart(serve: Any, pki: dict[str, 
     async with secure(service.port, renewed_ca.path) as channel:
         infer = ipb_grpc.InferenceServiceStub(channel)
         assert await code_of(infer.Infer(INFER, timeout=5)) != grpc.StatusCode.OK
-    # Swapped as cert-manager does: new files renamed into place.
-    for source, target in ((renewed.cert, live.cert), (renewed.key, live.key)):
-        shutil.copy(source, target.with_suffix(".new"))
-        target.with_suffix(".new").replace(target)
+    install(renewed, live)
     async with secure(service.port, renewed_ca.path) as channel:
         infer = ipb_grpc.InferenceServiceStub(channel)
         assert await code_of(infer.Infer(INFER, timeout=5)) == grpc.StatusCode.OK
