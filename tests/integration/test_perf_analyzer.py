@@ -1,5 +1,6 @@
 """Triton's own load generator, perf_analyzer, drives the service unchanged (metadata, config,
-statistics and inference over KServe V2 gRPC)."""
+statistics and inference over KServe V2 gRPC). `run_perf_analyzer` is shared with the tests that
+run it with other options and through the sidecar."""
 
 from __future__ import annotations
 
@@ -8,54 +9,48 @@ import re
 import shutil
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import nvidia.cuda_runtime
 
 
-def perf_analyzer() -> tuple[str, dict[str, str]]:
+@dataclass(frozen=True)
+class PerfRun:
+    stdout: str
+    requests: int  # the server's statistics, as perf_analyzer reports them
+    inferences: int
+    executions: int
+
+
+def run_perf_analyzer(address: str, *options: str, model: str = "classifier") -> PerfRun:
+    """A short perf_analyzer run at concurrency 2 against `address`; fails with its output."""
     binary = shutil.which("perf_analyzer", path=str(Path(sys.executable).parent))
     assert binary, "perf_analyzer is missing: `make test` installs tritonclient with it"
     cudart = Path(next(iter(nvidia.cuda_runtime.__path__))) / "lib"
     env = {**os.environ, "LD_LIBRARY_PATH": f"{cudart}:{os.environ.get('LD_LIBRARY_PATH', '')}"}
-    return binary, env
+    command = [binary, "-m", model, "-i", "grpc", "-u", address, "--concurrency-range", "2"]
+    command += ["--measurement-interval", "500", "--max-trials", "4", "--stability-percentage", "1000"]
+    result = subprocess.run([*command, *options], capture_output=True, text=True, timeout=120, env=env)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "throughput:" in result.stdout, result.stdout
+    server = result.stdout.split("Server:")[1]
+
+    def count(label: str) -> int:
+        found = re.search(rf"{label}: (\d+)", server)
+        assert found, f"no {label!r} in perf_analyzer's server statistics:\n{result.stdout}"
+        return int(found.group(1))
+
+    return PerfRun(
+        result.stdout, count("Successful request count"), count("Inference count"), count("Execution count")
+    )
 
 
 def test_perf_analyzer_measures_the_service(service_process, repository: Path) -> None:
     process = service_process(repository)
-    binary, env = perf_analyzer()
-    result = subprocess.run(
-        [
-            binary,
-            "-m",
-            "classifier",
-            "-i",
-            "grpc",
-            "-u",
-            process.address,
-            "-b",
-            "4",
-            "--concurrency-range",
-            "2",
-            "--measurement-interval",
-            "500",
-            "--max-trials",
-            "4",
-            "--stability-percentage",
-            "1000",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env=env,
-    )
-    assert result.returncode == 0, result.stdout + result.stderr
-    server = result.stdout.split("Server:")[1]
-    inferences = int(re.search(r"Inference count: (\d+)", server).group(1))
-    executions = int(re.search(r"Execution count: (\d+)", server).group(1))
-    requests = int(re.search(r"Successful request count: (\d+)", server).group(1))
+    run = run_perf_analyzer(process.address, "-b", "4")
     # Requests of 4 rows; the classifier batches dynamically, so a run may serve both clients'
     # requests at once: the statistics extension counts rows and runs the way Triton does.
-    assert requests > 0 and inferences == 4 * requests and 0 < executions <= requests
-    assert "throughput:" in result.stdout
+    assert run.requests > 0 and run.inferences == 4 * run.requests
+    assert 0 < run.executions <= run.requests, run.stdout
     assert process.stop() == 0

@@ -5,7 +5,6 @@ tritonclient and perf_analyzer unchanged, a start without numpy or ONNX Runtime,
 from __future__ import annotations
 
 import asyncio
-import re
 import shutil
 import signal
 import subprocess
@@ -23,7 +22,7 @@ from modelyard.inference.v1 import inference_service_pb2_grpc as pb_grpc
 
 from models import demo_models
 from tests.integration.test_entry_points import HEAVY, RUN_REFUSING
-from tests.integration.test_perf_analyzer import perf_analyzer
+from tests.integration.test_perf_analyzer import run_perf_analyzer
 from tests.sidecar_support import SidecarProcess, infer, pairs, start_sidecar_process
 from tests.support import ServiceProcess, eventually, metric
 
@@ -150,35 +149,8 @@ def test_tritonclient_and_perf_analyzer_work_through_the_sidecar(upstream, sidec
         [sys.executable, "-c", TRITON_CLIENT, sidecar.address], capture_output=True, text=True, timeout=60
     )
     assert result.returncode == 0 and result.stdout.startswith("ok scaler"), result.stdout + result.stderr
-    binary, env = perf_analyzer()
-    result = subprocess.run(
-        [
-            binary,
-            "-m",
-            "classifier",
-            "-i",
-            "grpc",
-            "-u",
-            sidecar.address,
-            "-b",
-            "2",
-            "--concurrency-range",
-            "2",
-            "--measurement-interval",
-            "500",
-            "--max-trials",
-            "4",
-            "--stability-percentage",
-            "1000",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env=env,
-    )
-    assert result.returncode == 0, result.stdout + result.stderr
-    requests = int(re.search(r"Successful request count: (\d+)", result.stdout.split("Server:")[1]).group(1))
-    assert requests > 0 and "throughput:" in result.stdout
+    run = run_perf_analyzer(sidecar.address, "-b", "2")
+    assert run.requests > 0 and run.inferences == 2 * run.requests, run.stdout
 
 
 async def test_the_sidecar_serves_without_numpy_or_onnxruntime(upstream, sidecar_process) -> None:
