@@ -32,10 +32,9 @@ _HELP = {
     "config_poll_s": "seconds between checks of the route file for changes",
     "grace_s": "seconds in-flight calls get to finish on shutdown",
     "max_message_bytes": "largest request or response message, in bytes",
-    "log_level": "DEBUG, INFO, WARNING or ERROR",
-    "log_format": "text or json (one object per line)",
+    **logs.HELP,
 }
-_CHOICES = {"log_level": logs.LEVELS, "log_format": logs.FORMATS}
+_CHOICES = logs.CHOICES
 
 
 def parse_settings(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None) -> Settings:

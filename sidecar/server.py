@@ -6,10 +6,9 @@ import asyncio
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2_grpc
 from modelyard.common import health as health_names
 from modelyard.common.settings import split_address
 
@@ -27,17 +26,6 @@ from sidecar.upstreams import Upstreams, UpstreamSpec
 
 log = logging.getLogger(__name__)
 
-SERVING = health_pb2.HealthCheckResponse.SERVING
-NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
-
-
-class Health(Protocol):
-    async def set(
-        self, service: str, status: health_pb2.HealthCheckResponse.ServingStatus.ValueType
-    ) -> None: ...
-
-    async def enter_graceful_shutdown(self) -> None: ...
-
 
 @dataclass
 class Sidecar:
@@ -48,7 +36,7 @@ class Sidecar:
     breakers: Breakers
     routes: RouteSource
     metrics: SidecarMetrics
-    health: Health
+    health: health_names.HealthServicer
     tracing: Tracing
     shadows: Shadows
     admin: AdminServer | None = None
@@ -66,7 +54,7 @@ class Sidecar:
         return f"{split_address(self.settings.admin_listen)[0]}:{self.admin.port}"
 
     async def start(self) -> None:
-        await self.health.set(health_names.SERVER, NOT_SERVING)
+        await self.health.set(health_names.SERVER, health_names.NOT_SERVING)
         loop = asyncio.get_running_loop()
         self.upstreams.start()
         await self.server.start()
@@ -101,17 +89,20 @@ class Sidecar:
         self._changed.set()
 
     async def _follow_upstreams(self) -> None:
-        """The sidecar's health follows its upstreams': SERVING while one serves; per model,
+        """The sidecar's health follows its upstreams': health_names.SERVING while one serves; per model,
         while a serving upstream has a ready version of it."""
         while True:
             await self._changed.wait()
             self._changed.clear()
             serving = [u for u in self.upstreams.all if u.serving]
-            await self.health.set(health_names.SERVER, SERVING if serving else NOT_SERVING)
+            await self.health.set(
+                health_names.SERVER, health_names.SERVING if serving else health_names.NOT_SERVING
+            )
             models = {m for u in serving for m in u.served}
             for model in models | self._models:
                 await self.health.set(
-                    health_names.model_service_name(model), SERVING if model in models else NOT_SERVING
+                    health_names.model_service_name(model),
+                    health_names.SERVING if model in models else health_names.NOT_SERVING,
                 )
             self._models |= models
 
@@ -160,7 +151,7 @@ def build_sidecar(
     )
     tracing = tracing if tracing is not None else configure("modelyard-sidecar")
     server = grpc.aio.server(options=[*message_limits, ("grpc.so_reuseport", 0)])
-    health_servicer: Health = health.aio.HealthServicer()  # type: ignore[attr-defined]
+    health_servicer = health_names.new_servicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     shadows = Shadows(metrics)
     proxy = Proxy(upstreams, breakers, routes, TenantLimits(), metrics, tracing, shadows)
