@@ -48,7 +48,7 @@ async def start_service(repository: Path) -> AsyncIterator[Callable[..., Any]]:
     services: list[Service] = []
 
     async def starter(**settings: Any) -> Service:
-        local = {"listen": "127.0.0.1:0", "metrics_listen": "127.0.0.1:0"}
+        local: dict[str, Any] = {"listen": "127.0.0.1:0", "metrics_listen": "127.0.0.1:0"}
         service = build_service(ServiceSettings(repository=repository, **local, **settings))
         await service.start()
         services.append(service)
@@ -59,8 +59,8 @@ async def start_service(repository: Path) -> AsyncIterator[Callable[..., Any]]:
         await service.stop(grace_s=1.0)
 
 
-def listener_tls(pki: dict[str, Any], mtls: bool = False) -> dict[str, str]:
-    settings = {"tls_cert": str(pki["server"].cert), "tls_key": str(pki["server"].key)}
+def listener_tls(pki: dict[str, Any], mtls: bool = False) -> dict[str, Any]:
+    settings: dict[str, Any] = {"tls_cert": str(pki["server"].cert), "tls_key": str(pki["server"].key)}
     if mtls:
         settings["tls_client_ca"] = str(pki["ca"].path)
     return settings
@@ -127,7 +127,10 @@ async def test_mtls_listener_refuses_clients_without_a_certificate_of_its_ca_and
         auth_client_names=("good-client",), auth_inference=True, **listener_tls(pki, mtls=True)
     )
     ca = pki["ca"].path
-    upstream_client = {"upstream_cert": str(pki["client"].cert), "upstream_key": str(pki["client"].key)}
+    upstream_client: dict[str, Any] = {
+        "upstream_cert": str(pki["client"].cert),
+        "upstream_key": str(pki["client"].key),
+    }
     async with running_sidecar(
         [service.address], upstream_ca=str(ca), **upstream_client, **listener_tls(pki, mtls=True)
     ) as sidecar:
@@ -171,7 +174,7 @@ async def test_renewed_upstream_client_certificate_is_used_without_a_restart(
     )
     live = Pem(tmp_path / "sidecar.crt", tmp_path / "sidecar.key")
     install(pki["other"], live)  # a verified identity, but not the allowed one
-    files = {"upstream_cert": str(live.cert), "upstream_key": str(live.key)}
+    files: dict[str, Any] = {"upstream_cert": str(live.cert), "upstream_key": str(live.key)}
     upstream_ca = str(pki["ca"].path)
     async with (
         running_sidecar([service.address], upstream_ca=upstream_ca, **files) as sidecar,
