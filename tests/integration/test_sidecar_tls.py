@@ -166,7 +166,11 @@ async def test_renewed_sidecar_certificate_is_served_without_a_restart(
 
 
 async def test_renewed_upstream_client_certificate_is_used_without_a_restart(
-    start_service: Any, pki: dict[str, Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    start_service: Any,
+    pki: dict[str, Any],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
     monkeypatch.setattr(upstreams, "RECHECK_S", 0.05)
     service = await start_service(
@@ -183,6 +187,12 @@ async def test_renewed_upstream_client_certificate_is_used_without_a_restart(
         with pytest.raises(grpc.aio.AioRpcError) as denied:
             await infer(channel)
         assert denied.value.code() == grpc.StatusCode.PERMISSION_DENIED
+        # A broken swap (a key that is not the certificate's) keeps the previous credentials.
+        install(Pem(pki["client"].cert, pki["other"].key), live)
+        await eventually(lambda: "upstream TLS files changed but cannot be used" in caplog.text, "the check")
+        with pytest.raises(grpc.aio.AioRpcError) as still:
+            await infer(channel)
+        assert still.value.code() == grpc.StatusCode.PERMISSION_DENIED
         install(pki["client"], live)
 
         async def allowed() -> bool:
