@@ -6,7 +6,7 @@ BUF_VERSION := 1.75.0
 BUF := .cache/buf/node_modules/.bin/buf
 REPOSITORY ?= models/demo
 
-.PHONY: web web-deps web-check browser-deps bench-edge up test lint gen bench bench-generate bench-batching bench-swaps bench-soak bench-sidecar demo-models proto-baseline install install-dev system-deps clean
+.PHONY: web web-deps web-check browser-deps bench-edge up test lint gen bench bench-generate bench-batching bench-swaps bench-soak bench-sidecar bench-floor bench-workers demo-models proto-baseline install install-dev system-deps clean
 
 # service (50052), sidecar (50051), gateway (8000) and Envoy (8080) until Ctrl-C.
 up: $(VENV)/.installed-stack
@@ -83,6 +83,12 @@ bench-batching: $(VENV)/.installed-dev
 
 bench-sidecar: $(VENV)/.installed-dev
 	$(PY) -m bench.sidecar
+
+bench-floor: $(VENV)/.installed-dev
+	$(PY) -m bench.floor
+
+bench-workers: $(VENV)/.installed-dev
+	$(PY) -m bench.workers
 
 demo-models: $(VENV)/.installed
 	$(PY) -m models.demo_models $(REPOSITORY)

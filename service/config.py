@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,6 +22,7 @@ class Settings:
     drain_timeout_s: float = 30.0  # how long a retired model version waits for its requests
     max_message_bytes: int = 64 * 1024 * 1024  # larger requests: RESOURCE_EXHAUSTED, too_large
     inference_threads: int = 0  # executor threads for model runs; 0 = one per core
+    workers: str = "1"  # service processes sharing the port: a number, or auto (one per core)
     control_mode: str = "watch"  # watch: follow the repository on disk; explicit: only Load/Unload calls
     watch_method: str = "events"  # events (inotify) or poll (file systems without change events)
     watch_quiet_s: float = 0.25  # a model folder must be this quiet before a change is loaded
@@ -47,6 +49,8 @@ _HELP = {
     "drain_timeout_s": "seconds a retired model version waits for its in-flight requests",
     "max_message_bytes": "largest request or response message, in bytes",
     "inference_threads": "threads that run models; 0 = one per CPU core",
+    "workers": "service processes sharing the gRPC port (each with its own sessions): N, or auto "
+    "for one per CPU core",
     "tls_cert": "PEM certificate chain of the gRPC and metrics listeners; empty: no TLS",
     "tls_key": "PEM private key for tls_cert",
     "tls_client_ca": "PEM CA bundle; when set, clients must present a certificate it signed (mTLS)",
@@ -66,6 +70,15 @@ _CHOICES = {
     "log_level": logs.LEVELS,
     "log_format": logs.FORMATS,
 }
+
+
+def worker_count(text: str) -> int:
+    """`--workers`: a positive number, or auto (one per CPU core). ValueError names what is wrong."""
+    if text.strip().lower() == "auto":
+        return os.cpu_count() or 1
+    if not (text.strip().isascii() and text.strip().isdigit()) or int(text) < 1:
+        raise ValueError(f"--workers must be a positive number or auto, got {text!r}")
+    return int(text)
 
 
 def parse_settings(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None) -> Settings:

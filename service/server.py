@@ -6,15 +6,17 @@ import asyncio
 import functools
 import logging
 import os
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol, cast
+from typing import Any, Protocol, cast
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import _async as reflection_aio
 from grpc_reflection.v1alpha import reflection, reflection_pb2_grpc
+from modelyard import flat as flat_contract
 from modelyard.common import health as health_names
 from modelyard.common.auth import Authorizer, AuthSettings
 from modelyard.common.metrics_http import MetricsServer
@@ -30,11 +32,13 @@ from modelyard.inference.v1 import (
 from modelyard.kserve.v2 import grpc_service_pb2, grpc_service_pb2_grpc
 
 from service.api.access import guards
+from service.api.errors import set_served_by
+from service.api.flat_servicer import FlatInferenceServicer
 from service.api.inference_servicer import InferenceServicer
 from service.api.kserve_servicer import KServeServicer
 from service.api.limits import SizeLimitedServer, transport_limit
 from service.api.model_servicer import ModelServicer
-from service.api.wire import Guarded, OnUndecodable
+from service.api.wire import Guarded, GuardFor, OnUndecodable
 from service.batching.layer import BatchingLayer
 from service.config import Settings
 from service.dataplane import DataPlane
@@ -44,9 +48,13 @@ from service.metrics import ServiceMetrics
 from service.repository.watcher import RepositoryWatcher
 from service.runtime.manager import Loader, ModelManager
 from service.runtime.providers import detect_providers
-from service.runtime.session import load_runner
+from service.runtime.session import inline_run_limit_s, load_runner
 from service.runtime.status import ModelEvent, Watcher
 from service.scheduling.clock import Clock
+from service.shm.files import FileRegionStore
+from service.shm.registry import SharedMemoryRegistry
+from service.workers import protocol as workers
+from service.workers.member import FanOutRegistrar, WorkerLink, WorkerRole, metrics_handler
 
 log = logging.getLogger(__name__)
 
@@ -80,6 +88,10 @@ class Service:
     metrics_server: MetricsServer | None = None
     watcher: RepositoryWatcher | None = None
     tls: TlsFiles | None = None  # of the gRPC and metrics listeners
+    # One of several workers (service.workers): model control and health go through the
+    # supervisor, and `internal` serves the supervisor on a unix socket.
+    link: WorkerLink | None = None
+    internal: grpc.aio.Server | None = None
     _events: asyncio.Task[None] | None = None
 
     @property
@@ -89,7 +101,8 @@ class Service:
     async def start(self) -> None:
         # Serve at once (health says NOT_SERVING while loading), so orchestrators can probe.
         await self.health.set(health_names.SERVER, NOT_SERVING)
-        await self.server.start()
+        # A worker takes its share of the port's traffic only once the supervisor admits it.
+        await (self.server if self.internal is None else self.internal).start()
         if self.settings.metrics_listen:
             self.metrics_server = MetricsServer(
                 self.metrics.registry, *split_address(self.settings.metrics_listen), tls=self.tls
@@ -107,9 +120,16 @@ class Service:
             )
             await self.watcher.start()  # before the first load, so that no change slips between
         await self.manager.load_all()
-        await self.health.set(health_names.SERVER, SERVING)
         ready = [s.name for s in self.manager.statuses() if s.default_version is not None]
         failed = [s.name for s in self.manager.statuses() if s.default_version is None]
+        if self.link is not None:
+            await self.health.set(workers.LOCAL, SERVING)
+            await self.link.wait_admitted()
+            await self.server.start()
+            self.link.follow(self.health.set)
+            log.info("worker %d took its share of the port; models ready: %s", self.link.role.index, ready)
+            return
+        await self.health.set(health_names.SERVER, SERVING)
         log.info(
             "serving gRPC on %s%s; models ready: %s%s",
             self.address,
@@ -128,7 +148,13 @@ class Service:
         await self.health.enter_graceful_shutdown()
         if self.watcher is not None:
             await self.watcher.stop()
-        await self.server.stop(self.settings.grace_s if grace_s is None else grace_s)
+        grace = self.settings.grace_s if grace_s is None else grace_s
+        if self.internal is not None:
+            await asyncio.gather(self.server.stop(grace), self.internal.stop(grace))
+        else:
+            await self.server.stop(grace)
+        if self.link is not None:
+            await self.link.close()
         if self._events is not None:
             self._events.cancel()
         if self.generation is not None:
@@ -174,6 +200,7 @@ def build_service(
     *,
     loader: Loader | None = None,  # test seam: runners that count or hold their runs
     clock: Clock | None = None,  # test seam: the batching queues' clock, stepped by hand
+    worker: WorkerRole | None = None,  # one of several worker processes (service.workers)
 ) -> Service:
     providers = detect_providers()
     log.info("execution provider: %s (%s)", providers.default, providers.reason)
@@ -187,39 +214,101 @@ def build_service(
         metrics=metrics,
         drain_timeout_s=settings.drain_timeout_s,
         # Generation recognises decoder graphs as they load; the runtime knows nothing of them.
-        loader=loader or functools.partial(load_runner, recognizers=[recognize_decoder]),
+        loader=loader
+        or functools.partial(
+            load_runner,
+            recognizers=[recognize_decoder],
+            inline_limit_s=inline_run_limit_s(worker.count if worker is not None else 1),
+        ),
     )
     # The layers above the runtime attach to each version as it loads and let go as it retires.
     batching = BatchingLayer(executor, metrics, clock)
     manager.on_load(batching.attach)
     dataplane = DataPlane(manager, executor, batching)
     generation = GenerationPlane(manager, executor, metrics)
-    server = grpc.aio.server(
-        options=[
-            # Above the configured limit, which the handlers check so as to answer with a reason.
-            ("grpc.max_receive_message_length", transport_limit(settings.max_message_bytes)),
-            ("grpc.max_send_message_length", settings.max_message_bytes),
-            ("grpc.so_reuseport", 0),  # a taken port must fail loudly, not be shared
-        ]
-    )
-    # Every servicer is added through Guarded: calls pass authorization (service/api/access.py),
-    # and undecodable request bytes are refused with INVALID_ARGUMENT (and one rate-limited log
-    # line), not UNKNOWN with a traceback per request. The API services are size-checked first
-    # (service/api/limits.py: the message arrives as bytes, is measured, then parsed).
-    # (cast: it takes the server's place in the generated functions, which only register handlers)
+    limits = [
+        # Above the configured limit, which the handlers check so as to answer with a reason.
+        ("grpc.max_receive_message_length", transport_limit(settings.max_message_bytes)),
+        ("grpc.max_send_message_length", settings.max_message_bytes),
+    ]
+    # A taken port must fail loudly, not be shared; workers share it (the supervisor holds it).
+    server = grpc.aio.server(options=[*limits, ("grpc.so_reuseport", 0 if worker is None else 1)])
     tls, authorizer = _security(settings)
     guard_for = guards(authorizer, settings.auth_inference, metrics)
     reporter = _undecodable_reporter(metrics)
-    limited = SizeLimitedServer(server, settings.max_message_bytes, metrics)
-    registry = cast(grpc.aio.Server, Guarded(limited, reporter, guard_for))
-    inference_service_pb2_grpc.add_InferenceServiceServicer_to_server(
-        InferenceServicer(dataplane, generation, metrics), registry
-    )
-    model_service_pb2_grpc.add_ModelServiceServicer_to_server(ModelServicer(manager, metrics), registry)
-    grpc_service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(
-        KServeServicer(manager, dataplane, metrics), registry
-    )
+    link = WorkerLink(worker) if worker is not None else None
+    shm = SharedMemoryRegistry(FileRegionStore(worker.folder.regions) if worker is not None else None)
+    servicers: list[tuple[Callable[[Any, Any], None], object]] = [
+        (
+            inference_service_pb2_grpc.add_InferenceServiceServicer_to_server,
+            InferenceServicer(dataplane, generation, metrics),
+        ),
+        (model_service_pb2_grpc.add_ModelServiceServicer_to_server, ModelServicer(manager, metrics)),
+        (
+            grpc_service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server,
+            KServeServicer(manager, dataplane, metrics, shm=shm),
+        ),
+    ]
+    servicers.append((_add_flat_servicer, FlatInferenceServicer(dataplane, metrics)))
     health_servicer: Health = health.aio.HealthServicer()  # type: ignore[attr-defined]
+    _add_apis(server, servicers, health_servicer, settings, metrics, reporter, guard_for, link)
+    if tls is None:
+        port = server.add_insecure_port(settings.listen)
+    else:
+        port = server.add_secure_port(settings.listen, grpc_server_credentials(tls))
+    internal = None
+    if worker is not None:
+        # The supervisor's way in, on a unix socket in its private folder (no credentials): the
+        # same servicers, answering for this worker alone, and this worker's scrape.
+        internal = grpc.aio.server(options=limits)
+        _add_apis(internal, servicers, health_servicer, settings, metrics, reporter, None, None)
+        internal.add_generic_rpc_handlers((metrics_handler(metrics.registry),))
+        internal.add_insecure_port(worker.folder.worker(worker.index))
+        set_served_by(f"worker-{worker.index}")
+    return Service(
+        settings,
+        server,
+        port,
+        manager,
+        metrics,
+        health_servicer,
+        executor,
+        generation,
+        batching,
+        tls=tls,
+        link=link,
+        internal=internal,
+    )
+
+
+def _add_flat_servicer(servicer: FlatInferenceServicer, registry: Any) -> None:
+    """What a generated add_*Servicer_to_server does, for the FlatBuffers method (no protobuf)."""
+    registry.add_registered_method_handlers(flat_contract.SERVICE, servicer.handlers())
+
+
+def _add_apis(
+    server: grpc.aio.Server,
+    servicers: list[tuple[Callable[[Any, Any], None], object]],
+    health_servicer: Health,
+    settings: Settings,
+    metrics: ServiceMetrics,
+    reporter: OnUndecodable,
+    guard_for: GuardFor | None,
+    link: WorkerLink | None,
+) -> None:
+    """Register the APIs on `server`. Every servicer is added through Guarded: calls pass
+    authorization (service/api/access.py), and undecodable request bytes are refused with
+    INVALID_ARGUMENT (and one rate-limited log line), not UNKNOWN with a traceback per request.
+    The API services are size-checked first (service/api/limits.py: the message arrives as
+    bytes, is measured, then parsed). In a worker, model control and reads go to every worker
+    through the supervisor (FanOutRegistrar, in front of Guarded: they pass its checks too).
+    (cast: each takes the server's place in the generated functions, which only register handlers)"""
+    limited = SizeLimitedServer(server, settings.max_message_bytes, metrics)
+    registry: Any = Guarded(limited, reporter, guard_for)
+    if link is not None:
+        registry = FanOutRegistrar(registry, link)
+    for add, servicer in servicers:
+        add(servicer, registry)
     # Health and reflection are not size-checked (as before); they pass Guarded too. Health's
     # Watch writes with context.write, which the size check's stream wrapper does not take.
     plain = cast(grpc.aio.Server, Guarded(server, reporter, guard_for))
@@ -236,13 +325,6 @@ def build_service(
             ]
         ),
         plain,
-    )
-    if tls is None:
-        port = server.add_insecure_port(settings.listen)
-    else:
-        port = server.add_secure_port(settings.listen, grpc_server_credentials(tls))
-    return Service(
-        settings, server, port, manager, metrics, health_servicer, executor, generation, batching, tls=tls
     )
 
 

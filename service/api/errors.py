@@ -120,6 +120,16 @@ def deadline_passed(context: Context) -> bool:
     return remaining is not None and remaining <= 0
 
 
+# ("x-served-by", "worker-N") when the service runs as one of several workers, else nothing.
+_served_by: tuple[tuple[str, str], ...] = ()
+
+
+def set_served_by(worker: str) -> None:
+    """Name the worker process in every answer's initial metadata, beside x-served-version."""
+    global _served_by
+    _served_by = ((headers.SERVED_BY, worker),)
+
+
 class serving:
     """Wrap one call: map an error to its status and x-error-reason (abort), send x-served-version
     once the version that answers is known, and record count and latency by method, model,
@@ -144,7 +154,10 @@ class serving:
         """The version that answers is known: send it as x-served-version in the initial
         metadata, before the answer itself (streams: call it before the first message)."""
         self.version = version
-        await self._context.send_initial_metadata(((headers.SERVED_VERSION, version),))
+        if _served_by:
+            await self._context.send_initial_metadata(((headers.SERVED_VERSION, version), *_served_by))
+        else:
+            await self._context.send_initial_metadata(((headers.SERVED_VERSION, version),))
 
     def in_band(self, exc: Exception) -> ErrorReason:
         """An error answered inside a stream's message rather than by the call's status: count it

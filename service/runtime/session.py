@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import os
 import statistics
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -31,6 +32,10 @@ log = logging.getLogger(__name__)
 # A run this cheap costs less than the hop to an executor thread and back (measured: ~40-60 us on
 # this 2-core machine), so it runs inline on the event loop; anything slower goes to the executor.
 INLINE_RUN_LIMIT_S = 50e-6
+# With one usable core per process (pinned, or as many workers as cores) an executor thread adds
+# no parallelism, only the hop: runs up to this long go inline, which bounds how long one run holds
+# the event loop (and so the latency it adds to other requests).
+ONE_CORE_INLINE_RUN_LIMIT_S = 500e-6
 WARMUP_RUNS = 5
 # A run this long has likely grown ONNX Runtime's arena (which keeps what it grew, for the life of
 # the session: one large request would hold gigabytes for good), so it is followed by a warm-up
@@ -60,12 +65,13 @@ class ModelRunner:
     provider: str
     warmup_run_s: float  # median warm-up run time, on inputs with every dynamic dimension = 1
     kind: GraphKind | None = None  # what a layer above recognised in the graph (a decoder: Generate)
+    inline_limit_s: float = INLINE_RUN_LIMIT_S  # runs shorter than this go inline (inline_run_limit_s)
     sample_feeds: Mapping[str, np.ndarray] = dataclasses.field(default_factory=dict)  # the warm-up's
     shrink_options: ort.RunOptions | None = None  # arena shrinkage of the session's devices
 
     @property
     def runs_inline(self) -> bool:
-        return self.warmup_run_s < INLINE_RUN_LIMIT_S
+        return self.warmup_run_s < self.inline_limit_s
 
     def run(self, feeds: Mapping[str, np.ndarray], output_names: Sequence[str]) -> list[np.ndarray]:
         strings = self.signature.string_inputs
@@ -93,6 +99,17 @@ class ModelRunner:
         strings = self.signature.string_inputs
         feeds = feeds_for_ort(self.sample_feeds, strings) if strings else dict(self.sample_feeds)
         self.session.run(list(self.signature.output_names), feeds, self.shrink_options)
+
+
+def inline_run_limit_s(processes: int = 1) -> float:
+    """How long a run may be and still run on the event loop, for this machine: the cores this
+    process may use (its CPU affinity), shared by `processes` service processes. Per model, the
+    warm-up run time is held against it (ModelRunner.runs_inline)."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cores = os.cpu_count() or 1
+    return ONE_CORE_INLINE_RUN_LIMIT_S if cores <= processes else INLINE_RUN_LIMIT_S
 
 
 class Runnable(Protocol):
@@ -145,6 +162,7 @@ def load_runner(
     config: ModelConfig,
     providers: ProviderChoice,
     recognizers: Sequence[Recognizer] = (),
+    inline_limit_s: float = INLINE_RUN_LIMIT_S,
 ) -> ModelRunner:
     """Build and validate a session; raise ModelLoadError naming the file and the reason. The
     first recognizer that knows the graph gives its kind."""
@@ -162,7 +180,14 @@ def load_runner(
         kind = recognize(signature, metadata, config, model_file)
         if kind is not None:
             break
-    runner = ModelRunner(session, signature, session.get_providers()[0], warmup_run_s=0.0, kind=kind)
+    runner = ModelRunner(
+        session,
+        signature,
+        session.get_providers()[0],
+        warmup_run_s=0.0,
+        kind=kind,
+        inline_limit_s=inline_limit_s,
+    )
     if kind is not None:
         feeds = kind.warmup_feeds()
     else:

@@ -15,6 +15,7 @@ AUTHORIZATION = "authorization"
 
 # Response: what served the request, and why it failed.
 SERVED_VERSION = "x-served-version"  # initial metadata of every answer from the service
+SERVED_BY = "x-served-by"  # beside it when the service runs several workers: worker-N
 MODEL_DYE = "x-model-dye"  # stable or canary
 DYE_FALLBACK = "x-dye-fallback"  # why the dye was overridden (e.g. breaker-open)
 ERROR_REASON = "x-error-reason"  # trailing metadata of every error; values in reasons.py

@@ -1,0 +1,244 @@
+"""The request path against the floor: the service next to the thinnest Python server that runs
+the same model (bench/bare_server.py: grpc.aio, session.run inline), in one run.
+
+Two models: tiny (one Mul on FP32[1,16]: the serving path is all there is) and an MLP
+256-1024-1024-16 (~0.1 ms per run: as long as the serving path). Two APIs: KServe V2 ModelInfer
+and our v1 Infer. Both servers run with one intra-op thread and, on a machine with 2 or more cores,
+pinned to core 1 (taskset) while this client is pinned to core 0. The service runs with metrics
+and statistics on. For each (model, API, concurrency) the two servers alternate, round by round;
+ratios are medians of the paired (same round) ratios: p50 at concurrency 1 (service/bare: the
+issue's target is <= 1.1) and throughput at concurrency 16 (service/bare: >= 0.95).
+
+    .venv/bin/python -m bench.floor [--models tiny,mlp] [--apis kserve,v1] [--duration 4] [--repeats 3]
+        [--no-pin] [--profile] [--service-arg=--workers=1 ...]
+
+`--profile` samples the service with py-spy at concurrency 16 on the MLP (KServe) and prints
+where its CPU goes (see bench.unary_latency for the parser). Results: bench/results/floor.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import re
+import statistics
+import sys
+import tempfile
+from collections.abc import Awaitable, Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import grpc
+import numpy as np
+from modelyard.inference.v1 import inference_service_pb2 as pb
+from modelyard.inference.v1 import inference_service_pb2_grpc as pb_grpc
+from modelyard.inference.v1 import tensor_pb2
+from modelyard.kserve.v2 import grpc_service_pb2 as kpb
+from modelyard.kserve.v2 import grpc_service_pb2_grpc as kgrpc
+
+from bench.processes import ROOT, SERVICE_READY, ServerProcess
+from bench.unary_latency import RequestFailed, drive, print_profiles, profile_server
+from models.demo_models import mlp, scaled_identity, write_model
+
+DEFAULT_OUTPUT = ROOT / "bench" / "results" / "floor.json"
+MODELS = {"tiny": (lambda: scaled_identity(16, 2.0), 16), "mlp": (lambda: mlp((256, 1024, 1024, 16)), 256)}
+CONFIG = {"max_batch_size": 8, "execution": {"intra_op_threads": 1, "inter_op_threads": 1}}
+SERVER_CORE, CLIENT_CORE = 1, 0
+Call = Callable[[Any], Awaitable[Any]]
+
+
+def request_for(api: str, model: str, features: int) -> Any:
+    x = np.random.default_rng(0).standard_normal((1, features), dtype=np.float32)
+    if api == "kserve":
+        request = kpb.ModelInferRequest(model_name=model)
+        request.inputs.add(name="INPUT0", datatype="FP32", shape=[1, features])
+        request.raw_input_contents.append(x.tobytes())
+        return request
+    tensor = tensor_pb2.Tensor(
+        name="INPUT0", datatype=tensor_pb2.DATA_TYPE_FP32, shape=[1, features], raw_data=x.tobytes()
+    )
+    return pb.InferRequest(model_name=model, inputs=[tensor])
+
+
+async def measure(
+    server: ServerProcess, call: Call, request: Any, concurrency: int, args: argparse.Namespace
+) -> dict[str, float]:
+    cpu: list[float] = []
+
+    async def sample() -> None:  # the server's CPU seconds at the measured window's edges
+        await asyncio.sleep(args.warmup)
+        cpu.append(server.cpu_seconds())
+        await asyncio.sleep(args.duration)
+        cpu.append(server.cpu_seconds())
+
+    sampler = asyncio.create_task(sample())
+    latencies, window = await drive(call, request, concurrency, args.warmup, args.duration)
+    await sampler
+    return {
+        "throughput": latencies.size / window,
+        "p50_us": float(np.percentile(latencies, 50) / 1e3),
+        "p99_us": float(np.percentile(latencies, 99) / 1e3),
+        # Less disturbed by other load on the machine than latency and throughput are.
+        "server_cpu_us_per_request": (cpu[1] - cpu[0]) / latencies.size * 1e6,
+    }
+
+
+async def run(args: argparse.Namespace) -> int:
+    pin = args.pin and (os.cpu_count() or 1) >= 2
+    prefix = ["taskset", "-c", str(SERVER_CORE)] if pin else []
+    if pin:
+        os.sched_setaffinity(0, {CLIENT_CORE})
+    rows: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory(prefix="bench-floor-") as tmp:
+        workdir = Path(tmp)
+        repository = workdir / "models"
+        for name in args.models:
+            write_model(repository, name, 1, MODELS[name][0](), CONFIG)
+        bare = ServerProcess(
+            "bare",
+            [*prefix, sys.executable, str(ROOT / "bench" / "bare_server.py"), str(repository)],
+            workdir,
+            re.compile(r"^(\d+)$", re.M),
+        )
+        service = ServerProcess(
+            "service",
+            [
+                *prefix,
+                *(
+                    sys.executable,
+                    "-m",
+                    "service",
+                    "--repository",
+                    str(repository),
+                    "--listen",
+                    "127.0.0.1:0",
+                ),
+                *("--metrics-listen", "127.0.0.1:0", "--grace-s", "1", *args.service_arg),
+            ],
+            workdir,
+            SERVICE_READY,
+        )
+        channels: list[grpc.aio.Channel] = []
+        try:
+            for server in (bare, service):
+                server.spawn()
+            await asyncio.gather(bare.wait_ready(), service.wait_ready())
+            calls: dict[tuple[str, str], Call] = {}
+            for server in (bare, service):
+                channel = grpc.aio.insecure_channel(f"127.0.0.1:{server.port}")
+                channels.append(channel)
+                calls[(server.name, "kserve")] = kgrpc.GRPCInferenceServiceStub(channel).ModelInfer
+                calls[(server.name, "v1")] = pb_grpc.InferenceServiceStub(channel).Infer
+            for round_ in range(args.repeats):
+                for model in args.models:
+                    for api in args.apis:
+                        request = request_for(api, model, MODELS[model][1])
+                        for index, c in enumerate(args.concurrency):
+                            order = (bare, service) if (round_ + index) % 2 == 0 else (service, bare)
+                            for server in order:
+                                result = await measure(server, calls[(server.name, api)], request, c, args)
+                                row = {"round": round_, "model": model, "api": api, "concurrency": c}
+                                rows.append({**row, "server": server.name, **result})
+                                print(
+                                    f"round {round_ + 1} {model:<4} {api:<6} c={c:<2} {server.name:<7} "
+                                    f"p50 {result['p50_us']:7.1f} us  {result['throughput']:7.0f} req/s  "
+                                    f"CPU {result['server_cpu_us_per_request']:6.1f} us/req",
+                                    file=sys.stderr,
+                                )
+            profiles = []
+            if args.profile:
+                request = request_for("kserve", "mlp", 256)
+                for server in (bare, service):
+                    profile = await profile_server(
+                        server,
+                        calls[(server.name, "kserve")],
+                        request,
+                        16,
+                        args.warmup,
+                        args.duration,
+                        500,
+                        workdir / f"profile_{server.name}.raw",
+                        blocking=False,
+                    )
+                    if profile is not None:
+                        profiles.append(profile)
+        except RequestFailed as exc:
+            print(f"a request failed: {exc}\n{service.log_tail()}", file=sys.stderr)
+            return 1
+        finally:
+            for channel in channels:
+                await channel.close(None)
+            for server in (service, bare):
+                server.stop()
+    summary = summarize(rows, args)
+    print(f"\nserver pinned to core {SERVER_CORE}, client to core {CLIENT_CORE}" if pin else "\nnot pinned")
+    print(
+        f"{'model':<5} {'api':<7} {'p50 c=1 service/bare':>22} {'throughput c=16 service/bare':>30} "
+        f"{'CPU/request c=16 service/bare':>31}"
+    )
+    for key, value in summary.items():
+        model, api = key.split("/")
+        print(
+            f"{model:<5} {api:<7} {value.get('p50_c1', float('nan')):>22.2f} "
+            f"{value.get('tput_c16', float('nan')):>30.2f} "
+            f"{value.get('cpu_per_request_c16', float('nan')):>31.2f}"
+        )
+    if args.profile:
+        print_profiles(profiles, 15)
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    args.output.write_text(json.dumps({"pinned": pin, "summary": summary, "rows": rows}, indent=2))
+    return 0
+
+
+def summarize(rows: list[dict[str, Any]], args: argparse.Namespace) -> dict[str, dict[str, float]]:
+    """Median over rounds of the paired service/bare ratios."""
+    by: dict[tuple[Any, ...], dict[str, float]] = {}
+    for row in rows:
+        key = (row["model"], row["api"], row["concurrency"], row["round"])
+        by.setdefault(key, {})[row["server"]] = (
+            row["p50_us"] if row["concurrency"] == 1 else row["throughput"]
+        )
+        cpu_key = (row["model"], row["api"], -row["concurrency"], row["round"])
+        by.setdefault(cpu_key, {})[row["server"]] = row["server_cpu_us_per_request"]
+    summary: dict[str, dict[str, float]] = {}
+    for model in args.models:
+        for api in args.apis:
+            entry: dict[str, float] = {}
+            for c, name in ((1, "p50_c1"), (16, "tput_c16"), (-16, "cpu_per_request_c16")):
+                ratios = [
+                    v["service"] / v["bare"]
+                    for (m, a, cc, _), v in by.items()
+                    if (m, a, cc) == (model, api, c) and len(v) == 2
+                ]
+                if ratios:
+                    entry[name] = round(statistics.median(ratios), 3)
+            summary[f"{model}/{api}"] = entry
+    return summary
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    def names(text: str) -> list[str]:
+        return [part for part in text.split(",") if part]
+
+    parser = argparse.ArgumentParser(prog="bench.floor", description=__doc__.split("\n")[0])
+    parser.add_argument("--models", type=names, default=["tiny", "mlp"])
+    parser.add_argument("--apis", type=names, default=["kserve", "v1"])
+    parser.add_argument("--concurrency", type=lambda t: [int(v) for v in names(t)], default=[1, 16])
+    parser.add_argument("--warmup", type=float, default=1.0)
+    parser.add_argument("--duration", type=float, default=4.0)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--no-pin", dest="pin", action="store_false", help="do not pin server and client")
+    parser.add_argument("--profile", action="store_true", help="py-spy both servers on the MLP at c=16")
+    parser.add_argument("--service-arg", action="append", default=[], help="an extra flag for the service")
+    parser.add_argument("--output", type=Path, default=DEFAULT_OUTPUT)
+    return parser.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    return asyncio.run(run(parse_args(argv)))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,62 @@
+"""modelyard.flat.v1.Inference/Infer: Infer with FlatBuffers messages (modelyard.flat), for large
+tensors. Inputs reach the model as numpy views of the request's bytes; the same data plane, checks,
+metrics and statistics as our protobuf Infer."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import grpc
+from modelyard import flat
+from modelyard.tensors import TensorError, name_of
+
+from service.api.errors import Context, serving
+from service.api.metadata import call_fields
+from service.api.scheduling import scheduling
+from service.dataplane import DataPlane
+from service.intake import TensorHeader
+from service.metrics import ServiceMetrics
+
+
+def _identity(data: bytes) -> bytes:
+    return data
+
+
+class FlatInferenceServicer:
+    def __init__(self, dataplane: DataPlane, metrics: ServiceMetrics) -> None:
+        self._dataplane = dataplane
+        self._metrics = metrics
+
+    def handlers(self) -> dict[str, Any]:
+        """For add_registered_method_handlers(flat.SERVICE, ...): bytes in, bytes out."""
+        return {
+            flat.METHOD_NAME: grpc.unary_unary_rpc_method_handler(
+                self.Infer, request_deserializer=_identity, response_serializer=_identity
+            )
+        }
+
+    async def Infer(self, request: bytes, context: Context) -> bytes:
+        failure: TensorError | None = None
+        try:
+            decoded = flat.decode_request(request)
+        except TensorError as exc:
+            decoded, failure = None, exc
+        async with serving(
+            context, self._metrics, "InferFlat", decoded.model_name if decoded else ""
+        ) as call:
+            if decoded is None:
+                assert failure is not None
+                raise failure
+            version, _, priority = call_fields(context, decoded.model_version, "", 0)
+            headers = [
+                TensorHeader(name, name_of(array.dtype), array.shape, array.nbytes, False)
+                for name, array in decoded.tensors.items()
+            ]
+            inputs = await self._dataplane.decode(
+                decoded.model_name, version, headers, lambda: decoded.tensors
+            )
+            result = await self._dataplane.infer(
+                decoded.model_name, version, inputs, decoded.output_names, scheduling(context, priority)
+            )
+            await call.answered(str(result.version))
+            return flat.encode_response(result.model, str(result.version), result.outputs)

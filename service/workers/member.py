@@ -1,0 +1,193 @@
+"""The worker's side: its place among the workers (from the supervisor's environment), model
+control and reads fanned out through the supervisor, its scrape on its unix socket, and its
+whole-service health following the supervisor's."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import logging
+import os
+import signal
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from modelyard.common import health as health_names
+from prometheus_client import CollectorRegistry, generate_latest
+
+from service.api.errors import Context
+from service.workers import protocol
+from service.workers.merge import FANNED
+
+log = logging.getLogger(__name__)
+
+SERVING = health_pb2.HealthCheckResponse.SERVING
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+Handler = Any  # grpc.RpcMethodHandler: grpc's stubs describe the sync API
+SetHealth = Callable[[str, "health_pb2.HealthCheckResponse.ServingStatus.ValueType"], Awaitable[None]]
+
+# Reconnect quickly to a unix socket that is not there yet, or again.
+CHANNEL_OPTIONS = [
+    ("grpc.initial_reconnect_backoff_ms", 50),
+    ("grpc.min_reconnect_backoff_ms", 50),
+    ("grpc.max_reconnect_backoff_ms", 500),
+]
+
+
+@dataclass(frozen=True)
+class WorkerRole:
+    index: int
+    folder: protocol.ControlFolder
+    count: int = 1  # workers in all
+
+    @classmethod
+    def from_environment(cls, environ: Mapping[str, str] | None = None) -> WorkerRole | None:
+        environ = os.environ if environ is None else environ
+        if protocol.ENV_CONTROL not in environ:
+            return None
+        return cls(
+            int(environ[protocol.ENV_INDEX]),
+            protocol.ControlFolder(Path(environ[protocol.ENV_CONTROL])),
+            int(environ.get(protocol.ENV_COUNT, "1")),
+        )
+
+
+def die_with_parent() -> None:
+    """SIGTERM this process when the supervisor dies (Linux), so that no worker outlives it."""
+    with contextlib.suppress(OSError, AttributeError):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    if os.getppid() == 1:  # the parent was already gone
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
+class FanOutRegistrar:
+    """Stands in for the server in the generated add_*Servicer_to_server functions: the methods in
+    merge.FANNED are answered by every worker through the supervisor; the rest go on unchanged
+    to `inner` (the size-limited server)."""
+
+    def __init__(self, inner: Any, link: WorkerLink) -> None:
+        self._inner = inner
+        self._link = link
+
+    def add_generic_rpc_handlers(self, handlers: Any) -> None:
+        self._inner.add_generic_rpc_handlers(handlers)
+
+    def add_registered_method_handlers(self, service: str, handlers: Mapping[str, Handler]) -> None:
+        if service == "modelyard.inference.v1.ModelService":
+            handlers = {**handlers, "WatchModels": self._link.watch_handler()}
+        replaced = {
+            name: self._link.fanned_handler(f"/{service}/{name}")
+            if f"/{service}/{name}" in FANNED
+            else handler
+            for name, handler in handlers.items()
+        }
+        self._inner.add_registered_method_handlers(service, replaced)
+
+
+def _identity(data: bytes) -> bytes:
+    return data
+
+
+def metrics_handler(registry: CollectorRegistry) -> grpc.GenericRpcHandler[Any, Any]:
+    """The worker's scrape, read by the supervisor (which serves the sum of all workers)."""
+
+    async def scrape(request: bytes, context: Context) -> bytes:
+        return generate_latest(registry)
+
+    service, method = protocol.METRICS.strip("/").split("/")
+    return grpc.method_handlers_generic_handler(
+        service, {method: grpc.unary_unary_rpc_method_handler(scrape)}
+    )
+
+
+class WorkerLink:
+    """This worker's channel to the supervisor."""
+
+    def __init__(self, role: WorkerRole) -> None:
+        self.role = role
+        self._channel: grpc.aio.Channel | None = None
+        self._following: asyncio.Task[None] | None = None
+
+    @property
+    def channel(self) -> grpc.aio.Channel:
+        if self._channel is None:  # made on the event loop that serves
+            self._channel = grpc.aio.insecure_channel(self.role.folder.coordinator, options=CHANNEL_OPTIONS)
+        return self._channel
+
+    def fanned_handler(self, method: str) -> Handler:
+        fanned = FANNED[method]
+        broadcast = None
+
+        async def forward(request: bytes, context: Context) -> bytes:
+            nonlocal broadcast
+            if broadcast is None:
+                broadcast = self.channel.unary_unary(protocol.BROADCAST, None, None)
+            metadata = [(protocol.METHOD_KEY, method)]
+            if fanned.changes:
+                model = getattr(fanned.request.FromString(request), fanned.changes)
+                metadata.append((protocol.CHANGE_KEY, model))
+            try:
+                answers = await broadcast(request, metadata=metadata, timeout=context.time_remaining())
+            except grpc.aio.AioRpcError as exc:
+                reason = protocol.error_reason(exc)
+                if reason:
+                    context.set_trailing_metadata(reason)
+                await context.abort(exc.code(), exc.details() or "")
+            return fanned.merge(protocol.unpack(answers))
+
+        return grpc.unary_unary_rpc_method_handler(
+            forward, request_deserializer=_identity, response_serializer=_identity
+        )
+
+    def watch_handler(self) -> Handler:
+        """WatchModels answered by the supervisor's merged watch (the same from every worker)."""
+
+        async def forward(request: bytes, context: Context) -> AsyncIterator[bytes]:
+            stream = self.channel.unary_stream(protocol.WATCH, None, None)(request)
+            try:
+                async for event in stream:
+                    yield event
+            except grpc.aio.AioRpcError as exc:
+                await context.abort(exc.code(), exc.details() or "")
+
+        return grpc.unary_stream_rpc_method_handler(
+            forward, request_deserializer=_identity, response_serializer=_identity
+        )
+
+    async def wait_admitted(self) -> None:
+        """Until the supervisor lets this worker take traffic (it replayed model control to it)."""
+        stub = health_pb2_grpc.HealthStub(self.channel)
+        request = health_pb2.HealthCheckRequest(service=protocol.admitted(self.role.index))
+        async for reply in stub.Watch(request, wait_for_ready=True):
+            if reply.status == SERVING:
+                return
+        raise RuntimeError("the supervisor ended the admission watch")
+
+    def follow(self, set_health: SetHealth) -> None:
+        """Report the whole service's health (every worker serving) as this worker's own."""
+        self._following = asyncio.get_running_loop().create_task(self._follow(set_health))
+
+    async def _follow(self, set_health: SetHealth) -> None:
+        stub = health_pb2_grpc.HealthStub(self.channel)
+        request = health_pb2.HealthCheckRequest(service=health_names.SERVER)
+        while True:
+            try:
+                async for reply in stub.Watch(request, wait_for_ready=True):
+                    await set_health(health_names.SERVER, SERVING if reply.status == SERVING else NOT_SERVING)
+            except grpc.aio.AioRpcError:
+                pass
+            await set_health(health_names.SERVER, NOT_SERVING)  # the supervisor is unreachable
+            await asyncio.sleep(0.1)
+
+    async def close(self) -> None:
+        if self._following is not None:
+            self._following.cancel()
+            await asyncio.gather(self._following, return_exceptions=True)
+        if self._channel is not None:
+            await self._channel.close(None)

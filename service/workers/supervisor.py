@@ -1,0 +1,407 @@
+"""The parent of the worker processes: it holds the port (so that a taken port fails loudly and
+only our workers share it), starts N workers, restarts one that dies (with backoff, logged and
+counted), fans model control out to every worker (and replays it to a worker that joins later),
+joins their health, serves one /metrics that sums them, and drains them all on SIGTERM.
+
+It imports no model runtime: it speaks to the workers over gRPC on unix sockets."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import shutil
+import signal
+import socket
+import sys
+import tempfile
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from modelyard.common import health as health_names
+from modelyard.common.metrics_http import MetricsServer
+from modelyard.common.settings import split_address
+from modelyard.common.tls import TlsFiles
+from modelyard.inference.v1 import model_service_pb2 as model_pb
+from prometheus_client import CollectorRegistry, Counter, Gauge
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.parser import text_string_to_metric_families
+
+from service.config import ENV_PREFIX, Settings
+from service.workers import protocol
+from service.workers.member import CHANNEL_OPTIONS
+from service.workers.metrics_sum import sum_scrapes
+from service.workers.watch import MergedWatch
+
+log = logging.getLogger(__name__)
+
+SERVING = health_pb2.HealthCheckResponse.SERVING
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+BACKOFF_FIRST_S = 0.5
+BACKOFF_MAX_S = 30.0
+STEADY_S = 30.0  # a worker that ran this long before dying restarts after the first backoff again
+SCRAPE_TIMEOUT_S = 5.0
+
+
+class WorkerFailed(RuntimeError):
+    """A worker exited before it ever served: the service could not start."""
+
+
+@dataclass
+class Slot:
+    index: int
+    proc: asyncio.subprocess.Process | None = None
+    channel: grpc.aio.Channel | None = None
+    admitted: bool = False
+    ever_admitted: bool = False
+    scrape_channel: grpc.Channel | None = None  # sync: scrapes run on the HTTP thread
+    restarts: int = 0
+    watching: asyncio.Task[None] | None = None  # its WatchModels, followed for the merged watch
+
+
+@dataclass
+class Supervisor:
+    settings: Settings
+    count: int
+    folder: protocol.ControlFolder = field(init=False)
+    port: int = 0
+    _slots: list[Slot] = field(default_factory=list)
+    _tasks: list[asyncio.Task[None]] = field(default_factory=list)
+    _reserved: socket.socket | None = None
+    _coordinator: grpc.aio.Server | None = None
+    _health: Any = None
+    _metrics_server: MetricsServer | None = None
+    _stopping: asyncio.Event = field(default_factory=asyncio.Event)
+    _all_admitted: asyncio.Event = field(default_factory=asyncio.Event)
+    _failed: asyncio.Future[None] | None = None
+    # Model control applied to every worker, last call per model, replayed to a worker that joins.
+    _changes: dict[str, tuple[str, bytes]] = field(default_factory=dict)
+    _control: asyncio.Lock = field(default_factory=asyncio.Lock)
+    _watch: MergedWatch = field(default_factory=MergedWatch)
+
+    @property
+    def address(self) -> str:
+        host = split_address(self.settings.listen)[0]
+        return f"[{host}]:{self.port}" if ":" in host else f"{host}:{self.port}"
+
+    async def start(self) -> None:
+        self.folder = protocol.ControlFolder(Path(tempfile.mkdtemp(prefix="modelyard-workers-")))
+        self._reserved = reserve_port(self.settings.listen)
+        self.port = self._reserved.getsockname()[1]
+        self._failed = asyncio.get_running_loop().create_future()
+        self._health = health.aio.HealthServicer()  # type: ignore[attr-defined]
+        await self._health.set(health_names.SERVER, NOT_SERVING)
+        self._coordinator = grpc.aio.server()
+        health_pb2_grpc.add_HealthServicer_to_server(self._health, self._coordinator)
+        service, method = protocol.BROADCAST.strip("/").split("/")
+        _, watch = protocol.WATCH.strip("/").split("/")
+        handlers = {
+            method: grpc.unary_unary_rpc_method_handler(self._broadcast),
+            watch: grpc.unary_stream_rpc_method_handler(
+                self._watch_models,
+                request_deserializer=model_pb.WatchModelsRequest.FromString,
+                response_serializer=model_pb.WatchModelsResponse.SerializeToString,
+            ),
+        }
+        self._coordinator.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service, handlers),))
+        self._coordinator.add_insecure_port(self.folder.coordinator)
+        await self._coordinator.start()
+        registry = CollectorRegistry()
+        self.restarts = Counter(
+            "modelyard_worker_restarts",
+            "Worker processes restarted after they died.",
+            ["worker"],
+            registry=registry,
+        )
+        self.serving = Gauge(
+            "modelyard_workers_serving", "Worker processes taking traffic.", registry=registry
+        )
+        registry.register(_Scrapes(self))
+        if self.settings.metrics_listen:
+            tls = TlsFiles.from_settings(
+                self.settings.tls_cert, self.settings.tls_key, self.settings.tls_client_ca
+            )
+            self._metrics_server = MetricsServer(
+                registry, *split_address(self.settings.metrics_listen), tls=tls
+            )
+        self._slots = [Slot(i) for i in range(self.count)]
+        loop = asyncio.get_running_loop()
+        self._tasks = [loop.create_task(self._supervise(slot)) for slot in self._slots]
+        ready = loop.create_task(self._all_admitted.wait())
+        started: list[asyncio.Future[Any]] = [ready, self._failed]
+        await asyncio.wait(started, return_when=asyncio.FIRST_COMPLETED)
+        ready.cancel()
+        if self._failed.done():
+            self._failed.result()
+        models = await self._ready_models()
+        log.info(
+            "serving gRPC on %s%s; models ready: %s; workers: %d",
+            self.address,
+            f", metrics on http://{self.metrics_address}/metrics" if self._metrics_server else "",
+            ", ".join(models) or "none",
+            self.count,
+        )
+
+    @property
+    def metrics_address(self) -> str:
+        assert self._metrics_server is not None
+        return f"{split_address(self.settings.metrics_listen)[0]}:{self._metrics_server.port}"
+
+    async def stop(self) -> None:
+        """Every worker drains (SIGTERM: its own graceful shutdown); one that outlives the grace
+        period and a margin is killed."""
+        self._stopping.set()
+        if self._health is not None:
+            await self._health.enter_graceful_shutdown()
+        for slot in self._slots:
+            if slot.proc is not None and slot.proc.returncode is None:
+                slot.proc.send_signal(signal.SIGTERM)
+        if self._tasks:
+            _, late = await asyncio.wait(self._tasks, timeout=self.settings.grace_s + 15)
+            for slot in self._slots:
+                if late and slot.proc is not None and slot.proc.returncode is None:
+                    log.error("worker %d did not stop in time: killed", slot.index)
+                    slot.proc.kill()
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._coordinator is not None:
+            await self._coordinator.stop(0)
+        if self._metrics_server is not None:
+            self._metrics_server.stop()
+        if self._reserved is not None:
+            self._reserved.close()
+        with contextlib.suppress(AttributeError):
+            shutil.rmtree(self.folder.path, ignore_errors=True)
+
+    # -- workers ---------------------------------------------------------------------------
+
+    async def _supervise(self, slot: Slot) -> None:
+        loop = asyncio.get_running_loop()
+        delay = BACKOFF_FIRST_S
+        while not self._stopping.is_set():
+            started = loop.time()
+            slot.proc = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "service", env=self._environment(slot.index)
+            )
+            log.info("worker %d started (pid %d)", slot.index, slot.proc.pid)
+            joining = loop.create_task(self._join(slot))
+            code = await slot.proc.wait()
+            joining.cancel()
+            await asyncio.gather(joining, return_exceptions=True)
+            await self._leave(slot)
+            if self._stopping.is_set():
+                log.info("worker %d stopped (exit code %d)", slot.index, code)
+                return
+            if not slot.ever_admitted and self._failed is not None and not self._all_admitted.is_set():
+                if not self._failed.done():
+                    self._failed.set_exception(
+                        WorkerFailed(f"worker {slot.index} exited with code {code} before it served")
+                    )
+                return
+            if loop.time() - started > STEADY_S:
+                delay = BACKOFF_FIRST_S
+            slot.restarts += 1
+            self.restarts.labels(str(slot.index)).inc()
+            log.warning(
+                "worker %d (pid %d) exited with code %d; restarting it in %.1f s (restart %d)",
+                slot.index,
+                slot.proc.pid,
+                code,
+                delay,
+                slot.restarts,
+            )
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._stopping.wait(), delay)
+            delay = min(delay * 2, BACKOFF_MAX_S)
+
+    def _environment(self, index: int) -> dict[str, str]:
+        env = {k: v for k, v in os.environ.items() if not k.startswith(ENV_PREFIX)}
+        for item in fields(Settings):
+            env[ENV_PREFIX + item.name.upper()] = _env_text(getattr(self.settings, item.name))
+        env[ENV_PREFIX + "WORKERS"] = "1"
+        env[ENV_PREFIX + "LISTEN"] = self.address
+        env[ENV_PREFIX + "METRICS_LISTEN"] = ""  # the supervisor serves the sum
+        env[protocol.ENV_CONTROL] = str(self.folder.path)
+        env[protocol.ENV_INDEX] = str(index)
+        env[protocol.ENV_COUNT] = str(self.count)
+        return env
+
+    async def _join(self, slot: Slot) -> None:
+        """Once the worker has loaded its repository: replay model control to it, then admit it
+        (it opens the shared port then). Follow its readiness from then on."""
+        slot.channel = grpc.aio.insecure_channel(self.folder.worker(slot.index), options=CHANNEL_OPTIONS)
+        stub = health_pb2_grpc.HealthStub(slot.channel)
+        request = health_pb2.HealthCheckRequest(service=protocol.LOCAL)
+        async for reply in stub.Watch(request, wait_for_ready=True):
+            if reply.status == SERVING and not slot.admitted:
+                async with self._control:
+                    await self._replay(slot)
+                    slot.watching = await self._watch.join(slot.index, slot.channel)
+                    slot.admitted = slot.ever_admitted = True
+                await self._health.set(protocol.admitted(slot.index), SERVING)
+                log.info("worker %d admitted", slot.index)
+            elif reply.status != SERVING and slot.admitted:
+                slot.admitted = False
+            await self._update_health()
+
+    async def _leave(self, slot: Slot) -> None:
+        slot.admitted = False
+        if slot.watching is not None:
+            slot.watching.cancel()
+            await asyncio.gather(slot.watching, return_exceptions=True)
+            slot.watching = None
+        self._watch.leave(slot.index)
+        await self._health.set(protocol.admitted(slot.index), NOT_SERVING)
+        await self._update_health()
+        if slot.channel is not None:
+            await slot.channel.close(None)
+            slot.channel = None
+        if slot.scrape_channel is not None:
+            slot.scrape_channel.close()
+            slot.scrape_channel = None
+
+    async def _update_health(self) -> None:
+        admitted = sum(slot.admitted for slot in self._slots)
+        self.serving.set(admitted)
+        if admitted == self.count:
+            self._all_admitted.set()
+        if not self._stopping.is_set():
+            await self._health.set(health_names.SERVER, SERVING if admitted == self.count else NOT_SERVING)
+
+    async def _replay(self, slot: Slot) -> None:
+        assert slot.channel is not None
+        for model, (method, request) in self._changes.items():
+            try:
+                await slot.channel.unary_unary(method, None, None)(request)
+            except grpc.aio.AioRpcError as exc:
+                log.warning(
+                    "worker %d: replaying %s for %s failed: %s", slot.index, method, model, exc.details()
+                )
+
+    # -- fan-out ---------------------------------------------------------------------------
+
+    async def _broadcast(self, request: bytes, context: grpc.aio.ServicerContext[Any, Any]) -> bytes:
+        metadata = {key: str(value) for key, value in context.invocation_metadata() or ()}
+        method = metadata[protocol.METHOD_KEY]
+        model = metadata.get(protocol.CHANGE_KEY)
+        if model is None:
+            return protocol.pack(await self._call_all(method, request, context))
+        async with self._control:  # one change at a time, and none while a worker joins
+            answers = await self._call_all(method, request, context)
+            self._changes.pop(model, None)
+            self._changes[model] = (method, request)
+        return protocol.pack(answers)
+
+    async def _call_all(
+        self, method: str, request: bytes, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> list[bytes]:
+        targets = [slot for slot in self._slots if slot.admitted and slot.channel is not None]
+        if not targets:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "no worker is serving")
+        timeout = context.time_remaining()
+        results = await asyncio.gather(
+            *(slot.channel.unary_unary(method, None, None)(request, timeout=timeout) for slot in targets),  # type: ignore[union-attr]
+            return_exceptions=True,
+        )
+        answers: list[bytes] = []
+        for slot, result in zip(targets, results, strict=True):
+            if isinstance(result, grpc.aio.AioRpcError):
+                reason = protocol.error_reason(result)
+                await context.abort(
+                    result.code(), f"worker {slot.index}: {result.details()}", trailing_metadata=reason
+                )
+            if isinstance(result, BaseException):
+                raise result
+            answers.append(result)
+        return answers
+
+    async def _watch_models(
+        self, request: model_pb.WatchModelsRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> AsyncIterator[model_pb.WatchModelsResponse]:
+        try:
+            async for event in self._watch.stream(request):
+                yield event
+        except OverflowError as exc:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+
+    async def _ready_models(self) -> list[str]:
+        slot = self._slots[0]
+        if slot.channel is None:
+            return []
+        answer = await slot.channel.unary_unary(
+            "/modelyard.inference.v1.ModelService/ListModels", None, None
+        )(model_pb.ListModelsRequest().SerializeToString())
+        models = model_pb.ListModelsResponse.FromString(answer).models
+        return [m.name for m in models if m.default_version]
+
+    # -- metrics ---------------------------------------------------------------------------
+
+    def scrapes(self) -> Iterator[tuple[int, str]]:
+        """Each live worker's scrape (on the HTTP thread); a worker that does not answer is left out."""
+        for slot in list(self._slots):
+            if not slot.admitted:
+                continue
+            if slot.scrape_channel is None:
+                slot.scrape_channel = grpc.insecure_channel(self.folder.worker(slot.index))
+            try:
+                text = slot.scrape_channel.unary_unary(protocol.METRICS, None, None)(
+                    b"", timeout=SCRAPE_TIMEOUT_S
+                )
+            except grpc.RpcError as exc:
+                log.warning("worker %d did not give its metrics: %s", slot.index, exc)
+                continue
+            yield slot.index, text.decode()
+
+
+class _Scrapes:
+    """The workers' series, summed, and each worker's request count (to see the spread)."""
+
+    def __init__(self, supervisor: Supervisor) -> None:
+        self._supervisor = supervisor
+
+    def collect(self) -> Iterator[Metric]:
+        texts = list(self._supervisor.scrapes())
+        yield from sum_scrapes(text for _, text in texts)
+        per_worker = GaugeMetricFamily(
+            "modelyard_worker_requests",
+            "Requests answered by each worker process since it started.",
+            labels=["worker"],
+        )
+        for index, text in texts:
+            total = sum(
+                sample.value
+                for family in text_string_to_metric_families(text)
+                if family.name == "modelyard_requests"
+                for sample in family.samples
+                if sample.name == "modelyard_requests_total"
+            )
+            per_worker.add_metric([str(index)], total)
+        yield per_worker
+
+
+def reserve_port(listen: str) -> socket.socket:
+    """Bind (not listen on) the gRPC address with SO_REUSEPORT: a port another program holds fails
+    here, loudly, and while this socket is open only processes of this user that also ask for
+    SO_REUSEPORT (our workers) can bind it. Port 0 picks the port the workers then share."""
+    host, port = split_address(listen)
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        sock.bind((host or "0.0.0.0", port))
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+def _env_text(value: object) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, tuple):
+        return ",".join(str(v) for v in value)
+    return str(value)

@@ -1,0 +1,343 @@
+"""Worker processes (`--workers N`): one service to the outside. Requests spread over workers and
+one scrape sums them; explicit model control reaches every worker; a killed worker is restarted
+while the others serve on; a version swap under load fails no request; shared-memory regions
+registered through one worker serve on any."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+from collections import Counter
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from multiprocessing import shared_memory
+from pathlib import Path
+from urllib.request import urlopen
+
+import grpc
+import numpy as np
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from modelyard.inference.v1 import inference_service_pb2 as pb
+from modelyard.inference.v1 import inference_service_pb2_grpc as pb_grpc
+from modelyard.inference.v1 import model_service_pb2 as model_pb
+from modelyard.inference.v1 import model_service_pb2_grpc as model_grpc
+from modelyard.kserve.v2 import grpc_service_pb2 as kpb
+from modelyard.kserve.v2 import grpc_service_pb2_grpc as kgrpc
+from modelyard.tensors import to_tensor
+
+from models import demo_models
+from tests.support import REPO_ROOT, ServiceProcess, eventually, metric
+
+CHANNELS = 16  # connections; SO_REUSEPORT spreads them by hash: all on one of 2 workers is 2**-15
+SERVING = health_pb2.HealthCheckResponse.SERVING
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+X = np.ones((1, 4), np.float32)
+
+
+@pytest.fixture
+def small_repository(tmp_path: Path) -> Path:
+    root = tmp_path / "models"
+    demo_models.write_model(root, "double", 1, demo_models.scaled_identity(4, 2.0), {"max_batch_size": 8})
+    return root
+
+
+def infer_request(model: str = "double") -> pb.InferRequest:
+    return pb.InferRequest(model_name=model, inputs=[to_tensor("INPUT0", X)])
+
+
+@asynccontextmanager
+async def connections(address: str, count: int = CHANNELS) -> AsyncIterator[list[grpc.aio.Channel]]:
+    # A local subchannel pool: each channel its own TCP connection, so the kernel spreads them.
+    channels = [
+        grpc.aio.insecure_channel(address, options=[("grpc.use_local_subchannel_pool", 1)])
+        for _ in range(count)
+    ]
+    try:
+        yield channels
+    finally:
+        await asyncio.gather(*(c.close(None) for c in channels))
+
+
+async def served_by(channel: grpc.aio.Channel, model: str = "double") -> str:
+    call = pb_grpc.InferenceServiceStub(channel).Infer(infer_request(model))
+    metadata = dict(await call.initial_metadata())
+    await call
+    return str(metadata["x-served-by"])
+
+
+async def by_worker(channels: list[grpc.aio.Channel]) -> dict[str, list[grpc.aio.Channel]]:
+    workers: dict[str, list[grpc.aio.Channel]] = {}
+    for channel in channels:
+        workers.setdefault(await served_by(channel), []).append(channel)
+    return workers
+
+
+def scrape(process: ServiceProcess) -> str:
+    assert process.metrics_url is not None
+    with urlopen(process.metrics_url, timeout=10) as reply:
+        return str(reply.read().decode())
+
+
+def pids(process: ServiceProcess) -> dict[int, int]:
+    """Worker index -> pid of its latest start, from the supervisor's log."""
+    found: dict[int, int] = {}
+    for line in list(process.log):
+        if m := re.search(r"worker (\d+) started \(pid (\d+)\)", line):
+            found[int(m.group(1))] = int(m.group(2))
+    return found
+
+
+async def test_requests_spread_over_workers_and_one_scrape_sums_them(
+    service_process, small_repository: Path
+) -> None:
+    process = service_process(small_repository, "--workers", "2")
+    async with connections(process.address) as channels:
+        seen = Counter[str]()
+        for _ in range(3):
+            for channel in channels:
+                seen[await served_by(channel)] += 1
+        assert set(seen) == {"worker-0", "worker-1"}, seen
+        # KServe statistics sum the workers too, whichever worker answers.
+        for channel in channels[:2]:
+            stats = await kgrpc.GRPCInferenceServiceStub(channel).ModelStatistics(
+                kpb.ModelStatisticsRequest(name="double")
+            )
+            assert [s.inference_count for s in stats.model_stats] == [3 * CHANNELS]
+        text = scrape(process)
+    # One scrape: the workers' request series summed, and each worker's own count beside them.
+    assert metric(
+        text, "modelyard_requests_total", method="Infer", model="double", version="1", code="OK"
+    ) == (3 * CHANNELS)
+    for worker, count in seen.items():
+        index = worker.removeprefix("worker-")
+        assert (metric(text, "modelyard_worker_requests", worker=index) or 0) >= count
+    assert metric(text, "modelyard_workers_serving") == 2
+    # Summed, not counted twice: a state gauge reads as on any one worker.
+    assert metric(text, "modelyard_model_versions_ready", model="double") == 1
+
+
+async def test_explicit_load_and_unload_reach_every_worker(service_process, small_repository: Path) -> None:
+    process = service_process(small_repository, "--workers", "2", "--control-mode", "explicit")
+    async with connections(process.address) as channels:
+        workers = await by_worker(channels)
+        assert len(workers) == 2
+        control = model_grpc.ModelServiceStub(channels[0])
+        unloaded = await control.UnloadModel(model_pb.UnloadModelRequest(name="double"))
+        assert [v.state for v in unloaded.model.versions] == [model_pb.MODEL_STATE_UNLOADED]
+        # Already applied on every worker when the call returned: no waiting.
+        for channel in channels:
+            with pytest.raises(grpc.aio.AioRpcError) as failed:
+                await pb_grpc.InferenceServiceStub(channel).Infer(infer_request())
+            assert failed.value.code() in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.UNAVAILABLE)
+        loaded = await model_grpc.ModelServiceStub(channels[-1]).LoadModel(
+            model_pb.LoadModelRequest(name="double")
+        )
+        assert [v.state for v in loaded.model.versions] == [model_pb.MODEL_STATE_READY]
+        for channel in channels:
+            await pb_grpc.InferenceServiceStub(channel).Infer(infer_request())
+        # A failure names the worker and fails the call as a whole.
+        with pytest.raises(grpc.aio.AioRpcError) as failed:
+            await control.LoadModel(model_pb.LoadModelRequest(name="nope"))
+        assert failed.value.code() == grpc.StatusCode.NOT_FOUND
+        assert re.match(r"worker \d: ", failed.value.details() or "")
+        # Every worker answers the same for the model.
+        answers = {
+            (await model_grpc.ModelServiceStub(c).GetModel(model_pb.GetModelRequest(name="double")))
+            .model.versions[0]
+            .state
+            for c in channels
+        }
+        assert answers == {model_pb.MODEL_STATE_READY}
+
+
+async def test_model_control_through_workers_needs_a_credential(
+    service_process, small_repository: Path, tmp_path: Path
+) -> None:
+    tokens = tmp_path / "tokens"
+    tokens.write_text("s3cret\n")
+    process = service_process(
+        small_repository, "--workers", "2", "--control-mode", "explicit", "--auth-tokens-file", str(tokens)
+    )
+    async with connections(process.address, 4) as channels:
+        control = model_grpc.ModelServiceStub(channels[0])
+        with pytest.raises(grpc.aio.AioRpcError) as denied:
+            await control.UnloadModel(model_pb.UnloadModelRequest(name="double"))
+        assert denied.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        for channel in channels:  # the refused call changed nothing on any worker
+            await pb_grpc.InferenceServiceStub(channel).Infer(infer_request())
+        await control.UnloadModel(
+            model_pb.UnloadModelRequest(name="double"), metadata=[("authorization", "Bearer s3cret")]
+        )
+        for channel in channels:
+            with pytest.raises(grpc.aio.AioRpcError):
+                await pb_grpc.InferenceServiceStub(channel).Infer(infer_request())
+
+
+async def test_a_killed_worker_restarts_while_the_others_serve(
+    service_process, small_repository: Path
+) -> None:
+    process = service_process(small_repository, "--workers", "2")
+    async with connections(process.address) as channels:
+        workers = await by_worker(channels)
+        assert set(workers) == {"worker-0", "worker-1"}
+        survivors = workers["worker-1"]
+        failures: list[BaseException] = []
+        answered = 0
+        stop = asyncio.Event()
+
+        async def load(channel: grpc.aio.Channel) -> None:
+            nonlocal answered
+            stub = pb_grpc.InferenceServiceStub(channel)
+            while not stop.is_set():
+                try:
+                    await stub.Infer(infer_request())
+                    answered += 1
+                except grpc.aio.AioRpcError as exc:
+                    failures.append(exc)
+
+        statuses: list[int] = []
+
+        async def watch_health() -> None:
+            async for reply in health_pb2_grpc.HealthStub(survivors[0]).Watch(
+                health_pb2.HealthCheckRequest()
+            ):
+                statuses.append(reply.status)
+
+        watching = asyncio.ensure_future(watch_health())
+        await eventually(lambda: statuses == [SERVING], "the whole service serving")
+        tasks = [asyncio.ensure_future(load(c)) for c in survivors]
+        victim = pids(process)[0]
+        os.kill(victim, signal.SIGKILL)
+        await eventually(lambda: pids(process).get(0, victim) != victim, "worker 0 restarted")
+        await eventually(
+            lambda: sum("worker 0 admitted" in line for line in process.log) == 2, "worker 0 admitted again"
+        )
+        before = answered
+        await eventually(lambda: answered > before + 10, "requests after the restart")
+        stop.set()
+        await asyncio.gather(*tasks)
+        assert failures == []  # not one request failed on the surviving worker's connections
+        assert any("worker 0 (pid" in line and "restarting it in" in line for line in process.log)
+        assert metric(scrape(process), "modelyard_worker_restarts_total", worker="0") == 1
+        # A survivor said NOT_SERVING while a worker was missing, and SERVING once all were back.
+        await eventually(lambda: statuses[-1] == SERVING and NOT_SERVING in statuses, "health back")
+        watching.cancel()
+    assert process.stop() == 0  # SIGTERM: every worker drains, the supervisor exits cleanly
+    assert sum("stopped (exit code 0)" in line for line in process.log) == 2
+
+
+async def test_a_version_swap_under_load_fails_no_request(service_process, small_repository: Path) -> None:
+    process = service_process(small_repository, "--workers", "2", "--watch-quiet-s", "0.1")
+    async with connections(process.address) as channels:
+        workers = await by_worker(channels)
+        assert set(workers) == {"worker-0", "worker-1"}
+        failures: list[BaseException] = []
+        versions: Counter[str] = Counter()
+        stop = asyncio.Event()
+        events: dict[str, list[tuple[str, int]]] = {"worker-0": [], "worker-1": []}
+        ready_two = {name: asyncio.Event() for name in events}
+
+        async def watch(worker: str) -> None:
+            stub = model_grpc.ModelServiceStub(workers[worker][0])
+            async for event in stub.WatchModels(model_pb.WatchModelsRequest(names=["double"])):
+                events[worker].append((event.version, event.state))
+                if (event.version, event.state) == ("2", model_pb.MODEL_STATE_READY):
+                    ready_two[worker].set()
+
+        async def load(channel: grpc.aio.Channel) -> None:
+            stub = pb_grpc.InferenceServiceStub(channel)
+            while not stop.is_set():
+                try:
+                    reply = await stub.Infer(infer_request())
+                    versions[reply.model_version] += 1
+                except grpc.aio.AioRpcError as exc:
+                    failures.append(exc)
+
+        watchers = [asyncio.ensure_future(watch(name)) for name in events]
+        tasks = [asyncio.ensure_future(load(c)) for c in channels]
+        await eventually(lambda: versions["1"] > 20, "load on version 1")
+        demo_models.write_model(small_repository, "double", 2, demo_models.scaled_identity(4, 3.0))
+        # The merged watch says READY for version 2 once every worker serves it, on any worker.
+        await asyncio.wait_for(asyncio.gather(*(e.wait() for e in ready_two.values())), 60)
+        model = (
+            await model_grpc.ModelServiceStub(channels[0]).GetModel(model_pb.GetModelRequest(name="double"))
+        ).model
+        assert model.default_version == "2"
+        for channel in channels:  # every connection, whichever worker, answers with version 2 now
+            assert (await pb_grpc.InferenceServiceStub(channel).Infer(infer_request())).model_version == "2"
+        before = versions["2"]
+        await eventually(lambda: versions["2"] > before + 20, "load on version 2")
+        stop.set()
+        await asyncio.gather(*tasks)
+        for watcher in watchers:
+            watcher.cancel()
+        assert failures == []
+        assert events["worker-0"] == events["worker-1"]  # one service: the same events from either
+
+
+async def test_shared_memory_registered_through_one_worker_serves_on_any(
+    service_process, small_repository: Path
+) -> None:
+    process = service_process(small_repository, "--workers", "2")
+    block = shared_memory.SharedMemory(f"modelyard_workers_{os.getpid()}", create=True, size=64)
+    try:
+        np.ndarray((1, 4), np.float32, buffer=block.buf)[:] = [[1, 2, 3, 4]]
+        async with connections(process.address) as channels:
+            workers = await by_worker(channels)
+            first, second = workers["worker-0"][0], workers["worker-1"][0]
+            await kgrpc.GRPCInferenceServiceStub(first).SystemSharedMemoryRegister(
+                kpb.SystemSharedMemoryRegisterRequest(name="in", key=f"/{block.name}", offset=0, byte_size=16)
+            )
+            status = await kgrpc.GRPCInferenceServiceStub(second).SystemSharedMemoryStatus(
+                kpb.SystemSharedMemoryStatusRequest()
+            )
+            assert list(status.regions) == ["in"]
+            request = kpb.ModelInferRequest(model_name="double")
+            tensor = request.inputs.add(name="INPUT0", datatype="FP32", shape=[1, 4])
+            tensor.parameters["shared_memory_region"].string_param = "in"
+            tensor.parameters["shared_memory_byte_size"].int64_param = 16
+            reply = await kgrpc.GRPCInferenceServiceStub(second).ModelInfer(request)
+            assert np.frombuffer(reply.raw_output_contents[0], np.float32).tolist() == [2, 4, 6, 8]
+            await kgrpc.GRPCInferenceServiceStub(second).SystemSharedMemoryUnregister(
+                kpb.SystemSharedMemoryUnregisterRequest(name="in")
+            )
+    finally:
+        block.close()
+        block.unlink()
+
+
+def test_a_taken_port_fails_loudly(small_repository: Path) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        env = {k: v for k, v in os.environ.items() if not k.startswith("MODELYARD_")}
+        done = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "service",
+                "--repository",
+                str(small_repository),
+                "--listen",
+                f"127.0.0.1:{port}",
+                "--metrics-listen",
+                "",
+                "--workers",
+                "2",
+            ],
+            capture_output=True,
+            text=True,
+            env=env,
+            cwd=REPO_ROOT,
+            timeout=60,
+        )
+    assert done.returncode == 1
+    assert "Address already in use" in done.stderr
+    assert "worker 0 started" not in done.stderr

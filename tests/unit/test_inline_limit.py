@@ -1,0 +1,45 @@
+"""Which runs go inline on the event loop: per machine (the cores a process may use, shared by
+the worker processes) and per model (its warm-up run time)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from models import demo_models
+from service.repository.config import load_config
+from service.runtime.providers import detect_providers
+from service.runtime.session import (
+    INLINE_RUN_LIMIT_S,
+    ONE_CORE_INLINE_RUN_LIMIT_S,
+    inline_run_limit_s,
+    load_runner,
+)
+
+
+@pytest.mark.parametrize(
+    ("cores", "processes", "limit"),
+    [
+        ({0}, 1, ONE_CORE_INLINE_RUN_LIMIT_S),  # pinned to one core: the executor adds only the hop
+        ({0, 1}, 1, INLINE_RUN_LIMIT_S),  # a second core: slower runs go to the executor, in parallel
+        ({0, 1}, 2, ONE_CORE_INLINE_RUN_LIMIT_S),  # as many workers as cores
+        (set(range(8)), 2, INLINE_RUN_LIMIT_S),
+    ],
+)
+def test_the_limit_follows_the_cores_each_process_has(
+    monkeypatch: pytest.MonkeyPatch, cores: set[int], processes: int, limit: float
+) -> None:
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: cores)
+    assert inline_run_limit_s(processes) == limit
+
+
+def test_a_model_runs_inline_when_its_warm_up_run_is_under_the_limit(tmp_path: Path) -> None:
+    model_file = demo_models.write_model(tmp_path, "tiny", 1, demo_models.scaled_identity(4, 2.0), {})
+    config = load_config(model_file.parent.parent)
+    generous = load_runner(model_file, config, detect_providers(), inline_limit_s=1.0)
+    assert generous.runs_inline
+    assert generous.warmup_run_s < 1.0
+    none = load_runner(model_file, config, detect_providers(), inline_limit_s=0.0)
+    assert not none.runs_inline
