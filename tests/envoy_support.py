@@ -13,7 +13,6 @@ import re
 import struct
 import subprocess
 import sys
-import threading
 import time
 import urllib.request
 from dataclasses import dataclass
@@ -140,61 +139,3 @@ def grpc_web_parse(body: bytes) -> tuple[list[bytes], dict[str, str]]:
 def grpc_web_text_decode(text: str) -> bytes:
     """grpc-web-text: each chunk is base64 padded on its own, so decode piece by piece."""
     return b"".join(base64.b64decode(piece) for piece in re.findall(r"[A-Za-z0-9+/]+=*", text))
-
-
-# --- the sidecar, where its package is installed ------------------------------------------------
-
-_SIDECAR_READY = re.compile(r"sidecar serving gRPC on (\S+?)[,;]")
-
-
-@dataclass
-class SidecarProcess:
-    proc: subprocess.Popen[str]
-    address: str
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-
-
-def start_sidecar(service: str, timeout_s: float = 60.0) -> SidecarProcess | None:
-    """`python -m sidecar` in front of `service`, as the stack runs it; None where the sidecar
-    package is not installed (then the edge calls the service, which serves the same API)."""
-    if importlib.util.find_spec("sidecar") is None:
-        return None
-    cmd = [
-        sys.executable,
-        "-m",
-        "sidecar",
-        "--listen",
-        "127.0.0.1:0",
-        "--upstream",
-        service,
-        "--admin-listen",
-        "",
-    ]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=REPO_ROOT)
-    lines: list[str] = []
-    found: list[str] = []
-    ready = threading.Event()
-
-    def pump() -> None:
-        assert proc.stderr is not None
-        for line in proc.stderr:
-            lines.append(line)
-            if not found and (m := _SIDECAR_READY.search(line)):
-                found.append(m.group(1))
-                ready.set()
-        ready.set()
-
-    threading.Thread(target=pump, daemon=True).start()
-    if not ready.wait(timeout_s) or not found:
-        proc.kill()
-        proc.wait()
-        raise AssertionError("sidecar did not start:\n" + "".join(lines))
-    return SidecarProcess(proc, found[0])

@@ -6,15 +6,11 @@ import asyncio
 import json
 import os
 import re
-import signal
-import subprocess
 import sys
-import threading
 import urllib.error
 import urllib.request
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +23,7 @@ from modelyard.tensors import to_tensor
 from sidecar.config import Settings
 from sidecar.server import Sidecar, build_sidecar
 from sidecar.tracing import Tracing
-from tests.support import REPO_ROOT, eventually
+from tests.support import ChildProcess, eventually, start_child
 
 
 @asynccontextmanager
@@ -150,24 +146,16 @@ async def infer(
 _SIDECAR_SERVING = re.compile(r"sidecar serving gRPC on (\S+?)(?:, admin on (http://\S+))?;")
 
 
-@dataclass
-class SidecarProcess:
+class SidecarProcess(ChildProcess):
     """`python -m sidecar` in a child process, as an operator runs it."""
 
-    proc: subprocess.Popen[str]
-    address: str
-    admin_url: str | None
-    log: list[str] = field(default_factory=list)
+    @property
+    def address(self) -> str:
+        return self.ready.group(1)
 
-    def stop(self, sig: int = signal.SIGTERM, timeout: float = 30.0) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(sig)
-        try:
-            return self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-            raise
+    @property
+    def admin_url(self) -> str | None:
+        return self.ready.group(2)
 
 
 def start_sidecar_process(
@@ -176,30 +164,5 @@ def start_sidecar_process(
     """`prefix` replaces `-m sidecar` (e.g. with a runner that refuses some imports)."""
     base = {k: v for k, v in os.environ.items() if not k.startswith(("MODELYARD_", "OTEL_"))}
     cmd = [sys.executable, *prefix, "--listen", "127.0.0.1:0", "--admin-listen", "127.0.0.1:0", *args]
-    proc = subprocess.Popen(
-        cmd,
-        stderr=subprocess.PIPE,
-        stdout=subprocess.DEVNULL,
-        text=True,
-        env={**base, **(env or {})},
-        cwd=REPO_ROOT,
-    )
-    lines: list[str] = []
-    ready: list[re.Match[str]] = []
-    found = threading.Event()
-
-    def pump() -> None:  # keep reading so the child never blocks on a full pipe
-        assert proc.stderr is not None
-        for line in proc.stderr:
-            lines.append(line.rstrip())
-            if not ready and (m := _SIDECAR_SERVING.search(line)):
-                ready.append(m)
-                found.set()
-        found.set()
-
-    threading.Thread(target=pump, daemon=True).start()
-    if not found.wait(60) or not ready:
-        proc.kill()
-        proc.wait()
-        raise AssertionError("sidecar did not start:\n" + "\n".join(lines))
-    return SidecarProcess(proc, ready[0].group(1), ready[0].group(2), lines)
+    child = start_child(cmd, _SIDECAR_SERVING, "sidecar", env={**base, **(env or {})})
+    return SidecarProcess(child.proc, child.ready, child.log)

@@ -11,7 +11,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -52,16 +52,13 @@ def metric(source: CollectorRegistry | str, name: str, **labels: str) -> float |
     return None
 
 
-_SERVING = re.compile(r"serving gRPC on (\S+?)(?:, metrics on (http://\S+/metrics))?;")
-
-
 @dataclass
-class ServiceProcess:
-    """`python -m service` in a child process, as an operator runs it."""
+class ChildProcess:
+    """One of our processes, started as an operator runs it. Its stderr is read all along (so the
+    child never blocks on a full pipe) and kept in `log`; `ready` is its first ready line's match."""
 
     proc: subprocess.Popen[str]
-    address: str
-    metrics_url: str | None
+    ready: re.Match[str]
     log: list[str] = field(default_factory=list)
 
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 30.0) -> int:
@@ -75,8 +72,59 @@ class ServiceProcess:
             raise
 
 
+def start_child(
+    cmd: Sequence[str],
+    ready: re.Pattern[str],
+    what: str,
+    *,
+    env: Mapping[str, str] | None = None,
+    timeout: float = 60.0,
+) -> ChildProcess:
+    """Start `cmd` in the repository and wait until a stderr line matches `ready`; fail with the
+    child's log if it exits or the timeout passes first. MODELYARD_* variables of the test run
+    are not passed on unless `env` gives them."""
+    if env is None:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("MODELYARD_")}
+    proc = subprocess.Popen(
+        list(cmd), stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=env, cwd=REPO_ROOT
+    )
+    lines: list[str] = []
+    matched: list[re.Match[str]] = []
+    found = threading.Event()
+
+    def pump() -> None:
+        assert proc.stderr is not None
+        for line in proc.stderr:
+            lines.append(line.rstrip())
+            if not matched and (m := ready.search(line)):
+                matched.append(m)
+                found.set()
+        found.set()
+
+    threading.Thread(target=pump, daemon=True).start()
+    if not found.wait(timeout) or not matched:
+        proc.kill()
+        proc.wait()
+        raise AssertionError(f"{what} did not start:\n" + "\n".join(lines))
+    return ChildProcess(proc, matched[0], lines)
+
+
+_SERVING = re.compile(r"serving gRPC on (\S+?)(?:, metrics on (http://\S+/metrics))?;")
+
+
+class ServiceProcess(ChildProcess):
+    """`python -m service` in a child process."""
+
+    @property
+    def address(self) -> str:
+        return self.ready.group(1)
+
+    @property
+    def metrics_url(self) -> str | None:
+        return self.ready.group(2)
+
+
 def start_service_process(repository: Path, *args: str, timeout: float = 60.0) -> ServiceProcess:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MODELYARD_")}
     cmd = [
         sys.executable,
         "-m",
@@ -89,26 +137,5 @@ def start_service_process(repository: Path, *args: str, timeout: float = 60.0) -
         "127.0.0.1:0",
         *args,
     ]
-    proc = subprocess.Popen(
-        cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=env, cwd=REPO_ROOT
-    )
-    assert proc.stderr is not None
-    lines: list[str] = []
-    ready: list[re.Match[str]] = []
-    found = threading.Event()
-
-    def pump() -> None:  # keep reading so the child never blocks on a full pipe
-        assert proc.stderr is not None
-        for line in proc.stderr:
-            lines.append(line.rstrip())
-            if not ready and (m := _SERVING.search(line)):
-                ready.append(m)
-                found.set()
-        found.set()
-
-    threading.Thread(target=pump, daemon=True).start()
-    if not found.wait(timeout) or not ready:
-        proc.kill()
-        proc.wait()
-        raise AssertionError("service did not start:\n" + "\n".join(lines))
-    return ServiceProcess(proc, ready[0].group(1), ready[0].group(2), lines)
+    child = start_child(cmd, _SERVING, "service", timeout=timeout)
+    return ServiceProcess(child.proc, child.ready, child.log)

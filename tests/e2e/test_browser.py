@@ -20,17 +20,13 @@ from gateway.config import Settings as GatewaySettings
 from models import demo_models
 from service.config import Settings
 from service.server import Service, build_service
-from tests.envoy_support import start_envoy, start_sidecar
+from tests.envoy_support import start_envoy
+from tests.sidecar_support import start_sidecar_process
 from tests.support import REPO_ROOT
 
-pytestmark = [
-    pytest.mark.asyncio(loop_scope="module"),
-    pytest.mark.skipif(
-        shutil.which("chromium") is None
-        or not (REPO_ROOT / "web" / "node_modules" / "playwright-core").exists(),
-        reason="needs Debian's chromium and web/node_modules (make browser-deps)",
-    ),
-]
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+# `make test` installs both (make browser-deps); a run without them fails rather than skips.
+PLAYWRIGHT = REPO_ROOT / "gateway" / "web" / "node_modules" / "playwright-core"
 SCRIPT = Path(__file__).with_name("browser_page.mjs")
 ARTIFACTS = Path(__file__).with_name("artifacts")
 
@@ -42,8 +38,10 @@ async def stack(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[str]:
     assert demo_models.copy_trained_models(demo_models.COMMITTED_ROOT, root) == ["codelm"]
     service: Service = build_service(Settings(repository=root, listen="127.0.0.1:0", metrics_listen=""))
     await service.start()
-    sidecar = await asyncio.to_thread(start_sidecar, service.address)  # where it is installed
-    upstream = sidecar.address if sidecar else service.address
+    sidecar = await asyncio.to_thread(
+        start_sidecar_process, "--upstream", service.address, "--admin-listen", ""
+    )
+    upstream = sidecar.address
     gateway = Gateway(GatewaySettings(listen="127.0.0.1:0", upstream=upstream))
     await gateway.start()
     envoy = await asyncio.to_thread(start_envoy, tmp_path_factory.mktemp("envoy"), gateway.address, upstream)
@@ -52,12 +50,12 @@ async def stack(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[str]:
     finally:
         envoy.stop()
         await gateway.stop()
-        if sidecar:
-            sidecar.stop()
+        sidecar.stop()
         await service.stop(grace_s=1.0)
 
 
 async def test_page_lists_models_over_grpc_web_and_streams_a_generation(stack: str) -> None:
+    assert shutil.which("chromium") and PLAYWRIGHT.exists(), "run `make browser-deps` (make test does)"
     ARTIFACTS.mkdir(exist_ok=True)
     screenshot = ARTIFACTS / "page.png"
     screenshot.unlink(missing_ok=True)

@@ -34,8 +34,8 @@ from tests.envoy_support import (
     grpc_web_parse,
     grpc_web_text_decode,
     start_envoy,
-    start_sidecar,
 )
+from tests.sidecar_support import start_sidecar_process
 from tests.sse_client import events_only, read_events, token_ids
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
@@ -68,13 +68,12 @@ async def service(e2e_repository: Path) -> AsyncIterator[Service]:
 
 @pytest.fixture(scope="module")
 def upstream(service: Service) -> Iterator[str]:
-    """The sidecar in front of the service where its package is installed, else the service."""
-    sidecar = start_sidecar(service.address)
+    """The sidecar in front of the service, as the stack runs it."""
+    sidecar = start_sidecar_process("--upstream", service.address, "--admin-listen", "")
     try:
-        yield sidecar.address if sidecar else service.address
+        yield sidecar.address
     finally:
-        if sidecar:
-            sidecar.stop()
+        sidecar.stop()
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
