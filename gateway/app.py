@@ -120,7 +120,7 @@ class Gateway:
         self.address = ""
         # ValueError here (half a certificate pair) stops the process before it binds anything.
         self.tls = TlsFiles.from_settings(settings.tls_cert, settings.tls_key, settings.tls_client_ca)
-        self.upstream_tls = UpstreamTls.from_settings(settings)
+        self.upstream_tls = UpstreamTls.of(settings)
 
     async def start(self) -> None:
         settings = self.settings

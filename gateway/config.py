@@ -69,10 +69,9 @@ _HELP = {
     "upstream_cert": "PEM client certificate the gateway presents to the upstream (mTLS)",
     "upstream_key": "PEM private key for upstream_cert",
     "upstream_server_name": "name to check in the upstream's certificate instead of the address's host",
-    "log_level": "DEBUG, INFO, WARNING or ERROR",
-    "log_format": "text or json (one object per line)",
+    **logs.HELP,
 }
-_CHOICES = {"log_level": logs.LEVELS, "log_format": logs.FORMATS}
+_CHOICES = logs.CHOICES
 
 
 def parse_settings(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None) -> Settings:

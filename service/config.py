@@ -57,8 +57,7 @@ _HELP = {
     "auth_tokens_file": "file of bearer tokens, one per line; management calls then need one",
     "auth_client_names": "an mTLS client identity (certificate CN or SAN) allowed to call (repeatable)",
     "auth_inference": "require a credential for inference and metadata calls too",
-    "log_level": "DEBUG, INFO, WARNING or ERROR",
-    "log_format": "text or json (one object per line)",
+    **logs.HELP,
     "control_mode": "watch (load changes on disk) or explicit (only LoadModel/UnloadModel)",
     "watch_method": "events (inotify) or poll",
     "watch_quiet_s": "seconds a model folder must be quiet before a change is loaded",
@@ -67,8 +66,7 @@ _HELP = {
 _CHOICES = {
     "control_mode": ["watch", "explicit"],
     "watch_method": ["events", "poll"],
-    "log_level": logs.LEVELS,
-    "log_format": logs.FORMATS,
+    **logs.CHOICES,
 }
 
 

@@ -10,10 +10,10 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol, cast
+from typing import Any, cast
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_health.v1 import health, health_pb2_grpc
 from grpc_reflection.v1alpha import _async as reflection_aio
 from grpc_reflection.v1alpha import reflection, reflection_pb2_grpc
 from modelyard import flat as flat_contract
@@ -58,19 +58,6 @@ from service.workers.member import FanOutRegistrar, WorkerLink, WorkerRole, metr
 
 log = logging.getLogger(__name__)
 
-SERVING = health_pb2.HealthCheckResponse.SERVING
-NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
-
-
-class Health(Protocol):
-    """What the service uses of grpcio-health-checking's asyncio servicer (its stubs omit it)."""
-
-    async def set(
-        self, service: str, status: health_pb2.HealthCheckResponse.ServingStatus.ValueType
-    ) -> None: ...
-
-    async def enter_graceful_shutdown(self) -> None: ...
-
 
 @dataclass
 class Service:
@@ -81,7 +68,7 @@ class Service:
     port: int
     manager: ModelManager
     metrics: ServiceMetrics
-    health: Health
+    health: health_names.HealthServicer
     executor: ThreadPoolExecutor
     generation: GenerationPlane | None = None
     batching: BatchingLayer | None = None
@@ -100,7 +87,7 @@ class Service:
 
     async def start(self) -> None:
         # Serve at once (health says NOT_SERVING while loading), so orchestrators can probe.
-        await self.health.set(health_names.SERVER, NOT_SERVING)
+        await self.health.set(health_names.SERVER, health_names.NOT_SERVING)
         # A worker takes its share of the port's traffic only once the supervisor admits it.
         await (self.server if self.internal is None else self.internal).start()
         if self.settings.metrics_listen:
@@ -123,13 +110,13 @@ class Service:
         ready = [s.name for s in self.manager.statuses() if s.default_version is not None]
         failed = [s.name for s in self.manager.statuses() if s.default_version is None]
         if self.link is not None:
-            await self.health.set(workers.LOCAL, SERVING)
+            await self.health.set(workers.LOCAL, health_names.SERVING)
             await self.link.wait_admitted()
             await self.server.start()
             self.link.follow(self.health.set)
             log.info("worker %d took its share of the port; models ready: %s", self.link.role.index, ready)
             return
-        await self.health.set(health_names.SERVER, SERVING)
+        await self.health.set(health_names.SERVER, health_names.SERVING)
         log.info(
             "serving gRPC on %s%s; models ready: %s%s",
             self.address,
@@ -176,7 +163,8 @@ class Service:
             event: ModelEvent = await watcher.get()
             served = self.manager.served(event.model)
             await self.health.set(
-                health_names.model_service_name(event.model), SERVING if served else NOT_SERVING
+                health_names.model_service_name(event.model),
+                health_names.SERVING if served else health_names.NOT_SERVING,
             )
             if not self.manager.knows(event.model):
                 continue  # it left the repository, and its series with it
@@ -250,7 +238,7 @@ def build_service(
         ),
     ]
     servicers.append((_add_flat_servicer, FlatInferenceServicer(dataplane, metrics)))
-    health_servicer: Health = health.aio.HealthServicer()  # type: ignore[attr-defined]
+    health_servicer = health_names.new_servicer()
     _add_apis(server, servicers, health_servicer, settings, metrics, reporter, guard_for, link)
     if tls is None:
         port = server.add_insecure_port(settings.listen)
@@ -289,7 +277,7 @@ def _add_flat_servicer(servicer: FlatInferenceServicer, registry: Any) -> None:
 def _add_apis(
     server: grpc.aio.Server,
     servicers: list[tuple[Callable[[Any, Any], None], object]],
-    health_servicer: Health,
+    health_servicer: health_names.HealthServicer,
     settings: Settings,
     metrics: ServiceMetrics,
     reporter: OnUndecodable,

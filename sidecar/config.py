@@ -20,6 +20,21 @@ class Settings:
     config_poll_s: float = 1.0
     grace_s: float = 10.0
     max_message_bytes: int = 64 * 1024 * 1024
+    # TLS of the gRPC listener and the admin endpoint, as the service's: certificate and key,
+    # optional client CA (mTLS).
+    tls_cert: str = ""
+    tls_key: str = ""
+    tls_client_ca: str = ""
+    # TLS to the upstreams, as the gateway's: on with upstream_tls or any of the files below.
+    upstream_tls: bool = False
+    upstream_ca: str = ""
+    upstream_cert: str = ""
+    upstream_key: str = ""
+    upstream_server_name: str = ""
+    # The admin endpoint's credential: bearer tokens (one per line, the service's format) for any
+    # change (PUT /canary); with admin_auth_reads, for every request.
+    admin_tokens_file: str = ""
+    admin_auth_reads: bool = False
     log_level: str = "INFO"
     log_format: str = "text"
 
@@ -32,10 +47,19 @@ _HELP = {
     "config_poll_s": "seconds between checks of the route file for changes",
     "grace_s": "seconds in-flight calls get to finish on shutdown",
     "max_message_bytes": "largest request or response message, in bytes",
-    "log_level": "DEBUG, INFO, WARNING or ERROR",
-    "log_format": "text or json (one object per line)",
+    "tls_cert": "PEM certificate chain of the gRPC and admin listeners; empty: no TLS",
+    "tls_key": "PEM private key for tls_cert",
+    "tls_client_ca": "PEM CA bundle; when set, clients must present a certificate it signed (mTLS)",
+    "upstream_tls": "reach the upstreams over TLS (the system's roots verify them unless upstream_ca is set)",
+    "upstream_ca": "PEM CA bundle that signed the upstreams' certificates (implies upstream_tls)",
+    "upstream_cert": "PEM client certificate the sidecar presents to the upstreams (mTLS)",
+    "upstream_key": "PEM private key for upstream_cert",
+    "upstream_server_name": "name to check in the upstreams' certificates instead of the address's host",
+    "admin_tokens_file": "file of bearer tokens, one per line; admin changes (PUT /canary) then need one",
+    "admin_auth_reads": "require a token for the admin endpoint's reads too (/metrics, /breakers, /canary)",
+    **logs.HELP,
 }
-_CHOICES = {"log_level": logs.LEVELS, "log_format": logs.FORMATS}
+_CHOICES = logs.CHOICES
 
 
 def parse_settings(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None) -> Settings:

@@ -44,6 +44,13 @@ class SidecarMetrics:
             ["upstream", "model", "version", "to"],
             registry=self.registry,
         )
+        self.admin_denials = Counter(
+            "modelyard_sidecar_admin_denials",
+            "Admin endpoint requests refused for want of a valid credential, by outcome "
+            "(unauthenticated, denied)",
+            ["outcome"],
+            registry=self.registry,
+        )
         self.tenant_refusals = Counter(
             "modelyard_sidecar_tenant_refusals",
             "Calls refused by a tenant's rate or concurrency limit",

@@ -442,11 +442,18 @@ class Proxy(_Handler):
         code = await call.code()
         if code == grpc.StatusCode.OK:
             return None
-        trailing = await call.trailing_metadata()
+        return self._after_failure(plan, code, await call.trailing_metadata(), tried)
+
+    def _after_failure(
+        self, plan: Plan, code: grpc.StatusCode, trailing: Any, tried: list[Upstream]
+    ) -> Plan | None:
+        """An attempt failed before any answer reached the client: report it to its breaker, and
+        return the plan to try next (another upstream for an unreachable one, stable for a canary
+        fault), or None when the failure is the answer."""
+        self._report(plan, code, trailing, None)
         unreachable = code == grpc.StatusCode.UNAVAILABLE and not error_reason(trailing)
         if not unreachable and not (plan.dye == CANARY and is_fault(code, trailing)):
             return None
-        self._report(plan, code, trailing, None)
         tried.append(plan.upstream)
         return self._retry(plan, tried, unreachable)
 
@@ -476,13 +483,8 @@ class Proxy(_Handler):
                     except grpc.aio.AioRpcError as exc:
                         code = exc.code()
                         trailing = exc.trailing_metadata()
-                        self._report(plan, code, trailing, None)
                         attempt.failed(code)
-                        unreachable = code == grpc.StatusCode.UNAVAILABLE and not error_reason(trailing)
-                        retry = None
-                        if unreachable or (plan.dye == CANARY and is_fault(code, trailing)):
-                            tried.append(plan.upstream)
-                            retry = self._retry(plan, tried, unreachable)
+                        retry = self._after_failure(plan, code, trailing, tried)
                         if retry is None:
                             await context.abort(
                                 code, exc.details() or "", _with(trailing, plan.answer_metadata)

@@ -6,12 +6,13 @@ import asyncio
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2_grpc
 from modelyard.common import health as health_names
+from modelyard.common.auth import Authorizer, AuthSettings
 from modelyard.common.settings import split_address
+from modelyard.common.tls import ClientTls, TlsFiles, grpc_server_credentials, is_loopback, warn_if_plaintext
 
 from sidecar.adaptive import Clock, State
 from sidecar.admin import AdminServer
@@ -27,17 +28,6 @@ from sidecar.upstreams import Upstreams, UpstreamSpec
 
 log = logging.getLogger(__name__)
 
-SERVING = health_pb2.HealthCheckResponse.SERVING
-NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
-
-
-class Health(Protocol):
-    async def set(
-        self, service: str, status: health_pb2.HealthCheckResponse.ServingStatus.ValueType
-    ) -> None: ...
-
-    async def enter_graceful_shutdown(self) -> None: ...
-
 
 @dataclass
 class Sidecar:
@@ -48,9 +38,11 @@ class Sidecar:
     breakers: Breakers
     routes: RouteSource
     metrics: SidecarMetrics
-    health: Health
+    health: health_names.HealthServicer
     tracing: Tracing
     shadows: Shadows
+    tls: TlsFiles | None = None  # of the gRPC and admin listeners
+    admin_auth: Authorizer | None = None
     admin: AdminServer | None = None
     _changed: asyncio.Event = field(default_factory=asyncio.Event)
     _tasks: list[asyncio.Task[None]] = field(default_factory=list)
@@ -66,14 +58,29 @@ class Sidecar:
         return f"{split_address(self.settings.admin_listen)[0]}:{self.admin.port}"
 
     async def start(self) -> None:
-        await self.health.set(health_names.SERVER, NOT_SERVING)
+        await self.health.set(health_names.SERVER, health_names.NOT_SERVING)
         loop = asyncio.get_running_loop()
         self.upstreams.start()
         await self.server.start()
         if self.settings.admin_listen:
             host, port = split_address(self.settings.admin_listen)
+            if not (self.admin_auth and self.admin_auth.configured) and not is_loopback(host):
+                log.warning(
+                    "the sidecar's admin endpoint on %s takes canary changes from any client "
+                    "(configure admin_tokens_file, see README Security)",
+                    host or "all addresses",
+                )
             self.admin = AdminServer(
-                host, port, self.metrics.registry, self.routes, self.breakers.snapshot, loop
+                host,
+                port,
+                self.metrics.registry,
+                self.routes,
+                self.breakers.snapshot,
+                loop,
+                tls=self.tls,
+                authorizer=self.admin_auth,
+                auth_reads=self.settings.admin_auth_reads,
+                denials=self.metrics.admin_denials,
             )
         self._tasks.append(loop.create_task(self._follow_upstreams()))
         if self.settings.config:
@@ -81,7 +88,7 @@ class Sidecar:
         log.info(
             "sidecar serving gRPC on %s%s; upstreams: %s",
             self.address,
-            f", admin on http://{self.admin_address}" if self.admin else "",
+            f", admin on {'https' if self.tls else 'http'}://{self.admin_address}" if self.admin else "",
             ", ".join(u.address for u in self.upstreams.all),
         )
 
@@ -101,17 +108,20 @@ class Sidecar:
         self._changed.set()
 
     async def _follow_upstreams(self) -> None:
-        """The sidecar's health follows its upstreams': SERVING while one serves; per model,
+        """The sidecar's health follows its upstreams': health_names.SERVING while one serves; per model,
         while a serving upstream has a ready version of it."""
         while True:
             await self._changed.wait()
             self._changed.clear()
             serving = [u for u in self.upstreams.all if u.serving]
-            await self.health.set(health_names.SERVER, SERVING if serving else NOT_SERVING)
+            await self.health.set(
+                health_names.SERVER, health_names.SERVING if serving else health_names.NOT_SERVING
+            )
             models = {m for u in serving for m in u.served}
             for model in models | self._models:
                 await self.health.set(
-                    health_names.model_service_name(model), SERVING if model in models else NOT_SERVING
+                    health_names.model_service_name(model),
+                    health_names.SERVING if model in models else health_names.NOT_SERVING,
                 )
             self._models |= models
 
@@ -128,6 +138,7 @@ def build_sidecar(
     clock: Clock | None = None,  # test seam: the breakers' clock
     tracing: Tracing | None = None,  # test seam: default from the OTEL_* environment
 ) -> Sidecar:
+    tls, upstream_tls, admin_auth = _security(settings)
     routes = RouteSource(Path(settings.config) if settings.config else None)
     metrics = SidecarMetrics()
 
@@ -157,17 +168,51 @@ def build_sidecar(
         [UpstreamSpec.parse(text) for text in settings.upstream],
         message_limits,
         on_change=lambda: sidecar_ref[0].upstreams_changed() if sidecar_ref else None,
+        tls=upstream_tls,
     )
     tracing = tracing if tracing is not None else configure("modelyard-sidecar")
     server = grpc.aio.server(options=[*message_limits, ("grpc.so_reuseport", 0)])
-    health_servicer: Health = health.aio.HealthServicer()  # type: ignore[attr-defined]
+    health_servicer = health_names.new_servicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     shadows = Shadows(metrics)
     proxy = Proxy(upstreams, breakers, routes, TenantLimits(), metrics, tracing, shadows)
     server.add_generic_rpc_handlers((proxy,))
-    port = server.add_insecure_port(settings.listen)
+    if tls is None:
+        port = server.add_insecure_port(settings.listen)
+    else:
+        port = server.add_secure_port(settings.listen, grpc_server_credentials(tls))
     sidecar = Sidecar(
-        settings, server, port, upstreams, breakers, routes, metrics, health_servicer, tracing, shadows
+        settings,
+        server,
+        port,
+        upstreams,
+        breakers,
+        routes,
+        metrics,
+        health_servicer,
+        tracing,
+        shadows,
+        tls=tls,
+        admin_auth=admin_auth,
     )
     sidecar_ref.append(sidecar)
     return sidecar
+
+
+def _security(settings: Settings) -> tuple[TlsFiles | None, ClientTls | None, Authorizer]:
+    """The listeners' TLS files, the upstreams' TLS and the admin endpoint's authorizer; ValueError
+    for half a key pair or admin_auth_reads without tokens. The caller's `authorization` metadata
+    goes to the upstream untouched: the service decides about its own calls."""
+    tls = TlsFiles.from_settings(settings.tls_cert, settings.tls_key, settings.tls_client_ca)
+    upstream_tls = ClientTls.from_settings(
+        settings.upstream_tls,
+        settings.upstream_ca,
+        settings.upstream_cert,
+        settings.upstream_key,
+        settings.upstream_server_name,
+    )
+    tokens = Path(settings.admin_tokens_file) if settings.admin_tokens_file else None
+    if settings.admin_auth_reads and tokens is None:
+        raise ValueError("admin_auth_reads needs admin_tokens_file")
+    warn_if_plaintext(split_address(settings.listen)[0], "the sidecar's gRPC listener", tls)
+    return tls, upstream_tls, Authorizer(AuthSettings(tokens))

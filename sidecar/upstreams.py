@@ -5,6 +5,10 @@ An upstream may be labelled with the versions it serves (`HOST:PORT@2`, or `@1+2
 canary can live in another process or pod; without a label, what its WatchModels reports decides.
 What an upstream served is kept while its watch is broken: a dropped connection is the breakers'
 business, not a reason to re-dye every user.
+
+Over TLS (modelyard.common.tls.ClientTls), a change of the CA or client certificate files (a
+renewal) is picked up without a restart: every upstream gets a new channel made with them, its
+watches start again on it, and the old channel is closed once its calls had time to finish.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from modelyard.common.tls import ClientTls
 from modelyard.inference.v1 import model_service_pb2, model_service_pb2_grpc
 
 from sidecar.routing import normalize_version
@@ -25,6 +30,8 @@ log = logging.getLogger(__name__)
 
 READY = model_service_pb2.MODEL_STATE_READY
 _RETRY_MIN_S, _RETRY_MAX_S = 0.1, 2.0
+RECHECK_S = 1.0  # how often the upstream TLS files are looked at again (stat)
+RETIRED_GRACE_S = 30.0  # calls on a replaced channel get this long to finish
 
 # Reconnect quickly once an upstream comes back (gRPC's default backoff grows to two minutes).
 CHANNEL_OPTIONS: tuple[tuple[str, Any], ...] = (
@@ -50,14 +57,32 @@ class UpstreamSpec:
 
 
 class Upstream:
-    def __init__(self, spec: UpstreamSpec, options: Iterable[tuple[str, Any]]) -> None:
+    def __init__(
+        self,
+        spec: UpstreamSpec,
+        options: Iterable[tuple[str, Any]],
+        credentials: grpc.ChannelCredentials | None = None,
+    ) -> None:
         self.address = spec.address
         self.labels = spec.versions
-        self.channel = grpc.aio.insecure_channel(spec.address, options=[*CHANNEL_OPTIONS, *options])
+        self._options = [*CHANNEL_OPTIONS, *options]
+        self.channel = self._channel(credentials)
         self.served: dict[str, frozenset[str]] = {}  # model -> READY versions; rebound whole
         self.watched = False  # WatchModels has answered at least once
         self.serving = False  # the upstream's own health ("" service)
         self._methods: dict[tuple[str, str], Any] = {}
+
+    def _channel(self, credentials: grpc.ChannelCredentials | None) -> grpc.aio.Channel:
+        if credentials is None:
+            return grpc.aio.insecure_channel(self.address, options=self._options)
+        return grpc.aio.secure_channel(self.address, credentials, options=self._options)
+
+    def reconnect(self, credentials: grpc.ChannelCredentials) -> grpc.aio.Channel:
+        """A new channel for new calls; the old one is returned for the caller to close."""
+        old = self.channel
+        self.channel = self._channel(credentials)
+        self._methods = {}
+        return old
 
     def versions(self, model: str) -> frozenset[str]:
         served = self.served.get(model, frozenset())
@@ -97,27 +122,67 @@ class Upstreams:
         specs: Iterable[UpstreamSpec],
         options: Iterable[tuple[str, Any]] = (),
         on_change: Callable[[], None] = lambda: None,  # models or health changed somewhere
+        tls: ClientTls | None = None,
     ) -> None:
-        options = list(options)
-        self.all = [Upstream(spec, options) for spec in specs]
+        options = [*options, *(tls.options() if tls is not None else ())]
+        self._tls = tls
+        self._stamp = tls.stamp() if tls is not None else ()
+        credentials = tls.credentials() if tls is not None else None
+        self.all = [Upstream(spec, options, credentials) for spec in specs]
         if not self.all:
             raise ValueError("at least one upstream is needed")
         self._on_change = on_change
         self._tasks: list[asyncio.Task[None]] = []
+        self._watches: dict[int, list[asyncio.Task[None]]] = {}  # per upstream (its index)
+        self._retired: set[asyncio.Task[None]] = set()
         self._turn = 0
 
     def start(self) -> None:
-        loop = asyncio.get_running_loop()
-        for upstream in self.all:
-            self._tasks.append(loop.create_task(self._follow_models(upstream)))
-            self._tasks.append(loop.create_task(self._follow_health(upstream)))
+        for index in range(len(self.all)):
+            self._watch(index)
+        if self._tls is not None:
+            self._tasks.append(asyncio.get_running_loop().create_task(self._follow_tls()))
+
+    def _watch(self, index: int) -> None:
+        loop, upstream = asyncio.get_running_loop(), self.all[index]
+        for task in self._watches.get(index, ()):
+            task.cancel()
+        self._watches[index] = [
+            loop.create_task(self._follow_models(upstream)),
+            loop.create_task(self._follow_health(upstream)),
+        ]
 
     async def close(self) -> None:
-        for task in self._tasks:
+        tasks = [*self._tasks, *(t for watches in self._watches.values() for t in watches), *self._retired]
+        for task in tasks:
             task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await asyncio.gather(*tasks, return_exceptions=True)
         for upstream in self.all:
             await upstream.channel.close(None)
+
+    async def _follow_tls(self) -> None:
+        tls = self._tls
+        assert tls is not None
+        while True:
+            await asyncio.sleep(RECHECK_S)
+            try:
+                stamp = tls.stamp()
+                if stamp == self._stamp:
+                    continue
+                self._stamp = stamp
+                credentials = tls.credentials()
+            except (OSError, ValueError) as exc:  # mid-swap: the next change of the files tries again
+                log.warning(
+                    "upstream TLS files changed but cannot be used (%s); keeping the previous ones", exc
+                )
+                continue
+            for index, upstream in enumerate(self.all):
+                old = upstream.reconnect(credentials)
+                self._watch(index)
+                retiring = asyncio.get_running_loop().create_task(old.close(RETIRED_GRACE_S))
+                self._retired.add(retiring)
+                retiring.add_done_callback(self._retired.discard)
+            log.info("upstream TLS files reloaded; new calls use new channels")
 
     def versions(self, model: str) -> set[str]:
         found: set[str] = set()
@@ -143,9 +208,9 @@ class Upstreams:
         return sorted(self.all, key=lambda u: (not u.serving, not u.reachable()))
 
     async def _follow_models(self, upstream: Upstream) -> None:
-        stub = model_service_pb2_grpc.ModelServiceStub(upstream.channel)
         delay = _RETRY_MIN_S
         while True:
+            stub = model_service_pb2_grpc.ModelServiceStub(upstream.channel)
             served: dict[str, frozenset[str]] | None = None
             try:
                 call = stub.WatchModels(model_service_pb2.WatchModelsRequest(send_initial_state=True))
@@ -172,9 +237,9 @@ class Upstreams:
             delay = min(_RETRY_MAX_S, delay * 2)
 
     async def _follow_health(self, upstream: Upstream) -> None:
-        stub = health_pb2_grpc.HealthStub(upstream.channel)
         delay = _RETRY_MIN_S
         while True:
+            stub = health_pb2_grpc.HealthStub(upstream.channel)
             try:
                 async for answer in stub.Watch(health_pb2.HealthCheckRequest(service="")):
                     serving = answer.status == health_pb2.HealthCheckResponse.SERVING

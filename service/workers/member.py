@@ -26,8 +26,6 @@ from service.workers.merge import FANNED
 
 log = logging.getLogger(__name__)
 
-SERVING = health_pb2.HealthCheckResponse.SERVING
-NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 Handler = Any  # grpc.RpcMethodHandler: grpc's stubs describe the sync API
 SetHealth = Callable[[str, "health_pb2.HealthCheckResponse.ServingStatus.ValueType"], Awaitable[None]]
 
@@ -165,7 +163,7 @@ class WorkerLink:
         stub = health_pb2_grpc.HealthStub(self.channel)
         request = health_pb2.HealthCheckRequest(service=protocol.admitted(self.role.index))
         async for reply in stub.Watch(request, wait_for_ready=True):
-            if reply.status == SERVING:
+            if reply.status == health_names.SERVING:
                 return
         raise RuntimeError("the supervisor ended the admission watch")
 
@@ -179,10 +177,15 @@ class WorkerLink:
         while True:
             try:
                 async for reply in stub.Watch(request, wait_for_ready=True):
-                    await set_health(health_names.SERVER, SERVING if reply.status == SERVING else NOT_SERVING)
+                    await set_health(
+                        health_names.SERVER,
+                        health_names.SERVING
+                        if reply.status == health_names.SERVING
+                        else health_names.NOT_SERVING,
+                    )
             except grpc.aio.AioRpcError:
                 pass
-            await set_health(health_names.SERVER, NOT_SERVING)  # the supervisor is unreachable
+            await set_health(health_names.SERVER, health_names.NOT_SERVING)  # the supervisor is unreachable
             await asyncio.sleep(0.1)
 
     async def close(self) -> None:

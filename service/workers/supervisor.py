@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from modelyard.common import health as health_names
 from modelyard.common.metrics_http import MetricsServer
 from modelyard.common.settings import split_address
@@ -40,8 +40,6 @@ from service.workers.watch import MergedWatch
 
 log = logging.getLogger(__name__)
 
-SERVING = health_pb2.HealthCheckResponse.SERVING
-NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 BACKOFF_FIRST_S = 0.5
 BACKOFF_MAX_S = 30.0
 STEADY_S = 30.0  # a worker that ran this long before dying restarts after the first backoff again
@@ -94,8 +92,8 @@ class Supervisor:
         self._reserved = reserve_port(self.settings.listen)
         self.port = self._reserved.getsockname()[1]
         self._failed = asyncio.get_running_loop().create_future()
-        self._health = health.aio.HealthServicer()  # type: ignore[attr-defined]
-        await self._health.set(health_names.SERVER, NOT_SERVING)
+        self._health = health_names.new_servicer()
+        await self._health.set(health_names.SERVER, health_names.NOT_SERVING)
         self._coordinator = grpc.aio.server()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._coordinator)
         service, method = protocol.BROADCAST.strip("/").split("/")
@@ -237,14 +235,14 @@ class Supervisor:
         stub = health_pb2_grpc.HealthStub(slot.channel)
         request = health_pb2.HealthCheckRequest(service=protocol.LOCAL)
         async for reply in stub.Watch(request, wait_for_ready=True):
-            if reply.status == SERVING and not slot.admitted:
+            if reply.status == health_names.SERVING and not slot.admitted:
                 async with self._control:
                     await self._replay(slot)
                     slot.watching = await self._watch.join(slot.index, slot.channel)
                     slot.admitted = slot.ever_admitted = True
-                await self._health.set(protocol.admitted(slot.index), SERVING)
+                await self._health.set(protocol.admitted(slot.index), health_names.SERVING)
                 log.info("worker %d admitted", slot.index)
-            elif reply.status != SERVING and slot.admitted:
+            elif reply.status != health_names.SERVING and slot.admitted:
                 slot.admitted = False
             await self._update_health()
 
@@ -255,7 +253,7 @@ class Supervisor:
             await asyncio.gather(slot.watching, return_exceptions=True)
             slot.watching = None
         self._watch.leave(slot.index)
-        await self._health.set(protocol.admitted(slot.index), NOT_SERVING)
+        await self._health.set(protocol.admitted(slot.index), health_names.NOT_SERVING)
         await self._update_health()
         if slot.channel is not None:
             await slot.channel.close(None)
@@ -270,7 +268,10 @@ class Supervisor:
         if admitted == self.count:
             self._all_admitted.set()
         if not self._stopping.is_set():
-            await self._health.set(health_names.SERVER, SERVING if admitted == self.count else NOT_SERVING)
+            await self._health.set(
+                health_names.SERVER,
+                health_names.SERVING if admitted == self.count else health_names.NOT_SERVING,
+            )
 
     async def _replay(self, slot: Slot) -> None:
         assert slot.channel is not None

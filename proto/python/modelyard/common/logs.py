@@ -13,6 +13,9 @@ import time
 TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 FORMATS = ("text", "json")
+# Every process's log settings: their help texts and choices, for modelyard.common.settings.
+HELP = {"log_level": "DEBUG, INFO, WARNING or ERROR", "log_format": "text or json (one object per line)"}
+CHOICES = {"log_level": LEVELS, "log_format": FORMATS}
 _TRACE_FIELDS = ("trace_id", "span_id")
 
 

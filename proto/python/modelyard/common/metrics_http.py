@@ -1,11 +1,13 @@
 """The Prometheus /metrics HTTP endpoint of a process: its own registry, served on a thread, over
-HTTPS when TLS files are given (modelyard.common.tls: reloaded when they change)."""
+HTTPS when TLS files are given (modelyard.common.tls: reloaded when they change). `HttpServer`
+serves any WSGI app that way (the sidecar's admin endpoint)."""
 
 from __future__ import annotations
 
 import logging
 import socket
 import threading
+from collections.abc import Callable, Iterable
 from typing import Any
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
@@ -22,13 +24,21 @@ class _Quiet(WSGIRequestHandler):
         pass
 
 
-class MetricsServer:
-    """prometheus_client's WSGI app for one registry (so tests can run several in one process)."""
+WsgiApp = Callable[[dict[str, Any], Callable[..., Any]], Iterable[bytes]]
+
+
+class HttpServer:
+    """A WSGI app on its own thread (a thread per connection), over HTTPS when TLS files are given."""
 
     def __init__(
-        self, registry: CollectorRegistry, host: str, port: int, tls: TlsFiles | None = None
+        self,
+        app: WsgiApp,
+        host: str,
+        port: int,
+        tls: TlsFiles | None = None,
+        what: str = "the metrics endpoint",
     ) -> None:
-        warn_if_plaintext(host, "the metrics endpoint", tls)
+        warn_if_plaintext(host, what, tls)
 
         contexts = HttpTls(tls) if tls is not None else None
 
@@ -47,9 +57,8 @@ class MetricsServer:
             def handle_error(self, request: Any, client_address: Any) -> None:
                 # A failed handshake or a dropped connection is the client's; socketserver would
                 # print a traceback per connection (a log flood on demand).
-                log.debug("metrics connection from %s failed", client_address, exc_info=True)
+                log.debug("%s: connection from %s failed", what, client_address, exc_info=True)
 
-        app = make_wsgi_app(registry)
         self._httpd: WSGIServer = make_server(host, port, app, Server, handler_class=_Quiet)
         self._thread = threading.Thread(target=self._httpd.serve_forever, daemon=True, name="metrics")
         self._thread.start()
@@ -62,3 +71,12 @@ class MetricsServer:
         self._httpd.shutdown()
         self._httpd.server_close()
         self._thread.join(timeout=5)
+
+
+class MetricsServer(HttpServer):
+    """prometheus_client's WSGI app for one registry (so tests can run several in one process)."""
+
+    def __init__(
+        self, registry: CollectorRegistry, host: str, port: int, tls: TlsFiles | None = None
+    ) -> None:
+        super().__init__(make_wsgi_app(registry), host, port, tls)

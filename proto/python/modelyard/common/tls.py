@@ -7,6 +7,9 @@
   a restart. A broken new file keeps the previous certificate serving, with a warning.
 - `HttpTls`: the same for an HTTP server (the metrics endpoint): each accepted connection gets
   a context built from the files again once they changed.
+- `ClientTls`: the files a gRPC client (the gateway's or the sidecar's upstream channel) verifies
+  its server with and, for mTLS, presents itself; grpc fixes a channel's credentials for its life,
+  so a change of the files (compare `stamp()`) takes a new channel.
 - `warn_if_plaintext`: a listener on a non-loopback address without TLS says so at start.
 """
 
@@ -20,7 +23,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import cast
+from typing import Self, cast
 
 import grpc
 
@@ -46,17 +49,64 @@ class TlsFiles:
 
     def stamp(self) -> tuple[object, ...]:
         """What changes when any of the files changes (path targets, inode, size, mtime)."""
-        out: list[object] = []
-        for path in (self.cert, self.key, self.client_ca):
-            if path is None:
-                continue
-            st = path.stat()
-            out.append((os.path.realpath(path), st.st_ino, st.st_size, st.st_mtime_ns))
-        return tuple(out)
+        return _stamp(self.cert, self.key, self.client_ca)
 
     def read(self) -> tuple[bytes, bytes, bytes | None]:
         ca = self.client_ca.read_bytes() if self.client_ca else None
         return self.cert.read_bytes(), self.key.read_bytes(), ca
+
+
+@dataclass(frozen=True)
+class ClientTls:
+    """How a gRPC client reaches its server over TLS: a CA bundle to verify it (None: the system's
+    roots), and optionally a client certificate and key for mTLS."""
+
+    ca: Path | None = None
+    cert: Path | None = None
+    key: Path | None = None
+    server_name: str = ""  # the name checked in the server's certificate; "": the address's host
+
+    @classmethod
+    def from_settings(
+        cls, enabled: bool, ca: str = "", cert: str = "", key: str = "", server_name: str = ""
+    ) -> Self | None:
+        """None for plaintext (not `enabled` and no file or name given); ValueError when only half
+        of a client pair is given."""
+        if bool(cert) != bool(key):
+            raise ValueError("a client certificate for the upstream needs both its certificate and key")
+        if not (enabled or ca or cert or server_name):
+            return None
+        return cls(_path(ca), _path(cert), _path(key), server_name)
+
+    def stamp(self) -> tuple[object, ...]:
+        """What changes when any of the files changes (path targets, inode, size, mtime)."""
+        return _stamp(self.ca, self.cert, self.key)
+
+    def credentials(self) -> grpc.ChannelCredentials:
+        """The files as they are now; ValueError/OSError for a client key that is not its
+        certificate's (mid-swap) or an unreadable file."""
+        if self.cert is not None and self.key is not None:
+            ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT).load_cert_chain(self.cert, self.key)  # SSLError: OSError
+        root = self.ca.read_bytes() if self.ca else None
+        key = self.key.read_bytes() if self.key else None
+        cert = self.cert.read_bytes() if self.cert else None
+        return grpc.ssl_channel_credentials(root, key, cert)
+
+    def options(self) -> list[tuple[str, int | str]]:
+        return [("grpc.ssl_target_name_override", self.server_name)] if self.server_name else []
+
+
+def _path(value: str) -> Path | None:
+    return Path(value) if value else None
+
+
+def _stamp(*paths: Path | None) -> tuple[object, ...]:
+    out: list[object] = []
+    for path in paths:
+        if path is not None:
+            st = path.stat()
+            out.append((os.path.realpath(path), st.st_ino, st.st_size, st.st_mtime_ns))
+    return tuple(out)
 
 
 class _Watched:
