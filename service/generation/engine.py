@@ -11,10 +11,15 @@ Each turn of the loop:
    (cancelled, disconnected) or whose deadline passed, pauses those whose reader is behind (buffer
    full) and resumes those whose reader caught up;
 2. gives free slots to queued sequences and prefills their prompts (first token at once);
-3. runs one decode step for every running sequence together, as one batch.
+3. runs decode steps for every running sequence together, as one batch: one executor call runs
+   steps back to back, handing each step's tokens to the event loop as it goes, until something
+   needs the loop between steps (an arrival, a leave, a reader behind, a deadline, a finish).
 
 Joins and leaves happen only between steps (continuous batching). Model runs, cache copies and
 sampling go to the executor; the event loop only plans, and turns tokens into text and events.
+Stepping on in the executor thread, instead of one executor call per step, matters for a lone
+stream: the hop to the executor and back (mostly waiting for the GIL while the event loop sends
+the previous token) cost more than the step itself; now the loop sends while the next step runs.
 With `continuous_batching: false` (or a graph without position_ids, whose positions would shift
 under padding) every sequence decodes in a batch of its own instead.
 """
@@ -24,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import threading
 import time
 from collections import deque
 from collections.abc import Iterable
@@ -54,6 +60,10 @@ log = logging.getLogger(__name__)
 # arrivals can hold up the tokens of the sequences already running.
 PREFILL_TOKEN_BUDGET = 1024
 T = TypeVar("T")
+# Steps the executor thread may run past what the loop has delivered. Without a bound it held the
+# GIL between its model runs often enough to keep the loop from sending for milliseconds; with
+# 1 it waited on the loop at almost every step (bench.generate: 3 did best, 8 no better).
+MAX_AHEAD = 3
 
 
 @dataclass
@@ -66,11 +76,20 @@ class _Change:
 
 
 @dataclass
-class _Advanced:
-    members: list[Sequence]
-    tokens: list[int]
-    kept: dict[int, tuple[Cache, int]]
-    seconds: float
+class _Run:
+    """One executor call's steps of one batch, as the executor thread and the event loop share it
+    (plain attribute reads and writes: each is atomic under the GIL)."""
+
+    deadline: float | None  # the earliest time the loop must look (a deadline, a stall)
+    stop: bool = False  # set by the loop: something needs it between steps
+    steps: int = 0  # steps run (by the executor thread)
+    delivered: int = 0  # steps whose tokens the loop has delivered
+    caught_up: threading.Event = field(default_factory=threading.Event)  # set on each delivery
+
+    @property
+    def ahead(self) -> int:
+        """Tokens per row run but not yet delivered."""
+        return self.steps - self.delivered
 
 
 class Engine:
@@ -104,6 +123,7 @@ class Engine:
         self._unprefilled: deque[Sequence] = deque()  # given a slot, prompt not run yet
         self._batches: list[DecodeBatch[Sequence]] = []
         self._batch_of: dict[int, DecodeBatch[Sequence]] = {}  # id(sequence) -> its batch
+        self._runs: list[_Run] = []  # the batches' steps running in the executor now
         self._stall_s = self._settings.stall_timeout_ms / 1000
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
@@ -171,6 +191,8 @@ class Engine:
 
     def _kick(self) -> None:
         self._wake.set()
+        for run in self._runs:  # the loop has something to do between steps
+            run.stop = True
         if not self._closed and (self._task is None or self._task.done()):
             self._task = asyncio.get_running_loop().create_task(self._loop(), name="decode-loop")
 
@@ -355,17 +377,26 @@ class Engine:
         sequence.next_token = token
 
     async def _advance(self, changes: dict[int, _Change]) -> None:
-        """Apply each batch's changes and step it, in the executor; then deliver the tokens."""
+        """Apply each batch's changes and step it, in the executor, until the loop is needed
+        between steps; each step's tokens are delivered as it ends (_delivered)."""
         loop = asyncio.get_running_loop()
         batches = list(self._batches)
         work = [(batch, changes.get(id(batch), _Change())) for batch in batches]
-        results = await asyncio.gather(
-            *(
-                loop.run_in_executor(self._executor, self._advance_sync, batch, change)
-                for batch, change in work
-            ),
-            return_exceptions=True,
-        )
+        deadline = self._next_deadline()
+        runs = [_Run(deadline) for _ in work]
+        self._runs = runs
+        try:
+            results = await asyncio.gather(
+                *(
+                    loop.run_in_executor(self._executor, self._steps, batch, change, run, loop)
+                    for (batch, change), run in zip(work, runs, strict=True)
+                ),
+                return_exceptions=True,
+            )
+        finally:
+            self._runs = []
+        # The steps' tokens were delivered before this resumes: the executor thread scheduled
+        # those callbacks before the one that completes its call.
         now = time.monotonic()
         for (batch, change), result in zip(work, results, strict=True):
             for sequence in change.leaving:
@@ -376,33 +407,82 @@ class Engine:
                 continue
             for sequence in change.pausing:
                 self._batch_of.pop(id(sequence), None)
-                cache, token = result.kept[id(sequence)]
+                cache, token = result[id(sequence)]
                 if sequence.state is State.DONE:
                     self._free(sequence)
                 else:
                     sequence.state, sequence.cache, sequence.next_token = State.PAUSED, cache, token
                     sequence.paused_since = now
-            if result.members:
-                self._metrics.step_rows.observe(len(result.members))
-                self._metrics.step_seconds.observe(result.seconds)
-            for sequence, token in zip(result.members, result.tokens, strict=True):
-                self._deliver(sequence, token, now)
             if not len(batch):
                 self._batches.remove(batch)
 
-    def _advance_sync(self, batch: DecodeBatch[Sequence], change: _Change) -> _Advanced:
+    def _steps(
+        self, batch: DecodeBatch[Sequence], change: _Change, run: _Run, loop: asyncio.AbstractEventLoop
+    ) -> dict[int, tuple[Cache, int]]:
+        """In the executor: apply the batch's changes, then step it while no row needs the loop.
+        -> the caches of the rows that paused."""
         kept = batch.remove([*change.leaving, *change.pausing], keep=change.pausing)
         batch.add(change.joining)
-        if not len(batch):
-            return _Advanced([], [], kept, 0.0)
-        start = time.perf_counter()
-        logits = batch.step()
-        members = list(batch.members)
-        tokens = choose_rows(
-            logits[:, : self._vocab], [m.request.sampling for m in members], [m.rng for m in members]
-        )
-        batch.set_next(tokens)
-        return _Advanced(members, tokens, kept, time.perf_counter() - start)
+        while len(batch):
+            start = time.perf_counter()
+            logits = batch.step()
+            members = list(batch.members)
+            tokens = choose_rows(
+                logits[:, : self._vocab], [m.request.sampling for m in members], [m.rng for m in members]
+            )
+            batch.set_next(tokens)
+            run.steps += 1
+            loop.call_soon_threadsafe(self._delivered, run, members, tokens, time.perf_counter() - start)
+            if not self._step_again(run, members, tokens) or not self._wait_for_loop(run):
+                break
+        return kept
+
+    def _wait_for_loop(self, run: _Run) -> bool:
+        """In the executor: wait (without the GIL) until the loop is at most MAX_AHEAD steps behind,
+        so that it gets its turn to send while the next step runs. False: the loop wants to stop."""
+        while True:
+            run.caught_up.clear()
+            if run.stop or self._closed:
+                return False
+            if run.ahead <= MAX_AHEAD:
+                return True
+            run.caught_up.wait(0.001)
+
+    def _step_again(self, run: _Run, members: list[Sequence], tokens: list[int]) -> bool:
+        """In the executor, after a step: whether the next one can run without the loop. Not when
+        the loop asked, a deadline is due, a row ended (its end-of-text token, its length; a stop
+        sequence or a cancel shows as DONE, perhaps a step late, whose token is then dropped) or
+        the next token would overfill a row's buffer (counting the tokens still on their way)."""
+        if run.stop or self._closed:
+            return False
+        if run.deadline is not None and time.monotonic() >= run.deadline:
+            return False
+        ahead = run.ahead
+        for member, token in zip(members, tokens, strict=True):
+            if member.state is not State.RUNNING or token == self._codec.eos_id:
+                return False
+            generated = member.generated + ahead
+            if (
+                generated >= member.request.max_tokens
+                or len(member.request.prompt_ids) + generated >= self._model.context_length
+                or member.buffered + ahead + 1 > self._settings.stream_buffer
+            ):
+                return False
+        return True
+
+    def _delivered(self, run: _Run, members: list[Sequence], tokens: list[int], seconds: float) -> None:
+        """On the loop: one step's tokens."""
+        self._metrics.step_rows.observe(len(members))
+        self._metrics.step_seconds.observe(seconds)
+        now = time.monotonic()
+        for sequence, token in zip(members, tokens, strict=True):
+            self._deliver(sequence, token, now)
+            if sequence.state is State.DONE or sequence.buffer_full:
+                run.stop = True
+        # Last: the executor thread reads `ahead` from this, and must not count these tokens as
+        # delivered before the rows' counts include them.
+        run.delivered += 1
+        run.caught_up.set()
 
     # -- tokens to events --------------------------------------------------------------------
 

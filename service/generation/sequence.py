@@ -111,6 +111,11 @@ class Sequence:
         return len(self._events) >= self._buffer
 
     @property
+    def buffered(self) -> int:
+        """Events its reader has not taken yet."""
+        return len(self._events)
+
+    @property
     def has_room(self) -> bool:
         return len(self._events) < self._buffer
 

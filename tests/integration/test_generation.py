@@ -165,6 +165,10 @@ async def test_tokens_arrive_one_message_at_a_time_and_a_slow_reader_pauses(slow
     # (keeping its slot, out of the decode steps) instead of running ahead to 200 tokens.
     await eventually(lambda: paused(gen_service, "tight") == 1, "the sequence to pause for its reader")
     assert gauge(gen_service, "modelyard_generation_tokens_total", "tight") - before < 50
+    # The decode steps run ahead of the loop's deliveries, but never past the buffer's bound.
+    assert gen_service.generation is not None
+    engines = [e for v, e in list(gen_service.generation._engines.items()) if v.model == "tight"]
+    assert [s.buffered for e in engines for s in e._slots] == [2]
     assert gauge(gen_service, "modelyard_generation_active_sequences", "tight") == 1
     responses = [first, *await rest(call)]
     # Tokens that piled up while the reader slept come in fewer, larger messages; none is lost.
