@@ -13,12 +13,12 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 from collections.abc import Mapping
 from contextvars import ContextVar
 from typing import Any
 
 import grpc
+from modelyard.common.tracing import otlp_provider
 
 log = logging.getLogger(__name__)
 
@@ -33,35 +33,18 @@ _OFF = contextlib.nullcontext()
 def configure(environ: Mapping[str, str] | None = None) -> bool:
     """Turn tracing on from the OTEL_* variables; returns whether it is on."""
     global _tracer, _propagator, _provider
-    env = os.environ if environ is None else environ
-    endpoint = env.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or env.get("OTEL_EXPORTER_OTLP_ENDPOINT")
-    if not endpoint or env.get("OTEL_SDK_DISABLED", "").lower() == "true":
+    provider = otlp_provider("modelyard-service", environ)
+    if provider is None:
         return False
     from opentelemetry.baggage.propagation import W3CBaggagePropagator
     from opentelemetry.propagators.composite import CompositePropagator
-    from opentelemetry.sdk.resources import Resource
-    from opentelemetry.sdk.trace import TracerProvider
-    from opentelemetry.sdk.trace.export import BatchSpanProcessor
     from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
-    protocol = env.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL") or env.get("OTEL_EXPORTER_OTLP_PROTOCOL", "grpc")
-    exporter: Any
-    if protocol == "grpc":
-        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter as GrpcExporter
-
-        exporter = GrpcExporter()
-    else:
-        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter as HttpExporter
-
-        exporter = HttpExporter()
-    name = env.get("OTEL_SERVICE_NAME", "modelyard-service")
-    _provider = TracerProvider(resource=Resource.create({"service.name": name}))
-    _provider.add_span_processor(BatchSpanProcessor(exporter))
+    _provider = provider
     _tracer = _provider.get_tracer("modelyard.service")
     _propagator = CompositePropagator([TraceContextTextMapPropagator(), W3CBaggagePropagator()])
     for handler in logging.getLogger().handlers:
         handler.addFilter(TraceIds())
-    log.info("tracing on: OTLP %s to %s", protocol, endpoint)
     return True
 
 

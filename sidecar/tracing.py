@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 import grpc
+from modelyard.common.tracing import otlp_provider
 
 if TYPE_CHECKING:
     from sidecar.proxy import Metadata, Plan
@@ -150,29 +150,9 @@ def _route_attributes(plan: Plan) -> dict[str, str]:
 
 def configure(service_name: str, environ: Mapping[str, str] | None = None) -> Tracing:
     """Tracing from the standard OTEL_* variables; off when no OTLP endpoint is set."""
-    env = os.environ if environ is None else environ
-    endpoint = env.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or env.get("OTEL_EXPORTER_OTLP_ENDPOINT")
-    if not endpoint or env.get("OTEL_SDK_DISABLED", "").lower() == "true":
+    provider = otlp_provider(service_name, environ)
+    if provider is None:
         return Tracing()
-    from opentelemetry.sdk.resources import Resource
-    from opentelemetry.sdk.trace import TracerProvider
-    from opentelemetry.sdk.trace.export import BatchSpanProcessor
-
-    protocol = env.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL") or env.get("OTEL_EXPORTER_OTLP_PROTOCOL", "grpc")
-    exporter: Any
-    if protocol == "grpc":
-        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter as GrpcExporter
-
-        exporter = GrpcExporter()
-    else:
-        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter as HttpExporter
-
-        exporter = HttpExporter()
-    provider = TracerProvider(
-        resource=Resource.create({"service.name": env.get("OTEL_SERVICE_NAME", service_name)})
-    )
-    provider.add_span_processor(BatchSpanProcessor(exporter))
     for handler in logging.getLogger().handlers:
         handler.addFilter(TraceIds())
-    log.info("tracing on: OTLP %s to %s", protocol, endpoint)
     return Tracing(provider)
