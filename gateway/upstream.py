@@ -9,6 +9,7 @@ from collections.abc import Iterable, Mapping
 
 import grpc
 from modelyard.common import headers
+from modelyard.common.tls import Renewals
 from modelyard.inference.v1 import inference_service_pb2_grpc as inference_grpc
 from modelyard.inference.v1 import model_service_pb2_grpc as model_grpc
 from modelyard.kserve.v2 import grpc_service_pb2_grpc as kserve_grpc
@@ -74,8 +75,7 @@ class Upstream:
         if lookahead_bytes > 0:
             options += [("grpc.http2.lookahead_bytes", lookahead_bytes), ("grpc.http2.bdp_probe", 0)]
         self._options = options + (tls.options() if tls is not None else [])
-        self._tls = tls
-        self._stamp = tls.stamp() if tls is not None else ()
+        self._renewals = Renewals(tls) if tls is not None else None
         self._checked = time.monotonic()
         self._retired: set[asyncio.Task[None]] = set()
         self._connect(tls.credentials() if tls is not None else None)
@@ -105,19 +105,12 @@ class Upstream:
         return self._kserve
 
     def _refresh(self) -> None:
-        tls = self._tls
         now = time.monotonic()
-        if tls is None or now - self._checked < RECHECK_S:
+        if self._renewals is None or now - self._checked < RECHECK_S:
             return
         self._checked = now
-        try:
-            stamp = tls.stamp()
-            if stamp == self._stamp:
-                return
-            self._stamp = stamp
-            credentials = tls.credentials()
-        except (OSError, ValueError) as exc:  # mid-swap: the next change of the files tries again
-            log.warning("upstream TLS files changed but cannot be used (%s); keeping the previous ones", exc)
+        credentials = self._renewals.renewed()
+        if credentials is None:
             return
         old = self.channel
         self._connect(credentials)

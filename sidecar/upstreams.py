@@ -21,7 +21,7 @@ from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from modelyard.common.tls import ClientTls
+from modelyard.common.tls import ClientTls, Renewals
 from modelyard.inference.v1 import model_service_pb2, model_service_pb2_grpc
 
 from sidecar.routing import normalize_version
@@ -125,8 +125,7 @@ class Upstreams:
         tls: ClientTls | None = None,
     ) -> None:
         options = [*options, *(tls.options() if tls is not None else ())]
-        self._tls = tls
-        self._stamp = tls.stamp() if tls is not None else ()
+        self._renewals = Renewals(tls) if tls is not None else None
         credentials = tls.credentials() if tls is not None else None
         self.all = [Upstream(spec, options, credentials) for spec in specs]
         if not self.all:
@@ -140,7 +139,7 @@ class Upstreams:
     def start(self) -> None:
         for index in range(len(self.all)):
             self._watch(index)
-        if self._tls is not None:
+        if self._renewals is not None:
             self._tasks.append(asyncio.get_running_loop().create_task(self._follow_tls()))
 
     def _watch(self, index: int) -> None:
@@ -161,20 +160,12 @@ class Upstreams:
             await upstream.channel.close(None)
 
     async def _follow_tls(self) -> None:
-        tls = self._tls
-        assert tls is not None
+        renewals = self._renewals
+        assert renewals is not None
         while True:
             await asyncio.sleep(RECHECK_S)
-            try:
-                stamp = tls.stamp()
-                if stamp == self._stamp:
-                    continue
-                self._stamp = stamp
-                credentials = tls.credentials()
-            except (OSError, ValueError) as exc:  # mid-swap: the next change of the files tries again
-                log.warning(
-                    "upstream TLS files changed but cannot be used (%s); keeping the previous ones", exc
-                )
+            credentials = renewals.renewed()
+            if credentials is None:
                 continue
             for index, upstream in enumerate(self.all):
                 old = upstream.reconnect(credentials)

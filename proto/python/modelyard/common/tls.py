@@ -96,6 +96,28 @@ class ClientTls:
         return [("grpc.ssl_target_name_override", self.server_name)] if self.server_name else []
 
 
+class Renewals:
+    """Follows a ClientTls's files for a client that keeps its channels: `renewed()` gives new
+    channel credentials once the files changed and are usable, else None. A half-written swap
+    (a key that is not its certificate's, an unreadable file) keeps the previous credentials, with
+    a warning, and is tried again on the next change."""
+
+    def __init__(self, tls: ClientTls) -> None:
+        self._tls = tls
+        self._stamp = tls.stamp()
+
+    def renewed(self) -> grpc.ChannelCredentials | None:
+        try:
+            stamp = self._tls.stamp()
+            if stamp == self._stamp:
+                return None
+            self._stamp = stamp
+            return self._tls.credentials()
+        except (OSError, ValueError) as exc:
+            log.warning("upstream TLS files changed but cannot be used (%s); keeping the previous ones", exc)
+            return None
+
+
 def _path(value: str) -> Path | None:
     return Path(value) if value else None
 
