@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from modelyard.common import logs
+from modelyard.common import logs, tls
 from modelyard.common.settings import parse_settings as parse
 
 ENV_PREFIX = "MODELYARD_GATEWAY_"
@@ -64,11 +64,7 @@ _HELP = {
     "tls_cert": "PEM certificate chain of the HTTP listener; empty: plain HTTP",
     "tls_key": "PEM private key for tls_cert",
     "tls_client_ca": "PEM CA bundle; when set, HTTP clients must present a certificate it signed (mTLS)",
-    "upstream_tls": "reach the upstream over TLS, verified with the system's roots unless upstream_ca is set",
-    "upstream_ca": "PEM CA bundle that signed the upstream's certificate (implies upstream_tls)",
-    "upstream_cert": "PEM client certificate the gateway presents to the upstream (mTLS)",
-    "upstream_key": "PEM private key for upstream_cert",
-    "upstream_server_name": "name to check in the upstream's certificate instead of the address's host",
+    **tls.UPSTREAM_HELP,
     **logs.HELP,
 }
 _CHOICES = logs.CHOICES

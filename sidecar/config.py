@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from modelyard.common import logs
+from modelyard.common import logs, tls
 from modelyard.common.settings import parse_settings as parse
 
 ENV_PREFIX = "MODELYARD_SIDECAR_"
@@ -50,11 +50,7 @@ _HELP = {
     "tls_cert": "PEM certificate chain of the gRPC and admin listeners; empty: no TLS",
     "tls_key": "PEM private key for tls_cert",
     "tls_client_ca": "PEM CA bundle; when set, clients must present a certificate it signed (mTLS)",
-    "upstream_tls": "reach the upstreams over TLS (the system's roots verify them unless upstream_ca is set)",
-    "upstream_ca": "PEM CA bundle that signed the upstreams' certificates (implies upstream_tls)",
-    "upstream_cert": "PEM client certificate the sidecar presents to the upstreams (mTLS)",
-    "upstream_key": "PEM private key for upstream_cert",
-    "upstream_server_name": "name to check in the upstreams' certificates instead of the address's host",
+    **tls.UPSTREAM_HELP,
     "admin_tokens_file": "file of bearer tokens, one per line; admin changes (PUT /canary) then need one",
     "admin_auth_reads": "require a token for the admin endpoint's reads too (/metrics, /breakers, /canary)",
     **logs.HELP,

@@ -30,6 +30,16 @@ import grpc
 log = logging.getLogger(__name__)
 
 
+# The help of the settings that make a ClientTls (upstream_*), for the processes that have them.
+UPSTREAM_HELP = {
+    "upstream_tls": "reach the upstream over TLS, verified with the system's roots unless upstream_ca is set",
+    "upstream_ca": "PEM CA bundle that signed the upstream's certificate (implies upstream_tls)",
+    "upstream_cert": "PEM client certificate presented to the upstream (mTLS)",
+    "upstream_key": "PEM private key for upstream_cert",
+    "upstream_server_name": "name to check in the upstream's certificate instead of the address's host",
+}
+
+
 @dataclass(frozen=True)
 class TlsFiles:
     cert: Path  # PEM certificate chain, the server's first
