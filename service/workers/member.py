@@ -137,7 +137,7 @@ class WorkerLink:
                 if reason:
                     context.set_trailing_metadata(reason)
                 await context.abort(exc.code(), exc.details() or "")
-            return fanned.merge(protocol.unpack(answers))
+            return fanned.merge(request, protocol.unpack(answers))
 
         return grpc.unary_unary_rpc_method_handler(
             forward, request_deserializer=_identity, response_serializer=_identity
