@@ -12,8 +12,9 @@ issue's target is <= 1.1) and throughput at concurrency 16 (service/bare: >= 0.9
     .venv/bin/python -m bench.floor [--models tiny,mlp] [--apis kserve,v1] [--duration 4] [--repeats 3]
         [--no-pin] [--profile] [--service-arg=--workers=1 ...]
 
-`--profile` samples the service with py-spy at concurrency 16 on the MLP (KServe) and prints
-where its CPU goes (see bench.unary_latency for the parser). Results: bench/results/floor.json.
+`--profile` samples both servers with py-spy at concurrency 16 on the MLP (each API) and prints
+where their CPU goes, category by category, side by side (bench.unary_latency parses py-spy).
+Results: bench/results/floor.json.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ from modelyard.kserve.v2 import grpc_service_pb2 as kpb
 from modelyard.kserve.v2 import grpc_service_pb2_grpc as kgrpc
 
 from bench.processes import ROOT, SERVICE_READY, ServerProcess
-from bench.unary_latency import RequestFailed, drive, print_profiles, profile_server
+from bench.unary_latency import Profile, RequestFailed, drive, print_profiles, profile_server
 from models.demo_models import mlp, scaled_identity, write_model
 
 DEFAULT_OUTPUT = ROOT / "bench" / "results" / "floor.json"
@@ -147,23 +148,24 @@ async def run(args: argparse.Namespace) -> int:
                                     f"CPU {result['server_cpu_us_per_request']:6.1f} us/req",
                                     file=sys.stderr,
                                 )
-            profiles = []
-            if args.profile:
-                request = request_for("kserve", "mlp", 256)
+            profiles: dict[str, list[Profile]] = {}
+            profiled = "mlp" if "mlp" in args.models else args.models[0]
+            for api in args.apis if args.profile else ():
+                request = request_for(api, profiled, MODELS[profiled][1])
                 for server in (bare, service):
                     profile = await profile_server(
                         server,
-                        calls[(server.name, "kserve")],
+                        calls[(server.name, api)],
                         request,
                         16,
                         args.warmup,
                         args.duration,
                         500,
-                        workdir / f"profile_{server.name}.raw",
+                        workdir / f"profile_{server.name}_{api}.raw",
                         blocking=False,
                     )
                     if profile is not None:
-                        profiles.append(profile)
+                        profiles.setdefault(api, []).append(profile)
         except RequestFailed as exc:
             print(f"a request failed: {exc}\n{service.log_tail()}", file=sys.stderr)
             return 1
@@ -185,8 +187,9 @@ async def run(args: argparse.Namespace) -> int:
             f"{value.get('tput_c16', float('nan')):>30.2f} "
             f"{value.get('cpu_per_request_c16', float('nan')):>31.2f}"
         )
-    if args.profile:
-        print_profiles(profiles, 15)
+    for api, api_profiles in profiles.items():
+        print(f"\n== profiles through {api}, {profiled}, concurrency 16")
+        print_profiles(api_profiles, 15, reference="bare")
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(json.dumps({"pinned": pin, "summary": summary, "rows": rows}, indent=2))
     return 0
