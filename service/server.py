@@ -234,7 +234,13 @@ def build_service(
         (model_service_pb2_grpc.add_ModelServiceServicer_to_server, ModelServicer(manager, metrics)),
         (
             grpc_service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server,
-            KServeServicer(manager, dataplane, metrics, shm=shm),
+            KServeServicer(
+                manager,
+                dataplane,
+                metrics,
+                shm=shm,
+                whole_service_ready=(lambda: link.service_serving) if link is not None else None,
+            ),
         ),
     ]
     servicers.append((_add_flat_servicer, FlatInferenceServicer(dataplane, metrics)))
