@@ -103,6 +103,9 @@ def test_the_sidecar_reaches_its_own_service_over_the_pods_loopback() -> None:
     by_name = {c["name"]: c for c in pod["spec"]["template"]["spec"]["containers"]}
     upstream = sidecar_settings(by_name["sidecar"]["args"][1:]).upstream
     assert upstream == (f"127.0.0.1:{port(flag(by_name['service'], 'listen'))}",)
+    # Both drain after the same pause: a service that drained first would fail its sidecar's calls.
+    pauses = {name: c["lifecycle"]["preStop"]["sleep"]["seconds"] for name, c in by_name.items()}
+    assert pauses["service"] == pauses["sidecar"] > 0
 
 
 def service_named(name: str) -> dict[str, Any]:
