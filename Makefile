@@ -23,6 +23,7 @@ lint: $(VENV)/.installed-dev $(BUF) system-deps
 	$(PY) proto/generate.py --check
 	$(PY) envoy/render.py --check
 	$(VENV)/bin/envoy --mode validate -c envoy/envoy.yaml --log-level warn
+	$(VENV)/bin/envoy --mode validate -c deploy/kubernetes/envoy.yaml --log-level warn
 	$(MAKE) --no-print-directory web-check
 	$(BUF) lint
 	$(BUF) breaking --against proto/baseline.binpb

@@ -71,6 +71,10 @@ class Upstream:
         options: list[tuple[str, int | str]] = [
             ("grpc.max_receive_message_length", 64 << 20),
             ("grpc.max_send_message_length", 64 << 20),
+            # An address that resolves to several sidecars (dns:///a headless Kubernetes Service,
+            # ipv4:a,b) gets calls spread over all of them, not pinned to the first; one address:
+            # the same as gRPC's default.
+            ("grpc.lb_policy_name", "round_robin"),
         ]
         if lookahead_bytes > 0:
             options += [("grpc.http2.lookahead_bytes", lookahead_bytes), ("grpc.http2.bdp_probe", 0)]

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from modelyard.common import logs
 from modelyard.common.settings import parse_settings as parse
+
+from service.cores import usable_cores
 
 ENV_PREFIX = "MODELYARD_SERVICE_"
 
@@ -71,9 +72,10 @@ _CHOICES = {
 
 
 def worker_count(text: str) -> int:
-    """`--workers`: a positive number, or auto (one per CPU core). ValueError names what is wrong."""
+    """`--workers`: a positive number, or auto (one per core this process may use: its affinity
+    and its container's CPU limit). ValueError names what is wrong."""
     if text.strip().lower() == "auto":
-        return os.cpu_count() or 1
+        return usable_cores()
     if not (text.strip().isascii() and text.strip().isdigit()) or int(text) < 1:
         raise ValueError(f"--workers must be a positive number or auto, got {text!r}")
     return int(text)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-import os
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -41,6 +40,7 @@ from service.api.model_servicer import ModelServicer
 from service.api.wire import Guarded, GuardFor, OnUndecodable
 from service.batching.layer import BatchingLayer
 from service.config import Settings
+from service.cores import usable_cores
 from service.dataplane import DataPlane
 from service.generation.model import recognize_decoder
 from service.generation.plane import GenerationPlane
@@ -194,7 +194,7 @@ def build_service(
     log.info("execution provider: %s (%s)", providers.default, providers.reason)
     metrics = ServiceMetrics()
     executor = ThreadPoolExecutor(
-        max_workers=settings.inference_threads or os.cpu_count() or 1, thread_name_prefix="infer"
+        max_workers=settings.inference_threads or usable_cores(), thread_name_prefix="infer"
     )
     manager = ModelManager(
         settings.repository,
@@ -234,7 +234,13 @@ def build_service(
         (model_service_pb2_grpc.add_ModelServiceServicer_to_server, ModelServicer(manager, metrics)),
         (
             grpc_service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server,
-            KServeServicer(manager, dataplane, metrics, shm=shm),
+            KServeServicer(
+                manager,
+                dataplane,
+                metrics,
+                shm=shm,
+                whole_service_ready=(lambda: link.service_serving) if link is not None else None,
+            ),
         ),
     ]
     servicers.append((_add_flat_servicer, FlatInferenceServicer(dataplane, metrics)))

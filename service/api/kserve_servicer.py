@@ -4,7 +4,7 @@ repository, configuration and statistics extensions, over the same data plane as
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import replace
 from functools import partial
 
@@ -76,8 +76,10 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
         dataplane: DataPlane,
         metrics: ServiceMetrics,
         shm: SharedMemoryRegistry | None = None,
+        whole_service_ready: Callable[[], bool] | None = None,  # with workers: every worker serving
     ) -> None:
         self._manager = manager
+        self._whole_service_ready = whole_service_ready
         self._shm = shm if shm is not None else SharedMemoryRegistry()
         self._dataplane = dataplane
         self._metrics = metrics
@@ -88,7 +90,8 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
         return pb.ServerLiveResponse(live=True)
 
     async def ServerReady(self, request: pb.ServerReadyRequest, context: Context) -> pb.ServerReadyResponse:
-        return pb.ServerReadyResponse(ready=self._manager.loaded_all)
+        whole = self._whole_service_ready is None or self._whole_service_ready()
+        return pb.ServerReadyResponse(ready=self._manager.loaded_all and whole)
 
     async def ModelReady(self, request: pb.ModelReadyRequest, context: Context) -> pb.ModelReadyResponse:
         try:

@@ -9,10 +9,10 @@ batcher; the runtime knows nothing of it.
 from __future__ import annotations
 
 import logging
-import os
 from concurrent.futures import Executor
 
 from service.batching.batcher import Batcher, BatchSettings
+from service.cores import usable_cores
 from service.metrics import ServiceMetrics
 from service.runtime.served import ServedVersion
 from service.scheduling.clock import Clock
@@ -31,7 +31,7 @@ class BatchingLayer:
         self._executor = executor
         self._metrics = metrics
         self._clock = clock
-        self._cpus = cpus or os.cpu_count() or 1
+        self._cpus = cpus or usable_cores()
         # Keyed by the version object itself (identity): a reloaded version with the same number
         # is another key, so the old batcher drains while the new one serves.
         self._batchers: dict[ServedVersion, Batcher] = {}

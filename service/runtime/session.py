@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-import os
 import statistics
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -19,6 +18,7 @@ import onnxruntime as ort
 from modelyard.tensors import NUMPY_BY_NAME
 from onnxruntime.capi.onnxruntime_pybind11_state import InvalidArgument
 
+from service.cores import usable_cores
 from service.datatypes import NAME_BY_ORT
 from service.errors import InvalidInput, ModelLoadError, ModelRunError, ServiceError
 from service.repository.config import ModelConfig, TensorConfig
@@ -105,11 +105,7 @@ def inline_run_limit_s(processes: int = 1) -> float:
     """How long a run may be and still run on the event loop, for this machine: the cores this
     process may use (its CPU affinity), shared by `processes` service processes. Per model, the
     warm-up run time is held against it (ModelRunner.runs_inline)."""
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        cores = os.cpu_count() or 1
-    return ONE_CORE_INLINE_RUN_LIMIT_S if cores <= processes else INLINE_RUN_LIMIT_S
+    return ONE_CORE_INLINE_RUN_LIMIT_S if usable_cores() <= processes else INLINE_RUN_LIMIT_S
 
 
 class Runnable(Protocol):

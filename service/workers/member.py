@@ -111,6 +111,7 @@ class WorkerLink:
         self.role = role
         self._channel: grpc.aio.Channel | None = None
         self._following: asyncio.Task[None] | None = None
+        self.service_serving = False  # the whole service (every worker) serving, as last heard
 
     @property
     def channel(self) -> grpc.aio.Channel:
@@ -137,7 +138,7 @@ class WorkerLink:
                 if reason:
                     context.set_trailing_metadata(reason)
                 await context.abort(exc.code(), exc.details() or "")
-            return fanned.merge(protocol.unpack(answers))
+            return fanned.merge(request, protocol.unpack(answers))
 
         return grpc.unary_unary_rpc_method_handler(
             forward, request_deserializer=_identity, response_serializer=_identity
@@ -177,14 +178,14 @@ class WorkerLink:
         while True:
             try:
                 async for reply in stub.Watch(request, wait_for_ready=True):
+                    self.service_serving = reply.status == health_names.SERVING
                     await set_health(
                         health_names.SERVER,
-                        health_names.SERVING
-                        if reply.status == health_names.SERVING
-                        else health_names.NOT_SERVING,
+                        health_names.SERVING if self.service_serving else health_names.NOT_SERVING,
                     )
             except grpc.aio.AioRpcError:
                 pass
+            self.service_serving = False
             await set_health(health_names.SERVER, health_names.NOT_SERVING)  # the supervisor is unreachable
             await asyncio.sleep(0.1)
 

@@ -57,8 +57,11 @@ def merge_models(models: Sequence[pb.Model]) -> pb.Model:
     return merged
 
 
-def _single(cls: type[Message]) -> Callable[[Sequence[bytes]], bytes]:
-    def merge(answers: Sequence[bytes]) -> bytes:
+Merge = Callable[[bytes, Sequence[bytes]], bytes]  # (the request, every worker's answer) -> one answer
+
+
+def _single(cls: type[Message]) -> Merge:
+    def merge(request: bytes, answers: Sequence[bytes]) -> bytes:
         parsed = [cls.FromString(a) for a in answers]
         out = cls()
         out.CopyFrom(parsed[0])
@@ -68,14 +71,53 @@ def _single(cls: type[Message]) -> Callable[[Sequence[bytes]], bytes]:
     return merge
 
 
-def _list(answers: Sequence[bytes]) -> bytes:
+def _list(request: bytes, answers: Sequence[bytes]) -> bytes:
     by_name: dict[str, list[pb.Model]] = {}
     for answer in answers:
         for model in pb.ListModelsResponse.FromString(answer).models:
             by_name.setdefault(model.name, []).append(model)
+    # A model that some worker does not list has none of its versions there.
     return pb.ListModelsResponse(
-        models=[merge_models(by_name[name]) for name in sorted(by_name)]
+        models=[
+            merge_models(models + [pb.Model(name=name)] * (len(answers) - len(models)))
+            for name, models in sorted(by_name.items())
+        ]
     ).SerializeToString()
+
+
+# Triton's words in the repository index, least ready first (service/api/kserve_servicer.py).
+_INDEX_ORDER = ["UNAVAILABLE", "LOADING", "UNLOADING", "READY"]
+
+
+def _index_rank(entry: kpb.RepositoryIndexResponse.ModelIndex) -> int:
+    return _INDEX_ORDER.index(entry.state) if entry.state in _INDEX_ORDER else -1
+
+
+def _repository_index(request: bytes, answers: Sequence[bytes]) -> bytes:
+    """Per (model, version), the least ready state of any worker; a version that some worker does
+    not list is not READY there. Asked for READY versions only, the index keeps those READY on
+    every worker."""
+    entries: dict[tuple[str, str], list[kpb.RepositoryIndexResponse.ModelIndex]] = {}
+    for answer in answers:
+        for entry in kpb.RepositoryIndexResponse.FromString(answer).models:
+            entries.setdefault((entry.name, entry.version), []).append(entry)
+    ready_only = kpb.RepositoryIndexRequest.FromString(request).ready
+    merged = kpb.RepositoryIndexResponse()
+    for listed in entries.values():  # in the order the workers list them
+        worst = min(listed, key=_index_rank)
+        missing = len(listed) < len(answers)
+        if ready_only and missing:
+            continue
+        out = merged.models.add()
+        out.CopyFrom(worst)
+        if missing and out.state == "READY":
+            out.state, out.reason = "LOADING", "not yet on every worker"
+    return merged.SerializeToString()
+
+
+def _model_ready(request: bytes, answers: Sequence[bytes]) -> bytes:
+    ready = all(kpb.ModelReadyResponse.FromString(a).ready for a in answers)
+    return kpb.ModelReadyResponse(ready=ready).SerializeToString()
 
 
 def add_numbers(into: Message, other: Message) -> None:
@@ -120,7 +162,7 @@ def _matching(target: Any, item: Message, position: int) -> Message | None:
 _INTEGERS = {3, 4, 5, 6, 13, 15, 16, 17, 18}  # FieldDescriptor int/uint/fixed/sint types
 
 
-def _statistics(answers: Sequence[bytes]) -> bytes:
+def _statistics(request: bytes, answers: Sequence[bytes]) -> bytes:
     merged: dict[tuple[str, str], kpb.ModelStatistics] = {}
     for answer in answers:
         for stats in kpb.ModelStatisticsResponse.FromString(answer).model_stats:
@@ -131,7 +173,7 @@ def _statistics(answers: Sequence[bytes]) -> bytes:
     return kpb.ModelStatisticsResponse(model_stats=list(merged.values())).SerializeToString()
 
 
-def _first(answers: Sequence[bytes]) -> bytes:
+def _first(request: bytes, answers: Sequence[bytes]) -> bytes:
     return answers[0]
 
 
@@ -141,7 +183,7 @@ class Fanned:
     control, which the supervisor replays to a worker that joins later) and how to merge answers."""
 
     request: type[Message]
-    merge: Callable[[Sequence[bytes]], bytes]
+    merge: Merge
     changes: str = ""  # the request field naming the model it changes; empty: a read
 
 
@@ -156,4 +198,6 @@ FANNED: dict[str, Fanned] = {
     _KSERVE + "RepositoryModelLoad": Fanned(kpb.RepositoryModelLoadRequest, _first, "model_name"),
     _KSERVE + "RepositoryModelUnload": Fanned(kpb.RepositoryModelUnloadRequest, _first, "model_name"),
     _KSERVE + "ModelStatistics": Fanned(kpb.ModelStatisticsRequest, _statistics),
+    _KSERVE + "RepositoryIndex": Fanned(kpb.RepositoryIndexRequest, _repository_index),
+    _KSERVE + "ModelReady": Fanned(kpb.ModelReadyRequest, _model_ready),
 }

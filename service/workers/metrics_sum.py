@@ -1,28 +1,47 @@
 """One scrape for all workers: every worker's series summed (counters, histograms, and gauges of
-amounts such as queue depth), except gauges of state, where the lowest worker speaks for all."""
+amounts such as queue depth), except gauges of state, where the lowest worker speaks for all.
+
+Counters must not go backwards when a worker is replaced: the monotonic families of a dead
+worker's last scrape are folded into carried-over totals that every later sum adds in."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 
 from prometheus_client.core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
 # Gauges that say what each worker has, not how much: summing would count one model N times.
 LOWEST = frozenset({"modelyard_model_versions_ready"})
+# Families whose values only grow while their process lives: carried over when it dies. Gauges
+# are not (a dead worker's queue depth is gone with it).
+MONOTONIC = frozenset({"counter", "histogram", "summary"})
+_CREATED = "_created"
 
 
-def sum_scrapes(scrapes: Iterable[str]) -> Iterator[Metric]:
+def parse(text: str) -> list[Metric]:
+    """One worker's scrape, without prometheus_client's `<family>_created` series: creation
+    timestamps (one per process) mean nothing summed or carried over, so the sum has none."""
+    families = list(text_string_to_metric_families(text))
+    monotonic = {f.name for f in families if f.type in MONOTONIC}
+    return [
+        f for f in families if not (f.name.endswith(_CREATED) and f.name.removesuffix(_CREATED) in monotonic)
+    ]
+
+
+def sum_families(scrapes: Iterable[Iterable[Metric]]) -> Iterator[Metric]:
     families: dict[str, Metric] = {}
     values: dict[str, dict[tuple[str, tuple[tuple[str, str], ...]], float]] = {}
-    for text in scrapes:
-        for family in text_string_to_metric_families(text):
+    for scrape in scrapes:
+        for family in scrape:
             if family.name not in families:
                 families[family.name] = Metric(family.name, family.documentation, family.type)
                 values[family.name] = {}
             lowest = family.name in LOWEST
             into = values[family.name]
             for sample in family.samples:
+                if family.type in MONOTONIC and sample.name == family.name + _CREATED:
+                    continue  # the same timestamps, where a parser keeps them in the family
                 key = (sample.name, tuple(sorted(sample.labels.items())))
                 if key in into:
                     into[key] = min(into[key], sample.value) if lowest else into[key] + sample.value
@@ -32,3 +51,14 @@ def sum_scrapes(scrapes: Iterable[str]) -> Iterator[Metric]:
         for (sample_name, labels), value in values[name].items():
             family.add_sample(sample_name, dict(labels), value)
         yield family
+
+
+def sum_scrapes(scrapes: Iterable[str]) -> Iterator[Metric]:
+    return sum_families(parse(text) for text in scrapes)
+
+
+def carry(carried: Sequence[Metric], last_scrape: str) -> list[Metric]:
+    """The carried-over totals once a worker whose last scrape was `last_scrape` is gone: one set
+    of totals however many workers came and went (its size is the number of series seen)."""
+    monotonic = [f for f in parse(last_scrape) if f.type in MONOTONIC]
+    return list(sum_families([carried, monotonic]))

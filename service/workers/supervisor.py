@@ -16,6 +16,7 @@ import signal
 import socket
 import sys
 import tempfile
+import threading
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -35,7 +36,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from service.config import ENV_PREFIX, Settings
 from service.workers import protocol
 from service.workers.member import CHANNEL_OPTIONS
-from service.workers.metrics_sum import sum_scrapes
+from service.workers.metrics_sum import carry, parse, sum_families
 from service.workers.watch import MergedWatch
 
 log = logging.getLogger(__name__)
@@ -60,6 +61,10 @@ class Slot:
     scrape_channel: grpc.Channel | None = None  # sync: scrapes run on the HTTP thread
     restarts: int = 0
     watching: asyncio.Task[None] | None = None  # its WatchModels, followed for the merged watch
+    # Its process's latest scrape (read and written under Supervisor._scraped), and which
+    # process that was: a scrape begun before the process was replaced is not kept.
+    last_scrape: str | None = None
+    generation: int = 0
 
 
 @dataclass
@@ -81,6 +86,12 @@ class Supervisor:
     _changes: dict[str, tuple[str, bytes]] = field(default_factory=dict)
     _control: asyncio.Lock = field(default_factory=asyncio.Lock)
     _watch: MergedWatch = field(default_factory=MergedWatch)
+    # Counters of workers that died (metrics_sum.carry), added to every scrape. `_scraped` guards
+    # them and each slot's last scrape (the event loop folds, the HTTP thread scrapes);
+    # `_scraping` lets one scrape run at a time, so that a later scrape never keeps older values.
+    _carried: list[Metric] = field(default_factory=list)
+    _scraped: threading.Lock = field(default_factory=threading.Lock)
+    _scraping: threading.Lock = field(default_factory=threading.Lock)
 
     @property
     def address(self) -> str:
@@ -253,6 +264,11 @@ class Supervisor:
             await asyncio.gather(slot.watching, return_exceptions=True)
             slot.watching = None
         self._watch.leave(slot.index)
+        with self._scraped:  # its counters live on in the sum; its gauges are gone
+            if slot.last_scrape is not None:
+                self._carried = carry(self._carried, slot.last_scrape)
+            slot.last_scrape = None
+            slot.generation += 1
         await self._health.set(protocol.admitted(slot.index), health_names.NOT_SERVING)
         await self._update_health()
         if slot.channel is not None:
@@ -341,21 +357,31 @@ class Supervisor:
 
     # -- metrics ---------------------------------------------------------------------------
 
-    def scrapes(self) -> Iterator[tuple[int, str]]:
-        """Each live worker's scrape (on the HTTP thread); a worker that does not answer is left out."""
-        for slot in list(self._slots):
-            if not slot.admitted:
-                continue
-            if slot.scrape_channel is None:
-                slot.scrape_channel = grpc.insecure_channel(self.folder.worker(slot.index))
-            try:
-                text = slot.scrape_channel.unary_unary(protocol.METRICS, None, None)(
-                    b"", timeout=SCRAPE_TIMEOUT_S
-                )
-            except grpc.RpcError as exc:
-                log.warning("worker %d did not give its metrics: %s", slot.index, exc)
-                continue
-            yield slot.index, text.decode()
+    def scrapes(self) -> tuple[list[Metric], list[tuple[int, str]]]:
+        """The carried-over totals and each worker's latest scrape (on the HTTP thread). A worker
+        that does not answer this time counts with its last scrape rather than vanishing."""
+        with self._scraping:
+            fresh: dict[int, tuple[int, str]] = {}
+            for slot in list(self._slots):
+                if not slot.admitted:
+                    continue
+                generation = slot.generation
+                if slot.scrape_channel is None:
+                    slot.scrape_channel = grpc.insecure_channel(self.folder.worker(slot.index))
+                try:
+                    text = slot.scrape_channel.unary_unary(protocol.METRICS, None, None)(
+                        b"", timeout=SCRAPE_TIMEOUT_S
+                    )
+                except grpc.RpcError as exc:
+                    log.warning("worker %d did not give its metrics: %s", slot.index, exc)
+                    continue
+                fresh[slot.index] = (generation, text.decode())
+            with self._scraped:
+                for slot in self._slots:
+                    if slot.index in fresh and fresh[slot.index][0] == slot.generation:
+                        slot.last_scrape = fresh[slot.index][1]
+                texts = [(s.index, s.last_scrape) for s in self._slots if s.last_scrape is not None]
+                return self._carried, texts
 
 
 class _Scrapes:
@@ -365,8 +391,8 @@ class _Scrapes:
         self._supervisor = supervisor
 
     def collect(self) -> Iterator[Metric]:
-        texts = list(self._supervisor.scrapes())
-        yield from sum_scrapes(text for _, text in texts)
+        carried, texts = self._supervisor.scrapes()
+        yield from sum_families([carried, *(parse(text) for _, text in texts)])
         per_worker = GaugeMetricFamily(
             "modelyard_worker_requests",
             "Requests answered by each worker process since it started.",

@@ -8,15 +8,20 @@ import gc
 from collections.abc import AsyncIterator
 from typing import Any
 
+import grpc
 import httpx
 import numpy as np
 import pytest_asyncio
 import tritonclient.http as tritonhttp
+from modelyard.kserve.v2 import grpc_service_pb2 as kpb
+from modelyard.kserve.v2 import grpc_service_pb2_grpc as kserve_grpc
 from tritonclient.utils import InferenceServerException
 
 from gateway.app import Gateway
 from gateway.config import Settings as GatewaySettings
-from service.server import Service
+from service.config import Settings as ServiceSettings
+from service.server import Service, build_service
+from tests.support import eventually
 
 
 @pytest_asyncio.fixture
@@ -115,3 +120,41 @@ async def test_json_tensors_and_errors(gateway) -> None:
         )
         assert wrong.status_code == 400 and wrong.json()["reason"] == "invalid_argument"
         assert (await http.post("/v2/models/scaler/infer", content=b"{")).status_code == 400
+
+
+async def test_an_upstream_with_several_addresses_gets_calls_spread_over_all(repository, tmp_path) -> None:
+    # Kubernetes gives the gateway one name for every sidecar pod (a headless Service); gRPC's
+    # default (pick_first) would send every call to the first. Two real services stand for two pods.
+    services = [
+        build_service(ServiceSettings(repository=repository, listen="127.0.0.1:0", metrics_listen=""))
+        for _ in range(2)
+    ]
+    for service in services:
+        await service.start()
+    both = "ipv4:" + ",".join(service.address for service in services)
+    running = Gateway(GatewaySettings(listen="127.0.0.1:0", upstream=both))
+    await running.start()
+    body = {"inputs": [{"name": "INPUT0", "shape": [1, 16], "datatype": "FP32", "data": [1.0] * 16}]}
+    try:
+        async with httpx.AsyncClient(base_url=f"http://{running.address}") as client:
+
+            async def infer_counts() -> list[int]:
+                counts = []
+                for service in services:
+                    async with grpc.aio.insecure_channel(service.address) as channel:
+                        stats = await kserve_grpc.GRPCInferenceServiceStub(channel).ModelStatistics(
+                            kpb.ModelStatisticsRequest(name="scaler")
+                        )
+                    counts.append(sum(s.inference_count for s in stats.model_stats))
+                return counts
+
+            async def both_served() -> bool:
+                reply = await client.post("/v2/models/scaler/infer", json=body)
+                assert reply.status_code == 200, reply.text
+                return min(await infer_counts()) > 0
+
+            await eventually(both_served, "calls through the gateway reaching both services")
+    finally:
+        await running.stop()
+        for service in services:
+            await service.stop(grace_s=1.0)

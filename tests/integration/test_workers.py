@@ -1,5 +1,6 @@
 """Worker processes (`--workers N`): one service to the outside. Requests spread over workers and
-one scrape sums them; explicit model control reaches every worker; a killed worker is restarted
+one scrape sums them (counters do not go back when a worker restarts); explicit model control
+reaches every worker; KServe readiness answers for every worker; a killed worker is restarted
 while the others serve on; a version swap under load fails no request; shared-memory regions
 registered through one worker serve on any."""
 
@@ -8,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -230,6 +232,133 @@ async def test_a_killed_worker_restarts_while_the_others_serve(
         watching.cancel()
     assert process.stop() == 0  # SIGTERM: every worker drains, the supervisor exits cleanly
     assert sum("stopped (exit code 0)" in line for line in process.log) == 2
+
+
+async def restarted(process: ServiceProcess, index: int = 0) -> None:
+    """Kill worker `index` and wait until its replacement is admitted."""
+    victim = pids(process)[index]
+    admitted = sum(f"worker {index} admitted" in line for line in process.log)
+    os.kill(victim, signal.SIGKILL)
+    await eventually(lambda: pids(process).get(index, victim) != victim, f"worker {index} restarted")
+    await eventually(
+        lambda: sum(f"worker {index} admitted" in line for line in process.log) > admitted,
+        f"worker {index} admitted again",
+    )
+
+
+async def readiness(channel: grpc.aio.Channel) -> tuple[list[tuple[str, str, str]], bool, list[int]]:
+    """What KServe's RepositoryIndex and ModelReady and our ListModels say of `double`."""
+    kserve = kgrpc.GRPCInferenceServiceStub(channel)
+    index = await kserve.RepositoryIndex(kpb.RepositoryIndexRequest())
+    ready = await kserve.ModelReady(kpb.ModelReadyRequest(name="double"))
+    listed = await model_grpc.ModelServiceStub(channel).ListModels(model_pb.ListModelsRequest())
+    return (
+        [(m.name, m.version, m.state) for m in index.models],
+        ready.ready,
+        [v.state for m in listed.models if m.name == "double" for v in m.versions],
+    )
+
+
+async def test_kserve_readiness_answers_for_every_worker(service_process, small_repository: Path) -> None:
+    process = service_process(small_repository, "--workers", "2", "--control-mode", "explicit")
+    ready, unloaded = model_pb.MODEL_STATE_READY, model_pb.MODEL_STATE_UNLOADED
+    async with connections(process.address) as channels:
+        workers = await by_worker(channels)
+        assert set(workers) == {"worker-0", "worker-1"}
+        first, second = workers["worker-0"][0], workers["worker-1"][0]
+        for channel in (first, second):
+            assert await readiness(channel) == ([("double", "1", "READY")], True, [ready])
+        await model_grpc.ModelServiceStub(first).UnloadModel(model_pb.UnloadModelRequest(name="double"))
+        for channel in (first, second):
+            assert await readiness(channel) == ([("double", "1", "UNAVAILABLE")], False, [unloaded])
+        await kgrpc.GRPCInferenceServiceStub(second).RepositoryModelLoad(
+            kpb.RepositoryModelLoadRequest(model_name="double")
+        )
+        for channel in (first, second):
+            assert await readiness(channel) == ([("double", "1", "READY")], True, [ready])
+    # Workers disagree: the model's files are gone (explicit mode: the workers do not look), and
+    # worker 0 comes back without it (replaying the load fails), while worker 1 still serves it.
+    shutil.rmtree(small_repository / "double")
+    await restarted(process, 0)
+    assert any("worker 0: replaying" in line and "failed" in line for line in process.log)
+    async with connections(process.address) as channels:
+        answered: Counter[bool] = Counter()
+        for channel in channels:
+            try:
+                await pb_grpc.InferenceServiceStub(channel).Infer(infer_request())
+                answered[True] += 1
+            except grpc.aio.AioRpcError:
+                answered[False] += 1
+        assert answered[True] and answered[False], answered  # one worker serves it, one does not
+        for channel in channels:  # whichever worker answers: not ready, as in ListModels
+            index, model_ready, states = await readiness(channel)
+            assert index == [("double", "1", "LOADING")]
+            assert model_ready is False
+            assert ready not in states
+            ready_index = await kgrpc.GRPCInferenceServiceStub(channel).RepositoryIndex(
+                kpb.RepositoryIndexRequest(ready=True)
+            )
+            assert list(ready_index.models) == []
+
+
+async def test_kserve_server_ready_needs_every_worker(
+    service_process, small_repository: Path, tmp_path: Path
+) -> None:
+    process = service_process(small_repository, "--workers", "2", "--control-mode", "explicit")
+    async with connections(process.address) as channels:
+        workers = await by_worker(channels)
+        survivor = kgrpc.GRPCInferenceServiceStub(workers["worker-1"][0])
+        assert (await survivor.ServerReady(kpb.ServerReadyRequest())).ready
+        # Worker 0 cannot start again while its repository is away: the service is not whole.
+        away = tmp_path / "away"
+        os.rename(small_repository, away)
+        victim = pids(process)[0]
+        os.kill(victim, signal.SIGKILL)
+        await eventually(
+            lambda: sum("worker 0 (pid" in line and "exited" in line for line in process.log) >= 2,
+            "worker 0 failing to start",
+        )
+        health = health_pb2_grpc.HealthStub(workers["worker-1"][0])
+        assert (await health.Check(health_pb2.HealthCheckRequest())).status == NOT_SERVING
+        assert not (await survivor.ServerReady(kpb.ServerReadyRequest())).ready
+        await pb_grpc.InferenceServiceStub(workers["worker-1"][0]).Infer(infer_request())  # still serves
+        os.rename(away, small_repository)
+        await eventually(
+            lambda: sum("worker 0 admitted" in line for line in process.log) == 2, "worker 0 back"
+        )
+
+        async def whole() -> bool:
+            return (await survivor.ServerReady(kpb.ServerReadyRequest())).ready
+
+        await eventually(whole, "ServerReady once every worker serves")
+
+
+async def test_counters_do_not_go_back_when_a_worker_restarts(
+    service_process, small_repository: Path
+) -> None:
+    process = service_process(small_repository, "--workers", "2")
+
+    def requests(text: str) -> float:
+        labels = {"method": "Infer", "model": "double", "version": "1", "code": "OK"}
+        return metric(text, "modelyard_requests_total", **labels) or 0.0
+
+    async with connections(process.address) as channels:
+        workers = await by_worker(channels)
+        assert set(workers) == {"worker-0", "worker-1"}
+        for channel in channels:
+            await served_by(channel)
+        before = scrape(process)
+    total = requests(before)
+    assert total == 2 * CHANNELS
+    assert (metric(before, "modelyard_worker_requests", worker="0") or 0) > 0  # worker 0 counted some
+    assert not re.search(r"^modelyard_requests_created", before, re.M)  # no summed timestamps
+    await restarted(process, 0)
+    after = scrape(process)
+    assert requests(after) == total  # worker 0's requests are carried, not lost
+    async with connections(process.address) as channels:
+        for channel in channels:
+            await served_by(channel)
+    assert requests(scrape(process)) == total + CHANNELS
 
 
 async def test_a_version_swap_under_load_fails_no_request(service_process, small_repository: Path) -> None:
