@@ -6,7 +6,7 @@ BUF_VERSION := 1.75.0
 BUF := .cache/buf/node_modules/.bin/buf
 REPOSITORY ?= models/demo
 
-.PHONY: web web-deps web-check browser-deps bench-edge up test lint gen bench bench-generate bench-batching bench-swaps bench-soak bench-sidecar bench-floor bench-workers demo-models proto-baseline install install-dev system-deps clean
+.PHONY: web web-deps web-check browser-deps bench-edge bench-peers peers-venvs up test lint gen bench bench-generate bench-batching bench-swaps bench-soak bench-sidecar bench-floor bench-workers demo-models proto-baseline install install-dev system-deps clean
 
 # service (50052), sidecar (50051), gateway (8000) and Envoy (8080) until Ctrl-C.
 up: $(VENV)/.installed-stack
@@ -90,6 +90,31 @@ bench-floor: $(VENV)/.installed-dev
 
 bench-workers: $(VENV)/.installed-dev
 	$(PY) -m bench.workers
+
+# The established Python servers that `python -m bench.floor --peers kserve,mlserver` measures the
+# service against, each in its own virtual environment (kserve 0.21 and mlserver 1.7 pin clashing
+# fastapi/starlette versions, and neither enters our .venv). ONNX Runtime at our .venv's version;
+# uvloop below 0.22 for MLServer 1.7.1, whose inference workers fail on uvloop 0.22+'s
+# asyncio.get_event_loop(). bench-peers builds them and runs the comparison (a few minutes).
+PEERS_VENV := .cache/peers-venv
+PEER_ORT := onnxruntime==1.31.1 numpy==2.4.6
+
+$(PEERS_VENV)/kserve/.installed: Makefile
+	rm -rf $(PEERS_VENV)/kserve
+	$(PYTHON) -m venv $(PEERS_VENV)/kserve
+	$(PEERS_VENV)/kserve/bin/pip install --quiet kserve==0.21.0 $(PEER_ORT)
+	touch $@
+
+$(PEERS_VENV)/mlserver/.installed: Makefile
+	rm -rf $(PEERS_VENV)/mlserver
+	$(PYTHON) -m venv $(PEERS_VENV)/mlserver
+	$(PEERS_VENV)/mlserver/bin/pip install --quiet mlserver==1.7.1 uvloop==0.21.0 $(PEER_ORT)
+	touch $@
+
+peers-venvs: $(PEERS_VENV)/kserve/.installed $(PEERS_VENV)/mlserver/.installed
+
+bench-peers: $(VENV)/.installed-dev peers-venvs
+	$(PY) -m bench.floor --apis kserve --peers kserve,mlserver --concurrency 1,16,64 --duration 3
 
 demo-models: $(VENV)/.installed
 	$(PY) -m models.demo_models $(REPOSITORY)

@@ -9,8 +9,15 @@ and statistics on. For each (model, API, concurrency) the two servers alternate,
 ratios are medians of the paired (same round) ratios: p50 at concurrency 1 (service/bare: the
 issue's target is <= 1.1) and throughput at concurrency 16 (service/bare: >= 0.95).
 
+`--peers kserve,mlserver` adds the established Python servers (KServe's Python model server,
+MLServer; bench/peer_servers.py, each in its own virtual environment built by `make bench-peers`)
+to the same alternation, through the KServe V2 API only, with the same pinning, and prints the
+service/peer ratios: p50 and p99 at concurrency 1, throughput at 16 (and 64 when measured), server
+CPU per request at 16.
+
     .venv/bin/python -m bench.floor [--models tiny,mlp] [--apis kserve,v1] [--duration 4] [--repeats 3]
-        [--no-pin] [--profile] [--service-arg=--workers=1 ...]
+        [--no-pin] [--profile] [--service-arg=--workers=1 ...] [--peers kserve,mlserver]
+        [--concurrency 1,16,64]
 
 `--profile` samples both servers with py-spy at concurrency 16 on the MLP (each API) and prints
 where their CPU goes, category by category, side by side (bench.unary_latency parses py-spy).
@@ -39,6 +46,7 @@ from modelyard.inference.v1 import tensor_pb2
 from modelyard.kserve.v2 import grpc_service_pb2 as kpb
 from modelyard.kserve.v2 import grpc_service_pb2_grpc as kgrpc
 
+from bench.peer_servers import PEERS, peer_process, wait_models_ready
 from bench.processes import ROOT, SERVICE_READY, ServerProcess
 from bench.unary_latency import Profile, RequestFailed, drive, print_profiles, profile_server
 from models.demo_models import mlp, scaled_identity, write_model
@@ -121,13 +129,16 @@ async def run(args: argparse.Namespace) -> int:
             workdir,
             SERVICE_READY,
         )
+        peers = [peer_process(peer, repository, workdir, prefix) for peer in args.peers]
+        servers = [bare, service, *peers]
         channels: list[grpc.aio.Channel] = []
         try:
-            for server in (bare, service):
+            for server in servers:
                 server.spawn()
-            await asyncio.gather(bare.wait_ready(), service.wait_ready())
+            await asyncio.gather(*(server.wait_ready() for server in servers))
+            await asyncio.gather(*(wait_models_ready(peer, args.models) for peer in peers))
             calls: dict[tuple[str, str], Call] = {}
-            for server in (bare, service):
+            for server in servers:
                 channel = grpc.aio.insecure_channel(f"127.0.0.1:{server.port}")
                 channels.append(channel)
                 calls[(server.name, "kserve")] = kgrpc.GRPCInferenceServiceStub(channel).ModelInfer
@@ -136,15 +147,18 @@ async def run(args: argparse.Namespace) -> int:
                 for model in args.models:
                     for api in args.apis:
                         request = request_for(api, model, MODELS[model][1])
+                        # The peers serve the KServe V2 API only.
+                        taking_part = servers if api == "kserve" else [bare, service]
                         for index, c in enumerate(args.concurrency):
-                            order = (bare, service) if (round_ + index) % 2 == 0 else (service, bare)
-                            for server in order:
+                            turn = (round_ + index) % len(taking_part)  # who goes first, in turn
+                            for server in taking_part[turn:] + taking_part[:turn]:
                                 result = await measure(server, calls[(server.name, api)], request, c, args)
                                 row = {"round": round_, "model": model, "api": api, "concurrency": c}
                                 rows.append({**row, "server": server.name, **result})
                                 print(
-                                    f"round {round_ + 1} {model:<4} {api:<6} c={c:<2} {server.name:<7} "
-                                    f"p50 {result['p50_us']:7.1f} us  {result['throughput']:7.0f} req/s  "
+                                    f"round {round_ + 1} {model:<4} {api:<6} c={c:<2} {server.name:<8} "
+                                    f"p50 {result['p50_us']:7.1f} us  p99 {result['p99_us']:7.1f} us  "
+                                    f"{result['throughput']:7.0f} req/s  "
                                     f"CPU {result['server_cpu_us_per_request']:6.1f} us/req",
                                     file=sys.stderr,
                                 )
@@ -167,12 +181,14 @@ async def run(args: argparse.Namespace) -> int:
                     if profile is not None:
                         profiles.setdefault(api, []).append(profile)
         except RequestFailed as exc:
-            print(f"a request failed: {exc}\n{service.log_tail()}", file=sys.stderr)
+            print(f"a request failed: {exc}", file=sys.stderr)
+            for server in servers:
+                print(f"-- {server.name}\n{server.log_tail()}", file=sys.stderr)
             return 1
         finally:
             for channel in channels:
                 await channel.close(None)
-            for server in (service, bare):
+            for server in reversed(servers):
                 server.stop()
     summary = summarize(rows, args)
     print(f"\nserver pinned to core {SERVER_CORE}, client to core {CLIENT_CORE}" if pin else "\nnot pinned")
@@ -187,11 +203,16 @@ async def run(args: argparse.Namespace) -> int:
             f"{value.get('tput_c16', float('nan')):>30.2f} "
             f"{value.get('cpu_per_request_c16', float('nan')):>31.2f}"
         )
+    peer_summary = summarize_peers(rows, args)
+    print_peers(peer_summary, rows, args)
     for api, api_profiles in profiles.items():
         print(f"\n== profiles through {api}, {profiled}, concurrency 16")
         print_profiles(api_profiles, 15, reference="bare")
     args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text(json.dumps({"pinned": pin, "summary": summary, "rows": rows}, indent=2))
+    document = {"pinned": pin, "summary": summary, "rows": rows}
+    if args.peers:
+        document["peers"] = peer_summary
+    args.output.write_text(json.dumps(document, indent=2))
     return 0
 
 
@@ -213,12 +234,77 @@ def summarize(rows: list[dict[str, Any]], args: argparse.Namespace) -> dict[str,
                 ratios = [
                     v["service"] / v["bare"]
                     for (m, a, cc, _), v in by.items()
-                    if (m, a, cc) == (model, api, c) and len(v) == 2
+                    if (m, a, cc) == (model, api, c) and "service" in v and "bare" in v
                 ]
                 if ratios:
                     entry[name] = round(statistics.median(ratios), 3)
             summary[f"{model}/{api}"] = entry
     return summary
+
+
+def paired_ratio(
+    rows: list[dict[str, Any]], model: str, concurrency: int, metric: str, server: str, reference: str
+) -> float | None:
+    """Median over rounds of server/reference for one metric (KServe API: all servers take it)."""
+    by_round: dict[int, dict[str, float]] = {}
+    for row in rows:
+        if (row["model"], row["api"], row["concurrency"]) == (model, "kserve", concurrency):
+            by_round.setdefault(row["round"], {})[row["server"]] = row[metric]
+    ratios = [v[server] / v[reference] for v in by_round.values() if server in v and reference in v]
+    return round(statistics.median(ratios), 3) if ratios else None
+
+
+PEER_RATIOS = (  # name in the summary, concurrency, metric
+    ("p50_c1", 1, "p50_us"),
+    ("p99_c1", 1, "p99_us"),
+    ("tput_c16", 16, "throughput"),
+    ("tput_c64", 64, "throughput"),
+    ("cpu_per_request_c16", 16, "server_cpu_us_per_request"),
+)
+
+
+def summarize_peers(rows: list[dict[str, Any]], args: argparse.Namespace) -> dict[str, dict[str, float]]:
+    """Median over rounds of the paired service/peer ratios, through the KServe V2 API."""
+    summary: dict[str, dict[str, float]] = {}
+    for peer in args.peers:
+        for model in args.models:
+            entry: dict[str, float] = {}
+            for name, c, metric in PEER_RATIOS:
+                ratio = paired_ratio(rows, model, c, metric, "service", peer)
+                if ratio is not None:
+                    entry[name] = ratio
+            summary[f"{model}/{peer}"] = entry
+    return summary
+
+
+def print_peers(
+    summary: dict[str, dict[str, float]], rows: list[dict[str, Any]], args: argparse.Namespace
+) -> None:
+    if not args.peers:
+        return
+    print("\nKServe V2 ModelInfer, medians over rounds")
+    columns = ("p50 c=1 us", "p99 c=1 us", "req/s c=16", "req/s c=64")
+    print(f"{'model':<5} {'server':<9} " + " ".join(f"{name:>11}" for name in columns))
+    for model in args.models:
+        for server in ("bare", "service", *args.peers):
+            cells = []
+            for c, metric in ((1, "p50_us"), (1, "p99_us"), (16, "throughput"), (64, "throughput")):
+                values = [
+                    row[metric]
+                    for row in rows
+                    if (row["model"], row["api"], row["concurrency"], row["server"])
+                    == (model, "kserve", c, server)
+                ]
+                cells.append(f"{statistics.median(values):>11.0f}" if values else f"{'-':>11}")
+            print(f"{model:<5} {server:<9} {' '.join(cells)}")
+    print("\nservice/peer (latency and CPU: below 1 is better; throughput: above 1 is better)")
+    print(f"{'model':<5} {'peer':<9} " + " ".join(f"{name:>19}" for name, _, _ in PEER_RATIOS))
+    for key, value in summary.items():
+        model, peer = key.split("/")
+        ratios = " ".join(
+            f"{value[name]:>19.2f}" if name in value else f"{'-':>19}" for name, _, _ in PEER_RATIOS
+        )
+        print(f"{model:<5} {peer:<9} {ratios}")
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -235,8 +321,20 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--no-pin", dest="pin", action="store_false", help="do not pin server and client")
     parser.add_argument("--profile", action="store_true", help="py-spy both servers on the MLP at c=16")
     parser.add_argument("--service-arg", action="append", default=[], help="an extra flag for the service")
+    parser.add_argument(
+        "--peers",
+        type=names,
+        default=[],
+        help=f"established servers to measure too, KServe API only ({','.join(PEERS)}; make bench-peers)",
+    )
     parser.add_argument("--output", type=Path, default=DEFAULT_OUTPUT)
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    unknown = sorted(set(args.peers) - set(PEERS))
+    if unknown:
+        parser.error(f"unknown peers {', '.join(unknown)} (known: {', '.join(PEERS)})")
+    if args.peers and "kserve" not in args.apis:
+        parser.error("the peers are measured through the KServe V2 API: keep kserve in --apis")
+    return args
 
 
 def main(argv: Sequence[str] | None = None) -> int:
