@@ -2,7 +2,12 @@
 32 concurrent streams, with continuous batching on and off, and our per-token time against a bare
 loop of onnxruntime calls on the same model. All in one run, on the same machine.
 
-    .venv/bin/python -m bench.generate [--tokens 64] [--rounds 2]
+    .venv/bin/python -m bench.generate [--tokens 64] [--rounds 2] [--pin]
+
+`--pin` measures as bench.floor does (issue 12's harness): the service and the bare loop each on
+core 1 with one intra-op thread, this client on core 0, so that the client's work does not land
+on the server's core. Without it every process may use every core (ONNX Runtime's default
+threads), as an operator runs it.
 
 The service runs in a child process (`python -m service`), as an operator runs it; this process
 is the client. The demo model (models/demo/codelm) is served twice from a temporary repository:
@@ -55,6 +60,8 @@ CONFIG = """generation:
   eos_token: "<|endoftext|>"
   continuous_batching: {batching}
 """
+PINNED_CONFIG = "execution: {intra_op_threads: 1, inter_op_threads: 1}\n"
+SERVER_CORE, CLIENT_CORE = 1, 0
 
 
 @dataclass(frozen=True)
@@ -111,10 +118,14 @@ async def run_round(stub: pb_grpc.InferenceServiceStub, model: str, streams: int
     return Round(list(done), time.perf_counter() - start)
 
 
-def bare_loop(model_file: Path, tokenizer: Tokenizer, tokens: int, repeats: int) -> tuple[float, float]:
+def bare_loop(
+    model_file: Path, tokenizer: Tokenizer, tokens: int, repeats: int, threads: int = 0
+) -> tuple[float, float]:
     """Seconds per decode token of a plain onnxruntime KV-cache loop, batch 1, and per token of the
-    whole loop with its prompt (medians of repeats)."""
-    session = ort.InferenceSession(str(model_file), providers=["CPUExecutionProvider"])
+    whole loop with its prompt (medians of repeats). `threads`: intra-op threads (0: ORT's default)."""
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = threads
+    session = ort.InferenceSession(str(model_file), options, providers=["CPUExecutionProvider"])
     inputs = {i.name: i for i in session.get_inputs()}
     past_names = [n for n in inputs if n.startswith("past_key_values.")]
     present_names = [n.replace("past_key_values", "present") for n in past_names]
@@ -170,9 +181,10 @@ async def measure(address: str, tokens: int, rounds: int) -> dict[tuple[str, int
 
 
 async def measure_on_service(
-    repository: Path, tokens: int, rounds: int
+    repository: Path, tokens: int, rounds: int, pin: bool
 ) -> dict[tuple[str, int], list[Round]]:
-    async with running_service(repository, repository) as server:
+    prefix = ["taskset", "-c", str(SERVER_CORE)] if pin else []
+    async with running_service(repository, repository, prefix=prefix) as server:
         return await measure(f"127.0.0.1:{server.port}", tokens, rounds)
 
 
@@ -180,22 +192,32 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=64, help="max_tokens per stream")
     parser.add_argument("--rounds", type=int, default=2, help="repetitions of every configuration")
+    parser.add_argument("--pin", action="store_true", help="server and bare loop on core 1, one thread")
     args = parser.parse_args()
+    pin = args.pin and (os.cpu_count() or 1) >= 2
+    if pin:
+        os.sched_setaffinity(0, {CLIENT_CORE})
     with tempfile.TemporaryDirectory() as tmp:
         repository = Path(tmp)
         for name, batching in (("codelm", "true"), ("codelm-solo", "false")):
             shutil.copytree(CODELM / "1", repository / name / "1")
-            (repository / name / "config.yaml").write_text(CONFIG.format(batching=batching))
-        results = asyncio.run(measure_on_service(repository, args.tokens, args.rounds))
+            config = CONFIG.format(batching=batching) + (PINNED_CONFIG if pin else "")
+            (repository / name / "config.yaml").write_text(config)
+        results = asyncio.run(measure_on_service(repository, args.tokens, args.rounds, pin))
+        if pin:
+            os.sched_setaffinity(0, {SERVER_CORE})
         bare, bare_whole = bare_loop(
             CODELM / "1" / "model.onnx",
             Tokenizer.from_file(str(CODELM / "1" / "tokenizer.json")),
             args.tokens,
             5,
+            threads=1 if pin else 0,
         )
 
     cores = os.cpu_count()
+    where = f"service and bare loop on core {SERVER_CORE} with one thread, client on core {CLIENT_CORE}"
     print(f"Generate, codelm, greedy, {args.tokens} tokens per stream, {cores} cores, best of {args.rounds}")
+    print(where if pin else "not pinned (every process on every core)")
     header = ("batching", "streams", "TTFT p50 ms", "TTFT max ms", "ms/token", "tokens/s", "msgs")
     print(
         f"{header[0]:<11}{header[1]:>8}{header[2]:>13}{header[3]:>13}{header[4]:>10}{header[5]:>10}"

@@ -10,7 +10,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
 
@@ -95,10 +95,20 @@ class ServerProcess:
 
 @asynccontextmanager
 async def running_service(
-    repository: Path, workdir: Path, *args: str, name: str = "service"
+    repository: Path, workdir: Path, *args: str, name: str = "service", prefix: Sequence[str] = ()
 ) -> AsyncIterator[ServerProcess]:
-    """`python -m service` on the repository, on an ephemeral loopback port, stopped on exit."""
-    argv = [sys.executable, "-m", "service", "--repository", str(repository), "--listen", "127.0.0.1:0"]
+    """`python -m service` on the repository, on an ephemeral loopback port, stopped on exit;
+    `prefix` runs it under a wrapper (taskset)."""
+    argv = [
+        *prefix,
+        sys.executable,
+        "-m",
+        "service",
+        "--repository",
+        str(repository),
+        "--listen",
+        "127.0.0.1:0",
+    ]
     server = ServerProcess(name, [*argv, "--metrics-listen", "", *args], workdir, SERVICE_READY)
     server.spawn()
     try:
