@@ -47,7 +47,7 @@ from modelyard.kserve.v2 import grpc_service_pb2 as kpb
 from modelyard.kserve.v2 import grpc_service_pb2_grpc as kgrpc
 
 from bench.peer_servers import PEERS, peer_process, wait_models_ready
-from bench.processes import ROOT, SERVICE_READY, ServerProcess
+from bench.processes import ROOT, SERVICE_READY, ServerProcess, service_command
 from bench.unary_latency import Profile, RequestFailed, drive, print_profiles, profile_server
 from models.demo_models import mlp, scaled_identity, write_model
 
@@ -114,16 +114,7 @@ async def run(args: argparse.Namespace) -> int:
         service = ServerProcess(
             "service",
             [
-                *prefix,
-                *(
-                    sys.executable,
-                    "-m",
-                    "service",
-                    "--repository",
-                    str(repository),
-                    "--listen",
-                    "127.0.0.1:0",
-                ),
+                *service_command(repository, prefix),
                 *("--metrics-listen", "127.0.0.1:0", "--grace-s", "1", *args.service_arg),
             ],
             workdir,

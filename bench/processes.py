@@ -93,13 +93,10 @@ class ServerProcess:
             self.proc.wait(timeout=10)
 
 
-@asynccontextmanager
-async def running_service(
-    repository: Path, workdir: Path, *args: str, name: str = "service", prefix: Sequence[str] = ()
-) -> AsyncIterator[ServerProcess]:
-    """`python -m service` on the repository, on an ephemeral loopback port, stopped on exit;
-    `prefix` runs it under a wrapper (taskset)."""
-    argv = [
+def service_command(repository: Path, prefix: Sequence[str] = ()) -> list[str]:
+    """`python -m service` on the repository and an ephemeral loopback port, under `prefix`
+    (a wrapper such as taskset)."""
+    return [
         *prefix,
         sys.executable,
         "-m",
@@ -109,7 +106,16 @@ async def running_service(
         "--listen",
         "127.0.0.1:0",
     ]
-    server = ServerProcess(name, [*argv, "--metrics-listen", "", *args], workdir, SERVICE_READY)
+
+
+@asynccontextmanager
+async def running_service(
+    repository: Path, workdir: Path, *args: str, name: str = "service", prefix: Sequence[str] = ()
+) -> AsyncIterator[ServerProcess]:
+    """`python -m service` on the repository, on an ephemeral loopback port, stopped on exit;
+    `prefix` runs it under a wrapper (taskset)."""
+    argv = [*service_command(repository, prefix), "--metrics-listen", "", *args]
+    server = ServerProcess(name, argv, workdir, SERVICE_READY)
     server.spawn()
     try:
         await server.wait_ready()
