@@ -46,7 +46,8 @@ from service.generation.model import recognize_decoder
 from service.generation.plane import GenerationPlane
 from service.metrics import ServiceMetrics
 from service.repository.watcher import RepositoryWatcher
-from service.runtime.manager import Loader, ModelManager
+from service.runtime.instances import Loader
+from service.runtime.manager import ModelManager
 from service.runtime.providers import detect_providers
 from service.runtime.session import inline_run_limit_s, load_runner
 from service.runtime.status import ModelEvent, Watcher

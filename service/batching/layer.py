@@ -61,7 +61,7 @@ class BatchingLayer:
         )
         metrics = self._metrics.batching(served.model, str(served.version), levels)
         self._batchers[served] = Batcher(
-            served.runner, settings, self._executor, served.stats, metrics, self._clock, label
+            served.instances, settings, self._executor, served.stats, metrics, self._clock, label
         )
         served.on_retire(self._detach)
 
