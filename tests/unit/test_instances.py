@@ -217,7 +217,9 @@ async def test_a_client_that_leaves_keeps_its_instance_counted_until_the_run_end
     await eventually(lambda: instances.all[0].pending == 0, "the run to end")
 
 
-async def test_a_device_fault_moves_the_next_runs_to_the_healthy_instance(executor: ThreadPoolExecutor) -> None:
+async def test_a_device_fault_moves_the_next_runs_to_the_healthy_instance(
+    executor: ThreadPoolExecutor,
+) -> None:
     broken = FaultyRunner(EPFail("CUDA execution provider failed"))
     healthy = FakeRunner()
     instances = Instances([broken, healthy])
@@ -248,7 +250,9 @@ def rig(runners: list[FakeRunner], executor: ThreadPoolExecutor) -> tuple[Batche
         max_batch_size=4, target_rows=4, max_queue_delay_s=0.0, concurrency=2, admission=AdmissionPolicy()
     )
     metrics = ServiceMetrics().batching("m", "1", 1)
-    batcher = Batcher(instances, settings, executor, VersionStats(), metrics, ManualClock(), "model m version 1")
+    batcher = Batcher(
+        instances, settings, executor, VersionStats(), metrics, ManualClock(), "model m version 1"
+    )
     return batcher, instances
 
 

@@ -40,7 +40,11 @@ def test_full_triton_config_maps_onto_ours() -> None:
 
 def test_instance_group_maps_onto_instances_per_device() -> None:
     gpus = parse_triton_config('{"instance_group": [{"kind": "KIND_GPU", "count": 2, "gpus": [0, 1]}]}', "m")
-    assert (gpus.execution.provider, gpus.execution.instances, gpus.execution.device_ids) == ("cuda", 2, (0, 1))
+    assert (gpus.execution.provider, gpus.execution.instances, gpus.execution.device_ids) == (
+        "cuda",
+        2,
+        (0, 1),
+    )
     assert gpus.execution.sessions == 4  # count on each GPU listed, as Triton places them
     assert gpus.execution.device_id == 0
     cpu = parse_triton_config('{"instance_group": [{"kind": "KIND_CPU", "count": 3}]}', "m").execution
