@@ -50,11 +50,11 @@ def recognize_decoder(
     device, so a config asking for more instances is refused rather than half obeyed."""
     decoder = load_decoder(signature, dict(metadata), config.generation, model_file)
     if decoder is not None and config.execution.sessions > 1:
+        execution = config.execution
         raise ModelLoadError(
-            f"{model_file}: a decoder language model serves Generate from one session, but "
-            f"execution.instances ({config.execution.instances}) on execution.device_ids "
-            f"{list(config.execution.devices)} asks for {config.execution.sessions}; set instances: 1 and "
-            "one device",
+            f"{model_file}: a decoder language model serves Generate from one session, but execution "
+            f"asks for {execution.sessions} (instances: {execution.instances} on devices "
+            f"{list(execution.devices)}); set instances: 1 and one device",
             "config",
         )
     return decoder
