@@ -45,6 +45,7 @@ from service.dataplane import DataPlane
 from service.generation.model import recognize_decoder
 from service.generation.plane import GenerationPlane
 from service.metrics import ServiceMetrics
+from service.repository.uploads import UploadSpace
 from service.repository.watcher import RepositoryWatcher
 from service.runtime.manager import Loader, ModelManager
 from service.runtime.providers import detect_providers
@@ -240,6 +241,7 @@ def build_service(
                 metrics,
                 shm=shm,
                 whole_service_ready=(lambda: link.service_serving) if link is not None else None,
+                uploads=UploadSpace(settings.max_upload_bytes),
             ),
         ),
     ]
