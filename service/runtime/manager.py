@@ -277,8 +277,10 @@ class ModelManager:
         self._forget_unselected(name, selected)
 
         current = dict(served.versions) if (served := self._table.get(name)) else {}
+        # Label files count as part of each version: a changed (or newly added) one reloads it.
+        labels = [source.path / output.label_filename for output in config.outputs if output.label_filename]
         fingerprints = await loop.run_in_executor(
-            None, lambda: {n: fingerprint(source.versions[n]) for n in selected}
+            None, lambda: {n: fingerprint(source.versions[n], labels) for n in selected}
         )
         kept: dict[int, ServedVersion] = {}
         loaded: dict[int, ServedVersion] = {}
