@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import grpc
 import numpy as np
@@ -147,7 +148,9 @@ async def test_uploaded_model_files_share_a_bounded_space(
             with pytest.raises(grpc.aio.AioRpcError) as refused:
                 await stub.RepositoryModelLoad(load("second"))
             assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-            assert dict(refused.value.trailing_metadata() or ())[headers.ERROR_REASON] == "too_large"
+            metadata: Any = refused.value.trailing_metadata() or ()
+            trailing = [(str(k), str(v)) for k, v in metadata]
+            assert (headers.ERROR_REASON, "too_large") in trailing
             assert "--max-upload-bytes" in (refused.value.details() or "")
             assert len(list(uploads.iterdir())) == 1
             await stub.RepositoryModelUnload(kpb.RepositoryModelUnloadRequest(model_name="first"))
