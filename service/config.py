@@ -22,6 +22,8 @@ class Settings:
     grace_s: float = 10.0  # on SIGTERM: how long in-flight requests may take to finish
     drain_timeout_s: float = 30.0  # how long a retired model version waits for its requests
     max_message_bytes: int = 64 * 1024 * 1024  # larger requests: RESOURCE_EXHAUSTED, too_large
+    # Model files sent with KServe loads, all uploads on disk together (one per model name at most).
+    max_upload_bytes: int = 4 * 1024 * 1024 * 1024
     inference_threads: int = 0  # executor threads for model runs; 0 = one per core
     workers: str = "1"  # service processes sharing the port: a number, or auto (one per core)
     control_mode: str = "watch"  # watch: follow the repository on disk; explicit: only Load/Unload calls
@@ -49,6 +51,7 @@ _HELP = {
     "grace_s": "seconds in-flight requests get to finish on shutdown",
     "drain_timeout_s": "seconds a retired model version waits for its in-flight requests",
     "max_message_bytes": "largest request or response message, in bytes",
+    "max_upload_bytes": "bytes that model files uploaded with loads may take on disk together; 0: no limit",
     "inference_threads": "threads that run models; 0 = one per CPU core",
     "workers": "service processes sharing the gRPC port (each with its own sessions): N, or auto "
     "for one per CPU core",

@@ -44,11 +44,13 @@ from service.cores import usable_cores
 from service.dataplane import DataPlane
 from service.generation.model import recognize_decoder
 from service.generation.plane import GenerationPlane
+from service.gpu_memory import GpuMemoryCollector
 from service.metrics import ServiceMetrics
+from service.repository.uploads import UploadSpace
 from service.repository.watcher import RepositoryWatcher
 from service.runtime.instances import Loader
 from service.runtime.manager import ModelManager
-from service.runtime.providers import detect_providers
+from service.runtime.providers import CUDA, detect_providers
 from service.runtime.session import inline_run_limit_s, load_runner
 from service.runtime.status import ModelEvent, Watcher
 from service.scheduling.clock import Clock
@@ -194,6 +196,8 @@ def build_service(
     providers = detect_providers()
     log.info("execution provider: %s (%s)", providers.default, providers.reason)
     metrics = ServiceMetrics()
+    if providers.default == CUDA:
+        metrics.registry.register(GpuMemoryCollector())
     executor = ThreadPoolExecutor(
         max_workers=settings.inference_threads or usable_cores(), thread_name_prefix="infer"
     )
@@ -241,6 +245,7 @@ def build_service(
                 metrics,
                 shm=shm,
                 whole_service_ready=(lambda: link.service_serving) if link is not None else None,
+                uploads=UploadSpace(settings.max_upload_bytes),
             ),
         ),
     ]

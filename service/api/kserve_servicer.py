@@ -33,7 +33,7 @@ from service.dataplane import DataPlane
 from service.errors import InvalidInput, ModelLoadError, ServiceError, Unsupported
 from service.metrics import ServiceMetrics
 from service.repository.config import ModelConfig
-from service.repository.uploads import write_upload
+from service.repository.uploads import UploadSpace, write_upload
 from service.runtime.manager import LoadOverride, ModelManager
 from service.runtime.served import ServedVersion
 from service.runtime.signature import TensorSpec
@@ -77,8 +77,10 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
         metrics: ServiceMetrics,
         shm: SharedMemoryRegistry | None = None,
         whole_service_ready: Callable[[], bool] | None = None,  # with workers: every worker serving
+        uploads: UploadSpace | None = None,  # where a load's files go; None: no limit
     ) -> None:
         self._manager = manager
+        self._uploads = uploads
         self._whole_service_ready = whole_service_ready
         self._shm = shm if shm is not None else SharedMemoryRegistry()
         self._dataplane = dataplane
@@ -213,7 +215,7 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
                 upload = None
                 if load.files:
                     upload = await asyncio.get_running_loop().run_in_executor(
-                        None, write_upload, None, request.model_name, load.files
+                        None, write_upload, None, request.model_name, load.files, self._uploads
                     )
                 override = LoadOverride(load.config, upload)
             status = await self._manager.load(request.model_name, override)

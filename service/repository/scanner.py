@@ -7,6 +7,7 @@ Layout: `<root>/<model>/<version>/model.onnx`, version folders named `3` or `v3`
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -78,11 +79,12 @@ def scan_model(root: Path, name: str) -> ModelSource:
     return ModelSource(name, path, versions, tuple(problems))
 
 
-def fingerprint(model_file: Path) -> tuple[object, ...]:
+def fingerprint(model_file: Path, beside: Sequence[Path] = ()) -> tuple[object, ...]:
     """What identifies the bytes of a version without reading them: the resolved file (a Kubernetes
-    `..data` swap changes it), its inode, size and mtime, and the checksum file's."""
+    `..data` swap changes it), its inode, size and mtime, the checksum file's, and those of the
+    files `beside` the versions that a version loads too (its outputs' label files)."""
     parts: list[object] = []
-    for path in (model_file, model_file.with_name(model_file.name + ".sha256")):
+    for path in (model_file, model_file.with_name(model_file.name + ".sha256"), *beside):
         try:
             st = path.stat()
         except FileNotFoundError:

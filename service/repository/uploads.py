@@ -5,6 +5,10 @@ A path is taken only when it is plain: relative, '/'-separated, each part a cons
 name, the first part a version folder (`1/model.onnx`, `1/weights.bin`) or a file beside the
 versions (a labels file). No part may be '.', '..' or hidden, so nothing is written outside the
 folder; files are created new (O_EXCL, no symlink followed).
+
+Every model name can hold one upload (until it is loaded again or unloaded), so the bytes of all
+uploads on disk together are bounded (UploadSpace, `--max-upload-bytes`): one client with the
+management credential cannot fill the disk by loading many names.
 """
 
 from __future__ import annotations
@@ -13,11 +17,12 @@ import os
 import re
 import shutil
 import tempfile
+import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from service.errors import InvalidInput
+from service.errors import InvalidInput, TooLarge
 from service.repository.scanner import MODEL_FILE, parse_version
 
 _PART = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
@@ -25,15 +30,45 @@ _RESERVED = {"config.yaml", "config.pbtxt"}  # the config travels in the `config
 MAX_DEPTH = 4
 
 
-@dataclass(frozen=True)
+class UploadSpace:
+    """The bytes that uploads may hold on disk together; 0: no limit. Thread-safe: uploads are
+    written and removed in executors."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.used = 0
+        self._lock = threading.Lock()
+
+    def take(self, size: int, name: str) -> None:
+        with self._lock:
+            if self.limit and self.used + size > self.limit:
+                raise TooLarge(
+                    f"load of {name!r}: its files ({size} bytes) do not fit in the space left for "
+                    f"uploaded models ({max(self.limit - self.used, 0)} of {self.limit} bytes, "
+                    "--max-upload-bytes); unload models loaded with files first"
+                )
+            self.used += size
+
+    def give_back(self, size: int) -> None:
+        with self._lock:
+            self.used -= size
+
+
+@dataclass
 class Upload:
-    """A private repository root holding the model `name`; remove() deletes it."""
+    """A private repository root holding the model `name`; remove() deletes it and gives its
+    bytes back to the space they were taken from (once)."""
 
     root: Path
     name: str
+    size: int = 0
+    space: UploadSpace | None = None
 
     def remove(self) -> None:
         shutil.rmtree(self.root, ignore_errors=True)
+        if self.space is not None:
+            self.space.give_back(self.size)
+            self.space = None
 
 
 def check_paths(files: Mapping[str, bytes]) -> dict[tuple[str, ...], bytes]:
@@ -56,12 +91,23 @@ def check_paths(files: Mapping[str, bytes]) -> dict[tuple[str, ...], bytes]:
     return checked
 
 
-def write_upload(base: Path | None, name: str, files: Mapping[str, bytes]) -> Upload:
+def write_upload(
+    base: Path | None, name: str, files: Mapping[str, bytes], space: UploadSpace | None = None
+) -> Upload:
     """Write the files under a new private folder (mode 0700) in `base` (default: the system's
-    temporary folder). Blocking: run it in an executor."""
+    temporary folder), their bytes taken from `space` first (TooLarge when they do not fit).
+    Blocking: run it in an executor."""
     checked = check_paths(files)
-    root = Path(tempfile.mkdtemp(prefix="modelyard-load-", dir=base))
-    upload = Upload(root, name)
+    size = sum(len(data) for data in checked.values())
+    if space is not None:
+        space.take(size, name)
+    try:
+        root = Path(tempfile.mkdtemp(prefix="modelyard-load-", dir=base))
+    except BaseException:
+        if space is not None:
+            space.give_back(size)
+        raise
+    upload = Upload(root, name, size, space)
     try:
         model_dir = root / name
         model_dir.mkdir()

@@ -195,11 +195,13 @@ class ModelManager:
             if override is not None:
                 self._overrides[name] = override
             status = await self._reconcile(name)
+            dropped = [previous]
             if status is None:
-                self._overrides.pop(name, None)
-            if previous is not None and previous.upload is not None:
-                # The sessions loaded from it hold their own copy of the model (or an open map).
-                await asyncio.get_running_loop().run_in_executor(self._io, previous.upload.remove)
+                dropped.append(self._overrides.pop(name, None))
+            for gone in dropped:
+                if gone is not None and gone.upload is not None:
+                    # The sessions loaded from it hold their own copy of the model (or an open map).
+                    await asyncio.get_running_loop().run_in_executor(self._io, gone.upload.remove)
         if status is None:
             raise ModelNotFound(f"model {name!r} is not in the repository")
         return status
@@ -221,6 +223,11 @@ class ModelManager:
             self._swap(name, None)
             if old is not None:
                 await asyncio.gather(*(self._retire(v) for v in old.versions.values()))
+            # An unloaded model keeps no upload: its next load brings files again or reads the
+            # repository, and the bytes go back to the upload space.
+            override = self._overrides.pop(name, None)
+            if override is not None and override.upload is not None:
+                await asyncio.get_running_loop().run_in_executor(self._io, override.upload.remove)
             return self._status[name]
 
     async def close(self) -> None:
@@ -270,8 +277,10 @@ class ModelManager:
         self._forget_unselected(name, selected)
 
         current = dict(served.versions) if (served := self._table.get(name)) else {}
+        # Label files count as part of each version: a changed (or newly added) one reloads it.
+        labels = [source.path / output.label_filename for output in config.outputs if output.label_filename]
         fingerprints = await loop.run_in_executor(
-            None, lambda: {n: fingerprint(source.versions[n]) for n in selected}
+            None, lambda: {n: fingerprint(source.versions[n], labels) for n in selected}
         )
         kept: dict[int, ServedVersion] = {}
         loaded: dict[int, ServedVersion] = {}

@@ -12,7 +12,16 @@ from prometheus_client.core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
 # Gauges that say what each worker has, not how much: summing would count one model N times.
-LOWEST = frozenset({"modelyard_model_versions_ready"})
+# Device memory: every worker reads the same devices. An instance is healthy (1) only if it is on
+# every worker (each worker has its own instances of a version).
+LOWEST = frozenset(
+    {
+        "modelyard_model_versions_ready",
+        "modelyard_gpu_memory_used_bytes",
+        "modelyard_gpu_memory_total_bytes",
+        "modelyard_instance_healthy",
+    }
+)
 # Families whose values only grow while their process lives: carried over when it dies. Gauges
 # are not (a dead worker's queue depth is gone with it).
 MONOTONIC = frozenset({"counter", "histogram", "summary"})

@@ -20,6 +20,8 @@ from modelyard.inference.v1 import inference_service_pb2 as pb
 from modelyard.inference.v1 import inference_service_pb2_grpc as pb_grpc
 from modelyard.inference.v1 import model_service_pb2 as mpb
 from modelyard.inference.v1 import model_service_pb2_grpc as mpb_grpc
+from modelyard.kserve.v2 import grpc_service_pb2 as kpb
+from modelyard.kserve.v2 import grpc_service_pb2_grpc as kgrpc
 from modelyard.tensors import to_array, to_tensor
 from onnx import TensorProto, helper
 
@@ -376,3 +378,53 @@ async def test_repeated_load_unload_keeps_memory_bounded(service_process, root: 
     )
     assert after - before < 16
     assert process.stop() == 0
+
+
+async def test_a_changed_or_added_label_file_reloads_the_version(tmp_path: Path) -> None:
+    # Labels are read when a version loads: a label file rewritten beside config.yaml must reach
+    # the answers, and a version that failed for want of its label file must load once it appears.
+    root = tmp_path / "models"
+    output = {"name": "OUTPUT0", "datatype": "FP32", "shape": [-1, 4], "label_filename": "labels.txt"}
+    config = {"max_batch_size": 8, "outputs": [output]}
+    demo_models.write_model(root, "c", 1, demo_models.dense_classifier(8, 8, 4, seed=3), config)
+    labels = root / "c" / "labels.txt"
+    service = await started(root)
+    try:
+        async with grpc.aio.insecure_channel(service.address) as channel:
+            models = mpb_grpc.ModelServiceStub(channel)
+            kserve = kgrpc.GRPCInferenceServiceStub(channel)
+
+            async def state() -> int:
+                got = await models.GetModel(mpb.GetModelRequest(name="c"))
+                return got.model.versions[0].state if got.model.versions else mpb.MODEL_STATE_UNSPECIFIED
+
+            async def top_label() -> str:
+                request = kpb.ModelInferRequest(model_name="c")
+                request.inputs.add(name="INPUT0", datatype="FP32", shape=[1, 8])
+                request.raw_input_contents.append(np.ones((1, 8), np.float32).tobytes())
+                request.outputs.add(name="OUTPUT0").parameters["classification"].int64_param = 1
+                reply = await kserve.ModelInfer(request)
+                return reply.raw_output_contents[0][4:].decode().rpartition(":")[2]
+
+            await eventually(
+                lambda: state_is(state, mpb.MODEL_STATE_FAILED), "the version failing for want of labels"
+            )
+            labels.write_text("a\nb\nc\nd\n")
+            await eventually(
+                lambda: state_is(state, mpb.MODEL_STATE_READY), "the version loading with labels"
+            )
+            first = await top_label()
+            assert first in "abcd"
+            labels.write_text("w\nx\ny\nz\n")
+            renamed = dict(zip("abcd", "wxyz", strict=True))[first]
+
+            async def relabelled() -> bool:
+                return await top_label() == renamed
+
+            await eventually(relabelled, "answers with the rewritten labels")
+    finally:
+        await service.stop(grace_s=1.0)
+
+
+async def state_is(read: Any, wanted: int) -> bool:
+    return bool(await read() == wanted)

@@ -4,13 +4,18 @@ what clients see (GetModel reasons) names files relative to the repository and q
 from __future__ import annotations
 
 import hashlib
+import tempfile
 from pathlib import Path
+from typing import Any
 
 import grpc
 import numpy as np
 import pytest
+from modelyard.common import headers
 from modelyard.inference.v1 import model_service_pb2 as pb
 from modelyard.inference.v1 import model_service_pb2_grpc as pb_grpc
+from modelyard.kserve.v2 import grpc_service_pb2 as kpb
+from modelyard.kserve.v2 import grpc_service_pb2_grpc as kgrpc
 
 from models import demo_models
 from service.config import Settings
@@ -109,3 +114,49 @@ def test_tokenizer_resolving_outside_is_refused(tmp_path: Path) -> None:
     with pytest.raises(TokenizerError) as caught:
         TextCodec.from_file(model_file.parent / "tokenizer.json")
     assert "resolves outside" in str(caught.value) and "hunter2" not in str(caught.value)
+
+
+async def test_uploaded_model_files_share_a_bounded_space(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Every model name can hold one upload: without a bound, one client with the management
+    # credential fills the disk by loading many names. Unloading gives the space back.
+    uploads = tmp_path / "tmp"
+    uploads.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(uploads))
+    root = tmp_path / "models"
+    demo_models.build_demo_repository(root)
+    model = (root / "scaler" / "1" / "model.onnx").read_bytes()
+    settings = Settings(
+        repository=root, listen="127.0.0.1:0", metrics_listen="", max_upload_bytes=int(len(model) * 1.5)
+    )
+    service = build_service(settings)
+    await service.start()
+    config = '{"max_batch_size": 8, "input": [{"name": "INPUT0", "data_type": "TYPE_FP32", "dims": [16]}]}'
+
+    def load(name: str) -> kpb.RepositoryModelLoadRequest:
+        request = kpb.RepositoryModelLoadRequest(model_name=name)
+        request.parameters["config"].string_param = config
+        request.parameters["file:1/model.onnx"].bytes_param = model
+        return request
+
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{service.port}") as channel:
+            stub = kgrpc.GRPCInferenceServiceStub(channel)
+            await stub.RepositoryModelLoad(load("first"))
+            assert len(list(uploads.iterdir())) == 1
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await stub.RepositoryModelLoad(load("second"))
+            assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            metadata: Any = refused.value.trailing_metadata() or ()
+            trailing = [(str(k), str(v)) for k, v in metadata]
+            assert (headers.ERROR_REASON, "too_large") in trailing
+            assert "--max-upload-bytes" in (refused.value.details() or "")
+            assert len(list(uploads.iterdir())) == 1
+            await stub.RepositoryModelUnload(kpb.RepositoryModelUnloadRequest(model_name="first"))
+            assert list(uploads.iterdir()) == []
+            await stub.RepositoryModelLoad(load("second"))
+            ready = await stub.ModelReady(kpb.ModelReadyRequest(name="second"))
+            assert ready.ready
+    finally:
+        await service.stop(grace_s=1.0)

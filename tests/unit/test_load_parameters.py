@@ -9,9 +9,9 @@ import pytest
 from modelyard.kserve.v2.grpc_service_pb2 import ModelRepositoryParameter
 
 from service.api.kserve_config import load_parameters, parse_triton_config
-from service.errors import InvalidInput
+from service.errors import InvalidInput, TooLarge
 from service.repository.config import TensorConfig
-from service.repository.uploads import check_paths, write_upload
+from service.repository.uploads import UploadSpace, check_paths, write_upload
 
 
 def test_full_triton_config_maps_onto_ours() -> None:
@@ -120,3 +120,19 @@ def test_upload_is_private_and_laid_out_as_a_repository(tmp_path: Path) -> None:
     assert (upload.root / "m" / "labels.txt").read_bytes() == b"a\nb\n"
     upload.remove()
     assert not upload.root.exists()
+
+
+def test_uploads_share_a_bounded_space_and_give_it_back_once(tmp_path: Path) -> None:
+    space = UploadSpace(limit=10)
+    first = write_upload(tmp_path, "a", {"1/model.onnx": b"123456"}, space)
+    assert space.used == 6
+    with pytest.raises(TooLarge, match="--max-upload-bytes"):
+        write_upload(tmp_path, "b", {"1/model.onnx": b"12345"}, space)
+    assert [p.name for p in tmp_path.iterdir()] == [first.root.name]  # nothing written for b
+    first.remove()
+    first.remove()
+    assert space.used == 0 and not first.root.exists()
+    write_upload(tmp_path, "b", {"1/model.onnx": b"1234567890"}, space).remove()
+    assert space.used == 0
+    unlimited = UploadSpace(limit=0)
+    write_upload(tmp_path, "c", {"1/model.onnx": b"x" * 100}, unlimited).remove()

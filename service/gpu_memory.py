@@ -1,0 +1,68 @@
+"""Device memory as the GPU driver reports it (NVML, through NVIDIA's nvidia-ml-py), for /metrics
+when the service runs models with the CUDA provider: used and total bytes per device, read at
+each scrape. ONNX Runtime does not report its arena's device memory; the driver's view covers
+every process on the device, which is what an operator sizing `gpu_mem_limit_mb` needs.
+
+NVML numbers devices as the driver does (PCI order), which is CUDA's order unless
+CUDA_DEVICE_ORDER or CUDA_VISIBLE_DEVICES reorder them; the `device` label is NVML's index."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+log = logging.getLogger(__name__)
+
+USED = "modelyard_gpu_memory_used_bytes"
+TOTAL = "modelyard_gpu_memory_total_bytes"
+
+
+@dataclass(frozen=True)
+class DeviceMemory:
+    device: int
+    used: int
+    total: int
+
+
+def read_nvml() -> list[DeviceMemory] | None:
+    """Every device's memory; None where NVML cannot be used (no NVIDIA driver or library)."""
+    try:
+        import pynvml
+    except ImportError:
+        return None
+    try:
+        pynvml.nvmlInit()
+        try:
+            devices = []
+            for index in range(pynvml.nvmlDeviceGetCount()):
+                info = pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(index))
+                devices.append(DeviceMemory(index, int(info.used), int(info.total)))
+            return devices
+        finally:
+            pynvml.nvmlShutdown()
+    except pynvml.NVMLError as exc:
+        log.debug("no device memory from NVML: %s", exc)
+        return None
+
+
+class GpuMemoryCollector(Collector):
+    def __init__(self, read: Callable[[], list[DeviceMemory] | None] = read_nvml) -> None:
+        self._read = read
+
+    def collect(self) -> Iterator[Metric]:
+        devices = self._read()
+        if not devices:
+            return
+        used = GaugeMetricFamily(
+            USED, "Device memory in use (every process), by NVML device.", labels=["device"]
+        )
+        total = GaugeMetricFamily(TOTAL, "Device memory in all, by NVML device.", labels=["device"])
+        for memory in devices:
+            used.add_metric([str(memory.device)], memory.used)
+            total.add_metric([str(memory.device)], memory.total)
+        yield used
+        yield total
