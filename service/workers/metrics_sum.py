@@ -12,8 +12,8 @@ from prometheus_client.core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
 # Gauges that say what each worker has, not how much: summing would count one model N times.
-# Device memory: every worker reads the same devices. An instance is healthy (1) only if it is on
-# every worker (each worker has its own instances of a version).
+# Device memory: every worker reads the same devices. Instance health (each worker has its own
+# instances of a version): healthy only where healthy on every worker.
 LOWEST = frozenset(
     {
         "modelyard_model_versions_ready",
