@@ -12,11 +12,10 @@ it). The counts are plain ints, touched on the event loop only; the runs go to t
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import Executor
+from concurrent.futures import Executor, Future
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -152,19 +151,20 @@ class Instances:
                 raise
             finally:
                 self.finish(instance, error)
+        loop = asyncio.get_running_loop()
         try:
-            future = asyncio.get_running_loop().run_in_executor(
-                executor, run_checked, instance.runner, feeds, output_names, label
-            )
+            future = executor.submit(run_checked, instance.runner, feeds, output_names, label)
         except BaseException:
             self.finish(instance)
             raise
-        # Counted until the run itself ends, not its caller's wait: a client that leaves does
-        # not stop the run on its executor thread, and the instance is busy until then.
-        future.add_done_callback(functools.partial(self._finished, instance))
-        return await asyncio.shield(future)
+        # Counted until the run itself ends, not its caller's wait: a client that leaves does not
+        # stop a run already on its executor thread, and the instance is busy until then. (Added
+        # before wrap_future's own callback, so the count is down before the caller resumes; no
+        # more hops back to the loop than run_in_executor takes.)
+        future.add_done_callback(lambda done: loop.call_soon_threadsafe(self._finished, instance, done))
+        return await asyncio.wrap_future(future, loop=loop)
 
-    def _finished(self, instance: Instance, future: asyncio.Future[list[np.ndarray]]) -> None:
+    def _finished(self, instance: Instance, future: Future[list[np.ndarray]]) -> None:
         self.finish(instance, None if future.cancelled() else future.exception())
 
     def snapshot(self) -> list[tuple[str, str, int, int, bool]]:
