@@ -78,6 +78,8 @@ class Instance:
 
 
 class Instances:
+    """The instances of one served version and the choice among them (on the event loop)."""
+
     def __init__(
         self,
         runners: Sequence[Runnable],
