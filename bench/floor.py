@@ -17,7 +17,10 @@ CPU per request at 16.
 
     .venv/bin/python -m bench.floor [--models tiny,mlp] [--apis kserve,v1] [--duration 4] [--repeats 3]
         [--no-pin] [--profile] [--service-arg=--workers=1 ...] [--peers kserve,mlserver]
-        [--concurrency 1,16,64]
+        [--concurrency 1,16,64] [--instances 2]
+
+`--instances N` gives the service's models N sessions each (execution.instances; the bare server
+keeps one): with `--no-pin`, the gain of model instances on this machine's cores.
 
 `--profile` samples both servers with py-spy at concurrency 16 on the MLP (each API) and prints
 where their CPU goes, category by category, side by side (bench.unary_latency parses py-spy).
@@ -53,7 +56,8 @@ from models.demo_models import mlp, scaled_identity, write_model
 
 DEFAULT_OUTPUT = ROOT / "bench" / "results" / "floor.json"
 MODELS = {"tiny": (lambda: scaled_identity(16, 2.0), 16), "mlp": (lambda: mlp((256, 1024, 1024, 16)), 256)}
-CONFIG = {"max_batch_size": 8, "execution": {"intra_op_threads": 1, "inter_op_threads": 1}}
+EXECUTION = {"intra_op_threads": 1, "inter_op_threads": 1}
+CONFIG = {"max_batch_size": 8, "execution": EXECUTION}
 SERVER_CORE, CLIENT_CORE = 1, 0
 Call = Callable[[Any], Awaitable[Any]]
 
@@ -103,8 +107,9 @@ async def run(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(prefix="bench-floor-") as tmp:
         workdir = Path(tmp)
         repository = workdir / "models"
+        execution = {**EXECUTION, "instances": args.instances}
         for name in args.models:
-            write_model(repository, name, 1, MODELS[name][0](), CONFIG)
+            write_model(repository, name, 1, MODELS[name][0](), {**CONFIG, "execution": execution})
         bare = ServerProcess(
             "bare",
             [*prefix, sys.executable, str(ROOT / "bench" / "bare_server.py"), str(repository)],
@@ -318,6 +323,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         default=[],
         help=f"established servers to measure too, KServe API only ({','.join(PEERS)}; make bench-peers)",
     )
+    parser.add_argument("--instances", type=int, default=1, help="sessions per model in the service")
     parser.add_argument("--output", type=Path, default=DEFAULT_OUTPUT)
     args = parser.parse_args(argv)
     unknown = sorted(set(args.peers) - set(PEERS))

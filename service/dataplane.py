@@ -25,7 +25,6 @@ from service.generation.model import DecoderModel
 from service.intake import Bounds, TensorHeader, bounds_for, check_headers, offload
 from service.runtime.manager import ModelManager
 from service.runtime.served import ServedVersion
-from service.runtime.session import run_model
 from service.scheduling.queue import DEFAULT_SCHEDULING, Scheduling
 
 T = TypeVar("T")
@@ -140,12 +139,11 @@ class DataPlane:
         if batcher is not None:
             with tracing.step("batch"):
                 return await batcher.infer(inputs, names, scheduling)
-        runner = served.runner
         start = time.perf_counter_ns()
         ok = False
         try:
             with tracing.step("run"):
-                arrays = await run_model(runner, inputs, names, self._executor, served.label)
+                arrays = await served.instances.run(inputs, names, self._executor, served.label)
             ok = True
         finally:
             end = time.perf_counter_ns()

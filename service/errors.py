@@ -45,6 +45,11 @@ class ModelRunError(ServiceError):
     """The runtime failed while running a model on valid-looking input."""
 
 
+class DeviceFault(ModelRunError):
+    """The device or its runtime failed a run (a CUDA error, an execution provider failure), not the
+    request's input: the model instance that ran it is skipped for a while (runtime/instances.py)."""
+
+
 class NotGenerative(ServiceError):
     """Generate was asked of a model that cannot generate: not a decoder, or no tokenizer."""
 

@@ -6,14 +6,14 @@ from __future__ import annotations
 import contextlib
 import functools
 from bisect import bisect_left
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from itertools import accumulate
-from typing import TypeVar
+from typing import Protocol, TypeVar
 
 import grpc
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.metrics import MetricWrapperBase
 from prometheus_client.utils import floatToGoString
 
@@ -147,6 +147,83 @@ class RequestLog:
         yield latency
 
 
+class InstanceCounts(Protocol):
+    """The model instances of one version (service.runtime.instances.Instances), as metrics read them."""
+
+    def snapshot(
+        self,
+    ) -> Sequence[tuple[str, str, int, int, bool]]: ...  # (index, device, pending, runs, healthy)
+
+
+class InstanceMetrics:
+    """Per model instance, so that an operator sees how runs spread over instances and devices:
+    `modelyard_instance_runs_total`, `modelyard_instance_in_flight` and `modelyard_instance_healthy`
+    by model, version, instance (its index) and device.
+
+    A collector read at scrape time from the instances' own counts (plain ints kept on the event
+    loop): nothing is added to a run's path. A version's series leave with it. Two loads of the same
+    version number serve side by side while the older drains: their counts add up, and the runs of
+    the one that leaves are carried, so that the counter never goes back."""
+
+    LABELS = ("model", "version", "instance", "device")
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        # Replaced whole on every change (one assignment): a scrape on the HTTP thread sees the
+        # old mapping or the new one.
+        self._versions: dict[tuple[str, str], tuple[InstanceCounts, ...]] = {}
+        self._carried: dict[tuple[str, ...], int] = {}
+        registry.register(self)
+
+    def add(self, model: str, version: str, counts: InstanceCounts) -> None:
+        key = (model, version)
+        self._versions = {**self._versions, key: (*self._versions.get(key, ()), counts)}
+
+    def remove(self, model: str, version: str, counts: InstanceCounts) -> None:
+        key = (model, version)
+        rest = tuple(c for c in self._versions.get(key, ()) if c is not counts)
+        versions = {k: v for k, v in self._versions.items() if k != key}
+        carried = dict(self._carried)
+        if rest:
+            versions[key] = rest
+            for index, device, _, runs, _ in counts.snapshot():
+                labels = (model, version, index, device)
+                carried[labels] = carried.get(labels, 0) + runs
+        else:
+            carried = {labels: runs for labels, runs in carried.items() if labels[:2] != key}
+        self._versions, self._carried = versions, carried
+
+    def collect(self) -> Iterator[Metric]:
+        runs = CounterMetricFamily(
+            "modelyard_instance_runs",
+            "Model runs started on each model instance (a batch is one run).",
+            labels=self.LABELS,
+        )
+        in_flight = GaugeMetricFamily(
+            "modelyard_instance_in_flight", "Runs in progress on each model instance.", labels=self.LABELS
+        )
+        healthy = GaugeMetricFamily(
+            "modelyard_instance_healthy",
+            "1 while a model instance takes runs, 0 while it rests after a run failed on its device.",
+            labels=self.LABELS,
+        )
+        # labels -> [runs, in flight, healthy]; what left is carried while its version serves.
+        totals: dict[tuple[str, ...], list[int]] = {k: [runs, 0, 1] for k, runs in self._carried.items()}
+        for (model, version), pools in list(self._versions.items()):
+            for pool in pools:
+                for index, device, pending, started, ok in pool.snapshot():
+                    total = totals.setdefault((model, version, index, device), [0, 0, 1])
+                    total[0] += started
+                    total[1] += pending
+                    total[2] = min(total[2], int(ok))
+        for labels, (started, pending, healthy_now) in totals.items():
+            runs.add_metric(list(labels), started)
+            in_flight.add_metric(list(labels), pending)
+            healthy.add_metric(list(labels), healthy_now)
+        yield runs
+        yield in_flight
+        yield healthy
+
+
 @dataclass(frozen=True)
 class GenerationMetrics:
     """The generation metrics of one model version, with their labels bound once (hot path)."""
@@ -189,6 +266,7 @@ class ServiceMetrics:
 
     def __post_init__(self) -> None:
         self.requests = RequestLog(self.registry)
+        self.instances = InstanceMetrics(self.registry)
         self.auth_denials = Counter(
             "modelyard_auth_denials",
             "Calls refused for want of a credential, by surface (management or inference) and "

@@ -48,7 +48,8 @@ from service.gpu_memory import GpuMemoryCollector
 from service.metrics import ServiceMetrics
 from service.repository.uploads import UploadSpace
 from service.repository.watcher import RepositoryWatcher
-from service.runtime.manager import Loader, ModelManager
+from service.runtime.instances import Loader
+from service.runtime.manager import ModelManager
 from service.runtime.providers import CUDA, detect_providers
 from service.runtime.session import inline_run_limit_s, load_runner
 from service.runtime.status import ModelEvent, Watcher

@@ -118,7 +118,9 @@ class Runners:
     (model, version) so that tests can hold, release and inspect it."""
 
     held: set[tuple[str, int]] = field(default_factory=set)  # versions whose runs start held
-    loaded: dict[tuple[str, int], RecordingRunner] = field(default_factory=dict)
+    loaded: dict[tuple[str, int], RecordingRunner] = field(default_factory=dict)  # the latest loaded
+    # Every runner loaded for a version, in load order: a version of N instances adds N.
+    every: dict[tuple[str, int], list[RecordingRunner]] = field(default_factory=dict)
 
     def loader(self) -> Callable[[Path, ModelConfig, ProviderChoice], ModelRunner]:
         def load(model_file: Path, config: ModelConfig, providers: ProviderChoice) -> ModelRunner:
@@ -129,6 +131,7 @@ class Runners:
                 gate=Gate(open_=key not in self.held),
             )
             self.loaded[key] = recording
+            self.every.setdefault(key, []).append(recording)
             return recording
 
         return load

@@ -189,21 +189,25 @@ def _queue_policy(policy: config_pb.ModelQueuePolicy, where: str) -> dict[str, A
 
 
 def _execution(groups: Any) -> dict[str, Any]:
+    """Triton's instance_group: `count` instances on each GPU it lists (KIND_GPU), or `count` on
+    the CPU (KIND_CPU). One group only: a version's instances are all of one kind."""
     if len(groups) != 1:
-        raise InvalidInput(
-            "load parameter 'config': instance_group: one group only (one session per version)"
-        )
+        raise InvalidInput("load parameter 'config': instance_group: one group only (instances of one kind)")
     (group,) = groups
     _only(group, _GROUP, "instance_group[0].")
-    if group.count > 1:
-        raise InvalidInput("load parameter 'config': instance_group[0].count above 1 is not supported")
+    doc: dict[str, Any] = {"instances": group.count} if group.count else {}  # 0: Triton's default, 1
     kind = config_pb.ModelInstanceGroup.Kind.Name(group.kind)
     if kind == "KIND_CPU":
-        return {"provider": "cpu"}
+        if group.gpus:
+            raise InvalidInput(
+                "load parameter 'config': instance_group[0].gpus: KIND_CPU places nothing on GPUs"
+            )
+        return {**doc, "provider": "cpu"}
     if kind == "KIND_GPU":
-        if len(group.gpus) > 1:
-            raise InvalidInput("load parameter 'config': instance_group[0].gpus: one GPU only")
-        return {"provider": "cuda", "device_id": group.gpus[0] if group.gpus else 0}
+        # Without gpus, Triton places instances on every GPU; this server places them on device 0.
+        return {**doc, "provider": "cuda", **({"device_ids": list(group.gpus)} if group.gpus else {})}
     if kind == "KIND_AUTO":
-        return {"provider": "auto"}
+        if group.gpus:
+            return {**doc, "provider": "auto", "device_ids": list(group.gpus)}
+        return {**doc, "provider": "auto"}
     raise InvalidInput(f"load parameter 'config': instance_group[0].kind {kind} is not supported")

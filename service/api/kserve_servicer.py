@@ -393,6 +393,18 @@ def _triton_type(datatype: str) -> config_pb.DataType.ValueType:
     return config_pb.DataType.Value("TYPE_STRING" if datatype == "BYTES" else f"TYPE_{datatype}")
 
 
+def _instance_group(served: ServedVersion) -> config_pb.ModelInstanceGroup:
+    """The version's instances as Triton says them: `count` on each GPU listed, or on the CPU."""
+    execution = served.config.execution
+    if "CUDA" in served.runner.provider:
+        return config_pb.ModelInstanceGroup(
+            kind=config_pb.ModelInstanceGroup.KIND_GPU, count=execution.instances, gpus=execution.devices
+        )
+    return config_pb.ModelInstanceGroup(
+        kind=config_pb.ModelInstanceGroup.KIND_CPU, count=len(served.instances.all)
+    )
+
+
 def _triton_config(served: ServedVersion) -> config_pb.ModelConfig:
     signature = served.runner.signature
     config: ModelConfig = served.config
@@ -417,14 +429,7 @@ def _triton_config(served: ServedVersion) -> config_pb.ModelConfig:
             )
             for t in signature.outputs
         ],
-        instance_group=[
-            config_pb.ModelInstanceGroup(
-                kind=config_pb.ModelInstanceGroup.KIND_GPU
-                if "CUDA" in served.runner.provider
-                else config_pb.ModelInstanceGroup.KIND_CPU,
-                count=1,
-            )
-        ],
+        instance_group=[_instance_group(served)],
     )
     policy = config.version_policy
     if policy.kind == "latest":

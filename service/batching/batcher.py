@@ -9,6 +9,10 @@ preferred size (the largest one reachable leaves); otherwise when its oldest req
 max_queue_delay_us. While
 every slot is busy, requests pile up, so batches grow with the load by themselves.
 
+With several model instances (execution.instances), each batch runs on the instance the version's
+Instances picks (fewest pending runs among healthy ones), and by default there are at least as many
+run slots as instances, so that every instance can run a batch at once.
+
 A request that finds nothing queued and a slot free runs at once (waiting could gain nothing).
 A batch is concatenated, run once, and its outputs are split back per request, all on an executor
 thread (the event loop only plans). Models cheap enough to run inline run on the loop; their runs
@@ -32,9 +36,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from service.batching.tensors import batch_key, batch_rows, concat, split
-from service.errors import DeadlineExceeded, ModelRunError, ModelUnavailable, ServiceError
+from service.errors import DeadlineExceeded, DeviceFault, ModelRunError, ModelUnavailable, ServiceError
 from service.metrics import BatchingMetrics
 from service.repository.config import ModelConfig
+from service.runtime.instances import Instance, Instances
 from service.runtime.providers import CUDA
 from service.runtime.served import VersionStats
 from service.runtime.session import Runnable as Runner
@@ -58,6 +63,7 @@ class BatchSettings:
 
     @classmethod
     def from_config(cls, config: ModelConfig, provider: str, cpus: int) -> BatchSettings:
+        """Settings for a version of `config` whose instances run on `provider`."""
         batching = config.dynamic_batching
         if batching is None or not config.max_batch_size:
             raise ValueError("the model config asks for no dynamic batching")
@@ -72,13 +78,16 @@ class BatchSettings:
 
 
 def default_concurrency(config: ModelConfig, provider: str, cpus: int) -> int:
-    """Batches that keep the device busy without oversubscribing it."""
+    """Batches that keep the devices busy without oversubscribing them."""
+    sessions = config.execution.sessions
     if provider == CUDA:
-        return 2  # one batch's host side (copies, Python) overlaps the other's kernels
+        return 2 * sessions  # on each, one batch's host side (copies, Python) overlaps the other's kernels
     threads = config.execution.intra_op_threads
     # ONNX Runtime's default intra-op pool already uses every core for one run. With a smaller
     # pool, runs share the cores but one: the event loop (gRPC, batching) needs one to itself.
-    return max(1, (cpus - 1) // threads) if threads else 1
+    # Every instance can run a batch at once, even where that oversubscribes the cores: more
+    # instances than that is what the config asked for.
+    return max(sessions, max(1, (cpus - 1) // threads) if threads else 1)
 
 
 @dataclass(eq=False)
@@ -99,7 +108,7 @@ Outcome = Outputs | ServiceError
 class Batcher:
     def __init__(
         self,
-        runner: Runner,
+        instances: Instances,
         settings: BatchSettings,
         executor: Executor,
         stats: VersionStats,
@@ -109,7 +118,7 @@ class Batcher:
     ) -> None:
         self.settings = settings
         self.name = name
-        self._runner: Runner | None = runner
+        self._instances: Instances | None = instances
         self._executor = executor
         self._stats = stats
         self._metrics = metrics
@@ -139,8 +148,8 @@ class Batcher:
         """Run one request's (checked) inputs as part of a batch; raise InvalidInput (priority),
         Overloaded (queue full), DeadlineExceeded (deadline passed while queued), ModelUnavailable
         (the version stopped), or what the run raised."""
-        runner = self._runner
-        if self._closed or runner is None:
+        instances = self._instances
+        if self._closed or instances is None:
             raise ModelUnavailable(f"{self.name} is no longer served")
         rows = batch_rows(feeds)
         arrived = time.perf_counter_ns()
@@ -149,8 +158,8 @@ class Batcher:
             level, _ = self._queue.check(scheduling)
             self._metrics.dequeued(level, 0.0)
             self._stats.record_queue(0)
-            if runner.runs_inline:
-                return self._run_inline(runner, feeds, tuple(names), rows, arrived)
+            if instances.runs_inline:
+                return self._run_inline(instances, feeds, tuple(names), rows, arrived)
             pending = _Pending(
                 feeds, tuple(names), None, rows, asyncio.get_running_loop().create_future(), arrived
             )
@@ -172,17 +181,25 @@ class Batcher:
             raise
 
     def _run_inline(
-        self, runner: Runner, feeds: Mapping[str, np.ndarray], names: tuple[str, ...], rows: int, arrived: int
+        self,
+        instances: Instances,
+        feeds: Mapping[str, np.ndarray],
+        names: tuple[str, ...],
+        rows: int,
+        arrived: int,
     ) -> Outputs:
         """A request alone, on the event loop: the cheapest path, for models whose runs take
-        microseconds (no future, no concatenation, no split)."""
+        microseconds (no future, no concatenation, no split; one instance)."""
         self._metrics.batch_size.observe(rows)
         runs: list[tuple[int, int]] = []
+        instance = instances.start()
         try:
-            outputs = _execute(runner, feeds, names, self.name, runs)
-        except ServiceError:
+            outputs = _execute(instance.runner, feeds, names, self.name, runs)
+        except ServiceError as exc:
+            instances.finish(instance, exc)
             self._stats.record_request(False, time.perf_counter_ns() - arrived)
             raise
+        instances.finish(instance)
         self._stats.record_execution(*runs[0])
         self._stats.record_compute(1, runs[0][1])
         self._stats.record_request(True, time.perf_counter_ns() - arrived)
@@ -197,14 +214,14 @@ class Batcher:
 
     async def close(self) -> None:
         """Stop (the version retired and drained): anything still queued is answered UNAVAILABLE;
-        the runner is let go of, so that its session can be freed."""
+        the instances are let go of, so that their sessions can be freed."""
         self._closed = True
         for ticket in self._queue.close():
             self._fail(ticket.item, ModelUnavailable(f"{self.name} stopped serving before the request ran"))
         if self._loop_task is not None:
             self._loop_task.cancel()
             await asyncio.gather(self._loop_task, return_exceptions=True)
-        self._runner = None
+        self._instances = None
         self._metrics.close()
 
     # -- the loop -----------------------------------------------------------------------------
@@ -294,31 +311,41 @@ class Batcher:
     def _start(self, items: list[_Pending]) -> None:
         self._busy += 1
         self._metrics.batch_size.observe(sum(item.rows for item in items))
-        runner = self._runner
-        assert runner is not None
-        if runner.runs_inline:
+        instances = self._instances
+        assert instances is not None
+        instance = instances.start()
+        if instances.runs_inline:
+            done: _Computed | None = None
             try:
-                self._deliver(items, _compute(runner, items, self.name))
+                done = _compute(instance.runner, items, self.name)
+                self._deliver(items, done)
             finally:
                 self._busy -= 1
+                instances.finish(instance, done.fault if done is not None else None)
             return
         loop = asyncio.get_running_loop()
         try:
-            future = self._executor.submit(_compute, runner, items, self.name)
+            future = self._executor.submit(_compute, instance.runner, items, self.name)
         except RuntimeError as exc:  # the executor is shut down
             self._busy -= 1
+            instances.finish(instance)
             self._deliver(items, _Computed([run_error(exc, self.name)] * len(items), []))
             return
         # One hop back to the event loop when the run ends. (run_in_executor and a task take four,
         # each behind every callback already waiting on a busy loop, while the model sits idle.)
-        future.add_done_callback(lambda done: loop.call_soon_threadsafe(self._finished, items, done))
+        future.add_done_callback(
+            lambda done: loop.call_soon_threadsafe(self._finished, items, instances, instance, done)
+        )
 
-    def _finished(self, items: list[_Pending], future: Future[_Computed]) -> None:
+    def _finished(
+        self, items: list[_Pending], instances: Instances, instance: Instance, future: Future[_Computed]
+    ) -> None:
         self._busy -= 1
         try:
             done = future.result()
         except Exception as exc:  # a bug in _compute
             done = _Computed([run_error(exc, self.name)] * len(items), [])
+        instances.finish(instance, done.fault)
         if not self._closed:
             # The next batch starts before this one's answers go out: the model's time is the
             # scarce resource, the answers cost the loop, not the model.
@@ -362,6 +389,11 @@ class _Computed:
     outcomes: list[Outcome]  # one per request of the batch
     runs: list[tuple[int, int]]  # (rows, compute ns) of each successful model run
 
+    @property
+    def fault(self) -> DeviceFault | None:
+        """The device's failure, if the run failed on its device (its instance then rests)."""
+        return next((o for o in self.outcomes if isinstance(o, DeviceFault)), None)
+
 
 def _compute(runner: Runner, items: list[_Pending], name: str) -> _Computed:
     """On an executor thread: concatenate, run once, split. If the batch fails, run each request
@@ -372,8 +404,9 @@ def _compute(runner: Runner, items: list[_Pending], name: str) -> _Computed:
         outputs = _execute(runner, concat([item.feeds for item in items]), names, name, runs)
         pieces = split(outputs, [item.rows for item in items])
     except ServiceError as exc:
-        if len(items) == 1:
-            return _Computed([exc], runs)
+        # A device's failure is no request's: running each alone would fail each on it again.
+        if len(items) == 1 or isinstance(exc, DeviceFault):
+            return _Computed([exc] * len(items), runs)
         return _Computed([_alone(runner, item, name, runs) for item in items], runs)
     outcomes: list[Outcome] = [
         {output: piece[output] for output in item.names} for item, piece in zip(items, pieces, strict=True)

@@ -48,20 +48,22 @@ class BatchingLayer:
         label = served.label
         levels = settings.admission.priority_levels
         log.info(
-            "%s batches up to %d rows (leaves at %d or after %.0f us), %d batch%s at a time, "
-            "%d priority level%s",
+            "%s batches up to %d rows (leaves at %d or after %.0f us), %d batch%s at a time on %d "
+            "instance%s, %d priority level%s",
             label,
             settings.max_batch_size,
             settings.target_rows,
             settings.max_queue_delay_s * 1e6,
             settings.concurrency,
             "" if settings.concurrency == 1 else "es",
+            len(served.instances.all),
+            "" if len(served.instances.all) == 1 else "s",
             levels,
             "" if levels == 1 else "s",
         )
         metrics = self._metrics.batching(served.model, str(served.version), levels)
         self._batchers[served] = Batcher(
-            served.runner, settings, self._executor, served.stats, metrics, self._clock, label
+            served.instances, settings, self._executor, served.stats, metrics, self._clock, label
         )
         served.on_retire(self._detach)
 

@@ -45,8 +45,19 @@ class DecoderModel:
 def recognize_decoder(
     signature: Signature, metadata: Mapping[str, str], config: ModelConfig, model_file: Path
 ) -> DecoderModel | None:
-    """The generation layer's recognizer for the runtime's loader (service.runtime.session)."""
-    return load_decoder(signature, dict(metadata), config.generation, model_file)
+    """The generation layer's recognizer for the runtime's loader (service.runtime.session). A
+    decoder serves from one session: its decode loop holds every sequence's cache on that session's
+    device, so a config asking for more instances is refused rather than half obeyed."""
+    decoder = load_decoder(signature, dict(metadata), config.generation, model_file)
+    if decoder is not None and config.execution.sessions > 1:
+        execution = config.execution
+        raise ModelLoadError(
+            f"{model_file}: a decoder language model serves Generate from one session, but execution "
+            f"asks for {execution.sessions} (instances: {execution.instances} on devices "
+            f"{list(execution.devices)}); set instances: 1 and one device",
+            "config",
+        )
+    return decoder
 
 
 def load_decoder(

@@ -57,13 +57,29 @@ class VersionPolicy:
         return ordered[-self.latest :]
 
 
+# Sessions one version may hold (instances on each device, all devices together): each one is a
+# whole copy of the model in memory and a warm-up at load.
+MAX_SESSIONS = 16
+
+
 @dataclass(frozen=True)
 class ExecutionConfig:
     provider: Literal["auto", "cuda", "cpu"] = "auto"
-    device_id: int = 0
-    gpu_mem_limit_mb: int = 0  # 0 = no limit
-    intra_op_threads: int = 0  # 0 = ONNX Runtime's default
+    device_id: int = 0  # the first of device_ids when those are given
+    gpu_mem_limit_mb: int = 0  # 0 = no limit, per session
+    intra_op_threads: int = 0  # 0 = ONNX Runtime's default, per session
     inter_op_threads: int = 0
+    instances: int = 1  # sessions on each device (service/runtime/instances.py picks among them)
+    device_ids: tuple[int, ...] = ()  # CUDA devices to place instances on; () = (device_id,)
+
+    @property
+    def devices(self) -> tuple[int, ...]:
+        return self.device_ids or (self.device_id,)
+
+    @property
+    def sessions(self) -> int:
+        """Sessions a version of this model holds."""
+        return self.instances * len(self.devices)
 
 
 @dataclass(frozen=True)
@@ -270,18 +286,51 @@ def _execution(raw: object) -> ExecutionConfig:
     _known(
         doc,
         "execution",
-        {"provider", "device_id", "gpu_mem_limit_mb", "intra_op_threads", "inter_op_threads"},
+        {
+            "provider",
+            "device_id",
+            "device_ids",
+            "gpu_mem_limit_mb",
+            "intra_op_threads",
+            "inter_op_threads",
+            "instances",
+        },
     )
     provider = doc.get("provider", "auto")
     if provider not in ("auto", "cuda", "cpu"):
         raise ConfigError(f"execution.provider: expected auto, cuda or cpu, got {provider!r}")
-    return ExecutionConfig(
+    device_ids = _device_ids(doc, provider)
+    execution = ExecutionConfig(
         provider=provider,
-        device_id=_int(doc.get("device_id", 0), "execution.device_id", minimum=0),
+        device_id=device_ids[0] if device_ids else _int(doc.get("device_id", 0), "execution.device_id", 0),
         gpu_mem_limit_mb=_int(doc.get("gpu_mem_limit_mb", 0), "execution.gpu_mem_limit_mb", minimum=0),
         intra_op_threads=_int(doc.get("intra_op_threads", 0), "execution.intra_op_threads", minimum=0),
         inter_op_threads=_int(doc.get("inter_op_threads", 0), "execution.inter_op_threads", minimum=0),
+        instances=_int(doc.get("instances", 1), "execution.instances", minimum=1),
+        device_ids=device_ids,
     )
+    if execution.sessions > MAX_SESSIONS:
+        raise ConfigError(
+            f"execution.instances: {execution.instances} on each of {len(execution.devices)} device(s) "
+            f"make {execution.sessions} sessions; at most {MAX_SESSIONS} per version"
+        )
+    return execution
+
+
+def _device_ids(doc: Mapping[str, Any], provider: str) -> tuple[int, ...]:
+    raw = doc.get("device_ids")
+    if raw is None:
+        return ()
+    if "device_id" in doc:
+        raise ConfigError("execution: give device_id or device_ids, not both")
+    if provider == "cpu":
+        raise ConfigError("execution.device_ids: names CUDA devices, but execution.provider is cpu")
+    if not isinstance(raw, list) or not raw:
+        raise ConfigError(f"execution.device_ids: expected a non-empty list of device numbers, got {raw!r}")
+    ids = tuple(_int(d, "execution.device_ids[]", minimum=0) for d in raw)
+    if len(set(ids)) != len(ids):
+        raise ConfigError(f"execution.device_ids: {list(ids)} names a device twice (use instances)")
+    return ids
 
 
 def _batching(raw: object, max_batch_size: object) -> DynamicBatchingConfig:

@@ -31,10 +31,11 @@ from service.repository.files import check_tree_inside, scrub
 from service.repository.labels import load_labels
 from service.repository.scanner import fingerprint, parse_version, scan_model, scan_repository, version_bytes
 from service.repository.uploads import Upload
+from service.runtime.instances import Loader, load_instances, placements
 from service.runtime.memory import trim_heap
 from service.runtime.providers import ProviderChoice
 from service.runtime.served import ServedModel, ServedVersion
-from service.runtime.session import ModelRunner, load_runner
+from service.runtime.session import load_runner
 from service.runtime.signature import Signature
 from service.runtime.status import ModelEvent, ModelStatus, VersionState, VersionStatus, Watcher
 
@@ -57,7 +58,6 @@ class Lease:
         self._served.release()
 
 
-Loader = Callable[[Path, ModelConfig, ProviderChoice], ModelRunner]
 # A layer above (batching) attaching to a version that just loaded, before it serves; it lets go
 # through ServedVersion.on_retire.
 LoadHook = Callable[[ServedVersion], None]
@@ -318,12 +318,18 @@ class ModelManager:
         self._set_version(name, VersionStatus(number, VersionState.LOADING, time.time()))
         started = time.perf_counter()
         try:
-            memory = await loop.run_in_executor(self._io, version_bytes, model_file)
+            # Every instance holds its own copy of the model.
+            sessions = len(placements(config, self.providers))
+            memory = await loop.run_in_executor(self._io, version_bytes, model_file) * sessions
             await self._make_room(name, number, memory, config, current)
             root = model_file.parent.parent.parent  # <root>/<model>/<version>/model.onnx
             await loop.run_in_executor(self._io, check_tree_inside, root, model_file.parent)
             await loop.run_in_executor(self._io, verify_checksum, model_file, root)
-            runner = await loop.run_in_executor(self._io, self._loader, model_file, config, self.providers)
+            # All instances load (and warm up) before the version serves, or none does.
+            runners = await loop.run_in_executor(
+                self._io, load_instances, self._loader, model_file, config, self.providers
+            )
+            runner = runners[0]
             labels = await loop.run_in_executor(self._io, load_labels, model_file.parent.parent, config)
             if reference is not None and not config.reload.allow_schema_change:
                 _check_compatible(runner.signature, reference, model_file)
@@ -338,17 +344,21 @@ class ModelManager:
         elapsed = time.perf_counter() - started
         self.metrics.model_loads.labels(name, "ready").inc()
         self.metrics.load_seconds.labels(name).observe(elapsed)
+        served = ServedVersion(name, number, runners, config, print_, memory)
         log.info(
-            "model %s version %d loaded on %s in %.0f ms (warm-up run %.0f us, %s)",
+            "model %s version %d loaded on %s in %.0f ms (warm-up run %.0f us, %s; %d instance%s: %s)",
             name,
             number,
             runner.provider,
             elapsed * 1e3,
             runner.warmup_run_s * 1e6,
-            "inline" if runner.runs_inline else "executor",
+            "inline" if served.instances.runs_inline else "executor",
+            len(runners),
+            "" if len(runners) == 1 else "s",
+            ", ".join(r.device for r in runners),
         )
-        served = ServedVersion(name, number, runner, config, print_, memory)
         served.labels = labels
+        self.metrics.instances.add(name, str(number), served.instances)
         for attach in self._load_hooks:
             attach(served)
         return served
@@ -484,6 +494,8 @@ class ModelManager:
                 self.drain_timeout_s,
             )
         await served.stop_workers()
+        # Its series leave with it, and the metrics let go of its sessions.
+        self.metrics.instances.remove(name, str(number), served.instances)
         served.drop_session()
         await asyncio.get_running_loop().run_in_executor(self._io, trim_heap)
         if not replaced and name in self._status:

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from service.repository.config import ModelConfig
+from service.runtime.instances import Instances
 from service.runtime.session import ModelRunner
 
 # What a layer above (batching, generation) registers to let go of a version that retired.
@@ -80,7 +81,7 @@ class ServedVersion:
         self,
         model: str,
         version: int,
-        runner: ModelRunner,
+        runners: Sequence[ModelRunner],
         config: ModelConfig,
         fingerprint: tuple[object, ...] = (),
         memory_bytes: int = 0,
@@ -88,10 +89,13 @@ class ServedVersion:
         self.model = model
         self.version = version
         self.label = f"model {model} version {version}"  # for messages and logs
-        self.runner = runner
+        # Every instance holds the same model: the first one answers for the signature, the
+        # graph's kind and the provider; runs go through `instances`.
+        self.runner = runners[0]
+        self.instances = Instances(runners, [r.device for r in runners])
         self.config = config
         self.fingerprint = fingerprint  # the files it was loaded from; a change means reload
-        self.memory_bytes = memory_bytes  # estimate, for the model's memory budget
+        self.memory_bytes = memory_bytes  # estimate of all its instances, for the model's memory budget
         # Class labels by output name, from the config's label files (classification extension).
         self.labels: Mapping[str, tuple[str, ...]] = {}
         self.stats = VersionStats()
@@ -120,9 +124,11 @@ class ServedVersion:
             await hook(self)
 
     def drop_session(self) -> None:
-        """Drop the session, so that ONNX Runtime frees it now rather than whenever the last
-        reference goes. A request still running past the drain timeout fails instead."""
+        """Drop the sessions of every instance, so that ONNX Runtime frees them now rather than
+        whenever the last reference goes. A request still running past the drain timeout fails
+        instead."""
         del self.runner
+        del self.instances
 
     async def drain(self, timeout_s: float) -> bool:
         """Wait until no request holds this version; False if the timeout passed first."""

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import logging
+import re
 import statistics
 import time
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import Executor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -16,11 +15,17 @@ from typing import Any, Protocol
 import numpy as np
 import onnxruntime as ort
 from modelyard.tensors import NUMPY_BY_NAME
-from onnxruntime.capi.onnxruntime_pybind11_state import InvalidArgument
+from onnxruntime.capi.onnxruntime_pybind11_state import (
+    DeviceReset,
+    EPFail,
+    Fail,
+    InvalidArgument,
+    RuntimeException,
+)
 
 from service.cores import usable_cores
 from service.datatypes import NAME_BY_ORT
-from service.errors import InvalidInput, ModelLoadError, ModelRunError, ServiceError
+from service.errors import DeviceFault, InvalidInput, ModelLoadError, ModelRunError, ServiceError
 from service.repository.config import ModelConfig, TensorConfig
 from service.runtime import bf16
 from service.runtime.providers import CPU, CUDA, ProviderChoice
@@ -41,6 +46,10 @@ WARMUP_RUNS = 5
 # the session: one large request would hold gigabytes for good), so it is followed by a warm-up
 # sized run with arena shrinkage, which frees the arena's unused chunks. Cheap beside such a run.
 SHRINK_AFTER_S = 0.1
+# How ONNX Runtime reports a failing device when it has no exception type for it: its CUDA provider's
+# CUDA_CALL / CUBLAS_CALL / CUDNN_CALL checks throw "CUDA failure 700: an illegal memory access..."
+# (or "CUBLAS failure", "CUDNN failure", "CUDA error cudaError..."), surfacing as Fail.
+_DEVICE_MESSAGE = re.compile(r"\b(CUDA|CUBLAS|CUDNN|NCCL) (failure|error)\b|\bcudaError", re.IGNORECASE)
 
 
 class GraphKind(Protocol):
@@ -68,6 +77,7 @@ class ModelRunner:
     inline_limit_s: float = INLINE_RUN_LIMIT_S  # runs shorter than this go inline (inline_run_limit_s)
     sample_feeds: Mapping[str, np.ndarray] = dataclasses.field(default_factory=dict)  # the warm-up's
     shrink_options: ort.RunOptions | None = None  # arena shrinkage of the session's devices
+    device: str = "cpu"  # where the session runs: "cpu" or "cuda:<device_id>" (logs, metrics)
 
     @property
     def runs_inline(self) -> bool:
@@ -128,21 +138,6 @@ def run_checked(
         raise run_error(exc, label) from None
 
 
-async def run_model(
-    runner: Runnable,
-    feeds: Mapping[str, np.ndarray],
-    output_names: Sequence[str],
-    executor: Executor,
-    label: str,
-) -> list[np.ndarray]:
-    """Run once: inline on the event loop when the model is cheap enough, else on the executor."""
-    if runner.runs_inline:
-        return run_checked(runner, feeds, output_names, label)
-    return await asyncio.get_running_loop().run_in_executor(
-        executor, run_checked, runner, feeds, output_names, label
-    )
-
-
 def run_error(exc: BaseException, label: str) -> ServiceError:
     """The answer for a failed run of the model `label` names ("model m version 3")."""
     if isinstance(exc, ServiceError):
@@ -150,7 +145,18 @@ def run_error(exc: BaseException, label: str) -> ServiceError:
     if isinstance(exc, InvalidArgument):
         # Shapes the schema allows (-1) but the graph's operators reject.
         return InvalidInput(f"the model rejected the inputs: {_first_line(exc)}")
+    if is_device_fault(exc):
+        return DeviceFault(f"{label} failed on its device: {_first_line(exc)}")
     return ModelRunError(f"{label} failed: {_first_line(exc)}")
+
+
+def is_device_fault(exc: BaseException) -> bool:
+    """True when the device or ONNX Runtime's provider failed, not the request: an execution
+    provider failure or device reset, or a CUDA library error. A kernel refusing the request's
+    values (Fail from an operator's check) is not one: it would fail on any instance."""
+    if isinstance(exc, EPFail | DeviceReset):
+        return True
+    return isinstance(exc, Fail | RuntimeException) and _DEVICE_MESSAGE.search(str(exc)) is not None
 
 
 def load_runner(
@@ -193,6 +199,7 @@ def load_runner(
         warmup_run_s=_warm_up(runner, feeds, model_file),
         sample_feeds=feeds,
         shrink_options=_shrink_options(runner.provider, config),
+        device=f"cuda:{config.execution.device_id}" if runner.provider == CUDA else "cpu",
     )
 
 

@@ -12,9 +12,15 @@ from prometheus_client.core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
 # Gauges that say what each worker has, not how much: summing would count one model N times.
-# Device memory: every worker reads the same devices.
+# Device memory: every worker reads the same devices. Instance health (each worker has its own
+# instances of a version): healthy only where healthy on every worker.
 LOWEST = frozenset(
-    {"modelyard_model_versions_ready", "modelyard_gpu_memory_used_bytes", "modelyard_gpu_memory_total_bytes"}
+    {
+        "modelyard_model_versions_ready",
+        "modelyard_gpu_memory_used_bytes",
+        "modelyard_gpu_memory_total_bytes",
+        "modelyard_instance_healthy",
+    }
 )
 # Families whose values only grow while their process lives: carried over when it dies. Gauges
 # are not (a dead worker's queue depth is gone with it).

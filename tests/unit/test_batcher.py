@@ -18,6 +18,7 @@ from service.batching.batcher import Batcher, BatchSettings, default_concurrency
 from service.errors import DeadlineExceeded, InvalidInput, ModelRunError, ModelUnavailable, Overloaded
 from service.metrics import ServiceMetrics
 from service.repository.config import ExecutionConfig, ModelConfig
+from service.runtime.instances import Instances
 from service.runtime.providers import CPU, CUDA
 from service.runtime.served import VersionStats
 from service.scheduling.queue import AdmissionPolicy, QueuePolicy, Scheduling
@@ -49,7 +50,7 @@ class Rig:
         self.stats = VersionStats()
         self.metrics = ServiceMetrics()
         self.batcher = Batcher(
-            self.runner,
+            Instances([self.runner]),
             BatchSettings(**values),  # type: ignore[arg-type]
             executor,
             self.stats,

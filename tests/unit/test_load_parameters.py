@@ -38,6 +38,21 @@ def test_full_triton_config_maps_onto_ours() -> None:
     assert config.execution.provider == "cpu"
 
 
+def test_instance_group_maps_onto_instances_per_device() -> None:
+    gpus = parse_triton_config('{"instance_group": [{"kind": "KIND_GPU", "count": 2, "gpus": [0, 1]}]}', "m")
+    assert (gpus.execution.provider, gpus.execution.instances, gpus.execution.device_ids) == (
+        "cuda",
+        2,
+        (0, 1),
+    )
+    assert gpus.execution.sessions == 4  # count on each GPU listed, as Triton places them
+    assert gpus.execution.device_id == 0
+    cpu = parse_triton_config('{"instance_group": [{"kind": "KIND_CPU", "count": 3}]}', "m").execution
+    assert (cpu.provider, cpu.instances, cpu.device_ids, cpu.sessions) == ("cpu", 3, (), 3)
+    one = parse_triton_config('{"instance_group": [{"kind": "KIND_GPU", "gpus": [2]}]}', "m").execution
+    assert (one.instances, one.device_id, one.devices) == (1, 2, (2,))  # count 0: Triton's default, 1
+
+
 @pytest.mark.parametrize(
     ("text", "named"),
     [
@@ -49,7 +64,10 @@ def test_full_triton_config_maps_onto_ours() -> None:
         ('{"backend": "pytorch"}', "pytorch"),
         ('{"dynamic_batching": {"preserve_ordering": true}, "max_batch_size": 2}', "preserve_ordering"),
         ('{"dynamic_batching": {}}', "max_batch_size"),
-        ('{"instance_group": [{"count": 2}]}', "count"),
+        ('{"instance_group": [{"count": 99}]}', "execution.instances: 99"),
+        ('{"instance_group": [{"count": 2, "kind": "KIND_CPU", "gpus": [0]}]}', "KIND_CPU places nothing"),
+        ('{"instance_group": [{"kind": "KIND_GPU", "gpus": [1, 1]}]}', "names a device twice"),
+        ('{"instance_group": [{"kind": "KIND_CPU"}, {"kind": "KIND_GPU"}]}', "one group only"),
         (
             '{"max_batch_size": 2, "dynamic_batching": '
             '{"default_queue_policy": {"timeout_action": "DELAY"}}}',

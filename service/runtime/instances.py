@@ -1,0 +1,174 @@
+"""The model instances of one served version: sessions of the same model file placed on devices
+(`execution.instances` on each of `execution.device_ids`), and the choice of which one runs a request.
+
+The choice is the seeds' multi-GPU scheduling: the fewest pending runs among healthy instances,
+ties to the lowest index. Instances are numbered device by device in turn, so ties spread a light
+load over the devices before any device takes two. An instance whose run failed on its device
+(DeviceFault) rests for UNHEALTHY_BACKOFF_S and is skipped while another is healthy; no request is
+refused for want of a healthy instance (with every instance resting, the least busy of all runs
+it). The counts are plain ints, touched on the event loop only; the runs go to the executor.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Executor, Future
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import numpy as np
+
+from service.errors import DeviceFault
+from service.repository.config import ModelConfig
+from service.runtime.providers import ProviderChoice
+from service.runtime.session import ModelRunner, Runnable, run_checked
+
+log = logging.getLogger(__name__)
+
+# How long an instance whose device failed a run is skipped (while another instance is healthy).
+UNHEALTHY_BACKOFF_S = 10.0
+
+Loader = Callable[[Path, ModelConfig, ProviderChoice], ModelRunner]
+
+
+@dataclass(frozen=True)
+class Placement:
+    index: int
+    device_id: int  # the CUDA device of this instance's session (unused on CPU)
+
+
+def placements(config: ModelConfig, providers: ProviderChoice) -> tuple[Placement, ...]:
+    """Where each instance of a version goes: on CUDA device by device in turn (instance 0 on the
+    first device, 1 on the second, ...), `execution.instances` rounds of them; on the CPU,
+    `execution.instances` sessions (device_ids name GPUs: there is one CPU)."""
+    execution = config.execution
+    on_cuda = execution.provider != "cpu" and providers.cuda_usable
+    devices = execution.devices if on_cuda else (execution.device_id,)
+    return tuple(
+        Placement(index, device)
+        for index, device in enumerate(d for _ in range(execution.instances) for d in devices)
+    )
+
+
+def load_instances(
+    loader: Loader, model_file: Path, config: ModelConfig, providers: ProviderChoice
+) -> list[ModelRunner]:
+    """Load every instance of a version (blocking: on the loading thread), each built from the
+    config with its own device_id (the CUDA provider's device_id option); the first failure fails
+    the version, and the instances already loaded are dropped with it."""
+    return [
+        loader(
+            model_file, replace(config, execution=replace(config.execution, device_id=p.device_id)), providers
+        )
+        for p in placements(config, providers)
+    ]
+
+
+@dataclass(eq=False)
+class Instance:
+    index: int
+    runner: Runnable
+    device: str  # "cpu" or "cuda:<id>": for logs and metrics
+    pending: int = 0  # runs started and not yet finished
+    runs: int = 0  # runs started, ever
+    resting_until: float = 0.0  # skipped until then (monotonic clock): its device failed a run
+
+
+class Instances:
+    """The instances of one served version and the choice among them (on the event loop)."""
+
+    def __init__(
+        self,
+        runners: Sequence[Runnable],
+        devices: Sequence[str] = (),
+        clock: Callable[[], float] = time.monotonic,  # test seam: a clock stepped by hand
+        backoff_s: float = UNHEALTHY_BACKOFF_S,
+    ) -> None:
+        if not runners:
+            raise ValueError("a version needs at least one instance")
+        self.all: tuple[Instance, ...] = tuple(
+            Instance(index, runner, devices[index] if devices else "cpu")
+            for index, runner in enumerate(runners)
+        )
+        self._clock = clock
+        self._backoff_s = backoff_s
+        # With more than one instance every run goes to the executor: an inline run holds the
+        # event loop, so instances would only take turns, never run side by side.
+        self.runs_inline = len(self.all) == 1 and self.all[0].runner.runs_inline
+
+    def healthy(self, instance: Instance) -> bool:
+        return not instance.resting_until or instance.resting_until <= self._clock()
+
+    def pick(self) -> Instance:
+        """The instance the next run goes to: fewest pending among the healthy, lowest index first."""
+        if len(self.all) == 1:
+            return self.all[0]
+        best: Instance | None = None
+        for instance in self.all:
+            if instance.resting_until:
+                if not self.healthy(instance):
+                    continue
+                instance.resting_until = 0.0  # its rest is over
+            if best is None or instance.pending < best.pending:
+                best = instance
+        if best is None:  # every instance rests: the least busy still serves (min keeps the first)
+            best = min(self.all, key=lambda i: i.pending)
+        return best
+
+    def start(self) -> Instance:
+        """Pick an instance and count a run on it; `finish` must follow."""
+        instance = self.pick()
+        instance.pending += 1
+        instance.runs += 1
+        return instance
+
+    def finish(self, instance: Instance, error: BaseException | None = None) -> None:
+        """A run on `instance` ended; a DeviceFault sends the instance to rest."""
+        instance.pending -= 1
+        if isinstance(error, DeviceFault):
+            instance.resting_until = self._clock() + self._backoff_s
+            log.warning(
+                "instance %d (%s) failed on its device; skipped for %.0f s while another is healthy: %s",
+                instance.index,
+                instance.device,
+                self._backoff_s,
+                error,
+            )
+
+    async def run(
+        self, feeds: Mapping[str, np.ndarray], output_names: Sequence[str], executor: Executor, label: str
+    ) -> list[np.ndarray]:
+        """Run once on the chosen instance: inline on the event loop when the model is cheap enough
+        (one instance only), else on the executor."""
+        instance = self.start()
+        if self.runs_inline:
+            error: BaseException | None = None
+            try:
+                return run_checked(instance.runner, feeds, output_names, label)
+            except BaseException as exc:
+                error = exc
+                raise
+            finally:
+                self.finish(instance, error)
+        loop = asyncio.get_running_loop()
+        try:
+            future = executor.submit(run_checked, instance.runner, feeds, output_names, label)
+        except BaseException:
+            self.finish(instance)
+            raise
+        # Counted until the run itself ends, not its caller's wait: a client that leaves does not
+        # stop a run already on its executor thread, and the instance is busy until then. (Added
+        # before wrap_future's own callback, so the count is down before the caller resumes; no
+        # more hops back to the loop than run_in_executor takes.)
+        future.add_done_callback(lambda done: loop.call_soon_threadsafe(self._finished, instance, done))
+        return await asyncio.wrap_future(future, loop=loop)
+
+    def _finished(self, instance: Instance, future: Future[list[np.ndarray]]) -> None:
+        self.finish(instance, None if future.cancelled() else future.exception())
+
+    def snapshot(self) -> list[tuple[str, str, int, int, bool]]:
+        """(index, device, pending, runs, healthy) of each instance, for metrics."""
+        return [(str(i.index), i.device, i.pending, i.runs, self.healthy(i)) for i in self.all]
