@@ -143,11 +143,22 @@ class Instances:
     ) -> list[np.ndarray]:
         """Run once on the chosen instance: inline on the event loop when the model is cheap enough
         (one instance only), else on the executor."""
-        instance = self.start()
         if self.runs_inline:
+            # One instance and a run of microseconds, on the loop: nothing to choose and never
+            # pending when anyone looks; counted only (this is every request of a cheap model).
+            only = self.all[0]
+            only.runs += 1
+            return run_checked(only.runner, feeds, output_names, label)
+        instance = self.start()
+        if len(self.all) == 1:
+            # Nothing to choose between: counted around the call, with no more work per request
+            # than a plain run (a caller that leaves counts its run down early; no choice depends
+            # on it).
             error: BaseException | None = None
             try:
-                return run_checked(instance.runner, feeds, output_names, label)
+                return await asyncio.get_running_loop().run_in_executor(
+                    executor, run_checked, instance.runner, feeds, output_names, label
+                )
             except BaseException as exc:
                 error = exc
                 raise
