@@ -195,13 +195,9 @@ class ModelManager:
             if override is not None:
                 self._overrides[name] = override
             status = await self._reconcile(name)
-            dropped = [previous]
+            await self._remove_upload(previous)
             if status is None:
-                dropped.append(self._overrides.pop(name, None))
-            for gone in dropped:
-                if gone is not None and gone.upload is not None:
-                    # The sessions loaded from it hold their own copy of the model (or an open map).
-                    await asyncio.get_running_loop().run_in_executor(self._io, gone.upload.remove)
+                await self._remove_upload(self._overrides.pop(name, None))
         if status is None:
             raise ModelNotFound(f"model {name!r} is not in the repository")
         return status
@@ -225,9 +221,7 @@ class ModelManager:
                 await asyncio.gather(*(self._retire(v) for v in old.versions.values()))
             # An unloaded model keeps no upload: its next load brings files again or reads the
             # repository, and the bytes go back to the upload space.
-            override = self._overrides.pop(name, None)
-            if override is not None and override.upload is not None:
-                await asyncio.get_running_loop().run_in_executor(self._io, override.upload.remove)
+            await self._remove_upload(self._overrides.pop(name, None))
             return self._status[name]
 
     async def close(self) -> None:
@@ -236,13 +230,18 @@ class ModelManager:
             await self.unload(name)
         if self._retiring:
             await asyncio.gather(*self._retiring)
-        for override in self._overrides.values():
-            if override.upload is not None:
-                override.upload.remove()
+        for override in list(self._overrides.values()):
+            await self._remove_upload(override)
         self._overrides.clear()
         self._io.shutdown(wait=True)
 
     # -- internals -------------------------------------------------------------------------
+
+    async def _remove_upload(self, override: LoadOverride | None) -> None:
+        """Delete an override's uploaded files, off the loop. The sessions loaded from them hold
+        their own copy of the model (or an open map)."""
+        if override is not None and override.upload is not None:
+            await asyncio.get_running_loop().run_in_executor(self._io, override.upload.remove)
 
     async def _reconcile(self, name: str) -> ModelStatus | None:
         loop = asyncio.get_running_loop()
