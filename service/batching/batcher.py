@@ -79,9 +79,10 @@ class BatchSettings:
 
 def default_concurrency(config: ModelConfig, provider: str, cpus: int) -> int:
     """Batches that keep the devices busy without oversubscribing them."""
-    sessions = config.execution.sessions
     if provider == CUDA:
-        return 2 * sessions  # on each, one batch's host side (copies, Python) overlaps the other's kernels
+        # On each session, one batch's host side (copies, Python) overlaps the other's kernels.
+        return 2 * config.execution.sessions
+    sessions = config.execution.instances  # on the CPU device_ids place nothing (instances.placements)
     threads = config.execution.intra_op_threads
     # ONNX Runtime's default intra-op pool already uses every core for one run. With a smaller
     # pool, runs share the cores but one: the event loop (gRPC, batching) needs one to itself.

@@ -242,6 +242,8 @@ def test_the_batcher_has_a_run_slot_for_every_instance() -> None:
     assert default_concurrency(two, CPU, cpus=16) == 15  # a pool of one thread each: cores but one
     gpus = ModelConfig(execution=ExecutionConfig(instances=2, device_ids=(0, 1)))
     assert default_concurrency(gpus, CUDA, cpus=2) == 8  # two batches on each of 4 sessions
+    # Without CUDA those GPU placements collapse into `instances` CPU sessions: one slot each.
+    assert default_concurrency(gpus, CPU, cpus=2) == 2
 
 
 def rig(runners: list[FakeRunner], executor: ThreadPoolExecutor) -> tuple[Batcher, Instances]:
