@@ -8,9 +8,11 @@ CUDA_DEVICE_ORDER or CUDA_VISIBLE_DEVICES reorder them; the `device` label is NV
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
@@ -28,25 +30,36 @@ class DeviceMemory:
     total: int
 
 
-def read_nvml() -> list[DeviceMemory] | None:
-    """Every device's memory; None where NVML cannot be used (no NVIDIA driver or library)."""
+@functools.cache
+def _nvml() -> Any:
+    """NVML, initialised once for the process's life (the driver's state is loaded then, not at
+    every scrape); None where it cannot be used (no NVIDIA driver or library)."""
     try:
         import pynvml
     except ImportError:
         return None
     try:
         pynvml.nvmlInit()
-        try:
-            devices = []
-            for index in range(pynvml.nvmlDeviceGetCount()):
-                info = pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(index))
-                devices.append(DeviceMemory(index, int(info.used), int(info.total)))
-            return devices
-        finally:
-            pynvml.nvmlShutdown()
     except pynvml.NVMLError as exc:
         log.debug("no device memory from NVML: %s", exc)
         return None
+    return pynvml
+
+
+def read_nvml() -> list[DeviceMemory] | None:
+    """Every device's memory; None where NVML cannot be used."""
+    nvml = _nvml()
+    if nvml is None:
+        return None
+    devices = []
+    try:
+        for index in range(nvml.nvmlDeviceGetCount()):
+            info = nvml.nvmlDeviceGetMemoryInfo(nvml.nvmlDeviceGetHandleByIndex(index))
+            devices.append(DeviceMemory(index, int(info.used), int(info.total)))
+    except nvml.NVMLError as exc:
+        log.debug("no device memory from NVML: %s", exc)
+        return None
+    return devices
 
 
 class GpuMemoryCollector(Collector):
