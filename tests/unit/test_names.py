@@ -13,8 +13,25 @@ def test_valid_names_pass(name: str) -> None:
 
 @pytest.mark.parametrize(
     "name",
-    ["", ".", "..", "../etc", "a/../b", "/abs", "a/b", "a\\b", "a\x00b", "-flag", ".hidden", "_x",
-     "a..b", "x" * 129, "naïve", "sp ace", "new\nline"],
+    [
+        "",
+        ".",
+        "..",
+        "../etc",
+        "a/../b",
+        "/abs",
+        "a/b",
+        "a\\b",
+        "a\x00b",
+        "-flag",
+        ".hidden",
+        "_x",
+        "a..b",
+        "x" * 129,
+        "naïve",
+        "sp ace",
+        "new\nline",
+    ],
 )
 def test_invalid_names_raise_naming_the_field(name: str) -> None:
     with pytest.raises(names.InvalidName) as raised:
