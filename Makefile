@@ -78,6 +78,7 @@ bench-swaps: $(VENV)/.installed-dev
 
 bench-soak: $(VENV)/.installed-dev
 	$(PY) -m bench.soak
+	$(PY) -m bench.soak_hostile
 
 bench-batching: $(VENV)/.installed-dev
 	$(PY) -m bench.batching

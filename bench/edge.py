@@ -17,11 +17,7 @@ import argparse
 import asyncio
 import json
 import os
-import re
-import signal
 import statistics
-import subprocess
-import sys
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -32,62 +28,11 @@ import httpx
 from modelyard.inference.v1 import inference_service_pb2 as pb
 from modelyard.inference.v1 import inference_service_pb2_grpc as pb_grpc
 
+from bench.stack import Stack
+
 ROOT = Path(__file__).resolve().parents[1]
 PROMPT = "def __init__(self"
 Timing = tuple[float, float, int]  # ttft s, per-token s, tokens
-
-
-class Stack:
-    def __init__(self) -> None:
-        cmd = [sys.executable, "-m", "deploy", "--service-listen", "127.0.0.1:0", "--service-metrics", ""]
-        cmd += ["--sidecar-listen", "127.0.0.1:0", "--sidecar-admin", "", "--gateway-listen", "127.0.0.1:0"]
-        cmd += ["--envoy-port", "0", "--envoy-admin-port", "0"]
-        self.proc = subprocess.Popen(
-            cmd,
-            cwd=ROOT,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.DEVNULL,
-            text=True,
-            start_new_session=True,
-        )
-        self.lines: list[str] = []
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            self.lines.append(line)
-            if line.startswith("  service "):
-                break
-        text = "".join(self.lines)
-        if "Modelyard is up" not in text:
-            self.stop()
-            raise RuntimeError("the stack did not come up:\n" + text)
-        self.edge = _find(r"browser page\s+(http://\S+)/", text)
-        self.gateway = _find(r"gateway\s+(http://\S+)", text)
-        self.service = _find(r"service\s+(\S+)", text)
-        found = re.search(r"\(Envoy\), (\S+) \(sidecar\)", text)
-        self.sidecar = found.group(1) if found else None
-
-    def gateway_pid(self) -> int:
-        for line in subprocess.run(
-            ["ps", "-o", "pid=,args=", "--ppid", str(self.proc.pid)], capture_output=True, text=True
-        ).stdout.splitlines():
-            if "-m gateway" in line:
-                return int(line.split()[0])
-        raise RuntimeError("gateway process not found")
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-
-
-def _find(pattern: str, text: str) -> str:
-    found = re.search(pattern, text)
-    assert found, pattern
-    return found.group(1)
 
 
 def request(tokens: int) -> pb.GenerateRequest:

@@ -1,0 +1,502 @@
+"""Hostile soak: normal traffic through the whole chain beside a low-rate mix of hostile requests,
+in alternating quiet and hostile windows of one run, so that what the hostile mix costs the normal
+callers is measured against the same stack, minutes apart.
+
+    .venv/bin/python -m bench.soak_hostile [--duration-s 120] [--windows 8] [--unary 4] [--sse 2]
+
+The stack runs as `make up` runs it (python -m deploy: service, sidecar, gateway, Envoy) on a
+temporary repository: the demo models plus two whose cost depends on input values (`fill`, a
+ConstantOfShape whose size is an input; `spin`, a Loop whose trip count is an input).
+
+Normal traffic, all the time: unary Infer on `classifier` through the sidecar (tenant `good`) and
+SSE generations of `codelm` through Envoy -> gateway. The hostile mix, in the hostile windows only,
+each class at a few requests a second: path-escaping and malformed names (Infer, KServe
+RepositoryModelLoad), a rotating stream of unknown model names and of tenants, a deadline storm and
+a bad-values storm from one tenant, a huge ConstantOfShape, a Loop of 10^12 trips under a short
+deadline, undecodable bytes, a message of a million tiny fields, bad HTTP bodies and headers at the
+gateway, bad admin bodies at the sidecar, and connections held open with half a request.
+
+Reported: errors of the normal traffic (goal 0), p50/p99 of the normal traffic in the quiet and in
+the hostile windows and their ratio (goal: p99 within 1.5x), each process's RSS at the start and the
+end and its slope over the run, the sidecar's and service's /metrics sizes, and every hostile answer
+that was a 5xx, INTERNAL, UNKNOWN or a hang (goal: none). Exit status 1 when a goal is missed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import shutil
+import socket
+import tempfile
+import time
+from collections import Counter
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import grpc
+import httpx
+import numpy as np
+import onnx
+from modelyard.inference.v1 import inference_service_pb2 as pb
+from modelyard.inference.v1 import inference_service_pb2_grpc as pb_grpc
+from modelyard.kserve.v2 import grpc_service_pb2 as kpb
+from modelyard.kserve.v2 import grpc_service_pb2_grpc as kpb_grpc
+from modelyard.tensors import to_tensor
+from onnx import TensorProto, helper
+
+from bench.edge import rss_kib
+from bench.stack import Stack
+from models.demo_models import COMMITTED_ROOT, make_model, write_model
+
+HANG_S = 10.0  # a hostile call unanswered for this long is a hang
+HOSTILE_PAUSE_S = 0.25  # each hostile class sends about 4 requests a second
+BAD_CODES = {grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN}
+
+
+# --- models whose cost depends on input values ------------------------------------------------
+
+
+def fill_model() -> onnx.ModelProto:
+    """total = sum(ConstantOfShape(shape)): memory the request does not declare."""
+    graph = helper.make_graph(
+        [
+            helper.make_node(
+                "ConstantOfShape",
+                ["shape"],
+                ["ones"],
+                value=helper.make_tensor("one", TensorProto.FLOAT, [1], [1.0]),
+            ),
+            helper.make_node("ReduceSum", ["ones"], ["total"], keepdims=1),
+        ],
+        "fill",
+        [helper.make_tensor_value_info("shape", TensorProto.INT64, [1])],
+        [helper.make_tensor_value_info("total", TensorProto.FLOAT, [1])],
+    )
+    return make_model(graph, "sum of ConstantOfShape(shape)")
+
+
+def spin_model() -> onnx.ModelProto:
+    """v = 0 + 1 + 1 ... n times: CPU time the request does not declare."""
+    body = helper.make_graph(
+        [
+            helper.make_node("Identity", ["cond_in"], ["cond_out"]),
+            helper.make_node("Add", ["v_in", "one"], ["v_out"]),
+        ],
+        "spin_body",
+        [
+            helper.make_tensor_value_info("i", TensorProto.INT64, []),
+            helper.make_tensor_value_info("cond_in", TensorProto.BOOL, []),
+            helper.make_tensor_value_info("v_in", TensorProto.FLOAT, [1]),
+        ],
+        [
+            helper.make_tensor_value_info("cond_out", TensorProto.BOOL, []),
+            helper.make_tensor_value_info("v_out", TensorProto.FLOAT, [1]),
+        ],
+        [helper.make_tensor("one", TensorProto.FLOAT, [1], [1.0])],
+    )
+    graph = helper.make_graph(
+        [helper.make_node("Loop", ["n", "", "zero"], ["v"], body=body)],
+        "spin",
+        [helper.make_tensor_value_info("n", TensorProto.INT64, [])],
+        [helper.make_tensor_value_info("v", TensorProto.FLOAT, [1])],
+        [helper.make_tensor("zero", TensorProto.FLOAT, [1], [0.0])],
+    )
+    return make_model(graph, "a Loop of n trips")
+
+
+def build_repository(root: Path) -> None:
+    for name in ("classifier", "codelm", "scaler"):
+        shutil.copytree(COMMITTED_ROOT / name, root / name)
+    write_model(root, "fill", 1, fill_model())
+    write_model(root, "spin", 1, spin_model())
+
+
+# --- what is recorded -----------------------------------------------------------------------------
+
+
+@dataclass
+class Record:
+    started: float = field(default_factory=time.perf_counter)
+    hostile: bool = False  # the current window's kind
+    stopping: bool = False
+    stopped: asyncio.Event = field(default_factory=asyncio.Event)  # set with `stopping`
+    latencies: dict[tuple[str, bool], list[float]] = field(default_factory=dict)  # (kind, hostile)
+    normal_errors: Counter[str] = field(default_factory=Counter)
+    hostile_answers: Counter[str] = field(default_factory=Counter)  # "class: answer"
+    findings: Counter[str] = field(default_factory=Counter)  # hostile answers that break the goal
+
+    def latency(self, kind: str, seconds: float, hostile: bool) -> None:
+        self.latencies.setdefault((kind, hostile), []).append(seconds)
+
+
+# --- normal traffic -------------------------------------------------------------------------------
+
+
+async def normal_unary(stub: Any, record: Record) -> None:
+    x = np.random.default_rng(0).standard_normal((1, 64), dtype=np.float32)
+    request = pb.InferRequest(model_name="classifier", inputs=[to_tensor("INPUT0", x)])
+    while not record.stopping:
+        hostile, start = record.hostile, time.perf_counter()
+        try:
+            await stub.Infer(request, metadata=(("x-tenant-id", "good"),), timeout=30)
+            if hostile == record.hostile:  # a call that straddles two windows counts in neither
+                record.latency("unary via sidecar", time.perf_counter() - start, hostile)
+        except grpc.aio.AioRpcError as exc:
+            record.normal_errors[f"Infer {exc.code().name} {exc.details()[:80]}"] += 1
+
+
+async def normal_sse(edge: httpx.AsyncClient, record: Record) -> None:
+    body = {"prompt": "def add(a, b):", "max_tokens": 8}
+    while not record.stopping:
+        hostile, start = record.hostile, time.perf_counter()
+        try:
+            async with edge.stream("POST", "/v1/models/codelm/generate", json=body) as response:
+                if response.status_code != 200:
+                    record.normal_errors[f"SSE HTTP {response.status_code}"] += 1
+                    continue
+                event, done = "", False
+                async for line in response.aiter_lines():
+                    if line.startswith("event: "):
+                        event = line[7:]
+                        done = done or event == "done"
+                        if event == "error":
+                            record.normal_errors["SSE event: error"] += 1
+            if not done:
+                record.normal_errors["SSE ended without done"] += 1
+            elif hostile == record.hostile:
+                record.latency("SSE via Envoy", time.perf_counter() - start, hostile)
+        except httpx.HTTPError as exc:
+            record.normal_errors[f"SSE {type(exc).__name__}"] += 1
+
+
+# --- the hostile mix ------------------------------------------------------------------------------
+
+Attempt = Callable[[], Awaitable[str]]  # returns a short description of the answer
+
+
+async def grpc_answer(call: Awaitable[Any]) -> str:
+    try:
+        await call
+    except grpc.aio.AioRpcError as exc:
+        trailing: Any = exc.trailing_metadata() or ()
+        reason = next((str(v) for k, v in trailing if k == "x-error-reason"), "")
+        return f"{exc.code().name}/{reason}" if reason else exc.code().name
+    return "OK"
+
+
+def tiny_fields(count: int) -> bytes:
+    """An InferRequest of `count` empty unknown fields (field 1000, varint 0) and then a name."""
+    return b"\xc0\x3e\x00" * count + b"\x0a\x0aclassifier"
+
+
+def hostile_attempts(
+    sidecar: grpc.aio.Channel, gateway: httpx.AsyncClient, admin: httpx.AsyncClient | None, planted: Path
+) -> dict[str, Attempt]:
+    stub: Any = pb_grpc.InferenceServiceStub(sidecar)
+    kstub: Any = kpb_grpc.GRPCInferenceServiceStub(sidecar)
+    raw = sidecar.unary_unary("/modelyard.inference.v1.InferenceService/Infer", None, None)
+    counter = iter(range(10**9))
+    names = ["../../" + str(planted), "", ".", "a\x00b", "x" * 1_000_000, "/etc/passwd", "a/../b"]
+
+    def infer(name: str, **inputs: np.ndarray) -> pb.InferRequest:
+        return pb.InferRequest(model_name=name, inputs=[to_tensor(k, v) for k, v in inputs.items()])
+
+    async def bad_name() -> str:
+        name = names[next(counter) % len(names)]
+        return await grpc_answer(stub.Infer(infer(name), timeout=HANG_S))
+
+    async def planted_upload() -> str:
+        request = kpb.RepositoryModelLoadRequest(model_name=f"../{planted.name}")
+        request.parameters["config"].string_param = "{}"
+        request.parameters["file:1/model.onnx"].bytes_param = b"not a model"
+        return await grpc_answer(kstub.RepositoryModelLoad(request, timeout=HANG_S))
+
+    async def unknown_name() -> str:
+        return await grpc_answer(stub.Infer(infer(f"ghost-{next(counter)}"), timeout=HANG_S))
+
+    async def rotating_tenant() -> str:
+        x = np.zeros((1, 64), np.float32)
+        meta = (("x-tenant-id", f"tenant-{next(counter)}"),)
+        return await grpc_answer(stub.Infer(infer("classifier", INPUT0=x), metadata=meta, timeout=HANG_S))
+
+    async def deadline_storm() -> str:
+        x = np.zeros((1, 64), np.float32)
+        meta = (("x-tenant-id", "storm"),)
+        answers = await asyncio.gather(
+            *(
+                grpc_answer(stub.Infer(infer("classifier", INPUT0=x), metadata=meta, timeout=1e-3))
+                for _ in range(8)
+            )
+        )
+        return ",".join(sorted(set(answers)))
+
+    async def bad_values() -> str:
+        # A shape value that ConstantOfShape cannot make (negative): the request's fault, not the model's.
+        meta = (("x-tenant-id", "storm"),)
+        return await grpc_answer(
+            stub.Infer(infer("fill", shape=np.array([-5], np.int64)), metadata=meta, timeout=HANG_S)
+        )
+
+    async def huge_fill() -> str:
+        # 2 GiB of float32 from a 8-byte request.
+        return await grpc_answer(
+            stub.Infer(infer("fill", shape=np.array([1 << 29], np.int64)), timeout=HANG_S)
+        )
+
+    async def long_loop() -> str:
+        request = infer("spin", n=np.array(10**12, np.int64))
+        return await grpc_answer(stub.Infer(request, timeout=0.2))
+
+    async def undecodable() -> str:
+        return await grpc_answer(raw(b"\x0a\xff\xff\xff\xff\x0f\x01", timeout=HANG_S))
+
+    async def many_fields() -> str:
+        return await grpc_answer(raw(tiny_fields(1_000_000), timeout=HANG_S))
+
+    bodies: list[tuple[str, bytes, dict[bytes, bytes]]] = [
+        ("nested", b"[" * 100_000 + b"]" * 100_000, {}),
+        ("big int", json.dumps({"prompt": "x", "max_tokens": 10**18}).encode(), {}),
+        ("token ids", json.dumps({"prompt_token_ids": [2**70]}).encode(), {}),
+        ("seed", json.dumps({"prompt": "x", "seed": 2**64}).encode(), {}),
+        ("priority", json.dumps({"prompt": "x", "priority": 2**33}).encode(), {}),
+        ("surrogate", b'{"prompt": "\\ud800"}', {}),
+        ("header", json.dumps({"prompt": "x", "max_tokens": 1}).encode(), {b"x-tenant-id": b"caf\xe9"}),
+        ("oversized", b'{"prompt": "' + b"x" * (17 << 20) + b'"}', {}),
+    ]
+
+    async def bad_http() -> str:
+        what, body, headers = bodies[next(counter) % len(bodies)]
+        response = await gateway.post(
+            "/v1/models/codelm/generate",
+            content=body,
+            headers={b"content-type": b"application/json", **headers},
+            timeout=HANG_S,
+        )
+        return f"{what} HTTP {response.status_code}"
+
+    async def bad_admin() -> str:
+        if admin is None:
+            return "no admin"
+        body = [b"[]", b"[" * 100_000, b'"x"', b"{" * 50_000][next(counter) % 4]
+        response = await admin.put("/canary/classifier", content=body, timeout=HANG_S)
+        return f"admin HTTP {response.status_code}"
+
+    return {
+        "bad name": bad_name,
+        "planted upload": planted_upload,
+        "unknown name": unknown_name,
+        "rotating tenant": rotating_tenant,
+        "deadline storm": deadline_storm,
+        "bad values": bad_values,
+        "huge fill": huge_fill,
+        "long loop": long_loop,
+        "undecodable": undecodable,
+        "many fields": many_fields,
+        "bad http": bad_http,
+        "bad admin": bad_admin,
+    }
+
+
+# Classes whose request must be refused: an OK means the harm was done (a model planted, 2 GiB
+# allocated, a loop run to the end, a bad body taken as a request).
+MUST_REFUSE = {"bad name", "planted upload", "unknown name", "huge fill", "long loop", "undecodable"}
+
+
+def is_finding(name: str, answer: str) -> bool:
+    """A hostile answer that breaks the goal: a server error, an internal code, a hang, or the
+    harm done."""
+    if answer.startswith(("INTERNAL", "UNKNOWN", "hang", "connection")) or " HTTP 5" in answer:
+        return True
+    if name in MUST_REFUSE and answer == "OK":
+        return True
+    return name in {"bad http", "bad admin"} and " HTTP 2" in answer
+
+
+async def hostile_loop(name: str, attempt: Attempt, record: Record) -> None:
+    while not record.stopping:
+        if not record.hostile:
+            await asyncio.sleep(0.05)
+            continue
+        try:
+            answer = await asyncio.wait_for(attempt(), HANG_S + 5)
+        except TimeoutError:
+            answer = "hang"
+        except (httpx.HTTPError, OSError) as exc:
+            answer = f"connection {type(exc).__name__}"
+        except Exception as exc:  # the client's own refusal to send it: not the server's answer
+            answer = f"not sent ({type(exc).__name__})"
+        record.hostile_answers[f"{name}: {answer}"] += 1
+        if is_finding(name, answer):
+            record.findings[f"{name}: {answer}"] += 1
+        await asyncio.sleep(HOSTILE_PAUSE_S)
+
+
+async def held_connections(host: str, port: int, record: Record, count: int = 16) -> None:
+    """Connections that send half a request and then nothing; each one the server closes is replaced."""
+    loop = asyncio.get_running_loop()
+    closed = 0
+
+    async def hold() -> None:
+        nonlocal closed
+        sock = socket.create_connection((host, port))
+        sock.setblocking(False)
+        try:
+            await loop.sock_sendall(sock, b"POST /v1/models/codelm/generate HTTP/1.1\r\nHost: x\r\n")
+            while await loop.sock_recv(sock, 1024):
+                pass  # whatever the server answers (a 408), then its close
+            closed += 1
+        finally:
+            sock.close()
+
+    async def keep() -> None:
+        while not record.stopping:
+            if record.hostile:
+                task = asyncio.ensure_future(hold())
+                stop = asyncio.ensure_future(record.stopped.wait())
+                await asyncio.wait({task, stop}, return_when=asyncio.FIRST_COMPLETED)
+                stop.cancel()
+                task.cancel()
+            else:
+                await asyncio.sleep(0.05)
+
+    await asyncio.gather(*(keep() for _ in range(count)))
+    record.hostile_answers[f"held half-requests: closed by the server x{closed}"] += 1
+
+
+# --- the run --------------------------------------------------------------------------------------
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[int(q * (len(ordered) - 1))] if ordered else float("nan")
+
+
+def slope(xs: list[float], ys: list[float]) -> float:
+    if len(xs) < 2 or max(xs) == min(xs):
+        return float("nan")
+    return float(np.polyfit(xs, ys, 1)[0])
+
+
+async def metrics_size(client: httpx.AsyncClient | None) -> int:
+    if client is None:
+        return 0
+    return len((await client.get("/metrics", timeout=10)).content)
+
+
+async def run(args: argparse.Namespace, tmp: Path) -> int:
+    root = tmp / "models"
+    build_repository(root)
+    planted = tmp / "planted"
+    stack = Stack("--repository", str(root), metrics=True)
+    processes = {name: stack.pid_of(name) for name in ("service", "sidecar", "gateway")}
+    rss: dict[str, list[tuple[float, float]]] = {name: [] for name in processes}
+    record = Record()
+    try:
+        assert stack.sidecar, "the hostile soak needs the sidecar installed"
+        limits = httpx.Limits(max_connections=args.sse + 16)
+        async with (
+            grpc.aio.insecure_channel(stack.sidecar) as sidecar,
+            grpc.aio.insecure_channel(stack.sidecar) as hostile_channel,
+            httpx.AsyncClient(base_url=stack.edge, timeout=60, limits=limits) as edge,
+            httpx.AsyncClient(base_url=stack.gateway, timeout=60) as gateway,
+            httpx.AsyncClient(base_url=f"http://{stack.sidecar_admin}", timeout=30) as admin,
+            httpx.AsyncClient(base_url=f"http://{stack.service_metrics}", timeout=30) as service_metrics,
+        ):
+            stub = pb_grpc.InferenceServiceStub(sidecar)
+            sizes_before = (await metrics_size(admin), await metrics_size(service_metrics))
+            attempts = hostile_attempts(hostile_channel, gateway, admin, planted)
+            gw_host, _, gw_port = stack.gateway.removeprefix("http://").rpartition(":")
+            tasks = [asyncio.ensure_future(normal_unary(stub, record)) for _ in range(args.unary)]
+            tasks += [asyncio.ensure_future(normal_sse(edge, record)) for _ in range(args.sse)]
+            skip = set(filter(None, args.skip.split(",")))
+            tasks += [
+                asyncio.ensure_future(hostile_loop(n, a, record))
+                for n, a in attempts.items()
+                if n not in skip
+            ]
+            tasks.append(asyncio.ensure_future(held_connections(gw_host, int(gw_port), record)))
+            window_s = args.duration_s / args.windows
+            for window in range(args.windows):
+                record.hostile = window % 2 == 1
+                end = record.started + (window + 1) * window_s
+                while (now := time.perf_counter()) < end:
+                    for name, pid in processes.items():
+                        rss[name].append((now - record.started, rss_kib(pid) / 1024))
+                    await asyncio.sleep(min(1.0, max(0.0, end - now)))
+            record.stopping = True
+            record.stopped.set()
+            await asyncio.wait_for(asyncio.gather(*tasks), 60)
+            sizes_after = (await metrics_size(admin), await metrics_size(service_metrics))
+    finally:
+        stack.stop()
+    return report(args, record, rss, sizes_before, sizes_after, planted)
+
+
+def report(
+    args: argparse.Namespace,
+    record: Record,
+    rss: dict[str, list[tuple[float, float]]],
+    before: tuple[int, int],
+    after: tuple[int, int],
+    planted: Path,
+) -> int:
+    print(
+        f"hostile soak: {args.duration_s:.0f} s in {args.windows} alternating quiet/hostile windows; "
+        f"{args.unary} unary clients via the sidecar, {args.sse} SSE clients via Envoy; "
+        f"{len(record.hostile_answers)} kinds of hostile answer"
+    )
+    print(f"\n{'normal traffic':<22}{'window':>9}{'calls':>8}{'p50 ms':>9}{'p99 ms':>9}{'p99 x quiet':>13}")
+    worst = 0.0
+    for kind in sorted({k for k, _ in record.latencies}):
+        quiet = record.latencies.get((kind, False), [])
+        loud = record.latencies.get((kind, True), [])
+        base = percentile(quiet, 0.99)
+        for label, values in (("quiet", quiet), ("hostile", loud)):
+            p99 = percentile(values, 0.99)
+            ratio = p99 / base if base else float("nan")
+            if label == "hostile":
+                worst = max(worst, ratio)
+            print(
+                f"{kind:<22}{label:>9}{len(values):>8}{percentile(values, 0.5) * 1e3:>9.2f}"
+                f"{p99 * 1e3:>9.2f}{ratio:>13.2f}"
+            )
+    print("\nRSS (MB)            start      end   slope MB/min")
+    for name, samples in rss.items():
+        if samples:
+            per_min = slope([t for t, _ in samples], [r for _, r in samples]) * 60
+            print(f"  {name:<16}{samples[0][1]:>7.0f}{samples[-1][1]:>9.0f}{per_min:>+12.2f}")
+    print(f"\n/metrics bytes: sidecar {before[0]} -> {after[0]}, service {before[1]} -> {after[1]}")
+    print(f"planted file outside the repository: {'YES' if planted.exists() else 'no'}")
+    print("\nhostile answers:")
+    for what, count in sorted(record.hostile_answers.items()):
+        print(f"  {what} x{count}")
+    print(f"\nnormal-traffic errors: {sum(record.normal_errors.values())} (goal: 0)")
+    for what, count in sorted(record.normal_errors.items()):
+        print(f"  {what} x{count}")
+    findings = sum(record.findings.values())
+    print(f"hostile answers that are 5xx / INTERNAL / UNKNOWN / hangs / harm done: {findings} (goal: 0)")
+    for what, count in sorted(record.findings.items()):
+        print(f"  {what} x{count}")
+    print(f"worst p99 ratio hostile/quiet: {worst:.2f} (goal: <= 1.5)")
+    missed = record.normal_errors or record.findings or worst > 1.5 or planted.exists()
+    return 1 if missed else 0
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--duration-s", type=float, default=120.0)
+    parser.add_argument("--windows", type=int, default=8, help="alternating quiet/hostile windows (even)")
+    parser.add_argument("--unary", type=int, default=4, help="unary Infer clients via the sidecar")
+    parser.add_argument("--sse", type=int, default=2, help="SSE generation clients via Envoy")
+    parser.add_argument("--skip", default="", help="hostile classes to leave out, comma-separated")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        return asyncio.run(run(args, Path(tmp)))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
