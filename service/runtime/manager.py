@@ -214,6 +214,8 @@ class ModelManager:
             await self._remove_upload(previous)
             if status is None:
                 await self._remove_upload(self._overrides.pop(name, None))
+            elif status.default_version is None and override is not None and override.upload is not None:
+                await self._drop_failed_upload(name)
         if status is None:
             raise ModelNotFound(f"model {echo(name)} is not in the repository")
         return status
@@ -252,6 +254,16 @@ class ModelManager:
         self._io.shutdown(wait=True)
 
     # -- internals -------------------------------------------------------------------------
+
+    async def _drop_failed_upload(self, name: str) -> None:
+        """An upload of which no version serves keeps no files; and when the repository has no
+        folder of that name, the model leaves no state (status, failure series) either: uploads
+        of files that do not load, under ever new names, must not grow the service's state. The
+        caller still answers with the failure's reasons."""
+        await self._remove_upload(self._overrides.pop(name, None))
+        loop = asyncio.get_running_loop()
+        if not await loop.run_in_executor(self._io, (self.repository / name).is_dir):
+            await self._remove(name)
 
     async def _remove_upload(self, override: LoadOverride | None) -> None:
         """Delete an override's uploaded files, off the loop. The sessions loaded from them hold
