@@ -49,15 +49,15 @@ class Setup:
     model: bytes  # a valid model.onnx for uploads
 
     @property
-    def v1(self) -> ipb_grpc.InferenceServiceStub:
+    def v1(self) -> Any:  # the generated stubs are typed as blocking calls
         return ipb_grpc.InferenceServiceStub(self.channel)
 
     @property
-    def models(self) -> mpb_grpc.ModelServiceStub:
+    def models(self) -> Any:
         return mpb_grpc.ModelServiceStub(self.channel)
 
     @property
-    def kserve(self) -> kpb_grpc.GRPCInferenceServiceStub:
+    def kserve(self) -> Any:
         return kpb_grpc.GRPCInferenceServiceStub(self.channel)
 
     def metrics_text(self) -> str:
@@ -85,14 +85,15 @@ async def setup(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> AsyncIterato
         await service.stop(grace_s=1.0)
 
 
-async def refused(call: Awaitable[Any]) -> grpc.aio.AioRpcError:
+async def refused(call: Any) -> grpc.aio.AioRpcError:
     with pytest.raises(grpc.aio.AioRpcError) as caught:
         await call
     return caught.value
 
 
 def reason_of(error: grpc.aio.AioRpcError) -> str | None:
-    for key, value in error.trailing_metadata() or ():
+    metadata: Any = error.trailing_metadata() or ()
+    for key, value in metadata:
         if key == headers.ERROR_REASON:
             return str(value)
     return None
