@@ -240,7 +240,13 @@ class ModelManager:
             # An unloaded model keeps no upload: its next load brings files again or reads the
             # repository, and the bytes go back to the upload space.
             await self._remove_upload(self._overrides.pop(name, None))
-            return self._status[name]
+            status = self._status[name]
+            if not await self._in_repository(name):
+                # Only an upload brought it, and its files are gone: nothing is left to hold or
+                # to report, so a name's load and unload leave no state behind.
+                self._held.discard(name)
+                await self._remove(name)
+            return status
 
     async def close(self) -> None:
         """Drain and release every served version (on shutdown, after the server stopped)."""
@@ -261,9 +267,12 @@ class ModelManager:
         of files that do not load, under ever new names, must not grow the service's state. The
         caller still answers with the failure's reasons."""
         await self._remove_upload(self._overrides.pop(name, None))
-        loop = asyncio.get_running_loop()
-        if not await loop.run_in_executor(self._io, (self.repository / name).is_dir):
+        if not await self._in_repository(name):
             await self._remove(name)
+
+    async def _in_repository(self, name: str) -> bool:
+        """Whether the repository has a folder of that name (off the loop: a file system call)."""
+        return await asyncio.get_running_loop().run_in_executor(self._io, (self.repository / name).is_dir)
 
     async def _remove_upload(self, override: LoadOverride | None) -> None:
         """Delete an override's uploaded files, off the loop. The sessions loaded from them hold

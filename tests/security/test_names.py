@@ -388,6 +388,25 @@ async def test_uploads_that_fail_to_load_leave_no_state(setup: Setup) -> None:
     assert len(_series(after)) <= len(_series(before))
 
 
+async def test_uploaded_models_leave_no_state_once_unloaded(setup: Setup) -> None:
+    manager = setup.service.manager
+    before = await asyncio.to_thread(setup.metrics_text)
+    for i in range(10):
+        name = f"passing-{i}"
+        await setup.kserve.RepositoryModelLoad(upload(name, {"1/model.onnx": setup.model}))
+        assert manager.served(name) is not None
+        await setup.kserve.RepositoryModelUnload(kpb.RepositoryModelUnloadRequest(model_name=name))
+    await manager.reconcile_all()
+    after = await asyncio.to_thread(setup.metrics_text)
+    assert [s.name for s in manager.statuses()] == ["scaler"]
+    assert files_under(setup.uploads) == [] and manager.lock_count == 0
+    assert "passing-" not in after
+    # The repository's own model keeps its status when unloaded (it can be loaded again).
+    await setup.models.UnloadModel(mpb.UnloadModelRequest(name="scaler"))
+    assert [s.name for s in manager.statuses()] == ["scaler"]
+    assert "scaler" in before
+
+
 # -- what answers quote -------------------------------------------------------------------------
 
 
