@@ -28,7 +28,7 @@ from service.api.kserve_tensors import (
     requested_outputs,
 )
 from service.api.metadata import call_fields
-from service.api.names import check_model
+from service.api.names import check_model, quoted
 from service.api.scheduling import kserve_priority, kserve_scheduling
 from service.api.tensor_headers import kserve_headers
 from service.dataplane import DataPlane
@@ -403,7 +403,7 @@ def _empty_final_response(request: pb.ModelInferRequest) -> bool:
         return False
     value = parameter_value(request.parameters[ENABLE_FINAL_RESPONSE])
     if not isinstance(value, bool):
-        raise InvalidInput(f"request parameter {ENABLE_FINAL_RESPONSE!r} must be a bool, got {echo(value)}")
+        raise InvalidInput(f"request parameter {ENABLE_FINAL_RESPONSE!r} must be a bool, got {quoted(value)}")
     return value
 
 
