@@ -297,6 +297,39 @@ async def test_every_version_field_refuses_bad_versions(setup: Setup) -> None:
         assert_invalid(await refused(call), headers.MODEL_VERSION, f"header {version!r}")
 
 
+async def test_model_control_through_workers_refuses_bad_names(
+    service_process: Callable[..., Any], tmp_path: Path
+) -> None:
+    # With --workers, model control travels from the worker that took the call to the supervisor
+    # (the name in gRPC metadata) and on to every worker: a bad name is refused before it travels.
+    root = tmp_path / "models"
+    model_file = demo_models.write_model(root, "scaler", 1, demo_models.scaled_identity(4, 2.0))
+    process = service_process(root, "--workers", "2")
+    async with grpc.aio.insecure_channel(process.address) as channel:
+        models: Any = mpb_grpc.ModelServiceStub(channel)
+        kserve: Any = kpb_grpc.GRPCInferenceServiceStub(channel)
+        for name in ["a\x00b", "x" * (1 << 20), "../../models/planted", "", "caf\u00e9"]:
+            for field, call in (
+                ("name", models.LoadModel(mpb.LoadModelRequest(name=name))),
+                ("name", models.UnloadModel(mpb.UnloadModelRequest(name=name))),
+                ("model_name", kserve.RepositoryModelLoad(upload(name, {"1/model.onnx": b"x"}))),
+                (
+                    "model_name",
+                    kserve.RepositoryModelUnload(kpb.RepositoryModelUnloadRequest(model_name=name)),
+                ),
+            ):
+                error = await refused(call)
+                assert_invalid(error, field, repr(name[:20]))
+                assert len(error.details() or "") < 400
+        # Uploads under new names, loaded and unloaded, leave no state (nor replay entries).
+        for i in range(3):
+            await kserve.RepositoryModelLoad(upload(f"u{i}", {"1/model.onnx": model_file.read_bytes()}))
+            await kserve.RepositoryModelUnload(kpb.RepositoryModelUnloadRequest(model_name=f"u{i}"))
+        listing = await models.ListModels(mpb.ListModelsRequest())
+        assert [m.name for m in listing.models] == ["scaler"]
+    assert not (root / "planted").exists()
+
+
 # -- names on disk ----------------------------------------------------------------------------
 
 
