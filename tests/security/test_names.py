@@ -311,6 +311,8 @@ async def test_model_control_through_workers_refuses_bad_names(
         for name in ["a\x00b", "x" * (1 << 20), "../../models/planted", "", "caf\u00e9"]:
             for field, call in (
                 ("name", models.LoadModel(mpb.LoadModelRequest(name=name))),
+                ("name", models.GetModel(mpb.GetModelRequest(name=name))),
+                ("name", kserve.ModelReady(kpb.ModelReadyRequest(name=name))),
                 ("name", models.UnloadModel(mpb.UnloadModelRequest(name=name))),
                 ("model_name", kserve.RepositoryModelLoad(upload(name, {"1/model.onnx": b"x"}))),
                 (
