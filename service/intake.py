@@ -15,6 +15,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+from modelyard.common.names import echo
 from modelyard.tensors import element_count
 
 from service.errors import InvalidInput, TooLarge
@@ -76,20 +77,22 @@ def check_headers(bounds: Bounds, headers: Sequence[TensorHeader]) -> None:
         name, datatype, shape = header.name, header.datatype, header.shape
         found = bounds.inputs.get(name)
         if found is None:
-            raise InvalidInput(f"unknown input {name!r}; the model's inputs are {sorted(bounds.inputs)}")
+            raise InvalidInput(f"unknown input {echo(name)}; the model's inputs are {sorted(bounds.inputs)}")
         spec, fixed = found
         if datatype is not None and datatype != spec.datatype:
-            raise InvalidInput(f"input {name!r}: expected datatype {spec.datatype}, got {datatype}")
+            raise InvalidInput(f"input {echo(name)}: expected datatype {spec.datatype}, got {datatype}")
         elements += element_count(shape, name)  # negative or overflowing shapes: TensorError
         if len(shape) != len(spec.shape) or any(shape[i] != d for i, d in fixed):
-            raise InvalidInput(f"input {name!r}: expected shape {list(spec.shape)}, got {list(shape)}")
+            raise InvalidInput(f"input {echo(name)}: expected shape {list(spec.shape)}, got {list(shape)}")
         limit = bounds.max_batch_size
         if limit and shape and shape[0] > limit:
-            raise InvalidInput(f"input {name!r}: batch size {shape[0]} exceeds max_batch_size {limit}")
+            raise InvalidInput(f"input {echo(name)}: batch size {shape[0]} exceeds max_batch_size {limit}")
         if bounds.dims:
             for axis, largest, what in bounds.dims.get(name, ()):
                 if axis < len(shape) and shape[axis] > largest:
-                    raise InvalidInput(f"input {name!r}: dimension {axis} is {shape[axis]}, beyond {what}")
+                    raise InvalidInput(
+                        f"input {echo(name)}: dimension {axis} is {shape[axis]}, beyond {what}"
+                    )
         size += header.nbytes
     if elements > bounds.max_elements:
         raise TooLarge(

@@ -18,6 +18,7 @@ from contextvars import ContextVar
 from typing import Any
 
 import grpc
+from modelyard.common.names import NAME_MAX, echo
 from modelyard.common.tracing import otlp_provider
 
 log = logging.getLogger(__name__)
@@ -75,7 +76,9 @@ def start(context: grpc.aio.ServicerContext[Any, Any], method: str, model: str) 
 
     carrier = {k: v for k, v in context.invocation_metadata() or () if isinstance(v, str)}
     parent = _propagator.extract(carrier)
-    attributes = {"rpc.system": "grpc", "rpc.method": method, "modelyard.model": model}
+    # A name that breaks the rule is refused later in the call; the span quotes it capped.
+    shown = model if len(model) <= NAME_MAX else echo(model)
+    attributes = {"rpc.system": "grpc", "rpc.method": method, "modelyard.model": shown}
     for key in ("model.version", "model.dye"):
         value = baggage.get_baggage(key, parent)
         if value is not None:

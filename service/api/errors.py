@@ -11,6 +11,7 @@ from typing import Any, NoReturn
 
 import grpc
 from modelyard.common import headers
+from modelyard.common.names import echo
 from modelyard.common.reasons import ErrorReason
 from modelyard.tensors import TensorError
 
@@ -47,6 +48,21 @@ _STATUS: dict[type[BaseException], tuple[grpc.StatusCode, ErrorReason]] = {
 _DEADLINE = _STATUS[errors.DeadlineExceeded]
 _INTERNAL = _STATUS[Exception]
 
+# The most UTF-8 bytes of an error message sent to a client. Each value a message quotes is capped
+# where the message is made (names.echo); this is the net under all of them: a message rides in the
+# grpc-message trailer (percent-encoded, up to 3 bytes per byte), and one past the client's
+# metadata limit turns the answer into RESOURCE_EXHAUSTED "metadata exceeds hard limit", without
+# its reason.
+MESSAGE_MAX_BYTES = 2048
+
+
+def client_message(text: str, limit: int = MESSAGE_MAX_BYTES) -> str:
+    """`text` as a client may receive it: at most `limit` bytes of UTF-8, the last three `...`."""
+    data = text.encode("utf-8", "backslashreplace")
+    if len(data) <= limit:
+        return text
+    return data[: limit - 3].decode("utf-8", "ignore") + "..."
+
 
 def status_for(exc: BaseException) -> tuple[grpc.StatusCode, ErrorReason]:
     """The gRPC status code and x-error-reason that answer `exc`."""
@@ -68,7 +84,7 @@ async def abort(context: Context, exc: Exception, method: str = "", model: str =
     message = str(exc)
     if code == grpc.StatusCode.INTERNAL:
         message = internal_error(method or "a call", model, message)
-    await context.abort(code, message, trailing_metadata=reason_metadata(reason))
+    await context.abort(code, client_message(message), trailing_metadata=reason_metadata(reason))
     raise AssertionError("unreachable: abort raises")  # pragma: no cover
 
 
@@ -76,7 +92,7 @@ def in_band_message(exc: BaseException, method: str, model: str) -> str:
     """The message of an error answered inside a stream (Triton's error_message): as abort's."""
     if status_for(exc)[0] == grpc.StatusCode.INTERNAL:
         return internal_error(method, model, str(exc))
-    return str(exc)
+    return client_message(str(exc))
 
 
 def internal_error(method: str, model: str, message: str, exc: BaseException | None = None) -> str:
@@ -84,15 +100,17 @@ def internal_error(method: str, model: str, message: str, exc: BaseException | N
     return the message for the client, which carries the same id."""
     error_id = secrets.token_hex(6)
     log.error(
-        "%s on model %r failed [error id %s]%s",
+        "%s on model %s failed [error id %s]%s",
         method,
-        model,
+        echo(model),
         error_id,
         f": {message}" if message else "",
         exc_info=exc,
     )
     detail = message or f"{method} failed with an internal error"
-    return f"{detail} [error id {error_id}; the server log has the details]"
+    # The id last, so that capping a long message never cuts it off.
+    suffix = f" [error id {error_id}; the server log has the details]"
+    return client_message(detail, MESSAGE_MAX_BYTES - len(suffix)) + suffix
 
 
 _ending: set[asyncio.Task[None]] = set()
@@ -107,7 +125,7 @@ def end_stalled(context: Context, error: BaseException) -> None:
         # abort() raises AbortError once the status is set; the handler ends with it.
         code, reason = status_for(error)
         with contextlib.suppress(Exception):
-            await context.abort(code, str(error), trailing_metadata=reason_metadata(reason))
+            await context.abort(code, client_message(str(error)), trailing_metadata=reason_metadata(reason))
 
     task = asyncio.get_running_loop().create_task(abort_stalled())
     _ending.add(task)
@@ -182,7 +200,9 @@ class serving:
                 message = str(exc)
                 if code == grpc.StatusCode.INTERNAL:  # a runtime failure on valid-looking input
                     message = internal_error(self._method, self._model, message)
-                await self._context.abort(code, message, trailing_metadata=reason_metadata(reason))
+                await self._context.abort(
+                    code, client_message(message), trailing_metadata=reason_metadata(reason)
+                )
             elif isinstance(exc, asyncio.CancelledError | GeneratorExit):  # the client went away
                 # gRPC has answered the client already (CANCELLED, or DEADLINE_EXCEEDED from its own
                 # deadline timer); the reason is set for completeness and for anything reading the

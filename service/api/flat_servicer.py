@@ -47,7 +47,7 @@ class FlatInferenceServicer:
             if decoded is None:
                 assert failure is not None
                 raise failure
-            version, _, priority = call_fields(context, decoded.model_version, "", 0)
+            version, _, priority = call_fields(context, decoded.model_name, decoded.model_version, "", 0)
             headers = [
                 TensorHeader(name, name_of(array.dtype), array.shape, array.nbytes, False)
                 for name, array in decoded.tensors.items()

@@ -37,7 +37,7 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
     async def Infer(self, request: pb.InferRequest, context: Context) -> pb.InferResponse:
         async with serving(context, self._metrics, "Infer", request.model_name) as call:
             version, request_id, priority = call_fields(
-                context, request.model_version, request.request_id, request.priority
+                context, request.model_name, request.model_version, request.request_id, request.priority
             )
             inputs = await self._inputs(request.model_name, version, request.inputs)
             result = await self._dataplane.infer(
@@ -61,7 +61,7 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
     ) -> AsyncIterator[pb.InferStreamResponse]:
         async with serving(context, self._metrics, "InferStream", request.model_name) as call:
             version, request_id, priority = call_fields(
-                context, request.model_version, request.request_id, request.priority
+                context, request.model_name, request.model_version, request.request_id, request.priority
             )
             inputs = await self._inputs(request.model_name, version, request.inputs)
             chunks = self._dataplane.infer_chunks(
@@ -94,7 +94,7 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
     ) -> AsyncIterator[pb.GenerateResponse]:
         async with serving(context, self._metrics, "Generate", request.model_name) as call:
             version, request_id, priority = call_fields(
-                context, request.model_version, request.request_id, request.priority
+                context, request.model_name, request.model_version, request.request_id, request.priority
             )
             events = self._generation.generate(
                 request.model_name,

@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from service.api.names import quoted
 from service.errors import InvalidInput
 
 Array = npt.NDArray[Any]
@@ -23,9 +24,9 @@ Array = npt.NDArray[Any]
 def top_k(name: str, array: Array, k: int, batched: bool, labels: Sequence[str]) -> Array:
     """The classification strings of `array` (an object array of bytes)."""
     if array.dtype.kind not in "iuf":
-        raise InvalidInput(f"output {name!r}: classification needs a numeric output, not {array.dtype}")
+        raise InvalidInput(f"output {quoted(name)}: classification needs a numeric output, not {array.dtype}")
     if k < 1:
-        raise InvalidInput(f"output {name!r}: classification count must be at least 1, got {k}")
+        raise InvalidInput(f"output {quoted(name)}: classification count must be at least 1, got {k}")
     rows = array.reshape(array.shape[0] if batched and array.ndim else 1, -1)
     count = min(k, rows.shape[1])
     out = np.empty((rows.shape[0], count), dtype=object)

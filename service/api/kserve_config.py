@@ -17,6 +17,7 @@ from google.protobuf.message import Message
 from modelyard.kserve.v2 import model_config_pb2 as config_pb
 from modelyard.kserve.v2.grpc_service_pb2 import ModelRepositoryParameter
 
+from service.api.names import clipped, quoted
 from service.errors import InvalidInput, ModelLoadError
 from service.repository.config import ModelConfig, parse_config
 from service.repository.uploads import check_paths
@@ -68,10 +69,12 @@ def load_parameters(model: str, parameters: Mapping[str, ModelRepositoryParamete
             config = parse_triton_config(value.string_param, model)
         elif key.startswith("file:"):
             if kind != "bytes_param":
-                raise InvalidInput(f"load parameter {key!r} must be bytes (the file's content)")
+                raise InvalidInput(f"load parameter {quoted(key)} must be bytes (the file's content)")
             files[key.removeprefix("file:")] = value.bytes_param
         else:
-            raise InvalidInput(f"load parameter {key!r} is not supported (supported: config, file:<path>)")
+            raise InvalidInput(
+                f"load parameter {quoted(key)} is not supported (supported: config, file:<path>)"
+            )
     if files:
         if config is None:
             # As Triton: the files replace the model's folder, so its config.yaml is not there.
@@ -85,7 +88,9 @@ def parse_triton_config(text: str, model: str) -> ModelConfig:
     try:
         message = json_format.Parse(text, config_pb.ModelConfig())
     except json_format.ParseError as exc:
-        raise InvalidInput(f"load parameter 'config' is not a Triton model configuration: {exc}") from None
+        raise InvalidInput(
+            f"load parameter 'config' is not a Triton model configuration: {clipped(str(exc))}"
+        ) from None
     try:
         return parse_config(_to_document(message, model))
     except ModelLoadError as exc:  # ConfigError: the same checks as a repository's config.yaml
@@ -95,11 +100,13 @@ def parse_triton_config(text: str, model: str) -> ModelConfig:
 def _to_document(config: config_pb.ModelConfig, model: str) -> dict[str, Any]:
     _only(config, _TOP, "")
     if config.name and config.name != model:
-        raise InvalidInput(f"load parameter 'config': name {config.name!r} is not the model {model!r}")
+        raise InvalidInput(
+            f"load parameter 'config': name {quoted(config.name)} is not the model {quoted(model)}"
+        )
     if config.platform and config.platform != PLATFORM:
-        raise InvalidInput(f"load parameter 'config': platform {config.platform!r} (only {PLATFORM!r})")
+        raise InvalidInput(f"load parameter 'config': platform {quoted(config.platform)} (only {PLATFORM!r})")
     if config.backend and config.backend != BACKEND:
-        raise InvalidInput(f"load parameter 'config': backend {config.backend!r} (only {BACKEND!r})")
+        raise InvalidInput(f"load parameter 'config': backend {quoted(config.backend)} (only {BACKEND!r})")
     batch = config.max_batch_size
     doc: dict[str, Any] = {"max_batch_size": batch}
     if config.input:

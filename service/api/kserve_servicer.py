@@ -8,6 +8,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import replace
 from functools import partial
 
+from modelyard.common.names import echo, is_valid_name
 from modelyard.common.reasons import ErrorReason
 from modelyard.kserve.v2 import grpc_service_pb2 as pb
 from modelyard.kserve.v2 import grpc_service_pb2_grpc as pb_grpc
@@ -15,7 +16,7 @@ from modelyard.kserve.v2 import model_config_pb2 as config_pb
 from modelyard.tensors import TensorError
 
 from service import __version__
-from service.api.errors import Context, in_band_message, serving
+from service.api.errors import Context, abort, in_band_message, serving
 from service.api.kserve_classification import top_k
 from service.api.kserve_config import load_parameters
 from service.api.kserve_settings import LogSettings, LogValue, TraceSettings
@@ -27,6 +28,7 @@ from service.api.kserve_tensors import (
     requested_outputs,
 )
 from service.api.metadata import call_fields
+from service.api.names import check_model, quoted
 from service.api.scheduling import kserve_priority, kserve_scheduling
 from service.api.tensor_headers import kserve_headers
 from service.dataplane import DataPlane
@@ -97,6 +99,10 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
 
     async def ModelReady(self, request: pb.ModelReadyRequest, context: Context) -> pb.ModelReadyResponse:
         try:
+            check_model(request.name, request.version, name_field="name", version_field="version")
+        except InvalidInput as exc:  # a name no model can have is not "not ready": it is refused
+            await abort(context, exc, "ModelReady")
+        try:
             self._manager.resolve(request.name, request.version)
         except ServiceError:
             return pb.ModelReadyResponse(ready=False)
@@ -111,6 +117,7 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
         self, request: pb.ModelMetadataRequest, context: Context
     ) -> pb.ModelMetadataResponse:
         async with serving(context, self._metrics, "ModelMetadata", request.name) as call:
+            check_model(request.name, request.version, name_field="name", version_field="version")
             served = self._manager.resolve(request.name, request.version)
             await call.answered(str(served.version))
             model = self._manager.served(request.name)
@@ -165,6 +172,7 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
 
     async def ModelConfig(self, request: pb.ModelConfigRequest, context: Context) -> pb.ModelConfigResponse:
         async with serving(context, self._metrics, "ModelConfig", request.name) as call:
+            check_model(request.name, request.version, name_field="name", version_field="version")
             served = self._manager.resolve(request.name, request.version)
             await call.answered(str(served.version))
             return pb.ModelConfigResponse(config=_triton_config(served))
@@ -173,6 +181,10 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
         self, request: pb.ModelStatisticsRequest, context: Context
     ) -> pb.ModelStatisticsResponse:
         async with serving(context, self._metrics, "ModelStatistics", request.name):
+            # No name: every model's statistics.
+            check_model(
+                request.name, request.version, name_field="name", version_field="version", optional=True
+            )
             if request.name:
                 chosen = [self._manager.resolve(request.name, request.version)]
                 if not request.version:  # Triton: no version means every served version
@@ -209,6 +221,8 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
         self, request: pb.RepositoryModelLoadRequest, context: Context
     ) -> pb.RepositoryModelLoadResponse:
         async with serving(context, self._metrics, "RepositoryModelLoad", request.model_name):
+            # Before anything else: the name becomes the upload's folder (write_upload checks again).
+            check_model(request.model_name)
             override = None
             load = load_parameters(request.model_name, request.parameters)
             if load.config is not None:
@@ -238,6 +252,7 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
         self, request: pb.RepositoryModelUnloadRequest, context: Context
     ) -> pb.RepositoryModelUnloadResponse:
         async with serving(context, self._metrics, "RepositoryModelUnload", request.model_name):
+            check_model(request.model_name)
             await self._manager.unload(request.model_name)
             return pb.RepositoryModelUnloadResponse()
 
@@ -275,7 +290,7 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
     ) -> pb.CudaSharedMemoryStatusResponse:
         async with serving(context, self._metrics, "CudaSharedMemoryStatus", ""):
             if request.name:
-                raise RegionNotFound(f"no CUDA shared memory region {request.name!r} is registered")
+                raise RegionNotFound(f"no CUDA shared memory region {echo(request.name)} is registered")
             return pb.CudaSharedMemoryStatusResponse()  # none can be registered
 
     async def CudaSharedMemoryRegister(
@@ -296,7 +311,7 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
             for key, value in request.settings.items():
                 kind = value.WhichOneof("parameter_choice")
                 if kind is None:
-                    raise InvalidInput(f"log setting {key!r} has no value")
+                    raise InvalidInput(f"log setting {echo(key)} has no value")
                 changes[key] = getattr(value, kind)
             current = self._logs.update(changes)
             response = pb.LogSettingsResponse()
@@ -314,6 +329,7 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
         self, request: pb.TraceSettingRequest, context: Context
     ) -> pb.TraceSettingResponse:
         async with serving(context, self._metrics, "TraceSetting", request.model_name):
+            check_model(request.model_name, optional=True)  # no name: the global settings
             if request.model_name:
                 self._manager.status(request.model_name)  # NOT_FOUND for a model it does not know
             changes = {key: tuple(value.value) for key, value in request.settings.items()}
@@ -325,7 +341,11 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
 
     async def _infer(self, request: pb.ModelInferRequest, context: Context) -> pb.ModelInferResponse:
         version, request_id, priority = call_fields(
-            context, request.model_version, request.id, kserve_priority(request.parameters)
+            context,
+            request.model_name,
+            request.model_version,
+            request.id,
+            kserve_priority(request.parameters),
         )
         # Decoded only once the tensors' headers fit the model (service/intake.py).
         headers = kserve_headers(request)
@@ -369,7 +389,9 @@ ERROR_REASON_PARAMETER = "error_reason"
 def _in_band_error(
     request: pb.ModelInferRequest, exc: Exception, reason: ErrorReason
 ) -> pb.ModelStreamInferResponse:
-    failed = pb.ModelInferResponse(model_name=request.model_name, id=request.id)
+    # The request's name only when it is one (an answer never carries an unbounded echo).
+    name = request.model_name if is_valid_name(request.model_name) else ""
+    failed = pb.ModelInferResponse(model_name=name, id=request.id)
     failed.parameters[ERROR_REASON_PARAMETER].string_param = reason.value
     message = in_band_message(exc, "ModelStreamInfer", request.model_name)
     return pb.ModelStreamInferResponse(error_message=message, infer_response=failed)
@@ -381,7 +403,7 @@ def _empty_final_response(request: pb.ModelInferRequest) -> bool:
         return False
     value = parameter_value(request.parameters[ENABLE_FINAL_RESPONSE])
     if not isinstance(value, bool):
-        raise InvalidInput(f"request parameter {ENABLE_FINAL_RESPONSE!r} must be a bool, got {value!r}")
+        raise InvalidInput(f"request parameter {ENABLE_FINAL_RESPONSE!r} must be a bool, got {quoted(value)}")
     return value
 
 

@@ -17,6 +17,7 @@ import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from service.api.names import quoted
 from service.errors import InvalidInput
 
 LogValue = bool | int | str
@@ -46,10 +47,12 @@ class LogSettings:
         settings = self.current()
         for key, value in changes.items():
             if key not in settings:
-                raise InvalidInput(f"log setting {key!r} is unknown (known: {', '.join(settings)})")
+                raise InvalidInput(f"log setting {quoted(key)} is unknown (known: {', '.join(settings)})")
             expected = type(settings[key])
             if type(value) is not expected:
-                raise InvalidInput(f"log setting {key!r} takes a {expected.__name__}, got {value!r}")
+                raise InvalidInput(
+                    f"log setting {quoted(key)} takes a {expected.__name__}, got {quoted(value)}"
+                )
             if key == "log_file" and value:
                 raise InvalidInput("log setting 'log_file': this server logs to stderr only")
             if key == "log_format" and value != "default":
@@ -110,21 +113,21 @@ class TraceSettings:
 
 def _check_trace(key: str, values: tuple[str, ...]) -> None:
     if key not in TRACE_DEFAULTS:
-        raise InvalidInput(f"trace setting {key!r} is unknown (known: {', '.join(TRACE_DEFAULTS)})")
+        raise InvalidInput(f"trace setting {quoted(key)} is unknown (known: {', '.join(TRACE_DEFAULTS)})")
     if not values:
         return
     if key == "trace_level":
         unknown = [v for v in values if v not in _TRACE_LEVELS]
         if unknown or ("OFF" in values and len(values) > 1):
             raise InvalidInput(
-                f"trace setting 'trace_level': {list(values)} (OFF, or TIMESTAMPS and/or TENSORS)"
+                f"trace setting 'trace_level': {quoted(list(values))} (OFF, or TIMESTAMPS and/or TENSORS)"
             )
         return
     if len(values) != 1:
-        raise InvalidInput(f"trace setting {key!r} takes one value, got {list(values)}")
+        raise InvalidInput(f"trace setting {quoted(key)} takes one value, got {quoted(list(values))}")
     (value,) = values
     if key == "trace_mode" and value not in ("triton", "opentelemetry"):
-        raise InvalidInput(f"trace setting 'trace_mode': {value!r} (triton or opentelemetry)")
+        raise InvalidInput(f"trace setting 'trace_mode': {quoted(value)} (triton or opentelemetry)")
     minimum = {"trace_rate": 1, "trace_count": -1, "log_frequency": 0}.get(key)
     if minimum is not None:
         try:
@@ -132,4 +135,4 @@ def _check_trace(key: str, values: tuple[str, ...]) -> None:
         except ValueError:
             number = minimum - 1
         if number < minimum:
-            raise InvalidInput(f"trace setting {key!r}: {value!r} is not an integer >= {minimum}")
+            raise InvalidInput(f"trace setting {quoted(key)}: {quoted(value)} is not an integer >= {minimum}")

@@ -23,6 +23,7 @@ from modelyard.kserve.v2.grpc_service_pb2 import (
 )
 from modelyard.tensors import NUMPY_BY_NAME, TensorError, decode_bytes, element_count, name_of, to_wire
 
+from service.api.names import quoted
 from service.errors import InvalidInput, Unsupported
 from service.shm.registry import SharedMemoryRegistry
 
@@ -81,7 +82,7 @@ def decode_inputs(request: ModelInferRequest, shm: SharedMemoryRegistry | None =
         if len(raw) < len(inline):
             missing = inline[len(raw)].name
             raise InvalidInput(
-                f"input {missing!r} has no raw_input_contents entry: the request has "
+                f"input {quoted(missing)} has no raw_input_contents entry: the request has "
                 f"{len(inline)} inputs {'outside shared memory ' if len(inline) < len(located) else ''}"
                 f"but {len(raw)} raw entries (raw contents must be given for every input, in the order "
                 "of 'inputs')"
@@ -95,18 +96,20 @@ def decode_inputs(request: ModelInferRequest, shm: SharedMemoryRegistry | None =
         if not tensor.name:
             raise InvalidInput(f"input #{index} has no name")
         if tensor.name in arrays:
-            raise InvalidInput(f"input {tensor.name!r} is given more than once")
+            raise InvalidInput(f"input {quoted(tensor.name)} is given more than once")
         if at is not None:
             if tensor.HasField("contents"):
-                raise InvalidInput(f"input {tensor.name!r}: 'contents' must not be set with shared memory")
+                raise InvalidInput(
+                    f"input {quoted(tensor.name)}: 'contents' must not be set with shared memory"
+                )
             if shm is None:
-                raise Unsupported(f"input {tensor.name!r}: shared memory is not enabled on this server")
+                raise Unsupported(f"input {quoted(tensor.name)}: shared memory is not enabled on this server")
             region, offset, size = at
             arrays[tensor.name] = _from_raw(tensor, shm.view(region, offset, size, tensor.name))
         elif raw:
             if tensor.HasField("contents"):
                 raise InvalidInput(
-                    f"input {tensor.name!r}: 'contents' must not be set when raw_input_contents is used"
+                    f"input {quoted(tensor.name)}: 'contents' must not be set when raw_input_contents is used"
                 )
             arrays[tensor.name] = _from_raw(tensor, raw[raw_index])
             raw_index += 1
@@ -146,7 +149,7 @@ def encode_outputs(
                 datatype, data = to_wire(array)
         except ValueError:
             raise Unsupported(
-                f"output {name!r}: numpy dtype {array.dtype} has no KServe V2 datatype"
+                f"output {quoted(name)}: numpy dtype {array.dtype} has no KServe V2 datatype"
             ) from None
         response.outputs.add(name=name, datatype=datatype, shape=array.shape)
         response.raw_output_contents.append(data)
@@ -159,7 +162,7 @@ def requested_outputs(request: ModelInferRequest) -> list[str]:
         if not output.name:
             raise InvalidInput("a requested output has no name")
         if output.name in names:
-            raise InvalidInput(f"output {output.name!r} is requested more than once")
+            raise InvalidInput(f"output {quoted(output.name)} is requested more than once")
         names.append(output.name)
     return names
 
@@ -185,11 +188,11 @@ def output_options(request: ModelInferRequest) -> OutputOptions:
                 count = parameter_value(value)
                 if isinstance(count, bool) or not isinstance(count, int) or count < 1:
                     raise InvalidInput(
-                        f"output {output.name!r}: parameter 'classification' must be a positive integer"
+                        f"output {quoted(output.name)}: parameter 'classification' must be a positive integer"
                     )
                 options.classify[output.name] = count
             elif key not in _SHM_KEYS:
-                raise InvalidInput(f"output {output.name!r}: unknown parameter {key!r}")
+                raise InvalidInput(f"output {quoted(output.name)}: unknown parameter {quoted(key)}")
     return options
 
 
@@ -200,15 +203,15 @@ def _shm_location(tensor: Any, kind: str) -> ShmLocation | None:
         return None
     region = parameter_value(parameters[_SHM_REGION]) if _SHM_REGION in parameters else None
     if not isinstance(region, str) or not region:
-        raise InvalidInput(f"{kind} {tensor.name!r}: shared_memory_region must name a region")
+        raise InvalidInput(f"{kind} {quoted(tensor.name)}: shared_memory_region must name a region")
     values = []
     for key in (_SHM_OFFSET, _SHM_SIZE):
         value = parameter_value(parameters[key]) if key in parameters else 0
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            raise InvalidInput(f"{kind} {tensor.name!r}: {key} must be a non-negative integer")
+            raise InvalidInput(f"{kind} {quoted(tensor.name)}: {key} must be a non-negative integer")
         values.append(value)
     if _SHM_SIZE not in parameters:
-        raise InvalidInput(f"{kind} {tensor.name!r}: shared memory needs shared_memory_byte_size")
+        raise InvalidInput(f"{kind} {quoted(tensor.name)}: shared memory needs shared_memory_byte_size")
     return region, values[0], values[1]
 
 
@@ -232,7 +235,9 @@ def parameter_value(parameter: InferParameter) -> bool | int | str | float | Non
 def _checked_shape(tensor: _InputTensor) -> tuple[tuple[int, ...], int, np.dtype[Any]]:
     dtype = NUMPY_BY_NAME.get(tensor.datatype)
     if dtype is None:
-        raise InvalidInput(f"input {tensor.name!r}: unknown datatype {tensor.datatype!r} (known: {_KNOWN})")
+        raise InvalidInput(
+            f"input {quoted(tensor.name)}: unknown datatype {quoted(tensor.datatype)} (known: {_KNOWN})"
+        )
     shape = tuple(tensor.shape)
     try:
         count = element_count(shape, tensor.name)
@@ -251,8 +256,8 @@ def _from_raw(tensor: _InputTensor, data: bytes | memoryview) -> Array:
     expected = count * dtype.itemsize
     if len(data) != expected:
         raise InvalidInput(
-            f"input {tensor.name!r}: shape {list(shape)} of {tensor.datatype} needs {expected} bytes of "
-            f"raw data, got {len(data)}"
+            f"input {quoted(tensor.name)}: shape {list(shape)} of {tensor.datatype} needs {expected} "
+            f"bytes of raw data, got {len(data)}"
         )
     return np.frombuffer(data, dtype=dtype).reshape(shape)
 
@@ -266,18 +271,19 @@ def _from_contents(tensor: _InputTensor) -> Array:
         if count == 0 and not given:
             return np.empty(shape, dtype=dtype)
         raise InvalidInput(
-            f"input {tensor.name!r}: {tensor.datatype} data must be sent in raw_input_contents"
+            f"input {quoted(tensor.name)}: {tensor.datatype} data must be sent in raw_input_contents"
         )
     stray = [name for name in given if name != field]
     if stray:
         raise InvalidInput(
-            f"input {tensor.name!r}: datatype {tensor.datatype} takes its data in {field}, "
+            f"input {quoted(tensor.name)}: datatype {tensor.datatype} takes its data in {field}, "
             f"got {', '.join(stray)}"
         )
     values = getattr(contents, field)
     if len(values) != count:
         raise InvalidInput(
-            f"input {tensor.name!r}: shape {list(shape)} needs {count} elements in {field}, got {len(values)}"
+            f"input {quoted(tensor.name)}: shape {list(shape)} needs {count} elements in {field}, "
+            f"got {len(values)}"
         )
     if tensor.datatype == "BYTES":
         array = np.empty(count, dtype=object)
@@ -288,7 +294,7 @@ def _from_contents(tensor: _InputTensor) -> Array:
         info = np.iinfo(dtype)
         if int(wide.min()) < info.min or int(wide.max()) > info.max:
             raise InvalidInput(
-                f"input {tensor.name!r}: a value in {field} is outside the range of {tensor.datatype} "
+                f"input {quoted(tensor.name)}: a value in {field} is outside the range of {tensor.datatype} "
                 f"[{info.min}, {info.max}]"
             )
     return wide.astype(dtype, copy=False).reshape(shape)

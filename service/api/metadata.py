@@ -5,34 +5,43 @@ that answered (x-served-version, in the initial metadata of every answer)."""
 from __future__ import annotations
 
 from modelyard.common import headers
+from modelyard.common.names import echo
 
 from service.api.errors import Context
+from service.api.names import check_model
 from service.errors import InvalidInput
 
 _UINT32_MAX = 2**32 - 1
 
 
-def call_fields(context: Context, version: str, request_id: str, priority: int) -> tuple[str, str, int]:
+def call_fields(
+    context: Context, model: str, version: str, request_id: str, priority: int
+) -> tuple[str, str, int]:
     """The request's model version, request id and priority: the message's own fields where set,
     else the x-model-version, x-request-id and x-priority headers. The headers are read in one
-    pass, and only when a field is empty."""
+    pass, and only when a field is empty. Every inference call passes here first, so this is where
+    its model name and version meet the name rule (InvalidInput naming the field or header)."""
     if version and request_id and priority:
+        check_model(model, version)
         return version, request_id, priority
+    version_field = "model_version"
     # Values are str: only keys ending in -bin carry bytes.
     for key, value in context.invocation_metadata() or ():
         if key == headers.MODEL_VERSION:
-            version = version or str(value)
+            if not version:
+                version, version_field = str(value), headers.MODEL_VERSION
         elif key == headers.REQUEST_ID:
             request_id = request_id or str(value)
         elif key == headers.PRIORITY and not priority:
             priority = _priority(str(value))
+    check_model(model, version, version_field=version_field)
     return version, request_id, priority
 
 
 def _priority(text: str) -> int:
     if not (text.isascii() and text.isdigit()) or int(text) > _UINT32_MAX:
         raise InvalidInput(
-            f"header {headers.PRIORITY!r} must be a non-negative integer priority level, got {text!r}"
+            f"header {headers.PRIORITY!r} must be a non-negative integer priority level, got {echo(text)}"
         )
     return int(text)
 

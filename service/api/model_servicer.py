@@ -10,6 +10,7 @@ from modelyard.inference.v1 import model_service_pb2_grpc as pb_grpc
 
 from service.api.convert import to_specs
 from service.api.errors import Context, serving
+from service.api.names import check_model, check_names
 from service.errors import ModelUnavailable
 from service.metrics import ServiceMetrics
 from service.runtime.manager import ModelManager
@@ -62,14 +63,17 @@ class ModelServicer(pb_grpc.ModelServiceServicer):
 
     async def GetModel(self, request: pb.GetModelRequest, context: Context) -> pb.GetModelResponse:
         async with serving(context, self._metrics, "GetModel", request.name):
+            check_model(request.name, name_field="name")
             return pb.GetModelResponse(model=describe(self._manager.status(request.name)))
 
     async def LoadModel(self, request: pb.LoadModelRequest, context: Context) -> pb.LoadModelResponse:
         async with serving(context, self._metrics, "LoadModel", request.name):
+            check_model(request.name, name_field="name")
             return pb.LoadModelResponse(model=describe(await self._manager.load(request.name)))
 
     async def UnloadModel(self, request: pb.UnloadModelRequest, context: Context) -> pb.UnloadModelResponse:
         async with serving(context, self._metrics, "UnloadModel", request.name):
+            check_model(request.name, name_field="name")
             return pb.UnloadModelResponse(model=describe(await self._manager.unload(request.name)))
 
     async def WatchModels(
@@ -77,6 +81,7 @@ class ModelServicer(pb_grpc.ModelServiceServicer):
     ) -> AsyncIterator[pb.WatchModelsResponse]:
         wanted = set(request.names)
         async with serving(context, self._metrics, "WatchModels", ""):
+            check_names(request.names, "names")
             with self._manager.watch() as watcher:  # subscribe before the snapshot: no change is missed
                 if request.send_initial_state:
                     for status in self._manager.statuses():

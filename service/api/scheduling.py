@@ -8,6 +8,7 @@ from modelyard.kserve.v2.grpc_service_pb2 import InferParameter
 
 from service.api.errors import Context
 from service.api.kserve_tensors import parameter_value
+from service.api.names import quoted
 from service.errors import InvalidInput
 from service.scheduling.queue import Scheduling
 
@@ -40,6 +41,6 @@ def _count(parameters: Mapping[str, InferParameter], name: str, unit: str) -> in
     value = parameter_value(parameters[name])
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise InvalidInput(
-            f"request parameter {name!r} must be a non-negative integer ({unit}), got {value!r}"
+            f"request parameter {quoted(name)} must be a non-negative integer ({unit}), got {quoted(value)}"
         )
     return value

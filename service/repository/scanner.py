@@ -11,12 +11,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from modelyard.common.names import echo, is_valid_name
+
 from service.errors import ModelLoadError
 from service.repository.files import is_inside, shown
 
 MODEL_FILE = "model.onnx"
-_MODEL_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
-_VERSION_DIR = re.compile(r"^v?([0-9]{1,9})$")
+_VERSION_DIR = re.compile(r"v?([0-9]{1,9})")  # fullmatch: no trailing newline slips through
 
 
 @dataclass(frozen=True)
@@ -30,29 +31,36 @@ class ModelSource:
 
 
 def is_model_name(text: str) -> bool:
-    return _MODEL_NAME.match(text) is not None
+    """The one name rule (modelyard.common.names): a folder named otherwise is no model."""
+    return is_valid_name(text)
 
 
 def parse_version(text: str) -> int | None:
     """`3` or `v3` -> 3; anything else -> None."""
-    match = _VERSION_DIR.match(text)
+    match = _VERSION_DIR.fullmatch(text)
     return int(match.group(1)) if match else None
 
 
-def scan_repository(root: Path) -> dict[str, ModelSource]:
-    """Every model folder under root, by name. Hidden and non-conforming names are skipped."""
+def scan_repository(root: Path, skipped: set[str] | None = None) -> dict[str, ModelSource]:
+    """Every model folder under root, by name. Hidden folders (`.git`, Kubernetes' `..data`) are
+    not models; other folders whose names break the name rule are skipped too, and their names
+    added to `skipped` (for the caller to report)."""
     if not root.is_dir():
         raise ModelLoadError(f"model repository {root} is not a directory")
     models = {}
     for entry in sorted(root.iterdir()):
-        if entry.is_dir() and _MODEL_NAME.match(entry.name):
+        if not entry.is_dir():
+            continue
+        if is_valid_name(entry.name):
             models[entry.name] = scan_model(root, entry.name)
+        elif skipped is not None and not entry.name.startswith("."):
+            skipped.add(entry.name)
     return models
 
 
 def scan_model(root: Path, name: str) -> ModelSource:
-    if not _MODEL_NAME.match(name):
-        raise ModelLoadError(f"{name!r} is not a valid model name")
+    if not is_valid_name(name):
+        raise ModelLoadError(f"{echo(name)} is not a valid model name")
     path = root / name
     if not path.is_dir():
         raise ModelLoadError(f"model {name!r} is not in the repository")

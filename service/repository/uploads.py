@@ -1,10 +1,11 @@
 """Model files sent with a load request (Triton's `file:<path>` parameters), written into a private
 folder that this module creates and owns, laid out as a repository holding that one model.
 
-A path is taken only when it is plain: relative, '/'-separated, each part a conservative file
-name, the first part a version folder (`1/model.onnx`, `1/weights.bin`) or a file beside the
-versions (a labels file). No part may be '.', '..' or hidden, so nothing is written outside the
-folder; files are created new (O_EXCL, no symlink followed).
+A path is taken only when it is plain: relative, '/'-separated, each part a name by the one name
+rule (modelyard.common.names: no '.', '..', NUL, hidden or empty part, no absolute path), the first
+part a version folder (`1/model.onnx`, `1/weights.bin`) or a file beside the versions (a labels
+file). The model's name meets the same rule before it becomes the folder's name, so nothing is
+written outside the folder; files are created new (O_EXCL, no symlink followed).
 
 Every model name can hold one upload (until it is loaded again or unloaded), so the bytes of all
 uploads on disk together are bounded (UploadSpace, `--max-upload-bytes`): one client with the
@@ -14,7 +15,6 @@ management credential cannot fill the disk by loading many names.
 from __future__ import annotations
 
 import os
-import re
 import shutil
 import tempfile
 import threading
@@ -22,10 +22,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from modelyard.common.names import InvalidName, check_name, echo, is_valid_name
+
 from service.errors import InvalidInput, TooLarge
 from service.repository.scanner import MODEL_FILE, parse_version
 
-_PART = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
 _RESERVED = {"config.yaml", "config.pbtxt"}  # the config travels in the `config` parameter
 MAX_DEPTH = 4
 
@@ -43,7 +44,7 @@ class UploadSpace:
         with self._lock:
             if self.limit and self.used + size > self.limit:
                 raise TooLarge(
-                    f"load of {name!r}: its files ({size} bytes) do not fit in the space left for "
+                    f"load of {echo(name)}: its files ({size} bytes) do not fit in the space left for "
                     f"uploaded models ({max(self.limit - self.used, 0)} of {self.limit} bytes, "
                     "--max-upload-bytes); unload models loaded with files first"
                 )
@@ -76,8 +77,8 @@ def check_paths(files: Mapping[str, bytes]) -> dict[tuple[str, ...], bytes]:
     checked: dict[tuple[str, ...], bytes] = {}
     for path, data in files.items():
         parts = tuple(path.split("/"))
-        where = f"load parameter 'file:{path}'"
-        if not path or len(parts) > MAX_DEPTH or not all(_PART.match(p) for p in parts):
+        where = f"load parameter {echo('file:' + path)}"
+        if not path or len(parts) > MAX_DEPTH or not all(is_valid_name(p) for p in parts):
             raise InvalidInput(
                 f"{where}: the path must be relative, '/'-separated plain names (e.g. 1/model.onnx)"
             )
@@ -97,6 +98,10 @@ def write_upload(
     """Write the files under a new private folder (mode 0700) in `base` (default: the system's
     temporary folder), their bytes taken from `space` first (TooLarge when they do not fit).
     Blocking: run it in an executor."""
+    try:
+        check_name(name)  # the API checked it too; here it becomes a folder's name
+    except InvalidName as exc:
+        raise InvalidInput(str(exc)) from None
     checked = check_paths(files)
     size = sum(len(data) for data in checked.values())
     if space is not None:
@@ -110,6 +115,8 @@ def write_upload(
     upload = Upload(root, name, size, space)
     try:
         model_dir = root / name
+        if model_dir.parent != root or model_dir.name != name:  # a valid name is one plain part
+            raise InvalidInput(f"model_name {echo(name)} is not a plain folder name")
         model_dir.mkdir()
         for parts, data in checked.items():
             target = model_dir.joinpath(*parts)

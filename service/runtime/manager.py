@@ -10,12 +10,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
+from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
 from types import MappingProxyType
+
+from modelyard.common.names import echo, name_problem
 
 from service.errors import (
     InvalidInput,
@@ -91,7 +93,10 @@ class ModelManager:
         self._load_hooks: list[LoadHook] = []
         self._table: Mapping[str, ServedModel] = MappingProxyType({})
         self._status: dict[str, ModelStatus] = {}
-        self._locks: dict[str, asyncio.Lock] = {}
+        # One lock per name while a load, reconcile or unload of it runs or waits; pruned when
+        # the last one ends, so names that come and go (or are asked for and unknown) leave nothing.
+        self._locks: dict[str, _NameLock] = {}
+        self._skipped: set[str] = set()  # repository folders whose names break the rule, reported
         self._watchers: set[Watcher] = set()
         self._retiring: set[asyncio.Task[None]] = set()
         self._held: set[str] = set()  # unloaded by an operator: file changes do not reload them
@@ -112,21 +117,22 @@ class ModelManager:
         if model is None:
             status = self._status.get(name)
             if status is None:
-                raise ModelNotFound(f"model {name!r} is not in the repository")
+                raise ModelNotFound(f"model {echo(name)} is not in the repository")
             if name in self._reloading:
                 raise ModelUnavailable(
-                    f"model {name!r} is swapping versions within its memory budget; retry shortly"
+                    f"model {echo(name)} is swapping versions within its memory budget; retry shortly"
                 )
-            raise ModelUnavailable(f"model {name!r} has no version ready{_because(status)}")
+            raise ModelUnavailable(f"model {echo(name)} has no version ready{_because(status)}")
         if not version:
             return model.default
         number = parse_version(version)
         if number is None:
-            raise InvalidInput(f"model_version {version!r} is not a version number (e.g. '3' or 'v3')")
+            raise InvalidInput(f"model_version {echo(version)} is not a version number (e.g. '3' or 'v3')")
         served = model.versions.get(number)
         if served is None:
             raise VersionNotFound(
-                f"model {name!r} has no served version {number}; served versions: {sorted(model.versions)}"
+                f"model {echo(name)} has no served version {number}; "
+                f"served versions: {sorted(model.versions)}"
             )
         return served
 
@@ -142,7 +148,7 @@ class ModelManager:
     def status(self, name: str) -> ModelStatus:
         status = self._status.get(name)
         if status is None:
-            raise ModelNotFound(f"model {name!r} is not in the repository")
+            raise ModelNotFound(f"model {echo(name)} is not in the repository")
         return status
 
     def served(self, name: str) -> ServedModel | None:
@@ -182,7 +188,17 @@ class ModelManager:
 
     async def reconcile_all(self) -> None:
         """Bring every model in line with disk: new models load, removed ones unload."""
-        names = await asyncio.get_running_loop().run_in_executor(self._io, scan_repository, self.repository)
+        skipped: set[str] = set()
+        names = await asyncio.get_running_loop().run_in_executor(
+            self._io, scan_repository, self.repository, skipped
+        )
+        for folder in sorted(skipped - self._skipped):  # once per folder, not at every resync
+            log.warning(
+                "repository folder %s skipped: %s",
+                echo(folder),
+                name_problem(folder) or "not a model name",
+            )
+        self._skipped = skipped
         for name in sorted(set(names) | set(self._status)):
             await self.reconcile(name)
 
@@ -198,8 +214,10 @@ class ModelManager:
             await self._remove_upload(previous)
             if status is None:
                 await self._remove_upload(self._overrides.pop(name, None))
+            elif status.default_version is None and override is not None and override.upload is not None:
+                await self._drop_failed_upload(name)
         if status is None:
-            raise ModelNotFound(f"model {name!r} is not in the repository")
+            raise ModelNotFound(f"model {echo(name)} is not in the repository")
         return status
 
     async def reconcile(self, name: str) -> ModelStatus | None:
@@ -222,7 +240,13 @@ class ModelManager:
             # An unloaded model keeps no upload: its next load brings files again or reads the
             # repository, and the bytes go back to the upload space.
             await self._remove_upload(self._overrides.pop(name, None))
-            return self._status[name]
+            status = self._status[name]
+            if not await self._in_repository(name):
+                # Only an upload brought it, and its files are gone: nothing is left to hold or
+                # to report, so a name's load and unload leave no state behind.
+                self._held.discard(name)
+                await self._remove(name)
+            return status
 
     async def close(self) -> None:
         """Drain and release every served version (on shutdown, after the server stopped)."""
@@ -236,6 +260,19 @@ class ModelManager:
         self._io.shutdown(wait=True)
 
     # -- internals -------------------------------------------------------------------------
+
+    async def _drop_failed_upload(self, name: str) -> None:
+        """An upload of which no version serves keeps no files; and when the repository has no
+        folder of that name, the model leaves no state (status, failure series) either: uploads
+        of files that do not load, under ever new names, must not grow the service's state. The
+        caller still answers with the failure's reasons."""
+        await self._remove_upload(self._overrides.pop(name, None))
+        if not await self._in_repository(name):
+            await self._remove(name)
+
+    async def _in_repository(self, name: str) -> bool:
+        """Whether the repository has a folder of that name (off the loop: a file system call)."""
+        return await asyncio.get_running_loop().run_in_executor(self._io, (self.repository / name).is_dir)
 
     async def _remove_upload(self, override: LoadOverride | None) -> None:
         """Delete an override's uploaded files, off the loop. The sessions loaded from them hold
@@ -514,12 +551,12 @@ class ModelManager:
         old = self._status.get(name)
         versions = dict(old.versions) if old else {}
         default = old.default_version if old else None
-        reason = scrub(reason, self.repository)  # clients see paths relative to the repository
+        reason = self._scrub(name, reason)
         self._status[name] = ModelStatus(name, MappingProxyType(versions), reason, max_batch_size, default)
 
     def _set_version(self, name: str, status: VersionStatus, notify: bool = True) -> None:
         if status.reason:
-            status = replace(status, reason=scrub(status.reason, self.repository))
+            status = replace(status, reason=self._scrub(name, status.reason))
         model = self._status[name]
         versions = dict(model.versions)
         versions[status.version] = status
@@ -529,8 +566,43 @@ class ModelManager:
             for watcher in list(self._watchers):
                 watcher.offer(event)
 
-    def _lock(self, name: str) -> asyncio.Lock:
-        return self._locks.setdefault(name, asyncio.Lock())
+    def _scrub(self, name: str, text: str) -> str:
+        """Clients see paths relative to the repository, or to the private folder of the model's
+        upload (ONNX Runtime's own messages name the absolute path of the file it opened)."""
+        text = scrub(text, self.repository)
+        override = self._overrides.get(name)
+        if override is not None and override.upload is not None:
+            text = scrub(text, override.upload.root)
+        return text
+
+    @asynccontextmanager
+    async def _lock(self, name: str) -> AsyncIterator[None]:
+        """Hold the name's lock; the last holder or waiter to leave removes it from the table (a
+        later caller makes a new one: nobody holds the old one any more)."""
+        entry = self._locks.get(name)
+        if entry is None:
+            entry = self._locks[name] = _NameLock()
+        entry.users += 1
+        try:
+            async with entry.lock:
+                yield
+        finally:
+            entry.users -= 1
+            if not entry.users and self._locks.get(name) is entry:
+                del self._locks[name]
+
+    @property
+    def lock_count(self) -> int:
+        """Names with a lock in the table now (those being loaded, reconciled or unloaded)."""
+        return len(self._locks)
+
+
+class _NameLock:
+    __slots__ = ("lock", "users")
+
+    def __init__(self) -> None:
+        self.lock = asyncio.Lock()
+        self.users = 0  # holders and waiters
 
 
 _NO_STATUS = ModelStatus("", MappingProxyType({}))

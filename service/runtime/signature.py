@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from functools import cached_property
 
 import numpy as np
+from modelyard.common.names import echo
 from modelyard.tensors import NUMPY_BY_NAME, name_of
 
 from service.errors import InvalidInput
@@ -66,7 +67,7 @@ class Signature:
             expected = sorted(self._input_names)
             unknown = sorted(set(feeds) - self._input_names)
             if unknown:
-                raise InvalidInput(f"unknown input {unknown[0]!r}; the model's inputs are {expected}")
+                raise InvalidInput(f"unknown input {echo(unknown[0])}; the model's inputs are {expected}")
             missing = sorted(self._input_names - set(feeds))
             raise InvalidInput(f"missing input {missing[0]!r}; the model's inputs are {expected}")
         batch = -1
@@ -100,7 +101,7 @@ class Signature:
         known = set(self.output_names)
         for name in names:
             if name not in known:
-                raise InvalidInput(f"unknown output {name!r}; the model's outputs are {sorted(known)}")
+                raise InvalidInput(f"unknown output {echo(name)}; the model's outputs are {sorted(known)}")
         if len(set(names)) != len(names):
             raise InvalidInput("an output is requested twice")
         return tuple(names)

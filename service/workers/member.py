@@ -20,7 +20,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from modelyard.common import health as health_names
 from prometheus_client import CollectorRegistry, generate_latest
 
-from service.api.errors import Context
+from service.api.errors import Context, abort
+from service.api.names import check_model
+from service.errors import InvalidInput
 from service.workers import protocol
 from service.workers.merge import FANNED
 
@@ -130,6 +132,10 @@ class WorkerLink:
             metadata = [(protocol.METHOD_KEY, method)]
             if fanned.changes:
                 model = getattr(fanned.request.FromString(request), fanned.changes)
+                try:  # before the name travels as metadata (which a NUL or 1 MB name breaks)
+                    check_model(model, name_field=fanned.changes)
+                except InvalidInput as exc:
+                    await abort(context, exc, method, model)
                 metadata.append((protocol.CHANGE_KEY, model))
             try:
                 answers = await broadcast(request, metadata=metadata, timeout=context.time_remaining())

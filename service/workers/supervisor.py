@@ -310,7 +310,14 @@ class Supervisor:
         async with self._control:  # one change at a time, and none while a worker joins
             answers = await self._call_all(method, request, context)
             self._changes.pop(model, None)
-            self._changes[model] = (method, request)
+            if not method.endswith("Unload") and not method.endswith("UnloadModel"):
+                self._changes[model] = (method, request)
+            elif await asyncio.get_running_loop().run_in_executor(
+                None, (self.settings.repository / model).is_dir
+            ):
+                # A joining worker must hold it unloaded too. A model that only an upload
+                # brought is gone with its unload: nothing to replay, and no entry per name.
+                self._changes[model] = (method, request)
         return protocol.pack(answers)
 
     async def _call_all(

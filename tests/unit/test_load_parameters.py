@@ -105,6 +105,10 @@ def test_load_parameters_refuse_unknown_keys_and_files_without_config() -> None:
         ".hidden",
         "x/model.onnx",
         "config.yaml",
+        "1/model.onnx\n",
+        "1/a\x00b",
+        "1/..",
+        "",
     ],
 )
 def test_unsafe_paths_are_refused(path: str) -> None:
@@ -136,3 +140,10 @@ def test_uploads_share_a_bounded_space_and_give_it_back_once(tmp_path: Path) -> 
     assert space.used == 0
     unlimited = UploadSpace(limit=0)
     write_upload(tmp_path, "c", {"1/model.onnx": b"x" * 100}, unlimited).remove()
+
+
+@pytest.mark.parametrize("name", ["", ".", "..", "../x", "/abs", "a/b", "a\x00b", "x" * 129])
+def test_upload_names_that_are_no_folder_name_are_refused(tmp_path: Path, name: str) -> None:
+    with pytest.raises(InvalidInput, match="model_name"):
+        write_upload(tmp_path, name, {"1/model.onnx": b"abc"})
+    assert list(tmp_path.iterdir()) == []  # not even the private folder was made

@@ -103,6 +103,7 @@ def test_version_policies(policy: VersionPolicy, available: list[int], served: l
 def test_version_folder_names() -> None:
     assert parse_version("3") == 3 and parse_version("v12") == 12 and parse_version("007") == 7
     assert parse_version("latest") is None and parse_version("v") is None and parse_version("-1") is None
+    assert parse_version("1\n") is None  # a `$` in the pattern let a trailing newline through
 
 
 def _touch_model(folder: Path) -> None:
@@ -128,9 +129,17 @@ def test_scanner_finds_versions_and_problems(tmp_path: Path) -> None:
 def test_scanner_refuses_bad_names(tmp_path: Path) -> None:
     from service.errors import ModelLoadError
 
-    for name in ("../etc", "a/b", ".hidden", ""):
+    for name in ("../etc", "a/b", ".hidden", "", "a..b", "a\n", "x" * 129):
         with pytest.raises(ModelLoadError):
             scan_model(tmp_path, name)
+
+
+def test_scanner_skips_and_reports_folders_with_bad_names(tmp_path: Path) -> None:
+    for name in ("good", "bad name", "a..b", ".hidden"):
+        _touch_model(tmp_path / name / "1")
+    skipped: set[str] = set()
+    assert sorted(scan_repository(tmp_path, skipped)) == ["good"]
+    assert skipped == {"bad name", "a..b"}  # hidden folders are not models, and not news
 
 
 def test_settings_from_flags_and_environment() -> None:
