@@ -17,7 +17,7 @@ from typing import Any
 
 import pybreaker
 
-from sidecar.adaptive import AdaptivePolicy, BreakerPolicy, Clock, State, Trip
+from sidecar.adaptive import AdaptivePolicy, BreakerPolicy, Caller, Clock, State, Trip
 
 log = logging.getLogger(__name__)
 
@@ -92,9 +92,10 @@ class Breaker:
         self._probes_in_flight += 1
         return Permit(self._generation, True)
 
-    def report(self, permit: Permit, fault: bool, latency: float | None) -> None:
+    def report(self, permit: Permit, fault: bool, latency: float | None, caller: Caller = None) -> None:
         """The outcome of an allowed call: `fault` counts against the upstream; `latency` (s) is
-        given for calls whose duration means something (unary), else None."""
+        given for calls whose duration means something (unary), else None; `caller` is who made
+        it (adaptive.py: no single caller trips a breaker)."""
         if permit.generation != self._generation:
             return  # the state changed while the call ran; its outcome belongs to the past
         if permit.probe:
@@ -107,7 +108,7 @@ class Breaker:
                 self.adaptive.closed()
                 self._transition(self._cb.close)
             return
-        trip = self.adaptive.record(fault, latency)
+        trip = self.adaptive.record(fault, latency, caller)
         if trip is not None:
             self._open(trip)
 
@@ -176,6 +177,17 @@ class Breakers:
         for breaker in self._breakers.values():
             breaker.adaptive.policy = policy
             breaker.adaptive.window.policy = policy
+
+    def __len__(self) -> int:
+        return len(self._breakers)
+
+    def prune(self, keep: Callable[[BreakerKey], bool]) -> list[BreakerKey]:
+        """Drop the breakers `keep` says no to (a model or version no upstream serves any more);
+        returns their keys (for their metric series)."""
+        gone = [key for key in self._breakers if not keep(key)]
+        for key in gone:
+            del self._breakers[key]
+        return gone
 
     def snapshot(self) -> list[dict[str, object]]:
         return [b.snapshot() for _, b in sorted(self._breakers.items(), key=lambda kv: str(kv[0]))]

@@ -41,6 +41,7 @@ class Sidecar:
     health: health_names.HealthServicer
     tracing: Tracing
     shadows: Shadows
+    proxy: Proxy
     tls: TlsFiles | None = None  # of the gRPC and admin listeners
     admin_auth: Authorizer | None = None
     admin: AdminServer | None = None
@@ -94,7 +95,11 @@ class Sidecar:
 
     async def stop(self, grace_s: float | None = None) -> None:
         await self.health.enter_graceful_shutdown()
-        await self.server.stop(self.settings.grace_s if grace_s is None else grace_s)
+        grace = self.settings.grace_s if grace_s is None else grace_s
+        stopping = asyncio.ensure_future(self.server.stop(grace))  # new calls are refused at once
+        # Calls still running near the grace's end are answered `draining`, not cancelled by gRPC.
+        await self.proxy.drain(grace - min(0.5, grace / 4))
+        await stopping
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -117,6 +122,8 @@ class Sidecar:
             await self.health.set(
                 health_names.SERVER, health_names.SERVING if serving else health_names.NOT_SERVING
             )
+            for key in self.breakers.prune(self._breaker_wanted):
+                self.metrics.breaker_removed(key)
             models = {m for u in serving for m in u.served}
             for model in models | self._models:
                 await self.health.set(
@@ -124,6 +131,17 @@ class Sidecar:
                     health_names.SERVING if model in models else health_names.NOT_SERVING,
                 )
             self._models |= models
+
+    def _breaker_wanted(self, key: BreakerKey) -> bool:
+        """A breaker lives while its model and version are served (or named by the model's route)."""
+        if self.upstreams.knows(key.model, key.version):
+            return True
+        route = self.routes.table.models.get(key.model)
+        return (
+            self.upstreams.knows(key.model)
+            and route is not None
+            and key.version in (route.stable, route.canary)
+        )
 
     async def _watch_config(self) -> None:
         while True:
@@ -192,6 +210,7 @@ def build_sidecar(
         health_servicer,
         tracing,
         shadows,
+        proxy,
         tls=tls,
         admin_auth=admin_auth,
     )
