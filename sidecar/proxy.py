@@ -311,6 +311,10 @@ class Proxy(_Handler):
         for info in method_table().values():
             self._handlers[info.path] = self._make_handler(info)
 
+    @property
+    def limits(self) -> TenantLimits:
+        return self._limits
+
     def service(self, handler_call_details: grpc.HandlerCallDetails) -> _MethodHandler | None:
         return self._handlers.get(handler_call_details.method)
 
