@@ -15,7 +15,7 @@ from modelyard.common.settings import split_address
 from modelyard.common.tls import ClientTls, TlsFiles, grpc_server_credentials, is_loopback, warn_if_plaintext
 
 from sidecar.adaptive import Clock, State
-from sidecar.admin import AdminServer
+from sidecar.admin import AdminLimits, AdminServer
 from sidecar.breakers import BreakerKey, Breakers
 from sidecar.config import Settings
 from sidecar.limits import TenantLimits
@@ -77,12 +77,19 @@ class Sidecar:
                 self.metrics.registry,
                 self.routes,
                 self.breakers.snapshot,
-                loop,
                 tls=self.tls,
                 authorizer=self.admin_auth,
                 auth_reads=self.settings.admin_auth_reads,
                 denials=self.metrics.admin_denials,
+                limits=AdminLimits(
+                    header_timeout_s=self.settings.admin_header_timeout_s,
+                    body_timeout_s=self.settings.admin_body_timeout_s,
+                    idle_timeout_s=self.settings.admin_idle_timeout_s,
+                    max_body_bytes=self.settings.admin_max_body_bytes,
+                    max_connections=self.settings.admin_max_connections,
+                ),
             )
+            await self.admin.start()
         self._tasks.append(loop.create_task(self._follow_upstreams()))
         if self.settings.config:
             self._tasks.append(loop.create_task(self._watch_config()))
@@ -106,7 +113,7 @@ class Sidecar:
         await self.shadows.close()
         await self.upstreams.close()
         if self.admin is not None:
-            self.admin.stop()
+            await self.admin.stop()
         await self.tracing.close()
 
     def upstreams_changed(self) -> None:
