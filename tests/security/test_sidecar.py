@@ -12,7 +12,7 @@ refusal, a model failure, a run held until released."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -32,6 +32,8 @@ from tests.support import eventually
 
 INFER = "/modelyard.inference.v1.InferenceService/Infer"
 MODELS = "modelyard.inference.v1.ModelService"
+INFER_STREAM = "/modelyard.inference.v1.InferenceService/InferStream"
+MODEL_STREAM_INFER = "/inference.GRPCInferenceService/ModelStreamInfer"
 Context = grpc.aio.ServicerContext[bytes, bytes]
 
 
@@ -262,10 +264,23 @@ async def test_an_unreachable_upstream_and_an_undecodable_message_name_their_rea
             await infer(channel, deadline_s=10)
         assert failed.value.code() == grpc.StatusCode.UNAVAILABLE
         assert ("x-error-reason", "unavailable") in pairs(failed.value.trailing_metadata())
-        with pytest.raises(grpc.aio.AioRpcError) as failed:
-            await channel.unary_unary(INFER, None, None)(b"\x0a\x10abc", timeout=10)
-        assert failed.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-        assert ("x-error-reason", "invalid_argument") in pairs(failed.value.trailing_metadata())
+        garbage = b"\x0a\x10abc"
+        calls: list[Callable[[], Awaitable[Any]]] = [
+            lambda: channel.unary_unary(INFER, None, None)(garbage, timeout=10),
+            lambda: collect(channel.unary_stream(INFER_STREAM, None, None)(garbage, timeout=10)),
+            lambda: collect(
+                channel.stream_stream(MODEL_STREAM_INFER, None, None)(iter([garbage]), timeout=10)
+            ),
+        ]
+        for make in calls:
+            with pytest.raises(grpc.aio.AioRpcError) as failed:
+                await make()
+            assert failed.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert ("x-error-reason", "invalid_argument") in pairs(failed.value.trailing_metadata())
+
+
+async def collect(call: Any) -> list[Any]:
+    return [message async for message in call]
 
 
 async def test_an_upstream_killed_mid_call_is_unavailable_not_cancelled(tmp_path: Path) -> None:
