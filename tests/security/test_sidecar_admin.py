@@ -88,6 +88,14 @@ async def test_a_body_over_the_bound_is_413_before_it_is_read(sidecar: Sidecar) 
     writer.close()
 
 
+async def test_a_head_over_the_bound_is_431(sidecar: Sidecar) -> None:
+    reader, writer = await connect(sidecar)
+    writer.write(b"GET /breakers HTTP/1.1\r\nX-Padding: " + b"a" * 20_000 + b"\r\n\r\n")
+    status, body = await asyncio.wait_for(read_answer(reader), 5)
+    assert status == 431 and body["reason"] == "too_large"
+    writer.close()
+
+
 async def test_a_chunked_body_is_refused(http: httpx.AsyncClient) -> None:
     async def chunks() -> AsyncIterator[bytes]:
         yield b'{"canary_weight": 1}'
