@@ -19,7 +19,9 @@ the caller with the most calls over the latency limit, the others' p99 (of at le
 `latency_min_calls` calls) must still exceed it. So one client's deadlines, bad values or huge
 batches never open a breaker that then refuses everyone else, and a genuinely broken version,
 which fails for everybody, still trips. (A caller counts as one however many calls it makes; one
-that forges many identities is the business of authentication and tenant limits.)
+that forges many identities is the business of authentication and tenant limits.) Half-open,
+one caller's failing probes only free their slot for another probe; a failed probe of a second
+caller re-opens (breakers.py).
 The baseline is the p99 learned while healthy (a moving average, updated at most every
 `latency_check_s`, from windows whose p99 is at most 1.5x the baseline). Half-open lets
 `probes` calls through at a time; others are refused.

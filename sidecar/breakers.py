@@ -65,6 +65,7 @@ class Breaker:
         self._generation = 0
         self._probes_in_flight = 0
         self._probe_successes = 0
+        self._probe_failers: set[Caller] = set()  # callers whose probes failed, this half-open
 
     @property
     def state(self) -> State:
@@ -101,7 +102,11 @@ class Breaker:
         if permit.probe:
             self._probes_in_flight -= 1
             if self.adaptive.probe_failed(fault, latency):
-                self._open(Trip.PROBE_FAILED)
+                # One caller's failing probes alone (its own bad values) do not re-open: its slot
+                # is freed for another probe; failures from a second caller do.
+                self._probe_failers.add(caller)
+                if caller is None or len(self._probe_failers) >= 2:
+                    self._open(Trip.PROBE_FAILED)
                 return
             self._probe_successes += 1
             if self._probe_successes >= self.adaptive.policy.probes:
@@ -126,6 +131,7 @@ class Breaker:
         self._generation += 1
         self._probes_in_flight = 0
         self._probe_successes = 0
+        self._probe_failers = set()
         change()
 
     def changed(self, old: State, new: State) -> None:

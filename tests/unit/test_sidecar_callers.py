@@ -84,6 +84,35 @@ def test_one_callers_slow_calls_do_not_trip_on_latency(breaker: Breaker) -> None
     assert breaker.snapshot()["state"] == "open" and breaker.adaptive.reason == "latency"
 
 
+def test_one_callers_failing_probes_do_not_keep_a_breaker_open() -> None:
+    now = [100.0]
+    breaker = Breaker(BreakerKey("up", "m", "1"), POLICY, lambda: now[0], lambda *args: None)
+    for _ in range(4):
+        for caller in (A, B, C):
+            call(breaker, caller, fault=True)
+    assert breaker.state is State.OPEN
+    now[0] += 1  # the backoff is over: half-open
+    for _ in range(5):
+        call(breaker, A, fault=True)  # A's bad values, again and again
+    assert breaker.snapshot()["state"] == "half-open"
+    call(breaker, B)
+    call(breaker, C)
+    assert breaker.snapshot()["state"] == "closed"  # the others' probes succeeded
+
+
+def test_failing_probes_of_two_callers_reopen() -> None:
+    now = [100.0]
+    breaker = Breaker(BreakerKey("up", "m", "1"), POLICY, lambda: now[0], lambda *args: None)
+    for _ in range(4):
+        for caller in (A, B, C):
+            call(breaker, caller, fault=True)
+    now[0] += 1
+    call(breaker, A, fault=True)
+    assert breaker.snapshot()["state"] == "half-open"
+    call(breaker, B, fault=True)
+    assert breaker.snapshot()["state"] == "open" and breaker.adaptive.trips == 2
+
+
 def test_pruned_breakers_are_gone() -> None:
     breakers = Breakers(POLICY, lambda *args: None, lambda: 100.0)
     for version in ("1", "2", "3"):
