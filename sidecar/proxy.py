@@ -4,7 +4,13 @@ Data calls (Infer, InferStream, Generate, KServe ModelInfer and ModelStreamInfer
 (routing.py), guarded by breakers (breakers.py) and tenant limits (limits.py); the chosen version
 travels as field 2 (appended to the message: the last occurrence wins on the wire) and as the
 `x-model-version` header. Other calls go to an upstream that serves the named model, or any.
-Metadata, deadline, cancellation and the full status (code, message, trailers) pass through.
+Metadata, deadline, cancellation and the full status (code, message, trailers) pass through;
+an error without `x-error-reason` gets one (client_status), and a status message is capped.
+
+Names and versions are checked at this edge (modelyard.common.names) before they reach any
+state. Only models and versions the upstreams serve (WatchModels) get breakers and their own
+metric label; anything else is forwarded without state under the label `_other`. Breakers learn
+who each call came from (caller_key), so that no single caller opens one (adaptive.py).
 """
 
 from __future__ import annotations
@@ -95,7 +101,6 @@ _REASON_OF_CODE = {
 FALLBACK_BREAKER = "breaker-open"
 FALLBACK_UNAVAILABLE = "unavailable"
 FALLBACK_CANARY_FAULT = "canary-fault"
-ANONYMOUS = "-"  # the tenant of calls without x-tenant-id (limited by the "*" entry)
 
 
 @dataclass(frozen=True, slots=True)
