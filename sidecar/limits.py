@@ -74,14 +74,15 @@ class TenantLimits:
             bucket = self._buckets[tenant] = _Bucket(limit, now) if bucket is None else bucket
             bucket.limit = limit
             bucket.tokens = min(bucket.tokens, bucket.capacity)
+        who = f"tenant {echo(tenant)}" if tenant != ANY_TENANT else "tenants without their own limit ('*')"
         if limit.concurrency and bucket.in_flight >= limit.concurrency:
-            return Refusal(f"tenant {echo(tenant)} has {limit.concurrency} calls in flight (its limit)", 0.05)
+            return Refusal(f"{who}: {limit.concurrency} calls in flight (the limit)", 0.05)
         if limit.rate:
             bucket.tokens = min(bucket.capacity, bucket.tokens + (now - bucket.stamp) * limit.rate)
             bucket.stamp = now
             if bucket.tokens < 1.0:
                 wait = (1.0 - bucket.tokens) / limit.rate
-                return Refusal(f"tenant {echo(tenant)} is over its rate limit of {limit.rate:g}/s", wait)
+                return Refusal(f"{who}: over the rate limit of {limit.rate:g}/s", wait)
             bucket.tokens -= 1.0
         bucket.in_flight += 1
         return None

@@ -7,7 +7,7 @@
     breaker: {window_s: 10, min_calls: 20, error_rate: 0.5, ...}  # see adaptive.BreakerPolicy
     tenants:
       acme: {rate: 50, burst: 100, concurrency: 8}             # see limits.TenantLimit
-      "*": {rate: 0, burst: 0, concurrency: 0}                 # any other tenant; 0 = unlimited
+      "*": {rate: 0, burst: 0, concurrency: 0}   # all other tenants, together; 0 = unlimited
     shadow: {share: 5, max_in_flight: 4}     # mirror 5% of stable unary calls to the canary
 
 The whole table is built and then rebound, so a request never sees half a configuration. A file
