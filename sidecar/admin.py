@@ -100,7 +100,8 @@ class Response:
 
 
 class HttpError(Exception):
-    """A request answered with a 4xx (the connection is closed after it when `close`)."""
+    """A request answered with a 4xx: after one found while reading the request the connection is
+    closed; after one about a request read whole it serves the next (unless `close`)."""
 
     def __init__(
         self,
@@ -194,18 +195,22 @@ class AdminServer:
         while True:
             try:
                 request = await self._read(reader)
-                if request is None:
-                    return  # closed, or idle for too long
+            except HttpError as exc:  # the request was not read whole: answer, then close
+                refused = exc.response()
+                refused.close = True
+                await _write(writer, refused, head_only=False)
+                return
+            if request is None:
+                return  # closed, or idle for too long
+            try:
                 response = await self._respond(request)
-                response.close = response.close or not request.keep_alive
-            except HttpError as exc:
-                request, response = None, exc.response()
-                response.close = True
+            except HttpError as exc:  # read whole: the connection may serve the next one
+                response = exc.response()
             except Exception:  # a bug of ours: 500, logged, and the connection closed
                 log.exception("admin: the request failed")
-                request = None
                 response = _json(500, {"error": "internal error", "reason": "internal"}, close=True)
-            await _write(writer, response, head_only=request is not None and request.method == "HEAD")
+            response.close = response.close or not request.keep_alive
+            await _write(writer, response, head_only=request.method == "HEAD")
             if response.close:
                 return
 
@@ -220,7 +225,7 @@ class AdminServer:
         try:
             head = first + await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), limits.header_timeout_s)
         except TimeoutError as exc:
-            raise HttpError(408, ErrorReason.DEADLINE, "the request head took too long", close=True) from exc
+            raise HttpError(408, ErrorReason.DEADLINE, "the request head took too long") from exc
         except asyncio.LimitOverrunError as exc:
             raise HttpError(
                 431, ErrorReason.TOO_LARGE, f"the request head is over {limits.max_header_bytes} bytes"
