@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -124,11 +125,14 @@ async def test_held_half_requests_and_idle_connections_are_closed(sidecar: Sidec
 async def test_slow_clients_hold_up_nobody_and_the_flood_is_bounded(
     sidecar: Sidecar, http: httpx.AsyncClient
 ) -> None:
+    threads = threading.active_count()
     held = [await connect(sidecar) for _ in range(MAX_CONNECTIONS - 1)]
     for _, writer in held:
         writer.write(b"GET /breakers HTTP/1.1\r\n")  # half a request each
     answer = await http.get("/breakers")  # the one connection left
     assert answer.status_code == 200
+    # No thread per connection (httpx's own connection included; /metrics was not asked for).
+    assert threading.active_count() == threads
     extra = await connect(sidecar)  # one over the bound
     extra[1].write(b"GET /breakers HTTP/1.1\r\n\r\n")
     status, body = await asyncio.wait_for(read_answer(extra[0]), 5)
