@@ -43,6 +43,7 @@ class FakeUpstream:
     def __init__(self) -> None:
         self.server = grpc.aio.server()
         self.release = asyncio.Event()
+        self.events: asyncio.Queue[mpb.WatchModelsResponse] = asyncio.Queue()
         self.held = 0
         self.health = health.new_servicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
@@ -70,7 +71,8 @@ class FakeUpstream:
 
     async def watch_models(self, request: Any, context: Any) -> AsyncIterator[mpb.WatchModelsResponse]:
         yield mpb.WatchModelsResponse(model_name="scaler", version="1", state=mpb.MODEL_STATE_READY)
-        await asyncio.Event().wait()  # a watch never ends by itself
+        while True:  # a watch never ends by itself
+            yield await self.events.get()
 
     async def infer(self, request: bytes, context: Context) -> bytes:
         message = pb.InferRequest.FromString(request)
@@ -184,6 +186,25 @@ async def test_a_fault_that_every_tenant_sees_still_opens_the_breaker(tmp_path: 
         with pytest.raises(grpc.aio.AioRpcError) as refused:
             await infer(ch, metadata=call_md("", "quiet"))
         assert ("x-error-reason", "breaker_open") in pairs(refused.value.trailing_metadata())
+
+
+async def test_the_breaker_of_a_model_no_longer_served_is_dropped_with_its_series(tmp_path: Path) -> None:
+    async with (
+        fake_upstream() as fake,
+        through_sidecar([fake.address], route_file(tmp_path)) as (sidecar, ch),
+    ):
+        for tenant in ("t1", "t2", "t3", "t4"):
+            for _ in range(3):
+                with pytest.raises(grpc.aio.AioRpcError):
+                    await infer(ch, metadata=call_md("model-failed", tenant))
+        assert breaker_state(sidecar, "scaler", "1") == {"open"}
+        assert 'modelyard_sidecar_breaker_state{model="scaler"' in await admin_async(sidecar, "/metrics")
+        unloaded = mpb.WatchModelsResponse(model_name="scaler", version="1", state=mpb.MODEL_STATE_UNLOADED)
+        await fake.events.put(unloaded)
+        await eventually(lambda: len(sidecar.breakers) == 0, "the breaker is dropped")
+        metrics = await admin_async(sidecar, "/metrics")
+        assert "modelyard_sidecar_breaker_state{" not in metrics
+        assert "modelyard_sidecar_breaker_transitions_total{" not in metrics
 
 
 async def test_made_up_names_and_rotating_tenants_leave_state_and_metrics_flat(tmp_path: Path) -> None:
