@@ -11,6 +11,17 @@ Closed: every call is recorded in a sliding window of `window_s` seconds (at mos
 Once the window holds `min_calls`, it trips when the share of faults reaches `error_rate`, or
 when the window's p99 latency (of at least `latency_min_calls` timed calls) exceeds both
 `latency_floor_s` and `latency_multiple` x the baseline.
+No single caller decides: each call is recorded with its caller (proxy.caller_key: the tenant,
+else the user's sticky key, else the connection), and a trip must also hold on the window without
+the caller who contributes most to it (leave-one-out): without the caller with the most faults,
+the others' calls must still have at least one fault and a fault share of `error_rate`; without
+the caller with the most calls over the latency limit, the others' p99 (of at least
+`latency_min_calls` calls) must still exceed it. So one client's deadlines, bad values or huge
+batches never open a breaker that then refuses everyone else, and a genuinely broken version,
+which fails for everybody, still trips. (A caller counts as one however many calls it makes; one
+that forges many identities is the business of authentication and tenant limits.) Half-open,
+one caller's failing probes only free their slot for another probe; a failed probe of a second
+caller re-opens (breakers.py).
 The baseline is the p99 learned while healthy (a moving average, updated at most every
 `latency_check_s`, from windows whose p99 is at most 1.5x the baseline). Half-open lets
 `probes` calls through at a time; others are refused.
@@ -79,34 +90,78 @@ def p99(samples: list[float]) -> float:
     return ordered[min(len(ordered) - 1, math.ceil(0.99 * len(ordered)) - 1)]
 
 
+Caller = int | None  # a hash of the caller's identity; None: unknown (counted as nobody's)
+
+
 class Window:
-    """Calls of the last `window_s` seconds: (time, fault, latency or None). Running counts keep
-    recording O(1); latency percentiles are computed only when checked."""
+    """Calls of the last `window_s` seconds: (time, fault, latency or None, caller). Running counts
+    (in total and per caller) keep recording O(1); latency percentiles and the leave-one-out checks
+    are computed only when a trip is considered."""
 
     def __init__(self, policy: BreakerPolicy) -> None:
         self.policy = policy
-        self._calls: deque[tuple[float, bool, float | None]] = deque()
+        self._calls: deque[tuple[float, bool, float | None, Caller]] = deque()
         self.faults = 0
+        self._callers: dict[int, list[int]] = {}  # caller -> [calls, faults] in the window
 
     def __len__(self) -> int:
         return len(self._calls)
 
-    def add(self, now: float, fault: bool, latency: float | None) -> None:
-        self._calls.append((now, fault, latency))
+    def add(self, now: float, fault: bool, latency: float | None, caller: Caller = None) -> None:
+        self._calls.append((now, fault, latency, caller))
         self.faults += fault
+        if caller is not None:
+            counts = self._callers.setdefault(caller, [0, 0])
+            counts[0] += 1
+            counts[1] += fault
         self.trim(now)
 
     def trim(self, now: float) -> None:
         horizon = now - self.policy.window_s
         calls = self._calls
         while calls and (calls[0][0] < horizon or len(calls) > self.policy.max_samples):
-            self.faults -= calls.popleft()[1]
+            _, fault, _, caller = calls.popleft()
+            self.faults -= fault
+            if caller is not None:
+                counts = self._callers[caller]
+                counts[0] -= 1
+                counts[1] -= fault
+                if not counts[0]:
+                    del self._callers[caller]
+
+    @property
+    def callers(self) -> int:
+        return len(self._callers)
+
+    def faulty_without_top_caller(self, error_rate: float) -> bool:
+        """Whether the fault share reaches `error_rate` without the caller with the most faults
+        (and at least one fault remains)."""
+        top_calls = top_faults = 0
+        for calls, faults in self._callers.values():
+            if faults > top_faults:
+                top_calls, top_faults = calls, faults
+        calls, faults = len(self._calls) - top_calls, self.faults - top_faults
+        return faults >= 1 and faults >= error_rate * calls
 
     def latencies(self) -> list[float]:
-        return [latency for _, _, latency in self._calls if latency is not None]
+        return [latency for _, _, latency, _ in self._calls if latency is not None]
+
+    def latencies_without_top_caller(self, limit: float) -> list[float]:
+        """The latencies without the calls of the caller with the most calls over `limit`."""
+        slow: dict[int, int] = {}
+        for _, _, latency, caller in self._calls:
+            if caller is not None and latency is not None and latency > limit:
+                slow[caller] = slow.get(caller, 0) + 1
+        top = max(slow, key=slow.__getitem__, default=None)
+        return [
+            latency
+            for _, _, latency, caller in self._calls
+            if latency is not None and (caller is None or caller != top)
+        ]
 
     def clear(self) -> None:
         self._calls.clear()
+        self._callers.clear()
         self.faults = 0
 
 
@@ -136,14 +191,15 @@ class AdaptivePolicy:
             return None
         return max(self.policy.latency_floor_s, self.policy.latency_multiple * self.baseline)
 
-    def record(self, fault: bool, latency: float | None) -> Trip | None:
+    def record(self, fault: bool, latency: float | None, caller: Caller = None) -> Trip | None:
         """A call that ended while closed; returns why to open, or None."""
         now = self._clock()
-        self.window.add(now, fault, latency)
+        self.window.add(now, fault, latency, caller)
         window = self.window
         if len(window) < self.policy.min_calls:
             return None
-        if window.faults >= self.policy.error_rate * len(window):
+        rate = self.policy.error_rate
+        if window.faults >= rate * len(window) and window.faulty_without_top_caller(rate):
             return Trip.ERROR_RATE
         if latency is not None and now - self._last_check >= self.policy.latency_check_s:
             self._last_check = now
@@ -157,7 +213,10 @@ class AdaptivePolicy:
         observed = p99(latencies)
         limit = self.latency_limit()
         if limit is not None and observed > limit:
-            return Trip.LATENCY
+            others = self.window.latencies_without_top_caller(limit)
+            if len(others) >= self.policy.latency_min_calls and p99(others) > limit:
+                return Trip.LATENCY
+            return None  # slow for one caller only (its own huge batches): not the version's
         # Learn slowly, and only from windows that look healthy (at most HEALTHY x the baseline;
         # faster is always learned), so that a slide towards slow cannot drag the baseline along.
         base = self.baseline

@@ -1,12 +1,22 @@
 """The admin HTTP endpoint: /metrics, GET /breakers, GET /canary, PUT /canary/<model>.
 
-A WSGI server on its own thread (modelyard.common.metrics_http.HttpServer: HTTPS and mTLS when TLS
-files are given, as the metrics endpoint of every process); anything that reads or changes the
-sidecar's state runs on the event loop, handed over with run_coroutine_threadsafe.
+An asyncio server on the sidecar's event loop (plain asyncio streams: the sidecar host needs no
+web framework), HTTP/1.1 with keep-alive, over HTTPS (and mTLS) when TLS files are given: the
+handshake runs per connection with the current certificate (modelyard.common.tls.HttpTls, so a
+renewal is served without a restart). What one connection may cost is bounded (AdminLimits):
+the request head must arrive within `header_timeout_s` and be at most `max_header_bytes`, the
+body within `body_timeout_s` and at most `max_body_bytes` (413 beyond, before it is read; a
+chunked body is refused 411), an idle keep-alive connection is closed after `idle_timeout_s`,
+and at most `max_connections` are open at once (more are answered 503 and closed). Reads and
+changes of the sidecar's state run on the loop between awaits; rendering /metrics runs in a
+thread.
 
 With a tokens file (modelyard.common.auth, the service's format), every change needs
 `Authorization: Bearer <token>`, and with `auth_reads` every read too; a missing or wrong token is
 answered 401 with the same body whatever was wrong, and counted.
+
+Every error is JSON `{"error": message, "reason": x-error-reason word}` with a 4xx status (a JSON
+body that is not an object, nested too deeply or not JSON at all is a 400 `invalid_argument`).
 
     curl -X PUT localhost:9101/canary/scaler -H "authorization: Bearer $TOKEN" -d '{"canary_weight": 25}'
     curl localhost:9101/breakers
@@ -15,23 +25,100 @@ answered 401 with the same body whatever was wrong, and counted.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
+import ssl
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
 from typing import Any
+from urllib.parse import unquote
 
 from modelyard.common.auth import Authorizer, Decision
-from modelyard.common.metrics_http import HttpServer
+from modelyard.common.names import InvalidName, check_name, echo
+from modelyard.common.reasons import ErrorReason
 from modelyard.common.throttle import LogThrottle
-from modelyard.common.tls import TlsFiles
-from prometheus_client import CollectorRegistry, Counter, make_wsgi_app
+from modelyard.common.tls import HttpTls, TlsFiles, warn_if_plaintext
+from prometheus_client import CollectorRegistry, Counter
+from prometheus_client.exposition import choose_encoder
 
 from sidecar.routes import ConfigError, RouteSource, parse_model_route
 
 log = logging.getLogger(__name__)
 
-StartResponse = Callable[..., Any]
 READS = frozenset({"GET", "HEAD"})
+MAX_ROUTES = 1024  # models with their own route (file and admin together) that PUT may add up to
+_PHRASES = {
+    200: "OK",
+    400: "Bad Request",
+    401: "Unauthorized",
+    403: "Forbidden",
+    404: "Not Found",
+    408: "Request Timeout",
+    409: "Conflict",
+    411: "Length Required",
+    413: "Content Too Large",
+    431: "Request Header Fields Too Large",
+    500: "Internal Server Error",
+    503: "Service Unavailable",
+}
+
+
+@dataclass(frozen=True)
+class AdminLimits:
+    header_timeout_s: float = 10.0  # the request line and headers (and the TLS handshake)
+    body_timeout_s: float = 10.0
+    idle_timeout_s: float = 30.0  # a keep-alive connection between requests
+    max_body_bytes: int = 64 * 1024
+    max_header_bytes: int = 16 * 1024
+    max_connections: int = 64
+
+
+@dataclass
+class Request:
+    method: str
+    path: str
+    version: str
+    headers: dict[str, str]
+    body: bytes = b""
+
+    @property
+    def keep_alive(self) -> bool:
+        connection = self.headers.get("connection", "").lower()
+        if self.version == "HTTP/1.0":
+            return connection == "keep-alive"
+        return connection != "close"
+
+
+@dataclass
+class Response:
+    status: int
+    body: bytes
+    content_type: str = "application/json"
+    headers: list[tuple[str, str]] = field(default_factory=list)
+    close: bool = False
+
+
+class HttpError(Exception):
+    """A request answered with a 4xx: after one found while reading the request the connection is
+    closed; after one about a request read whole it serves the next (unless `close`)."""
+
+    def __init__(
+        self,
+        status: int,
+        reason: ErrorReason,
+        message: str,
+        close: bool = False,
+        headers: Iterable[tuple[str, str]] = (),
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.reason = reason
+        self.close = close
+        self.headers = list(headers)
+
+    def response(self) -> Response:
+        return _json(self.status, {"error": str(self), "reason": self.reason.value}, self.headers, self.close)
 
 
 class AdminServer:
@@ -42,93 +129,189 @@ class AdminServer:
         registry: CollectorRegistry,
         routes: RouteSource,
         breakers: Callable[[], list[dict[str, object]]],
-        loop: asyncio.AbstractEventLoop,
         *,
         tls: TlsFiles | None = None,
         authorizer: Authorizer | None = None,  # None or unconfigured: no credential asked
         auth_reads: bool = False,
         denials: Counter | None = None,  # labelled by outcome
+        limits: AdminLimits | None = None,
     ) -> None:
-        self._metrics = make_wsgi_app(registry)
+        warn_if_plaintext(host, "the sidecar's admin endpoint", tls)
+        self._host, self._port = host, port
+        self._registry = registry
         self._routes = routes
         self._breakers = breakers
-        self._loop = loop
+        self._tls = HttpTls(tls) if tls is not None else None
         self._authorizer = authorizer if authorizer is not None and authorizer.configured else None
         self._auth_reads = auth_reads
         self._denials = denials
+        self._limits = limits or AdminLimits()
         self._throttle = LogThrottle(log)
-        self._http = HttpServer(self._app, host, port, tls, what="the sidecar's admin endpoint")
+        self._server: asyncio.Server | None = None
+        self._connections: set[asyncio.Task[None]] = set()
 
     @property
     def port(self) -> int:
-        return self._http.port
+        assert self._server is not None and self._server.sockets
+        return int(self._server.sockets[0].getsockname()[1])
 
-    def stop(self) -> None:
-        self._http.stop()
+    async def start(self) -> None:
+        self._server = await asyncio.start_server(
+            self._connection, self._host or None, self._port, limit=self._limits.max_header_bytes
+        )
 
-    def _refusal(self, environ: dict[str, Any]) -> Decision | None:
+    async def stop(self) -> None:
+        if self._server is None:
+            return
+        self._server.close()
+        for task in list(self._connections):
+            task.cancel()
+        await asyncio.gather(*self._connections, return_exceptions=True)
+        await self._server.wait_closed()
+
+    # --- connections --------------------------------------------------------------------
+
+    async def _connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        self._connections.add(task)
+        try:
+            if len(self._connections) > self._limits.max_connections:
+                refused = HttpError(503, ErrorReason.QUEUE_FULL, "too many admin connections", close=True)
+                await _write(writer, refused.response(), head_only=False)
+                return
+            if self._tls is not None:
+                await asyncio.wait_for(writer.start_tls(self._tls.current()), self._limits.header_timeout_s)
+            await self._serve(reader, writer)
+        except (OSError, ssl.SSLError, TimeoutError, asyncio.IncompleteReadError) as exc:
+            log.debug("admin connection ended: %r", exc)  # the client's business, not a log flood
+        finally:
+            self._connections.discard(task)
+            writer.close()
+            with contextlib.suppress(OSError, ssl.SSLError, TimeoutError):
+                await asyncio.wait_for(writer.wait_closed(), 1.0)
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while True:
+            try:
+                request = await self._read(reader)
+            except HttpError as exc:  # the request was not read whole: answer, then close
+                refused = exc.response()
+                refused.close = True
+                await _write(writer, refused, head_only=False)
+                return
+            if request is None:
+                return  # closed, or idle for too long
+            try:
+                response = await self._respond(request)
+            except HttpError as exc:  # read whole: the connection may serve the next one
+                response = exc.response()
+            except Exception:  # a bug of ours: 500, logged, and the connection closed
+                log.exception("admin: the request failed")
+                response = _json(500, {"error": "internal error", "reason": "internal"}, close=True)
+            response.close = response.close or not request.keep_alive
+            await _write(writer, response, head_only=request.method == "HEAD")
+            if response.close:
+                return
+
+    async def _read(self, reader: asyncio.StreamReader) -> Request | None:
+        limits = self._limits
+        try:  # the first byte of the next request: an idle connection is closed
+            first = await asyncio.wait_for(reader.read(1), limits.idle_timeout_s)
+        except TimeoutError:
+            return None
+        if not first:
+            return None
+        try:
+            head = first + await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), limits.header_timeout_s)
+        except TimeoutError as exc:
+            raise HttpError(408, ErrorReason.DEADLINE, "the request head took too long") from exc
+        except asyncio.LimitOverrunError as exc:
+            raise HttpError(
+                431, ErrorReason.TOO_LARGE, f"the request head is over {limits.max_header_bytes} bytes"
+            ) from exc
+        except asyncio.IncompleteReadError:
+            return None
+        request = _parse_head(head)
+        if "transfer-encoding" in request.headers:
+            raise HttpError(411, ErrorReason.INVALID_ARGUMENT, "send the body with a Content-Length")
+        try:
+            size = int(request.headers.get("content-length", "0"))
+        except ValueError:
+            size = -1
+        if size < 0:
+            raise HttpError(400, ErrorReason.INVALID_ARGUMENT, "Content-Length is not a byte count")
+        if size > limits.max_body_bytes:
+            raise HttpError(413, ErrorReason.TOO_LARGE, f"the body is over {limits.max_body_bytes} bytes")
+        if size:
+            try:
+                request.body = await asyncio.wait_for(reader.readexactly(size), limits.body_timeout_s)
+            except TimeoutError as exc:
+                raise HttpError(408, ErrorReason.DEADLINE, "the request body took too long") from exc
+        return request
+
+    # --- requests -----------------------------------------------------------------------
+
+    def _refusal(self, request: Request) -> Decision | None:
         """None when the request may go on; otherwise why not."""
         if self._authorizer is None:
             return None
-        if environ.get("REQUEST_METHOD", "GET") in READS and not self._auth_reads:
+        if request.method in READS and not self._auth_reads:
             return None
-        presented = [("authorization", str(environ.get("HTTP_AUTHORIZATION", "")))]
+        presented = [("authorization", request.headers.get("authorization", ""))]
         decision = self._authorizer.check(presented, {})
         if decision is Decision.ALLOW:
             return None
         if self._denials is not None:
             self._denials.labels(decision.value).inc()
         self._throttle.log(
-            logging.INFO,
-            "admin: denied %s %s (%s)",
-            environ.get("REQUEST_METHOD"),
-            environ.get("PATH_INFO"),
-            decision.value,
+            logging.INFO, "admin: denied %s %s (%s)", request.method, echo(request.path), decision.value
         )
         return decision
 
-    def _on_loop(self, work: Callable[[], Any]) -> Any:
-        async def run() -> Any:
-            return work()
-
-        return asyncio.run_coroutine_threadsafe(run(), self._loop).result(timeout=5)
-
-    def _app(self, environ: dict[str, Any], start_response: StartResponse) -> Iterable[bytes]:
-        path: str = environ.get("PATH_INFO", "")
-        method: str = environ.get("REQUEST_METHOD", "GET")
-        refusal = self._refusal(environ)
+    async def _respond(self, request: Request) -> Response:
+        path, method = request.path, request.method
+        refusal = self._refusal(request)
         if refusal is Decision.DENIED:
-            return _json(start_response, "403 Forbidden", {"error": "this client may not make this request"})
+            raise HttpError(403, ErrorReason.PERMISSION_DENIED, "this client may not make this request")
         if refusal is not None:  # the same words whether the token was missing, malformed or wrong
-            return _json(
-                start_response,
-                "401 Unauthorized",
-                {"error": "this request needs valid credentials"},
-                [("WWW-Authenticate", "Bearer")],
+            raise HttpError(
+                401,
+                ErrorReason.UNAUTHENTICATED,
+                "this request needs valid credentials",
+                headers=[("WWW-Authenticate", "Bearer")],
             )
-        if path == "/metrics":
-            return self._metrics(environ, start_response)  # type: ignore[no-any-return]
-        if path == "/breakers" and method == "GET":
-            return _json(start_response, "200 OK", self._on_loop(self._breakers))
-        if path == "/canary" and method == "GET":
-            return _json(start_response, "200 OK", self._on_loop(self._canary_view))
+        if path == "/metrics" and method in READS:
+            encoder, content_type = choose_encoder(request.headers.get("accept", ""))
+            body = await asyncio.to_thread(encoder, self._registry)  # the rendering is CPU work
+            return Response(200, body, content_type)
+        if path == "/breakers" and method in READS:
+            return _json(200, self._breakers())
+        if path == "/canary" and method in READS:
+            return _json(200, self._canary_view())
         if path.startswith("/canary/") and method == "PUT":
-            model = path[len("/canary/") :]
-            try:
-                size = int(environ.get("CONTENT_LENGTH") or 0)
-                body = json.loads(environ["wsgi.input"].read(size) or b"{}")
-                current = self._routes.table.route(model)
-                base = {
-                    "canary_weight": current.canary_weight,
-                    "stable": current.stable,
-                    "canary": current.canary,
-                }
-                route = parse_model_route({**base, **body}, f"canary/{model}")
-            except (ValueError, ConfigError) as exc:
-                return _json(start_response, "400 Bad Request", {"error": str(exc)})
-            self._on_loop(lambda: self._routes.set_route(model, route))
-            return _json(start_response, "200 OK", {"model": model, **_route_doc(route)})
-        return _json(start_response, "404 Not Found", {"error": f"no {method} {path}"})
+            return self._put_route(unquote(path[len("/canary/") :]), request.body)
+        raise HttpError(404, ErrorReason.UNSUPPORTED, f"no {echo(method)} {echo(path)}")
+
+    def _put_route(self, model: str, raw: bytes) -> Response:
+        try:
+            check_name(model, "model")
+        except InvalidName as exc:
+            raise HttpError(400, ErrorReason.INVALID_ARGUMENT, str(exc)) from exc
+        body = _json_object(raw)
+        table = self._routes.table
+        if model not in table.models and len(table.models) >= MAX_ROUTES:
+            raise HttpError(
+                409, ErrorReason.FAILED_PRECONDITION, f"the route table already holds {MAX_ROUTES} models"
+            )
+        current = table.route(model)
+        base = {"canary_weight": current.canary_weight, "stable": current.stable, "canary": current.canary}
+        try:
+            route = parse_model_route({**base, **body}, f"canary/{model}")
+        except (ValueError, ConfigError, RecursionError) as exc:
+            raise HttpError(400, ErrorReason.INVALID_ARGUMENT, _capped(str(exc))) from exc
+        self._routes.set_route(model, route)
+        return _json(200, {"model": model, **_route_doc(route)})
 
     def _canary_view(self) -> dict[str, object]:
         table = self._routes.table
@@ -139,13 +322,64 @@ class AdminServer:
         }
 
 
+def _parse_head(head: bytes) -> Request:
+    try:
+        text = head.decode("ascii")
+    except UnicodeDecodeError as exc:
+        raise HttpError(400, ErrorReason.INVALID_ARGUMENT, "the request head is not ASCII") from exc
+    lines = text[:-4].split("\r\n")
+    parts = lines[0].split(" ")
+    if len(parts) != 3 or not parts[2].startswith("HTTP/1."):
+        raise HttpError(400, ErrorReason.INVALID_ARGUMENT, "not an HTTP/1.1 request line")
+    method, target, version = parts
+    headers: dict[str, str] = {}
+    for line in lines[1:]:
+        name, colon, value = line.partition(":")
+        if not colon or not name or name != name.strip():
+            raise HttpError(400, ErrorReason.INVALID_ARGUMENT, "a malformed header line")
+        headers[name.lower()] = value.strip()
+    return Request(method, target.partition("?")[0], version, headers)
+
+
+def _json_object(raw: bytes) -> dict[str, Any]:
+    if not raw.strip():
+        return {}
+    try:
+        doc = json.loads(raw)
+    except RecursionError as exc:
+        raise HttpError(400, ErrorReason.INVALID_ARGUMENT, "the JSON body is nested too deeply") from exc
+    except ValueError as exc:  # UnicodeDecodeError included
+        raise HttpError(
+            400, ErrorReason.INVALID_ARGUMENT, f"the body is not JSON: {_capped(str(exc))}"
+        ) from exc
+    if not isinstance(doc, dict):
+        raise HttpError(400, ErrorReason.INVALID_ARGUMENT, "the body must be a JSON object")
+    return doc
+
+
+def _capped(text: str, limit: int = 512) -> str:
+    """A message that may quote the body (its keys), cut to a bounded length."""
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
 def _route_doc(route: Any) -> dict[str, object]:
     return {"canary_weight": route.canary_weight, "stable": route.stable, "canary": route.canary}
 
 
-def _json(
-    start_response: StartResponse, status: str, doc: object, extra: Iterable[tuple[str, str]] = ()
-) -> list[bytes]:
-    body = json.dumps(doc).encode()
-    start_response(status, [("Content-Type", "application/json"), ("Content-Length", str(len(body))), *extra])
-    return [body]
+def _json(status: int, doc: object, headers: Iterable[tuple[str, str]] = (), close: bool = False) -> Response:
+    return Response(status, json.dumps(doc).encode(), "application/json", list(headers), close)
+
+
+async def _write(writer: asyncio.StreamWriter, response: Response, head_only: bool) -> None:
+    head = [
+        f"HTTP/1.1 {response.status} {_PHRASES.get(response.status, '')}",
+        f"Content-Type: {response.content_type}",
+        f"Content-Length: {len(response.body)}",
+        *(f"{name}: {value}" for name, value in response.headers),
+    ]
+    if response.close:
+        head.append("Connection: close")
+    writer.write(("\r\n".join(head) + "\r\n\r\n").encode("latin-1"))
+    if not head_only:
+        writer.write(response.body)
+    await writer.drain()

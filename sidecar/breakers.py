@@ -17,7 +17,7 @@ from typing import Any
 
 import pybreaker
 
-from sidecar.adaptive import AdaptivePolicy, BreakerPolicy, Clock, State, Trip
+from sidecar.adaptive import AdaptivePolicy, BreakerPolicy, Caller, Clock, State, Trip
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +65,7 @@ class Breaker:
         self._generation = 0
         self._probes_in_flight = 0
         self._probe_successes = 0
+        self._probe_failers: set[Caller] = set()  # callers whose probes failed, this half-open
 
     @property
     def state(self) -> State:
@@ -92,22 +93,27 @@ class Breaker:
         self._probes_in_flight += 1
         return Permit(self._generation, True)
 
-    def report(self, permit: Permit, fault: bool, latency: float | None) -> None:
+    def report(self, permit: Permit, fault: bool, latency: float | None, caller: Caller = None) -> None:
         """The outcome of an allowed call: `fault` counts against the upstream; `latency` (s) is
-        given for calls whose duration means something (unary), else None."""
+        given for calls whose duration means something (unary), else None; `caller` is who made
+        it (adaptive.py: no single caller trips a breaker)."""
         if permit.generation != self._generation:
             return  # the state changed while the call ran; its outcome belongs to the past
         if permit.probe:
             self._probes_in_flight -= 1
             if self.adaptive.probe_failed(fault, latency):
-                self._open(Trip.PROBE_FAILED)
+                # One caller's failing probes alone (its own bad values) do not re-open: its slot
+                # is freed for another probe; failures from a second caller do.
+                self._probe_failers.add(caller)
+                if caller is None or len(self._probe_failers) >= 2:
+                    self._open(Trip.PROBE_FAILED)
                 return
             self._probe_successes += 1
             if self._probe_successes >= self.adaptive.policy.probes:
                 self.adaptive.closed()
                 self._transition(self._cb.close)
             return
-        trip = self.adaptive.record(fault, latency)
+        trip = self.adaptive.record(fault, latency, caller)
         if trip is not None:
             self._open(trip)
 
@@ -125,6 +131,7 @@ class Breaker:
         self._generation += 1
         self._probes_in_flight = 0
         self._probe_successes = 0
+        self._probe_failers = set()
         change()
 
     def changed(self, old: State, new: State) -> None:
@@ -176,6 +183,17 @@ class Breakers:
         for breaker in self._breakers.values():
             breaker.adaptive.policy = policy
             breaker.adaptive.window.policy = policy
+
+    def __len__(self) -> int:
+        return len(self._breakers)
+
+    def prune(self, keep: Callable[[BreakerKey], bool]) -> list[BreakerKey]:
+        """Drop the breakers `keep` says no to (a model or version no upstream serves any more);
+        returns their keys (for their metric series)."""
+        gone = [key for key in self._breakers if not keep(key)]
+        for key in gone:
+            del self._breakers[key]
+        return gone
 
     def snapshot(self) -> list[dict[str, object]]:
         return [b.snapshot() for _, b in sorted(self._breakers.items(), key=lambda kv: str(kv[0]))]

@@ -35,6 +35,12 @@ class Settings:
     # change (PUT /canary); with admin_auth_reads, for every request.
     admin_tokens_file: str = ""
     admin_auth_reads: bool = False
+    # What one admin connection may cost (sidecar/admin.py).
+    admin_header_timeout_s: float = 10.0
+    admin_body_timeout_s: float = 10.0
+    admin_idle_timeout_s: float = 30.0
+    admin_max_body_bytes: int = 64 * 1024
+    admin_max_connections: int = 64
     log_level: str = "INFO"
     log_format: str = "text"
 
@@ -53,6 +59,11 @@ _HELP = {
     **tls.UPSTREAM_HELP,
     "admin_tokens_file": "file of bearer tokens, one per line; admin changes (PUT /canary) then need one",
     "admin_auth_reads": "require a token for the admin endpoint's reads too (/metrics, /breakers, /canary)",
+    "admin_header_timeout_s": "seconds an admin request's TLS handshake and head may take (then 408/closed)",
+    "admin_body_timeout_s": "seconds an admin request's body may take to arrive (then 408)",
+    "admin_idle_timeout_s": "seconds an idle admin keep-alive connection stays open",
+    "admin_max_body_bytes": "largest admin request body, in bytes (larger: 413)",
+    "admin_max_connections": "admin connections open at once (more: 503 and closed)",
     **logs.HELP,
 }
 _CHOICES = logs.CHOICES

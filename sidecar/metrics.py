@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from sidecar.adaptive import State
@@ -96,6 +98,14 @@ class SidecarMetrics:
             ["model"],
             registry=self.registry,
         )
+
+    def breaker_removed(self, key: BreakerKey) -> None:
+        labels = (key.upstream, key.model, key.version)
+        with contextlib.suppress(KeyError):  # a series it never had
+            self.breaker_state.remove(*labels)
+        for state in State:
+            with contextlib.suppress(KeyError):
+                self.breaker_transitions.remove(*labels, state.value)
 
     def breaker_changed(self, key: BreakerKey, new: State) -> None:
         labels = (key.upstream, key.model, key.version)

@@ -4,12 +4,19 @@ Data calls (Infer, InferStream, Generate, KServe ModelInfer and ModelStreamInfer
 (routing.py), guarded by breakers (breakers.py) and tenant limits (limits.py); the chosen version
 travels as field 2 (appended to the message: the last occurrence wins on the wire) and as the
 `x-model-version` header. Other calls go to an upstream that serves the named model, or any.
-Metadata, deadline, cancellation and the full status (code, message, trailers) pass through.
+Metadata, deadline, cancellation and the full status (code, message, trailers) pass through;
+an error without `x-error-reason` gets one (client_status), and a status message is capped.
+
+Names and versions are checked at this edge (modelyard.common.names) before they reach any
+state. Only models and versions the upstreams serve (WatchModels) get breakers and their own
+metric label; anything else is forwarded without state under the label `_other`. Breakers learn
+who each call came from (caller_key), so that no single caller opens one (adaptive.py).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Iterable, Sequence
@@ -19,12 +26,13 @@ from typing import TYPE_CHECKING, Any
 import grpc
 from grpc_reflection.v1alpha import reflection_pb2
 from modelyard.common import headers
+from modelyard.common.names import InvalidName, check_name, check_version, echo
 from modelyard.common.reasons import ErrorReason, is_server_fault
 from modelyard.inference.v1 import inference_service_pb2, model_service_pb2
 from modelyard.kserve.v2 import grpc_service_pb2
 
 from sidecar.breakers import Breaker, Breakers, Permit
-from sidecar.limits import TenantLimits
+from sidecar.limits import ANY_TENANT, TenantLimits
 from sidecar.metrics import SidecarMetrics
 from sidecar.routes import RouteSource
 from sidecar.routing import CANARY, STABLE, Decision, RoutingError, decide, stable_and_canary
@@ -74,10 +82,25 @@ FAULT_CODES = frozenset(
         grpc.StatusCode.DEADLINE_EXCEEDED,
     }
 )
+OTHER = "_other"  # the one metric label of every model or tenant the sidecar holds no state for
+MESSAGE_MAX = 1024  # characters of an upstream's status message passed on (then `...`)
+# A reason for every error the client gets: an upstream or gRPC itself may answer without one
+# (an unreachable upstream, a transport limit); README's reading of a reason-less status.
+_REASON_OF_CODE = {
+    grpc.StatusCode.UNAVAILABLE: ErrorReason.UNAVAILABLE,
+    grpc.StatusCode.DEADLINE_EXCEEDED: ErrorReason.DEADLINE,
+    grpc.StatusCode.INVALID_ARGUMENT: ErrorReason.INVALID_ARGUMENT,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: ErrorReason.TOO_LARGE,
+    grpc.StatusCode.INTERNAL: ErrorReason.INTERNAL,
+    grpc.StatusCode.UNKNOWN: ErrorReason.INTERNAL,
+    grpc.StatusCode.UNIMPLEMENTED: ErrorReason.UNSUPPORTED,
+    grpc.StatusCode.FAILED_PRECONDITION: ErrorReason.FAILED_PRECONDITION,
+    grpc.StatusCode.UNAUTHENTICATED: ErrorReason.UNAUTHENTICATED,
+    grpc.StatusCode.PERMISSION_DENIED: ErrorReason.PERMISSION_DENIED,
+}
 FALLBACK_BREAKER = "breaker-open"
 FALLBACK_UNAVAILABLE = "unavailable"
 FALLBACK_CANARY_FAULT = "canary-fault"
-ANONYMOUS = "-"  # the tenant of calls without x-tenant-id (limited by the "*" entry)
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,14 +145,49 @@ def error_reason(trailing: Iterable[Any] | None) -> str:
 
 
 def is_fault(code: grpc.StatusCode, trailing: Iterable[Any] | None) -> bool:
-    """Whether an answer counts against the upstream: server faults, never client mistakes.
-    A deadline that passed counts (a slow upstream); `x-error-reason` decides the rest."""
-    if code == grpc.StatusCode.OK:
+    """Whether an answer counts against the upstream: server faults, never client mistakes or
+    load. `x-error-reason` decides (modelyard.common.reasons: `deadline`, `invalid_argument`,
+    `queue_full`... never count); without one, UNAVAILABLE, INTERNAL and UNKNOWN count, and a
+    reason-less CANCELLED from the upstream (it went away mid-call: the proxy's caller did not
+    cancel, see `client_status`). A DEADLINE_EXCEEDED never counts: it is the caller's deadline
+    (ours is the caller's) or the upstream's queue timeout; a slow upstream is the latency
+    trip's business (its calls' durations are recorded, see Proxy._report)."""
+    if code == grpc.StatusCode.OK or code == grpc.StatusCode.DEADLINE_EXCEEDED:
         return False
-    if code == grpc.StatusCode.DEADLINE_EXCEEDED:
-        return True
     reason = error_reason(trailing)
-    return is_server_fault(reason) if reason else code in FAULT_CODES
+    if reason:
+        return is_server_fault(reason)
+    return code in FAULT_CODES or code == grpc.StatusCode.CANCELLED
+
+
+def client_status(
+    code: grpc.StatusCode, details: str, trailing: Iterable[Any] | None
+) -> tuple[grpc.StatusCode, str, Metadata]:
+    """What the client gets for an upstream's error: its status message capped at MESSAGE_MAX,
+    and a reason where it had none (README's reading of the bare code). A CANCELLED that the
+    client did not ask for (the upstream went away mid-call) is UNAVAILABLE/`unavailable`."""
+    md: Metadata = tuple((key, value) for key, value in trailing or ())
+    if len(details) > MESSAGE_MAX:
+        details = details[:MESSAGE_MAX] + "..."
+    if not error_reason(md):
+        if code == grpc.StatusCode.CANCELLED:
+            code, details = grpc.StatusCode.UNAVAILABLE, f"the upstream ended the call: {details}"
+        reason = _REASON_OF_CODE.get(code)
+        if reason is not None:
+            md = (*md, (headers.ERROR_REASON, reason.value))
+    return code, details, md
+
+
+def caller_key(received: dict[str, str], stickiness_header: str, peer: str) -> int:
+    """Who a call is, as far as the sidecar can tell: its tenant, else its user's sticky key, else
+    its connection. Only a hash is kept (in the breakers' windows)."""
+    tenant = received.get(headers.TENANT_ID)
+    if tenant:
+        return hash(("tenant", tenant))
+    user = received.get(stickiness_header)
+    if user:
+        return hash(("user", user))
+    return hash(("peer", peer))
 
 
 class Refused(Exception):
@@ -150,10 +208,12 @@ class Plan:
     fallback: str
     stable: str
     upstream: Upstream
-    breaker: Breaker | None
+    breaker: Breaker | None  # None: a model (or version) the upstreams do not serve: no state
     permit: Permit | None
     forward: Metadata  # request metadata for the upstream
-    tenant: str
+    tenant: str  # the tenant-limit bucket holding a slot for this call, or empty
+    caller: int | None = None  # caller_key: who made the call (the breakers' leave-one-out)
+    label: str = OTHER  # the model's metric label: its name when the upstreams serve it
     reported: bool = False
 
     @property
@@ -172,9 +232,65 @@ class Plan:
             fields = read_model_fields(message)
         except WireError:
             return message  # the upstream answers INVALID_ARGUMENT for it
-        if fields.version or (fields.name and fields.name != self.model):
+        if not fields.complete or fields.version or (fields.name and fields.name != self.model):
             return message
         return with_version(message, self.version)
+
+
+@dataclass(eq=False, slots=True)
+class Flight:
+    """One call being served; `drained` once shutdown ended its upstream call."""
+
+    call: Any = None
+    drained: bool = False
+
+    def follow(self, call: Any) -> None:
+        self.call = call
+        if self.drained:
+            call.cancel()
+
+
+def _ended_by_drain(flight: Flight) -> bool:
+    """Whether a CancelledError came from the drain (it cancelled the upstream call), not from
+    the client's cancel (which cancels the handler's task)."""
+    task = asyncio.current_task()
+    return flight.drained and (task is None or not task.cancelling())
+
+
+class Flights:
+    """The calls in flight, so that shutdown can end them with an answer."""
+
+    def __init__(self) -> None:
+        self._flights: set[Flight] = set()
+        self._empty = asyncio.Event()
+        self._empty.set()
+        self._draining = False
+
+    def enter(self) -> Flight:
+        flight = Flight(drained=self._draining)
+        self._flights.add(flight)
+        self._empty.clear()
+        return flight
+
+    def leave(self, flight: Flight) -> None:
+        self._flights.discard(flight)
+        if not self._flights:
+            self._empty.set()
+
+    async def drain(self, within_s: float) -> None:
+        try:
+            await asyncio.wait_for(self._empty.wait(), max(0.0, within_s))
+            return
+        except TimeoutError:
+            pass
+        self._draining = True
+        for flight in list(self._flights):
+            flight.drained = True
+            if flight.call is not None:
+                flight.call.cancel()
+        # The handlers answer at once (their upstream call raised); a moment for them to do so.
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._empty.wait(), 0.5)
 
 
 class Proxy(_Handler):
@@ -195,9 +311,14 @@ class Proxy(_Handler):
         self._limits = limits
         self._metrics = metrics
         self._tracing = tracing
+        self._flights = Flights()
         self._handlers: dict[str, _MethodHandler] = {}
         for info in method_table().values():
             self._handlers[info.path] = self._make_handler(info)
+
+    @property
+    def limits(self) -> TenantLimits:
+        return self._limits
 
     def service(self, handler_call_details: grpc.HandlerCallDetails) -> _MethodHandler | None:
         return self._handlers.get(handler_call_details.method)
@@ -230,7 +351,7 @@ class Proxy(_Handler):
 
     # --- planning -------------------------------------------------------------------------
 
-    def _plan(self, info: MethodInfo, request: bytes | None, md: Metadata) -> Plan:
+    def _plan(self, info: MethodInfo, request: bytes | None, md: Metadata, peer: str) -> Plan:
         received = {key: value for key, value in md if isinstance(value, str)}
         forward = tuple((k, v) for k, v in md if k not in _DROP and not k.startswith(":"))
         model = pin = ""
@@ -243,29 +364,42 @@ class Proxy(_Handler):
                     f"the request is not a valid message: {exc}",
                     ErrorReason.INVALID_ARGUMENT,
                 ) from exc
-            model = fields.name or received.get(headers.MODEL_NAME, "")
-            pin = fields.version or received.get(headers.MODEL_VERSION, "")
+            try:  # the one name rule, before a name reaches any state, label or message
+                model = _checked(check_name, fields.name, "model_name", received, headers.MODEL_NAME)
+                pin = _checked(
+                    check_version, fields.version, "model_version", received, headers.MODEL_VERSION
+                )
+            except InvalidName as exc:
+                raise Refused(
+                    grpc.StatusCode.INVALID_ARGUMENT, str(exc), ErrorReason.INVALID_ARGUMENT
+                ) from exc
+        known = bool(model) and self._upstreams.knows(model)
+        label = model if known else OTHER
         if not info.routed:
             candidates = self._upstreams.candidates(model, pin) if info.model_addressed else []
             upstream = (candidates or self._upstreams.any())[0]
-            return Plan(model, pin, "", "", "", upstream, None, None, forward, "")
+            return Plan(model, pin, "", "", "", upstream, None, None, forward, "", label=label)
         table = self._routes.table
         sticky = received.get(table.stickiness_header) or received.get(headers.REQUEST_ID)
         try:
             decision = decide(
                 table.route(model),
-                self._upstreams.versions(model),
+                self._upstreams.versions(model) if known else (),
                 pin=pin,
                 sticky_key=sticky,
                 header_weight=received.get(headers.CANARY_WEIGHT),
             )
         except RoutingError as exc:
             raise Refused(grpc.StatusCode.INVALID_ARGUMENT, str(exc), ErrorReason.INVALID_ARGUMENT) from exc
-        tenant = received.get(headers.TENANT_ID) or ANONYMOUS
+        tenant = ""
         if table.tenants:
+            named = received.get(headers.TENANT_ID) or ""
+            # A configured tenant has its own bucket and label; every other one (and a call without
+            # x-tenant-id) shares the `*` bucket and one label: rotating ids buys no new state.
+            tenant = named if named in table.tenants and named != ANY_TENANT else ANY_TENANT
             refusal = self._limits.acquire(tenant, table.tenants)
             if refusal is not None:
-                self._metrics.tenant_refusals.labels(tenant).inc()
+                self._metrics.tenant_refusals.labels(tenant if tenant != ANY_TENANT else OTHER).inc()
                 retry_ms = str(max(1, round(refusal.retry_after_s * 1000)))
                 raise Refused(
                     grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -273,17 +407,24 @@ class Proxy(_Handler):
                     ErrorReason.TENANT_LIMIT,
                     ((headers.RETRY_PUSHBACK_MS, retry_ms),),
                 )
-        else:
-            tenant = ""
+        caller = caller_key(received, table.stickiness_header, peer)
         try:
-            return self._choose(model, decision, forward, tenant, exclude=())
+            plan = self._choose(model, decision, forward, tenant, exclude=(), known=known)
         except Refused:
             if tenant:
                 self._limits.release(tenant)
             raise
+        plan.caller, plan.label = caller, label
+        return plan
 
     def _choose(
-        self, model: str, decision: Decision, forward: Metadata, tenant: str, exclude: Sequence[Upstream]
+        self,
+        model: str,
+        decision: Decision,
+        forward: Metadata,
+        tenant: str,
+        exclude: Sequence[Upstream],
+        known: bool,
     ) -> Plan:
         found, blocked = self._take(model, decision.version, exclude)
         dye, version, fallback = decision.dye, decision.version, ""
@@ -291,18 +432,18 @@ class Proxy(_Handler):
             fallback = FALLBACK_BREAKER if blocked else FALLBACK_UNAVAILABLE
             dye, version = STABLE, decision.stable
             found, _ = self._take(model, version, exclude)
-            if found is not None:
+            if found is not None and known:
                 self._metrics.fallbacks.labels(model, fallback).inc()
         if found is None:
             if blocked:
                 raise Refused(
                     grpc.StatusCode.UNAVAILABLE,
-                    f"model {model!r} version {version}: circuit breaker open",
+                    f"model {echo(model)} version {echo(version)}: circuit breaker open",
                     ErrorReason.BREAKER_OPEN,
                 )
             raise Refused(
                 grpc.StatusCode.UNAVAILABLE,
-                f"model {model!r} version {version or '(default)'}: no upstream left to try",
+                f"model {echo(model)} version {echo(version or '(default)')}: no upstream left to try",
                 ErrorReason.UNAVAILABLE,
             )
         upstream, breaker, permit = found
@@ -312,18 +453,32 @@ class Proxy(_Handler):
             model, version, dye, fallback, decision.stable, upstream, breaker, permit, forward, tenant
         )
 
+    def _stateful(self, model: str, version: str) -> bool:
+        """Whether a (model, version) gets a breaker: only what the upstreams serve (WatchModels),
+        or a version the route names for a served model. Anything a client makes up is forwarded
+        without state, and answered by the upstream (NOT_FOUND)."""
+        if not model or not self._upstreams.knows(model):
+            return False
+        if not version or self._upstreams.knows(model, version):
+            return True
+        route = self._routes.table.models.get(model)
+        return route is not None and version in (route.stable, route.canary)
+
     def _take(
         self, model: str, version: str, exclude: Sequence[Upstream], fallback_to_any: bool = True
-    ) -> tuple[tuple[Upstream, Breaker, Permit] | None, bool]:
+    ) -> tuple[tuple[Upstream, Breaker | None, Permit | None] | None, bool]:
         """The first upstream for the version whose breaker lets a call through; and whether a
         breaker refused. With no upstream known to serve it, any (it answers NOT_FOUND itself)."""
         blocked = False
         candidates = self._upstreams.candidates(model, version)
         if not candidates and fallback_to_any:
             candidates = self._upstreams.any()
+        stateful = self._stateful(model, version)
         for upstream in candidates:
             if upstream in exclude:
                 continue
+            if not stateful:
+                return (upstream, None, None), blocked
             breaker = self._breakers.get(upstream.address, model, version)
             permit = breaker.allow()
             if permit is not None:
@@ -344,7 +499,8 @@ class Proxy(_Handler):
             found, _ = self._take(plan.model, plan.stable, tried if unreachable else ())
             if found is not None:
                 reason = FALLBACK_UNAVAILABLE if unreachable else FALLBACK_CANARY_FAULT
-                self._metrics.fallbacks.labels(plan.model, reason).inc()
+                if plan.label != OTHER:
+                    self._metrics.fallbacks.labels(plan.model, reason).inc()
                 return self._plan_for(plan, plan.stable, STABLE, reason, found, forward)
         return None
 
@@ -354,13 +510,24 @@ class Proxy(_Handler):
         version: str,
         dye: str,
         fallback: str,
-        found: tuple[Upstream, Breaker, Permit],
+        found: tuple[Upstream, Breaker | None, Permit | None],
         forward: Metadata,
     ) -> Plan:
         upstream, breaker, permit = found
         forward = (*forward, (headers.MODEL_VERSION, version), (headers.MODEL_DYE, dye))
         return Plan(
-            plan.model, version, dye, fallback, plan.stable, upstream, breaker, permit, forward, plan.tenant
+            plan.model,
+            version,
+            dye,
+            fallback,
+            plan.stable,
+            upstream,
+            breaker,
+            permit,
+            forward,
+            plan.tenant,
+            plan.caller,
+            plan.label,
         )
 
     def _shadow_target(self, plan: Plan) -> tuple[str, Upstream, Metadata] | None:
@@ -413,23 +580,49 @@ class Proxy(_Handler):
 
         self._shadows.mirror_tokens(self._routes.table.shadow, plan.model, request, tokens, send)
 
-    def _report(self, plan: Plan, code: grpc.StatusCode, trailing: Any, latency: float | None) -> None:
+    def _report(
+        self,
+        plan: Plan,
+        code: grpc.StatusCode,
+        trailing: Any,
+        latency: float | None,
+        *,
+        gone: bool = False,
+    ) -> None:
+        """The attempt's outcome to its breaker; `gone`: the caller cancelled (or the sidecar is
+        shutting down), so there is no verdict on the upstream."""
         if plan.reported or plan.breaker is None or plan.permit is None:
             return
         plan.reported = True
-        if code == grpc.StatusCode.CANCELLED and not error_reason(trailing):
-            plan.breaker.release(plan.permit)  # the client went away: no verdict on the upstream
+        if gone:
+            plan.breaker.release(plan.permit)
             return
-        plan.breaker.report(plan.permit, is_fault(code, trailing), latency)
+        plan.breaker.report(plan.permit, is_fault(code, trailing), latency, plan.caller)
+
+    async def _drained(self, plan: Plan | None, context: Context) -> None:
+        """The sidecar is shutting down and this call outlived the grace: the client gets
+        UNAVAILABLE/`draining` (retry elsewhere), never a CANCELLED it did not ask for."""
+        if plan is not None:
+            self._report(plan, grpc.StatusCode.UNAVAILABLE, None, None, gone=True)
+        await context.abort(
+            grpc.StatusCode.UNAVAILABLE,
+            "the sidecar is shutting down; retry the call",
+            ((headers.ERROR_REASON, ErrorReason.DRAINING.value),),
+        )
+
+    async def drain(self, within_s: float) -> None:
+        """Shutdown: give calls in flight `within_s` to finish, then end the rest with `draining`
+        (before gRPC's own grace runs out and it cancels them)."""
+        await self._flights.drain(within_s)
 
     def _finish(self, info: MethodInfo, plan: Plan | None, code: grpc.StatusCode, started: float) -> None:
         if plan is not None:
-            self._report(plan, code, None, None)
+            self._report(plan, code, None, None, gone=code == grpc.StatusCode.CANCELLED)
             if plan.tenant:
                 self._limits.release(plan.tenant)
         method = info.path.rpartition("/")[2]
         self._metrics.requests.labels(
-            method, plan.model if plan else "", plan.dye if plan else "", code.name
+            method, plan.label if plan else "", plan.dye if plan else "", code.name
         ).inc()
         self._metrics.latency.labels(method).observe(time.perf_counter() - started)
 
@@ -445,12 +638,17 @@ class Proxy(_Handler):
         return self._after_failure(plan, code, await call.trailing_metadata(), tried)
 
     def _after_failure(
-        self, plan: Plan, code: grpc.StatusCode, trailing: Any, tried: list[Upstream]
+        self,
+        plan: Plan,
+        code: grpc.StatusCode,
+        trailing: Any,
+        tried: list[Upstream],
+        latency: float | None = None,
     ) -> Plan | None:
         """An attempt failed before any answer reached the client: report it to its breaker, and
         return the plan to try next (another upstream for an unreachable one, stable for a canary
         fault), or None when the failure is the answer."""
-        self._report(plan, code, trailing, None)
+        self._report(plan, code, trailing, latency)
         unreachable = code == grpc.StatusCode.UNAVAILABLE and not error_reason(trailing)
         if not unreachable and not (plan.dye == CANARY and is_fault(code, trailing)):
             return None
@@ -463,9 +661,10 @@ class Proxy(_Handler):
         plan: Plan | None = None
         md = tuple(context.invocation_metadata() or ())
         span = self._tracing.server_span(info.path, md)
+        flight = self._flights.enter()
         try:
             try:
-                plan = self._plan(info, request, md)
+                plan = self._plan(info, request, md, context.peer())
             except Refused as refused:
                 code = refused.code
                 self._tracing.refused(span, refused.reason)
@@ -478,17 +677,21 @@ class Proxy(_Handler):
                     call = plan.upstream.method(info.path, "unary_unary")(
                         plan.body(request), metadata=attempt.metadata, timeout=context.time_remaining()
                     )
+                    flight.follow(call)
                     try:
                         response: bytes = await call
                     except grpc.aio.AioRpcError as exc:
                         code = exc.code()
                         trailing = exc.trailing_metadata()
                         attempt.failed(code)
-                        retry = self._after_failure(plan, code, trailing, tried)
+                        # The caller's own deadline (ours is the caller's) is no fault; its
+                        # duration still tells how slow the upstream was.
+                        took = time.perf_counter() - attempt_started
+                        timed_out = code == grpc.StatusCode.DEADLINE_EXCEEDED and not error_reason(trailing)
+                        retry = self._after_failure(plan, code, trailing, tried, took if timed_out else None)
                         if retry is None:
-                            await context.abort(
-                                code, exc.details() or "", _with(trailing, plan.answer_metadata)
-                            )
+                            code, details, answer_md = client_status(code, exc.details() or "", trailing)
+                            await context.abort(code, details, _with(answer_md, plan.answer_metadata))
                         plan = retry
                         continue
                 code = grpc.StatusCode.OK  # this attempt answered, whatever an earlier one did
@@ -502,9 +705,14 @@ class Proxy(_Handler):
                     self._maybe_shadow(info, plan, request, response)
                 return response
         except asyncio.CancelledError:
-            code = grpc.StatusCode.CANCELLED
+            if not _ended_by_drain(flight):
+                code = grpc.StatusCode.CANCELLED
+                raise
+            code = grpc.StatusCode.UNAVAILABLE
+            await self._drained(plan, context)
             raise
         finally:
+            self._flights.leave(flight)
             self._tracing.end(span, plan, code)
             self._finish(info, plan, code, started)
 
@@ -521,9 +729,10 @@ class Proxy(_Handler):
         md = tuple(context.invocation_metadata() or ())
         span = self._tracing.server_span(info.path, md)
         call: Any = None
+        flight = self._flights.enter()
         try:
             try:
-                plan = self._plan(info, first, md)
+                plan = self._plan(info, first, md, context.peer())
             except Refused as refused:
                 code = refused.code
                 self._tracing.refused(span, refused.reason)
@@ -540,6 +749,7 @@ class Proxy(_Handler):
                         call = method(
                             _requests(plan, first, more), metadata=attempt.metadata, timeout=timeout
                         )
+                    flight.follow(call)
                     try:
                         initial = await call.initial_metadata()
                         if info.kind == "unary_stream" and call.done():
@@ -564,14 +774,23 @@ class Proxy(_Handler):
                         trailing = exc.trailing_metadata()
                         self._report(plan, code, trailing, None)
                         attempt.failed(code)
-                        await context.abort(code, exc.details() or "", _with(trailing, plan.answer_metadata))
+                        code, details, answer_md = client_status(code, exc.details() or "", trailing)
+                        await context.abort(code, details, _with(answer_md, plan.answer_metadata))
                 break
-        except (asyncio.CancelledError, GeneratorExit):
+        except GeneratorExit:
             code = grpc.StatusCode.CANCELLED
+            raise
+        except asyncio.CancelledError:
+            if not _ended_by_drain(flight):
+                code = grpc.StatusCode.CANCELLED
+                raise
+            code = grpc.StatusCode.UNAVAILABLE
+            await self._drained(plan, context)
             raise
         finally:
             if call is not None and not call.done():
                 call.cancel()  # the client went away: so does the upstream call, at once
+            self._flights.leave(flight)
             self._tracing.end(span, plan, code)
             self._finish(info, plan, code, started)
 
@@ -597,3 +816,11 @@ def _strip(forward: Metadata) -> Metadata:
 
 def _refusal_md(refused: Refused) -> Metadata:
     return ((headers.ERROR_REASON, refused.reason), *refused.extra)
+
+
+def _checked(check: Any, field_value: str, field: str, received: dict[str, str], header: str) -> str:
+    """The name or version from the message's field, else from its header, through `check`."""
+    if field_value:
+        return str(check(field_value, field))
+    from_header = received.get(header, "")
+    return str(check(from_header, header)) if from_header else ""

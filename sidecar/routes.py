@@ -7,7 +7,7 @@
     breaker: {window_s: 10, min_calls: 20, error_rate: 0.5, ...}  # see adaptive.BreakerPolicy
     tenants:
       acme: {rate: 50, burst: 100, concurrency: 8}             # see limits.TenantLimit
-      "*": {rate: 0, burst: 0, concurrency: 0}                 # any other tenant; 0 = unlimited
+      "*": {rate: 0, burst: 0, concurrency: 0}   # all other tenants, together; 0 = unlimited
     shadow: {share: 5, max_in_flight: 4}     # mirror 5% of stable unary calls to the canary
 
 The whole table is built and then rebound, so a request never sees half a configuration. A file
@@ -25,6 +25,7 @@ from typing import Any
 
 import yaml
 from modelyard.common import headers
+from modelyard.common.names import InvalidName, check_version
 
 from sidecar.adaptive import BreakerPolicy
 from sidecar.limits import TenantLimit
@@ -86,9 +87,21 @@ def parse_model_route(raw: object, where: str, default_weight: float = 0.0) -> M
     )
     return ModelRoute(
         canary_weight=weight,
-        stable=normalize_version(str(doc.get("stable", "") or "")),
-        canary=normalize_version(str(doc.get("canary", "") or "")),
+        stable=_version(doc.get("stable"), f"{where}.stable"),
+        canary=_version(doc.get("canary"), f"{where}.canary"),
     )
+
+
+def _version(raw: object, where: str) -> str:
+    """A route's version: empty, or a string or number that passes the one name rule."""
+    if raw is None or raw == "":
+        return ""
+    if isinstance(raw, bool) or not isinstance(raw, str | int):
+        raise ConfigError(f"{where}: expected a version (a string or a number)")
+    try:
+        return normalize_version(check_version(str(raw), where))
+    except InvalidName as exc:
+        raise ConfigError(str(exc)) from exc
 
 
 def _dataclass_from(cls: type[Any], raw: object, where: str) -> Any:

@@ -18,6 +18,8 @@ import os
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from modelyard.common.names import echo
+
 BUCKETS = 10_000
 STABLE = "stable"
 CANARY = "canary"
@@ -66,7 +68,7 @@ def parse_weight(text: str) -> float:
     except ValueError:
         weight = -1.0
     if not 0.0 <= weight <= 100.0:
-        raise RoutingError(f"x-canary-weight must be a number from 0 to 100, not {text!r}")
+        raise RoutingError(f"x-canary-weight must be a number from 0 to 100, not {echo(text)}")
     return weight
 
 

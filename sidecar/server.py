@@ -15,7 +15,7 @@ from modelyard.common.settings import split_address
 from modelyard.common.tls import ClientTls, TlsFiles, grpc_server_credentials, is_loopback, warn_if_plaintext
 
 from sidecar.adaptive import Clock, State
-from sidecar.admin import AdminServer
+from sidecar.admin import AdminLimits, AdminServer
 from sidecar.breakers import BreakerKey, Breakers
 from sidecar.config import Settings
 from sidecar.limits import TenantLimits
@@ -41,6 +41,7 @@ class Sidecar:
     health: health_names.HealthServicer
     tracing: Tracing
     shadows: Shadows
+    proxy: Proxy
     tls: TlsFiles | None = None  # of the gRPC and admin listeners
     admin_auth: Authorizer | None = None
     admin: AdminServer | None = None
@@ -76,12 +77,19 @@ class Sidecar:
                 self.metrics.registry,
                 self.routes,
                 self.breakers.snapshot,
-                loop,
                 tls=self.tls,
                 authorizer=self.admin_auth,
                 auth_reads=self.settings.admin_auth_reads,
                 denials=self.metrics.admin_denials,
+                limits=AdminLimits(
+                    header_timeout_s=self.settings.admin_header_timeout_s,
+                    body_timeout_s=self.settings.admin_body_timeout_s,
+                    idle_timeout_s=self.settings.admin_idle_timeout_s,
+                    max_body_bytes=self.settings.admin_max_body_bytes,
+                    max_connections=self.settings.admin_max_connections,
+                ),
             )
+            await self.admin.start()
         self._tasks.append(loop.create_task(self._follow_upstreams()))
         if self.settings.config:
             self._tasks.append(loop.create_task(self._watch_config()))
@@ -94,14 +102,18 @@ class Sidecar:
 
     async def stop(self, grace_s: float | None = None) -> None:
         await self.health.enter_graceful_shutdown()
-        await self.server.stop(self.settings.grace_s if grace_s is None else grace_s)
+        grace = self.settings.grace_s if grace_s is None else grace_s
+        stopping = asyncio.ensure_future(self.server.stop(grace))  # new calls are refused at once
+        # Calls still running near the grace's end are answered `draining`, not cancelled by gRPC.
+        await self.proxy.drain(grace - min(0.5, grace / 4))
+        await stopping
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         await self.shadows.close()
         await self.upstreams.close()
         if self.admin is not None:
-            self.admin.stop()
+            await self.admin.stop()
         await self.tracing.close()
 
     def upstreams_changed(self) -> None:
@@ -117,6 +129,8 @@ class Sidecar:
             await self.health.set(
                 health_names.SERVER, health_names.SERVING if serving else health_names.NOT_SERVING
             )
+            for key in self.breakers.prune(self._breaker_wanted):
+                self.metrics.breaker_removed(key)
             models = {m for u in serving for m in u.served}
             for model in models | self._models:
                 await self.health.set(
@@ -124,6 +138,17 @@ class Sidecar:
                     health_names.SERVING if model in models else health_names.NOT_SERVING,
                 )
             self._models |= models
+
+    def _breaker_wanted(self, key: BreakerKey) -> bool:
+        """A breaker lives while its model and version are served (or named by the model's route)."""
+        if self.upstreams.knows(key.model, key.version):
+            return True
+        route = self.routes.table.models.get(key.model)
+        return (
+            self.upstreams.knows(key.model)
+            and route is not None
+            and key.version in (route.stable, route.canary)
+        )
 
     async def _watch_config(self) -> None:
         while True:
@@ -192,6 +217,7 @@ def build_sidecar(
         health_servicer,
         tracing,
         shadows,
+        proxy,
         tls=tls,
         admin_auth=admin_auth,
     )

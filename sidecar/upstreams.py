@@ -181,6 +181,15 @@ class Upstreams:
             found |= upstream.versions(model)
         return found
 
+    def knows(self, model: str, version: str = "") -> bool:
+        """Whether an upstream's WatchModels reported the model (and the version, when given) as
+        served: what earns a model state in the sidecar (breakers, metric labels)."""
+        for upstream in self.all:
+            served = upstream.served.get(model)
+            if served is not None and (not version or version in served):
+                return True
+        return False
+
     def models(self) -> set[str]:
         return {model for upstream in self.all for model in upstream.served}
 

@@ -2,8 +2,17 @@
 
 Every request of both APIs (InferRequest, InferStreamRequest, GenerateRequest, KServe's
 ModelInferRequest, ModelMetadataRequest, ...) carries the model name in field 1 and the version
-in field 2, both strings. The proxy never decodes a message: it walks the top-level fields
-until it has seen both (a few bytes in practice: they come first) and skips the rest by length.
+in field 2, both strings. The proxy never decodes a message: it walks the top-level fields until
+it has seen both and skips the others by their length (no byte of a skipped field is read).
+
+The walk is bounded, because it runs on the event loop for every message: it stops as soon as it
+has fields 1 and 2, and after at most MAX_FIELDS top-level fields whatever it has found. Encoders
+write fields in number order (protobuf's, Triton's, grpc-gateway's), so 1 and 2 are the first two
+fields of any real request; a message whose fields 1/2 are not within the first MAX_FIELDS is read
+as naming no model and no version (`complete` False): the proxy forwards it undyed and without
+per-model state, and the service, which parses the whole message, answers it. Only the scanned
+prefix is checked: a malformed tail is the service's to refuse. Each value kept is at most
+VALUE_MAX bytes (a longer one is cut there: no valid name is that long, so it is refused anyway).
 """
 
 from __future__ import annotations
@@ -12,6 +21,8 @@ from dataclasses import dataclass
 
 _VARINT, _I64, _LEN, _I32 = 0, 1, 2, 5
 _VERSION_TAG = (2 << 3) | _LEN  # field 2, length-delimited
+MAX_FIELDS = 64  # top-level fields walked per message at most (a few microseconds)
+VALUE_MAX = 1024  # bytes kept of field 1 or 2; valid names and versions have at most 128
 
 
 class WireError(ValueError):
@@ -22,6 +33,7 @@ class WireError(ValueError):
 class ModelFields:
     name: str = ""
     version: str = ""
+    complete: bool = True  # False: the walk stopped at MAX_FIELDS before the end of the message
 
 
 def _varint(data: bytes | memoryview, pos: int) -> tuple[int, int]:
@@ -39,26 +51,35 @@ def _varint(data: bytes | memoryview, pos: int) -> tuple[int, int]:
         shift += 7
 
 
-def read_model_fields(data: bytes) -> ModelFields:
-    """Fields 1 and 2 as strings (empty when absent; the last occurrence wins, as in protobuf).
-    Raises WireError for bytes that do not parse."""
-    name = version = b""
+def read_model_fields(data: bytes, max_fields: int = MAX_FIELDS) -> ModelFields:
+    """Fields 1 and 2 as strings (empty when absent; the first occurrence, see the module's
+    docstring). Raises WireError for a prefix that does not parse, and for nothing else."""
+    name: bytes | None = None
+    version: bytes | None = None
     pos = 0
     end = len(data)
     view = memoryview(data)
-    while pos < end:
+    walked = 0
+    while pos < end and (name is None or version is None):
+        if walked >= max_fields:
+            if name is None:  # not named within the bound: no model, no version
+                return ModelFields(complete=False)
+            return ModelFields(_text(name), "", complete=False)
+        walked += 1
         key, pos = _varint(view, pos)
         field, kind = key >> 3, key & 7
+        if field == 0:
+            raise WireError("field number 0")
         if kind == _VARINT:
             _, pos = _varint(view, pos)
         elif kind == _LEN:
             size, pos = _varint(view, pos)
-            if pos + size > end:
+            if size > end - pos:
                 raise WireError("length-delimited field runs past the end")
-            if field == 1:
-                name = data[pos : pos + size]
-            elif field == 2:
-                version = data[pos : pos + size]
+            if field == 1 and name is None:
+                name = bytes(view[pos : pos + min(size, VALUE_MAX)])
+            elif field == 2 and version is None:
+                version = bytes(view[pos : pos + min(size, VALUE_MAX)])
             pos += size
         elif kind == _I64:
             pos += 8
@@ -68,9 +89,15 @@ def read_model_fields(data: bytes) -> ModelFields:
             raise WireError(f"unsupported wire type {kind}")
         if pos > end:
             raise WireError("field runs past the end")
+    return ModelFields(_text(name or b""), _text(version or b""))
+
+
+def _text(raw: bytes) -> str:
     try:
-        return ModelFields(name.decode(), version.decode())
+        return raw.decode()
     except UnicodeDecodeError as exc:
+        if len(raw) == VALUE_MAX:  # cut inside a character: too long to be valid anyway
+            return raw.decode(errors="replace")
         raise WireError("model name or version is not UTF-8") from exc
 
 
