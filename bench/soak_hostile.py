@@ -142,7 +142,7 @@ async def normal_unary(stub: Any, record: Record) -> None:
     while not record.stopping:
         hostile, start = record.hostile, time.perf_counter()
         try:
-            await stub.Infer(request, metadata=(("x-tenant-id", "good"),), timeout=30)
+            await stub.Infer(request, metadata=(("x-tenant-id", "good"),), timeout=HANG_S)
             if hostile == record.hostile:  # a call that straddles two windows counts in neither
                 record.latency("unary via sidecar", time.perf_counter() - start, hostile)
         except grpc.aio.AioRpcError as exc:
@@ -401,7 +401,7 @@ async def run(args: argparse.Namespace, tmp: Path) -> int:
         async with (
             grpc.aio.insecure_channel(stack.sidecar) as sidecar,
             grpc.aio.insecure_channel(stack.sidecar) as hostile_channel,
-            httpx.AsyncClient(base_url=stack.edge, timeout=60, limits=limits) as edge,
+            httpx.AsyncClient(base_url=stack.edge, timeout=HANG_S, limits=limits) as edge,
             httpx.AsyncClient(base_url=stack.gateway, timeout=60) as gateway,
             httpx.AsyncClient(base_url=f"http://{stack.sidecar_admin}", timeout=30) as admin,
             httpx.AsyncClient(base_url=f"http://{stack.service_metrics}", timeout=30) as service_metrics,
@@ -429,7 +429,11 @@ async def run(args: argparse.Namespace, tmp: Path) -> int:
                     await asyncio.sleep(min(1.0, max(0.0, end - now)))
             record.stopping = True
             record.stopped.set()
-            await asyncio.wait_for(asyncio.gather(*tasks), 60)
+            _, pending = await asyncio.wait(tasks, timeout=HANG_S + 10)
+            for task in pending:  # a call that never came back: the stack hangs
+                task.cancel()
+            if pending:
+                record.findings[f"clients still waiting {HANG_S + 10:.0f} s after the end"] += len(pending)
             sizes_after = (await metrics_size(admin), await metrics_size(service_metrics))
     finally:
         stack.stop()
