@@ -10,6 +10,7 @@ import asyncio
 from collections.abc import AsyncIterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -38,7 +39,9 @@ class FaultyRunner(FakeRunner):
         super().__init__()
         self.error = error
 
-    def run(self, feeds: Mapping[str, np.ndarray], output_names: Sequence[str]) -> list[np.ndarray]:
+    def run(
+        self, feeds: Mapping[str, np.ndarray], output_names: Sequence[str], options: Any = None
+    ) -> list[np.ndarray]:
         self.gate.pass_()
         self.runs.append(np.array(feeds["x"]))
         raise self.error
@@ -179,7 +182,9 @@ def test_device_faults_are_told_from_the_requests_own_failures() -> None:
     assert not is_device_fault(ValueError("CUDA failure in a message of another kind"))
     assert isinstance(run_error(EPFail("boom"), "model m version 1"), DeviceFault)
     assert isinstance(run_error(InvalidArgument("bad shape"), "model m version 1"), InvalidInput)
-    plain = run_error(Fail("Reshape: cannot reshape"), "model m version 1")
+    # A kernel refusing the shapes a request's values made is the request's fault (issue 17).
+    assert isinstance(run_error(Fail("Reshape: the requested shape is invalid"), "m"), InvalidInput)
+    plain = run_error(Fail("the kernel's workspace is not initialised"), "model m version 1")
     assert isinstance(plain, ModelRunError) and not isinstance(plain, DeviceFault)
 
 
