@@ -16,6 +16,7 @@ import asyncio
 import contextlib
 import logging
 import threading
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import onnxruntime as ort
@@ -56,6 +57,9 @@ class ActiveRuns:
 
     def __len__(self) -> int:
         return len(self._runs)
+
+    def __iter__(self) -> Iterator[RunControl]:
+        return iter(list(self._runs))
 
     def start(self) -> RunControl:
         control = RunControl()

@@ -37,9 +37,7 @@ def _counting_body() -> onnx.GraphProto:
 
 def _loop_nodes(trip: str) -> list[onnx.NodeProto]:
     return [
-        helper.make_node(
-            "Constant", [], ["go"], value=helper.make_tensor("t", TensorProto.BOOL, [], [True])
-        ),
+        helper.make_node("Constant", [], ["go"], value=helper.make_tensor("t", TensorProto.BOOL, [], [True])),
         helper.make_node(
             "Constant", [], ["zero"], value=helper.make_tensor("z", TensorProto.FLOAT, [1], [0.0])
         ),

@@ -36,10 +36,22 @@ def test_the_limit_follows_the_cores_each_process_has(
 
 
 def test_a_model_runs_inline_when_its_warm_up_run_is_under_the_limit(tmp_path: Path) -> None:
-    model_file = demo_models.write_model(tmp_path, "tiny", 1, demo_models.scaled_identity(4, 2.0), {})
+    # A batch dimension bounded by max_batch_size: timed at max_batch_size rows too.
+    config_doc = {"max_batch_size": 8}
+    model_file = demo_models.write_model(tmp_path, "tiny", 1, demo_models.scaled_identity(4, 2.0), config_doc)
     config = load_config(model_file.parent.parent)
     generous = load_runner(model_file, config, detect_providers(), inline_limit_s=1.0)
     assert generous.runs_inline
-    assert generous.warmup_run_s < 1.0
+    assert generous.warmup_run_s < 1.0 and 0 < generous.peak_run_s < 1.0
     none = load_runner(model_file, config, detect_providers(), inline_limit_s=0.0)
     assert not none.runs_inline
+
+
+def test_a_dimension_no_limit_bounds_keeps_a_model_off_the_loop(tmp_path: Path) -> None:
+    # No max_batch_size: its first dimension takes any size a request brings (issue 17).
+    model_file = demo_models.write_model(tmp_path, "tiny", 1, demo_models.scaled_identity(4, 2.0), {})
+    runner = load_runner(
+        model_file, load_config(model_file.parent.parent), detect_providers(), inline_limit_s=1.0
+    )
+    assert not runner.runs_inline
+    assert "dynamic dimension" in runner.value_driven
