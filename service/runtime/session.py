@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import re
@@ -140,8 +141,10 @@ class ModelRunner:
                 "cannot return"
             ) from None
         except Exception:
-            # A failed run may have grown the arena (up to its bound) before it failed.
-            self.give_back_memory()
+            # A failed run may have grown the arena (up to its bound) before it failed. (Its own
+            # failure is the answer, not one of the shrinking run.)
+            with contextlib.suppress(Exception):
+                self.give_back_memory()
             raise
         if time.perf_counter() - start > SHRINK_AFTER_S:
             self.give_back_memory()

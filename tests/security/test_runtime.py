@@ -175,7 +175,7 @@ async def test_a_failure_from_the_requests_values_is_its_own_fault(
     assert _reason(refused.value) == "invalid_argument"
     details = refused.value.details() or ""
     assert "reshape" in details.lower()
-    assert "/" not in details.split("reshaped")[-1]  # no source paths of ONNX Runtime
+    assert "/" not in details and "::" not in details  # no source paths or C++ names of ONNX Runtime
     assert len(details) < 500
     fits = pb.InferRequest(
         model_name="reshaped",
