@@ -66,13 +66,13 @@ _DEVICE_MESSAGE = re.compile(r"\b(CUDA|CUBLAS|CUDNN|NCCL) (failure|error)\b|\bcu
 _MEMORY_MESSAGE = re.compile(
     r"Available memory of \d+ is smaller than requested|Failed to allocate memory|bad_alloc", re.IGNORECASE
 )
-# How a kernel refuses shapes or values that a request brought (a computed shape that is negative,
-# overflows or does not fit, an index out of range): the same graph ran its warm-up, so what
-# differs is the request's input. ONNX Runtime raises these as Fail or RuntimeException.
+# How a kernel refuses the shapes a request's values made (a computed shape that is negative,
+# overflows or does not fit): the same graph ran its warm-up, so what differs is the request's
+# input. ONNX Runtime raises these as Fail or RuntimeException. Other value checks of a kernel
+# (GatherElements' "Out of range value in index tensor") stay the model's: ONNX Runtime does not
+# say whose they are, and a model that fails so on real traffic is what a breaker is for.
 _REQUEST_MESSAGE = re.compile(
-    r"shape|dimension|\bdims?\b|broadcast|overflow|out of (data )?(range|bounds)|\bind(ex|ices)\b|"
-    r"negative|less than|must be (>=|<=|>|<|non-negative|positive|within)|too many elements",
-    re.IGNORECASE,
+    r"shape|dimension|\bdims?\b|broadcast|overflow|too many elements", re.IGNORECASE
 )
 # ONNX Runtime's messages quote where they were thrown: "[ONNXRuntimeError] : 1 : FAIL : ...",
 # then a source path, a line and the C++ function ("/onnxruntime_src/.../reshape_helper.h:91
