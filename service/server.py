@@ -220,8 +220,10 @@ def build_service(
     executor = ThreadPoolExecutor(
         max_workers=settings.inference_threads or usable_cores(), thread_name_prefix="infer"
     )
-    # Before any session exists: sessions opt into the bounded arena as they are created.
-    bound_run_memory((settings.max_run_memory_mb << 20) or usable_memory_bytes() // 2)
+    # Before any session exists: sessions opt into the bounded arena as they are created. The
+    # default shares half of the memory among the worker processes.
+    processes = worker.count if worker is not None else 1
+    bound_run_memory((settings.max_run_memory_mb << 20) or usable_memory_bytes() // (2 * processes))
     manager = ModelManager(
         settings.repository,
         providers,
