@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import logging
+import os
 import sys
 from collections.abc import Callable, Sequence
 
@@ -11,6 +13,7 @@ from modelyard.common.logs import configure as configure_logging
 
 from service import tracing
 from service.config import parse_settings, worker_count
+from service.runtime import runs
 from service.server import build_service
 from service.workers.member import WorkerRole, die_with_parent
 from service.workers.supervisor import Supervisor
@@ -36,6 +39,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _traced(build: Callable[[], Process], name: str, grace_s: float) -> int:
     tracing.configure()
     try:
-        return asyncio.run(run_process(build, name, grace_s))
+        code = asyncio.run(run_process(build, name, grace_s))
     finally:
         tracing.shutdown()
+    if runs.abandoned.is_set():
+        # A run that did not stop would hold the exit (its executor thread is joined): exit now.
+        logging.shutdown()
+        os._exit(code)
+    return code

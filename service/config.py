@@ -25,6 +25,10 @@ class Settings:
     # Model files sent with KServe loads, all uploads on disk together (one per model name at most).
     max_upload_bytes: int = 4 * 1024 * 1024 * 1024
     inference_threads: int = 0  # executor threads for model runs; 0 = one per core
+    # CPU memory the runs of all models may hold at once (ONNX Runtime's arena max_mem); a run
+    # past it: RESOURCE_EXHAUSTED, too_large. 0 = half of the memory the service may use, shared
+    # among its worker processes. Per process.
+    max_run_memory_mb: int = 0
     workers: str = "1"  # service processes sharing the port: a number, or auto (one per core)
     control_mode: str = "watch"  # watch: follow the repository on disk; explicit: only Load/Unload calls
     watch_method: str = "events"  # events (inotify) or poll (file systems without change events)
@@ -53,6 +57,9 @@ _HELP = {
     "max_message_bytes": "largest request or response message, in bytes",
     "max_upload_bytes": "bytes that model files uploaded with loads may take on disk together; 0: no limit",
     "inference_threads": "threads that run models; 0 = one per CPU core",
+    "max_run_memory_mb": "MiB of CPU memory that the model runs of one service process may hold at once "
+    "(a run past it is refused RESOURCE_EXHAUSTED); 0 = half of the memory available, shared among "
+    "the workers",
     "workers": "service processes sharing the gRPC port (each with its own sessions): N, or auto "
     "for one per CPU core",
     "tls_cert": "PEM certificate chain of the gRPC and metrics listeners; empty: no TLS",

@@ -28,6 +28,11 @@ class TooLarge(ServiceError):
     """A request or response exceeds a configured size limit."""
 
 
+class RunMemoryExceeded(TooLarge):
+    """A run needed more memory than the run memory bound allows (the arena's max_mem): a request
+    whose values ask for a huge tensor (ConstantOfShape, Expand...). RESOURCE_EXHAUSTED, too_large."""
+
+
 class ModelLoadError(ServiceError):
     """A model version could not be loaded; the message says which file and why."""
 

@@ -50,8 +50,10 @@ from service.repository.uploads import UploadSpace
 from service.repository.watcher import RepositoryWatcher
 from service.runtime.instances import Loader
 from service.runtime.manager import ModelManager
+from service.runtime.memory import usable_memory_bytes
 from service.runtime.providers import CUDA, detect_providers
-from service.runtime.session import inline_run_limit_s, load_runner
+from service.runtime.runs import ActiveRuns, shut_down_executor
+from service.runtime.session import bound_run_memory, inline_run_limit_s, load_runner
 from service.runtime.status import ModelEvent, Watcher
 from service.scheduling.clock import Clock
 from service.shm.files import FileRegionStore
@@ -60,6 +62,9 @@ from service.workers import protocol as workers
 from service.workers.member import FanOutRegistrar, WorkerLink, WorkerRole, metrics_handler
 
 log = logging.getLogger(__name__)
+
+# How long before the grace ends the runs still going are stopped, at most.
+RUNS_STOP_BEFORE_S = 0.5
 
 
 @dataclass
@@ -139,10 +144,8 @@ class Service:
         if self.watcher is not None:
             await self.watcher.stop()
         grace = self.settings.grace_s if grace_s is None else grace_s
-        if self.internal is not None:
-            await asyncio.gather(self.server.stop(grace), self.internal.stop(grace))
-        else:
-            await self.server.stop(grace)
+        servers = [self.server] if self.internal is None else [self.server, self.internal]
+        await stop_servers(servers, grace, self.manager.runs)
         if self.link is not None:
             await self.link.close()
         if self._events is not None:
@@ -150,7 +153,7 @@ class Service:
         if self.generation is not None:
             await self.generation.close()  # decode loops use the executor: stop them first
         await self.manager.close()
-        self.executor.shutdown(wait=True)
+        await shut_down_executor(self.executor)
         if self.metrics_server is not None:
             self.metrics_server.stop()
 
@@ -174,6 +177,22 @@ class Service:
             self.metrics.versions_ready.labels(event.model).set(len(served.versions) if served else 0)
             if served:
                 self.metrics.known_models.add(event.model)
+
+
+async def stop_servers(servers: list[grpc.aio.Server], grace: float, runs: ActiveRuns) -> None:
+    """Stop the servers with `grace` for in-flight calls. Runs still going shortly before the
+    grace ends are stopped (RunOptions.terminate), so that their calls answer UNAVAILABLE/draining
+    themselves before the servers cancel them, and the executor's threads come back."""
+    stopping = asyncio.ensure_future(asyncio.gather(*(server.stop(grace) for server in servers)))
+    done, _ = await asyncio.wait({stopping}, timeout=max(0.0, grace - min(RUNS_STOP_BEFORE_S, grace / 4)))
+    if not done:
+        stopped = runs.terminate_all()
+        if stopped:
+            log.warning(
+                "stopped %d model run%s still going at the end of the grace", stopped, "s"[: stopped != 1]
+            )
+    await stopping
+    runs.terminate_all()
 
 
 def _undecodable_reporter(metrics: ServiceMetrics) -> OnUndecodable:
@@ -201,6 +220,10 @@ def build_service(
     executor = ThreadPoolExecutor(
         max_workers=settings.inference_threads or usable_cores(), thread_name_prefix="infer"
     )
+    # Before any session exists: sessions opt into the bounded arena as they are created. The
+    # default shares half of the memory among the worker processes.
+    processes = worker.count if worker is not None else 1
+    bound_run_memory((settings.max_run_memory_mb << 20) or usable_memory_bytes() // (2 * processes))
     manager = ModelManager(
         settings.repository,
         providers,

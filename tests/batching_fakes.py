@@ -7,6 +7,7 @@ import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -79,7 +80,9 @@ class FakeRunner:
     def runs_inline(self) -> bool:
         return self.inline
 
-    def run(self, feeds: Mapping[str, np.ndarray], output_names: Sequence[str]) -> list[np.ndarray]:
+    def run(
+        self, feeds: Mapping[str, np.ndarray], output_names: Sequence[str], options: Any = None
+    ) -> list[np.ndarray]:
         if not self.inline:
             self.gate.pass_()
         x = feeds["x"]
@@ -106,10 +109,12 @@ class RecordingRunner(ModelRunner):
     def runs_inline(self) -> bool:
         return False
 
-    def run(self, feeds: Mapping[str, np.ndarray], output_names: Sequence[str]) -> list[np.ndarray]:
+    def run(
+        self, feeds: Mapping[str, np.ndarray], output_names: Sequence[str], options: Any = None
+    ) -> list[np.ndarray]:
         self.gate.pass_()
         self.runs.append(np.array(next(iter(feeds.values()))))
-        return super().run(feeds, output_names)
+        return super().run(feeds, output_names, options)
 
 
 @dataclass

@@ -20,6 +20,11 @@ end before the next request is read, so they batch only when a max_queue_delay h
 back. A batch that fails is rerun one request at a time, so that one request's bad values cannot
 fail the requests that happened to share its run.
 
+A batch on the executor can be stopped (runtime/runs.py): its RunOptions.terminate is set once
+every request of the batch is gone (each one's deadline passed or its client cancelled), never
+while one still waits for it; a request that leaves a batch others still wait for only stops
+waiting. A stopped batch is not rerun request by request. At shutdown every run is stopped.
+
 The batcher does not lease versions: callers hold their version's lease while queued, so a
 retiring version drains its queue before `close`.
 """
@@ -41,6 +46,7 @@ from service.metrics import BatchingMetrics
 from service.repository.config import ModelConfig
 from service.runtime.instances import Instance, Instances
 from service.runtime.providers import CUDA
+from service.runtime.runs import RunControl
 from service.runtime.served import VersionStats
 from service.runtime.session import Runnable as Runner
 from service.runtime.session import run_checked, run_error
@@ -101,6 +107,9 @@ class _Pending:
     rows: int
     future: asyncio.Future[Outputs]
     arrived_ns: int
+    # Once it runs on the executor: the run's control, and every request of its batch.
+    control: RunControl | None = None
+    batch: list[_Pending] | None = None
 
 
 Outcome = Outputs | ServiceError
@@ -165,7 +174,11 @@ class Batcher:
                 feeds, tuple(names), None, rows, asyncio.get_running_loop().create_future(), arrived
             )
             self._start([pending])
-            return await pending.future
+            try:
+                return await pending.future
+            except asyncio.CancelledError:
+                self._left(pending)
+                raise
         pending = _Pending(
             feeds, tuple(names), batch_key(feeds), rows, asyncio.get_running_loop().create_future(), arrived
         )
@@ -179,7 +192,16 @@ class Batcher:
         except asyncio.CancelledError:
             # The client left (or its gRPC deadline passed): while queued it never runs.
             self._queue.remove(ticket)
+            self._left(pending)
             raise
+
+    def _left(self, pending: _Pending) -> None:
+        """A request's caller left; if its batch is running and nobody else waits for it, stop it."""
+        control, batch = pending.control, pending.batch
+        if control is not None and batch is not None and all(item.future.done() for item in batch):
+            control.terminate(
+                DeadlineExceeded(f"every request of a batch of {self.name} left; the run was stopped")
+            )
 
     def _run_inline(
         self,
@@ -194,13 +216,16 @@ class Batcher:
         self._metrics.batch_size.observe(rows)
         runs: list[tuple[int, int]] = []
         instance = instances.start()
+        start = time.perf_counter()
         try:
             outputs = _execute(instance.runner, feeds, names, self.name, runs)
         except ServiceError as exc:
             instances.finish(instance, exc)
+            instances.ran_inline(time.perf_counter() - start, self.name)
             self._stats.record_request(False, time.perf_counter_ns() - arrived)
             raise
         instances.finish(instance)
+        instances.ran_inline(runs[0][1] / 1e9, self.name)
         self._stats.record_execution(*runs[0])
         self._stats.record_compute(1, runs[0][1])
         self._stats.record_request(True, time.perf_counter_ns() - arrived)
@@ -317,31 +342,43 @@ class Batcher:
         instance = instances.start()
         if instances.runs_inline:
             done: _Computed | None = None
+            start = time.perf_counter()
             try:
                 done = _compute(instance.runner, items, self.name)
                 self._deliver(items, done)
             finally:
                 self._busy -= 1
                 instances.finish(instance, done.fault if done is not None else None)
+                instances.ran_inline(time.perf_counter() - start, self.name)
             return
         loop = asyncio.get_running_loop()
+        control = instances.runs.start()
+        for item in items:
+            item.control, item.batch = control, items
         try:
-            future = self._executor.submit(_compute, instance.runner, items, self.name)
+            future = self._executor.submit(_compute, instance.runner, items, self.name, control)
         except RuntimeError as exc:  # the executor is shut down
             self._busy -= 1
+            instances.runs.end(control)
             instances.finish(instance)
             self._deliver(items, _Computed([run_error(exc, self.name)] * len(items), []))
             return
         # One hop back to the event loop when the run ends. (run_in_executor and a task take four,
         # each behind every callback already waiting on a busy loop, while the model sits idle.)
         future.add_done_callback(
-            lambda done: loop.call_soon_threadsafe(self._finished, items, instances, instance, done)
+            lambda done: loop.call_soon_threadsafe(self._finished, items, instances, instance, control, done)
         )
 
     def _finished(
-        self, items: list[_Pending], instances: Instances, instance: Instance, future: Future[_Computed]
+        self,
+        items: list[_Pending],
+        instances: Instances,
+        instance: Instance,
+        control: RunControl,
+        future: Future[_Computed],
     ) -> None:
         self._busy -= 1
+        instances.runs.end(control)
         try:
             done = future.result()
         except Exception as exc:  # a bug in _compute
@@ -396,28 +433,34 @@ class _Computed:
         return next((o for o in self.outcomes if isinstance(o, DeviceFault)), None)
 
 
-def _compute(runner: Runner, items: list[_Pending], name: str) -> _Computed:
+def _compute(
+    runner: Runner, items: list[_Pending], name: str, control: RunControl | None = None
+) -> _Computed:
     """On an executor thread: concatenate, run once, split. If the batch fails, run each request
     alone, so that each gets its own answer."""
     runs: list[tuple[int, int]] = []
     names = tuple(dict.fromkeys(output for item in items for output in item.names))
     try:
-        outputs = _execute(runner, concat([item.feeds for item in items]), names, name, runs)
+        outputs = _execute(runner, concat([item.feeds for item in items]), names, name, runs, control)
         pieces = split(outputs, [item.rows for item in items])
     except ServiceError as exc:
         # A device's failure is no request's: running each alone would fail each on it again.
-        if len(items) == 1 or isinstance(exc, DeviceFault):
+        # A stopped run is not rerun either.
+        stopped = control is not None and control.why is not None
+        if len(items) == 1 or isinstance(exc, DeviceFault) or stopped:
             return _Computed([exc] * len(items), runs)
-        return _Computed([_alone(runner, item, name, runs) for item in items], runs)
+        return _Computed([_alone(runner, item, name, runs, control) for item in items], runs)
     outcomes: list[Outcome] = [
         {output: piece[output] for output in item.names} for item, piece in zip(items, pieces, strict=True)
     ]
     return _Computed(outcomes, runs)
 
 
-def _alone(runner: Runner, item: _Pending, name: str, runs: list[tuple[int, int]]) -> Outcome:
+def _alone(
+    runner: Runner, item: _Pending, name: str, runs: list[tuple[int, int]], control: RunControl | None
+) -> Outcome:
     try:
-        return _execute(runner, item.feeds, item.names, name, runs)
+        return _execute(runner, item.feeds, item.names, name, runs, control)
     except ServiceError as exc:
         return exc
 
@@ -428,8 +471,9 @@ def _execute(
     names: tuple[str, ...],
     label: str,
     runs: list[tuple[int, int]],
+    control: RunControl | None = None,
 ) -> Outputs:
     start = time.perf_counter_ns()
-    arrays = run_checked(runner, feeds, names, label)
+    arrays = run_checked(runner, feeds, names, label, control)
     runs.append((batch_rows(feeds), time.perf_counter_ns() - start))
     return dict(zip(names, arrays, strict=True))

@@ -26,10 +26,13 @@ _ORT_BF16 = "tensor(bfloat16)"
 
 
 def run(
-    session: ort.InferenceSession, feeds: Mapping[str, Array], output_names: Sequence[str]
+    session: ort.InferenceSession,
+    feeds: Mapping[str, Array],
+    output_names: Sequence[str],
+    options: ort.RunOptions | None = None,
 ) -> list[Array]:
     values = {name: _to_ort(array) for name, array in feeds.items()}
-    results = session.run_with_ort_values(list(output_names), values)
+    results = session.run_with_ort_values(list(output_names), values, options)
     return [_from_ort(value) for value in results]
 
 

@@ -7,6 +7,11 @@ load over the devices before any device takes two. An instance whose run failed 
 (DeviceFault) rests for UNHEALTHY_BACKOFF_S and is skipped while another is healthy; no request is
 refused for want of a healthy instance (with every instance resting, the least busy of all runs
 it). The counts are plain ints, touched on the event loop only; the runs go to the executor.
+
+A run on the executor can be stopped (runtime/runs.py): when its caller leaves (its deadline
+passed, or it cancelled) the run's RunOptions.terminate is set, so that its thread, its instance
+and its core come back. An inline run (fixed cost, microseconds) is timed instead: one that takes
+longer than INLINE_WATCHDOG_S moves the version off the event loop for good.
 """
 
 from __future__ import annotations
@@ -21,10 +26,11 @@ from pathlib import Path
 
 import numpy as np
 
-from service.errors import DeviceFault
+from service.errors import DeadlineExceeded, DeviceFault
 from service.repository.config import ModelConfig
 from service.runtime.providers import ProviderChoice
-from service.runtime.session import ModelRunner, Runnable, run_checked
+from service.runtime.runs import ActiveRuns, RunControl
+from service.runtime.session import INLINE_WATCHDOG_S, ModelRunner, Runnable, run_checked
 
 log = logging.getLogger(__name__)
 
@@ -86,6 +92,7 @@ class Instances:
         devices: Sequence[str] = (),
         clock: Callable[[], float] = time.monotonic,  # test seam: a clock stepped by hand
         backoff_s: float = UNHEALTHY_BACKOFF_S,
+        runs: ActiveRuns | None = None,  # the service's stoppable runs (shutdown stops them)
     ) -> None:
         if not runners:
             raise ValueError("a version needs at least one instance")
@@ -95,6 +102,7 @@ class Instances:
         )
         self._clock = clock
         self._backoff_s = backoff_s
+        self.runs = runs if runs is not None else ActiveRuns()
         # With more than one instance every run goes to the executor: an inline run holds the
         # event loop, so instances would only take turns, never run side by side.
         self.runs_inline = len(self.all) == 1 and self.all[0].runner.runs_inline
@@ -138,48 +146,83 @@ class Instances:
                 error,
             )
 
+    def ran_inline(self, elapsed_s: float, label: str) -> None:
+        """The watchdog of inline runs: one that held the event loop past INLINE_WATCHDOG_S sends
+        every later run of this version to the executor."""
+        if elapsed_s > INLINE_WATCHDOG_S and self.runs_inline:
+            self.runs_inline = False
+            log.warning(
+                "%s: an inline run held the event loop for %.1f ms (over %.0f ms); its runs go to "
+                "the executor from now on",
+                label,
+                elapsed_s * 1e3,
+                INLINE_WATCHDOG_S * 1e3,
+            )
+
     async def run(
         self, feeds: Mapping[str, np.ndarray], output_names: Sequence[str], executor: Executor, label: str
     ) -> list[np.ndarray]:
         """Run once on the chosen instance: inline on the event loop when the model is cheap enough
-        (one instance only), else on the executor."""
+        (one instance only), else on the executor, stopped if the caller leaves."""
         if self.runs_inline:
             # One instance and a run of microseconds, on the loop: nothing to choose and never
             # pending when anyone looks; counted only (this is every request of a cheap model).
             only = self.all[0]
             only.runs += 1
-            return run_checked(only.runner, feeds, output_names, label)
+            start = time.perf_counter()
+            try:
+                return run_checked(only.runner, feeds, output_names, label)
+            finally:
+                self.ran_inline(time.perf_counter() - start, label)
         instance = self.start()
+        control = self.runs.start()
         if len(self.all) == 1:
             # Nothing to choose between: counted around the call, with no more work per request
-            # than a plain run (a caller that leaves counts its run down early; no choice depends
-            # on it).
+            # than a plain run (a caller that leaves counts its run down early, and stops it).
             error: BaseException | None = None
             try:
                 return await asyncio.get_running_loop().run_in_executor(
-                    executor, run_checked, instance.runner, feeds, output_names, label
+                    executor, run_checked, instance.runner, feeds, output_names, label, control
                 )
+            except asyncio.CancelledError as exc:
+                error = exc
+                control.terminate(_caller_left(label))
+                raise
             except BaseException as exc:
                 error = exc
                 raise
             finally:
+                self.runs.end(control)
                 self.finish(instance, error)
         loop = asyncio.get_running_loop()
         try:
-            future = executor.submit(run_checked, instance.runner, feeds, output_names, label)
+            future = executor.submit(run_checked, instance.runner, feeds, output_names, label, control)
         except BaseException:
+            self.runs.end(control)
             self.finish(instance)
             raise
         # Counted until the run itself ends, not its caller's wait: a client that leaves does not
         # stop a run already on its executor thread, and the instance is busy until then. (Added
         # before wrap_future's own callback, so the count is down before the caller resumes; no
         # more hops back to the loop than run_in_executor takes.)
-        future.add_done_callback(lambda done: loop.call_soon_threadsafe(self._finished, instance, done))
-        return await asyncio.wrap_future(future, loop=loop)
+        future.add_done_callback(
+            lambda done: loop.call_soon_threadsafe(self._finished, instance, control, done)
+        )
+        try:
+            return await asyncio.wrap_future(future, loop=loop)
+        except asyncio.CancelledError:
+            control.terminate(_caller_left(label))
+            raise
 
-    def _finished(self, instance: Instance, future: Future[list[np.ndarray]]) -> None:
+    def _finished(self, instance: Instance, control: RunControl, future: Future[list[np.ndarray]]) -> None:
+        self.runs.end(control)
         self.finish(instance, None if future.cancelled() else future.exception())
 
     def snapshot(self) -> list[tuple[str, str, int, int, bool]]:
         """(index, device, pending, runs, healthy) of each instance, for metrics."""
         return [(str(i.index), i.device, i.pending, i.runs, self.healthy(i)) for i in self.all]
+
+
+def _caller_left(label: str) -> DeadlineExceeded:
+    # Nobody reads it: the caller's answer (CANCELLED, DEADLINE_EXCEEDED) is gRPC's.
+    return DeadlineExceeded(f"the caller of a run of {label} left; the run was stopped")

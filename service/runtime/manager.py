@@ -36,6 +36,7 @@ from service.repository.uploads import Upload
 from service.runtime.instances import Loader, load_instances, placements
 from service.runtime.memory import trim_heap
 from service.runtime.providers import ProviderChoice
+from service.runtime.runs import ActiveRuns
 from service.runtime.served import ServedModel, ServedVersion
 from service.runtime.session import load_runner
 from service.runtime.signature import Signature
@@ -108,6 +109,8 @@ class ModelManager:
         self._failed: dict[tuple[str, int], tuple[tuple[object, ...], ModelConfig]] = {}
         self._overrides: dict[str, LoadOverride] = {}
         self.loaded_all = False  # True once the start-up load of the whole repository has finished
+        # The runs on executor threads of every served version, so that shutdown can stop them.
+        self.runs = ActiveRuns()
 
     # -- requests --------------------------------------------------------------------------
 
@@ -380,7 +383,7 @@ class ModelManager:
         elapsed = time.perf_counter() - started
         self.metrics.model_loads.labels(name, "ready").inc()
         self.metrics.load_seconds.labels(name).observe(elapsed)
-        served = ServedVersion(name, number, runners, config, print_, memory)
+        served = ServedVersion(name, number, runners, config, print_, memory, self.runs)
         log.info(
             "model %s version %d loaded on %s in %.0f ms (warm-up run %.0f us, %s; %d instance%s: %s)",
             name,
@@ -388,7 +391,9 @@ class ModelManager:
             runner.provider,
             elapsed * 1e3,
             runner.warmup_run_s * 1e6,
-            "inline" if served.instances.runs_inline else "executor",
+            "inline"
+            if served.instances.runs_inline
+            else f"executor: {runner.value_driven or 'several instances, or a slow largest batch'}",
             len(runners),
             "" if len(runners) == 1 else "s",
             ", ".join(r.device for r in runners),

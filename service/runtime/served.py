@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 from service.repository.config import ModelConfig
 from service.runtime.instances import Instances
+from service.runtime.runs import ActiveRuns
 from service.runtime.session import ModelRunner
 
 # What a layer above (batching, generation) registers to let go of a version that retired.
@@ -85,6 +86,7 @@ class ServedVersion:
         config: ModelConfig,
         fingerprint: tuple[object, ...] = (),
         memory_bytes: int = 0,
+        runs: ActiveRuns | None = None,  # the service's stoppable runs
     ) -> None:
         self.model = model
         self.version = version
@@ -92,7 +94,7 @@ class ServedVersion:
         # Every instance holds the same model: the first one answers for the signature, the
         # graph's kind and the provider; runs go through `instances`.
         self.runner = runners[0]
-        self.instances = Instances(runners, [r.device for r in runners])
+        self.instances = Instances(runners, [r.device for r in runners], runs=runs)
         self.config = config
         self.fingerprint = fingerprint  # the files it was loaded from; a change means reload
         self.memory_bytes = memory_bytes  # estimate of all its instances, for the model's memory budget

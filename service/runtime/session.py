@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import re
@@ -25,10 +26,19 @@ from onnxruntime.capi.onnxruntime_pybind11_state import (
 
 from service.cores import usable_cores
 from service.datatypes import NAME_BY_ORT
-from service.errors import DeviceFault, InvalidInput, ModelLoadError, ModelRunError, ServiceError
+from service.errors import (
+    DeviceFault,
+    InvalidInput,
+    ModelLoadError,
+    ModelRunError,
+    RunMemoryExceeded,
+    ServiceError,
+)
 from service.repository.config import ModelConfig, TensorConfig
 from service.runtime import bf16
+from service.runtime.cost import value_driven
 from service.runtime.providers import CPU, CUDA, ProviderChoice
+from service.runtime.runs import RunControl
 from service.runtime.signature import Signature, TensorSpec
 from service.runtime.strings import feeds_for_ort, outputs_from_ort
 
@@ -50,6 +60,29 @@ SHRINK_AFTER_S = 0.1
 # CUDA_CALL / CUBLAS_CALL / CUDNN_CALL checks throw "CUDA failure 700: an illegal memory access..."
 # (or "CUBLAS failure", "CUDNN failure", "CUDA error cudaError..."), surfacing as Fail.
 _DEVICE_MESSAGE = re.compile(r"\b(CUDA|CUBLAS|CUDNN|NCCL) (failure|error)\b|\bcudaError", re.IGNORECASE)
+# How an arena refuses an allocation past its max_mem (BFCArena: "Available memory of N is smaller
+# than requested bytes of M"; "Failed to allocate memory for requested buffer of size N"), and
+# the system's own refusal (std::bad_alloc).
+_MEMORY_MESSAGE = re.compile(
+    r"Available memory of \d+ is smaller than requested|Failed to allocate memory|bad_alloc", re.IGNORECASE
+)
+# How a kernel refuses the shapes a request's values made (a computed shape that is negative,
+# overflows or does not fit): the same graph ran its warm-up, so what differs is the request's
+# input. ONNX Runtime raises these as Fail or RuntimeException. Other value checks of a kernel
+# (GatherElements' "Out of range value in index tensor") stay the model's: ONNX Runtime does not
+# say whose they are, and a model that fails so on real traffic is what a breaker is for.
+_REQUEST_MESSAGE = re.compile(
+    r"shape|dimension|\bdims?\b|broadcast|overflow|too many elements", re.IGNORECASE
+)
+# ONNX Runtime's messages quote where they were thrown: "[ONNXRuntimeError] : 1 : FAIL : ...",
+# then a source path, a line and the C++ function ("/onnxruntime_src/.../reshape_helper.h:91
+# onnxruntime::ReshapeHelper::ReshapeHelper(...) "), none of which a client should see.
+_ORT_PREFIX = re.compile(r"\[ONNXRuntimeError\] : \d+ : \w+ : ")
+_THROW_SITE = re.compile(r"(?:[\w.+-]*/)+[\w.+-]+:\d+(?: [^()]*\([^()]*\)(?: const)?)?\s*")
+_MESSAGE_CHARS = 300
+# An inline run that takes longer than this (the warm-up said microseconds: a slow machine, a
+# graph the inspection misjudged) moves its model off the event loop for good.
+INLINE_WATCHDOG_S = 0.02
 
 
 class GraphKind(Protocol):
@@ -78,26 +111,41 @@ class ModelRunner:
     sample_feeds: Mapping[str, np.ndarray] = dataclasses.field(default_factory=dict)  # the warm-up's
     shrink_options: ort.RunOptions | None = None  # arena shrinkage of the session's devices
     device: str = "cpu"  # where the session runs: "cpu" or "cuda:<device_id>" (logs, metrics)
+    # Why a run's cost may follow its inputs' values (cost.py); "" when it cannot. Only then may
+    # the model run inline, however fast its warm-up was.
+    value_driven: str = "not inspected"
+    peak_run_s: float = 0.0  # a warm-up run at max_batch_size rows (0: no batch dimension)
 
     @property
     def runs_inline(self) -> bool:
-        return self.warmup_run_s < self.inline_limit_s
+        return not self.value_driven and max(self.warmup_run_s, self.peak_run_s) < self.inline_limit_s
 
-    def run(self, feeds: Mapping[str, np.ndarray], output_names: Sequence[str]) -> list[np.ndarray]:
+    def run(
+        self,
+        feeds: Mapping[str, np.ndarray],
+        output_names: Sequence[str],
+        options: ort.RunOptions | None = None,
+    ) -> list[np.ndarray]:
         strings = self.signature.string_inputs
         ort_feeds = feeds_for_ort(feeds, strings) if strings else dict(feeds)
         arrays: list[np.ndarray]
         start = time.perf_counter()
         try:
             if self.signature.has_bf16:
-                arrays = bf16.run(self.session, ort_feeds, output_names)
+                arrays = bf16.run(self.session, ort_feeds, output_names, options)
             else:
-                arrays = self.session.run(list(output_names), ort_feeds)
+                arrays = self.session.run(list(output_names), ort_feeds, options)
         except UnicodeDecodeError:  # the binding decodes string outputs as UTF-8, strictly
             raise ModelRunError(
                 "a BYTES output holds bytes that are not UTF-8, which ONNX Runtime's Python binding "
                 "cannot return"
             ) from None
+        except Exception:
+            # A failed run may have grown the arena (up to its bound) before it failed. (Its own
+            # failure is the answer, not one of the shrinking run.)
+            with contextlib.suppress(Exception):
+                self.give_back_memory()
+            raise
         if time.perf_counter() - start > SHRINK_AFTER_S:
             self.give_back_memory()
         return outputs_from_ort(arrays) if self.signature.string_outputs else arrays
@@ -124,30 +172,67 @@ class Runnable(Protocol):
     @property
     def runs_inline(self) -> bool: ...
 
-    def run(self, feeds: Mapping[str, np.ndarray], output_names: Sequence[str]) -> list[np.ndarray]: ...
+    def run(
+        self,
+        feeds: Mapping[str, np.ndarray],
+        output_names: Sequence[str],
+        options: ort.RunOptions | None = None,
+    ) -> list[np.ndarray]: ...
 
 
 def run_checked(
-    runner: Runnable, feeds: Mapping[str, np.ndarray], output_names: Sequence[str], label: str
+    runner: Runnable,
+    feeds: Mapping[str, np.ndarray],
+    output_names: Sequence[str],
+    label: str,
+    control: RunControl | None = None,
 ) -> list[np.ndarray]:
     """Run once, here (on whatever thread calls it); a failure becomes the ServiceError that
-    run_error gives."""
+    run_error gives, and a run stopped through `control` fails with the reason it was stopped."""
     try:
-        return runner.run(feeds, output_names)
+        if control is None:
+            return runner.run(feeds, output_names)
+        if control.why is not None:  # stopped before it started (it waited for a thread)
+            raise control.why
+        return runner.run(feeds, output_names, control.options)
     except Exception as exc:
+        if control is not None and control.why is not None:
+            raise control.why from None
         raise run_error(exc, label) from None
 
 
 def run_error(exc: BaseException, label: str) -> ServiceError:
-    """The answer for a failed run of the model `label` names ("model m version 3")."""
+    """The answer for a failed run of the model `label` names ("model m version 3"): the
+    request's fault (INVALID_ARGUMENT) where ONNX Runtime says its inputs or the shapes their
+    values made were refused; the run's memory bound (RESOURCE_EXHAUSTED); else a fault of the
+    device or the model (INTERNAL, counted against the version by a sidecar's breaker)."""
     if isinstance(exc, ServiceError):
         return exc
+    message = str(exc)
+    if _MEMORY_MESSAGE.search(message):
+        return RunMemoryExceeded(
+            f"{label}: the run needed more memory than its bound allows (the service's "
+            f"--max-run-memory-mb, or the model's execution.gpu_mem_limit_mb); its inputs' values "
+            f"ask for too large a tensor: {client_message(exc)}"
+        )
     if isinstance(exc, InvalidArgument):
-        # Shapes the schema allows (-1) but the graph's operators reject.
-        return InvalidInput(f"the model rejected the inputs: {_first_line(exc)}")
+        # Inputs ONNX Runtime itself refuses, or an operator's check on their values.
+        return InvalidInput(f"the model rejected the inputs: {client_message(exc)}")
     if is_device_fault(exc):
-        return DeviceFault(f"{label} failed on its device: {_first_line(exc)}")
-    return ModelRunError(f"{label} failed: {_first_line(exc)}")
+        return DeviceFault(f"{label} failed on its device: {client_message(exc)}")
+    if isinstance(exc, Fail | RuntimeException) and _REQUEST_MESSAGE.search(message):
+        # The graph ran its warm-up: shapes it now refuses come from this request's input.
+        return InvalidInput(f"the model rejected the inputs' values: {client_message(exc)}")
+    return ModelRunError(f"{label} failed: {client_message(exc)}")
+
+
+def client_message(exc: BaseException) -> str:
+    """ONNX Runtime's message for a client: without its prefix, source paths and C++ function
+    names, on one line, capped."""
+    text = _ORT_PREFIX.sub("", str(exc))
+    text = _THROW_SITE.sub("", text)
+    text = " ".join(text.split()) or type(exc).__name__
+    return text if len(text) <= _MESSAGE_CHARS else text[:_MESSAGE_CHARS] + "..."
 
 
 def is_device_fault(exc: BaseException) -> bool:
@@ -194,12 +279,23 @@ def load_runner(
         feeds = kind.warmup_feeds()
     else:
         feeds = {spec.name: _sample(spec) for spec in signature.inputs}
+    warmup_run_s = _warm_up(runner, feeds, model_file)
+    driven = "a layer above runs it" if kind is not None else "the warm-up is too slow to run inline"
+    peak_run_s = 0.0
+    if kind is None and warmup_run_s < inline_limit_s:
+        # Fast enough to run inline: but only if no request's values can make it slow.
+        driven = value_driven(model_file, signature)
+        if not driven and signature.max_batch_size > 1:
+            largest = {spec.name: _sample(spec, signature.max_batch_size) for spec in signature.inputs}
+            peak_run_s = _warm_up(runner, largest, model_file)
     return dataclasses.replace(
         runner,
-        warmup_run_s=_warm_up(runner, feeds, model_file),
+        warmup_run_s=warmup_run_s,
         sample_feeds=feeds,
         shrink_options=_shrink_options(runner.provider, config),
         device=f"cuda:{config.execution.device_id}" if runner.provider == CUDA else "cpu",
+        value_driven=driven,
+        peak_run_s=peak_run_s,
     )
 
 
@@ -235,7 +331,43 @@ def _session_options(config: ModelConfig) -> ort.SessionOptions:
     options.intra_op_num_threads = config.execution.intra_op_threads
     options.inter_op_num_threads = config.execution.inter_op_threads
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    if _run_memory_bytes:
+        # Runs draw CPU memory from the process's bounded arena (bound_run_memory); the weights
+        # stay outside it, so that the bound is what runs hold, not how many models are loaded.
+        options.add_session_config_entry("session.use_env_allocators", "1")
+        options.add_session_config_entry("session.use_device_allocator_for_initializers", "1")
     return options
+
+
+# The bound of the process's shared CPU arena, once set (0: each session has its own, unbounded).
+_run_memory_bytes = 0
+
+
+def bound_run_memory(max_bytes: int) -> int:
+    """Bound the CPU memory that the runs of every session loaded from now on hold at once:
+    one arena for the process, with ONNX Runtime's OrtArenaCfg max_mem (its CPU provider takes no
+    arena settings per session). A run that would pass it fails with RunMemoryExceeded; the
+    arena's unused chunks are freed after it (ModelRunner.give_back_memory). Once per process:
+    ONNX Runtime keeps the first arena registered; returns the bound in force."""
+    global _run_memory_bytes
+    if max_bytes <= 0:
+        return _run_memory_bytes
+    if _run_memory_bytes:
+        if max_bytes != _run_memory_bytes:
+            log.warning(
+                "the run memory bound is already %d MiB in this process; %d MiB is not applied",
+                _run_memory_bytes >> 20,
+                max_bytes >> 20,
+            )
+        return _run_memory_bytes
+    info = ort.OrtMemoryInfo("Cpu", ort.OrtAllocatorType.ORT_ARENA_ALLOCATOR, 0, ort.OrtMemType.DEFAULT)
+    # kSameAsRequested: the arena grows by what a run asks, so that the bound is not eaten by
+    # power-of-two rounding.
+    ort.create_and_register_allocator(
+        info, ort.OrtArenaCfg({"max_mem": max_bytes, "arena_extend_strategy": 1})
+    )
+    _run_memory_bytes = max_bytes
+    return max_bytes
 
 
 def _signature(session: ort.InferenceSession, config: ModelConfig, model_file: Path) -> Signature:
@@ -304,8 +436,8 @@ def _warm_up(runner: ModelRunner, feeds: Mapping[str, np.ndarray], model_file: P
     return statistics.median(timings)
 
 
-def _sample(spec: TensorSpec) -> np.ndarray:
-    shape = tuple(1 if d < 0 else d for d in spec.shape)
+def _sample(spec: TensorSpec, rows: int = 1) -> np.ndarray:
+    shape = tuple((rows if i == 0 else 1) if d < 0 else d for i, d in enumerate(spec.shape))
     if spec.datatype == "BYTES":
         return np.full(shape, b"", dtype=object)
     return np.zeros(shape, dtype=NUMPY_BY_NAME[spec.datatype])

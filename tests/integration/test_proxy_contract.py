@@ -54,10 +54,12 @@ QUEUED = {
 class NaNFailingRunner(RecordingRunner):
     """A runtime fault on input the schema accepts: any NaN makes the run raise."""
 
-    def run(self, feeds: Mapping[str, np.ndarray], output_names: Sequence[str]) -> list[np.ndarray]:
+    def run(
+        self, feeds: Mapping[str, np.ndarray], output_names: Sequence[str], options: Any = None
+    ) -> list[np.ndarray]:
         if any(np.isnan(v).any() for v in feeds.values()):
             raise RuntimeError("the kernel failed on a NaN")
-        return super().run(feeds, output_names)
+        return super().run(feeds, output_names, options)
 
 
 @pytest.fixture

@@ -7,6 +7,7 @@ import os
 from pathlib import Path
 
 import pytest
+from onnx import TensorProto, helper
 
 from models import demo_models
 from service.repository.config import load_config
@@ -36,10 +37,52 @@ def test_the_limit_follows_the_cores_each_process_has(
 
 
 def test_a_model_runs_inline_when_its_warm_up_run_is_under_the_limit(tmp_path: Path) -> None:
-    model_file = demo_models.write_model(tmp_path, "tiny", 1, demo_models.scaled_identity(4, 2.0), {})
+    # A batch dimension bounded by max_batch_size: timed at max_batch_size rows too.
+    config_doc = {"max_batch_size": 8}
+    model_file = demo_models.write_model(tmp_path, "tiny", 1, demo_models.scaled_identity(4, 2.0), config_doc)
     config = load_config(model_file.parent.parent)
     generous = load_runner(model_file, config, detect_providers(), inline_limit_s=1.0)
     assert generous.runs_inline
-    assert generous.warmup_run_s < 1.0
+    assert generous.warmup_run_s < 1.0 and 0 < generous.peak_run_s < 1.0
     none = load_runner(model_file, config, detect_providers(), inline_limit_s=0.0)
     assert not none.runs_inline
+
+
+def test_a_dimension_no_limit_bounds_keeps_a_model_off_the_loop(tmp_path: Path) -> None:
+    # No max_batch_size: its first dimension takes any size a request brings (issue 17).
+    model_file = demo_models.write_model(tmp_path, "tiny", 1, demo_models.scaled_identity(4, 2.0), {})
+    runner = load_runner(
+        model_file, load_config(model_file.parent.parent), detect_providers(), inline_limit_s=1.0
+    )
+    assert not runner.runs_inline
+    assert "dynamic dimension" in runner.value_driven
+
+
+def test_shapes_computed_from_fixed_shapes_keep_a_model_inline(tmp_path: Path) -> None:
+    # As exporters write a flatten: Shape -> Gather -> Unsqueeze -> Concat -> Reshape. The shape
+    # comes from the input's (fixed) shape, not from its values.
+    nodes = [
+        helper.make_node("Shape", ["X"], ["s"]),
+        helper.make_node("Gather", ["s", "zero"], ["b"], axis=0),
+        helper.make_node("Unsqueeze", ["b", "axes"], ["b1"]),
+        helper.make_node("Concat", ["b1", "minus1"], ["target"], axis=0),
+        helper.make_node("Reshape", ["X", "target"], ["Y"]),
+    ]
+    constants = [
+        helper.make_tensor("zero", TensorProto.INT64, [], [0]),
+        helper.make_tensor("axes", TensorProto.INT64, [1], [0]),
+        helper.make_tensor("minus1", TensorProto.INT64, [1], [-1]),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "flatten",
+        [helper.make_tensor_value_info("X", TensorProto.FLOAT, ["batch", 2, 3])],
+        [helper.make_tensor_value_info("Y", TensorProto.FLOAT, ["batch", 6])],
+        constants,
+    )
+    model = demo_models.make_model(graph)
+    model_file = demo_models.write_model(tmp_path, "flat", 1, model, {"max_batch_size": 8})
+    config = load_config(model_file.parent.parent)
+    runner = load_runner(model_file, config, detect_providers(), inline_limit_s=1.0)
+    assert runner.value_driven == ""
+    assert runner.runs_inline

@@ -7,9 +7,11 @@ Runs are held at the fake runners' gates, so which instance is busy is decided b
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -22,7 +24,13 @@ from service.repository.config import ConfigError, ExecutionConfig, ModelConfig,
 from service.runtime.instances import Instances, load_instances, placements
 from service.runtime.providers import CPU, CUDA, ProviderChoice
 from service.runtime.served import VersionStats
-from service.runtime.session import ModelRunner, _providers, is_device_fault, run_error
+from service.runtime.session import (
+    INLINE_WATCHDOG_S,
+    ModelRunner,
+    _providers,
+    is_device_fault,
+    run_error,
+)
 from service.scheduling.queue import AdmissionPolicy, Scheduling
 from tests.batching_fakes import FakeRunner, ManualClock
 from tests.support import eventually, metric
@@ -38,7 +46,9 @@ class FaultyRunner(FakeRunner):
         super().__init__()
         self.error = error
 
-    def run(self, feeds: Mapping[str, np.ndarray], output_names: Sequence[str]) -> list[np.ndarray]:
+    def run(
+        self, feeds: Mapping[str, np.ndarray], output_names: Sequence[str], options: Any = None
+    ) -> list[np.ndarray]:
         self.gate.pass_()
         self.runs.append(np.array(feeds["x"]))
         raise self.error
@@ -179,7 +189,9 @@ def test_device_faults_are_told_from_the_requests_own_failures() -> None:
     assert not is_device_fault(ValueError("CUDA failure in a message of another kind"))
     assert isinstance(run_error(EPFail("boom"), "model m version 1"), DeviceFault)
     assert isinstance(run_error(InvalidArgument("bad shape"), "model m version 1"), InvalidInput)
-    plain = run_error(Fail("Reshape: cannot reshape"), "model m version 1")
+    # A kernel refusing the shapes a request's values made is the request's fault (issue 17).
+    assert isinstance(run_error(Fail("Reshape: the requested shape is invalid"), "m"), InvalidInput)
+    plain = run_error(Fail("the kernel's workspace is not initialised"), "model m version 1")
     assert isinstance(plain, ModelRunError) and not isinstance(plain, DeviceFault)
 
 
@@ -215,6 +227,51 @@ async def test_a_client_that_leaves_keeps_its_instance_counted_until_the_run_end
     assert instances.all[0].pending == 1  # still running on its executor thread
     runner.gate.open()
     await eventually(lambda: instances.all[0].pending == 0, "the run to end")
+
+
+class SlowInlineRunner(FakeRunner):
+    """Inline by its warm-up, but its runs take longer than the inline watchdog allows."""
+
+    def __init__(self) -> None:
+        super().__init__(inline=True)
+
+    def run(
+        self, feeds: Mapping[str, np.ndarray], output_names: Sequence[str], options: Any = None
+    ) -> list[np.ndarray]:
+        time.sleep(INLINE_WATCHDOG_S * 1.5)  # the run itself: the event loop is held meanwhile
+        return super().run(feeds, output_names)
+
+
+async def test_an_inline_run_past_the_watchdog_moves_the_version_off_the_loop(
+    executor: ThreadPoolExecutor,
+) -> None:
+    runner = SlowInlineRunner()
+    instances = Instances([runner])
+    assert instances.runs_inline
+    await instances.run(x(1), ["y"], executor, "m")
+    assert not instances.runs_inline  # for good: the next run goes to the executor, stoppable
+    runner.inline = False  # so that the fake holds at its gate, as an executor run
+    runner.gate.close()
+    run = asyncio.ensure_future(instances.run(x(1), ["y"], executor, "m"))
+    await eventually(lambda: len(instances.runs) == 1, "the run on the executor")
+    runner.gate.open()
+    await run
+    assert len(instances.runs) == 0
+
+
+async def test_a_caller_that_leaves_stops_its_run(executor: ThreadPoolExecutor) -> None:
+    runner = FakeRunner()
+    instances = Instances([runner])
+    runner.gate.close()
+    call = asyncio.ensure_future(instances.run(x(1), ["y"], executor, "m"))
+    await eventually(lambda: runner.gate.entered == 1, "the run to start")
+    (control,) = instances.runs
+    assert not control.options.terminate
+    call.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await call
+    assert control.options.terminate  # ONNX Runtime stops it at its next check
+    runner.gate.open()
 
 
 async def test_a_device_fault_moves_the_next_runs_to_the_healthy_instance(

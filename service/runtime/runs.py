@@ -1,0 +1,107 @@
+"""Runs that can be stopped: each run on an executor thread gets its own ONNX Runtime RunOptions,
+whose `terminate` flag ONNX Runtime checks between nodes (and between a Loop's iterations), so
+that a run whose callers all left, or that outlives the shutdown's grace, gives its executor
+thread, its slot and its core back within a node's time.
+
+Inline runs (fixed-cost graphs, microseconds: session.py `runs_inline`) take no RunOptions: they
+end before anything could stop them, and creating one costs about a microsecond.
+
+ActiveRuns is touched on the event loop only (start, end, terminate_all); the executor threads
+only hand the options to ONNX Runtime, which reads the flag.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import threading
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+
+import onnxruntime as ort
+
+from service.errors import ModelUnavailable, ServiceError
+
+log = logging.getLogger(__name__)
+
+# How long shutdown waits for the executor's threads once their runs were stopped: a run inside
+# one long kernel sees the flag only when that kernel ends.
+EXECUTOR_STOP_S = 2.0
+SHUTDOWN_MESSAGE = "the service is shutting down; the run was stopped before it finished"
+
+
+class RunControl:
+    """One run's RunOptions, and why it was stopped (None while it may run)."""
+
+    __slots__ = ("options", "why")
+
+    def __init__(self) -> None:
+        self.options = ort.RunOptions()
+        self.why: ServiceError | None = None
+
+    def terminate(self, why: ServiceError) -> None:
+        """Stop the run at ONNX Runtime's next check; it then fails with `why` (the first reason
+        given wins)."""
+        if self.why is None:
+            self.why = why
+        self.options.terminate = True
+
+
+class ActiveRuns:
+    """The stoppable runs of one service (its executor runs), so that shutdown can stop them all."""
+
+    def __init__(self) -> None:
+        self._runs: set[RunControl] = set()
+        self.closing = False
+
+    def __len__(self) -> int:
+        return len(self._runs)
+
+    def __iter__(self) -> Iterator[RunControl]:
+        return iter(list(self._runs))
+
+    def start(self) -> RunControl:
+        control = RunControl()
+        if self.closing:  # a run that starts after the grace ended stops at once
+            control.terminate(ModelUnavailable(SHUTDOWN_MESSAGE))
+        self._runs.add(control)
+        return control
+
+    def end(self, control: RunControl) -> None:
+        self._runs.discard(control)
+
+    def terminate_all(self) -> int:
+        """Stop every run (shutdown): each fails UNAVAILABLE/draining. Returns how many."""
+        self.closing = True
+        runs = list(self._runs)
+        for control in runs:
+            control.terminate(ModelUnavailable(SHUTDOWN_MESSAGE))
+        return len(runs)
+
+
+# Set when shutdown gave up waiting for a run: its thread would hold the interpreter's exit
+# (concurrent.futures joins its threads), so the command line exits without it (service/cli.py).
+abandoned = threading.Event()
+
+
+async def shut_down_executor(executor: ThreadPoolExecutor, timeout_s: float = EXECUTOR_STOP_S) -> bool:
+    """Shut the executor down, waiting at most `timeout_s` for its threads (from a daemon thread:
+    neither the event loop nor asyncio's default executor waits on it); False, and `abandoned`
+    set, when a thread is still running then."""
+    loop = asyncio.get_running_loop()
+    finished = asyncio.Event()
+
+    def wait() -> None:
+        executor.shutdown(wait=True, cancel_futures=True)
+        with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits any more
+            loop.call_soon_threadsafe(finished.set)
+
+    threading.Thread(target=wait, name="executor-shutdown", daemon=True).start()
+    try:
+        await asyncio.wait_for(finished.wait(), timeout_s)
+        return True
+    except TimeoutError:
+        log.error("a model run did not stop within %.1f s of the shutdown; exiting without it", timeout_s)
+        abandoned.set()
+        return False
