@@ -191,28 +191,38 @@ class AdaptivePolicy:
             return None
         return max(self.policy.latency_floor_s, self.policy.latency_multiple * self.baseline)
 
-    def record(self, fault: bool, latency: float | None, caller: Caller = None) -> Trip | None:
-        """A call that ended while closed; returns why to open, or None."""
+    def record(
+        self, fault: bool, latency: float | None, caller: Caller = None, lone_trips: bool = False
+    ) -> Trip | None:
+        """A call that ended while closed; returns why to open, or None. `lone_trips`: the version
+        has a fallback (a canary: its callers get stable when it opens), so when every call of
+        the window came from one caller, that caller's faults may open it: nobody else is refused,
+        and a client that is the only caller (one process, or the gateway's one connection) is
+        still protected from a failing canary. Without a fallback the rule must hold without the
+        top caller (leave-one-out), so one caller never takes a version from everyone."""
         now = self._clock()
         self.window.add(now, fault, latency, caller)
         window = self.window
         if len(window) < self.policy.min_calls:
             return None
+        lone = lone_trips and window.callers <= 1
         rate = self.policy.error_rate
-        if window.faults >= rate * len(window) and window.faulty_without_top_caller(rate):
+        if window.faults >= rate * len(window) and (lone or window.faulty_without_top_caller(rate)):
             return Trip.ERROR_RATE
         if latency is not None and now - self._last_check >= self.policy.latency_check_s:
             self._last_check = now
-            return self._check_latency()
+            return self._check_latency(lone)
         return None
 
-    def _check_latency(self) -> Trip | None:
+    def _check_latency(self, lone: bool = False) -> Trip | None:
         latencies = self.window.latencies()
         if len(latencies) < self.policy.latency_min_calls:
             return None
         observed = p99(latencies)
         limit = self.latency_limit()
         if limit is not None and observed > limit:
+            if lone:
+                return Trip.LATENCY
             others = self.window.latencies_without_top_caller(limit)
             if len(others) >= self.policy.latency_min_calls and p99(others) > limit:
                 return Trip.LATENCY

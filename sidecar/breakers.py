@@ -93,10 +93,18 @@ class Breaker:
         self._probes_in_flight += 1
         return Permit(self._generation, True)
 
-    def report(self, permit: Permit, fault: bool, latency: float | None, caller: Caller = None) -> None:
+    def report(
+        self,
+        permit: Permit,
+        fault: bool,
+        latency: float | None,
+        caller: Caller = None,
+        lone_trips: bool = False,
+    ) -> None:
         """The outcome of an allowed call: `fault` counts against the upstream; `latency` (s) is
         given for calls whose duration means something (unary), else None; `caller` is who made
-        it (adaptive.py: no single caller trips a breaker)."""
+        it (adaptive.py: no single caller trips a breaker); `lone_trips`: the version has a
+        fallback, so a lone caller's faults may open it (AdaptivePolicy.record)."""
         if permit.generation != self._generation:
             return  # the state changed while the call ran; its outcome belongs to the past
         if permit.probe:
@@ -105,7 +113,7 @@ class Breaker:
                 # One caller's failing probes alone (its own bad values) do not re-open: its slot
                 # is freed for another probe; failures from a second caller do.
                 self._probe_failers.add(caller)
-                if caller is None or len(self._probe_failers) >= 2:
+                if caller is None or lone_trips or len(self._probe_failers) >= 2:
                     self._open(Trip.PROBE_FAILED)
                 return
             self._probe_successes += 1
@@ -113,7 +121,7 @@ class Breaker:
                 self.adaptive.closed()
                 self._transition(self._cb.close)
             return
-        trip = self.adaptive.record(fault, latency, caller)
+        trip = self.adaptive.record(fault, latency, caller, lone_trips)
         if trip is not None:
             self._open(trip)
 

@@ -597,7 +597,8 @@ class Proxy(_Handler):
         if gone:
             plan.breaker.release(plan.permit)
             return
-        plan.breaker.report(plan.permit, is_fault(code, trailing), latency, plan.caller)
+        has_fallback = plan.dye == CANARY and bool(plan.stable)  # its callers get stable when it opens
+        plan.breaker.report(plan.permit, is_fault(code, trailing), latency, plan.caller, has_fallback)
 
     async def _drained(self, plan: Plan | None, context: Context) -> None:
         """The sidecar is shutting down and this call outlived the grace: the client gets

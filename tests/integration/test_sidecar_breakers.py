@@ -72,6 +72,28 @@ def canary_repository(tmp_path: Path, model: onnx.ModelProto) -> Path:
     return root
 
 
+async def test_a_failing_canary_is_cut_off_for_a_lone_caller(
+    tmp_path: Path, stable: ServiceProcess, service_process
+) -> None:
+    """One connection, no tenant or user header (a single client process; the gateway's one
+    channel): the canary's breaker still opens, since its callers fall back to stable."""
+    canary = service_process(canary_repository(tmp_path, fails_on_large_values()))
+    config = routes(tmp_path / "routes.yaml", backoff_s=60, backoff_max_s=60, latency_floor_s=5)
+    async with running_sidecar([stable.address, canary.address], config=config) as sidecar:
+        await known_versions(sidecar, "scaler", {"1", "2"})
+        async with grpc.aio.insecure_channel(sidecar.address) as channel:
+            fallbacks = []
+            for _ in range(40):
+                answer = await infer(channel, value=100.0, metadata=list(CANARY.items()))
+                assert (answer.version, answer.dye) == ("1", "stable")  # never an error
+                fallbacks.append(answer.fallback)
+                if answer.fallback == "breaker-open":
+                    break
+            assert fallbacks[0] == "canary-fault" and fallbacks[-1] == "breaker-open"
+            assert breaker_state(sidecar, "scaler", "2") == {"open"}
+            assert breaker_state(sidecar, "scaler", "1") == {"closed"}
+
+
 async def test_a_failing_canary_trips_falls_back_without_errors_and_recovers(
     tmp_path: Path, stable: ServiceProcess, service_process
 ) -> None:

@@ -180,3 +180,40 @@ def test_the_caller_is_the_tenant_else_the_user_else_the_connection() -> None:
         {"x-user-id": "u2"}, "x-user-id", peer
     )
     assert caller_key({}, "x-user-id", peer) != caller_key({}, "x-user-id", "ipv4:127.0.0.1:5001")
+
+
+def canary_call(breaker: Breaker, caller: int, fault: bool = False, latency: float | None = 0.01) -> None:
+    permit = breaker.allow()
+    if permit is not None:
+        breaker.report(permit, fault, latency, caller, lone_trips=True)
+
+
+def test_a_failing_canary_with_one_caller_trips(breaker: Breaker) -> None:
+    # The gateway's one connection, or a single client process: the window's only caller. A
+    # canary has a fallback, so its breaker opens (that caller gets stable) ...
+    for _ in range(10):
+        canary_call(breaker, A, fault=True)
+    assert breaker.state is State.OPEN
+
+
+def test_a_version_without_fallback_never_trips_on_a_lone_callers_faults(breaker: Breaker) -> None:
+    # ... while a stable version, which has nowhere to fall back to, needs a second caller's faults.
+    for _ in range(50):
+        call(breaker, A, fault=True)
+    assert breaker.state is State.CLOSED
+
+
+def test_a_lone_caller_cannot_trip_a_canary_that_other_callers_use_fine(breaker: Breaker) -> None:
+    for _ in range(20):
+        canary_call(breaker, B)
+        canary_call(breaker, A, fault=True)
+    assert breaker.state is State.CLOSED  # two callers in the window: leave-one-out decides
+
+
+def test_a_slow_canary_with_one_caller_trips_on_latency(breaker: Breaker) -> None:
+    for _ in range(30):
+        canary_call(breaker, A, latency=0.02)
+    assert breaker.adaptive.baseline is not None
+    for _ in range(30):
+        canary_call(breaker, A, latency=1.0)
+    assert breaker.state is State.OPEN
