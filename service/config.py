@@ -29,6 +29,9 @@ class Settings:
     # past it: RESOURCE_EXHAUSTED, too_large. 0 = half of the memory the service may use, shared
     # among its worker processes. Per process.
     max_run_memory_mb: int = 0
+    # The longest one model run may take, whatever the caller's deadline (or none): a run past it
+    # is stopped (DEADLINE_EXCEEDED, deadline) and its thread and slot come back. 0: no bound.
+    max_run_s: float = 120.0
     workers: str = "1"  # service processes sharing the port: a number, or auto (one per core)
     control_mode: str = "watch"  # watch: follow the repository on disk; explicit: only Load/Unload calls
     watch_method: str = "events"  # events (inotify) or poll (file systems without change events)
@@ -60,6 +63,8 @@ _HELP = {
     "max_run_memory_mb": "MiB of CPU memory that the model runs of one service process may hold at once "
     "(a run past it is refused RESOURCE_EXHAUSTED); 0 = half of the memory available, shared among "
     "the workers",
+    "max_run_s": "seconds one model run may take whatever the caller's deadline (then it is stopped: "
+    "DEADLINE_EXCEEDED); 0: no bound",
     "workers": "service processes sharing the gRPC port (each with its own sessions): N, or auto "
     "for one per CPU core",
     "tls_cert": "PEM certificate chain of the gRPC and metrics listeners; empty: no TLS",

@@ -229,6 +229,7 @@ def build_service(
         providers,
         metrics=metrics,
         drain_timeout_s=settings.drain_timeout_s,
+        max_run_s=settings.max_run_s,
         # Generation recognises decoder graphs as they load; the runtime knows nothing of them.
         loader=loader
         or functools.partial(

@@ -84,6 +84,7 @@ class ModelManager:
         *,
         metrics: ServiceMetrics | None = None,
         drain_timeout_s: float = 30.0,
+        max_run_s: float = 0.0,  # the longest one run on an executor thread may take; 0: no bound
         loader: Loader = load_runner,  # test seam: a loader that fails or blocks on demand
     ) -> None:
         self.repository = repository
@@ -110,7 +111,7 @@ class ModelManager:
         self._overrides: dict[str, LoadOverride] = {}
         self.loaded_all = False  # True once the start-up load of the whole repository has finished
         # The runs on executor threads of every served version, so that shutdown can stop them.
-        self.runs = ActiveRuns()
+        self.runs = ActiveRuns(max_run_s)
 
     # -- requests --------------------------------------------------------------------------
 

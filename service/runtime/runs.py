@@ -21,7 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import onnxruntime as ort
 
-from service.errors import ModelUnavailable, ServiceError
+from service.errors import DeadlineExceeded, ModelUnavailable, ServiceError
 
 log = logging.getLogger(__name__)
 
@@ -34,11 +34,12 @@ SHUTDOWN_MESSAGE = "the service is shutting down; the run was stopped before it 
 class RunControl:
     """One run's RunOptions, and why it was stopped (None while it may run)."""
 
-    __slots__ = ("options", "why")
+    __slots__ = ("options", "timer", "why")
 
     def __init__(self) -> None:
         self.options = ort.RunOptions()
         self.why: ServiceError | None = None
+        self.timer: asyncio.TimerHandle | None = None  # the run-time bound (ActiveRuns.max_run_s)
 
     def terminate(self, why: ServiceError) -> None:
         """Stop the run at ONNX Runtime's next check; it then fails with `why` (the first reason
@@ -51,9 +52,12 @@ class RunControl:
 class ActiveRuns:
     """The stoppable runs of one service (its executor runs), so that shutdown can stop them all."""
 
-    def __init__(self) -> None:
+    def __init__(self, max_run_s: float = 0.0) -> None:
         self._runs: set[RunControl] = set()
         self.closing = False
+        # The longest a run may take, whether or not its caller set a deadline (a caller without
+        # one must not hold a thread and a slot for ever); 0: no bound.
+        self.max_run_s = max_run_s
 
     def __len__(self) -> int:
         return len(self._runs)
@@ -65,11 +69,19 @@ class ActiveRuns:
         control = RunControl()
         if self.closing:  # a run that starts after the grace ended stops at once
             control.terminate(ModelUnavailable(SHUTDOWN_MESSAGE))
+        elif self.max_run_s > 0:
+            too_long = DeadlineExceeded(
+                f"the run took longer than the service's limit of {self.max_run_s:g} s "
+                "(--max-run-s) and was stopped"
+            )
+            control.timer = asyncio.get_running_loop().call_later(self.max_run_s, control.terminate, too_long)
         self._runs.add(control)
         return control
 
     def end(self, control: RunControl) -> None:
         self._runs.discard(control)
+        if control.timer is not None:
+            control.timer.cancel()
 
     def terminate_all(self) -> int:
         """Stop every run (shutdown): each fails UNAVAILABLE/draining. Returns how many."""

@@ -132,6 +132,32 @@ async def test_a_run_for_ever_neither_freezes_the_loop_nor_outlives_its_deadline
     assert len(service.manager.runs) == 0
 
 
+async def test_a_run_without_a_deadline_is_stopped_at_the_services_run_limit(tmp_path: Path) -> None:
+    running = build_service(
+        Settings(
+            repository=_repository(tmp_path / "models"),
+            listen="127.0.0.1:0",
+            metrics_listen="",
+            inference_threads=1,
+            max_run_s=0.5,
+        )
+    )
+    await running.start()
+    try:
+        async with grpc.aio.insecure_channel(running.address) as channel:
+            stub = pb_grpc.InferenceServiceStub(channel)
+            with pytest.raises(grpc.aio.AioRpcError) as stopped:
+                await stub.Infer(_spin(FOREVER))  # no deadline: only the service's limit ends it
+            assert stopped.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            assert _reason(stopped.value) == "deadline"
+            assert "--max-run-s" in (stopped.value.details() or "")
+            answer = await stub.Infer(_spin(5), timeout=5)  # the one thread came back
+            assert to_array(answer.outputs[0]).tolist() == [5.0]
+            assert len(running.manager.runs) == 0
+    finally:
+        await running.stop(grace_s=1.0)
+
+
 async def test_a_cancelled_call_stops_its_run(service: Service, stub: Any) -> None:
     call = stub.Infer(_spin(FOREVER))
     await eventually(lambda: len(service.manager.runs) == 1, "the run under way")
