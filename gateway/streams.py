@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 import grpc
-from modelyard.common import headers
+from modelyard.common import headers, names
 from modelyard.inference.v1 import inference_service_pb2 as pb
 
 from gateway import errors, upstream
@@ -212,8 +212,10 @@ def format_id(stream_id: str, seq: int) -> str:
 
 def parse_id(text: str) -> tuple[str, int]:
     stream_id, _, seq = text.strip().rpartition(":")
-    if not stream_id or not seq.isdigit():
-        raise ValueError(f"Last-Event-ID {text!r} is not an event id of this gateway (<stream>:<seq>)")
+    if not stream_id or not seq.isascii() or not seq.isdigit() or len(seq) > 18:
+        raise ValueError(
+            f"Last-Event-ID {names.echo(text)} is not an event id of this gateway (<stream>:<seq>)"
+        )
     return stream_id, int(seq)
 
 
