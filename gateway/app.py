@@ -9,10 +9,12 @@ import socket
 from pathlib import Path
 
 import uvicorn
+from modelyard.common.reasons import ErrorReason
 from modelyard.common.settings import split_address
 from modelyard.common.tls import TlsFiles, warn_if_plaintext
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, RedirectResponse, Response
 from starlette.routing import BaseRoute, Mount, Route
@@ -69,7 +71,10 @@ def build_app(
         routes += [Route("/", index, methods=["GET"]), Mount("/static", StaticFiles(directory=STATIC))]
     app = Starlette(
         routes=routes,
-        exception_handlers={errors.HttpError: _error_response},  # type: ignore[dict-item]
+        exception_handlers={
+            errors.HttpError: _error_response,  # type: ignore[dict-item]
+            HTTPException: _starlette_error,  # type: ignore[dict-item]  # no route (404), wrong method (405)
+        },
     )
     app.add_middleware(_Counted, metrics=metrics)
     return app
@@ -82,6 +87,15 @@ async def _error_response(request: Request, exc: errors.HttpError) -> Response:
         body = {"error": exc.message, "code": exc.code, "reason": exc.reason}
         return JSONResponse(body, status_code=exc.status, headers=exc.headers())
     return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers())
+
+
+async def _starlette_error(request: Request, exc: HTTPException) -> Response:
+    """Starlette's own answers (no such route, a method a route lacks) in the same error body."""
+    code = "NOT_FOUND" if exc.status_code == 404 else "UNIMPLEMENTED"
+    error = errors.HttpError(exc.status_code, code, ErrorReason.UNSUPPORTED, f"{request.method} {exc.detail}")
+    if exc.status_code < 400 or exc.status_code >= 500:
+        error = errors.HttpError(exc.status_code, code, ErrorReason.INTERNAL, str(exc.detail))
+    return await _error_response(request, error)
 
 
 class _Counted:
