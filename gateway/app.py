@@ -125,7 +125,11 @@ class Gateway:
         self.settings = settings
         self.metrics = GatewayMetrics()
         self.registry = Registry(
-            settings.resume_window_s, settings.resume_buffer_events, settings.max_streams, self.metrics
+            settings.resume_window_s,
+            settings.resume_buffer_events,
+            settings.max_streams,
+            self.metrics,
+            settings.resume_buffer_bytes,
         )
         self.upstream: Upstream | None = None
         self._server: uvicorn.Server | None = None

@@ -28,7 +28,10 @@ class Settings:
     # a disconnect cancels the upstream call at once.
     resume_window_s: float = 30.0
     resume_buffer_events: int = 512
-    max_streams: int = 1024  # streams held at once (attached or kept for resume); more get 429
+    max_streams: int = 1024  # open streams (upstream call running, attached or not); more get 429
+    # Finished streams kept for resume hold only their buffers: all of them together stay under
+    # this many bytes (encoded events), the oldest forgotten first.
+    resume_buffer_bytes: int = 64 * 1024 * 1024
     # gRPC's own flow-control window buffers many small token messages (64 KiB and up: thousands of
     # tokens) before a stopped reader is felt upstream. A small lookahead (bytes; 0 = gRPC's adaptive
     # default) makes a stalled stream pause the service's sequence after a few tokens.
@@ -58,7 +61,8 @@ _HELP = {
     "retry_ms": "reconnect delay hinted to EventSource clients (SSE retry:)",
     "resume_window_s": "seconds a stream is kept for Last-Event-ID resume after its client left; 0: none",
     "resume_buffer_events": "most events a stream buffers for resume (generation pauses when full)",
-    "max_streams": "most SSE streams held at once; more are answered 429",
+    "max_streams": "most SSE streams open at once (generating, attached or kept for resume); more: 429",
+    "resume_buffer_bytes": "bytes the finished streams kept for resume may buffer together (oldest dropped)",
     "upstream_lookahead_bytes": "HTTP/2 lookahead window to the upstream (bytes); 0 = gRPC's default",
     "upstream_timeout_s": "deadline of each upstream gRPC call in seconds; 0 = none",
     "tls_cert": "PEM certificate chain of the HTTP listener; empty: plain HTTP",
