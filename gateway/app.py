@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import socket
 from pathlib import Path
 
@@ -24,6 +25,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from gateway import errors, kserve_rest, openai_api
 from gateway.config import Settings
 from gateway.generate import GenerateEndpoints
+from gateway.listener import Limits, protocol_class
 from gateway.metrics import GatewayMetrics
 from gateway.streams import Registry
 from gateway.tls import UpstreamTls, listener_context
@@ -157,13 +159,23 @@ class Gateway:
         # peer's delayed ACK (Nagle), which would add tens of ms to time to first token.
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self._socket = sock
+        limits = Limits(
+            settings.idle_timeout_s,
+            settings.header_timeout_s,
+            settings.body_timeout_s,
+            settings.max_header_bytes,
+        )
         config = uvicorn.Config(
             app,
+            # httptools with the guard uvicorn lacks: idle, header and body deadlines, a header bound.
+            http=protocol_class(limits),
             lifespan="off",
             log_config=None,
             access_log=False,
             timeout_graceful_shutdown=int(max(1, settings.grace_s)),
-            h11_max_incomplete_event_size=64 * 1024,
+            # uvicorn's own keep-alive timer, never before the guard's idle deadline.
+            timeout_keep_alive=max(1, math.ceil(settings.idle_timeout_s or 3600)),
+            limit_concurrency=settings.max_connections or None,
         )
         config.load()
         # Set after load(): uvicorn would build a fixed context from file names; ours follows the files.

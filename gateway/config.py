@@ -37,6 +37,12 @@ class Settings:
     # default) makes a stalled stream pause the service's sequence after a few tokens.
     upstream_lookahead_bytes: int = 0
     upstream_timeout_s: float = 0.0  # deadline of each upstream call; 0 = none (streams may be long)
+    # The HTTP listener's connection guard (gateway/listener.py); 0 turns a timeout off.
+    idle_timeout_s: float = 60.0  # a connection with no request in progress (new or kept alive)
+    header_timeout_s: float = 10.0  # from a request's first byte to the end of its headers (then 408)
+    body_timeout_s: float = 30.0  # from the end of the headers to the end of the body (then 408)
+    max_header_bytes: int = 64 * 1024  # request line and headers together (more: 431)
+    max_connections: int = 4096  # connections (and requests in progress) at once; more get 503
     # TLS of the HTTP listener, as the service's: certificate and key, optional client CA (mTLS).
     tls_cert: str = ""
     tls_key: str = ""
@@ -65,6 +71,11 @@ _HELP = {
     "resume_buffer_bytes": "bytes the finished streams kept for resume may buffer together (oldest dropped)",
     "upstream_lookahead_bytes": "HTTP/2 lookahead window to the upstream (bytes); 0 = gRPC's default",
     "upstream_timeout_s": "deadline of each upstream gRPC call in seconds; 0 = none",
+    "idle_timeout_s": "seconds a connection may stay without a request in progress; 0 = no limit",
+    "header_timeout_s": "seconds from a request's first byte to the end of its headers (408); 0 = no limit",
+    "body_timeout_s": "seconds from the end of the headers to the end of the body (408); 0 = no limit",
+    "max_header_bytes": "largest request line plus headers in bytes (larger: 431)",
+    "max_connections": "most connections and requests in progress at once (more: 503)",
     "tls_cert": "PEM certificate chain of the HTTP listener; empty: plain HTTP",
     "tls_key": "PEM private key for tls_cert",
     "tls_client_ca": "PEM CA bundle; when set, HTTP clients must present a certificate it signed (mTLS)",
