@@ -4,7 +4,8 @@ headers are each answered (408/413/431) and closed by the gateway within its tim
 long SSE stream, quieter than none of them, is not cut.
 
 Raw TCP clients on loopback against a real gateway in this process (small timeouts set through its
-settings); each test waits for the socket's EOF under a bounded deadline.
+settings), then the same against a real Envoy in front of it (tests/envoy_support.py, config from
+envoy/render.py); each test waits for the socket's EOF under a bounded deadline.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from modelyard.inference.v1 import inference_service_pb2 as pb
 
 from gateway.app import Gateway
 from gateway.config import Settings
+from tests.envoy_support import render_module, start_envoy
 from tests.sse_client import events_only, read_events
 
 IDLE_S, HEADER_S, BODY_S = 0.4, 0.6, 0.8  # distinct, so each close shows which deadline fired
@@ -209,3 +211,74 @@ async def test_a_stream_longer_than_every_timeout_is_not_cut(gateway: Gateway) -
         events = events_only([e async for e in read_events(response)])
     assert time.monotonic() - started > max(IDLE_S, HEADER_S, BODY_S)
     assert [e.event for e in events] == ["token"] * TOKENS + ["done"]
+
+
+# --- Envoy in front ----------------------------------------------------------------------------
+
+
+def test_envoy_timeouts_fit_the_gateway_behind_it() -> None:
+    """Rendered defaults: stream_idle_timeout far above the gateway's heartbeat interval (streams
+    survive), Envoy's header bound under the gateway's, pooled connections closed by Envoy before
+    the gateway's idle timeout would close them under a request."""
+    render = render_module()
+    defaults = Settings()
+    for settings in (render.RenderSettings(), render.KUBERNETES):
+        assert settings.stream_idle_timeout_s >= 4 * defaults.heartbeat_s
+        assert settings.max_request_headers_kb * 1024 < defaults.max_header_bytes
+        assert settings.upstream_idle_timeout_s < defaults.idle_timeout_s
+        manager = render.config(settings)["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][
+            0
+        ]
+        typed = manager["typed_config"]
+        assert typed["request_headers_timeout"] == "10s" and typed["request_timeout"] == "120s"
+        assert typed["common_http_protocol_options"] == {"idle_timeout": "60s"}
+
+
+async def test_envoy_closes_slow_and_idle_connections_but_not_streams(gateway: Gateway, tmp_path) -> None:
+    sidecar = gateway.settings.upstream
+    envoy = start_envoy(
+        tmp_path,
+        gateway.address,
+        sidecar,
+        idle_timeout_s=IDLE_S,
+        request_headers_timeout_s=HEADER_S,
+        request_timeout_s=BODY_S,
+        stream_idle_timeout_s=BODY_S * 2,  # over the gateway's 0.2 s heartbeats and token gaps
+    )
+    try:
+        host, port = "127.0.0.1", envoy.port
+        reader, writer = await asyncio.open_connection(host, port)
+        started = time.monotonic()
+        assert await until_eof(reader, IDLE_S + MARGIN_S) == b""
+        assert time.monotonic() - started >= IDLE_S * 0.9
+        writer.close()
+
+        reader, writer = await asyncio.open_connection(host, port)
+        started = time.monotonic()
+        writer.write(b"GET /healthz HTTP/1.1\r\nhost: x\r\nx-more: ")
+        answer = await until_eof(reader, HEADER_S + MARGIN_S)
+        assert time.monotonic() - started >= HEADER_S * 0.9 and answer.startswith(b"HTTP/1.1 408")
+        writer.close()
+
+        reader, writer = await asyncio.open_connection(host, port)
+        writer.write(b"POST /v1/models/m/generate HTTP/1.1\r\nhost: x\r\ntransfer-encoding: chunked\r\n\r\n")
+        started = time.monotonic()
+        body = bytearray()
+        with contextlib.suppress(ConnectionError):
+            for _ in range(10_000):  # a byte per 50 ms
+                writer.write(b"1\r\n \r\n")
+                if await closed_within(reader, body, 0.05):
+                    break
+        assert BODY_S * 0.9 <= time.monotonic() - started < BODY_S + MARGIN_S
+        assert body.startswith(b"HTTP/1.1 408"), body[:200]
+        writer.close()
+
+        # The request_timeout (BODY_S) and stream_idle_timeout stop nothing once the stream answers.
+        async with httpx.AsyncClient(base_url=envoy.url, timeout=30) as http:
+            started = time.monotonic()
+            response = await http.post("/v1/models/m/generate", json={"prompt": "x"})
+            events = events_only([e async for e in read_events(response)])
+        assert time.monotonic() - started > BODY_S * 2
+        assert [e.event for e in events] == ["token"] * TOKENS + ["done"]
+    finally:
+        envoy.stop()
