@@ -37,6 +37,8 @@ UINT32 = ("uint32", 0, 2**32 - 1)
 INT64 = ("int64", -(2**63), 2**63 - 1)
 UINT64 = ("uint64", 0, 2**64 - 1)
 IntKind = tuple[str, int, int]
+# The float fields of the API are float32: a larger double would arrive as infinity.
+FLOAT32_MAX = 3.4028234663852886e38
 
 _NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
 _SQUARE = bytes.maketrans(b"{}", b"[]")
@@ -187,8 +189,8 @@ def get_float(body: Mapping[str, Any], name: str, default: float = 0.0) -> float
         number = float(value)
     except OverflowError:  # an int past float's range
         number = math.inf
-    if not math.isfinite(number):
-        raise out_of_range(name, "must be a finite number")
+    if not math.isfinite(number) or abs(number) > FLOAT32_MAX:
+        raise out_of_range(name, f"must be a finite number within +-{FLOAT32_MAX:.4g} (float32)")
     return number
 
 

@@ -206,6 +206,7 @@ def test_malformed_json_is_400_on_every_endpoint(harness: Harness, path: str, bo
         ({"prompt": "x", "seed": -1}, "seed"),
         ({"prompt": "x", "priority": 2**33}, "priority"),
         ({"prompt": "x", "temperature": 10**400}, "temperature"),
+        ({"prompt": "x", "top_p": 1e300}, "top_p"),
         ({"prompt": "x", "model_version": "../1"}, "model_version"),
     ],
 )
