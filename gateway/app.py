@@ -164,6 +164,7 @@ class Gateway:
             settings.header_timeout_s,
             settings.body_timeout_s,
             settings.max_header_bytes,
+            settings.write_stall_timeout_s,
         )
         config = uvicorn.Config(
             app,

@@ -42,6 +42,7 @@ class Settings:
     header_timeout_s: float = 10.0  # from a request's first byte to the end of its headers (then 408)
     body_timeout_s: float = 30.0  # from the end of the headers to the end of the body (then 408)
     max_header_bytes: int = 64 * 1024  # request line and headers together (more: 431)
+    write_stall_timeout_s: float = 60.0  # a client that reads nothing while its buffer is full
     max_connections: int = 4096  # connections (and requests in progress) at once; more get 503
     # TLS of the HTTP listener, as the service's: certificate and key, optional client CA (mTLS).
     tls_cert: str = ""
@@ -75,6 +76,7 @@ _HELP = {
     "header_timeout_s": "seconds from a request's first byte to the end of its headers (408); 0 = no limit",
     "body_timeout_s": "seconds from the end of the headers to the end of the body (408); 0 = no limit",
     "max_header_bytes": "largest request line plus headers in bytes (larger: 431)",
+    "write_stall_timeout_s": "seconds a client may read nothing of a full write buffer; 0 = no limit",
     "max_connections": "most connections and requests in progress at once (more: 503)",
     "tls_cert": "PEM certificate chain of the HTTP listener; empty: plain HTTP",
     "tls_key": "PEM private key for tls_cert",

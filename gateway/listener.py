@@ -12,7 +12,10 @@ ever. Here each connection is, at any moment, in one phase with its own deadline
 - body: headers complete, body not: `body_timeout_s` from the end of the headers for the whole
   body (a trickle does not extend it), then 408 (or, once the answer has started, close);
 - answering: the request is fully read: no deadline (SSE streams last as long as they are
-  written; the gateway's heartbeats keep them alive through proxies).
+  written; the gateway's heartbeats keep them alive through proxies), except that a client
+  that stops reading is let go: once the connection's write buffer is full (asyncio pauses
+  writing), it has `write_stall_timeout_s` to take some of it, or the connection is closed (an
+  SSE stream is then detached, as on any disconnect, and kept for resume).
 An answer sent before its request's body was read (413, or a route that ignores bodies) closes
 the connection after it, so an endless body cannot follow it.
 """
@@ -36,6 +39,7 @@ class Limits:
     header_timeout_s: float = 10.0
     body_timeout_s: float = 30.0
     max_header_bytes: int = 64 * 1024
+    write_stall_timeout_s: float = 60.0
 
 
 class _HeadersTooLarge(Exception):
@@ -63,6 +67,7 @@ class GuardedProtocol(HttpToolsProtocol):
         self._partial = False  # bytes of a request arrived, its headers are not complete yet
         self._header_bytes = 0
         self._too_large = False
+        self._stalled: asyncio.TimerHandle | None = None
 
     # --- uvicorn's protocol, watched --------------------------------------------------------------
 
@@ -72,7 +77,18 @@ class GuardedProtocol(HttpToolsProtocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._cancel()
+        self._unstall()
         super().connection_lost(exc)
+
+    def pause_writing(self) -> None:
+        super().pause_writing()
+        timeout = self.LIMITS.write_stall_timeout_s
+        if timeout > 0 and self._stalled is None:
+            self._stalled = self.loop.call_later(timeout, self._stall_expired)
+
+    def resume_writing(self) -> None:
+        super().resume_writing()
+        self._unstall()
 
     def data_received(self, data: bytes) -> None:
         super().data_received(data)
@@ -149,6 +165,16 @@ class GuardedProtocol(HttpToolsProtocol):
         }.get(phase)
         if timeout is not None and timeout > 0:
             self._deadline = self.loop.call_later(timeout, self._expired, key)
+
+    def _unstall(self) -> None:
+        if self._stalled is not None:
+            self._stalled.cancel()
+            self._stalled = None
+
+    def _stall_expired(self) -> None:
+        self._stalled = None
+        if not self.transport.is_closing():
+            self.transport.abort()  # its buffer will not drain: drop it, do not wait on it
 
     def _cancel(self) -> None:
         if self._deadline is not None:

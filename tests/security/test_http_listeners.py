@@ -26,8 +26,10 @@ from gateway.app import Gateway
 from gateway.config import Settings
 from tests.envoy_support import render_module, start_envoy
 from tests.sse_client import events_only, read_events
+from tests.support import eventually, metric
 
 IDLE_S, HEADER_S, BODY_S = 0.4, 0.6, 0.8  # distinct, so each close shows which deadline fired
+STALL_S = 0.5
 MARGIN_S = 3.0  # how much later than its deadline a close may come on a busy machine
 TOKENS, TOKEN_GAP_S = 4, 0.5  # the slow stream: 2 s, longer than every timeout above
 
@@ -35,6 +37,10 @@ TOKENS, TOKEN_GAP_S = 4, 0.5  # the slow stream: 2 s, longer than every timeout 
 async def slow_generate(request: pb.GenerateRequest, context: Any) -> AsyncIterator[pb.GenerateResponse]:
     """A sidecar whose tokens come TOKEN_GAP_S apart (the pacing is the point of this fake)."""
     await context.send_initial_metadata((("x-served-version", "1"),))
+    if request.prompt == "flood":  # big tokens, as fast as they are read
+        for i in range(2000):
+            yield pb.GenerateResponse(sequence_number=i, model_version="1", text="t" * 32768, token_ids=[i])
+        return
     for i in range(TOKENS):
         yield pb.GenerateResponse(sequence_number=i, model_version="1", text="t", token_ids=[i])
         await asyncio.sleep(TOKEN_GAP_S)
@@ -69,6 +75,9 @@ async def gateway() -> AsyncIterator[Gateway]:
         max_body_bytes=64 * 1024,
         heartbeat_s=0.2,
         first_event_wait_s=0.1,
+        write_stall_timeout_s=STALL_S,
+        resume_window_s=0,  # a client that is let go ends its stream at once
+        resume_buffer_events=16,
     )
     running = Gateway(settings)
     await running.start()
@@ -202,6 +211,19 @@ async def test_an_endless_fast_body_is_answered_then_the_connection_closed(
             with contextlib.suppress(asyncio.CancelledError):
                 await sending
     assert answer.startswith(b"HTTP/1.1 413" if path.startswith(b"POST") else b"HTTP/1.1 200"), answer[:200]
+
+
+async def test_a_client_that_stops_reading_is_let_go(gateway: Gateway) -> None:
+    """It reads nothing of a stream that fills every buffer: after STALL_S with the write buffer
+    full the connection is dropped, its stream detached and (no resume here) cancelled upstream."""
+    async with connection(gateway) as (_, writer):
+        writer.write(b"GET /v1/models/m/generate?prompt=flood HTTP/1.1\r\nhost: x\r\n\r\n")
+        await eventually(
+            lambda: metric(gateway.metrics.registry, "modelyard_gateway_disconnects_total") == 1,
+            "the stalled reader let go",
+            within_s=STALL_S + 2 * MARGIN_S,
+        )
+        await eventually(lambda: len(gateway.registry) == 0, "its stream forgotten")
 
 
 async def test_a_stream_longer_than_every_timeout_is_not_cut(gateway: Gateway) -> None:
