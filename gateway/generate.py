@@ -13,7 +13,7 @@ import asyncio
 import time
 from typing import Any
 
-from modelyard.common import headers
+from modelyard.common import headers, names
 from modelyard.inference.v1 import inference_service_pb2 as pb
 from starlette.requests import Request
 from starlette.responses import Response
@@ -121,13 +121,13 @@ class GenerateEndpoints:
         if stream is None or stream.model != model:
             self.metrics.resumes.labels("unknown").inc()
             raise errors.not_found(
-                f"stream {stream_id} is unknown or expired (streams are kept "
+                f"stream {names.echo(stream_id)} is unknown or expired (streams are kept "
                 f"{self.settings.resume_window_s:g} s after their client leaves); start a new generation",
                 reason="stream_not_found",
             )
         if seq >= stream.next_seq:
             self.metrics.resumes.labels("invalid").inc()
-            raise errors.bad_request(f"event {last} is ahead of stream {stream_id}")
+            raise errors.bad_request(f"event {names.echo(last)} is ahead of its stream")
         event = stream.event(seq)
         if event is not None and event.terminal:
             # The client saw the end: 204 tells an EventSource to stop reconnecting.
@@ -138,7 +138,10 @@ class GenerateEndpoints:
         except Evicted:
             self.metrics.resumes.labels("evicted").inc()
             raise errors.HttpError(
-                410, "OUT_OF_RANGE", "resume_too_old", f"event {last} has left the stream's resume buffer"
+                410,
+                "OUT_OF_RANGE",
+                "resume_too_old",
+                f"event {names.echo(last)} has left the stream's resume buffer",
             ) from None
         self.metrics.resumes.labels("resumed").inc()
         self.registry.attach(stream)

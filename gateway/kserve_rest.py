@@ -60,7 +60,7 @@ def encode(datatype: str, shape: list[int], data: Any, name: str) -> bytes:
     """JSON elements -> the raw little-endian bytes of the gRPC API."""
     values = _flatten(data)
     if len(values) != _count(shape):
-        raise http.invalid(name, f"{len(values)} elements for shape {shape}")
+        raise http.invalid(name, f"{len(values)} elements for shape {names.echo(shape)}")
     if datatype == "BYTES":
         out = bytearray()
         for value in values:
@@ -72,13 +72,13 @@ def encode(datatype: str, shape: list[int], data: Any, name: str) -> bytes:
         return bytes(out)
     fmt = FORMATS.get(datatype)
     if fmt is None:
-        raise http.invalid(name, f"datatype {datatype!r} cannot be sent as JSON")
+        raise http.invalid(name, f"datatype {names.echo(datatype)} cannot be sent as JSON")
     if datatype == "BOOL" and not all(isinstance(v, bool) for v in values):
         raise http.invalid(name, "BOOL elements must be true or false")
     try:
         return struct.pack(f"<{len(values)}{fmt}", *values)
     except (struct.error, OverflowError) as exc:
-        raise http.invalid(name, f"data does not fit {datatype}: {exc}") from None
+        raise http.invalid(name, f"data does not fit {names.echo(datatype)}: {exc}") from None
 
 
 def decode(datatype: str, raw: bytes) -> list[Any]:
@@ -258,7 +258,7 @@ def _infer_request(
         binary_out[""] = True  # every output binary
     for key, value in parameters.items():
         if key != "binary_data_output":
-            request.parameters[key].CopyFrom(_param(value, f"parameters.{key}"))
+            request.parameters[key].CopyFrom(_param(value, f"parameters.{names.echo(key, 64)}"))
     return request, binary_out
 
 

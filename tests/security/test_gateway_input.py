@@ -270,8 +270,8 @@ def _tensor(**fields: Any) -> dict[str, Any]:
         (_tensor(datatype="FP64", data=[10**400]), "inputs[0].data"),
         (_tensor(parameters=[1]), "parameters"),
         (_tensor(parameters={"binary_data_size": -4}), "binary_data_size"),
-        ({**_tensor(), "parameters": {"p": 2**70}}, "parameters.p"),
-        ({**_tensor(), "parameters": {"p": {"nested": 1}}}, "parameters.p"),
+        ({**_tensor(), "parameters": {"p": 2**70}}, "parameters.'p'"),
+        ({**_tensor(), "parameters": {"p": {"nested": 1}}}, "parameters.'p'"),
         ({**_tensor(), "parameters": "all"}, "parameters"),
         ({**_tensor(), "outputs": {"name": "y"}}, "outputs"),
         ({**_tensor(), "id": {"x": 1}}, "id"),
@@ -318,6 +318,21 @@ def test_a_forwarded_header_that_grpc_cannot_carry_is_400(
         response = harness.request(method, path, json=body, headers={header: value})
         message = assert_refused(response)
         assert header in message and "caf" not in message  # named, not quoted (it may be a credential)
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "kwargs"),
+    [
+        ("POST", INFER, {"json": {**_tensor(), "parameters": {"k" * 100_000: 2**70}}}),
+        ("POST", INFER, {"json": _tensor(datatype="X" * 100_000)}),
+        ("POST", INFER, {"json": _tensor(shape=[3] * 20_000)}),
+        ("GET", GENERATE, {"headers": {"last-event-id": "s" * 30_000 + ":1"}}),
+        ("POST", "/v1/completions", {"json": {"model": "m" * 100_000, "prompt": "x"}}),
+    ],
+)
+def test_answers_quote_client_values_capped(harness: Harness, method: str, path: str, kwargs: Any) -> None:
+    response = harness.request(method, path, **kwargs)
+    assert 400 <= response.status_code < 500 and len(response.content) < 1000, response.text[:300]
 
 
 def test_unknown_routes_and_methods_get_the_error_body(harness: Harness) -> None:
