@@ -43,10 +43,16 @@ FORMATS = {
 }
 
 
-def _count(shape: list[int]) -> int:
+def _count(shape: list[int], cap: int) -> int:
+    """The element count of `shape`, or cap + 1 once it is known to be over `cap` (a long shape
+    of huge dims would otherwise make an enormous integer, slowly)."""
+    if 0 in shape:
+        return 0
     n = 1
     for d in shape:
         n *= d
+        if n > cap:
+            return cap + 1
     return n
 
 
@@ -59,7 +65,7 @@ def _flatten(data: Any) -> list[Any]:
 def encode(datatype: str, shape: list[int], data: Any, name: str) -> bytes:
     """JSON elements -> the raw little-endian bytes of the gRPC API."""
     values = _flatten(data)
-    if len(values) != _count(shape):
+    if len(values) != _count(shape, len(values)):
         raise http.invalid(name, f"{len(values)} elements for shape {names.echo(shape)}")
     if datatype == "BYTES":
         out = bytearray()
