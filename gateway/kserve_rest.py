@@ -43,6 +43,11 @@ FORMATS = {
 }
 
 
+def _shape_text(shape: list[int]) -> str:
+    """The shape as a message shows it: its first 16 dims (int64s, so bounded)."""
+    return str(shape) if len(shape) <= 16 else str(shape[:16])[:-1] + ", ...]"
+
+
 def _count(shape: list[int], cap: int) -> int:
     """The element count of `shape`, or cap + 1 once it is known to be over `cap` (a long shape
     of huge dims would otherwise make an enormous integer, slowly)."""
@@ -66,7 +71,7 @@ def encode(datatype: str, shape: list[int], data: Any, name: str) -> bytes:
     """JSON elements -> the raw little-endian bytes of the gRPC API."""
     values = _flatten(data)
     if len(values) != _count(shape, len(values)):
-        raise http.invalid(name, f"{len(values)} elements for shape {names.echo(shape)}")
+        raise http.invalid(name, f"{len(values)} elements for shape {_shape_text(shape)}")
     if datatype == "BYTES":
         out = bytearray()
         for value in values:
