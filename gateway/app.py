@@ -170,6 +170,7 @@ class Gateway:
             app,
             # httptools with the guard uvicorn lacks: idle, header and body deadlines, a header bound.
             http=protocol_class(limits),
+            ws="none",  # no WebSocket routes: an Upgrade is a plain request (and the guard stays on)
             lifespan="off",
             log_config=None,
             access_log=False,
