@@ -90,6 +90,13 @@ class RenderSettings:
     idle_timeout_s: float = 60  # a downstream connection with no request in flight is closed
     max_request_headers_kb: int = 60  # Envoy's default, said out loud; under the gateway's 64 KiB
     buffer_limit_bytes: int = 1 << 20  # per connection, each way (flow control beyond it)
+    # HTTP/2 clients (native gRPC): streams at once per connection, and flow-control windows
+    # within the buffer limit (Envoy's edge guidance), so one connection cannot make Envoy hold
+    # more than its share.
+    http2_max_concurrent_streams: int = 1024
+    http2_stream_window_bytes: int = 64 * 1024
+    http2_connection_window_bytes: int = 1 << 20
+    max_downstream_connections: int = 50_000  # the whole proxy (the overload manager's bound)
     # Pooled connections to the gateway close before the gateway's own idle timeout (60 s), so
     # Envoy never reuses a connection the gateway is closing.
     upstream_idle_timeout_s: float = 30
@@ -220,6 +227,11 @@ def config(settings: RenderSettings) -> dict[str, Any]:
         "request_timeout": _seconds(settings.request_timeout_s),
         "common_http_protocol_options": {"idle_timeout": _seconds(settings.idle_timeout_s)},
         "max_request_headers_kb": settings.max_request_headers_kb,
+        "http2_protocol_options": {
+            "max_concurrent_streams": settings.http2_max_concurrent_streams,
+            "initial_stream_window_size": settings.http2_stream_window_bytes,
+            "initial_connection_window_size": settings.http2_connection_window_bytes,
+        },
         "route_config": {"name": "edge", "virtual_hosts": [virtual_host]},
         "http_filters": [
             _filter("grpc_web", "filters.http.grpc_web.v3.GrpcWeb"),
@@ -235,8 +247,21 @@ def config(settings: RenderSettings) -> dict[str, Any]:
             {"filters": [{"name": "envoy.filters.network.http_connection_manager", "typed_config": manager}]}
         ],
     }
+    monitor = "envoy.resource_monitors.global_downstream_max_connections"
     return {
         "admin": {"address": _address(*settings.admin)},
+        "overload_manager": {
+            "resource_monitors": [
+                {
+                    "name": monitor,
+                    "typed_config": {
+                        "@type": _TYPES
+                        + "resource_monitors.downstream_connections.v3.DownstreamConnectionsConfig",
+                        "max_active_downstream_connections": settings.max_downstream_connections,
+                    },
+                }
+            ]
+        },
         "static_resources": {
             "listeners": [listener],
             "clusters": [
