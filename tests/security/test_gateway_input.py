@@ -340,6 +340,12 @@ def test_unknown_routes_and_methods_get_the_error_body(harness: Harness) -> None
     assert_refused(harness.request("DELETE", GENERATE), 405, "unsupported")
 
 
+def test_a_pinned_version_header_follows_the_names_rule(harness: Harness) -> None:
+    for path, body in ((GENERATE, {"prompt": "x"}), (INFER, _tensor())):
+        response = harness.request("POST", path, json=body, headers={"x-model-version": "../2"})
+        assert "x-model-version" in assert_refused(response)
+
+
 def test_bodies_over_the_bound_are_413(harness: Harness) -> None:
     big = {"prompt": "x" * (300 * 1024)}
     for path in (GENERATE, "/v1/completions", INFER):
