@@ -62,7 +62,7 @@ class GuardedProtocol(HttpToolsProtocol):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self._phase: tuple[int, str] | None = None
+        self._phase: tuple[object, str] | None = None  # (the request cycle, the phase name)
         self._deadline: asyncio.TimerHandle | None = None
         self._partial = False  # bytes of a request arrived, its headers are not complete yet
         self._header_bytes = 0
@@ -153,8 +153,8 @@ class GuardedProtocol(HttpToolsProtocol):
             phase = BODY
         else:
             phase = ANSWERING
-        key = (id(cycle), phase)
-        if key == self._phase:
+        key = (cycle, phase)
+        if self._phase is not None and self._phase[0] is cycle and self._phase[1] == phase:
             return  # the same phase: its deadline runs on (more bytes do not extend it)
         self._cancel()
         self._phase = key
@@ -181,9 +181,9 @@ class GuardedProtocol(HttpToolsProtocol):
             self._deadline.cancel()
             self._deadline = None
 
-    def _expired(self, key: tuple[int, str]) -> None:
+    def _expired(self, key: tuple[object, str]) -> None:
         self._deadline = None
-        if key != self._phase or self.transport.is_closing():
+        if key is not self._phase or self.transport.is_closing():
             return
         phase = key[1]
         started = self.cycle is not None and self.cycle.response_started and not self.cycle.response_complete
