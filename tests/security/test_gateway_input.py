@@ -456,3 +456,30 @@ def test_no_query_gets_a_5xx(harness: Harness, params: dict[str, str], model: st
     # Surrogates cannot be percent-encoded as UTF-8: send them as a client would, replaced.
     query = {k: v.encode("utf-8", "replace").decode() for k, v in params.items()}
     assert_client_answer(harness.request("GET", f"/v1/models/{model}/generate", params=query))
+
+
+BINARY_TENSOR = st.fixed_dictionaries(
+    {
+        "name": st.just("x"),
+        "datatype": st.sampled_from(["INT64", "FP32", "BYTES", "BOOL"]),
+        "shape": st.lists(st.integers(0, 4) | EDGE_INTS, max_size=3),
+        "parameters": st.fixed_dictionaries({"binary_data_size": st.integers(-3, 64) | EDGE_INTS | HOSTILE}),
+    }
+)
+
+
+@settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    tensors=st.lists(BINARY_TENSOR, min_size=1, max_size=3),
+    binary=st.binary(max_size=128),
+    length=st.none() | st.integers(-3, 400).map(str) | st.sampled_from(["", "x", "9" * 30, "1e3", "\u0663"]),
+)
+def test_no_binary_infer_gets_a_5xx(
+    harness: Harness, tensors: list[dict[str, Any]], binary: bytes, length: str | None
+) -> None:
+    """The binary tensor extension: a JSON head of Inference-Header-Content-Length bytes, then raw
+    tensor bytes sized by binary_data_size; any of the three may lie."""
+    head = _dumps({"inputs": tensors, "outputs": [{"name": "x", "parameters": {"binary_data": True}}]})
+    value = str(len(head)) if length is None else length
+    headers = {"inference-header-content-length": value.encode("utf-8")}
+    assert_client_answer(harness.request("POST", INFER, content=head + binary, headers=headers))
