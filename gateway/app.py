@@ -5,14 +5,17 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import socket
 from pathlib import Path
 
 import uvicorn
+from modelyard.common.reasons import ErrorReason
 from modelyard.common.settings import split_address
 from modelyard.common.tls import TlsFiles, warn_if_plaintext
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, RedirectResponse, Response
 from starlette.routing import BaseRoute, Mount, Route
@@ -22,6 +25,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from gateway import errors, kserve_rest, openai_api
 from gateway.config import Settings
 from gateway.generate import GenerateEndpoints
+from gateway.listener import Limits, protocol_class
 from gateway.metrics import GatewayMetrics
 from gateway.streams import Registry
 from gateway.tls import UpstreamTls, listener_context
@@ -69,7 +73,10 @@ def build_app(
         routes += [Route("/", index, methods=["GET"]), Mount("/static", StaticFiles(directory=STATIC))]
     app = Starlette(
         routes=routes,
-        exception_handlers={errors.HttpError: _error_response},  # type: ignore[dict-item]
+        exception_handlers={
+            errors.HttpError: _error_response,  # type: ignore[dict-item]
+            HTTPException: _starlette_error,  # type: ignore[dict-item]  # no route (404), wrong method (405)
+        },
     )
     app.add_middleware(_Counted, metrics=metrics)
     return app
@@ -82,6 +89,15 @@ async def _error_response(request: Request, exc: errors.HttpError) -> Response:
         body = {"error": exc.message, "code": exc.code, "reason": exc.reason}
         return JSONResponse(body, status_code=exc.status, headers=exc.headers())
     return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers())
+
+
+async def _starlette_error(request: Request, exc: HTTPException) -> Response:
+    """Starlette's own answers (no such route, a method a route lacks) in the same error body."""
+    code = "NOT_FOUND" if exc.status_code == 404 else "UNIMPLEMENTED"
+    error = errors.HttpError(exc.status_code, code, ErrorReason.UNSUPPORTED, f"{request.method} {exc.detail}")
+    if exc.status_code < 400 or exc.status_code >= 500:
+        error = errors.HttpError(exc.status_code, code, ErrorReason.INTERNAL, str(exc.detail))
+    return await _error_response(request, error)
 
 
 class _Counted:
@@ -111,7 +127,11 @@ class Gateway:
         self.settings = settings
         self.metrics = GatewayMetrics()
         self.registry = Registry(
-            settings.resume_window_s, settings.resume_buffer_events, settings.max_streams, self.metrics
+            settings.resume_window_s,
+            settings.resume_buffer_events,
+            settings.max_streams,
+            self.metrics,
+            settings.resume_buffer_bytes,
         )
         self.upstream: Upstream | None = None
         self._server: uvicorn.Server | None = None
@@ -139,13 +159,25 @@ class Gateway:
         # peer's delayed ACK (Nagle), which would add tens of ms to time to first token.
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self._socket = sock
+        limits = Limits(
+            settings.idle_timeout_s,
+            settings.header_timeout_s,
+            settings.body_timeout_s,
+            settings.max_header_bytes,
+            settings.write_stall_timeout_s,
+        )
         config = uvicorn.Config(
             app,
+            # httptools with the guard uvicorn lacks: idle, header and body deadlines, a header bound.
+            http=protocol_class(limits),
+            ws="none",  # no WebSocket routes: an Upgrade is a plain request (and the guard stays on)
             lifespan="off",
             log_config=None,
             access_log=False,
             timeout_graceful_shutdown=int(max(1, settings.grace_s)),
-            h11_max_incomplete_event_size=64 * 1024,
+            # uvicorn's own keep-alive timer, never before the guard's idle deadline.
+            timeout_keep_alive=max(1, math.ceil(settings.idle_timeout_s or 3600)),
+            limit_concurrency=settings.max_connections or None,
         )
         config.load()
         # Set after load(): uvicorn would build a fixed context from file names; ours follows the files.

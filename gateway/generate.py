@@ -13,7 +13,7 @@ import asyncio
 import time
 from typing import Any
 
-from modelyard.common import headers
+from modelyard.common import headers, names
 from modelyard.inference.v1 import inference_service_pb2 as pb
 from starlette.requests import Request
 from starlette.responses import Response
@@ -23,7 +23,7 @@ from gateway.config import Settings
 from gateway.metrics import GatewayMetrics
 from gateway.sse import SSEResponse
 from gateway.streams import Evicted, Registry, Stream, parse_id
-from gateway.upstream import Upstream, forward
+from gateway.upstream import Metadata, Upstream, forward
 
 _QUERY_NUMBERS: dict[str, type] = {
     "max_tokens": int,
@@ -36,26 +36,28 @@ _QUERY_NUMBERS: dict[str, type] = {
 
 
 def generate_request(model: str, body: dict[str, Any], request_id: str) -> pb.GenerateRequest:
-    """A GenerateRequest from the JSON fields; 422 naming the field that is missing or mistyped."""
-    prompt = http.get_str(body, "prompt", "") or ""
-    token_ids = http.get_int_list(body, "prompt_token_ids")
+    """A GenerateRequest from the JSON fields (or query parameters); 422 naming a field that is
+    missing or mistyped, 400 naming one whose value the field cannot hold."""
+    prompt = http.check_string(http.get_str(body, "prompt", "") or "", "prompt")
+    token_ids = body.get("prompt_token_ids")
+    token_ids = [] if token_ids is None else http.int_list(token_ids, "prompt_token_ids", http.INT64)
     if not prompt and not token_ids:
         raise http.invalid("prompt", "required (or prompt_token_ids)")
     request = pb.GenerateRequest(
-        model_name=model,
-        model_version=http.get_str(body, "model_version", "") or "",
+        model_name=http.model_name(model, "model"),
+        model_version=http.model_version(http.get_str(body, "model_version", "") or "", "model_version"),
         prompt=prompt,
         prompt_token_ids=token_ids,
-        max_tokens=http.get_int(body, "max_tokens"),
+        max_tokens=http.get_int(body, "max_tokens", http.UINT32),
         temperature=http.get_float(body, "temperature"),
-        top_k=http.get_int(body, "top_k"),
+        top_k=http.get_int(body, "top_k", http.UINT32),
         top_p=http.get_float(body, "top_p"),
-        stop=http.get_str_list(body, "stop"),
+        stop=[http.check_string(s, "stop") for s in http.get_str_list(body, "stop")],
         request_id=request_id,
-        priority=http.get_int(body, "priority"),
+        priority=http.get_int(body, "priority", http.UINT32),
     )
     if body.get("seed") is not None:
-        request.seed = http.get_int(body, "seed")
+        request.seed = http.get_int(body, "seed", http.UINT64)
     return request
 
 
@@ -69,24 +71,23 @@ class GenerateEndpoints:
         self.metrics = metrics
 
     async def post(self, request: Request) -> Response:
-        model = request.path_params["model"]
+        model = http.model_name(request.path_params["model"], "model")
         last = _last_event_id(request)
         if last is not None:
             return self._resume(model, last)
         return await self.start(request, model, await http.read_json(request, self.settings.max_body_bytes))
 
     async def get(self, request: Request) -> Response:
-        model = request.path_params["model"]
+        model = http.model_name(request.path_params["model"], "model")
         last = _last_event_id(request)
         if last is not None:
             return self._resume(model, last)
         return await self.start(request, model, http.query_fields(request, _QUERY_NUMBERS))
 
-    async def open_stream(self, request: Request, generate: pb.GenerateRequest) -> Stream:
+    async def open_stream(self, generate: pb.GenerateRequest, metadata: Metadata) -> Stream:
         """Start the upstream call and wait for its first event; the stream has one reader attached
         (the caller must detach it), or the call's failure is raised as an HttpError."""
         started = time.perf_counter()
-        metadata = forward(request.headers)
         call = self.upstream.inference.Generate(generate, metadata=metadata, timeout=self.upstream.timeout_s)
         stream = self.registry.start(generate.model_name, call)
         try:
@@ -105,8 +106,9 @@ class GenerateEndpoints:
         return stream
 
     async def start(self, request: Request, model: str, body: dict[str, Any]) -> Response:
+        metadata = forward(request.headers)  # 400 before anything starts when a header cannot travel
         generate = generate_request(model, body, request.headers.get(headers.REQUEST_ID, ""))
-        stream = await self.open_stream(request, generate)
+        stream = await self.open_stream(generate, metadata)
         return self._respond(stream, 0)
 
     def _resume(self, model: str, last: str) -> Response:
@@ -119,13 +121,13 @@ class GenerateEndpoints:
         if stream is None or stream.model != model:
             self.metrics.resumes.labels("unknown").inc()
             raise errors.not_found(
-                f"stream {stream_id} is unknown or expired (streams are kept "
+                f"stream {names.echo(stream_id)} is unknown or expired (streams are kept "
                 f"{self.settings.resume_window_s:g} s after their client leaves); start a new generation",
                 reason="stream_not_found",
             )
         if seq >= stream.next_seq:
             self.metrics.resumes.labels("invalid").inc()
-            raise errors.bad_request(f"event {last} is ahead of stream {stream_id}")
+            raise errors.bad_request(f"event {names.echo(last)} is ahead of its stream")
         event = stream.event(seq)
         if event is not None and event.terminal:
             # The client saw the end: 204 tells an EventSource to stop reconnecting.
@@ -136,7 +138,10 @@ class GenerateEndpoints:
         except Evicted:
             self.metrics.resumes.labels("evicted").inc()
             raise errors.HttpError(
-                410, "OUT_OF_RANGE", "resume_too_old", f"event {last} has left the stream's resume buffer"
+                410,
+                "OUT_OF_RANGE",
+                "resume_too_old",
+                f"event {names.echo(last)} has left the stream's resume buffer",
             ) from None
         self.metrics.resumes.labels("resumed").inc()
         self.registry.attach(stream)

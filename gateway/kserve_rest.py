@@ -10,11 +10,13 @@ them (the gateway does not need numpy). BYTES elements are 4-byte-length-prefixe
 
 from __future__ import annotations
 
+import asyncio
 import json
 import struct
 from typing import Any
 
 import grpc
+from modelyard.common import names
 from modelyard.kserve.v2 import grpc_service_pb2 as kpb
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -41,10 +43,21 @@ FORMATS = {
 }
 
 
-def _count(shape: list[int]) -> int:
+def _shape_text(shape: list[int]) -> str:
+    """The shape as a message shows it: its first 16 dims (int64s, so bounded)."""
+    return str(shape) if len(shape) <= 16 else str(shape[:16])[:-1] + ", ...]"
+
+
+def _count(shape: list[int], cap: int) -> int:
+    """The element count of `shape`, or cap + 1 once it is known to be over `cap` (a long shape
+    of huge dims would otherwise make an enormous integer, slowly)."""
+    if 0 in shape:
+        return 0
     n = 1
     for d in shape:
         n *= d
+        if n > cap:
+            return cap + 1
     return n
 
 
@@ -57,21 +70,26 @@ def _flatten(data: Any) -> list[Any]:
 def encode(datatype: str, shape: list[int], data: Any, name: str) -> bytes:
     """JSON elements -> the raw little-endian bytes of the gRPC API."""
     values = _flatten(data)
-    if len(values) != _count(shape):
-        raise http.invalid(name, f"{len(values)} elements for shape {shape}")
+    if len(values) != _count(shape, len(values)):
+        raise http.invalid(name, f"{len(values)} elements for shape {_shape_text(shape)}")
     if datatype == "BYTES":
         out = bytearray()
         for value in values:
-            raw = value.encode() if isinstance(value, str) else bytes(value)
+            # Strings only: bytes(<int>) would allocate that many zero bytes.
+            if not isinstance(value, str):
+                raise http.invalid(name, f"BYTES elements must be strings, got {type(value).__name__}")
+            raw = value.encode()
             out += struct.pack("<I", len(raw)) + raw
         return bytes(out)
     fmt = FORMATS.get(datatype)
     if fmt is None:
-        raise http.invalid(name, f"datatype {datatype!r} cannot be sent as JSON")
+        raise http.invalid(name, f"datatype {names.echo(datatype)} cannot be sent as JSON")
+    if datatype == "BOOL" and not all(isinstance(v, bool) for v in values):
+        raise http.invalid(name, "BOOL elements must be true or false")
     try:
         return struct.pack(f"<{len(values)}{fmt}", *values)
-    except struct.error as exc:
-        raise http.invalid(name, f"data does not fit {datatype}: {exc}") from None
+    except (struct.error, OverflowError) as exc:
+        raise http.invalid(name, f"data does not fit {names.echo(datatype)}: {exc}") from None
 
 
 def decode(datatype: str, raw: bytes) -> list[Any]:
@@ -91,14 +109,16 @@ def decode(datatype: str, raw: bytes) -> list[Any]:
     return list(struct.unpack(f"<{len(raw) // struct.calcsize(fmt)}{fmt}", raw))
 
 
-def _param(value: Any) -> kpb.InferParameter:
+def _param(value: Any, name: str) -> kpb.InferParameter:
     if isinstance(value, bool):
         return kpb.InferParameter(bool_param=value)
     if isinstance(value, int):
-        return kpb.InferParameter(int64_param=value)
+        return kpb.InferParameter(int64_param=http.ranged(value, name, http.INT64))
     if isinstance(value, float):
         return kpb.InferParameter(double_param=value)
-    return kpb.InferParameter(string_param=str(value))
+    if isinstance(value, str):
+        return kpb.InferParameter(string_param=value)
+    raise http.invalid(name, "must be a boolean, a number or a string")
 
 
 def _param_value(param: kpb.InferParameter) -> Any:
@@ -132,7 +152,7 @@ class KServeEndpoints:
         )
 
     async def model_metadata(self, request: Request) -> Response:
-        name, version = request.path_params["model"], request.path_params.get("version", "")
+        name, version = _model(request)
         answer = await self._call(
             self.upstream.kserve.ModelMetadata, kpb.ModelMetadataRequest(name=name, version=version), request
         )
@@ -151,31 +171,31 @@ class KServeEndpoints:
         )
 
     async def model_ready(self, request: Request) -> Response:
-        name, version = request.path_params["model"], request.path_params.get("version", "")
+        name, version = _model(request)
         answer = await self._call(
             self.upstream.kserve.ModelReady, kpb.ModelReadyRequest(name=name, version=version), request
         )
         return JSONResponse({"name": name, "ready": answer.ready}, status_code=200 if answer.ready else 503)
 
     async def infer(self, request: Request) -> Response:
-        name, version = request.path_params["model"], request.path_params.get("version", "")
-        body = await _read_body(request, self.settings.max_body_bytes)
+        name, version = _model(request)
+        metadata = forward(request.headers)
+        body = await http.read_body(request, self.settings.max_body_bytes)
         header_length = request.headers.get(HEADER_LENGTH)
         if header_length is not None:
-            if not header_length.isdigit() or int(header_length) > len(body):
-                raise errors.bad_request(f"{HEADER_LENGTH} {header_length!r} does not fit the body")
+            if not header_length.isdigit() or len(header_length) > 19 or int(header_length) > len(body):
+                raise errors.bad_request(
+                    f"{HEADER_LENGTH} {names.echo(header_length, 40)} does not fit the body"
+                )
             head, binary = body[: int(header_length)], body[int(header_length) :]
         else:
             head, binary = body, b""
-        try:
-            document = json.loads(head)
-        except (ValueError, UnicodeDecodeError) as exc:
-            raise errors.bad_request(f"the body is not valid JSON: {exc}") from None
-        if not isinstance(document, dict):
-            raise errors.bad_request("the body must be a JSON object")
-        grpc_request, binary_out = _infer_request(name, version, document, binary)
+        if len(head) > http.OFF_LOOP_BYTES:  # parse and encode large JSON tensors off the loop
+            grpc_request, binary_out = await asyncio.to_thread(_parse_infer, name, version, head, binary)
+        else:
+            grpc_request, binary_out = _parse_infer(name, version, head, binary)
         call = self.upstream.kserve.ModelInfer(
-            grpc_request, metadata=forward(request.headers), timeout=self.upstream.timeout_s
+            grpc_request, metadata=metadata, timeout=self.upstream.timeout_s
         )
         try:
             answer = await call
@@ -185,13 +205,16 @@ class KServeEndpoints:
         return _infer_response(answer, binary_out, served)
 
 
-async def _read_body(request: Request, limit: int) -> bytes:
-    body = bytearray()
-    async for chunk in request.stream():
-        body += chunk
-        if len(body) > limit:
-            raise errors.HttpError(413, "RESOURCE_EXHAUSTED", "too_large", f"the body is over {limit} bytes")
-    return bytes(body)
+def _model(request: Request) -> tuple[str, str]:
+    """The path's model name and version (names rule: 400 naming the field)."""
+    name = http.model_name(request.path_params["model"], "model_name")
+    return name, http.model_version(request.path_params.get("version", ""), "model_version")
+
+
+def _parse_infer(
+    name: str, version: str, head: bytes, binary: bytes
+) -> tuple[kpb.ModelInferRequest, dict[str, bool]]:
+    return _infer_request(name, version, http.parse_object(head), binary)
 
 
 def _infer_request(
@@ -200,7 +223,10 @@ def _infer_request(
     inputs = document.get("inputs")
     if not isinstance(inputs, list) or not inputs:
         raise http.invalid("inputs", "must be a non-empty list")
-    request = kpb.ModelInferRequest(model_name=name, model_version=version, id=str(document.get("id", "")))
+    request_id = document.get("id", "")
+    if not isinstance(request_id, str):
+        raise http.invalid("id", "must be a string")
+    request = kpb.ModelInferRequest(model_name=name, model_version=version, id=request_id)
     offset = 0
     for i, tensor in enumerate(inputs):
         label = f"inputs[{i}]"
@@ -211,10 +237,12 @@ def _infer_request(
             raise http.invalid(label, "needs a name and a datatype")
         if not isinstance(shape, list) or not all(isinstance(d, int) and d >= 0 for d in shape):
             raise http.invalid(f"{label}.shape", "must be a list of non-negative integers")
-        parameters = tensor.get("parameters") or {}
+        shape = http.int_list(shape, f"{label}.shape", http.INT64)
+        parameters = http.get_dict(tensor, "parameters")
         size = parameters.get("binary_data_size")
         if size is not None:
-            if not isinstance(size, int) or offset + size > len(binary):
+            size = http.as_int(size, f"{label}.parameters.binary_data_size", http.INT64, 0)
+            if offset + size > len(binary):
                 raise http.invalid(f"{label}.parameters.binary_data_size", "does not fit the binary data")
             raw = binary[offset : offset + size]
             offset += size
@@ -226,19 +254,22 @@ def _infer_request(
             kpb.ModelInferRequest.InferInputTensor(name=tname, datatype=datatype, shape=shape)
         )
         request.raw_input_contents.append(raw)
-    parameters = document.get("parameters") or {}
+    parameters = http.get_dict(document, "parameters")
     binary_all = bool(parameters.get("binary_data_output", False))
     binary_out: dict[str, bool] = {}
-    for output in document.get("outputs") or []:
+    outputs = document.get("outputs") or []
+    if not isinstance(outputs, list):
+        raise http.invalid("outputs", "must be a list")
+    for output in outputs:
         if not isinstance(output, dict) or not isinstance(output.get("name"), str):
             raise http.invalid("outputs", "each output must be an object with a name")
-        binary_out[output["name"]] = bool((output.get("parameters") or {}).get("binary_data", binary_all))
+        binary_out[output["name"]] = bool(http.get_dict(output, "parameters").get("binary_data", binary_all))
         request.outputs.append(kpb.ModelInferRequest.InferRequestedOutputTensor(name=output["name"]))
     if not binary_out and binary_all:
         binary_out[""] = True  # every output binary
     for key, value in parameters.items():
         if key != "binary_data_output":
-            request.parameters[key].CopyFrom(_param(value))
+            request.parameters[key].CopyFrom(_param(value, f"parameters.{names.echo(key, 64)}"))
     return request, binary_out
 
 

@@ -24,6 +24,16 @@ class GatewayMetrics:
             "SSE generation streams held (attached or kept for resume)",
             registry=self.registry,
         )
+        self.open_streams = Gauge(
+            "modelyard_gateway_open_streams",
+            "SSE generation streams whose upstream call still runs (what --max-streams bounds)",
+            registry=self.registry,
+        )
+        self.finished_bytes = Gauge(
+            "modelyard_gateway_finished_stream_bytes",
+            "Encoded bytes buffered by finished streams kept for resume (bounded by --resume-buffer-bytes)",
+            registry=self.registry,
+        )
         self.attached = Gauge(
             "modelyard_gateway_stream_connections",
             "SSE connections currently open",

@@ -29,7 +29,7 @@ from gateway.config import Settings
 from gateway.generate import GenerateEndpoints
 from gateway.sse import SSE_HEADERS
 from gateway.streams import FINISH_REASONS
-from gateway.upstream import EOF, Upstream, forward, returned
+from gateway.upstream import EOF, Upstream, forward, metadata_value, returned
 
 PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/models")
 
@@ -90,7 +90,7 @@ class OpenAIEndpoints:
         if isinstance(prompt, str):
             fields["prompt"] = prompt
         elif isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
-            fields["prompt_token_ids"] = prompt
+            fields["prompt_token_ids"] = http.int_list(prompt, "prompt", http.INT64)
         else:
             raise http.invalid("prompt", "must be a string, a list of one string, or a list of token ids")
         return await self._run(request, body, fields, "text_completion", DEFAULT_COMPLETION_MAX_TOKENS)
@@ -105,7 +105,8 @@ class OpenAIEndpoints:
                 raise http.invalid(f"messages[{i}].role", f"must be one of {', '.join(chat_template.ROLES)}")
             content = message.get("content")
             if isinstance(content, list):  # content parts: keep the text ones
-                content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
+                texts = [p.get("text") for p in content if isinstance(p, dict)]
+                content = "".join(t for t in texts if isinstance(t, str))
             if not isinstance(content, str):
                 raise http.invalid(f"messages[{i}].content", "must be a string")
             message["content"] = content
@@ -120,20 +121,20 @@ class OpenAIEndpoints:
         model = http.get_str(body, "model")
         if not model:
             raise http.invalid("model", "required")
-        if http.get_int(body, "n", 1, minimum=1) != 1:
+        model = http.model_name(model, "model")
+        if http.get_int(body, "n", http.INT64, 1, minimum=1) != 1:
             raise http.invalid("n", "only n=1 is supported")
         if body.get("logprobs"):
             raise http.invalid("logprobs", "not supported")
         stream = body.get("stream", False)
         if not isinstance(stream, bool):
             raise http.invalid("stream", "must be a boolean")
-        options = body.get("stream_options") or {}
-        if not isinstance(options, dict):
-            raise http.invalid("stream_options", "must be an object")
+        options = http.get_dict(body, "stream_options")
+        metadata = forward(request.headers)  # 400 before anything starts when a header cannot travel
         include_usage = bool(options.get("include_usage", False))
         generate = pb.GenerateRequest(
             model_name=model,
-            max_tokens=http.get_int(body, "max_tokens", default_max),
+            max_tokens=http.get_int(body, "max_tokens", http.UINT32, default_max),
             temperature=http.get_float(body, "temperature", 1.0),
             top_p=http.get_float(body, "top_p", 1.0),
             stop=http.get_str_list(body, "stop"),
@@ -141,11 +142,10 @@ class OpenAIEndpoints:
             **fields,
         )
         if body.get("seed") is not None:
-            generate.seed = http.get_int(body, "seed")
-        metadata = forward(request.headers)
+            generate.seed = http.get_int(body, "seed", http.UINT64)
         user = http.get_str(body, "user")
         if user and not request.headers.get(headers.USER_ID):
-            metadata += ((headers.USER_ID, user),)
+            metadata += ((headers.USER_ID, metadata_value(user, "user")),)
         call = self.upstream.inference.Generate(generate, metadata=metadata, timeout=self.upstream.timeout_s)
         try:
             first = await call.read()

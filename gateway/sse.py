@@ -92,7 +92,7 @@ class SSEResponse(Response):
                 if not stream.since(position):
                     await _body(send, HEARTBEAT)
                 continue
-            await _body(send, preamble + b"".join(encode(stream.id, e) for e in events))
+            await _body(send, preamble + b"".join(e.wire or encode(stream.id, e) for e in events))
             preamble = b""
             position = events[-1].seq + 1
             stream.delivered(events[-1].seq)

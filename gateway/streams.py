@@ -12,6 +12,12 @@ Disconnect policy (documented in README): when a stream's last reader leaves bef
 - with resume_window_s == 0 the upstream call is cancelled at once.
 A finished stream is kept for resume_window_s as well, so an EventSource that reconnects after the
 end is told so (204) instead of starting a new generation.
+
+Limits: `max_streams` bounds the OPEN streams (those whose upstream call still runs, attached or
+kept for resume): they hold a slot upstream. Finished streams hold only their buffer, so they are
+bounded by memory instead: their buffers together stay under `finished_bytes` (the encoded size
+of their events), the oldest finished streams forgotten first. A one-token stream therefore costs
+the limit nothing once it has ended.
 """
 
 from __future__ import annotations
@@ -23,12 +29,12 @@ import json
 import logging
 import secrets
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 import grpc
-from modelyard.common import headers
+from modelyard.common import headers, names
 from modelyard.inference.v1 import inference_service_pb2 as pb
 
 from gateway import errors, upstream
@@ -51,6 +57,7 @@ class Event:
     seq: int
     name: str  # token, done or error
     data: dict[str, Any]
+    wire: bytes = b""  # the encoded event (its size is what the resume budget counts)
 
     @property
     def terminal(self) -> bool:
@@ -79,6 +86,7 @@ class Stream:
         self.failure: errors.HttpError | None = None  # set when the call failed before any event
         self._bound = bound
         self._events: deque[Event] = deque()
+        self.bytes = 0  # encoded size of the buffered events
         self._next = 0  # sequence number of the next event
         self._delivered = -1  # highest sequence number written to a reader
         self._changed = asyncio.Event()
@@ -86,6 +94,7 @@ class Stream:
         self.readers = 0
         self.opened = False  # a 200 was sent: a failure from now on is an error event
         self.finished = False
+        self.on_finished: Callable[[Stream], None] | None = None  # called once, when it finishes
         self.producer: asyncio.Task[None] | None = None
         self.expiry: asyncio.TimerHandle | None = None
 
@@ -123,7 +132,7 @@ class Stream:
     async def _fail(self, error: errors.HttpError) -> None:
         if self._next == 0 and not self.opened:
             self.failure = error
-            self.finished = True
+            self._finish()
             return
         data = {"status": error.status, "code": error.code, "reason": error.reason, "message": error.message}
         await self._append(ERROR, data)
@@ -133,9 +142,8 @@ class Stream:
         if self.finished:
             return
         data = {"status": error.status, "code": error.code, "reason": error.reason, "message": error.message}
-        self._events.append(Event(self._next, ERROR, data))
-        self._next += 1
-        self.finished = True
+        self._push(ERROR, data)
+        self._finish()
         self._started.set()
         self._wake()
 
@@ -145,12 +153,26 @@ class Stream:
         while len(self._events) >= self._bound and self._events[0].seq > self._delivered:
             await self._wait()
         if len(self._events) >= self._bound:
-            self._events.popleft()
-        self._events.append(Event(self._next, name, data))
-        self._next += 1
-        self.finished = name != TOKEN
+            self.bytes -= len(self._events.popleft().wire)
+        self._push(name, data)
+        if name != TOKEN:
+            self._finish()
         self._started.set()
         self._wake()
+
+    def _finish(self) -> None:
+        """The last event is in the buffer (or the call failed, or it was given up)."""
+        if not self.finished:
+            self.finished = True
+            if self.on_finished is not None:
+                self.on_finished(self)
+
+    def _push(self, name: str, data: dict[str, Any]) -> None:
+        event = Event(self._next, name, data)
+        event = Event(self._next, name, data, encode(self.id, event))
+        self._events.append(event)
+        self.bytes += len(event.wire)
+        self._next += 1
 
     # --- the reader side -----------------------------------------------------------------------
 
@@ -212,43 +234,65 @@ def format_id(stream_id: str, seq: int) -> str:
 
 def parse_id(text: str) -> tuple[str, int]:
     stream_id, _, seq = text.strip().rpartition(":")
-    if not stream_id or not seq.isdigit():
-        raise ValueError(f"Last-Event-ID {text!r} is not an event id of this gateway (<stream>:<seq>)")
+    if not stream_id or not seq.isascii() or not seq.isdigit() or len(seq) > 18:
+        raise ValueError(
+            f"Last-Event-ID {names.echo(text)} is not an event id of this gateway (<stream>:<seq>)"
+        )
     return stream_id, int(seq)
 
 
 def encode(stream_id: str, event: Event) -> bytes:
+    if event.wire:
+        return event.wire
     data = json.dumps(event.data, ensure_ascii=False, separators=(",", ":"))
     return f"id: {format_id(stream_id, event.seq)}\nevent: {event.name}\ndata: {data}\n\n".encode()
 
 
 class Registry:
-    """The streams held by this process, each until it expires."""
+    """The streams held by this process: open ones (at most `limit`) until they end and expire,
+    finished ones until they expire or their buffers are over `finished_bytes` together."""
 
-    def __init__(self, window_s: float, bound: int, limit: int, metrics: GatewayMetrics) -> None:
+    def __init__(
+        self, window_s: float, bound: int, limit: int, metrics: GatewayMetrics, finished_bytes: int = 64 << 20
+    ) -> None:
         self.window_s = window_s
         self.bound = bound
         self.limit = limit
+        self.finished_bytes = finished_bytes
         self.metrics = metrics
         self._streams: dict[str, Stream] = {}
+        self._open = 0  # streams that have not sent their last event (nor been given up)
+        # Finished streams still held, oldest first, and the size of their buffers together.
+        self._finished: dict[str, Stream] = {}
+        self._finished_size = 0
 
     def __len__(self) -> int:
         return len(self._streams)
+
+    @property
+    def open(self) -> int:
+        return self._open
+
+    @property
+    def finished_size(self) -> int:
+        return self._finished_size
 
     def get(self, stream_id: str) -> Stream | None:
         return self._streams.get(stream_id)
 
     def start(self, model: str, call: GenerateCall) -> Stream:
         """A new stream reading `call`, with one reader attached (the request that started it)."""
-        if len(self._streams) >= self.limit:
+        if self._open >= self.limit:
             call.cancel()
-            raise errors.overloaded(f"the gateway holds {self.limit} streams, its limit")
+            raise errors.overloaded(f"the gateway has {self.limit} streams open, its limit")
         stream = Stream(secrets.token_urlsafe(12), model, self.bound)
         self._streams[stream.id] = stream
         stream.readers = 1
+        self._open += 1
+        stream.on_finished = self._finished_one
         stream.producer = asyncio.get_running_loop().create_task(stream.run(call))
         stream.producer.add_done_callback(lambda _: self._ended(stream))
-        self.metrics.streams.set(len(self._streams))
+        self._gauges()
         return stream
 
     def attach(self, stream: Stream) -> None:
@@ -263,7 +307,7 @@ class Registry:
             return
         if self.window_s <= 0 or stream.failure is not None:
             self.drop(stream)
-        elif stream.expiry is None:
+        elif stream.expiry is None and stream.id in self._streams:
             stream.expiry = asyncio.get_running_loop().call_later(self.window_s, self._expire, stream)
 
     def drop(self, stream: Stream) -> None:
@@ -272,10 +316,13 @@ class Registry:
             stream.expiry.cancel()
             stream.expiry = None
         if stream.producer is not None and not stream.producer.done():
-            stream.producer.cancel()
-            self.metrics.cancelled.inc()
-        if self._streams.pop(stream.id, None) is not None:
-            self.metrics.streams.set(len(self._streams))
+            stream.producer.cancel()  # after the last event too: the call's trailers are not needed
+            if not stream.finished:
+                self.metrics.cancelled.inc()
+        if self._finished.pop(stream.id, None) is not None:
+            self._finished_size -= stream.bytes
+        self._streams.pop(stream.id, None)
+        self._gauges()
 
     def _expire(self, stream: Stream) -> None:
         stream.expiry = None
@@ -283,13 +330,37 @@ class Registry:
             log.debug("stream %s expired", stream.id)
             self.drop(stream)
 
+    def _gauges(self) -> None:
+        self.metrics.streams.set(len(self._streams))
+        self.metrics.open_streams.set(self._open)
+        self.metrics.finished_bytes.set(self._finished_size)
+
     def _ended(self, stream: Stream) -> None:
+        """Its producer is done (ended, failed or cancelled)."""
+        stream._finish()
         if stream.readers == 0 and stream.expiry is None and stream.id in self._streams:
             stream.expiry = asyncio.get_running_loop().call_later(self.window_s, self._expire, stream)
+
+    def _finished_one(self, stream: Stream) -> None:
+        self._open -= 1
+        self._gauges()
+        if stream.id not in self._streams:
+            return
+        # Its buffer no longer changes: count it against the finished streams' budget, and make
+        # room by forgetting the oldest finished ones (their readers, if any, keep their copy).
+        self._finished[stream.id] = stream
+        self._finished_size += stream.bytes
+        while self._finished_size > self.finished_bytes and self._finished:
+            oldest = next(iter(self._finished.values()))
+            log.debug(
+                "stream %s forgotten: finished streams are over %d bytes", oldest.id, self.finished_bytes
+            )
+            self.drop(oldest)
+        self._gauges()
 
     def close(self) -> None:
         """Shutting down: every open stream ends with an error event, every upstream call is cancelled."""
         draining = errors.HttpError(503, "UNAVAILABLE", "draining", "the gateway is shutting down", 1)
         for stream in list(self._streams.values()):
+            self.drop(stream)  # first, so an upstream call cut mid-generation is counted as cancelled
             stream.abort(draining)
-            self.drop(stream)

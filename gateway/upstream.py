@@ -8,12 +8,13 @@ import time
 from collections.abc import Iterable, Mapping
 
 import grpc
-from modelyard.common import headers
+from modelyard.common import headers, names
 from modelyard.common.tls import Renewals
 from modelyard.inference.v1 import inference_service_pb2_grpc as inference_grpc
 from modelyard.inference.v1 import model_service_pb2_grpc as model_grpc
 from modelyard.kserve.v2 import grpc_service_pb2_grpc as kserve_grpc
 
+from gateway import errors
 from gateway.tls import UpstreamTls
 
 log = logging.getLogger(__name__)
@@ -45,7 +46,26 @@ EOF: object = grpc.aio.EOF  # type: ignore[attr-defined]  # the end of a call re
 
 
 def forward(request_headers: Mapping[str, str]) -> Metadata:
-    return tuple((name, request_headers[name]) for name in FORWARDED if request_headers.get(name))
+    """The forwarded headers as metadata; a value gRPC cannot carry (not printable ASCII) is a 400
+    naming the header, and a malformed x-model-version one too (the names rule)."""
+    out = tuple(
+        (name, metadata_value(request_headers[name], name)) for name in FORWARDED if request_headers.get(name)
+    )
+    version = request_headers.get(headers.MODEL_VERSION)
+    if version:
+        try:
+            names.check_version(version, headers.MODEL_VERSION)
+        except names.InvalidName as exc:
+            raise errors.bad_request(str(exc)) from None
+    return out
+
+
+def metadata_value(value: str, name: str) -> str:
+    """A value that may travel as gRPC metadata: printable ASCII only (else 400 naming it; the
+    value is not quoted: it may be a credential)."""
+    if not value.isascii() or not value.isprintable():
+        raise errors.bad_request(f"{name}: the value must be printable ASCII (gRPC metadata)")
+    return value
 
 
 def returned(metadata: Iterable[tuple[str, str | bytes]] | None) -> dict[str, str]:

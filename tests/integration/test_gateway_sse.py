@@ -354,14 +354,26 @@ async def test_load_shed_is_429_with_retry_after_and_a_late_deadline_is_504(clie
         await impatient.stop()
 
 
-async def test_streams_over_the_limit_are_refused_with_429(sse_service) -> None:
-    gateway = await start_gateway(sse_service.address, max_streams=1)
+async def test_open_streams_over_the_limit_are_refused_with_429_finished_ones_not(sse_service) -> None:
+    gateway = await start_gateway(
+        sse_service.address, max_streams=1, upstream_lookahead_bytes=1, resume_buffer_events=4
+    )
     try:
         async with httpx.AsyncClient(base_url=gateway.url, timeout=60) as http:
-            first = await http.post("/v1/models/codelm/generate", json={"prompt": "x", "max_tokens": 2})
-            assert first.status_code == 200  # ended, and kept for a late reconnect: it still counts
-            second = await http.post("/v1/models/codelm/generate", json={"prompt": "x", "max_tokens": 2})
-        assert second.status_code == 429 and "retry-after" in second.headers
+            # Short requests end and are kept for a late reconnect, but hold no place.
+            for _ in range(5):
+                short = await http.post("/v1/models/codelm/generate", json={"prompt": "x", "max_tokens": 1})
+                assert short.status_code == 200
+            last = events_only([e async for e in read_events(short)])[-1]
+            assert (
+                await http.get("/v1/models/codelm/generate", headers={"Last-Event-ID": last.id})
+            ).status_code == 204
+            async with http.stream(
+                "POST", "/v1/models/kept/generate", json={"prompt": "x", "max_tokens": 256}
+            ) as held:
+                await anext(e async for e in read_events(held) if e.event == "token")
+                second = await http.post("/v1/models/codelm/generate", json={"prompt": "x", "max_tokens": 2})
+                assert second.status_code == 429 and "retry-after" in second.headers
     finally:
         await gateway.stop()
 

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator
 from typing import Any
 
 import grpc
 import pytest
+from modelyard.inference.v1 import inference_service_pb2 as pb
 
 from gateway import errors
 from gateway.metrics import GatewayMetrics
@@ -112,3 +114,74 @@ def test_resource_exhausted_for_size_is_413_not_load() -> None:
     for metadata in ({}, {"x-error-reason": "too_large"}):  # gRPC core's refusal carries no reason
         error = errors.from_status(grpc.StatusCode.RESOURCE_EXHAUSTED, "big", metadata)
         assert error.status == 413 and error.reason == "too_large" and "retry-after" not in error.headers()
+
+
+# --- the limits: open streams counted, finished ones bounded by bytes --------------------------
+
+
+class FakeCall:
+    """A Generate call that yields `tokens` tokens then done; `hold` keeps it open until released."""
+
+    def __init__(self, tokens: int, hold: bool = False) -> None:
+        self.tokens = tokens
+        self.release = asyncio.Event()
+        if not hold:
+            self.release.set()
+        self.cancelled = False
+
+    async def initial_metadata(self) -> Any:
+        return ()
+
+    def cancel(self) -> bool:
+        self.cancelled = True
+        return True
+
+    async def __aiter__(self) -> AsyncIterator[pb.GenerateResponse]:
+        for i in range(self.tokens):
+            yield pb.GenerateResponse(sequence_number=i, text="t" * 100, token_ids=[i], model_version="1")
+        await self.release.wait()
+        yield pb.GenerateResponse(sequence_number=self.tokens, finish_reason=pb.FINISH_REASON_LENGTH)
+
+
+async def finish(streams: Registry, call: FakeCall) -> Stream:
+    stream = streams.start("m", call)
+    assert stream.producer is not None
+    await stream.producer
+    await asyncio.sleep(0)  # the producer's done callback runs on the next loop pass
+    streams.detach(stream)
+    return stream
+
+
+async def test_finished_streams_do_not_count_against_max_streams() -> None:
+    streams = Registry(60.0, 16, 2, GatewayMetrics())
+    for _ in range(100):  # one-token requests: each ends, is kept for resume, and costs no place
+        await finish(streams, FakeCall(1))
+    assert len(streams) == 100 and streams.open == 0
+    held = [streams.start("m", FakeCall(1, hold=True)) for _ in range(2)]
+    refused = FakeCall(1)
+    with pytest.raises(errors.HttpError) as raised:
+        streams.start("m", refused)
+    assert raised.value.status == 429 and refused.cancelled  # two open: the limit
+    for stream in held:
+        streams.drop(stream)
+    await asyncio.gather(*(s.producer for s in held if s.producer), return_exceptions=True)
+    await asyncio.sleep(0)
+    assert streams.open == 0
+    streams.start("m", FakeCall(1))  # places come back when open streams end
+
+
+async def test_finished_buffers_are_bounded_by_bytes_oldest_forgotten_first() -> None:
+    one = len((await finish(Registry(60.0, 16, 8, GatewayMetrics()), FakeCall(3))).since(0))
+    assert one == 4
+    size = (await finish(Registry(60.0, 16, 8, GatewayMetrics()), FakeCall(3))).bytes
+    streams = Registry(60.0, 16, 8, GatewayMetrics(), finished_bytes=3 * size)
+    open_one = streams.start("m", FakeCall(3, hold=True))
+    done = [await finish(streams, FakeCall(3)) for _ in range(5)]
+    # The three newest finished streams fit the budget; the two oldest are forgotten.
+    assert [streams.get(s.id) is not None for s in done] == [False, False, True, True, True]
+    assert streams.finished_size == 3 * size
+    assert streams.get(open_one.id) is open_one  # an open stream is never evicted for bytes
+    # A kept stream still resumes exactly: every event from the position asked for.
+    kept = done[-1]
+    assert [e.seq for e in kept.since(2)] == [2, 3] and kept.event(3) is not None and kept.event(3).terminal
+    streams.drop(open_one)
