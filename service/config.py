@@ -40,6 +40,9 @@ class Settings:
     auth_tokens_file: str = ""
     auth_client_names: tuple[str, ...] = ()
     auth_inference: bool = False  # inference and metadata calls need a credential too
+    # System shared memory (KServe extension): regions registered at once, and bytes they span.
+    shm_max_regions: int = 256
+    shm_max_bytes: int = 8 * 1024 * 1024 * 1024
     log_level: str = "INFO"
     log_format: str = "text"  # text, or json: one object per line for log collectors
 
@@ -61,6 +64,8 @@ _HELP = {
     "auth_tokens_file": "file of bearer tokens, one per line; management calls then need one",
     "auth_client_names": "an mTLS client identity (certificate CN or SAN) allowed to call (repeatable)",
     "auth_inference": "require a credential for inference and metadata calls too",
+    "shm_max_regions": "system shared memory regions that may be registered at once",
+    "shm_max_bytes": "bytes that registered system shared memory regions may span together",
     **logs.HELP,
     "control_mode": "watch (load changes on disk) or explicit (only LoadModel/UnloadModel)",
     "watch_method": "events (inotify) or poll",

@@ -55,7 +55,7 @@ from service.runtime.session import inline_run_limit_s, load_runner
 from service.runtime.status import ModelEvent, Watcher
 from service.scheduling.clock import Clock
 from service.shm.files import FileRegionStore
-from service.shm.registry import SharedMemoryRegistry
+from service.shm.registry import RegionLimits, SharedMemoryRegistry
 from service.workers import protocol as workers
 from service.workers.member import FanOutRegistrar, WorkerLink, WorkerRole, metrics_handler
 
@@ -230,7 +230,10 @@ def build_service(
     guard_for = guards(authorizer, settings.auth_inference, metrics)
     reporter = _undecodable_reporter(metrics)
     link = WorkerLink(worker) if worker is not None else None
-    shm = SharedMemoryRegistry(FileRegionStore(worker.folder.regions) if worker is not None else None)
+    shm = SharedMemoryRegistry(
+        FileRegionStore(worker.folder.regions) if worker is not None else None,
+        limits=RegionLimits(settings.shm_max_regions, settings.shm_max_bytes),
+    )
     servicers: list[tuple[Callable[[Any, Any], None], object]] = [
         (
             inference_service_pb2_grpc.add_InferenceServiceServicer_to_server,

@@ -31,6 +31,7 @@ from service.api.scheduling import kserve_priority, kserve_scheduling
 from service.api.tensor_headers import kserve_headers
 from service.dataplane import DataPlane
 from service.errors import InvalidInput, ModelLoadError, ServiceError, Unsupported
+from service.intake import INLINE_DECODE_BYTES
 from service.metrics import ServiceMetrics
 from service.repository.config import ModelConfig
 from service.repository.uploads import UploadSpace, write_upload
@@ -358,7 +359,13 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
                 else array
                 for name, array in outputs.items()
             }
-        encode_outputs(response, outputs, options.in_shm, self._shm)
+        if sum(size for _, _, size in options.in_shm.values()) > INLINE_DECODE_BYTES:
+            # Large copies into shared memory (pwrite) go off the event loop.
+            await asyncio.get_running_loop().run_in_executor(
+                None, encode_outputs, response, outputs, options.in_shm, self._shm
+            )
+        else:
+            encode_outputs(response, outputs, options.in_shm, self._shm)
         return response
 
 

@@ -24,9 +24,19 @@ def our_headers(tensors: Iterable[tensor_pb2.Tensor]) -> list[TensorHeader]:
 def kserve_headers(request: ModelInferRequest) -> list[TensorHeader]:
     raw = request.raw_input_contents
     headers = []
-    for index, tensor in enumerate(request.inputs):
-        if raw:
-            nbytes = len(raw[index]) if index < len(raw) else 0
+    raw_index = 0  # raw contents are given for the inputs outside shared memory only
+    for tensor in request.inputs:
+        parameters = tensor.parameters
+        if "shared_memory_region" in parameters:
+            # Its bytes are copied out of the region (per_element: an executor hop when large);
+            # a malformed size counts 0 here and is refused by the decoder.
+            declared = parameters.get("shared_memory_byte_size")
+            kind = declared.WhichOneof("parameter_choice") if declared is not None else None
+            nbytes = max(0, getattr(declared, kind)) if kind in ("int64_param", "uint64_param") else 0
+            per_element = True
+        elif raw:
+            nbytes = len(raw[raw_index]) if raw_index < len(raw) else 0
+            raw_index += 1
             per_element = tensor.datatype == "BYTES"
         else:
             nbytes = tensor.contents.ByteSize()  # computed in C, without touching elements in Python
