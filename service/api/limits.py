@@ -20,6 +20,7 @@ from service.errors import TooLarge
 from service.metrics import ServiceMetrics
 
 _GRPC_MAX = 2**31 - 1  # gRPC's message length options are C ints
+_EOF: Any = grpc.aio.EOF  # type: ignore[attr-defined]  # not in grpc's type stubs
 Servicer = TypeVar("Servicer")
 # grpc's type stubs describe the sync API: a handler's behaviours and types are Any here.
 Handler: TypeAlias = "grpc.RpcMethodHandler[Any, Any]"
@@ -29,6 +30,10 @@ def transport_limit(max_message_bytes: int) -> int:
     """gRPC's receive limit: twice the configured one, so that messages up to there reach
     the handler's check and get their reason; memory per call stays bounded."""
     return min(2 * max_message_bytes, _GRPC_MAX)
+
+
+def _as_is(raw: bytes) -> bytes:
+    return raw
 
 
 def too_large(size: int, limit: int) -> TooLarge:
@@ -62,7 +67,10 @@ class SizeLimitedServer:
 
     def _wrap(self, method: str, handler: Handler) -> Handler:
         limit = self._limit
-        parse: Any = handler.request_deserializer
+        # Guarded (service/api/wire.py) registers its handlers without a deserializer: it parses
+        # after its guard. A handler that has one is parsed here, after the size check.
+        deserializer: Any = handler.request_deserializer
+        parse: Any = deserializer if deserializer is not None else _as_is
         serialize = handler.response_serializer
 
         async def refuse(context: Context, size: int) -> None:
@@ -113,4 +121,25 @@ class SizeLimitedServer:
                     await abort(context, exc)
 
             return grpc.stream_stream_rpc_method_handler(checked_stream_stream, response_serializer=serialize)
-        raise TypeError(f"{method}: client-streaming methods are not size-checked here")
+        if handler.stream_unary is not None:
+            # A unary method that reads its message after its guard (service/api/wire.py).
+            stream_unary: Any = handler.stream_unary
+
+            async def checked_stream_unary(raws: AsyncIterator[bytes], context: Context) -> Any:
+                async def requests() -> AsyncIterator[Any]:
+                    # context.read, not `raws`: gRPC's iterator keeps the last message it
+                    # yielded for as long as the call's state lives (past the call's end).
+                    while (raw := await context.read()) is not _EOF:
+                        assert isinstance(raw, bytes)
+                        if len(raw) > limit:
+                            raise too_large(len(raw), limit)
+                        yield parse(raw)
+
+                try:
+                    return await stream_unary(requests(), context)
+                except TooLarge as exc:
+                    self._metrics.observe_request(method, "", "", grpc.StatusCode.RESOURCE_EXHAUSTED, 0.0)
+                    await abort(context, exc)
+
+            return grpc.stream_unary_rpc_method_handler(checked_stream_unary, response_serializer=serialize)
+        raise TypeError(f"{method}: this kind of method is not size-checked here")
