@@ -8,7 +8,6 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import replace
 from functools import partial
 
-from modelyard.common.names import echo
 from modelyard.common.reasons import ErrorReason
 from modelyard.kserve.v2 import grpc_service_pb2 as pb
 from modelyard.kserve.v2 import grpc_service_pb2_grpc as pb_grpc
@@ -29,7 +28,7 @@ from service.api.kserve_tensors import (
 )
 from service.api.metadata import call_fields
 from service.api.scheduling import kserve_priority, kserve_scheduling
-from service.api.tensor_headers import kserve_headers
+from service.api.tensor_headers import kserve_headers, refuse_extra_tensors
 from service.dataplane import DataPlane
 from service.errors import InvalidInput, ModelLoadError, ServiceError, Unsupported
 from service.intake import INLINE_DECODE_BYTES
@@ -329,17 +328,8 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
         version, request_id, priority = call_fields(
             context, request.model_version, request.id, kserve_priority(request.parameters)
         )
-        # More inputs or outputs than the model has cannot be valid: refused before any work per
-        # tensor, so that a message of 700,000 tensors does not hold the event loop for seconds.
         signature = self._manager.resolve(request.model_name, version).runner.signature
-        for kind, given, own in (
-            ("inputs", len(request.inputs), len(signature.inputs)),
-            ("outputs", len(request.outputs), len(signature.outputs)),
-        ):
-            if given > own:
-                raise InvalidInput(
-                    f"the request names {given} {kind}; model {echo(request.model_name)} has {own}"
-                )
+        refuse_extra_tensors(request.model_name, signature, len(request.inputs), len(request.outputs))
         # Decoded only once the tensors' headers fit the model (service/intake.py).
         headers = kserve_headers(request)
         inputs = await self._dataplane.decode(

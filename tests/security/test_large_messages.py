@@ -16,6 +16,9 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from modelyard.common.headers import ERROR_REASON
+from modelyard.inference.v1 import inference_service_pb2 as ipb
+from modelyard.inference.v1 import inference_service_pb2_grpc as ipb_grpc
+from modelyard.inference.v1 import tensor_pb2
 from modelyard.kserve.v2 import grpc_service_pb2 as kpb
 
 from models import demo_models
@@ -138,3 +141,26 @@ async def test_a_large_message_does_not_hold_another_callers_calls(service: Serv
     worst = max(latencies)
     print(f"200,000-tensor message: {len(latencies)} probes, worst gap {worst * 1e3:.0f} ms")
     assert worst < 0.5  # generous for a loaded machine; the loop was held for seconds before
+
+
+async def test_many_more_tensors_than_the_model_has_are_refused_up_front(service: Service) -> None:
+    tensor = tensor_pb2.Tensor(
+        name="INPUT0", datatype=tensor_pb2.DATA_TYPE_FP32, shape=[1, 4], raw_data=bytes(16)
+    )
+    credential = (("authorization", f"Bearer {TOKEN}"),)
+    async with grpc.aio.insecure_channel(service.address) as channel:
+        stub = ipb_grpc.InferenceServiceStub(channel)
+        for request, words in (
+            (
+                ipb.InferRequest(model_name="scaler", inputs=[tensor] * 5000),
+                "5000 inputs; model 'scaler' has 1",
+            ),
+            (
+                ipb.InferRequest(model_name="scaler", inputs=[tensor], output_names=["y"] * 5000),
+                "5000 outputs",
+            ),
+        ):
+            with pytest.raises(grpc.aio.AioRpcError) as caught:
+                await stub.Infer(request, metadata=credential, timeout=10)
+            assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert words in (caught.value.details() or "")
