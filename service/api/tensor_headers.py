@@ -13,7 +13,6 @@ from service.errors import InvalidInput
 from service.intake import TensorHeader
 from service.runtime.signature import Signature
 
-
 # A few extra tensors get the precise answer of the checks per tensor (unknown, given twice).
 EXTRA_TENSORS_CHECKED = 64
 
