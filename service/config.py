@@ -24,7 +24,7 @@ class Settings:
     max_message_bytes: int = 64 * 1024 * 1024  # larger requests: RESOURCE_EXHAUSTED, too_large
     # Connections of the gRPC listener (modelyard/common/grpc_server.py): open streams each, idle
     # and age limits (0: none), and the time a new connection has for its handshake.
-    grpc_max_concurrent_streams: int = 100
+    grpc_max_concurrent_streams: int = 256
     grpc_max_connection_idle_s: float = 300.0
     grpc_max_connection_age_s: float = 3600.0
     grpc_max_connection_age_grace_s: float = 60.0

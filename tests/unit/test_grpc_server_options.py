@@ -14,7 +14,7 @@ def test_options_come_from_the_settings_and_zero_means_no_limit() -> None:
     options = dict(
         connection_options(ServiceSettings(grpc_max_connection_age_s=0, grpc_max_connection_idle_s=2.5))
     )
-    assert options["grpc.max_concurrent_streams"] == 100
+    assert options["grpc.max_concurrent_streams"] == 256
     assert options["grpc.max_connection_age_ms"] == INT_MAX
     assert options["grpc.max_connection_idle_ms"] == 2500
     assert options["grpc.http2.max_ping_strikes"] > 0
