@@ -83,7 +83,11 @@ class SizeLimitedServer:
             async def checked_unary_unary(raw: bytes, context: Context) -> Any:
                 if len(raw) > limit:
                     await refuse(context, len(raw))
-                return await unary_unary(parse(raw), context)
+                # Not a local while the call runs: an aborted call's traceback keeps this frame
+                # (and grpc.aio keeps that exception with the call's state).
+                box = [raw]
+                del raw
+                return await unary_unary(parse(box.pop()), context)
 
             return grpc.unary_unary_rpc_method_handler(checked_unary_unary, response_serializer=serialize)
         if handler.unary_stream is not None:
@@ -92,8 +96,10 @@ class SizeLimitedServer:
             async def checked_unary_stream(raw: bytes, context: Context) -> AsyncIterator[Any]:
                 if len(raw) > limit:
                     await refuse(context, len(raw))
+                box = [raw]  # not a local while the call runs (as above)
+                del raw
                 # aclosing: a cancelled call closes the servicer's stream (and its leases) at once.
-                async with aclosing(unary_stream(parse(raw), context)) as responses:
+                async with aclosing(unary_stream(parse(box.pop()), context)) as responses:
                     async for response in responses:
                         yield response
 

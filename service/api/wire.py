@@ -195,8 +195,11 @@ def _forget_locals(error: BaseException) -> None:
 
 def _unary_unary(inner: Any, refuse: _Refuse) -> Any:
     async def call(raw: Any, context: Context) -> Any:
+        # Not a local while the servicer runs: an aborted call's traceback keeps this frame.
+        box = [raw]
+        del raw
         try:
-            return await inner(await refuse.admitted(raw, context), context)
+            return await inner(await refuse.admitted(box.pop(), context), context)
         except BaseException as exc:
             _forget_locals(exc)
             raise
@@ -208,12 +211,16 @@ def _unary_stream(inner: Any, refuse: _Refuse) -> Any:
     if not inspect.isasyncgenfunction(inner):  # writes with context.write: a coroutine
 
         async def write(raw: Any, context: Context) -> Any:
-            return await inner(await refuse.admitted(raw, context), context)
+            box = [raw]  # not a local while the servicer runs (see call above)
+            del raw
+            return await inner(await refuse.admitted(box.pop(), context), context)
 
         return write
 
     async def stream(raw: Any, context: Context) -> AsyncIterator[Any]:
-        async for response in inner(await refuse.admitted(raw, context), context):
+        box = [raw]  # not a local while the servicer runs (see call above)
+        del raw
+        async for response in inner(await refuse.admitted(box.pop(), context), context):
             yield response
 
     return stream

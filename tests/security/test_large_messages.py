@@ -5,6 +5,7 @@ caller with one does not hold the event loop while another caller's trivial call
 from __future__ import annotations
 
 import asyncio
+import gc
 import subprocess
 import sys
 import time
@@ -164,3 +165,37 @@ async def test_many_more_tensors_than_the_model_has_are_refused_up_front(service
                 await stub.Infer(request, metadata=credential, timeout=10)
             assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
             assert words in (caught.value.details() or "")
+
+
+def _live_requests() -> int:
+    gc.collect()
+    return sum(1 for item in gc.get_objects() if isinstance(item, kpb.ModelInferRequest))
+
+
+async def test_a_refused_large_message_is_not_kept(service: Service) -> None:
+    message = kpb.ModelInferRequest(model_name="scaler")
+    message.inputs.add(name="INPUT0", datatype="FP32", shape=[1, 3_000_000])
+    message.raw_input_contents.append(b"\x01" * 12_000_000)  # the wrong shape: refused by the model
+    data = message.SerializeToString()
+    del message
+    assert _live_requests() == 0
+    credential = (("authorization", f"Bearer {TOKEN}"),)
+    options = [("grpc.max_send_message_length", -1)]
+    async with grpc.aio.insecure_channel(service.address, options=options) as channel:
+        infer = channel.unary_unary(INFER, None, None)
+        for _ in range(3):
+            with pytest.raises(grpc.aio.AioRpcError) as caught:
+                await infer(data, metadata=credential, timeout=30)
+            assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    # grpc.aio keeps an aborted call's exception with the call's state: it must not keep the
+    # request (through the traceback's frames) or its bytes (through gRPC's message iterator).
+    assert _live_requests() == 0
+    gc.collect()
+    server_copies = [
+        held
+        for holder in gc.get_objects()
+        if type(holder).__name__.startswith("__pyx_scope")
+        for held in gc.get_referents(holder)
+        if isinstance(held, bytes) and len(held) == len(data)
+    ]
+    assert server_copies == []
