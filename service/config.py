@@ -6,7 +6,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from modelyard.common import logs
+from modelyard.common import grpc_server, logs
 from modelyard.common.settings import parse_settings as parse
 
 from service.cores import usable_cores
@@ -22,6 +22,13 @@ class Settings:
     grace_s: float = 10.0  # on SIGTERM: how long in-flight requests may take to finish
     drain_timeout_s: float = 30.0  # how long a retired model version waits for its requests
     max_message_bytes: int = 64 * 1024 * 1024  # larger requests: RESOURCE_EXHAUSTED, too_large
+    # Connections of the gRPC listener (modelyard/common/grpc_server.py): open streams each, idle
+    # and age limits (0: none), and the time a new connection has for its handshake.
+    grpc_max_concurrent_streams: int = 256
+    grpc_max_connection_idle_s: float = 300.0
+    grpc_max_connection_age_s: float = 3600.0
+    grpc_max_connection_age_grace_s: float = 60.0
+    grpc_handshake_timeout_s: float = 10.0
     # Model files sent with KServe loads, all uploads on disk together (one per model name at most).
     max_upload_bytes: int = 4 * 1024 * 1024 * 1024
     inference_threads: int = 0  # executor threads for model runs; 0 = one per core
@@ -47,6 +54,9 @@ class Settings:
     auth_tokens_file: str = ""
     auth_client_names: tuple[str, ...] = ()
     auth_inference: bool = False  # inference and metadata calls need a credential too
+    # System shared memory (KServe extension): regions registered at once, and bytes they span.
+    shm_max_regions: int = 256
+    shm_max_bytes: int = 8 * 1024 * 1024 * 1024
     log_level: str = "INFO"
     log_format: str = "text"  # text, or json: one object per line for log collectors
 
@@ -73,6 +83,9 @@ _HELP = {
     "auth_tokens_file": "file of bearer tokens, one per line; management calls then need one",
     "auth_client_names": "an mTLS client identity (certificate CN or SAN) allowed to call (repeatable)",
     "auth_inference": "require a credential for inference and metadata calls too",
+    "shm_max_regions": "system shared memory regions that may be registered at once",
+    "shm_max_bytes": "bytes that registered system shared memory regions may span together",
+    **grpc_server.HELP,
     **logs.HELP,
     "control_mode": "watch (load changes on disk) or explicit (only LoadModel/UnloadModel)",
     "watch_method": "events (inotify) or poll",

@@ -18,6 +18,7 @@ from grpc_reflection.v1alpha import reflection, reflection_pb2_grpc
 from modelyard import flat as flat_contract
 from modelyard.common import health as health_names
 from modelyard.common.auth import Authorizer, AuthSettings
+from modelyard.common.grpc_server import connection_options
 from modelyard.common.metrics_http import MetricsServer
 from modelyard.common.settings import split_address
 from modelyard.common.throttle import LogThrottle
@@ -57,7 +58,7 @@ from service.runtime.session import bound_run_memory, inline_run_limit_s, load_r
 from service.runtime.status import ModelEvent, Watcher
 from service.scheduling.clock import Clock
 from service.shm.files import FileRegionStore
-from service.shm.registry import SharedMemoryRegistry
+from service.shm.registry import RegionLimits, SharedMemoryRegistry
 from service.workers import protocol as workers
 from service.workers.member import FanOutRegistrar, WorkerLink, WorkerRole, metrics_handler
 
@@ -249,12 +250,21 @@ def build_service(
         ("grpc.max_send_message_length", settings.max_message_bytes),
     ]
     # A taken port must fail loudly, not be shared; workers share it (the supervisor holds it).
-    server = grpc.aio.server(options=[*limits, ("grpc.so_reuseport", 0 if worker is None else 1)])
+    server = grpc.aio.server(
+        options=[
+            *limits,
+            *connection_options(settings),
+            ("grpc.so_reuseport", 0 if worker is None else 1),
+        ]
+    )
     tls, authorizer = _security(settings)
     guard_for = guards(authorizer, settings.auth_inference, metrics)
     reporter = _undecodable_reporter(metrics)
     link = WorkerLink(worker) if worker is not None else None
-    shm = SharedMemoryRegistry(FileRegionStore(worker.folder.regions) if worker is not None else None)
+    shm = SharedMemoryRegistry(
+        FileRegionStore(worker.folder.regions) if worker is not None else None,
+        limits=RegionLimits(settings.shm_max_regions, settings.shm_max_bytes),
+    )
     servicers: list[tuple[Callable[[Any, Any], None], object]] = [
         (
             inference_service_pb2_grpc.add_InferenceServiceServicer_to_server,

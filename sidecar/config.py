@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from modelyard.common import logs, tls
+from modelyard.common import grpc_server, logs, tls
 from modelyard.common.settings import parse_settings as parse
 
 ENV_PREFIX = "MODELYARD_SIDECAR_"
@@ -20,6 +20,13 @@ class Settings:
     config_poll_s: float = 1.0
     grace_s: float = 10.0
     max_message_bytes: int = 64 * 1024 * 1024
+    # Connections of the gRPC listener (modelyard/common/grpc_server.py): open streams each, idle
+    # and age limits (0: none), and the time a new connection has for its handshake.
+    grpc_max_concurrent_streams: int = 256
+    grpc_max_connection_idle_s: float = 300.0
+    grpc_max_connection_age_s: float = 3600.0
+    grpc_max_connection_age_grace_s: float = 60.0
+    grpc_handshake_timeout_s: float = 10.0
     # TLS of the gRPC listener and the admin endpoint, as the service's: certificate and key,
     # optional client CA (mTLS).
     tls_cert: str = ""
@@ -64,6 +71,7 @@ _HELP = {
     "admin_idle_timeout_s": "seconds an idle admin keep-alive connection stays open",
     "admin_max_body_bytes": "largest admin request body, in bytes (larger: 413)",
     "admin_max_connections": "admin connections open at once (more: 503 and closed)",
+    **grpc_server.HELP,
     **logs.HELP,
 }
 _CHOICES = logs.CHOICES

@@ -11,6 +11,7 @@ import grpc
 from grpc_health.v1 import health_pb2_grpc
 from modelyard.common import health as health_names
 from modelyard.common.auth import Authorizer, AuthSettings
+from modelyard.common.grpc_server import connection_options
 from modelyard.common.settings import split_address
 from modelyard.common.tls import ClientTls, TlsFiles, grpc_server_credentials, is_loopback, warn_if_plaintext
 
@@ -196,7 +197,9 @@ def build_sidecar(
         tls=upstream_tls,
     )
     tracing = tracing if tracing is not None else configure("modelyard-sidecar")
-    server = grpc.aio.server(options=[*message_limits, ("grpc.so_reuseport", 0)])
+    server = grpc.aio.server(
+        options=[*message_limits, *connection_options(settings), ("grpc.so_reuseport", 0)]
+    )
     health_servicer = health_names.new_servicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     shadows = Shadows(metrics)

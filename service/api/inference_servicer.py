@@ -16,7 +16,7 @@ from service.api.errors import Context, deadline_passed, end_stalled, serving
 from service.api.generation_convert import to_generate_params, to_generate_response
 from service.api.metadata import call_fields
 from service.api.scheduling import scheduling
-from service.api.tensor_headers import our_headers
+from service.api.tensor_headers import our_headers, refuse_extra_tensors
 from service.dataplane import DataPlane
 from service.generation.plane import GenerationPlane
 from service.metrics import ServiceMetrics
@@ -29,9 +29,11 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         self._metrics = metrics
 
     async def _inputs(
-        self, model: str, version: str, tensors: Sequence[tensor_pb2.Tensor]
+        self, model: str, version: str, tensors: Sequence[tensor_pb2.Tensor], outputs: int = 0
     ) -> dict[str, np.ndarray]:
         """The request's arrays, decoded only once their headers fit the model (service/intake.py)."""
+        signature = self._dataplane.manager.resolve(model, version).runner.signature
+        refuse_extra_tensors(model, signature, len(tensors), outputs)
         return await self._dataplane.decode(model, version, our_headers(tensors), partial(to_arrays, tensors))
 
     async def Infer(self, request: pb.InferRequest, context: Context) -> pb.InferResponse:
@@ -39,7 +41,9 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
             version, request_id, priority = call_fields(
                 context, request.model_name, request.model_version, request.request_id, request.priority
             )
-            inputs = await self._inputs(request.model_name, version, request.inputs)
+            inputs = await self._inputs(
+                request.model_name, version, request.inputs, len(request.output_names)
+            )
             result = await self._dataplane.infer(
                 request.model_name,
                 version,
@@ -63,7 +67,9 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
             version, request_id, priority = call_fields(
                 context, request.model_name, request.model_version, request.request_id, request.priority
             )
-            inputs = await self._inputs(request.model_name, version, request.inputs)
+            inputs = await self._inputs(
+                request.model_name, version, request.inputs, len(request.output_names)
+            )
             chunks = self._dataplane.infer_chunks(
                 request.model_name,
                 version,

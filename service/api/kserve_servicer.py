@@ -30,9 +30,10 @@ from service.api.kserve_tensors import (
 from service.api.metadata import call_fields
 from service.api.names import check_model, quoted
 from service.api.scheduling import kserve_priority, kserve_scheduling
-from service.api.tensor_headers import kserve_headers
+from service.api.tensor_headers import kserve_headers, refuse_extra_tensors
 from service.dataplane import DataPlane
 from service.errors import InvalidInput, ModelLoadError, ServiceError, Unsupported
+from service.intake import INLINE_DECODE_BYTES
 from service.metrics import ServiceMetrics
 from service.repository.config import ModelConfig
 from service.repository.uploads import UploadSpace, write_upload
@@ -347,6 +348,8 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
             request.id,
             kserve_priority(request.parameters),
         )
+        signature = self._manager.resolve(request.model_name, version).runner.signature
+        refuse_extra_tensors(request.model_name, signature, len(request.inputs), len(request.outputs))
         # Decoded only once the tensors' headers fit the model (service/intake.py).
         headers = kserve_headers(request)
         inputs = await self._dataplane.decode(
@@ -378,7 +381,13 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
                 else array
                 for name, array in outputs.items()
             }
-        encode_outputs(response, outputs, options.in_shm, self._shm)
+        if sum(size for _, _, size in options.in_shm.values()) > INLINE_DECODE_BYTES:
+            # Large copies into shared memory (pwrite) go off the event loop.
+            await asyncio.get_running_loop().run_in_executor(
+                None, encode_outputs, response, outputs, options.in_shm, self._shm
+            )
+        else:
+            encode_outputs(response, outputs, options.in_shm, self._shm)
         return response
 
 

@@ -105,7 +105,7 @@ def decode_inputs(request: ModelInferRequest, shm: SharedMemoryRegistry | None =
             if shm is None:
                 raise Unsupported(f"input {quoted(tensor.name)}: shared memory is not enabled on this server")
             region, offset, size = at
-            arrays[tensor.name] = _from_raw(tensor, shm.view(region, offset, size, tensor.name))
+            arrays[tensor.name] = _from_raw(tensor, shm.read(region, offset, size, tensor.name))
         elif raw:
             if tensor.HasField("contents"):
                 raise InvalidInput(

@@ -20,6 +20,7 @@ from service.errors import TooLarge
 from service.metrics import ServiceMetrics
 
 _GRPC_MAX = 2**31 - 1  # gRPC's message length options are C ints
+_EOF: Any = grpc.aio.EOF  # type: ignore[attr-defined]  # not in grpc's type stubs
 Servicer = TypeVar("Servicer")
 # grpc's type stubs describe the sync API: a handler's behaviours and types are Any here.
 Handler: TypeAlias = "grpc.RpcMethodHandler[Any, Any]"
@@ -29,6 +30,10 @@ def transport_limit(max_message_bytes: int) -> int:
     """gRPC's receive limit: twice the configured one, so that messages up to there reach
     the handler's check and get their reason; memory per call stays bounded."""
     return min(2 * max_message_bytes, _GRPC_MAX)
+
+
+def _as_is(raw: bytes) -> bytes:
+    return raw
 
 
 def too_large(size: int, limit: int) -> TooLarge:
@@ -62,7 +67,10 @@ class SizeLimitedServer:
 
     def _wrap(self, method: str, handler: Handler) -> Handler:
         limit = self._limit
-        parse: Any = handler.request_deserializer
+        # Guarded (service/api/wire.py) registers its handlers without a deserializer: it parses
+        # after its guard. A handler that has one is parsed here, after the size check.
+        deserializer: Any = handler.request_deserializer
+        parse: Any = deserializer if deserializer is not None else _as_is
         serialize = handler.response_serializer
 
         async def refuse(context: Context, size: int) -> None:
@@ -75,7 +83,11 @@ class SizeLimitedServer:
             async def checked_unary_unary(raw: bytes, context: Context) -> Any:
                 if len(raw) > limit:
                     await refuse(context, len(raw))
-                return await unary_unary(parse(raw), context)
+                # Not a local while the call runs: an aborted call's traceback keeps this frame
+                # (and grpc.aio keeps that exception with the call's state).
+                box = [raw]
+                del raw
+                return await unary_unary(parse(box.pop()), context)
 
             return grpc.unary_unary_rpc_method_handler(checked_unary_unary, response_serializer=serialize)
         if handler.unary_stream is not None:
@@ -84,8 +96,10 @@ class SizeLimitedServer:
             async def checked_unary_stream(raw: bytes, context: Context) -> AsyncIterator[Any]:
                 if len(raw) > limit:
                     await refuse(context, len(raw))
+                box = [raw]  # not a local while the call runs (as above)
+                del raw
                 # aclosing: a cancelled call closes the servicer's stream (and its leases) at once.
-                async with aclosing(unary_stream(parse(raw), context)) as responses:
+                async with aclosing(unary_stream(parse(box.pop()), context)) as responses:
                     async for response in responses:
                         yield response
 
@@ -113,4 +127,25 @@ class SizeLimitedServer:
                     await abort(context, exc)
 
             return grpc.stream_stream_rpc_method_handler(checked_stream_stream, response_serializer=serialize)
-        raise TypeError(f"{method}: client-streaming methods are not size-checked here")
+        if handler.stream_unary is not None:
+            # A unary method that reads its message after its guard (service/api/wire.py).
+            stream_unary: Any = handler.stream_unary
+
+            async def checked_stream_unary(raws: AsyncIterator[bytes], context: Context) -> Any:
+                async def requests() -> AsyncIterator[Any]:
+                    # context.read, not `raws`: gRPC's iterator keeps the last message it
+                    # yielded for as long as the call's state lives (past the call's end).
+                    while (raw := await context.read()) is not _EOF:
+                        assert isinstance(raw, bytes)
+                        if len(raw) > limit:
+                            raise too_large(len(raw), limit)
+                        yield parse(raw)
+
+                try:
+                    return await stream_unary(requests(), context)
+                except TooLarge as exc:
+                    self._metrics.observe_request(method, "", "", grpc.StatusCode.RESOURCE_EXHAUSTED, 0.0)
+                    await abort(context, exc)
+
+            return grpc.stream_unary_rpc_method_handler(checked_stream_unary, response_serializer=serialize)
+        raise TypeError(f"{method}: this kind of method is not size-checked here")

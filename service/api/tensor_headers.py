@@ -4,11 +4,29 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+from modelyard.common.names import echo
 from modelyard.inference.v1 import tensor_pb2
 from modelyard.kserve.v2.grpc_service_pb2 import ModelInferRequest
 from modelyard.tensors import datatype_name, is_known
 
+from service.errors import InvalidInput
 from service.intake import TensorHeader
+from service.runtime.signature import Signature
+
+# A few extra tensors get the precise answer of the checks per tensor (unknown, given twice).
+EXTRA_TENSORS_CHECKED = 64
+
+
+def refuse_extra_tensors(model: str, signature: Signature, inputs: int, outputs: int) -> None:
+    """InvalidInput when a request names many more inputs or outputs than the model has: it
+    cannot be valid, and refusing it before any work per tensor keeps a message of 700,000
+    tensors from holding the event loop for seconds."""
+    for kind, given, own in (
+        ("inputs", inputs, len(signature.inputs)),
+        ("outputs", outputs, len(signature.outputs)),
+    ):
+        if given > own + EXTRA_TENSORS_CHECKED:
+            raise InvalidInput(f"the request names {given} {kind}; model {echo(model)} has {own}")
 
 
 def our_headers(tensors: Iterable[tensor_pb2.Tensor]) -> list[TensorHeader]:
@@ -24,9 +42,19 @@ def our_headers(tensors: Iterable[tensor_pb2.Tensor]) -> list[TensorHeader]:
 def kserve_headers(request: ModelInferRequest) -> list[TensorHeader]:
     raw = request.raw_input_contents
     headers = []
-    for index, tensor in enumerate(request.inputs):
-        if raw:
-            nbytes = len(raw[index]) if index < len(raw) else 0
+    raw_index = 0  # raw contents are given for the inputs outside shared memory only
+    for tensor in request.inputs:
+        parameters = tensor.parameters
+        if "shared_memory_region" in parameters:
+            # Its bytes are copied out of the region (per_element: an executor hop when large);
+            # a malformed size counts 0 here and is refused by the decoder.
+            declared = parameters.get("shared_memory_byte_size")
+            kind = declared.WhichOneof("parameter_choice") if declared is not None else None
+            nbytes = max(0, getattr(declared, kind)) if kind in ("int64_param", "uint64_param") else 0
+            per_element = True
+        elif raw:
+            nbytes = len(raw[raw_index]) if raw_index < len(raw) else 0
+            raw_index += 1
             per_element = tensor.datatype == "BYTES"
         else:
             nbytes = tensor.contents.ByteSize()  # computed in C, without touching elements in Python

@@ -14,7 +14,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import TypeVar
 
-from service.shm.registry import RegionSpec
+from service.shm.registry import RegionLimits, RegionSpec
 
 T = TypeVar("T")
 
@@ -26,10 +26,12 @@ class FileRegionStore:
         self._cached: tuple[tuple[int, ...], dict[str, RegionSpec]] = ((), {})
         self._thread_lock = threading.RLock()
 
-    def add(self, spec: RegionSpec) -> bool:
+    def add(self, spec: RegionSpec, limits: RegionLimits | None = None) -> bool:
         def change(specs: dict[str, RegionSpec]) -> bool:
             if spec.name in specs:
                 return False
+            if limits is not None:
+                limits.check(list(specs.values()), spec)  # under the lock every worker takes
             specs[spec.name] = spec
             return True
 

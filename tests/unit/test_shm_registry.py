@@ -9,8 +9,14 @@ from multiprocessing import shared_memory
 import numpy as np
 import pytest
 
-from service.errors import InvalidInput
-from service.shm.registry import LocalRegionStore, RegionNotFound, RegionSpec, SharedMemoryRegistry
+from service.errors import InvalidInput, TooLarge
+from service.shm.registry import (
+    LocalRegionStore,
+    RegionLimits,
+    RegionNotFound,
+    RegionSpec,
+    SharedMemoryRegistry,
+)
 
 
 @pytest.fixture
@@ -27,18 +33,18 @@ def test_view_and_write_stay_within_the_region(region: shared_memory.SharedMemor
     registry = SharedMemoryRegistry()
     registry.register("r", "/" + region.name, 64, 128)  # bytes 64..191 of the object
     region.buf[64:72] = np.arange(2, dtype=np.float32).tobytes()
-    view = registry.view("r", 0, 8, "x")
+    view = registry.read("r", 0, 8, "x")
     assert np.frombuffer(view, np.float32).tolist() == [0.0, 1.0]
     registry.write("r", 120, 8, b"\x01" * 8, "y")
     assert bytes(region.buf[184:192]) == b"\x01" * 8
     with pytest.raises(InvalidInput, match=r"'x'.*leave shared memory region 'r'"):
-        registry.view("r", 124, 8, "x")
+        registry.read("r", 124, 8, "x")
     with pytest.raises(InvalidInput, match="do not fit"):
         registry.write("r", 0, 4, b"12345678", "y")
     del view
     registry.unregister("r")
     with pytest.raises(InvalidInput, match="no system shared memory region 'r'"):
-        registry.view("r", 0, 8, "x")
+        registry.read("r", 0, 8, "x")
     registry.close()
 
 
@@ -69,3 +75,33 @@ def test_a_registration_made_elsewhere_is_opened_by_key(region: shared_memory.Sh
     other.write("r", 0, 4, b"abcd", "y")
     assert bytes(region.buf[:4]) == b"abcd"
     other.close()
+
+
+def test_a_shrunk_object_is_invalid_input_not_a_fault(region: shared_memory.SharedMemory) -> None:
+    registry = SharedMemoryRegistry()
+    registry.register("r", "/" + region.name, 0, 256)
+    os.ftruncate(region._fd, 100)  # type: ignore[attr-defined]  # the owner shrinks it
+    assert bytes(registry.read("r", 0, 100, "x")) == bytes(100)  # what is still there reads
+    with pytest.raises(InvalidInput, match="region 'r' is shorter than registered"):
+        registry.read("r", 64, 64, "x")
+    with pytest.raises(InvalidInput, match="region 'r' is shorter than registered"):
+        registry.write("r", 64, 64, b"\x01" * 64, "y")
+    assert os.fstat(region._fd).st_size == 100  # type: ignore[attr-defined]  # a refused write grows nothing
+    os.ftruncate(region._fd, 256)  # type: ignore[attr-defined]  # so that close() can unmap its buffer
+    registry.close()
+
+
+def test_registrations_are_bounded(region: shared_memory.SharedMemory) -> None:
+    registry = SharedMemoryRegistry(limits=RegionLimits(count=2, total_bytes=200))
+    key = "/" + region.name
+    registry.register("a", key, 0, 150)
+    with pytest.raises(TooLarge, match="limit is 200"):
+        registry.register("b", key, 0, 51)
+    registry.register("b", key, 0, 50)
+    with pytest.raises(TooLarge, match="limit is 2"):
+        registry.register("c", key, 0, 1)
+    with pytest.raises(InvalidInput, match="at most 128"):
+        registry.register("n" * 129, key, 0, 1)
+    registry.unregister("a")
+    registry.register("c", key, 0, 1)
+    registry.close()

@@ -1,0 +1,31 @@
+"""The one list of gRPC listener options: names gRPC core knows, limits from the settings."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+from modelyard.common.grpc_server import INT_MAX, connection_options
+
+from service.config import Settings as ServiceSettings
+from sidecar.config import Settings as SidecarSettings
+
+
+def test_options_come_from_the_settings_and_zero_means_no_limit() -> None:
+    options = dict(
+        connection_options(ServiceSettings(grpc_max_connection_age_s=0, grpc_max_connection_idle_s=2.5))
+    )
+    assert options["grpc.max_concurrent_streams"] == 256
+    assert options["grpc.max_connection_age_ms"] == INT_MAX
+    assert options["grpc.max_connection_idle_ms"] == 2500
+    assert options["grpc.http2.max_ping_strikes"] > 0
+    assert options["grpc.http.overload_protection"] == 1
+    assert dict(connection_options(SidecarSettings())) == dict(connection_options(ServiceSettings()))
+    with pytest.raises(ValueError, match="at least 1"):
+        connection_options(ServiceSettings(grpc_max_concurrent_streams=0))
+
+
+async def test_a_server_takes_them() -> None:
+    server = grpc.aio.server(options=connection_options(ServiceSettings()))
+    assert server.add_insecure_port("127.0.0.1:0") > 0
+    await server.start()
+    await server.stop(None)
