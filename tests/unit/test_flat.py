@@ -25,6 +25,10 @@ def test_round_trip_of_every_fixed_size_datatype() -> None:
         np.testing.assert_array_equal(decoded.tensors[name], array)
     scalar = flat.decode_response(flat.encode_response("m", "1", {"s": np.array(2.5, np.float32)}))
     assert scalar.tensors["s"].shape == () and scalar.tensors["s"] == np.float32(2.5)
+    integers: dict[str, np.ndarray] = {"u": np.array(3, np.uint8), "i": np.array(7, np.int64)}
+    integers["one"] = np.array([9], np.uint8)
+    for name, value in flat.decode_response(flat.encode_response("m", "1", integers)).tensors.items():
+        assert value.shape == integers[name].shape and value == integers[name]
 
 
 def test_decoding_makes_no_copy() -> None:

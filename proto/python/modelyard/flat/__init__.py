@@ -98,11 +98,12 @@ def _tensor(builder: flatbuffers.Builder, name: str, array: np.ndarray) -> int:
     if datatype == "BYTES":
         raise TensorError(f"tensor {name!r}: BYTES tensors are not carried by the FlatBuffers encoding")
     # The Builder's public API writes a byte vector from bytes or a bytearray only: staged in a
-    # bytearray, which CreateByteVector copies in once (bytes it would copy twice). Aligned here,
-    # since the generated data starter aligns to 1.
+    # bytearray, which CreateByteVector copies in once (bytes it would copy twice). Through its
+    # memoryview (.data): bytearray() of a 0-d integer array would take it for a length. Aligned
+    # here, since the generated data starter aligns to 1.
     data = np.ascontiguousarray(array).reshape(-1).view(np.uint8)
     builder.Prep(_ALIGN, data.size)
-    data_at = builder.CreateByteVector(bytearray(data))
+    data_at = builder.CreateByteVector(bytearray(data.data))
     tensor_table.TensorStartShapeVector(builder, array.ndim)
     for dim in reversed(array.shape):
         builder.PrependInt64(dim)
