@@ -97,13 +97,16 @@ def _tensor(builder: flatbuffers.Builder, name: str, array: np.ndarray) -> int:
     datatype = name_of(array.dtype)
     if datatype == "BYTES":
         raise TensorError(f"tensor {name!r}: BYTES tensors are not carried by the FlatBuffers encoding")
-    # The Builder's public API writes a byte vector from bytes or a bytearray only: staged in a
-    # bytearray, which CreateByteVector copies in once (bytes it would copy twice). Through its
-    # memoryview (.data): bytearray() of a 0-d integer array would take it for a length. Aligned
-    # here, since the generated data starter aligns to 1.
-    data = np.ascontiguousarray(array).reshape(-1).view(np.uint8)
-    builder.Prep(_ALIGN, data.size)
-    data_at = builder.CreateByteVector(bytearray(data.data))
+    # The Builder's public API writes a byte vector from bytes or a bytearray only: the array's
+    # bytes (row-major) are staged in a bytearray, which CreateByteVector copies in once (bytes
+    # it would copy twice). Through the array's memoryview (.data): bytearray() of a 0-d integer
+    # array would take it for a length. Aligned here, since the generated data starter aligns to 1.
+    try:
+        staged = bytearray(array.data)
+    except ValueError:  # numpy exports no buffer of ml_dtypes' types (BF16): of their bytes then
+        staged = bytearray(np.ascontiguousarray(array).reshape(-1).view(np.uint8).data)
+    builder.Prep(_ALIGN, len(staged))
+    data_at = builder.CreateByteVector(staged)
     tensor_table.TensorStartShapeVector(builder, array.ndim)
     for dim in reversed(array.shape):
         builder.PrependInt64(dim)
