@@ -60,7 +60,7 @@ browser-deps: web-deps
 bench-edge: $(VENV)/.installed-dev
 	$(PY) -m bench.edge
 
-gen: $(VENV)/.installed-dev
+gen: $(VENV)/.installed-dev system-deps
 	$(PY) proto/generate.py
 
 # Deliberately accept the current contracts as the baseline that `buf breaking` guards.
@@ -140,9 +140,11 @@ $(VENV)/.installed-dev: pyproject.toml | $(PY)
 	$(PY) -m pip install --quiet -e '.[dev]'
 	touch $@ $(VENV)/.installed $(VENV)/.installed-stack
 
-# Debian packages the tests need: libb64 for Triton's perf_analyzer.
+# Debian packages the tests need: libb64 for Triton's perf_analyzer; flatc (flatbuffers-compiler,
+# 2.0.8 on bookworm) for the FlatBuffers code that proto/generate.py writes and checks.
 system-deps:
 	@dpkg -s libb64-0d >/dev/null 2>&1 || { apt-get update -qq && apt-get install -y -qq libb64-0d >/dev/null; }
+	@dpkg -s flatbuffers-compiler >/dev/null 2>&1 || { apt-get update -qq && apt-get install -y -qq flatbuffers-compiler >/dev/null; }
 
 $(BUF):
 	npm install --silent --no-save --no-audit --no-fund --prefix .cache/buf @bufbuild/buf@$(BUF_VERSION)

@@ -1,5 +1,6 @@
-"""Large tensors: a FlatBuffers encoding (bench/tensors.fbs) against protobuf's raw little-endian
-bytes (our v1 InferRequest/InferResponse), 1, 16 and 64 MiB per request, in one run.
+"""Large tensors: our FlatBuffers Infer (modelyard.flat, proto/modelyard/flat/v1/inference.fbs)
+against protobuf's raw little-endian bytes (our v1 InferRequest/InferResponse), 1, 16 and 64 MiB
+per request, in one run.
 
 A bare grpc.aio server (pinned to core 1; this client to core 0) answers two methods that do the
 same: decode the request's tensor into numpy, and answer it back as the response's tensor (the
@@ -12,8 +13,9 @@ Copies of the tensor's bytes each encoding makes in Python (besides gRPC's own, 
     makes a bytes object (1), np.frombuffer is a view (0): 2.
   protobuf, sending: ndarray.tobytes (1), setting raw_data (1), SerializeToString (1): 3.
   FlatBuffers, receiving: the data vector is a numpy view of the received bytes: 0.
-  FlatBuffers, sending: the array is written once into the builder's buffer (1), and gRPC's
-    Python API takes bytes, so the finished buffer is copied out once (1): 2.
+  FlatBuffers, sending: the array is staged in a bytearray (1) that the builder copies into its
+    buffer (1) (its public API writes byte vectors from bytes or bytearrays only), and gRPC's
+    Python API takes bytes, so the finished buffer is copied out once (1): 3.
 
     .venv/bin/python -m bench.flatbuffers_tensors [--sizes-mib 1,16,64] [--rounds 3]
 """
@@ -34,11 +36,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import flatbuffers
 import grpc
 import numpy as np
-from flatbuffers import number_types as N
-from flatbuffers.table import Table
 from modelyard import flat
 from modelyard.inference.v1 import inference_service_pb2 as pb
 from modelyard.inference.v1 import tensor_pb2
@@ -52,49 +51,24 @@ PROTO, FLAT = "/bench.Tensors/Proto", "/bench.Tensors/Flat"
 INFER = "/modelyard.inference.v1.InferenceService/Infer"
 DEFAULT_OUTPUT = ROOT / "bench" / "results" / "flatbuffers_tensors.json"
 
-# -- the FlatBuffers encoding (what flatc would generate for bench/tensors.fbs) --------------
+# -- the FlatBuffers encoding: modelyard.flat, the service's own ------------------------------
 
 
-def flat_encode(name: str, array: np.ndarray) -> bytes:
-    data = np.ascontiguousarray(array, dtype="<f4").reshape(-1)
-    builder = flatbuffers.Builder(data.nbytes + 1024)  # large enough: no regrowth (a copy)
-    # The data vector first (FlatBuffers build back to front), aligned for a float32 view.
-    builder.StartVector(4, data.size, 16)
-    builder.head -= data.nbytes
-    np.frombuffer(builder.Bytes, np.uint8, data.nbytes, builder.head)[:] = data.view(np.uint8)
-    builder.vectorNumElems = data.size
-    data_at = builder.EndVector()
-    builder.StartVector(8, array.ndim, 8)
-    for dim in reversed(array.shape):
-        builder.PrependInt64(dim)
-    shape_at = builder.EndVector()
-    name_at = builder.CreateString(name)
-    builder.StartObject(3)
-    builder.PrependUOffsetTRelativeSlot(0, name_at, 0)
-    builder.PrependUOffsetTRelativeSlot(1, shape_at, 0)
-    builder.PrependUOffsetTRelativeSlot(2, data_at, 0)
-    tensor_at = builder.EndObject()
-    builder.StartVector(4, 1, 4)
-    builder.PrependUOffsetTRelative(tensor_at)
-    tensors_at = builder.EndVector()
-    model_at = builder.CreateString("echo")
-    builder.StartObject(2)
-    builder.PrependUOffsetTRelativeSlot(0, model_at, 0)
-    builder.PrependUOffsetTRelativeSlot(1, tensors_at, 0)
-    builder.Finish(builder.EndObject())
-    return bytes(builder.Output())  # gRPC's Python API sends bytes
+def flat_request(array: np.ndarray, model: str = "echo") -> bytes:
+    return flat.encode_request(model, {"INPUT0": array})
 
 
-def flat_decode(buffer: bytes) -> np.ndarray:
-    """The first tensor as a read-only numpy view of `buffer` (no copy)."""
-    root = Table(buffer, flatbuffers.encode.Get(N.UOffsetTFlags.packer_type, buffer, 0))
-    tensors = root.Offset(6)
-    vector = root.Vector(tensors)
-    tensor = Table(buffer, root.Indirect(vector))
-    shape = tensor.GetVectorAsNumpy(N.Int64Flags, tensor.Offset(6))
-    data = tensor.GetVectorAsNumpy(N.Float32Flags, tensor.Offset(8))
-    view: np.ndarray = data.reshape(tuple(int(d) for d in shape))
-    return view
+def flat_decode_request(buffer: bytes) -> np.ndarray:
+    """The request's tensor as a read-only numpy view of `buffer` (no copy)."""
+    return flat.decode_request(buffer).tensors["INPUT0"]
+
+
+def flat_response(array: np.ndarray) -> bytes:
+    return flat.encode_response("echo", "", {"OUTPUT0": array})
+
+
+def flat_decode_response(buffer: bytes) -> np.ndarray:
+    return flat.decode_response(buffer).tensors["OUTPUT0"]
 
 
 # -- the protobuf encoding (raw little-endian bytes) -----------------------------------------
@@ -131,8 +105,8 @@ async def serve() -> None:
     async def proto(request: bytes, context: Any) -> bytes:
         return proto_response(proto_decode_request(request))
 
-    async def flat(request: bytes, context: Any) -> bytes:
-        return flat_encode("OUTPUT0", flat_decode(request))
+    async def flat_echo(request: bytes, context: Any) -> bytes:
+        return flat_response(flat_decode_request(request))
 
     server = grpc.aio.server(options=OPTIONS)
     server.add_generic_rpc_handlers(
@@ -141,7 +115,7 @@ async def serve() -> None:
                 "bench.Tensors",
                 {
                     "Proto": grpc.unary_unary_rpc_method_handler(proto),
-                    "Flat": grpc.unary_unary_rpc_method_handler(flat),
+                    "Flat": grpc.unary_unary_rpc_method_handler(flat_echo),
                 },
             ),
         )
@@ -173,11 +147,8 @@ async def measure(
         t0 = time.perf_counter()
         if method == PROTO:
             answer = proto_decode_response(await call(proto_request(array, model)))
-        elif service:
-            reply = flat.decode_response(await call(flat.encode_request(model, {"INPUT0": array})))
-            answer = reply.tensors["OUTPUT0"]
         else:
-            answer = flat_decode(await call(flat_encode("INPUT0", array)))
+            answer = flat_decode_response(await call(flat_request(array, model)))
         latencies.append(time.perf_counter() - t0)
         assert answer.shape == array.shape
     wall = time.perf_counter() - start
@@ -229,7 +200,7 @@ async def run(args: argparse.Namespace, server: subprocess.Popen[str]) -> int:
             for mib in args.sizes_mib:
                 array = np.random.default_rng(0).standard_normal((mib * 1024 * 1024 // 4,), np.float32)
                 n = max(3, args.requests // mib)
-                np.testing.assert_array_equal(flat_decode(flat_encode("x", array)), array)
+                np.testing.assert_array_equal(flat_decode_request(flat_request(array)), array)
                 model = f"id{mib}"
                 for method in (PROTO, FLAT):  # warm-up
                     await measure(channel, server.pid, method, array, 2, args.service, model)
