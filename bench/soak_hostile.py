@@ -53,7 +53,7 @@ from bench.stack import Stack
 from models.demo_models import COMMITTED_ROOT, make_model, write_model
 
 HANG_S = 10.0  # a hostile call unanswered for this long is a hang
-HOSTILE_PAUSE_S = 0.25  # each hostile class sends about 4 requests a second
+HOSTILE_PAUSE_S = 1.0  # each hostile class sends about one request a second
 BAD_CODES = {grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN}
 
 
@@ -136,10 +136,24 @@ class Record:
 # --- normal traffic -------------------------------------------------------------------------------
 
 
-async def normal_unary(stub: Any, record: Record) -> None:
+async def paced(interval_s: float, when: list[float]) -> None:
+    """Wait for the next send time of a client that sends every `interval_s` (a steady load, not
+    as fast as the answers come: what the hostile mix costs shows as latency, not as fewer calls);
+    a client that fell behind sends at once."""
+    when[0] += interval_s
+    delay = when[0] - time.perf_counter()
+    if delay > 0:
+        await asyncio.sleep(delay)
+    else:
+        when[0] = time.perf_counter()
+
+
+async def normal_unary(stub: Any, record: Record, interval_s: float) -> None:
     x = np.random.default_rng(0).standard_normal((1, 64), dtype=np.float32)
     request = pb.InferRequest(model_name="classifier", inputs=[to_tensor("INPUT0", x)])
+    when = [time.perf_counter()]
     while not record.stopping:
+        await paced(interval_s, when)
         hostile, start = record.hostile, time.perf_counter()
         try:
             await stub.Infer(request, metadata=(("x-tenant-id", "good"),), timeout=HANG_S)
@@ -149,9 +163,11 @@ async def normal_unary(stub: Any, record: Record) -> None:
             record.normal_errors[f"Infer {exc.code().name} {exc.details()[:80]}"] += 1
 
 
-async def normal_sse(edge: httpx.AsyncClient, record: Record) -> None:
+async def normal_sse(edge: httpx.AsyncClient, record: Record, interval_s: float) -> None:
     body = {"prompt": "def add(a, b):", "max_tokens": 8}
+    when = [time.perf_counter()]
     while not record.stopping:
+        await paced(interval_s, when)
         hostile, start = record.hostile, time.perf_counter()
         try:
             async with edge.stream("POST", "/v1/models/codelm/generate", json=body) as response:
@@ -242,14 +258,14 @@ def hostile_attempts(
         )
 
     async def huge_fill() -> str:
-        # 2 GiB of float32 from a 8-byte request.
+        # 64 GiB of float32 from an 8-byte request: past any run-memory bound of this machine.
         return await grpc_answer(
-            stub.Infer(infer("fill", shape=np.array([1 << 29], np.int64)), timeout=HANG_S)
+            stub.Infer(infer("fill", shape=np.array([1 << 34], np.int64)), timeout=HANG_S)
         )
 
     async def long_loop() -> str:
         request = infer("spin", n=np.array(10**12, np.int64))
-        return await grpc_answer(stub.Infer(request, timeout=0.2))
+        return await grpc_answer(stub.Infer(request, timeout=0.1))
 
     async def undecodable() -> str:
         return await grpc_answer(raw(b"\x0a\xff\xff\xff\xff\x0f\x01", timeout=HANG_S))
@@ -270,12 +286,19 @@ def hostile_attempts(
 
     async def bad_http() -> str:
         what, body, headers = bodies[next(counter) % len(bodies)]
-        response = await gateway.post(
-            "/v1/models/codelm/generate",
-            content=body,
-            headers={b"content-type": b"application/json", **headers},
-            timeout=HANG_S,
-        )
+        try:
+            response = await gateway.post(
+                "/v1/models/codelm/generate",
+                content=body,
+                headers={b"content-type": b"application/json", **headers},
+                timeout=HANG_S,
+            )
+        except httpx.TransportError as exc:
+            if what != "oversized":
+                raise
+            # The gateway answers 413 from the Content-Length and closes; a client still writing
+            # the body may see the close before the answer.
+            return f"{what}: closed while sending ({type(exc).__name__})"
         return f"{what} HTTP {response.status_code}"
 
     async def bad_admin() -> str:
@@ -407,11 +430,14 @@ async def run(args: argparse.Namespace, tmp: Path) -> int:
             httpx.AsyncClient(base_url=f"http://{stack.service_metrics}", timeout=30) as service_metrics,
         ):
             stub = pb_grpc.InferenceServiceStub(sidecar)
-            sizes_before = (await metrics_size(admin), await metrics_size(service_metrics))
+            sizes = [(await metrics_size(admin), await metrics_size(service_metrics))]
             attempts = hostile_attempts(hostile_channel, gateway, admin, planted)
             gw_host, _, gw_port = stack.gateway.removeprefix("http://").rpartition(":")
-            tasks = [asyncio.ensure_future(normal_unary(stub, record)) for _ in range(args.unary)]
-            tasks += [asyncio.ensure_future(normal_sse(edge, record)) for _ in range(args.sse)]
+            unary_every, sse_every = args.unary / args.unary_rate, args.sse / args.sse_rate
+            tasks = [
+                asyncio.ensure_future(normal_unary(stub, record, unary_every)) for _ in range(args.unary)
+            ]
+            tasks += [asyncio.ensure_future(normal_sse(edge, record, sse_every)) for _ in range(args.sse)]
             skip = set(filter(None, args.skip.split(",")))
             tasks += [
                 asyncio.ensure_future(hostile_loop(n, a, record))
@@ -427,6 +453,7 @@ async def run(args: argparse.Namespace, tmp: Path) -> int:
                     for name, pid in processes.items():
                         rss[name].append((now - record.started, rss_kib(pid) / 1024))
                     await asyncio.sleep(min(1.0, max(0.0, end - now)))
+                sizes.append((await metrics_size(admin), await metrics_size(service_metrics)))
             record.stopping = True
             record.stopped.set()
             _, pending = await asyncio.wait(tasks, timeout=HANG_S + 10)
@@ -434,23 +461,22 @@ async def run(args: argparse.Namespace, tmp: Path) -> int:
                 task.cancel()
             if pending:
                 record.findings[f"clients still waiting {HANG_S + 10:.0f} s after the end"] += len(pending)
-            sizes_after = (await metrics_size(admin), await metrics_size(service_metrics))
     finally:
         stack.stop()
-    return report(args, record, rss, sizes_before, sizes_after, planted)
+    return report(args, record, rss, sizes, planted)
 
 
 def report(
     args: argparse.Namespace,
     record: Record,
     rss: dict[str, list[tuple[float, float]]],
-    before: tuple[int, int],
-    after: tuple[int, int],
+    sizes: list[tuple[int, int]],
     planted: Path,
 ) -> int:
     print(
         f"hostile soak: {args.duration_s:.0f} s in {args.windows} alternating quiet/hostile windows; "
-        f"{args.unary} unary clients via the sidecar, {args.sse} SSE clients via Envoy; "
+        f"{args.unary_rate:.0f} unary calls/s via the sidecar, {args.sse_rate:.0f} SSE generations/s via "
+        f"Envoy; "
         f"{len(record.hostile_answers)} kinds of hostile answer"
     )
     print(f"\n{'normal traffic':<22}{'window':>9}{'calls':>8}{'p50 ms':>9}{'p99 ms':>9}{'p99 x quiet':>13}")
@@ -473,7 +499,10 @@ def report(
         if samples:
             per_min = slope([t for t, _ in samples], [r for _, r in samples]) * 60
             print(f"  {name:<16}{samples[0][1]:>7.0f}{samples[-1][1]:>9.0f}{per_min:>+12.2f}")
-    print(f"\n/metrics bytes: sidecar {before[0]} -> {after[0]}, service {before[1]} -> {after[1]}")
+    # After the first two windows every series normal traffic makes exists; hostile input adds none.
+    print("\n/metrics bytes at the start and after each window:")
+    print("  sidecar " + " ".join(str(a) for a, _ in sizes))
+    print("  service " + " ".join(str(b) for _, b in sizes))
     print(f"planted file outside the repository: {'YES' if planted.exists() else 'no'}")
     print("\nhostile answers:")
     for what, count in sorted(record.hostile_answers.items()):
@@ -495,7 +524,9 @@ def main() -> int:
     parser.add_argument("--duration-s", type=float, default=120.0)
     parser.add_argument("--windows", type=int, default=8, help="alternating quiet/hostile windows (even)")
     parser.add_argument("--unary", type=int, default=4, help="unary Infer clients via the sidecar")
+    parser.add_argument("--unary-rate", type=float, default=200.0, help="unary calls a second, all clients")
     parser.add_argument("--sse", type=int, default=2, help="SSE generation clients via Envoy")
+    parser.add_argument("--sse-rate", type=float, default=4.0, help="SSE generations a second, all clients")
     parser.add_argument("--skip", default="", help="hostile classes to leave out, comma-separated")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
