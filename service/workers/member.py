@@ -5,11 +5,8 @@ whole-service health following the supervisor's."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import ctypes
 import logging
 import os
-import signal
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -55,15 +52,6 @@ class WorkerRole:
             protocol.ControlFolder(Path(environ[protocol.ENV_CONTROL])),
             int(environ.get(protocol.ENV_COUNT, "1")),
         )
-
-
-def die_with_parent() -> None:
-    """SIGTERM this process when the supervisor dies (Linux), so that no worker outlives it."""
-    with contextlib.suppress(OSError, AttributeError):
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    if os.getppid() == 1:  # the parent was already gone
-        os.kill(os.getpid(), signal.SIGTERM)
 
 
 class FanOutRegistrar:

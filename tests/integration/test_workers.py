@@ -234,6 +234,28 @@ async def test_a_killed_worker_restarts_while_the_others_serve(
     assert sum("stopped (exit code 0)" in line for line in process.log) == 2
 
 
+async def test_workers_do_not_outlive_a_killed_supervisor(service_process, small_repository: Path) -> None:
+    # SIGKILL: the supervisor stops nothing itself; each worker's parent-death signal stops it.
+    process = service_process(small_repository, "--workers", "2")
+    workers = list(pids(process).values())
+    assert len(workers) == 2 and all(_running(pid) for pid in workers)
+    try:
+        process.stop(signal.SIGKILL)
+        await eventually(lambda: not any(_running(pid) for pid in workers), "the workers gone")
+    finally:
+        for pid in workers:
+            if _running(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
+def _running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rpartition(")")[2].split()[0] != "Z"  # a zombie has exited
+    except FileNotFoundError:
+        return False
+
+
 async def restarted(process: ServiceProcess, index: int = 0) -> None:
     """Kill worker `index` and wait until its replacement is admitted."""
     victim = pids(process)[index]
