@@ -25,7 +25,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     configure_logging(settings.log_level, settings.log_format)
     role = WorkerRole.from_environment()
     if role is not None:  # started by a supervisor: no worker outlives it
-        children.die_with_parent()
+        children.die_with_parent(role.parent)
         return _traced(lambda: build_service(settings, worker=role), f"worker {role.index}", settings.grace_s)
     try:
         workers = worker_count(settings.workers)

@@ -41,6 +41,7 @@ class WorkerRole:
     index: int
     folder: protocol.ControlFolder
     count: int = 1  # workers in all
+    parent: int | None = None  # the supervisor's pid (it may be 1: PID 1 in a container)
 
     @classmethod
     def from_environment(cls, environ: Mapping[str, str] | None = None) -> WorkerRole | None:
@@ -51,6 +52,7 @@ class WorkerRole:
             int(environ[protocol.ENV_INDEX]),
             protocol.ControlFolder(Path(environ[protocol.ENV_CONTROL])),
             int(environ.get(protocol.ENV_COUNT, "1")),
+            int(environ[protocol.ENV_PARENT]) if protocol.ENV_PARENT in environ else None,
         )
 
 

@@ -237,6 +237,7 @@ class Supervisor:
         env[protocol.ENV_CONTROL] = str(self.folder.path)
         env[protocol.ENV_INDEX] = str(index)
         env[protocol.ENV_COUNT] = str(self.count)
+        env[protocol.ENV_PARENT] = str(os.getpid())
         return env
 
     async def _join(self, slot: Slot) -> None:
