@@ -16,7 +16,6 @@ from bench.processes import CLK_TCK, ServerProcess
 
 NOISY_OTHER_CPU = 0.15  # other processes using more of a core than this disturb the measurement
 
-
 Infer = Callable[[pb.InferRequest], Awaitable[pb.InferResponse]]
 
 
