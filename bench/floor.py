@@ -51,9 +51,9 @@ from modelyard.kserve.v2 import grpc_service_pb2_grpc as kgrpc
 
 from bench.lib.load import RequestFailed, drive
 from bench.lib.profile import Profile, profile_server
+from bench.lib.report import print_profiles
 from bench.peer_servers import PEERS, peer_process, wait_models_ready
 from bench.processes import ROOT, SERVICE_READY, ServerProcess, service_command
-from bench.unary_latency import print_profiles
 from models.demo_models import mlp, scaled_identity, write_model
 
 DEFAULT_OUTPUT = ROOT / "bench" / "results" / "floor.json"
