@@ -23,7 +23,7 @@ CPU per request at 16.
 keeps one): with `--no-pin`, the gain of model instances on this machine's cores.
 
 `--profile` samples both servers with py-spy at concurrency 16 on the MLP (each API) and prints
-where their CPU goes, category by category, side by side (bench.unary_latency parses py-spy).
+where their CPU goes, category by category, side by side (bench/lib/profile.py parses py-spy).
 Results: bench/results/floor.json.
 """
 
