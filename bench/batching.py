@@ -38,7 +38,6 @@ import signal
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from collections import Counter
 from collections.abc import Iterator
@@ -49,6 +48,7 @@ from typing import Any
 
 import grpc
 import numpy as np
+from modelyard.common import children
 from modelyard.inference.v1 import inference_service_pb2 as pb
 from modelyard.kserve.v2 import grpc_service_pb2 as kpb
 from modelyard.kserve.v2 import grpc_service_pb2_grpc as kpb_grpc
@@ -114,35 +114,19 @@ def served(repository: Path) -> Iterator[Server]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("MODELYARD_")}
     cmd = [sys.executable, "-m", "service", "--repository", str(repository)]
     cmd += ["--listen", "127.0.0.1:0", "--metrics-listen", "", "--log-level", "INFO"]
-    proc = subprocess.Popen(
+    proc: subprocess.Popen[str] = children.popen(
         cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=env, cwd=ROOT
     )
     lines: list[str] = []
-    found: list[str] = []
-    ready = threading.Event()
-
-    def pump() -> None:  # keep reading, so that the child never blocks on a full pipe
-        assert proc.stderr is not None
-        for line in proc.stderr:
-            lines.append(line.rstrip())
-            if not found and (match := _SERVING.search(line)):
-                found.append(match.group(1))
-                ready.set()
-        ready.set()
-
-    threading.Thread(target=pump, daemon=True).start()
+    output = children.ReadyLine(_SERVING, lines.append)
+    assert proc.stderr is not None
+    ready = children.follow(proc.stderr, output)  # keeps reading: the child never blocks on a full pipe
     try:
-        if not ready.wait(120) or not found:
+        if not ready.wait(120) or output.match is None:
             raise RuntimeError("the service did not start:\n" + "\n".join(lines))
-        yield Server(proc, found[0], lines)
+        yield Server(proc, output.match.group(1), lines)
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        children.stop(proc, signal.SIGTERM, grace_s=30)
 
 
 def request_bytes(model: str, x: np.ndarray, priority: int = 0) -> bytes:

@@ -28,6 +28,7 @@ import httpx
 from modelyard.inference.v1 import inference_service_pb2 as pb
 from modelyard.inference.v1 import inference_service_pb2_grpc as pb_grpc
 
+from bench.lib.procfs import rss_kib
 from bench.stack import Stack
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -103,13 +104,6 @@ async def throughput(once: Callable[[], Awaitable[Timing]], streams: int, rounds
 def cpu_s(pid: int) -> float:
     fields = Path(f"/proc/{pid}/stat").read_text().split(") ")[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def rss_kib(pid: int) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1])
-    return 0
 
 
 async def held_streams(gateway: str, pid: int, count: int) -> tuple[int, float]:

@@ -23,7 +23,7 @@ CPU per request at 16.
 keeps one): with `--no-pin`, the gain of model instances on this machine's cores.
 
 `--profile` samples both servers with py-spy at concurrency 16 on the MLP (each API) and prints
-where their CPU goes, category by category, side by side (bench.unary_latency parses py-spy).
+where their CPU goes, category by category, side by side (bench/lib/profile.py parses py-spy).
 Results: bench/results/floor.json.
 """
 
@@ -49,9 +49,11 @@ from modelyard.inference.v1 import tensor_pb2
 from modelyard.kserve.v2 import grpc_service_pb2 as kpb
 from modelyard.kserve.v2 import grpc_service_pb2_grpc as kgrpc
 
+from bench.lib.load import RequestFailed, drive
+from bench.lib.profile import Profile, profile_server
+from bench.lib.report import print_profiles
 from bench.peer_servers import PEERS, peer_process, wait_models_ready
 from bench.processes import ROOT, SERVICE_READY, ServerProcess, service_command
-from bench.unary_latency import Profile, RequestFailed, drive, print_profiles, profile_server
 from models.demo_models import mlp, scaled_identity, write_model
 
 DEFAULT_OUTPUT = ROOT / "bench" / "results" / "floor.json"

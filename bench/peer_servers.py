@@ -27,8 +27,8 @@ import grpc
 from modelyard.kserve.v2 import grpc_service_pb2 as kpb
 from modelyard.kserve.v2 import grpc_service_pb2_grpc as kgrpc
 
+from bench.lib.procfs import tree_cpu_seconds
 from bench.processes import ROOT, ServerProcess
-from bench.workers import tree_cpu_seconds
 
 PEERS = ("kserve", "mlserver")
 PEERS_VENV = ROOT / ".cache" / "peers-venv"

@@ -14,6 +14,8 @@ from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
 
+from modelyard.common import children
+
 ROOT = Path(__file__).resolve().parent.parent
 SERVICE_READY = re.compile(r"serving gRPC on [^\s;,]+:(\d+)")
 CLK_TCK = os.sysconf("SC_CLK_TCK")
@@ -43,13 +45,8 @@ class ServerProcess:
         with self.log_path.open("wb") as log:
             try:
                 # Own session: a Ctrl-C in the terminal reaches the benchmark, which stops its children.
-                self.proc = subprocess.Popen(
-                    self.argv,
-                    cwd=self.cwd,
-                    stdout=log,
-                    stderr=subprocess.STDOUT,
-                    env=env,
-                    start_new_session=True,
+                self.proc = children.popen(
+                    self.argv, cwd=self.cwd, stdout=log, stderr=subprocess.STDOUT, env=env, own_session=True
                 )
             except OSError as exc:
                 raise RuntimeError(f"cannot start {self.name}: {exc}") from None
@@ -83,14 +80,8 @@ class ServerProcess:
         return (int(fields[11]) + int(fields[12])) / CLK_TCK
 
     def stop(self) -> None:
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            self.proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(timeout=10)
+        if self.proc is not None:
+            children.stop(self.proc, signal.SIGTERM, grace_s=10)
 
 
 def service_command(repository: Path, prefix: Sequence[str] = ()) -> list[str]:

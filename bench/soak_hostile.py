@@ -48,7 +48,7 @@ from modelyard.kserve.v2 import grpc_service_pb2_grpc as kpb_grpc
 from modelyard.tensors import to_tensor
 from onnx import TensorProto, helper
 
-from bench.edge import rss_kib
+from bench.lib.procfs import rss_kib
 from bench.stack import Stack
 from models.demo_models import COMMITTED_ROOT, make_model, write_model
 

@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from modelyard.common import children
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -33,13 +35,8 @@ class Stack:
         cmd += ["--service-metrics", self.service_metrics, "--sidecar-admin", self.sidecar_admin]
         cmd += ["--sidecar-listen", "127.0.0.1:0", "--gateway-listen", "127.0.0.1:0"]
         cmd += ["--envoy-port", "0", "--envoy-admin-port", "0", *args]
-        self.proc = subprocess.Popen(
-            cmd,
-            cwd=ROOT,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.DEVNULL,
-            text=True,
-            start_new_session=True,
+        self.proc: subprocess.Popen[str] = children.popen(
+            cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, own_session=True
         )
         self.lines: list[str] = []
         assert self.proc.stdout is not None
@@ -70,13 +67,7 @@ class Stack:
         return self.pid_of("gateway")
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        children.stop(self.proc, signal.SIGINT, grace_s=60)
 
 
 def _find(pattern: str, text: str) -> str:

@@ -32,28 +32,11 @@ from modelyard.inference.v1 import inference_service_pb2 as pb
 from modelyard.inference.v1 import inference_service_pb2_grpc as pb_grpc
 from modelyard.tensors import to_tensor
 
-from bench.processes import CLK_TCK, ROOT, running_service
+from bench.lib.procfs import tree_cpu_seconds
+from bench.processes import ROOT, running_service
 from models.demo_models import scaled_identity, write_model
 
 DEFAULT_OUTPUT = ROOT / "bench" / "results" / "workers.json"
-
-
-def tree_cpu_seconds(pid: int) -> float:
-    """User + system CPU time of a process and all its descendants now alive (from /proc)."""
-    total = 0.0
-    pending = [pid]
-    while pending:
-        current = pending.pop()
-        try:
-            with open(f"/proc/{current}/stat") as f:
-                fields = f.read().rpartition(")")[2].split()
-            total += (int(fields[11]) + int(fields[12])) / CLK_TCK
-            for task in os.listdir(f"/proc/{current}/task"):
-                with open(f"/proc/{current}/task/{task}/children") as f:
-                    pending.extend(int(c) for c in f.read().split())
-        except (FileNotFoundError, ProcessLookupError):
-            continue
-    return total
 
 
 # -- a client process ------------------------------------------------------------------------

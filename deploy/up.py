@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
 import importlib.util
 import json
 import logging
@@ -26,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 
+from modelyard.common import children
 from modelyard.common.settings import parse_settings as parse
 
 log = logging.getLogger("deploy")
@@ -82,49 +82,37 @@ class Child:
 
     def __init__(self, name: str, ready: re.Pattern[str] | None) -> None:
         self.name = name
-        self.ready_pattern = ready
+        self.output = children.ReadyLine(ready, self._echo)
         self.proc: asyncio.subprocess.Process | None = None
-        self.address = ""
         self.ready = asyncio.Event()
         self._pump: asyncio.Task[None] | None = None
+
+    @property
+    def address(self) -> str:
+        return self.output.match.group(1) if self.output.match is not None else ""
 
     async def start(self, *cmd: str) -> None:
         # Its own session: Ctrl-C reaches only the supervisor, which stops the stack in order; and
         # the child gets SIGTERM if the supervisor itself dies (Linux), so nothing is left behind.
-        self.proc = await asyncio.create_subprocess_exec(
-            *cmd,
+        self.proc = await children.create(
+            cmd,
             stdout=asyncio.subprocess.DEVNULL,
             stderr=asyncio.subprocess.PIPE,
             cwd=ROOT,
-            start_new_session=True,
-            preexec_fn=_die_with_parent,
+            own_session=True,
+            with_parent=True,
         )
         log.info("%s started (pid %d)", self.name, self.proc.pid)
-        self._pump = asyncio.get_running_loop().create_task(self._read())
+        assert self.proc.stderr is not None
+        reading = children.follow_async(self.proc.stderr, self.output, self.ready)
+        self._pump = asyncio.get_running_loop().create_task(reading)
 
-    async def _read(self) -> None:
-        assert self.proc is not None and self.proc.stderr is not None
-        async for raw in self.proc.stderr:
-            line = raw.decode(errors="replace").rstrip()
-            print(f"[{self.name}] {line}", file=sys.stderr, flush=True)
-            if self.ready_pattern is not None and not self.ready.is_set():
-                found = self.ready_pattern.search(line)
-                if found:
-                    self.address = found.group(1)
-                    self.ready.set()
+    def _echo(self, line: str) -> None:
+        print(f"[{self.name}] {line}", file=sys.stderr, flush=True)
 
     async def wait_ready(self, timeout_s: float) -> None:
         assert self.proc is not None
-        exited = asyncio.ensure_future(self.proc.wait())
-        ready = asyncio.ensure_future(self.ready.wait())
-        try:
-            done, _ = await asyncio.wait(
-                {exited, ready}, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED
-            )
-        finally:
-            exited.cancel()
-            ready.cancel()
-        if ready not in done:
+        if not await children.wait_ready(self.proc, self.ready, timeout_s):
             code = self.proc.returncode
             raise RuntimeError(
                 f"{self.name} {'exited with ' + str(code) if code is not None else 'did not start'}"
@@ -133,22 +121,11 @@ class Child:
     async def stop(self, grace_s: float) -> None:
         if self.proc is None or self.proc.returncode is not None:
             return
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            await asyncio.wait_for(self.proc.wait(), grace_s)
-        except TimeoutError:
+        if not await children.stop_async(self.proc, signal.SIGTERM, grace_s):
             log.warning("%s did not stop in %.0f s: killed", self.name, grace_s)
-            self.proc.kill()
-            await self.proc.wait()
         if self._pump is not None:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(self._pump, 5)
-
-
-def _die_with_parent() -> None:
-    with contextlib.suppress(OSError, AttributeError):
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
 def _render_module() -> ModuleType:

@@ -8,6 +8,7 @@ import os
 import sys
 from collections.abc import Callable, Sequence
 
+from modelyard.common import children
 from modelyard.common.lifecycle import EXIT_USAGE, Process, run_process
 from modelyard.common.logs import configure as configure_logging
 
@@ -15,7 +16,7 @@ from service import tracing
 from service.config import parse_settings, worker_count
 from service.runtime import runs
 from service.server import build_service
-from service.workers.member import WorkerRole, die_with_parent
+from service.workers.member import WorkerRole
 from service.workers.supervisor import Supervisor
 
 
@@ -23,8 +24,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     settings = parse_settings(sys.argv[1:] if argv is None else argv)
     configure_logging(settings.log_level, settings.log_format)
     role = WorkerRole.from_environment()
-    if role is not None:  # started by a supervisor
-        die_with_parent()
+    if role is not None:  # started by a supervisor: no worker outlives it
+        children.die_with_parent(role.parent)
         return _traced(lambda: build_service(settings, worker=role), f"worker {role.index}", settings.grace_s)
     try:
         workers = worker_count(settings.workers)

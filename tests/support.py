@@ -9,12 +9,12 @@ import re
 import signal
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from modelyard.common import children
 from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -62,14 +62,10 @@ class ChildProcess:
     log: list[str] = field(default_factory=list)
 
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 30.0) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(sig)
-        try:
-            return self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-            raise
+        """Its exit code; one that outlives `timeout` is killed and the test fails."""
+        if not children.stop(self.proc, sig, timeout):
+            raise subprocess.TimeoutExpired(self.proc.args, timeout)
+        return self.proc.returncode
 
 
 def start_child(
@@ -85,28 +81,17 @@ def start_child(
     are not passed on unless `env` gives them."""
     if env is None:
         env = {k: v for k, v in os.environ.items() if not k.startswith("MODELYARD_")}
-    proc = subprocess.Popen(
-        list(cmd), stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=env, cwd=REPO_ROOT
+    proc: subprocess.Popen[str] = children.popen(
+        cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=env, cwd=REPO_ROOT
     )
     lines: list[str] = []
-    matched: list[re.Match[str]] = []
-    found = threading.Event()
-
-    def pump() -> None:
-        assert proc.stderr is not None
-        for line in proc.stderr:
-            lines.append(line.rstrip())
-            if not matched and (m := ready.search(line)):
-                matched.append(m)
-                found.set()
-        found.set()
-
-    threading.Thread(target=pump, daemon=True).start()
-    if not found.wait(timeout) or not matched:
+    output = children.ReadyLine(ready, lines.append)
+    assert proc.stderr is not None
+    if not children.follow(proc.stderr, output).wait(timeout) or output.match is None:
         proc.kill()
         proc.wait()
         raise AssertionError(f"{what} did not start:\n" + "\n".join(lines))
-    return ChildProcess(proc, matched[0], lines)
+    return ChildProcess(proc, output.match, lines)
 
 
 _SERVING = re.compile(r"serving gRPC on (\S+?)(?:, metrics on (http://\S+/metrics))?;")

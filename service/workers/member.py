@@ -5,11 +5,8 @@ whole-service health following the supervisor's."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import ctypes
 import logging
 import os
-import signal
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,6 +41,7 @@ class WorkerRole:
     index: int
     folder: protocol.ControlFolder
     count: int = 1  # workers in all
+    parent: int | None = None  # the supervisor's pid (it may be 1: PID 1 in a container)
 
     @classmethod
     def from_environment(cls, environ: Mapping[str, str] | None = None) -> WorkerRole | None:
@@ -54,16 +52,8 @@ class WorkerRole:
             int(environ[protocol.ENV_INDEX]),
             protocol.ControlFolder(Path(environ[protocol.ENV_CONTROL])),
             int(environ.get(protocol.ENV_COUNT, "1")),
+            int(environ[protocol.ENV_PARENT]) if protocol.ENV_PARENT in environ else None,
         )
-
-
-def die_with_parent() -> None:
-    """SIGTERM this process when the supervisor dies (Linux), so that no worker outlives it."""
-    with contextlib.suppress(OSError, AttributeError):
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    if os.getppid() == 1:  # the parent was already gone
-        os.kill(os.getpid(), signal.SIGTERM)
 
 
 class FanOutRegistrar:

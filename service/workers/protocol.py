@@ -17,6 +17,7 @@ from modelyard.common import headers
 ENV_CONTROL = "MODELYARD_WORKER_CONTROL"  # the private folder
 ENV_INDEX = "MODELYARD_WORKER_INDEX"
 ENV_COUNT = "MODELYARD_WORKER_COUNT"
+ENV_PARENT = "MODELYARD_WORKER_PARENT"  # the supervisor's pid: a worker with another parent is orphaned
 
 # Health services. A worker's own readiness (its repository loaded), read by the supervisor:
 LOCAL = "modelyard.internal.worker"

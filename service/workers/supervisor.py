@@ -24,6 +24,7 @@ from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from modelyard.common import children
 from modelyard.common import health as health_names
 from modelyard.common.metrics_http import MetricsServer
 from modelyard.common.settings import split_address
@@ -168,14 +169,13 @@ class Supervisor:
         if self._health is not None:
             await self._health.enter_graceful_shutdown()
         for slot in self._slots:
-            if slot.proc is not None and slot.proc.returncode is None:
-                slot.proc.send_signal(signal.SIGTERM)
+            if slot.proc is not None:
+                children.send(slot.proc, signal.SIGTERM)
         if self._tasks:
             _, late = await asyncio.wait(self._tasks, timeout=self.settings.grace_s + 15)
             for slot in self._slots:
-                if late and slot.proc is not None and slot.proc.returncode is None:
+                if late and slot.proc is not None and children.send(slot.proc, signal.SIGKILL):
                     log.error("worker %d did not stop in time: killed", slot.index)
-                    slot.proc.kill()
             await asyncio.gather(*self._tasks, return_exceptions=True)
         if self._coordinator is not None:
             await self._coordinator.stop(0)
@@ -193,8 +193,8 @@ class Supervisor:
         delay = BACKOFF_FIRST_S
         while not self._stopping.is_set():
             started = loop.time()
-            slot.proc = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "service", env=self._environment(slot.index)
+            slot.proc = await children.create(
+                [sys.executable, "-m", "service"], env=self._environment(slot.index)
             )
             log.info("worker %d started (pid %d)", slot.index, slot.proc.pid)
             joining = loop.create_task(self._join(slot))
@@ -237,6 +237,7 @@ class Supervisor:
         env[protocol.ENV_CONTROL] = str(self.folder.path)
         env[protocol.ENV_INDEX] = str(index)
         env[protocol.ENV_COUNT] = str(self.count)
+        env[protocol.ENV_PARENT] = str(os.getpid())
         return env
 
     async def _join(self, slot: Slot) -> None:

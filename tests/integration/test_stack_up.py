@@ -121,3 +121,14 @@ def test_a_process_that_dies_is_reported_and_the_rest_are_stopped(stack) -> None
     while any(alive(pid) for pid in stack.pids.values()) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not [name for name, pid in stack.pids.items() if alive(pid)]
+
+
+def test_a_supervisor_that_is_killed_takes_its_processes_with_it(stack) -> None:
+    # SIGKILL: the supervisor stops nothing itself; the parent-death signal stops its children.
+    stack.wait_up()
+    stack.proc.kill()
+    stack.proc.wait()
+    deadline = time.monotonic() + 20
+    while any(alive(pid) for pid in stack.pids.values()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not [name for name, pid in stack.pids.items() if alive(pid)]

@@ -34,7 +34,7 @@ from modelyard.kserve.v2 import grpc_service_pb2_grpc as kgrpc
 from modelyard.tensors import to_tensor
 
 from models import demo_models
-from tests.support import REPO_ROOT, ServiceProcess, eventually, metric
+from tests.support import REPO_ROOT, ServiceProcess, eventually, metric, start_child
 
 CHANNELS = 16  # connections; SO_REUSEPORT spreads them by hash: all on one of 2 workers is 2**-15
 SERVING = health_pb2.HealthCheckResponse.SERVING
@@ -232,6 +232,49 @@ async def test_a_killed_worker_restarts_while_the_others_serve(
         watching.cancel()
     assert process.stop() == 0  # SIGTERM: every worker drains, the supervisor exits cleanly
     assert sum("stopped (exit code 0)" in line for line in process.log) == 2
+
+
+async def test_workers_do_not_outlive_a_killed_supervisor(service_process, small_repository: Path) -> None:
+    # SIGKILL: the supervisor stops nothing itself; each worker's parent-death signal stops it.
+    process = service_process(small_repository, "--workers", "2")
+    workers = list(pids(process).values())
+    assert len(workers) == 2 and all(_running(pid) for pid in workers)
+    try:
+        process.stop(signal.SIGKILL)
+        await eventually(lambda: not any(_running(pid) for pid in workers), "the workers gone")
+    finally:
+        for pid in workers:
+            if _running(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
+def _pid_namespaces() -> bool:
+    try:
+        return subprocess.run(["unshare", "-pf", "--mount-proc", "true"], timeout=10).returncode == 0
+    except (OSError, subprocess.SubprocessError):
+        return False
+
+
+@pytest.mark.skipif(not _pid_namespaces(), reason="needs unshare and a new PID namespace (root)")
+def test_a_supervisor_that_is_pid_1_starts_its_workers(small_repository: Path) -> None:
+    # In a container the supervisor is PID 1, so a worker's parent pid of 1 is no sign of an orphan.
+    # unshare passes no signal on; killed, it SIGKILLs its child (--kill-child), PID 1 of the new
+    # namespace, and with that the kernel kills every process in it.
+    cmd = ["unshare", "-pf", "--mount-proc", "--kill-child", sys.executable, "-m", "service"]
+    cmd += ["--repository", str(small_repository), "--listen", "127.0.0.1:0", "--metrics-listen", ""]
+    process = start_child([*cmd, "--workers", "2"], re.compile(r"serving gRPC on (\S+?)[,;]"), "service")
+    try:
+        assert "workers: 2" in process.log[-1]
+    finally:
+        process.stop(signal.SIGKILL)
+
+
+def _running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rpartition(")")[2].split()[0] != "Z"  # a zombie has exited
+    except FileNotFoundError:
+        return False
 
 
 async def restarted(process: ServiceProcess, index: int = 0) -> None:
