@@ -18,7 +18,7 @@ test: lint browser-deps
 lint: $(VENV)/.installed-dev $(BUF) system-deps
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
-	$(VENV)/bin/mypy service sidecar gateway deploy tests bench models/__init__.py models/demo_models.py proto/generate.py proto/python/modelyard envoy/render.py
+	$(VENV)/bin/mypy service sidecar gateway deploy tests bench models/__init__.py models/demo_models.py models/value_models.py proto/generate.py proto/python/modelyard envoy/render.py
 	$(VENV)/bin/lint-imports
 	$(PY) proto/generate.py --check
 	$(PY) envoy/render.py --check

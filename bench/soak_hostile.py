@@ -40,79 +40,27 @@ from typing import Any
 import grpc
 import httpx
 import numpy as np
-import onnx
 from modelyard.inference.v1 import inference_service_pb2 as pb
 from modelyard.inference.v1 import inference_service_pb2_grpc as pb_grpc
 from modelyard.kserve.v2 import grpc_service_pb2 as kpb
 from modelyard.kserve.v2 import grpc_service_pb2_grpc as kpb_grpc
 from modelyard.tensors import to_tensor
-from onnx import TensorProto, helper
 
 from bench.lib.procfs import rss_kib
 from bench.stack import Stack
-from models.demo_models import COMMITTED_ROOT, make_model, write_model
+from models import value_models
+from models.demo_models import COMMITTED_ROOT, write_model
 
 HANG_S = 10.0  # a hostile call unanswered for this long is a hang
 HOSTILE_PAUSE_S = 1.0  # each hostile class sends about one request a second
 BAD_CODES = {grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN}
 
 
-# --- models whose cost depends on input values ------------------------------------------------
-
-
-def fill_model() -> onnx.ModelProto:
-    """total = sum(ConstantOfShape(shape)): memory the request does not declare."""
-    graph = helper.make_graph(
-        [
-            helper.make_node(
-                "ConstantOfShape",
-                ["shape"],
-                ["ones"],
-                value=helper.make_tensor("one", TensorProto.FLOAT, [1], [1.0]),
-            ),
-            helper.make_node("ReduceSum", ["ones"], ["total"], keepdims=1),
-        ],
-        "fill",
-        [helper.make_tensor_value_info("shape", TensorProto.INT64, [1])],
-        [helper.make_tensor_value_info("total", TensorProto.FLOAT, [1])],
-    )
-    return make_model(graph, "sum of ConstantOfShape(shape)")
-
-
-def spin_model() -> onnx.ModelProto:
-    """v = 0 + 1 + 1 ... n times: CPU time the request does not declare."""
-    body = helper.make_graph(
-        [
-            helper.make_node("Identity", ["cond_in"], ["cond_out"]),
-            helper.make_node("Add", ["v_in", "one"], ["v_out"]),
-        ],
-        "spin_body",
-        [
-            helper.make_tensor_value_info("i", TensorProto.INT64, []),
-            helper.make_tensor_value_info("cond_in", TensorProto.BOOL, []),
-            helper.make_tensor_value_info("v_in", TensorProto.FLOAT, [1]),
-        ],
-        [
-            helper.make_tensor_value_info("cond_out", TensorProto.BOOL, []),
-            helper.make_tensor_value_info("v_out", TensorProto.FLOAT, [1]),
-        ],
-        [helper.make_tensor("one", TensorProto.FLOAT, [1], [1.0])],
-    )
-    graph = helper.make_graph(
-        [helper.make_node("Loop", ["n", "", "zero"], ["v"], body=body)],
-        "spin",
-        [helper.make_tensor_value_info("n", TensorProto.INT64, [])],
-        [helper.make_tensor_value_info("v", TensorProto.FLOAT, [1])],
-        [helper.make_tensor("zero", TensorProto.FLOAT, [1], [0.0])],
-    )
-    return make_model(graph, "a Loop of n trips")
-
-
 def build_repository(root: Path) -> None:
     for name in ("classifier", "codelm", "scaler"):
         shutil.copytree(COMMITTED_ROOT / name, root / name)
-    write_model(root, "fill", 1, fill_model())
-    write_model(root, "spin", 1, spin_model())
+    write_model(root, "fill", 1, value_models.filled())
+    write_model(root, "spin", 1, value_models.spin())
 
 
 # --- what is recorded -----------------------------------------------------------------------------
@@ -254,17 +202,17 @@ def hostile_attempts(
         # A shape value that ConstantOfShape cannot make (negative): the request's fault, not the model's.
         meta = (("x-tenant-id", "storm"),)
         return await grpc_answer(
-            stub.Infer(infer("fill", shape=np.array([-5], np.int64)), metadata=meta, timeout=HANG_S)
+            stub.Infer(infer("fill", SHAPE=np.array([-5, 1], np.int64)), metadata=meta, timeout=HANG_S)
         )
 
     async def huge_fill() -> str:
         # 64 GiB of float32 from an 8-byte request: past any run-memory bound of this machine.
         return await grpc_answer(
-            stub.Infer(infer("fill", shape=np.array([1 << 34], np.int64)), timeout=HANG_S)
+            stub.Infer(infer("fill", SHAPE=np.array([1 << 17, 1 << 17], np.int64)), timeout=HANG_S)
         )
 
     async def long_loop() -> str:
-        request = infer("spin", n=np.array(10**12, np.int64))
+        request = infer("spin", N=np.array([value_models.FOREVER], np.int64))
         return await grpc_answer(stub.Infer(request, timeout=0.1))
 
     async def undecodable() -> str:

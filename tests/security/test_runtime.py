@@ -24,11 +24,10 @@ from modelyard.inference.v1 import inference_service_pb2 as pb
 from modelyard.inference.v1 import inference_service_pb2_grpc as pb_grpc
 from modelyard.tensors import to_array, to_tensor
 
-from models import demo_models
+from models import demo_models, value_models
+from models.value_models import FOREVER
 from service.config import Settings
 from service.server import Service, build_service
-from tests.security import value_models
-from tests.security.value_models import FOREVER
 from tests.support import ServiceProcess, eventually, metric
 
 PROBE_LIMIT_S = 0.1  # a prober's trivial call answers within this while a huge run goes on

@@ -1,6 +1,7 @@
-"""Graphs whose work follows their inputs' values, for the runtime's hostile-input tests: a Loop
-whose trip count is an input (minutes of work from 8 bytes), a ConstantOfShape whose shape is an
-input (gigabytes from 16 bytes) and a Reshape whose shape is an input (a failure from values)."""
+"""Graphs whose work follows their inputs' values, for the runtime's hostile-input tests and the
+hostile soak (bench/soak_hostile.py): a Loop whose trip count is an input (minutes of work from 8
+bytes), a ConstantOfShape whose shape is an input (gigabytes from 16 bytes) and a Reshape whose
+shape is an input (a failure from values)."""
 
 from __future__ import annotations
 
