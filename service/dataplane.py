@@ -57,6 +57,7 @@ class DataPlane:
         self, manager: ModelManager, executor: Executor, batching: BatchingLayer | None = None
     ) -> None:
         self.manager = manager
+        self._table = manager.table  # the request path resolves and leases here
         self._executor = executor
         self._batching = batching
         self._bounds: WeakKeyDictionary[ServedVersion, Bounds] = WeakKeyDictionary()  # per version
@@ -68,7 +69,7 @@ class DataPlane:
         decode them: inline when small, in the executor when large, so that the event loop never
         waits on a request's decoding. `infer` checks the decoded arrays again, under its lease."""
         started = time.perf_counter_ns()
-        served = self.manager.resolve(model, version)
+        served = self._table.resolve(model, version)
         bounds = self._bounds.get(served)
         if bounds is None:
             kind = served.runner.kind
@@ -96,7 +97,7 @@ class DataPlane:
         admitted = time.perf_counter_ns()
         # The lease is held while the request waits in a batcher's queue, too: a retiring version
         # answers what it has queued before it is released.
-        with self.manager.lease(model, version) as served:
+        with self._table.lease(model, version) as served:
             names = _checked(served, inputs, output_names, admitted)
             outputs = await self._run(served, inputs, names, scheduling, admitted)
             return InferResult(model, served.version, outputs)
@@ -113,7 +114,7 @@ class DataPlane:
         """Run a batch in chunks of rows, yielding each chunk's outputs as soon as it is computed.
         The whole stream holds one version: a swap mid-stream does not change it. With dynamic
         batching each chunk queues at the request's priority, with the request's deadline."""
-        with self.manager.lease(model, version) as served:
+        with self._table.lease(model, version) as served:
             signature = served.runner.signature
             names = _checked(served, inputs, output_names, time.perf_counter_ns())
             batch = next(iter(inputs.values())).shape[0] if signature.max_batch_size and inputs else 0

@@ -1,9 +1,4 @@
-"""The model manager: loads models from the repository and owns the table of served versions.
-
-The table is an immutable mapping replaced in one assignment, so a request sees either the old
-set of versions or the new one, never half of each. A request resolves its version once, leases
-it, and keeps it to the end; a version taken out of the table is drained, then released.
-"""
+"""The model manager: loads models from the repository into the served table (table.py)."""
 
 from __future__ import annotations
 
@@ -19,19 +14,13 @@ from types import MappingProxyType
 
 from modelyard.common.names import echo, name_problem
 
-from service.errors import (
-    InvalidInput,
-    ModelLoadError,
-    ModelNotFound,
-    ModelUnavailable,
-    VersionNotFound,
-)
+from service.errors import ModelLoadError, ModelNotFound, ModelUnavailable, ServiceError
 from service.metrics import ServiceMetrics
 from service.repository.checksum import verify_checksum
 from service.repository.config import ModelConfig, load_config
 from service.repository.files import check_tree_inside, scrub
 from service.repository.labels import load_labels
-from service.repository.scanner import fingerprint, parse_version, scan_model, scan_repository, version_bytes
+from service.repository.scanner import fingerprint, scan_model, scan_repository, version_bytes
 from service.repository.uploads import Upload
 from service.runtime.instances import Loader, load_instances, placements
 from service.runtime.memory import trim_heap
@@ -41,24 +30,9 @@ from service.runtime.served import ServedModel, ServedVersion
 from service.runtime.session import load_runner
 from service.runtime.signature import Signature
 from service.runtime.status import ModelEvent, ModelStatus, VersionState, VersionStatus, Watcher
+from service.runtime.table import Lease, ServedTable
 
 log = logging.getLogger(__name__)
-
-
-class Lease:
-    """Holds a served version for one request (a class, not a generator: it runs per request)."""
-
-    __slots__ = ("_served",)
-
-    def __init__(self, served: ServedVersion) -> None:
-        self._served = served
-
-    def __enter__(self) -> ServedVersion:
-        self._served.acquire()
-        return self._served
-
-    def __exit__(self, *exc: object) -> None:
-        self._served.release()
 
 
 # A layer above (batching) attaching to a version that just loaded, before it serves; it lets go
@@ -93,8 +67,9 @@ class ModelManager:
         self.drain_timeout_s = drain_timeout_s
         self._loader = loader
         self._load_hooks: list[LoadHook] = []
-        self._table: Mapping[str, ServedModel] = MappingProxyType({})
         self._status: dict[str, ModelStatus] = {}
+        # The request path: what serves now (requests resolve and lease there, not here).
+        self.table = ServedTable(self._unavailable, self._set_default)
         # One lock per name while a load, reconcile or unload of it runs or waits; pruned when
         # the last one ends, so names that come and go (or are asked for and unknown) leave nothing.
         self._locks: dict[str, _NameLock] = {}
@@ -117,32 +92,22 @@ class ModelManager:
 
     def resolve(self, name: str, version: str = "") -> ServedVersion:
         """The served version a request runs on: the pinned one, or the newest served."""
-        model = self._table.get(name)
-        if model is None:
-            status = self._status.get(name)
-            if status is None:
-                raise ModelNotFound(f"model {echo(name)} is not in the repository")
-            if name in self._reloading:
-                raise ModelUnavailable(
-                    f"model {echo(name)} is swapping versions within its memory budget; retry shortly"
-                )
-            raise ModelUnavailable(f"model {echo(name)} has no version ready{_because(status)}")
-        if not version:
-            return model.default
-        number = parse_version(version)
-        if number is None:
-            raise InvalidInput(f"model_version {echo(version)} is not a version number (e.g. '3' or 'v3')")
-        served = model.versions.get(number)
-        if served is None:
-            raise VersionNotFound(
-                f"model {echo(name)} has no served version {number}; "
-                f"served versions: {sorted(model.versions)}"
-            )
-        return served
+        return self.table.resolve(name, version)
 
     def lease(self, name: str, version: str = "") -> Lease:
         """`with manager.lease(name, version) as served:` holds that version until the block ends."""
-        return Lease(self.resolve(name, version))
+        return self.table.lease(name, version)
+
+    def _unavailable(self, name: str) -> ServiceError:
+        """Why `name` has no version to serve (the table's miss)."""
+        status = self._status.get(name)
+        if status is None:
+            return ModelNotFound(f"model {echo(name)} is not in the repository")
+        if name in self._reloading:
+            return ModelUnavailable(
+                f"model {echo(name)} is swapping versions within its memory budget; retry shortly"
+            )
+        return ModelUnavailable(f"model {echo(name)} has no version ready{_because(status)}")
 
     # -- state -----------------------------------------------------------------------------
 
@@ -156,7 +121,7 @@ class ModelManager:
         return status
 
     def served(self, name: str) -> ServedModel | None:
-        return self._table.get(name)
+        return self.table.get(name)
 
     def knows(self, name: str) -> bool:
         """True while `name` is a model of the repository (served or not)."""
@@ -237,8 +202,8 @@ class ModelManager:
         async with self._lock(name):
             self.status(name)  # NOT_FOUND for a model the manager never saw
             self._held.add(name)
-            old = self._table.get(name)
-            self._swap(name, None)
+            old = self.table.get(name)
+            self.table.swap(name, None)
             if old is not None:
                 await asyncio.gather(*(self._retire(v) for v in old.versions.values()))
             # An unloaded model keeps no upload: its next load brings files again or reads the
@@ -254,7 +219,7 @@ class ModelManager:
 
     async def close(self) -> None:
         """Drain and release every served version (on shutdown, after the server stopped)."""
-        for name in list(self._table):
+        for name in self.table.names():
             await self.unload(name)
         if self._retiring:
             await asyncio.gather(*self._retiring)
@@ -316,7 +281,7 @@ class ModelManager:
         self._set_model(name, reason=reason, max_batch_size=config.max_batch_size)
         self._forget_unselected(name, selected)
 
-        current = dict(served.versions) if (served := self._table.get(name)) else {}
+        current = dict(served.versions) if (served := self.table.get(name)) else {}
         # Label files count as part of each version: a changed (or newly added) one reloads it.
         labels = [source.path / output.label_filename for output in config.outputs if output.label_filename]
         fingerprints = await loop.run_in_executor(
@@ -410,7 +375,7 @@ class ModelManager:
     ) -> None:
         """Check the model's memory budget before loading; free room first if the config allows."""
         budget = config.reload.memory_budget_mb * 1024 * 1024
-        served = self._table.get(name)
+        served = self.table.get(name)
         in_use = sum(v.memory_bytes for v in served.versions.values()) if served else 0
         if not budget or in_use + need <= budget:
             return
@@ -431,7 +396,7 @@ class ModelManager:
         )
         rest = {n: v for n, v in served.versions.items() if v is not victim}
         self._reloading.add(name)
-        self._swap(name, ServedModel(name, served.config, MappingProxyType(rest)) if rest else None)
+        self.table.swap(name, ServedModel(name, served.config, MappingProxyType(rest)) if rest else None)
         current.pop(victim.version, None)
         await self._retire(victim)
         if in_use - victim.memory_bytes + need > budget:
@@ -449,7 +414,7 @@ class ModelManager:
         loaded: dict[int, ServedVersion],
         on_disk: Mapping[int, Path],
     ) -> None:
-        old = self._table.get(name)
+        old = self.table.get(name)
         current = dict(old.versions) if old else {}
         versions = {**kept, **loaded}
         for number in selected:
@@ -470,7 +435,7 @@ class ModelManager:
         for served in loaded.values():
             self._set_version(name, self._version_ready(served))
         self._reloading.discard(name)
-        self._swap(name, ServedModel(name, config, MappingProxyType(versions)) if versions else None)
+        self.table.swap(name, ServedModel(name, config, MappingProxyType(versions)) if versions else None)
         if loaded:
             self.metrics.swaps.labels(name).inc()
         for number, served in current.items():
@@ -493,8 +458,8 @@ class ModelManager:
         """The model's folder left the repository: retire its versions and forget it."""
         if name not in self._status:
             return
-        old = self._table.get(name)
-        self._swap(name, None)
+        old = self.table.get(name)
+        self.table.swap(name, None)
         if old is not None:
             await asyncio.gather(*(self._retire(v) for v in old.versions.values()))
         log.info("model %s left the repository", name)
@@ -502,15 +467,9 @@ class ModelManager:
         self.metrics.forget_model(name)
         self._failed = {k: v for k, v in self._failed.items() if k[0] != name}
 
-    def _swap(self, name: str, model: ServedModel | None) -> None:
-        table = dict(self._table)
-        if model is None:
-            table.pop(name, None)
-        else:
-            table[name] = model
-        self._table = MappingProxyType(table)  # the one assignment that swaps versions
-        status = self._status[name]
-        self._status[name] = replace(status, default_version=max(model.versions) if model else None)
+    def _set_default(self, name: str, version: int | None) -> None:
+        """The table swapped `name`: requests without a version now get `version`."""
+        self._status[name] = replace(self._status[name], default_version=version)
 
     def _start_retiring(self, served: ServedVersion, replaced: bool) -> None:
         task = asyncio.get_running_loop().create_task(self._retire(served, replaced))
