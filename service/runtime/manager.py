@@ -5,16 +5,16 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Iterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import asynccontextmanager, contextmanager
+from contextlib import AbstractContextManager, asynccontextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
 from types import MappingProxyType
 
 from modelyard.common.names import echo, name_problem
 
-from service.errors import ModelLoadError, ModelNotFound, ModelUnavailable, ServiceError
+from service.errors import ModelLoadError, ModelNotFound
 from service.metrics import ServiceMetrics
 from service.repository.checksum import verify_checksum
 from service.repository.config import ModelConfig, load_config
@@ -29,7 +29,7 @@ from service.runtime.runs import ActiveRuns
 from service.runtime.served import ServedModel, ServedVersion
 from service.runtime.session import load_runner
 from service.runtime.signature import Signature
-from service.runtime.status import ModelEvent, ModelStatus, VersionState, VersionStatus, Watcher
+from service.runtime.status import ModelStatus, StatusBoard, VersionState, VersionStatus, Watcher
 from service.runtime.table import Lease, ServedTable
 
 log = logging.getLogger(__name__)
@@ -67,17 +67,15 @@ class ModelManager:
         self.drain_timeout_s = drain_timeout_s
         self._loader = loader
         self._load_hooks: list[LoadHook] = []
-        self._status: dict[str, ModelStatus] = {}
+        self.board = StatusBoard()
         # The request path: what serves now (requests resolve and lease there, not here).
-        self.table = ServedTable(self._unavailable, self._set_default)
+        self.table = ServedTable(self.board.unavailable, self.board.set_default)
         # One lock per name while a load, reconcile or unload of it runs or waits; pruned when
         # the last one ends, so names that come and go (or are asked for and unknown) leave nothing.
         self._locks: dict[str, _NameLock] = {}
         self._skipped: set[str] = set()  # repository folders whose names break the rule, reported
-        self._watchers: set[Watcher] = set()
         self._retiring: set[asyncio.Task[None]] = set()
         self._held: set[str] = set()  # unloaded by an operator: file changes do not reload them
-        self._reloading: set[str] = set()  # in a drain-first gap (memory budget)
         # Versions that failed as they are on disk now, so that unrelated events do not retry them.
         # Loads, file reads and releases run on one thread: loads of a 2-core machine gain nothing
         # from running side by side, and one thread keeps freed memory in one malloc arena.
@@ -98,51 +96,30 @@ class ModelManager:
         """`with manager.lease(name, version) as served:` holds that version until the block ends."""
         return self.table.lease(name, version)
 
-    def _unavailable(self, name: str) -> ServiceError:
-        """Why `name` has no version to serve (the table's miss)."""
-        status = self._status.get(name)
-        if status is None:
-            return ModelNotFound(f"model {echo(name)} is not in the repository")
-        if name in self._reloading:
-            return ModelUnavailable(
-                f"model {echo(name)} is swapping versions within its memory budget; retry shortly"
-            )
-        return ModelUnavailable(f"model {echo(name)} has no version ready{_because(status)}")
-
     # -- state -----------------------------------------------------------------------------
 
     def statuses(self) -> list[ModelStatus]:
-        return [self._status[name] for name in sorted(self._status)]
+        return self.board.statuses()
 
     def status(self, name: str) -> ModelStatus:
-        status = self._status.get(name)
-        if status is None:
-            raise ModelNotFound(f"model {echo(name)} is not in the repository")
-        return status
+        return self.board.status(name)
 
     def served(self, name: str) -> ServedModel | None:
         return self.table.get(name)
 
     def knows(self, name: str) -> bool:
         """True while `name` is a model of the repository (served or not)."""
-        return name in self._status
+        return self.board.knows(name)
 
     def subscribe(self) -> Watcher:
         """A watcher that receives every model event from now on, until unsubscribed."""
-        watcher = Watcher()
-        self._watchers.add(watcher)
-        return watcher
+        return self.board.subscribe()
 
     def unsubscribe(self, watcher: Watcher) -> None:
-        self._watchers.discard(watcher)
+        self.board.unsubscribe(watcher)
 
-    @contextmanager
-    def watch(self) -> Iterator[Watcher]:
-        watcher = self.subscribe()
-        try:
-            yield watcher
-        finally:
-            self.unsubscribe(watcher)
+    def watch(self) -> AbstractContextManager[Watcher]:
+        return self.board.watch()
 
     def on_load(self, hook: LoadHook) -> None:
         """Call `hook` with every version that loads from now on, before it serves a request."""
@@ -168,7 +145,7 @@ class ModelManager:
                 name_problem(folder) or "not a model name",
             )
         self._skipped = skipped
-        for name in sorted(set(names) | set(self._status)):
+        for name in sorted(set(names) | self.board.names()):
             await self.reconcile(name)
 
     async def load(self, name: str, override: LoadOverride | None = None) -> ModelStatus:
@@ -195,7 +172,7 @@ class ModelManager:
         operator unloaded stays unloaded until loaded explicitly."""
         async with self._lock(name):
             if name in self._held:
-                return self._status.get(name)
+                return self.board.get(name)
             return await self._reconcile(name)
 
     async def unload(self, name: str) -> ModelStatus:
@@ -209,7 +186,7 @@ class ModelManager:
             # An unloaded model keeps no upload: its next load brings files again or reads the
             # repository, and the bytes go back to the upload space.
             await self._remove_upload(self._overrides.pop(name, None))
-            status = self._status[name]
+            status = self.board.status(name)
             if not await self._in_repository(name):
                 # Only an upload brought it, and its files are gone: nothing is left to hold or
                 # to report, so a name's load and unload leave no state behind.
@@ -267,10 +244,10 @@ class ModelManager:
             # A broken config.yaml changes nothing that serves; status and metrics say why.
             log.error("model %s: %s", name, exc)
             self._set_model(
-                name, reason=str(exc), max_batch_size=self._status.get(name, _NO_STATUS).max_batch_size
+                name, reason=str(exc), max_batch_size=(self.board.get(name) or _NO_STATUS).max_batch_size
             )
             self.metrics.load_failures.labels(name, exc.kind).inc()
-            return self._status[name]
+            return self.board.status(name)
         for problem in source.problems:
             log.error("model %s: %s", name, problem)
         selected = config.version_policy.select(list(source.versions))
@@ -306,7 +283,7 @@ class ModelManager:
             if version is not None:
                 loaded[number] = version
         self._publish(name, config, selected, kept, loaded, source.versions)
-        return self._status[name]
+        return self.board.status(name)
 
     async def _load_version(
         self,
@@ -395,7 +372,7 @@ class ModelManager:
             number,
         )
         rest = {n: v for n, v in served.versions.items() if v is not victim}
-        self._reloading.add(name)
+        self.board.start_reloading(name)
         self.table.swap(name, ServedModel(name, served.config, MappingProxyType(rest)) if rest else None)
         current.pop(victim.version, None)
         await self._retire(victim)
@@ -422,7 +399,7 @@ class ModelManager:
                 # Its reload failed: the old session keeps serving, and status says why.
                 served = current[number]
                 versions[number] = served
-                failed = self._status[name].versions[number]
+                failed = self.board.status(name).versions[number]
                 reason = f"reload failed, previous load serving: {failed.reason}"
                 self._set_version(name, replace(self._version_ready(served), reason=reason), notify=False)
         # A bad version never replaces a good one: while selected versions are missing, the served
@@ -434,7 +411,7 @@ class ModelManager:
                 versions[number] = current[number]
         for served in loaded.values():
             self._set_version(name, self._version_ready(served))
-        self._reloading.discard(name)
+        self.board.end_reloading(name)
         self.table.swap(name, ServedModel(name, config, MappingProxyType(versions)) if versions else None)
         if loaded:
             self.metrics.swaps.labels(name).inc()
@@ -443,33 +420,23 @@ class ModelManager:
                 self._start_retiring(served, replaced=number in versions)
 
     def _forget_unselected(self, name: str, selected: list[int]) -> None:
-        """Status lists the versions disk and policy select, and those still serving or draining."""
-        model = self._status[name]
-        keep = {
-            n: v
-            for n, v in model.versions.items()
-            if n in selected or v.state not in (VersionState.FAILED, VersionState.UNLOADED)
-        }
-        if len(keep) != len(model.versions):
-            self._status[name] = replace(model, versions=MappingProxyType(keep))
+        """Status lists the versions disk and policy select, and those still serving or draining;
+        failures of versions no longer selected are forgotten."""
+        self.board.keep_versions(name, selected)
         self._failed = {k: v for k, v in self._failed.items() if k[0] != name or k[1] in selected}
 
     async def _remove(self, name: str) -> None:
         """The model's folder left the repository: retire its versions and forget it."""
-        if name not in self._status:
+        if not self.board.knows(name):
             return
         old = self.table.get(name)
         self.table.swap(name, None)
         if old is not None:
             await asyncio.gather(*(self._retire(v) for v in old.versions.values()))
         log.info("model %s left the repository", name)
-        del self._status[name]
+        self.board.remove(name)
         self.metrics.forget_model(name)
         self._failed = {k: v for k, v in self._failed.items() if k[0] != name}
-
-    def _set_default(self, name: str, version: int | None) -> None:
-        """The table swapped `name`: requests without a version now get `version`."""
-        self._status[name] = replace(self._status[name], default_version=version)
 
     def _start_retiring(self, served: ServedVersion, replaced: bool) -> None:
         task = asyncio.get_running_loop().create_task(self._retire(served, replaced))
@@ -484,7 +451,7 @@ class ModelManager:
             self._set_version(name, VersionStatus(number, VersionState.DRAINING, time.time()))
         started = time.perf_counter()
         drained = await served.drain(self.drain_timeout_s)
-        if name in self._status:  # a model that left the repository has no series any more
+        if self.board.knows(name):  # a model that left the repository has no series any more
             self.metrics.drain_seconds.labels(name).observe(time.perf_counter() - started)
         if not drained:
             log.warning(
@@ -499,7 +466,7 @@ class ModelManager:
         self.metrics.instances.remove(name, str(number), served.instances)
         served.drop_session()
         await asyncio.get_running_loop().run_in_executor(self._io, trim_heap)
-        if not replaced and name in self._status:
+        if not replaced and self.board.knows(name):
             self._set_version(name, VersionStatus(number, VersionState.UNLOADED, time.time()))
         log.info("model %s version %d released", name, number)
 
@@ -513,23 +480,12 @@ class ModelManager:
         )
 
     def _set_model(self, name: str, reason: str, max_batch_size: int = 0) -> None:
-        old = self._status.get(name)
-        versions = dict(old.versions) if old else {}
-        default = old.default_version if old else None
-        reason = self._scrub(name, reason)
-        self._status[name] = ModelStatus(name, MappingProxyType(versions), reason, max_batch_size, default)
+        self.board.set_model(name, self._scrub(name, reason), max_batch_size)
 
     def _set_version(self, name: str, status: VersionStatus, notify: bool = True) -> None:
         if status.reason:
             status = replace(status, reason=self._scrub(name, status.reason))
-        model = self._status[name]
-        versions = dict(model.versions)
-        versions[status.version] = status
-        self._status[name] = replace(model, versions=MappingProxyType(dict(sorted(versions.items()))))
-        if notify:
-            event = ModelEvent(name, status.version, status.state, status.reason, status.updated_at)
-            for watcher in list(self._watchers):
-                watcher.offer(event)
+        self.board.set_version(name, status, notify)
 
     def _scrub(self, name: str, text: str) -> str:
         """Clients see paths relative to the repository, or to the private folder of the model's
@@ -587,9 +543,3 @@ def _check_compatible(new: Signature, reference: tuple[int, Signature], model_fi
             f"({show(new)} vs {show(old)}); set reload.allow_schema_change: true to allow it",
             "incompatible",
         )
-
-
-def _because(status: ModelStatus) -> str:
-    reasons = [status.reason] if status.reason else []
-    reasons += [f"version {v.version}: {v.reason}" for v in status.versions.values() if v.reason]
-    return f": {'; '.join(reasons)}" if reasons else ""
