@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractContextManager, asynccontextmanager
 from dataclasses import dataclass, replace
@@ -16,14 +16,12 @@ from modelyard.common.names import echo, name_problem
 
 from service.errors import ModelLoadError, ModelNotFound
 from service.metrics import ServiceMetrics
-from service.repository.checksum import verify_checksum
 from service.repository.config import ModelConfig, load_config
-from service.repository.files import check_tree_inside, scrub
-from service.repository.labels import load_labels
-from service.repository.scanner import fingerprint, scan_model, scan_repository, version_bytes
+from service.repository.files import scrub
+from service.repository.scanner import fingerprint, scan_model, scan_repository
 from service.repository.uploads import Upload
-from service.runtime.instances import Loader, load_instances, placements
-from service.runtime.memory import trim_heap
+from service.runtime.instances import Loader
+from service.runtime.loader import LoadHook, VersionLoader
 from service.runtime.providers import ProviderChoice
 from service.runtime.runs import ActiveRuns
 from service.runtime.served import ServedModel, ServedVersion
@@ -33,11 +31,6 @@ from service.runtime.status import ModelStatus, StatusBoard, VersionState, Versi
 from service.runtime.table import Lease, ServedTable
 
 log = logging.getLogger(__name__)
-
-
-# A layer above (batching) attaching to a version that just loaded, before it serves; it lets go
-# through ServedVersion.on_retire.
-LoadHook = Callable[[ServedVersion], None]
 
 
 @dataclass(frozen=True)
@@ -65,26 +58,26 @@ class ModelManager:
         self.providers = providers
         self.metrics = metrics or ServiceMetrics()
         self.drain_timeout_s = drain_timeout_s
-        self._loader = loader
-        self._load_hooks: list[LoadHook] = []
         self.board = StatusBoard()
         # The request path: what serves now (requests resolve and lease there, not here).
         self.table = ServedTable(self.board.unavailable, self.board.set_default)
+        # Loads, file reads and releases run on one thread: loads of a 2-core machine gain nothing
+        # from running side by side, and one thread keeps freed memory in one malloc arena.
+        self._io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model-io")
+        # The runs on executor threads of every served version, so that shutdown can stop them.
+        self.runs = ActiveRuns(max_run_s)
+        self.loader = VersionLoader(
+            self.table, self.board, providers, self.metrics, self._io, self.runs, drain_timeout_s, loader
+        )
         # One lock per name while a load, reconcile or unload of it runs or waits; pruned when
         # the last one ends, so names that come and go (or are asked for and unknown) leave nothing.
         self._locks: dict[str, _NameLock] = {}
         self._skipped: set[str] = set()  # repository folders whose names break the rule, reported
-        self._retiring: set[asyncio.Task[None]] = set()
         self._held: set[str] = set()  # unloaded by an operator: file changes do not reload them
         # Versions that failed as they are on disk now, so that unrelated events do not retry them.
-        # Loads, file reads and releases run on one thread: loads of a 2-core machine gain nothing
-        # from running side by side, and one thread keeps freed memory in one malloc arena.
-        self._io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model-io")
         self._failed: dict[tuple[str, int], tuple[tuple[object, ...], ModelConfig]] = {}
         self._overrides: dict[str, LoadOverride] = {}
         self.loaded_all = False  # True once the start-up load of the whole repository has finished
-        # The runs on executor threads of every served version, so that shutdown can stop them.
-        self.runs = ActiveRuns(max_run_s)
 
     # -- requests --------------------------------------------------------------------------
 
@@ -123,7 +116,12 @@ class ModelManager:
 
     def on_load(self, hook: LoadHook) -> None:
         """Call `hook` with every version that loads from now on, before it serves a request."""
-        self._load_hooks.append(hook)
+        self.loader.on_load(hook)
+
+    @property
+    def retiring(self) -> int:
+        """Versions out of the table whose release has not finished yet."""
+        return self.loader.retiring
 
     # -- control ---------------------------------------------------------------------------
 
@@ -182,7 +180,7 @@ class ModelManager:
             old = self.table.get(name)
             self.table.swap(name, None)
             if old is not None:
-                await asyncio.gather(*(self._retire(v) for v in old.versions.values()))
+                await asyncio.gather(*(self.loader.retire(v) for v in old.versions.values()))
             # An unloaded model keeps no upload: its next load brings files again or reads the
             # repository, and the bytes go back to the upload space.
             await self._remove_upload(self._overrides.pop(name, None))
@@ -198,8 +196,7 @@ class ModelManager:
         """Drain and release every served version (on shutdown, after the server stopped)."""
         for name in self.table.names():
             await self.unload(name)
-        if self._retiring:
-            await asyncio.gather(*self._retiring)
+        await self.loader.wait_retired()
         for override in list(self._overrides.values()):
             await self._remove_upload(override)
         self._overrides.clear()
@@ -296,91 +293,15 @@ class ModelManager:
         current: dict[int, ServedVersion],
     ) -> ServedVersion | None:
         """Validate and load one version; on failure record why and return None."""
-        loop = asyncio.get_running_loop()
         self._set_version(name, VersionStatus(number, VersionState.LOADING, time.time()))
-        started = time.perf_counter()
         try:
-            # Every instance holds its own copy of the model.
-            sessions = len(placements(config, self.providers))
-            memory = await loop.run_in_executor(self._io, version_bytes, model_file) * sessions
-            await self._make_room(name, number, memory, config, current)
-            root = model_file.parent.parent.parent  # <root>/<model>/<version>/model.onnx
-            await loop.run_in_executor(self._io, check_tree_inside, root, model_file.parent)
-            await loop.run_in_executor(self._io, verify_checksum, model_file, root)
-            # All instances load (and warm up) before the version serves, or none does.
-            runners = await loop.run_in_executor(
-                self._io, load_instances, self._loader, model_file, config, self.providers
-            )
-            runner = runners[0]
-            labels = await loop.run_in_executor(self._io, load_labels, model_file.parent.parent, config)
-            if reference is not None and not config.reload.allow_schema_change:
-                _check_compatible(runner.signature, reference, model_file)
+            served = await self.loader.load(name, number, model_file, config, print_, reference, current)
         except ModelLoadError as exc:
-            log.error("model %s version %d failed to load: %s", name, number, exc)
             self._failed[(name, number)] = (print_, config)
-            self.metrics.load_failures.labels(name, exc.kind).inc()
-            self.metrics.model_loads.labels(name, "failed").inc()
             self._set_version(name, VersionStatus(number, VersionState.FAILED, time.time(), str(exc)))
             return None
         self._failed.pop((name, number), None)
-        elapsed = time.perf_counter() - started
-        self.metrics.model_loads.labels(name, "ready").inc()
-        self.metrics.load_seconds.labels(name).observe(elapsed)
-        served = ServedVersion(name, number, runners, config, print_, memory, self.runs)
-        log.info(
-            "model %s version %d loaded on %s in %.0f ms (warm-up run %.0f us, %s; %d instance%s: %s)",
-            name,
-            number,
-            runner.provider,
-            elapsed * 1e3,
-            runner.warmup_run_s * 1e6,
-            "inline"
-            if served.instances.runs_inline
-            else f"executor: {runner.value_driven or 'several instances, or a slow largest batch'}",
-            len(runners),
-            "" if len(runners) == 1 else "s",
-            ", ".join(r.device for r in runners),
-        )
-        served.labels = labels
-        self.metrics.instances.add(name, str(number), served.instances)
-        for attach in self._load_hooks:
-            attach(served)
         return served
-
-    async def _make_room(
-        self, name: str, number: int, need: int, config: ModelConfig, current: dict[int, ServedVersion]
-    ) -> None:
-        """Check the model's memory budget before loading; free room first if the config allows."""
-        budget = config.reload.memory_budget_mb * 1024 * 1024
-        served = self.table.get(name)
-        in_use = sum(v.memory_bytes for v in served.versions.values()) if served else 0
-        if not budget or in_use + need <= budget:
-            return
-        mb = 1024 * 1024
-        if config.reload.when_over_budget == "fail" or served is None:
-            raise ModelLoadError(
-                f"version {number} needs {need / mb:.1f} MB beside the {in_use / mb:.1f} MB served; "
-                f"the memory budget is {budget / mb:.1f} MB (reload.when_over_budget: fail)",
-                "memory",
-            )
-        # drain_first: release the version this one replaces (or the oldest), then load.
-        victim = served.versions.get(number) or served.versions[min(served.versions)]
-        log.warning(
-            "model %s: releasing version %d before loading version %d (memory budget)",
-            name,
-            victim.version,
-            number,
-        )
-        rest = {n: v for n, v in served.versions.items() if v is not victim}
-        self.board.start_reloading(name)
-        self.table.swap(name, ServedModel(name, served.config, MappingProxyType(rest)) if rest else None)
-        current.pop(victim.version, None)
-        await self._retire(victim)
-        if in_use - victim.memory_bytes + need > budget:
-            raise ModelLoadError(
-                f"version {number} needs {need / mb:.1f} MB; the memory budget is {budget / mb:.1f} MB",
-                "memory",
-            )
 
     def _publish(
         self,
@@ -417,7 +338,7 @@ class ModelManager:
             self.metrics.swaps.labels(name).inc()
         for number, served in current.items():
             if versions.get(number) is not served:
-                self._start_retiring(served, replaced=number in versions)
+                self.loader.retire_later(served, replaced=number in versions)
 
     def _forget_unselected(self, name: str, selected: list[int]) -> None:
         """Status lists the versions disk and policy select, and those still serving or draining;
@@ -432,43 +353,11 @@ class ModelManager:
         old = self.table.get(name)
         self.table.swap(name, None)
         if old is not None:
-            await asyncio.gather(*(self._retire(v) for v in old.versions.values()))
+            await asyncio.gather(*(self.loader.retire(v) for v in old.versions.values()))
         log.info("model %s left the repository", name)
         self.board.remove(name)
         self.metrics.forget_model(name)
         self._failed = {k: v for k, v in self._failed.items() if k[0] != name}
-
-    def _start_retiring(self, served: ServedVersion, replaced: bool) -> None:
-        task = asyncio.get_running_loop().create_task(self._retire(served, replaced))
-        self._retiring.add(task)
-        task.add_done_callback(self._retiring.discard)
-
-    async def _retire(self, served: ServedVersion, replaced: bool = False) -> None:
-        """Wait for the version's in-flight requests, then drop the table's reference to its
-        session (ONNX Runtime frees a session's memory only when the session object is destroyed)."""
-        name, number = served.model, served.version
-        if not replaced:
-            self._set_version(name, VersionStatus(number, VersionState.DRAINING, time.time()))
-        started = time.perf_counter()
-        drained = await served.drain(self.drain_timeout_s)
-        if self.board.knows(name):  # a model that left the repository has no series any more
-            self.metrics.drain_seconds.labels(name).observe(time.perf_counter() - started)
-        if not drained:
-            log.warning(
-                "model %s version %d released with %d requests still running after %.1f s drain",
-                name,
-                number,
-                served.in_flight,
-                self.drain_timeout_s,
-            )
-        await served.stop_workers()
-        # Its series leave with it, and the metrics let go of its sessions.
-        self.metrics.instances.remove(name, str(number), served.instances)
-        served.drop_session()
-        await asyncio.get_running_loop().run_in_executor(self._io, trim_heap)
-        if not replaced and self.board.knows(name):
-            self._set_version(name, VersionStatus(number, VersionState.UNLOADED, time.time()))
-        log.info("model %s version %d released", name, number)
 
     def _version_ready(self, served: ServedVersion) -> VersionStatus:
         return VersionStatus(
@@ -527,19 +416,3 @@ class _NameLock:
 
 
 _NO_STATUS = ModelStatus("", MappingProxyType({}))
-
-
-def _check_compatible(new: Signature, reference: tuple[int, Signature], model_file: Path) -> None:
-    """A new version must take and give the tensors the served one does, unless the config allows
-    a schema change: clients built against the served schema must keep working."""
-    served_version, old = reference
-    if (old.inputs, old.outputs) != (new.inputs, new.outputs):
-
-        def show(sig: Signature) -> str:
-            return ", ".join(f"{t.name}:{t.describe()}" for t in sig.inputs + sig.outputs)
-
-        raise ModelLoadError(
-            f"{model_file}: schema differs from served version {served_version} "
-            f"({show(new)} vs {show(old)}); set reload.allow_schema_change: true to allow it",
-            "incompatible",
-        )
