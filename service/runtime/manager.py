@@ -107,7 +107,7 @@ class ModelManager:
 
     @property
     def lock_count(self) -> int:
-        """Names with a lock in the table now (those being loaded, reconciled or unloaded)."""
+        """Names with a lock now (those being loaded, reconciled or unloaded)."""
         return self.reconciler.lock_count
 
     # -- control ---------------------------------------------------------------------------

@@ -340,7 +340,7 @@ class RepositoryReconciler:
 
     @property
     def lock_count(self) -> int:
-        """Names with a lock in the table now (those being loaded, reconciled or unloaded)."""
+        """Names with a lock now (those being loaded, reconciled or unloaded)."""
         return len(self._locks)
 
 
