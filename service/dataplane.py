@@ -1,8 +1,16 @@
 """The transport-agnostic request path: resolve a version, check the inputs, run, return outputs.
 
 Both gRPC APIs (ours and KServe V2) convert their messages and call this; nothing here knows
-about protobuf or gRPC. A version whose config asks for dynamic batching runs requests through
-its batcher (queue, priorities, deadlines); any other runs each request as it comes.
+about protobuf or gRPC. A request resolves its version once and holds it to the end:
+
+    with dataplane.open(model, version) as call:
+        inputs = await call.decode(headers, decode)
+        result = await call.infer(inputs, output_names, scheduling)
+
+so that the version whose limits checked the tensors, whose config sets the priority levels and
+labels, and the one that runs are the same. A version whose config asks for dynamic batching runs
+requests through its batcher (queue, priorities, deadlines); any other runs each request as it
+comes.
 """
 
 from __future__ import annotations
@@ -57,33 +65,15 @@ class DataPlane:
         self, manager: ModelManager, executor: Executor, batching: BatchingLayer | None = None
     ) -> None:
         self.manager = manager
+        self._table = manager.table  # the request path resolves and leases here
         self._executor = executor
         self._batching = batching
         self._bounds: WeakKeyDictionary[ServedVersion, Bounds] = WeakKeyDictionary()  # per version
 
-    async def decode(
-        self, model: str, version: str, headers: Sequence[TensorHeader], decode: Callable[[], T]
-    ) -> T:
-        """Check a request's tensors (their headers) against the version that will serve it, then
-        decode them: inline when small, in the executor when large, so that the event loop never
-        waits on a request's decoding. `infer` checks the decoded arrays again, under its lease."""
-        started = time.perf_counter_ns()
-        served = self.manager.resolve(model, version)
-        bounds = self._bounds.get(served)
-        if bounds is None:
-            kind = served.runner.kind
-            decoder = kind if isinstance(kind, DecoderModel) else None
-            bounds = self._bounds[served] = bounds_for(served.runner.signature, served.config.limits, decoder)
-        try:
-            check_headers(bounds, headers)
-        except (ServiceError, TensorError):
-            # A request that does not fit counts as a failed inference of the version, as when
-            # check_inputs refuses it (Triton's statistics count it so).
-            served.stats.record_request(False, time.perf_counter_ns() - started)
-            raise
-        if offload(headers):
-            return await asyncio.get_running_loop().run_in_executor(self._executor, decode)
-        return decode()
+    def open(self, model: str, version: str) -> Call:
+        """`with dataplane.open(model, version) as call:` resolves the version now (an unknown
+        model or version raises here) and holds it until the block ends."""
+        return Call(self, self._table.resolve(model, version))
 
     async def infer(
         self,
@@ -93,39 +83,9 @@ class DataPlane:
         output_names: Sequence[str] = (),
         scheduling: Scheduling = DEFAULT_SCHEDULING,
     ) -> InferResult:
-        admitted = time.perf_counter_ns()
-        # The lease is held while the request waits in a batcher's queue, too: a retiring version
-        # answers what it has queued before it is released.
-        with self.manager.lease(model, version) as served:
-            names = _checked(served, inputs, output_names, admitted)
-            outputs = await self._run(served, inputs, names, scheduling, admitted)
-            return InferResult(model, served.version, outputs)
-
-    async def infer_chunks(
-        self,
-        model: str,
-        version: str,
-        inputs: Mapping[str, np.ndarray],
-        output_names: Sequence[str] = (),
-        chunk_size: int = 0,
-        scheduling: Scheduling = DEFAULT_SCHEDULING,
-    ) -> AsyncGenerator[InferResult]:
-        """Run a batch in chunks of rows, yielding each chunk's outputs as soon as it is computed.
-        The whole stream holds one version: a swap mid-stream does not change it. With dynamic
-        batching each chunk queues at the request's priority, with the request's deadline."""
-        with self.manager.lease(model, version) as served:
-            signature = served.runner.signature
-            names = _checked(served, inputs, output_names, time.perf_counter_ns())
-            batch = next(iter(inputs.values())).shape[0] if signature.max_batch_size and inputs else 0
-            if not batch:
-                outputs = await self._run(served, inputs, names, scheduling, time.perf_counter_ns())
-                yield InferResult(model, served.version, outputs)
-                return
-            step = min(chunk_size or signature.max_batch_size, signature.max_batch_size)
-            for offset in range(0, batch, step):
-                chunk = {name: array[offset : offset + step] for name, array in inputs.items()}
-                outputs = await self._run(served, chunk, names, scheduling, time.perf_counter_ns())
-                yield InferResult(model, served.version, outputs, offset, last=offset + step >= batch)
+        """One run of already decoded inputs (open, infer, close)."""
+        with self.open(model, version) as call:
+            return await call.infer(inputs, output_names, scheduling)
 
     async def _run(
         self,
@@ -152,3 +112,83 @@ class DataPlane:
                 ok, end - admitted_ns, rows, queue_ns=start - admitted_ns, compute_ns=end - start
             )
         return dict(zip(names, arrays, strict=True))
+
+
+class Call:
+    """One request's hold on the version that serves it: resolved once (DataPlane.open), leased
+    while the `with` block runs (a class, not a generator: it runs per request). The lease is
+    held while the request decodes and while it waits in a batcher's queue: a retiring version
+    answers what it has admitted before it is released."""
+
+    __slots__ = ("_plane", "served")
+
+    def __init__(self, plane: DataPlane, served: ServedVersion) -> None:
+        self._plane = plane
+        self.served = served
+
+    def __enter__(self) -> Call:
+        self.served.acquire()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.served.release()
+
+    async def decode(self, headers: Sequence[TensorHeader], decode: Callable[[], T]) -> T:
+        """Check a request's tensors (their headers) against the version, then decode them:
+        inline when small, in the executor when large, so that the event loop never waits on a
+        request's decoding. `infer` checks the decoded arrays again."""
+        started = time.perf_counter_ns()
+        served, plane = self.served, self._plane
+        bounds = plane._bounds.get(served)
+        if bounds is None:
+            kind = served.runner.kind
+            decoder = kind if isinstance(kind, DecoderModel) else None
+            bounds = plane._bounds[served] = bounds_for(
+                served.runner.signature, served.config.limits, decoder
+            )
+        try:
+            check_headers(bounds, headers)
+        except (ServiceError, TensorError):
+            # A request that does not fit counts as a failed inference of the version, as when
+            # check_inputs refuses it (Triton's statistics count it so).
+            served.stats.record_request(False, time.perf_counter_ns() - started)
+            raise
+        if offload(headers):
+            return await asyncio.get_running_loop().run_in_executor(plane._executor, decode)
+        return decode()
+
+    async def infer(
+        self,
+        inputs: Mapping[str, np.ndarray],
+        output_names: Sequence[str] = (),
+        scheduling: Scheduling = DEFAULT_SCHEDULING,
+    ) -> InferResult:
+        admitted = time.perf_counter_ns()
+        served = self.served
+        names = _checked(served, inputs, output_names, admitted)
+        outputs = await self._plane._run(served, inputs, names, scheduling, admitted)
+        return InferResult(served.model, served.version, outputs)
+
+    async def infer_chunks(
+        self,
+        inputs: Mapping[str, np.ndarray],
+        output_names: Sequence[str] = (),
+        chunk_size: int = 0,
+        scheduling: Scheduling = DEFAULT_SCHEDULING,
+    ) -> AsyncGenerator[InferResult]:
+        """Run a batch in chunks of rows, yielding each chunk's outputs as soon as it is computed.
+        The whole stream runs on the call's version: a swap mid-stream does not change it. With
+        dynamic batching each chunk queues at the request's priority, with the request's deadline."""
+        served, run = self.served, self._plane._run
+        signature = served.runner.signature
+        names = _checked(served, inputs, output_names, time.perf_counter_ns())
+        batch = next(iter(inputs.values())).shape[0] if signature.max_batch_size and inputs else 0
+        if not batch:
+            outputs = await run(served, inputs, names, scheduling, time.perf_counter_ns())
+            yield InferResult(served.model, served.version, outputs)
+            return
+        step = min(chunk_size or signature.max_batch_size, signature.max_batch_size)
+        for offset in range(0, batch, step):
+            chunk = {name: array[offset : offset + step] for name, array in inputs.items()}
+            outputs = await run(served, chunk, names, scheduling, time.perf_counter_ns())
+            yield InferResult(served.model, served.version, outputs, offset, last=offset + step >= batch)

@@ -38,7 +38,7 @@ SERVICE_CATEGORIES: list[tuple[str, Callable[[str, str], bool]]] = [
     ("signature checks", lambda fn, f: f.endswith(("signature.py", "datatypes.py"))),
     ("metrics (prometheus)", lambda fn, f: "observe_request" in fn or "prometheus_client" in f),
     ("per-version stats", lambda fn, f: "VersionStats" in fn),
-    ("version lease / resolve", lambda fn, f: f.endswith(("manager.py", "served.py"))),
+    ("version lease / resolve", lambda fn, f: f.endswith(("table.py", "manager.py", "served.py"))),
     ("DataPlane (rest)", lambda fn, f: f.endswith("dataplane.py")),
     ("contextlib machinery", lambda fn, f: f.endswith("contextlib.py")),
     ("serving() wrapper (rest)", lambda fn, f: f.endswith("api/errors.py") or fn == "serving"),

@@ -52,11 +52,8 @@ class FlatInferenceServicer:
                 TensorHeader(name, name_of(array.dtype), array.shape, array.nbytes, False)
                 for name, array in decoded.tensors.items()
             ]
-            inputs = await self._dataplane.decode(
-                decoded.model_name, version, headers, lambda: decoded.tensors
-            )
-            result = await self._dataplane.infer(
-                decoded.model_name, version, inputs, decoded.output_names, scheduling(context, priority)
-            )
+            with self._dataplane.open(decoded.model_name, version) as held:
+                inputs = await held.decode(headers, lambda: decoded.tensors)
+                result = await held.infer(inputs, decoded.output_names, scheduling(context, priority))
             await call.answered(str(result.version))
             return flat.encode_response(result.model, str(result.version), result.outputs)

@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator
 from contextlib import aclosing
 from functools import partial
 
-import numpy as np
 from modelyard.inference.v1 import inference_service_pb2 as pb
 from modelyard.inference.v1 import inference_service_pb2_grpc as pb_grpc
-from modelyard.inference.v1 import tensor_pb2
 from modelyard.tensors import to_arrays, to_tensors
 
 from service.api.errors import Context, deadline_passed, end_stalled, serving
@@ -28,29 +26,22 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         self._generation = generation
         self._metrics = metrics
 
-    async def _inputs(
-        self, model: str, version: str, tensors: Sequence[tensor_pb2.Tensor], outputs: int = 0
-    ) -> dict[str, np.ndarray]:
-        """The request's arrays, decoded only once their headers fit the model (service/intake.py)."""
-        signature = self._dataplane.manager.resolve(model, version).runner.signature
-        refuse_extra_tensors(model, signature, len(tensors), outputs)
-        return await self._dataplane.decode(model, version, our_headers(tensors), partial(to_arrays, tensors))
-
     async def Infer(self, request: pb.InferRequest, context: Context) -> pb.InferResponse:
         async with serving(context, self._metrics, "Infer", request.model_name) as call:
             version, request_id, priority = call_fields(
                 context, request.model_name, request.model_version, request.request_id, request.priority
             )
-            inputs = await self._inputs(
-                request.model_name, version, request.inputs, len(request.output_names)
-            )
-            result = await self._dataplane.infer(
-                request.model_name,
-                version,
-                inputs,
-                request.output_names,
-                scheduling(context, priority, request.timeout_us),
-            )
+            with self._dataplane.open(request.model_name, version) as held:
+                signature = held.served.runner.signature
+                refuse_extra_tensors(
+                    request.model_name, signature, len(request.inputs), len(request.output_names)
+                )
+                headers = our_headers(request.inputs)
+                # Decoded only once the tensors' headers fit the version (service/intake.py).
+                inputs = await held.decode(headers, partial(to_arrays, request.inputs))
+                result = await held.infer(
+                    inputs, request.output_names, scheduling(context, priority, request.timeout_us)
+                )
             response = pb.InferResponse(
                 model_name=result.model,
                 model_version=str(result.version),
@@ -67,33 +58,36 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
             version, request_id, priority = call_fields(
                 context, request.model_name, request.model_version, request.request_id, request.priority
             )
-            inputs = await self._inputs(
-                request.model_name, version, request.inputs, len(request.output_names)
-            )
-            chunks = self._dataplane.infer_chunks(
-                request.model_name,
-                version,
-                inputs,
-                request.output_names,
-                request.chunk_size,
-                scheduling(context, priority, request.timeout_us),
-            )
-            # aclosing: a cancelled stream releases its version lease at once, not at garbage collection.
-            async with aclosing(chunks):
-                index = 0
-                async for result in chunks:
-                    if not index:  # every chunk comes from the same version
-                        await call.answered(str(result.version))
-                    yield pb.InferStreamResponse(
-                        model_name=result.model,
-                        model_version=call.version,
-                        outputs=to_tensors(result.outputs),
-                        request_id=request_id,
-                        chunk_index=index,
-                        row_offset=result.row_offset,
-                        last=result.last,
-                    )
-                    index += 1
+            # The whole stream holds the one version it resolved; a cancelled stream lets go of
+            # it at once (the `with` and aclosing end with the handler, not at garbage collection).
+            with self._dataplane.open(request.model_name, version) as held:
+                signature = held.served.runner.signature
+                refuse_extra_tensors(
+                    request.model_name, signature, len(request.inputs), len(request.output_names)
+                )
+                headers = our_headers(request.inputs)
+                inputs = await held.decode(headers, partial(to_arrays, request.inputs))
+                chunks = held.infer_chunks(
+                    inputs,
+                    request.output_names,
+                    request.chunk_size,
+                    scheduling(context, priority, request.timeout_us),
+                )
+                async with aclosing(chunks):
+                    index = 0
+                    async for result in chunks:
+                        if not index:  # every chunk comes from the same version
+                            await call.answered(str(result.version))
+                        yield pb.InferStreamResponse(
+                            model_name=result.model,
+                            model_version=call.version,
+                            outputs=to_tensors(result.outputs),
+                            request_id=request_id,
+                            chunk_index=index,
+                            row_offset=result.row_offset,
+                            last=result.last,
+                        )
+                        index += 1
 
     async def Generate(
         self, request: pb.GenerateRequest, context: Context

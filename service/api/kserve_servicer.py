@@ -348,27 +348,26 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
             request.id,
             kserve_priority(request.parameters),
         )
-        signature = self._manager.resolve(request.model_name, version).runner.signature
-        refuse_extra_tensors(request.model_name, signature, len(request.inputs), len(request.outputs))
-        # Decoded only once the tensors' headers fit the model (service/intake.py).
-        headers = kserve_headers(request)
-        inputs = await self._dataplane.decode(
-            request.model_name, version, headers, partial(decode_inputs, request, self._shm)
-        )
-        names = requested_outputs(request)
-        options = output_options(request)
-        classify = options.classify
-        scheduling = kserve_scheduling(context, request.parameters, priority)
-        if classify or scheduling.priority:
-            # Pin the version whose label files and priority levels apply: resolved in the same
-            # step as the data plane's lease (no await between), so it is the version that runs.
-            served = self._manager.resolve(request.model_name, version)
-            version = str(served.version)
-            batching = served.config.dynamic_batching
-            if batching is None or scheduling.priority > batching.admission.priority_levels:
-                # As Triton: a priority the model does not have means its default level.
-                scheduling = replace(scheduling, priority=0)
-        result = await self._dataplane.infer(request.model_name, version, inputs, names, scheduling)
+        # One version for the whole request: its limits check the tensors, its priority levels
+        # and label files apply, and it runs.
+        with self._dataplane.open(request.model_name, version) as held:
+            served = held.served
+            refuse_extra_tensors(
+                request.model_name, served.runner.signature, len(request.inputs), len(request.outputs)
+            )
+            # Decoded only once the tensors' headers fit the model (service/intake.py).
+            headers = kserve_headers(request)
+            inputs = await held.decode(headers, partial(decode_inputs, request, self._shm))
+            names = requested_outputs(request)
+            options = output_options(request)
+            classify = options.classify
+            scheduling = kserve_scheduling(context, request.parameters, priority)
+            if scheduling.priority:
+                batching = served.config.dynamic_batching
+                if batching is None or scheduling.priority > batching.admission.priority_levels:
+                    # As Triton: a priority the model does not have means its default level.
+                    scheduling = replace(scheduling, priority=0)
+            result = await held.infer(inputs, names, scheduling)
         response = pb.ModelInferResponse(
             model_name=result.model, model_version=str(result.version), id=request_id
         )

@@ -55,7 +55,7 @@ class GenerationPlane:
         reader is then blocked writing, so the transport must end the stream)."""
         remaining = scheduling.time_remaining_s
         deadline = None if remaining is None else time.monotonic() + remaining
-        with self._manager.lease(model, version) as served:
+        with self._manager.table.lease(model, version) as served:
             decoder = served.runner.kind
             if not isinstance(decoder, DecoderModel):
                 raise NotGenerative(

@@ -6,7 +6,6 @@ Layout: `<root>/<model>/<version>/model.onnx`, version folders named `3` or `v3`
 
 from __future__ import annotations
 
-import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -15,9 +14,9 @@ from modelyard.common.names import echo, is_valid_name
 
 from service.errors import ModelLoadError
 from service.repository.files import is_inside, shown
+from service.versions import parse_version
 
 MODEL_FILE = "model.onnx"
-_VERSION_DIR = re.compile(r"v?([0-9]{1,9})")  # fullmatch: no trailing newline slips through
 
 
 @dataclass(frozen=True)
@@ -33,12 +32,6 @@ class ModelSource:
 def is_model_name(text: str) -> bool:
     """The one name rule (modelyard.common.names): a folder named otherwise is no model."""
     return is_valid_name(text)
-
-
-def parse_version(text: str) -> int | None:
-    """`3` or `v3` -> 3; anything else -> None."""
-    match = _VERSION_DIR.fullmatch(text)
-    return int(match.group(1)) if match else None
 
 
 def scan_repository(root: Path, skipped: set[str] | None = None) -> dict[str, ModelSource]:

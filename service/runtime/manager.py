@@ -1,79 +1,33 @@
-"""The model manager: loads models from the repository and owns the table of served versions.
+"""The model manager: the runtime's parts, put together, behind the API the service uses.
 
-The table is an immutable mapping replaced in one assignment, so a request sees either the old
-set of versions or the new one, never half of each. A request resolves its version once, leases
-it, and keeps it to the end; a version taken out of the table is drained, then released.
+- the served table (table.py): what serves now; requests resolve and lease there;
+- the status board (status.py): every model's state, and the watchers told of its changes;
+- the reconciler (reconciler.py): what is on disk against what is served, by name, under a lock;
+- the loader (loader.py): a version's sessions built, warmed up, within the memory budget, and
+  released once drained.
+
+The request path (the data plane, generation) holds the table itself; the APIs and the server
+read status and control models through the manager.
 """
 
 from __future__ import annotations
 
-import asyncio
-import logging
-import time
-from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import asynccontextmanager, contextmanager
-from dataclasses import dataclass, replace
+from contextlib import AbstractContextManager
 from pathlib import Path
-from types import MappingProxyType
 
-from modelyard.common.names import echo, name_problem
-
-from service.errors import (
-    InvalidInput,
-    ModelLoadError,
-    ModelNotFound,
-    ModelUnavailable,
-    VersionNotFound,
-)
 from service.metrics import ServiceMetrics
-from service.repository.checksum import verify_checksum
-from service.repository.config import ModelConfig, load_config
-from service.repository.files import check_tree_inside, scrub
-from service.repository.labels import load_labels
-from service.repository.scanner import fingerprint, parse_version, scan_model, scan_repository, version_bytes
-from service.repository.uploads import Upload
-from service.runtime.instances import Loader, load_instances, placements
-from service.runtime.memory import trim_heap
+from service.runtime.instances import Loader
+from service.runtime.loader import LoadHook, VersionLoader
 from service.runtime.providers import ProviderChoice
+from service.runtime.reconciler import LoadOverride, RepositoryReconciler
 from service.runtime.runs import ActiveRuns
 from service.runtime.served import ServedModel, ServedVersion
 from service.runtime.session import load_runner
-from service.runtime.signature import Signature
-from service.runtime.status import ModelEvent, ModelStatus, VersionState, VersionStatus, Watcher
+from service.runtime.status import ModelStatus, StatusBoard, Watcher
+from service.runtime.table import Lease, ServedTable
 
-log = logging.getLogger(__name__)
-
-
-class Lease:
-    """Holds a served version for one request (a class, not a generator: it runs per request)."""
-
-    __slots__ = ("_served",)
-
-    def __init__(self, served: ServedVersion) -> None:
-        self._served = served
-
-    def __enter__(self) -> ServedVersion:
-        self._served.acquire()
-        return self._served
-
-    def __exit__(self, *exc: object) -> None:
-        self._served.release()
-
-
-# A layer above (batching) attaching to a version that just loaded, before it serves; it lets go
-# through ServedVersion.on_retire.
-LoadHook = Callable[[ServedVersion], None]
-
-
-@dataclass(frozen=True)
-class LoadOverride:
-    """What an explicit load brings instead of the repository's (Triton's load parameters): a
-    config that replaces config.yaml, and optionally the model's files in a private folder. It
-    holds until the model's next explicit load."""
-
-    config: ModelConfig
-    upload: Upload | None = None
+__all__ = ["LoadOverride", "ModelManager"]
 
 
 class ModelManager:
@@ -91,546 +45,98 @@ class ModelManager:
         self.providers = providers
         self.metrics = metrics or ServiceMetrics()
         self.drain_timeout_s = drain_timeout_s
-        self._loader = loader
-        self._load_hooks: list[LoadHook] = []
-        self._table: Mapping[str, ServedModel] = MappingProxyType({})
-        self._status: dict[str, ModelStatus] = {}
-        # One lock per name while a load, reconcile or unload of it runs or waits; pruned when
-        # the last one ends, so names that come and go (or are asked for and unknown) leave nothing.
-        self._locks: dict[str, _NameLock] = {}
-        self._skipped: set[str] = set()  # repository folders whose names break the rule, reported
-        self._watchers: set[Watcher] = set()
-        self._retiring: set[asyncio.Task[None]] = set()
-        self._held: set[str] = set()  # unloaded by an operator: file changes do not reload them
-        self._reloading: set[str] = set()  # in a drain-first gap (memory budget)
-        # Versions that failed as they are on disk now, so that unrelated events do not retry them.
+        self.board = StatusBoard()
+        # The request path: what serves now (requests resolve and lease there, not here).
+        self.table = ServedTable(self.board.unavailable, self.board.set_default)
         # Loads, file reads and releases run on one thread: loads of a 2-core machine gain nothing
         # from running side by side, and one thread keeps freed memory in one malloc arena.
         self._io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model-io")
-        self._failed: dict[tuple[str, int], tuple[tuple[object, ...], ModelConfig]] = {}
-        self._overrides: dict[str, LoadOverride] = {}
-        self.loaded_all = False  # True once the start-up load of the whole repository has finished
         # The runs on executor threads of every served version, so that shutdown can stop them.
         self.runs = ActiveRuns(max_run_s)
+        self.loader = VersionLoader(
+            self.table, self.board, providers, self.metrics, self._io, self.runs, drain_timeout_s, loader
+        )
+        self.reconciler = RepositoryReconciler(
+            repository, self.table, self.board, self.loader, self.metrics, self._io
+        )
+        self.loaded_all = False  # True once the start-up load of the whole repository has finished
 
     # -- requests --------------------------------------------------------------------------
 
     def resolve(self, name: str, version: str = "") -> ServedVersion:
         """The served version a request runs on: the pinned one, or the newest served."""
-        model = self._table.get(name)
-        if model is None:
-            status = self._status.get(name)
-            if status is None:
-                raise ModelNotFound(f"model {echo(name)} is not in the repository")
-            if name in self._reloading:
-                raise ModelUnavailable(
-                    f"model {echo(name)} is swapping versions within its memory budget; retry shortly"
-                )
-            raise ModelUnavailable(f"model {echo(name)} has no version ready{_because(status)}")
-        if not version:
-            return model.default
-        number = parse_version(version)
-        if number is None:
-            raise InvalidInput(f"model_version {echo(version)} is not a version number (e.g. '3' or 'v3')")
-        served = model.versions.get(number)
-        if served is None:
-            raise VersionNotFound(
-                f"model {echo(name)} has no served version {number}; "
-                f"served versions: {sorted(model.versions)}"
-            )
-        return served
+        return self.table.resolve(name, version)
 
     def lease(self, name: str, version: str = "") -> Lease:
         """`with manager.lease(name, version) as served:` holds that version until the block ends."""
-        return Lease(self.resolve(name, version))
+        return self.table.lease(name, version)
 
     # -- state -----------------------------------------------------------------------------
 
     def statuses(self) -> list[ModelStatus]:
-        return [self._status[name] for name in sorted(self._status)]
+        return self.board.statuses()
 
     def status(self, name: str) -> ModelStatus:
-        status = self._status.get(name)
-        if status is None:
-            raise ModelNotFound(f"model {echo(name)} is not in the repository")
-        return status
+        return self.board.status(name)
 
     def served(self, name: str) -> ServedModel | None:
-        return self._table.get(name)
+        return self.table.get(name)
 
     def knows(self, name: str) -> bool:
         """True while `name` is a model of the repository (served or not)."""
-        return name in self._status
+        return self.board.knows(name)
 
     def subscribe(self) -> Watcher:
         """A watcher that receives every model event from now on, until unsubscribed."""
-        watcher = Watcher()
-        self._watchers.add(watcher)
-        return watcher
+        return self.board.subscribe()
 
     def unsubscribe(self, watcher: Watcher) -> None:
-        self._watchers.discard(watcher)
+        self.board.unsubscribe(watcher)
 
-    @contextmanager
-    def watch(self) -> Iterator[Watcher]:
-        watcher = self.subscribe()
-        try:
-            yield watcher
-        finally:
-            self.unsubscribe(watcher)
+    def watch(self) -> AbstractContextManager[Watcher]:
+        return self.board.watch()
 
     def on_load(self, hook: LoadHook) -> None:
         """Call `hook` with every version that loads from now on, before it serves a request."""
-        self._load_hooks.append(hook)
+        self.loader.on_load(hook)
+
+    @property
+    def retiring(self) -> int:
+        """Versions out of the table whose release has not finished yet."""
+        return self.loader.retiring
+
+    @property
+    def lock_count(self) -> int:
+        """Names with a lock now (those being loaded, reconciled or unloaded)."""
+        return self.reconciler.lock_count
 
     # -- control ---------------------------------------------------------------------------
 
     async def load_all(self) -> None:
         """Load every model of the repository; a model that fails does not stop the others."""
-        await self.reconcile_all()
+        await self.reconciler.reconcile_all()
         self.loaded_all = True
 
     async def reconcile_all(self) -> None:
         """Bring every model in line with disk: new models load, removed ones unload."""
-        skipped: set[str] = set()
-        names = await asyncio.get_running_loop().run_in_executor(
-            self._io, scan_repository, self.repository, skipped
-        )
-        for folder in sorted(skipped - self._skipped):  # once per folder, not at every resync
-            log.warning(
-                "repository folder %s skipped: %s",
-                echo(folder),
-                name_problem(folder) or "not a model name",
-            )
-        self._skipped = skipped
-        for name in sorted(set(names) | set(self._status)):
-            await self.reconcile(name)
+        await self.reconciler.reconcile_all()
+
+    async def reconcile(self, name: str) -> ModelStatus | None:
+        """Serve what is on disk for `name` (unless an operator unloaded it)."""
+        return await self.reconciler.reconcile(name)
 
     async def load(self, name: str, override: LoadOverride | None = None) -> ModelStatus:
         """Explicit load (LoadModel, RepositoryModelLoad): serve what is on disk now, or with
         `override` what the request brings; a later load without one goes back to the repository."""
-        self._held.discard(name)
-        async with self._lock(name):
-            previous = self._overrides.pop(name, None)
-            if override is not None:
-                self._overrides[name] = override
-            status = await self._reconcile(name)
-            await self._remove_upload(previous)
-            if status is None:
-                await self._remove_upload(self._overrides.pop(name, None))
-            elif status.default_version is None and override is not None and override.upload is not None:
-                await self._drop_failed_upload(name)
-        if status is None:
-            raise ModelNotFound(f"model {echo(name)} is not in the repository")
-        return status
-
-    async def reconcile(self, name: str) -> ModelStatus | None:
-        """Serve what is on disk for `name`: load new or changed versions, validate them, swap them
-        in together, retire versions that left. Unchanged versions keep their sessions. A model an
-        operator unloaded stays unloaded until loaded explicitly."""
-        async with self._lock(name):
-            if name in self._held:
-                return self._status.get(name)
-            return await self._reconcile(name)
+        return await self.reconciler.load(name, override)
 
     async def unload(self, name: str) -> ModelStatus:
-        async with self._lock(name):
-            self.status(name)  # NOT_FOUND for a model the manager never saw
-            self._held.add(name)
-            old = self._table.get(name)
-            self._swap(name, None)
-            if old is not None:
-                await asyncio.gather(*(self._retire(v) for v in old.versions.values()))
-            # An unloaded model keeps no upload: its next load brings files again or reads the
-            # repository, and the bytes go back to the upload space.
-            await self._remove_upload(self._overrides.pop(name, None))
-            status = self._status[name]
-            if not await self._in_repository(name):
-                # Only an upload brought it, and its files are gone: nothing is left to hold or
-                # to report, so a name's load and unload leave no state behind.
-                self._held.discard(name)
-                await self._remove(name)
-            return status
+        return await self.reconciler.unload(name)
 
     async def close(self) -> None:
         """Drain and release every served version (on shutdown, after the server stopped)."""
-        for name in list(self._table):
-            await self.unload(name)
-        if self._retiring:
-            await asyncio.gather(*self._retiring)
-        for override in list(self._overrides.values()):
-            await self._remove_upload(override)
-        self._overrides.clear()
+        for name in self.table.names():
+            await self.reconciler.unload(name)
+        await self.loader.wait_retired()
+        await self.reconciler.drop_uploads()
         self._io.shutdown(wait=True)
-
-    # -- internals -------------------------------------------------------------------------
-
-    async def _drop_failed_upload(self, name: str) -> None:
-        """An upload of which no version serves keeps no files; and when the repository has no
-        folder of that name, the model leaves no state (status, failure series) either: uploads
-        of files that do not load, under ever new names, must not grow the service's state. The
-        caller still answers with the failure's reasons."""
-        await self._remove_upload(self._overrides.pop(name, None))
-        if not await self._in_repository(name):
-            await self._remove(name)
-
-    async def _in_repository(self, name: str) -> bool:
-        """Whether the repository has a folder of that name (off the loop: a file system call)."""
-        return await asyncio.get_running_loop().run_in_executor(self._io, (self.repository / name).is_dir)
-
-    async def _remove_upload(self, override: LoadOverride | None) -> None:
-        """Delete an override's uploaded files, off the loop. The sessions loaded from them hold
-        their own copy of the model (or an open map)."""
-        if override is not None and override.upload is not None:
-            await asyncio.get_running_loop().run_in_executor(self._io, override.upload.remove)
-
-    async def _reconcile(self, name: str) -> ModelStatus | None:
-        loop = asyncio.get_running_loop()
-        override = self._overrides.get(name)
-        root = override.upload.root if override and override.upload else self.repository
-        try:
-            source = await loop.run_in_executor(self._io, scan_model, root, name)
-        except ModelLoadError:
-            await self._remove(name)  # the folder is gone (or its name is not a model name)
-            return None
-        try:
-            if override is not None:
-                config = override.config
-            else:
-                config = await loop.run_in_executor(self._io, load_config, source.path, root)
-        except ModelLoadError as exc:
-            # A broken config.yaml changes nothing that serves; status and metrics say why.
-            log.error("model %s: %s", name, exc)
-            self._set_model(
-                name, reason=str(exc), max_batch_size=self._status.get(name, _NO_STATUS).max_batch_size
-            )
-            self.metrics.load_failures.labels(name, exc.kind).inc()
-            return self._status[name]
-        for problem in source.problems:
-            log.error("model %s: %s", name, problem)
-        selected = config.version_policy.select(list(source.versions))
-        reason = "; ".join(source.problems)
-        if not selected:
-            reason = reason or f"no version folder with a {name}/<version>/model.onnx"
-            log.error("model %s has no version to serve: %s", name, reason)
-        self._set_model(name, reason=reason, max_batch_size=config.max_batch_size)
-        self._forget_unselected(name, selected)
-
-        current = dict(served.versions) if (served := self._table.get(name)) else {}
-        # Label files count as part of each version: a changed (or newly added) one reloads it.
-        labels = [source.path / output.label_filename for output in config.outputs if output.label_filename]
-        fingerprints = await loop.run_in_executor(
-            None, lambda: {n: fingerprint(source.versions[n], labels) for n in selected}
-        )
-        kept: dict[int, ServedVersion] = {}
-        loaded: dict[int, ServedVersion] = {}
-        for number in selected:
-            old = current.get(number)
-            if old is not None and old.fingerprint == fingerprints[number] and old.config == config:
-                kept[number] = old
-                continue
-            if self._failed.get((name, number)) == (fingerprints[number], config):
-                continue  # it failed as it is now; try again when its files or the config change
-            newest = max({**current, **kept, **loaded}.items(), default=(0, None))[1]
-            # The schema a new version must keep: the newest served one's (taken before a
-            # drain-first load may release that version).
-            reference = (newest.version, newest.runner.signature) if newest else None
-            version = await self._load_version(
-                name, number, source.versions[number], config, fingerprints[number], reference, current
-            )
-            if version is not None:
-                loaded[number] = version
-        self._publish(name, config, selected, kept, loaded, source.versions)
-        return self._status[name]
-
-    async def _load_version(
-        self,
-        name: str,
-        number: int,
-        model_file: Path,
-        config: ModelConfig,
-        print_: tuple[object, ...],
-        reference: tuple[int, Signature] | None,
-        current: dict[int, ServedVersion],
-    ) -> ServedVersion | None:
-        """Validate and load one version; on failure record why and return None."""
-        loop = asyncio.get_running_loop()
-        self._set_version(name, VersionStatus(number, VersionState.LOADING, time.time()))
-        started = time.perf_counter()
-        try:
-            # Every instance holds its own copy of the model.
-            sessions = len(placements(config, self.providers))
-            memory = await loop.run_in_executor(self._io, version_bytes, model_file) * sessions
-            await self._make_room(name, number, memory, config, current)
-            root = model_file.parent.parent.parent  # <root>/<model>/<version>/model.onnx
-            await loop.run_in_executor(self._io, check_tree_inside, root, model_file.parent)
-            await loop.run_in_executor(self._io, verify_checksum, model_file, root)
-            # All instances load (and warm up) before the version serves, or none does.
-            runners = await loop.run_in_executor(
-                self._io, load_instances, self._loader, model_file, config, self.providers
-            )
-            runner = runners[0]
-            labels = await loop.run_in_executor(self._io, load_labels, model_file.parent.parent, config)
-            if reference is not None and not config.reload.allow_schema_change:
-                _check_compatible(runner.signature, reference, model_file)
-        except ModelLoadError as exc:
-            log.error("model %s version %d failed to load: %s", name, number, exc)
-            self._failed[(name, number)] = (print_, config)
-            self.metrics.load_failures.labels(name, exc.kind).inc()
-            self.metrics.model_loads.labels(name, "failed").inc()
-            self._set_version(name, VersionStatus(number, VersionState.FAILED, time.time(), str(exc)))
-            return None
-        self._failed.pop((name, number), None)
-        elapsed = time.perf_counter() - started
-        self.metrics.model_loads.labels(name, "ready").inc()
-        self.metrics.load_seconds.labels(name).observe(elapsed)
-        served = ServedVersion(name, number, runners, config, print_, memory, self.runs)
-        log.info(
-            "model %s version %d loaded on %s in %.0f ms (warm-up run %.0f us, %s; %d instance%s: %s)",
-            name,
-            number,
-            runner.provider,
-            elapsed * 1e3,
-            runner.warmup_run_s * 1e6,
-            "inline"
-            if served.instances.runs_inline
-            else f"executor: {runner.value_driven or 'several instances, or a slow largest batch'}",
-            len(runners),
-            "" if len(runners) == 1 else "s",
-            ", ".join(r.device for r in runners),
-        )
-        served.labels = labels
-        self.metrics.instances.add(name, str(number), served.instances)
-        for attach in self._load_hooks:
-            attach(served)
-        return served
-
-    async def _make_room(
-        self, name: str, number: int, need: int, config: ModelConfig, current: dict[int, ServedVersion]
-    ) -> None:
-        """Check the model's memory budget before loading; free room first if the config allows."""
-        budget = config.reload.memory_budget_mb * 1024 * 1024
-        served = self._table.get(name)
-        in_use = sum(v.memory_bytes for v in served.versions.values()) if served else 0
-        if not budget or in_use + need <= budget:
-            return
-        mb = 1024 * 1024
-        if config.reload.when_over_budget == "fail" or served is None:
-            raise ModelLoadError(
-                f"version {number} needs {need / mb:.1f} MB beside the {in_use / mb:.1f} MB served; "
-                f"the memory budget is {budget / mb:.1f} MB (reload.when_over_budget: fail)",
-                "memory",
-            )
-        # drain_first: release the version this one replaces (or the oldest), then load.
-        victim = served.versions.get(number) or served.versions[min(served.versions)]
-        log.warning(
-            "model %s: releasing version %d before loading version %d (memory budget)",
-            name,
-            victim.version,
-            number,
-        )
-        rest = {n: v for n, v in served.versions.items() if v is not victim}
-        self._reloading.add(name)
-        self._swap(name, ServedModel(name, served.config, MappingProxyType(rest)) if rest else None)
-        current.pop(victim.version, None)
-        await self._retire(victim)
-        if in_use - victim.memory_bytes + need > budget:
-            raise ModelLoadError(
-                f"version {number} needs {need / mb:.1f} MB; the memory budget is {budget / mb:.1f} MB",
-                "memory",
-            )
-
-    def _publish(
-        self,
-        name: str,
-        config: ModelConfig,
-        selected: list[int],
-        kept: dict[int, ServedVersion],
-        loaded: dict[int, ServedVersion],
-        on_disk: Mapping[int, Path],
-    ) -> None:
-        old = self._table.get(name)
-        current = dict(old.versions) if old else {}
-        versions = {**kept, **loaded}
-        for number in selected:
-            if number not in versions and number in current:
-                # Its reload failed: the old session keeps serving, and status says why.
-                served = current[number]
-                versions[number] = served
-                failed = self._status[name].versions[number]
-                reason = f"reload failed, previous load serving: {failed.reason}"
-                self._set_version(name, replace(self._version_ready(served), reason=reason), notify=False)
-        # A bad version never replaces a good one: while selected versions are missing, the served
-        # versions they would have replaced keep serving (newest first), if still on disk.
-        for number in sorted(current, reverse=True):
-            if len(versions) >= len(selected):
-                break
-            if number not in versions and number in on_disk:
-                versions[number] = current[number]
-        for served in loaded.values():
-            self._set_version(name, self._version_ready(served))
-        self._reloading.discard(name)
-        self._swap(name, ServedModel(name, config, MappingProxyType(versions)) if versions else None)
-        if loaded:
-            self.metrics.swaps.labels(name).inc()
-        for number, served in current.items():
-            if versions.get(number) is not served:
-                self._start_retiring(served, replaced=number in versions)
-
-    def _forget_unselected(self, name: str, selected: list[int]) -> None:
-        """Status lists the versions disk and policy select, and those still serving or draining."""
-        model = self._status[name]
-        keep = {
-            n: v
-            for n, v in model.versions.items()
-            if n in selected or v.state not in (VersionState.FAILED, VersionState.UNLOADED)
-        }
-        if len(keep) != len(model.versions):
-            self._status[name] = replace(model, versions=MappingProxyType(keep))
-        self._failed = {k: v for k, v in self._failed.items() if k[0] != name or k[1] in selected}
-
-    async def _remove(self, name: str) -> None:
-        """The model's folder left the repository: retire its versions and forget it."""
-        if name not in self._status:
-            return
-        old = self._table.get(name)
-        self._swap(name, None)
-        if old is not None:
-            await asyncio.gather(*(self._retire(v) for v in old.versions.values()))
-        log.info("model %s left the repository", name)
-        del self._status[name]
-        self.metrics.forget_model(name)
-        self._failed = {k: v for k, v in self._failed.items() if k[0] != name}
-
-    def _swap(self, name: str, model: ServedModel | None) -> None:
-        table = dict(self._table)
-        if model is None:
-            table.pop(name, None)
-        else:
-            table[name] = model
-        self._table = MappingProxyType(table)  # the one assignment that swaps versions
-        status = self._status[name]
-        self._status[name] = replace(status, default_version=max(model.versions) if model else None)
-
-    def _start_retiring(self, served: ServedVersion, replaced: bool) -> None:
-        task = asyncio.get_running_loop().create_task(self._retire(served, replaced))
-        self._retiring.add(task)
-        task.add_done_callback(self._retiring.discard)
-
-    async def _retire(self, served: ServedVersion, replaced: bool = False) -> None:
-        """Wait for the version's in-flight requests, then drop the table's reference to its
-        session (ONNX Runtime frees a session's memory only when the session object is destroyed)."""
-        name, number = served.model, served.version
-        if not replaced:
-            self._set_version(name, VersionStatus(number, VersionState.DRAINING, time.time()))
-        started = time.perf_counter()
-        drained = await served.drain(self.drain_timeout_s)
-        if name in self._status:  # a model that left the repository has no series any more
-            self.metrics.drain_seconds.labels(name).observe(time.perf_counter() - started)
-        if not drained:
-            log.warning(
-                "model %s version %d released with %d requests still running after %.1f s drain",
-                name,
-                number,
-                served.in_flight,
-                self.drain_timeout_s,
-            )
-        await served.stop_workers()
-        # Its series leave with it, and the metrics let go of its sessions.
-        self.metrics.instances.remove(name, str(number), served.instances)
-        served.drop_session()
-        await asyncio.get_running_loop().run_in_executor(self._io, trim_heap)
-        if not replaced and name in self._status:
-            self._set_version(name, VersionStatus(number, VersionState.UNLOADED, time.time()))
-        log.info("model %s version %d released", name, number)
-
-    def _version_ready(self, served: ServedVersion) -> VersionStatus:
-        return VersionStatus(
-            served.version,
-            VersionState.READY,
-            time.time(),
-            signature=served.runner.signature,
-            provider=served.runner.provider,
-        )
-
-    def _set_model(self, name: str, reason: str, max_batch_size: int = 0) -> None:
-        old = self._status.get(name)
-        versions = dict(old.versions) if old else {}
-        default = old.default_version if old else None
-        reason = self._scrub(name, reason)
-        self._status[name] = ModelStatus(name, MappingProxyType(versions), reason, max_batch_size, default)
-
-    def _set_version(self, name: str, status: VersionStatus, notify: bool = True) -> None:
-        if status.reason:
-            status = replace(status, reason=self._scrub(name, status.reason))
-        model = self._status[name]
-        versions = dict(model.versions)
-        versions[status.version] = status
-        self._status[name] = replace(model, versions=MappingProxyType(dict(sorted(versions.items()))))
-        if notify:
-            event = ModelEvent(name, status.version, status.state, status.reason, status.updated_at)
-            for watcher in list(self._watchers):
-                watcher.offer(event)
-
-    def _scrub(self, name: str, text: str) -> str:
-        """Clients see paths relative to the repository, or to the private folder of the model's
-        upload (ONNX Runtime's own messages name the absolute path of the file it opened)."""
-        text = scrub(text, self.repository)
-        override = self._overrides.get(name)
-        if override is not None and override.upload is not None:
-            text = scrub(text, override.upload.root)
-        return text
-
-    @asynccontextmanager
-    async def _lock(self, name: str) -> AsyncIterator[None]:
-        """Hold the name's lock; the last holder or waiter to leave removes it from the table (a
-        later caller makes a new one: nobody holds the old one any more)."""
-        entry = self._locks.get(name)
-        if entry is None:
-            entry = self._locks[name] = _NameLock()
-        entry.users += 1
-        try:
-            async with entry.lock:
-                yield
-        finally:
-            entry.users -= 1
-            if not entry.users and self._locks.get(name) is entry:
-                del self._locks[name]
-
-    @property
-    def lock_count(self) -> int:
-        """Names with a lock in the table now (those being loaded, reconciled or unloaded)."""
-        return len(self._locks)
-
-
-class _NameLock:
-    __slots__ = ("lock", "users")
-
-    def __init__(self) -> None:
-        self.lock = asyncio.Lock()
-        self.users = 0  # holders and waiters
-
-
-_NO_STATUS = ModelStatus("", MappingProxyType({}))
-
-
-def _check_compatible(new: Signature, reference: tuple[int, Signature], model_file: Path) -> None:
-    """A new version must take and give the tensors the served one does, unless the config allows
-    a schema change: clients built against the served schema must keep working."""
-    served_version, old = reference
-    if (old.inputs, old.outputs) != (new.inputs, new.outputs):
-
-        def show(sig: Signature) -> str:
-            return ", ".join(f"{t.name}:{t.describe()}" for t in sig.inputs + sig.outputs)
-
-        raise ModelLoadError(
-            f"{model_file}: schema differs from served version {served_version} "
-            f"({show(new)} vs {show(old)}); set reload.allow_schema_change: true to allow it",
-            "incompatible",
-        )
-
-
-def _because(status: ModelStatus) -> str:
-    reasons = [status.reason] if status.reason else []
-    reasons += [f"version {v.version}: {v.reason}" for v in status.versions.values() if v.reason]
-    return f": {'; '.join(reasons)}" if reasons else ""

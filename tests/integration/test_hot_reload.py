@@ -150,7 +150,7 @@ async def test_versions_swap_under_load_without_a_failed_request(
     assert max(delays) < 1.0
     status = live.manager.status("m")
     assert status.default_version == 23
-    await eventually(lambda: not live.manager._retiring)
+    await eventually(lambda: not live.manager.retiring)
     versions = live.manager.status("m").versions
     assert versions[23].state == VersionState.READY
     assert all(v.state == VersionState.UNLOADED for n, v in versions.items() if n != 23)
@@ -270,7 +270,7 @@ async def test_deleting_and_adding_models(live: Service, root: Path) -> None:
     with pytest.raises(Exception, match="not in the repository"):
         live.manager.resolve("extra")
     # Its series left with it, and its name no longer labels requests.
-    await eventually(lambda: not live.manager._retiring)
+    await eventually(lambda: not live.manager.retiring)
     assert metric(registry, "modelyard_model_versions_ready", model="extra") is None
     assert metric(registry, "modelyard_model_loads_total", model="extra", result="ready") is None
     assert metric(registry, "modelyard_requests_total", model="extra", **ok) is None

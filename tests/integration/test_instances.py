@@ -243,7 +243,7 @@ async def test_hot_swaps_with_two_instances_under_load_drop_nothing(tmp_path: Pa
                 await asyncio.gather(*clients)
         assert failures == []
         assert all(version == scale for version, scale in answers)  # each answered by its own version
-        await eventually(lambda: not service.manager._retiring, "the old versions to retire")
+        await eventually(lambda: not service.manager.retiring, "the old versions to retire")
         # The retired versions' instances left the metrics; the newest has both.
         assert runs_on(service, "m", "0", version="1") is None
         assert runs_on(service, "m", "1", version="5") is None

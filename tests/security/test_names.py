@@ -345,7 +345,7 @@ async def test_repository_folders_with_bad_names_are_skipped_and_reported(
         (root / bad / "1").mkdir(parents=True)
         (root / bad / "1" / "model.onnx").write_bytes(demo_models.serialize(model))
     (root / ".hidden" / "1").mkdir(parents=True)  # hidden folders are not models, and not news
-    caplog.set_level(logging.WARNING, "service.runtime.manager")
+    caplog.set_level(logging.WARNING, "service.runtime.reconciler")
     settings = Settings(repository=root, listen="127.0.0.1:0", metrics_listen="", watch_quiet_s=0.05)
     service = build_service(settings)
     await service.start()

@@ -8,7 +8,8 @@ import pytest
 
 from service.config import parse_settings
 from service.repository.config import ConfigError, ModelConfig, VersionPolicy, load_config, parse_config
-from service.repository.scanner import parse_version, scan_model, scan_repository
+from service.repository.scanner import scan_model, scan_repository
+from service.versions import parse_version
 
 
 def test_full_config_parses() -> None:

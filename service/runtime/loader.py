@@ -1,0 +1,217 @@
+"""The loader: builds a version's sessions (checked, loaded and warmed up on every instance,
+within the model's memory budget) and releases them once the version's requests have drained.
+
+It works for the reconciler, which decides what to load and when; what serves is the served
+table's, and what the versions' states are is the status board's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from concurrent.futures import Executor
+from pathlib import Path
+from types import MappingProxyType
+
+from service.errors import ModelLoadError
+from service.metrics import ServiceMetrics
+from service.repository.checksum import verify_checksum
+from service.repository.config import ModelConfig
+from service.repository.files import check_tree_inside
+from service.repository.labels import load_labels
+from service.repository.scanner import version_bytes
+from service.runtime.instances import Loader, load_instances, placements
+from service.runtime.memory import trim_heap
+from service.runtime.providers import ProviderChoice
+from service.runtime.runs import ActiveRuns
+from service.runtime.served import ServedModel, ServedVersion
+from service.runtime.signature import Signature
+from service.runtime.status import StatusBoard, VersionState, VersionStatus
+from service.runtime.table import ServedTable
+
+log = logging.getLogger(__name__)
+
+# A layer above (batching) attaching to a version that just loaded, before it serves; it lets go
+# through ServedVersion.on_retire.
+LoadHook = Callable[[ServedVersion], None]
+
+
+class VersionLoader:
+    def __init__(
+        self,
+        table: ServedTable,
+        board: StatusBoard,
+        providers: ProviderChoice,
+        metrics: ServiceMetrics,
+        io: Executor,  # the one model-io thread: loads, file reads and releases
+        runs: ActiveRuns,
+        drain_timeout_s: float,
+        build: Loader,  # one instance's session (test seam: one that fails or blocks on demand)
+    ) -> None:
+        self._table = table
+        self._board = board
+        self.providers = providers
+        self._metrics = metrics
+        self._io = io
+        self._runs = runs
+        self.drain_timeout_s = drain_timeout_s
+        self._build = build
+        self._load_hooks: list[LoadHook] = []
+        self._retiring: set[asyncio.Task[None]] = set()
+
+    def on_load(self, hook: LoadHook) -> None:
+        """Call `hook` with every version that loads from now on, before it serves a request."""
+        self._load_hooks.append(hook)
+
+    @property
+    def retiring(self) -> int:
+        """Versions out of the table whose release has not finished yet."""
+        return len(self._retiring)
+
+    async def load(
+        self,
+        name: str,
+        number: int,
+        model_file: Path,
+        config: ModelConfig,
+        print_: tuple[object, ...],
+        reference: tuple[int, Signature] | None,
+        current: dict[int, ServedVersion],
+    ) -> ServedVersion:
+        """Validate and load one version; ModelLoadError (logged and counted) if it cannot."""
+        loop = asyncio.get_running_loop()
+        started = time.perf_counter()
+        try:
+            # Every instance holds its own copy of the model.
+            sessions = len(placements(config, self.providers))
+            memory = await loop.run_in_executor(self._io, version_bytes, model_file) * sessions
+            await self._make_room(name, number, memory, config, current)
+            root = model_file.parent.parent.parent  # <root>/<model>/<version>/model.onnx
+            await loop.run_in_executor(self._io, check_tree_inside, root, model_file.parent)
+            await loop.run_in_executor(self._io, verify_checksum, model_file, root)
+            # All instances load (and warm up) before the version serves, or none does.
+            runners = await loop.run_in_executor(
+                self._io, load_instances, self._build, model_file, config, self.providers
+            )
+            runner = runners[0]
+            labels = await loop.run_in_executor(self._io, load_labels, model_file.parent.parent, config)
+            if reference is not None and not config.reload.allow_schema_change:
+                _check_compatible(runner.signature, reference, model_file)
+        except ModelLoadError as exc:
+            log.error("model %s version %d failed to load: %s", name, number, exc)
+            self._metrics.load_failures.labels(name, exc.kind).inc()
+            self._metrics.model_loads.labels(name, "failed").inc()
+            raise
+        elapsed = time.perf_counter() - started
+        self._metrics.model_loads.labels(name, "ready").inc()
+        self._metrics.load_seconds.labels(name).observe(elapsed)
+        served = ServedVersion(name, number, runners, config, print_, memory, self._runs)
+        log.info(
+            "model %s version %d loaded on %s in %.0f ms (warm-up run %.0f us, %s; %d instance%s: %s)",
+            name,
+            number,
+            runner.provider,
+            elapsed * 1e3,
+            runner.warmup_run_s * 1e6,
+            "inline"
+            if served.instances.runs_inline
+            else f"executor: {runner.value_driven or 'several instances, or a slow largest batch'}",
+            len(runners),
+            "" if len(runners) == 1 else "s",
+            ", ".join(r.device for r in runners),
+        )
+        served.labels = labels
+        self._metrics.instances.add(name, str(number), served.instances)
+        for attach in self._load_hooks:
+            attach(served)
+        return served
+
+    async def _make_room(
+        self, name: str, number: int, need: int, config: ModelConfig, current: dict[int, ServedVersion]
+    ) -> None:
+        """Check the model's memory budget before loading; free room first if the config allows."""
+        budget = config.reload.memory_budget_mb * 1024 * 1024
+        served = self._table.get(name)
+        in_use = sum(v.memory_bytes for v in served.versions.values()) if served else 0
+        if not budget or in_use + need <= budget:
+            return
+        mb = 1024 * 1024
+        if config.reload.when_over_budget == "fail" or served is None:
+            raise ModelLoadError(
+                f"version {number} needs {need / mb:.1f} MB beside the {in_use / mb:.1f} MB served; "
+                f"the memory budget is {budget / mb:.1f} MB (reload.when_over_budget: fail)",
+                "memory",
+            )
+        # drain_first: release the version this one replaces (or the oldest), then load.
+        victim = served.versions.get(number) or served.versions[min(served.versions)]
+        log.warning(
+            "model %s: releasing version %d before loading version %d (memory budget)",
+            name,
+            victim.version,
+            number,
+        )
+        rest = {n: v for n, v in served.versions.items() if v is not victim}
+        self._board.start_reloading(name)
+        self._table.swap(name, ServedModel(name, served.config, MappingProxyType(rest)) if rest else None)
+        current.pop(victim.version, None)
+        await self.retire(victim)
+        if in_use - victim.memory_bytes + need > budget:
+            raise ModelLoadError(
+                f"version {number} needs {need / mb:.1f} MB; the memory budget is {budget / mb:.1f} MB",
+                "memory",
+            )
+
+    def retire_later(self, served: ServedVersion, replaced: bool) -> None:
+        """Retire `served` in a task of its own (`wait_retired` waits for them all)."""
+        task = asyncio.get_running_loop().create_task(self.retire(served, replaced))
+        self._retiring.add(task)
+        task.add_done_callback(self._retiring.discard)
+
+    async def wait_retired(self) -> None:
+        if self._retiring:
+            await asyncio.gather(*self._retiring)
+
+    async def retire(self, served: ServedVersion, replaced: bool = False) -> None:
+        """Wait for the version's in-flight requests, then drop the table's reference to its
+        session (ONNX Runtime frees a session's memory only when the session object is destroyed)."""
+        name, number = served.model, served.version
+        if not replaced:
+            self._board.set_version(name, VersionStatus(number, VersionState.DRAINING, time.time()))
+        started = time.perf_counter()
+        drained = await served.drain(self.drain_timeout_s)
+        if self._board.knows(name):  # a model that left the repository has no series any more
+            self._metrics.drain_seconds.labels(name).observe(time.perf_counter() - started)
+        if not drained:
+            log.warning(
+                "model %s version %d released with %d requests still running after %.1f s drain",
+                name,
+                number,
+                served.in_flight,
+                self.drain_timeout_s,
+            )
+        await served.stop_workers()
+        # Its series leave with it, and the metrics let go of its sessions.
+        self._metrics.instances.remove(name, str(number), served.instances)
+        served.drop_session()
+        await asyncio.get_running_loop().run_in_executor(self._io, trim_heap)
+        if not replaced and self._board.knows(name):
+            self._board.set_version(name, VersionStatus(number, VersionState.UNLOADED, time.time()))
+        log.info("model %s version %d released", name, number)
+
+
+def _check_compatible(new: Signature, reference: tuple[int, Signature], model_file: Path) -> None:
+    """A new version must take and give the tensors the served one does, unless the config allows
+    a schema change: clients built against the served schema must keep working."""
+    served_version, old = reference
+    if (old.inputs, old.outputs) != (new.inputs, new.outputs):
+
+        def show(sig: Signature) -> str:
+            return ", ".join(f"{t.name}:{t.describe()}" for t in sig.inputs + sig.outputs)
+
+        raise ModelLoadError(
+            f"{model_file}: schema differs from served version {served_version} "
+            f"({show(new)} vs {show(old)}); set reload.allow_schema_change: true to allow it",
+            "incompatible",
+        )
