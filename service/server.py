@@ -377,7 +377,7 @@ def _security(settings: Settings) -> tuple[TlsFiles | None, Authorizer]:
     if not authorizer.configured and not is_loopback(host):
         log.warning(
             "the gRPC listener on %s takes LoadModel/UnloadModel and repository calls from any client "
-            "(configure auth_tokens_file, see README Security)",
+            "(configure auth_tokens_file, see docs/security.md)",
             host or "all addresses",
         )
     return tls, authorizer

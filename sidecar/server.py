@@ -69,7 +69,7 @@ class Sidecar:
             if not (self.admin_auth and self.admin_auth.configured) and not is_loopback(host):
                 log.warning(
                     "the sidecar's admin endpoint on %s takes canary changes from any client "
-                    "(configure admin_tokens_file, see README Security)",
+                    "(configure admin_tokens_file, see docs/security.md)",
                     host or "all addresses",
                 )
             self.admin = AdminServer(

@@ -233,7 +233,7 @@ def warn_if_plaintext(host: str, what: str, tls: TlsFiles | None) -> None:
     if tls is None and not is_loopback(host):
         log.warning(
             "%s listens on %s without TLS: anything that reaches this address can read and change its "
-            "traffic (configure a certificate and key, see README Security)",
+            "traffic (configure a certificate and key, see docs/security.md)",
             what,
             host or "all addresses",
         )
