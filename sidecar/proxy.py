@@ -19,29 +19,30 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Iterable, Sequence
+from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import grpc
 from grpc_reflection.v1alpha import reflection_pb2
 from modelyard.common import headers
-from modelyard.common.names import InvalidName, check_name, check_version, echo
-from modelyard.common.reasons import ErrorReason, is_server_fault
+from modelyard.common.reasons import ErrorReason
 from modelyard.inference.v1 import inference_service_pb2, model_service_pb2
 from modelyard.kserve.v2 import grpc_service_pb2
 
-from sidecar.breakers import Breaker, Breakers, Permit
+from sidecar import plan as planner
+from sidecar.breakers import Breakers
 from sidecar.limits import ANY_TENANT, TenantLimits
 from sidecar.metrics import SidecarMetrics
+from sidecar.plan import OTHER, Metadata, Refused
 from sidecar.routes import RouteSource
-from sidecar.routing import CANARY, STABLE, Decision, RoutingError, decide, stable_and_canary
+from sidecar.routing import STABLE
 from sidecar.shadow import GENERATE as SHADOWED_STREAM
 from sidecar.shadow import METHODS as SHADOWED
 from sidecar.shadow import Shadows, is_greedy, token_ids
 from sidecar.tracing import Tracing
 from sidecar.upstreams import Upstream, Upstreams
-from sidecar.wire import WireError, read_model_fields, with_version
+from sidecar.wire import with_version
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +53,7 @@ if TYPE_CHECKING:
 else:
     _Handler = grpc.GenericRpcHandler
     _MethodHandler = grpc.RpcMethodHandler
-Metadata = tuple[tuple[str, str | bytes], ...]
+Plan = planner.Plan[Upstream]
 
 _DATA_METHODS = frozenset(
     {
@@ -72,17 +73,6 @@ _MODEL_METHODS = frozenset(
         "/inference.GRPCInferenceService/ModelStatistics",
     }
 )
-# Request headers the sidecar sets itself (or that only make sense on one hop).
-_DROP = frozenset({headers.MODEL_VERSION, headers.MODEL_DYE, "user-agent", "te", "content-type"})
-FAULT_CODES = frozenset(
-    {
-        grpc.StatusCode.UNAVAILABLE,
-        grpc.StatusCode.INTERNAL,
-        grpc.StatusCode.UNKNOWN,
-        grpc.StatusCode.DEADLINE_EXCEEDED,
-    }
-)
-OTHER = "_other"  # the one metric label of every model or tenant the sidecar holds no state for
 MESSAGE_MAX = 1024  # characters of an upstream's status message passed on (then `...`)
 # A reason for every error the client gets: an upstream or gRPC itself may answer without one
 # (an unreachable upstream, a transport limit); README's reading of a reason-less status.
@@ -98,9 +88,6 @@ _REASON_OF_CODE = {
     grpc.StatusCode.UNAUTHENTICATED: ErrorReason.UNAUTHENTICATED,
     grpc.StatusCode.PERMISSION_DENIED: ErrorReason.PERMISSION_DENIED,
 }
-FALLBACK_BREAKER = "breaker-open"
-FALLBACK_UNAVAILABLE = "unavailable"
-FALLBACK_CANARY_FAULT = "canary-fault"
 
 
 @dataclass(frozen=True, slots=True)
@@ -145,19 +132,8 @@ def error_reason(trailing: Iterable[Any] | None) -> str:
 
 
 def is_fault(code: grpc.StatusCode, trailing: Iterable[Any] | None) -> bool:
-    """Whether an answer counts against the upstream: server faults, never client mistakes or
-    load. `x-error-reason` decides (modelyard.common.reasons: `deadline`, `invalid_argument`,
-    `queue_full`... never count); without one, UNAVAILABLE, INTERNAL and UNKNOWN count, and a
-    reason-less CANCELLED from the upstream (it went away mid-call: the proxy's caller did not
-    cancel, see `client_status`). A DEADLINE_EXCEEDED never counts: it is the caller's deadline
-    (ours is the caller's) or the upstream's queue timeout; a slow upstream is the latency
-    trip's business (its calls' durations are recorded, see Proxy._report)."""
-    if code == grpc.StatusCode.OK or code == grpc.StatusCode.DEADLINE_EXCEEDED:
-        return False
-    reason = error_reason(trailing)
-    if reason:
-        return is_server_fault(reason)
-    return code in FAULT_CODES or code == grpc.StatusCode.CANCELLED
+    """Whether an answer counts against the upstream: the planner's rule (plan.is_fault)."""
+    return planner.is_fault(code.name, error_reason(trailing))
 
 
 def client_status(
@@ -176,65 +152,6 @@ def client_status(
         if reason is not None:
             md = (*md, (headers.ERROR_REASON, reason.value))
     return code, details, md
-
-
-def caller_key(received: dict[str, str], stickiness_header: str, peer: str) -> int:
-    """Who a call is, as far as the sidecar can tell: its tenant, else its user's sticky key, else
-    its connection. Only a hash is kept (in the breakers' windows)."""
-    tenant = received.get(headers.TENANT_ID)
-    if tenant:
-        return hash(("tenant", tenant))
-    user = received.get(stickiness_header)
-    if user:
-        return hash(("user", user))
-    return hash(("peer", peer))
-
-
-class Refused(Exception):
-    def __init__(self, code: grpc.StatusCode, message: str, reason: str, extra: Metadata = ()) -> None:
-        super().__init__(message)
-        self.code = code
-        self.reason = reason
-        self.extra = extra
-
-
-@dataclass(slots=True)
-class Plan:
-    """Where one call goes. Rebuilt (with another upstream or version) for a retry."""
-
-    model: str
-    version: str
-    dye: str
-    fallback: str
-    stable: str
-    upstream: Upstream
-    breaker: Breaker | None  # None: a model (or version) the upstreams do not serve: no state
-    permit: Permit | None
-    forward: Metadata  # request metadata for the upstream
-    tenant: str  # the tenant-limit bucket holding a slot for this call, or empty
-    caller: int | None = None  # caller_key: who made the call (the breakers' leave-one-out)
-    label: str = OTHER  # the model's metric label: its name when the upstreams serve it
-    reported: bool = False
-
-    @property
-    def answer_metadata(self) -> Metadata:
-        """What the client's response metadata gets from the sidecar."""
-        if not self.dye:
-            return ()
-        md: Metadata = ((headers.MODEL_DYE, self.dye),)
-        return (*md, (headers.DYE_FALLBACK, self.fallback)) if self.fallback else md
-
-    def body(self, message: bytes) -> bytes:
-        """The message with the chosen version in field 2, unless it carries one already."""
-        if not self.version or not self.dye:
-            return message
-        try:
-            fields = read_model_fields(message)
-        except WireError:
-            return message  # the upstream answers INVALID_ARGUMENT for it
-        if not fields.complete or fields.version or (fields.name and fields.name != self.model):
-            return message
-        return with_version(message, self.version)
 
 
 @dataclass(eq=False, slots=True)
@@ -351,198 +268,42 @@ class Proxy(_Handler):
 
     # --- planning -------------------------------------------------------------------------
 
-    def _plan(self, info: MethodInfo, request: bytes | None, md: Metadata, peer: str) -> Plan:
-        received = {key: value for key, value in md if isinstance(value, str)}
-        forward = tuple((k, v) for k, v in md if k not in _DROP and not k.startswith(":"))
-        model = pin = ""
-        if info.model_addressed:
-            try:
-                fields = read_model_fields(request or b"")
-            except WireError as exc:
-                raise Refused(
-                    grpc.StatusCode.INVALID_ARGUMENT,
-                    f"the request is not a valid message: {exc}",
-                    ErrorReason.INVALID_ARGUMENT,
-                ) from exc
-            try:  # the one name rule, before a name reaches any state, label or message
-                model = _checked(check_name, fields.name, "model_name", received, headers.MODEL_NAME)
-                pin = _checked(
-                    check_version, fields.version, "model_version", received, headers.MODEL_VERSION
-                )
-            except InvalidName as exc:
-                raise Refused(
-                    grpc.StatusCode.INVALID_ARGUMENT, str(exc), ErrorReason.INVALID_ARGUMENT
-                ) from exc
-        known = bool(model) and self._upstreams.knows(model)
-        label = model if known else OTHER
+    def _plan(self, info: MethodInfo, request: bytes | None, md: Metadata, peer: str) -> tuple[Plan, str]:
+        """The first attempt, and the tenant bucket holding a slot for the call (or empty)."""
+        upstreams = self._upstreams
+        asked = planner.read(request, md, upstreams, model_addressed=info.model_addressed)
         if not info.routed:
-            candidates = self._upstreams.candidates(model, pin) if info.model_addressed else []
-            upstream = (candidates or self._upstreams.any())[0]
-            return Plan(model, pin, "", "", "", upstream, None, None, forward, "", label=label)
+            return planner.unrouted(asked, upstreams, model_addressed=info.model_addressed), ""
         table = self._routes.table
-        sticky = received.get(table.stickiness_header) or received.get(headers.REQUEST_ID)
-        try:
-            decision = decide(
-                table.route(model),
-                self._upstreams.versions(model) if known else (),
-                pin=pin,
-                sticky_key=sticky,
-                header_weight=received.get(headers.CANARY_WEIGHT),
-            )
-        except RoutingError as exc:
-            raise Refused(grpc.StatusCode.INVALID_ARGUMENT, str(exc), ErrorReason.INVALID_ARGUMENT) from exc
-        tenant = ""
-        if table.tenants:
-            named = received.get(headers.TENANT_ID) or ""
-            # A configured tenant has its own bucket and label; every other one (and a call without
-            # x-tenant-id) shares the `*` bucket and one label: rotating ids buys no new state.
-            tenant = named if named in table.tenants and named != ANY_TENANT else ANY_TENANT
+        decision = planner.routing_decision(asked, table, upstreams)
+        tenant = planner.tenant_bucket(table.tenants, asked.received)
+        if tenant:
             refusal = self._limits.acquire(tenant, table.tenants)
             if refusal is not None:
                 self._metrics.tenant_refusals.labels(tenant if tenant != ANY_TENANT else OTHER).inc()
                 retry_ms = str(max(1, round(refusal.retry_after_s * 1000)))
                 raise Refused(
-                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    "RESOURCE_EXHAUSTED",
                     refusal.message,
                     ErrorReason.TENANT_LIMIT,
                     ((headers.RETRY_PUSHBACK_MS, retry_ms),),
                 )
-        caller = caller_key(received, table.stickiness_header, peer)
+        caller = planner.caller_key(asked.received, table.stickiness_header, peer)
         try:
-            plan = self._choose(model, decision, forward, tenant, exclude=(), known=known)
+            plan = planner.first(asked, decision, caller, table, upstreams, self._breakers)
         except Refused:
             if tenant:
                 self._limits.release(tenant)
             raise
-        plan.caller, plan.label = caller, label
-        return plan
+        self._counted(plan)
+        return plan, tenant
 
-    def _choose(
-        self,
-        model: str,
-        decision: Decision,
-        forward: Metadata,
-        tenant: str,
-        exclude: Sequence[Upstream],
-        known: bool,
-    ) -> Plan:
-        found, blocked = self._take(model, decision.version, exclude)
-        dye, version, fallback = decision.dye, decision.version, ""
-        if found is None and decision.dye == CANARY and decision.stable:
-            fallback = FALLBACK_BREAKER if blocked else FALLBACK_UNAVAILABLE
-            dye, version = STABLE, decision.stable
-            found, _ = self._take(model, version, exclude)
-            if found is not None and known:
-                self._metrics.fallbacks.labels(model, fallback).inc()
-        if found is None:
-            if blocked:
-                raise Refused(
-                    grpc.StatusCode.UNAVAILABLE,
-                    f"model {echo(model)} version {echo(version)}: circuit breaker open",
-                    ErrorReason.BREAKER_OPEN,
-                )
-            raise Refused(
-                grpc.StatusCode.UNAVAILABLE,
-                f"model {echo(model)} version {echo(version or '(default)')}: no upstream left to try",
-                ErrorReason.UNAVAILABLE,
-            )
-        upstream, breaker, permit = found
-        if version:
-            forward = (*forward, (headers.MODEL_VERSION, version), (headers.MODEL_DYE, dye))
-        return Plan(
-            model, version, dye, fallback, decision.stable, upstream, breaker, permit, forward, tenant
-        )
-
-    def _stateful(self, model: str, version: str) -> bool:
-        """Whether a (model, version) gets a breaker: only what the upstreams serve (WatchModels),
-        or a version the route names for a served model. Anything a client makes up is forwarded
-        without state, and answered by the upstream (NOT_FOUND)."""
-        if not model or not self._upstreams.knows(model):
-            return False
-        if not version or self._upstreams.knows(model, version):
-            return True
-        route = self._routes.table.models.get(model)
-        return route is not None and version in (route.stable, route.canary)
-
-    def _take(
-        self, model: str, version: str, exclude: Sequence[Upstream], fallback_to_any: bool = True
-    ) -> tuple[tuple[Upstream, Breaker | None, Permit | None] | None, bool]:
-        """The first upstream for the version whose breaker lets a call through; and whether a
-        breaker refused. With no upstream known to serve it, any (it answers NOT_FOUND itself)."""
-        blocked = False
-        candidates = self._upstreams.candidates(model, version)
-        if not candidates and fallback_to_any:
-            candidates = self._upstreams.any()
-        stateful = self._stateful(model, version)
-        for upstream in candidates:
-            if upstream in exclude:
-                continue
-            if not stateful:
-                return (upstream, None, None), blocked
-            breaker = self._breakers.get(upstream.address, model, version)
-            permit = breaker.allow()
-            if permit is not None:
-                return (upstream, breaker, permit), blocked
-            blocked = True
-        return None, blocked
-
-    def _retry(self, plan: Plan, tried: list[Upstream], unreachable: bool) -> Plan | None:
-        """A unary call failed before any answer reached the client: an upstream could not be
-        reached (try another for the same version), or a canary failed (the stable version
-        answers instead: a canary's faults count against its breaker, never against a user)."""
-        forward = _strip(plan.forward)
-        if unreachable:
-            found, _ = self._take(plan.model, plan.version, tried, fallback_to_any=False)
-            if found is not None:
-                return self._plan_for(plan, plan.version, plan.dye, plan.fallback, found, forward)
-        if plan.dye == CANARY and plan.stable:
-            found, _ = self._take(plan.model, plan.stable, tried if unreachable else ())
-            if found is not None:
-                reason = FALLBACK_UNAVAILABLE if unreachable else FALLBACK_CANARY_FAULT
-                if plan.label != OTHER:
-                    self._metrics.fallbacks.labels(plan.model, reason).inc()
-                return self._plan_for(plan, plan.stable, STABLE, reason, found, forward)
-        return None
-
-    @staticmethod
-    def _plan_for(
-        plan: Plan,
-        version: str,
-        dye: str,
-        fallback: str,
-        found: tuple[Upstream, Breaker | None, Permit | None],
-        forward: Metadata,
-    ) -> Plan:
-        upstream, breaker, permit = found
-        forward = (*forward, (headers.MODEL_VERSION, version), (headers.MODEL_DYE, dye))
-        return Plan(
-            plan.model,
-            version,
-            dye,
-            fallback,
-            plan.stable,
-            upstream,
-            breaker,
-            permit,
-            forward,
-            plan.tenant,
-            plan.caller,
-            plan.label,
-        )
+    def _counted(self, plan: Plan) -> None:
+        if plan.fell_back and plan.label != OTHER:
+            self._metrics.fallbacks.labels(plan.model, plan.fallback).inc()
 
     def _shadow_target(self, plan: Plan) -> tuple[str, Upstream, Metadata] | None:
-        """The canary version, an upstream whose breaker lets calls through, and the metadata."""
-        if not plan.version:
-            return None  # the model's versions are not known (yet): nothing to compare against
-        route = self._routes.table.route(plan.model)
-        _, canary = stable_and_canary(route, self._upstreams.versions(plan.model))
-        if not canary or canary == plan.version:
-            return None
-        for upstream in self._upstreams.candidates(plan.model, canary):
-            if self._breakers.get(upstream.address, plan.model, canary).would_allow():
-                md = (*_strip(plan.forward), (headers.MODEL_VERSION, canary), (headers.MODEL_DYE, "shadow"))
-                return canary, upstream, md
-        return None
+        return planner.shadow_target(plan, self._routes.table, self._upstreams, self._breakers)
 
     def _maybe_shadow(self, info: MethodInfo, plan: Plan, request: bytes, answer: bytes) -> None:
         """Mirror a stable answer's request to the canary (shadow.py), if the route file asks."""
@@ -589,15 +350,7 @@ class Proxy(_Handler):
         *,
         gone: bool = False,
     ) -> None:
-        """The attempt's outcome to its breaker; `gone`: the caller cancelled (or the sidecar is
-        shutting down), so there is no verdict on the upstream."""
-        if plan.reported or plan.breaker is None or plan.permit is None:
-            return
-        plan.reported = True
-        if gone:
-            plan.breaker.release(plan.permit)
-            return
-        plan.breaker.report(plan.permit, is_fault(code, trailing), latency, plan.caller)
+        plan.report(code.name, error_reason(trailing), latency, gone=gone)
 
     async def _drained(self, plan: Plan | None, context: Context) -> None:
         """The sidecar is shutting down and this call outlived the grace: the client gets
@@ -615,11 +368,13 @@ class Proxy(_Handler):
         (before gRPC's own grace runs out and it cancels them)."""
         await self._flights.drain(within_s)
 
-    def _finish(self, info: MethodInfo, plan: Plan | None, code: grpc.StatusCode, started: float) -> None:
+    def _finish(
+        self, info: MethodInfo, plan: Plan | None, tenant: str, code: grpc.StatusCode, started: float
+    ) -> None:
         if plan is not None:
             self._report(plan, code, None, None, gone=code == grpc.StatusCode.CANCELLED)
-            if plan.tenant:
-                self._limits.release(plan.tenant)
+        if tenant:
+            self._limits.release(tenant)
         method = info.path.rpartition("/")[2]
         self._metrics.requests.labels(
             method, plan.label if plan else "", plan.dye if plan else "", code.name
@@ -645,30 +400,30 @@ class Proxy(_Handler):
         tried: list[Upstream],
         latency: float | None = None,
     ) -> Plan | None:
-        """An attempt failed before any answer reached the client: report it to its breaker, and
-        return the plan to try next (another upstream for an unreachable one, stable for a canary
-        fault), or None when the failure is the answer."""
-        self._report(plan, code, trailing, latency)
-        unreachable = code == grpc.StatusCode.UNAVAILABLE and not error_reason(trailing)
-        if not unreachable and not (plan.dye == CANARY and is_fault(code, trailing)):
-            return None
-        tried.append(plan.upstream)
-        return self._retry(plan, tried, unreachable)
+        """An attempt failed before any answer reached the client: the planner's next attempt."""
+        table = self._routes.table
+        retry = planner.after_failure(
+            plan, code.name, error_reason(trailing), latency, tried, table, self._upstreams, self._breakers
+        )
+        if retry is not None:
+            self._counted(retry)
+        return retry
 
     async def _unary(self, info: MethodInfo, request: bytes, context: Context) -> bytes:
         started = time.perf_counter()
         code = grpc.StatusCode.OK
         plan: Plan | None = None
+        tenant = ""
         md = tuple(context.invocation_metadata() or ())
         span = self._tracing.server_span(info.path, md)
         flight = self._flights.enter()
         try:
             try:
-                plan = self._plan(info, request, md, context.peer())
+                plan, tenant = self._plan(info, request, md, context.peer())
             except Refused as refused:
-                code = refused.code
+                code = grpc.StatusCode[refused.code]
                 self._tracing.refused(span, refused.reason)
-                await context.abort(refused.code, str(refused), _refusal_md(refused))
+                await context.abort(code, str(refused), refused.metadata)
             tried: list[Upstream] = []
             while True:
                 assert plan is not None
@@ -714,7 +469,7 @@ class Proxy(_Handler):
         finally:
             self._flights.leave(flight)
             self._tracing.end(span, plan, code)
-            self._finish(info, plan, code, started)
+            self._finish(info, plan, tenant, code, started)
 
     async def _stream(
         self,
@@ -726,17 +481,18 @@ class Proxy(_Handler):
         started = time.perf_counter()
         code = grpc.StatusCode.OK
         plan: Plan | None = None
+        tenant = ""
         md = tuple(context.invocation_metadata() or ())
         span = self._tracing.server_span(info.path, md)
         call: Any = None
         flight = self._flights.enter()
         try:
             try:
-                plan = self._plan(info, first, md, context.peer())
+                plan, tenant = self._plan(info, first, md, context.peer())
             except Refused as refused:
-                code = refused.code
+                code = grpc.StatusCode[refused.code]
                 self._tracing.refused(span, refused.reason)
-                await context.abort(refused.code, str(refused), _refusal_md(refused))
+                await context.abort(code, str(refused), refused.metadata)
             tried: list[Upstream] = []
             while True:
                 assert plan is not None
@@ -792,7 +548,7 @@ class Proxy(_Handler):
                 call.cancel()  # the client went away: so does the upstream call, at once
             self._flights.leave(flight)
             self._tracing.end(span, plan, code)
-            self._finish(info, plan, code, started)
+            self._finish(info, plan, tenant, code, started)
 
 
 async def _requests(
@@ -808,19 +564,3 @@ async def _requests(
 
 def _with(received: Iterable[Any] | None, added: Metadata) -> Metadata:
     return (*((key, value) for key, value in received or ()), *added)
-
-
-def _strip(forward: Metadata) -> Metadata:
-    return tuple((k, v) for k, v in forward if k not in (headers.MODEL_VERSION, headers.MODEL_DYE))
-
-
-def _refusal_md(refused: Refused) -> Metadata:
-    return ((headers.ERROR_REASON, refused.reason), *refused.extra)
-
-
-def _checked(check: Any, field_value: str, field: str, received: dict[str, str], header: str) -> str:
-    """The name or version from the message's field, else from its header, through `check`."""
-    if field_value:
-        return str(check(field_value, field))
-    from_header = received.get(header, "")
-    return str(check(from_header, header)) if from_header else ""
