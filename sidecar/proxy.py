@@ -16,7 +16,6 @@ who each call came from (caller_key), so that no single caller opens one (adapti
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Iterable
@@ -32,11 +31,12 @@ from modelyard.kserve.v2 import grpc_service_pb2
 
 from sidecar import plan as planner
 from sidecar.breakers import Breakers
-from sidecar.limits import ANY_TENANT, TenantLimits
+from sidecar.limits import TenantLimits
 from sidecar.metrics import SidecarMetrics
-from sidecar.plan import OTHER, Metadata, Refused
+from sidecar.plan import Metadata, Refused
 from sidecar.routes import RouteSource
 from sidecar.routing import STABLE
+from sidecar.scope import Scope, Scopes
 from sidecar.shadow import GENERATE as SHADOWED_STREAM
 from sidecar.shadow import METHODS as SHADOWED
 from sidecar.shadow import Shadows, is_greedy, token_ids
@@ -154,62 +154,6 @@ def client_status(
     return code, details, md
 
 
-@dataclass(eq=False, slots=True)
-class Flight:
-    """One call being served; `drained` once shutdown ended its upstream call."""
-
-    call: Any = None
-    drained: bool = False
-
-    def follow(self, call: Any) -> None:
-        self.call = call
-        if self.drained:
-            call.cancel()
-
-
-def _ended_by_drain(flight: Flight) -> bool:
-    """Whether a CancelledError came from the drain (it cancelled the upstream call), not from
-    the client's cancel (which cancels the handler's task)."""
-    task = asyncio.current_task()
-    return flight.drained and (task is None or not task.cancelling())
-
-
-class Flights:
-    """The calls in flight, so that shutdown can end them with an answer."""
-
-    def __init__(self) -> None:
-        self._flights: set[Flight] = set()
-        self._empty = asyncio.Event()
-        self._empty.set()
-        self._draining = False
-
-    def enter(self) -> Flight:
-        flight = Flight(drained=self._draining)
-        self._flights.add(flight)
-        self._empty.clear()
-        return flight
-
-    def leave(self, flight: Flight) -> None:
-        self._flights.discard(flight)
-        if not self._flights:
-            self._empty.set()
-
-    async def drain(self, within_s: float) -> None:
-        try:
-            await asyncio.wait_for(self._empty.wait(), max(0.0, within_s))
-            return
-        except TimeoutError:
-            pass
-        self._draining = True
-        for flight in list(self._flights):
-            flight.drained = True
-            if flight.call is not None:
-                flight.call.cancel()
-        # The handlers answer at once (their upstream call raised); a moment for them to do so.
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._empty.wait(), 0.5)
-
-
 class Proxy(_Handler):
     def __init__(
         self,
@@ -226,9 +170,8 @@ class Proxy(_Handler):
         self._breakers = breakers
         self._routes = routes
         self._limits = limits
-        self._metrics = metrics
         self._tracing = tracing
-        self._flights = Flights()
+        self._scopes = Scopes(limits, metrics, tracing)
         self._handlers: dict[str, _MethodHandler] = {}
         for info in method_table().values():
             self._handlers[info.path] = self._make_handler(info)
@@ -268,39 +211,20 @@ class Proxy(_Handler):
 
     # --- planning -------------------------------------------------------------------------
 
-    def _plan(self, info: MethodInfo, request: bytes | None, md: Metadata, peer: str) -> tuple[Plan, str]:
-        """The first attempt, and the tenant bucket holding a slot for the call (or empty)."""
+    def _plan(self, info: MethodInfo, request: bytes | None, scope: Scope, peer: str) -> Plan:
+        """The call's first attempt: what it asks for (the planner), its dye, a tenant slot (the
+        scope's), an upstream whose breaker lets it through."""
         upstreams = self._upstreams
-        asked = planner.read(request, md, upstreams, model_addressed=info.model_addressed)
+        asked = planner.read(request, scope.metadata, upstreams, model_addressed=info.model_addressed)
         if not info.routed:
-            return planner.unrouted(asked, upstreams, model_addressed=info.model_addressed), ""
+            return planner.unrouted(asked, upstreams, model_addressed=info.model_addressed)
         table = self._routes.table
         decision = planner.routing_decision(asked, table, upstreams)
         tenant = planner.tenant_bucket(table.tenants, asked.received)
         if tenant:
-            refusal = self._limits.acquire(tenant, table.tenants)
-            if refusal is not None:
-                self._metrics.tenant_refusals.labels(tenant if tenant != ANY_TENANT else OTHER).inc()
-                retry_ms = str(max(1, round(refusal.retry_after_s * 1000)))
-                raise Refused(
-                    "RESOURCE_EXHAUSTED",
-                    refusal.message,
-                    ErrorReason.TENANT_LIMIT,
-                    ((headers.RETRY_PUSHBACK_MS, retry_ms),),
-                )
-        caller = planner.caller_key(asked.received, table.stickiness_header, peer)
-        try:
-            plan = planner.first(asked, decision, caller, table, upstreams, self._breakers)
-        except Refused:
-            if tenant:
-                self._limits.release(tenant)
-            raise
-        self._counted(plan)
-        return plan, tenant
-
-    def _counted(self, plan: Plan) -> None:
-        if plan.fell_back and plan.label != OTHER:
-            self._metrics.fallbacks.labels(plan.model, plan.fallback).inc()
+            scope.admit(tenant, table.tenants)
+        scope.caller = planner.caller_key(asked.received, table.stickiness_header, peer)
+        return planner.first(asked, decision, scope.caller, table, upstreams, self._breakers)
 
     def _shadow_target(self, plan: Plan) -> tuple[str, Upstream, Metadata] | None:
         return planner.shadow_target(plan, self._routes.table, self._upstreams, self._breakers)
@@ -347,16 +271,15 @@ class Proxy(_Handler):
         code: grpc.StatusCode,
         trailing: Any,
         latency: float | None,
-        *,
-        gone: bool = False,
     ) -> None:
-        plan.report(code.name, error_reason(trailing), latency, gone=gone)
+        plan.report(code.name, error_reason(trailing), latency)
 
-    async def _drained(self, plan: Plan | None, context: Context) -> None:
+    async def _drained(self, scope: Scope, context: Context) -> None:
         """The sidecar is shutting down and this call outlived the grace: the client gets
         UNAVAILABLE/`draining` (retry elsewhere), never a CANCELLED it did not ask for."""
-        if plan is not None:
-            self._report(plan, grpc.StatusCode.UNAVAILABLE, None, None, gone=True)
+        scope.code = grpc.StatusCode.UNAVAILABLE
+        if scope.plan is not None:
+            scope.plan.report(scope.code.name, "", None, gone=True)
         await context.abort(
             grpc.StatusCode.UNAVAILABLE,
             "the sidecar is shutting down; retry the call",
@@ -366,20 +289,7 @@ class Proxy(_Handler):
     async def drain(self, within_s: float) -> None:
         """Shutdown: give calls in flight `within_s` to finish, then end the rest with `draining`
         (before gRPC's own grace runs out and it cancels them)."""
-        await self._flights.drain(within_s)
-
-    def _finish(
-        self, info: MethodInfo, plan: Plan | None, tenant: str, code: grpc.StatusCode, started: float
-    ) -> None:
-        if plan is not None:
-            self._report(plan, code, None, None, gone=code == grpc.StatusCode.CANCELLED)
-        if tenant:
-            self._limits.release(tenant)
-        method = info.path.rpartition("/")[2]
-        self._metrics.requests.labels(
-            method, plan.label if plan else "", plan.dye if plan else "", code.name
-        ).inc()
-        self._metrics.latency.labels(method).observe(time.perf_counter() - started)
+        await self._scopes.drain(within_s)
 
     # --- calls ----------------------------------------------------------------------------
 
@@ -405,71 +315,60 @@ class Proxy(_Handler):
         retry = planner.after_failure(
             plan, code.name, error_reason(trailing), latency, tried, table, self._upstreams, self._breakers
         )
-        if retry is not None:
-            self._counted(retry)
         return retry
 
     async def _unary(self, info: MethodInfo, request: bytes, context: Context) -> bytes:
-        started = time.perf_counter()
-        code = grpc.StatusCode.OK
-        plan: Plan | None = None
-        tenant = ""
-        md = tuple(context.invocation_metadata() or ())
-        span = self._tracing.server_span(info.path, md)
-        flight = self._flights.enter()
-        try:
+        with self._scopes.open(info.path, tuple(context.invocation_metadata() or ())) as scope:
             try:
-                plan, tenant = self._plan(info, request, md, context.peer())
-            except Refused as refused:
-                code = grpc.StatusCode[refused.code]
-                self._tracing.refused(span, refused.reason)
-                await context.abort(code, str(refused), refused.metadata)
-            tried: list[Upstream] = []
-            while True:
-                assert plan is not None
-                attempt_started = time.perf_counter()
-                with self._tracing.attempt(span, plan, info.path) as attempt:
-                    call = plan.upstream.method(info.path, "unary_unary")(
-                        plan.body(request), metadata=attempt.metadata, timeout=context.time_remaining()
-                    )
-                    flight.follow(call)
-                    try:
-                        response: bytes = await call
-                    except grpc.aio.AioRpcError as exc:
-                        code = exc.code()
-                        trailing = exc.trailing_metadata()
-                        attempt.failed(code)
-                        # The caller's own deadline (ours is the caller's) is no fault; its
-                        # duration still tells how slow the upstream was.
-                        took = time.perf_counter() - attempt_started
-                        timed_out = code == grpc.StatusCode.DEADLINE_EXCEEDED and not error_reason(trailing)
-                        retry = self._after_failure(plan, code, trailing, tried, took if timed_out else None)
-                        if retry is None:
-                            code, details, answer_md = client_status(code, exc.details() or "", trailing)
-                            await context.abort(code, details, _with(answer_md, plan.answer_metadata))
-                        plan = retry
-                        continue
-                code = grpc.StatusCode.OK  # this attempt answered, whatever an earlier one did
-                self._report(plan, code, None, time.perf_counter() - attempt_started)
-                initial = await call.initial_metadata()
-                await context.send_initial_metadata(_with(initial, plan.answer_metadata))
-                trailing = await call.trailing_metadata()
-                if trailing:
-                    context.set_trailing_metadata(tuple(trailing))
-                if plan.dye == STABLE and info.path in SHADOWED:
-                    self._maybe_shadow(info, plan, request, response)
-                return response
-        except asyncio.CancelledError:
-            if not _ended_by_drain(flight):
-                code = grpc.StatusCode.CANCELLED
+                return await self._unary_call(info, request, context, scope)
+            except asyncio.CancelledError:
+                if not scope.ended_by_drain():
+                    scope.code = grpc.StatusCode.CANCELLED
+                    raise
+                await self._drained(scope, context)
                 raise
-            code = grpc.StatusCode.UNAVAILABLE
-            await self._drained(plan, context)
-            raise
-        finally:
-            self._flights.leave(flight)
-            self._tracing.end(span, plan, code)
-            self._finish(info, plan, tenant, code, started)
+
+    async def _unary_call(self, info: MethodInfo, request: bytes, context: Context, scope: Scope) -> bytes:
+        try:
+            plan = self._plan(info, request, scope, context.peer())
+        except Refused as refused:
+            await context.abort(scope.refused(refused), str(refused), refused.metadata)
+        tried: list[Upstream] = []
+        while True:
+            scope.attempt(plan)
+            attempt_started = time.perf_counter()
+            with self._tracing.attempt(scope.span, plan, info.path) as attempt:
+                call = plan.upstream.method(info.path, "unary_unary")(
+                    plan.body(request), metadata=attempt.metadata, timeout=context.time_remaining()
+                )
+                scope.flight.follow(call)
+                try:
+                    response: bytes = await call
+                except grpc.aio.AioRpcError as exc:
+                    code = scope.code = exc.code()
+                    trailing = exc.trailing_metadata()
+                    attempt.failed(code)
+                    # The caller's own deadline (ours is the caller's) is no fault; its
+                    # duration still tells how slow the upstream was.
+                    took = time.perf_counter() - attempt_started
+                    timed_out = code == grpc.StatusCode.DEADLINE_EXCEEDED and not error_reason(trailing)
+                    retry = self._after_failure(plan, code, trailing, tried, took if timed_out else None)
+                    if retry is None:
+                        code, details, answer_md = client_status(code, exc.details() or "", trailing)
+                        scope.code = code
+                        await context.abort(code, details, _with(answer_md, plan.answer_metadata))
+                    plan = retry
+                    continue
+            scope.code = grpc.StatusCode.OK  # this attempt answered, whatever an earlier one did
+            self._report(plan, scope.code, None, time.perf_counter() - attempt_started)
+            initial = await call.initial_metadata()
+            await context.send_initial_metadata(_with(initial, plan.answer_metadata))
+            trailing = await call.trailing_metadata()
+            if trailing:
+                context.set_trailing_metadata(tuple(trailing))
+            if plan.dye == STABLE and info.path in SHADOWED:
+                self._maybe_shadow(info, plan, request, response)
+            return response
 
     async def _stream(
         self,
@@ -478,77 +377,66 @@ class Proxy(_Handler):
         more: AsyncIterator[bytes] | None,
         context: Context,
     ) -> AsyncIterator[bytes]:
-        started = time.perf_counter()
-        code = grpc.StatusCode.OK
-        plan: Plan | None = None
-        tenant = ""
-        md = tuple(context.invocation_metadata() or ())
-        span = self._tracing.server_span(info.path, md)
-        call: Any = None
-        flight = self._flights.enter()
-        try:
+        with self._scopes.open(info.path, tuple(context.invocation_metadata() or ())) as scope:
+            call: Any = None
             try:
-                plan, tenant = self._plan(info, first, md, context.peer())
-            except Refused as refused:
-                code = grpc.StatusCode[refused.code]
-                self._tracing.refused(span, refused.reason)
-                await context.abort(code, str(refused), refused.metadata)
-            tried: list[Upstream] = []
-            while True:
-                assert plan is not None
-                with self._tracing.attempt(span, plan, info.path) as attempt:
-                    timeout = context.time_remaining()
-                    method = plan.upstream.method(info.path, info.kind)
-                    if info.kind == "unary_stream":
-                        call = method(plan.body(first or b""), metadata=attempt.metadata, timeout=timeout)
-                    else:
-                        call = method(
-                            _requests(plan, first, more), metadata=attempt.metadata, timeout=timeout
-                        )
-                    flight.follow(call)
-                    try:
-                        initial = await call.initial_metadata()
-                        if info.kind == "unary_stream" and call.done():
-                            retry = await self._stream_retry(plan, call, tried)
-                            if retry is not None:
-                                attempt.failed(await call.code())
-                                plan = retry
-                                continue
-                        await context.send_initial_metadata(_with(initial, plan.answer_metadata))
-                        shadowed = self._wants_shadow(info, plan, first)
-                        async for message in call:
-                            if shadowed is not None:
-                                shadowed.extend(token_ids(message))
-                            yield message
-                        trailing = await call.trailing_metadata()
-                        if trailing:
-                            context.set_trailing_metadata(tuple(trailing))
-                        if shadowed is not None and first is not None:
-                            self._shadow_generation(plan, first, shadowed)
-                    except grpc.aio.AioRpcError as exc:
-                        code = exc.code()
-                        trailing = exc.trailing_metadata()
-                        self._report(plan, code, trailing, None)
-                        attempt.failed(code)
-                        code, details, answer_md = client_status(code, exc.details() or "", trailing)
-                        await context.abort(code, details, _with(answer_md, plan.answer_metadata))
-                break
-        except GeneratorExit:
-            code = grpc.StatusCode.CANCELLED
-            raise
-        except asyncio.CancelledError:
-            if not _ended_by_drain(flight):
-                code = grpc.StatusCode.CANCELLED
+                try:
+                    plan = self._plan(info, first, scope, context.peer())
+                except Refused as refused:
+                    await context.abort(scope.refused(refused), str(refused), refused.metadata)
+                tried: list[Upstream] = []
+                while True:
+                    scope.attempt(plan)
+                    with self._tracing.attempt(scope.span, plan, info.path) as attempt:
+                        timeout = context.time_remaining()
+                        method = plan.upstream.method(info.path, info.kind)
+                        if info.kind == "unary_stream":
+                            call = method(plan.body(first or b""), metadata=attempt.metadata, timeout=timeout)
+                        else:
+                            call = method(
+                                _requests(plan, first, more), metadata=attempt.metadata, timeout=timeout
+                            )
+                        scope.flight.follow(call)
+                        try:
+                            initial = await call.initial_metadata()
+                            if info.kind == "unary_stream" and call.done():
+                                retry = await self._stream_retry(plan, call, tried)
+                                if retry is not None:
+                                    attempt.failed(await call.code())
+                                    plan = retry
+                                    continue
+                            await context.send_initial_metadata(_with(initial, plan.answer_metadata))
+                            shadowed = self._wants_shadow(info, plan, first)
+                            async for message in call:
+                                if shadowed is not None:
+                                    shadowed.extend(token_ids(message))
+                                yield message
+                            trailing = await call.trailing_metadata()
+                            if trailing:
+                                context.set_trailing_metadata(tuple(trailing))
+                            if shadowed is not None and first is not None:
+                                self._shadow_generation(plan, first, shadowed)
+                        except grpc.aio.AioRpcError as exc:
+                            code = scope.code = exc.code()
+                            trailing = exc.trailing_metadata()
+                            self._report(plan, code, trailing, None)
+                            attempt.failed(code)
+                            code, details, answer_md = client_status(code, exc.details() or "", trailing)
+                            scope.code = code
+                            await context.abort(code, details, _with(answer_md, plan.answer_metadata))
+                    break
+            except GeneratorExit:
+                scope.code = grpc.StatusCode.CANCELLED
                 raise
-            code = grpc.StatusCode.UNAVAILABLE
-            await self._drained(plan, context)
-            raise
-        finally:
-            if call is not None and not call.done():
-                call.cancel()  # the client went away: so does the upstream call, at once
-            self._flights.leave(flight)
-            self._tracing.end(span, plan, code)
-            self._finish(info, plan, tenant, code, started)
+            except asyncio.CancelledError:
+                if not scope.ended_by_drain():
+                    scope.code = grpc.StatusCode.CANCELLED
+                    raise
+                await self._drained(scope, context)
+                raise
+            finally:
+                if call is not None and not call.done():
+                    call.cancel()  # the client went away: so does the upstream call, at once
 
 
 async def _requests(
