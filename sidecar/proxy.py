@@ -7,10 +7,15 @@ travels as field 2 (appended to the message: the last occurrence wins on the wir
 Metadata, deadline, cancellation and the full status (code, message, trailers) pass through;
 an error without `x-error-reason` gets one (client_status), and a status message is capped.
 
+One path per call: the call's scope opens (scope.py: span, calls in flight, tenant slot,
+metrics), the planner (plan.py) reads the call and plans its first attempt, the forwarder
+(forward.py) moves the attempt's bytes; a failed attempt goes back to the planner, which names
+the next one or lets the failure be the answer; the scope closes.
+
 Names and versions are checked at this edge (modelyard.common.names) before they reach any
 state. Only models and versions the upstreams serve (WatchModels) get breakers and their own
 metric label; anything else is forwarded without state under the label `_other`. Breakers learn
-who each call came from (caller_key), so that no single caller opens one (adaptive.py).
+who each call came from (plan.caller_key), so that no single caller opens one (adaptive.py).
 """
 
 from __future__ import annotations
@@ -18,9 +23,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import grpc
 from grpc_reflection.v1alpha import reflection_pb2
@@ -29,6 +34,7 @@ from modelyard.common.reasons import ErrorReason
 from modelyard.inference.v1 import inference_service_pb2, model_service_pb2
 from modelyard.kserve.v2 import grpc_service_pb2
 
+from sidecar import forward
 from sidecar import plan as planner
 from sidecar.breakers import Breakers
 from sidecar.limits import TenantLimits
@@ -73,27 +79,12 @@ _MODEL_METHODS = frozenset(
         "/inference.GRPCInferenceService/ModelStatistics",
     }
 )
-MESSAGE_MAX = 1024  # characters of an upstream's status message passed on (then `...`)
-# A reason for every error the client gets: an upstream or gRPC itself may answer without one
-# (an unreachable upstream, a transport limit); README's reading of a reason-less status.
-_REASON_OF_CODE = {
-    grpc.StatusCode.UNAVAILABLE: ErrorReason.UNAVAILABLE,
-    grpc.StatusCode.DEADLINE_EXCEEDED: ErrorReason.DEADLINE,
-    grpc.StatusCode.INVALID_ARGUMENT: ErrorReason.INVALID_ARGUMENT,
-    grpc.StatusCode.RESOURCE_EXHAUSTED: ErrorReason.TOO_LARGE,
-    grpc.StatusCode.INTERNAL: ErrorReason.INTERNAL,
-    grpc.StatusCode.UNKNOWN: ErrorReason.INTERNAL,
-    grpc.StatusCode.UNIMPLEMENTED: ErrorReason.UNSUPPORTED,
-    grpc.StatusCode.FAILED_PRECONDITION: ErrorReason.FAILED_PRECONDITION,
-    grpc.StatusCode.UNAUTHENTICATED: ErrorReason.UNAUTHENTICATED,
-    grpc.StatusCode.PERMISSION_DENIED: ErrorReason.PERMISSION_DENIED,
-}
 
 
 @dataclass(frozen=True, slots=True)
 class MethodInfo:
     path: str
-    kind: str  # unary_unary, unary_stream or stream_stream
+    kind: str  # unary_unary, unary_stream, stream_unary or stream_stream
     routed: bool  # dyed, guarded by breakers and tenant limits
     model_addressed: bool  # fields 1 and 2 name the model and version
 
@@ -109,8 +100,6 @@ def method_table() -> dict[str, MethodInfo]:
     for service in services:
         for method in service.methods:
             path = f"/{service.full_name}/{method.name}"
-            if method.client_streaming and not method.server_streaming:
-                continue  # none in our APIs
             kind = ("stream" if method.client_streaming else "unary") + (
                 "_stream" if method.server_streaming else "_unary"
             )
@@ -122,36 +111,6 @@ def method_table() -> dict[str, MethodInfo]:
         "/grpc.reflection.v1.ServerReflection/ServerReflectionInfo", "stream_stream", False, False
     )
     return table
-
-
-def error_reason(trailing: Iterable[Any] | None) -> str:
-    for key, value in trailing or ():
-        if key == headers.ERROR_REASON:
-            return value if isinstance(value, str) else value.decode()
-    return ""
-
-
-def is_fault(code: grpc.StatusCode, trailing: Iterable[Any] | None) -> bool:
-    """Whether an answer counts against the upstream: the planner's rule (plan.is_fault)."""
-    return planner.is_fault(code.name, error_reason(trailing))
-
-
-def client_status(
-    code: grpc.StatusCode, details: str, trailing: Iterable[Any] | None
-) -> tuple[grpc.StatusCode, str, Metadata]:
-    """What the client gets for an upstream's error: its status message capped at MESSAGE_MAX,
-    and a reason where it had none (README's reading of the bare code). A CANCELLED that the
-    client did not ask for (the upstream went away mid-call) is UNAVAILABLE/`unavailable`."""
-    md: Metadata = tuple((key, value) for key, value in trailing or ())
-    if len(details) > MESSAGE_MAX:
-        details = details[:MESSAGE_MAX] + "..."
-    if not error_reason(md):
-        if code == grpc.StatusCode.CANCELLED:
-            code, details = grpc.StatusCode.UNAVAILABLE, f"the upstream ended the call: {details}"
-        reason = _REASON_OF_CODE.get(code)
-        if reason is not None:
-            md = (*md, (headers.ERROR_REASON, reason.value))
-    return code, details, md
 
 
 class Proxy(_Handler):
@@ -183,13 +142,24 @@ class Proxy(_Handler):
     def service(self, handler_call_details: grpc.HandlerCallDetails) -> _MethodHandler | None:
         return self._handlers.get(handler_call_details.method)
 
+    async def drain(self, within_s: float) -> None:
+        """Shutdown: give calls in flight `within_s` to finish, then end the rest with `draining`
+        (before gRPC's own grace runs out and it cancels them)."""
+        await self._scopes.drain(within_s)
+
     def _make_handler(self, info: MethodInfo) -> _MethodHandler:
         if info.kind == "unary_unary":
 
             async def unary_unary(request: bytes, context: Context) -> bytes:
-                return await self._unary(info, request, context)
+                return await self._unary(info, request, None, context)
 
             return grpc.unary_unary_rpc_method_handler(unary_unary)
+        if info.kind == "stream_unary":
+
+            async def stream_unary(requests: AsyncIterator[bytes], context: Context) -> bytes:
+                return await self._unary(info, await _first(requests), requests, context)
+
+            return grpc.stream_unary_rpc_method_handler(stream_unary)
         # grpc.aio tells streaming handlers by inspect.isasyncgenfunction: they must be one.
         if info.kind == "unary_stream":
 
@@ -200,31 +170,186 @@ class Proxy(_Handler):
             return grpc.unary_stream_rpc_method_handler(unary_stream)
 
         async def stream_stream(requests: AsyncIterator[bytes], context: Context) -> AsyncIterator[bytes]:
-            first = None
-            async for message in requests:
-                first = message
-                break
-            async for message in self._stream(info, first, requests, context):
+            async for message in self._stream(info, await _first(requests), requests, context):
                 yield message
 
         return grpc.stream_stream_rpc_method_handler(stream_stream)
 
-    # --- planning -------------------------------------------------------------------------
+    # --- the path of a call ----------------------------------------------------------------
 
-    def _plan(self, info: MethodInfo, request: bytes | None, scope: Scope, peer: str) -> Plan:
+    async def _unary(
+        self, info: MethodInfo, first: bytes | None, more: AsyncIterator[bytes] | None, context: Context
+    ) -> bytes:
+        """A call with one response: unary-unary, or stream-unary (`more`: the rest of the
+        caller's stream, which cannot be sent twice, so such a call is never retried)."""
+        with self._scopes.open(info.path, tuple(context.invocation_metadata() or ())) as scope:
+            try:
+                plan = await self._first_attempt(info, first, scope, context)
+                tried: list[Upstream] = []
+                while True:
+                    scope.attempt(plan)
+                    started = time.perf_counter()
+                    request = (
+                        plan.body(first or b"") if more is None else forward.requests(first, more, plan.body)
+                    )
+                    with self._tracing.attempt(scope.span, plan, info.path) as attempt:
+                        try:
+                            response, call = await forward.ask(
+                                plan.upstream,
+                                info.path,
+                                info.kind,
+                                request,
+                                attempt.metadata,
+                                context.time_remaining(),
+                                scope.flight,
+                            )
+                        except forward.Failed as failed:
+                            scope.code = failed.code
+                            attempt.failed(failed.code)
+                            # The caller's own deadline (ours is the caller's) is no fault; its
+                            # duration still tells how slow the upstream was.
+                            timed_out = failed.code == grpc.StatusCode.DEADLINE_EXCEEDED and not failed.reason
+                            took = time.perf_counter() - started if timed_out else None
+                            if more is None:
+                                retry = self._after_failure(plan, failed, tried, took)
+                            else:  # the caller's stream is spent: it cannot be sent again
+                                plan.report(failed.code.name, failed.reason, took)
+                                retry = None
+                            if retry is None:
+                                await self._fail(scope, plan, failed, context)
+                            plan = retry
+                            continue
+                    scope.code = grpc.StatusCode.OK  # this attempt answered, whatever an earlier one did
+                    plan.report(
+                        scope.code.name, "", None if more is not None else time.perf_counter() - started
+                    )
+                    await forward.answer(call, context, plan.answer_metadata)
+                    if plan.dye == STABLE and info.path in SHADOWED and first is not None and more is None:
+                        self._maybe_shadow(info, plan, first, response)
+                    return response
+            except asyncio.CancelledError:
+                await self._cancelled(scope, context)
+                raise
+
+    async def _stream(
+        self,
+        info: MethodInfo,
+        first: bytes | None,
+        more: AsyncIterator[bytes] | None,
+        context: Context,
+    ) -> AsyncIterator[bytes]:
+        """A call with a response stream: unary-stream, or stream-stream (`more`). Retried only
+        when it ended before its first message (a trailers-only answer): nothing reached the
+        caller yet, so an unreachable upstream or a canary fault is retried as for unary calls."""
+        with self._scopes.open(info.path, tuple(context.invocation_metadata() or ())) as scope:
+            call: Any = None
+            try:
+                plan = await self._first_attempt(info, first, scope, context)
+                tried: list[Upstream] = []
+                while True:
+                    scope.attempt(plan)
+                    request = (
+                        plan.body(first or b"") if more is None else forward.requests(first, more, plan.body)
+                    )
+                    with self._tracing.attempt(scope.span, plan, info.path) as attempt:
+                        call = forward.start(
+                            plan.upstream,
+                            info.path,
+                            info.kind,
+                            request,
+                            attempt.metadata,
+                            context.time_remaining(),
+                            scope.flight,
+                        )
+                        try:
+                            if more is None and (early := await forward.ended_early(call)) is not None:
+                                retry = self._after_failure(plan, early, tried, None)
+                                if retry is not None:
+                                    attempt.failed(early.code)
+                                    plan = retry
+                                    continue
+                            shadowed = self._wants_shadow(info, plan, first)
+                            async for message in forward.relay(call, context, plan.answer_metadata):
+                                if shadowed is not None:
+                                    shadowed.extend(token_ids(message))
+                                yield message
+                            if shadowed is not None and first is not None:
+                                self._shadow_generation(plan, first, shadowed)
+                        except forward.Failed as failed:
+                            scope.code = failed.code
+                            plan.report(failed.code.name, failed.reason, None)
+                            attempt.failed(failed.code)
+                            await self._fail(scope, plan, failed, context)
+                    break
+            except GeneratorExit:
+                scope.code = grpc.StatusCode.CANCELLED
+                raise
+            except asyncio.CancelledError:
+                await self._cancelled(scope, context)
+                raise
+            finally:
+                if call is not None and not call.done():
+                    call.cancel()  # the client went away: so does the upstream call, at once
+
+    async def _first_attempt(
+        self, info: MethodInfo, first: bytes | None, scope: Scope, context: Context
+    ) -> Plan:
         """The call's first attempt: what it asks for (the planner), its dye, a tenant slot (the
-        scope's), an upstream whose breaker lets it through."""
+        scope's), an upstream whose breaker lets it through; or the sidecar's refusal."""
         upstreams = self._upstreams
-        asked = planner.read(request, scope.metadata, upstreams, model_addressed=info.model_addressed)
-        if not info.routed:
-            return planner.unrouted(asked, upstreams, model_addressed=info.model_addressed)
-        table = self._routes.table
-        decision = planner.routing_decision(asked, table, upstreams)
-        tenant = planner.tenant_bucket(table.tenants, asked.received)
-        if tenant:
-            scope.admit(tenant, table.tenants)
-        scope.caller = planner.caller_key(asked.received, table.stickiness_header, peer)
-        return planner.first(asked, decision, scope.caller, table, upstreams, self._breakers)
+        try:
+            asked = planner.read(first, scope.metadata, upstreams, model_addressed=info.model_addressed)
+            if not info.routed:
+                return planner.unrouted(asked, upstreams, model_addressed=info.model_addressed)
+            table = self._routes.table
+            decision = planner.routing_decision(asked, table, upstreams)
+            tenant = planner.tenant_bucket(table.tenants, asked.received)
+            if tenant:
+                scope.admit(tenant, table.tenants)
+            scope.caller = planner.caller_key(asked.received, table.stickiness_header, context.peer())
+            return planner.first(asked, decision, scope.caller, table, upstreams, self._breakers)
+        except Refused as refused:
+            await context.abort(scope.refused(refused), str(refused), refused.metadata)
+
+    def _after_failure(
+        self, plan: Plan, failed: forward.Failed, tried: list[Upstream], latency: float | None
+    ) -> Plan | None:
+        """An attempt failed before any answer reached the client: the planner's next attempt
+        (it reports the failed one to its breaker), or None when the failure is the answer."""
+        return planner.after_failure(
+            plan,
+            failed.code.name,
+            failed.reason,
+            latency,
+            tried,
+            self._routes.table,
+            self._upstreams,
+            self._breakers,
+        )
+
+    async def _fail(self, scope: Scope, plan: Plan, failed: forward.Failed, context: Context) -> NoReturn:
+        """The upstream's error is the answer (forward.client_status)."""
+        code, details, md = forward.client_status(failed.code, failed.details, failed.trailing)
+        scope.code = code
+        await context.abort(code, details, forward.with_metadata(md, plan.answer_metadata))
+
+    async def _cancelled(self, scope: Scope, context: Context) -> None:
+        """The caller cancelled: so be it. Or the sidecar is shutting down and this call outlived
+        the grace (the drain cancelled its upstream call): the client gets UNAVAILABLE/`draining`
+        (retry elsewhere), never a CANCELLED it did not ask for."""
+        if not scope.ended_by_drain():
+            scope.code = grpc.StatusCode.CANCELLED
+            return
+        scope.code = grpc.StatusCode.UNAVAILABLE
+        if scope.plan is not None:
+            scope.plan.report(scope.code.name, "", None, gone=True)
+        await context.abort(
+            grpc.StatusCode.UNAVAILABLE,
+            "the sidecar is shutting down; retry the call",
+            ((headers.ERROR_REASON, ErrorReason.DRAINING.value),),
+        )
+
+    # --- shadowing ----------------------------------------------------------------------------
 
     def _shadow_target(self, plan: Plan) -> tuple[str, Upstream, Metadata] | None:
         return planner.shadow_target(plan, self._routes.table, self._upstreams, self._breakers)
@@ -234,11 +359,11 @@ class Proxy(_Handler):
         policy = self._routes.table.shadow
         if not self._shadows.wants(policy) or (target := self._shadow_target(plan)) is None:
             return
-        canary, upstream, forward = target
+        canary, upstream, md = target
         method = upstream.method(info.path, "unary_unary")
 
         async def send(message: bytes) -> bytes:
-            answer: bytes = await method(with_version(message, canary), metadata=forward, timeout=30)
+            answer: bytes = await method(with_version(message, canary), metadata=md, timeout=30)
             return answer
 
         self._shadows.mirror(policy, plan.model, info.path, request, answer, send)
@@ -254,201 +379,20 @@ class Proxy(_Handler):
     def _shadow_generation(self, plan: Plan, request: bytes, tokens: list[int]) -> None:
         if (target := self._shadow_target(plan)) is None:
             return
-        canary, upstream, forward = target
+        canary, upstream, md = target
         method = upstream.method(SHADOWED_STREAM, "unary_stream")
 
         async def send(message: bytes) -> list[int]:
             produced: list[int] = []
-            async for event in method(with_version(message, canary), metadata=forward, timeout=120):
+            async for event in method(with_version(message, canary), metadata=md, timeout=120):
                 produced.extend(token_ids(event))
             return produced
 
         self._shadows.mirror_tokens(self._routes.table.shadow, plan.model, request, tokens, send)
 
-    def _report(
-        self,
-        plan: Plan,
-        code: grpc.StatusCode,
-        trailing: Any,
-        latency: float | None,
-    ) -> None:
-        plan.report(code.name, error_reason(trailing), latency)
 
-    async def _drained(self, scope: Scope, context: Context) -> None:
-        """The sidecar is shutting down and this call outlived the grace: the client gets
-        UNAVAILABLE/`draining` (retry elsewhere), never a CANCELLED it did not ask for."""
-        scope.code = grpc.StatusCode.UNAVAILABLE
-        if scope.plan is not None:
-            scope.plan.report(scope.code.name, "", None, gone=True)
-        await context.abort(
-            grpc.StatusCode.UNAVAILABLE,
-            "the sidecar is shutting down; retry the call",
-            ((headers.ERROR_REASON, ErrorReason.DRAINING.value),),
-        )
-
-    async def drain(self, within_s: float) -> None:
-        """Shutdown: give calls in flight `within_s` to finish, then end the rest with `draining`
-        (before gRPC's own grace runs out and it cancels them)."""
-        await self._scopes.drain(within_s)
-
-    # --- calls ----------------------------------------------------------------------------
-
-    async def _stream_retry(self, plan: Plan, call: Any, tried: list[Upstream]) -> Plan | None:
-        """A server stream that ended before its first message (a trailers-only answer): nothing
-        reached the client yet, so an unreachable upstream or a canary fault is retried as for
-        unary calls."""
-        code = await call.code()
-        if code == grpc.StatusCode.OK:
-            return None
-        return self._after_failure(plan, code, await call.trailing_metadata(), tried)
-
-    def _after_failure(
-        self,
-        plan: Plan,
-        code: grpc.StatusCode,
-        trailing: Any,
-        tried: list[Upstream],
-        latency: float | None = None,
-    ) -> Plan | None:
-        """An attempt failed before any answer reached the client: the planner's next attempt."""
-        table = self._routes.table
-        retry = planner.after_failure(
-            plan, code.name, error_reason(trailing), latency, tried, table, self._upstreams, self._breakers
-        )
-        return retry
-
-    async def _unary(self, info: MethodInfo, request: bytes, context: Context) -> bytes:
-        with self._scopes.open(info.path, tuple(context.invocation_metadata() or ())) as scope:
-            try:
-                return await self._unary_call(info, request, context, scope)
-            except asyncio.CancelledError:
-                if not scope.ended_by_drain():
-                    scope.code = grpc.StatusCode.CANCELLED
-                    raise
-                await self._drained(scope, context)
-                raise
-
-    async def _unary_call(self, info: MethodInfo, request: bytes, context: Context, scope: Scope) -> bytes:
-        try:
-            plan = self._plan(info, request, scope, context.peer())
-        except Refused as refused:
-            await context.abort(scope.refused(refused), str(refused), refused.metadata)
-        tried: list[Upstream] = []
-        while True:
-            scope.attempt(plan)
-            attempt_started = time.perf_counter()
-            with self._tracing.attempt(scope.span, plan, info.path) as attempt:
-                call = plan.upstream.method(info.path, "unary_unary")(
-                    plan.body(request), metadata=attempt.metadata, timeout=context.time_remaining()
-                )
-                scope.flight.follow(call)
-                try:
-                    response: bytes = await call
-                except grpc.aio.AioRpcError as exc:
-                    code = scope.code = exc.code()
-                    trailing = exc.trailing_metadata()
-                    attempt.failed(code)
-                    # The caller's own deadline (ours is the caller's) is no fault; its
-                    # duration still tells how slow the upstream was.
-                    took = time.perf_counter() - attempt_started
-                    timed_out = code == grpc.StatusCode.DEADLINE_EXCEEDED and not error_reason(trailing)
-                    retry = self._after_failure(plan, code, trailing, tried, took if timed_out else None)
-                    if retry is None:
-                        code, details, answer_md = client_status(code, exc.details() or "", trailing)
-                        scope.code = code
-                        await context.abort(code, details, _with(answer_md, plan.answer_metadata))
-                    plan = retry
-                    continue
-            scope.code = grpc.StatusCode.OK  # this attempt answered, whatever an earlier one did
-            self._report(plan, scope.code, None, time.perf_counter() - attempt_started)
-            initial = await call.initial_metadata()
-            await context.send_initial_metadata(_with(initial, plan.answer_metadata))
-            trailing = await call.trailing_metadata()
-            if trailing:
-                context.set_trailing_metadata(tuple(trailing))
-            if plan.dye == STABLE and info.path in SHADOWED:
-                self._maybe_shadow(info, plan, request, response)
-            return response
-
-    async def _stream(
-        self,
-        info: MethodInfo,
-        first: bytes | None,
-        more: AsyncIterator[bytes] | None,
-        context: Context,
-    ) -> AsyncIterator[bytes]:
-        with self._scopes.open(info.path, tuple(context.invocation_metadata() or ())) as scope:
-            call: Any = None
-            try:
-                try:
-                    plan = self._plan(info, first, scope, context.peer())
-                except Refused as refused:
-                    await context.abort(scope.refused(refused), str(refused), refused.metadata)
-                tried: list[Upstream] = []
-                while True:
-                    scope.attempt(plan)
-                    with self._tracing.attempt(scope.span, plan, info.path) as attempt:
-                        timeout = context.time_remaining()
-                        method = plan.upstream.method(info.path, info.kind)
-                        if info.kind == "unary_stream":
-                            call = method(plan.body(first or b""), metadata=attempt.metadata, timeout=timeout)
-                        else:
-                            call = method(
-                                _requests(plan, first, more), metadata=attempt.metadata, timeout=timeout
-                            )
-                        scope.flight.follow(call)
-                        try:
-                            initial = await call.initial_metadata()
-                            if info.kind == "unary_stream" and call.done():
-                                retry = await self._stream_retry(plan, call, tried)
-                                if retry is not None:
-                                    attempt.failed(await call.code())
-                                    plan = retry
-                                    continue
-                            await context.send_initial_metadata(_with(initial, plan.answer_metadata))
-                            shadowed = self._wants_shadow(info, plan, first)
-                            async for message in call:
-                                if shadowed is not None:
-                                    shadowed.extend(token_ids(message))
-                                yield message
-                            trailing = await call.trailing_metadata()
-                            if trailing:
-                                context.set_trailing_metadata(tuple(trailing))
-                            if shadowed is not None and first is not None:
-                                self._shadow_generation(plan, first, shadowed)
-                        except grpc.aio.AioRpcError as exc:
-                            code = scope.code = exc.code()
-                            trailing = exc.trailing_metadata()
-                            self._report(plan, code, trailing, None)
-                            attempt.failed(code)
-                            code, details, answer_md = client_status(code, exc.details() or "", trailing)
-                            scope.code = code
-                            await context.abort(code, details, _with(answer_md, plan.answer_metadata))
-                    break
-            except GeneratorExit:
-                scope.code = grpc.StatusCode.CANCELLED
-                raise
-            except asyncio.CancelledError:
-                if not scope.ended_by_drain():
-                    scope.code = grpc.StatusCode.CANCELLED
-                    raise
-                await self._drained(scope, context)
-                raise
-            finally:
-                if call is not None and not call.done():
-                    call.cancel()  # the client went away: so does the upstream call, at once
-
-
-async def _requests(
-    plan: Plan, first: bytes | None, more: AsyncIterator[bytes] | None
-) -> AsyncIterator[bytes]:
-    if first is None:
-        return
-    yield plan.body(first)
-    if more is not None:
-        async for message in more:
-            yield plan.body(message)
-
-
-def _with(received: Iterable[Any] | None, added: Metadata) -> Metadata:
-    return (*((key, value) for key, value in received or ()), *added)
+async def _first(requests: AsyncIterator[bytes]) -> bytes | None:
+    """The first message of the caller's stream (it names the model), or None for none."""
+    async for message in requests:
+        return message
+    return None

@@ -8,8 +8,8 @@ import pytest
 
 from sidecar.adaptive import BreakerPolicy, State
 from sidecar.breakers import Breaker, BreakerKey, Breakers
+from sidecar.forward import MESSAGE_MAX, client_status, is_fault
 from sidecar.plan import caller_key
-from sidecar.proxy import MESSAGE_MAX, client_status, is_fault
 
 POLICY = BreakerPolicy(
     window_s=10,
