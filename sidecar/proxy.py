@@ -39,16 +39,13 @@ from sidecar import plan as planner
 from sidecar.breakers import Breakers
 from sidecar.limits import TenantLimits
 from sidecar.metrics import SidecarMetrics
-from sidecar.plan import Metadata, Refused
+from sidecar.mirror import Mirror
+from sidecar.plan import Refused
 from sidecar.routes import RouteSource
-from sidecar.routing import STABLE
 from sidecar.scope import Scope, Scopes
-from sidecar.shadow import GENERATE as SHADOWED_STREAM
-from sidecar.shadow import METHODS as SHADOWED
-from sidecar.shadow import Shadows, is_greedy, token_ids
+from sidecar.shadow import Shadows, token_ids
 from sidecar.tracing import Tracing
 from sidecar.upstreams import Upstream, Upstreams
-from sidecar.wire import with_version
 
 log = logging.getLogger(__name__)
 
@@ -124,7 +121,7 @@ class Proxy(_Handler):
         tracing: Tracing,
         shadows: Shadows,
     ) -> None:
-        self._shadows = shadows
+        self._mirror = Mirror(upstreams, breakers, routes, shadows)
         self._upstreams = upstreams
         self._breakers = breakers
         self._routes = routes
@@ -224,8 +221,8 @@ class Proxy(_Handler):
                         scope.code.name, "", None if more is not None else time.perf_counter() - started
                     )
                     await forward.answer(call, context, plan.answer_metadata)
-                    if plan.dye == STABLE and info.path in SHADOWED and first is not None and more is None:
-                        self._maybe_shadow(info, plan, first, response)
+                    if first is not None and more is None:
+                        self._mirror.answered(info.path, plan, first, response)
                     return response
             except asyncio.CancelledError:
                 await self._cancelled(scope, context)
@@ -268,13 +265,13 @@ class Proxy(_Handler):
                                     attempt.failed(early.code)
                                     plan = retry
                                     continue
-                            shadowed = self._wants_shadow(info, plan, first)
+                            shadowed = self._mirror.tokens(info.path, plan, first)
                             async for message in forward.relay(call, context, plan.answer_metadata):
                                 if shadowed is not None:
                                     shadowed.extend(token_ids(message))
                                 yield message
                             if shadowed is not None and first is not None:
-                                self._shadow_generation(plan, first, shadowed)
+                                self._mirror.generated(plan, first, shadowed)
                         except forward.Failed as failed:
                             scope.code = failed.code
                             plan.report(failed.code.name, failed.reason, None)
@@ -348,47 +345,6 @@ class Proxy(_Handler):
             "the sidecar is shutting down; retry the call",
             ((headers.ERROR_REASON, ErrorReason.DRAINING.value),),
         )
-
-    # --- shadowing ----------------------------------------------------------------------------
-
-    def _shadow_target(self, plan: Plan) -> tuple[str, Upstream, Metadata] | None:
-        return planner.shadow_target(plan, self._routes.table, self._upstreams, self._breakers)
-
-    def _maybe_shadow(self, info: MethodInfo, plan: Plan, request: bytes, answer: bytes) -> None:
-        """Mirror a stable answer's request to the canary (shadow.py), if the route file asks."""
-        policy = self._routes.table.shadow
-        if not self._shadows.wants(policy) or (target := self._shadow_target(plan)) is None:
-            return
-        canary, upstream, md = target
-        method = upstream.method(info.path, "unary_unary")
-
-        async def send(message: bytes) -> bytes:
-            answer: bytes = await method(with_version(message, canary), metadata=md, timeout=30)
-            return answer
-
-        self._shadows.mirror(policy, plan.model, info.path, request, answer, send)
-
-    def _wants_shadow(self, info: MethodInfo, plan: Plan, request: bytes | None) -> list[int] | None:
-        """A list to collect the stable stream's tokens in, when this Generate is mirrored."""
-        if info.path != SHADOWED_STREAM or plan.dye != STABLE or request is None:
-            return None
-        if not self._shadows.wants(self._routes.table.shadow) or not is_greedy(request):
-            return None
-        return []
-
-    def _shadow_generation(self, plan: Plan, request: bytes, tokens: list[int]) -> None:
-        if (target := self._shadow_target(plan)) is None:
-            return
-        canary, upstream, md = target
-        method = upstream.method(SHADOWED_STREAM, "unary_stream")
-
-        async def send(message: bytes) -> list[int]:
-            produced: list[int] = []
-            async for event in method(with_version(message, canary), metadata=md, timeout=120):
-                produced.extend(token_ids(event))
-            return produced
-
-        self._shadows.mirror_tokens(self._routes.table.shadow, plan.model, request, tokens, send)
 
 
 async def _first(requests: AsyncIterator[bytes]) -> bytes | None:
