@@ -5,12 +5,13 @@ Data calls (Infer, InferStream, Generate, KServe ModelInfer and ModelStreamInfer
 travels as field 2 (appended to the message: the last occurrence wins on the wire) and as the
 `x-model-version` header. Other calls go to an upstream that serves the named model, or any.
 Metadata, deadline, cancellation and the full status (code, message, trailers) pass through;
-an error without `x-error-reason` gets one (client_status), and a status message is capped.
+an error without `x-error-reason` gets one (forward.client_status), and a status message is capped.
 
 One path per call: the call's scope opens (scope.py: span, calls in flight, tenant slot,
 metrics), the planner (plan.py) reads the call and plans its first attempt, the forwarder
 (forward.py) moves the attempt's bytes; a failed attempt goes back to the planner, which names
-the next one or lets the failure be the answer; the scope closes.
+the next one or lets the failure be the answer; a stable answer may be mirrored to the canary
+(mirror.py); the scope closes.
 
 Names and versions are checked at this edge (modelyard.common.names) before they reach any
 state. Only models and versions the upstreams serve (WatchModels) get breakers and their own
@@ -21,7 +22,6 @@ who each call came from (plan.caller_key), so that no single caller opens one (a
 from __future__ import annotations
 
 import asyncio
-import logging
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -46,8 +46,6 @@ from sidecar.scope import Scope, Scopes
 from sidecar.shadow import Shadows, token_ids
 from sidecar.tracing import Tracing
 from sidecar.upstreams import Upstream, Upstreams
-
-log = logging.getLogger(__name__)
 
 Context = grpc.aio.ServicerContext[bytes, bytes]
 if TYPE_CHECKING:
