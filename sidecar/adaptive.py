@@ -11,7 +11,7 @@ Closed: every call is recorded in a sliding window of `window_s` seconds (at mos
 Once the window holds `min_calls`, it trips when the share of faults reaches `error_rate`, or
 when the window's p99 latency (of at least `latency_min_calls` timed calls) exceeds both
 `latency_floor_s` and `latency_multiple` x the baseline.
-No single caller decides: each call is recorded with its caller (proxy.caller_key: the tenant,
+No single caller decides: each call is recorded with its caller (plan.caller_key: the tenant,
 else the user's sticky key, else the connection), and a trip must also hold on the window without
 the caller who contributes most to it (leave-one-out): without the caller with the most faults,
 the others' calls must still have at least one fault and a fault share of `error_rate`; without

@@ -5,45 +5,47 @@ Data calls (Infer, InferStream, Generate, KServe ModelInfer and ModelStreamInfer
 travels as field 2 (appended to the message: the last occurrence wins on the wire) and as the
 `x-model-version` header. Other calls go to an upstream that serves the named model, or any.
 Metadata, deadline, cancellation and the full status (code, message, trailers) pass through;
-an error without `x-error-reason` gets one (client_status), and a status message is capped.
+an error without `x-error-reason` gets one (forward.client_status), and a status message is capped.
+
+One path per call: the call's scope opens (scope.py: span, calls in flight, tenant slot,
+metrics), the planner (plan.py) reads the call and plans its first attempt, the forwarder
+(forward.py) moves the attempt's bytes; a failed attempt goes back to the planner, which names
+the next one or lets the failure be the answer; a stable answer may be mirrored to the canary
+(mirror.py); the scope closes.
 
 Names and versions are checked at this edge (modelyard.common.names) before they reach any
 state. Only models and versions the upstreams serve (WatchModels) get breakers and their own
 metric label; anything else is forwarded without state under the label `_other`. Breakers learn
-who each call came from (caller_key), so that no single caller opens one (adaptive.py).
+who each call came from (plan.caller_key), so that no single caller opens one (adaptive.py).
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import logging
 import time
-from collections.abc import AsyncIterator, Iterable, Sequence
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import grpc
 from grpc_reflection.v1alpha import reflection_pb2
 from modelyard.common import headers
-from modelyard.common.names import InvalidName, check_name, check_version, echo
-from modelyard.common.reasons import ErrorReason, is_server_fault
+from modelyard.common.reasons import ErrorReason
 from modelyard.inference.v1 import inference_service_pb2, model_service_pb2
 from modelyard.kserve.v2 import grpc_service_pb2
 
-from sidecar.breakers import Breaker, Breakers, Permit
-from sidecar.limits import ANY_TENANT, TenantLimits
+from sidecar import forward
+from sidecar import plan as planner
+from sidecar.breakers import Breakers
+from sidecar.limits import TenantLimits
 from sidecar.metrics import SidecarMetrics
+from sidecar.mirror import Mirror
+from sidecar.plan import Refused
 from sidecar.routes import RouteSource
-from sidecar.routing import CANARY, STABLE, Decision, RoutingError, decide, stable_and_canary
-from sidecar.shadow import GENERATE as SHADOWED_STREAM
-from sidecar.shadow import METHODS as SHADOWED
-from sidecar.shadow import Shadows, is_greedy, token_ids
+from sidecar.scope import Scope, Scopes
+from sidecar.shadow import Shadows, token_ids
 from sidecar.tracing import Tracing
 from sidecar.upstreams import Upstream, Upstreams
-from sidecar.wire import WireError, read_model_fields, with_version
-
-log = logging.getLogger(__name__)
 
 Context = grpc.aio.ServicerContext[bytes, bytes]
 if TYPE_CHECKING:
@@ -52,7 +54,7 @@ if TYPE_CHECKING:
 else:
     _Handler = grpc.GenericRpcHandler
     _MethodHandler = grpc.RpcMethodHandler
-Metadata = tuple[tuple[str, str | bytes], ...]
+Plan = planner.Plan[Upstream]
 
 _DATA_METHODS = frozenset(
     {
@@ -72,41 +74,12 @@ _MODEL_METHODS = frozenset(
         "/inference.GRPCInferenceService/ModelStatistics",
     }
 )
-# Request headers the sidecar sets itself (or that only make sense on one hop).
-_DROP = frozenset({headers.MODEL_VERSION, headers.MODEL_DYE, "user-agent", "te", "content-type"})
-FAULT_CODES = frozenset(
-    {
-        grpc.StatusCode.UNAVAILABLE,
-        grpc.StatusCode.INTERNAL,
-        grpc.StatusCode.UNKNOWN,
-        grpc.StatusCode.DEADLINE_EXCEEDED,
-    }
-)
-OTHER = "_other"  # the one metric label of every model or tenant the sidecar holds no state for
-MESSAGE_MAX = 1024  # characters of an upstream's status message passed on (then `...`)
-# A reason for every error the client gets: an upstream or gRPC itself may answer without one
-# (an unreachable upstream, a transport limit); README's reading of a reason-less status.
-_REASON_OF_CODE = {
-    grpc.StatusCode.UNAVAILABLE: ErrorReason.UNAVAILABLE,
-    grpc.StatusCode.DEADLINE_EXCEEDED: ErrorReason.DEADLINE,
-    grpc.StatusCode.INVALID_ARGUMENT: ErrorReason.INVALID_ARGUMENT,
-    grpc.StatusCode.RESOURCE_EXHAUSTED: ErrorReason.TOO_LARGE,
-    grpc.StatusCode.INTERNAL: ErrorReason.INTERNAL,
-    grpc.StatusCode.UNKNOWN: ErrorReason.INTERNAL,
-    grpc.StatusCode.UNIMPLEMENTED: ErrorReason.UNSUPPORTED,
-    grpc.StatusCode.FAILED_PRECONDITION: ErrorReason.FAILED_PRECONDITION,
-    grpc.StatusCode.UNAUTHENTICATED: ErrorReason.UNAUTHENTICATED,
-    grpc.StatusCode.PERMISSION_DENIED: ErrorReason.PERMISSION_DENIED,
-}
-FALLBACK_BREAKER = "breaker-open"
-FALLBACK_UNAVAILABLE = "unavailable"
-FALLBACK_CANARY_FAULT = "canary-fault"
 
 
 @dataclass(frozen=True, slots=True)
 class MethodInfo:
     path: str
-    kind: str  # unary_unary, unary_stream or stream_stream
+    kind: str  # unary_unary, unary_stream, stream_unary or stream_stream
     routed: bool  # dyed, guarded by breakers and tenant limits
     model_addressed: bool  # fields 1 and 2 name the model and version
 
@@ -122,8 +95,6 @@ def method_table() -> dict[str, MethodInfo]:
     for service in services:
         for method in service.methods:
             path = f"/{service.full_name}/{method.name}"
-            if method.client_streaming and not method.server_streaming:
-                continue  # none in our APIs
             kind = ("stream" if method.client_streaming else "unary") + (
                 "_stream" if method.server_streaming else "_unary"
             )
@@ -137,162 +108,6 @@ def method_table() -> dict[str, MethodInfo]:
     return table
 
 
-def error_reason(trailing: Iterable[Any] | None) -> str:
-    for key, value in trailing or ():
-        if key == headers.ERROR_REASON:
-            return value if isinstance(value, str) else value.decode()
-    return ""
-
-
-def is_fault(code: grpc.StatusCode, trailing: Iterable[Any] | None) -> bool:
-    """Whether an answer counts against the upstream: server faults, never client mistakes or
-    load. `x-error-reason` decides (modelyard.common.reasons: `deadline`, `invalid_argument`,
-    `queue_full`... never count); without one, UNAVAILABLE, INTERNAL and UNKNOWN count, and a
-    reason-less CANCELLED from the upstream (it went away mid-call: the proxy's caller did not
-    cancel, see `client_status`). A DEADLINE_EXCEEDED never counts: it is the caller's deadline
-    (ours is the caller's) or the upstream's queue timeout; a slow upstream is the latency
-    trip's business (its calls' durations are recorded, see Proxy._report)."""
-    if code == grpc.StatusCode.OK or code == grpc.StatusCode.DEADLINE_EXCEEDED:
-        return False
-    reason = error_reason(trailing)
-    if reason:
-        return is_server_fault(reason)
-    return code in FAULT_CODES or code == grpc.StatusCode.CANCELLED
-
-
-def client_status(
-    code: grpc.StatusCode, details: str, trailing: Iterable[Any] | None
-) -> tuple[grpc.StatusCode, str, Metadata]:
-    """What the client gets for an upstream's error: its status message capped at MESSAGE_MAX,
-    and a reason where it had none (README's reading of the bare code). A CANCELLED that the
-    client did not ask for (the upstream went away mid-call) is UNAVAILABLE/`unavailable`."""
-    md: Metadata = tuple((key, value) for key, value in trailing or ())
-    if len(details) > MESSAGE_MAX:
-        details = details[:MESSAGE_MAX] + "..."
-    if not error_reason(md):
-        if code == grpc.StatusCode.CANCELLED:
-            code, details = grpc.StatusCode.UNAVAILABLE, f"the upstream ended the call: {details}"
-        reason = _REASON_OF_CODE.get(code)
-        if reason is not None:
-            md = (*md, (headers.ERROR_REASON, reason.value))
-    return code, details, md
-
-
-def caller_key(received: dict[str, str], stickiness_header: str, peer: str) -> int:
-    """Who a call is, as far as the sidecar can tell: its tenant, else its user's sticky key, else
-    its connection. Only a hash is kept (in the breakers' windows)."""
-    tenant = received.get(headers.TENANT_ID)
-    if tenant:
-        return hash(("tenant", tenant))
-    user = received.get(stickiness_header)
-    if user:
-        return hash(("user", user))
-    return hash(("peer", peer))
-
-
-class Refused(Exception):
-    def __init__(self, code: grpc.StatusCode, message: str, reason: str, extra: Metadata = ()) -> None:
-        super().__init__(message)
-        self.code = code
-        self.reason = reason
-        self.extra = extra
-
-
-@dataclass(slots=True)
-class Plan:
-    """Where one call goes. Rebuilt (with another upstream or version) for a retry."""
-
-    model: str
-    version: str
-    dye: str
-    fallback: str
-    stable: str
-    upstream: Upstream
-    breaker: Breaker | None  # None: a model (or version) the upstreams do not serve: no state
-    permit: Permit | None
-    forward: Metadata  # request metadata for the upstream
-    tenant: str  # the tenant-limit bucket holding a slot for this call, or empty
-    caller: int | None = None  # caller_key: who made the call (the breakers' leave-one-out)
-    label: str = OTHER  # the model's metric label: its name when the upstreams serve it
-    reported: bool = False
-
-    @property
-    def answer_metadata(self) -> Metadata:
-        """What the client's response metadata gets from the sidecar."""
-        if not self.dye:
-            return ()
-        md: Metadata = ((headers.MODEL_DYE, self.dye),)
-        return (*md, (headers.DYE_FALLBACK, self.fallback)) if self.fallback else md
-
-    def body(self, message: bytes) -> bytes:
-        """The message with the chosen version in field 2, unless it carries one already."""
-        if not self.version or not self.dye:
-            return message
-        try:
-            fields = read_model_fields(message)
-        except WireError:
-            return message  # the upstream answers INVALID_ARGUMENT for it
-        if not fields.complete or fields.version or (fields.name and fields.name != self.model):
-            return message
-        return with_version(message, self.version)
-
-
-@dataclass(eq=False, slots=True)
-class Flight:
-    """One call being served; `drained` once shutdown ended its upstream call."""
-
-    call: Any = None
-    drained: bool = False
-
-    def follow(self, call: Any) -> None:
-        self.call = call
-        if self.drained:
-            call.cancel()
-
-
-def _ended_by_drain(flight: Flight) -> bool:
-    """Whether a CancelledError came from the drain (it cancelled the upstream call), not from
-    the client's cancel (which cancels the handler's task)."""
-    task = asyncio.current_task()
-    return flight.drained and (task is None or not task.cancelling())
-
-
-class Flights:
-    """The calls in flight, so that shutdown can end them with an answer."""
-
-    def __init__(self) -> None:
-        self._flights: set[Flight] = set()
-        self._empty = asyncio.Event()
-        self._empty.set()
-        self._draining = False
-
-    def enter(self) -> Flight:
-        flight = Flight(drained=self._draining)
-        self._flights.add(flight)
-        self._empty.clear()
-        return flight
-
-    def leave(self, flight: Flight) -> None:
-        self._flights.discard(flight)
-        if not self._flights:
-            self._empty.set()
-
-    async def drain(self, within_s: float) -> None:
-        try:
-            await asyncio.wait_for(self._empty.wait(), max(0.0, within_s))
-            return
-        except TimeoutError:
-            pass
-        self._draining = True
-        for flight in list(self._flights):
-            flight.drained = True
-            if flight.call is not None:
-                flight.call.cancel()
-        # The handlers answer at once (their upstream call raised); a moment for them to do so.
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._empty.wait(), 0.5)
-
-
 class Proxy(_Handler):
     def __init__(
         self,
@@ -304,14 +119,13 @@ class Proxy(_Handler):
         tracing: Tracing,
         shadows: Shadows,
     ) -> None:
-        self._shadows = shadows
+        self._mirror = Mirror(upstreams, breakers, routes, shadows)
         self._upstreams = upstreams
         self._breakers = breakers
         self._routes = routes
         self._limits = limits
-        self._metrics = metrics
         self._tracing = tracing
-        self._flights = Flights()
+        self._scopes = Scopes(limits, metrics, tracing)
         self._handlers: dict[str, _MethodHandler] = {}
         for info in method_table().values():
             self._handlers[info.path] = self._make_handler(info)
@@ -323,13 +137,24 @@ class Proxy(_Handler):
     def service(self, handler_call_details: grpc.HandlerCallDetails) -> _MethodHandler | None:
         return self._handlers.get(handler_call_details.method)
 
+    async def drain(self, within_s: float) -> None:
+        """Shutdown: give calls in flight `within_s` to finish, then end the rest with `draining`
+        (before gRPC's own grace runs out and it cancels them)."""
+        await self._scopes.drain(within_s)
+
     def _make_handler(self, info: MethodInfo) -> _MethodHandler:
         if info.kind == "unary_unary":
 
             async def unary_unary(request: bytes, context: Context) -> bytes:
-                return await self._unary(info, request, context)
+                return await self._unary(info, request, None, context)
 
             return grpc.unary_unary_rpc_method_handler(unary_unary)
+        if info.kind == "stream_unary":
+
+            async def stream_unary(requests: AsyncIterator[bytes], context: Context) -> bytes:
+                return await self._unary(info, await _first(requests), requests, context)
+
+            return grpc.stream_unary_rpc_method_handler(stream_unary)
         # grpc.aio tells streaming handlers by inspect.isasyncgenfunction: they must be one.
         if info.kind == "unary_stream":
 
@@ -340,382 +165,66 @@ class Proxy(_Handler):
             return grpc.unary_stream_rpc_method_handler(unary_stream)
 
         async def stream_stream(requests: AsyncIterator[bytes], context: Context) -> AsyncIterator[bytes]:
-            first = None
-            async for message in requests:
-                first = message
-                break
-            async for message in self._stream(info, first, requests, context):
+            async for message in self._stream(info, await _first(requests), requests, context):
                 yield message
 
         return grpc.stream_stream_rpc_method_handler(stream_stream)
 
-    # --- planning -------------------------------------------------------------------------
+    # --- the path of a call ----------------------------------------------------------------
 
-    def _plan(self, info: MethodInfo, request: bytes | None, md: Metadata, peer: str) -> Plan:
-        received = {key: value for key, value in md if isinstance(value, str)}
-        forward = tuple((k, v) for k, v in md if k not in _DROP and not k.startswith(":"))
-        model = pin = ""
-        if info.model_addressed:
+    async def _unary(
+        self, info: MethodInfo, first: bytes | None, more: AsyncIterator[bytes] | None, context: Context
+    ) -> bytes:
+        """A call with one response: unary-unary, or stream-unary (`more`: the rest of the
+        caller's stream, which cannot be sent twice, so such a call is never retried)."""
+        with self._scopes.open(info.path, tuple(context.invocation_metadata() or ())) as scope:
             try:
-                fields = read_model_fields(request or b"")
-            except WireError as exc:
-                raise Refused(
-                    grpc.StatusCode.INVALID_ARGUMENT,
-                    f"the request is not a valid message: {exc}",
-                    ErrorReason.INVALID_ARGUMENT,
-                ) from exc
-            try:  # the one name rule, before a name reaches any state, label or message
-                model = _checked(check_name, fields.name, "model_name", received, headers.MODEL_NAME)
-                pin = _checked(
-                    check_version, fields.version, "model_version", received, headers.MODEL_VERSION
-                )
-            except InvalidName as exc:
-                raise Refused(
-                    grpc.StatusCode.INVALID_ARGUMENT, str(exc), ErrorReason.INVALID_ARGUMENT
-                ) from exc
-        known = bool(model) and self._upstreams.knows(model)
-        label = model if known else OTHER
-        if not info.routed:
-            candidates = self._upstreams.candidates(model, pin) if info.model_addressed else []
-            upstream = (candidates or self._upstreams.any())[0]
-            return Plan(model, pin, "", "", "", upstream, None, None, forward, "", label=label)
-        table = self._routes.table
-        sticky = received.get(table.stickiness_header) or received.get(headers.REQUEST_ID)
-        try:
-            decision = decide(
-                table.route(model),
-                self._upstreams.versions(model) if known else (),
-                pin=pin,
-                sticky_key=sticky,
-                header_weight=received.get(headers.CANARY_WEIGHT),
-            )
-        except RoutingError as exc:
-            raise Refused(grpc.StatusCode.INVALID_ARGUMENT, str(exc), ErrorReason.INVALID_ARGUMENT) from exc
-        tenant = ""
-        if table.tenants:
-            named = received.get(headers.TENANT_ID) or ""
-            # A configured tenant has its own bucket and label; every other one (and a call without
-            # x-tenant-id) shares the `*` bucket and one label: rotating ids buys no new state.
-            tenant = named if named in table.tenants and named != ANY_TENANT else ANY_TENANT
-            refusal = self._limits.acquire(tenant, table.tenants)
-            if refusal is not None:
-                self._metrics.tenant_refusals.labels(tenant if tenant != ANY_TENANT else OTHER).inc()
-                retry_ms = str(max(1, round(refusal.retry_after_s * 1000)))
-                raise Refused(
-                    grpc.StatusCode.RESOURCE_EXHAUSTED,
-                    refusal.message,
-                    ErrorReason.TENANT_LIMIT,
-                    ((headers.RETRY_PUSHBACK_MS, retry_ms),),
-                )
-        caller = caller_key(received, table.stickiness_header, peer)
-        try:
-            plan = self._choose(model, decision, forward, tenant, exclude=(), known=known)
-        except Refused:
-            if tenant:
-                self._limits.release(tenant)
-            raise
-        plan.caller, plan.label = caller, label
-        return plan
-
-    def _choose(
-        self,
-        model: str,
-        decision: Decision,
-        forward: Metadata,
-        tenant: str,
-        exclude: Sequence[Upstream],
-        known: bool,
-    ) -> Plan:
-        found, blocked = self._take(model, decision.version, exclude)
-        dye, version, fallback = decision.dye, decision.version, ""
-        if found is None and decision.dye == CANARY and decision.stable:
-            fallback = FALLBACK_BREAKER if blocked else FALLBACK_UNAVAILABLE
-            dye, version = STABLE, decision.stable
-            found, _ = self._take(model, version, exclude)
-            if found is not None and known:
-                self._metrics.fallbacks.labels(model, fallback).inc()
-        if found is None:
-            if blocked:
-                raise Refused(
-                    grpc.StatusCode.UNAVAILABLE,
-                    f"model {echo(model)} version {echo(version)}: circuit breaker open",
-                    ErrorReason.BREAKER_OPEN,
-                )
-            raise Refused(
-                grpc.StatusCode.UNAVAILABLE,
-                f"model {echo(model)} version {echo(version or '(default)')}: no upstream left to try",
-                ErrorReason.UNAVAILABLE,
-            )
-        upstream, breaker, permit = found
-        if version:
-            forward = (*forward, (headers.MODEL_VERSION, version), (headers.MODEL_DYE, dye))
-        return Plan(
-            model, version, dye, fallback, decision.stable, upstream, breaker, permit, forward, tenant
-        )
-
-    def _stateful(self, model: str, version: str) -> bool:
-        """Whether a (model, version) gets a breaker: only what the upstreams serve (WatchModels),
-        or a version the route names for a served model. Anything a client makes up is forwarded
-        without state, and answered by the upstream (NOT_FOUND)."""
-        if not model or not self._upstreams.knows(model):
-            return False
-        if not version or self._upstreams.knows(model, version):
-            return True
-        route = self._routes.table.models.get(model)
-        return route is not None and version in (route.stable, route.canary)
-
-    def _take(
-        self, model: str, version: str, exclude: Sequence[Upstream], fallback_to_any: bool = True
-    ) -> tuple[tuple[Upstream, Breaker | None, Permit | None] | None, bool]:
-        """The first upstream for the version whose breaker lets a call through; and whether a
-        breaker refused. With no upstream known to serve it, any (it answers NOT_FOUND itself)."""
-        blocked = False
-        candidates = self._upstreams.candidates(model, version)
-        if not candidates and fallback_to_any:
-            candidates = self._upstreams.any()
-        stateful = self._stateful(model, version)
-        for upstream in candidates:
-            if upstream in exclude:
-                continue
-            if not stateful:
-                return (upstream, None, None), blocked
-            breaker = self._breakers.get(upstream.address, model, version)
-            permit = breaker.allow()
-            if permit is not None:
-                return (upstream, breaker, permit), blocked
-            blocked = True
-        return None, blocked
-
-    def _retry(self, plan: Plan, tried: list[Upstream], unreachable: bool) -> Plan | None:
-        """A unary call failed before any answer reached the client: an upstream could not be
-        reached (try another for the same version), or a canary failed (the stable version
-        answers instead: a canary's faults count against its breaker, never against a user)."""
-        forward = _strip(plan.forward)
-        if unreachable:
-            found, _ = self._take(plan.model, plan.version, tried, fallback_to_any=False)
-            if found is not None:
-                return self._plan_for(plan, plan.version, plan.dye, plan.fallback, found, forward)
-        if plan.dye == CANARY and plan.stable:
-            found, _ = self._take(plan.model, plan.stable, tried if unreachable else ())
-            if found is not None:
-                reason = FALLBACK_UNAVAILABLE if unreachable else FALLBACK_CANARY_FAULT
-                if plan.label != OTHER:
-                    self._metrics.fallbacks.labels(plan.model, reason).inc()
-                return self._plan_for(plan, plan.stable, STABLE, reason, found, forward)
-        return None
-
-    @staticmethod
-    def _plan_for(
-        plan: Plan,
-        version: str,
-        dye: str,
-        fallback: str,
-        found: tuple[Upstream, Breaker | None, Permit | None],
-        forward: Metadata,
-    ) -> Plan:
-        upstream, breaker, permit = found
-        forward = (*forward, (headers.MODEL_VERSION, version), (headers.MODEL_DYE, dye))
-        return Plan(
-            plan.model,
-            version,
-            dye,
-            fallback,
-            plan.stable,
-            upstream,
-            breaker,
-            permit,
-            forward,
-            plan.tenant,
-            plan.caller,
-            plan.label,
-        )
-
-    def _shadow_target(self, plan: Plan) -> tuple[str, Upstream, Metadata] | None:
-        """The canary version, an upstream whose breaker lets calls through, and the metadata."""
-        if not plan.version:
-            return None  # the model's versions are not known (yet): nothing to compare against
-        route = self._routes.table.route(plan.model)
-        _, canary = stable_and_canary(route, self._upstreams.versions(plan.model))
-        if not canary or canary == plan.version:
-            return None
-        for upstream in self._upstreams.candidates(plan.model, canary):
-            if self._breakers.get(upstream.address, plan.model, canary).would_allow():
-                md = (*_strip(plan.forward), (headers.MODEL_VERSION, canary), (headers.MODEL_DYE, "shadow"))
-                return canary, upstream, md
-        return None
-
-    def _maybe_shadow(self, info: MethodInfo, plan: Plan, request: bytes, answer: bytes) -> None:
-        """Mirror a stable answer's request to the canary (shadow.py), if the route file asks."""
-        policy = self._routes.table.shadow
-        if not self._shadows.wants(policy) or (target := self._shadow_target(plan)) is None:
-            return
-        canary, upstream, forward = target
-        method = upstream.method(info.path, "unary_unary")
-
-        async def send(message: bytes) -> bytes:
-            answer: bytes = await method(with_version(message, canary), metadata=forward, timeout=30)
-            return answer
-
-        self._shadows.mirror(policy, plan.model, info.path, request, answer, send)
-
-    def _wants_shadow(self, info: MethodInfo, plan: Plan, request: bytes | None) -> list[int] | None:
-        """A list to collect the stable stream's tokens in, when this Generate is mirrored."""
-        if info.path != SHADOWED_STREAM or plan.dye != STABLE or request is None:
-            return None
-        if not self._shadows.wants(self._routes.table.shadow) or not is_greedy(request):
-            return None
-        return []
-
-    def _shadow_generation(self, plan: Plan, request: bytes, tokens: list[int]) -> None:
-        if (target := self._shadow_target(plan)) is None:
-            return
-        canary, upstream, forward = target
-        method = upstream.method(SHADOWED_STREAM, "unary_stream")
-
-        async def send(message: bytes) -> list[int]:
-            produced: list[int] = []
-            async for event in method(with_version(message, canary), metadata=forward, timeout=120):
-                produced.extend(token_ids(event))
-            return produced
-
-        self._shadows.mirror_tokens(self._routes.table.shadow, plan.model, request, tokens, send)
-
-    def _report(
-        self,
-        plan: Plan,
-        code: grpc.StatusCode,
-        trailing: Any,
-        latency: float | None,
-        *,
-        gone: bool = False,
-    ) -> None:
-        """The attempt's outcome to its breaker; `gone`: the caller cancelled (or the sidecar is
-        shutting down), so there is no verdict on the upstream."""
-        if plan.reported or plan.breaker is None or plan.permit is None:
-            return
-        plan.reported = True
-        if gone:
-            plan.breaker.release(plan.permit)
-            return
-        has_fallback = plan.dye == CANARY and bool(plan.stable)  # its callers get stable when it opens
-        plan.breaker.report(plan.permit, is_fault(code, trailing), latency, plan.caller, has_fallback)
-
-    async def _drained(self, plan: Plan | None, context: Context) -> None:
-        """The sidecar is shutting down and this call outlived the grace: the client gets
-        UNAVAILABLE/`draining` (retry elsewhere), never a CANCELLED it did not ask for."""
-        if plan is not None:
-            self._report(plan, grpc.StatusCode.UNAVAILABLE, None, None, gone=True)
-        await context.abort(
-            grpc.StatusCode.UNAVAILABLE,
-            "the sidecar is shutting down; retry the call",
-            ((headers.ERROR_REASON, ErrorReason.DRAINING.value),),
-        )
-
-    async def drain(self, within_s: float) -> None:
-        """Shutdown: give calls in flight `within_s` to finish, then end the rest with `draining`
-        (before gRPC's own grace runs out and it cancels them)."""
-        await self._flights.drain(within_s)
-
-    def _finish(self, info: MethodInfo, plan: Plan | None, code: grpc.StatusCode, started: float) -> None:
-        if plan is not None:
-            self._report(plan, code, None, None, gone=code == grpc.StatusCode.CANCELLED)
-            if plan.tenant:
-                self._limits.release(plan.tenant)
-        method = info.path.rpartition("/")[2]
-        self._metrics.requests.labels(
-            method, plan.label if plan else "", plan.dye if plan else "", code.name
-        ).inc()
-        self._metrics.latency.labels(method).observe(time.perf_counter() - started)
-
-    # --- calls ----------------------------------------------------------------------------
-
-    async def _stream_retry(self, plan: Plan, call: Any, tried: list[Upstream]) -> Plan | None:
-        """A server stream that ended before its first message (a trailers-only answer): nothing
-        reached the client yet, so an unreachable upstream or a canary fault is retried as for
-        unary calls."""
-        code = await call.code()
-        if code == grpc.StatusCode.OK:
-            return None
-        return self._after_failure(plan, code, await call.trailing_metadata(), tried)
-
-    def _after_failure(
-        self,
-        plan: Plan,
-        code: grpc.StatusCode,
-        trailing: Any,
-        tried: list[Upstream],
-        latency: float | None = None,
-    ) -> Plan | None:
-        """An attempt failed before any answer reached the client: report it to its breaker, and
-        return the plan to try next (another upstream for an unreachable one, stable for a canary
-        fault), or None when the failure is the answer."""
-        self._report(plan, code, trailing, latency)
-        unreachable = code == grpc.StatusCode.UNAVAILABLE and not error_reason(trailing)
-        if not unreachable and not (plan.dye == CANARY and is_fault(code, trailing)):
-            return None
-        tried.append(plan.upstream)
-        return self._retry(plan, tried, unreachable)
-
-    async def _unary(self, info: MethodInfo, request: bytes, context: Context) -> bytes:
-        started = time.perf_counter()
-        code = grpc.StatusCode.OK
-        plan: Plan | None = None
-        md = tuple(context.invocation_metadata() or ())
-        span = self._tracing.server_span(info.path, md)
-        flight = self._flights.enter()
-        try:
-            try:
-                plan = self._plan(info, request, md, context.peer())
-            except Refused as refused:
-                code = refused.code
-                self._tracing.refused(span, refused.reason)
-                await context.abort(refused.code, str(refused), _refusal_md(refused))
-            tried: list[Upstream] = []
-            while True:
-                assert plan is not None
-                attempt_started = time.perf_counter()
-                with self._tracing.attempt(span, plan, info.path) as attempt:
-                    call = plan.upstream.method(info.path, "unary_unary")(
-                        plan.body(request), metadata=attempt.metadata, timeout=context.time_remaining()
+                plan = await self._first_attempt(info, first, scope, context)
+                tried: list[Upstream] = []
+                while True:
+                    scope.attempt(plan)
+                    started = time.perf_counter()
+                    request = (
+                        plan.body(first or b"") if more is None else forward.requests(first, more, plan.body)
                     )
-                    flight.follow(call)
-                    try:
-                        response: bytes = await call
-                    except grpc.aio.AioRpcError as exc:
-                        code = exc.code()
-                        trailing = exc.trailing_metadata()
-                        attempt.failed(code)
-                        # The caller's own deadline (ours is the caller's) is no fault; its
-                        # duration still tells how slow the upstream was.
-                        took = time.perf_counter() - attempt_started
-                        timed_out = code == grpc.StatusCode.DEADLINE_EXCEEDED and not error_reason(trailing)
-                        retry = self._after_failure(plan, code, trailing, tried, took if timed_out else None)
-                        if retry is None:
-                            code, details, answer_md = client_status(code, exc.details() or "", trailing)
-                            await context.abort(code, details, _with(answer_md, plan.answer_metadata))
-                        plan = retry
-                        continue
-                code = grpc.StatusCode.OK  # this attempt answered, whatever an earlier one did
-                self._report(plan, code, None, time.perf_counter() - attempt_started)
-                initial = await call.initial_metadata()
-                await context.send_initial_metadata(_with(initial, plan.answer_metadata))
-                trailing = await call.trailing_metadata()
-                if trailing:
-                    context.set_trailing_metadata(tuple(trailing))
-                if plan.dye == STABLE and info.path in SHADOWED:
-                    self._maybe_shadow(info, plan, request, response)
-                return response
-        except asyncio.CancelledError:
-            if not _ended_by_drain(flight):
-                code = grpc.StatusCode.CANCELLED
+                    with self._tracing.attempt(scope.span, plan, info.path) as attempt:
+                        try:
+                            response, call = await forward.ask(
+                                plan.upstream,
+                                info.path,
+                                info.kind,
+                                request,
+                                attempt.metadata,
+                                context.time_remaining(),
+                                scope.flight,
+                            )
+                        except forward.Failed as failed:
+                            scope.code = failed.code
+                            attempt.failed(failed.code)
+                            # The caller's own deadline (ours is the caller's) is no fault; its
+                            # duration still tells how slow the upstream was.
+                            timed_out = failed.code == grpc.StatusCode.DEADLINE_EXCEEDED and not failed.reason
+                            took = time.perf_counter() - started if timed_out else None
+                            if more is None:
+                                retry = self._after_failure(plan, failed, tried, took)
+                            else:  # the caller's stream is spent: it cannot be sent again
+                                plan.report(failed.code.name, failed.reason, took)
+                                retry = None
+                            if retry is None:
+                                await self._fail(scope, plan, failed, context)
+                            plan = retry
+                            continue
+                    scope.code = grpc.StatusCode.OK  # this attempt answered, whatever an earlier one did
+                    plan.report(
+                        scope.code.name, "", None if more is not None else time.perf_counter() - started
+                    )
+                    await forward.answer(call, context, plan.answer_metadata)
+                    if first is not None and more is None:
+                        self._mirror.answered(info.path, plan, first, response)
+                    return response
+            except asyncio.CancelledError:
+                await self._cancelled(scope, context)
                 raise
-            code = grpc.StatusCode.UNAVAILABLE
-            await self._drained(plan, context)
-            raise
-        finally:
-            self._flights.leave(flight)
-            self._tracing.end(span, plan, code)
-            self._finish(info, plan, code, started)
 
     async def _stream(
         self,
@@ -724,104 +233,120 @@ class Proxy(_Handler):
         more: AsyncIterator[bytes] | None,
         context: Context,
     ) -> AsyncIterator[bytes]:
-        started = time.perf_counter()
-        code = grpc.StatusCode.OK
-        plan: Plan | None = None
-        md = tuple(context.invocation_metadata() or ())
-        span = self._tracing.server_span(info.path, md)
-        call: Any = None
-        flight = self._flights.enter()
-        try:
+        """A call with a response stream: unary-stream, or stream-stream (`more`). Retried only
+        when it ended before its first message (a trailers-only answer): nothing reached the
+        caller yet, so an unreachable upstream or a canary fault is retried as for unary calls."""
+        with self._scopes.open(info.path, tuple(context.invocation_metadata() or ())) as scope:
+            call: Any = None
             try:
-                plan = self._plan(info, first, md, context.peer())
-            except Refused as refused:
-                code = refused.code
-                self._tracing.refused(span, refused.reason)
-                await context.abort(refused.code, str(refused), _refusal_md(refused))
-            tried: list[Upstream] = []
-            while True:
-                assert plan is not None
-                with self._tracing.attempt(span, plan, info.path) as attempt:
-                    timeout = context.time_remaining()
-                    method = plan.upstream.method(info.path, info.kind)
-                    if info.kind == "unary_stream":
-                        call = method(plan.body(first or b""), metadata=attempt.metadata, timeout=timeout)
-                    else:
-                        call = method(
-                            _requests(plan, first, more), metadata=attempt.metadata, timeout=timeout
+                plan = await self._first_attempt(info, first, scope, context)
+                tried: list[Upstream] = []
+                while True:
+                    scope.attempt(plan)
+                    request = (
+                        plan.body(first or b"") if more is None else forward.requests(first, more, plan.body)
+                    )
+                    with self._tracing.attempt(scope.span, plan, info.path) as attempt:
+                        call = forward.start(
+                            plan.upstream,
+                            info.path,
+                            info.kind,
+                            request,
+                            attempt.metadata,
+                            context.time_remaining(),
+                            scope.flight,
                         )
-                    flight.follow(call)
-                    try:
-                        initial = await call.initial_metadata()
-                        if info.kind == "unary_stream" and call.done():
-                            retry = await self._stream_retry(plan, call, tried)
-                            if retry is not None:
-                                attempt.failed(await call.code())
-                                plan = retry
-                                continue
-                        await context.send_initial_metadata(_with(initial, plan.answer_metadata))
-                        shadowed = self._wants_shadow(info, plan, first)
-                        async for message in call:
-                            if shadowed is not None:
-                                shadowed.extend(token_ids(message))
-                            yield message
-                        trailing = await call.trailing_metadata()
-                        if trailing:
-                            context.set_trailing_metadata(tuple(trailing))
-                        if shadowed is not None and first is not None:
-                            self._shadow_generation(plan, first, shadowed)
-                    except grpc.aio.AioRpcError as exc:
-                        code = exc.code()
-                        trailing = exc.trailing_metadata()
-                        self._report(plan, code, trailing, None)
-                        attempt.failed(code)
-                        code, details, answer_md = client_status(code, exc.details() or "", trailing)
-                        await context.abort(code, details, _with(answer_md, plan.answer_metadata))
-                break
-        except GeneratorExit:
-            code = grpc.StatusCode.CANCELLED
-            raise
-        except asyncio.CancelledError:
-            if not _ended_by_drain(flight):
-                code = grpc.StatusCode.CANCELLED
+                        try:
+                            if more is None and (early := await forward.ended_early(call)) is not None:
+                                retry = self._after_failure(plan, early, tried, None)
+                                if retry is not None:
+                                    attempt.failed(early.code)
+                                    plan = retry
+                                    continue
+                            shadowed = self._mirror.tokens(info.path, plan, first)
+                            async for message in forward.relay(call, context, plan.answer_metadata):
+                                if shadowed is not None:
+                                    shadowed.extend(token_ids(message))
+                                yield message
+                            if shadowed is not None and first is not None:
+                                self._mirror.generated(plan, first, shadowed)
+                        except forward.Failed as failed:
+                            scope.code = failed.code
+                            plan.report(failed.code.name, failed.reason, None)
+                            attempt.failed(failed.code)
+                            await self._fail(scope, plan, failed, context)
+                    break
+            except GeneratorExit:
+                scope.code = grpc.StatusCode.CANCELLED
                 raise
-            code = grpc.StatusCode.UNAVAILABLE
-            await self._drained(plan, context)
-            raise
-        finally:
-            if call is not None and not call.done():
-                call.cancel()  # the client went away: so does the upstream call, at once
-            self._flights.leave(flight)
-            self._tracing.end(span, plan, code)
-            self._finish(info, plan, code, started)
+            except asyncio.CancelledError:
+                await self._cancelled(scope, context)
+                raise
+            finally:
+                if call is not None and not call.done():
+                    call.cancel()  # the client went away: so does the upstream call, at once
+
+    async def _first_attempt(
+        self, info: MethodInfo, first: bytes | None, scope: Scope, context: Context
+    ) -> Plan:
+        """The call's first attempt: what it asks for (the planner), its dye, a tenant slot (the
+        scope's), an upstream whose breaker lets it through; or the sidecar's refusal."""
+        upstreams = self._upstreams
+        try:
+            asked = planner.read(first, scope.metadata, upstreams, model_addressed=info.model_addressed)
+            if not info.routed:
+                return planner.unrouted(asked, upstreams, model_addressed=info.model_addressed)
+            table = self._routes.table
+            decision = planner.routing_decision(asked, table, upstreams)
+            tenant = planner.tenant_bucket(table.tenants, asked.received)
+            if tenant:
+                scope.admit(tenant, table.tenants)
+            scope.caller = planner.caller_key(asked.received, table.stickiness_header, context.peer())
+            return planner.first(asked, decision, scope.caller, table, upstreams, self._breakers)
+        except Refused as refused:
+            await context.abort(scope.refused(refused), str(refused), refused.metadata)
+
+    def _after_failure(
+        self, plan: Plan, failed: forward.Failed, tried: list[Upstream], latency: float | None
+    ) -> Plan | None:
+        """An attempt failed before any answer reached the client: the planner's next attempt
+        (it reports the failed one to its breaker), or None when the failure is the answer."""
+        return planner.after_failure(
+            plan,
+            failed.code.name,
+            failed.reason,
+            latency,
+            tried,
+            self._routes.table,
+            self._upstreams,
+            self._breakers,
+        )
+
+    async def _fail(self, scope: Scope, plan: Plan, failed: forward.Failed, context: Context) -> NoReturn:
+        """The upstream's error is the answer (forward.client_status)."""
+        code, details, md = forward.client_status(failed.code, failed.details, failed.trailing)
+        scope.code = code
+        await context.abort(code, details, forward.with_metadata(md, plan.answer_metadata))
+
+    async def _cancelled(self, scope: Scope, context: Context) -> None:
+        """The caller cancelled: so be it. Or the sidecar is shutting down and this call outlived
+        the grace (the drain cancelled its upstream call): the client gets UNAVAILABLE/`draining`
+        (retry elsewhere), never a CANCELLED it did not ask for."""
+        if not scope.ended_by_drain():
+            scope.code = grpc.StatusCode.CANCELLED
+            return
+        scope.code = grpc.StatusCode.UNAVAILABLE
+        if scope.plan is not None:
+            scope.plan.report(scope.code.name, "", None, gone=True)
+        await context.abort(
+            grpc.StatusCode.UNAVAILABLE,
+            "the sidecar is shutting down; retry the call",
+            ((headers.ERROR_REASON, ErrorReason.DRAINING.value),),
+        )
 
 
-async def _requests(
-    plan: Plan, first: bytes | None, more: AsyncIterator[bytes] | None
-) -> AsyncIterator[bytes]:
-    if first is None:
-        return
-    yield plan.body(first)
-    if more is not None:
-        async for message in more:
-            yield plan.body(message)
-
-
-def _with(received: Iterable[Any] | None, added: Metadata) -> Metadata:
-    return (*((key, value) for key, value in received or ()), *added)
-
-
-def _strip(forward: Metadata) -> Metadata:
-    return tuple((k, v) for k, v in forward if k not in (headers.MODEL_VERSION, headers.MODEL_DYE))
-
-
-def _refusal_md(refused: Refused) -> Metadata:
-    return ((headers.ERROR_REASON, refused.reason), *refused.extra)
-
-
-def _checked(check: Any, field_value: str, field: str, received: dict[str, str], header: str) -> str:
-    """The name or version from the message's field, else from its header, through `check`."""
-    if field_value:
-        return str(check(field_value, field))
-    from_header = received.get(header, "")
-    return str(check(from_header, header)) if from_header else ""
+async def _first(requests: AsyncIterator[bytes]) -> bytes | None:
+    """The first message of the caller's stream (it names the model), or None for none."""
+    async for message in requests:
+        return message
+    return None

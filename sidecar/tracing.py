@@ -19,7 +19,7 @@ import grpc
 from modelyard.common.tracing import otlp_provider
 
 if TYPE_CHECKING:
-    from sidecar.proxy import Metadata, Plan
+    from sidecar.plan import Metadata, Plan
 
 log = logging.getLogger(__name__)
 
@@ -74,7 +74,7 @@ class Tracing:
         return span
 
     @contextmanager
-    def attempt(self, parent: Any, plan: Plan, path: str) -> Iterator[Attempt]:
+    def attempt(self, parent: Any, plan: Plan[Any], path: str) -> Iterator[Attempt]:
         if parent is None:
             yield Attempt(plan.forward)
             return
@@ -102,7 +102,7 @@ class Tracing:
         if span is not None:
             span.set_attribute("modelyard.error_reason", reason)
 
-    def end(self, span: Any, plan: Plan | None, code: grpc.StatusCode) -> None:
+    def end(self, span: Any, plan: Plan[Any] | None, code: grpc.StatusCode) -> None:
         if span is None:
             return
         from opentelemetry.trace import Status, StatusCode
@@ -137,7 +137,7 @@ class TraceIds(logging.Filter):
         return True
 
 
-def _route_attributes(plan: Plan) -> dict[str, str]:
+def _route_attributes(plan: Plan[Any]) -> dict[str, str]:
     attributes = {"modelyard.model": plan.model}
     if plan.version:
         attributes["modelyard.version"] = plan.version

@@ -8,7 +8,8 @@ import pytest
 
 from sidecar.adaptive import BreakerPolicy, State
 from sidecar.breakers import Breaker, BreakerKey, Breakers
-from sidecar.proxy import MESSAGE_MAX, caller_key, client_status, is_fault
+from sidecar.forward import MESSAGE_MAX, client_status, is_fault
+from sidecar.plan import caller_key
 
 POLICY = BreakerPolicy(
     window_s=10,

@@ -1,0 +1,179 @@
+"""The forwarder: moves one attempt's bytes and metadata between the caller and an upstream.
+
+For the four call kinds: a call with one response (unary-unary, stream-unary: `ask`, then
+`answer`) and a call with a response stream (unary-stream, stream-stream: `start`, `ended_early`,
+then `relay`). Messages are bytes, never decoded; the upstream's response metadata, trailers and
+full status (code, message, trailers) pass through. An attempt the upstream answered with an
+error raises `Failed`; what the caller then gets is `client_status` (a status message capped,
+a reason where the upstream gave none). Which upstream, which version, whether to try again:
+the planner's business (plan.py), not this module's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable, Iterable
+from typing import Any
+
+import grpc
+from modelyard.common import headers
+from modelyard.common.reasons import ErrorReason
+
+from sidecar import plan as planner
+from sidecar.plan import Metadata
+from sidecar.scope import Flight
+from sidecar.upstreams import Upstream
+
+Context = grpc.aio.ServicerContext[bytes, bytes]
+Request = bytes | AsyncIterator[bytes]  # one message, or the caller's stream of them
+
+MESSAGE_MAX = 1024  # characters of an upstream's status message passed on (then `...`)
+# A reason for every error the client gets: an upstream or gRPC itself may answer without one
+# (an unreachable upstream, a transport limit); docs/api.md's reading of a reason-less status.
+_REASON_OF_CODE = {
+    grpc.StatusCode.UNAVAILABLE: ErrorReason.UNAVAILABLE,
+    grpc.StatusCode.DEADLINE_EXCEEDED: ErrorReason.DEADLINE,
+    grpc.StatusCode.INVALID_ARGUMENT: ErrorReason.INVALID_ARGUMENT,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: ErrorReason.TOO_LARGE,
+    grpc.StatusCode.INTERNAL: ErrorReason.INTERNAL,
+    grpc.StatusCode.UNKNOWN: ErrorReason.INTERNAL,
+    grpc.StatusCode.UNIMPLEMENTED: ErrorReason.UNSUPPORTED,
+    grpc.StatusCode.FAILED_PRECONDITION: ErrorReason.FAILED_PRECONDITION,
+    grpc.StatusCode.UNAUTHENTICATED: ErrorReason.UNAUTHENTICATED,
+    grpc.StatusCode.PERMISSION_DENIED: ErrorReason.PERMISSION_DENIED,
+}
+
+
+class Failed(Exception):
+    """The upstream answered an attempt with an error status."""
+
+    def __init__(self, code: grpc.StatusCode, details: str, trailing: Any) -> None:
+        super().__init__(details)
+        self.code = code
+        self.details = details
+        self.trailing = trailing
+
+    @property
+    def reason(self) -> str:
+        return error_reason(self.trailing)
+
+
+def error_reason(trailing: Iterable[Any] | None) -> str:
+    for key, value in trailing or ():
+        if key == headers.ERROR_REASON:
+            return value if isinstance(value, str) else value.decode()
+    return ""
+
+
+def is_fault(code: grpc.StatusCode, trailing: Iterable[Any] | None) -> bool:
+    """Whether an answer counts against the upstream: the planner's rule (plan.is_fault)."""
+    return planner.is_fault(code.name, error_reason(trailing))
+
+
+def client_status(
+    code: grpc.StatusCode, details: str, trailing: Iterable[Any] | None
+) -> tuple[grpc.StatusCode, str, Metadata]:
+    """What the client gets for an upstream's error: its status message capped at MESSAGE_MAX,
+    and a reason where it had none (docs/api.md's reading of the bare code). A CANCELLED that the
+    client did not ask for (the upstream went away mid-call) is UNAVAILABLE/`unavailable`."""
+    md: Metadata = tuple((key, value) for key, value in trailing or ())
+    if len(details) > MESSAGE_MAX:
+        details = details[:MESSAGE_MAX] + "..."
+    if not error_reason(md):
+        if code == grpc.StatusCode.CANCELLED:
+            code, details = grpc.StatusCode.UNAVAILABLE, f"the upstream ended the call: {details}"
+        reason = _REASON_OF_CODE.get(code)
+        if reason is not None:
+            md = (*md, (headers.ERROR_REASON, reason.value))
+    return code, details, md
+
+
+async def requests(
+    first: bytes | None, more: AsyncIterator[bytes] | None, body: Callable[[bytes], bytes]
+) -> AsyncIterator[bytes]:
+    """The caller's request stream (its first message already read), each message through `body`."""
+    if first is None:
+        return
+    yield body(first)
+    if more is not None:
+        async for message in more:
+            yield body(message)
+
+
+def with_metadata(received: Iterable[Any] | None, added: Metadata) -> Metadata:
+    return (*((key, value) for key, value in received or ()), *added)
+
+
+# --- calls with one response: unary-unary, stream-unary ------------------------------------
+
+
+async def ask(
+    upstream: Upstream,
+    path: str,
+    kind: str,
+    request: Request,
+    metadata: Metadata,
+    time_left: float | None,
+    flight: Flight,
+) -> tuple[bytes, Any]:
+    """One attempt: the upstream's response and its finished call; `Failed` for an error."""
+    call = upstream.method(path, kind)(request, metadata=metadata, timeout=time_left)
+    flight.follow(call)
+    try:
+        response: bytes = await call
+    except grpc.aio.AioRpcError as exc:
+        raise Failed(exc.code(), exc.details() or "", exc.trailing_metadata()) from exc
+    return response, call
+
+
+async def answer(call: Any, context: Context, added: Metadata) -> None:
+    """The upstream's response headers (with the sidecar's own) and trailers to the caller."""
+    initial = await call.initial_metadata()
+    await context.send_initial_metadata(with_metadata(initial, added))
+    trailing = await call.trailing_metadata()
+    if trailing:
+        context.set_trailing_metadata(tuple(trailing))
+
+
+# --- calls with a response stream: unary-stream, stream-stream -----------------------------
+
+
+def start(
+    upstream: Upstream,
+    path: str,
+    kind: str,
+    request: Request,
+    metadata: Metadata,
+    time_left: float | None,
+    flight: Flight,
+) -> Any:
+    """One attempt's call, started; `relay` it (after `ended_early`)."""
+    call = upstream.method(path, kind)(request, metadata=metadata, timeout=time_left)
+    flight.follow(call)
+    return call
+
+
+async def ended_early(call: Any) -> Failed | None:
+    """The upstream's error when it answered the call with a status and nothing else (a
+    trailers-only answer): nothing has reached the caller yet. None while the call goes on."""
+    await call.initial_metadata()
+    if not call.done():
+        return None
+    code = await call.code()
+    if code == grpc.StatusCode.OK:
+        return None
+    return Failed(code, await call.details() or "", await call.trailing_metadata())
+
+
+async def relay(call: Any, context: Context, added: Metadata) -> AsyncIterator[bytes]:
+    """The upstream's response headers (with the sidecar's own), messages and trailers to the
+    caller; `Failed` when the upstream ends the stream with an error."""
+    try:
+        initial = await call.initial_metadata()
+        await context.send_initial_metadata(with_metadata(initial, added))
+        async for message in call:
+            yield message
+        trailing = await call.trailing_metadata()
+    except grpc.aio.AioRpcError as exc:
+        raise Failed(exc.code(), exc.details() or "", exc.trailing_metadata()) from exc
+    if trailing:
+        context.set_trailing_metadata(tuple(trailing))

@@ -1,0 +1,71 @@
+"""Which proxied calls are mirrored to the canary, and the mirror's upstream call (shadow.py
+compares the answers, in the background, bounded).
+
+A stable-dyed unary call (shadow.METHODS) is mirrored once it has answered; a stable-dyed greedy
+Generate has its tokens collected as they stream, then is mirrored. The canary's upstream is the
+planner's choice (plan.shadow_target: one whose breaker would let a call through).
+"""
+
+from __future__ import annotations
+
+from sidecar import plan as planner
+from sidecar.breakers import Breakers
+from sidecar.routes import RouteSource
+from sidecar.routing import STABLE
+from sidecar.shadow import GENERATE, METHODS, Shadows, is_greedy, token_ids
+from sidecar.upstreams import Upstream, Upstreams
+from sidecar.wire import with_version
+
+Plan = planner.Plan[Upstream]
+
+
+class Mirror:
+    def __init__(
+        self, upstreams: Upstreams, breakers: Breakers, routes: RouteSource, shadows: Shadows
+    ) -> None:
+        self._upstreams = upstreams
+        self._breakers = breakers
+        self._routes = routes
+        self._shadows = shadows
+
+    def answered(self, path: str, plan: Plan, request: bytes, answer: bytes) -> None:
+        """A unary call answered: mirror its request to the canary, if the route file asks."""
+        if plan.dye != STABLE or path not in METHODS:
+            return
+        policy = self._routes.table.shadow
+        if not self._shadows.wants(policy) or (target := self._target(plan)) is None:
+            return
+        canary, upstream, md = target
+        method = upstream.method(path, "unary_unary")
+
+        async def send(message: bytes) -> bytes:
+            answer: bytes = await method(with_version(message, canary), metadata=md, timeout=30)
+            return answer
+
+        self._shadows.mirror(policy, plan.model, path, request, answer, send)
+
+    def tokens(self, path: str, plan: Plan, request: bytes | None) -> list[int] | None:
+        """A list to collect the stable stream's tokens in, when this Generate is mirrored."""
+        if path != GENERATE or plan.dye != STABLE or request is None:
+            return None
+        if not self._shadows.wants(self._routes.table.shadow) or not is_greedy(request):
+            return None
+        return []
+
+    def generated(self, plan: Plan, request: bytes, tokens: list[int]) -> None:
+        """A mirrored Generate ended: the canary generates for the same request, to compare."""
+        if (target := self._target(plan)) is None:
+            return
+        canary, upstream, md = target
+        method = upstream.method(GENERATE, "unary_stream")
+
+        async def send(message: bytes) -> list[int]:
+            produced: list[int] = []
+            async for event in method(with_version(message, canary), metadata=md, timeout=120):
+                produced.extend(token_ids(event))
+            return produced
+
+        self._shadows.mirror_tokens(self._routes.table.shadow, plan.model, request, tokens, send)
+
+    def _target(self, plan: Plan) -> tuple[str, Upstream, planner.Metadata] | None:
+        return planner.shadow_target(plan, self._routes.table, self._upstreams, self._breakers)

@@ -1,0 +1,412 @@
+"""The planner: where one proxied call goes, what a failed attempt means, and where the next goes.
+
+Pure policy over what the sidecar knows (the route table, the versions the upstreams serve, the
+breakers): no transport (no grpc, no channels: an upstream is anything with an `address`), no
+I/O, no asyncio. Status codes are named by their gRPC names ("UNAVAILABLE"), so the forwarder
+translates; refusals are `Refused` with such a name.
+
+The path of a data call: `read` (names checked, modelyard.common.names) -> `decide` (the dye,
+routing.decide) -> the caller's tenant bucket (`tenant_bucket`; its slot is the scope's) -> `first`
+(an upstream whose breaker gives a permit; a canary falls back to stable when none does) ->
+after a failed attempt, `after_failure` (its verdict to the breaker; another upstream for an
+unreachable one, stable for a canary fault, or None: the failure is the answer).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Generic, Protocol, TypeVar
+
+from modelyard.common import headers
+from modelyard.common.names import InvalidName, check_name, check_version, echo
+from modelyard.common.reasons import ErrorReason, is_server_fault
+
+from sidecar.breakers import Breaker, Breakers, Permit
+from sidecar.limits import ANY_TENANT, TenantLimit
+from sidecar.routes import RouteTable
+from sidecar.routing import CANARY, STABLE, Decision, RoutingError, decide, stable_and_canary
+from sidecar.wire import WireError, read_model_fields, with_version
+
+Metadata = tuple[tuple[str, str | bytes], ...]
+
+OTHER = "_other"  # the one metric label of every model or tenant the sidecar holds no state for
+FALLBACK_BREAKER = "breaker-open"
+FALLBACK_UNAVAILABLE = "unavailable"
+FALLBACK_CANARY_FAULT = "canary-fault"
+# Request headers the sidecar sets itself (or that only make sense on one hop).
+_DROP = frozenset({headers.MODEL_VERSION, headers.MODEL_DYE, "user-agent", "te", "content-type"})
+# Status codes (by name) that count against an upstream when the answer carries no reason.
+FAULT_CODES = frozenset({"UNAVAILABLE", "INTERNAL", "UNKNOWN", "DEADLINE_EXCEEDED"})
+
+
+class Target(Protocol):
+    """An upstream as the planner sees it (upstreams.Upstream)."""
+
+    @property
+    def address(self) -> str: ...
+
+
+U = TypeVar("U", bound=Target)
+U_co = TypeVar("U_co", bound=Target, covariant=True)
+
+
+class Pool(Protocol[U_co]):
+    """The upstreams as the planner sees them (upstreams.Upstreams)."""
+
+    def knows(self, model: str, version: str = "") -> bool: ...
+
+    def versions(self, model: str) -> Iterable[str]: ...
+
+    def candidates(self, model: str, version: str) -> Sequence[U_co]: ...
+
+    def any(self) -> Sequence[U_co]: ...
+
+
+class Refused(Exception):
+    """The call is answered by the sidecar itself: `code` is a gRPC status code's name."""
+
+    def __init__(self, code: str, message: str, reason: str, extra: Metadata = ()) -> None:
+        super().__init__(message)
+        self.code = code
+        self.reason = reason
+        self.extra = extra
+
+    @property
+    def metadata(self) -> Metadata:
+        """The trailing metadata of the refusal."""
+        return ((headers.ERROR_REASON, self.reason), *self.extra)
+
+
+@dataclass(frozen=True, slots=True)
+class Request:
+    """What a call asks for, read from its message and headers (names checked)."""
+
+    model: str
+    pin: str
+    received: Mapping[str, str]  # the string-valued request headers
+    forward: Metadata  # request metadata for the upstream, less what the sidecar sets itself
+    known: bool  # the upstreams serve the model (WatchModels): it earns state and a label
+
+    @property
+    def label(self) -> str:
+        return self.model if self.known else OTHER
+
+
+@dataclass(slots=True)
+class Plan(Generic[U]):
+    """One attempt: where it goes and what it holds. A retry is a new Plan."""
+
+    model: str
+    version: str
+    dye: str
+    fallback: str
+    stable: str
+    upstream: U
+    breaker: Breaker | None  # None: a model (or version) the upstreams do not serve: no state
+    permit: Permit | None
+    forward: Metadata  # request metadata for the upstream
+    caller: int | None = None  # caller_key: who made the call (the breakers' leave-one-out)
+    label: str = OTHER  # the model's metric label: its name when the upstreams serve it
+    fell_back: bool = False  # this attempt is the fallback to stable (counted once)
+    reported: bool = False
+
+    @property
+    def answer_metadata(self) -> Metadata:
+        """What the client's response metadata gets from the sidecar."""
+        if not self.dye:
+            return ()
+        md: Metadata = ((headers.MODEL_DYE, self.dye),)
+        return (*md, (headers.DYE_FALLBACK, self.fallback)) if self.fallback else md
+
+    def body(self, message: bytes) -> bytes:
+        """The message with the chosen version in field 2, unless it carries one already."""
+        if not self.version or not self.dye:
+            return message
+        try:
+            fields = read_model_fields(message)
+        except WireError:
+            return message  # the upstream answers INVALID_ARGUMENT for it
+        if not fields.complete or fields.version or (fields.name and fields.name != self.model):
+            return message
+        return with_version(message, self.version)
+
+    def report(self, code: str, reason: str, latency: float | None, *, gone: bool = False) -> None:
+        """The attempt's outcome to its breaker, once; `gone`: the caller cancelled (or the
+        sidecar is shutting down), so there is no verdict on the upstream."""
+        if self.reported or self.breaker is None or self.permit is None:
+            return
+        self.reported = True
+        if gone:
+            self.breaker.release(self.permit)
+            return
+        has_fallback = self.dye == CANARY and bool(self.stable)  # its callers get stable when it opens
+        self.breaker.report(self.permit, is_fault(code, reason), latency, self.caller, has_fallback)
+
+
+Found = tuple[U, Breaker | None, Permit | None]
+
+
+def is_fault(code: str, reason: str) -> bool:
+    """Whether an answer counts against the upstream: server faults, never client mistakes or
+    load. `x-error-reason` decides (modelyard.common.reasons: `deadline`, `invalid_argument`,
+    `queue_full`... never count); without one, UNAVAILABLE, INTERNAL and UNKNOWN count, and a
+    reason-less CANCELLED from the upstream (it went away mid-call: the proxy's caller did not
+    cancel, see `forward.client_status`). A DEADLINE_EXCEEDED never counts: it is the caller's
+    deadline (ours is the caller's) or the upstream's queue timeout; a slow upstream is the
+    latency trip's business (its calls' durations are recorded)."""
+    if code == "OK" or code == "DEADLINE_EXCEEDED":
+        return False
+    if reason:
+        return is_server_fault(reason)
+    return code in FAULT_CODES or code == "CANCELLED"
+
+
+def is_unreachable(code: str, reason: str) -> bool:
+    """An UNAVAILABLE without a reason: gRPC's own (no connection), not the service's answer."""
+    return code == "UNAVAILABLE" and not reason
+
+
+def caller_key(received: Mapping[str, str], stickiness_header: str, peer: str) -> int:
+    """Who a call is, as far as the sidecar can tell: its tenant, else its user's sticky key, else
+    its connection. Only a hash is kept (in the breakers' windows)."""
+    tenant = received.get(headers.TENANT_ID)
+    if tenant:
+        return hash(("tenant", tenant))
+    user = received.get(stickiness_header)
+    if user:
+        return hash(("user", user))
+    return hash(("peer", peer))
+
+
+def tenant_bucket(tenants: Mapping[str, TenantLimit], received: Mapping[str, str]) -> str:
+    """The tenant-limit bucket of a call, or empty when no tenant is configured. A configured
+    tenant has its own bucket and label; every other one (and a call without x-tenant-id) shares
+    the `*` bucket and one label: rotating ids buys no new state."""
+    if not tenants:
+        return ""
+    named = received.get(headers.TENANT_ID) or ""
+    return named if named in tenants and named != ANY_TENANT else ANY_TENANT
+
+
+def read(request: bytes | None, md: Metadata, pool: Pool[Target], *, model_addressed: bool) -> Request:
+    """The model and pinned version a call names (its fields 1 and 2, else its headers), checked
+    by the one name rule before they reach any state, label or message."""
+    received = {key: value for key, value in md if isinstance(value, str)}
+    forward = tuple((k, v) for k, v in md if k not in _DROP and not k.startswith(":"))
+    model = pin = ""
+    if model_addressed:
+        try:
+            fields = read_model_fields(request or b"")
+        except WireError as exc:
+            raise Refused(
+                "INVALID_ARGUMENT", f"the request is not a valid message: {exc}", ErrorReason.INVALID_ARGUMENT
+            ) from exc
+        try:
+            model = _checked(check_name, fields.name, "model_name", received, headers.MODEL_NAME)
+            pin = _checked(check_version, fields.version, "model_version", received, headers.MODEL_VERSION)
+        except InvalidName as exc:
+            raise Refused("INVALID_ARGUMENT", str(exc), ErrorReason.INVALID_ARGUMENT) from exc
+    known = bool(model) and pool.knows(model)
+    return Request(model, pin, received, forward, known)
+
+
+def routing_decision(request: Request, table: RouteTable, pool: Pool[Target]) -> Decision:
+    """The version and dye of a data call (routing.decide); a bad routing header is refused."""
+    sticky = request.received.get(table.stickiness_header) or request.received.get(headers.REQUEST_ID)
+    try:
+        return decide(
+            table.route(request.model),
+            pool.versions(request.model) if request.known else (),
+            pin=request.pin,
+            sticky_key=sticky,
+            header_weight=request.received.get(headers.CANARY_WEIGHT),
+        )
+    except RoutingError as exc:
+        raise Refused("INVALID_ARGUMENT", str(exc), ErrorReason.INVALID_ARGUMENT) from exc
+
+
+def unrouted(request: Request, pool: Pool[U], *, model_addressed: bool) -> Plan[U]:
+    """A call that is not dyed: to an upstream serving the model it names, else to any; no state."""
+    candidates = pool.candidates(request.model, request.pin) if model_addressed else []
+    upstream = (candidates or pool.any())[0]
+    return Plan(
+        request.model, request.pin, "", "", "", upstream, None, None, request.forward, label=request.label
+    )
+
+
+def first(
+    request: Request, decision: Decision, caller: int, table: RouteTable, pool: Pool[U], breakers: Breakers
+) -> Plan[U]:
+    """The first attempt of a data call: an upstream for the decided version whose breaker lets
+    the call through; a canary with none falls back to stable (`breaker-open` when a breaker
+    refused, else `unavailable`); with none for the version either, the call is refused."""
+    found, blocked = take(request.model, decision.version, (), table, pool, breakers)
+    dye, version, fallback = decision.dye, decision.version, ""
+    if found is None and decision.dye == CANARY and decision.stable:
+        fallback = FALLBACK_BREAKER if blocked else FALLBACK_UNAVAILABLE
+        dye, version = STABLE, decision.stable
+        found, _ = take(request.model, version, (), table, pool, breakers)
+    if found is None:
+        if blocked:
+            raise Refused(
+                "UNAVAILABLE",
+                f"model {echo(request.model)} version {echo(version)}: circuit breaker open",
+                ErrorReason.BREAKER_OPEN,
+            )
+        raise Refused(
+            "UNAVAILABLE",
+            f"model {echo(request.model)} version {echo(version or '(default)')}: no upstream left to try",
+            ErrorReason.UNAVAILABLE,
+        )
+    upstream, breaker, permit = found
+    forward = request.forward
+    if version:
+        forward = (*forward, (headers.MODEL_VERSION, version), (headers.MODEL_DYE, dye))
+    return Plan(
+        request.model,
+        version,
+        dye,
+        fallback,
+        decision.stable,
+        upstream,
+        breaker,
+        permit,
+        forward,
+        caller,
+        request.label,
+        fell_back=bool(fallback),
+    )
+
+
+def after_failure(
+    plan: Plan[U],
+    code: str,
+    reason: str,
+    latency: float | None,
+    tried: list[U],
+    table: RouteTable,
+    pool: Pool[U],
+    breakers: Breakers,
+) -> Plan[U] | None:
+    """An attempt failed before any answer reached the client: its verdict goes to its breaker,
+    and the next attempt is returned (another upstream for an unreachable one, stable for a
+    canary fault: a canary's faults count against its breaker, never against a user), or None
+    when the failure is the answer. `tried` gathers the upstreams tried so far."""
+    plan.report(code, reason, latency)
+    unreachable = is_unreachable(code, reason)
+    if not unreachable and not (plan.dye == CANARY and is_fault(code, reason)):
+        return None
+    tried.append(plan.upstream)
+    forward = _strip(plan.forward)
+    if unreachable:
+        found, _ = take(plan.model, plan.version, tried, table, pool, breakers, fallback_to_any=False)
+        if found is not None:
+            return _next(plan, plan.version, plan.dye, plan.fallback, found, forward)
+    if plan.dye == CANARY and plan.stable:
+        found, _ = take(plan.model, plan.stable, tried if unreachable else (), table, pool, breakers)
+        if found is not None:
+            reason = FALLBACK_UNAVAILABLE if unreachable else FALLBACK_CANARY_FAULT
+            return _next(plan, plan.stable, STABLE, reason, found, forward, fell_back=True)
+    return None
+
+
+def shadow_target(
+    plan: Plan[U], table: RouteTable, pool: Pool[U], breakers: Breakers
+) -> tuple[str, U, Metadata] | None:
+    """Where a stable answer's request is mirrored: the canary version, an upstream whose breaker
+    would let a call through (no permit is taken), and the metadata; None when there is none."""
+    if not plan.version:
+        return None  # the model's versions are not known (yet): nothing to compare against
+    _, canary = stable_and_canary(table.route(plan.model), pool.versions(plan.model))
+    if not canary or canary == plan.version:
+        return None
+    for upstream in pool.candidates(plan.model, canary):
+        if breakers.get(upstream.address, plan.model, canary).would_allow():
+            md = (*_strip(plan.forward), (headers.MODEL_VERSION, canary), (headers.MODEL_DYE, "shadow"))
+            return canary, upstream, md
+    return None
+
+
+def is_stateful(model: str, version: str, table: RouteTable, pool: Pool[Target]) -> bool:
+    """Whether a (model, version) gets a breaker: only what the upstreams serve (WatchModels),
+    or a version the route names for a served model. Anything a client makes up is forwarded
+    without state, and answered by the upstream (NOT_FOUND)."""
+    if not model or not pool.knows(model):
+        return False
+    if not version or pool.knows(model, version):
+        return True
+    route = table.models.get(model)
+    return route is not None and version in (route.stable, route.canary)
+
+
+def take(
+    model: str,
+    version: str,
+    exclude: Sequence[U],
+    table: RouteTable,
+    pool: Pool[U],
+    breakers: Breakers,
+    fallback_to_any: bool = True,
+) -> tuple[Found[U] | None, bool]:
+    """The first upstream for the version whose breaker lets a call through (its permit taken);
+    and whether a breaker refused. With no upstream known to serve it, any (it answers NOT_FOUND
+    itself), unless `fallback_to_any` is off."""
+    blocked = False
+    candidates = pool.candidates(model, version)
+    if not candidates and fallback_to_any:
+        candidates = pool.any()
+    stateful = is_stateful(model, version, table, pool)
+    for upstream in candidates:
+        if upstream in exclude:
+            continue
+        if not stateful:
+            return (upstream, None, None), blocked
+        breaker = breakers.get(upstream.address, model, version)
+        permit = breaker.allow()
+        if permit is not None:
+            return (upstream, breaker, permit), blocked
+        blocked = True
+    return None, blocked
+
+
+def _next(
+    plan: Plan[U],
+    version: str,
+    dye: str,
+    fallback: str,
+    found: Found[U],
+    forward: Metadata,
+    *,
+    fell_back: bool = False,
+) -> Plan[U]:
+    upstream, breaker, permit = found
+    forward = (*forward, (headers.MODEL_VERSION, version), (headers.MODEL_DYE, dye))
+    return Plan(
+        plan.model,
+        version,
+        dye,
+        fallback,
+        plan.stable,
+        upstream,
+        breaker,
+        permit,
+        forward,
+        plan.caller,
+        plan.label,
+        fell_back=fell_back,
+    )
+
+
+def _strip(forward: Metadata) -> Metadata:
+    return tuple((k, v) for k, v in forward if k not in (headers.MODEL_VERSION, headers.MODEL_DYE))
+
+
+def _checked(
+    check: Callable[[str, str], str], field_value: str, field: str, received: Mapping[str, str], header: str
+) -> str:
+    """The name or version from the message's field, else from its header, through `check`."""
+    if field_value:
+        return str(check(field_value, field))
+    from_header = received.get(header, "")
+    return str(check(from_header, header)) if from_header else ""

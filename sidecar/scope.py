@@ -1,0 +1,181 @@
+"""The per-call scope: what one proxied call holds from its first byte to its answer.
+
+A call's server span (tracing.py), its place among the calls in flight (so that shutdown can end
+it with an answer), its tenant slot (limits.py), who it came from (plan.caller_key), its current
+attempt (a Plan: its breaker permit is settled when the call ends, if no failed attempt settled
+it before), and its metrics. Entered once per call (`Scopes.open`, a `with` block) and closed
+exactly once, whichever way the call ends.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any
+
+import grpc
+from modelyard.common import headers
+from modelyard.common.reasons import ErrorReason
+
+from sidecar.limits import ANY_TENANT, TenantLimit, TenantLimits
+from sidecar.metrics import SidecarMetrics
+from sidecar.plan import OTHER, Metadata, Plan, Refused
+from sidecar.tracing import Tracing
+
+
+@dataclass(eq=False, slots=True)
+class Flight:
+    """One call being served; `drained` once shutdown ended its upstream call."""
+
+    call: Any = None
+    drained: bool = False
+
+    def follow(self, call: Any) -> None:
+        self.call = call
+        if self.drained:
+            call.cancel()
+
+
+class Flights:
+    """The calls in flight, so that shutdown can end them with an answer."""
+
+    def __init__(self) -> None:
+        self._flights: set[Flight] = set()
+        self._empty = asyncio.Event()
+        self._empty.set()
+        self._draining = False
+
+    def enter(self) -> Flight:
+        flight = Flight(drained=self._draining)
+        self._flights.add(flight)
+        self._empty.clear()
+        return flight
+
+    def leave(self, flight: Flight) -> None:
+        self._flights.discard(flight)
+        if not self._flights:
+            self._empty.set()
+
+    async def drain(self, within_s: float) -> None:
+        try:
+            await asyncio.wait_for(self._empty.wait(), max(0.0, within_s))
+            return
+        except TimeoutError:
+            pass
+        self._draining = True
+        for flight in list(self._flights):
+            flight.drained = True
+            if flight.call is not None:
+                flight.call.cancel()
+        # The handlers answer at once (their upstream call raised); a moment for them to do so.
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._empty.wait(), 0.5)
+
+
+class Scope:
+    """One call. `code` is the status the client gets (set as the call goes); `plan` the current
+    attempt (None until planned, and for a call refused before it had one)."""
+
+    __slots__ = (
+        "_closed",
+        "_scopes",
+        "_started",
+        "_tenant",
+        "caller",
+        "code",
+        "flight",
+        "metadata",
+        "path",
+        "plan",
+        "span",
+    )
+
+    def __init__(self, scopes: Scopes, path: str, md: Metadata) -> None:
+        self._scopes = scopes
+        self._started = time.perf_counter()
+        self._tenant = ""
+        self._closed = False
+        self.path = path
+        self.metadata = md  # the call's request metadata, read once
+        self.code = grpc.StatusCode.OK
+        self.plan: Plan[Any] | None = None
+        self.caller: int | None = None
+        self.span = scopes.tracing.server_span(path, md)
+        self.flight = scopes.flights.enter()
+
+    def __enter__(self) -> Scope:
+        return self
+
+    def __exit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+    def admit(self, tenant: str, limits: Mapping[str, TenantLimit]) -> None:
+        """Take a slot in the tenant's bucket for this call (held until it closes), or refuse."""
+        refusal = self._scopes.limits.acquire(tenant, limits)
+        if refusal is not None:
+            self._scopes.metrics.tenant_refusals.labels(tenant if tenant != ANY_TENANT else OTHER).inc()
+            retry_ms = str(max(1, round(refusal.retry_after_s * 1000)))
+            raise Refused(
+                "RESOURCE_EXHAUSTED",
+                refusal.message,
+                ErrorReason.TENANT_LIMIT,
+                ((headers.RETRY_PUSHBACK_MS, retry_ms),),
+            )
+        self._tenant = tenant
+
+    def attempt(self, plan: Plan[Any]) -> None:
+        """The call's attempt is now `plan` (a fallback to stable is counted here, once)."""
+        self.plan = plan
+        if plan.fell_back and plan.label != OTHER:
+            self._scopes.metrics.fallbacks.labels(plan.model, plan.fallback).inc()
+
+    def refused(self, refused: Refused) -> grpc.StatusCode:
+        """The sidecar answers the call itself; the status code it answers with."""
+        self.code = grpc.StatusCode[refused.code]
+        self._scopes.tracing.refused(self.span, refused.reason)
+        return self.code
+
+    def ended_by_drain(self) -> bool:
+        """Whether a CancelledError came from the drain (it cancelled the upstream call), not from
+        the client's cancel (which cancels the handler's task)."""
+        task = asyncio.current_task()
+        return self.flight.drained and (task is None or not task.cancelling())
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        scopes, plan, code = self._scopes, self.plan, self.code
+        scopes.flights.leave(self.flight)
+        scopes.tracing.end(self.span, plan, code)
+        if plan is not None:
+            plan.report(code.name, "", None, gone=code == grpc.StatusCode.CANCELLED)
+        if self._tenant:
+            scopes.limits.release(self._tenant)
+        method = self.path.rpartition("/")[2]
+        scopes.metrics.requests.labels(
+            method, plan.label if plan else "", plan.dye if plan else "", code.name
+        ).inc()
+        scopes.metrics.latency.labels(method).observe(time.perf_counter() - self._started)
+
+
+class Scopes:
+    """Opens the scope of each call; what every scope shares."""
+
+    def __init__(self, limits: TenantLimits, metrics: SidecarMetrics, tracing: Tracing) -> None:
+        self.limits = limits
+        self.metrics = metrics
+        self.tracing = tracing
+        self.flights = Flights()
+
+    def open(self, path: str, md: Metadata) -> Scope:
+        return Scope(self, path, md)
+
+    async def drain(self, within_s: float) -> None:
+        await self.flights.drain(within_s)
