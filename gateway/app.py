@@ -39,7 +39,7 @@ def build_app(
     settings: Settings, upstream: Upstream, registry: Registry, metrics: GatewayMetrics
 ) -> Starlette:
     generate = GenerateEndpoints(upstream, registry, settings, metrics)
-    openai = openai_api.OpenAIEndpoints(upstream, generate, settings)
+    openai = openai_api.OpenAIEndpoints(upstream, settings)
     kserve = kserve_rest.KServeEndpoints(upstream, settings)
 
     async def metrics_endpoint(request: Request) -> Response:

@@ -26,7 +26,6 @@ from starlette.types import Receive, Scope, Send
 
 from gateway import chat_template, errors, http
 from gateway.config import Settings
-from gateway.generate import GenerateEndpoints
 from gateway.sse import SSE_HEADERS
 from gateway.streams import FINISH_REASONS
 from gateway.upstream import EOF, Upstream, forward, metadata_value, returned
@@ -62,9 +61,8 @@ def error_response(exc: errors.HttpError) -> Response:
 
 
 class OpenAIEndpoints:
-    def __init__(self, upstream: Upstream, generate: GenerateEndpoints, settings: Settings) -> None:
+    def __init__(self, upstream: Upstream, settings: Settings) -> None:
         self.upstream = upstream
-        self.generate = generate
         self.settings = settings
 
     async def models(self, request: Request) -> Response:
