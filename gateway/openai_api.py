@@ -9,7 +9,6 @@ call at once.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import secrets
 import time
@@ -24,9 +23,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.types import Receive, Scope, Send
 
-from gateway import chat_template, errors, http
+from gateway import chat_template, errors, http, streaming
 from gateway.config import Settings
-from gateway.sse import SSE_HEADERS
 from gateway.streams import FINISH_REASONS
 from gateway.upstream import EOF, Upstream, forward, metadata_value, returned
 
@@ -161,7 +159,7 @@ class OpenAIEndpoints:
         chunks = _Chunks(ident, model, kind, int(time.time()))
         if stream:
             events = chunks.stream(first, call, include_usage)
-            return _EventStream(events, call, {**SSE_HEADERS, **served})
+            return _EventStream(events, call, {**streaming.EVENT_STREAM_HEADERS, **served})
         try:
             responses = [first, *[r async for r in _rest(call)]]
         except grpc.aio.AioRpcError as exc:
@@ -269,28 +267,11 @@ class _EventStream(Response):
         self.response_headers = response_headers
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        await send(
-            {
-                "type": "http.response.start",
-                "status": 200,
-                "headers": [(k.encode(), v.encode()) for k, v in self.response_headers.items()],
-            }
-        )
-
-        async def write() -> None:
-            async for chunk in self.events:
-                await send({"type": "http.response.body", "body": chunk, "more_body": True})
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
-
-        async def gone() -> None:
-            while (await receive())["type"] != "http.disconnect":
-                pass
-
-        tasks = {asyncio.ensure_future(write()), asyncio.ensure_future(gone())}
         try:
-            await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+            await streaming.stream(send, receive, self.response_headers, self._write)
         finally:
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
             self.call.cancel()
+
+    async def _write(self, write: streaming.Write) -> None:
+        async for chunk in self.events:
+            await write(chunk)
