@@ -22,11 +22,13 @@ from starlette.routing import BaseRoute, Mount, Route
 from starlette.staticfiles import StaticFiles
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from gateway import errors, kserve_rest, openai_api
+from gateway import errors
 from gateway.config import Settings
-from gateway.generate import GenerateEndpoints
+from gateway.kserve import serving as kserve_rest
 from gateway.listener import Limits, protocol_class
 from gateway.metrics import GatewayMetrics
+from gateway.openai import serving as openai_api
+from gateway.sse.serving import GenerateEndpoints
 from gateway.streams import Registry
 from gateway.tls import UpstreamTls, listener_context
 from gateway.upstream import Upstream

@@ -21,7 +21,7 @@ from starlette.responses import Response
 from gateway import errors, http
 from gateway.config import Settings
 from gateway.metrics import GatewayMetrics
-from gateway.sse import SSEResponse
+from gateway.sse.response import SSEResponse
 from gateway.streams import Evicted, Registry, Stream, parse_id
 from gateway.upstream import Metadata, Upstream, forward
 

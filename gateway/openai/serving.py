@@ -23,8 +23,9 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.types import Receive, Scope, Send
 
-from gateway import chat_template, errors, http, streaming
+from gateway import errors, http, streaming
 from gateway.config import Settings
+from gateway.openai import chat_template
 from gateway.streams import FINISH_REASONS
 from gateway.upstream import EOF, Upstream, forward, metadata_value, returned
 
