@@ -6,8 +6,16 @@ from starlette.routing import Route
 
 from gateway import mount
 from gateway.config import Settings
-from gateway.openai.serving import OpenAIEndpoints, error_response, is_openai_path
+from gateway.openai.protocol import error_response
+from gateway.openai.serving import OpenAIEndpoints
 from gateway.upstream import Upstream
+
+PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/models")
+
+
+def owns(path: str) -> bool:
+    """These paths (and their trailing-slash forms) answer in OpenAI's error object."""
+    return path.rstrip("/") in PATHS
 
 
 def api(upstream: Upstream, settings: Settings) -> mount.Api:
@@ -17,4 +25,4 @@ def api(upstream: Upstream, settings: Settings) -> mount.Api:
         Route("/v1/completions", openai.completions, methods=["POST"]),
         Route("/v1/chat/completions", openai.chat_completions, methods=["POST"]),
     ]
-    return mount.Api("openai", is_openai_path, routes, error_response)
+    return mount.Api("openai", owns, routes, error_response)
