@@ -1,5 +1,6 @@
 """The composition root: `build_gateway(settings)` wires the upstream channel, the stream registry,
-the endpoints and the HTTP server; `Gateway` is the process that run_process drives."""
+the APIs (one sub-application each: sse, openai, kserve) and the HTTP server; `Gateway` is the
+process that run_process drives."""
 
 from __future__ import annotations
 
