@@ -1,2 +1,17 @@
 """The HTTP side for browsers and HTTP clients: SSE transcoding of Generate, an OpenAI-compatible API,
-a small browser page. Calls the sidecar over gRPC; imports only the contracts (modelyard.*)."""
+KServe V2 over REST, a small browser page. Calls the sidecar over gRPC; imports only the contracts
+(modelyard.*).
+
+One package per API, each mounted in the root application (app.py) as a sub-application of its
+own (mount.py), and none importing another (import-linter):
+- sse/: app.py (routes, errors.py's body), protocol.py (the request model and event shapes),
+  serving.py (start or resume a stream), response.py (an SSE connection on a stream);
+- openai/: app.py (routes, OpenAI's error object), protocol.py (request and response models),
+  serving.py (the endpoints, the streamed chunks), chat_template.py;
+- kserve/: app.py (routes, KServe's error body), protocol.py (request and response models),
+  tensors.py (JSON elements <-> raw bytes), serving.py (the endpoints).
+Shared by them: http.py (the one intake: bounded strict JSON, typed and ranged fields, names),
+upstream.py (the channel, forwarded and returned headers), errors.py (gRPC outcomes -> HTTP),
+streams.py (generation streams and their resume buffer), streaming.py (the one streaming
+response), metrics.py, listener.py (the connection guard), config.py, tls.py.
+"""

@@ -1,5 +1,6 @@
 """The composition root: `build_gateway(settings)` wires the upstream channel, the stream registry,
-the endpoints and the HTTP server; `Gateway` is the process that run_process drives."""
+the APIs (one sub-application each: sse, openai, kserve) and the HTTP server; `Gateway` is the
+process that run_process drives."""
 
 from __future__ import annotations
 
@@ -10,23 +11,23 @@ import socket
 from pathlib import Path
 
 import uvicorn
-from modelyard.common.reasons import ErrorReason
 from modelyard.common.settings import split_address
 from modelyard.common.tls import TlsFiles, warn_if_plaintext
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.applications import Starlette
-from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, RedirectResponse, Response
 from starlette.routing import BaseRoute, Mount, Route
 from starlette.staticfiles import StaticFiles
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from gateway import errors, kserve_rest, openai_api
+from gateway import mount
 from gateway.config import Settings
-from gateway.generate import GenerateEndpoints
+from gateway.kserve import app as kserve_app
 from gateway.listener import Limits, protocol_class
 from gateway.metrics import GatewayMetrics
+from gateway.openai import app as openai_app
+from gateway.sse import app as sse_app
 from gateway.streams import Registry
 from gateway.tls import UpstreamTls, listener_context
 from gateway.upstream import Upstream
@@ -38,10 +39,6 @@ STATIC = Path(__file__).parent / "static"
 def build_app(
     settings: Settings, upstream: Upstream, registry: Registry, metrics: GatewayMetrics
 ) -> Starlette:
-    generate = GenerateEndpoints(upstream, registry, settings, metrics)
-    openai = openai_api.OpenAIEndpoints(upstream, generate, settings)
-    kserve = kserve_rest.KServeEndpoints(upstream, settings)
-
     async def metrics_endpoint(request: Request) -> Response:
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
@@ -51,53 +48,21 @@ def build_app(
     async def index(request: Request) -> Response:
         return RedirectResponse("/static/index.html")
 
+    # One sub-application per API, each owning its own paths and answering errors in its
+    # protocol's body; the rest (metrics, health, the page) is the root's.
     routes: list[BaseRoute] = [
-        Route("/v1/models/{model}/generate", generate.post, methods=["POST"]),
-        Route("/v1/models/{model}/generate", generate.get, methods=["GET"]),
-        Route("/v1/models", openai.models, methods=["GET"]),
-        Route("/v1/completions", openai.completions, methods=["POST"]),
-        Route("/v1/chat/completions", openai.chat_completions, methods=["POST"]),
-        Route("/v2/health/live", kserve.live, methods=["GET"]),
-        Route("/v2/health/ready", kserve.ready, methods=["GET"]),
-        Route("/v2", kserve.server_metadata, methods=["GET"]),
-        Route("/v2/models/{model}", kserve.model_metadata, methods=["GET"]),
-        Route("/v2/models/{model}/versions/{version}", kserve.model_metadata, methods=["GET"]),
-        Route("/v2/models/{model}/ready", kserve.model_ready, methods=["GET"]),
-        Route("/v2/models/{model}/versions/{version}/ready", kserve.model_ready, methods=["GET"]),
-        Route("/v2/models/{model}/infer", kserve.infer, methods=["POST"]),
-        Route("/v2/models/{model}/versions/{version}/infer", kserve.infer, methods=["POST"]),
+        openai_app.api(upstream, settings),
+        sse_app.api(upstream, registry, settings, metrics),
+        kserve_app.api(upstream, settings),
         Route("/metrics", metrics_endpoint, methods=["GET"]),
         Route("/healthz", live, methods=["GET"]),
     ]
     if STATIC.is_dir():
         routes += [Route("/", index, methods=["GET"]), Mount("/static", StaticFiles(directory=STATIC))]
-    app = Starlette(
-        routes=routes,
-        exception_handlers={
-            errors.HttpError: _error_response,  # type: ignore[dict-item]
-            HTTPException: _starlette_error,  # type: ignore[dict-item]  # no route (404), wrong method (405)
-        },
-    )
+    # No route (404), a wrong method (405) or an error outside the APIs: errors.py's body.
+    app = Starlette(routes=routes, exception_handlers=mount.error_handlers(mount.error_body))
     app.add_middleware(_Counted, metrics=metrics)
     return app
-
-
-async def _error_response(request: Request, exc: errors.HttpError) -> Response:
-    if openai_api.is_openai_path(request.url.path):
-        return openai_api.error_response(exc)
-    if request.url.path.startswith("/v2"):  # KServe V2: {"error": "<message>"}, as tritonclient reads it
-        body = {"error": exc.message, "code": exc.code, "reason": exc.reason}
-        return JSONResponse(body, status_code=exc.status, headers=exc.headers())
-    return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers())
-
-
-async def _starlette_error(request: Request, exc: HTTPException) -> Response:
-    """Starlette's own answers (no such route, a method a route lacks) in the same error body."""
-    code = "NOT_FOUND" if exc.status_code == 404 else "UNIMPLEMENTED"
-    error = errors.HttpError(exc.status_code, code, ErrorReason.UNSUPPORTED, f"{request.method} {exc.detail}")
-    if exc.status_code < 400 or exc.status_code >= 500:
-        error = errors.HttpError(exc.status_code, code, ErrorReason.INTERNAL, str(exc.detail))
-    return await _error_response(request, error)
 
 
 class _Counted:

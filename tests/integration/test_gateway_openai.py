@@ -11,9 +11,9 @@ import openai
 import pytest
 import pytest_asyncio
 
-from gateway import chat_template
 from gateway.app import Gateway
 from gateway.config import Settings as GatewaySettings
+from gateway.openai import chat_template
 from models import demo_models
 from service.config import Settings
 from service.server import build_service

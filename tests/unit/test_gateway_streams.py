@@ -12,7 +12,7 @@ from modelyard.inference.v1 import inference_service_pb2 as pb
 
 from gateway import errors
 from gateway.metrics import GatewayMetrics
-from gateway.sse import HEARTBEAT, SSEResponse
+from gateway.sse.response import HEARTBEAT, SSEResponse
 from gateway.streams import DONE, TOKEN, Evicted, Registry, Stream, parse_id
 
 

@@ -1,10 +1,7 @@
 """SSE generation: `POST /v1/models/{model}/generate` (JSON body) and `GET` with query parameters
-(for EventSource). A request with `Last-Event-ID` (header, or `last_event_id` query parameter)
-resumes the stream it names instead of starting a generation.
-
-Events: `token` {text, token_ids, index, model_version}, `done` {finish_reason, usage,
-time_to_first_token_ms, model_version}, `error` {status, code, reason, message}. Each has
-`id: <stream>:<seq>`. A failure before the first event is an HTTP error instead (errors.py).
+(for EventSource), the fields and events of protocol.py. A request with `Last-Event-ID` (header,
+or `last_event_id` query parameter) resumes the stream it names instead of starting a
+generation. A failure before the first event is an HTTP error instead (errors.py).
 """
 
 from __future__ import annotations
@@ -21,44 +18,10 @@ from starlette.responses import Response
 from gateway import errors, http
 from gateway.config import Settings
 from gateway.metrics import GatewayMetrics
-from gateway.sse import SSEResponse
+from gateway.sse import protocol
+from gateway.sse.response import SSEResponse
 from gateway.streams import Evicted, Registry, Stream, parse_id
 from gateway.upstream import Metadata, Upstream, forward
-
-_QUERY_NUMBERS: dict[str, type] = {
-    "max_tokens": int,
-    "temperature": float,
-    "top_k": int,
-    "top_p": float,
-    "seed": int,
-    "priority": int,
-}
-
-
-def generate_request(model: str, body: dict[str, Any], request_id: str) -> pb.GenerateRequest:
-    """A GenerateRequest from the JSON fields (or query parameters); 422 naming a field that is
-    missing or mistyped, 400 naming one whose value the field cannot hold."""
-    prompt = http.check_string(http.get_str(body, "prompt", "") or "", "prompt")
-    token_ids = body.get("prompt_token_ids")
-    token_ids = [] if token_ids is None else http.int_list(token_ids, "prompt_token_ids", http.INT64)
-    if not prompt and not token_ids:
-        raise http.invalid("prompt", "required (or prompt_token_ids)")
-    request = pb.GenerateRequest(
-        model_name=http.model_name(model, "model"),
-        model_version=http.model_version(http.get_str(body, "model_version", "") or "", "model_version"),
-        prompt=prompt,
-        prompt_token_ids=token_ids,
-        max_tokens=http.get_int(body, "max_tokens", http.UINT32),
-        temperature=http.get_float(body, "temperature"),
-        top_k=http.get_int(body, "top_k", http.UINT32),
-        top_p=http.get_float(body, "top_p"),
-        stop=[http.check_string(s, "stop") for s in http.get_str_list(body, "stop")],
-        request_id=request_id,
-        priority=http.get_int(body, "priority", http.UINT32),
-    )
-    if body.get("seed") is not None:
-        request.seed = http.get_int(body, "seed", http.UINT64)
-    return request
 
 
 class GenerateEndpoints:
@@ -82,7 +45,7 @@ class GenerateEndpoints:
         last = _last_event_id(request)
         if last is not None:
             return self._resume(model, last)
-        return await self.start(request, model, http.query_fields(request, _QUERY_NUMBERS))
+        return await self.start(request, model, http.query_fields(request, protocol.QUERY_NUMBERS))
 
     async def open_stream(self, generate: pb.GenerateRequest, metadata: Metadata) -> Stream:
         """Start the upstream call and wait for its first event; the stream has one reader attached
@@ -107,7 +70,7 @@ class GenerateEndpoints:
 
     async def start(self, request: Request, model: str, body: dict[str, Any]) -> Response:
         metadata = forward(request.headers)  # 400 before anything starts when a header cannot travel
-        generate = generate_request(model, body, request.headers.get(headers.REQUEST_ID, ""))
+        generate = protocol.parse_generate(model, body, request.headers.get(headers.REQUEST_ID, "")).message()
         stream = await self.open_stream(generate, metadata)
         return self._respond(stream, 0)
 

@@ -3,21 +3,15 @@ of the stream (see streams.Registry.detach) the moment the client disconnects.""
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Mapping
 
 from starlette.responses import Response
-from starlette.types import Message, Receive, Scope, Send
+from starlette.types import Receive, Scope, Send
 
+from gateway import streaming
 from gateway.metrics import GatewayMetrics
 from gateway.streams import Evicted, Registry, Stream, encode, format_id
 
-# Headers that stop proxies and browsers from buffering or caching the stream.
-SSE_HEADERS = {
-    "content-type": "text/event-stream; charset=utf-8",
-    "cache-control": "no-cache",
-    "x-accel-buffering": "no",
-}
 HEARTBEAT = b": keep-alive\n\n"
 LAGGED = b'event: error\ndata: {"status":410,"code":"OUT_OF_RANGE","reason":"resume_too_old",' + (
     b'"message":"this connection fell behind the stream buffer"}\n\n'
@@ -44,35 +38,23 @@ class SSEResponse(Response):
         self.metrics = metrics
         self.heartbeat_s = heartbeat_s
         self.retry_ms = retry_ms
-        self.response_headers = {**SSE_HEADERS, **stream.headers, "x-stream-id": stream.id, **extra_headers}
+        self.response_headers = {
+            **streaming.EVENT_STREAM_HEADERS,
+            **stream.headers,
+            "x-stream-id": stream.id,
+            **extra_headers,
+        }
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         self.metrics.attached.inc()
         try:
-            await send(
-                {
-                    "type": "http.response.start",
-                    "status": 200,
-                    "headers": [(k.encode(), v.encode()) for k, v in self.response_headers.items()],
-                }
-            )
-            writer = asyncio.ensure_future(self._write(send))
-            gone = asyncio.ensure_future(_disconnected(receive))
-            try:
-                await asyncio.wait({writer, gone}, return_when=asyncio.FIRST_COMPLETED)
-            finally:
-                for task in (writer, gone):
-                    task.cancel()
-                await asyncio.gather(writer, gone, return_exceptions=True)
-            if writer.done() and not writer.cancelled() and writer.exception() is None:
-                await send({"type": "http.response.body", "body": b"", "more_body": False})
-            else:
+            if not await streaming.stream(send, receive, self.response_headers, self._write):
                 self.metrics.disconnects.inc()
         finally:
             self.metrics.attached.dec()
             self.registry.detach(self.stream)
 
-    async def _write(self, send: Send) -> None:
+    async def _write(self, write: streaming.Write) -> None:
         stream = self.stream
         # The retry hint first, and a comment naming the stream (an id for logs and for resume by
         # hand), in the same write as the events already there.
@@ -82,30 +64,19 @@ class SSEResponse(Response):
             try:
                 events = stream.since(position)
             except Evicted:  # a second reader of the same stream ran ahead of this one
-                await _body(send, preamble + LAGGED)
+                await write(preamble + LAGGED)
                 return
             if not events:
                 if preamble:
-                    await _body(send, preamble)
+                    await write(preamble)
                     preamble = b""
                 await stream.wait_change(self.heartbeat_s)
                 if not stream.since(position):
-                    await _body(send, HEARTBEAT)
+                    await write(HEARTBEAT)
                 continue
-            await _body(send, preamble + b"".join(e.wire or encode(stream.id, e) for e in events))
+            await write(preamble + b"".join(e.wire or encode(stream.id, e) for e in events))
             preamble = b""
             position = events[-1].seq + 1
             stream.delivered(events[-1].seq)
             if events[-1].terminal:
                 return
-
-
-async def _body(send: Send, chunk: bytes) -> None:
-    await send({"type": "http.response.body", "body": chunk, "more_body": True})
-
-
-async def _disconnected(receive: Receive) -> None:
-    """Returns when the client has gone (request body messages left unread are skipped)."""
-    message: Message = await receive()
-    while message["type"] != "http.disconnect":
-        message = await receive()

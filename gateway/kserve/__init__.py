@@ -1,0 +1,1 @@
+"""The KServe V2 / Open Inference Protocol REST API: `/v2/...`."""

@@ -1,0 +1,204 @@
+"""The OpenAI API's request and response models.
+
+Requests: `parse_completion` (/v1/completions: `prompt` a string, a list of one string, or token
+ids) and `parse_chat_completion` (/v1/chat/completions: `messages`, rendered by chat_template),
+each a `CompletionRequest`: the upstream GenerateRequest, the forwarded headers, and how to
+answer (streaming, usage). Fields are checked by the shared intake (gateway/http.py), in the
+order below; the forwarded headers are checked where OpenAI's sampling fields begin.
+
+Responses: `Chunks` makes OpenAI's objects for one completion (the whole answer, or the stream's
+`data: {chunk}` events ending in `data: [DONE]`); errors are OpenAI's error object.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from modelyard.common import headers
+from modelyard.inference.v1 import inference_service_pb2 as pb
+from starlette.responses import JSONResponse, Response
+
+from gateway import errors, http
+from gateway.openai import chat_template
+from gateway.streams import FINISH_REASONS
+from gateway.upstream import Metadata, forward, metadata_value
+
+TEXT_COMPLETION, CHAT_COMPLETION = "text_completion", "chat.completion"
+DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+DONE = b"data: [DONE]\n\n"
+_ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "invalid_request_error",
+    422: "invalid_request_error",
+    429: "rate_limit_error",
+}
+_OPENAI_FINISH = {"length": "length", "stop": "stop", "eos": "stop", "cancelled": "stop"}
+
+
+@dataclass(frozen=True, slots=True)
+class CompletionRequest:
+    kind: str  # TEXT_COMPLETION or CHAT_COMPLETION: the kind of the response objects
+    model: str
+    stream: bool
+    include_usage: bool  # stream_options.include_usage: a last chunk with the usage
+    generate: pb.GenerateRequest
+    metadata: Metadata  # the forwarded headers, and `user` as x-user-id when the header is absent
+
+
+def parse_completion(body: dict[str, Any], request_headers: Mapping[str, str]) -> CompletionRequest:
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        prompt = prompt[0]
+    fields: dict[str, Any] = {}
+    if isinstance(prompt, str):
+        fields["prompt"] = prompt
+    elif isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+        fields["prompt_token_ids"] = http.int_list(prompt, "prompt", http.INT64)
+    else:
+        raise http.invalid("prompt", "must be a string, a list of one string, or a list of token ids")
+    return _completion(body, request_headers, fields, TEXT_COMPLETION, DEFAULT_COMPLETION_MAX_TOKENS)
+
+
+def parse_chat_completion(body: dict[str, Any], request_headers: Mapping[str, str]) -> CompletionRequest:
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise http.invalid("messages", "must be a non-empty list of {role, content} objects")
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict) or message.get("role") not in chat_template.ROLES:
+            raise http.invalid(f"messages[{i}].role", f"must be one of {', '.join(chat_template.ROLES)}")
+        content = message.get("content")
+        if isinstance(content, list):  # content parts: keep the text ones
+            texts = [p.get("text") for p in content if isinstance(p, dict)]
+            content = "".join(t for t in texts if isinstance(t, str))
+        if not isinstance(content, str):
+            raise http.invalid(f"messages[{i}].content", "must be a string")
+        message["content"] = content
+    fields = {"prompt": chat_template.render(messages)}
+    if body.get("max_completion_tokens") is not None and body.get("max_tokens") is None:
+        body["max_tokens"] = body["max_completion_tokens"]
+    return _completion(body, request_headers, fields, CHAT_COMPLETION, 0)
+
+
+def _completion(
+    body: dict[str, Any],
+    request_headers: Mapping[str, str],
+    fields: dict[str, Any],
+    kind: str,
+    default_max: int,
+) -> CompletionRequest:
+    model = http.get_str(body, "model")
+    if not model:
+        raise http.invalid("model", "required")
+    model = http.model_name(model, "model")
+    if http.get_int(body, "n", http.INT64, 1, minimum=1) != 1:
+        raise http.invalid("n", "only n=1 is supported")
+    if body.get("logprobs"):
+        raise http.invalid("logprobs", "not supported")
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise http.invalid("stream", "must be a boolean")
+    options = http.get_dict(body, "stream_options")
+    metadata = forward(request_headers)  # 400 before anything starts when a header cannot travel
+    include_usage = bool(options.get("include_usage", False))
+    generate = pb.GenerateRequest(
+        model_name=model,
+        max_tokens=http.get_int(body, "max_tokens", http.UINT32, default_max),
+        temperature=http.get_float(body, "temperature", 1.0),
+        top_p=http.get_float(body, "top_p", 1.0),
+        stop=http.get_str_list(body, "stop"),
+        request_id=request_headers.get(headers.REQUEST_ID, ""),
+        **fields,
+    )
+    if body.get("seed") is not None:
+        generate.seed = http.get_int(body, "seed", http.UINT64)
+    user = http.get_str(body, "user")
+    if user and not request_headers.get(headers.USER_ID):
+        metadata += ((headers.USER_ID, metadata_value(user, "user")),)
+    return CompletionRequest(kind, model, stream, include_usage, generate, metadata)
+
+
+class Chunks:
+    """OpenAI's response objects for one completion."""
+
+    def __init__(self, ident: str, model: str, kind: str, created: int) -> None:
+        self.ident = ident
+        self.model = model
+        self.kind = kind
+        self.chat = kind == CHAT_COMPLETION
+        self.created = created
+
+    def _envelope(self, kind: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        return {
+            "id": self.ident,
+            "object": kind,
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+        }
+
+    def whole(self, responses: list[pb.GenerateResponse]) -> dict[str, Any]:
+        text = "".join(r.text for r in responses)
+        last = responses[-1]
+        choice: dict[str, Any] = {"index": 0, "finish_reason": finish(last), "logprobs": None}
+        if self.chat:
+            choice["message"] = {"role": "assistant", "content": text}
+        else:
+            choice["text"] = text
+        out = self._envelope(self.kind, [choice])
+        out["usage"] = usage(last)
+        return out
+
+    def piece(self, text: str | None, finish_reason: str | None, first: bool) -> dict[str, Any]:
+        """A streamed chunk: text (the first one opens the assistant's message in chat)."""
+        choice: dict[str, Any] = {"index": 0, "finish_reason": finish_reason, "logprobs": None}
+        if self.chat:
+            delta: dict[str, Any] = {}
+            if first:
+                delta["role"] = "assistant"
+            if text is not None:
+                delta["content"] = text
+            choice["delta"] = delta
+            return self._envelope("chat.completion.chunk", [choice])
+        choice["text"] = text or ""
+        return self._envelope("text_completion", [choice])
+
+    def last(self, response: pb.GenerateResponse) -> dict[str, Any]:
+        """The streamed chunk that ends the choice (its finish reason, no text)."""
+        return self.piece(None if self.chat else "", finish(response), False)
+
+    def usage_chunk(self, response: pb.GenerateResponse) -> dict[str, Any]:
+        """The streamed chunk with the usage (stream_options.include_usage): no choices."""
+        out = self._envelope(self.kind + ("" if not self.chat else ".chunk"), [])
+        out["usage"] = usage(response)
+        return out
+
+
+def finish(response: pb.GenerateResponse) -> str | None:
+    if response.finish_reason == pb.FINISH_REASON_UNSPECIFIED:
+        return None
+    return _OPENAI_FINISH.get(FINISH_REASONS[response.finish_reason], "stop")
+
+
+def usage(response: pb.GenerateResponse) -> dict[str, int]:
+    prompt, completion = response.usage.prompt_tokens, response.usage.completion_tokens
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def data(value: dict[str, Any]) -> bytes:
+    """One `data: {json}` event."""
+    return b"data: " + json.dumps(value, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
+
+
+def error_object(exc: errors.HttpError) -> dict[str, Any]:
+    kind = _ERROR_TYPES.get(exc.status, "server_error" if exc.status >= 500 else "invalid_request_error")
+    return {"error": {"message": exc.message, "type": kind, "param": None, "code": exc.reason}}
+
+
+def error_response(exc: errors.HttpError) -> Response:
+    return JSONResponse(error_object(exc), status_code=exc.status, headers=exc.headers())

@@ -1,0 +1,1 @@
+"""The SSE API: `/v1/models/{model}/generate`, generation as resumable server-sent events."""

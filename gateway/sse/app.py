@@ -1,0 +1,28 @@
+"""The SSE API as the gateway mounts it: its routes, and errors in errors.py's body."""
+
+from __future__ import annotations
+
+from starlette.routing import Route
+
+from gateway import mount
+from gateway.config import Settings
+from gateway.metrics import GatewayMetrics
+from gateway.sse.serving import GenerateEndpoints
+from gateway.streams import Registry
+from gateway.upstream import Upstream
+
+GENERATE = "/v1/models/{model}/generate"
+
+
+def owns(path: str) -> bool:
+    """Paths under /v1/models/ (the collection itself, /v1/models, is OpenAI's)."""
+    return path.startswith("/v1/models/") and path.rstrip("/") != "/v1/models"
+
+
+def api(upstream: Upstream, registry: Registry, settings: Settings, metrics: GatewayMetrics) -> mount.Api:
+    generate = GenerateEndpoints(upstream, registry, settings, metrics)
+    routes = [
+        Route(GENERATE, generate.post, methods=["POST"]),
+        Route(GENERATE, generate.get, methods=["GET"]),
+    ]
+    return mount.Api("sse", owns, routes, mount.error_body)
