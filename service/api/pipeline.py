@@ -37,14 +37,14 @@ _HANDLER_OF_KIND = {
 
 
 @dataclass(frozen=True)
-class Service:
+class ServiceHandlers:
     """One gRPC service's method handlers, by method name, before the pipeline."""
 
     name: str  # the full service name: "package.Service"
     handlers: Mapping[str, Handler]
 
 
-def service_of(descriptor: ServiceDescriptor, servicer: object) -> Service:
+def service_of(descriptor: ServiceDescriptor, servicer: object) -> ServiceHandlers:
     """The handlers of `servicer`'s methods (the generated servicer class's where it has none:
     they answer UNIMPLEMENTED), each of its kind, parsing and serializing its message types."""
     handlers: dict[str, Handler] = {}
@@ -55,10 +55,10 @@ def service_of(descriptor: ServiceDescriptor, servicer: object) -> Service:
             request_deserializer=GetMessageClass(method.input_type).FromString,
             response_serializer=GetMessageClass(method.output_type).SerializeToString,
         )
-    return Service(descriptor.full_name, handlers)
+    return ServiceHandlers(descriptor.full_name, handlers)
 
 
-def wrapped(service: Service, wrappers: Sequence[Wrapper]) -> dict[str, Handler]:
+def wrapped(service: ServiceHandlers, wrappers: Sequence[Wrapper]) -> dict[str, Handler]:
     """Each of the service's handlers with the wrappers applied in order (the last outermost)."""
     handlers = {}
     for name, handler in service.handlers.items():
@@ -69,7 +69,9 @@ def wrapped(service: Service, wrappers: Sequence[Wrapper]) -> dict[str, Handler]
     return handlers
 
 
-def register(server: grpc.aio.Server, services: Iterable[Service], wrappers: Sequence[Wrapper]) -> None:
+def register(
+    server: grpc.aio.Server, services: Iterable[ServiceHandlers], wrappers: Sequence[Wrapper]
+) -> None:
     """Register every method of `services` on `server`, through `wrappers` (see `wrapped`)."""
     for service in services:
         handlers = wrapped(service, wrappers)

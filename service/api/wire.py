@@ -1,7 +1,7 @@
 """What every call passes before its servicer: authorization, and a request that parsed.
 
-Servicers are added through `Guarded`, which stands in for the server: every handler they
-register is wrapped.
+`decode_guard` is one of the request pipeline's wrappers (service/api/pipeline.py; the order is
+stated in service/server.py): every method handler of the servicers passes through it.
 
 - Authorization: a guard (service/api/access.py) chosen per method at registration runs first
   and aborts the call (UNAUTHENTICATED / PERMISSION_DENIED) when it is not allowed.
@@ -23,13 +23,14 @@ from __future__ import annotations
 import asyncio
 import inspect
 import traceback
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Protocol
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
 
 import grpc
 
 from service.api.errors import Context
 from service.api.parsing import message_class, parse_in_steps
+from service.api.pipeline import Handler, Wrapper
 
 # Called with the full method name of each refused message (logs and metrics, rate-limited there).
 OnUndecodable = Callable[[str], None]
@@ -63,61 +64,42 @@ def _never_raises(deserialize: Callable[[bytes], Any] | None) -> Callable[[bytes
     return parse
 
 
-class Registrar(Protocol):
-    """What generated `add_*Servicer_to_server` functions use of a server: a grpc.aio server, or
-    another stand-in (service/api/limits.py's size check) that passes handlers on."""
+def decode_guard(on_undecodable: OnUndecodable, guard_for: GuardFor | None = None) -> Wrapper:
+    """The pipeline's guard (service/api/pipeline.py): authorization, then the request parsed."""
+    guard_of = guard_for or (lambda method: None)
 
-    def add_generic_rpc_handlers(self, handlers: Sequence[Any]) -> None: ...
+    def wrap(method: str, handler: Handler) -> Handler:
+        refuse = _Refuse(method, on_undecodable, guard_of(method), handler.request_deserializer)
+        return _guarded(handler, refuse)
 
-    def add_registered_method_handlers(self, service: str, handlers: Mapping[str, Any]) -> None: ...
+    return wrap
 
 
-class Guarded:
-    """Pass this in place of the grpc.aio server to generated `add_*Servicer_to_server` functions."""
-
-    def __init__(
-        self,
-        server: Registrar | grpc.aio.Server,
-        on_undecodable: OnUndecodable,
-        guard_for: GuardFor | None = None,
-    ) -> None:
-        self._server = server
-        self._on_undecodable = on_undecodable
-        self._guard_for = guard_for or (lambda method: None)
-
-    def add_generic_rpc_handlers(self, handlers: Sequence[grpc.GenericRpcHandler[Any, Any]]) -> None:
-        self._server.add_generic_rpc_handlers(tuple(_Generic(h, self._wrap) for h in handlers))
-
-    def add_registered_method_handlers(self, service: str, handlers: Mapping[str, Any]) -> None:
-        wrapped = {name: self._wrap(f"/{service}/{name}", h) for name, h in handlers.items()}
-        self._server.add_registered_method_handlers(service, wrapped)  # type: ignore[union-attr]
-
-    def _wrap(self, method: str, handler: Any) -> Any:
-        if handler is None:
-            return None
-        refuse = _Refuse(method, self._on_undecodable, self._guard_for(method), handler.request_deserializer)
-        # No deserializer: the wrappers get bytes, and parse them once the guard has admitted the call.
-        behaviors: dict[str, Any] = {"request_deserializer": None}
-        if refuse.guarded and handler.unary_unary is not None:
-            # gRPC reads a unary call's message before its handler runs; a request-streaming
-            # handler reads it when asked: after the guard (a refused caller's message is never
-            # read, and flow control holds the rest of it at the client).
-            behaviors.update(
-                request_streaming=True, unary_unary=None, stream_unary=_unary_after_guard(handler, refuse)
-            )
-        elif refuse.guarded and handler.unary_stream is not None:
-            behaviors.update(
-                request_streaming=True, unary_stream=None, stream_stream=_unary_after_guard(handler, refuse)
-            )
-        elif handler.unary_unary is not None:
-            behaviors["unary_unary"] = _unary_unary(handler.unary_unary, refuse)
-        elif handler.unary_stream is not None:
-            behaviors["unary_stream"] = _unary_stream(handler.unary_stream, refuse)
-        elif handler.stream_unary is not None:
-            behaviors["stream_unary"] = _stream_request(handler.stream_unary, refuse)
-        elif handler.stream_stream is not None:
-            behaviors["stream_stream"] = _stream_request(handler.stream_stream, refuse)
-        return handler._replace(**behaviors)
+def _guarded(original: Handler, refuse: _Refuse) -> Handler:
+    handler: Any = original  # a namedtuple (grpc's stubs do not say so)
+    # No deserializer: the wrappers get bytes, and parse them once the guard has admitted the call.
+    behaviors: dict[str, Any] = {"request_deserializer": None}
+    if refuse.guarded and handler.unary_unary is not None:
+        # gRPC reads a unary call's message before its handler runs; a request-streaming
+        # handler reads it when asked: after the guard (a refused caller's message is never
+        # read, and flow control holds the rest of it at the client).
+        behaviors.update(
+            request_streaming=True, unary_unary=None, stream_unary=_unary_after_guard(handler, refuse)
+        )
+    elif refuse.guarded and handler.unary_stream is not None:
+        behaviors.update(
+            request_streaming=True, unary_stream=None, stream_stream=_unary_after_guard(handler, refuse)
+        )
+    elif handler.unary_unary is not None:
+        behaviors["unary_unary"] = _unary_unary(handler.unary_unary, refuse)
+    elif handler.unary_stream is not None:
+        behaviors["unary_stream"] = _unary_stream(handler.unary_stream, refuse)
+    elif handler.stream_unary is not None:
+        behaviors["stream_unary"] = _stream_request(handler.stream_unary, refuse)
+    elif handler.stream_stream is not None:
+        behaviors["stream_stream"] = _stream_request(handler.stream_stream, refuse)
+    replaced: Handler = handler._replace(**behaviors)
+    return replaced
 
 
 class _Refuse:
@@ -289,27 +271,3 @@ def _stream_request(inner: Any, refuse: _Refuse) -> Any:
         return await inner(checked(requests, context), context)
 
     return call
-
-
-if TYPE_CHECKING:  # generic in grpc-stubs only
-    _GenericBase = grpc.GenericRpcHandler[Any, Any]
-else:
-    _GenericBase = grpc.GenericRpcHandler
-
-
-class _Generic(_GenericBase):
-    """A generic handler whose method handlers are wrapped (once per method, then cached)."""
-
-    def __init__(self, inner: grpc.GenericRpcHandler[Any, Any], wrap: Callable[[str, Any], Any]) -> None:
-        self._inner = inner
-        self._wrap = wrap
-        self._cache: dict[str, Any] = {}
-
-    def service(self, handler_call_details: grpc.HandlerCallDetails) -> Any:
-        method = handler_call_details.method
-        wrapped = self._cache.get(method)
-        if wrapped is None:
-            wrapped = self._wrap(method, self._inner.service(handler_call_details))
-            if wrapped is not None:  # only methods that exist: unknown names must not grow it
-                self._cache[method] = wrapped
-        return wrapped

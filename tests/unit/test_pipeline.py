@@ -20,7 +20,7 @@ from modelyard.inference.v1 import (
 )
 from modelyard.kserve.v2 import grpc_service_pb2, grpc_service_pb2_grpc
 
-from service.api.pipeline import Handler, Service, service_of, wrapped
+from service.api.pipeline import Handler, ServiceHandlers, service_of, wrapped
 
 GENERATED: list[tuple[ServiceDescriptor, Callable[[Any, Any], None], type]] = [
     (
@@ -83,7 +83,7 @@ def test_wrappers_apply_in_order_the_last_outermost() -> None:
     async def behaviour(request: Any, context: Any) -> Any:
         return request
 
-    service = Service("pkg.S", {"M": grpc.unary_unary_rpc_method_handler(behaviour)})
+    service = ServiceHandlers("pkg.S", {"M": grpc.unary_unary_rpc_method_handler(behaviour)})
     seen: list[tuple[str, str]] = []
 
     def tag(label: str) -> Callable[[str, Handler], Handler]:
