@@ -32,7 +32,7 @@ from service.api.kserve_servicer import KServeServicer
 from service.api.limits import size_limit, transport_limit
 from service.api.model_servicer import ModelServicer
 from service.api.pipeline import ServiceHandlers, register, service_of
-from service.api.wire import GuardFor, OnUndecodable, decode_guard
+from service.api.wire import GuardFor, OnUndecodable, authorize, decode_guard
 from service.batching.layer import BatchingLayer
 from service.config import Settings
 from service.cores import usable_cores
@@ -323,28 +323,30 @@ def _add_apis(
     link: WorkerLink | None,
 ) -> None:
     """Register the APIs on `server` through the request pipeline (service/api/pipeline.py)."""
-    guard = decode_guard(reporter, guard_for)
-    # The pipeline, innermost first (the last one is what gRPC calls):
+    decode, access = decode_guard(reporter), authorize(guard_for)
+    # The pipeline, innermost first (the last one listed is the one gRPC calls):
     # - fan_out (in a worker): model control and reads go to every worker through the supervisor.
-    #   Innermost, so that those calls pass the guard and the size check like any other.
-    # - guard (service/api/wire.py): authorization first, then the request parsed (undecodable
-    #   bytes refused with INVALID_ARGUMENT and one rate-limited log line). It hands on its
-    #   handlers without a deserializer, and registers a guarded unary method as request-streaming
-    #   so that the message is read only once the guard has admitted the call.
-    # - size_limit (service/api/limits.py): outermost, so that it sees the message as bytes,
-    #   before anything parses it. It reads a request-streaming call's message only when the
-    #   guard asks for it: a refused caller's message is never read.
+    #   Innermost, so that those calls pass every check below like any other call.
+    # - decode (service/api/wire.py): the request parsed, undecodable bytes refused with
+    #   INVALID_ARGUMENT (and one rate-limited log line), not UNKNOWN with a traceback per
+    #   request. It hands on its handlers without a deserializer: the wrappers outside it see
+    #   the message as bytes, and nothing is parsed before they pass it.
+    # - size_limit (service/api/limits.py): the message's size checked before it is parsed.
+    # - authorize (service/api/wire.py, the guards of service/api/access.py): outermost, so that
+    #   a caller without credentials is refused before anything else; a guarded unary method is
+    #   registered as request-streaming, so that its message is read only after the guard.
     pipeline = [
         *([fan_out(link)] if link is not None else []),
-        guard,
+        decode,
         size_limit(settings.max_message_bytes, metrics),
+        access,
     ]
     register(server, apis, pipeline)
-    # Health and reflection are not size-checked (as before); they pass the guard too. Health's
+    # Health and reflection are not size-checked (as before); they pass the rest too. Health's
     # Watch writes with context.write, which the size check's stream wrapper does not take.
     open_services = [
         service_of(health_pb2.DESCRIPTOR.services_by_name["Health"], health_servicer),
-        # What reflection.enable_server_reflection does for an aio server, through the guard.
+        # What reflection.enable_server_reflection does for an aio server, through the pipeline.
         service_of(
             reflection_pb2.DESCRIPTOR.services_by_name["ServerReflection"],
             reflection_aio.ReflectionServicer(
@@ -358,7 +360,7 @@ def _add_apis(
             ),
         ),
     ]
-    register(server, open_services, [guard])
+    register(server, open_services, [decode, access])
 
 
 def _security(settings: Settings) -> tuple[TlsFiles | None, Authorizer]:

@@ -109,7 +109,7 @@ def _size_checked(method: str, handler: Handler, limit: int, metrics: ServiceMet
 
         return grpc.stream_stream_rpc_method_handler(checked_stream_stream, response_serializer=serialize)
     if handler.stream_unary is not None:
-        # A unary method that reads its message after its guard (service/api/wire.py).
+        # A request-streaming method with one answer (none in these APIs today).
         stream_unary: Any = handler.stream_unary
 
         async def checked_stream_unary(raws: AsyncIterator[bytes], context: Context) -> Any:
