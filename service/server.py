@@ -31,7 +31,7 @@ from service.api.inference_servicer import InferenceServicer
 from service.api.kserve_servicer import KServeServicer
 from service.api.limits import size_limit, transport_limit
 from service.api.model_servicer import ModelServicer
-from service.api.pipeline import ServiceHandlers, register, service_of
+from service.api.pipeline import ServiceHandlers, Wrapper, register, service_of
 from service.api.wire import GuardFor, OnUndecodable, authorize, decode_guard
 from service.batching.layer import BatchingLayer
 from service.config import Settings
@@ -312,17 +312,20 @@ def build_service(
     )
 
 
-def _add_apis(
-    server: grpc.aio.Server,
-    apis: list[ServiceHandlers],
-    health_servicer: health_names.HealthServicer,
-    settings: Settings,
+@dataclass(frozen=True)
+class Pipelines:
+    apis: list[Wrapper]  # the APIs' methods
+    open: list[Wrapper]  # health and reflection
+
+
+def request_pipelines(
+    max_message_bytes: int,
     metrics: ServiceMetrics,
     reporter: OnUndecodable,
     guard_for: GuardFor | None,
     link: WorkerLink | None,
-) -> None:
-    """Register the APIs on `server` through the request pipeline (service/api/pipeline.py)."""
+) -> Pipelines:
+    """The request pipeline (service/api/pipeline.py) of the APIs and of health and reflection."""
     decode, access = decode_guard(reporter), authorize(guard_for)
     # The pipeline, innermost first (the last one listed is the one gRPC calls):
     # - fan_out (in a worker): model control and reads go to every worker through the supervisor.
@@ -335,15 +338,30 @@ def _add_apis(
     # - authorize (service/api/wire.py, the guards of service/api/access.py): outermost, so that
     #   a caller without credentials is refused before anything else; a guarded unary method is
     #   registered as request-streaming, so that its message is read only after the guard.
-    pipeline = [
+    apis = [
         *([fan_out(link)] if link is not None else []),
         decode,
-        size_limit(settings.max_message_bytes, metrics),
+        size_limit(max_message_bytes, metrics),
         access,
     ]
-    register(server, apis, pipeline)
-    # Health and reflection are not size-checked (as before); they pass the rest too. Health's
-    # Watch writes with context.write, which the size check's stream wrapper does not take.
+    # Health and reflection are not size-checked (as before); they pass the rest. Health's Watch
+    # writes with context.write, which the size check's stream wrapper does not take.
+    return Pipelines(apis, [decode, access])
+
+
+def _add_apis(
+    server: grpc.aio.Server,
+    apis: list[ServiceHandlers],
+    health_servicer: health_names.HealthServicer,
+    settings: Settings,
+    metrics: ServiceMetrics,
+    reporter: OnUndecodable,
+    guard_for: GuardFor | None,
+    link: WorkerLink | None,
+) -> None:
+    """Register the APIs, health and reflection on `server` through the request pipeline."""
+    pipelines = request_pipelines(settings.max_message_bytes, metrics, reporter, guard_for, link)
+    register(server, apis, pipelines.apis)
     open_services = [
         service_of(health_pb2.DESCRIPTOR.services_by_name["Health"], health_servicer),
         # What reflection.enable_server_reflection does for an aio server, through the pipeline.
@@ -360,7 +378,7 @@ def _add_apis(
             ),
         ),
     ]
-    register(server, open_services, [decode, access])
+    register(server, open_services, pipelines.open)
 
 
 def _security(settings: Settings) -> tuple[TlsFiles | None, Authorizer]:
