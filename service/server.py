@@ -5,16 +5,14 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, cast
 
 import grpc
-from grpc_health.v1 import health, health_pb2_grpc
+from grpc_health.v1 import health, health_pb2
 from grpc_reflection.v1alpha import _async as reflection_aio
-from grpc_reflection.v1alpha import reflection, reflection_pb2_grpc
+from grpc_reflection.v1alpha import reflection, reflection_pb2
 from modelyard import flat as flat_contract
 from modelyard.common import health as health_names
 from modelyard.common.auth import Authorizer, AuthSettings
@@ -23,22 +21,18 @@ from modelyard.common.metrics_http import MetricsServer
 from modelyard.common.settings import split_address
 from modelyard.common.throttle import LogThrottle
 from modelyard.common.tls import TlsFiles, grpc_server_credentials, is_loopback, warn_if_plaintext
-from modelyard.inference.v1 import (
-    inference_service_pb2,
-    inference_service_pb2_grpc,
-    model_service_pb2,
-    model_service_pb2_grpc,
-)
-from modelyard.kserve.v2 import grpc_service_pb2, grpc_service_pb2_grpc
+from modelyard.inference.v1 import inference_service_pb2, model_service_pb2
+from modelyard.kserve.v2 import grpc_service_pb2
 
 from service.api.access import guards
 from service.api.errors import set_served_by
 from service.api.flat_servicer import FlatInferenceServicer
 from service.api.inference_servicer import InferenceServicer
 from service.api.kserve_servicer import KServeServicer
-from service.api.limits import SizeLimitedServer, transport_limit
+from service.api.limits import size_limit, transport_limit
 from service.api.model_servicer import ModelServicer
-from service.api.wire import Guarded, GuardFor, OnUndecodable
+from service.api.pipeline import ServiceHandlers, Wrapper, register, service_of
+from service.api.wire import GuardFor, OnUndecodable, authorize, decode_guard
 from service.batching.layer import BatchingLayer
 from service.config import Settings
 from service.cores import usable_cores
@@ -60,7 +54,7 @@ from service.scheduling.clock import Clock
 from service.shm.files import FileRegionStore
 from service.shm.registry import RegionLimits, SharedMemoryRegistry
 from service.workers import protocol as workers
-from service.workers.member import FanOutRegistrar, WorkerLink, WorkerRole, metrics_handler
+from service.workers.member import WorkerLink, WorkerRole, fan_out, metrics_handler
 
 log = logging.getLogger(__name__)
 
@@ -265,14 +259,16 @@ def build_service(
         FileRegionStore(worker.folder.regions) if worker is not None else None,
         limits=RegionLimits(settings.shm_max_regions, settings.shm_max_bytes),
     )
-    servicers: list[tuple[Callable[[Any, Any], None], object]] = [
-        (
-            inference_service_pb2_grpc.add_InferenceServiceServicer_to_server,
+    apis = [
+        service_of(
+            inference_service_pb2.DESCRIPTOR.services_by_name["InferenceService"],
             InferenceServicer(dataplane, generation, metrics),
         ),
-        (model_service_pb2_grpc.add_ModelServiceServicer_to_server, ModelServicer(manager, metrics)),
-        (
-            grpc_service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server,
+        service_of(
+            model_service_pb2.DESCRIPTOR.services_by_name["ModelService"], ModelServicer(manager, metrics)
+        ),
+        service_of(
+            grpc_service_pb2.DESCRIPTOR.services_by_name["GRPCInferenceService"],
             KServeServicer(
                 manager,
                 dataplane,
@@ -282,10 +278,11 @@ def build_service(
                 uploads=UploadSpace(settings.max_upload_bytes),
             ),
         ),
+        # The FlatBuffers method (no protobuf): its servicer gives its handler (bytes in and out).
+        ServiceHandlers(flat_contract.SERVICE, FlatInferenceServicer(dataplane, metrics).handlers()),
     ]
-    servicers.append((_add_flat_servicer, FlatInferenceServicer(dataplane, metrics)))
     health_servicer = health_names.new_servicer()
-    _add_apis(server, servicers, health_servicer, settings, metrics, reporter, guard_for, link)
+    _add_apis(server, apis, health_servicer, settings, metrics, reporter, guard_for, link)
     if tls is None:
         port = server.add_insecure_port(settings.listen)
     else:
@@ -295,7 +292,7 @@ def build_service(
         # The supervisor's way in, on a unix socket in its private folder (no credentials): the
         # same servicers, answering for this worker alone, and this worker's scrape.
         internal = grpc.aio.server(options=limits)
-        _add_apis(internal, servicers, health_servicer, settings, metrics, reporter, None, None)
+        _add_apis(internal, apis, health_servicer, settings, metrics, reporter, None, None)
         internal.add_generic_rpc_handlers((metrics_handler(metrics.registry),))
         internal.add_insecure_port(worker.folder.worker(worker.index))
         set_served_by(f"worker-{worker.index}")
@@ -315,14 +312,46 @@ def build_service(
     )
 
 
-def _add_flat_servicer(servicer: FlatInferenceServicer, registry: Any) -> None:
-    """What a generated add_*Servicer_to_server does, for the FlatBuffers method (no protobuf)."""
-    registry.add_registered_method_handlers(flat_contract.SERVICE, servicer.handlers())
+@dataclass(frozen=True)
+class Pipelines:
+    apis: list[Wrapper]  # the APIs' methods
+    open: list[Wrapper]  # health and reflection
+
+
+def request_pipelines(
+    max_message_bytes: int,
+    metrics: ServiceMetrics,
+    reporter: OnUndecodable,
+    guard_for: GuardFor | None,
+    link: WorkerLink | None,
+) -> Pipelines:
+    """The request pipeline (service/api/pipeline.py) of the APIs and of health and reflection."""
+    decode, access = decode_guard(reporter), authorize(guard_for)
+    # The pipeline, innermost first (the last one listed is the one gRPC calls):
+    # - fan_out (in a worker): model control and reads go to every worker through the supervisor.
+    #   Innermost, so that those calls pass every check below like any other call.
+    # - decode (service/api/wire.py): the request parsed, undecodable bytes refused with
+    #   INVALID_ARGUMENT (and one rate-limited log line), not UNKNOWN with a traceback per
+    #   request. It hands on its handlers without a deserializer: the wrappers outside it see
+    #   the message as bytes, and nothing is parsed before they pass it.
+    # - size_limit (service/api/limits.py): the message's size checked before it is parsed.
+    # - authorize (service/api/wire.py, the guards of service/api/access.py): outermost, so that
+    #   a caller without credentials is refused before anything else; a guarded unary method is
+    #   registered as request-streaming, so that its message is read only after the guard.
+    apis = [
+        *([fan_out(link)] if link is not None else []),
+        decode,
+        size_limit(max_message_bytes, metrics),
+        access,
+    ]
+    # Health and reflection are not size-checked (as before); they pass the rest. Health's Watch
+    # writes with context.write, which the size check's stream wrapper does not take.
+    return Pipelines(apis, [decode, access])
 
 
 def _add_apis(
     server: grpc.aio.Server,
-    servicers: list[tuple[Callable[[Any, Any], None], object]],
+    apis: list[ServiceHandlers],
     health_servicer: health_names.HealthServicer,
     settings: Settings,
     metrics: ServiceMetrics,
@@ -330,36 +359,26 @@ def _add_apis(
     guard_for: GuardFor | None,
     link: WorkerLink | None,
 ) -> None:
-    """Register the APIs on `server`. Every servicer is added through Guarded: calls pass
-    authorization (service/api/access.py), and undecodable request bytes are refused with
-    INVALID_ARGUMENT (and one rate-limited log line), not UNKNOWN with a traceback per request.
-    The API services are size-checked first (service/api/limits.py: the message arrives as
-    bytes, is measured, then parsed). In a worker, model control and reads go to every worker
-    through the supervisor (FanOutRegistrar, in front of Guarded: they pass its checks too).
-    (cast: each takes the server's place in the generated functions, which only register handlers)"""
-    limited = SizeLimitedServer(server, settings.max_message_bytes, metrics)
-    registry: Any = Guarded(limited, reporter, guard_for)
-    if link is not None:
-        registry = FanOutRegistrar(registry, link)
-    for add, servicer in servicers:
-        add(servicer, registry)
-    # Health and reflection are not size-checked (as before); they pass Guarded too. Health's
-    # Watch writes with context.write, which the size check's stream wrapper does not take.
-    plain = cast(grpc.aio.Server, Guarded(server, reporter, guard_for))
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, plain)
-    # What reflection.enable_server_reflection does for an aio server, through Guarded.
-    reflection_pb2_grpc.add_ServerReflectionServicer_to_server(
-        reflection_aio.ReflectionServicer(
-            [
-                inference_service_pb2.DESCRIPTOR.services_by_name["InferenceService"].full_name,
-                model_service_pb2.DESCRIPTOR.services_by_name["ModelService"].full_name,
-                grpc_service_pb2.DESCRIPTOR.services_by_name["GRPCInferenceService"].full_name,
-                health.SERVICE_NAME,
-                reflection.SERVICE_NAME,
-            ]
+    """Register the APIs, health and reflection on `server` through the request pipeline."""
+    pipelines = request_pipelines(settings.max_message_bytes, metrics, reporter, guard_for, link)
+    register(server, apis, pipelines.apis)
+    open_services = [
+        service_of(health_pb2.DESCRIPTOR.services_by_name["Health"], health_servicer),
+        # What reflection.enable_server_reflection does for an aio server, through the pipeline.
+        service_of(
+            reflection_pb2.DESCRIPTOR.services_by_name["ServerReflection"],
+            reflection_aio.ReflectionServicer(
+                [
+                    inference_service_pb2.DESCRIPTOR.services_by_name["InferenceService"].full_name,
+                    model_service_pb2.DESCRIPTOR.services_by_name["ModelService"].full_name,
+                    grpc_service_pb2.DESCRIPTOR.services_by_name["GRPCInferenceService"].full_name,
+                    health.SERVICE_NAME,
+                    reflection.SERVICE_NAME,
+                ]
+            ),
         ),
-        plain,
-    )
+    ]
+    register(server, open_services, pipelines.open)
 
 
 def _security(settings: Settings) -> tuple[TlsFiles | None, Authorizer]:

@@ -28,7 +28,8 @@ class FlatInferenceServicer:
         self._metrics = metrics
 
     def handlers(self) -> dict[str, Any]:
-        """For add_registered_method_handlers(flat.SERVICE, ...): bytes in, bytes out."""
+        """Its one method's handler (bytes in, bytes out), for the request pipeline
+        (service/api/pipeline.py), as service_of gives those of the protobuf services."""
         return {
             flat.METHOD_NAME: grpc.unary_unary_rpc_method_handler(
                 self.Infer, request_deserializer=_identity, response_serializer=_identity

@@ -9,21 +9,19 @@ message over the transport limit still gets gRPC's bare RESOURCE_EXHAUSTED."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator
 from contextlib import aclosing
-from typing import Any, TypeAlias, TypeVar
+from typing import Any
 
 import grpc
 
 from service.api.errors import Context, abort
+from service.api.pipeline import Handler, Wrapper
 from service.errors import TooLarge
 from service.metrics import ServiceMetrics
 
 _GRPC_MAX = 2**31 - 1  # gRPC's message length options are C ints
 _EOF: Any = grpc.aio.EOF  # type: ignore[attr-defined]  # not in grpc's type stubs
-Servicer = TypeVar("Servicer")
-# grpc's type stubs describe the sync API: a handler's behaviours and types are Any here.
-Handler: TypeAlias = "grpc.RpcMethodHandler[Any, Any]"
 
 
 def transport_limit(max_message_bytes: int) -> int:
@@ -40,112 +38,95 @@ def too_large(size: int, limit: int) -> TooLarge:
     return TooLarge(f"request message of {size} bytes is over the server's limit of {limit} bytes")
 
 
-class SizeLimitedServer:
-    """Stands in for the grpc.aio server in the generated add_*Servicer_to_server functions: it
-    registers each method's handler wrapped so that the request arrives as bytes, its size is
-    checked against `limit`, and only then is it parsed. No extra work per call beyond a len()."""
+def size_limit(limit: int, metrics: ServiceMetrics) -> Wrapper:
+    """The pipeline's size check (service/api/pipeline.py): each method's request arrives as
+    bytes, its size is checked against `limit`, and only then is it parsed. No extra work per
+    call beyond a len()."""
 
-    def __init__(self, server: grpc.aio.Server, limit: int, metrics: ServiceMetrics) -> None:
-        self._server = server
-        self._limit = limit
-        self._metrics = metrics
+    def wrap(method: str, handler: Handler) -> Handler:
+        return _size_checked(method.rsplit("/", 1)[-1], handler, limit, metrics)
 
-    def add(self, add_to_server: Callable[[Servicer, Any], None], servicer: Servicer) -> None:
-        """Register with a generated add_*Servicer_to_server function, size-checked."""
-        add_to_server(servicer, self)
+    return wrap
 
-    def add_generic_rpc_handlers(self, handlers: Sequence[grpc.GenericRpcHandler[Any, Any]]) -> None:
-        # The generated code passes the same methods again to add_registered_method_handlers,
-        # where they are wrapped and registered both ways.
-        pass
 
-    def add_registered_method_handlers(self, service: str, handlers: Mapping[str, Handler]) -> None:
-        wrapped = {name: self._wrap(name, handler) for name, handler in handlers.items()}
-        self._server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service, wrapped),))
-        # grpc.aio.Server has it (the generated code calls it); the type stubs lag behind.
-        self._server.add_registered_method_handlers(service, wrapped)  # type: ignore[attr-defined]
+def _size_checked(method: str, handler: Handler, limit: int, metrics: ServiceMetrics) -> Handler:
+    # The decode guard (service/api/wire.py) hands on its handlers without a deserializer: it
+    # parses after its guard. A handler that has one is parsed here, after the size check.
+    deserializer: Any = handler.request_deserializer
+    parse: Any = deserializer if deserializer is not None else _as_is
+    serialize = handler.response_serializer
 
-    def _wrap(self, method: str, handler: Handler) -> Handler:
-        limit = self._limit
-        # Guarded (service/api/wire.py) registers its handlers without a deserializer: it parses
-        # after its guard. A handler that has one is parsed here, after the size check.
-        deserializer: Any = handler.request_deserializer
-        parse: Any = deserializer if deserializer is not None else _as_is
-        serialize = handler.response_serializer
+    async def refuse(context: Context, size: int) -> None:
+        metrics.observe_request(method, "", "", grpc.StatusCode.RESOURCE_EXHAUSTED, 0.0)
+        await abort(context, too_large(size, limit))
 
-        async def refuse(context: Context, size: int) -> None:
-            self._metrics.observe_request(method, "", "", grpc.StatusCode.RESOURCE_EXHAUSTED, 0.0)
-            await abort(context, too_large(size, limit))
+    if handler.unary_unary is not None:
+        unary_unary: Any = handler.unary_unary
 
-        if handler.unary_unary is not None:
-            unary_unary: Any = handler.unary_unary
+        async def checked_unary_unary(raw: bytes, context: Context) -> Any:
+            if len(raw) > limit:
+                await refuse(context, len(raw))
+            # Not a local while the call runs: an aborted call's traceback keeps this frame
+            # (and grpc.aio keeps that exception with the call's state).
+            box = [raw]
+            del raw
+            return await unary_unary(parse(box.pop()), context)
 
-            async def checked_unary_unary(raw: bytes, context: Context) -> Any:
-                if len(raw) > limit:
-                    await refuse(context, len(raw))
-                # Not a local while the call runs: an aborted call's traceback keeps this frame
-                # (and grpc.aio keeps that exception with the call's state).
-                box = [raw]
-                del raw
-                return await unary_unary(parse(box.pop()), context)
+        return grpc.unary_unary_rpc_method_handler(checked_unary_unary, response_serializer=serialize)
+    if handler.unary_stream is not None:
+        unary_stream: Any = handler.unary_stream
 
-            return grpc.unary_unary_rpc_method_handler(checked_unary_unary, response_serializer=serialize)
-        if handler.unary_stream is not None:
-            unary_stream: Any = handler.unary_stream
+        async def checked_unary_stream(raw: bytes, context: Context) -> AsyncIterator[Any]:
+            if len(raw) > limit:
+                await refuse(context, len(raw))
+            box = [raw]  # not a local while the call runs (as above)
+            del raw
+            # aclosing: a cancelled call closes the servicer's stream (and its leases) at once.
+            async with aclosing(unary_stream(parse(box.pop()), context)) as responses:
+                async for response in responses:
+                    yield response
 
-            async def checked_unary_stream(raw: bytes, context: Context) -> AsyncIterator[Any]:
-                if len(raw) > limit:
-                    await refuse(context, len(raw))
-                box = [raw]  # not a local while the call runs (as above)
-                del raw
-                # aclosing: a cancelled call closes the servicer's stream (and its leases) at once.
-                async with aclosing(unary_stream(parse(box.pop()), context)) as responses:
+        return grpc.unary_stream_rpc_method_handler(checked_unary_stream, response_serializer=serialize)
+    if handler.stream_stream is not None:
+        stream_stream: Any = handler.stream_stream
+
+        async def checked_stream_stream(raws: AsyncIterator[bytes], context: Context) -> AsyncIterator[Any]:
+            async def requests() -> AsyncIterator[Any]:
+                async for raw in raws:
+                    if len(raw) > limit:
+                        raise too_large(len(raw), limit)
+                    yield parse(raw)
+
+            # An oversized message on a stream ends the stream, with its reason: the servicer
+            # never saw it, so it cannot answer it in-band.
+            try:
+                async with aclosing(stream_stream(requests(), context)) as responses:
                     async for response in responses:
                         yield response
+            except TooLarge as exc:
+                metrics.observe_request(method, "", "", grpc.StatusCode.RESOURCE_EXHAUSTED, 0.0)
+                await abort(context, exc)
 
-            return grpc.unary_stream_rpc_method_handler(checked_unary_stream, response_serializer=serialize)
-        if handler.stream_stream is not None:
-            stream_stream: Any = handler.stream_stream
+        return grpc.stream_stream_rpc_method_handler(checked_stream_stream, response_serializer=serialize)
+    if handler.stream_unary is not None:
+        # A request-streaming method with one answer (none in these APIs today).
+        stream_unary: Any = handler.stream_unary
 
-            async def checked_stream_stream(
-                raws: AsyncIterator[bytes], context: Context
-            ) -> AsyncIterator[Any]:
-                async def requests() -> AsyncIterator[Any]:
-                    async for raw in raws:
-                        if len(raw) > limit:
-                            raise too_large(len(raw), limit)
-                        yield parse(raw)
+        async def checked_stream_unary(raws: AsyncIterator[bytes], context: Context) -> Any:
+            async def requests() -> AsyncIterator[Any]:
+                # context.read, not `raws`: gRPC's iterator keeps the last message it
+                # yielded for as long as the call's state lives (past the call's end).
+                while (raw := await context.read()) is not _EOF:
+                    assert isinstance(raw, bytes)
+                    if len(raw) > limit:
+                        raise too_large(len(raw), limit)
+                    yield parse(raw)
 
-                # An oversized message on a stream ends the stream, with its reason: the servicer
-                # never saw it, so it cannot answer it in-band.
-                try:
-                    async with aclosing(stream_stream(requests(), context)) as responses:
-                        async for response in responses:
-                            yield response
-                except TooLarge as exc:
-                    self._metrics.observe_request(method, "", "", grpc.StatusCode.RESOURCE_EXHAUSTED, 0.0)
-                    await abort(context, exc)
+            try:
+                return await stream_unary(requests(), context)
+            except TooLarge as exc:
+                metrics.observe_request(method, "", "", grpc.StatusCode.RESOURCE_EXHAUSTED, 0.0)
+                await abort(context, exc)
 
-            return grpc.stream_stream_rpc_method_handler(checked_stream_stream, response_serializer=serialize)
-        if handler.stream_unary is not None:
-            # A unary method that reads its message after its guard (service/api/wire.py).
-            stream_unary: Any = handler.stream_unary
-
-            async def checked_stream_unary(raws: AsyncIterator[bytes], context: Context) -> Any:
-                async def requests() -> AsyncIterator[Any]:
-                    # context.read, not `raws`: gRPC's iterator keeps the last message it
-                    # yielded for as long as the call's state lives (past the call's end).
-                    while (raw := await context.read()) is not _EOF:
-                        assert isinstance(raw, bytes)
-                        if len(raw) > limit:
-                            raise too_large(len(raw), limit)
-                        yield parse(raw)
-
-                try:
-                    return await stream_unary(requests(), context)
-                except TooLarge as exc:
-                    self._metrics.observe_request(method, "", "", grpc.StatusCode.RESOURCE_EXHAUSTED, 0.0)
-                    await abort(context, exc)
-
-            return grpc.stream_unary_rpc_method_handler(checked_stream_unary, response_serializer=serialize)
-        raise TypeError(f"{method}: this kind of method is not size-checked here")
+        return grpc.stream_unary_rpc_method_handler(checked_stream_unary, response_serializer=serialize)
+    raise TypeError(f"{method}: this kind of method is not size-checked here")

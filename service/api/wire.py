@@ -1,17 +1,19 @@
 """What every call passes before its servicer: authorization, and a request that parsed.
 
-Servicers are added through `Guarded`, which stands in for the server: every handler they
-register is wrapped.
+`authorize` and `decode_guard` are two of the request pipeline's wrappers
+(service/api/pipeline.py; the order is stated in service/server.py): every method handler of
+the servicers passes through both, authorize outermost and decode_guard inside the size check.
 
 - Authorization: a guard (service/api/access.py) chosen per method at registration runs first
-  and aborts the call (UNAUTHENTICATED / PERMISSION_DENIED) when it is not allowed.
-- Parsing after the guard: the wrapped handlers are registered without a request deserializer,
-  so gRPC hands them the message's bytes, and they parse only once the guard has admitted the
-  call: an unauthenticated caller's message, however large, is never parsed. A guarded unary
-  method is registered as request-streaming, so that its message is not even read before the
-  guard (gRPC reads a unary call's message before its handler runs). A message over
-  STEPPED_PARSE_BYTES is parsed in steps (service/api/parsing.py: protobuf's parser holds the
-  GIL, so a thread would not free the loop), so it does not hold every other call.
+  and aborts the call (UNAUTHENTICATED / PERMISSION_DENIED) when it is not allowed. A guarded
+  unary method is registered as request-streaming, so that its message is not even read before
+  the guard (gRPC reads a unary call's message before its handler runs).
+- Parsing after the guard: decode_guard hands on its handlers without a request deserializer,
+  so gRPC hands the message's bytes to the wrappers outside it, and it parses them only once
+  they have passed them: an unauthenticated caller's message, however large, is never parsed.
+  A message over STEPPED_PARSE_BYTES is parsed in steps (service/api/parsing.py: protobuf's
+  parser holds the GIL, so a thread would not free the loop), so it does not hold every other
+  call.
 - Undecodable requests: a parse failure inside grpc.aio answers UNKNOWN and logs a full
   traceback per request (a log flood on demand). The wrappers parse with a deserializer that
   never raises (it returns `Undecodable`), and refuse an `Undecodable` request with
@@ -23,13 +25,15 @@ from __future__ import annotations
 import asyncio
 import inspect
 import traceback
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Protocol
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import aclosing
+from typing import Any
 
 import grpc
 
 from service.api.errors import Context
 from service.api.parsing import message_class, parse_in_steps
+from service.api.pipeline import Handler, Wrapper
 
 # Called with the full method name of each refused message (logs and metrics, rate-limited there).
 OnUndecodable = Callable[[str], None]
@@ -46,6 +50,7 @@ class Undecodable:
 
 
 _UNDECODABLE = Undecodable()
+_EOF: Any = grpc.aio.EOF  # type: ignore[attr-defined]  # not in grpc's type stubs
 # Messages larger than this are parsed in steps, the event loop running between them.
 STEPPED_PARSE_BYTES = 1024 * 1024
 
@@ -63,53 +68,27 @@ def _never_raises(deserialize: Callable[[bytes], Any] | None) -> Callable[[bytes
     return parse
 
 
-class Registrar(Protocol):
-    """What generated `add_*Servicer_to_server` functions use of a server: a grpc.aio server, or
-    another stand-in (service/api/limits.py's size check) that passes handlers on."""
+def authorize(guard_for: GuardFor | None) -> Wrapper:
+    """The pipeline's authorization (service/api/pipeline.py): a method's guard runs before
+    anything else of its call, its message included."""
 
-    def add_generic_rpc_handlers(self, handlers: Sequence[Any]) -> None: ...
+    def wrap(method: str, handler: Handler) -> Handler:
+        guard = guard_for(method) if guard_for is not None else None
+        return handler if guard is None else _after_guard(handler, guard)
 
-    def add_registered_method_handlers(self, service: str, handlers: Mapping[str, Any]) -> None: ...
+    return wrap
 
 
-class Guarded:
-    """Pass this in place of the grpc.aio server to generated `add_*Servicer_to_server` functions."""
+def decode_guard(on_undecodable: OnUndecodable) -> Wrapper:
+    """The pipeline's decode guard (service/api/pipeline.py): the request parsed, undecodable
+    bytes refused."""
 
-    def __init__(
-        self,
-        server: Registrar | grpc.aio.Server,
-        on_undecodable: OnUndecodable,
-        guard_for: GuardFor | None = None,
-    ) -> None:
-        self._server = server
-        self._on_undecodable = on_undecodable
-        self._guard_for = guard_for or (lambda method: None)
-
-    def add_generic_rpc_handlers(self, handlers: Sequence[grpc.GenericRpcHandler[Any, Any]]) -> None:
-        self._server.add_generic_rpc_handlers(tuple(_Generic(h, self._wrap) for h in handlers))
-
-    def add_registered_method_handlers(self, service: str, handlers: Mapping[str, Any]) -> None:
-        wrapped = {name: self._wrap(f"/{service}/{name}", h) for name, h in handlers.items()}
-        self._server.add_registered_method_handlers(service, wrapped)  # type: ignore[union-attr]
-
-    def _wrap(self, method: str, handler: Any) -> Any:
-        if handler is None:
-            return None
-        refuse = _Refuse(method, self._on_undecodable, self._guard_for(method), handler.request_deserializer)
-        # No deserializer: the wrappers get bytes, and parse them once the guard has admitted the call.
+    def wrap(method: str, original: Handler) -> Handler:
+        handler: Any = original  # a namedtuple (grpc's stubs do not say so)
+        refuse = _Refuse(method, on_undecodable, handler.request_deserializer)
+        # No deserializer: the wrappers get bytes, and parse them (after the wrappers outside).
         behaviors: dict[str, Any] = {"request_deserializer": None}
-        if refuse.guarded and handler.unary_unary is not None:
-            # gRPC reads a unary call's message before its handler runs; a request-streaming
-            # handler reads it when asked: after the guard (a refused caller's message is never
-            # read, and flow control holds the rest of it at the client).
-            behaviors.update(
-                request_streaming=True, unary_unary=None, stream_unary=_unary_after_guard(handler, refuse)
-            )
-        elif refuse.guarded and handler.unary_stream is not None:
-            behaviors.update(
-                request_streaming=True, unary_stream=None, stream_stream=_unary_after_guard(handler, refuse)
-            )
-        elif handler.unary_unary is not None:
+        if handler.unary_unary is not None:
             behaviors["unary_unary"] = _unary_unary(handler.unary_unary, refuse)
         elif handler.unary_stream is not None:
             behaviors["unary_stream"] = _unary_stream(handler.unary_stream, refuse)
@@ -117,36 +96,25 @@ class Guarded:
             behaviors["stream_unary"] = _stream_request(handler.stream_unary, refuse)
         elif handler.stream_stream is not None:
             behaviors["stream_stream"] = _stream_request(handler.stream_stream, refuse)
-        return handler._replace(**behaviors)
+        replaced: Handler = handler._replace(**behaviors)
+        return replaced
+
+    return wrap
 
 
 class _Refuse:
-    """A method's checks: `admit` (the guard) at the start of a call, `parse` of each request's
-    bytes (after admit), `check` of each parsed request."""
+    """A method's decoding: `parse` of each request's bytes, `check` of each parsed request."""
 
-    __slots__ = ("_class", "_deserialize", "_guard", "_kind", "_method", "_on_undecodable")
+    __slots__ = ("_class", "_deserialize", "_kind", "_method", "_on_undecodable")
 
     def __init__(
-        self,
-        method: str,
-        on_undecodable: OnUndecodable,
-        guard: Guard | None,
-        deserializer: Callable[[bytes], Any] | None,
+        self, method: str, on_undecodable: OnUndecodable, deserializer: Callable[[bytes], Any] | None
     ) -> None:
         self._method = method
         self._kind = method.rsplit("/", 1)[-1]
         self._on_undecodable = on_undecodable
-        self._guard = guard
         self._deserialize = _never_raises(deserializer)
         self._class = message_class(deserializer)  # protobuf: large messages parsed in steps
-
-    @property
-    def guarded(self) -> bool:
-        return self._guard is not None
-
-    async def admit(self, context: Context) -> None:
-        if self._guard is not None:
-            await self._guard(context)
 
     async def parse(self, raw: Any) -> Any:
         if not isinstance(raw, bytes) or len(raw) <= STEPPED_PARSE_BYTES:
@@ -165,16 +133,11 @@ class _Refuse:
                 grpc.StatusCode.INVALID_ARGUMENT, f"the {self._kind} request is not a valid message"
             )
 
-    async def admitted_message(self, raw: Any, context: Context) -> Any:
+    async def message(self, raw: Any, context: Context) -> Any:
         """A request's bytes parsed and checked."""
         request = await self.parse(raw)
         await self.check(request, context)
         return request
-
-    async def admitted(self, raw: Any, context: Context) -> Any:
-        """The request of a unary call: the guard first, then the bytes parsed and checked."""
-        await self.admit(context)
-        return await self.admitted_message(raw, context)
 
 
 def _forget_locals(error: BaseException) -> None:
@@ -199,7 +162,7 @@ def _unary_unary(inner: Any, refuse: _Refuse) -> Any:
         box = [raw]
         del raw
         try:
-            return await inner(await refuse.admitted(box.pop(), context), context)
+            return await inner(await refuse.message(box.pop(), context), context)
         except BaseException as exc:
             _forget_locals(exc)
             raise
@@ -213,57 +176,85 @@ def _unary_stream(inner: Any, refuse: _Refuse) -> Any:
         async def write(raw: Any, context: Context) -> Any:
             box = [raw]  # not a local while the servicer runs (see call above)
             del raw
-            return await inner(await refuse.admitted(box.pop(), context), context)
+            return await inner(await refuse.message(box.pop(), context), context)
 
         return write
 
     async def stream(raw: Any, context: Context) -> AsyncIterator[Any]:
         box = [raw]  # not a local while the servicer runs (see call above)
         del raw
-        async for response in inner(await refuse.admitted(box.pop(), context), context):
+        async for response in inner(await refuse.message(box.pop(), context), context):
             yield response
 
     return stream
 
 
-def _unary_after_guard(handler: Any, refuse: _Refuse) -> Any:
-    """A unary-request method as a request-streaming handler: the guard, then its one message."""
+async def _the_message(context: Context) -> Any:
+    """A unary call's one message, read when asked (context.read, not the request iterator:
+    gRPC's iterator keeps the last message it yielded for as long as the call's state lives)."""
+    raw = await context.read()
+    if raw is _EOF:
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the call carries no request message")
+    return raw
 
-    async def request(raws: AsyncIterator[Any], context: Context) -> Any:
-        await refuse.admit(context)
-        try:
-            raw = await anext(raws)
-        except StopAsyncIteration:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the call carries no request message")
-        finally:
-            # A wrapping generator (the size check's) left suspended would keep the bytes alive.
-            close = getattr(raws, "aclose", None)
-            if close is not None:
-                await close()
-        return await refuse.admitted_message(raw, context)
 
+def _after_guard(original: Handler, guard: Guard) -> Handler:
+    """`original` with `guard` run first. A unary-request method is registered as
+    request-streaming: gRPC reads a unary call's message before its handler runs, a
+    request-streaming handler reads it when asked: after the guard (a refused caller's message
+    is never read, and flow control holds the rest of it at the client)."""
+    handler: Any = original  # a namedtuple (grpc's stubs do not say so)
+    behaviors: dict[str, Any]
     if handler.unary_unary is not None:
         unary: Any = handler.unary_unary
 
         async def call(raws: AsyncIterator[Any], context: Context) -> Any:
             try:
-                return await unary(await request(raws, context), context)
+                await guard(context)
+                box = [await _the_message(context)]  # not a local while the call runs
+                return await unary(box.pop(), context)
             except BaseException as exc:
                 _forget_locals(exc)
                 raise
 
-        return call
-    inner: Any = handler.unary_stream
+        behaviors = {"request_streaming": True, "unary_unary": None, "stream_unary": call}
+    elif handler.unary_stream is not None:
+        behaviors = {
+            "request_streaming": True,
+            "unary_stream": None,
+            "stream_stream": _guarded_stream(handler.unary_stream, guard, read=True),
+        }
+    elif handler.stream_unary is not None:
+        inner: Any = handler.stream_unary
+
+        async def call_stream(raws: AsyncIterator[Any], context: Context) -> Any:
+            await guard(context)
+            return await inner(raws, context)
+
+        behaviors = {"stream_unary": call_stream}
+    else:
+        behaviors = {"stream_stream": _guarded_stream(handler.stream_stream, guard, read=False)}
+    replaced: Handler = handler._replace(**behaviors)
+    return replaced
+
+
+def _guarded_stream(inner: Any, guard: Guard, *, read: bool) -> Any:
+    """A response-streaming behaviour with `guard` run first; `read`: the inner one takes the
+    call's one message (a unary request), read after the guard."""
     if not inspect.isasyncgenfunction(inner):  # writes with context.write: a coroutine
 
         async def write(raws: AsyncIterator[Any], context: Context) -> Any:
-            return await inner(await request(raws, context), context)
+            await guard(context)
+            return await inner(await _the_message(context) if read else raws, context)
 
         return write
 
     async def stream(raws: AsyncIterator[Any], context: Context) -> AsyncIterator[Any]:
-        async for response in inner(await request(raws, context), context):
-            yield response
+        await guard(context)
+        # aclosing: a cancelled call closes the inner stream (and the servicer's leases) at once.
+        async with aclosing(inner(await _the_message(context) if read else raws, context)) as responses:
+            async for response in responses:
+                yield response
 
     return stream
 
@@ -278,38 +269,12 @@ def _stream_request(inner: Any, refuse: _Refuse) -> Any:
     if inspect.isasyncgenfunction(inner):
 
         async def stream(requests: AsyncIterator[Any], context: Context) -> AsyncIterator[Any]:
-            await refuse.admit(context)
             async for response in inner(checked(requests, context), context):
                 yield response
 
         return stream
 
     async def call(requests: AsyncIterator[Any], context: Context) -> Any:
-        await refuse.admit(context)
         return await inner(checked(requests, context), context)
 
     return call
-
-
-if TYPE_CHECKING:  # generic in grpc-stubs only
-    _GenericBase = grpc.GenericRpcHandler[Any, Any]
-else:
-    _GenericBase = grpc.GenericRpcHandler
-
-
-class _Generic(_GenericBase):
-    """A generic handler whose method handlers are wrapped (once per method, then cached)."""
-
-    def __init__(self, inner: grpc.GenericRpcHandler[Any, Any], wrap: Callable[[str, Any], Any]) -> None:
-        self._inner = inner
-        self._wrap = wrap
-        self._cache: dict[str, Any] = {}
-
-    def service(self, handler_call_details: grpc.HandlerCallDetails) -> Any:
-        method = handler_call_details.method
-        wrapped = self._cache.get(method)
-        if wrapped is None:
-            wrapped = self._wrap(method, self._inner.service(handler_call_details))
-            if wrapped is not None:  # only methods that exist: unknown names must not grow it
-                self._cache[method] = wrapped
-        return wrapped

@@ -19,13 +19,13 @@ from prometheus_client import CollectorRegistry, generate_latest
 
 from service.api.errors import Context, abort
 from service.api.names import check_model
+from service.api.pipeline import Handler, Wrapper
 from service.errors import InvalidInput
 from service.workers import protocol
 from service.workers.merge import FANNED
 
 log = logging.getLogger(__name__)
 
-Handler = Any  # grpc.RpcMethodHandler: grpc's stubs describe the sync API
 SetHealth = Callable[[str, "health_pb2.HealthCheckResponse.ServingStatus.ValueType"], Awaitable[None]]
 
 # Reconnect quickly to a unix socket that is not there yet, or again.
@@ -56,28 +56,23 @@ class WorkerRole:
         )
 
 
-class FanOutRegistrar:
-    """Stands in for the server in the generated add_*Servicer_to_server functions: the methods in
-    merge.FANNED are answered by every worker through the supervisor; the rest go on unchanged
-    to `inner` (the size-limited server)."""
+# Answered by the supervisor's merged watch, not by the worker's own servicer.
+WATCH_MODELS = "/modelyard.inference.v1.ModelService/WatchModels"
 
-    def __init__(self, inner: Any, link: WorkerLink) -> None:
-        self._inner = inner
-        self._link = link
 
-    def add_generic_rpc_handlers(self, handlers: Any) -> None:
-        self._inner.add_generic_rpc_handlers(handlers)
+def fan_out(link: WorkerLink) -> Wrapper:
+    """The pipeline's fan-out (service/api/pipeline.py): the methods in merge.FANNED are answered
+    by every worker through the supervisor, WatchModels by the supervisor's merged watch; the
+    rest keep their own handler."""
 
-    def add_registered_method_handlers(self, service: str, handlers: Mapping[str, Handler]) -> None:
-        if service == "modelyard.inference.v1.ModelService":
-            handlers = {**handlers, "WatchModels": self._link.watch_handler()}
-        replaced = {
-            name: self._link.fanned_handler(f"/{service}/{name}")
-            if f"/{service}/{name}" in FANNED
-            else handler
-            for name, handler in handlers.items()
-        }
-        self._inner.add_registered_method_handlers(service, replaced)
+    def wrap(method: str, handler: Handler) -> Handler:
+        if method == WATCH_MODELS:
+            return link.watch_handler()
+        if method in FANNED:
+            return link.fanned_handler(method)
+        return handler
+
+    return wrap
 
 
 def _identity(data: bytes) -> bytes:

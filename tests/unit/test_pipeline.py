@@ -1,0 +1,101 @@
+"""The request pipeline's helper (service/api/pipeline.py): the handlers it builds from a servicer
+and its descriptor are the ones the generated add_*Servicer_to_server functions build, and the
+wrappers apply in the order listed, the last one outermost."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import grpc
+import pytest
+from google.protobuf.descriptor import ServiceDescriptor
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+from modelyard.inference.v1 import (
+    inference_service_pb2,
+    inference_service_pb2_grpc,
+    model_service_pb2,
+    model_service_pb2_grpc,
+)
+from modelyard.kserve.v2 import grpc_service_pb2, grpc_service_pb2_grpc
+
+from service.api.pipeline import Handler, ServiceHandlers, service_of, wrapped
+
+GENERATED: list[tuple[ServiceDescriptor, Callable[[Any, Any], None], type]] = [
+    (
+        inference_service_pb2.DESCRIPTOR.services_by_name["InferenceService"],
+        inference_service_pb2_grpc.add_InferenceServiceServicer_to_server,
+        inference_service_pb2_grpc.InferenceServiceServicer,
+    ),
+    (
+        model_service_pb2.DESCRIPTOR.services_by_name["ModelService"],
+        model_service_pb2_grpc.add_ModelServiceServicer_to_server,
+        model_service_pb2_grpc.ModelServiceServicer,
+    ),
+    (
+        grpc_service_pb2.DESCRIPTOR.services_by_name["GRPCInferenceService"],
+        grpc_service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server,
+        grpc_service_pb2_grpc.GRPCInferenceServiceServicer,
+    ),
+    (
+        health_pb2.DESCRIPTOR.services_by_name["Health"],
+        health_pb2_grpc.add_HealthServicer_to_server,
+        health.HealthServicer,
+    ),
+    (
+        reflection_pb2.DESCRIPTOR.services_by_name["ServerReflection"],
+        reflection_pb2_grpc.add_ServerReflectionServicer_to_server,
+        reflection_pb2_grpc.ServerReflectionServicer,
+    ),
+]
+
+
+class _Recorder:
+    """What the generated functions register (this test's only use of them)."""
+
+    def __init__(self) -> None:
+        self.registered: dict[str, Mapping[str, Handler]] = {}
+
+    def add_generic_rpc_handlers(self, handlers: Any) -> None:
+        pass
+
+    def add_registered_method_handlers(self, service: str, handlers: Mapping[str, Handler]) -> None:
+        self.registered[service] = handlers
+
+
+@pytest.mark.parametrize("descriptor, add, servicer_class", GENERATED, ids=lambda v: getattr(v, "name", ""))
+def test_handlers_are_those_of_the_generated_code(
+    descriptor: ServiceDescriptor, add: Callable[[Any, Any], None], servicer_class: type
+) -> None:
+    servicer = servicer_class()
+    recorder = _Recorder()
+    add(servicer, recorder)
+    service = service_of(descriptor, servicer)
+    assert recorder.registered.keys() == {service.name}
+    generated = recorder.registered[service.name]
+    assert generated.keys() == service.handlers.keys()
+    for name, handler in service.handlers.items():
+        assert handler == generated[name], name  # kind, behaviour and serializers alike
+
+
+def test_wrappers_apply_in_order_the_last_outermost() -> None:
+    async def behaviour(request: Any, context: Any) -> Any:
+        return request
+
+    service = ServiceHandlers("pkg.S", {"M": grpc.unary_unary_rpc_method_handler(behaviour)})
+    seen: list[tuple[str, str]] = []
+
+    def tag(label: str) -> Callable[[str, Handler], Handler]:
+        def wrap(method: str, handler: Handler) -> Handler:
+            seen.append((label, method))
+            inner: Any = handler  # a namedtuple (grpc's stubs do not say so)
+            replaced: Handler = inner._replace(unary_unary=(label, inner.unary_unary))
+            return replaced
+
+        return wrap
+
+    handlers = wrapped(service, [tag("inner"), tag("outer")])
+    assert seen == [("inner", "/pkg.S/M"), ("outer", "/pkg.S/M")]
+    outermost: Any = handlers["M"].unary_unary
+    assert outermost == ("outer", ("inner", behaviour))
