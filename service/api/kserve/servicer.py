@@ -17,16 +17,16 @@ from modelyard.tensors import TensorError
 
 from service import __version__
 from service.api.errors import Context, abort, in_band_message, serving
-from service.api.kserve_classification import top_k
-from service.api.kserve_config import load_parameters
-from service.api.kserve_settings import LogSettings, LogValue, TraceSettings
-from service.api.kserve_tensors import (
+from service.api.kserve.classification import top_k
+from service.api.kserve.settings import LogSettings, LogValue, TraceSettings
+from service.api.kserve.tensors import (
     decode_inputs,
     encode_outputs,
     output_options,
     parameter_value,
     requested_outputs,
 )
+from service.api.kserve.triton_config import load_parameters
 from service.api.metadata import call_fields
 from service.api.names import check_model, quoted
 from service.api.scheduling import kserve_priority, kserve_scheduling
