@@ -12,7 +12,6 @@ from modelyard.common.names import echo, is_valid_name
 from modelyard.common.reasons import ErrorReason
 from modelyard.kserve.v2 import grpc_service_pb2 as pb
 from modelyard.kserve.v2 import grpc_service_pb2_grpc as pb_grpc
-from modelyard.kserve.v2 import model_config_pb2 as config_pb
 from modelyard.tensors import TensorError
 
 from service import __version__
@@ -26,7 +25,7 @@ from service.api.kserve.tensors import (
     parameter_value,
     requested_outputs,
 )
-from service.api.kserve.triton_config import load_parameters
+from service.api.kserve.triton_config import PLATFORM, load_parameters, triton_config
 from service.api.metadata import call_fields
 from service.api.names import check_model, quoted
 from service.api.scheduling import kserve_priority, kserve_scheduling
@@ -35,16 +34,13 @@ from service.dataplane import DataPlane
 from service.errors import InvalidInput, ModelLoadError, ServiceError, Unsupported
 from service.intake import INLINE_DECODE_BYTES
 from service.metrics import ServiceMetrics
-from service.repository.config import ModelConfig
 from service.repository.uploads import UploadSpace, write_upload
 from service.runtime.manager import LoadOverride, ModelManager
 from service.runtime.served import ServedVersion
 from service.runtime.signature import TensorSpec
 from service.runtime.status import VersionState
-from service.scheduling.queue import QueuePolicy
 from service.shm.registry import RegionNotFound, SharedMemoryRegistry
 
-PLATFORM = "onnxruntime_onnx"
 CUDA_SHM_REFUSAL = (
     "CUDA shared memory is not supported: this server does not import CUDA IPC handles (tensors "
     "reach ONNX Runtime from host memory); use system shared memory or inline tensors"
@@ -176,7 +172,7 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
             check_model(request.name, request.version, name_field="name", version_field="version")
             served = self._manager.resolve(request.name, request.version)
             await call.answered(str(served.version))
-            return pb.ModelConfigResponse(config=_triton_config(served))
+            return pb.ModelConfigResponse(config=triton_config(served))
 
     async def ModelStatistics(
         self, request: pb.ModelStatisticsRequest, context: Context
@@ -417,77 +413,6 @@ def _empty_final_response(request: pb.ModelInferRequest) -> bool:
 
 def _tensor_metadata(spec: TensorSpec) -> pb.ModelMetadataResponse.TensorMetadata:
     return pb.ModelMetadataResponse.TensorMetadata(name=spec.name, datatype=spec.datatype, shape=spec.shape)
-
-
-def _triton_type(datatype: str) -> config_pb.DataType.ValueType:
-    return config_pb.DataType.Value("TYPE_STRING" if datatype == "BYTES" else f"TYPE_{datatype}")
-
-
-def _instance_group(served: ServedVersion) -> config_pb.ModelInstanceGroup:
-    """The version's instances as Triton says them: `count` on each GPU listed, or on the CPU."""
-    execution = served.config.execution
-    if "CUDA" in served.runner.provider:
-        return config_pb.ModelInstanceGroup(
-            kind=config_pb.ModelInstanceGroup.KIND_GPU, count=execution.instances, gpus=execution.devices
-        )
-    return config_pb.ModelInstanceGroup(
-        kind=config_pb.ModelInstanceGroup.KIND_CPU, count=len(served.instances.all)
-    )
-
-
-def _triton_config(served: ServedVersion) -> config_pb.ModelConfig:
-    signature = served.runner.signature
-    config: ModelConfig = served.config
-    # Triton's dims leave out the batch dimension when the model batches.
-    skip = 1 if signature.max_batch_size else 0
-    labels = {t.name: t.label_filename for t in config.outputs}
-    triton = config_pb.ModelConfig(
-        name=served.model,
-        platform=PLATFORM,
-        backend="onnxruntime",
-        max_batch_size=signature.max_batch_size,
-        input=[
-            config_pb.ModelInput(name=t.name, data_type=_triton_type(t.datatype), dims=t.shape[skip:])
-            for t in signature.inputs
-        ],
-        output=[
-            config_pb.ModelOutput(
-                name=t.name,
-                data_type=_triton_type(t.datatype),
-                dims=t.shape[skip:],
-                label_filename=labels.get(t.name, ""),
-            )
-            for t in signature.outputs
-        ],
-        instance_group=[_instance_group(served)],
-    )
-    policy = config.version_policy
-    if policy.kind == "latest":
-        triton.version_policy.latest.num_versions = policy.latest
-    elif policy.kind == "specific":
-        triton.version_policy.specific.versions.extend(policy.versions)
-    else:
-        triton.version_policy.all.SetInParent()
-    if config.dynamic_batching is not None:
-        batching = config.dynamic_batching
-        admission = batching.admission
-        triton.dynamic_batching.max_queue_delay_microseconds = batching.max_queue_delay_us
-        triton.dynamic_batching.preferred_batch_size.extend(batching.preferred_batch_sizes)
-        triton.dynamic_batching.priority_levels = admission.priority_levels
-        triton.dynamic_batching.default_priority_level = admission.default_priority_level
-        triton.dynamic_batching.default_queue_policy.CopyFrom(_queue_policy(admission.default_queue_policy))
-        for level, level_policy in admission.priority_queue_policy:
-            triton.dynamic_batching.priority_queue_policy[level].CopyFrom(_queue_policy(level_policy))
-    return triton
-
-
-def _queue_policy(policy: QueuePolicy) -> config_pb.ModelQueuePolicy:
-    return config_pb.ModelQueuePolicy(
-        timeout_action=config_pb.ModelQueuePolicy.REJECT,
-        default_timeout_microseconds=policy.default_timeout_us,
-        allow_timeout_override=policy.allow_timeout_override,
-        max_queue_size=policy.max_queue_size,
-    )
 
 
 def _statistics(served: ServedVersion) -> pb.ModelStatistics:
