@@ -16,6 +16,7 @@ from modelyard.tensors import TensorError
 
 from service import __version__
 from service.api.errors import Context, abort, in_band_message, serving
+from service.api.kserve import shared_memory
 from service.api.kserve.classification import top_k
 from service.api.kserve.settings import LogSettings, LogValue, TraceSettings
 from service.api.kserve.tensors import (
@@ -31,7 +32,7 @@ from service.api.names import check_model, quoted
 from service.api.scheduling import kserve_priority, kserve_scheduling
 from service.api.tensor_headers import kserve_headers, refuse_extra_tensors
 from service.dataplane import DataPlane
-from service.errors import InvalidInput, ModelLoadError, ServiceError, Unsupported
+from service.errors import InvalidInput, ModelLoadError, ServiceError
 from service.intake import INLINE_DECODE_BYTES
 from service.metrics import ServiceMetrics
 from service.repository.uploads import UploadSpace, write_upload
@@ -39,12 +40,8 @@ from service.runtime.manager import LoadOverride, ModelManager
 from service.runtime.served import ServedVersion
 from service.runtime.signature import TensorSpec
 from service.runtime.status import VersionState
-from service.shm.registry import RegionNotFound, SharedMemoryRegistry
+from service.shm.registry import SharedMemoryRegistry
 
-CUDA_SHM_REFUSAL = (
-    "CUDA shared memory is not supported: this server does not import CUDA IPC handles (tensors "
-    "reach ONNX Runtime from host memory); use system shared memory or inline tensors"
-)
 # Triton's streaming parameters: the request asks, each response says whether it is the last.
 ENABLE_FINAL_RESPONSE = "triton_enable_empty_final_response"
 FINAL_RESPONSE = "triton_final_response"
@@ -257,50 +254,37 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
         self, request: pb.SystemSharedMemoryStatusRequest, context: Context
     ) -> pb.SystemSharedMemoryStatusResponse:
         async with serving(context, self._metrics, "SystemSharedMemoryStatus", ""):
-            response = pb.SystemSharedMemoryStatusResponse()
-            for spec in self._shm.status(request.name):
-                response.regions[spec.name].CopyFrom(
-                    pb.SystemSharedMemoryStatusResponse.RegionStatus(
-                        name=spec.name, key=spec.key, offset=spec.offset, byte_size=spec.byte_size
-                    )
-                )
-            return response
+            return shared_memory.system_status(self._shm, request)
 
     async def SystemSharedMemoryRegister(
         self, request: pb.SystemSharedMemoryRegisterRequest, context: Context
     ) -> pb.SystemSharedMemoryRegisterResponse:
         async with serving(context, self._metrics, "SystemSharedMemoryRegister", ""):
-            await asyncio.get_running_loop().run_in_executor(
-                None, self._shm.register, request.name, request.key, request.offset, request.byte_size
-            )
-            return pb.SystemSharedMemoryRegisterResponse()
+            return await shared_memory.system_register(self._shm, request)
 
     async def SystemSharedMemoryUnregister(
         self, request: pb.SystemSharedMemoryUnregisterRequest, context: Context
     ) -> pb.SystemSharedMemoryUnregisterResponse:
         async with serving(context, self._metrics, "SystemSharedMemoryUnregister", ""):
-            self._shm.unregister(request.name)
-            return pb.SystemSharedMemoryUnregisterResponse()
+            return shared_memory.system_unregister(self._shm, request)
 
     async def CudaSharedMemoryStatus(
         self, request: pb.CudaSharedMemoryStatusRequest, context: Context
     ) -> pb.CudaSharedMemoryStatusResponse:
         async with serving(context, self._metrics, "CudaSharedMemoryStatus", ""):
-            if request.name:
-                raise RegionNotFound(f"no CUDA shared memory region {echo(request.name)} is registered")
-            return pb.CudaSharedMemoryStatusResponse()  # none can be registered
+            return shared_memory.cuda_status(request)
 
     async def CudaSharedMemoryRegister(
         self, request: pb.CudaSharedMemoryRegisterRequest, context: Context
     ) -> pb.CudaSharedMemoryRegisterResponse:
         async with serving(context, self._metrics, "CudaSharedMemoryRegister", ""):
-            raise Unsupported(CUDA_SHM_REFUSAL)
+            return shared_memory.cuda_register(request)
 
     async def CudaSharedMemoryUnregister(
         self, request: pb.CudaSharedMemoryUnregisterRequest, context: Context
     ) -> pb.CudaSharedMemoryUnregisterResponse:
         async with serving(context, self._metrics, "CudaSharedMemoryUnregister", ""):
-            return pb.CudaSharedMemoryUnregisterResponse()  # none is registered: nothing to do
+            return shared_memory.cuda_unregister(request)
 
     async def LogSettings(self, request: pb.LogSettingsRequest, context: Context) -> pb.LogSettingsResponse:
         async with serving(context, self._metrics, "LogSettings", ""):
