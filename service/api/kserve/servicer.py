@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import replace
 from functools import partial
 
-from modelyard.common.names import echo, is_valid_name
+from modelyard.common.names import is_valid_name
 from modelyard.common.reasons import ErrorReason
 from modelyard.kserve.v2 import grpc_service_pb2 as pb
 from modelyard.kserve.v2 import grpc_service_pb2_grpc as pb_grpc
@@ -16,9 +16,9 @@ from modelyard.tensors import TensorError
 
 from service import __version__
 from service.api.errors import Context, abort, in_band_message, serving
-from service.api.kserve import shared_memory
+from service.api.kserve import settings, shared_memory
 from service.api.kserve.classification import top_k
-from service.api.kserve.settings import LogSettings, LogValue, TraceSettings
+from service.api.kserve.settings import LogSettings, TraceSettings
 from service.api.kserve.tensors import (
     decode_inputs,
     encode_outputs,
@@ -288,23 +288,7 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
 
     async def LogSettings(self, request: pb.LogSettingsRequest, context: Context) -> pb.LogSettingsResponse:
         async with serving(context, self._metrics, "LogSettings", ""):
-            changes: dict[str, LogValue] = {}
-            for key, value in request.settings.items():
-                kind = value.WhichOneof("parameter_choice")
-                if kind is None:
-                    raise InvalidInput(f"log setting {echo(key)} has no value")
-                changes[key] = getattr(value, kind)
-            current = self._logs.update(changes)
-            response = pb.LogSettingsResponse()
-            for key, setting in current.items():
-                entry = response.settings[key]
-                if isinstance(setting, bool):
-                    entry.bool_param = setting
-                elif isinstance(setting, int):
-                    entry.uint32_param = setting
-                else:
-                    entry.string_param = setting
-            return response
+            return settings.answer_log_settings(self._logs, request)
 
     async def TraceSetting(
         self, request: pb.TraceSettingRequest, context: Context
@@ -313,12 +297,7 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
             check_model(request.model_name, optional=True)  # no name: the global settings
             if request.model_name:
                 self._manager.status(request.model_name)  # NOT_FOUND for a model it does not know
-            changes = {key: tuple(value.value) for key, value in request.settings.items()}
-            current = self._traces.update(changes, request.model_name)
-            response = pb.TraceSettingResponse()
-            for key, values in current.items():
-                response.settings[key].value.extend(values)
-            return response
+            return settings.answer_trace_setting(self._traces, request)
 
     async def _infer(self, request: pb.ModelInferRequest, context: Context) -> pb.ModelInferResponse:
         version, request_id, priority = call_fields(
