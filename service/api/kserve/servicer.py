@@ -16,7 +16,7 @@ from modelyard.tensors import TensorError
 
 from service import __version__
 from service.api.errors import Context, abort, in_band_message, serving
-from service.api.kserve import settings, shared_memory
+from service.api.kserve import repository, settings, shared_memory
 from service.api.kserve.classification import top_k
 from service.api.kserve.settings import LogSettings, TraceSettings
 from service.api.kserve.tensors import (
@@ -26,20 +26,20 @@ from service.api.kserve.tensors import (
     parameter_value,
     requested_outputs,
 )
-from service.api.kserve.triton_config import PLATFORM, load_parameters, triton_config
+from service.api.kserve.triton_config import PLATFORM, triton_config
 from service.api.metadata import call_fields
+from service.api.model_control import ModelControl
 from service.api.names import check_model, quoted
 from service.api.scheduling import kserve_priority, kserve_scheduling
 from service.api.tensor_headers import kserve_headers, refuse_extra_tensors
 from service.dataplane import DataPlane
-from service.errors import InvalidInput, ModelLoadError, ServiceError
+from service.errors import InvalidInput, ServiceError
 from service.intake import INLINE_DECODE_BYTES
 from service.metrics import ServiceMetrics
-from service.repository.uploads import UploadSpace, write_upload
-from service.runtime.manager import LoadOverride, ModelManager
+from service.repository.uploads import UploadSpace
+from service.runtime.manager import ModelManager
 from service.runtime.served import ServedVersion
 from service.runtime.signature import TensorSpec
-from service.runtime.status import VersionState
 from service.shm.registry import SharedMemoryRegistry
 
 # Triton's streaming parameters: the request asks, each response says whether it is the last.
@@ -55,14 +55,6 @@ EXTENSIONS = [
     "trace",
     "logging",
 ]
-# Triton reports a model's state with these words in its repository index.
-_INDEX_STATE = {
-    VersionState.LOADING: "LOADING",
-    VersionState.READY: "READY",
-    VersionState.FAILED: "UNAVAILABLE",
-    VersionState.DRAINING: "UNLOADING",
-    VersionState.UNLOADED: "UNAVAILABLE",
-}
 
 
 class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
@@ -76,7 +68,7 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
         uploads: UploadSpace | None = None,  # where a load's files go; None: no limit
     ) -> None:
         self._manager = manager
-        self._uploads = uploads
+        self._control = ModelControl(manager, uploads)
         self._whole_service_ready = whole_service_ready
         self._shm = shm if shm is not None else SharedMemoryRegistry()
         self._dataplane = dataplane
@@ -196,59 +188,19 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
     async def RepositoryIndex(
         self, request: pb.RepositoryIndexRequest, context: Context
     ) -> pb.RepositoryIndexResponse:
-        response = pb.RepositoryIndexResponse()
-        for status in self._manager.statuses():
-            if not status.versions and not request.ready:
-                response.models.add(name=status.name, state="UNAVAILABLE", reason=status.reason)
-            for version in status.versions.values():
-                if request.ready and version.state != VersionState.READY:
-                    continue
-                response.models.add(
-                    name=status.name,
-                    version=str(version.version),
-                    state=_INDEX_STATE[version.state],
-                    reason=version.reason,
-                )
-        return response
+        return repository.index(self._manager, request)
 
     async def RepositoryModelLoad(
         self, request: pb.RepositoryModelLoadRequest, context: Context
     ) -> pb.RepositoryModelLoadResponse:
         async with serving(context, self._metrics, "RepositoryModelLoad", request.model_name):
-            # Before anything else: the name becomes the upload's folder (write_upload checks again).
-            check_model(request.model_name)
-            override = None
-            load = load_parameters(request.model_name, request.parameters)
-            if load.config is not None:
-                upload = None
-                if load.files:
-                    upload = await asyncio.get_running_loop().run_in_executor(
-                        None, write_upload, None, request.model_name, load.files, self._uploads
-                    )
-                override = LoadOverride(load.config, upload)
-            status = await self._manager.load(request.model_name, override)
-            failed = [
-                f"version {v.version}: {v.reason}"
-                for v in status.versions.values()
-                if v.state == VersionState.FAILED
-            ]
-            if override is not None and failed:
-                # The override was not applied in full: say so rather than answer OK.
-                raise ModelLoadError(f"failed to load {request.model_name!r}: {'; '.join(failed)}")
-            if status.default_version is None:
-                reasons = [status.reason] + [v.reason for v in status.versions.values() if v.reason]
-                raise ModelLoadError(
-                    f"failed to load {request.model_name!r}: {'; '.join(r for r in reasons if r)}"
-                )
-            return pb.RepositoryModelLoadResponse()
+            return await repository.load(self._control, request)
 
     async def RepositoryModelUnload(
         self, request: pb.RepositoryModelUnloadRequest, context: Context
     ) -> pb.RepositoryModelUnloadResponse:
         async with serving(context, self._metrics, "RepositoryModelUnload", request.model_name):
-            check_model(request.model_name)
-            await self._manager.unload(request.model_name)
-            return pb.RepositoryModelUnloadResponse()
+            return await repository.unload(self._control, request)
 
     async def SystemSharedMemoryStatus(
         self, request: pb.SystemSharedMemoryStatusRequest, context: Context

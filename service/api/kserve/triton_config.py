@@ -10,7 +10,6 @@ that has no counterpart here is refused by name rather than ignored.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 from typing import Any
 
 from google.protobuf import json_format
@@ -18,6 +17,7 @@ from google.protobuf.message import Message
 from modelyard.kserve.v2 import model_config_pb2 as config_pb
 from modelyard.kserve.v2.grpc_service_pb2 import ModelRepositoryParameter
 
+from service.api.model_control import LoadParameters
 from service.api.names import clipped, quoted
 from service.errors import InvalidInput, ModelLoadError
 from service.repository.config import ModelConfig, parse_config
@@ -51,12 +51,6 @@ _BATCHING = {
 }
 _QUEUE = {"timeout_action", "default_timeout_microseconds", "allow_timeout_override", "max_queue_size"}
 _GROUP = {"name", "kind", "count", "gpus"}
-
-
-@dataclass(frozen=True)
-class LoadParameters:
-    config: ModelConfig | None = None
-    files: dict[str, bytes] = field(default_factory=dict)  # relative path -> content, checked
 
 
 def load_parameters(model: str, parameters: Mapping[str, ModelRepositoryParameter]) -> LoadParameters:
