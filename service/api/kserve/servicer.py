@@ -105,13 +105,15 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
         async with serving(context, self._metrics, "ModelMetadata", request.name) as call:
             check_model(request.name, request.version, name_field="name", version_field="version")
             served = self._manager.resolve(request.name, request.version)
-            await call.answered(str(served.version))
-            model = self._manager.served(request.name)
-            signature = served.runner.signature
+            # The versions listed are read with the one that answers, before the await: a swap
+            # during it could list versions that leave that one out.
             if request.version:  # Triton: the requested version only
                 versions = [str(served.version)]
             else:
+                model = self._manager.served(request.name)
                 versions = [str(v) for v in sorted(model.versions)] if model else []
+            await call.answered(str(served.version))
+            signature = served.runner.signature
             return pb.ModelMetadataResponse(
                 name=request.name,
                 versions=versions,
