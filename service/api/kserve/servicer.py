@@ -16,7 +16,7 @@ from modelyard.tensors import TensorError
 
 from service import __version__
 from service.api.errors import Context, abort, in_band_message, serving
-from service.api.kserve import repository, settings, shared_memory
+from service.api.kserve import repository, settings, shared_memory, statistics
 from service.api.kserve.classification import top_k
 from service.api.kserve.settings import LogSettings, TraceSettings
 from service.api.kserve.tensors import (
@@ -38,7 +38,6 @@ from service.intake import INLINE_DECODE_BYTES
 from service.metrics import ServiceMetrics
 from service.repository.uploads import UploadSpace
 from service.runtime.manager import ModelManager
-from service.runtime.served import ServedVersion
 from service.runtime.signature import TensorSpec
 from service.shm.registry import SharedMemoryRegistry
 
@@ -173,19 +172,7 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
             check_model(
                 request.name, request.version, name_field="name", version_field="version", optional=True
             )
-            if request.name:
-                chosen = [self._manager.resolve(request.name, request.version)]
-                if not request.version:  # Triton: no version means every served version
-                    model = self._manager.served(request.name)
-                    chosen = list(model.versions.values()) if model else chosen
-            else:
-                chosen = [
-                    v
-                    for s in self._manager.statuses()
-                    if (m := self._manager.served(s.name))
-                    for v in m.versions.values()
-                ]
-            return pb.ModelStatisticsResponse(model_stats=[_statistics(v) for v in chosen])
+            return statistics.model_statistics(self._manager, request)
 
     async def RepositoryIndex(
         self, request: pb.RepositoryIndexRequest, context: Context
@@ -330,28 +317,3 @@ def _empty_final_response(request: pb.ModelInferRequest) -> bool:
 
 def _tensor_metadata(spec: TensorSpec) -> pb.ModelMetadataResponse.TensorMetadata:
     return pb.ModelMetadataResponse.TensorMetadata(name=spec.name, datatype=spec.datatype, shape=spec.shape)
-
-
-def _statistics(served: ServedVersion) -> pb.ModelStatistics:
-    stats = served.stats
-    return pb.ModelStatistics(
-        name=served.model,
-        version=str(served.version),
-        last_inference=stats.last_inference_ms,
-        inference_count=stats.inference_count,
-        execution_count=stats.execution_count,
-        inference_stats=pb.InferStatistics(
-            success=pb.StatisticDuration(count=stats.success_count, ns=stats.success_ns),
-            fail=pb.StatisticDuration(count=stats.fail_count, ns=stats.fail_ns),
-            # perf_analyzer finds the version it measured by the queue count that grew.
-            queue=pb.StatisticDuration(count=stats.queue_count, ns=stats.queue_ns),
-            # Per request, as Triton counts them. Tensor conversion is not timed apart: it is
-            # inside the queue time (input) and the request total (output); the counts must match
-            # compute_infer's for perf_analyzer.
-            compute_input=pb.StatisticDuration(count=stats.compute_request_count),
-            compute_infer=pb.StatisticDuration(
-                count=stats.compute_request_count, ns=stats.compute_request_ns
-            ),
-            compute_output=pb.StatisticDuration(count=stats.compute_request_count),
-        ),
-    )
