@@ -1,5 +1,10 @@
 """inference.GRPCInferenceService: the KServe V2 / Open Inference Protocol with Triton's model
-repository, configuration and statistics extensions, over the same data plane as our own API."""
+repository, configuration and statistics extensions, over the same data plane as our own API.
+
+Each RPC checks the request's names, converts, and delegates: inference to the data plane
+(tensors.py, classification.py), the repository extension to the model control ModelService
+shares (repository.py), Triton's ModelConfig to triton_config.py, statistics to statistics.py,
+shared memory to shared_memory.py, log and trace settings to settings.py."""
 
 from __future__ import annotations
 
