@@ -28,7 +28,7 @@ from service.api.access import guards
 from service.api.errors import set_served_by
 from service.api.flat_servicer import FlatInferenceServicer
 from service.api.inference_servicer import InferenceServicer
-from service.api.kserve_servicer import KServeServicer
+from service.api.kserve.servicer import KServeServicer
 from service.api.limits import size_limit, transport_limit
 from service.api.model_servicer import ModelServicer
 from service.api.pipeline import ServiceHandlers, Wrapper, register, service_of

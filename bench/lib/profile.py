@@ -34,7 +34,7 @@ SERVICE_CATEGORIES: list[tuple[str, Callable[[str, str], bool]]] = [
     ("x-served-version (send_initial_metadata)", lambda fn, f: fn.endswith("answered")),
     ("to_arrays (proto -> numpy)", lambda fn, f: fn in ("to_arrays", "to_array", "datatype_name")),
     ("to_tensors (numpy -> proto)", lambda fn, f: fn in ("to_tensors", "to_tensor", "to_wire")),
-    ("KServe tensors (proto <-> numpy)", lambda fn, f: f.endswith("kserve_tensors.py")),
+    ("KServe tensors (proto <-> numpy)", lambda fn, f: f.endswith("kserve/tensors.py")),
     ("signature checks", lambda fn, f: f.endswith(("signature.py", "datatypes.py"))),
     ("metrics (prometheus)", lambda fn, f: "observe_request" in fn or "prometheus_client" in f),
     ("per-version stats", lambda fn, f: "VersionStats" in fn),
@@ -43,7 +43,7 @@ SERVICE_CATEGORIES: list[tuple[str, Callable[[str, str], bool]]] = [
     ("contextlib machinery", lambda fn, f: f.endswith("contextlib.py")),
     ("serving() wrapper (rest)", lambda fn, f: f.endswith("api/errors.py") or fn == "serving"),
     ("Infer handler (InferResponse, rest)", lambda fn, f: f.endswith("inference_servicer.py")),
-    ("ModelInfer handler (KServe, rest)", lambda fn, f: f.endswith("kserve_servicer.py")),
+    ("ModelInfer handler (KServe, rest)", lambda fn, f: f.endswith("kserve/servicer.py")),
     ("echo handler", lambda fn, f: f.endswith("echo_server.py")),
     ("bare server's handler (rest)", lambda fn, f: f.endswith("bare_server.py")),
 ]

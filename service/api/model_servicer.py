@@ -10,6 +10,7 @@ from modelyard.inference.v1 import model_service_pb2_grpc as pb_grpc
 
 from service.api.convert import to_specs
 from service.api.errors import Context, serving
+from service.api.model_control import ModelControl
 from service.api.names import check_model, check_names
 from service.errors import ModelUnavailable
 from service.metrics import ServiceMetrics
@@ -55,6 +56,7 @@ def describe(status: ModelStatus) -> pb.Model:
 class ModelServicer(pb_grpc.ModelServiceServicer):
     def __init__(self, manager: ModelManager, metrics: ServiceMetrics) -> None:
         self._manager = manager
+        self._control = ModelControl(manager)  # it brings no files: no upload space
         self._metrics = metrics
 
     async def ListModels(self, request: pb.ListModelsRequest, context: Context) -> pb.ListModelsResponse:
@@ -68,13 +70,11 @@ class ModelServicer(pb_grpc.ModelServiceServicer):
 
     async def LoadModel(self, request: pb.LoadModelRequest, context: Context) -> pb.LoadModelResponse:
         async with serving(context, self._metrics, "LoadModel", request.name):
-            check_model(request.name, name_field="name")
-            return pb.LoadModelResponse(model=describe(await self._manager.load(request.name)))
+            return pb.LoadModelResponse(model=describe(await self._control.load(request.name, "name")))
 
     async def UnloadModel(self, request: pb.UnloadModelRequest, context: Context) -> pb.UnloadModelResponse:
         async with serving(context, self._metrics, "UnloadModel", request.name):
-            check_model(request.name, name_field="name")
-            return pb.UnloadModelResponse(model=describe(await self._manager.unload(request.name)))
+            return pb.UnloadModelResponse(model=describe(await self._control.unload(request.name, "name")))
 
     async def WatchModels(
         self, request: pb.WatchModelsRequest, context: Context

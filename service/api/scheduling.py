@@ -7,7 +7,7 @@ from collections.abc import Mapping
 from modelyard.kserve.v2.grpc_service_pb2 import InferParameter
 
 from service.api.errors import Context
-from service.api.kserve_tensors import parameter_value
+from service.api.kserve.tensors import parameter_value
 from service.api.names import quoted
 from service.errors import InvalidInput
 from service.scheduling.queue import Scheduling

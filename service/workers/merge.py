@@ -85,7 +85,7 @@ def _list(request: bytes, answers: Sequence[bytes]) -> bytes:
     ).SerializeToString()
 
 
-# Triton's words in the repository index, least ready first (service/api/kserve_servicer.py).
+# Triton's words in the repository index, least ready first (service/api/kserve/repository.py).
 _INDEX_ORDER = ["UNAVAILABLE", "LOADING", "UNLOADING", "READY"]
 
 

@@ -30,7 +30,7 @@ from modelyard.kserve.v2 import grpc_service_pb2_grpc as kpb_grpc
 from modelyard.tensors import to_array, to_tensor
 
 from models import demo_models
-from service.api.kserve_servicer import ERROR_REASON_PARAMETER
+from service.api.kserve.servicer import ERROR_REASON_PARAMETER
 from service.batching.batcher import Batcher
 from service.config import Settings
 from service.repository.config import ModelConfig

@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from service.api.kserve_classification import top_k
+from service.api.kserve.classification import top_k
 from service.errors import InvalidInput
 from service.repository.config import ConfigError, ModelConfig, TensorConfig
 from service.repository.labels import load_labels

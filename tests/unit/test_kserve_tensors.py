@@ -15,7 +15,7 @@ from modelyard.kserve.v2.grpc_service_pb2 import (
 )
 from modelyard.tensors import NUMPY_BY_NAME, TensorError
 
-from service.api.kserve_tensors import decode_inputs, encode_outputs, parameter_value, requested_outputs
+from service.api.kserve.tensors import decode_inputs, encode_outputs, parameter_value, requested_outputs
 from service.errors import InvalidInput, Unsupported
 
 NUMERIC = [name for name in NUMPY_BY_NAME if name != "BYTES"]

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from modelyard.kserve.v2.grpc_service_pb2 import ModelRepositoryParameter
 
-from service.api.kserve_config import load_parameters, parse_triton_config
+from service.api.kserve.triton_config import load_parameters, parse_triton_config
 from service.errors import InvalidInput, TooLarge
 from service.repository.config import TensorConfig
 from service.repository.uploads import UploadSpace, check_paths, write_upload

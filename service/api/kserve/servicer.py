@@ -1,5 +1,10 @@
 """inference.GRPCInferenceService: the KServe V2 / Open Inference Protocol with Triton's model
-repository, configuration and statistics extensions, over the same data plane as our own API."""
+repository, configuration and statistics extensions, over the same data plane as our own API.
+
+Each RPC checks the request's names, converts, and delegates: inference to the data plane
+(tensors.py, classification.py), the repository extension to the model control ModelService
+shares (repository.py), Triton's ModelConfig to triton_config.py, statistics to statistics.py,
+shared memory to shared_memory.py, log and trace settings to settings.py."""
 
 from __future__ import annotations
 
@@ -8,47 +13,39 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import replace
 from functools import partial
 
-from modelyard.common.names import echo, is_valid_name
+from modelyard.common.names import is_valid_name
 from modelyard.common.reasons import ErrorReason
 from modelyard.kserve.v2 import grpc_service_pb2 as pb
 from modelyard.kserve.v2 import grpc_service_pb2_grpc as pb_grpc
-from modelyard.kserve.v2 import model_config_pb2 as config_pb
 from modelyard.tensors import TensorError
 
 from service import __version__
 from service.api.errors import Context, abort, in_band_message, serving
-from service.api.kserve_classification import top_k
-from service.api.kserve_config import load_parameters
-from service.api.kserve_settings import LogSettings, LogValue, TraceSettings
-from service.api.kserve_tensors import (
+from service.api.kserve import repository, settings, shared_memory, statistics
+from service.api.kserve.classification import top_k
+from service.api.kserve.settings import LogSettings, TraceSettings
+from service.api.kserve.tensors import (
     decode_inputs,
     encode_outputs,
     output_options,
     parameter_value,
     requested_outputs,
 )
+from service.api.kserve.triton_config import PLATFORM, triton_config
 from service.api.metadata import call_fields
+from service.api.model_control import ModelControl
 from service.api.names import check_model, quoted
 from service.api.scheduling import kserve_priority, kserve_scheduling
 from service.api.tensor_headers import kserve_headers, refuse_extra_tensors
 from service.dataplane import DataPlane
-from service.errors import InvalidInput, ModelLoadError, ServiceError, Unsupported
+from service.errors import InvalidInput, ServiceError
 from service.intake import INLINE_DECODE_BYTES
 from service.metrics import ServiceMetrics
-from service.repository.config import ModelConfig
-from service.repository.uploads import UploadSpace, write_upload
-from service.runtime.manager import LoadOverride, ModelManager
-from service.runtime.served import ServedVersion
+from service.repository.uploads import UploadSpace
+from service.runtime.manager import ModelManager
 from service.runtime.signature import TensorSpec
-from service.runtime.status import VersionState
-from service.scheduling.queue import QueuePolicy
-from service.shm.registry import RegionNotFound, SharedMemoryRegistry
+from service.shm.registry import SharedMemoryRegistry
 
-PLATFORM = "onnxruntime_onnx"
-CUDA_SHM_REFUSAL = (
-    "CUDA shared memory is not supported: this server does not import CUDA IPC handles (tensors "
-    "reach ONNX Runtime from host memory); use system shared memory or inline tensors"
-)
 # Triton's streaming parameters: the request asks, each response says whether it is the last.
 ENABLE_FINAL_RESPONSE = "triton_enable_empty_final_response"
 FINAL_RESPONSE = "triton_final_response"
@@ -62,14 +59,6 @@ EXTENSIONS = [
     "trace",
     "logging",
 ]
-# Triton reports a model's state with these words in its repository index.
-_INDEX_STATE = {
-    VersionState.LOADING: "LOADING",
-    VersionState.READY: "READY",
-    VersionState.FAILED: "UNAVAILABLE",
-    VersionState.DRAINING: "UNLOADING",
-    VersionState.UNLOADED: "UNAVAILABLE",
-}
 
 
 class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
@@ -83,7 +72,7 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
         uploads: UploadSpace | None = None,  # where a load's files go; None: no limit
     ) -> None:
         self._manager = manager
-        self._uploads = uploads
+        self._control = ModelControl(manager, uploads)
         self._whole_service_ready = whole_service_ready
         self._shm = shm if shm is not None else SharedMemoryRegistry()
         self._dataplane = dataplane
@@ -120,13 +109,15 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
         async with serving(context, self._metrics, "ModelMetadata", request.name) as call:
             check_model(request.name, request.version, name_field="name", version_field="version")
             served = self._manager.resolve(request.name, request.version)
-            await call.answered(str(served.version))
-            model = self._manager.served(request.name)
-            signature = served.runner.signature
+            # The versions listed are read with the one that answers, before the await: a swap
+            # during it could list versions that leave that one out.
             if request.version:  # Triton: the requested version only
                 versions = [str(served.version)]
             else:
+                model = self._manager.served(request.name)
                 versions = [str(v) for v in sorted(model.versions)] if model else []
+            await call.answered(str(served.version))
+            signature = served.runner.signature
             return pb.ModelMetadataResponse(
                 name=request.name,
                 versions=versions,
@@ -176,7 +167,7 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
             check_model(request.name, request.version, name_field="name", version_field="version")
             served = self._manager.resolve(request.name, request.version)
             await call.answered(str(served.version))
-            return pb.ModelConfigResponse(config=_triton_config(served))
+            return pb.ModelConfigResponse(config=triton_config(served))
 
     async def ModelStatistics(
         self, request: pb.ModelStatisticsRequest, context: Context
@@ -186,145 +177,64 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
             check_model(
                 request.name, request.version, name_field="name", version_field="version", optional=True
             )
-            if request.name:
-                chosen = [self._manager.resolve(request.name, request.version)]
-                if not request.version:  # Triton: no version means every served version
-                    model = self._manager.served(request.name)
-                    chosen = list(model.versions.values()) if model else chosen
-            else:
-                chosen = [
-                    v
-                    for s in self._manager.statuses()
-                    if (m := self._manager.served(s.name))
-                    for v in m.versions.values()
-                ]
-            return pb.ModelStatisticsResponse(model_stats=[_statistics(v) for v in chosen])
+            return statistics.model_statistics(self._manager, request)
 
     async def RepositoryIndex(
         self, request: pb.RepositoryIndexRequest, context: Context
     ) -> pb.RepositoryIndexResponse:
-        response = pb.RepositoryIndexResponse()
-        for status in self._manager.statuses():
-            if not status.versions and not request.ready:
-                response.models.add(name=status.name, state="UNAVAILABLE", reason=status.reason)
-            for version in status.versions.values():
-                if request.ready and version.state != VersionState.READY:
-                    continue
-                response.models.add(
-                    name=status.name,
-                    version=str(version.version),
-                    state=_INDEX_STATE[version.state],
-                    reason=version.reason,
-                )
-        return response
+        return repository.index(self._manager, request)
 
     async def RepositoryModelLoad(
         self, request: pb.RepositoryModelLoadRequest, context: Context
     ) -> pb.RepositoryModelLoadResponse:
         async with serving(context, self._metrics, "RepositoryModelLoad", request.model_name):
-            # Before anything else: the name becomes the upload's folder (write_upload checks again).
-            check_model(request.model_name)
-            override = None
-            load = load_parameters(request.model_name, request.parameters)
-            if load.config is not None:
-                upload = None
-                if load.files:
-                    upload = await asyncio.get_running_loop().run_in_executor(
-                        None, write_upload, None, request.model_name, load.files, self._uploads
-                    )
-                override = LoadOverride(load.config, upload)
-            status = await self._manager.load(request.model_name, override)
-            failed = [
-                f"version {v.version}: {v.reason}"
-                for v in status.versions.values()
-                if v.state == VersionState.FAILED
-            ]
-            if override is not None and failed:
-                # The override was not applied in full: say so rather than answer OK.
-                raise ModelLoadError(f"failed to load {request.model_name!r}: {'; '.join(failed)}")
-            if status.default_version is None:
-                reasons = [status.reason] + [v.reason for v in status.versions.values() if v.reason]
-                raise ModelLoadError(
-                    f"failed to load {request.model_name!r}: {'; '.join(r for r in reasons if r)}"
-                )
-            return pb.RepositoryModelLoadResponse()
+            return await repository.load(self._control, request)
 
     async def RepositoryModelUnload(
         self, request: pb.RepositoryModelUnloadRequest, context: Context
     ) -> pb.RepositoryModelUnloadResponse:
         async with serving(context, self._metrics, "RepositoryModelUnload", request.model_name):
-            check_model(request.model_name)
-            await self._manager.unload(request.model_name)
-            return pb.RepositoryModelUnloadResponse()
+            return await repository.unload(self._control, request)
 
     async def SystemSharedMemoryStatus(
         self, request: pb.SystemSharedMemoryStatusRequest, context: Context
     ) -> pb.SystemSharedMemoryStatusResponse:
         async with serving(context, self._metrics, "SystemSharedMemoryStatus", ""):
-            response = pb.SystemSharedMemoryStatusResponse()
-            for spec in self._shm.status(request.name):
-                response.regions[spec.name].CopyFrom(
-                    pb.SystemSharedMemoryStatusResponse.RegionStatus(
-                        name=spec.name, key=spec.key, offset=spec.offset, byte_size=spec.byte_size
-                    )
-                )
-            return response
+            return shared_memory.system_status(self._shm, request)
 
     async def SystemSharedMemoryRegister(
         self, request: pb.SystemSharedMemoryRegisterRequest, context: Context
     ) -> pb.SystemSharedMemoryRegisterResponse:
         async with serving(context, self._metrics, "SystemSharedMemoryRegister", ""):
-            await asyncio.get_running_loop().run_in_executor(
-                None, self._shm.register, request.name, request.key, request.offset, request.byte_size
-            )
-            return pb.SystemSharedMemoryRegisterResponse()
+            return await shared_memory.system_register(self._shm, request)
 
     async def SystemSharedMemoryUnregister(
         self, request: pb.SystemSharedMemoryUnregisterRequest, context: Context
     ) -> pb.SystemSharedMemoryUnregisterResponse:
         async with serving(context, self._metrics, "SystemSharedMemoryUnregister", ""):
-            self._shm.unregister(request.name)
-            return pb.SystemSharedMemoryUnregisterResponse()
+            return shared_memory.system_unregister(self._shm, request)
 
     async def CudaSharedMemoryStatus(
         self, request: pb.CudaSharedMemoryStatusRequest, context: Context
     ) -> pb.CudaSharedMemoryStatusResponse:
         async with serving(context, self._metrics, "CudaSharedMemoryStatus", ""):
-            if request.name:
-                raise RegionNotFound(f"no CUDA shared memory region {echo(request.name)} is registered")
-            return pb.CudaSharedMemoryStatusResponse()  # none can be registered
+            return shared_memory.cuda_status(request)
 
     async def CudaSharedMemoryRegister(
         self, request: pb.CudaSharedMemoryRegisterRequest, context: Context
     ) -> pb.CudaSharedMemoryRegisterResponse:
         async with serving(context, self._metrics, "CudaSharedMemoryRegister", ""):
-            raise Unsupported(CUDA_SHM_REFUSAL)
+            return shared_memory.cuda_register(request)
 
     async def CudaSharedMemoryUnregister(
         self, request: pb.CudaSharedMemoryUnregisterRequest, context: Context
     ) -> pb.CudaSharedMemoryUnregisterResponse:
         async with serving(context, self._metrics, "CudaSharedMemoryUnregister", ""):
-            return pb.CudaSharedMemoryUnregisterResponse()  # none is registered: nothing to do
+            return shared_memory.cuda_unregister(request)
 
     async def LogSettings(self, request: pb.LogSettingsRequest, context: Context) -> pb.LogSettingsResponse:
         async with serving(context, self._metrics, "LogSettings", ""):
-            changes: dict[str, LogValue] = {}
-            for key, value in request.settings.items():
-                kind = value.WhichOneof("parameter_choice")
-                if kind is None:
-                    raise InvalidInput(f"log setting {echo(key)} has no value")
-                changes[key] = getattr(value, kind)
-            current = self._logs.update(changes)
-            response = pb.LogSettingsResponse()
-            for key, setting in current.items():
-                entry = response.settings[key]
-                if isinstance(setting, bool):
-                    entry.bool_param = setting
-                elif isinstance(setting, int):
-                    entry.uint32_param = setting
-                else:
-                    entry.string_param = setting
-            return response
+            return settings.answer_log_settings(self._logs, request)
 
     async def TraceSetting(
         self, request: pb.TraceSettingRequest, context: Context
@@ -333,12 +243,7 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
             check_model(request.model_name, optional=True)  # no name: the global settings
             if request.model_name:
                 self._manager.status(request.model_name)  # NOT_FOUND for a model it does not know
-            changes = {key: tuple(value.value) for key, value in request.settings.items()}
-            current = self._traces.update(changes, request.model_name)
-            response = pb.TraceSettingResponse()
-            for key, values in current.items():
-                response.settings[key].value.extend(values)
-            return response
+            return settings.answer_trace_setting(self._traces, request)
 
     async def _infer(self, request: pb.ModelInferRequest, context: Context) -> pb.ModelInferResponse:
         version, request_id, priority = call_fields(
@@ -417,99 +322,3 @@ def _empty_final_response(request: pb.ModelInferRequest) -> bool:
 
 def _tensor_metadata(spec: TensorSpec) -> pb.ModelMetadataResponse.TensorMetadata:
     return pb.ModelMetadataResponse.TensorMetadata(name=spec.name, datatype=spec.datatype, shape=spec.shape)
-
-
-def _triton_type(datatype: str) -> config_pb.DataType.ValueType:
-    return config_pb.DataType.Value("TYPE_STRING" if datatype == "BYTES" else f"TYPE_{datatype}")
-
-
-def _instance_group(served: ServedVersion) -> config_pb.ModelInstanceGroup:
-    """The version's instances as Triton says them: `count` on each GPU listed, or on the CPU."""
-    execution = served.config.execution
-    if "CUDA" in served.runner.provider:
-        return config_pb.ModelInstanceGroup(
-            kind=config_pb.ModelInstanceGroup.KIND_GPU, count=execution.instances, gpus=execution.devices
-        )
-    return config_pb.ModelInstanceGroup(
-        kind=config_pb.ModelInstanceGroup.KIND_CPU, count=len(served.instances.all)
-    )
-
-
-def _triton_config(served: ServedVersion) -> config_pb.ModelConfig:
-    signature = served.runner.signature
-    config: ModelConfig = served.config
-    # Triton's dims leave out the batch dimension when the model batches.
-    skip = 1 if signature.max_batch_size else 0
-    labels = {t.name: t.label_filename for t in config.outputs}
-    triton = config_pb.ModelConfig(
-        name=served.model,
-        platform=PLATFORM,
-        backend="onnxruntime",
-        max_batch_size=signature.max_batch_size,
-        input=[
-            config_pb.ModelInput(name=t.name, data_type=_triton_type(t.datatype), dims=t.shape[skip:])
-            for t in signature.inputs
-        ],
-        output=[
-            config_pb.ModelOutput(
-                name=t.name,
-                data_type=_triton_type(t.datatype),
-                dims=t.shape[skip:],
-                label_filename=labels.get(t.name, ""),
-            )
-            for t in signature.outputs
-        ],
-        instance_group=[_instance_group(served)],
-    )
-    policy = config.version_policy
-    if policy.kind == "latest":
-        triton.version_policy.latest.num_versions = policy.latest
-    elif policy.kind == "specific":
-        triton.version_policy.specific.versions.extend(policy.versions)
-    else:
-        triton.version_policy.all.SetInParent()
-    if config.dynamic_batching is not None:
-        batching = config.dynamic_batching
-        admission = batching.admission
-        triton.dynamic_batching.max_queue_delay_microseconds = batching.max_queue_delay_us
-        triton.dynamic_batching.preferred_batch_size.extend(batching.preferred_batch_sizes)
-        triton.dynamic_batching.priority_levels = admission.priority_levels
-        triton.dynamic_batching.default_priority_level = admission.default_priority_level
-        triton.dynamic_batching.default_queue_policy.CopyFrom(_queue_policy(admission.default_queue_policy))
-        for level, level_policy in admission.priority_queue_policy:
-            triton.dynamic_batching.priority_queue_policy[level].CopyFrom(_queue_policy(level_policy))
-    return triton
-
-
-def _queue_policy(policy: QueuePolicy) -> config_pb.ModelQueuePolicy:
-    return config_pb.ModelQueuePolicy(
-        timeout_action=config_pb.ModelQueuePolicy.REJECT,
-        default_timeout_microseconds=policy.default_timeout_us,
-        allow_timeout_override=policy.allow_timeout_override,
-        max_queue_size=policy.max_queue_size,
-    )
-
-
-def _statistics(served: ServedVersion) -> pb.ModelStatistics:
-    stats = served.stats
-    return pb.ModelStatistics(
-        name=served.model,
-        version=str(served.version),
-        last_inference=stats.last_inference_ms,
-        inference_count=stats.inference_count,
-        execution_count=stats.execution_count,
-        inference_stats=pb.InferStatistics(
-            success=pb.StatisticDuration(count=stats.success_count, ns=stats.success_ns),
-            fail=pb.StatisticDuration(count=stats.fail_count, ns=stats.fail_ns),
-            # perf_analyzer finds the version it measured by the queue count that grew.
-            queue=pb.StatisticDuration(count=stats.queue_count, ns=stats.queue_ns),
-            # Per request, as Triton counts them. Tensor conversion is not timed apart: it is
-            # inside the queue time (input) and the request total (output); the counts must match
-            # compute_infer's for perf_analyzer.
-            compute_input=pb.StatisticDuration(count=stats.compute_request_count),
-            compute_infer=pb.StatisticDuration(
-                count=stats.compute_request_count, ns=stats.compute_request_ns
-            ),
-            compute_output=pb.StatisticDuration(count=stats.compute_request_count),
-        ),
-    )

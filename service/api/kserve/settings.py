@@ -17,6 +17,9 @@ import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from modelyard.common.names import echo
+from modelyard.kserve.v2 import grpc_service_pb2 as pb
+
 from service.api.names import quoted
 from service.errors import InvalidInput
 
@@ -136,3 +139,38 @@ def _check_trace(key: str, values: tuple[str, ...]) -> None:
             number = minimum - 1
         if number < minimum:
             raise InvalidInput(f"trace setting {quoted(key)}: {quoted(value)} is not an integer >= {minimum}")
+
+
+# -- the RPCs' messages ---------------------------------------------------------------------
+
+
+def answer_log_settings(logs: LogSettings, request: pb.LogSettingsRequest) -> pb.LogSettingsResponse:
+    """LogSettings: the request's changes applied, and the settings now in effect."""
+    changes: dict[str, LogValue] = {}
+    for key, value in request.settings.items():
+        kind = value.WhichOneof("parameter_choice")
+        if kind is None:
+            raise InvalidInput(f"log setting {echo(key)} has no value")
+        changes[key] = getattr(value, kind)
+    current = logs.update(changes)
+    response = pb.LogSettingsResponse()
+    for key, setting in current.items():
+        entry = response.settings[key]
+        if isinstance(setting, bool):
+            entry.bool_param = setting
+        elif isinstance(setting, int):
+            entry.uint32_param = setting
+        else:
+            entry.string_param = setting
+    return response
+
+
+def answer_trace_setting(traces: TraceSettings, request: pb.TraceSettingRequest) -> pb.TraceSettingResponse:
+    """TraceSetting: the request's changes applied (to its model's, or with no name the global
+    settings), and the settings now in effect for it."""
+    changes = {key: tuple(value.value) for key, value in request.settings.items()}
+    current = traces.update(changes, request.model_name)
+    response = pb.TraceSettingResponse()
+    for key, values in current.items():
+        response.settings[key].value.extend(values)
+    return response

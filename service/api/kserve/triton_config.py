@@ -1,5 +1,6 @@
-"""Triton's model configuration (model_config.proto, as JSON in a load request's `config`
-parameter) -> our config.yaml document, validated by the same parser as a repository config.
+"""Triton's model configuration (model_config.proto), both ways: as JSON in a load request's
+`config` parameter -> our config.yaml document, validated by the same parser as a repository
+config; and a served version's configuration rendered as Triton's ModelConfig (`triton_config`).
 
 Triton's JSON is parsed into the ModelConfig message itself, so a malformed document or an unknown
 field fails exactly where Triton's would. Every field that is set must map onto our config; one
@@ -9,7 +10,6 @@ that has no counterpart here is refused by name rather than ignored.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 from typing import Any
 
 from google.protobuf import json_format
@@ -17,10 +17,13 @@ from google.protobuf.message import Message
 from modelyard.kserve.v2 import model_config_pb2 as config_pb
 from modelyard.kserve.v2.grpc_service_pb2 import ModelRepositoryParameter
 
+from service.api.model_control import LoadParameters
 from service.api.names import clipped, quoted
 from service.errors import InvalidInput, ModelLoadError
 from service.repository.config import ModelConfig, parse_config
 from service.repository.uploads import check_paths
+from service.runtime.served import ServedVersion
+from service.scheduling.queue import QueuePolicy
 
 PLATFORM = "onnxruntime_onnx"
 BACKEND = "onnxruntime"
@@ -48,12 +51,6 @@ _BATCHING = {
 }
 _QUEUE = {"timeout_action", "default_timeout_microseconds", "allow_timeout_override", "max_queue_size"}
 _GROUP = {"name", "kind", "count", "gpus"}
-
-
-@dataclass(frozen=True)
-class LoadParameters:
-    config: ModelConfig | None = None
-    files: dict[str, bytes] = field(default_factory=dict)  # relative path -> content, checked
 
 
 def load_parameters(model: str, parameters: Mapping[str, ModelRepositoryParameter]) -> LoadParameters:
@@ -218,3 +215,80 @@ def _execution(groups: Any) -> dict[str, Any]:
             return {**doc, "provider": "auto", "device_ids": list(group.gpus)}
         return {**doc, "provider": "auto"}
     raise InvalidInput(f"load parameter 'config': instance_group[0].kind {kind} is not supported")
+
+
+# -- a served version as Triton's ModelConfig -------------------------------------------------
+
+
+def _triton_type(datatype: str) -> config_pb.DataType.ValueType:
+    return config_pb.DataType.Value("TYPE_STRING" if datatype == "BYTES" else f"TYPE_{datatype}")
+
+
+def _instance_group(served: ServedVersion) -> config_pb.ModelInstanceGroup:
+    """The version's instances as Triton says them: `count` on each GPU listed, or on the CPU."""
+    execution = served.config.execution
+    if "CUDA" in served.runner.provider:
+        return config_pb.ModelInstanceGroup(
+            kind=config_pb.ModelInstanceGroup.KIND_GPU, count=execution.instances, gpus=execution.devices
+        )
+    return config_pb.ModelInstanceGroup(
+        kind=config_pb.ModelInstanceGroup.KIND_CPU, count=len(served.instances.all)
+    )
+
+
+def triton_config(served: ServedVersion) -> config_pb.ModelConfig:
+    """A served version's configuration as Triton's ModelConfig (the ModelConfig RPC)."""
+    signature = served.runner.signature
+    config: ModelConfig = served.config
+    # Triton's dims leave out the batch dimension when the model batches.
+    skip = 1 if signature.max_batch_size else 0
+    labels = {t.name: t.label_filename for t in config.outputs}
+    triton = config_pb.ModelConfig(
+        name=served.model,
+        platform=PLATFORM,
+        backend="onnxruntime",
+        max_batch_size=signature.max_batch_size,
+        input=[
+            config_pb.ModelInput(name=t.name, data_type=_triton_type(t.datatype), dims=t.shape[skip:])
+            for t in signature.inputs
+        ],
+        output=[
+            config_pb.ModelOutput(
+                name=t.name,
+                data_type=_triton_type(t.datatype),
+                dims=t.shape[skip:],
+                label_filename=labels.get(t.name, ""),
+            )
+            for t in signature.outputs
+        ],
+        instance_group=[_instance_group(served)],
+    )
+    policy = config.version_policy
+    if policy.kind == "latest":
+        triton.version_policy.latest.num_versions = policy.latest
+    elif policy.kind == "specific":
+        triton.version_policy.specific.versions.extend(policy.versions)
+    else:
+        triton.version_policy.all.SetInParent()
+    if config.dynamic_batching is not None:
+        batching = config.dynamic_batching
+        admission = batching.admission
+        triton.dynamic_batching.max_queue_delay_microseconds = batching.max_queue_delay_us
+        triton.dynamic_batching.preferred_batch_size.extend(batching.preferred_batch_sizes)
+        triton.dynamic_batching.priority_levels = admission.priority_levels
+        triton.dynamic_batching.default_priority_level = admission.default_priority_level
+        triton.dynamic_batching.default_queue_policy.CopyFrom(
+            _triton_queue_policy(admission.default_queue_policy)
+        )
+        for level, level_policy in admission.priority_queue_policy:
+            triton.dynamic_batching.priority_queue_policy[level].CopyFrom(_triton_queue_policy(level_policy))
+    return triton
+
+
+def _triton_queue_policy(policy: QueuePolicy) -> config_pb.ModelQueuePolicy:
+    return config_pb.ModelQueuePolicy(
+        timeout_action=config_pb.ModelQueuePolicy.REJECT,
+        default_timeout_microseconds=policy.default_timeout_us,
+        allow_timeout_override=policy.allow_timeout_override,
+        max_queue_size=policy.max_queue_size,
+    )

@@ -1,0 +1,58 @@
+"""Triton's model repository extension: the index of every model's versions and their states,
+and load (with the request's `config` and `file:<path>` parameters) and unload over the model
+control that ModelService shares (service/api/model_control.py)."""
+
+from __future__ import annotations
+
+from modelyard.kserve.v2 import grpc_service_pb2 as pb
+
+from service.api.kserve.triton_config import load_parameters
+from service.api.model_control import ModelControl
+from service.errors import ModelLoadError
+from service.runtime.manager import ModelManager
+from service.runtime.status import VersionState
+
+# Triton reports a model's state with these words in its repository index.
+_INDEX_STATE = {
+    VersionState.LOADING: "LOADING",
+    VersionState.READY: "READY",
+    VersionState.FAILED: "UNAVAILABLE",
+    VersionState.DRAINING: "UNLOADING",
+    VersionState.UNLOADED: "UNAVAILABLE",
+}
+
+
+def index(manager: ModelManager, request: pb.RepositoryIndexRequest) -> pb.RepositoryIndexResponse:
+    response = pb.RepositoryIndexResponse()
+    for status in manager.statuses():
+        if not status.versions and not request.ready:
+            response.models.add(name=status.name, state="UNAVAILABLE", reason=status.reason)
+        for version in status.versions.values():
+            if request.ready and version.state != VersionState.READY:
+                continue
+            response.models.add(
+                name=status.name,
+                version=str(version.version),
+                state=_INDEX_STATE[version.state],
+                reason=version.reason,
+            )
+    return response
+
+
+async def load(
+    control: ModelControl, request: pb.RepositoryModelLoadRequest
+) -> pb.RepositoryModelLoadResponse:
+    status = await control.load(
+        request.model_name, "model_name", lambda: load_parameters(request.model_name, request.parameters)
+    )
+    if status.default_version is None:
+        reasons = [status.reason] + [v.reason for v in status.versions.values() if v.reason]
+        raise ModelLoadError(f"failed to load {request.model_name!r}: {'; '.join(r for r in reasons if r)}")
+    return pb.RepositoryModelLoadResponse()
+
+
+async def unload(
+    control: ModelControl, request: pb.RepositoryModelUnloadRequest
+) -> pb.RepositoryModelUnloadResponse:
+    await control.unload(request.model_name, "model_name")
+    return pb.RepositoryModelUnloadResponse()

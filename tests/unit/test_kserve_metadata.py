@@ -1,0 +1,58 @@
+"""KServe ModelMetadata lists the served versions as they were when it chose the version that
+answers: a swap while it sends x-served-version (an await) does not change them."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, cast
+
+from modelyard.kserve.v2 import grpc_service_pb2 as pb
+
+from models import demo_models
+from service.api.errors import Context
+from service.api.kserve.servicer import KServeServicer
+from service.dataplane import DataPlane
+from service.metrics import ServiceMetrics
+from service.runtime.manager import ModelManager
+from service.runtime.providers import ProviderChoice
+
+
+class SwapOnAnswer:
+    """A servicer context whose x-served-version send swaps the model's versions (v2 replaces v1,
+    the default policy serving the latest only), as a reload landing during that await would."""
+
+    def __init__(self, manager: ModelManager, repository: Path) -> None:
+        self._manager = manager
+        self._repository = repository
+        self.sent: list[tuple[tuple[str, str], ...]] = []
+
+    async def send_initial_metadata(self, metadata: tuple[tuple[str, str], ...]) -> None:
+        self.sent.append(metadata)
+        demo_models.write_model(self._repository, "m", 2, demo_models.scaled_identity(4, 2.0))
+        await self._manager.reconcile("m")
+
+    def invocation_metadata(self) -> tuple[tuple[str, str], ...]:
+        return ()
+
+    def set_trailing_metadata(self, metadata: Any) -> None:
+        pass
+
+
+async def test_model_metadata_lists_the_versions_it_answered_from_though_a_swap_came_between(
+    tmp_path: Path,
+) -> None:
+    demo_models.write_model(tmp_path, "m", 1, demo_models.scaled_identity(4, 1.0))
+    manager = ModelManager(tmp_path, ProviderChoice(False, "test: CPU"), drain_timeout_s=10.0)
+    executor = ThreadPoolExecutor(max_workers=1)
+    try:
+        await manager.load_all()
+        servicer = KServeServicer(manager, DataPlane(manager, executor), ServiceMetrics())
+        context = SwapOnAnswer(manager, tmp_path)
+        response = await servicer.ModelMetadata(pb.ModelMetadataRequest(name="m"), cast(Context, context))
+        assert manager.resolve("m").version == 2  # the swap did happen during the call
+        assert dict(context.sent[0])["x-served-version"] == "1"
+        assert list(response.versions) == ["1"]
+    finally:
+        await manager.close()
+        executor.shutdown()
