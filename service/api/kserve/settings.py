@@ -6,9 +6,9 @@ all off leaves CRITICAL only). Logs always go to stderr in the configured format
 and `log_format` are refused unless they name what is already in effect.
 
 Trace settings are validated, stored globally and per model, and reported as Triton reports
-them; the service has no request tracing yet, so nothing samples by them today. When tracing
-lands, trace_rate / trace_count / trace_level become its sampling: that mapping is the one
-remaining step, and until then `trace_level` other than OFF is accepted and reported, not acted on.
+them, for Triton clients; they act on nothing. The service's own tracing (service/tracing.py,
+OpenTelemetry over OTLP) samples by the standard OTEL_TRACES_SAMPLER variables instead; mapping
+trace_rate / trace_count / trace_level onto a sampler is not done.
 """
 
 from __future__ import annotations
