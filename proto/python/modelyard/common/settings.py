@@ -26,6 +26,8 @@ from typing import Any, TypeVar
 
 import msgspec
 
+from modelyard.common.documents import bounds
+
 T = TypeVar("T")
 
 _TRUE = frozenset({"1", "true", "yes", "on"})
@@ -109,20 +111,10 @@ def options(cls: type, prefix: str) -> list[Option]:
                 default=default,
                 help=description,
                 choices=allowed,
-                bounds=_bounds(metas),
+                bounds=bounds(metas),
             )
         )
     return found
-
-
-def _bounds(metas: Sequence[msgspec.Meta]) -> str:
-    parts = []
-    for meta in metas:
-        for attr, sign in (("ge", ">="), ("gt", ">"), ("le", "<="), ("lt", "<")):
-            limit = getattr(meta, attr)
-            if limit is not None:
-                parts.append(f"{sign} {limit:g}")
-    return ", ".join(parts)
 
 
 def convert(option: Option, raw: Any) -> Any:
