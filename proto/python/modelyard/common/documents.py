@@ -35,13 +35,14 @@ class DocumentError(ValueError):
         self.path = path
 
 
-def load(raw: object, kind: type[T], root: str) -> T:
+def load(raw: object, kind: type[T], root: str, at: str | None = None) -> T:
     """`raw` (parsed YAML) as `kind`; DocumentError naming the key path otherwise. `root` names the
-    document itself in messages (a path with no keys)."""
+    document itself in messages (a path with no keys); `at`, where given, is the key path the
+    document sits at (messages start from it)."""
     try:
         return msgspec.convert(raw, kind, strict=True)
     except msgspec.ValidationError as exc:
-        raise _explain(str(exc), raw, kind, root) from None
+        raise _explain(str(exc), raw, kind, root, at) from None
 
 
 def join(path: str, key: object, root: str) -> str:
