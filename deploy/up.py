@@ -33,6 +33,7 @@ from msgspec import Meta
 log = logging.getLogger("deploy")
 ROOT = Path(__file__).resolve().parents[1]
 ENVOY = Path(sys.executable).with_name("envoy")
+ENV_PREFIX = "MODELYARD_UP_"
 
 
 _PORT = Meta(ge=0, le=65535)
@@ -71,7 +72,7 @@ class Settings:
 def parse_settings(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None) -> Settings:
     return parse(
         Settings,
-        "MODELYARD_UP_",
+        ENV_PREFIX,
         argv,
         environ,
         prog="modelyard up",

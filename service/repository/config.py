@@ -18,6 +18,8 @@ from msgspec import UNSET, UnsetType
 from service.errors import ModelLoadError
 from service.repository.config_file import (
     DEFAULT_MAX_WAITING as DEFAULT_MAX_WAITING,
+)
+from service.repository.config_file import (
     ConfigDoc,
     ExecutionDoc,
     GenerationDoc,

@@ -170,9 +170,13 @@ class ConfigDoc(_Keys):
     max_batch_size: Annotated[
         Count, Meta(description="largest batch along the first dimension; 0 = the model is not batched")
     ] = 0
-    version_policy: Annotated[VersionPolicyDoc, Meta(description="which versions on disk are served")] = (
-        msgspec.field(default_factory=lambda: VersionPolicyDoc(latest=1))
-    )
+    version_policy: Annotated[
+        VersionPolicyDoc,
+        Meta(
+            description="which versions on disk are served: one of latest, specific, all",
+            extra_json_schema={"minProperties": 1, "maxProperties": 1},
+        ),
+    ] = msgspec.field(default_factory=lambda: VersionPolicyDoc(latest=1))
     inputs: list[InputDoc] = msgspec.field(default_factory=list)
     outputs: list[OutputDoc] = msgspec.field(default_factory=list)
     execution: ExecutionDoc = msgspec.field(default_factory=ExecutionDoc)
