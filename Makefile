@@ -18,10 +18,11 @@ test: lint browser-deps
 lint: $(VENV)/.installed-dev $(BUF) system-deps
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
-	$(VENV)/bin/mypy service sidecar gateway deploy tests bench models/__init__.py models/demo_models.py models/value_models.py proto/generate.py proto/python/modelyard envoy/render.py
+	$(VENV)/bin/mypy service sidecar gateway deploy tests bench models/__init__.py models/demo_models.py models/value_models.py proto/generate.py proto/python/modelyard envoy/render.py docs/reference.py
 	$(VENV)/bin/lint-imports
 	$(PY) proto/generate.py --check
 	$(PY) envoy/render.py --check
+	$(PY) docs/reference.py --check
 	$(VENV)/bin/envoy --mode validate -c envoy/envoy.yaml --log-level warn
 	$(VENV)/bin/envoy --mode validate -c deploy/kubernetes/envoy.yaml --log-level warn
 	$(MAKE) --no-print-directory web-check

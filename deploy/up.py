@@ -24,56 +24,59 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
+from typing import Annotated
 
 from modelyard.common import children
 from modelyard.common.settings import parse_settings as parse
+from msgspec import Meta
 
 log = logging.getLogger("deploy")
 ROOT = Path(__file__).resolve().parents[1]
 ENVOY = Path(sys.executable).with_name("envoy")
+ENV_PREFIX = "MODELYARD_UP_"
+
+
+_PORT = Meta(ge=0, le=65535)
 
 
 @dataclass(frozen=True)
 class Settings:
-    repository: str = "models/demo"
-    service_listen: str = "127.0.0.1:50052"
-    service_metrics: str = "127.0.0.1:9102"
-    sidecar_listen: str = "127.0.0.1:50051"
-    sidecar_admin: str = "127.0.0.1:9101"
-    gateway_listen: str = "127.0.0.1:8000"
-    envoy_port: int = 8080
-    envoy_admin_port: int = 9901
-    sidecar: bool = True  # run the sidecar when its package is installed
-    sidecar_config: str = ""  # the sidecar's route file (YAML), passed as its --config
-    start_timeout_s: float = 120.0
-    grace_s: float = 10.0
-
-
-_HELP = {
-    "repository": "model repository the service serves",
-    "service_listen": "service gRPC address",
-    "service_metrics": "service /metrics address",
-    "sidecar_listen": "sidecar gRPC address",
-    "sidecar_admin": "sidecar admin/metrics address",
-    "gateway_listen": "gateway HTTP address",
-    "envoy_port": "Envoy listener port on 127.0.0.1 (0: any free port)",
-    "envoy_admin_port": "Envoy admin port on 127.0.0.1 (0: any free port)",
-    "sidecar": "run the sidecar between gateway/Envoy and the service (when installed)",
-    "sidecar_config": "the sidecar's route file (YAML); empty: its defaults",
-    "start_timeout_s": "seconds each process gets to become ready",
-    "grace_s": "seconds each process gets to stop before it is killed",
-}
+    repository: Annotated[str, Meta(description="model repository the service serves")] = "models/demo"
+    service_listen: Annotated[str, Meta(description="service gRPC address")] = "127.0.0.1:50052"
+    service_metrics: Annotated[str, Meta(description="service /metrics address")] = "127.0.0.1:9102"
+    sidecar_listen: Annotated[str, Meta(description="sidecar gRPC address")] = "127.0.0.1:50051"
+    sidecar_admin: Annotated[str, Meta(description="sidecar admin/metrics address")] = "127.0.0.1:9101"
+    gateway_listen: Annotated[str, Meta(description="gateway HTTP address")] = "127.0.0.1:8000"
+    envoy_port: Annotated[
+        int, _PORT, Meta(description="Envoy listener port on 127.0.0.1 (0: any free port)")
+    ] = 8080
+    envoy_admin_port: Annotated[
+        int, _PORT, Meta(description="Envoy admin port on 127.0.0.1 (0: any free port)")
+    ] = 9901
+    # Run only when its package is installed.
+    sidecar: Annotated[
+        bool, Meta(description="run the sidecar between gateway/Envoy and the service (when installed)")
+    ] = True
+    # Passed as the sidecar's --config.
+    sidecar_config: Annotated[
+        str, Meta(description="the sidecar's route file (YAML); empty: its defaults")
+    ] = ""
+    start_timeout_s: Annotated[float, Meta(gt=0, description="seconds each process gets to become ready")] = (
+        120.0
+    )
+    grace_s: Annotated[
+        float, Meta(ge=0, description="seconds each process gets to stop before it is killed")
+    ] = 10.0
 
 
 def parse_settings(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None) -> Settings:
     return parse(
         Settings,
-        "MODELYARD_UP_",
+        ENV_PREFIX,
         argv,
         environ,
         prog="modelyard up",
         description="Run service, sidecar, gateway and Envoy together until Ctrl-C.",
-        help=_HELP,
     )
 
 

@@ -10,27 +10,34 @@
       "*": {rate: 0, burst: 0, concurrency: 0}   # all other tenants, together; 0 = unlimited
     shadow: {share: 5, max_in_flight: 4}     # mirror 5% of stable unary calls to the canary
 
-The whole table is built and then rebound, so a request never sees half a configuration. A file
-change replaces the table (admin changes included: the last writer wins).
+The keys, types and bounds are declared in sidecar/route_file.py. The whole table is built and
+then rebound, so a request never sees half a configuration. A file change replaces the table
+(admin changes included: the last writer wins).
 """
 
 from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Mapping
-from dataclasses import dataclass, field, fields, replace
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import TypeVar
 
+import msgspec
 import yaml
 from modelyard.common import headers
+from modelyard.common.documents import DocumentError, load
 from modelyard.common.names import InvalidName, check_version
+from msgspec import UnsetType
 
 from sidecar.adaptive import BreakerPolicy
 from sidecar.limits import TenantLimit
-from sidecar.routing import ModelRoute, normalize_version, parse_weight
+from sidecar.route_file import ModelRouteDoc, RouteFileDoc
+from sidecar.routing import ModelRoute, normalize_version
 from sidecar.shadow import ShadowPolicy
+
+T = TypeVar("T")
 
 log = logging.getLogger(__name__)
 
@@ -56,92 +63,74 @@ class RouteTable:
         return replace(self, models={**self.models, model: route})
 
 
-def _mapping(raw: object, where: str) -> Mapping[str, Any]:
-    if raw is None:
-        return {}
-    if not isinstance(raw, Mapping):
-        raise ConfigError(f"{where}: expected a mapping")
-    return raw
-
-
-def _number(raw: object, where: str) -> float:
-    if isinstance(raw, bool) or not isinstance(raw, int | float):
-        raise ConfigError(f"{where}: expected a number")
-    return float(raw)
-
-
-def _weight(raw: object, where: str) -> float:
-    try:
-        return parse_weight(str(_number(raw, where)))
-    except ValueError as exc:
-        raise ConfigError(f"{where}: {exc}") from exc
-
-
 def parse_model_route(raw: object, where: str, default_weight: float = 0.0) -> ModelRoute:
-    doc = _mapping(raw, where)
-    unknown = set(doc) - {"canary_weight", "stable", "canary"}
-    if unknown:
-        raise ConfigError(f"{where}: unknown keys {sorted(unknown)}")
-    weight = (
-        _weight(doc["canary_weight"], f"{where}.canary_weight") if "canary_weight" in doc else default_weight
-    )
+    """One model's route (a route file entry, or an admin PUT body): ConfigError names the key."""
+    try:
+        return _model_route(load(raw, ModelRouteDoc, "config", at=where), where, default_weight)
+    except DocumentError as exc:
+        raise ConfigError(str(exc)) from None
+
+
+def _model_route(doc: ModelRouteDoc, where: str, default_weight: float) -> ModelRoute:
     return ModelRoute(
-        canary_weight=weight,
-        stable=_version(doc.get("stable"), f"{where}.stable"),
-        canary=_version(doc.get("canary"), f"{where}.canary"),
+        canary_weight=default_weight if isinstance(doc.canary_weight, UnsetType) else doc.canary_weight,
+        stable=_version(doc.stable, f"{where}.stable"),
+        canary=_version(doc.canary, f"{where}.canary"),
     )
 
 
-def _version(raw: object, where: str) -> str:
+def _version(raw: str | int | None, where: str) -> str:
     """A route's version: empty, or a string or number that passes the one name rule."""
     if raw is None or raw == "":
         return ""
-    if isinstance(raw, bool) or not isinstance(raw, str | int):
-        raise ConfigError(f"{where}: expected a version (a string or a number)")
     try:
         return normalize_version(check_version(str(raw), where))
     except InvalidName as exc:
         raise ConfigError(str(exc)) from exc
 
 
-def _dataclass_from(cls: type[Any], raw: object, where: str) -> Any:
-    doc = _mapping(raw, where)
-    known = {f.name: f for f in fields(cls)}
-    unknown = set(doc) - set(known)
-    if unknown:
-        raise ConfigError(f"{where}: unknown keys {sorted(unknown)}")
-    values: dict[str, Any] = {}
-    for name, value in doc.items():
-        number = _number(value, f"{where}.{name}")
-        values[name] = int(number) if isinstance(known[name].default, int) else number
+def _policy(cls: Callable[..., T], doc: msgspec.Struct | None, where: str) -> T:
+    """A policy from its section; the policy's own checks (across keys) name the section."""
     try:
-        return cls(**values)
+        return cls(**({} if doc is None else msgspec.structs.asdict(doc)))
     except ValueError as exc:
         raise ConfigError(f"{where}: {exc}") from exc
 
 
-def parse_table(doc: object) -> RouteTable:
-    top = _mapping(doc, "config")
-    unknown = set(top) - {"stickiness_header", "canary_weight", "models", "breaker", "tenants", "shadow"}
-    if unknown:
-        raise ConfigError(f"config: unknown keys {sorted(unknown)}")
-    weight = _weight(top["canary_weight"], "canary_weight") if "canary_weight" in top else 0.0
-    models = {
-        str(name): parse_model_route(raw, f"models.{name}", weight)
-        for name, raw in _mapping(top.get("models"), "models").items()
-    }
-    tenants = {
-        str(name): _dataclass_from(TenantLimit, raw, f"tenants.{name}")
-        for name, raw in _mapping(top.get("tenants"), "tenants").items()
-    }
+def parse_table(raw: object) -> RouteTable:
+    """A parsed route file (None: an empty file) as the table; ConfigError names the key."""
+    try:
+        doc = load(_keys_as_text({} if raw is None else raw), RouteFileDoc, "config")
+    except DocumentError as exc:
+        raise ConfigError(str(exc)) from None
+    weight = doc.canary_weight
     return RouteTable(
-        stickiness_header=str(top.get("stickiness_header", headers.USER_ID)).lower(),
+        stickiness_header=doc.stickiness_header.lower(),
         canary_weight=weight,
-        models=models,
-        breaker=_dataclass_from(BreakerPolicy, top.get("breaker"), "breaker"),
-        tenants=tenants,
-        shadow=_dataclass_from(ShadowPolicy, top.get("shadow"), "shadow"),
+        models={
+            name: _model_route(route, f"models.{name}", weight) for name, route in (doc.models or {}).items()
+        },
+        breaker=_policy(BreakerPolicy, doc.breaker, "breaker"),
+        tenants={
+            name: _policy(TenantLimit, limit, f"tenants.{name}")
+            for name, limit in (doc.tenants or {}).items()
+        },
+        shadow=_policy(ShadowPolicy, doc.shadow, "shadow"),
     )
+
+
+def _keys_as_text(raw: object) -> object:
+    """Model and tenant names as text: YAML reads `42:` as a number."""
+    if not isinstance(raw, dict):
+        return raw
+    named = {}
+    for section in ("models", "tenants"):
+        entries = raw.get(section)
+        if isinstance(entries, dict):
+            named[section] = {
+                str(k) if isinstance(k, int) and not isinstance(k, bool) else k: v for k, v in entries.items()
+            }
+    return {**raw, **named}
 
 
 class RouteSource:

@@ -110,7 +110,7 @@ def test_each_instance_is_built_with_its_device_in_the_cuda_provider_options() -
         ({"instances": 9, "device_ids": [0, 1]}, "make 18 sessions"),
         ({"device_ids": []}, "execution.device_ids: expected a non-empty list"),
         ({"device_ids": [0, 0]}, "names a device twice"),
-        ({"device_ids": [-1]}, "execution.device_ids[]"),
+        ({"device_ids": [-1]}, "execution.device_ids[0]: expected an integer >= 0, got -1"),
         ({"device_ids": [1], "device_id": 1}, "device_id or device_ids, not both"),
         ({"device_ids": [1], "provider": "cpu"}, "provider is cpu"),
     ],

@@ -50,7 +50,7 @@ def test_defaults_without_a_config_file(tmp_path: Path) -> None:
         ({"max_batch_size": True}, "max_batch_size"),
         ({"version_policy": {"latest": 0}}, "version_policy.latest"),
         ({"version_policy": {"latest": 1, "all": {}}}, "exactly one"),
-        ({"version_policy": {"newest": 1}}, "unknown policy 'newest'"),
+        ({"version_policy": {"newest": 1}}, "unknown key(s) newest (expected one of latest, specific, all)"),
         ({"version_policy": {"specific": []}}, "non-empty"),
         ({"inputs": [{"name": "x", "datatype": "FLOAT", "shape": [1]}]}, "unknown datatype 'FLOAT'"),
         ({"inputs": [{"name": "x", "datatype": "FP32", "shape": [-2]}]}, "shape"),

@@ -49,9 +49,9 @@ def test_route_file() -> None:
 @pytest.mark.parametrize(
     ("doc", "message"),
     [
-        ({"modles": {}}, "unknown keys"),
+        ({"modles": {}}, r"config: unknown key\(s\) modles \(expected one of stickiness_header, "),
         ({"models": {"a": {"canary_weight": 150}}}, "models.a.canary_weight"),
-        ({"models": {"a": {"weight": 1}}}, "models.a: unknown keys"),
+        ({"models": {"a": {"weight": 1}}}, r"models.a: unknown key\(s\) weight"),
         ({"breaker": {"error_rate": 2}}, "breaker"),
         ({"breaker": {"min_calls": "many"}}, "breaker.min_calls"),
         ({"tenants": {"t": {"rate": -1}}}, "tenants.t"),

@@ -19,7 +19,9 @@ the sidecar's listeners both build their servers with `connection_options`).
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Annotated, Protocol
+
+from msgspec import Meta
 
 INT_MAX = 2**31 - 1  # gRPC's "unlimited" for its int-valued durations
 
@@ -31,15 +33,28 @@ MAX_PING_STRIKES = 2
 SERVER_KEEPALIVE_TIME_MS = 60_000
 SERVER_KEEPALIVE_TIMEOUT_MS = 20_000
 
-HELP = {
-    "grpc_max_concurrent_streams": "streams (calls) one gRPC connection may have open at once",
-    "grpc_max_connection_idle_s": "seconds a gRPC connection without calls stays open; 0: no limit",
-    "grpc_max_connection_age_s": "seconds after which a gRPC connection is asked to go away (the "
-    "client reconnects); 0: no limit",
-    "grpc_max_connection_age_grace_s": "seconds the calls of a connection past its age get to finish",
-    "grpc_handshake_timeout_s": "seconds a new connection has to complete its TLS handshake and "
-    "HTTP/2 preface",
-}
+# The settings every gRPC listener's process declares (`grpc_max_concurrent_streams: MaxStreams = 256`).
+MaxStreams = Annotated[
+    int, Meta(ge=1, description="streams (calls) one gRPC connection may have open at once")
+]
+ConnectionIdle = Annotated[
+    float, Meta(ge=0, description="seconds a gRPC connection without calls stays open; 0: no limit")
+]
+ConnectionAge = Annotated[
+    float,
+    Meta(
+        ge=0,
+        description="seconds after which a gRPC connection is asked to go away (the client reconnects); "
+        "0: no limit",
+    ),
+]
+ConnectionAgeGrace = Annotated[
+    float, Meta(ge=0, description="seconds the calls of a connection past its age get to finish")
+]
+HandshakeTimeout = Annotated[
+    float,
+    Meta(ge=0, description="seconds a new connection has to complete its TLS handshake and HTTP/2 preface"),
+]
 
 
 class ConnectionSettings(Protocol):

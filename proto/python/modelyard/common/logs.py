@@ -9,13 +9,14 @@ import logging
 import os
 import sys
 import time
+from typing import Annotated, Literal
+
+from msgspec import Meta
 
 TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
-LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
-FORMATS = ("text", "json")
-# Every process's log settings: their help texts and choices, for modelyard.common.settings.
-HELP = {"log_level": "DEBUG, INFO, WARNING or ERROR", "log_format": "text or json (one object per line)"}
-CHOICES = {"log_level": LEVELS, "log_format": FORMATS}
+# Every process's log settings (`log_level: logs.Level = "INFO"`), for modelyard.common.settings.
+Level = Annotated[Literal["DEBUG", "INFO", "WARNING", "ERROR"], Meta(description="log level")]
+Format = Annotated[Literal["text", "json"], Meta(description="log format: json is one object per line")]
 _TRACE_FIELDS = ("trace_id", "span_id")
 
 

@@ -23,21 +23,29 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Self, cast
+from typing import Annotated, Self, cast
 
 import grpc
+from msgspec import Meta
 
 log = logging.getLogger(__name__)
 
 
-# The help of the settings that make a ClientTls (upstream_*), for the processes that have them.
-UPSTREAM_HELP = {
-    "upstream_tls": "reach the upstream over TLS, verified with the system's roots unless upstream_ca is set",
-    "upstream_ca": "PEM CA bundle that signed the upstream's certificate (implies upstream_tls)",
-    "upstream_cert": "PEM client certificate presented to the upstream (mTLS)",
-    "upstream_key": "PEM private key for upstream_cert",
-    "upstream_server_name": "name to check in the upstream's certificate instead of the address's host",
-}
+# The settings that make a ClientTls (`upstream_ca: tls.UpstreamCa = ""`), for the processes that have them.
+UpstreamTls = Annotated[
+    bool,
+    Meta(
+        description="reach the upstream over TLS, verified with the system's roots unless upstream_ca is set"
+    ),
+]
+UpstreamCa = Annotated[
+    str, Meta(description="PEM CA bundle that signed the upstream's certificate (implies upstream_tls)")
+]
+UpstreamCert = Annotated[str, Meta(description="PEM client certificate presented to the upstream (mTLS)")]
+UpstreamKey = Annotated[str, Meta(description="PEM private key for upstream_cert")]
+UpstreamServerName = Annotated[
+    str, Meta(description="name to check in the upstream's certificate instead of the address's host")
+]
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,192 @@
+"""What a model's `config.yaml` may say: its keys as written, their types, defaults, bounds and help,
+declared once (modelyard.common.documents). The parsing and key-path messages come from it, and so
+does `service/repository/config.schema.json`, the JSON Schema editors validate config.yaml with.
+service/repository/config.py turns a document into the ModelConfig the service uses and checks
+what a single key cannot say (one version policy, batch sizes within max_batch_size, ...).
+
+Keys left out are UNSET where the default depends on other keys (device_id vs device_ids, a
+queue policy inheriting from default_queue_policy).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated, Any, Literal
+
+import msgspec
+from modelyard.tensors import NUMPY_BY_NAME
+from msgspec import UNSET, Meta, UnsetType
+
+Count = Annotated[int, Meta(ge=0)]
+Positive = Annotated[int, Meta(ge=1)]
+# A label file is a plain file name beside config.yaml: no folders, nothing hidden.
+LABEL_FILE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
+
+
+class _Keys(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, omit_defaults=True):
+    """A mapping of known keys: an unknown key is an error (a typo must fail loudly)."""
+
+
+class InputDoc(_Keys):
+    name: Annotated[str, Meta(min_length=1, description="tensor name, as in the model file")]
+    datatype: Annotated[
+        str,
+        Meta(
+            description="KServe datatype (FP32, INT64, BYTES, ...)",
+            extra_json_schema={"enum": sorted(NUMPY_BY_NAME)},
+        ),
+    ]
+    shape: Annotated[
+        list[Annotated[int, Meta(ge=-1)]],
+        Meta(description="dimensions, -1 = any; includes the batch dimension (-1) when max_batch_size > 0"),
+    ]
+
+
+class OutputDoc(InputDoc):
+    label_filename: Annotated[
+        str,
+        Meta(
+            pattern=f"^$|{LABEL_FILE.pattern}",
+            description="a file in the model's folder with one class label per line (classification)",
+            extra={"expects": "a file name in the model's folder"},
+        ),
+    ] = ""
+
+
+class VersionPolicyDoc(_Keys):
+    """Exactly one of latest, specific, all."""
+
+    latest: Annotated[Positive | UnsetType, Meta(description="serve the newest N versions")] = UNSET
+    specific: Annotated[
+        Annotated[list[Count], Meta(min_length=1)] | UnsetType, Meta(description="serve these versions")
+    ] = UNSET
+    all: Annotated[
+        Annotated[dict[str, Any], Meta(max_length=0, extra={"expects": "{}"})] | UnsetType | None,
+        Meta(description="serve every version on disk: {}"),
+    ] = UNSET
+
+
+class ExecutionDoc(_Keys):
+    provider: Annotated[
+        Literal["auto", "cuda", "cpu"], Meta(description="execution provider; auto: CUDA when available")
+    ] = "auto"
+    device_id: Annotated[Count | UnsetType, Meta(description="the CUDA device (or give device_ids)")] = UNSET
+    device_ids: Annotated[
+        Annotated[list[Count], Meta(min_length=1)] | UnsetType,
+        Meta(description="CUDA devices to place instances on"),
+    ] = UNSET
+    gpu_mem_limit_mb: Annotated[Count, Meta(description="GPU memory per session, MiB; 0 = no limit")] = 0
+    intra_op_threads: Annotated[Count, Meta(description="per session; 0 = ONNX Runtime's default")] = 0
+    inter_op_threads: Annotated[Count, Meta(description="per session; 0 = ONNX Runtime's default")] = 0
+    instances: Annotated[Positive, Meta(description="sessions on each device")] = 1
+
+
+class QueuePolicyDoc(_Keys):
+    """One priority level's queue (Triton's ModelQueuePolicy); keys left out are inherited."""
+
+    max_queue_size: Annotated[
+        Count | UnsetType, Meta(description="requests waiting at this level; 0 = no bound")
+    ] = UNSET
+    default_timeout_us: Annotated[
+        Count | UnsetType, Meta(description="how long a request may wait at this level, µs; 0 = no limit")
+    ] = UNSET
+    allow_timeout_override: Annotated[
+        bool | UnsetType, Meta(description="may a request ask for a shorter wait than the default?")
+    ] = UNSET
+
+
+class _AdmissionDoc(_Keys):
+    """The admission keys, the same in every section that queues work."""
+
+    priority_levels: Annotated[Positive, Meta(description="priority levels; 1 is the highest")] = 1
+    default_priority_level: Annotated[
+        Positive | UnsetType, Meta(description="the level of requests that name none; default: the lowest")
+    ] = UNSET
+    default_queue_policy: Annotated[QueuePolicyDoc, Meta(description="the queue rules of every level")] = (
+        msgspec.field(default_factory=QueuePolicyDoc)
+    )
+    priority_queue_policy: Annotated[
+        dict[int, QueuePolicyDoc], Meta(description="levels whose queue rules differ from the default")
+    ] = msgspec.field(default_factory=dict)
+
+
+class DynamicBatchingDoc(_AdmissionDoc):
+    max_queue_delay_us: Annotated[
+        Count, Meta(description="how long a request may wait for others to share its run, µs; 0 = none")
+    ] = 0
+    preferred_batch_sizes: Annotated[
+        list[Positive], Meta(description="a batch leaves as soon as it reaches the largest of these")
+    ] = msgspec.field(default_factory=list)
+    max_concurrent_batches: Annotated[
+        Count, Meta(description="batches of a version that run at once; 0 = sized to the machine")
+    ] = 0
+
+
+class ReloadDoc(_Keys):
+    allow_schema_change: Annotated[bool, Meta(description="may a new version change inputs/outputs?")] = False
+    memory_budget_mb: Annotated[
+        Count, Meta(description="what all served versions together may take, MiB; 0 = no budget")
+    ] = 0
+    when_over_budget: Annotated[
+        Literal["fail", "drain_first"],
+        Meta(description="fail: keep the old version serving; drain_first: release it, then load"),
+    ] = "fail"
+
+
+# `generation.max_waiting`: how many sequences may wait for a decode slot, unless the section's
+# default_queue_policy sets max_queue_size itself.
+DEFAULT_MAX_WAITING = 64
+
+
+class GenerationDoc(_AdmissionDoc):
+    max_concurrent_sequences: Annotated[Positive, Meta(description="sequences decoding at once")] = 16
+    max_tokens: Annotated[Positive, Meta(description="the largest max_tokens a request may ask for")] = 512
+    default_max_tokens: Annotated[Positive, Meta(description="for requests that leave max_tokens at 0")] = 64
+    context_length: Annotated[Count, Meta(description="0 = from the model file's metadata")] = 0
+    eos_token: Annotated[str, Meta(description='"" = the tokenizer\'s end-of-text token')] = ""
+    continuous_batching: Annotated[bool, Meta(description="false: every sequence decodes alone")] = True
+    stream_buffer: Annotated[
+        Positive, Meta(description="tokens buffered per stream before its sequence pauses")
+    ] = 16
+    stall_timeout_ms: Annotated[
+        Count, Meta(description="how long a sequence may stay paused for its reader; 0 = no limit")
+    ] = 30_000
+    # At least 1: a max_queue_size of 0 means "no bound", the opposite of what 0 waiting once meant.
+    max_waiting: Annotated[
+        Positive, Meta(description="sequences that may wait for a decode slot (the default queue's size)")
+    ] = DEFAULT_MAX_WAITING
+
+
+class LimitsDoc(_Keys):
+    max_elements: Annotated[Positive, Meta(description="elements across all inputs of a request")] = 1 << 24
+    max_request_bytes: Annotated[Positive, Meta(description="bytes of a request's tensor payloads")] = (
+        64 << 20
+    )
+
+
+class ConfigDoc(_Keys):
+    """models/<name>/config.yaml."""
+
+    max_batch_size: Annotated[
+        Count, Meta(description="largest batch along the first dimension; 0 = the model is not batched")
+    ] = 0
+    version_policy: Annotated[
+        VersionPolicyDoc,
+        Meta(
+            description="which versions on disk are served: one of latest, specific, all",
+            extra_json_schema={"minProperties": 1, "maxProperties": 1},
+        ),
+    ] = msgspec.field(default_factory=lambda: VersionPolicyDoc(latest=1))
+    inputs: list[InputDoc] = msgspec.field(default_factory=list)
+    outputs: list[OutputDoc] = msgspec.field(default_factory=list)
+    execution: ExecutionDoc = msgspec.field(default_factory=ExecutionDoc)
+    dynamic_batching: Annotated[
+        DynamicBatchingDoc | None, Meta(description="queue and batch requests (needs max_batch_size >= 1)")
+    ] = None
+    reload: ReloadDoc = msgspec.field(default_factory=ReloadDoc)
+    generation: Annotated[GenerationDoc, Meta(description="how a decoder language model serves Generate")] = (
+        msgspec.field(default_factory=GenerationDoc)
+    )
+    limits: Annotated[LimitsDoc, Meta(description="what one request may ask of the model")] = msgspec.field(
+        default_factory=LimitsDoc
+    )

@@ -1,0 +1,121 @@
+"""What the sidecar's route file (`--config`, YAML) and an admin PUT /canary/<model> body may say:
+keys, types, defaults, bounds and help, declared once (modelyard.common.documents). The parsing and
+key-path messages come from it, and so does `sidecar/routes.schema.json`, the JSON Schema editors
+validate routes.yaml with. Defaults are those of the policies the sidecar runs (BreakerPolicy,
+TenantLimit, ShadowPolicy), whose own checks (backoff_s <= backoff_max_s, ...) still apply.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import msgspec
+from modelyard.common import headers
+from msgspec import UNSET, Meta, UnsetType
+
+from sidecar.adaptive import BreakerPolicy
+from sidecar.limits import TenantLimit
+from sidecar.shadow import ShadowPolicy
+
+Weight = Annotated[
+    float,
+    Meta(
+        ge=0,
+        le=100,
+        description="percent of the model's users dyed canary",
+        extra={"expects": "a number from 0 to 100"},  # as the x-canary-weight header's answer says
+    ),
+]
+Version = Annotated[
+    str | int | None,
+    Meta(description="a version (as the service names it: 3 or v3); empty: from what the upstreams serve"),
+]
+
+_BREAKER = BreakerPolicy()
+_TENANT = TenantLimit()
+_SHADOW = ShadowPolicy()
+
+
+class _Keys(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, omit_defaults=True):
+    """A mapping of known keys: an unknown key is an error (a typo must fail loudly)."""
+
+
+class ModelRouteDoc(_Keys):
+    canary_weight: Weight | UnsetType = UNSET  # left out: the file's canary_weight
+    stable: Version = None
+    canary: Version = None
+
+
+class BreakerDoc(_Keys):
+    """Circuit breakers per upstream and version (sidecar/adaptive.py)."""
+
+    window_s: Annotated[float, Meta(gt=0, description="seconds of calls the error rate and p99 look at")] = (
+        _BREAKER.window_s
+    )
+    min_calls: Annotated[int, Meta(ge=1, description="calls in the window before the error rate counts")] = (
+        _BREAKER.min_calls
+    )
+    latency_min_calls: Annotated[
+        int, Meta(ge=1, description="calls in the window before the p99 latency counts")
+    ] = _BREAKER.latency_min_calls
+    error_rate: Annotated[float, Meta(gt=0, le=1, description="share of failed calls that trips")] = (
+        _BREAKER.error_rate
+    )
+    latency_multiple: Annotated[
+        float, Meta(gt=1, description="a p99 this many times the baseline's trips")
+    ] = _BREAKER.latency_multiple
+    latency_floor_s: Annotated[
+        float, Meta(ge=0, description="a p99 below this never trips, however small the baseline")
+    ] = _BREAKER.latency_floor_s
+    latency_check_s: Annotated[float, Meta(gt=0, description="seconds between latency checks")] = (
+        _BREAKER.latency_check_s
+    )
+    backoff_s: Annotated[float, Meta(gt=0, description="seconds open before the first probe")] = (
+        _BREAKER.backoff_s
+    )
+    backoff_factor: Annotated[float, Meta(ge=1, description="backoff growth after a failed probe")] = (
+        _BREAKER.backoff_factor
+    )
+    backoff_max_s: Annotated[float, Meta(gt=0, description="the longest backoff, seconds")] = (
+        _BREAKER.backoff_max_s
+    )
+    probes: Annotated[int, Meta(ge=1, description="calls let through to probe a half-open breaker")] = (
+        _BREAKER.probes
+    )
+    max_samples: Annotated[int, Meta(ge=1, description="latency samples kept per window")] = (
+        _BREAKER.max_samples
+    )
+
+
+class TenantDoc(_Keys):
+    """One tenant's admission (sidecar/limits.py); 0 = unlimited."""
+
+    rate: Annotated[float, Meta(ge=0, description="calls per second; 0 = no rate limit")] = _TENANT.rate
+    burst: Annotated[float, Meta(ge=0, description="bucket size; 0 = max(1, rate)")] = _TENANT.burst
+    concurrency: Annotated[int, Meta(ge=0, description="calls in flight; 0 = no limit")] = _TENANT.concurrency
+
+
+class ShadowDoc(_Keys):
+    """Mirroring of stable unary calls to the canary (sidecar/shadow.py)."""
+
+    share: Annotated[float, Meta(ge=0, le=100, description="percent of stable-dyed unary calls mirrored")] = (
+        _SHADOW.share
+    )
+    max_in_flight: Annotated[int, Meta(ge=0, description="mirrored calls in flight at once")] = (
+        _SHADOW.max_in_flight
+    )
+
+
+class RouteFileDoc(_Keys):
+    """The route file: canary weights, versions, breaker thresholds, tenant limits, shadowing."""
+
+    stickiness_header: Annotated[str, Meta(description="the header whose value keeps a user's dye")] = (
+        headers.USER_ID
+    )
+    canary_weight: Annotated[Weight, Meta(description="default weight for models without their own")] = 0.0
+    models: Annotated[dict[str, ModelRouteDoc] | None, Meta(description="routes per model name")] = None
+    breaker: BreakerDoc | None = None
+    tenants: Annotated[
+        dict[str, TenantDoc] | None, Meta(description='limits per tenant; "*": all other tenants, together')
+    ] = None
+    shadow: ShadowDoc | None = None
