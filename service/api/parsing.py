@@ -19,10 +19,19 @@ from google.protobuf.message import Message
 
 CHUNK_BYTES = 256 * 1024
 CHUNK_FIELDS = 4096  # also a bound on the Python work between two steps (tiny fields)
+# Top-level fields a request may have. Ours have a handful plus one per tensor and parameter
+# (and far more tensors than the model has are refused anyway: api/tensor_headers.py), so a
+# message of millions of tiny fields is refused here, after a bounded walk in Python, instead of
+# costing seconds of one core between its steps.
+MAX_FIELDS = 16 * 1024
 
 
 class Malformed(ValueError):
     """The bytes are not a sequence of well-formed top-level fields."""
+
+
+class TooManyFields(Malformed):
+    """Well-formed, perhaps, but more top-level fields than any request of ours has."""
 
 
 def message_class(deserialize: Callable[[bytes], Any] | None) -> type[Message] | None:
@@ -48,8 +57,8 @@ def _varint(data: memoryview, position: int) -> tuple[int, int]:
 
 def field_slices(data: memoryview, chunk: int = CHUNK_BYTES) -> Iterator[tuple[int, int]]:
     """(start, end) of consecutive runs of whole top-level fields, about `chunk` bytes (or
-    CHUNK_FIELDS fields) each."""
-    start = position = fields = 0
+    CHUNK_FIELDS fields) each; Malformed past MAX_FIELDS fields in all."""
+    start = position = fields = total = 0
     size = len(data)
     while position < size:
         tag, position = _varint(data, position)
@@ -70,6 +79,9 @@ def field_slices(data: memoryview, chunk: int = CHUNK_BYTES) -> Iterator[tuple[i
         if position > size:
             raise Malformed("a field runs past the end")
         fields += 1
+        total += 1
+        if total > MAX_FIELDS:
+            raise TooManyFields(f"more than {MAX_FIELDS} top-level fields")
         if position - start >= chunk or fields >= CHUNK_FIELDS:
             yield start, position
             start, fields = position, 0

@@ -32,7 +32,7 @@ from typing import Any
 import grpc
 
 from service.api.errors import Context
-from service.api.parsing import message_class, parse_in_steps
+from service.api.parsing import TooManyFields, message_class, parse_in_steps
 from service.api.pipeline import Handler, Wrapper
 
 # Called with the full method name of each refused message (logs and metrics, rate-limited there).
@@ -44,9 +44,13 @@ GuardFor = Callable[[str], Guard | None]
 
 
 class Undecodable:
-    """Stands for a request whose bytes are not a valid message of the method's request type."""
+    """Stands for a request whose bytes are not a valid message of the method's request type;
+    `why`, when the bytes break one of our bounds rather than the encoding."""
 
-    __slots__ = ()
+    __slots__ = ("why",)
+
+    def __init__(self, why: str = "") -> None:
+        self.why = why
 
 
 _UNDECODABLE = Undecodable()
@@ -123,14 +127,17 @@ class _Refuse:
             return await asyncio.get_running_loop().run_in_executor(None, self._deserialize, raw)
         try:
             return await parse_in_steps(self._class, raw)
+        except TooManyFields as exc:
+            return Undecodable(str(exc))
         except Exception:  # DecodeError, Malformed
             return _UNDECODABLE
 
     async def check(self, request: Any, context: Context) -> None:
-        if request is _UNDECODABLE:
+        if isinstance(request, Undecodable):
             self._on_undecodable(self._method)
+            why = f": {request.why}" if request.why else ""
             await context.abort(
-                grpc.StatusCode.INVALID_ARGUMENT, f"the {self._kind} request is not a valid message"
+                grpc.StatusCode.INVALID_ARGUMENT, f"the {self._kind} request is not a valid message{why}"
             )
 
     async def message(self, raw: Any, context: Context) -> Any:

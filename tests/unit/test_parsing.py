@@ -9,23 +9,30 @@ import pytest
 from google.protobuf.message import DecodeError
 from modelyard.kserve.v2 import grpc_service_pb2 as pb
 
-from service.api.parsing import Malformed, field_slices, message_class, parse_in_steps
+from service.api.parsing import (
+    MAX_FIELDS,
+    Malformed,
+    TooManyFields,
+    field_slices,
+    message_class,
+    parse_in_steps,
+)
 
 
-def _request(inputs: int) -> pb.ModelInferRequest:
+def _request(inputs: int, width: int = 4) -> pb.ModelInferRequest:
     request = pb.ModelInferRequest(model_name="m", id="i")
     request.parameters["p"].int64_param = 7
     for index in range(inputs):
-        tensor = request.inputs.add(name=f"x{index}", datatype="FP32", shape=[1, 4])
-        tensor.contents.fp32_contents.extend([1.0, 2.0, 3.0, 4.0])
+        tensor = request.inputs.add(name=f"x{index}", datatype="FP32", shape=[1, width])
+        tensor.contents.fp32_contents.extend([1.0] * width)
     request.raw_input_contents.append(b"\x01" * 300_000)  # one field longer than a step
     request.model_version = "2"  # a singular field after the repeated ones
     return request
 
 
 def test_the_slices_cover_the_message_in_whole_fields() -> None:
-    data = memoryview(_request(20_000).SerializeToString())
-    slices = list(field_slices(data, chunk=64 * 1024))
+    data = memoryview(_request(10_000).SerializeToString())
+    slices = list(field_slices(data, chunk=32 * 1024))
     assert len(slices) > 10
     assert slices[0][0] == 0 and slices[-1][1] == len(data)
     assert all(a[1] == b[0] for a, b in itertools.pairwise(slices))
@@ -36,7 +43,7 @@ def test_the_slices_cover_the_message_in_whole_fields() -> None:
 
 
 async def test_a_large_message_parses_the_same_with_the_loop_running_between_steps() -> None:
-    request = _request(100_000)
+    request = _request(12_000, width=128)  # about 6 MB in 12,000 tensors
     data = request.SerializeToString()
     ticks = 0
     done = False
@@ -69,3 +76,12 @@ def test_message_class_knows_protobuf_parsers_only() -> None:
     assert message_class(pb.ModelInferRequest.FromString) is pb.ModelInferRequest
     assert message_class(lambda data: data) is None
     assert message_class(None) is None
+
+
+def test_a_message_of_more_fields_than_any_request_has_is_refused_after_a_bounded_walk() -> None:
+    tiny = b"\xc0\x3e\x00" * 1_000_000  # a million empty fields (number 1000): 3 MB
+    with pytest.raises(TooManyFields):
+        list(field_slices(memoryview(tiny)))
+    # The walk stops at the bound: what it read is MAX_FIELDS fields, not the million.
+    walked = list(field_slices(memoryview(tiny[: 3 * MAX_FIELDS])))
+    assert walked[-1][1] == 3 * MAX_FIELDS
