@@ -516,11 +516,16 @@ def report(
                 f"{kind:<22}{label:>9}{len(values):>8}{percentile(values, 0.5) * 1e3:>9.2f}"
                 f"{p99 * 1e3:>9.2f}{ratio:>13.2f}"
             )
-    print("\nRSS (MB)            start      end   slope MB/min")
+    # The slope over the second half, after warm-up (allocators and caches settle in the first).
+    print("\nRSS (MB)            start      end   second-half slope MB/min   at each window's end")
+    window_s = args.duration_s / args.windows
     for name, samples in rss.items():
         if samples:
-            per_min = slope([t for t, _ in samples], [r for _, r in samples]) * 60
-            print(f"  {name:<16}{samples[0][1]:>7.0f}{samples[-1][1]:>9.0f}{per_min:>+12.2f}")
+            late = [(t, r) for t, r in samples if t >= args.duration_s / 2]
+            per_min = slope([t for t, _ in late], [r for _, r in late]) * 60
+            ends = [[r for t, r in samples if t < (w + 1) * window_s][-1:] for w in range(args.windows)]
+            shown = " ".join(f"{r[0]:.0f}" if r else "-" for r in ends)
+            print(f"  {name:<16}{samples[0][1]:>7.0f}{samples[-1][1]:>9.0f}{per_min:>+27.2f}   {shown}")
     # After the first two windows every series normal traffic makes exists; hostile input adds none.
     print("\n/metrics bytes at the start and after each window:")
     print("  sidecar " + " ".join(str(a) for a, _ in sizes))
