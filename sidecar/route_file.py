@@ -67,9 +67,9 @@ class BreakerDoc(_Keys):
     latency_floor_s: Annotated[
         float, Meta(ge=0, description="a p99 below this never trips, however small the baseline")
     ] = _BREAKER.latency_floor_s
-    latency_check_s: Annotated[float, Meta(gt=0, description="seconds between latency checks")] = (
-        _BREAKER.latency_check_s
-    )
+    latency_check_s: Annotated[
+        float, Meta(ge=0, description="seconds between latency checks; 0: every call")
+    ] = _BREAKER.latency_check_s
     backoff_s: Annotated[float, Meta(gt=0, description="seconds open before the first probe")] = (
         _BREAKER.backoff_s
     )
