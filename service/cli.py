@@ -38,9 +38,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"modelyard serve: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
     if workers > 1:  # the supervisor serves no requests: its workers trace their own
-        return asyncio.run(run_process(lambda: Supervisor(settings, workers), "service", settings.grace_s))
+        return asyncio.run(
+            run_process(lambda: Supervisor(settings, workers), "service", settings.grace_s, PROG)
+        )
     return _traced(lambda: build_service(settings), "service", settings.grace_s)
 
+
+PROG = "modelyard serve"  # as its errors name it
 
 # Where a service without --repository finds models (the wheel ships none).
 _NO_MODELS = (
@@ -51,16 +55,15 @@ _NO_MODELS = (
 
 def _unstartable(settings: Settings) -> int | None:
     """EXIT_USAGE, after one line, for a start that cannot work: no repository, a taken port."""
-    prog = "modelyard serve"
-    return check_folder(settings, "repository", ENV_PREFIX, prog, _NO_MODELS) or check_listeners(
-        settings, ("listen", "metrics_listen"), ENV_PREFIX, prog
+    return check_folder(settings, "repository", ENV_PREFIX, PROG, _NO_MODELS) or check_listeners(
+        settings, ("listen", "metrics_listen"), ENV_PREFIX, PROG
     )
 
 
 def _traced(build: Callable[[], Process], name: str, grace_s: float) -> int:
     tracing.configure()
     try:
-        code = asyncio.run(run_process(build, name, grace_s))
+        code = asyncio.run(run_process(build, name, grace_s, PROG))
     finally:
         tracing.shutdown()
     if runs.abandoned.is_set():

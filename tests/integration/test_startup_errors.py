@@ -8,10 +8,11 @@ import os
 import socket
 import subprocess
 import sys
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 
 import pytest
+from modelyard.common.lifecycle import Process, run_process
 
 from tests.support import REPO_ROOT
 
@@ -127,3 +128,59 @@ def test_the_default_repository_missing_says_how_to_get_models(tmp_path: Path) -
 def test_the_stack_checks_its_addresses() -> None:
     result = run("deploy", "--gateway-listen", "garbage")
     assert_one_line(result, "modelyard up: error:", "--gateway-listen", "MODELYARD_UP_GATEWAY_LISTEN")
+
+
+def _service(address: str, flag: str, repository: Path) -> Process:
+    from service.config import parse_settings
+    from service.server import build_service
+
+    others = {"--listen": "127.0.0.1:0", "--metrics-listen": ""}
+    args = [*(x for k, v in others.items() if k != flag for x in (k, v)), flag, address]
+    return build_service(parse_settings(["--repository", str(repository), *args], {}))
+
+
+def _sidecar(address: str, flag: str, repository: Path) -> Process:
+    from sidecar.config import parse_settings
+    from sidecar.server import build_sidecar
+
+    others = {"--listen": "127.0.0.1:0", "--admin-listen": ""}
+    args = [*(x for k, v in others.items() if k != flag for x in (k, v)), flag, address]
+    return build_sidecar(parse_settings(args, {}))
+
+
+def _gateway(address: str, flag: str, repository: Path) -> Process:
+    from gateway.app import build_gateway
+    from gateway.config import parse_settings
+
+    return build_gateway(parse_settings([flag, address], {}))
+
+
+@pytest.mark.parametrize(
+    ("process", "flag", "build"),
+    [
+        ("service", "--listen", _service),
+        ("service", "--metrics-listen", _service),
+        ("sidecar", "--listen", _sidecar),
+        ("sidecar", "--admin-listen", _sidecar),
+        ("gateway", "--listen", _gateway),
+    ],
+)
+async def test_a_bind_that_fails_after_the_check_is_named_too(
+    process: str,
+    flag: str,
+    build: Callable[[str, str, Path], Process],
+    taken_port: int,
+    repository: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # The port taken between the check and the bind: the servers' own failure, one line too.
+    _, prog, prefix = PROCESSES[process]
+    address = f"127.0.0.1:{taken_port}"
+    code = await run_process(lambda: build(address, flag, repository), process, 0.0, prog)
+    assert code == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    env = prefix + flag[2:].replace("-", "_").upper()
+    (line,) = [line for line in err.splitlines() if "error:" in line]
+    assert line.startswith(f"{prog}: error: argument {flag}: cannot listen on {address!r}: "), line
+    assert line.endswith(f"(env {env})"), line

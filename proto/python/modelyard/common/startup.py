@@ -11,14 +11,13 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from modelyard.common.lifecycle import EXIT_USAGE
+from modelyard.common.lifecycle import EXIT_USAGE, usage_line
 from modelyard.common.settings import split_address
 
 
 def usage_error(prog: str, prefix: str, name: str, message: str, hint: str = "") -> int:
     """Print `prog: error: argument --name: message (env PREFIX_NAME)hint` and give EXIT_USAGE."""
-    flag = "--" + name.replace("_", "-")
-    print(f"{prog}: error: argument {flag}: {message} (env {prefix}{name.upper()}){hint}", file=sys.stderr)
+    print(usage_line(prog, prefix, name, message, hint), file=sys.stderr)
     return EXIT_USAGE
 
 
