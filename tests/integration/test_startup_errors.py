@@ -139,6 +139,14 @@ def _service(address: str, flag: str, repository: Path) -> Process:
     return build_service(parse_settings(["--repository", str(repository), *args], {}))
 
 
+def _supervisor(address: str, flag: str, repository: Path) -> Process:
+    from service.config import parse_settings
+    from service.workers.supervisor import Supervisor
+
+    args = ["--repository", str(repository), "--metrics-listen", "", flag, address]
+    return Supervisor(parse_settings(args, {}), 2)
+
+
 def _sidecar(address: str, flag: str, repository: Path) -> Process:
     from sidecar.config import parse_settings
     from sidecar.server import build_sidecar
@@ -160,6 +168,7 @@ def _gateway(address: str, flag: str, repository: Path) -> Process:
     [
         ("service", "--listen", _service),
         ("service", "--metrics-listen", _service),
+        ("service", "--listen", _supervisor),
         ("sidecar", "--listen", _sidecar),
         ("sidecar", "--admin-listen", _sidecar),
         ("gateway", "--listen", _gateway),
