@@ -27,6 +27,7 @@ from types import ModuleType
 from typing import Annotated
 
 from modelyard.common import children
+from modelyard.common.settings import LISTEN, LISTEN_OR_EMPTY
 from modelyard.common.settings import parse_settings as parse
 from msgspec import Meta
 
@@ -42,11 +43,15 @@ _PORT = Meta(ge=0, le=65535)
 @dataclass(frozen=True)
 class Settings:
     repository: Annotated[str, Meta(description="model repository the service serves")] = "models/demo"
-    service_listen: Annotated[str, Meta(description="service gRPC address")] = "127.0.0.1:50052"
-    service_metrics: Annotated[str, Meta(description="service /metrics address")] = "127.0.0.1:9102"
-    sidecar_listen: Annotated[str, Meta(description="sidecar gRPC address")] = "127.0.0.1:50051"
-    sidecar_admin: Annotated[str, Meta(description="sidecar admin/metrics address")] = "127.0.0.1:9101"
-    gateway_listen: Annotated[str, Meta(description="gateway HTTP address")] = "127.0.0.1:8000"
+    service_listen: Annotated[str, LISTEN, Meta(description="service gRPC address")] = "127.0.0.1:50052"
+    service_metrics: Annotated[str, LISTEN_OR_EMPTY, Meta(description="service /metrics address")] = (
+        "127.0.0.1:9102"
+    )
+    sidecar_listen: Annotated[str, LISTEN, Meta(description="sidecar gRPC address")] = "127.0.0.1:50051"
+    sidecar_admin: Annotated[str, LISTEN_OR_EMPTY, Meta(description="sidecar admin/metrics address")] = (
+        "127.0.0.1:9101"
+    )
+    gateway_listen: Annotated[str, LISTEN, Meta(description="gateway HTTP address")] = "127.0.0.1:8000"
     envoy_port: Annotated[
         int, _PORT, Meta(description="Envoy listener port on 127.0.0.1 (0: any free port)")
     ] = 8080

@@ -11,6 +11,7 @@ import socket
 from pathlib import Path
 
 import uvicorn
+from modelyard.common.lifecycle import bound
 from modelyard.common.settings import split_address
 from modelyard.common.tls import TlsFiles, warn_if_plaintext
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -22,7 +23,7 @@ from starlette.staticfiles import StaticFiles
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from gateway import mount
-from gateway.config import Settings
+from gateway.config import ENV_PREFIX, Settings
 from gateway.kserve import app as kserve_app
 from gateway.listener import Limits, protocol_class
 from gateway.metrics import GatewayMetrics
@@ -118,7 +119,10 @@ class Gateway:
         app = build_app(settings, self.upstream, self.registry, self.metrics)
         host, port = split_address(settings.listen)
         warn_if_plaintext(host, "the gateway's HTTP listener", self.tls)
-        sock = socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET)
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        sock = bound(
+            ENV_PREFIX, "listen", settings.listen, lambda: socket.create_server((host, port), family=family)
+        )
         sock.setblocking(False)
         # Accepted connections inherit it (Linux): small SSE writes go out at once, not after the
         # peer's delayed ACK (Nagle), which would add tens of ms to time to first token.

@@ -8,12 +8,16 @@ from collections.abc import Sequence
 
 from modelyard.common.lifecycle import run_process
 from modelyard.common.logs import configure as configure_logging
+from modelyard.common.startup import check_listeners
 
 from gateway.app import build_gateway
-from gateway.config import parse_settings
+from gateway.config import ENV_PREFIX, parse_settings
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     settings = parse_settings(sys.argv[1:] if argv is None else argv)
+    failed = check_listeners(settings, ("listen",), ENV_PREFIX, "modelyard gateway")
+    if failed is not None:
+        return failed
     configure_logging(settings.log_level, settings.log_format)
     return asyncio.run(run_process(lambda: build_gateway(settings), "gateway", settings.grace_s))

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Annotated
 
 from modelyard.common import logs, tls
+from modelyard.common.settings import LISTEN
 from modelyard.common.settings import parse_settings as parse
 from msgspec import Meta
 
@@ -16,7 +17,7 @@ ENV_PREFIX = "MODELYARD_GATEWAY_"
 
 @dataclass(frozen=True)
 class Settings:
-    listen: Annotated[str, Meta(description="HTTP address HOST:PORT (port 0 picks a free port)")] = (
+    listen: Annotated[str, LISTEN, Meta(description="HTTP address HOST:PORT (port 0 picks a free port)")] = (
         "127.0.0.1:8000"
     )
     # The sidecar forwards the service's API unchanged.

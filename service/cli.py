@@ -11,9 +11,10 @@ from collections.abc import Callable, Sequence
 from modelyard.common import children
 from modelyard.common.lifecycle import EXIT_USAGE, Process, run_process
 from modelyard.common.logs import configure as configure_logging
+from modelyard.common.startup import check_folder, check_listeners
 
 from service import tracing
-from service.config import parse_settings, worker_count
+from service.config import ENV_PREFIX, Settings, parse_settings, worker_count
 from service.runtime import runs
 from service.server import build_service
 from service.workers.member import WorkerRole
@@ -24,6 +25,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     settings = parse_settings(sys.argv[1:] if argv is None else argv)
     configure_logging(settings.log_level, settings.log_format)
     role = WorkerRole.from_environment()
+    # A worker's port is held by its supervisor, which checked it.
+    failed = None if role is not None else _unstartable(settings)
+    if failed is not None:
+        return failed
     if role is not None:  # started by a supervisor: no worker outlives it
         children.die_with_parent(role.parent)
         return _traced(lambda: build_service(settings, worker=role), f"worker {role.index}", settings.grace_s)
@@ -33,14 +38,32 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"modelyard serve: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
     if workers > 1:  # the supervisor serves no requests: its workers trace their own
-        return asyncio.run(run_process(lambda: Supervisor(settings, workers), "service", settings.grace_s))
+        return asyncio.run(
+            run_process(lambda: Supervisor(settings, workers), "service", settings.grace_s, PROG)
+        )
     return _traced(lambda: build_service(settings), "service", settings.grace_s)
+
+
+PROG = "modelyard serve"  # as its errors name it
+
+# Where a service without --repository finds models (the wheel ships none).
+_NO_MODELS = (
+    "; to try it, make demo models with `python -m models.demo_models DIR` (or `make demo-models`) "
+    "and pass --repository DIR"
+)
+
+
+def _unstartable(settings: Settings) -> int | None:
+    """EXIT_USAGE, after one line, for a start that cannot work: no repository, a taken port."""
+    return check_folder(settings, "repository", ENV_PREFIX, PROG, _NO_MODELS) or check_listeners(
+        settings, ("listen", "metrics_listen"), ENV_PREFIX, PROG
+    )
 
 
 def _traced(build: Callable[[], Process], name: str, grace_s: float) -> int:
     tracing.configure()
     try:
-        code = asyncio.run(run_process(build, name, grace_s))
+        code = asyncio.run(run_process(build, name, grace_s, PROG))
     finally:
         tracing.shutdown()
     if runs.abandoned.is_set():

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Annotated, Literal
 
 from modelyard.common import grpc_server, logs
+from modelyard.common.settings import LISTEN, LISTEN_OR_EMPTY
 from modelyard.common.settings import parse_settings as parse
 from msgspec import Meta
 
@@ -26,11 +27,11 @@ class Settings:
     repository: Annotated[Path, Meta(description="model repository folder (<name>/<version>/model.onnx)")] = (
         Path("models/demo")
     )
-    listen: Annotated[str, Meta(description="gRPC address HOST:PORT (port 0 picks a free port)")] = (
+    listen: Annotated[str, LISTEN, Meta(description="gRPC address HOST:PORT (port 0 picks a free port)")] = (
         "127.0.0.1:50052"
     )
     metrics_listen: Annotated[
-        str, Meta(description="Prometheus /metrics address HOST:PORT; empty disables it")
+        str, LISTEN_OR_EMPTY, Meta(description="Prometheus /metrics address HOST:PORT; empty disables it")
     ] = "127.0.0.1:9102"
     grace_s: Annotated[float, _seconds("seconds in-flight requests get to finish on shutdown")] = 10.0
     drain_timeout_s: Annotated[

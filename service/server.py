@@ -17,6 +17,7 @@ from modelyard import flat as flat_contract
 from modelyard.common import health as health_names
 from modelyard.common.auth import Authorizer, AuthSettings
 from modelyard.common.grpc_server import connection_options
+from modelyard.common.lifecycle import bound
 from modelyard.common.metrics_http import MetricsServer
 from modelyard.common.settings import split_address
 from modelyard.common.throttle import LogThrottle
@@ -34,7 +35,7 @@ from service.api.model_servicer import ModelServicer
 from service.api.pipeline import ServiceHandlers, Wrapper, register, service_of
 from service.api.wire import GuardFor, OnUndecodable, authorize, decode_guard
 from service.batching.layer import BatchingLayer
-from service.config import Settings
+from service.config import ENV_PREFIX, Settings
 from service.cores import usable_cores
 from service.dataplane import DataPlane
 from service.generation.model import recognize_decoder
@@ -94,8 +95,12 @@ class Service:
         # A worker takes its share of the port's traffic only once the supervisor admits it.
         await (self.server if self.internal is None else self.internal).start()
         if self.settings.metrics_listen:
-            self.metrics_server = MetricsServer(
-                self.metrics.registry, *split_address(self.settings.metrics_listen), tls=self.tls
+            address = self.settings.metrics_listen
+            self.metrics_server = bound(
+                ENV_PREFIX,
+                "metrics_listen",
+                address,
+                lambda: MetricsServer(self.metrics.registry, *split_address(address), tls=self.tls),
             )
         # Subscribed before loading starts, so that no model event escapes health and metrics.
         self._events = asyncio.get_running_loop().create_task(self._follow(self.manager.subscribe()))
@@ -283,10 +288,12 @@ def build_service(
     ]
     health_servicer = health_names.new_servicer()
     _add_apis(server, apis, health_servicer, settings, metrics, reporter, guard_for, link)
+    listen = settings.listen
     if tls is None:
-        port = server.add_insecure_port(settings.listen)
+        port = bound(ENV_PREFIX, "listen", listen, lambda: server.add_insecure_port(listen))
     else:
-        port = server.add_secure_port(settings.listen, grpc_server_credentials(tls))
+        credentials = grpc_server_credentials(tls)
+        port = bound(ENV_PREFIX, "listen", listen, lambda: server.add_secure_port(listen, credentials))
     internal = None
     if worker is not None:
         # The supervisor's way in, on a unix socket in its private folder (no credentials): the

@@ -8,12 +8,16 @@ from collections.abc import Sequence
 
 from modelyard.common.lifecycle import run_process
 from modelyard.common.logs import configure as configure_logging
+from modelyard.common.startup import check_listeners
 
-from sidecar.config import parse_settings
+from sidecar.config import ENV_PREFIX, parse_settings
 from sidecar.server import build_sidecar
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     settings = parse_settings(sys.argv[1:] if argv is None else argv)
+    failed = check_listeners(settings, ("listen", "admin_listen"), ENV_PREFIX, "modelyard sidecar")
+    if failed is not None:
+        return failed
     configure_logging(settings.log_level, settings.log_format)
     return asyncio.run(run_process(lambda: build_sidecar(settings), "sidecar", settings.grace_s))

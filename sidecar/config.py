@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Annotated
 
 from modelyard.common import grpc_server, logs, tls
+from modelyard.common.settings import LISTEN, LISTEN_OR_EMPTY
 from modelyard.common.settings import parse_settings as parse
 from msgspec import Meta
 
@@ -17,7 +18,7 @@ ENV_PREFIX = "MODELYARD_SIDECAR_"
 @dataclass(frozen=True)
 class Settings:
     listen: Annotated[
-        str, Meta(description="gRPC address HOST:PORT the clients call (port 0 picks a free port)")
+        str, LISTEN, Meta(description="gRPC address HOST:PORT the clients call (port 0 picks a free port)")
     ] = "127.0.0.1:50051"
     upstream: Annotated[
         tuple[str, ...],
@@ -28,6 +29,7 @@ class Settings:
     ] = ("127.0.0.1:50052",)
     admin_listen: Annotated[
         str,
+        LISTEN_OR_EMPTY,
         Meta(description="admin HTTP address HOST:PORT (/metrics, /breakers, /canary); empty disables it"),
     ] = "127.0.0.1:9101"
     # Empty: defaults and admin changes only.

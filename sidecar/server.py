@@ -12,13 +12,14 @@ from grpc_health.v1 import health_pb2_grpc
 from modelyard.common import health as health_names
 from modelyard.common.auth import Authorizer, AuthSettings
 from modelyard.common.grpc_server import connection_options
+from modelyard.common.lifecycle import BindError, bind_reason, bound
 from modelyard.common.settings import split_address
 from modelyard.common.tls import ClientTls, TlsFiles, grpc_server_credentials, is_loopback, warn_if_plaintext
 
 from sidecar.adaptive import Clock, State
 from sidecar.admin import AdminLimits, AdminServer
 from sidecar.breakers import BreakerKey, Breakers
-from sidecar.config import Settings
+from sidecar.config import ENV_PREFIX, Settings
 from sidecar.limits import TenantLimits
 from sidecar.metrics import SidecarMetrics
 from sidecar.proxy import Proxy
@@ -90,7 +91,11 @@ class Sidecar:
                     max_connections=self.settings.admin_max_connections,
                 ),
             )
-            await self.admin.start()
+            try:
+                await self.admin.start()
+            except OSError as exc:
+                reason = bind_reason(exc)
+                raise BindError(ENV_PREFIX, "admin_listen", self.settings.admin_listen, reason) from exc
         self._tasks.append(loop.create_task(self._follow_upstreams()))
         if self.settings.config:
             self._tasks.append(loop.create_task(self._watch_config()))
@@ -205,10 +210,12 @@ def build_sidecar(
     shadows = Shadows(metrics)
     proxy = Proxy(upstreams, breakers, routes, TenantLimits(), metrics, tracing, shadows)
     server.add_generic_rpc_handlers((proxy,))
+    listen = settings.listen
     if tls is None:
-        port = server.add_insecure_port(settings.listen)
+        port = bound(ENV_PREFIX, "listen", listen, lambda: server.add_insecure_port(listen))
     else:
-        port = server.add_secure_port(settings.listen, grpc_server_credentials(tls))
+        credentials = grpc_server_credentials(tls)
+        port = bound(ENV_PREFIX, "listen", listen, lambda: server.add_secure_port(listen, credentials))
     sidecar = Sidecar(
         settings,
         server,

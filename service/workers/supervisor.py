@@ -26,6 +26,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from modelyard.common import children
 from modelyard.common import health as health_names
+from modelyard.common.lifecycle import bound
 from modelyard.common.metrics_http import MetricsServer
 from modelyard.common.settings import split_address
 from modelyard.common.tls import TlsFiles
@@ -101,7 +102,8 @@ class Supervisor:
 
     async def start(self) -> None:
         self.folder = protocol.ControlFolder(Path(tempfile.mkdtemp(prefix="modelyard-workers-")))
-        self._reserved = reserve_port(self.settings.listen)
+        listen = self.settings.listen
+        self._reserved = bound(ENV_PREFIX, "listen", listen, lambda: reserve_port(listen))
         self.port = self._reserved.getsockname()[1]
         self._failed = asyncio.get_running_loop().create_future()
         self._health = health_names.new_servicer()
@@ -136,8 +138,12 @@ class Supervisor:
             tls = TlsFiles.from_settings(
                 self.settings.tls_cert, self.settings.tls_key, self.settings.tls_client_ca
             )
-            self._metrics_server = MetricsServer(
-                registry, *split_address(self.settings.metrics_listen), tls=tls
+            address = self.settings.metrics_listen
+            self._metrics_server = bound(
+                ENV_PREFIX,
+                "metrics_listen",
+                address,
+                lambda: MetricsServer(registry, *split_address(address), tls=tls),
             )
         self._slots = [Slot(i) for i in range(self.count)]
         loop = asyncio.get_running_loop()

@@ -510,6 +510,8 @@ def test_a_taken_port_fails_loudly(small_repository: Path) -> None:
             cwd=REPO_ROOT,
             timeout=60,
         )
-    assert done.returncode == 1
-    assert "Address already in use" in done.stderr
+    # One line naming the flag, its variable and the value (tests/integration/test_startup_errors.py).
+    assert done.returncode == 2
+    assert f"--listen: cannot listen on '127.0.0.1:{port}': address already in use" in done.stderr
+    assert "MODELYARD_SERVICE_LISTEN" in done.stderr
     assert "worker 0 started" not in done.stderr

@@ -5,15 +5,52 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
+import sys
 from collections.abc import Awaitable, Callable
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 log = logging.getLogger(__name__)
 
 EXIT_OK = 0  # stopped by a signal, drained cleanly
 EXIT_FAILED = 1  # could not start, or failed while serving
-EXIT_USAGE = 2  # bad flags or environment (argparse's code)
+EXIT_USAGE = 2  # bad flags or environment (argparse's code), a taken port
+
+T = TypeVar("T")
+
+
+def usage_line(prog: str, prefix: str, name: str, message: str, hint: str = "") -> str:
+    """The one line a setting's bad value gets, as modelyard.common.settings writes it."""
+    flag = "--" + name.replace("_", "-")
+    return f"{prog}: error: argument {flag}: {message} (env {prefix}{name.upper()}){hint}"
+
+
+class BindError(Exception):
+    """The listener of setting `name` (variable prefix `prefix`) could not bind `value`."""
+
+    def __init__(self, prefix: str, name: str, value: str, reason: str) -> None:
+        super().__init__(f"cannot listen on {value!r}: {reason}")
+        self.prefix = prefix
+        self.name = name
+
+    def line(self, prog: str) -> str:
+        return usage_line(prog, self.prefix, self.name, str(self))
+
+
+def bound(prefix: str, name: str, value: str, bind: Callable[[], T]) -> T:
+    """`bind()`, its failure (grpc's RuntimeError, an OSError) as a BindError naming the setting."""
+    try:
+        return bind()
+    except (OSError, RuntimeError) as exc:
+        raise BindError(prefix, name, value, bind_reason(exc)) from exc
+
+
+def bind_reason(exc: Exception) -> str:
+    """A failed bind's cause in words: the errno's text, or grpc's only news (no cause given)."""
+    if isinstance(exc, OSError):
+        return os.strerror(exc.errno).lower() if exc.errno else str(exc)
+    return "the port is in use or the address is not this host's"
 
 
 class Process(Protocol):
@@ -24,15 +61,22 @@ class Process(Protocol):
     async def stop(self) -> None: ...
 
 
-async def run_process(build: Callable[[], Process], name: str, grace_s: float) -> int:
+async def run_process(
+    build: Callable[[], Process], name: str, grace_s: float, prog: str | None = None
+) -> int:
     """Build and start the process, serve until a signal, then stop it. A failure while starting
-    stops what did start and ends with EXIT_FAILED; a signal during start cancels the start."""
+    stops what did start and ends with EXIT_FAILED (EXIT_USAGE and one line for a BindError, as
+    `prog` would say a bad value); a signal during start cancels the start."""
+    prog = prog or f"modelyard {name}"
     stopping = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stopping.set)
     try:
         process = build()
+    except BindError as exc:
+        print(exc.line(prog), file=sys.stderr)
+        return EXIT_USAGE
     except Exception:
         log.exception("%s could not be built", name)
         return EXIT_FAILED
@@ -40,8 +84,12 @@ async def run_process(build: Callable[[], Process], name: str, grace_s: float) -
     starting = loop.create_task(process.start())
     waiting = loop.create_task(stopping.wait())
     await asyncio.wait([starting, waiting], return_when=asyncio.FIRST_COMPLETED)
-    if starting.done() and starting.exception() is not None:
-        log.error("%s failed to start", name, exc_info=starting.exception())
+    failure = starting.exception() if starting.done() else None
+    if isinstance(failure, BindError):
+        print(failure.line(prog), file=sys.stderr)
+        code = EXIT_USAGE
+    elif failure is not None:
+        log.error("%s failed to start", name, exc_info=failure)
         code = EXIT_FAILED
     elif starting.done():
         await waiting

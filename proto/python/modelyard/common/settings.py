@@ -19,7 +19,7 @@ import argparse
 import os
 import sys
 import typing
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import MISSING, dataclass, fields
 from pathlib import Path
 from typing import Any, TypeVar
@@ -56,6 +56,8 @@ class Option:
     help: str
     choices: tuple[str, ...]  # from a Literal; empty: any value of the type
     bounds: str  # e.g. ">= 0", from the declaration's constraints; empty: none
+    # Declared checks beyond msgspec's (`Meta(extra={"check": fn})`): fn raises ValueError.
+    checks: tuple[Callable[[Any], None], ...] = ()
 
     @property
     def shown_default(self) -> str:
@@ -112,6 +114,7 @@ def options(cls: type, prefix: str) -> list[Option]:
                 help=description,
                 choices=allowed,
                 bounds=bounds(metas),
+                checks=tuple(m.extra["check"] for m in metas if m.extra and "check" in m.extra),
             )
         )
     return found
@@ -120,6 +123,13 @@ def options(cls: type, prefix: str) -> list[Option]:
 def convert(option: Option, raw: Any) -> Any:
     """A flag's or variable's value as the setting's type, checked against its declaration.
     Raises ValueError saying what the value must be."""
+    value = _convert(option, raw)
+    for check in option.checks:
+        check(value)
+    return value
+
+
+def _convert(option: Option, raw: Any) -> Any:
     if option.kind is bool:
         return parse_bool(raw) if isinstance(raw, str) else bool(raw)
     if option.choices:
@@ -198,3 +208,19 @@ def split_address(address: str) -> tuple[str, int]:
     if not host or not port.isdigit():
         raise ValueError(f"address {address!r} is not HOST:PORT")
     return host.strip("[]"), int(port)
+
+
+def _listen_address(value: str) -> None:
+    host, _, port = value.rpartition(":")
+    if not host.strip("[]") or not (port.isascii() and port.isdigit()) or int(port) > 65535:
+        raise ValueError(f"{value!r} is not HOST:PORT (port 0-65535; 0 picks a free port)")
+
+
+def _listen_address_or_empty(value: str) -> None:
+    if value:
+        _listen_address(value)
+
+
+# Declared on every address a process listens on: `Annotated[str, LISTEN, Meta(description=...)]`.
+LISTEN = msgspec.Meta(extra={"check": _listen_address})
+LISTEN_OR_EMPTY = msgspec.Meta(extra={"check": _listen_address_or_empty})  # empty: that listener is off
