@@ -70,13 +70,18 @@ class ActiveRuns:
         if self.closing:  # a run that starts after the grace ended stops at once
             control.terminate(ModelUnavailable(SHUTDOWN_MESSAGE))
         elif self.max_run_s > 0:
-            too_long = DeadlineExceeded(
+            control.timer = asyncio.get_running_loop().call_later(self.max_run_s, self._too_long, control)
+        self._runs.add(control)
+        return control
+
+    def _too_long(self, control: RunControl) -> None:
+        # Made when the bound passes, not for every run: most runs end long before it.
+        control.terminate(
+            DeadlineExceeded(
                 f"the run took longer than the service's limit of {self.max_run_s:g} s "
                 "(--max-run-s) and was stopped"
             )
-            control.timer = asyncio.get_running_loop().call_later(self.max_run_s, control.terminate, too_long)
-        self._runs.add(control)
-        return control
+        )
 
     def end(self, control: RunControl) -> None:
         self._runs.discard(control)
