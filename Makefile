@@ -10,7 +10,7 @@ REPOSITORY ?= models/demo
 
 # service (50052), sidecar (50051), gateway (8000) and Envoy (8080) until Ctrl-C.
 up: $(VENV)/.installed-stack
-	$(PY) -m deploy --repository $(REPOSITORY) $(if $(SIDECAR_CONFIG),--sidecar-config $(SIDECAR_CONFIG))
+	$(PY) -m modelyard.deploy --repository $(REPOSITORY) $(if $(SIDECAR_CONFIG),--sidecar-config $(SIDECAR_CONFIG))
 
 test: lint browser-deps
 	$(PY) -m pytest -q
@@ -18,10 +18,10 @@ test: lint browser-deps
 lint: $(VENV)/.installed-dev $(BUF) system-deps
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
-	$(VENV)/bin/mypy service sidecar gateway deploy tests bench models/__init__.py models/demo_models.py models/value_models.py proto/generate.py proto/python/modelyard envoy/render.py docs/reference.py
+	$(VENV)/bin/mypy proto/python/modelyard tests bench models/__init__.py models/demo_models.py models/value_models.py proto/generate.py docs/reference.py
 	$(VENV)/bin/lint-imports
 	$(PY) proto/generate.py --check
-	$(PY) envoy/render.py --check
+	$(PY) -m modelyard.envoy.render --check
 	$(PY) docs/reference.py --check
 	$(VENV)/bin/envoy --mode validate -c envoy/envoy.yaml --log-level warn
 	$(VENV)/bin/envoy --mode validate -c deploy/kubernetes/envoy.yaml --log-level warn

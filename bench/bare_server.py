@@ -22,6 +22,7 @@ from typing import Any
 import grpc
 import numpy as np
 import onnxruntime as ort
+
 from modelyard.inference.v1 import inference_service_pb2 as pb
 from modelyard.inference.v1 import inference_service_pb2_grpc as pb_grpc
 from modelyard.inference.v1 import tensor_pb2

@@ -20,7 +20,7 @@ bulk at the default (low) priority, and, for reference, under the same bulk on t
 
     .venv/bin/python bench/batching.py [--duration 3] [--rounds 3] [--levels 1,8,32,64]
 
-The service runs as a child process (`python -m service`), on 127.0.0.1 only; this process is the
+The service runs as a child process (`python -m modelyard.service`), on 127.0.0.1 only; this process is the
 client (grpc.aio, pre-serialized requests, so that the client spends little per call). Results go
 to bench/results/batching.json. Every process started here is stopped before exit.
 """
@@ -48,13 +48,13 @@ from typing import Any
 
 import grpc
 import numpy as np
-from modelyard.common import children
+
+from models.demo_models import dense_stack, scaled_identity, write_model
 from modelyard.inference.v1 import inference_service_pb2 as pb
 from modelyard.kserve.v2 import grpc_service_pb2 as kpb
 from modelyard.kserve.v2 import grpc_service_pb2_grpc as kpb_grpc
+from modelyard.process import children
 from modelyard.tensors import to_array, to_tensor
-
-from models.demo_models import dense_stack, scaled_identity, write_model
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results" / "batching.json"
@@ -112,7 +112,7 @@ class Server:
 @contextmanager
 def served(repository: Path) -> Iterator[Server]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("MODELYARD_")}
-    cmd = [sys.executable, "-m", "service", "--repository", str(repository)]
+    cmd = [sys.executable, "-m", "modelyard.service", "--repository", str(repository)]
     cmd += ["--listen", "127.0.0.1:0", "--metrics-listen", "", "--log-level", "INFO"]
     proc: subprocess.Popen[str] = children.popen(
         cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=env, cwd=ROOT

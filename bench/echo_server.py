@@ -19,6 +19,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import grpc
+
 from modelyard.inference.v1 import inference_service_pb2 as pb
 from modelyard.inference.v1 import inference_service_pb2_grpc as pb_grpc
 

@@ -2,7 +2,7 @@
 
     .venv/bin/python -m bench.edge [--requests 20] [--tokens 32] [--streams 32]
 
-The stack runs as `make up` runs it (python -m deploy: service, the sidecar when installed, gateway,
+The stack runs as `make up` runs it (python -m modelyard.deploy: service, the sidecar when installed, gateway,
 Envoy; ephemeral ports). At concurrency 1 it measures time to first token (TTFT: request sent to
 first token received) and per-token latency (first to last token / (tokens - 1)) for: the service
 directly (gRPC), the sidecar (gRPC, when present), the gateway's SSE, and Envoy -> gateway SSE;
@@ -25,11 +25,11 @@ from typing import Any
 
 import grpc
 import httpx
-from modelyard.inference.v1 import inference_service_pb2 as pb
-from modelyard.inference.v1 import inference_service_pb2_grpc as pb_grpc
 
 from bench.lib.procfs import rss_kib
 from bench.stack import Stack
+from modelyard.inference.v1 import inference_service_pb2 as pb
+from modelyard.inference.v1 import inference_service_pb2_grpc as pb_grpc
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPT = "def __init__(self"

@@ -38,12 +38,12 @@ from typing import Any
 
 import grpc
 import numpy as np
-from modelyard import flat
-from modelyard.inference.v1 import inference_service_pb2 as pb
-from modelyard.inference.v1 import tensor_pb2
 
 from bench.processes import CLK_TCK, ROOT, SERVICE_READY
 from models.demo_models import scaled_identity, write_model
+from modelyard import flat
+from modelyard.inference.v1 import inference_service_pb2 as pb
+from modelyard.inference.v1 import tensor_pb2
 
 LIMIT = 256 * 1024 * 1024
 OPTIONS = [("grpc.max_receive_message_length", LIMIT), ("grpc.max_send_message_length", LIMIT)]
@@ -173,7 +173,16 @@ def start_server(args: argparse.Namespace, workdir: Path) -> subprocess.Popen[st
     for mib in args.sizes_mib:
         write_model(workdir, f"id{mib}", 1, scaled_identity(mib * 1024 * 1024 // 4, 1.0, batch=False), {})
     argv = [
-        *(*prefix, sys.executable, "-m", "service", "--repository", str(workdir), "--listen", "127.0.0.1:0"),
+        *(
+            *prefix,
+            sys.executable,
+            "-m",
+            "modelyard.service",
+            "--repository",
+            str(workdir),
+            "--listen",
+            "127.0.0.1:0",
+        ),
         *("--metrics-listen", "", "--max-message-bytes", str(LIMIT // 2)),
     ]
     return subprocess.Popen(argv, stderr=subprocess.PIPE, cwd=ROOT, text=True)

@@ -43,11 +43,6 @@ from typing import Any
 
 import grpc
 import numpy as np
-from modelyard.inference.v1 import inference_service_pb2 as pb
-from modelyard.inference.v1 import inference_service_pb2_grpc as pb_grpc
-from modelyard.inference.v1 import tensor_pb2
-from modelyard.kserve.v2 import grpc_service_pb2 as kpb
-from modelyard.kserve.v2 import grpc_service_pb2_grpc as kgrpc
 
 from bench.lib.load import RequestFailed, drive
 from bench.lib.profile import Profile, profile_server
@@ -55,6 +50,11 @@ from bench.lib.report import print_profiles
 from bench.peer_servers import PEERS, peer_process, wait_models_ready
 from bench.processes import ROOT, SERVICE_READY, ServerProcess, service_command
 from models.demo_models import mlp, scaled_identity, write_model
+from modelyard.inference.v1 import inference_service_pb2 as pb
+from modelyard.inference.v1 import inference_service_pb2_grpc as pb_grpc
+from modelyard.inference.v1 import tensor_pb2
+from modelyard.kserve.v2 import grpc_service_pb2 as kpb
+from modelyard.kserve.v2 import grpc_service_pb2_grpc as kgrpc
 
 DEFAULT_OUTPUT = ROOT / "bench" / "results" / "floor.json"
 MODELS = {"tiny": (lambda: scaled_identity(16, 2.0), 16), "mlp": (lambda: mlp((256, 1024, 1024, 16)), 256)}

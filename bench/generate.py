@@ -9,7 +9,7 @@ core 1 with one intra-op thread, this client on core 0, so that the client's wor
 on the server's core. Without it every process may use every core (ONNX Runtime's default
 threads), as an operator runs it.
 
-The service runs in a child process (`python -m service`), as an operator runs it; this process
+The service runs in a child process (`python -m modelyard.service`), as an operator runs it; this process
 is the client. The demo model (models/demo/codelm) is served twice from a temporary repository:
 `codelm` (continuous batching) and `codelm-solo` (the same files, `continuous_batching: false`,
 so every stream decodes in a batch of its own). Greedy decoding, distinct prompts, no stop.
@@ -34,11 +34,11 @@ from pathlib import Path
 import grpc
 import numpy as np
 import onnxruntime as ort
-from modelyard.inference.v1 import inference_service_pb2 as pb
-from modelyard.inference.v1 import inference_service_pb2_grpc as pb_grpc
 from tokenizers import Tokenizer
 
 from bench.processes import running_service
+from modelyard.inference.v1 import inference_service_pb2 as pb
+from modelyard.inference.v1 import inference_service_pb2_grpc as pb_grpc
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 CODELM = REPO_ROOT / "models" / "demo" / "codelm"

@@ -24,11 +24,11 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import grpc
-from modelyard.kserve.v2 import grpc_service_pb2 as kpb
-from modelyard.kserve.v2 import grpc_service_pb2_grpc as kgrpc
 
 from bench.lib.procfs import tree_cpu_seconds
 from bench.processes import ROOT, ServerProcess
+from modelyard.kserve.v2 import grpc_service_pb2 as kpb
+from modelyard.kserve.v2 import grpc_service_pb2_grpc as kgrpc
 
 PEERS = ("kserve", "mlserver")
 PEERS_VENV = ROOT / ".cache" / "peers-venv"

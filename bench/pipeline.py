@@ -18,12 +18,12 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any
 
 import grpc
+
 from modelyard.kserve.v2 import grpc_service_pb2 as pb
 from modelyard.kserve.v2 import grpc_service_pb2_grpc as pb_grpc
-
-from service.api.pipeline import Handler, service_of, wrapped
-from service.metrics import ServiceMetrics
-from service.server import request_pipelines
+from modelyard.service.api.pipeline import Handler, service_of, wrapped
+from modelyard.service.metrics import ServiceMetrics
+from modelyard.service.server import request_pipelines
 
 _EOF: Any = grpc.aio.EOF  # type: ignore[attr-defined]  # not in grpc's type stubs
 

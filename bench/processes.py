@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
 
-from modelyard.common import children
+from modelyard.process import children
 
 ROOT = Path(__file__).resolve().parent.parent
 SERVICE_READY = re.compile(r"serving gRPC on [^\s;,]+:(\d+)")
@@ -85,13 +85,13 @@ class ServerProcess:
 
 
 def service_command(repository: Path, prefix: Sequence[str] = ()) -> list[str]:
-    """`python -m service` on the repository and an ephemeral loopback port, under `prefix`
+    """`python -m modelyard.service` on the repository and an ephemeral loopback port, under `prefix`
     (a wrapper such as taskset)."""
     return [
         *prefix,
         sys.executable,
         "-m",
-        "service",
+        "modelyard.service",
         "--repository",
         str(repository),
         "--listen",
@@ -103,7 +103,7 @@ def service_command(repository: Path, prefix: Sequence[str] = ()) -> list[str]:
 async def running_service(
     repository: Path, workdir: Path, *args: str, name: str = "service", prefix: Sequence[str] = ()
 ) -> AsyncIterator[ServerProcess]:
-    """`python -m service` on the repository, on an ephemeral loopback port, stopped on exit;
+    """`python -m modelyard.service` on the repository, on an ephemeral loopback port, stopped on exit;
     `prefix` runs it under a wrapper (taskset)."""
     argv = [*service_command(repository, prefix), "--metrics-listen", "", *args]
     server = ServerProcess(name, argv, workdir, SERVICE_READY)

@@ -26,12 +26,12 @@ from pathlib import Path
 
 import grpc
 import numpy as np
-from modelyard.kserve.v2 import grpc_service_pb2 as pb
-from modelyard.kserve.v2 import grpc_service_pb2_grpc as pb_grpc
 from onnx import TensorProto, helper
 
 from bench.processes import ROOT, running_service
 from models.demo_models import make_model, write_model
+from modelyard.kserve.v2 import grpc_service_pb2 as pb
+from modelyard.kserve.v2 import grpc_service_pb2_grpc as pb_grpc
 
 MIB = 1024 * 1024
 RESULTS = ROOT / "bench" / "results" / "shm.json"

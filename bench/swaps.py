@@ -4,7 +4,7 @@ after many swaps. All in one run, on the same machine.
 
     .venv/bin/python -m bench.swaps [--swaps 20] [--concurrency 8] [--phase-s 5]
 
-The service runs in a child process (`python -m service`, watch mode, defaults) on a temporary
+The service runs in a child process (`python -m modelyard.service`, watch mode, defaults) on a temporary
 repository with one model, `m`, a dense classifier whose version N is built with seed N (so each
 version computes something different and costs a real load). Clients keep `--concurrency`
 requests in flight without a version pin. Phase 1 measures them steady; phase 2 publishes
@@ -30,12 +30,12 @@ from typing import Any
 
 import grpc
 import numpy as np
-from modelyard.inference.v1 import inference_service_pb2 as pb
-from modelyard.inference.v1 import inference_service_pb2_grpc as pb_grpc
-from modelyard.tensors import to_tensor
 
 from bench.processes import ServerProcess, running_service
 from models.demo_models import dense_classifier, serialize, write_model
+from modelyard.inference.v1 import inference_service_pb2 as pb
+from modelyard.inference.v1 import inference_service_pb2_grpc as pb_grpc
+from modelyard.tensors import to_tensor
 
 FEATURES, HIDDEN, CLASSES = 512, 512, 16
 

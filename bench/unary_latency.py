@@ -5,7 +5,7 @@ microseconds, so that the serving path is what is measured) and the same payload
 
   (a) raw ORT   ``onnxruntime.InferenceSession.run()`` in this process, sequentially;
   (b) echo      bench/echo_server.py, a bare grpc.aio InferenceService whose Infer echoes the inputs;
-  (c) service   ``python -m service`` serving the model.
+  (c) service   ``python -m modelyard.service`` serving the model.
 
 One grpc.aio client (this process) drives (b) and (c) at each concurrency level, alternating the
 servers level by level and round by round so that machine noise hits both alike. Ratios are the
@@ -41,9 +41,6 @@ from typing import Any
 import grpc
 import numpy as np
 import onnxruntime as ort
-from modelyard.inference.v1 import inference_service_pb2 as pb
-from modelyard.inference.v1 import inference_service_pb2_grpc as pb_grpc
-from modelyard.inference.v1 import tensor_pb2
 
 from bench.lib.breakdown import breakdown
 from bench.lib.load import NOISY_OTHER_CPU, Infer, LevelResult, RequestFailed, machine_busy_s, measure
@@ -58,6 +55,9 @@ from bench.lib.report import (
 )
 from bench.processes import SERVICE_READY, ServerProcess
 from models.demo_models import scaled_identity, write_model
+from modelyard.inference.v1 import inference_service_pb2 as pb
+from modelyard.inference.v1 import inference_service_pb2_grpc as pb_grpc
+from modelyard.inference.v1 import tensor_pb2
 
 ROOT = Path(__file__).resolve().parent.parent
 BENCH = ROOT / "bench"
@@ -170,7 +170,15 @@ async def run(args: argparse.Namespace) -> int:
         service = ServerProcess(
             "service",
             [
-                *(sys.executable, "-m", "service", "--repository", str(repository), "--listen", f"{HOST}:0"),
+                *(
+                    sys.executable,
+                    "-m",
+                    "modelyard.service",
+                    "--repository",
+                    str(repository),
+                    "--listen",
+                    f"{HOST}:0",
+                ),
                 *("--metrics-listen", "", "--grace-s", "1", "--log-level", "INFO"),
             ],
             workdir,

@@ -28,13 +28,13 @@ from typing import Any
 
 import grpc
 import numpy as np
-from modelyard.inference.v1 import inference_service_pb2 as pb
-from modelyard.inference.v1 import inference_service_pb2_grpc as pb_grpc
-from modelyard.tensors import to_tensor
 
 from bench.lib.procfs import tree_cpu_seconds
 from bench.processes import ROOT, running_service
 from models.demo_models import scaled_identity, write_model
+from modelyard.inference.v1 import inference_service_pb2 as pb
+from modelyard.inference.v1 import inference_service_pb2_grpc as pb_grpc
+from modelyard.tensors import to_tensor
 
 DEFAULT_OUTPUT = ROOT / "bench" / "results" / "workers.json"
 

@@ -1,5 +1,5 @@
 import sys
 
-from deploy.cli import main
+from modelyard.deploy.cli import main
 
 sys.exit(main())

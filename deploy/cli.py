@@ -1,4 +1,4 @@
-"""Command line: `python -m deploy` (also `modelyard up`, `make up`)."""
+"""Command line: `python -m modelyard.deploy` (also `modelyard up`, `make up`)."""
 
 from __future__ import annotations
 
@@ -6,9 +6,8 @@ import asyncio
 import sys
 from collections.abc import Sequence
 
-from modelyard.common.logs import configure as configure_logging
-
-from deploy.up import parse_settings, run
+from modelyard.deploy.up import parse_settings, run
+from modelyard.process.logs import configure as configure_logging
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -23,13 +23,14 @@ import urllib.request
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from types import ModuleType
 from typing import Annotated
 
-from modelyard.common import children
-from modelyard.common.settings import LISTEN, LISTEN_OR_EMPTY
-from modelyard.common.settings import parse_settings as parse
 from msgspec import Meta
+
+from modelyard.envoy import render
+from modelyard.process import children
+from modelyard.process.settings import LISTEN, LISTEN_OR_EMPTY
+from modelyard.process.settings import parse_settings as parse
 
 log = logging.getLogger("deploy")
 ROOT = Path(__file__).resolve().parents[1]
@@ -136,15 +137,6 @@ class Child:
                 await asyncio.wait_for(self._pump, 5)
 
 
-def _render_module() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("envoy_render", ROOT / "envoy" / "render.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["envoy_render"] = module
-    spec.loader.exec_module(module)
-    return module
-
-
 def _host_port(address: str) -> tuple[str, int]:
     host, _, port = address.rpartition(":")
     return host.strip("[]"), int(port)
@@ -188,7 +180,7 @@ async def run(settings: Settings) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stopping.set)
     python = sys.executable
-    use_sidecar = settings.sidecar and importlib.util.find_spec("sidecar") is not None
+    use_sidecar = settings.sidecar and importlib.util.find_spec("modelyard.sidecar") is not None
     children: list[Child] = []
     workdir = Path(tempfile.mkdtemp(prefix="modelyard-up-"))
     code = 0
@@ -198,7 +190,7 @@ async def run(settings: Settings) -> int:
         await service.start(
             python,
             "-m",
-            "service",
+            "modelyard.service",
             "--repository",
             settings.repository,
             "--listen",
@@ -214,7 +206,7 @@ async def run(settings: Settings) -> int:
             command = [
                 python,
                 "-m",
-                "sidecar",
+                "modelyard.sidecar",
                 "--listen",
                 settings.sidecar_listen,
                 "--upstream",
@@ -231,11 +223,10 @@ async def run(settings: Settings) -> int:
         gateway = Child("gateway", re.compile(r"serving HTTP on http://(\S+) "))
         children.append(gateway)
         await gateway.start(
-            python, "-m", "gateway", "--listen", settings.gateway_listen, "--upstream", upstream
+            python, "-m", "modelyard.gateway", "--listen", settings.gateway_listen, "--upstream", upstream
         )
         await _started(gateway, settings, stopping)
 
-        render = _render_module()
         config = render.RenderSettings(
             listen=("127.0.0.1", settings.envoy_port),
             admin=("127.0.0.1", settings.envoy_admin_port),

@@ -1,6 +1,6 @@
 """The parts of the docs and the published files that come from the code's declarations:
 
-- docs/operations.md: the flags table of each process, from its Settings (modelyard.common.settings);
+- docs/operations.md: the flags table of each process, from its Settings (modelyard.process.settings);
 - service/repository/config.schema.json: the JSON Schema of a model's config.yaml (ConfigDoc);
 - sidecar/routes.schema.json: the JSON Schema of the sidecar's route file (RouteFileDoc).
 
@@ -20,14 +20,14 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "proto" / "python")]
 
 import msgspec  # noqa: E402
-from modelyard.common.settings import Option, options  # noqa: E402
 
-from deploy import up  # noqa: E402
-from gateway import config as gateway  # noqa: E402
-from service import config as service  # noqa: E402
-from service.repository.config_file import ConfigDoc  # noqa: E402
-from sidecar import config as sidecar  # noqa: E402
-from sidecar.route_file import RouteFileDoc  # noqa: E402
+from modelyard.deploy import up  # noqa: E402
+from modelyard.gateway import config as gateway  # noqa: E402
+from modelyard.process.settings import Option, options  # noqa: E402
+from modelyard.service import config as service  # noqa: E402
+from modelyard.service.repository.config_file import ConfigDoc  # noqa: E402
+from modelyard.sidecar import config as sidecar  # noqa: E402
+from modelyard.sidecar.route_file import RouteFileDoc  # noqa: E402
 
 OPERATIONS = ROOT / "docs" / "operations.md"
 # (table name in operations.md, settings class, variable prefix)

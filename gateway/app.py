@@ -11,9 +11,6 @@ import socket
 from pathlib import Path
 
 import uvicorn
-from modelyard.common.lifecycle import bound
-from modelyard.common.settings import split_address
-from modelyard.common.tls import TlsFiles, warn_if_plaintext
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -22,16 +19,19 @@ from starlette.routing import BaseRoute, Mount, Route
 from starlette.staticfiles import StaticFiles
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from gateway import mount
-from gateway.config import ENV_PREFIX, Settings
-from gateway.kserve import app as kserve_app
-from gateway.listener import Limits, protocol_class
-from gateway.metrics import GatewayMetrics
-from gateway.openai import app as openai_app
-from gateway.sse import app as sse_app
-from gateway.streams import Registry
-from gateway.tls import UpstreamTls, listener_context
-from gateway.upstream import Upstream
+from modelyard.gateway import mount
+from modelyard.gateway.config import ENV_PREFIX, Settings
+from modelyard.gateway.kserve import app as kserve_app
+from modelyard.gateway.listener import Limits, protocol_class
+from modelyard.gateway.metrics import GatewayMetrics
+from modelyard.gateway.openai import app as openai_app
+from modelyard.gateway.sse import app as sse_app
+from modelyard.gateway.streams import Registry
+from modelyard.gateway.tls import UpstreamTls, listener_context
+from modelyard.gateway.upstream import Upstream
+from modelyard.process.lifecycle import bound
+from modelyard.process.settings import split_address
+from modelyard.process.tls import TlsFiles, warn_if_plaintext
 
 log = logging.getLogger(__name__)
 STATIC = Path(__file__).parent / "static"

@@ -1,4 +1,4 @@
-"""Command line: `python -m gateway ...` (also `modelyard gateway ...`)."""
+"""Command line: `python -m modelyard.gateway ...` (also `modelyard gateway ...`)."""
 
 from __future__ import annotations
 
@@ -6,12 +6,11 @@ import asyncio
 import sys
 from collections.abc import Sequence
 
-from modelyard.common.lifecycle import run_process
-from modelyard.common.logs import configure as configure_logging
-from modelyard.common.startup import check_listeners
-
-from gateway.app import build_gateway
-from gateway.config import ENV_PREFIX, parse_settings
+from modelyard.gateway.app import build_gateway
+from modelyard.gateway.config import ENV_PREFIX, parse_settings
+from modelyard.process.lifecycle import run_process
+from modelyard.process.logs import configure as configure_logging
+from modelyard.process.startup import check_listeners
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import grpc
+
 from modelyard.common import headers
 from modelyard.common.reasons import ErrorReason
 

@@ -21,11 +21,11 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from modelyard.common import names
-from modelyard.common.reasons import ErrorReason
 from starlette.requests import ClientDisconnect, Request
 
-from gateway import errors
+from modelyard.common import names
+from modelyard.common.reasons import ErrorReason
+from modelyard.gateway import errors
 
 # Deeper than any request of ours needs (KServe nested `data` of a 32-d tensor included).
 MAX_DEPTH = 64

@@ -27,8 +27,9 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from modelyard.common.reasons import ErrorReason
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+from modelyard.common.reasons import ErrorReason
 
 IDLE, HEADERS, BODY, ANSWERING = "idle", "headers", "body", "answering"
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from modelyard.common.reasons import ErrorReason
 from starlette.exceptions import HTTPException
 from starlette.middleware.exceptions import ExceptionMiddleware
 from starlette.requests import Request
@@ -21,7 +20,8 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Match, NoMatchFound, Router
 from starlette.types import Receive, Scope, Send
 
-from gateway import errors
+from modelyard.common.reasons import ErrorReason
+from modelyard.gateway import errors
 
 ErrorResponse = Callable[[errors.HttpError], Response]
 

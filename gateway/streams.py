@@ -34,11 +34,11 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 import grpc
-from modelyard.common import headers, names
-from modelyard.inference.v1 import inference_service_pb2 as pb
 
-from gateway import errors, upstream
-from gateway.metrics import GatewayMetrics
+from modelyard.common import headers, names
+from modelyard.gateway import errors, upstream
+from modelyard.gateway.metrics import GatewayMetrics
+from modelyard.inference.v1 import inference_service_pb2 as pb
 
 log = logging.getLogger(__name__)
 

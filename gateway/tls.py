@@ -11,9 +11,8 @@ from __future__ import annotations
 
 import ssl
 
-from modelyard.common.tls import ClientTls, HttpTls, TlsFiles
-
-from gateway.config import Settings
+from modelyard.gateway.config import Settings
+from modelyard.process.tls import ClientTls, HttpTls, TlsFiles
 
 
 def listener_context(files: TlsFiles) -> ssl.SSLContext:
@@ -31,7 +30,7 @@ def listener_context(files: TlsFiles) -> ssl.SSLContext:
 
 
 class UpstreamTls(ClientTls):
-    """The gateway's channel to its upstream (modelyard.common.tls.ClientTls), from its settings."""
+    """The gateway's channel to its upstream (modelyard.process.tls.ClientTls), from its settings."""
 
     @classmethod
     def of(cls, settings: Settings) -> UpstreamTls | None:

@@ -8,14 +8,14 @@ import time
 from collections.abc import Iterable, Mapping
 
 import grpc
+
 from modelyard.common import headers, names
-from modelyard.common.tls import Renewals
+from modelyard.gateway import errors
+from modelyard.gateway.tls import UpstreamTls
 from modelyard.inference.v1 import inference_service_pb2_grpc as inference_grpc
 from modelyard.inference.v1 import model_service_pb2_grpc as model_grpc
 from modelyard.kserve.v2 import grpc_service_pb2_grpc as kserve_grpc
-
-from gateway import errors
-from gateway.tls import UpstreamTls
+from modelyard.process.tls import Renewals
 
 log = logging.getLogger(__name__)
 # How often the upstream TLS files are looked at again (stat), at most.

@@ -1,9 +1,9 @@
 import sys
 
-from modelyard.common.logs import quiet_grpc_core
+from modelyard.process.logs import quiet_grpc_core
 
 quiet_grpc_core()  # before service.cli imports grpc
 
-from service.cli import main  # noqa: E402
+from modelyard.service.cli import main  # noqa: E402
 
 sys.exit(main())

@@ -1,4 +1,4 @@
-"""Command line: `python -m service ...` (also `modelyard serve ...`)."""
+"""Command line: `python -m modelyard.service ...` (also `modelyard serve ...`)."""
 
 from __future__ import annotations
 
@@ -8,17 +8,16 @@ import os
 import sys
 from collections.abc import Callable, Sequence
 
-from modelyard.common import children
-from modelyard.common.lifecycle import EXIT_USAGE, Process, run_process
-from modelyard.common.logs import configure as configure_logging
-from modelyard.common.startup import check_folder, check_listeners
-
-from service import tracing
-from service.config import ENV_PREFIX, Settings, parse_settings, worker_count
-from service.runtime import runs
-from service.server import build_service
-from service.workers.member import WorkerRole
-from service.workers.supervisor import Supervisor
+from modelyard.process import children
+from modelyard.process.lifecycle import EXIT_USAGE, Process, run_process
+from modelyard.process.logs import configure as configure_logging
+from modelyard.process.startup import check_folder, check_listeners
+from modelyard.service import tracing
+from modelyard.service.config import ENV_PREFIX, Settings, parse_settings, worker_count
+from modelyard.service.runtime import runs
+from modelyard.service.server import build_service
+from modelyard.service.workers.member import WorkerRole
+from modelyard.service.workers.supervisor import Supervisor
 
 
 def main(argv: Sequence[str] | None = None) -> int:

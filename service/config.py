@@ -1,5 +1,5 @@
 """Settings of one service process. Every value has a flag and a MODELYARD_SERVICE_* variable,
-declared once below: type, default, help and allowed values (see modelyard.common.settings)."""
+declared once below: type, default, help and allowed values (see modelyard.process.settings)."""
 
 from __future__ import annotations
 
@@ -8,12 +8,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Literal
 
-from modelyard.common import grpc_server, logs
-from modelyard.common.settings import LISTEN, LISTEN_OR_EMPTY
-from modelyard.common.settings import parse_settings as parse
 from msgspec import Meta
 
-from service.cores import usable_cores
+from modelyard.process import grpc_server, logs
+from modelyard.process.settings import LISTEN, LISTEN_OR_EMPTY
+from modelyard.process.settings import parse_settings as parse
+from modelyard.service.cores import usable_cores
 
 ENV_PREFIX = "MODELYARD_SERVICE_"
 

@@ -24,16 +24,16 @@ from typing import TypeVar
 from weakref import WeakKeyDictionary
 
 import numpy as np
-from modelyard.tensors import TensorError
 
-from service import tracing
-from service.batching.layer import BatchingLayer
-from service.errors import ServiceError
-from service.generation.model import DecoderModel
-from service.intake import Bounds, TensorHeader, bounds_for, check_headers, offload
-from service.runtime.manager import ModelManager
-from service.runtime.served import ServedVersion
-from service.scheduling.queue import DEFAULT_SCHEDULING, Scheduling
+from modelyard.service import tracing
+from modelyard.service.batching.layer import BatchingLayer
+from modelyard.service.errors import ServiceError
+from modelyard.service.generation.model import DecoderModel
+from modelyard.service.intake import Bounds, TensorHeader, bounds_for, check_headers, offload
+from modelyard.service.runtime.manager import ModelManager
+from modelyard.service.runtime.served import ServedVersion
+from modelyard.service.scheduling.queue import DEFAULT_SCHEDULING, Scheduling
+from modelyard.tensors import TensorError
 
 T = TypeVar("T")
 

@@ -16,13 +16,12 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from modelyard.common.names import echo
+from modelyard.service.errors import InvalidInput, TooLarge
+from modelyard.service.generation.layout import ATTENTION_MASK, INPUT_IDS, POSITION_IDS
+from modelyard.service.generation.model import DecoderModel
+from modelyard.service.repository.config import LimitsConfig
+from modelyard.service.runtime.signature import Signature, TensorSpec
 from modelyard.tensors import element_count
-
-from service.errors import InvalidInput, TooLarge
-from service.generation.layout import ATTENTION_MASK, INPUT_IDS, POSITION_IDS
-from service.generation.model import DecoderModel
-from service.repository.config import LimitsConfig
-from service.runtime.signature import Signature, TensorSpec
 
 # Payloads that take Python work per element (BYTES, typed contents) above this many bytes are
 # decoded in an executor; below it the hop to a thread costs more than the decoding.

@@ -13,49 +13,49 @@ import grpc
 from grpc_health.v1 import health, health_pb2
 from grpc_reflection.v1alpha import _async as reflection_aio
 from grpc_reflection.v1alpha import reflection, reflection_pb2
+
 from modelyard import flat as flat_contract
 from modelyard.common import health as health_names
-from modelyard.common.auth import Authorizer, AuthSettings
-from modelyard.common.grpc_server import connection_options
-from modelyard.common.lifecycle import bound
-from modelyard.common.metrics_http import MetricsServer
-from modelyard.common.settings import split_address
-from modelyard.common.throttle import LogThrottle
-from modelyard.common.tls import TlsFiles, grpc_server_credentials, is_loopback, warn_if_plaintext
 from modelyard.inference.v1 import inference_service_pb2, model_service_pb2
 from modelyard.kserve.v2 import grpc_service_pb2
-
-from service.api.access import guards
-from service.api.errors import set_served_by
-from service.api.flat_servicer import FlatInferenceServicer
-from service.api.inference_servicer import InferenceServicer
-from service.api.kserve.servicer import KServeServicer
-from service.api.limits import size_limit, transport_limit
-from service.api.model_servicer import ModelServicer
-from service.api.pipeline import ServiceHandlers, Wrapper, register, service_of
-from service.api.wire import GuardFor, OnUndecodable, authorize, decode_guard
-from service.batching.layer import BatchingLayer
-from service.config import ENV_PREFIX, Settings
-from service.cores import usable_cores
-from service.dataplane import DataPlane
-from service.generation.model import recognize_decoder
-from service.generation.plane import GenerationPlane
-from service.gpu_memory import GpuMemoryCollector
-from service.metrics import ServiceMetrics
-from service.repository.uploads import UploadSpace
-from service.repository.watcher import RepositoryWatcher
-from service.runtime.instances import Loader
-from service.runtime.manager import ModelManager
-from service.runtime.memory import usable_memory_bytes
-from service.runtime.providers import CUDA, detect_providers
-from service.runtime.runs import ActiveRuns, shut_down_executor
-from service.runtime.session import bound_run_memory, inline_run_limit_s, load_runner
-from service.runtime.status import ModelEvent, Watcher
-from service.scheduling.clock import Clock
-from service.shm.files import FileRegionStore
-from service.shm.registry import RegionLimits, SharedMemoryRegistry
-from service.workers import protocol as workers
-from service.workers.member import WorkerLink, WorkerRole, fan_out, metrics_handler
+from modelyard.process.auth import Authorizer, AuthSettings
+from modelyard.process.grpc_server import connection_options
+from modelyard.process.lifecycle import bound
+from modelyard.process.metrics_http import MetricsServer
+from modelyard.process.settings import split_address
+from modelyard.process.throttle import LogThrottle
+from modelyard.process.tls import TlsFiles, grpc_server_credentials, is_loopback, warn_if_plaintext
+from modelyard.service.api.access import guards
+from modelyard.service.api.errors import set_served_by
+from modelyard.service.api.flat_servicer import FlatInferenceServicer
+from modelyard.service.api.inference_servicer import InferenceServicer
+from modelyard.service.api.kserve.servicer import KServeServicer
+from modelyard.service.api.limits import size_limit, transport_limit
+from modelyard.service.api.model_servicer import ModelServicer
+from modelyard.service.api.pipeline import ServiceHandlers, Wrapper, register, service_of
+from modelyard.service.api.wire import GuardFor, OnUndecodable, authorize, decode_guard
+from modelyard.service.batching.layer import BatchingLayer
+from modelyard.service.config import ENV_PREFIX, Settings
+from modelyard.service.cores import usable_cores
+from modelyard.service.dataplane import DataPlane
+from modelyard.service.generation.model import recognize_decoder
+from modelyard.service.generation.plane import GenerationPlane
+from modelyard.service.gpu_memory import GpuMemoryCollector
+from modelyard.service.metrics import ServiceMetrics
+from modelyard.service.repository.uploads import UploadSpace
+from modelyard.service.repository.watcher import RepositoryWatcher
+from modelyard.service.runtime.instances import Loader
+from modelyard.service.runtime.manager import ModelManager
+from modelyard.service.runtime.memory import usable_memory_bytes
+from modelyard.service.runtime.providers import CUDA, detect_providers
+from modelyard.service.runtime.runs import ActiveRuns, shut_down_executor
+from modelyard.service.runtime.session import bound_run_memory, inline_run_limit_s, load_runner
+from modelyard.service.runtime.status import ModelEvent, Watcher
+from modelyard.service.scheduling.clock import Clock
+from modelyard.service.shm.files import FileRegionStore
+from modelyard.service.shm.registry import RegionLimits, SharedMemoryRegistry
+from modelyard.service.workers import protocol as workers
+from modelyard.service.workers.member import WorkerLink, WorkerRole, fan_out, metrics_handler
 
 log = logging.getLogger(__name__)
 

@@ -18,8 +18,9 @@ from contextvars import ContextVar
 from typing import Any
 
 import grpc
+
 from modelyard.common.names import NAME_MAX, echo
-from modelyard.common.tracing import otlp_provider
+from modelyard.process.tracing import otlp_provider
 
 log = logging.getLogger(__name__)
 

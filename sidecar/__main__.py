@@ -1,5 +1,5 @@
 import sys
 
-from sidecar.cli import main
+from modelyard.sidecar.cli import main
 
 sys.exit(main())

@@ -2,7 +2,7 @@
 
 An asyncio server on the sidecar's event loop (plain asyncio streams: the sidecar host needs no
 web framework), HTTP/1.1 with keep-alive, over HTTPS (and mTLS) when TLS files are given: the
-handshake runs per connection with the current certificate (modelyard.common.tls.HttpTls, so a
+handshake runs per connection with the current certificate (modelyard.process.tls.HttpTls, so a
 renewal is served without a restart). What one connection may cost is bounded (AdminLimits):
 the request head must arrive within `header_timeout_s` and be at most `max_header_bytes`, the
 body within `body_timeout_s` and at most `max_body_bytes` (413 beyond, before it is read; a
@@ -11,7 +11,7 @@ and at most `max_connections` are open at once (more are answered 503 and closed
 changes of the sidecar's state run on the loop between awaits; rendering /metrics runs in a
 thread.
 
-With a tokens file (modelyard.common.auth, the service's format), every change needs
+With a tokens file (modelyard.process.auth, the service's format), every change needs
 `Authorization: Bearer <token>`, and with `auth_reads` every read too; a missing or wrong token is
 answered 401 with the same body whatever was wrong, and counted.
 
@@ -34,15 +34,15 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import unquote
 
-from modelyard.common.auth import Authorizer, Decision
-from modelyard.common.names import InvalidName, check_name, echo
-from modelyard.common.reasons import ErrorReason
-from modelyard.common.throttle import LogThrottle
-from modelyard.common.tls import HttpTls, TlsFiles, warn_if_plaintext
 from prometheus_client import CollectorRegistry, Counter
 from prometheus_client.exposition import choose_encoder
 
-from sidecar.routes import ConfigError, RouteSource, parse_model_route
+from modelyard.common.names import InvalidName, check_name, echo
+from modelyard.common.reasons import ErrorReason
+from modelyard.process.auth import Authorizer, Decision
+from modelyard.process.throttle import LogThrottle
+from modelyard.process.tls import HttpTls, TlsFiles, warn_if_plaintext
+from modelyard.sidecar.routes import ConfigError, RouteSource, parse_model_route
 
 log = logging.getLogger(__name__)
 

@@ -17,7 +17,7 @@ from typing import Any
 
 import pybreaker
 
-from sidecar.adaptive import AdaptivePolicy, BreakerPolicy, Caller, Clock, State, Trip
+from modelyard.sidecar.adaptive import AdaptivePolicy, BreakerPolicy, Caller, Clock, State, Trip
 
 log = logging.getLogger(__name__)
 

@@ -1,4 +1,4 @@
-"""Command line: `python -m sidecar ...` (also `modelyard sidecar ...`)."""
+"""Command line: `python -m modelyard.sidecar ...` (also `modelyard sidecar ...`)."""
 
 from __future__ import annotations
 
@@ -6,12 +6,11 @@ import asyncio
 import sys
 from collections.abc import Sequence
 
-from modelyard.common.lifecycle import run_process
-from modelyard.common.logs import configure as configure_logging
-from modelyard.common.startup import check_listeners
-
-from sidecar.config import ENV_PREFIX, parse_settings
-from sidecar.server import build_sidecar
+from modelyard.process.lifecycle import run_process
+from modelyard.process.logs import configure as configure_logging
+from modelyard.process.startup import check_listeners
+from modelyard.sidecar.config import ENV_PREFIX, parse_settings
+from modelyard.sidecar.server import build_sidecar
 
 
 def main(argv: Sequence[str] | None = None) -> int:

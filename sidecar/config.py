@@ -1,5 +1,5 @@
 """Settings of one sidecar process. Every value has a flag and a MODELYARD_SIDECAR_* variable,
-declared once below: type, default, help and allowed values (see modelyard.common.settings)."""
+declared once below: type, default, help and allowed values (see modelyard.process.settings)."""
 
 from __future__ import annotations
 
@@ -7,10 +7,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Annotated
 
-from modelyard.common import grpc_server, logs, tls
-from modelyard.common.settings import LISTEN, LISTEN_OR_EMPTY
-from modelyard.common.settings import parse_settings as parse
 from msgspec import Meta
+
+from modelyard.process import grpc_server, logs, tls
+from modelyard.process.settings import LISTEN, LISTEN_OR_EMPTY
+from modelyard.process.settings import parse_settings as parse
 
 ENV_PREFIX = "MODELYARD_SIDECAR_"
 

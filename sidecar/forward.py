@@ -15,13 +15,13 @@ from collections.abc import AsyncIterator, Callable, Iterable
 from typing import Any
 
 import grpc
+
 from modelyard.common import headers
 from modelyard.common.reasons import ErrorReason
-
-from sidecar import plan as planner
-from sidecar.plan import Metadata
-from sidecar.scope import Flight
-from sidecar.upstreams import Upstream
+from modelyard.sidecar import plan as planner
+from modelyard.sidecar.plan import Metadata
+from modelyard.sidecar.scope import Flight
+from modelyard.sidecar.upstreams import Upstream
 
 Context = grpc.aio.ServicerContext[bytes, bytes]
 Request = bytes | AsyncIterator[bytes]  # one message, or the caller's stream of them

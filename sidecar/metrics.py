@@ -6,8 +6,8 @@ import contextlib
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from sidecar.adaptive import State
-from sidecar.breakers import BreakerKey
+from modelyard.sidecar.adaptive import State
+from modelyard.sidecar.breakers import BreakerKey
 
 STATE_VALUES = {State.CLOSED: 0, State.HALF_OPEN: 1, State.OPEN: 2}
 

@@ -8,13 +8,13 @@ planner's choice (plan.shadow_target: one whose breaker would let a call through
 
 from __future__ import annotations
 
-from sidecar import plan as planner
-from sidecar.breakers import Breakers
-from sidecar.routes import RouteSource
-from sidecar.routing import STABLE
-from sidecar.shadow import GENERATE, METHODS, Shadows, is_greedy, token_ids
-from sidecar.upstreams import Upstream, Upstreams
-from sidecar.wire import with_version
+from modelyard.sidecar import plan as planner
+from modelyard.sidecar.breakers import Breakers
+from modelyard.sidecar.routes import RouteSource
+from modelyard.sidecar.routing import STABLE
+from modelyard.sidecar.shadow import GENERATE, METHODS, Shadows, is_greedy, token_ids
+from modelyard.sidecar.upstreams import Upstream, Upstreams
+from modelyard.sidecar.wire import with_version
 
 Plan = planner.Plan[Upstream]
 

@@ -21,12 +21,11 @@ from typing import Generic, Protocol, TypeVar
 from modelyard.common import headers
 from modelyard.common.names import InvalidName, check_name, check_version, echo
 from modelyard.common.reasons import ErrorReason, is_server_fault
-
-from sidecar.breakers import Breaker, Breakers, Permit
-from sidecar.limits import ANY_TENANT, TenantLimit
-from sidecar.routes import RouteTable
-from sidecar.routing import CANARY, STABLE, Decision, RoutingError, decide, stable_and_canary
-from sidecar.wire import WireError, read_model_fields, with_version
+from modelyard.sidecar.breakers import Breaker, Breakers, Permit
+from modelyard.sidecar.limits import ANY_TENANT, TenantLimit
+from modelyard.sidecar.routes import RouteTable
+from modelyard.sidecar.routing import CANARY, STABLE, Decision, RoutingError, decide, stable_and_canary
+from modelyard.sidecar.wire import WireError, read_model_fields, with_version
 
 Metadata = tuple[tuple[str, str | bytes], ...]
 

@@ -29,23 +29,23 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 import grpc
 from grpc_reflection.v1alpha import reflection_pb2
+
 from modelyard.common import headers
 from modelyard.common.reasons import ErrorReason
 from modelyard.inference.v1 import inference_service_pb2, model_service_pb2
 from modelyard.kserve.v2 import grpc_service_pb2
-
-from sidecar import forward
-from sidecar import plan as planner
-from sidecar.breakers import Breakers
-from sidecar.limits import TenantLimits
-from sidecar.metrics import SidecarMetrics
-from sidecar.mirror import Mirror
-from sidecar.plan import Refused
-from sidecar.routes import RouteSource
-from sidecar.scope import Scope, Scopes
-from sidecar.shadow import Shadows, token_ids
-from sidecar.tracing import Tracing
-from sidecar.upstreams import Upstream, Upstreams
+from modelyard.sidecar import forward
+from modelyard.sidecar import plan as planner
+from modelyard.sidecar.breakers import Breakers
+from modelyard.sidecar.limits import TenantLimits
+from modelyard.sidecar.metrics import SidecarMetrics
+from modelyard.sidecar.mirror import Mirror
+from modelyard.sidecar.plan import Refused
+from modelyard.sidecar.routes import RouteSource
+from modelyard.sidecar.scope import Scope, Scopes
+from modelyard.sidecar.shadow import Shadows, token_ids
+from modelyard.sidecar.tracing import Tracing
+from modelyard.sidecar.upstreams import Upstream, Upstreams
 
 Context = grpc.aio.ServicerContext[bytes, bytes]
 if TYPE_CHECKING:

@@ -1,5 +1,5 @@
 """What the sidecar's route file (`--config`, YAML) and an admin PUT /canary/<model> body may say:
-keys, types, defaults, bounds and help, declared once (modelyard.common.documents). The parsing and
+keys, types, defaults, bounds and help, declared once (modelyard.process.documents). The parsing and
 key-path messages come from it, and so does `sidecar/routes.schema.json`, the JSON Schema editors
 validate routes.yaml with. Defaults are those of the policies the sidecar runs (BreakerPolicy,
 TenantLimit, ShadowPolicy), whose own checks (backoff_s <= backoff_max_s, ...) still apply.
@@ -10,12 +10,12 @@ from __future__ import annotations
 from typing import Annotated
 
 import msgspec
-from modelyard.common import headers
 from msgspec import UNSET, Meta, UnsetType
 
-from sidecar.adaptive import BreakerPolicy
-from sidecar.limits import TenantLimit
-from sidecar.shadow import ShadowPolicy
+from modelyard.common import headers
+from modelyard.sidecar.adaptive import BreakerPolicy
+from modelyard.sidecar.limits import TenantLimit
+from modelyard.sidecar.shadow import ShadowPolicy
 
 Weight = Annotated[
     float,

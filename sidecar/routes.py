@@ -26,16 +26,16 @@ from typing import TypeVar
 
 import msgspec
 import yaml
-from modelyard.common import headers
-from modelyard.common.documents import DocumentError, load
-from modelyard.common.names import InvalidName, check_version
 from msgspec import UnsetType
 
-from sidecar.adaptive import BreakerPolicy
-from sidecar.limits import TenantLimit
-from sidecar.route_file import ModelRouteDoc, RouteFileDoc
-from sidecar.routing import ModelRoute, normalize_version
-from sidecar.shadow import ShadowPolicy
+from modelyard.common import headers
+from modelyard.common.names import InvalidName, check_version
+from modelyard.process.documents import DocumentError, load
+from modelyard.sidecar.adaptive import BreakerPolicy
+from modelyard.sidecar.limits import TenantLimit
+from modelyard.sidecar.route_file import ModelRouteDoc, RouteFileDoc
+from modelyard.sidecar.routing import ModelRoute, normalize_version
+from modelyard.sidecar.shadow import ShadowPolicy
 
 T = TypeVar("T")
 

@@ -18,13 +18,13 @@ from types import TracebackType
 from typing import Any
 
 import grpc
+
 from modelyard.common import headers
 from modelyard.common.reasons import ErrorReason
-
-from sidecar.limits import ANY_TENANT, TenantLimit, TenantLimits
-from sidecar.metrics import SidecarMetrics
-from sidecar.plan import OTHER, Metadata, Plan, Refused
-from sidecar.tracing import Tracing
+from modelyard.sidecar.limits import ANY_TENANT, TenantLimit, TenantLimits
+from modelyard.sidecar.metrics import SidecarMetrics
+from modelyard.sidecar.plan import OTHER, Metadata, Plan, Refused
+from modelyard.sidecar.tracing import Tracing
 
 
 @dataclass(eq=False, slots=True)

@@ -9,24 +9,24 @@ from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health_pb2_grpc
-from modelyard.common import health as health_names
-from modelyard.common.auth import Authorizer, AuthSettings
-from modelyard.common.grpc_server import connection_options
-from modelyard.common.lifecycle import BindError, bind_reason, bound
-from modelyard.common.settings import split_address
-from modelyard.common.tls import ClientTls, TlsFiles, grpc_server_credentials, is_loopback, warn_if_plaintext
 
-from sidecar.adaptive import Clock, State
-from sidecar.admin import AdminLimits, AdminServer
-from sidecar.breakers import BreakerKey, Breakers
-from sidecar.config import ENV_PREFIX, Settings
-from sidecar.limits import TenantLimits
-from sidecar.metrics import SidecarMetrics
-from sidecar.proxy import Proxy
-from sidecar.routes import RouteSource
-from sidecar.shadow import Shadows
-from sidecar.tracing import Tracing, configure
-from sidecar.upstreams import Upstreams, UpstreamSpec
+from modelyard.common import health as health_names
+from modelyard.process.auth import Authorizer, AuthSettings
+from modelyard.process.grpc_server import connection_options
+from modelyard.process.lifecycle import BindError, bind_reason, bound
+from modelyard.process.settings import split_address
+from modelyard.process.tls import ClientTls, TlsFiles, grpc_server_credentials, is_loopback, warn_if_plaintext
+from modelyard.sidecar.adaptive import Clock, State
+from modelyard.sidecar.admin import AdminLimits, AdminServer
+from modelyard.sidecar.breakers import BreakerKey, Breakers
+from modelyard.sidecar.config import ENV_PREFIX, Settings
+from modelyard.sidecar.limits import TenantLimits
+from modelyard.sidecar.metrics import SidecarMetrics
+from modelyard.sidecar.proxy import Proxy
+from modelyard.sidecar.routes import RouteSource
+from modelyard.sidecar.shadow import Shadows
+from modelyard.sidecar.tracing import Tracing, configure
+from modelyard.sidecar.upstreams import Upstreams, UpstreamSpec
 
 log = logging.getLogger(__name__)
 

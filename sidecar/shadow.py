@@ -20,10 +20,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from google.protobuf.message import DecodeError
+
 from modelyard.inference.v1 import inference_service_pb2, tensor_pb2
 from modelyard.kserve.v2 import grpc_service_pb2
-
-from sidecar.metrics import SidecarMetrics
+from modelyard.sidecar.metrics import SidecarMetrics
 
 log = logging.getLogger(__name__)
 

@@ -16,10 +16,11 @@ from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 import grpc
-from modelyard.common.tracing import otlp_provider
+
+from modelyard.process.tracing import otlp_provider
 
 if TYPE_CHECKING:
-    from sidecar.plan import Metadata, Plan
+    from modelyard.sidecar.plan import Metadata, Plan
 
 log = logging.getLogger(__name__)
 

@@ -6,7 +6,7 @@ canary can live in another process or pod; without a label, what its WatchModels
 What an upstream served is kept while its watch is broken: a dropped connection is the breakers'
 business, not a reason to re-dye every user.
 
-Over TLS (modelyard.common.tls.ClientTls), a change of the CA or client certificate files (a
+Over TLS (modelyard.process.tls.ClientTls), a change of the CA or client certificate files (a
 renewal) is picked up without a restart: every upstream gets a new channel made with them, its
 watches start again on it, and the old channel is closed once its calls had time to finish.
 """
@@ -21,10 +21,10 @@ from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from modelyard.common.tls import ClientTls, Renewals
-from modelyard.inference.v1 import model_service_pb2, model_service_pb2_grpc
 
-from sidecar.routing import normalize_version
+from modelyard.inference.v1 import model_service_pb2, model_service_pb2_grpc
+from modelyard.process.tls import ClientTls, Renewals
+from modelyard.sidecar.routing import normalize_version
 
 log = logging.getLogger(__name__)
 

@@ -11,9 +11,9 @@ from typing import Any
 
 import numpy as np
 
-from service.repository.config import ModelConfig
-from service.runtime.providers import ProviderChoice
-from service.runtime.session import ModelRunner, load_runner
+from modelyard.service.repository.config import ModelConfig
+from modelyard.service.runtime.providers import ProviderChoice
+from modelyard.service.runtime.session import ModelRunner, load_runner
 
 HOLD_LIMIT_S = 30.0  # a held run that is never released fails the test instead of hanging it
 

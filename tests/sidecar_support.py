@@ -16,13 +16,13 @@ from typing import Any
 
 import grpc
 import numpy as np
+
 from modelyard.inference.v1 import inference_service_pb2 as pb
 from modelyard.inference.v1 import inference_service_pb2_grpc as pb_grpc
+from modelyard.sidecar.config import Settings
+from modelyard.sidecar.server import Sidecar, build_sidecar
+from modelyard.sidecar.tracing import Tracing
 from modelyard.tensors import to_tensor
-
-from sidecar.config import Settings
-from sidecar.server import Sidecar, build_sidecar
-from sidecar.tracing import Tracing
 from tests.support import ChildProcess, eventually, start_child
 
 
@@ -147,7 +147,7 @@ _SIDECAR_SERVING = re.compile(r"sidecar serving gRPC on (\S+?)(?:, admin on (htt
 
 
 class SidecarProcess(ChildProcess):
-    """`python -m sidecar` in a child process, as an operator runs it."""
+    """`python -m modelyard.sidecar` in a child process, as an operator runs it."""
 
     @property
     def address(self) -> str:
@@ -159,9 +159,9 @@ class SidecarProcess(ChildProcess):
 
 
 def start_sidecar_process(
-    *args: str, prefix: Sequence[str] = ("-m", "sidecar"), env: dict[str, str] | None = None
+    *args: str, prefix: Sequence[str] = ("-m", "modelyard.sidecar"), env: dict[str, str] | None = None
 ) -> SidecarProcess:
-    """`prefix` replaces `-m sidecar` (e.g. with a runner that refuses some imports)."""
+    """`prefix` replaces `-m modelyard.sidecar` (e.g. with a runner that refuses some imports)."""
     base = {k: v for k, v in os.environ.items() if not k.startswith(("MODELYARD_", "OTEL_"))}
     cmd = [sys.executable, *prefix, "--listen", "127.0.0.1:0", "--admin-listen", "127.0.0.1:0", *args]
     child = start_child(cmd, _SIDECAR_SERVING, "sidecar", env={**base, **(env or {})})

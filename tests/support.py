@@ -14,9 +14,10 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from modelyard.common import children
 from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
+
+from modelyard.process import children
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 EVENTUALLY_LIMIT_S = 20.0  # bounds a broken test only; nothing waits this long when things work
@@ -98,7 +99,7 @@ _SERVING = re.compile(r"serving gRPC on (\S+?)(?:, metrics on (http://\S+/metric
 
 
 class ServiceProcess(ChildProcess):
-    """`python -m service` in a child process."""
+    """`python -m modelyard.service` in a child process."""
 
     @property
     def address(self) -> str:
@@ -113,7 +114,7 @@ def start_service_process(repository: Path, *args: str, timeout: float = 60.0) -
     cmd = [
         sys.executable,
         "-m",
-        "service",
+        "modelyard.service",
         "--repository",
         str(repository),
         "--listen",

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+
 from modelyard.inference.v1 import inference_service_pb2 as pb
 
 
@@ -41,15 +42,14 @@ async def breakdown(repository: Path, request: pb.InferRequest, iterations: int)
     model = request.model_name
     from concurrent.futures import ThreadPoolExecutor
 
-    from modelyard.tensors import to_arrays, to_tensors
-
     from bench.echo_server import EchoServicer
-    from service.api.errors import serving
-    from service.api.inference_servicer import InferenceServicer
-    from service.dataplane import DataPlane
-    from service.metrics import ServiceMetrics
-    from service.runtime.manager import ModelManager
-    from service.runtime.providers import ProviderChoice
+    from modelyard.service.api.errors import serving
+    from modelyard.service.api.inference_servicer import InferenceServicer
+    from modelyard.service.dataplane import DataPlane
+    from modelyard.service.metrics import ServiceMetrics
+    from modelyard.service.runtime.manager import ModelManager
+    from modelyard.service.runtime.providers import ProviderChoice
+    from modelyard.tensors import to_arrays, to_tensors
 
     class Context:  # what a successful Infer asks of its context; anything else means it failed
         def time_remaining(self) -> float | None:

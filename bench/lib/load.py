@@ -10,9 +10,9 @@ from dataclasses import dataclass
 
 import grpc
 import numpy as np
-from modelyard.inference.v1 import inference_service_pb2 as pb
 
 from bench.processes import CLK_TCK, ServerProcess
+from modelyard.inference.v1 import inference_service_pb2 as pb
 
 NOISY_OTHER_CPU = 0.15  # other processes using more of a core than this disturb the measurement
 

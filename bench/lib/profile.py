@@ -15,10 +15,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
-from modelyard.inference.v1 import inference_service_pb2 as pb
 
 from bench.lib.load import Infer
 from bench.processes import CLK_TCK, ROOT, ServerProcess
+from modelyard.inference.v1 import inference_service_pb2 as pb
 
 IDLE = "event loop: epoll select (mostly idle)"
 FRAME = re.compile(r"^(?P<func>.*) \((?P<file>[^()]*?)(?::(?P<line>\d+))?\)$")

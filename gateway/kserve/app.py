@@ -6,10 +6,10 @@ from __future__ import annotations
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from gateway import errors, mount
-from gateway.config import Settings
-from gateway.kserve.serving import KServeEndpoints
-from gateway.upstream import Upstream
+from modelyard.gateway import errors, mount
+from modelyard.gateway.config import Settings
+from modelyard.gateway.kserve.serving import KServeEndpoints
+from modelyard.gateway.upstream import Upstream
 
 
 def owns(path: str) -> bool:

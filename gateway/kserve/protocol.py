@@ -16,12 +16,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from modelyard.common import names
-from modelyard.kserve.v2 import grpc_service_pb2 as kpb
 from starlette.responses import Response
 
-from gateway import errors, http
-from gateway.kserve import tensors
+from modelyard.common import names
+from modelyard.gateway import errors, http
+from modelyard.gateway.kserve import tensors
+from modelyard.kserve.v2 import grpc_service_pb2 as kpb
 
 HEADER_LENGTH = "inference-header-content-length"
 

@@ -9,14 +9,14 @@ import asyncio
 from typing import Any
 
 import grpc
-from modelyard.kserve.v2 import grpc_service_pb2 as kpb
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from gateway import errors, http
-from gateway.config import Settings
-from gateway.kserve import protocol
-from gateway.upstream import Upstream, forward, returned
+from modelyard.gateway import errors, http
+from modelyard.gateway.config import Settings
+from modelyard.gateway.kserve import protocol
+from modelyard.gateway.upstream import Upstream, forward, returned
+from modelyard.kserve.v2 import grpc_service_pb2 as kpb
 
 
 class KServeEndpoints:

@@ -9,8 +9,7 @@ import struct
 from typing import Any
 
 from modelyard.common import names
-
-from gateway import http
+from modelyard.gateway import http
 
 # Datatype -> struct format character (little-endian '<' prefix added when packing).
 FORMATS = {

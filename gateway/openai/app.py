@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from starlette.routing import Route
 
-from gateway import mount
-from gateway.config import Settings
-from gateway.openai.protocol import error_response
-from gateway.openai.serving import OpenAIEndpoints
-from gateway.upstream import Upstream
+from modelyard.gateway import mount
+from modelyard.gateway.config import Settings
+from modelyard.gateway.openai.protocol import error_response
+from modelyard.gateway.openai.serving import OpenAIEndpoints
+from modelyard.gateway.upstream import Upstream
 
 PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/models")
 

@@ -17,14 +17,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from modelyard.common import headers
-from modelyard.inference.v1 import inference_service_pb2 as pb
 from starlette.responses import JSONResponse, Response
 
-from gateway import errors, http
-from gateway.openai import chat_template
-from gateway.streams import FINISH_REASONS
-from gateway.upstream import Metadata, forward, metadata_value
+from modelyard.common import headers
+from modelyard.gateway import errors, http
+from modelyard.gateway.openai import chat_template
+from modelyard.gateway.streams import FINISH_REASONS
+from modelyard.gateway.upstream import Metadata, forward, metadata_value
+from modelyard.inference.v1 import inference_service_pb2 as pb
 
 TEXT_COMPLETION, CHAT_COMPLETION = "text_completion", "chat.completion"
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions

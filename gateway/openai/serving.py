@@ -15,18 +15,18 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import grpc
-from modelyard.common import headers
-from modelyard.inference.v1 import inference_service_pb2 as pb
-from modelyard.inference.v1 import model_service_pb2 as model_pb
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.types import Receive, Scope, Send
 
-from gateway import errors, http, streaming
-from gateway.config import Settings
-from gateway.openai import protocol
-from gateway.openai.protocol import Chunks, CompletionRequest
-from gateway.upstream import EOF, Upstream, forward, returned
+from modelyard.common import headers
+from modelyard.gateway import errors, http, streaming
+from modelyard.gateway.config import Settings
+from modelyard.gateway.openai import protocol
+from modelyard.gateway.openai.protocol import Chunks, CompletionRequest
+from modelyard.gateway.upstream import EOF, Upstream, forward, returned
+from modelyard.inference.v1 import inference_service_pb2 as pb
+from modelyard.inference.v1 import model_service_pb2 as model_pb
 
 
 class OpenAIEndpoints:

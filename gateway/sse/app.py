@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from starlette.routing import Route
 
-from gateway import mount
-from gateway.config import Settings
-from gateway.metrics import GatewayMetrics
-from gateway.sse.serving import GenerateEndpoints
-from gateway.streams import Registry
-from gateway.upstream import Upstream
+from modelyard.gateway import mount
+from modelyard.gateway.config import Settings
+from modelyard.gateway.metrics import GatewayMetrics
+from modelyard.gateway.sse.serving import GenerateEndpoints
+from modelyard.gateway.streams import Registry
+from modelyard.gateway.upstream import Upstream
 
 GENERATE = "/v1/models/{model}/generate"
 

@@ -13,9 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from modelyard.gateway import http
 from modelyard.inference.v1 import inference_service_pb2 as pb
-
-from gateway import http
 
 # Query parameters that are numbers (the rest are strings; `stop` may repeat).
 QUERY_NUMBERS: dict[str, type] = {

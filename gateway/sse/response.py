@@ -8,9 +8,9 @@ from collections.abc import Mapping
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
-from gateway import streaming
-from gateway.metrics import GatewayMetrics
-from gateway.streams import Evicted, Registry, Stream, encode, format_id
+from modelyard.gateway import streaming
+from modelyard.gateway.metrics import GatewayMetrics
+from modelyard.gateway.streams import Evicted, Registry, Stream, encode, format_id
 
 HEARTBEAT = b": keep-alive\n\n"
 LAGGED = b'event: error\ndata: {"status":410,"code":"OUT_OF_RANGE","reason":"resume_too_old",' + (

@@ -10,18 +10,18 @@ import asyncio
 import time
 from typing import Any
 
-from modelyard.common import headers, names
-from modelyard.inference.v1 import inference_service_pb2 as pb
 from starlette.requests import Request
 from starlette.responses import Response
 
-from gateway import errors, http
-from gateway.config import Settings
-from gateway.metrics import GatewayMetrics
-from gateway.sse import protocol
-from gateway.sse.response import SSEResponse
-from gateway.streams import Evicted, Registry, Stream, parse_id
-from gateway.upstream import Metadata, Upstream, forward
+from modelyard.common import headers, names
+from modelyard.gateway import errors, http
+from modelyard.gateway.config import Settings
+from modelyard.gateway.metrics import GatewayMetrics
+from modelyard.gateway.sse import protocol
+from modelyard.gateway.sse.response import SSEResponse
+from modelyard.gateway.streams import Evicted, Registry, Stream, parse_id
+from modelyard.gateway.upstream import Metadata, Upstream, forward
+from modelyard.inference.v1 import inference_service_pb2 as pb
 
 
 class GenerateEndpoints:

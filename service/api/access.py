@@ -9,14 +9,14 @@ from __future__ import annotations
 import logging
 
 import grpc
-from modelyard.common.auth import Authorizer, Decision
+
 from modelyard.common.headers import ERROR_REASON
 from modelyard.common.reasons import ErrorReason
-from modelyard.common.throttle import LogThrottle
-
-from service.api.errors import Context
-from service.api.wire import Guard, GuardFor
-from service.metrics import ServiceMetrics
+from modelyard.process.auth import Authorizer, Decision
+from modelyard.process.throttle import LogThrottle
+from modelyard.service.api.errors import Context
+from modelyard.service.api.wire import Guard, GuardFor
+from modelyard.service.metrics import ServiceMetrics
 
 log = logging.getLogger(__name__)
 

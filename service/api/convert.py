@@ -6,9 +6,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from modelyard.inference.v1 import tensor_pb2
+from modelyard.service.runtime.signature import TensorSpec
 from modelyard.tensors import datatype_value
-
-from service.runtime.signature import TensorSpec
 
 
 def to_specs(specs: Iterable[TensorSpec]) -> list[tensor_pb2.TensorSpec]:

@@ -10,13 +10,13 @@ import time
 from typing import Any, NoReturn
 
 import grpc
+
 from modelyard.common import headers
 from modelyard.common.names import echo
 from modelyard.common.reasons import ErrorReason
+from modelyard.service import errors, tracing
+from modelyard.service.metrics import ServiceMetrics
 from modelyard.tensors import TensorError
-
-from service import errors, tracing
-from service.metrics import ServiceMetrics
 
 log = logging.getLogger(__name__)
 

@@ -7,15 +7,15 @@ from __future__ import annotations
 from typing import Any
 
 import grpc
-from modelyard import flat
-from modelyard.tensors import TensorError, name_of
 
-from service.api.errors import Context, serving
-from service.api.metadata import call_fields
-from service.api.scheduling import scheduling
-from service.dataplane import DataPlane
-from service.intake import TensorHeader
-from service.metrics import ServiceMetrics
+from modelyard import flat
+from modelyard.service.api.errors import Context, serving
+from modelyard.service.api.metadata import call_fields
+from modelyard.service.api.scheduling import scheduling
+from modelyard.service.dataplane import DataPlane
+from modelyard.service.intake import TensorHeader
+from modelyard.service.metrics import ServiceMetrics
+from modelyard.tensors import TensorError, name_of
 
 
 def _identity(data: bytes) -> bytes:

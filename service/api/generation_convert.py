@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 from modelyard.inference.v1 import inference_service_pb2 as pb
-
-from service.generation.params import GenerateParams
-from service.generation.sequence import FinishReason, TokenEvent
+from modelyard.service.generation.params import GenerateParams
+from modelyard.service.generation.sequence import FinishReason, TokenEvent
 
 _FINISH = {
     FinishReason.LENGTH: pb.FINISH_REASON_LENGTH,

@@ -8,16 +8,15 @@ from functools import partial
 
 from modelyard.inference.v1 import inference_service_pb2 as pb
 from modelyard.inference.v1 import inference_service_pb2_grpc as pb_grpc
+from modelyard.service.api.errors import Context, deadline_passed, end_stalled, serving
+from modelyard.service.api.generation_convert import to_generate_params, to_generate_response
+from modelyard.service.api.metadata import call_fields
+from modelyard.service.api.scheduling import scheduling
+from modelyard.service.api.tensor_headers import our_headers, refuse_extra_tensors
+from modelyard.service.dataplane import DataPlane
+from modelyard.service.generation.plane import GenerationPlane
+from modelyard.service.metrics import ServiceMetrics
 from modelyard.tensors import to_arrays, to_tensors
-
-from service.api.errors import Context, deadline_passed, end_stalled, serving
-from service.api.generation_convert import to_generate_params, to_generate_response
-from service.api.metadata import call_fields
-from service.api.scheduling import scheduling
-from service.api.tensor_headers import our_headers, refuse_extra_tensors
-from service.dataplane import DataPlane
-from service.generation.plane import GenerationPlane
-from service.metrics import ServiceMetrics
 
 
 class InferenceServicer(pb_grpc.InferenceServiceServicer):

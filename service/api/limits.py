@@ -15,10 +15,10 @@ from typing import Any
 
 import grpc
 
-from service.api.errors import Context, abort
-from service.api.pipeline import Handler, Wrapper
-from service.errors import TooLarge
-from service.metrics import ServiceMetrics
+from modelyard.service.api.errors import Context, abort
+from modelyard.service.api.pipeline import Handler, Wrapper
+from modelyard.service.errors import TooLarge
+from modelyard.service.metrics import ServiceMetrics
 
 _GRPC_MAX = 2**31 - 1  # gRPC's message length options are C ints
 _EOF: Any = grpc.aio.EOF  # type: ignore[attr-defined]  # not in grpc's type stubs

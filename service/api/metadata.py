@@ -6,10 +6,9 @@ from __future__ import annotations
 
 from modelyard.common import headers
 from modelyard.common.names import echo
-
-from service.api.errors import Context
-from service.api.names import check_model
-from service.errors import InvalidInput
+from modelyard.service.api.errors import Context
+from modelyard.service.api.names import check_model
+from modelyard.service.errors import InvalidInput
 
 _UINT32_MAX = 2**32 - 1
 

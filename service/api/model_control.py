@@ -12,12 +12,12 @@ import asyncio
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from service.api.names import check_model
-from service.errors import ModelLoadError
-from service.repository.config import ModelConfig
-from service.repository.uploads import UploadSpace, write_upload
-from service.runtime.manager import LoadOverride, ModelManager
-from service.runtime.status import ModelStatus, VersionState
+from modelyard.service.api.names import check_model
+from modelyard.service.errors import ModelLoadError
+from modelyard.service.repository.config import ModelConfig
+from modelyard.service.repository.uploads import UploadSpace, write_upload
+from modelyard.service.runtime.manager import LoadOverride, ModelManager
+from modelyard.service.runtime.status import ModelStatus, VersionState
 
 
 @dataclass(frozen=True)

@@ -5,17 +5,17 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 
 from google.protobuf.timestamp_pb2 import Timestamp
+
 from modelyard.inference.v1 import model_service_pb2 as pb
 from modelyard.inference.v1 import model_service_pb2_grpc as pb_grpc
-
-from service.api.convert import to_specs
-from service.api.errors import Context, serving
-from service.api.model_control import ModelControl
-from service.api.names import check_model, check_names
-from service.errors import ModelUnavailable
-from service.metrics import ServiceMetrics
-from service.runtime.manager import ModelManager
-from service.runtime.status import ModelEvent, ModelStatus, VersionState, WatchOverflow
+from modelyard.service.api.convert import to_specs
+from modelyard.service.api.errors import Context, serving
+from modelyard.service.api.model_control import ModelControl
+from modelyard.service.api.names import check_model, check_names
+from modelyard.service.errors import ModelUnavailable
+from modelyard.service.metrics import ServiceMetrics
+from modelyard.service.runtime.manager import ModelManager
+from modelyard.service.runtime.status import ModelEvent, ModelStatus, VersionState, WatchOverflow
 
 PLATFORM = "onnxruntime_onnx"
 

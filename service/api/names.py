@@ -8,8 +8,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from modelyard.common.names import ECHO_MAX, InvalidName, check_name, check_version, echo
-
-from service.errors import InvalidInput
+from modelyard.service.errors import InvalidInput
 
 
 def check_model(

@@ -5,12 +5,11 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from modelyard.kserve.v2.grpc_service_pb2 import InferParameter
-
-from service.api.errors import Context
-from service.api.kserve.tensors import parameter_value
-from service.api.names import quoted
-from service.errors import InvalidInput
-from service.scheduling.queue import Scheduling
+from modelyard.service.api.errors import Context
+from modelyard.service.api.kserve.tensors import parameter_value
+from modelyard.service.api.names import quoted
+from modelyard.service.errors import InvalidInput
+from modelyard.service.scheduling.queue import Scheduling
 
 # Triton's request parameters (tritonclient sends priority as uint64, timeout as int64, in us).
 PRIORITY = "priority"

@@ -7,11 +7,10 @@ from collections.abc import Iterable
 from modelyard.common.names import echo
 from modelyard.inference.v1 import tensor_pb2
 from modelyard.kserve.v2.grpc_service_pb2 import ModelInferRequest
+from modelyard.service.errors import InvalidInput
+from modelyard.service.intake import TensorHeader
+from modelyard.service.runtime.signature import Signature
 from modelyard.tensors import datatype_name, is_known
-
-from service.errors import InvalidInput
-from service.intake import TensorHeader
-from service.runtime.signature import Signature
 
 # A few extra tensors get the precise answer of the checks per tensor (unknown, given twice).
 EXTRA_TENSORS_CHECKED = 64

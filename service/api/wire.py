@@ -31,9 +31,9 @@ from typing import Any
 
 import grpc
 
-from service.api.errors import Context
-from service.api.parsing import TooManyFields, message_class, parse_in_steps
-from service.api.pipeline import Handler, Wrapper
+from modelyard.service.api.errors import Context
+from modelyard.service.api.parsing import TooManyFields, message_class, parse_in_steps
+from modelyard.service.api.pipeline import Handler, Wrapper
 
 # Called with the full method name of each refused message (logs and metrics, rate-limited there).
 OnUndecodable = Callable[[str], None]

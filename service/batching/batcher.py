@@ -40,18 +40,30 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from service.batching.tensors import batch_key, batch_rows, concat, split
-from service.errors import DeadlineExceeded, DeviceFault, ModelRunError, ModelUnavailable, ServiceError
-from service.metrics import BatchingMetrics
-from service.repository.config import ModelConfig
-from service.runtime.instances import Instance, Instances
-from service.runtime.providers import CUDA
-from service.runtime.runs import RunControl
-from service.runtime.served import VersionStats
-from service.runtime.session import Runnable as Runner
-from service.runtime.session import run_checked, run_error
-from service.scheduling.clock import Clock, MonotonicClock
-from service.scheduling.queue import DEFAULT_SCHEDULING, AdmissionPolicy, AdmissionQueue, Scheduling, Ticket
+from modelyard.service.batching.tensors import batch_key, batch_rows, concat, split
+from modelyard.service.errors import (
+    DeadlineExceeded,
+    DeviceFault,
+    ModelRunError,
+    ModelUnavailable,
+    ServiceError,
+)
+from modelyard.service.metrics import BatchingMetrics
+from modelyard.service.repository.config import ModelConfig
+from modelyard.service.runtime.instances import Instance, Instances
+from modelyard.service.runtime.providers import CUDA
+from modelyard.service.runtime.runs import RunControl
+from modelyard.service.runtime.served import VersionStats
+from modelyard.service.runtime.session import Runnable as Runner
+from modelyard.service.runtime.session import run_checked, run_error
+from modelyard.service.scheduling.clock import Clock, MonotonicClock
+from modelyard.service.scheduling.queue import (
+    DEFAULT_SCHEDULING,
+    AdmissionPolicy,
+    AdmissionQueue,
+    Scheduling,
+    Ticket,
+)
 
 log = logging.getLogger(__name__)
 

@@ -11,11 +11,11 @@ from __future__ import annotations
 import logging
 from concurrent.futures import Executor
 
-from service.batching.batcher import Batcher, BatchSettings
-from service.cores import usable_cores
-from service.metrics import ServiceMetrics
-from service.runtime.served import ServedVersion
-from service.scheduling.clock import Clock
+from modelyard.service.batching.batcher import Batcher, BatchSettings
+from modelyard.service.cores import usable_cores
+from modelyard.service.metrics import ServiceMetrics
+from modelyard.service.runtime.served import ServedVersion
+from modelyard.service.scheduling.clock import Clock
 
 log = logging.getLogger(__name__)
 

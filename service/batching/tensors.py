@@ -6,7 +6,7 @@ from collections.abc import Hashable, Mapping, Sequence
 
 import numpy as np
 
-from service.errors import ModelRunError
+from modelyard.service.errors import ModelRunError
 
 Feeds = Mapping[str, np.ndarray]
 

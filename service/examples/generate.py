@@ -1,8 +1,8 @@
 """Print a streamed completion from a running service, token by token, as it arrives.
 
 make up                                   # in one terminal
-python -m service.examples.generate "def parse(self, text):"
-python -m service.examples.generate --temperature 0.8 --seed 1 --stop "\\n\\n" "import "
+python -m modelyard.service.examples.generate "def parse(self, text):"
+python -m modelyard.service.examples.generate --temperature 0.8 --seed 1 --stop "\\n\\n" "import "
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import sys
 from collections.abc import Sequence
 
 import grpc
+
 from modelyard.inference.v1 import inference_service_pb2 as pb
 from modelyard.inference.v1 import inference_service_pb2_grpc as pb_grpc
 

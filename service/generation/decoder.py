@@ -22,7 +22,7 @@ from typing import Any, Generic, TypeAlias, TypeVar
 import numpy as np
 import onnxruntime as ort
 
-from service.generation.layout import DecoderLayout
+from modelyard.service.generation.layout import DecoderLayout
 
 # A cache tensor: a numpy array on the host, or an onnxruntime OrtValue (on the device; untyped).
 Tensor: TypeAlias = Any

@@ -37,11 +37,11 @@ from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from typing import TypeVar
 
-from service.errors import DeadlineExceeded, ModelUnavailable, ReaderStalled, ServiceError
-from service.generation.decoder import Cache, DecodeBatch, StepRunner, prefill
-from service.generation.model import DecoderModel
-from service.generation.sampling import choose, choose_rows
-from service.generation.sequence import (
+from modelyard.service.errors import DeadlineExceeded, ModelUnavailable, ReaderStalled, ServiceError
+from modelyard.service.generation.decoder import Cache, DecodeBatch, StepRunner, prefill
+from modelyard.service.generation.model import DecoderModel
+from modelyard.service.generation.sampling import choose, choose_rows
+from modelyard.service.generation.sequence import (
     FinishReason,
     GenerationRequest,
     Sequence,
@@ -49,10 +49,10 @@ from service.generation.sequence import (
     TokenEvent,
     Usage,
 )
-from service.metrics import GenerationMetrics
-from service.runtime.session import run_error
-from service.scheduling.clock import MonotonicClock
-from service.scheduling.queue import DEFAULT_SCHEDULING, AdmissionQueue, QueueObserver, Scheduling
+from modelyard.service.metrics import GenerationMetrics
+from modelyard.service.runtime.session import run_error
+from modelyard.service.scheduling.clock import MonotonicClock
+from modelyard.service.scheduling.queue import DEFAULT_SCHEDULING, AdmissionQueue, QueueObserver, Scheduling
 
 log = logging.getLogger(__name__)
 

@@ -13,9 +13,9 @@ import re
 from dataclasses import dataclass
 
 import numpy as np
-from modelyard.tensors import NUMPY_BY_NAME
 
-from service.runtime.signature import Signature, TensorSpec
+from modelyard.service.runtime.signature import Signature, TensorSpec
+from modelyard.tensors import NUMPY_BY_NAME
 
 INPUT_IDS = "input_ids"
 ATTENTION_MASK = "attention_mask"

@@ -10,11 +10,11 @@ from pathlib import Path
 
 import numpy as np
 
-from service.errors import ModelLoadError
-from service.generation.layout import DecoderLayout, NotADecoder, decoder_layout
-from service.generation.tokenizer import TextCodec, TokenizerError, find_tokenizer
-from service.repository.config import GenerationConfig, ModelConfig
-from service.runtime.signature import Signature
+from modelyard.service.errors import ModelLoadError
+from modelyard.service.generation.layout import DecoderLayout, NotADecoder, decoder_layout
+from modelyard.service.generation.tokenizer import TextCodec, TokenizerError, find_tokenizer
+from modelyard.service.repository.config import GenerationConfig, ModelConfig
+from modelyard.service.runtime.signature import Signature
 
 log = logging.getLogger(__name__)
 

@@ -8,10 +8,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from service.errors import InvalidInput
-from service.generation.model import DecoderModel
-from service.generation.sampling import SamplingParams
-from service.generation.sequence import GenerationRequest
+from modelyard.service.errors import InvalidInput
+from modelyard.service.generation.model import DecoderModel
+from modelyard.service.generation.sampling import SamplingParams
+from modelyard.service.generation.sequence import GenerationRequest
 
 MAX_STOP_SEQUENCES = 16
 MAX_STOP_CHARS = 256

@@ -14,18 +14,18 @@ import weakref
 from collections.abc import AsyncGenerator, Callable
 from concurrent.futures import Executor
 
-from service import tracing
-from service.errors import NotGenerative
-from service.generation.decoder import StepRunner
-from service.generation.engine import Engine
-from service.generation.model import DecoderModel
-from service.generation.params import GenerateParams, build_request, check_fields
-from service.generation.sequence import TokenEvent
-from service.metrics import BatchingMetrics, GenerationMetrics, ServiceMetrics
-from service.runtime.manager import ModelManager
-from service.runtime.providers import CUDA
-from service.runtime.served import ServedVersion
-from service.scheduling.queue import DEFAULT_SCHEDULING, Scheduling
+from modelyard.service import tracing
+from modelyard.service.errors import NotGenerative
+from modelyard.service.generation.decoder import StepRunner
+from modelyard.service.generation.engine import Engine
+from modelyard.service.generation.model import DecoderModel
+from modelyard.service.generation.params import GenerateParams, build_request, check_fields
+from modelyard.service.generation.sequence import TokenEvent
+from modelyard.service.metrics import BatchingMetrics, GenerationMetrics, ServiceMetrics
+from modelyard.service.runtime.manager import ModelManager
+from modelyard.service.runtime.providers import CUDA
+from modelyard.service.runtime.served import ServedVersion
+from modelyard.service.scheduling.queue import DEFAULT_SCHEDULING, Scheduling
 
 
 class GenerationPlane:

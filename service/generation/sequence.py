@@ -17,10 +17,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from service.generation.decoder import Cache
-from service.generation.sampling import SamplingParams
-from service.generation.text import Decoder, TextStream
-from service.scheduling.queue import Ticket
+from modelyard.service.generation.decoder import Cache
+from modelyard.service.generation.sampling import SamplingParams
+from modelyard.service.generation.text import Decoder, TextStream
+from modelyard.service.scheduling.queue import Ticket
 
 
 class FinishReason(enum.Enum):

@@ -7,8 +7,8 @@ from pathlib import Path
 
 from tokenizers import Tokenizer
 
-from service.errors import ModelLoadError
-from service.repository.files import is_inside, read_inside, shown
+from modelyard.service.errors import ModelLoadError
+from modelyard.service.repository.files import is_inside, read_inside, shown
 
 TOKENIZER_FILE = "tokenizer.json"
 # End-of-text tokens of the common tokenizer families, tried in order when the config names none.

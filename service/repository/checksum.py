@@ -6,8 +6,8 @@ import hashlib
 import re
 from pathlib import Path
 
-from service.errors import ModelLoadError
-from service.repository.files import read_inside, resolve_inside, shown
+from modelyard.service.errors import ModelLoadError
+from modelyard.service.repository.files import read_inside, resolve_inside, shown
 
 _HEX = re.compile(r"^([0-9a-fA-F]{64})\b")
 _CHUNK = 1 << 20

@@ -11,15 +11,14 @@ from pathlib import Path
 from typing import Literal
 
 import yaml
-from modelyard.common.documents import DocumentError, load
-from modelyard.tensors import is_known
 from msgspec import UNSET, UnsetType
 
-from service.errors import ModelLoadError
-from service.repository.config_file import (
+from modelyard.process.documents import DocumentError, load
+from modelyard.service.errors import ModelLoadError
+from modelyard.service.repository.config_file import (
     DEFAULT_MAX_WAITING as DEFAULT_MAX_WAITING,
 )
-from service.repository.config_file import (
+from modelyard.service.repository.config_file import (
     ConfigDoc,
     ExecutionDoc,
     GenerationDoc,
@@ -29,8 +28,9 @@ from service.repository.config_file import (
     VersionPolicyDoc,
     _AdmissionDoc,
 )
-from service.repository.files import read_inside, shown
-from service.scheduling.queue import AdmissionPolicy, QueuePolicy
+from modelyard.service.repository.files import read_inside, shown
+from modelyard.service.scheduling.queue import AdmissionPolicy, QueuePolicy
+from modelyard.tensors import is_known
 
 CONFIG_FILE = "config.yaml"
 

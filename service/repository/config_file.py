@@ -1,5 +1,5 @@
 """What a model's `config.yaml` may say: its keys as written, their types, defaults, bounds and help,
-declared once (modelyard.common.documents). The parsing and key-path messages come from it, and so
+declared once (modelyard.process.documents). The parsing and key-path messages come from it, and so
 does `service/repository/config.schema.json`, the JSON Schema editors validate config.yaml with.
 service/repository/config.py turns a document into the ModelConfig the service uses and checks
 what a single key cannot say (one version policy, batch sizes within max_batch_size, ...).
@@ -14,8 +14,9 @@ import re
 from typing import Annotated, Any, Literal
 
 import msgspec
-from modelyard.tensors import NUMPY_BY_NAME
 from msgspec import UNSET, Meta, UnsetType
+
+from modelyard.tensors import NUMPY_BY_NAME
 
 Count = Annotated[int, Meta(ge=0)]
 Positive = Annotated[int, Meta(ge=1)]

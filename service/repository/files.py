@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from service.errors import ModelLoadError
+from modelyard.service.errors import ModelLoadError
 
 
 class OutsideRepository(ModelLoadError):

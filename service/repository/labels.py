@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from service.errors import ModelLoadError
-from service.repository.config import ConfigError, ModelConfig
-from service.repository.files import read_inside, shown
+from modelyard.service.errors import ModelLoadError
+from modelyard.service.repository.config import ConfigError, ModelConfig
+from modelyard.service.repository.files import read_inside, shown
 
 MAX_LABEL_FILE_BYTES = 16 * 1024 * 1024
 

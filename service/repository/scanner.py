@@ -11,10 +11,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from modelyard.common.names import echo, is_valid_name
-
-from service.errors import ModelLoadError
-from service.repository.files import is_inside, shown
-from service.versions import parse_version
+from modelyard.service.errors import ModelLoadError
+from modelyard.service.repository.files import is_inside, shown
+from modelyard.service.versions import parse_version
 
 MODEL_FILE = "model.onnx"
 

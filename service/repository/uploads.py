@@ -23,10 +23,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from modelyard.common.names import InvalidName, check_name, echo, is_valid_name
-
-from service.errors import InvalidInput, TooLarge
-from service.repository.scanner import MODEL_FILE
-from service.versions import parse_version
+from modelyard.service.errors import InvalidInput, TooLarge
+from modelyard.service.repository.scanner import MODEL_FILE
+from modelyard.service.versions import parse_version
 
 _RESERVED = {"config.yaml", "config.pbtxt"}  # the config travels in the `config` parameter
 MAX_DEPTH = 4

@@ -22,8 +22,8 @@ from watchdog.observers import Observer
 from watchdog.observers.api import BaseObserver
 from watchdog.observers.polling import PollingObserver
 
-from service.repository.scanner import is_model_name
-from service.scheduling.clock import MonotonicClock
+from modelyard.service.repository.scanner import is_model_name
+from modelyard.service.scheduling.clock import MonotonicClock
 
 log = logging.getLogger(__name__)
 

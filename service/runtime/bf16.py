@@ -15,10 +15,10 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 import onnxruntime as ort
-from modelyard.tensors import NUMPY_BY_NAME
 from onnx import TensorProto
 
-from service.errors import ModelRunError
+from modelyard.service.errors import ModelRunError
+from modelyard.tensors import NUMPY_BY_NAME
 
 Array = npt.NDArray[Any]
 BF16 = NUMPY_BY_NAME["BF16"]

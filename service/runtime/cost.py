@@ -23,7 +23,7 @@ from pathlib import Path
 import onnx
 from onnx import shape_inference
 
-from service.runtime.signature import Signature
+from modelyard.service.runtime.signature import Signature
 
 log = logging.getLogger(__name__)
 

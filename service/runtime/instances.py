@@ -26,11 +26,11 @@ from pathlib import Path
 
 import numpy as np
 
-from service.errors import DeadlineExceeded, DeviceFault
-from service.repository.config import ModelConfig
-from service.runtime.providers import ProviderChoice
-from service.runtime.runs import ActiveRuns, RunControl
-from service.runtime.session import INLINE_WATCHDOG_S, ModelRunner, Runnable, run_checked
+from modelyard.service.errors import DeadlineExceeded, DeviceFault
+from modelyard.service.repository.config import ModelConfig
+from modelyard.service.runtime.providers import ProviderChoice
+from modelyard.service.runtime.runs import ActiveRuns, RunControl
+from modelyard.service.runtime.session import INLINE_WATCHDOG_S, ModelRunner, Runnable, run_checked
 
 log = logging.getLogger(__name__)
 

@@ -15,21 +15,21 @@ from concurrent.futures import Executor
 from pathlib import Path
 from types import MappingProxyType
 
-from service.errors import ModelLoadError
-from service.metrics import ServiceMetrics
-from service.repository.checksum import verify_checksum
-from service.repository.config import ModelConfig
-from service.repository.files import check_tree_inside
-from service.repository.labels import load_labels
-from service.repository.scanner import version_bytes
-from service.runtime.instances import Loader, load_instances, placements
-from service.runtime.memory import trim_heap
-from service.runtime.providers import ProviderChoice
-from service.runtime.runs import ActiveRuns
-from service.runtime.served import ServedModel, ServedVersion
-from service.runtime.signature import Signature
-from service.runtime.status import StatusBoard, VersionState, VersionStatus
-from service.runtime.table import ServedTable
+from modelyard.service.errors import ModelLoadError
+from modelyard.service.metrics import ServiceMetrics
+from modelyard.service.repository.checksum import verify_checksum
+from modelyard.service.repository.config import ModelConfig
+from modelyard.service.repository.files import check_tree_inside
+from modelyard.service.repository.labels import load_labels
+from modelyard.service.repository.scanner import version_bytes
+from modelyard.service.runtime.instances import Loader, load_instances, placements
+from modelyard.service.runtime.memory import trim_heap
+from modelyard.service.runtime.providers import ProviderChoice
+from modelyard.service.runtime.runs import ActiveRuns
+from modelyard.service.runtime.served import ServedModel, ServedVersion
+from modelyard.service.runtime.signature import Signature
+from modelyard.service.runtime.status import StatusBoard, VersionState, VersionStatus
+from modelyard.service.runtime.table import ServedTable
 
 log = logging.getLogger(__name__)
 

@@ -16,16 +16,16 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractContextManager
 from pathlib import Path
 
-from service.metrics import ServiceMetrics
-from service.runtime.instances import Loader
-from service.runtime.loader import LoadHook, VersionLoader
-from service.runtime.providers import ProviderChoice
-from service.runtime.reconciler import LoadOverride, RepositoryReconciler
-from service.runtime.runs import ActiveRuns
-from service.runtime.served import ServedModel, ServedVersion
-from service.runtime.session import load_runner
-from service.runtime.status import ModelStatus, StatusBoard, Watcher
-from service.runtime.table import Lease, ServedTable
+from modelyard.service.metrics import ServiceMetrics
+from modelyard.service.runtime.instances import Loader
+from modelyard.service.runtime.loader import LoadHook, VersionLoader
+from modelyard.service.runtime.providers import ProviderChoice
+from modelyard.service.runtime.reconciler import LoadOverride, RepositoryReconciler
+from modelyard.service.runtime.runs import ActiveRuns
+from modelyard.service.runtime.served import ServedModel, ServedVersion
+from modelyard.service.runtime.session import load_runner
+from modelyard.service.runtime.status import ModelStatus, StatusBoard, Watcher
+from modelyard.service.runtime.table import Lease, ServedTable
 
 __all__ = ["LoadOverride", "ModelManager"]
 

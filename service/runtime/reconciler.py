@@ -20,18 +20,17 @@ from pathlib import Path
 from types import MappingProxyType
 
 from modelyard.common.names import echo, name_problem
-
-from service.errors import ModelLoadError, ModelNotFound
-from service.metrics import ServiceMetrics
-from service.repository.config import ModelConfig, load_config
-from service.repository.files import scrub
-from service.repository.scanner import fingerprint, scan_model, scan_repository
-from service.repository.uploads import Upload
-from service.runtime.loader import VersionLoader
-from service.runtime.served import ServedModel, ServedVersion
-from service.runtime.signature import Signature
-from service.runtime.status import ModelStatus, StatusBoard, VersionState, VersionStatus
-from service.runtime.table import ServedTable
+from modelyard.service.errors import ModelLoadError, ModelNotFound
+from modelyard.service.metrics import ServiceMetrics
+from modelyard.service.repository.config import ModelConfig, load_config
+from modelyard.service.repository.files import scrub
+from modelyard.service.repository.scanner import fingerprint, scan_model, scan_repository
+from modelyard.service.repository.uploads import Upload
+from modelyard.service.runtime.loader import VersionLoader
+from modelyard.service.runtime.served import ServedModel, ServedVersion
+from modelyard.service.runtime.signature import Signature
+from modelyard.service.runtime.status import ModelStatus, StatusBoard, VersionState, VersionStatus
+from modelyard.service.runtime.table import ServedTable
 
 log = logging.getLogger(__name__)
 

@@ -21,7 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import onnxruntime as ort
 
-from service.errors import DeadlineExceeded, ModelUnavailable, ServiceError
+from modelyard.service.errors import DeadlineExceeded, ModelUnavailable, ServiceError
 
 log = logging.getLogger(__name__)
 

@@ -7,10 +7,10 @@ import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from service.repository.config import ModelConfig
-from service.runtime.instances import Instances
-from service.runtime.runs import ActiveRuns
-from service.runtime.session import ModelRunner
+from modelyard.service.repository.config import ModelConfig
+from modelyard.service.runtime.instances import Instances
+from modelyard.service.runtime.runs import ActiveRuns
+from modelyard.service.runtime.session import ModelRunner
 
 # What a layer above (batching, generation) registers to let go of a version that retired.
 RetireHook = Callable[["ServedVersion"], Awaitable[None]]

@@ -15,7 +15,6 @@ from typing import Any, Protocol
 
 import numpy as np
 import onnxruntime as ort
-from modelyard.tensors import NUMPY_BY_NAME
 from onnxruntime.capi.onnxruntime_pybind11_state import (
     DeviceReset,
     EPFail,
@@ -24,9 +23,9 @@ from onnxruntime.capi.onnxruntime_pybind11_state import (
     RuntimeException,
 )
 
-from service.cores import usable_cores
-from service.datatypes import NAME_BY_ORT
-from service.errors import (
+from modelyard.service.cores import usable_cores
+from modelyard.service.datatypes import NAME_BY_ORT
+from modelyard.service.errors import (
     DeviceFault,
     InvalidInput,
     ModelLoadError,
@@ -34,13 +33,14 @@ from service.errors import (
     RunMemoryExceeded,
     ServiceError,
 )
-from service.repository.config import ModelConfig, TensorConfig
-from service.runtime import bf16
-from service.runtime.cost import value_driven
-from service.runtime.providers import CPU, CUDA, ProviderChoice
-from service.runtime.runs import RunControl
-from service.runtime.signature import Signature, TensorSpec
-from service.runtime.strings import feeds_for_ort, outputs_from_ort
+from modelyard.service.repository.config import ModelConfig, TensorConfig
+from modelyard.service.runtime import bf16
+from modelyard.service.runtime.cost import value_driven
+from modelyard.service.runtime.providers import CPU, CUDA, ProviderChoice
+from modelyard.service.runtime.runs import RunControl
+from modelyard.service.runtime.signature import Signature, TensorSpec
+from modelyard.service.runtime.strings import feeds_for_ort, outputs_from_ort
+from modelyard.tensors import NUMPY_BY_NAME
 
 log = logging.getLogger(__name__)
 

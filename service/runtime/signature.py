@@ -7,11 +7,11 @@ from dataclasses import dataclass
 from functools import cached_property
 
 import numpy as np
-from modelyard.common.names import echo
-from modelyard.tensors import NUMPY_BY_NAME, name_of
 
-from service.errors import InvalidInput
-from service.runtime.strings import check_utf8
+from modelyard.common.names import echo
+from modelyard.service.errors import InvalidInput
+from modelyard.service.runtime.strings import check_utf8
+from modelyard.tensors import NUMPY_BY_NAME, name_of
 
 
 @dataclass(frozen=True)

@@ -11,9 +11,8 @@ from dataclasses import dataclass, replace
 from types import MappingProxyType
 
 from modelyard.common.names import echo
-
-from service.errors import ModelNotFound, ModelUnavailable, ServiceError
-from service.runtime.signature import Signature
+from modelyard.service.errors import ModelNotFound, ModelUnavailable, ServiceError
+from modelyard.service.runtime.signature import Signature
 
 WATCH_QUEUE_SIZE = 1024
 

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from service.errors import InvalidInput
+from modelyard.service.errors import InvalidInput
 
 Array = npt.NDArray[Any]
 

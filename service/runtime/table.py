@@ -16,10 +16,9 @@ from collections.abc import Callable, Mapping
 from types import MappingProxyType
 
 from modelyard.common.names import echo
-
-from service.errors import InvalidInput, ServiceError, VersionNotFound
-from service.runtime.served import ServedModel, ServedVersion
-from service.versions import parse_version
+from modelyard.service.errors import InvalidInput, ServiceError, VersionNotFound
+from modelyard.service.runtime.served import ServedModel, ServedVersion
+from modelyard.service.versions import parse_version
 
 
 class Lease:

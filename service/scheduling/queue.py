@@ -21,8 +21,8 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Generic, Protocol, TypeVar
 
-from service.errors import DeadlineExceeded, InvalidInput, Overloaded
-from service.scheduling.clock import Clock
+from modelyard.service.errors import DeadlineExceeded, InvalidInput, Overloaded
+from modelyard.service.scheduling.clock import Clock
 
 T = TypeVar("T")
 

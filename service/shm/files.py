@@ -14,7 +14,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import TypeVar
 
-from service.shm.registry import RegionLimits, RegionSpec
+from modelyard.service.shm.registry import RegionLimits, RegionSpec
 
 T = TypeVar("T")
 

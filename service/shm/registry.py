@@ -28,9 +28,9 @@ from typing import Protocol
 
 import numpy as np
 import numpy.typing as npt
-from modelyard.common.names import NAME_MAX, echo
 
-from service.errors import InvalidInput, ModelNotFound, TooLarge
+from modelyard.common.names import NAME_MAX, echo
+from modelyard.service.errors import InvalidInput, ModelNotFound, TooLarge
 
 SHM_ROOT = Path("/dev/shm")
 # shm_open names: one leading slash, then a plain name.

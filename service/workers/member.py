@@ -14,15 +14,15 @@ from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from modelyard.common import health as health_names
 from prometheus_client import CollectorRegistry, generate_latest
 
-from service.api.errors import Context, abort
-from service.api.names import check_model
-from service.api.pipeline import Handler, Wrapper
-from service.errors import InvalidInput
-from service.workers import protocol
-from service.workers.merge import FANNED
+from modelyard.common import health as health_names
+from modelyard.service.api.errors import Context, abort
+from modelyard.service.api.names import check_model
+from modelyard.service.api.pipeline import Handler, Wrapper
+from modelyard.service.errors import InvalidInput
+from modelyard.service.workers import protocol
+from modelyard.service.workers.merge import FANNED
 
 log = logging.getLogger(__name__)
 

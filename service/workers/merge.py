@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from google.protobuf.message import Message
+
 from modelyard.inference.v1 import model_service_pb2 as pb
 from modelyard.kserve.v2 import grpc_service_pb2 as kpb
 

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+
 from modelyard.common import headers
 
 # Environment of a worker process (set by the supervisor only; operators set MODELYARD_SERVICE_*).

@@ -24,22 +24,22 @@ from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from modelyard.common import children
-from modelyard.common import health as health_names
-from modelyard.common.lifecycle import bound
-from modelyard.common.metrics_http import MetricsServer
-from modelyard.common.settings import split_address
-from modelyard.common.tls import TlsFiles
-from modelyard.inference.v1 import model_service_pb2 as model_pb
 from prometheus_client import CollectorRegistry, Counter, Gauge
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.parser import text_string_to_metric_families
 
-from service.config import ENV_PREFIX, Settings
-from service.workers import protocol
-from service.workers.member import CHANNEL_OPTIONS
-from service.workers.metrics_sum import carry, parse, sum_families
-from service.workers.watch import MergedWatch
+from modelyard.common import health as health_names
+from modelyard.inference.v1 import model_service_pb2 as model_pb
+from modelyard.process import children
+from modelyard.process.lifecycle import bound
+from modelyard.process.metrics_http import MetricsServer
+from modelyard.process.settings import split_address
+from modelyard.process.tls import TlsFiles
+from modelyard.service.config import ENV_PREFIX, Settings
+from modelyard.service.workers import protocol
+from modelyard.service.workers.member import CHANNEL_OPTIONS
+from modelyard.service.workers.metrics_sum import carry, parse, sum_families
+from modelyard.service.workers.watch import MergedWatch
 
 log = logging.getLogger(__name__)
 
@@ -200,7 +200,7 @@ class Supervisor:
         while not self._stopping.is_set():
             started = loop.time()
             slot.proc = await children.create(
-                [sys.executable, "-m", "service"], env=self._environment(slot.index)
+                [sys.executable, "-m", "modelyard.service"], env=self._environment(slot.index)
             )
             log.info("worker %d started (pid %d)", slot.index, slot.proc.pid)
             joining = loop.create_task(self._join(slot))

@@ -10,10 +10,10 @@ import contextlib
 from collections.abc import AsyncIterator
 
 import grpc
+
 from modelyard.inference.v1 import model_service_pb2 as pb
 from modelyard.inference.v1 import model_service_pb2_grpc as pb_grpc
-
-from service.workers.merge import least_ready
+from modelyard.service.workers.merge import least_ready
 
 QUEUE_SIZE = 1024
 Key = tuple[str, str]  # model, version

@@ -15,11 +15,11 @@ from pathlib import Path
 import pytest
 import pytest_asyncio
 
-from gateway.app import Gateway
-from gateway.config import Settings as GatewaySettings
 from models import demo_models
-from service.config import Settings
-from service.server import Service, build_service
+from modelyard.gateway.app import Gateway
+from modelyard.gateway.config import Settings as GatewaySettings
+from modelyard.service.config import Settings
+from modelyard.service.server import Service, build_service
 from tests.envoy_support import start_envoy
 from tests.sidecar_support import start_sidecar_process
 from tests.support import REPO_ROOT

@@ -19,15 +19,15 @@ import grpc
 import httpx
 import pytest
 import pytest_asyncio
+
+from models import demo_models
+from modelyard.gateway.app import Gateway
+from modelyard.gateway.config import Settings as GatewaySettings
 from modelyard.inference.v1 import inference_service_pb2 as pb
 from modelyard.inference.v1 import inference_service_pb2_grpc as pb_grpc
 from modelyard.inference.v1 import model_service_pb2 as model_pb
-
-from gateway.app import Gateway
-from gateway.config import Settings as GatewaySettings
-from models import demo_models
-from service.config import Settings
-from service.server import Service, build_service
+from modelyard.service.config import Settings
+from modelyard.service.server import Service, build_service
 from tests.envoy_support import (
     EnvoyProcess,
     grpc_web_frame,

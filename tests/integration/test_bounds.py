@@ -11,16 +11,16 @@ import grpc
 import numpy as np
 import onnx
 import pytest
+from onnx import TensorProto, helper
+
+from models import demo_models
 from modelyard.inference.v1 import inference_service_pb2 as ipb
 from modelyard.inference.v1 import inference_service_pb2_grpc as ipb_grpc
 from modelyard.kserve.v2 import grpc_service_pb2 as kpb
 from modelyard.kserve.v2 import grpc_service_pb2_grpc as kpb_grpc
+from modelyard.service.config import Settings
+from modelyard.service.server import Service, build_service
 from modelyard.tensors import to_tensor
-from onnx import TensorProto, helper
-
-from models import demo_models
-from service.config import Settings
-from service.server import Service, build_service
 from tests import hf_decoder
 
 CONTEXT = 128  # the decoder's n_positions

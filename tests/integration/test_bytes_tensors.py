@@ -9,13 +9,13 @@ from typing import Any
 import grpc
 import numpy as np
 import pytest
-from modelyard.inference.v1 import inference_service_pb2 as pb
-from modelyard.inference.v1 import inference_service_pb2_grpc as pb_grpc
-from modelyard.tensors import to_array, to_tensor
 
 from models.demo_models import write_model
-from service.config import Settings
-from service.server import build_service
+from modelyard.inference.v1 import inference_service_pb2 as pb
+from modelyard.inference.v1 import inference_service_pb2_grpc as pb_grpc
+from modelyard.service.config import Settings
+from modelyard.service.server import build_service
+from modelyard.tensors import to_array, to_tensor
 from tests.strings_model import string_identity
 
 # Empty strings, embedded NULs, multi-byte UTF-8, a NUL alone.

@@ -20,7 +20,13 @@ PAGES = [REPO_ROOT / "README.md", *sorted((REPO_ROOT / "docs").glob("*.md"))]
 FOREIGN_FLAGS = {"--mode", "--base-id", "--build-arg", "--cpus", "--help"}
 # Our commands: every flag the docs name must be in one of their `--help` texts. The benchmarks
 # (each `make bench-*` runs one) are ours too.
-COMMANDS = ["service", "sidecar", "gateway", "deploy", "models.demo_models"] + [
+COMMANDS = [
+    "modelyard.service",
+    "modelyard.sidecar",
+    "modelyard.gateway",
+    "modelyard.deploy",
+    "models.demo_models",
+] + [
     f"bench.{script.stem}"
     for script in sorted((REPO_ROOT / "bench").glob("*.py"))
     if "__main__" in script.read_text() and script.stem not in {"bare_server", "echo_server"}

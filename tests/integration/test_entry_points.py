@@ -11,7 +11,8 @@ import pytest
 
 from tests.support import REPO_ROOT
 
-# Runs a module as `python -m` does, after installing a finder that refuses some top-level packages.
+# Runs a module as `python -m` does, after installing a finder that refuses some packages (each
+# with its submodules).
 RUN_REFUSING = """
 import runpy, sys
 
@@ -20,7 +21,7 @@ class Refuse:
         self.names = names
 
     def find_spec(self, name, path=None, target=None):
-        if name.partition(".")[0] in self.names:
+        if any(name == n or name.startswith(n + ".") for n in self.names):
             raise ImportError(f"import of {name} refused: this process must start without it")
         return None
 
@@ -44,26 +45,26 @@ def run(refused: str, module: str, *args: str) -> subprocess.CompletedProcess[st
 
 
 def test_the_service_command_starts() -> None:
-    result = run("", "service", "--help")
+    result = run("", "modelyard.service", "--help")
     assert result.returncode == 0, result.stderr
     assert "--repository" in result.stdout and "MODELYARD_SERVICE_REPOSITORY" in result.stdout
 
 
 def test_the_hook_refuses_what_a_process_needs() -> None:
     # The service needs ONNX Runtime: refused, it cannot start. Proves the refusal is real.
-    result = run(HEAVY, "service", "--help")
+    result = run(HEAVY, "modelyard.service", "--help")
     assert result.returncode != 0
     assert "refused: this process must start without it" in result.stderr
 
 
 def test_the_sidecar_command_starts_without_numpy_onnxruntime_or_the_service() -> None:
-    result = run(HEAVY + ",service", "sidecar", "--help")
+    result = run(HEAVY + ",modelyard.service", "modelyard.sidecar", "--help")
     assert result.returncode == 0, result.stderr
     assert "--upstream" in result.stdout and "MODELYARD_SIDECAR_UPSTREAM" in result.stdout
 
 
 def test_the_gateway_command_starts_without_numpy_onnxruntime_or_the_service() -> None:
-    result = run(HEAVY + ",service", "gateway", "--help")
+    result = run(HEAVY + ",modelyard.service", "modelyard.gateway", "--help")
     assert result.returncode == 0, result.stderr
     assert "--upstream" in result.stdout and "MODELYARD_GATEWAY_UPSTREAM" in result.stdout
 
@@ -73,20 +74,20 @@ def test_the_gateway_command_starts_without_numpy_onnxruntime_or_the_service() -
     [("serve", "--repository"), ("sidecar", "--upstream"), ("gateway", "--upstream"), ("up", "--envoy-port")],
 )
 def test_the_modelyard_command_dispatches_to_each_process(verb: str, option: str) -> None:
-    result = run("", "modelyard.common.cli", verb, "--help")
+    result = run("", "modelyard.cli", verb, "--help")
     assert result.returncode == 0, result.stderr
     assert option in result.stdout
 
 
 def test_an_unknown_verb_is_a_usage_error() -> None:
-    result = run(HEAVY, "modelyard.common.cli", "fly")
+    result = run(HEAVY, "modelyard.cli", "fly")
     assert result.returncode == 2 and "unknown command 'fly'" in result.stderr
 
 
 SHARED_IMPORTS = (
-    "import modelyard.common.cli, modelyard.common.headers, modelyard.common.health, "
-    "modelyard.common.lifecycle, modelyard.common.logs, modelyard.common.metrics_http, "
-    "modelyard.common.reasons, modelyard.common.settings; "
+    "import modelyard.cli, modelyard.common.headers, modelyard.common.health, "
+    "modelyard.process.lifecycle, modelyard.process.logs, modelyard.process.metrics_http, "
+    "modelyard.common.reasons, modelyard.process.settings; "
     "from modelyard.inference.v1 import inference_service_pb2_grpc, model_service_pb2_grpc; "
     "from modelyard.kserve.v2 import grpc_service_pb2_grpc; print('ok')"
 )

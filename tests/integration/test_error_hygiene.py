@@ -10,14 +10,14 @@ from typing import Any
 import grpc
 import numpy as np
 import pytest
+
 from modelyard.inference.v1 import inference_service_pb2 as ipb
 from modelyard.inference.v1 import inference_service_pb2_grpc as ipb_grpc
 from modelyard.inference.v1 import tensor_pb2
 from modelyard.kserve.v2 import grpc_service_pb2 as kpb
 from modelyard.kserve.v2 import grpc_service_pb2_grpc as kpb_grpc
+from modelyard.service.server import Service
 from modelyard.tensors import to_tensor
-
-from service.server import Service
 
 # Field 1, length-delimited, with a length far past the end: no message type parses it.
 GARBAGE = b"\x0a\xff\xff\xff\xff\x0f\x01\x02"

@@ -11,13 +11,13 @@ from collections.abc import Awaitable, Callable
 import grpc
 import numpy as np
 import pytest
+
 from modelyard.inference.v1 import inference_service_pb2 as ipb
 from modelyard.inference.v1 import inference_service_pb2_grpc as ipb_grpc
 from modelyard.inference.v1 import tensor_pb2
 from modelyard.kserve.v2 import grpc_service_pb2 as kpb
+from modelyard.service.server import Service
 from modelyard.tensors import to_tensor
-
-from service.server import Service
 
 # Two million empty BYTES elements (8 MB of length prefixes): decoding them in Python takes seconds.
 ELEMENTS = 2_000_000

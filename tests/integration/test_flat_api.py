@@ -8,6 +8,7 @@ from typing import Any
 import grpc
 import numpy as np
 import pytest
+
 from modelyard import flat
 from modelyard.common import headers
 

@@ -10,10 +10,10 @@ from typing import Any
 import grpc
 import httpx
 import pytest_asyncio
-from modelyard.inference.v1 import inference_service_pb2 as pb
 
-from gateway.app import Gateway
-from gateway.config import Settings as GatewaySettings
+from modelyard.gateway.app import Gateway
+from modelyard.gateway.config import Settings as GatewaySettings
+from modelyard.inference.v1 import inference_service_pb2 as pb
 from tests.sse_client import events_only, read_events
 
 FORWARDED = {

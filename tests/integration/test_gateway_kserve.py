@@ -13,14 +13,14 @@ import httpx
 import numpy as np
 import pytest_asyncio
 import tritonclient.http as tritonhttp
-from modelyard.kserve.v2 import grpc_service_pb2 as kpb
-from modelyard.kserve.v2 import grpc_service_pb2_grpc as kserve_grpc
 from tritonclient.utils import InferenceServerException
 
-from gateway.app import Gateway
-from gateway.config import Settings as GatewaySettings
-from service.config import Settings as ServiceSettings
-from service.server import Service, build_service
+from modelyard.gateway.app import Gateway
+from modelyard.gateway.config import Settings as GatewaySettings
+from modelyard.kserve.v2 import grpc_service_pb2 as kpb
+from modelyard.kserve.v2 import grpc_service_pb2_grpc as kserve_grpc
+from modelyard.service.config import Settings as ServiceSettings
+from modelyard.service.server import Service, build_service
 from tests.support import eventually
 
 

@@ -11,12 +11,12 @@ import openai
 import pytest
 import pytest_asyncio
 
-from gateway.app import Gateway
-from gateway.config import Settings as GatewaySettings
-from gateway.openai import chat_template
 from models import demo_models
-from service.config import Settings
-from service.server import build_service
+from modelyard.gateway.app import Gateway
+from modelyard.gateway.config import Settings as GatewaySettings
+from modelyard.gateway.openai import chat_template
+from modelyard.service.config import Settings
+from modelyard.service.server import build_service
 from tests.sse_client import events_only, read_events
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")

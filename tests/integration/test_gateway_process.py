@@ -1,4 +1,4 @@
-"""`python -m gateway` as an operator runs it: in a child process that refuses numpy, ONNX Runtime
+"""`python -m modelyard.gateway` as an operator runs it: in a child process that refuses numpy, ONNX Runtime
 and the service package, serving the HTTP API over a real service, stopped by SIGTERM."""
 
 from __future__ import annotations
@@ -19,7 +19,10 @@ _SERVING = re.compile(r"serving HTTP on (http://\S+) ")
 def test_gateway_process_serves_and_stops_cleanly(repository: Path, service_process) -> None:
     upstream: ServiceProcess = service_process(repository)
     gateway = start_child(
-        [sys.executable, "-c", RUN_REFUSING, HEAVY + ",service", "gateway", "--listen", "127.0.0.1:0"],
+        [
+            *(sys.executable, "-c", RUN_REFUSING, HEAVY + ",modelyard.service", "modelyard.gateway"),
+            *("--listen", "127.0.0.1:0"),
+        ],
         _SERVING,
         "gateway",
         env={"MODELYARD_GATEWAY_UPSTREAM": upstream.address, "PATH": "/usr/bin:/bin"},

@@ -20,14 +20,14 @@ import grpc
 import httpx
 import pytest
 import pytest_asyncio
+
+from models import demo_models
+from modelyard.gateway.app import Gateway
+from modelyard.gateway.config import Settings as GatewaySettings
 from modelyard.inference.v1 import inference_service_pb2 as pb
 from modelyard.inference.v1 import inference_service_pb2_grpc as pb_grpc
-
-from gateway.app import Gateway
-from gateway.config import Settings as GatewaySettings
-from models import demo_models
-from service.config import Settings
-from service.server import Service, build_service
+from modelyard.service.config import Settings
+from modelyard.service.server import Service, build_service
 from tests.sse_client import SseEvent, events_only, read_events, token_ids
 from tests.support import start_service_process
 

@@ -11,15 +11,15 @@ from typing import Any
 
 import httpx
 import pytest
-from modelyard.common import auth
 
-from gateway import upstream
-from gateway.app import Gateway
-from gateway.config import Settings as GatewaySettings
-from gateway.config import parse_settings
 from models import demo_models
-from service.config import Settings as ServiceSettings
-from service.server import Service, build_service
+from modelyard.gateway import upstream
+from modelyard.gateway.app import Gateway
+from modelyard.gateway.config import Settings as GatewaySettings
+from modelyard.gateway.config import parse_settings
+from modelyard.process import auth
+from modelyard.service.config import Settings as ServiceSettings
+from modelyard.service.server import Service, build_service
 from tests.certs import Authority, Pem, install, make_pki
 
 TOKEN = "gateway-test-token"

@@ -18,14 +18,14 @@ import grpc
 import pytest
 import pytest_asyncio
 import yaml
-from modelyard.inference.v1 import inference_service_pb2 as pb
-from modelyard.inference.v1 import inference_service_pb2_grpc as pb_grpc
 from prometheus_client import generate_latest
 from tokenizers import Tokenizer
 
 from models import demo_models
-from service.config import Settings
-from service.server import Service, build_service
+from modelyard.inference.v1 import inference_service_pb2 as pb
+from modelyard.inference.v1 import inference_service_pb2_grpc as pb_grpc
+from modelyard.service.config import Settings
+from modelyard.service.server import Service, build_service
 from tests import hf_decoder
 from tests.support import eventually, metric
 

@@ -16,19 +16,19 @@ from typing import Any
 import grpc
 import numpy as np
 import pytest
+from onnx import TensorProto, helper
+
+from models import demo_models
 from modelyard.inference.v1 import inference_service_pb2 as pb
 from modelyard.inference.v1 import inference_service_pb2_grpc as pb_grpc
 from modelyard.inference.v1 import model_service_pb2 as mpb
 from modelyard.inference.v1 import model_service_pb2_grpc as mpb_grpc
 from modelyard.kserve.v2 import grpc_service_pb2 as kpb
 from modelyard.kserve.v2 import grpc_service_pb2_grpc as kgrpc
+from modelyard.service.config import Settings
+from modelyard.service.runtime.status import VersionState
+from modelyard.service.server import Service, build_service
 from modelyard.tensors import to_array, to_tensor
-from onnx import TensorProto, helper
-
-from models import demo_models
-from service.config import Settings
-from service.runtime.status import VersionState
-from service.server import Service, build_service
 from tests.support import eventually, metric
 
 FEATURES = 4

@@ -8,13 +8,13 @@ import grpc
 import numpy as np
 import onnxruntime as ort
 import pytest
+
 from modelyard.inference.v1 import inference_service_pb2 as pb
 from modelyard.inference.v1 import inference_service_pb2_grpc as pb_grpc
 from modelyard.inference.v1 import tensor_pb2
+from modelyard.service.config import Settings
+from modelyard.service.server import build_service
 from modelyard.tensors import to_array, to_tensor
-
-from service.config import Settings
-from service.server import build_service
 
 
 def direct(repository: Path, model: str, version: str, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import pytest
 from google.protobuf import descriptor_pb2
+
 from modelyard.kserve.v2 import grpc_service_pb2, model_config_pb2
 
 pytestmark = pytest.mark.skipif(

@@ -11,17 +11,17 @@ import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from models import demo_models
 from modelyard.common.health import model_service_name
 from modelyard.inference.v1 import inference_service_pb2 as ipb
 from modelyard.inference.v1 import inference_service_pb2_grpc as ipb_grpc
 from modelyard.inference.v1 import model_service_pb2 as pb
 from modelyard.inference.v1 import model_service_pb2_grpc as pb_grpc
 from modelyard.inference.v1 import tensor_pb2
+from modelyard.service.config import Settings
+from modelyard.service.server import Service, build_service
 from modelyard.tensors import to_tensor
-
-from models import demo_models
-from service.config import Settings
-from service.server import Service, build_service
 from tests.support import eventually
 
 READY = pb.MODEL_STATE_READY

@@ -19,6 +19,8 @@ from typing import Any
 import grpc
 import numpy as np
 import pytest
+
+from models import demo_models
 from modelyard.common import headers
 from modelyard.common.reasons import ErrorReason, is_server_fault
 from modelyard.inference.v1 import inference_service_pb2 as pb
@@ -27,16 +29,14 @@ from modelyard.inference.v1 import model_service_pb2 as mpb
 from modelyard.inference.v1 import model_service_pb2_grpc as mpb_grpc
 from modelyard.kserve.v2 import grpc_service_pb2 as kpb
 from modelyard.kserve.v2 import grpc_service_pb2_grpc as kpb_grpc
+from modelyard.service.api.kserve.servicer import ERROR_REASON_PARAMETER
+from modelyard.service.batching.batcher import Batcher
+from modelyard.service.config import Settings
+from modelyard.service.repository.config import ModelConfig
+from modelyard.service.runtime.providers import ProviderChoice
+from modelyard.service.runtime.session import ModelRunner
+from modelyard.service.server import Service, build_service
 from modelyard.tensors import to_array, to_tensor
-
-from models import demo_models
-from service.api.kserve.servicer import ERROR_REASON_PARAMETER
-from service.batching.batcher import Batcher
-from service.config import Settings
-from service.repository.config import ModelConfig
-from service.runtime.providers import ProviderChoice
-from service.runtime.session import ModelRunner
-from service.server import Service, build_service
 from tests.batching_fakes import ManualClock, RecordingRunner, Runners
 from tests.support import eventually
 

@@ -11,16 +11,16 @@ from typing import Any
 import grpc
 import numpy as np
 import pytest
+
+from models import demo_models
 from modelyard.common import headers
 from modelyard.inference.v1 import model_service_pb2 as pb
 from modelyard.inference.v1 import model_service_pb2_grpc as pb_grpc
 from modelyard.kserve.v2 import grpc_service_pb2 as kpb
 from modelyard.kserve.v2 import grpc_service_pb2_grpc as kgrpc
-
-from models import demo_models
-from service.config import Settings
-from service.generation.tokenizer import TextCodec, TokenizerError, find_tokenizer
-from service.server import build_service
+from modelyard.service.config import Settings
+from modelyard.service.generation.tokenizer import TextCodec, TokenizerError, find_tokenizer
+from modelyard.service.server import build_service
 
 SECRET = "root:x: [hunter2"  # a first line that YAML refuses, so a parser error would quote it
 

@@ -15,18 +15,18 @@ from typing import Any
 import grpc
 import numpy as np
 import pytest
-from modelyard.common import auth
+
+from models import demo_models
 from modelyard.inference.v1 import inference_service_pb2 as ipb
 from modelyard.inference.v1 import inference_service_pb2_grpc as ipb_grpc
 from modelyard.inference.v1 import model_service_pb2 as mpb
 from modelyard.inference.v1 import model_service_pb2_grpc as mpb_grpc
 from modelyard.kserve.v2 import grpc_service_pb2 as kpb
 from modelyard.kserve.v2 import grpc_service_pb2_grpc as kpb_grpc
+from modelyard.process import auth
+from modelyard.service.config import Settings
+from modelyard.service.server import Service, build_service
 from modelyard.tensors import to_tensor
-
-from models import demo_models
-from service.config import Settings
-from service.server import Service, build_service
 from tests.certs import Authority, Pem, install, make_pki
 from tests.support import ServiceProcess
 

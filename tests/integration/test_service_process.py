@@ -1,4 +1,5 @@
-"""`python -m service` as an operator runs it: start-up line, health, graceful SIGTERM, exit code."""
+"""`python -m modelyard.service` as an operator runs it: start-up line, health, graceful SIGTERM,
+exit code."""
 
 from __future__ import annotations
 
@@ -12,11 +13,11 @@ import grpc
 import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from models import demo_models
 from modelyard.inference.v1 import inference_service_pb2 as pb
 from modelyard.inference.v1 import inference_service_pb2_grpc as pb_grpc
 from modelyard.tensors import to_array, to_tensor
-
-from models import demo_models
 from tests.support import eventually, metric
 
 SLOW_ROWS = 3000
@@ -109,7 +110,7 @@ def test_taken_port_fails_loudly(service_process, repository: Path) -> None:
         [
             sys.executable,
             "-m",
-            "service",
+            "modelyard.service",
             "--repository",
             str(repository),
             "--listen",

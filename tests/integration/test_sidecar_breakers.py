@@ -13,12 +13,12 @@ import numpy as np
 import onnx
 import pytest
 import yaml
-from modelyard.inference.v1 import inference_service_pb2 as pb
-from modelyard.inference.v1 import inference_service_pb2_grpc as pb_grpc
-from modelyard.tensors import to_tensor
 from onnx import TensorProto, helper
 
 from models import demo_models
+from modelyard.inference.v1 import inference_service_pb2 as pb
+from modelyard.inference.v1 import inference_service_pb2_grpc as pb_grpc
+from modelyard.tensors import to_tensor
 from tests.sidecar_support import (
     SteppedClock,
     admin_async,

@@ -12,10 +12,10 @@ from typing import TYPE_CHECKING, Any
 import grpc
 import pytest
 
-from sidecar import forward
-from sidecar.plan import Metadata
-from sidecar.scope import Flight
-from sidecar.upstreams import Upstream, UpstreamSpec
+from modelyard.sidecar import forward
+from modelyard.sidecar.plan import Metadata
+from modelyard.sidecar.scope import Flight
+from modelyard.sidecar.upstreams import Upstream, UpstreamSpec
 
 if TYPE_CHECKING:
     Handler = grpc.GenericRpcHandler[bytes, bytes]

@@ -1,5 +1,5 @@
-"""`python -m sidecar` in front of `python -m service`, both child processes, as an operator runs
-them: health that follows the upstream, Generate streams and cancellation passing through,
+"""`python -m modelyard.sidecar` in front of `python -m modelyard.service`, both child processes,
+as an operator runs them: health that follows the upstream, Generate streams and cancellation passing through,
 tritonclient and perf_analyzer unchanged, a start without numpy or ONNX Runtime, SIGTERM."""
 
 from __future__ import annotations
@@ -17,10 +17,10 @@ import grpc
 import pytest
 import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from modelyard.inference.v1 import inference_service_pb2 as pb
-from modelyard.inference.v1 import inference_service_pb2_grpc as pb_grpc
 
 from models import demo_models
+from modelyard.inference.v1 import inference_service_pb2 as pb
+from modelyard.inference.v1 import inference_service_pb2_grpc as pb_grpc
 from tests.integration.test_entry_points import HEAVY, RUN_REFUSING
 from tests.integration.test_perf_analyzer import run_perf_analyzer
 from tests.sidecar_support import SidecarProcess, infer, pairs, start_sidecar_process
@@ -154,7 +154,9 @@ def test_tritonclient_and_perf_analyzer_work_through_the_sidecar(upstream, sidec
 
 
 async def test_the_sidecar_serves_without_numpy_or_onnxruntime(upstream, sidecar_process) -> None:
-    sidecar = sidecar_process("--upstream", upstream.address, prefix=("-c", RUN_REFUSING, HEAVY, "sidecar"))
+    sidecar = sidecar_process(
+        "--upstream", upstream.address, prefix=("-c", RUN_REFUSING, HEAVY, "modelyard.sidecar")
+    )
     async with grpc.aio.insecure_channel(sidecar.address) as channel:
         await eventually(lambda: _answers(channel), what="a call through the sidecar")
     assert sidecar.stop() == 0

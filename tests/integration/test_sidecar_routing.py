@@ -11,11 +11,11 @@ import numpy as np
 import pytest
 import yaml
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
 from modelyard.kserve.v2 import grpc_service_pb2 as kserve
 from modelyard.kserve.v2 import grpc_service_pb2_grpc as kserve_grpc
-
-from service.server import Service
-from sidecar.server import Sidecar
+from modelyard.service.server import Service
+from modelyard.sidecar.server import Sidecar
 from tests.sidecar_support import admin_async, infer, known_versions, pairs, running_sidecar
 from tests.support import eventually
 

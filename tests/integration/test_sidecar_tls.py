@@ -13,15 +13,15 @@ import grpc
 import httpx
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from modelyard.common import auth
+
 from modelyard.kserve.v2 import grpc_service_pb2 as kserve
 from modelyard.kserve.v2 import grpc_service_pb2_grpc as kserve_grpc
-
-from service.config import Settings as ServiceSettings
-from service.server import Service, build_service
-from sidecar import upstreams
-from sidecar.config import parse_settings
-from sidecar.server import _security
+from modelyard.process import auth
+from modelyard.service.config import Settings as ServiceSettings
+from modelyard.service.server import Service, build_service
+from modelyard.sidecar import upstreams
+from modelyard.sidecar.config import parse_settings
+from modelyard.sidecar.server import _security
 from tests.certs import Authority, Pem, install, make_pki
 from tests.sidecar_support import infer, known_versions, running_sidecar
 from tests.support import eventually

@@ -11,12 +11,12 @@ from typing import Any
 
 import grpc
 import pytest
-from modelyard.inference.v1 import inference_service_pb2 as pb
-from modelyard.inference.v1 import inference_service_pb2_grpc as pb_grpc
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 
 from models import demo_models
-from sidecar.tracing import configure
+from modelyard.inference.v1 import inference_service_pb2 as pb
+from modelyard.inference.v1 import inference_service_pb2_grpc as pb_grpc
+from modelyard.sidecar.tracing import configure
 from tests.sidecar_support import infer, known_versions, running_sidecar
 from tests.support import eventually
 

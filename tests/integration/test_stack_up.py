@@ -1,4 +1,4 @@
-"""`python -m deploy` (make up): the whole stack comes up on ephemeral ports, answers through Envoy,
+"""`python -m modelyard.deploy` (make up): the whole stack comes up on ephemeral ports, answers through Envoy,
 and goes away entirely, on SIGINT and when one of its processes dies."""
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ class Stack:
         cmd = [
             sys.executable,
             "-m",
-            "deploy",
+            "modelyard.deploy",
             "--repository",
             str(repository),
             "--service-listen",

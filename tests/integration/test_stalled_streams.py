@@ -11,13 +11,13 @@ from typing import Any
 
 import grpc
 import pytest
-from modelyard.inference.v1 import inference_service_pb2 as pb
-from modelyard.inference.v1 import inference_service_pb2_grpc as pb_grpc
 
 from models import demo_models
-from service.config import Settings
-from service.repository.config import DEFAULT_GENERATION_QUEUE_TIMEOUT_US, parse_config
-from service.server import Service, build_service
+from modelyard.inference.v1 import inference_service_pb2 as pb
+from modelyard.inference.v1 import inference_service_pb2_grpc as pb_grpc
+from modelyard.service.config import Settings
+from modelyard.service.repository.config import DEFAULT_GENERATION_QUEUE_TIMEOUT_US, parse_config
+from modelyard.service.server import Service, build_service
 
 # One slot, one queue place, a 2-token stream buffer, and a short stall limit.
 STALLING = """generation:

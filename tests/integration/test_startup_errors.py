@@ -12,11 +12,11 @@ from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 
 import pytest
-from modelyard.common.lifecycle import Process, run_process
 
+from modelyard.process.lifecycle import Process, run_process
 from tests.support import REPO_ROOT
 
-# (module, prog, env prefix)
+# (process, prog, env prefix): run as python -m modelyard.<process>
 PROCESSES = {
     "service": ("service", "modelyard serve", "MODELYARD_SERVICE_"),
     "sidecar": ("sidecar", "modelyard sidecar", "MODELYARD_SIDECAR_"),
@@ -32,7 +32,7 @@ def run(
     # From another folder `python -m` finds our packages through the path.
     base["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), str(REPO_ROOT / "proto" / "python")])
     return subprocess.run(
-        [sys.executable, "-m", module, *args],
+        [sys.executable, "-m", f"modelyard.{module}", *args],
         capture_output=True,
         text=True,
         timeout=60,
@@ -131,8 +131,8 @@ def test_the_stack_checks_its_addresses() -> None:
 
 
 def _service(address: str, flag: str, repository: Path) -> Process:
-    from service.config import parse_settings
-    from service.server import build_service
+    from modelyard.service.config import parse_settings
+    from modelyard.service.server import build_service
 
     others = {"--listen": "127.0.0.1:0", "--metrics-listen": ""}
     args = [*(x for k, v in others.items() if k != flag for x in (k, v)), flag, address]
@@ -140,16 +140,16 @@ def _service(address: str, flag: str, repository: Path) -> Process:
 
 
 def _supervisor(address: str, flag: str, repository: Path) -> Process:
-    from service.config import parse_settings
-    from service.workers.supervisor import Supervisor
+    from modelyard.service.config import parse_settings
+    from modelyard.service.workers.supervisor import Supervisor
 
     args = ["--repository", str(repository), "--metrics-listen", "", flag, address]
     return Supervisor(parse_settings(args, {}), 2)
 
 
 def _sidecar(address: str, flag: str, repository: Path) -> Process:
-    from sidecar.config import parse_settings
-    from sidecar.server import build_sidecar
+    from modelyard.sidecar.config import parse_settings
+    from modelyard.sidecar.server import build_sidecar
 
     others = {"--listen": "127.0.0.1:0", "--admin-listen": ""}
     args = [*(x for k, v in others.items() if k != flag for x in (k, v)), flag, address]
@@ -157,8 +157,8 @@ def _sidecar(address: str, flag: str, repository: Path) -> Process:
 
 
 def _gateway(address: str, flag: str, repository: Path) -> Process:
-    from gateway.app import build_gateway
-    from gateway.config import parse_settings
+    from modelyard.gateway.app import build_gateway
+    from modelyard.gateway.config import parse_settings
 
     return build_gateway(parse_settings([flag, address], {}))
 

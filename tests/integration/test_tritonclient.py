@@ -1,4 +1,4 @@
-"""NVIDIA's tritonclient (gRPC) against `python -m service`, as a Triton user would drive it.
+"""NVIDIA's tritonclient (gRPC) against `python -m modelyard.service`, as a Triton user would drive it.
 
 tritonclient and our generated code both register protobuf package `inference` in the process-wide
 descriptor pool, so tritonclient can never be imported here (this process imports `service`).

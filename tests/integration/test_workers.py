@@ -25,6 +25,8 @@ import grpc
 import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from models import demo_models
 from modelyard.inference.v1 import inference_service_pb2 as pb
 from modelyard.inference.v1 import inference_service_pb2_grpc as pb_grpc
 from modelyard.inference.v1 import model_service_pb2 as model_pb
@@ -32,8 +34,6 @@ from modelyard.inference.v1 import model_service_pb2_grpc as model_grpc
 from modelyard.kserve.v2 import grpc_service_pb2 as kpb
 from modelyard.kserve.v2 import grpc_service_pb2_grpc as kgrpc
 from modelyard.tensors import to_tensor
-
-from models import demo_models
 from tests.support import REPO_ROOT, ServiceProcess, eventually, metric, start_child
 
 CHANNELS = 16  # connections; SO_REUSEPORT spreads them by hash: all on one of 2 workers is 2**-15
@@ -260,7 +260,7 @@ def test_a_supervisor_that_is_pid_1_starts_its_workers(small_repository: Path) -
     # In a container the supervisor is PID 1, so a worker's parent pid of 1 is no sign of an orphan.
     # unshare passes no signal on; killed, it SIGKILLs its child (--kill-child), PID 1 of the new
     # namespace, and with that the kernel kills every process in it.
-    cmd = ["unshare", "-pf", "--mount-proc", "--kill-child", sys.executable, "-m", "service"]
+    cmd = ["unshare", "-pf", "--mount-proc", "--kill-child", sys.executable, "-m", "modelyard.service"]
     cmd += ["--repository", str(small_repository), "--listen", "127.0.0.1:0", "--metrics-listen", ""]
     process = start_child([*cmd, "--workers", "2"], re.compile(r"serving gRPC on (\S+?)[,;]"), "service")
     try:
@@ -494,7 +494,7 @@ def test_a_taken_port_fails_loudly(small_repository: Path) -> None:
             [
                 sys.executable,
                 "-m",
-                "service",
+                "modelyard.service",
                 "--repository",
                 str(small_repository),
                 "--listen",

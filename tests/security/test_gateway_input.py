@@ -22,15 +22,15 @@ import httpx
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+
+from modelyard.gateway.app import build_app
+from modelyard.gateway.config import Settings
+from modelyard.gateway.metrics import GatewayMetrics
+from modelyard.gateway.streams import Registry
+from modelyard.gateway.upstream import Upstream
 from modelyard.inference.v1 import inference_service_pb2 as pb
 from modelyard.inference.v1 import model_service_pb2 as model_pb
 from modelyard.kserve.v2 import grpc_service_pb2 as kpb
-
-from gateway.app import build_app
-from gateway.config import Settings
-from gateway.metrics import GatewayMetrics
-from gateway.streams import Registry
-from gateway.upstream import Upstream
 
 ANSWER_WITHIN_S = 5.0  # each request, hostile or not (most take milliseconds)
 EXAMPLES = 120

@@ -20,11 +20,12 @@ import grpc
 import httpx
 import pytest
 import pytest_asyncio
-from modelyard.inference.v1 import inference_service_pb2 as pb
 
-from gateway.app import Gateway
-from gateway.config import Settings
-from tests.envoy_support import render_module, start_envoy
+from modelyard.envoy import render
+from modelyard.gateway.app import Gateway
+from modelyard.gateway.config import Settings
+from modelyard.inference.v1 import inference_service_pb2 as pb
+from tests.envoy_support import start_envoy
 from tests.sse_client import events_only, read_events
 from tests.support import eventually, metric
 
@@ -242,7 +243,6 @@ def test_envoy_timeouts_fit_the_gateway_behind_it() -> None:
     """Rendered defaults: stream_idle_timeout far above the gateway's heartbeat interval (streams
     survive), Envoy's header bound under the gateway's, pooled connections closed by Envoy before
     the gateway's idle timeout would close them under a request."""
-    render = render_module()
     defaults = Settings()
     for settings in (render.RenderSettings(), render.KUBERNETES):
         assert settings.stream_idle_timeout_s >= 4 * defaults.heartbeat_s

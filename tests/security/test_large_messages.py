@@ -16,16 +16,16 @@ from typing import Any
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from models import demo_models
 from modelyard.common.headers import ERROR_REASON
 from modelyard.inference.v1 import inference_service_pb2 as ipb
 from modelyard.inference.v1 import inference_service_pb2_grpc as ipb_grpc
 from modelyard.inference.v1 import tensor_pb2
 from modelyard.kserve.v2 import grpc_service_pb2 as kpb
-
-from models import demo_models
-from service.api import wire
-from service.config import Settings
-from service.server import Service, build_service
+from modelyard.service.api import wire
+from modelyard.service.config import Settings
+from modelyard.service.server import Service, build_service
 
 TOKEN = "large-messages-token"
 INFER = "/inference.GRPCInferenceService/ModelInfer"

@@ -18,6 +18,8 @@ from typing import Any
 import grpc
 import numpy as np
 import pytest
+
+from models import demo_models
 from modelyard import flat
 from modelyard.common import headers
 from modelyard.inference.v1 import inference_service_pb2 as ipb
@@ -26,12 +28,10 @@ from modelyard.inference.v1 import model_service_pb2 as mpb
 from modelyard.inference.v1 import model_service_pb2_grpc as mpb_grpc
 from modelyard.kserve.v2 import grpc_service_pb2 as kpb
 from modelyard.kserve.v2 import grpc_service_pb2_grpc as kpb_grpc
+from modelyard.service.api.errors import MESSAGE_MAX_BYTES, client_message
+from modelyard.service.config import Settings
+from modelyard.service.server import Service, build_service
 from modelyard.tensors import to_tensor
-
-from models import demo_models
-from service.api.errors import MESSAGE_MAX_BYTES, client_message
-from service.config import Settings
-from service.server import Service, build_service
 from tests.support import eventually
 
 X = np.ones((1, 4), np.float32)
@@ -345,7 +345,7 @@ async def test_repository_folders_with_bad_names_are_skipped_and_reported(
         (root / bad / "1").mkdir(parents=True)
         (root / bad / "1" / "model.onnx").write_bytes(demo_models.serialize(model))
     (root / ".hidden" / "1").mkdir(parents=True)  # hidden folders are not models, and not news
-    caplog.set_level(logging.WARNING, "service.runtime.reconciler")
+    caplog.set_level(logging.WARNING, "modelyard.service.runtime.reconciler")
     settings = Settings(repository=root, listen="127.0.0.1:0", metrics_listen="", watch_quiet_s=0.05)
     service = build_service(settings)
     await service.start()

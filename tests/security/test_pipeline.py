@@ -11,13 +11,13 @@ from typing import Any
 
 import grpc
 import pytest
+
+from models import demo_models
 from modelyard.common.headers import ERROR_REASON
 from modelyard.inference.v1 import model_service_pb2 as mpb
 from modelyard.kserve.v2 import grpc_service_pb2 as kpb
-
-from models import demo_models
-from service.config import Settings
-from service.server import Service, build_service
+from modelyard.service.config import Settings
+from modelyard.service.server import Service, build_service
 
 TOKEN = "pipeline-token"
 BEARER = (("authorization", f"Bearer {TOKEN}"),)

@@ -19,15 +19,15 @@ import grpc
 import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from modelyard.common import headers
-from modelyard.inference.v1 import inference_service_pb2 as pb
-from modelyard.inference.v1 import inference_service_pb2_grpc as pb_grpc
-from modelyard.tensors import to_array, to_tensor
 
 from models import demo_models, value_models
 from models.value_models import FOREVER
-from service.config import Settings
-from service.server import Service, build_service
+from modelyard.common import headers
+from modelyard.inference.v1 import inference_service_pb2 as pb
+from modelyard.inference.v1 import inference_service_pb2_grpc as pb_grpc
+from modelyard.service.config import Settings
+from modelyard.service.server import Service, build_service
+from modelyard.tensors import to_array, to_tensor
 from tests.support import ServiceProcess, eventually, metric
 
 PROBE_LIMIT_S = 0.1  # a prober's trivial call answers within this while a huge run goes on

@@ -11,11 +11,11 @@ from typing import Any
 import grpc
 import numpy as np
 import pytest
+
+from models import demo_models
 from modelyard.common.headers import ERROR_REASON
 from modelyard.kserve.v2 import grpc_service_pb2 as kpb
 from modelyard.kserve.v2 import grpc_service_pb2_grpc as kpb_grpc
-
-from models import demo_models
 from tests.support import ServiceProcess
 
 FEATURES = 4

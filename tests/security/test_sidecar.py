@@ -21,12 +21,12 @@ import grpc
 import pytest
 import yaml
 from grpc_health.v1 import health_pb2_grpc
+
 from modelyard.common import health
 from modelyard.inference.v1 import inference_service_pb2 as pb
 from modelyard.inference.v1 import model_service_pb2 as mpb
-
-from sidecar.config import Settings
-from sidecar.server import Sidecar, build_sidecar
+from modelyard.sidecar.config import Settings
+from modelyard.sidecar.server import Sidecar, build_sidecar
 from tests.sidecar_support import admin_async, breaker_state, infer, known_versions, pairs, running_sidecar
 from tests.support import eventually
 

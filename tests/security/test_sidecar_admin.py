@@ -16,7 +16,7 @@ from typing import Any
 import httpx
 import pytest
 
-from sidecar.server import Sidecar
+from modelyard.sidecar.server import Sidecar
 from tests.sidecar_support import running_sidecar
 
 MAX_CONNECTIONS = 8

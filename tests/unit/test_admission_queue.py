@@ -7,8 +7,8 @@ from collections import Counter
 
 import pytest
 
-from service.errors import DeadlineExceeded, InvalidInput, Overloaded
-from service.scheduling.queue import (
+from modelyard.service.errors import DeadlineExceeded, InvalidInput, Overloaded
+from modelyard.service.scheduling.queue import (
     AdmissionPolicy,
     AdmissionQueue,
     QueuePolicy,

@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from service.batching.tensors import batch_key, batch_rows, concat, split
-from service.errors import ModelRunError
+from modelyard.service.batching.tensors import batch_key, batch_rows, concat, split
+from modelyard.service.errors import ModelRunError
 
 
 def test_key_ignores_only_the_batch_dimension() -> None:

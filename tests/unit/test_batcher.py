@@ -14,14 +14,20 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pytest
 
-from service.batching.batcher import Batcher, BatchSettings, default_concurrency
-from service.errors import DeadlineExceeded, InvalidInput, ModelRunError, ModelUnavailable, Overloaded
-from service.metrics import ServiceMetrics
-from service.repository.config import ExecutionConfig, ModelConfig
-from service.runtime.instances import Instances
-from service.runtime.providers import CPU, CUDA
-from service.runtime.served import VersionStats
-from service.scheduling.queue import AdmissionPolicy, QueuePolicy, Scheduling
+from modelyard.service.batching.batcher import Batcher, BatchSettings, default_concurrency
+from modelyard.service.errors import (
+    DeadlineExceeded,
+    InvalidInput,
+    ModelRunError,
+    ModelUnavailable,
+    Overloaded,
+)
+from modelyard.service.metrics import ServiceMetrics
+from modelyard.service.repository.config import ExecutionConfig, ModelConfig
+from modelyard.service.runtime.instances import Instances
+from modelyard.service.runtime.providers import CPU, CUDA
+from modelyard.service.runtime.served import VersionStats
+from modelyard.service.scheduling.queue import AdmissionPolicy, QueuePolicy, Scheduling
 from tests.batching_fakes import FakeRunner, ManualClock
 from tests.support import eventually, metric
 

@@ -6,10 +6,10 @@ from typing import Any
 
 import pytest
 
-from service.batching.batcher import BatchSettings
-from service.repository.config import ConfigError, parse_config
-from service.runtime.providers import CPU
-from service.scheduling.queue import AdmissionPolicy, QueuePolicy
+from modelyard.service.batching.batcher import BatchSettings
+from modelyard.service.repository.config import ConfigError, parse_config
+from modelyard.service.runtime.providers import CPU
+from modelyard.service.scheduling.queue import AdmissionPolicy, QueuePolicy
 
 ISSUE_EXAMPLE: dict[str, Any] = {
     "max_batch_size": 64,

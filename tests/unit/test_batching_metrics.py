@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from service.metrics import ServiceMetrics
+from modelyard.service.metrics import ServiceMetrics
 
 
 def depth(metrics: ServiceMetrics, version: str) -> float | None:

@@ -6,12 +6,12 @@ from pathlib import Path
 
 import ml_dtypes
 import numpy as np
-from modelyard import tensors
 
 from models.demo_models import serialize
-from service.repository.config import ModelConfig
-from service.runtime.providers import detect_providers
-from service.runtime.session import load_runner
+from modelyard import tensors
+from modelyard.service.repository.config import ModelConfig
+from modelyard.service.runtime.providers import detect_providers
+from modelyard.service.runtime.session import load_runner
 from tests.bf16_model import bf16_double
 
 BF16 = np.dtype(ml_dtypes.bfloat16)

@@ -1,4 +1,4 @@
-"""modelyard.common.children on real (tiny) child processes: stopped for sure, ready lines found,
+"""modelyard.process.children on real (tiny) child processes: stopped for sure, ready lines found,
 and a child told to die with its parent does."""
 
 from __future__ import annotations
@@ -11,8 +11,7 @@ import subprocess
 import sys
 from collections.abc import Callable
 
-from modelyard.common import children
-
+from modelyard.process import children
 from tests.support import eventually
 
 PY = sys.executable
@@ -88,7 +87,7 @@ async def test_a_child_started_with_its_parent_dies_with_it() -> None:
     # The middle process starts a grandchild that dies with it, prints its pid, then waits.
     for with_parent, dies in ((True, True), (False, False)):
         middle_script = (
-            "import sys, time; from modelyard.common import children; "
+            "import sys, time; from modelyard.process import children; "
             "p = children.popen([sys.executable, '-c', 'import time; time.sleep(60)'], "
             f"with_parent={with_parent}); "
             "print(p.pid, flush=True); time.sleep(60)"
@@ -112,7 +111,7 @@ async def test_a_child_started_with_its_parent_dies_with_it() -> None:
 
 def test_die_with_parent_signals_at_once_when_the_parent_is_already_gone() -> None:
     # The parent pid it is told about is not its parent's: it is gone, so the signal comes now.
-    told = "import os; from modelyard.common import children; children.die_with_parent(parent=os.getppid()"
+    told = "import os; from modelyard.process import children; children.die_with_parent(parent=os.getppid()"
     script = told + " + 1); print('survived')"
     done = subprocess.run([PY, "-c", script], capture_output=True, text=True, timeout=30)
     assert done.returncode == -signal.SIGTERM and "survived" not in done.stdout

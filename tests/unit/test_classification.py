@@ -7,10 +7,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from service.api.kserve.classification import top_k
-from service.errors import InvalidInput
-from service.repository.config import ConfigError, ModelConfig, TensorConfig
-from service.repository.labels import load_labels
+from modelyard.service.api.kserve.classification import top_k
+from modelyard.service.errors import InvalidInput
+from modelyard.service.repository.config import ConfigError, ModelConfig, TensorConfig
+from modelyard.service.repository.labels import load_labels
 
 
 def test_rows_descending_ties_by_lower_index_with_labels() -> None:

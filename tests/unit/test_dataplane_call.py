@@ -9,10 +9,10 @@ from pathlib import Path
 import numpy as np
 
 from models import demo_models
-from service.dataplane import DataPlane
-from service.intake import TensorHeader
-from service.runtime.manager import ModelManager
-from service.runtime.providers import ProviderChoice
+from modelyard.service.dataplane import DataPlane
+from modelyard.service.intake import TensorHeader
+from modelyard.service.runtime.manager import ModelManager
+from modelyard.service.runtime.providers import ProviderChoice
 from tests.support import eventually
 
 

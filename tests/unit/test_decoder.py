@@ -7,9 +7,9 @@ import numpy as np
 import onnxruntime as ort
 import pytest
 
-from service.generation.decoder import DecodeBatch, StepRunner, prefill
-from service.generation.layout import DecoderLayout, decoder_layout
-from service.runtime.signature import Signature, TensorSpec
+from modelyard.service.generation.decoder import DecodeBatch, StepRunner, prefill
+from modelyard.service.generation.layout import DecoderLayout, decoder_layout
+from modelyard.service.runtime.signature import Signature, TensorSpec
 from tests import hf_decoder
 
 VOCAB = 300

@@ -1,4 +1,4 @@
-"""modelyard.common.documents: a typed declaration checks a parsed document and says what is
+"""modelyard.process.documents: a typed declaration checks a parsed document and says what is
 wrong at which key path, in the declaration's words."""
 
 from __future__ import annotations
@@ -7,8 +7,9 @@ from typing import Annotated, Literal
 
 import msgspec
 import pytest
-from modelyard.common.documents import DocumentError, load
 from msgspec import UNSET, Meta, UnsetType
+
+from modelyard.process.documents import DocumentError, load
 
 
 class Level(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):

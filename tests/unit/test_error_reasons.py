@@ -6,11 +6,11 @@ import asyncio
 import inspect
 
 import grpc
-from modelyard.common.reasons import ErrorReason
-from modelyard.tensors import TensorError
 
-from service import errors
-from service.api.errors import status_for
+from modelyard.common.reasons import ErrorReason
+from modelyard.service import errors
+from modelyard.service.api.errors import status_for
+from modelyard.tensors import TensorError
 
 
 def test_every_domain_error_has_its_own_row() -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import flatbuffers
 import numpy as np
 import pytest
+
 from modelyard import flat
 from modelyard.flat.v1 import InferRequest, Tensor
 from modelyard.tensors import NUMPY_BY_NAME, TensorError

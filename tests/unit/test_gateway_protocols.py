@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from gateway import errors
-from gateway.kserve import app as kserve_app
-from gateway.kserve import protocol as kserve
-from gateway.openai import app as openai_app
-from gateway.openai import protocol as openai
-from gateway.sse import app as sse_app
-from gateway.sse import protocol as sse
+from modelyard.gateway import errors
+from modelyard.gateway.kserve import app as kserve_app
+from modelyard.gateway.kserve import protocol as kserve
+from modelyard.gateway.openai import app as openai_app
+from modelyard.gateway.openai import protocol as openai
+from modelyard.gateway.sse import app as sse_app
+from modelyard.gateway.sse import protocol as sse
 
 PATHS = [
     "/v1/models",

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from gateway import streaming
+from modelyard.gateway import streaming
 
 
 class Connection:

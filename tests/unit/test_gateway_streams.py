@@ -8,12 +8,12 @@ from typing import Any
 
 import grpc
 import pytest
-from modelyard.inference.v1 import inference_service_pb2 as pb
 
-from gateway import errors
-from gateway.metrics import GatewayMetrics
-from gateway.sse.response import HEARTBEAT, SSEResponse
-from gateway.streams import DONE, TOKEN, Evicted, Registry, Stream, parse_id
+from modelyard.gateway import errors
+from modelyard.gateway.metrics import GatewayMetrics
+from modelyard.gateway.sse.response import HEARTBEAT, SSEResponse
+from modelyard.gateway.streams import DONE, TOKEN, Evicted, Registry, Stream, parse_id
+from modelyard.inference.v1 import inference_service_pb2 as pb
 
 
 class Connection:

@@ -4,16 +4,16 @@ from __future__ import annotations
 
 import pytest
 
-from service.generation.layout import NotADecoder, decoder_layout
-from service.repository.config import (
+from modelyard.service.generation.layout import NotADecoder, decoder_layout
+from modelyard.service.repository.config import (
     DEFAULT_GENERATION_QUEUE_TIMEOUT_US,
     DEFAULT_MAX_WAITING,
     ConfigError,
     GenerationConfig,
     parse_config,
 )
-from service.runtime.signature import Signature, TensorSpec
-from service.scheduling.queue import AdmissionPolicy, QueuePolicy
+from modelyard.service.runtime.signature import Signature, TensorSpec
+from modelyard.service.scheduling.queue import AdmissionPolicy, QueuePolicy
 
 
 def test_generation_section_parses_with_defaults_for_the_rest() -> None:

@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 import pytest
 
-from service.generation.text import IncrementalDetokenizer, StopMatcher, TextStream
+from modelyard.service.generation.text import IncrementalDetokenizer, StopMatcher, TextStream
 
 
 class ByteDecoder:

@@ -9,8 +9,8 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import Metric
 from prometheus_client.registry import Collector
 
-from service.gpu_memory import DeviceMemory, GpuMemoryCollector, read_nvml
-from service.workers.metrics_sum import sum_scrapes
+from modelyard.service.gpu_memory import DeviceMemory, GpuMemoryCollector, read_nvml
+from modelyard.service.workers.metrics_sum import sum_scrapes
 from tests.support import metric
 
 

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import grpc
 import pytest
-from modelyard.common.grpc_server import INT_MAX, connection_options
 
-from service.config import Settings as ServiceSettings
-from sidecar.config import Settings as SidecarSettings
+from modelyard.process.grpc_server import INT_MAX, connection_options
+from modelyard.service.config import Settings as ServiceSettings
+from modelyard.sidecar.config import Settings as SidecarSettings
 
 
 def test_options_come_from_the_settings_and_zero_means_no_limit() -> None:

@@ -10,9 +10,9 @@ import pytest
 from onnx import TensorProto, helper
 
 from models import demo_models
-from service.repository.config import load_config
-from service.runtime.providers import detect_providers
-from service.runtime.session import (
+from modelyard.service.repository.config import load_config
+from modelyard.service.runtime.providers import detect_providers
+from modelyard.service.runtime.session import (
     INLINE_RUN_LIMIT_S,
     ONE_CORE_INLINE_RUN_LIMIT_S,
     inline_run_limit_s,

@@ -17,21 +17,21 @@ import numpy as np
 import pytest
 from onnxruntime.capi.onnxruntime_pybind11_state import EPFail, Fail, InvalidArgument
 
-from service.batching.batcher import Batcher, BatchSettings, default_concurrency
-from service.errors import DeviceFault, InvalidInput, ModelRunError
-from service.metrics import ServiceMetrics
-from service.repository.config import ConfigError, ExecutionConfig, ModelConfig, parse_config
-from service.runtime.instances import Instances, load_instances, placements
-from service.runtime.providers import CPU, CUDA, ProviderChoice
-from service.runtime.served import VersionStats
-from service.runtime.session import (
+from modelyard.service.batching.batcher import Batcher, BatchSettings, default_concurrency
+from modelyard.service.errors import DeviceFault, InvalidInput, ModelRunError
+from modelyard.service.metrics import ServiceMetrics
+from modelyard.service.repository.config import ConfigError, ExecutionConfig, ModelConfig, parse_config
+from modelyard.service.runtime.instances import Instances, load_instances, placements
+from modelyard.service.runtime.providers import CPU, CUDA, ProviderChoice
+from modelyard.service.runtime.served import VersionStats
+from modelyard.service.runtime.session import (
     INLINE_WATCHDOG_S,
     ModelRunner,
     _providers,
     is_device_fault,
     run_error,
 )
-from service.scheduling.queue import AdmissionPolicy, Scheduling
+from modelyard.service.scheduling.queue import AdmissionPolicy, Scheduling
 from tests.batching_fakes import FakeRunner, ManualClock
 from tests.support import eventually, metric
 

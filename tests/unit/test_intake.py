@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import pytest
-from modelyard.tensors import TensorError
 
-from service.errors import InvalidInput
-from service.intake import INLINE_DECODE_BYTES, TensorHeader, bounds_for, check_headers, offload
-from service.repository.config import LimitsConfig
-from service.runtime.signature import Signature, TensorSpec
+from modelyard.service.errors import InvalidInput
+from modelyard.service.intake import INLINE_DECODE_BYTES, TensorHeader, bounds_for, check_headers, offload
+from modelyard.service.repository.config import LimitsConfig
+from modelyard.service.runtime.signature import Signature, TensorSpec
+from modelyard.tensors import TensorError
 
 SIG = Signature((TensorSpec("x", "FP32", (-1, 4)), TensorSpec("s", "BYTES", (-1,))), (), max_batch_size=8)
 BOUNDS = bounds_for(SIG, LimitsConfig())

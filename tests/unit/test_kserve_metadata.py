@@ -7,15 +7,14 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, cast
 
-from modelyard.kserve.v2 import grpc_service_pb2 as pb
-
 from models import demo_models
-from service.api.errors import Context
-from service.api.kserve.servicer import KServeServicer
-from service.dataplane import DataPlane
-from service.metrics import ServiceMetrics
-from service.runtime.manager import ModelManager
-from service.runtime.providers import ProviderChoice
+from modelyard.kserve.v2 import grpc_service_pb2 as pb
+from modelyard.service.api.errors import Context
+from modelyard.service.api.kserve.servicer import KServeServicer
+from modelyard.service.dataplane import DataPlane
+from modelyard.service.metrics import ServiceMetrics
+from modelyard.service.runtime.manager import ModelManager
+from modelyard.service.runtime.providers import ProviderChoice
 
 
 class SwapOnAnswer:

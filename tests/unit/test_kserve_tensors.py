@@ -7,16 +7,21 @@ from typing import Any
 
 import numpy as np
 import pytest
+
 from modelyard.kserve.v2.grpc_service_pb2 import (
     InferParameter,
     InferTensorContents,
     ModelInferRequest,
     ModelInferResponse,
 )
+from modelyard.service.api.kserve.tensors import (
+    decode_inputs,
+    encode_outputs,
+    parameter_value,
+    requested_outputs,
+)
+from modelyard.service.errors import InvalidInput, Unsupported
 from modelyard.tensors import NUMPY_BY_NAME, TensorError
-
-from service.api.kserve.tensors import decode_inputs, encode_outputs, parameter_value, requested_outputs
-from service.errors import InvalidInput, Unsupported
 
 NUMERIC = [name for name in NUMPY_BY_NAME if name != "BYTES"]
 TYPED_FIELD = {

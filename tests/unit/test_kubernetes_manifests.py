@@ -14,11 +14,11 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from gateway.config import parse_settings as gateway_settings
-from service.config import parse_settings as service_settings
-from sidecar.config import parse_settings as sidecar_settings
-from sidecar.routes import parse_table
-from tests.envoy_support import render_module
+from modelyard.envoy import render
+from modelyard.gateway.config import parse_settings as gateway_settings
+from modelyard.service.config import parse_settings as service_settings
+from modelyard.sidecar.config import parse_settings as sidecar_settings
+from modelyard.sidecar.routes import parse_table
 
 ROOT = Path(__file__).resolve().parents[2]
 KUBERNETES = ROOT / "deploy" / "kubernetes"
@@ -128,7 +128,6 @@ def test_services_select_pods_and_target_ports_they_declare() -> None:
 
 
 def test_envoy_and_the_gateway_call_headless_services_on_their_ports() -> None:
-    render = render_module()
     edge = yaml.safe_load((KUBERNETES / "envoy.yaml").read_text())
     assert (KUBERNETES / "envoy.yaml").read_text() == render.render(render.KUBERNETES)
     gateway = next(c for _, c in containers() if c["args"][0] == "gateway")

@@ -6,12 +6,12 @@ import json
 from pathlib import Path
 
 import pytest
-from modelyard.kserve.v2.grpc_service_pb2 import ModelRepositoryParameter
 
-from service.api.kserve.triton_config import load_parameters, parse_triton_config
-from service.errors import InvalidInput, TooLarge
-from service.repository.config import TensorConfig
-from service.repository.uploads import UploadSpace, check_paths, write_upload
+from modelyard.kserve.v2.grpc_service_pb2 import ModelRepositoryParameter
+from modelyard.service.api.kserve.triton_config import load_parameters, parse_triton_config
+from modelyard.service.errors import InvalidInput, TooLarge
+from modelyard.service.repository.config import TensorConfig
+from modelyard.service.repository.uploads import UploadSpace, check_paths, write_upload
 
 
 def test_full_triton_config_maps_onto_ours() -> None:

@@ -3,7 +3,7 @@ from __future__ import annotations
 import json
 import logging
 
-from modelyard.common.logs import JsonFormatter
+from modelyard.process.logs import JsonFormatter
 
 
 def test_json_lines_carry_level_logger_message_and_exception() -> None:

@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from service.api.model_control import LoadParameters, ModelControl
-from service.errors import InvalidInput
-from service.runtime.manager import ModelManager
-from service.runtime.providers import ProviderChoice
+from modelyard.service.api.model_control import LoadParameters, ModelControl
+from modelyard.service.errors import InvalidInput
+from modelyard.service.runtime.manager import ModelManager
+from modelyard.service.runtime.providers import ProviderChoice
 
 
 @pytest.mark.parametrize("field", ["name", "model_name"])

@@ -7,9 +7,9 @@ import itertools
 
 import pytest
 from google.protobuf.message import DecodeError
-from modelyard.kserve.v2 import grpc_service_pb2 as pb
 
-from service.api.parsing import (
+from modelyard.kserve.v2 import grpc_service_pb2 as pb
+from modelyard.service.api.parsing import (
     MAX_FIELDS,
     Malformed,
     TooManyFields,

@@ -12,6 +12,7 @@ import pytest
 from google.protobuf.descriptor import ServiceDescriptor
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
 from modelyard.inference.v1 import (
     inference_service_pb2,
     inference_service_pb2_grpc,
@@ -19,8 +20,7 @@ from modelyard.inference.v1 import (
     model_service_pb2_grpc,
 )
 from modelyard.kserve.v2 import grpc_service_pb2, grpc_service_pb2_grpc
-
-from service.api.pipeline import Handler, ServiceHandlers, service_of, wrapped
+from modelyard.service.api.pipeline import Handler, ServiceHandlers, service_of, wrapped
 
 GENERATED: list[tuple[ServiceDescriptor, Callable[[Any, Any], None], type]] = [
     (

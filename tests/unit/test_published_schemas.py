@@ -13,9 +13,9 @@ import jsonschema
 import pytest
 import yaml
 
-from service.repository.config import ConfigError, parse_config
-from sidecar.routes import ConfigError as RouteError
-from sidecar.routes import parse_table
+from modelyard.service.repository.config import ConfigError, parse_config
+from modelyard.sidecar.routes import ConfigError as RouteError
+from modelyard.sidecar.routes import parse_table
 from tests.support import REPO_ROOT
 
 CONFIG_SCHEMA = REPO_ROOT / "service" / "repository" / "config.schema.json"

@@ -6,10 +6,16 @@ from pathlib import Path
 
 import pytest
 
-from service.config import parse_settings
-from service.repository.config import ConfigError, ModelConfig, VersionPolicy, load_config, parse_config
-from service.repository.scanner import scan_model, scan_repository
-from service.versions import parse_version
+from modelyard.service.config import parse_settings
+from modelyard.service.repository.config import (
+    ConfigError,
+    ModelConfig,
+    VersionPolicy,
+    load_config,
+    parse_config,
+)
+from modelyard.service.repository.scanner import scan_model, scan_repository
+from modelyard.service.versions import parse_version
 
 
 def test_full_config_parses() -> None:
@@ -128,7 +134,7 @@ def test_scanner_finds_versions_and_problems(tmp_path: Path) -> None:
 
 
 def test_scanner_refuses_bad_names(tmp_path: Path) -> None:
-    from service.errors import ModelLoadError
+    from modelyard.service.errors import ModelLoadError
 
     for name in ("../etc", "a/b", ".hidden", "", "a..b", "a\n", "x" * 129):
         with pytest.raises(ModelLoadError):

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from service.errors import ModelLoadError
-from service.repository.files import OutsideRepository, check_tree_inside, read_inside, scrub, shown
+from modelyard.service.errors import ModelLoadError
+from modelyard.service.repository.files import OutsideRepository, check_tree_inside, read_inside, scrub, shown
 
 
 def test_read_inside_follows_inner_links_and_refuses_outer_ones(tmp_path: Path) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from service.generation.sampling import SamplingParams, choose, choose_rows
+from modelyard.service.generation.sampling import SamplingParams, choose, choose_rows
 
 LOGITS = np.log(np.array([0.5, 0.3, 0.15, 0.05], dtype=np.float32))
 

@@ -8,7 +8,7 @@ import logging
 import grpc
 from opentelemetry.sdk.trace import TracerProvider
 
-from service import tracing
+from modelyard.service import tracing
 
 
 def test_off_without_an_endpoint_and_the_hooks_do_nothing() -> None:

@@ -1,4 +1,4 @@
-"""modelyard.common.settings: flags over environment over defaults, for any process's dataclass;
+"""modelyard.process.settings: flags over environment over defaults, for any process's dataclass;
 one declaration per setting, one validation for flags and variables."""
 
 from __future__ import annotations
@@ -8,8 +8,9 @@ from pathlib import Path
 from typing import Annotated, Literal
 
 import pytest
-from modelyard.common.settings import options, parse_bool, parse_settings, split_address
 from msgspec import Meta
+
+from modelyard.process.settings import options, parse_bool, parse_settings, split_address
 
 
 @dataclass(frozen=True)

@@ -9,8 +9,8 @@ from multiprocessing import shared_memory
 import numpy as np
 import pytest
 
-from service.errors import InvalidInput, TooLarge
-from service.shm.registry import (
+from modelyard.service.errors import InvalidInput, TooLarge
+from modelyard.service.shm.registry import (
     LocalRegionStore,
     RegionLimits,
     RegionNotFound,

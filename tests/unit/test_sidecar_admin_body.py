@@ -10,8 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry
 
-from sidecar.admin import AdminServer, HttpError
-from sidecar.routes import RouteSource
+from modelyard.sidecar.admin import AdminServer, HttpError
+from modelyard.sidecar.routes import RouteSource
 
 json_values = st.recursive(
     st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=20),

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from sidecar.adaptive import BreakerPolicy, State
-from sidecar.breakers import Breaker, BreakerKey, Breakers
+from modelyard.sidecar.adaptive import BreakerPolicy, State
+from modelyard.sidecar.breakers import Breaker, BreakerKey, Breakers
 
 POLICY = BreakerPolicy(
     window_s=10,

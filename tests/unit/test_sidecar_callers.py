@@ -6,10 +6,10 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from sidecar.adaptive import BreakerPolicy, State
-from sidecar.breakers import Breaker, BreakerKey, Breakers
-from sidecar.forward import MESSAGE_MAX, client_status, is_fault
-from sidecar.plan import caller_key
+from modelyard.sidecar.adaptive import BreakerPolicy, State
+from modelyard.sidecar.breakers import Breaker, BreakerKey, Breakers
+from modelyard.sidecar.forward import MESSAGE_MAX, client_status, is_fault
+from modelyard.sidecar.plan import caller_key
 
 POLICY = BreakerPolicy(
     window_s=10,

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from sidecar.config import parse_settings
-from sidecar.limits import TenantLimit, TenantLimits
-from sidecar.routes import ConfigError, parse_table
-from sidecar.routing import ModelRoute
-from sidecar.upstreams import UpstreamSpec
+from modelyard.sidecar.config import parse_settings
+from modelyard.sidecar.limits import TenantLimit, TenantLimits
+from modelyard.sidecar.routes import ConfigError, parse_table
+from modelyard.sidecar.routing import ModelRoute
+from modelyard.sidecar.upstreams import UpstreamSpec
 
 
 def test_settings_from_flags_and_environment() -> None:

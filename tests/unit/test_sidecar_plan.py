@@ -9,11 +9,11 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from sidecar import plan as planner
-from sidecar.adaptive import BreakerPolicy, State
-from sidecar.breakers import Breakers
-from sidecar.limits import ANY_TENANT, TenantLimit
-from sidecar.plan import (
+from modelyard.sidecar import plan as planner
+from modelyard.sidecar.adaptive import BreakerPolicy, State
+from modelyard.sidecar.breakers import Breakers
+from modelyard.sidecar.limits import ANY_TENANT, TenantLimit
+from modelyard.sidecar.plan import (
     FALLBACK_BREAKER,
     FALLBACK_CANARY_FAULT,
     FALLBACK_UNAVAILABLE,
@@ -22,8 +22,8 @@ from sidecar.plan import (
     Refused,
     Request,
 )
-from sidecar.routes import RouteTable
-from sidecar.routing import CANARY, PINNED, STABLE, Decision, ModelRoute
+from modelyard.sidecar.routes import RouteTable
+from modelyard.sidecar.routing import CANARY, PINNED, STABLE, Decision, ModelRoute
 
 POLICY = BreakerPolicy(min_calls=2, error_rate=0.5, backoff_s=5, backoff_max_s=5, probes=1)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from sidecar.routing import (
+from modelyard.sidecar.routing import (
     BUCKETS,
     CANARY,
     PINNED,

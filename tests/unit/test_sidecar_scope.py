@@ -9,13 +9,13 @@ from dataclasses import dataclass
 import grpc
 import pytest
 
-from sidecar.adaptive import BreakerPolicy, State
-from sidecar.breakers import Breakers
-from sidecar.limits import ANY_TENANT, TenantLimit, TenantLimits
-from sidecar.metrics import SidecarMetrics
-from sidecar.plan import OTHER, Plan, Refused
-from sidecar.scope import Scopes
-from sidecar.tracing import Tracing
+from modelyard.sidecar.adaptive import BreakerPolicy, State
+from modelyard.sidecar.breakers import Breakers
+from modelyard.sidecar.limits import ANY_TENANT, TenantLimit, TenantLimits
+from modelyard.sidecar.metrics import SidecarMetrics
+from modelyard.sidecar.plan import OTHER, Plan, Refused
+from modelyard.sidecar.scope import Scopes
+from modelyard.sidecar.tracing import Tracing
 
 PATH = "/inference.GRPCInferenceService/ModelInfer"
 TENANTS = {"acme": TenantLimit(concurrency=1), ANY_TENANT: TenantLimit(concurrency=1)}

@@ -10,9 +10,8 @@ import struct
 from modelyard.inference.v1 import inference_service_pb2 as pb
 from modelyard.inference.v1 import tensor_pb2
 from modelyard.kserve.v2 import grpc_service_pb2 as kserve
-
-from sidecar.metrics import SidecarMetrics
-from sidecar.shadow import (
+from modelyard.sidecar.metrics import SidecarMetrics
+from modelyard.sidecar.shadow import (
     INFER,
     MODEL_INFER,
     ShadowPolicy,

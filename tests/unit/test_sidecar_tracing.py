@@ -7,7 +7,7 @@ import logging
 from opentelemetry import context, trace
 from opentelemetry.sdk.trace import TracerProvider
 
-from sidecar.tracing import TraceIds, configure
+from modelyard.sidecar.tracing import TraceIds, configure
 
 
 def test_off_without_an_otlp_endpoint() -> None:

@@ -11,11 +11,18 @@ from typing import Any
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from modelyard.inference.v1 import inference_service_pb2 as pb
 from modelyard.inference.v1 import tensor_pb2
 from modelyard.kserve.v2 import grpc_service_pb2 as kserve
-
-from sidecar.wire import MAX_FIELDS, VALUE_MAX, ModelFields, WireError, read_model_fields, with_version
+from modelyard.sidecar.wire import (
+    MAX_FIELDS,
+    VALUE_MAX,
+    ModelFields,
+    WireError,
+    read_model_fields,
+    with_version,
+)
 
 
 def test_reads_name_and_version_of_every_request_kind() -> None:

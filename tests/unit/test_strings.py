@@ -10,11 +10,11 @@ import pytest
 from onnx import TensorProto, helper
 
 from models.demo_models import make_model, serialize
-from service.errors import InvalidInput, ModelLoadError
-from service.repository.config import ModelConfig
-from service.runtime.providers import detect_providers
-from service.runtime.session import load_runner
-from service.runtime.strings import check_utf8
+from modelyard.service.errors import InvalidInput, ModelLoadError
+from modelyard.service.repository.config import ModelConfig
+from modelyard.service.runtime.providers import detect_providers
+from modelyard.service.runtime.session import load_runner
+from modelyard.service.runtime.strings import check_utf8
 from tests.strings_model import string_identity
 
 SAMPLES = [b"hello", b"", b"a\x00b", "é".encode(), b"\x00", b"x" * 1000]

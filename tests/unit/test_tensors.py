@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from modelyard.inference.v1 import tensor_pb2
-from modelyard.tensors import TensorError, element_count, to_array, to_tensor
 
-from service.errors import InvalidInput
-from service.runtime.signature import Signature, TensorSpec
+from modelyard.inference.v1 import tensor_pb2
+from modelyard.service.errors import InvalidInput
+from modelyard.service.runtime.signature import Signature, TensorSpec
+from modelyard.tensors import TensorError, element_count, to_array, to_tensor
 
 UNKNOWN_TYPE: tensor_pb2.DataType.ValueType = 99  # type: ignore[assignment]  # a value no client should send
 DTYPES = [

@@ -6,9 +6,9 @@ import logging
 import re
 
 import pytest
-from modelyard.common.throttle import LogThrottle
 
-from service.api.errors import internal_error
+from modelyard.process.throttle import LogThrottle
+from modelyard.service.api.errors import internal_error
 
 
 def test_throttle_lets_a_burst_through_per_window_and_counts_the_rest(

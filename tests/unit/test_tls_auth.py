@@ -1,4 +1,4 @@
-"""The shared TLS and authorization helpers (modelyard.common.tls / auth), without sockets."""
+"""The shared TLS and authorization helpers (modelyard.process.tls / auth), without sockets."""
 
 from __future__ import annotations
 
@@ -6,8 +6,9 @@ import logging
 from pathlib import Path
 
 import pytest
-from modelyard.common.auth import Authorizer, AuthSettings, Decision
-from modelyard.common.tls import TlsFiles, is_loopback, warn_if_plaintext
+
+from modelyard.process.auth import Authorizer, AuthSettings, Decision
+from modelyard.process.tls import TlsFiles, is_loopback, warn_if_plaintext
 
 
 def test_loopback_addresses() -> None:

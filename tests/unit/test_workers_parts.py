@@ -6,16 +6,16 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from modelyard.inference.v1 import model_service_pb2 as pb
-from modelyard.kserve.v2 import grpc_service_pb2 as kpb
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from service.config import worker_count
-from service.shm.files import FileRegionStore
-from service.shm.registry import RegionSpec
-from service.workers import protocol
-from service.workers.merge import FANNED, merge_models
-from service.workers.metrics_sum import carry, parse, sum_families, sum_scrapes
+from modelyard.inference.v1 import model_service_pb2 as pb
+from modelyard.kserve.v2 import grpc_service_pb2 as kpb
+from modelyard.service.config import worker_count
+from modelyard.service.shm.files import FileRegionStore
+from modelyard.service.shm.registry import RegionSpec
+from modelyard.service.workers import protocol
+from modelyard.service.workers.merge import FANNED, merge_models
+from modelyard.service.workers.metrics_sum import carry, parse, sum_families, sum_scrapes
 
 KSERVE = "/inference.GRPCInferenceService/"
 

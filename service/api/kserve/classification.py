@@ -15,8 +15,8 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from service.api.names import quoted
-from service.errors import InvalidInput
+from modelyard.service.api.names import quoted
+from modelyard.service.errors import InvalidInput
 
 Array = npt.NDArray[Any]
 

@@ -5,12 +5,11 @@ control that ModelService shares (service/api/model_control.py)."""
 from __future__ import annotations
 
 from modelyard.kserve.v2 import grpc_service_pb2 as pb
-
-from service.api.kserve.triton_config import load_parameters
-from service.api.model_control import ModelControl
-from service.errors import ModelLoadError
-from service.runtime.manager import ModelManager
-from service.runtime.status import VersionState
+from modelyard.service.api.kserve.triton_config import load_parameters
+from modelyard.service.api.model_control import ModelControl
+from modelyard.service.errors import ModelLoadError
+from modelyard.service.runtime.manager import ModelManager
+from modelyard.service.runtime.status import VersionState
 
 # Triton reports a model's state with these words in its repository index.
 _INDEX_STATE = {

@@ -17,34 +17,33 @@ from modelyard.common.names import is_valid_name
 from modelyard.common.reasons import ErrorReason
 from modelyard.kserve.v2 import grpc_service_pb2 as pb
 from modelyard.kserve.v2 import grpc_service_pb2_grpc as pb_grpc
-from modelyard.tensors import TensorError
-
-from service import __version__
-from service.api.errors import Context, abort, in_band_message, serving
-from service.api.kserve import repository, settings, shared_memory, statistics
-from service.api.kserve.classification import top_k
-from service.api.kserve.settings import LogSettings, TraceSettings
-from service.api.kserve.tensors import (
+from modelyard.service import __version__
+from modelyard.service.api.errors import Context, abort, in_band_message, serving
+from modelyard.service.api.kserve import repository, settings, shared_memory, statistics
+from modelyard.service.api.kserve.classification import top_k
+from modelyard.service.api.kserve.settings import LogSettings, TraceSettings
+from modelyard.service.api.kserve.tensors import (
     decode_inputs,
     encode_outputs,
     output_options,
     parameter_value,
     requested_outputs,
 )
-from service.api.kserve.triton_config import PLATFORM, triton_config
-from service.api.metadata import call_fields
-from service.api.model_control import ModelControl
-from service.api.names import check_model, quoted
-from service.api.scheduling import kserve_priority, kserve_scheduling
-from service.api.tensor_headers import kserve_headers, refuse_extra_tensors
-from service.dataplane import DataPlane
-from service.errors import InvalidInput, ServiceError
-from service.intake import INLINE_DECODE_BYTES
-from service.metrics import ServiceMetrics
-from service.repository.uploads import UploadSpace
-from service.runtime.manager import ModelManager
-from service.runtime.signature import TensorSpec
-from service.shm.registry import SharedMemoryRegistry
+from modelyard.service.api.kserve.triton_config import PLATFORM, triton_config
+from modelyard.service.api.metadata import call_fields
+from modelyard.service.api.model_control import ModelControl
+from modelyard.service.api.names import check_model, quoted
+from modelyard.service.api.scheduling import kserve_priority, kserve_scheduling
+from modelyard.service.api.tensor_headers import kserve_headers, refuse_extra_tensors
+from modelyard.service.dataplane import DataPlane
+from modelyard.service.errors import InvalidInput, ServiceError
+from modelyard.service.intake import INLINE_DECODE_BYTES
+from modelyard.service.metrics import ServiceMetrics
+from modelyard.service.repository.uploads import UploadSpace
+from modelyard.service.runtime.manager import ModelManager
+from modelyard.service.runtime.signature import TensorSpec
+from modelyard.service.shm.registry import SharedMemoryRegistry
+from modelyard.tensors import TensorError
 
 # Triton's streaming parameters: the request asks, each response says whether it is the last.
 ENABLE_FINAL_RESPONSE = "triton_enable_empty_final_response"

@@ -19,9 +19,8 @@ from dataclasses import dataclass, field
 
 from modelyard.common.names import echo
 from modelyard.kserve.v2 import grpc_service_pb2 as pb
-
-from service.api.names import quoted
-from service.errors import InvalidInput
+from modelyard.service.api.names import quoted
+from modelyard.service.errors import InvalidInput
 
 LogValue = bool | int | str
 

@@ -8,9 +8,8 @@ import asyncio
 
 from modelyard.common.names import echo
 from modelyard.kserve.v2 import grpc_service_pb2 as pb
-
-from service.errors import Unsupported
-from service.shm.registry import RegionNotFound, SharedMemoryRegistry
+from modelyard.service.errors import Unsupported
+from modelyard.service.shm.registry import RegionNotFound, SharedMemoryRegistry
 
 CUDA_SHM_REFUSAL = (
     "CUDA shared memory is not supported: this server does not import CUDA IPC handles (tensors "

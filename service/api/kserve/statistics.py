@@ -5,9 +5,8 @@ adds them up (service/workers/merge.py)."""
 from __future__ import annotations
 
 from modelyard.kserve.v2 import grpc_service_pb2 as pb
-
-from service.runtime.manager import ModelManager
-from service.runtime.served import ServedVersion
+from modelyard.service.runtime.manager import ModelManager
+from modelyard.service.runtime.served import ServedVersion
 
 
 def model_statistics(manager: ModelManager, request: pb.ModelStatisticsRequest) -> pb.ModelStatisticsResponse:

@@ -15,17 +15,17 @@ from typing import Any
 
 import numpy as np
 import numpy.typing as npt
+
 from modelyard.kserve.v2.grpc_service_pb2 import (
     InferParameter,
     InferTensorContents,
     ModelInferRequest,
     ModelInferResponse,
 )
+from modelyard.service.api.names import quoted
+from modelyard.service.errors import InvalidInput, Unsupported
+from modelyard.service.shm.registry import SharedMemoryRegistry
 from modelyard.tensors import NUMPY_BY_NAME, TensorError, decode_bytes, element_count, name_of, to_wire
-
-from service.api.names import quoted
-from service.errors import InvalidInput, Unsupported
-from service.shm.registry import SharedMemoryRegistry
 
 Array = npt.NDArray[Any]
 

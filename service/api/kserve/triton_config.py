@@ -14,16 +14,16 @@ from typing import Any
 
 from google.protobuf import json_format
 from google.protobuf.message import Message
+
 from modelyard.kserve.v2 import model_config_pb2 as config_pb
 from modelyard.kserve.v2.grpc_service_pb2 import ModelRepositoryParameter
-
-from service.api.model_control import LoadParameters
-from service.api.names import clipped, quoted
-from service.errors import InvalidInput, ModelLoadError
-from service.repository.config import ModelConfig, parse_config
-from service.repository.uploads import check_paths
-from service.runtime.served import ServedVersion
-from service.scheduling.queue import QueuePolicy
+from modelyard.service.api.model_control import LoadParameters
+from modelyard.service.api.names import clipped, quoted
+from modelyard.service.errors import InvalidInput, ModelLoadError
+from modelyard.service.repository.config import ModelConfig, parse_config
+from modelyard.service.repository.uploads import check_paths
+from modelyard.service.runtime.served import ServedVersion
+from modelyard.service.scheduling.queue import QueuePolicy
 
 PLATFORM = "onnxruntime_onnx"
 BACKEND = "onnxruntime"

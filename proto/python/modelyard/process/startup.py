@@ -1,6 +1,6 @@
 """What a process checks before it starts serving, so that a start that cannot work ends with
 status 2 and one line naming the flag, its variable and the value (as a bad value does, see
-modelyard.common.settings), not with a traceback: a listen address that is taken or not local, a
+modelyard.process.settings), not with a traceback: a listen address that is taken or not local, a
 folder that is not there."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from modelyard.common.lifecycle import EXIT_USAGE, usage_line
-from modelyard.common.settings import split_address
+from modelyard.process.lifecycle import EXIT_USAGE, usage_line
+from modelyard.process.settings import split_address
 
 
 def usage_error(prog: str, prefix: str, name: str, message: str, hint: str = "") -> int:

@@ -14,7 +14,7 @@ from typing import Annotated, Literal
 from msgspec import Meta
 
 TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
-# Every process's log settings (`log_level: logs.Level = "INFO"`), for modelyard.common.settings.
+# Every process's log settings (`log_level: logs.Level = "INFO"`), for modelyard.process.settings.
 Level = Annotated[Literal["DEBUG", "INFO", "WARNING", "ERROR"], Meta(description="log level")]
 Format = Annotated[Literal["text", "json"], Meta(description="log format: json is one object per line")]
 _TRACE_FIELDS = ("trace_id", "span_id")

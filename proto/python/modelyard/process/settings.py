@@ -26,7 +26,7 @@ from typing import Any, TypeVar
 
 import msgspec
 
-from modelyard.common.documents import bounds
+from modelyard.process.documents import bounds
 
 T = TypeVar("T")
 

@@ -1,5 +1,5 @@
 """The Prometheus /metrics HTTP endpoint of a process: its own registry, served on a thread, over
-HTTPS when TLS files are given (modelyard.common.tls: reloaded when they change). `HttpServer`
+HTTPS when TLS files are given (modelyard.process.tls: reloaded when they change). `HttpServer`
 serves any WSGI app that way (the sidecar's admin endpoint)."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 from prometheus_client import CollectorRegistry, make_wsgi_app
 from prometheus_client.exposition import ThreadingWSGIServer
 
-from modelyard.common.tls import HttpTls, TlsFiles, warn_if_plaintext
+from modelyard.process.tls import HttpTls, TlsFiles, warn_if_plaintext
 
 log = logging.getLogger(__name__)
 

@@ -1,5 +1,5 @@
 """The `modelyard` command: `modelyard serve|sidecar|gateway ...` runs that process's own command
-line (the same as `python -m service|sidecar|gateway ...`).
+line (the same as `python -m modelyard.{service,sidecar,gateway} ...`).
 
 The process package is imported by name when its verb is used, so a sidecar host runs `modelyard
 sidecar` without the service's dependencies installed, and this package imports no process.
@@ -11,8 +11,8 @@ import importlib
 import sys
 from collections.abc import Sequence
 
-from modelyard.common.lifecycle import EXIT_USAGE
-from modelyard.common.logs import quiet_grpc_core
+from modelyard.process.lifecycle import EXIT_USAGE
+from modelyard.process.logs import quiet_grpc_core
 
 # verb -> the process package whose cli.main takes the rest of the arguments.
 COMMANDS = {"serve": "service", "sidecar": "sidecar", "gateway": "gateway", "up": "deploy"}
@@ -29,7 +29,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_USAGE
     quiet_grpc_core()  # before the process imports grpc
     try:
-        module = importlib.import_module(f"{package}.cli")
+        module = importlib.import_module(f"modelyard.{package}.cli")
     except ImportError as exc:
         print(
             f"modelyard {args[0]}: {exc}; install it with pip install 'modelyard[{package}]'",

@@ -1,5 +1,5 @@
 """Child processes, handled one way by every parent (the service's worker supervisor, `python -m
-deploy`, the tests, the benchmarks): started, optionally in their own session and told to die with
+modelyard.deploy`, the tests, the benchmarks): started, optionally in their own session and told to die with
 their parent; their ready line read from their output; stopped for sure (a signal, a bounded wait,
 then SIGKILL). Sync (subprocess.Popen) and asyncio flavours of the same few steps."""
 

@@ -21,7 +21,7 @@ T = TypeVar("T")
 
 
 def usage_line(prog: str, prefix: str, name: str, message: str, hint: str = "") -> str:
-    """The one line a setting's bad value gets, as modelyard.common.settings writes it."""
+    """The one line a setting's bad value gets, as modelyard.process.settings writes it."""
     flag = "--" + name.replace("_", "-")
     return f"{prog}: error: argument {flag}: {message} (env {prefix}{name.upper()}){hint}"
 
