@@ -30,8 +30,12 @@ from tests.support import eventually, metric
 def host_with_a_driver(tmp_path_factory: pytest.TempPathFactory) -> ProviderChoice:
     driver = tmp_path_factory.mktemp("proc") / "version"
     driver.write_text("NVRM version: faked for the test\n")
-    # This build has the CUDA provider or not; either way the probe cannot run on this host.
-    return detect_providers(driver=driver, available=lambda: [CUDA, CPU])
+    # This build has the CUDA provider or not; either way the probe cannot run on a host without a
+    # GPU (on a GPU host CUDA works, and tests/integration/test_cuda.py is the one that runs).
+    choice = detect_providers(driver=driver, available=lambda: [CUDA, CPU])
+    if choice.cuda_usable:
+        pytest.skip("CUDA works on this host")
+    return choice
 
 
 def test_no_driver_is_not_a_fallback(tmp_path: Path) -> None:
