@@ -2,7 +2,7 @@
 32 concurrent streams, with continuous batching on and off, and our per-token time against a bare
 loop of onnxruntime calls on the same model. All in one run, on the same machine.
 
-    .venv/bin/python -m bench.generate [--tokens 64] [--rounds 2] [--pin]
+    .venv/bin/python -m bench.generate [--tokens 64] [--rounds 2] [--pin] [--provider cpu|cuda]
 
 `--pin` measures as bench.floor does (issue 12's harness): the service and the bare loop each on
 core 1 with one intra-op thread, this client on core 0, so that the client's work does not land
@@ -23,11 +23,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import shutil
 import statistics
 import tempfile
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -60,8 +62,20 @@ CONFIG = """generation:
   eos_token: "<|endoftext|>"
   continuous_batching: {batching}
 """
-PINNED_CONFIG = "execution: {intra_op_threads: 1, inter_op_threads: 1}\n"
+PINNED = {"intra_op_threads": 1, "inter_op_threads": 1}
 SERVER_CORE, CLIENT_CORE = 1, 0
+CUDA, CPU = "CUDAExecutionProvider", "CPUExecutionProvider"
+
+
+def execution_config(pin: bool, provider: str) -> str:
+    execution = {**(PINNED if pin else {}), **({"provider": provider} if provider != "auto" else {})}
+    return f"execution: {json.dumps(execution)}\n" if execution else ""
+
+
+def bare_providers(provider: str) -> tuple[str, ...]:
+    """The bare loop runs where the service's `provider` would (auto: CUDA where it is usable)."""
+    usable = CUDA in ort.get_available_providers() and Path("/proc/driver/nvidia/version").exists()
+    return (CUDA,) if provider == "cuda" or (provider == "auto" and usable) else (CPU,)
 
 
 @dataclass(frozen=True)
@@ -119,13 +133,18 @@ async def run_round(stub: pb_grpc.InferenceServiceStub, model: str, streams: int
 
 
 def bare_loop(
-    model_file: Path, tokenizer: Tokenizer, tokens: int, repeats: int, threads: int = 0
+    model_file: Path,
+    tokenizer: Tokenizer,
+    tokens: int,
+    repeats: int,
+    threads: int = 0,
+    providers: Sequence[str] = (CPU,),
 ) -> tuple[float, float]:
     """Seconds per decode token of a plain onnxruntime KV-cache loop, batch 1, and per token of the
     whole loop with its prompt (medians of repeats). `threads`: intra-op threads (0: ORT's default)."""
     options = ort.SessionOptions()
     options.intra_op_num_threads = threads
-    session = ort.InferenceSession(str(model_file), options, providers=["CPUExecutionProvider"])
+    session = ort.InferenceSession(str(model_file), options, providers=list(providers))
     inputs = {i.name: i for i in session.get_inputs()}
     past_names = [n for n in inputs if n.startswith("past_key_values.")]
     present_names = [n.replace("past_key_values", "present") for n in past_names]
@@ -193,6 +212,9 @@ def main() -> int:
     parser.add_argument("--tokens", type=int, default=64, help="max_tokens per stream")
     parser.add_argument("--rounds", type=int, default=2, help="repetitions of every configuration")
     parser.add_argument("--pin", action="store_true", help="server and bare loop on core 1, one thread")
+    parser.add_argument(
+        "--provider", choices=("auto", "cpu", "cuda"), default="auto", help="the service's and bare loop's"
+    )
     args = parser.parse_args()
     pin = args.pin and (os.cpu_count() or 1) >= 2
     if pin:
@@ -201,7 +223,7 @@ def main() -> int:
         repository = Path(tmp)
         for name, batching in (("codelm", "true"), ("codelm-solo", "false")):
             shutil.copytree(CODELM / "1", repository / name / "1")
-            config = CONFIG.format(batching=batching) + (PINNED_CONFIG if pin else "")
+            config = CONFIG.format(batching=batching) + execution_config(pin, args.provider)
             (repository / name / "config.yaml").write_text(config)
         results = asyncio.run(measure_on_service(repository, args.tokens, args.rounds, pin))
         if pin:
@@ -212,11 +234,15 @@ def main() -> int:
             args.tokens,
             5,
             threads=1 if pin else 0,
+            providers=bare_providers(args.provider),
         )
 
     cores = os.cpu_count()
     where = f"service and bare loop on core {SERVER_CORE} with one thread, client on core {CLIENT_CORE}"
-    print(f"Generate, codelm, greedy, {args.tokens} tokens per stream, {cores} cores, best of {args.rounds}")
+    print(
+        f"Generate, codelm, greedy, {args.tokens} tokens per stream, {cores} cores, best of {args.rounds},"
+        f" execution.provider {args.provider}"
+    )
     print(where if pin else "not pinned (every process on every core)")
     header = ("batching", "streams", "TTFT p50 ms", "TTFT max ms", "ms/token", "tokens/s", "msgs")
     print(

@@ -2,7 +2,10 @@
 time from publishing a version to its first response, failed requests, and resident memory
 after many swaps. All in one run, on the same machine.
 
-    .venv/bin/python -m bench.swaps [--swaps 20] [--concurrency 8] [--phase-s 5]
+    .venv/bin/python -m bench.swaps [--swaps 20] [--concurrency 8] [--phase-s 5] [--provider cpu|cuda]
+
+With a GPU (NVML), the devices' used memory is read before the swaps, at its highest while they
+run, and after the last retired version is released: a swap must give back what it took.
 
 The service runs in a child process (`python -m modelyard.service`, watch mode, defaults) on a temporary
 repository with one model, `m`, a dense classifier whose version N is built with seed N (so each
@@ -35,6 +38,7 @@ from bench.processes import ServerProcess, running_service
 from models.demo_models import dense_classifier, serialize, write_model
 from modelyard.inference.v1 import inference_service_pb2 as pb
 from modelyard.inference.v1 import inference_service_pb2_grpc as pb_grpc
+from modelyard.service.gpu_memory import read_nvml
 from modelyard.tensors import to_tensor
 
 FEATURES, HIDDEN, CLASSES = 512, 512, 16
@@ -93,6 +97,22 @@ def publish(root: Path, staging: Path, version: int) -> None:
     os.rename(folder, root / "m" / str(version))
 
 
+def device_used_mb() -> float | None:
+    """Used memory summed over the GPUs (NVML sees every process's); None without NVML."""
+    devices = read_nvml()
+    return sum(d.used for d in devices) / 2**20 if devices else None
+
+
+@dataclass
+class DevicePeak:
+    highest: float = 0.0
+
+    async def sample(self) -> None:
+        while True:
+            self.highest = max(self.highest, device_used_mb() or 0.0)
+            await asyncio.sleep(0.05)
+
+
 def rss_mb(server: ServerProcess) -> float:
     for line in Path(f"/proc/{server.pid}/status").read_text().splitlines():
         if line.startswith("VmRSS:"):
@@ -102,7 +122,10 @@ def rss_mb(server: ServerProcess) -> float:
 
 async def run(args: argparse.Namespace, tmp: Path) -> int:
     root, staging = tmp / "models", tmp / "staging"
-    write_model(root, "m", 1, dense_classifier(FEATURES, HIDDEN, CLASSES, seed=1), {"max_batch_size": 8})
+    execution = {"execution": {"provider": args.provider}} if args.provider != "auto" else {}
+    write_model(
+        root, "m", 1, dense_classifier(FEATURES, HIDDEN, CLASSES, seed=1), {"max_batch_size": 8, **execution}
+    )
     async with (
         running_service(root, tmp) as server,
         grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as chan,
@@ -115,6 +138,9 @@ async def run(args: argparse.Namespace, tmp: Path) -> int:
         tasks = [asyncio.ensure_future(clients.run()) for _ in range(args.concurrency)]
         await asyncio.sleep(1.0)  # warm-up, not measured
         rss_start = rss_mb(server)
+        device_start = device_used_mb()
+        device_peak = DevicePeak()
+        sampler = asyncio.ensure_future(device_peak.sample())
 
         steady = clients.phase = Phase(started=time.perf_counter())
         await asyncio.sleep(args.phase_s)
@@ -137,6 +163,8 @@ async def run(args: argparse.Namespace, tmp: Path) -> int:
         await asyncio.gather(*tasks)
         await asyncio.sleep(1.0)  # let the last retired version drain and be released
         rss_end = rss_mb(server)
+        device_end = device_used_mb()
+        sampler.cancel()
 
     delays = [clients.first_seen[v] - t for v, t in published.items() if v in clients.first_seen]
     skipped = [v for v in published if v not in clients.first_seen]
@@ -162,6 +190,12 @@ async def run(args: argparse.Namespace, tmp: Path) -> int:
             f"{'; superseded before answering: ' + str(skipped) if skipped else ''})"
         )
     print(f"service RSS: {rss_start:.1f} MB before the swaps, {rss_end:.1f} MB after {args.swaps} swaps")
+    if device_start is not None and device_end is not None:
+        print(
+            f"device memory used: {device_start:.0f} MB before the swaps,"
+            f" {device_peak.highest:.0f} MB at most while they ran,"
+            f" {device_end:.0f} MB after the last retired version was released"
+        )
     failures = steady.failures + swapping.failures
     for failure in sorted(set(failures))[:5]:
         print("  failure:", failure)
@@ -174,6 +208,9 @@ def main() -> int:
     parser.add_argument("--swaps", type=int, default=20)
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--phase-s", type=float, default=10.0, help="duration of each phase")
+    parser.add_argument(
+        "--provider", choices=("auto", "cpu", "cuda"), default="auto", help="execution.provider"
+    )
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         return asyncio.run(run(args, Path(tmp)))

@@ -240,6 +240,89 @@ def dense_stack(layers: int = 32, width: int = 512, seed: int = 0) -> onnx.Model
     return make_model(graph, f"{layers} x MatMul {width}x{width} + Relu, seed {seed}")
 
 
+def encoder(
+    layers: int = 6, hidden: int = 384, heads: int = 12, ffn: int = 1536, seq: int = 128, seed: int = 0
+) -> onnx.ModelProto:
+    """A transformer encoder shaped like MiniLM-L6's body (6 layers, hidden 384, 12 heads, FFN 1536:
+    10.6 M parameters, 43 MB; MiniLM's other 12 M are its token embeddings, looked up before this),
+    for the GPU check: a model of the size people serve, built here.
+
+    Input "INPUT0" FP32 [batch, seq, hidden] (embeddings) -> "OUTPUT0" FP32 [batch, hidden], the mean
+    over the sequence of the last layer. Each layer: multi-head self-attention (Q, K, V projections,
+    softmax(QK^T / sqrt(d)) V, output projection), residual + LayerNormalization, FFN with Gelu (the
+    erf form), residual + LayerNormalization. Build it on the fly, never commit it.
+    """
+    _positive(layers=layers, hidden=hidden, heads=heads, ffn=ffn, seq=seq)
+    if hidden % heads:
+        raise ValueError(f"hidden ({hidden}) must be a multiple of heads ({heads})")
+    rng = np.random.default_rng(seed)
+    head = hidden // heads
+    nodes: list[onnx.NodeProto] = []
+    inits: list[TensorProto] = [
+        numpy_helper.from_array(np.array([0, 0, heads, head], np.int64), "split_heads"),
+        numpy_helper.from_array(np.array([0, 0, hidden], np.int64), "merge_heads"),
+        numpy_helper.from_array(np.array(1.0 / np.sqrt(head), np.float32), "scale"),
+        numpy_helper.from_array(np.array(1.0 / np.sqrt(2.0), np.float32), "inv_sqrt2"),
+        numpy_helper.from_array(np.array(1.0, np.float32), "one"),
+        numpy_helper.from_array(np.array(0.5, np.float32), "half"),
+    ]
+
+    def dense(x: str, name: str, rows: int, cols: int) -> str:
+        inits.append(_weights(rng, f"{name}.w", (rows, cols), np.sqrt(1.0 / rows)))
+        inits.append(numpy_helper.from_array(np.zeros(cols, np.float32), f"{name}.b"))
+        nodes.append(helper.make_node("MatMul", [x, f"{name}.w"], [f"{name}.mm"]))
+        nodes.append(helper.make_node("Add", [f"{name}.mm", f"{name}.b"], [name]))
+        return name
+
+    def norm(x: str, name: str) -> str:
+        inits.append(numpy_helper.from_array(np.ones(hidden, np.float32), f"{name}.g"))
+        inits.append(numpy_helper.from_array(np.zeros(hidden, np.float32), f"{name}.beta"))
+        scale_bias = [x, f"{name}.g", f"{name}.beta"]
+        nodes.append(helper.make_node("LayerNormalization", scale_bias, [name], axis=-1))
+        return name
+
+    def heads_of(x: str, name: str, perm: list[int]) -> str:
+        nodes.append(helper.make_node("Reshape", [x, "split_heads"], [f"{name}.r"]))
+        nodes.append(helper.make_node("Transpose", [f"{name}.r"], [name], perm=perm))
+        return name
+
+    x = "INPUT0"
+    for i in range(layers):
+        p = f"l{i}"
+        q = heads_of(dense(x, f"{p}.q", hidden, hidden), f"{p}.qh", [0, 2, 1, 3])  # [b, h, s, d]
+        k = heads_of(dense(x, f"{p}.k", hidden, hidden), f"{p}.kh", [0, 2, 3, 1])  # [b, h, d, s]
+        v = heads_of(dense(x, f"{p}.v", hidden, hidden), f"{p}.vh", [0, 2, 1, 3])
+        nodes.append(helper.make_node("MatMul", [q, k], [f"{p}.qk"]))
+        nodes.append(helper.make_node("Mul", [f"{p}.qk", "scale"], [f"{p}.scaled"]))
+        nodes.append(helper.make_node("Softmax", [f"{p}.scaled"], [f"{p}.attn"], axis=-1))
+        nodes.append(helper.make_node("MatMul", [f"{p}.attn", v], [f"{p}.ctx"]))
+        nodes.append(helper.make_node("Transpose", [f"{p}.ctx"], [f"{p}.ctx_t"], perm=[0, 2, 1, 3]))
+        nodes.append(helper.make_node("Reshape", [f"{p}.ctx_t", "merge_heads"], [f"{p}.merged"]))
+        attended = dense(f"{p}.merged", f"{p}.o", hidden, hidden)
+        nodes.append(helper.make_node("Add", [x, attended], [f"{p}.res1"]))
+        h = norm(f"{p}.res1", f"{p}.ln1")
+        up = dense(h, f"{p}.up", hidden, ffn)
+        # Gelu, erf form: 0.5 x (1 + erf(x / sqrt 2))
+        nodes.append(helper.make_node("Mul", [up, "inv_sqrt2"], [f"{p}.gs"]))
+        nodes.append(helper.make_node("Erf", [f"{p}.gs"], [f"{p}.erf"]))
+        nodes.append(helper.make_node("Add", [f"{p}.erf", "one"], [f"{p}.erf1"]))
+        nodes.append(helper.make_node("Mul", [up, f"{p}.erf1"], [f"{p}.gx"]))
+        nodes.append(helper.make_node("Mul", [f"{p}.gx", "half"], [f"{p}.gelu"]))
+        down = dense(f"{p}.gelu", f"{p}.down", ffn, hidden)
+        nodes.append(helper.make_node("Add", [h, down], [f"{p}.res2"]))
+        x = norm(f"{p}.res2", f"{p}.ln2")
+    nodes.append(helper.make_node("ReduceMean", [x], ["OUTPUT0"], axes=[1], keepdims=0))
+    graph = helper.make_graph(
+        nodes,
+        "encoder",
+        [helper.make_tensor_value_info("INPUT0", TensorProto.FLOAT, [BATCH_DIM, seq, hidden])],
+        [helper.make_tensor_value_info("OUTPUT0", TensorProto.FLOAT, [BATCH_DIM, hidden])],
+        initializer=inits,
+    )
+    shape = f"{layers} layers, hidden {hidden}, {heads} heads, FFN {ffn}, seq {seq}"
+    return make_model(graph, f"encoder: {shape}")
+
+
 def _write_atomic(path: Path, data: bytes) -> None:
     """Write to a hidden temp file in the same folder, then rename over ``path``."""
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")

@@ -312,6 +312,13 @@ class ServiceMetrics:
             ["model"],
             registry=self.registry,
         )
+        self.versions_degraded = Gauge(
+            "modelyard_model_versions_degraded",
+            "Versions serving on the CPU where CUDA was expected (a host with an NVIDIA driver where "
+            "CUDA could not be used, or a CUDA session that fell back), by model.",
+            ["model"],
+            registry=self.registry,
+        )
         self._generation_families(["model", "version"])
         # Requests label their model by name only while it is in the repository and has served:
         # names a request made up must not grow the label set without bound.
@@ -386,6 +393,7 @@ class ServiceMetrics:
             self.swaps,
             self.drain_seconds,
             self.versions_ready,
+            self.versions_degraded,
         ):
             family.remove_by_labels({"model": model})
 

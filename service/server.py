@@ -174,7 +174,11 @@ class Service:
             )
             if not self.manager.knows(event.model):
                 continue  # it left the repository, and its series with it
-            self.metrics.versions_ready.labels(event.model).set(len(served.versions) if served else 0)
+            versions = served.versions.values() if served else ()
+            self.metrics.versions_ready.labels(event.model).set(len(versions))
+            self.metrics.versions_degraded.labels(event.model).set(
+                sum(bool(v.runner.degraded) for v in versions)
+            )
             if served:
                 self.metrics.known_models.add(event.model)
 
@@ -213,7 +217,7 @@ def build_service(
     worker: WorkerRole | None = None,  # one of several worker processes (service.workers)
 ) -> Service:
     providers = detect_providers()
-    log.info("execution provider: %s (%s)", providers.default, providers.reason)
+    log.info("execution provider: %s (%s)", providers.default, providers.summary())
     metrics = ServiceMetrics()
     if providers.default == CUDA:
         metrics.registry.register(GpuMemoryCollector())

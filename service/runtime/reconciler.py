@@ -296,10 +296,12 @@ class RepositoryReconciler:
         self._failed = {k: v for k, v in self._failed.items() if k[0] != name}
 
     def _version_ready(self, served: ServedVersion) -> VersionStatus:
+        degraded = served.runner.degraded
         return VersionStatus(
             served.version,
             VersionState.READY,
             time.time(),
+            reason=f"degraded: {degraded}" if degraded else "",
             signature=served.runner.signature,
             provider=served.runner.provider,
         )

@@ -115,6 +115,9 @@ class ModelRunner:
     # the model run inline, however fast its warm-up was.
     value_driven: str = "not inspected"
     peak_run_s: float = 0.0  # a warm-up run at max_batch_size rows (0: no batch dimension)
+    # Why this version serves on the CPU where CUDA was expected (a host with a driver, or a CUDA
+    # session that fell back); "" when it runs where it should. Its status says "degraded: ...".
+    degraded: str = ""
 
     @property
     def runs_inline(self) -> bool:
@@ -260,6 +263,7 @@ def load_runner(
         )
     except Exception as exc:  # ORT raises a variety of types for a bad file
         raise ModelLoadError(f"{model_file}: onnxruntime cannot load it: {_first_line(exc)}") from None
+    degraded = _degraded(config, providers, provider, session.get_providers()[0], model_file)
     signature = _signature(session, config, model_file)
     metadata = dict(session.get_modelmeta().custom_metadata_map)
     kind: GraphKind | None = None
@@ -296,6 +300,7 @@ def load_runner(
         device=f"cuda:{config.execution.device_id}" if runner.provider == CUDA else "cpu",
         value_driven=driven,
         peak_run_s=peak_run_s,
+        degraded=degraded,
     )
 
 
@@ -313,6 +318,23 @@ def _provider_for(config: ModelConfig, providers: ProviderChoice, model_file: Pa
     if wanted == "cpu":
         return CPU
     return providers.default
+
+
+def _degraded(config: ModelConfig, providers: ProviderChoice, wanted: str, got: str, model_file: Path) -> str:
+    """Why the version serves on the CPU instead of CUDA ("" when it does not): the process found
+    CUDA unusable on a host with a driver, or this version's CUDA session fell back (a device id
+    that does not exist, a device out of memory). `execution.provider: cuda` refuses either."""
+    if wanted == CUDA and got != CUDA:
+        if config.execution.provider == "cuda":
+            raise ModelLoadError(
+                f"{model_file}: execution.provider is cuda but its session fell back to {got} "
+                f"(device {config.execution.device_id})",
+                "provider",
+            )
+        return f"on the CPU: its CUDA session on device {config.execution.device_id} fell back to {got}"
+    if wanted == CPU and config.execution.provider == "auto" and providers.fallback:
+        return f"on the CPU: {providers.reason}"
+    return ""
 
 
 def _providers(config: ModelConfig, provider: str) -> list[Any]:

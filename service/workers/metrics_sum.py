@@ -22,6 +22,8 @@ LOWEST = frozenset(
         "modelyard_instance_healthy",
     }
 )
+# A version degraded in any worker is degraded.
+HIGHEST = frozenset({"modelyard_model_versions_degraded"})
 # Families whose values only grow while their process lives: carried over when it dies. Gauges
 # are not (a dead worker's queue depth is gone with it).
 MONOTONIC = frozenset({"counter", "histogram", "summary"})
@@ -46,14 +48,14 @@ def sum_families(scrapes: Iterable[Iterable[Metric]]) -> Iterator[Metric]:
             if family.name not in families:
                 families[family.name] = Metric(family.name, family.documentation, family.type)
                 values[family.name] = {}
-            lowest = family.name in LOWEST
+            merge = min if family.name in LOWEST else max if family.name in HIGHEST else _add
             into = values[family.name]
             for sample in family.samples:
                 if family.type in MONOTONIC and sample.name == family.name + _CREATED:
                     continue  # the same timestamps, where a parser keeps them in the family
                 key = (sample.name, tuple(sorted(sample.labels.items())))
                 if key in into:
-                    into[key] = min(into[key], sample.value) if lowest else into[key] + sample.value
+                    into[key] = merge(into[key], sample.value)
                 else:
                     into[key] = sample.value
     for name, family in families.items():
@@ -71,3 +73,7 @@ def carry(carried: Sequence[Metric], last_scrape: str) -> list[Metric]:
     of totals however many workers came and went (its size is the number of series seen)."""
     monotonic = [f for f in parse(last_scrape) if f.type in MONOTONIC]
     return list(sum_families([carried, monotonic]))
+
+
+def _add(a: float, b: float) -> float:
+    return a + b
