@@ -226,7 +226,7 @@ class Rollout:
         if self.step == len(self.spec.steps) - 1:
             self.state = SUCCEEDED
             return self._event("succeeded", now)
-        self.step, self.step_started, self.gates = self.step + 1, now, {}
+        self.step, self.step_started = self.step + 1, now  # the gates shown stay the last judged
         return self._event("step", now)
 
     def _fail(self, now: float, reason: str) -> Event:
