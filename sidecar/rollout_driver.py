@@ -53,13 +53,17 @@ class Outcome:
 
 
 class Outcomes:
-    """The recent outcomes per (model, version), as the breakers were told them."""
+    """The recent outcomes per (model, version), as the breakers were told them; kept only for
+    the `watched` models (those with an active rollout: the others cost a set lookup per call)."""
 
     def __init__(self, clock: Callable[[], float]) -> None:
         self._clock = clock
         self._seen: dict[tuple[str, str], deque[Outcome]] = {}
+        self.watched: frozenset[str] = frozenset()
 
     def record(self, key: BreakerKey, fault: bool, latency: float | None) -> None:
+        if key.model not in self.watched:
+            return
         found = self._seen.get((key.model, key.version))
         if found is None:
             found = self._seen[(key.model, key.version)] = deque(maxlen=KEEP)
@@ -78,8 +82,9 @@ class Outcomes:
                 latencies.append(o.latency)
         return Tally(calls, faults, len(latencies), _p99(latencies))
 
-    def forget(self, keep: Callable[[str], bool]) -> None:
-        for key in [k for k in self._seen if not keep(k[0])]:
+    def watch(self, models: Iterable[str]) -> None:
+        self.watched = frozenset(models)
+        for key in [k for k in self._seen if k[0] not in self.watched]:
             del self._seen[key]
 
 
@@ -168,6 +173,7 @@ class RolloutDriver:
                 raise ValueError(f"state file: rollout {model}: {exc}") from exc
         for rollout in self.rollouts.values():
             self.metrics.show(rollout)
+        self.outcomes.watch(m for m, r in self.rollouts.items() if r.active)
         self.from_file()
 
     # --- what operators ask (admin endpoint, route file) ---------------------------------
@@ -272,6 +278,7 @@ class RolloutDriver:
 
     def _applied(self, rollout: Rollout, event: Mapping[str, Any], by: str) -> None:
         """A transition: the weight to the route, an audit line, the metrics, the state file."""
+        self.outcomes.watch(m for m, r in self.rollouts.items() if r.active)
         model = rollout.model
         route = self._routes.table.route(model)
         if route.canary_weight != rollout.weight:

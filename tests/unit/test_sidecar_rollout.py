@@ -238,3 +238,19 @@ def test_gates_are_pending_until_judged_and_relative_to_stable() -> None:
 def test_a_bad_spec_says_why(steps: tuple[float, ...], message: str) -> None:
     with pytest.raises(ValueError, match=message):
         RolloutSpec(steps=steps)
+
+
+def test_a_rollout_in_the_route_file_starts_once_and_again_when_its_spec_changes(tmp_path: Path) -> None:
+    config = tmp_path / "routes.yaml"
+    config.write_text("rollout: {scaler: {steps: [10, 100], dwell_s: 5, min_calls: 5}}\n")
+    h = Harness(config=config)
+    first = h.driver.rollouts["scaler"]
+    assert (first.origin, first.state, h.weight()) == ("route_file", RUNNING, 10)
+    h.step()
+    assert h.weight() == 100
+    again = Harness(saved=h.saved(), clock=h.clock, config=config)  # a restart: the same rollout
+    assert again.driver.rollouts["scaler"].history == first.history and again.weight() == 100
+    config.write_text("rollout: {scaler: {steps: [20, 100], dwell_s: 5, min_calls: 5}}\n")
+    assert again.routes.reload_if_changed()
+    again.driver.from_file()
+    assert again.driver.rollouts["scaler"].spec.steps == (20, 100) and again.weight() == 20
