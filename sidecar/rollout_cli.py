@@ -10,8 +10,9 @@
 
 Also `python -m modelyard.sidecar.rollout_cli ...`. The admin URL and token come from --admin-url
 and --token, else MODELYARD_ADMIN_URL and MODELYARD_ADMIN_TOKEN (default http://127.0.0.1:9101, no
-token); --ca-file (MODELYARD_ADMIN_CA) verifies an HTTPS admin endpoint. The answer is printed as JSON; exit status 0, 1 when the
-endpoint refused (its error and reason on stderr), 2 for a usage mistake or no answer at all.
+token); --ca-file (MODELYARD_ADMIN_CA) verifies an HTTPS admin endpoint. The answer is printed as
+JSON; exit status 0, 1 when the endpoint refused (its error and reason on stderr), 2 for a usage
+mistake or no answer at all.
 Standard library only: an operator's laptop needs nothing of the sidecar's dependencies.
 """
 
