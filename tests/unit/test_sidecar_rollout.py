@@ -253,4 +253,5 @@ def test_a_rollout_in_the_route_file_starts_once_and_again_when_its_spec_changes
     config.write_text("rollout: {scaler: {steps: [20, 100], dwell_s: 5, min_calls: 5}}\n")
     assert again.routes.reload_if_changed()
     again.driver.from_file()
-    assert again.driver.rollouts["scaler"].spec.steps == (20, 100) and again.weight() == 20
+    assert again.driver.rollouts["scaler"].spec.steps == (20.0, 100.0)
+    assert again.weight() == 20
