@@ -246,6 +246,25 @@ class RolloutDriver:
                 self._applied(rollout, event.doc(), "")
             else:
                 self.metrics.show(rollout)  # the gates' results, between transitions too
+            self._hold(rollout)
+
+    def _hold(self, rollout: Rollout) -> None:
+        """An active rollout owns its model's weight: a route-file edit of it is undone (an admin
+        PUT is refused with 409 instead), with a warning and an audit line."""
+        route = self._routes.table.route(rollout.model)
+        if not rollout.active or route.canary_weight == rollout.weight:
+            return
+        log.warning(
+            "rollout of %s: its weight was set to %g elsewhere (the route file?); the rollout's %g holds",
+            rollout.model,
+            route.canary_weight,
+            rollout.weight,
+        )
+        self._routes.set_route(
+            rollout.model, replace(route, canary_weight=rollout.weight), source=FROM_ROLLOUT, by="rollout"
+        )
+        held = f"canary_weight {route.canary_weight:g} -> {rollout.weight:g}"
+        audit(f"model={rollout.model} rollout holds {held}", "rollout", self._clock())
 
     def _canary(self, model: str) -> str:
         route = self._routes.table.route(model)

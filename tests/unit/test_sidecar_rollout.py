@@ -255,3 +255,15 @@ def test_a_rollout_in_the_route_file_starts_once_and_again_when_its_spec_changes
     again.driver.from_file()
     assert again.driver.rollouts["scaler"].spec.steps == (20.0, 100.0)
     assert again.weight() == 20
+
+
+def test_an_active_rollout_holds_its_weight_against_a_route_file_edit(tmp_path: Path) -> None:
+    config = tmp_path / "routes.yaml"
+    config.write_text("models: {scaler: {canary_weight: 0}}\n")
+    h = Harness(config=config)
+    h.driver.start("scaler", SPEC, "ops")
+    config.write_text("models: {scaler: {canary_weight: 90}}\n")
+    h.clock.now = 4_000_000_000.0  # after the file's modification time: the edit is the newer change
+    assert h.routes.reload_if_changed() and h.weight() == 90
+    h.driver.tick()
+    assert h.weight() == 1 and h.routes.sources["scaler"].source == FROM_ROLLOUT
