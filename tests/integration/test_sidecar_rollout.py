@@ -187,3 +187,32 @@ async def _metrics(sidecar: Sidecar) -> str:
             return str(answer.read().decode())
 
     return await asyncio.to_thread(scrape)
+
+
+async def test_a_restart_mid_rollout_resumes_it(tmp_path: Path) -> None:
+    clock = Clock()
+    async with serving(tmp_path / "models", demo_models.scaled_identity(16, 3.0)) as service:
+        spec = {"steps": [20, 50, 100], "dwell_s": 10, "min_calls": 5, "judge_calls": 5}
+        async with sidecar_for(service, tmp_path, clock) as sidecar:
+            assert (await _call(sidecar, "/rollouts/scaler", "POST", spec))[0] == 201
+            rollout = sidecar.rollouts.rollouts["scaler"]
+            async with grpc.aio.insecure_channel(sidecar.address) as channel:
+
+                async def at_step_2() -> bool:
+                    await traffic(channel, clock)
+                    return rollout.step == 1
+
+                await eventually(at_step_2, "the rollout's second step", within_s=60)
+            history = rollout.history
+        async with sidecar_for(service, tmp_path, clock) as again:
+            status, view = await _call(again, "/rollouts/scaler")
+            assert status == 200 and (view["state"], view["step"], view["weight"]) == ("running", 1, 50)
+            assert view["history"] == history
+            assert again.routes.table.route("scaler").canary_weight == 50
+            async with grpc.aio.insecure_channel(again.address) as channel:
+
+                async def succeeded() -> bool:
+                    await traffic(channel, clock)
+                    return again.rollouts.rollouts["scaler"].state == "succeeded"
+
+                await eventually(succeeded, "the resumed rollout to succeed", within_s=60)
