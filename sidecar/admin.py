@@ -54,7 +54,7 @@ from modelyard.process.tls import HttpTls, TlsFiles, warn_if_plaintext
 from modelyard.sidecar.rollout import RolloutSpec
 from modelyard.sidecar.rollout_driver import RolloutDriver, RolloutError
 from modelyard.sidecar.route_file import RolloutDoc
-from modelyard.sidecar.routes import ConfigError, RouteSource, parse_model_route, route_doc
+from modelyard.sidecar.routes import ConfigError, RouteSource, parse_model_route, route_change, route_doc
 from modelyard.sidecar.state import audit, who
 
 log = logging.getLogger(__name__)
@@ -349,7 +349,7 @@ class AdminServer:
         except (ValueError, ConfigError, RecursionError) as exc:
             raise HttpError(400, ErrorReason.INVALID_ARGUMENT, _capped(str(exc))) from exc
         old = self._routes.set_route(model, route, by=by)
-        audit(f"model={model} {_route_change(old.route, route)}", by, self._clock())
+        audit(f"model={model} {route_change(old.route, route)}", by, self._clock())
         return _json(200, {"model": model, **route_doc(route)})
 
     def _canary_view(self) -> dict[str, object]:
@@ -447,16 +447,6 @@ def _rollout_spec(raw: bytes) -> RolloutSpec:
         return RolloutSpec(**{k: getattr(doc, k) for k in RolloutDoc.__struct_fields__})
     except (DocumentError, ValueError) as exc:
         raise HttpError(400, ErrorReason.INVALID_ARGUMENT, _capped(str(exc))) from exc
-
-
-def _route_change(old: Any, new: Any) -> str:
-    """The audit words for a route change: each field that changed, old -> new."""
-    words = [
-        f"{name} {getattr(old, name) or '-'} -> {getattr(new, name) or '-'}"
-        for name in ("canary_weight", "stable", "canary")
-        if getattr(old, name) != getattr(new, name)
-    ]
-    return ", ".join(words) or f"canary_weight {old.canary_weight} (unchanged)"
 
 
 def _peer(writer: asyncio.StreamWriter) -> str:

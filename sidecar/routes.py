@@ -47,6 +47,7 @@ from modelyard.sidecar.rollout import RolloutSpec
 from modelyard.sidecar.route_file import ModelRouteDoc, RouteFileDoc
 from modelyard.sidecar.routing import ModelRoute, normalize_version
 from modelyard.sidecar.shadow import ShadowPolicy
+from modelyard.sidecar.state import audit
 
 T = TypeVar("T")
 
@@ -188,6 +189,16 @@ def route_doc(route: ModelRoute) -> dict[str, object]:
     return {"canary_weight": route.canary_weight, "stable": route.stable, "canary": route.canary}
 
 
+def route_change(old: ModelRoute, new: ModelRoute) -> str:
+    """The audit words for a route change: each field that changed, old -> new."""
+    words = [
+        f"{name} {getattr(old, name) or '-'} -> {getattr(new, name) or '-'}"
+        for name in ("canary_weight", "stable", "canary")
+        if getattr(old, name) != getattr(new, name)
+    ]
+    return ", ".join(words) or f"canary_weight {old.canary_weight} (unchanged)"
+
+
 def _same(a: ModelRoute, b: ModelRoute) -> bool:
     return (a.canary_weight, a.stable, a.canary) == (b.canary_weight, b.stable, b.canary)
 
@@ -280,9 +291,14 @@ class RouteSource:
         for model in set(self._file_changes) - set(changes):
             # The entry went: that is a change too (newer than any admin change for the model).
             self._overrides.pop(model, None)
+        before = self.table
         self._file, self._file_changes = table, changes
         self._merge()
         log.info("route config %s reloaded", self._path)
+        for model in sorted({*before.models, *self.table.models}):
+            old, new = before.route(model), self.table.route(model)
+            if not _same(old, new):
+                audit(f"model={model} {route_change(old, new)}", "route_file", now)
         self.on_change()
         return True
 

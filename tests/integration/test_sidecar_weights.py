@@ -49,6 +49,8 @@ async def test_admin_weights_survive_a_restart_and_file_edits_of_other_models(
         write_config(config, {"models": {"scaler": {"canary_weight": 10}, "other": {"canary_weight": 50}}})
         await eventually(lambda: weights(sidecar)["other"] == 50, "the file's edit of other")
         assert weights(sidecar)["scaler"] == 25
+        lines = [r.getMessage() for r in caplog.records if r.name == "modelyard.sidecar.audit"]
+        assert len(lines) == 2 and "model=other canary_weight 10.0 -> 50.0 by=route_file" in lines[1]
         listing = await admin_async(sidecar, "/canary")
         assert listing["models"]["scaler"]["source"] == "admin"
         assert listing["models"]["other"]["source"] == "route_file"
