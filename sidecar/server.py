@@ -125,11 +125,11 @@ class Sidecar:
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
-        await self.state.flush()
         await self.shadows.close()
         await self.upstreams.close()
         if self.admin is not None:
             await self.admin.stop()
+        await self.state.flush()  # after the last change can arrive
         await self.tracing.close()
 
     def upstreams_changed(self) -> None:
