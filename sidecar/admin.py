@@ -1,4 +1,5 @@
-"""The admin HTTP endpoint: /metrics, GET /breakers, GET /canary, PUT /canary/<model>.
+"""The admin HTTP endpoint: /metrics, GET /breakers, GET /canary, PUT /canary/<model>, and the
+rollouts: GET /rollouts, GET|POST /rollouts/<model>, POST /rollouts/<model>/pause|resume|abort.
 
 An asyncio server on the sidecar's event loop (plain asyncio streams: the sidecar host needs no
 web framework), HTTP/1.1 with keep-alive, over HTTPS (and mTLS) when TLS files are given: the
@@ -18,7 +19,13 @@ answered 401 with the same body whatever was wrong, and counted.
 Every error is JSON `{"error": message, "reason": x-error-reason word}` with a 4xx status (a JSON
 body that is not an object, nested too deeply or not JSON at all is a 400 `invalid_argument`).
 
+PUT /canary/<model> for a model neither the route table nor the upstreams know is a 404; one whose
+weight an active rollout sets is a 409 (pause or abort it first). Every accepted change is one
+audit line (sidecar/state.py: who, what, when) and is kept in the state file when there is one.
+
     curl -X PUT localhost:9101/canary/scaler -H "authorization: Bearer $TOKEN" -d '{"canary_weight": 25}'
+    curl -X POST localhost:9101/rollouts/scaler -H "authorization: Bearer $TOKEN" \
+        -d '{"steps": [1, 5, 25, 50, 100], "dwell_s": 60, "min_calls": 100}'
     curl localhost:9101/breakers
 """
 
@@ -29,6 +36,7 @@ import contextlib
 import json
 import logging
 import ssl
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -40,9 +48,14 @@ from prometheus_client.exposition import choose_encoder
 from modelyard.common.names import InvalidName, check_name, echo
 from modelyard.common.reasons import ErrorReason
 from modelyard.process.auth import Authorizer, Decision
+from modelyard.process.documents import DocumentError, load
 from modelyard.process.throttle import LogThrottle
 from modelyard.process.tls import HttpTls, TlsFiles, warn_if_plaintext
-from modelyard.sidecar.routes import ConfigError, RouteSource, parse_model_route
+from modelyard.sidecar.rollout import RolloutSpec
+from modelyard.sidecar.rollout_driver import RolloutDriver, RolloutError
+from modelyard.sidecar.route_file import RolloutDoc
+from modelyard.sidecar.routes import ConfigError, RouteSource, parse_model_route, route_change, route_doc
+from modelyard.sidecar.state import audit, who
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +63,7 @@ READS = frozenset({"GET", "HEAD"})
 MAX_ROUTES = 1024  # models with their own route (file and admin together) that PUT may add up to
 _PHRASES = {
     200: "OK",
+    201: "Created",
     400: "Bad Request",
     401: "Unauthorized",
     403: "Forbidden",
@@ -81,6 +95,7 @@ class Request:
     version: str
     headers: dict[str, str]
     body: bytes = b""
+    peer: str = ""  # host:port of the client (for the audit line)
 
     @property
     def keep_alive(self) -> bool:
@@ -135,6 +150,9 @@ class AdminServer:
         auth_reads: bool = False,
         denials: Counter | None = None,  # labelled by outcome
         limits: AdminLimits | None = None,
+        known: Callable[[str], bool] | None = None,  # whether a model exists (None: any name)
+        rollouts: RolloutDriver | None = None,
+        clock: Callable[[], float] = time.time,  # the audit lines' time
     ) -> None:
         warn_if_plaintext(host, "the sidecar's admin endpoint", tls)
         self._host, self._port = host, port
@@ -146,6 +164,9 @@ class AdminServer:
         self._auth_reads = auth_reads
         self._denials = denials
         self._limits = limits or AdminLimits()
+        self._known = known
+        self._rollouts = rollouts
+        self._clock = clock
         self._throttle = LogThrottle(log)
         self._server: asyncio.Server | None = None
         self._connections: set[asyncio.Task[None]] = set()
@@ -195,6 +216,8 @@ class AdminServer:
         while True:
             try:
                 request = await self._read(reader)
+                if request is not None:
+                    request.peer = _peer(writer)
             except HttpError as exc:  # the request was not read whole: answer, then close
                 refused = exc.response()
                 refused.close = True
@@ -290,14 +313,29 @@ class AdminServer:
         if path == "/canary" and method in READS:
             return _json(200, self._canary_view())
         if path.startswith("/canary/") and method == "PUT":
-            return self._put_route(unquote(path[len("/canary/") :]), request.body)
+            return self._put_route(unquote(path[len("/canary/") :]), request.body, _author(request))
+        if path == "/rollouts" or path.startswith("/rollouts/"):
+            return self._rollout_request(request)
         raise HttpError(404, ErrorReason.UNSUPPORTED, f"no {echo(method)} {echo(path)}")
 
-    def _put_route(self, model: str, raw: bytes) -> Response:
+    def _model(self, model: str) -> str:
+        """A model named in a path: 400 for a bad name, 404 for one nobody knows."""
         try:
             check_name(model, "model")
         except InvalidName as exc:
             raise HttpError(400, ErrorReason.INVALID_ARGUMENT, str(exc)) from exc
+        if self._known is not None and model not in self._routes.table.models and not self._known(model):
+            raise HttpError(404, ErrorReason.MODEL_NOT_FOUND, f"no model {echo(model)}")
+        return model
+
+    def _put_route(self, model: str, raw: bytes, by: str = "") -> Response:
+        self._model(model)
+        if self._rollouts is not None and self._rollouts.steering(model):
+            raise HttpError(
+                409,
+                ErrorReason.FAILED_PRECONDITION,
+                f"a rollout sets the weight of {echo(model)}: pause or abort it first",
+            )
         body = _json_object(raw)
         table = self._routes.table
         if model not in table.models and len(table.models) >= MAX_ROUTES:
@@ -310,16 +348,57 @@ class AdminServer:
             route = parse_model_route({**base, **body}, f"canary/{model}")
         except (ValueError, ConfigError, RecursionError) as exc:
             raise HttpError(400, ErrorReason.INVALID_ARGUMENT, _capped(str(exc))) from exc
-        self._routes.set_route(model, route)
-        return _json(200, {"model": model, **_route_doc(route)})
+        old = self._routes.set_route(model, route, by=by)
+        audit(f"model={model} {route_change(old.route, route)}", by, self._clock())
+        return _json(200, {"model": model, **route_doc(route)})
 
     def _canary_view(self) -> dict[str, object]:
         table = self._routes.table
         return {
             "stickiness_header": table.stickiness_header,
+            "sticky_cohort": "shared" if table.shared_cohort else "model",
             "canary_weight": table.canary_weight,
-            "models": {name: _route_doc(route) for name, route in table.models.items()},
+            "models": {name: self._model_view(name) for name in table.models},
         }
+
+    def _model_view(self, model: str) -> dict[str, object]:
+        """One model in GET /canary: its route, and where it came from."""
+        view = route_doc(self._routes.table.route(model))
+        change = self._routes.sources.get(model)
+        if change is not None:
+            view.update(source=change.source, changed_at=change.at, changed_by=change.by or None)
+        return view
+
+    # --- rollouts -------------------------------------------------------------------------
+
+    def _rollout_request(self, request: Request) -> Response:
+        if self._rollouts is None:
+            raise HttpError(404, ErrorReason.UNSUPPORTED, "rollouts are not enabled here")
+        parts = request.path.split("/")[2:]  # "/rollouts/<model>[/<action>]"
+        method = request.method
+        if not parts and method in READS:
+            return _json(200, self._rollouts.views())
+        if len(parts) not in (1, 2) or (len(parts) == 2 and method != "POST"):
+            raise HttpError(404, ErrorReason.UNSUPPORTED, f"no {echo(method)} {echo(request.path)}")
+        model = self._model(unquote(parts[0]))
+        try:
+            if len(parts) == 2:
+                if parts[1] not in ("pause", "resume", "abort"):
+                    raise HttpError(404, ErrorReason.UNSUPPORTED, f"no rollout action {echo(parts[1])}")
+                return _json(200, self._rollouts.control(model, parts[1], _author(request)).view())
+            if method in READS:
+                found = self._rollouts.rollouts.get(model)
+                if found is None:
+                    message = f"model {echo(model)} has no rollout"
+                    raise HttpError(404, ErrorReason.FAILED_PRECONDITION, message)
+                return _json(200, found.view())
+            if method != "POST":
+                raise HttpError(404, ErrorReason.UNSUPPORTED, f"no {echo(method)} {echo(request.path)}")
+            spec = _rollout_spec(request.body)
+            return _json(201, self._rollouts.start(model, spec, _author(request)).view())
+        except RolloutError as exc:
+            reason = ErrorReason.FAILED_PRECONDITION
+            raise HttpError(exc.status, reason, str(exc)) from exc
 
 
 def _parse_head(head: bytes) -> Request:
@@ -362,8 +441,23 @@ def _capped(text: str, limit: int = 512) -> str:
     return text if len(text) <= limit else text[:limit] + "..."
 
 
-def _route_doc(route: Any) -> dict[str, object]:
-    return {"canary_weight": route.canary_weight, "stable": route.stable, "canary": route.canary}
+def _rollout_spec(raw: bytes) -> RolloutSpec:
+    try:
+        doc = load(_json_object(raw), RolloutDoc, "body")
+        return RolloutSpec(**{k: getattr(doc, k) for k in RolloutDoc.__struct_fields__})
+    except (DocumentError, ValueError) as exc:
+        raise HttpError(400, ErrorReason.INVALID_ARGUMENT, _capped(str(exc))) from exc
+
+
+def _peer(writer: asyncio.StreamWriter) -> str:
+    peer = writer.get_extra_info("peername")
+    return f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) and len(peer) >= 2 else ""
+
+
+def _author(request: Request) -> str:
+    """Who made a change (sidecar/state.py: the token's fingerprint and the peer)."""
+    scheme, _, token = request.headers.get("authorization", "").partition(" ")
+    return who(token.strip() if scheme.lower() == "bearer" else None, request.peer)
 
 
 def _json(status: int, doc: object, headers: Iterable[tuple[str, str]] = (), close: bool = False) -> Response:

@@ -39,6 +39,8 @@ class Permit:
 
 # key, old state, new state, why (the trip reason on opening, else empty)
 OnChange = Callable[[BreakerKey, State, State, str], None]
+# key, fault, latency: every outcome reported (the rollouts' gates read them: rollout_driver.py)
+Observe = Callable[[BreakerKey, bool, float | None], None]
 
 
 class _Listener(pybreaker.CircuitBreakerListener):
@@ -66,6 +68,7 @@ class Breaker:
         self._probes_in_flight = 0
         self._probe_successes = 0
         self._probe_failers: set[Caller] = set()  # callers whose probes failed, this half-open
+        self.observe: Observe | None = None
 
     @property
     def state(self) -> State:
@@ -105,6 +108,8 @@ class Breaker:
         given for calls whose duration means something (unary), else None; `caller` is who made
         it (adaptive.py: no single caller trips a breaker); `lone_trips`: the version has a
         fallback, so a lone caller's faults may open it (AdaptivePolicy.record)."""
+        if self.observe is not None:
+            self.observe(self.key, fault, latency)
         if permit.generation != self._generation:
             return  # the state changed while the call ran; its outcome belongs to the past
         if permit.probe:
@@ -175,12 +180,14 @@ class Breakers:
         self._clock = clock
         self._on_change = on_change
         self._breakers: dict[BreakerKey, Breaker] = {}
+        self.observe: Observe | None = None  # given every breaker's outcomes
 
     def get(self, upstream: str, model: str, version: str) -> Breaker:
         key = BreakerKey(upstream, model, version)
         breaker = self._breakers.get(key)
         if breaker is None:
             breaker = self._breakers[key] = Breaker(key, self._policy, self._clock, self._on_change)
+            breaker.observe = self.observe
         return breaker
 
     def set_policy(self, policy: BreakerPolicy) -> None:

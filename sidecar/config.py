@@ -41,6 +41,17 @@ class Settings:
     config_poll_s: Annotated[
         float, Meta(gt=0, description="seconds between checks of the route file for changes")
     ] = 1.0
+    # Empty: admin changes and rollouts last until a restart (sidecar/state.py).
+    state_file: Annotated[
+        str,
+        Meta(
+            description="JSON file keeping admin weight changes and rollouts across restarts "
+            "(written atomically); empty: kept in memory only"
+        ),
+    ] = ""
+    rollout_tick_s: Annotated[
+        float, Meta(gt=0, description="seconds between evaluations of the rollouts' gates")
+    ] = 1.0
     grace_s: Annotated[float, Meta(ge=0, description="seconds in-flight calls get to finish on shutdown")] = (
         10.0
     )

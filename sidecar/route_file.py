@@ -7,7 +7,7 @@ TenantLimit, ShadowPolicy), whose own checks (backoff_s <= backoff_max_s, ...) s
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Literal
 
 import msgspec
 from msgspec import UNSET, Meta, UnsetType
@@ -15,6 +15,7 @@ from msgspec import UNSET, Meta, UnsetType
 from modelyard.common import headers
 from modelyard.sidecar.adaptive import BreakerPolicy
 from modelyard.sidecar.limits import TenantLimit
+from modelyard.sidecar.rollout import RolloutSpec
 from modelyard.sidecar.shadow import ShadowPolicy
 
 Weight = Annotated[
@@ -34,6 +35,7 @@ Version = Annotated[
 _BREAKER = BreakerPolicy()
 _TENANT = TenantLimit()
 _SHADOW = ShadowPolicy()
+_ROLLOUT = RolloutSpec()
 
 
 class _Keys(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, omit_defaults=True):
@@ -106,6 +108,37 @@ class ShadowDoc(_Keys):
     )
 
 
+class RolloutDoc(_Keys):
+    """A progressive rollout (sidecar/rollout.py): the canary's weight steps up while its gates are
+    green, and goes to 0 when one is red. Also the body of POST /rollouts/<model>."""
+
+    steps: Annotated[
+        list[Annotated[float, Meta(gt=0, le=100)]],
+        Meta(min_length=1, description="canary weights in order, rising, ending at 100"),
+    ] = msgspec.field(default_factory=lambda: list(_ROLLOUT.steps))
+    dwell_s: Annotated[float, Meta(ge=0, description="seconds each step's gates must stay green")] = (
+        _ROLLOUT.dwell_s
+    )
+    min_calls: Annotated[int, Meta(ge=1, description="canary calls each step needs before it advances")] = (
+        _ROLLOUT.min_calls
+    )
+    judge_calls: Annotated[
+        int, Meta(ge=1, description="canary calls in a step before a gate may turn red (at most min_calls)")
+    ] = _ROLLOUT.judge_calls
+    max_error_excess: Annotated[
+        float, Meta(ge=0, le=1, description="red when the canary's error rate exceeds stable's by more")
+    ] = _ROLLOUT.max_error_excess
+    max_latency_ratio: Annotated[
+        float, Meta(gt=0, description="red when the canary's p99 exceeds stable's times this")
+    ] = _ROLLOUT.max_latency_ratio
+    latency_floor_s: Annotated[float, Meta(ge=0, description="a canary p99 below this is never red")] = (
+        _ROLLOUT.latency_floor_s
+    )
+    min_agreement: Annotated[
+        float, Meta(ge=0, le=1, description="red when shadow agreement (argmax rows, greedy tokens) is lower")
+    ] = _ROLLOUT.min_agreement
+
+
 class RouteFileDoc(_Keys):
     """The route file: canary weights, versions, breaker thresholds, tenant limits, shadowing."""
 
@@ -119,3 +152,13 @@ class RouteFileDoc(_Keys):
         dict[str, TenantDoc] | None, Meta(description='limits per tenant; "*": all other tenants, together')
     ] = None
     shadow: ShadowDoc | None = None
+    sticky_cohort: Annotated[
+        Literal["model", "shared"],
+        Meta(
+            description="model: each model's canary users are its own (the bucket is salted by its name); "
+            "shared: the same users are the canary of every model"
+        ),
+    ] = "model"
+    rollout: Annotated[
+        dict[str, RolloutDoc] | None, Meta(description="progressive rollouts per model name")
+    ] = None

@@ -2,9 +2,11 @@
 
 Precedence: a pin (field 2 of the request or the `x-model-version` header) chooses the version.
 Otherwise the request is dyed `stable` or `canary`: its sticky key (the `x-user-id` header, or
-the configured header; else `x-request-id`; else random) hashes into one of 10,000 buckets, and
-buckets below weight x 100 are canary. The same key always lands in the same bucket, so a user
-keeps their dye for a given weight, and raising the weight only moves users from stable to canary.
+the configured header; else `x-request-id`; else random) hashes, salted with the model's name,
+into one of 10,000 buckets, and buckets below weight x 100 are canary. The same key always lands in
+the same bucket, so a user keeps their dye for a given weight, and raising the weight only moves
+users from stable to canary. The salt makes each model's canary users a different set (a user is
+not everybody's guinea pig); `sticky_cohort: shared` in the route file drops it (one cohort).
 
 The weight (0-100) comes from the `x-canary-weight` header when present, else from the model's
 route (config file or admin endpoint). The stable and canary versions come from the route, else
@@ -16,7 +18,7 @@ from __future__ import annotations
 import hashlib
 import os
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from modelyard.common.names import echo
 
@@ -37,6 +39,9 @@ class ModelRoute:
     canary_weight: float = 0.0
     stable: str = ""
     canary: str = ""
+    # The stickiness salt (the model's name; empty: the cohort shared by all models); not part of
+    # what the route says, so routes compare without it.
+    cohort: str = field(default="", compare=False)
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,14 +57,16 @@ def normalize_version(text: str) -> str:
     return text[1:] if text[:1] in ("v", "V") and text[1:].isdigit() else text
 
 
-def bucket(key: str) -> int:
-    """A stable bucket in [0, 10000): the same in every process (Python's hash() is salted)."""
-    digest = hashlib.blake2b(key.encode(), digest_size=8).digest()
+def bucket(key: str, cohort: str = "") -> int:
+    """A stable bucket in [0, 10000): the same in every process (Python's hash() is salted).
+    `cohort` salts it (blake2b's own salt is 16 bytes at most: the name goes in the key instead)."""
+    salted = f"{cohort}\0{key}" if cohort else key
+    digest = hashlib.blake2b(salted.encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") % BUCKETS
 
 
-def is_canary(key: str, weight: float) -> bool:
-    return bucket(key) < weight * (BUCKETS / 100)
+def is_canary(key: str, weight: float, cohort: str = "") -> bool:
+    return bucket(key, cohort) < weight * (BUCKETS / 100)
 
 
 def parse_weight(text: str) -> float:
@@ -103,6 +110,6 @@ def decide(
         return Decision(stable, STABLE, stable=stable)
     weight = route.canary_weight if header_weight is None else parse_weight(header_weight)
     key = sticky_key if sticky_key is not None else os.urandom(8).hex()
-    if is_canary(key, weight):
+    if is_canary(key, weight, route.cohort):
         return Decision(canary, CANARY, canary=canary, stable=stable)
     return Decision(stable, STABLE, stable=stable)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -23,8 +24,10 @@ from modelyard.sidecar.config import ENV_PREFIX, Settings
 from modelyard.sidecar.limits import TenantLimits
 from modelyard.sidecar.metrics import SidecarMetrics
 from modelyard.sidecar.proxy import Proxy
+from modelyard.sidecar.rollout_driver import RolloutDriver
 from modelyard.sidecar.routes import RouteSource
 from modelyard.sidecar.shadow import Shadows
+from modelyard.sidecar.state import StateFile, load_state
 from modelyard.sidecar.tracing import Tracing, configure
 from modelyard.sidecar.upstreams import Upstreams, UpstreamSpec
 
@@ -44,6 +47,8 @@ class Sidecar:
     tracing: Tracing
     shadows: Shadows
     proxy: Proxy
+    rollouts: RolloutDriver
+    state: StateFile
     tls: TlsFiles | None = None  # of the gRPC and admin listeners
     admin_auth: Authorizer | None = None
     admin: AdminServer | None = None
@@ -90,6 +95,8 @@ class Sidecar:
                     max_body_bytes=self.settings.admin_max_body_bytes,
                     max_connections=self.settings.admin_max_connections,
                 ),
+                known=self.upstreams.knows,
+                rollouts=self.rollouts,
             )
             try:
                 await self.admin.start()
@@ -97,6 +104,8 @@ class Sidecar:
                 reason = bind_reason(exc)
                 raise BindError(ENV_PREFIX, "admin_listen", self.settings.admin_listen, reason) from exc
         self._tasks.append(loop.create_task(self._follow_upstreams()))
+        self._tasks.append(loop.create_task(self.rollouts.run()))
+        self.state.changed()  # what start-up made of the saved state and the route file, kept
         if self.settings.config:
             self._tasks.append(loop.create_task(self._watch_config()))
         log.info(
@@ -120,6 +129,7 @@ class Sidecar:
         await self.upstreams.close()
         if self.admin is not None:
             await self.admin.stop()
+        await self.state.flush()  # after the last change can arrive
         await self.tracing.close()
 
     def upstreams_changed(self) -> None:
@@ -161,6 +171,7 @@ class Sidecar:
             await asyncio.sleep(self.settings.config_poll_s)
             if self.routes.reload_if_changed():
                 self.breakers.set_policy(self.routes.table.breaker)
+                self.rollouts.from_file()
 
 
 def build_sidecar(
@@ -168,9 +179,15 @@ def build_sidecar(
     *,
     clock: Clock | None = None,  # test seam: the breakers' clock
     tracing: Tracing | None = None,  # test seam: default from the OTEL_* environment
+    wall_clock: Clock | None = None,  # test seam: the routes' and rollouts' clock (wall seconds)
 ) -> Sidecar:
     tls, upstream_tls, admin_auth = _security(settings)
-    routes = RouteSource(Path(settings.config) if settings.config else None)
+    state_path = Path(settings.state_file) if settings.state_file else None
+    saved = load_state(state_path)  # StateError (a ValueError): refuse to start
+    wall = wall_clock if wall_clock is not None else time.time
+    routes = RouteSource(
+        Path(settings.config) if settings.config else None, saved=saved.get("routes"), clock=wall
+    )
     metrics = SidecarMetrics()
 
     def breaker_changed(key: BreakerKey, old: State, new: State, reason: str) -> None:
@@ -208,6 +225,21 @@ def build_sidecar(
     health_servicer = health_names.new_servicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     shadows = Shadows(metrics)
+    rollouts = RolloutDriver(
+        routes,
+        lambda model: upstreams.versions(model) if upstreams.knows(model) else (),
+        lambda model, version: any(
+            b["model"] == model and b["version"] == version and b["state"] == State.OPEN.value
+            for b in breakers.snapshot()
+        ),
+        metrics.registry,
+        saved=saved.get("rollouts"),
+        clock=wall,
+        tick_s=settings.rollout_tick_s,
+    )
+    breakers.observe = rollouts.outcomes.record
+    state = StateFile(state_path, lambda: {"routes": routes.saved(), "rollouts": rollouts.saved()})
+    routes.on_change = rollouts.on_change = state.changed
     proxy = Proxy(upstreams, breakers, routes, TenantLimits(), metrics, tracing, shadows)
     server.add_generic_rpc_handlers((proxy,))
     listen = settings.listen
@@ -228,6 +260,8 @@ def build_sidecar(
         tracing,
         shadows,
         proxy,
+        rollouts,
+        state,
         tls=tls,
         admin_auth=admin_auth,
     )

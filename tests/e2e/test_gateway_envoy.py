@@ -273,9 +273,13 @@ async def test_openai_client_through_envoy(envoy) -> None:
 # --- the operator's canary weight reaches the sidecar -------------------------------------------
 
 
-async def test_rendered_canary_weight_reaches_the_sidecar(tmp_path) -> None:
+@pytest.mark.parametrize("client_weights", [False, True])
+async def test_rendered_canary_weight_reaches_the_sidecar(tmp_path, client_weights: bool) -> None:
     """A recording gRPC server stands where the sidecar listens: what arrives is what Envoy (for
-    gRPC-Web) and the gateway behind Envoy (for SSE) sent. The weight is rendered for codelm only."""
+    gRPC-Web) and the gateway behind Envoy (for SSE) sent. The weight is rendered for codelm only.
+    The header policy: a client's x-canary-weight and x-model-dye are removed at the edge, and the
+    operator's weight set; with client_canary_weights, a client's weight passes where no operator
+    weight is rendered (x-model-dye is removed either way)."""
     seen: list[tuple[str, dict[str, str]]] = []
 
     def metadata(context: grpc.aio.ServicerContext[bytes, bytes]) -> dict[str, str]:
@@ -312,7 +316,12 @@ async def test_rendered_canary_weight_reaches_the_sidecar(tmp_path) -> None:
     gateway = Gateway(GatewaySettings(listen="127.0.0.1:0", upstream=recorder))
     await gateway.start()
     envoy = await asyncio.to_thread(
-        start_envoy, tmp_path, gateway.address, recorder, model_canary_weights={"codelm": 25}
+        start_envoy,
+        tmp_path,
+        gateway.address,
+        recorder,
+        model_canary_weights={"codelm": 25},
+        client_canary_weights=client_weights,
     )
     try:
         async with httpx.AsyncClient(base_url=envoy.url) as client:
@@ -325,6 +334,7 @@ async def test_rendered_canary_weight_reaches_the_sidecar(tmp_path) -> None:
                         "x-grpc-web": "1",
                         "x-model-name": name,
                         "x-canary-weight": "99",
+                        "x-model-dye": "canary",
                     },
                 )
                 assert grpc_web_parse(response.content)[1]["grpc-status"] == "0"
@@ -337,5 +347,8 @@ async def test_rendered_canary_weight_reaches_the_sidecar(tmp_path) -> None:
         await gateway.stop()
         await server.stop(None)
     weights = [(kind, m.get("x-canary-weight")) for kind, m in seen]
-    # The operator's weight overrides the client's for codelm; other models keep the client's.
-    assert weights == [("grpc-web", "25"), ("sse", "25"), ("grpc-web", "99"), ("sse", "99")]
+    # The operator's weight replaces the client's for codelm; for other models the client's is
+    # dropped, unless the render lets clients' weights through.
+    other = "99" if client_weights else None
+    assert weights == [("grpc-web", "25"), ("sse", "25"), ("grpc-web", other), ("sse", other)]
+    assert [m.get("x-model-dye") for kind, m in seen if kind == "grpc-web"] == [None, None]

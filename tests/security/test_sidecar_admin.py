@@ -11,6 +11,7 @@ import json
 import threading
 import time
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -30,8 +31,11 @@ LIMITS: dict[str, Any] = {
 
 
 @pytest.fixture
-async def sidecar() -> AsyncIterator[Sidecar]:
-    async with running_sidecar(["127.0.0.1:9"], **LIMITS) as running:
+async def sidecar(tmp_path: Path) -> AsyncIterator[Sidecar]:
+    # No upstream answers: the route file names the one model the changes are about.
+    config = tmp_path / "routes.yaml"
+    config.write_text("models: {scaler: {canary_weight: 0}}\n")
+    async with running_sidecar(["127.0.0.1:9"], config=config, **LIMITS) as running:
         yield running
 
 
@@ -74,7 +78,9 @@ async def test_a_bad_model_name_is_400_and_a_good_change_applies(
     for name in ("a..b", "%2e%2e%2fetc", "a" * 200, "-flag", "x%00y"):
         answer = await http.put(f"/canary/{name}", json={"canary_weight": 10})
         assert error(answer) == (400, "invalid_argument"), name
-    assert sidecar.routes.table.models == {}
+    assert set(sidecar.routes.table.models) == {"scaler"}
+    assert error(await http.put("/canary/nosuch", json={"canary_weight": 10})) == (404, "model_not_found")
+    assert set(sidecar.routes.table.models) == {"scaler"}
     answer = await http.put("/canary/scaler", json={"canary_weight": 10, "stable": 1, "canary": "v2"})
     assert answer.status_code == 200 and answer.json()["canary"] == "2"
     assert error(await http.get("/nowhere")) == (404, "unsupported")

@@ -40,6 +40,9 @@ def test_route_file() -> None:
         }
     )
     assert table.route("a") == ModelRoute(50.0, "1", "2")
+    assert (table.route("a").cohort, table.route("other").cohort) == ("a", "other")  # salted per model
+    shared = parse_table({"sticky_cohort": "shared", "models": {"a": {}}})
+    assert (shared.route("a").cohort, shared.route("other").cohort) == ("", "")
     assert table.route("b") == ModelRoute(5.0) and table.route("other") == ModelRoute(5.0)
     assert table.stickiness_header == "x-session"
     assert (table.breaker.min_calls, table.breaker.error_rate) == (3, 0.25)

@@ -1,5 +1,6 @@
 """The `modelyard` command: `modelyard serve|sidecar|gateway ...` runs that process's own command
-line (the same as `python -m modelyard.{service,sidecar,gateway} ...`).
+line (the same as `python -m modelyard.{service,sidecar,gateway} ...`); `modelyard canary ...`
+talks to a sidecar's admin endpoint (weights and rollouts: modelyard.sidecar.rollout_cli).
 
 The process package is imported by name when its verb is used, so a sidecar host runs `modelyard
 sidecar` without the service's dependencies installed, and this package imports no process.
@@ -15,7 +16,15 @@ from modelyard.process.lifecycle import EXIT_USAGE
 from modelyard.process.logs import quiet_grpc_core
 
 # verb -> the process package whose cli.main takes the rest of the arguments.
-COMMANDS = {"serve": "service", "sidecar": "sidecar", "gateway": "gateway", "up": "deploy"}
+COMMANDS = {
+    "serve": "service",
+    "sidecar": "sidecar",
+    "gateway": "gateway",
+    "up": "deploy",
+    "canary": "sidecar",
+}
+# verbs whose module is not the package's cli (the admin clients need none of the process's code)
+MODULES = {"canary": "modelyard.sidecar.rollout_cli"}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -29,7 +38,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_USAGE
     quiet_grpc_core()  # before the process imports grpc
     try:
-        module = importlib.import_module(f"modelyard.{package}.cli")
+        module = importlib.import_module(MODULES.get(args[0], f"modelyard.{package}.cli"))
     except ImportError as exc:
         print(
             f"modelyard {args[0]}: {exc}; install it with pip install 'modelyard[{package}]'",

@@ -1,0 +1,136 @@
+"""`modelyard canary ...`: the sidecar's admin endpoint from a shell (weights and rollouts).
+
+    modelyard canary get [MODEL]
+    modelyard canary set MODEL WEIGHT [--stable V] [--canary V]
+    modelyard canary rollout start MODEL [--steps 1,5,25,50,100] [--dwell-s 60] [--min-calls 100]
+        [--judge-calls N] [--max-error-excess X] [--max-latency-ratio X] [--latency-floor-s S]
+        [--min-agreement X]
+    modelyard canary rollout status [MODEL]
+    modelyard canary rollout pause|resume|abort MODEL
+
+Also `python -m modelyard.sidecar.rollout_cli ...`. The admin URL and token come from --admin-url
+and --token, else MODELYARD_ADMIN_URL and MODELYARD_ADMIN_TOKEN (default http://127.0.0.1:9101, no
+token); --ca-file (MODELYARD_ADMIN_CA) verifies an HTTPS admin endpoint. The answer is printed as
+JSON; exit status 0, 1 when the endpoint refused (its error and reason on stderr), 2 for a usage
+mistake or no answer at all.
+Standard library only: an operator's laptop needs nothing of the sidecar's dependencies.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import ssl
+import sys
+import urllib.error
+import urllib.request
+from collections.abc import Sequence
+from typing import Any
+from urllib.parse import quote
+
+DEFAULT_URL = "http://127.0.0.1:9101"
+GATE_OPTIONS = ("judge_calls", "max_error_excess", "max_latency_ratio", "latency_floor_s", "min_agreement")
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="modelyard canary", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--admin-url", default=os.environ.get("MODELYARD_ADMIN_URL", DEFAULT_URL))
+    parser.add_argument("--token", default=os.environ.get("MODELYARD_ADMIN_TOKEN", ""))
+    parser.add_argument("--ca-file", default=os.environ.get("MODELYARD_ADMIN_CA", ""))
+    parser.add_argument("--timeout-s", type=float, default=10.0)
+    verbs = parser.add_subparsers(dest="verb", required=True)
+    get = verbs.add_parser("get", help="the weights (one model's, or all)")
+    get.add_argument("model", nargs="?")
+    put = verbs.add_parser("set", help="set a model's canary weight (and versions)")
+    put.add_argument("model")
+    put.add_argument("weight", type=float)
+    put.add_argument("--stable")
+    put.add_argument("--canary")
+    rollout = verbs.add_parser("rollout", help="progressive rollouts").add_subparsers(
+        dest="action", required=True
+    )
+    start = rollout.add_parser("start", help="start a rollout")
+    start.add_argument("model")
+    start.add_argument("--steps", help="weights, comma-separated (e.g. 1,5,25,50,100)")
+    start.add_argument("--dwell-s", type=float)
+    start.add_argument("--min-calls", type=int)
+    for option in GATE_OPTIONS:
+        start.add_argument("--" + option.replace("_", "-"), type=float)
+    status = rollout.add_parser("status", help="one model's rollout, or all")
+    status.add_argument("model", nargs="?")
+    for action in ("pause", "resume", "abort"):
+        rollout.add_parser(action, help=f"{action} a model's rollout").add_argument("model")
+    return parser
+
+
+def _request(args: argparse.Namespace) -> tuple[str, str, dict[str, Any] | None]:
+    """(method, path, JSON body) for the command line."""
+    if args.verb == "get":
+        return "GET", "/canary", None
+    if args.verb == "set":
+        body: dict[str, Any] = {"canary_weight": args.weight}
+        body.update({k: getattr(args, k) for k in ("stable", "canary") if getattr(args, k) is not None})
+        return "PUT", f"/canary/{quote(args.model, safe='')}", body
+    model = quote(args.model, safe="") if args.model else ""
+    if args.action == "status":
+        return "GET", f"/rollouts/{model}" if model else "/rollouts", None
+    if args.action == "start":
+        spec: dict[str, Any] = {}
+        if args.steps:
+            spec["steps"] = [float(s) for s in args.steps.split(",") if s.strip()]
+        if args.dwell_s is not None:
+            spec["dwell_s"] = args.dwell_s
+        if args.min_calls is not None:
+            spec["min_calls"] = args.min_calls
+        for option in GATE_OPTIONS:
+            value = getattr(args, option)
+            if value is not None:
+                spec[option] = int(value) if option == "judge_calls" else value
+        return "POST", f"/rollouts/{model}", spec
+    return "POST", f"/rollouts/{model}/{args.action}", None
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        method, path, body = _request(args)
+    except ValueError as exc:
+        parser.error(str(exc))
+    request = urllib.request.Request(
+        args.admin_url.rstrip("/") + path,
+        data=json.dumps(body).encode() if body is not None else None,
+        method=method,
+        headers={"Content-Type": "application/json"},
+    )
+    if args.token:
+        request.add_header("Authorization", f"Bearer {args.token}")
+    context = ssl.create_default_context(cafile=args.ca_file) if args.ca_file else None
+    try:
+        with urllib.request.urlopen(request, timeout=args.timeout_s, context=context) as answer:
+            doc = json.loads(answer.read() or b"null")
+    except urllib.error.HTTPError as exc:
+        try:
+            refused = json.loads(exc.read())
+            print(f"modelyard canary: {exc.code} {refused['error']} ({refused['reason']})", file=sys.stderr)
+        except (ValueError, KeyError, TypeError):
+            print(f"modelyard canary: {exc.code} {exc.reason}", file=sys.stderr)
+        return 1
+    except (OSError, ValueError) as exc:
+        print(f"modelyard canary: no answer from {args.admin_url}: {exc}", file=sys.stderr)
+        return 2
+    if args.verb == "get" and args.model:
+        found = (doc.get("models") or {}).get(args.model)
+        doc = {
+            "model": args.model,
+            **(found or {"canary_weight": doc.get("canary_weight"), "source": "default"}),
+        }
+    print(json.dumps(doc, indent=2, sort_keys=True))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
