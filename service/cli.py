@@ -45,11 +45,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 PROG = "modelyard serve"  # as its errors name it
 
-# Where a service without --repository finds models (the wheel ships none).
-_NO_MODELS = (
-    "; to try it, make demo models with `python -m models.demo_models DIR` (or `make demo-models`) "
-    "and pass --repository DIR"
-)
+# Where a service without --repository finds models (the wheel ships them as data, not in place).
+_NO_MODELS = "; to try it, write the demo models with `modelyard demo-models DIR` and pass --repository DIR"
 
 
 def _unstartable(settings: Settings) -> int | None:

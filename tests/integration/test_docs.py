@@ -21,6 +21,7 @@ FOREIGN_FLAGS = {"--mode", "--base-id", "--build-arg", "--cpus", "--help"}
 # Our commands: every flag the docs name must be in one of their `--help` texts. The benchmarks
 # (each `make bench-*` runs one) are ours too.
 COMMANDS = [
+    "modelyard.cli",
     "modelyard.service",
     "modelyard.sidecar",
     "modelyard.gateway",
