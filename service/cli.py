@@ -22,8 +22,10 @@ from modelyard.service.workers.supervisor import Supervisor
 
 def main(argv: Sequence[str] | None = None) -> int:
     settings = parse_settings(sys.argv[1:] if argv is None else argv)
-    configure_logging(settings.log_level, settings.log_format)
     role = WorkerRole.from_environment()
+    configure_logging(
+        settings.log_level, settings.log_format, "service" if role is None else f"worker {role.index}"
+    )
     # A worker's port is held by its supervisor, which checked it.
     failed = None if role is not None else _unstartable(settings)
     if failed is not None:
