@@ -5,6 +5,7 @@ that starts from the wheel alone, and the `service` extra's ONNX Runtime for eac
 from __future__ import annotations
 
 import email
+import platform
 import shutil
 import subprocess
 import sys
@@ -170,3 +171,34 @@ def test_the_installed_command_has_a_version_and_the_demo_models(wheel: Path, tm
         assert (tmp_path / "repo" / name).read_bytes() == (REPO_ROOT / "models/demo" / name).read_bytes()
     again = modelyard("demo-models", "repo")  # models already there are not overwritten
     assert again.returncode == 2 and "already has" in again.stderr
+
+
+def test_the_images_requirements_pick_plain_onnxruntime_for_cpu(wheel: Path, tmp_path: Path) -> None:
+    # What deploy/Dockerfile's stages install after the wheel, read from the installed wheel.
+    target = tmp_path / "site"
+    subprocess.run(
+        [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", target, wheel],
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
+
+    def listed(*args: str) -> list[str]:
+        done = subprocess.run(
+            [sys.executable, "-m", "modelyard.deploy.requirements", *args],
+            env={"PYTHONPATH": str(target), "PATH": "/usr/bin:/bin"},
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert done.returncode == 0, done.stderr
+        return done.stdout.split()
+
+    import onnxruntime
+
+    cpu, here, sidecar = listed("service", "--cpu"), listed("service"), listed("sidecar")
+    assert f"onnxruntime=={onnxruntime.__version__}" in cpu and not [r for r in cpu if "gpu" in r]
+    gpu_here = sys.platform == "linux" and platform.machine() == "x86_64"
+    assert f"onnxruntime{'-gpu' if gpu_here else ''}=={onnxruntime.__version__}" in here
+    assert "pybreaker>=1.2" in sidecar and not [r for r in sidecar if r.startswith(("onnx", "numpy"))]
