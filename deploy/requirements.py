@@ -18,7 +18,7 @@ from collections.abc import Sequence
 try:
     from packaging.requirements import Requirement
 except ImportError:  # a bare image: pip vendors the same library
-    from pip._vendor.packaging.requirements import Requirement
+    from pip._vendor.packaging.requirements import Requirement  # type: ignore[assignment]
 
 GPU, CPU = "onnxruntime-gpu", "onnxruntime"
 
