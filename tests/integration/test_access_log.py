@@ -23,6 +23,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from modelyard.common import headers
 from modelyard.inference.v1 import inference_service_pb2 as pb
 from modelyard.inference.v1 import inference_service_pb2_grpc as pb_grpc
+from modelyard.kserve.v2 import grpc_service_pb2 as kserve_pb
+from modelyard.kserve.v2 import grpc_service_pb2_grpc as kserve_grpc
 from modelyard.service.config import Settings
 from modelyard.service.server import build_service
 from modelyard.tensors import to_tensor
@@ -153,3 +155,47 @@ async def test_the_access_log_is_off_by_default(repository: Path, caplog: pytest
             await service.stop(grace_s=1.0)
         written = [r for r in caplog.records if r.name == "modelyard.access"]
         assert len(written) == (1 if access_log else 0), written
+
+
+async def test_streaming_calls_get_one_line_each_with_the_model(
+    repository: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Server streaming (InferStream) and both-ways streaming (KServe's ModelStreamInfer): the line
+    # is written when the stream ends, with the model of its first request.
+    caplog.set_level(logging.INFO, logger="modelyard.access")
+    service = build_service(
+        Settings(repository=repository, listen="127.0.0.1:0", metrics_listen="", access_log=True)
+    )
+    await service.start()
+    try:
+        async with grpc.aio.insecure_channel(service.address) as channel:
+            ours = pb_grpc.InferenceServiceStub(channel)
+            tensor = to_tensor("INPUT0", np.ones((4, 16), np.float32))
+            replies = [
+                r async for r in ours.InferStream(pb.InferStreamRequest(model_name="scaler", inputs=[tensor]))
+            ]
+            assert replies
+            kserve = kserve_grpc.GRPCInferenceServiceStub(channel)
+            request = kserve_pb.ModelInferRequest(
+                model_name="scaler",
+                inputs=[
+                    kserve_pb.ModelInferRequest.InferInputTensor(
+                        name="INPUT0", datatype="FP32", shape=[1, 16]
+                    )
+                ],
+                raw_input_contents=[np.ones((1, 16), np.float32).tobytes()],
+            )
+
+            async def requests() -> Any:
+                yield request
+                yield request
+
+            answers = [a async for a in kserve.ModelStreamInfer(requests())]
+            assert len(answers) == 2 and not [a for a in answers if a.error_message]
+    finally:
+        await service.stop(grace_s=1.0)
+    lines = {r.fields["method"]: r.fields for r in caplog.records if r.name == "modelyard.access"}  # type: ignore[attr-defined]
+    stream = lines["/modelyard.inference.v1.InferenceService/InferStream"]
+    both = lines["/inference.GRPCInferenceService/ModelStreamInfer"]
+    assert (stream["code"], stream["model"]) == ("OK", "scaler") and stream["version"]
+    assert (both["code"], both["model"]) == ("OK", "scaler")
