@@ -12,5 +12,5 @@ from modelyard.process.logs import configure as configure_logging
 
 def main(argv: Sequence[str] | None = None) -> int:
     settings = parse_settings(sys.argv[1:] if argv is None else argv)
-    configure_logging("INFO", "text")
+    configure_logging("INFO", "text", "up")
     return asyncio.run(run(settings))

@@ -5,7 +5,8 @@ order. A process that dies is reported and the rest are stopped: nothing is left
 
 Each address may use port 0: the supervisor reads every process's bound address from its log and
 renders Envoy's config (envoy/render.py) with the addresses that are really in use. Without the
-sidecar package installed, the gateway and Envoy call the service directly (same API).
+sidecar's extra installed (its dependencies, see sidecar_installed), the gateway and Envoy call the
+service directly (same API).
 """
 
 from __future__ import annotations
@@ -174,13 +175,29 @@ def _get(url: str) -> bytes:
         return body
 
 
+# What the sidecar imports beyond the base install (its `sidecar` extra). Its package is in every
+# wheel, so whether it is installed is whether these are.
+SIDECAR_NEEDS = ("pybreaker",)
+
+
+def sidecar_installed() -> bool:
+    """Whether `modelyard[sidecar]` is installed: the sidecar's own dependencies are importable."""
+    for name in SIDECAR_NEEDS:
+        try:
+            if importlib.util.find_spec(name) is None:
+                return False
+        except ImportError:
+            return False
+    return True
+
+
 async def run(settings: Settings) -> int:
     stopping = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stopping.set)
     python = sys.executable
-    use_sidecar = settings.sidecar and importlib.util.find_spec("modelyard.sidecar") is not None
+    use_sidecar = settings.sidecar and sidecar_installed()
     children: list[Child] = []
     workdir = Path(tempfile.mkdtemp(prefix="modelyard-up-"))
     code = 0
@@ -219,7 +236,7 @@ async def run(settings: Settings) -> int:
             await _started(sidecar, settings, stopping)
             upstream = sidecar.address
         else:
-            log.info("no sidecar package: the gateway and Envoy call the service directly")
+            log.info("no sidecar extra (pybreaker): the gateway and Envoy call the service directly")
         gateway = Child("gateway", re.compile(r"serving HTTP on http://(\S+) "))
         children.append(gateway)
         await gateway.start(

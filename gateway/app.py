@@ -8,6 +8,7 @@ import asyncio
 import logging
 import math
 import socket
+import time
 from pathlib import Path
 
 import uvicorn
@@ -19,6 +20,7 @@ from starlette.routing import BaseRoute, Mount, Route
 from starlette.staticfiles import StaticFiles
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from modelyard.common import headers
 from modelyard.gateway import mount
 from modelyard.gateway.config import ENV_PREFIX, Settings
 from modelyard.gateway.kserve import app as kserve_app
@@ -29,6 +31,7 @@ from modelyard.gateway.sse import app as sse_app
 from modelyard.gateway.streams import Registry
 from modelyard.gateway.tls import UpstreamTls, listener_context
 from modelyard.gateway.upstream import Upstream
+from modelyard.process import calls
 from modelyard.process.lifecycle import bound
 from modelyard.process.settings import split_address
 from modelyard.process.tls import TlsFiles, warn_if_plaintext
@@ -63,7 +66,48 @@ def build_app(
     # No route (404), a wrong method (405) or an error outside the APIs: errors.py's body.
     app = Starlette(routes=routes, exception_handlers=mount.error_handlers(mount.error_body))
     app.add_middleware(_Counted, metrics=metrics)
+    if settings.access_log or settings.log_format == "json":
+        app.add_middleware(_Logged, access=settings.access_log)
     return app
+
+
+class _Logged:
+    """Each request's context for its log lines (method and path, request_id, model, version from the
+    route) and, with --access-log, its access line when the response ends (an SSE stream: at its end)."""
+
+    def __init__(self, app: ASGIApp, access: bool) -> None:
+        self.app = app
+        self.access = access
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        request_id = next(
+            (v.decode("latin-1") for k, v in scope.get("headers", ()) if k == headers.REQUEST_ID.encode()), ""
+        )
+        status, reason = [0], [""]
+        reason_header = headers.ERROR_REASON.encode()
+
+        async def watched(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                status[0] = message["status"]
+                reason[0] = next(
+                    (v.decode("latin-1") for k, v in message.get("headers", ()) if k == reason_header), ""
+                )
+            await send(message)
+
+        started = time.perf_counter()
+        with calls.call(f"{scope['method']} {scope['path']}", request_id) as fields:
+            try:
+                await self.app(scope, receive, watched)
+            finally:
+                params = scope.get("path_params", {})
+                calls.note(model=str(params.get("model", "")), version=str(params.get("version", "")))
+                if self.access:
+                    client = scope.get("client")
+                    peer = f"{client[0]}:{client[1]}" if client else ""
+                    calls.write(fields, str(status[0] or 500), reason[0], time.perf_counter() - started, peer)
 
 
 class _Counted:

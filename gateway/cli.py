@@ -18,5 +18,5 @@ def main(argv: Sequence[str] | None = None) -> int:
     failed = check_listeners(settings, ("listen",), ENV_PREFIX, "modelyard gateway")
     if failed is not None:
         return failed
-    configure_logging(settings.log_level, settings.log_format)
+    configure_logging(settings.log_level, settings.log_format, "gateway")
     return asyncio.run(run_process(lambda: build_gateway(settings), "gateway", settings.grace_s))

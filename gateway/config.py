@@ -127,6 +127,8 @@ class Settings:
     upstream_server_name: tls.UpstreamServerName = ""
     log_level: logs.Level = "INFO"
     log_format: logs.Format = "text"
+    # Off by default: a line per call costs a JSON encode and a write at every call's rate.
+    access_log: logs.AccessLog = False
 
 
 def parse_settings(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None) -> Settings:

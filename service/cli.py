@@ -22,8 +22,10 @@ from modelyard.service.workers.supervisor import Supervisor
 
 def main(argv: Sequence[str] | None = None) -> int:
     settings = parse_settings(sys.argv[1:] if argv is None else argv)
-    configure_logging(settings.log_level, settings.log_format)
     role = WorkerRole.from_environment()
+    configure_logging(
+        settings.log_level, settings.log_format, "service" if role is None else f"worker {role.index}"
+    )
     # A worker's port is held by its supervisor, which checked it.
     failed = None if role is not None else _unstartable(settings)
     if failed is not None:
@@ -45,11 +47,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 PROG = "modelyard serve"  # as its errors name it
 
-# Where a service without --repository finds models (the wheel ships none).
-_NO_MODELS = (
-    "; to try it, make demo models with `python -m models.demo_models DIR` (or `make demo-models`) "
-    "and pass --repository DIR"
-)
+# Where a service without --repository finds models (the wheel ships them as data, not in place).
+_NO_MODELS = "; to try it, write the demo models with `modelyard demo-models DIR` and pass --repository DIR"
 
 
 def _unstartable(settings: Settings) -> int | None:

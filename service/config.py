@@ -125,6 +125,8 @@ class Settings:
     ] = 8 * 1024 * 1024 * 1024
     log_level: logs.Level = "INFO"
     log_format: logs.Format = "text"
+    # Off by default: a line per call costs a JSON encode and a write at every call's rate.
+    access_log: logs.AccessLog = False
 
 
 def worker_count(text: str) -> int:

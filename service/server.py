@@ -18,6 +18,7 @@ from modelyard import flat as flat_contract
 from modelyard.common import health as health_names
 from modelyard.inference.v1 import inference_service_pb2, model_service_pb2
 from modelyard.kserve.v2 import grpc_service_pb2
+from modelyard.process import access as access_log
 from modelyard.process.auth import Authorizer, AuthSettings
 from modelyard.process.grpc_server import connection_options
 from modelyard.process.lifecycle import bound
@@ -254,11 +255,12 @@ def build_service(
     ]
     # A taken port must fail loudly, not be shared; workers share it (the supervisor holds it).
     server = grpc.aio.server(
+        interceptors=access_log.interceptors(settings.access_log, settings.log_format),
         options=[
             *limits,
             *connection_options(settings),
             ("grpc.so_reuseport", 0 if worker is None else 1),
-        ]
+        ],
     )
     tls, authorizer = _security(settings)
     guard_for = guards(authorizer, settings.auth_inference, metrics)
@@ -335,12 +337,16 @@ def request_pipelines(
     reporter: OnUndecodable,
     guard_for: GuardFor | None,
     link: WorkerLink | None,
+    noted: bool = False,
 ) -> Pipelines:
-    """The request pipeline (service/api/pipeline.py) of the APIs and of health and reflection."""
+    """The request pipeline (service/api/pipeline.py) of the APIs and of health and reflection;
+    `noted`: with the call context of JSON logs and the access log (access_log.interceptors)."""
     decode, access = decode_guard(reporter), authorize(guard_for)
     # The pipeline, innermost first (the last one listed is the one gRPC calls):
     # - fan_out (in a worker): model control and reads go to every worker through the supervisor.
     #   Innermost, so that those calls pass every check below like any other call.
+    # - noting (modelyard.process.access): the model and version of the parsed request, for the
+    #   call's log lines and access line; only where the call context is kept (no cost otherwise).
     # - decode (service/api/wire.py): the request parsed, undecodable bytes refused with
     #   INVALID_ARGUMENT (and one rate-limited log line), not UNKNOWN with a traceback per
     #   request. It hands on its handlers without a deserializer: the wrappers outside it see
@@ -351,6 +357,7 @@ def request_pipelines(
     #   registered as request-streaming, so that its message is read only after the guard.
     apis = [
         *([fan_out(link)] if link is not None else []),
+        *([access_log.noting] if noted else []),
         decode,
         size_limit(max_message_bytes, metrics),
         access,
@@ -371,7 +378,8 @@ def _add_apis(
     link: WorkerLink | None,
 ) -> None:
     """Register the APIs, health and reflection on `server` through the request pipeline."""
-    pipelines = request_pipelines(settings.max_message_bytes, metrics, reporter, guard_for, link)
+    noted = bool(access_log.interceptors(settings.access_log, settings.log_format))
+    pipelines = request_pipelines(settings.max_message_bytes, metrics, reporter, guard_for, link, noted)
     register(server, apis, pipelines.apis)
     open_services = [
         service_of(health_pb2.DESCRIPTOR.services_by_name["Health"], health_servicer),

@@ -18,5 +18,5 @@ def main(argv: Sequence[str] | None = None) -> int:
     failed = check_listeners(settings, ("listen", "admin_listen"), ENV_PREFIX, "modelyard sidecar")
     if failed is not None:
         return failed
-    configure_logging(settings.log_level, settings.log_format)
+    configure_logging(settings.log_level, settings.log_format, "sidecar")
     return asyncio.run(run_process(lambda: build_sidecar(settings), "sidecar", settings.grace_s))

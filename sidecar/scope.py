@@ -21,6 +21,7 @@ import grpc
 
 from modelyard.common import headers
 from modelyard.common.reasons import ErrorReason
+from modelyard.process import calls
 from modelyard.sidecar.limits import ANY_TENANT, TenantLimit, TenantLimits
 from modelyard.sidecar.metrics import SidecarMetrics
 from modelyard.sidecar.plan import OTHER, Metadata, Plan, Refused
@@ -132,6 +133,7 @@ class Scope:
     def attempt(self, plan: Plan[Any]) -> None:
         """The call's attempt is now `plan` (a fallback to stable is counted here, once)."""
         self.plan = plan
+        calls.note(model=plan.model, version=plan.version)  # for its log lines and access line
         if plan.fell_back and plan.label != OTHER:
             self._scopes.metrics.fallbacks.labels(plan.model, plan.fallback).inc()
 

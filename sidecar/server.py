@@ -12,6 +12,7 @@ import grpc
 from grpc_health.v1 import health_pb2_grpc
 
 from modelyard.common import health as health_names
+from modelyard.process import access
 from modelyard.process.auth import Authorizer, AuthSettings
 from modelyard.process.grpc_server import connection_options
 from modelyard.process.lifecycle import BindError, bind_reason, bound
@@ -220,7 +221,8 @@ def build_sidecar(
     )
     tracing = tracing if tracing is not None else configure("modelyard-sidecar")
     server = grpc.aio.server(
-        options=[*message_limits, *connection_options(settings), ("grpc.so_reuseport", 0)]
+        interceptors=access.interceptors(settings.access_log, settings.log_format),
+        options=[*message_limits, *connection_options(settings), ("grpc.so_reuseport", 0)],
     )
     health_servicer = health_names.new_servicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

@@ -17,10 +17,11 @@ from tests.support import REPO_ROOT
 
 PAGES = [REPO_ROOT / "README.md", *sorted((REPO_ROOT / "docs").glob("*.md"))]
 # Flags of other programs that the docs quote (Envoy, docker, kubectl, pip, curl).
-FOREIGN_FLAGS = {"--mode", "--base-id", "--build-arg", "--cpus", "--help"}
+FOREIGN_FLAGS = {"--mode", "--base-id", "--build-arg", "--cpus", "--help", "--target", "--drain-time-s"}
 # Our commands: every flag the docs name must be in one of their `--help` texts. The benchmarks
 # (each `make bench-*` runs one) are ours too.
 COMMANDS = [
+    "modelyard.cli",
     "modelyard.service",
     "modelyard.sidecar",
     "modelyard.gateway",

@@ -113,15 +113,15 @@ def test_a_missing_repository_is_named() -> None:
         "--repository",
         "MODELYARD_SERVICE_REPOSITORY",
         "'/nonexistent'",
-        "models.demo_models",
+        "modelyard demo-models DIR",
     )
 
 
 def test_the_default_repository_missing_says_how_to_get_models(tmp_path: Path) -> None:
-    # As an installed service started in a folder without models/demo (the wheel ships none).
+    # As an installed service started in a folder without models/demo (the wheel ships it as data).
     result = run("service", "--listen", "127.0.0.1:0", cwd=tmp_path)
     assert_one_line(
-        result, "--repository", "MODELYARD_SERVICE_REPOSITORY", "'models/demo'", "make demo-models"
+        result, "--repository", "MODELYARD_SERVICE_REPOSITORY", "'models/demo'", "modelyard demo-models DIR"
     )
 
 

@@ -1,8 +1,11 @@
 """The wheel as users install it: one `modelyard` namespace (no top-level `service` or `gateway`),
-the processes' packages and data inside it, and a process that starts from the wheel alone."""
+the processes' packages and data inside it (the .proto/.fbs sources, the demo models), a process
+that starts from the wheel alone, and the `service` extra's ONNX Runtime for each platform."""
 
 from __future__ import annotations
 
+import email
+import platform
 import shutil
 import subprocess
 import sys
@@ -10,6 +13,7 @@ import zipfile
 from pathlib import Path
 
 import pytest
+from packaging.requirements import Requirement
 
 from tests.support import REPO_ROOT
 
@@ -21,7 +25,16 @@ def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
     skip = shutil.ignore_patterns("__pycache__", "*.egg-info", "node_modules", "web")
     for name in ("pyproject.toml", "README.md"):
         shutil.copy(REPO_ROOT / name, source / name)
-    for folder in ("proto/python", "service", "sidecar", "gateway", "deploy", "envoy"):
+    for folder in (
+        "proto/python",
+        "proto/modelyard",
+        "models/demo",
+        "service",
+        "sidecar",
+        "gateway",
+        "deploy",
+        "envoy",
+    ):
         shutil.copytree(REPO_ROOT / folder, source / folder, symlinks=True, ignore=skip)
     subprocess.run(
         [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", source, "-w", out],
@@ -45,8 +58,20 @@ def test_everything_installs_under_one_namespace(wheel: Path) -> None:
         "modelyard/process/lifecycle.py",
         "modelyard/gateway/static/index.html",
         "modelyard/inference/v1/inference_service_pb2.py",
+        # The sources for other languages, as a buf module rooted at modelyard/proto (docs/api.md).
+        "modelyard/proto/modelyard/inference/v1/inference_service.proto",
+        "modelyard/proto/modelyard/inference/v1/model_service.proto",
+        "modelyard/proto/modelyard/inference/v1/tensor.proto",
+        "modelyard/proto/modelyard/kserve/v2/grpc_service.proto",
+        "modelyard/proto/modelyard/kserve/v2/model_config.proto",
+        "modelyard/proto/modelyard/flat/v1/inference.fbs",
+        "modelyard/demo/repository/codelm/1/model.onnx",
+        "modelyard/demo/repository/classifier/config.yaml",
     ):
         assert expected in names
+    shipped = {n.removeprefix("modelyard/proto/") for n in names if n.endswith((".proto", ".fbs"))}
+    sources = {str(p.relative_to(REPO_ROOT / "proto")) for p in (REPO_ROOT / "proto/modelyard").rglob("*.*")}
+    assert shipped == {s for s in sources if s.endswith((".proto", ".fbs"))}
     assert not [name for name in names if "node_modules" in name or "/web/" in name]
 
 
@@ -83,3 +108,97 @@ def test_a_process_starts_from_the_wheel_alone(wheel: Path, tmp_path: Path) -> N
         timeout=60,
     )
     assert helped.returncode == 0 and "--upstream" in helped.stdout, helped.stderr
+
+
+# Each platform as pip describes it to markers (packaging's default environment, overridden).
+PLATFORMS = {
+    "linux x86_64": {"sys_platform": "linux", "platform_machine": "x86_64", "platform_system": "Linux"},
+    "linux aarch64": {"sys_platform": "linux", "platform_machine": "aarch64", "platform_system": "Linux"},
+    "macOS arm64": {"sys_platform": "darwin", "platform_machine": "arm64", "platform_system": "Darwin"},
+    "macOS x86_64": {"sys_platform": "darwin", "platform_machine": "x86_64", "platform_system": "Darwin"},
+    "windows": {"sys_platform": "win32", "platform_machine": "AMD64", "platform_system": "Windows"},
+}
+
+
+@pytest.mark.parametrize("platform", sorted(PLATFORMS))
+def test_the_service_extra_gets_one_pinned_onnxruntime_each_platform(wheel: Path, platform: str) -> None:
+    # The built wheel's own METADATA, its markers evaluated as pip would on that platform: no
+    # registry needed (nothing is downloaded at test time). onnxruntime-gpu has wheels only for
+    # Linux x86_64 among these; plain onnxruntime has them for all.
+    with zipfile.ZipFile(wheel) as archive:
+        (metadata,) = [n for n in archive.namelist() if n.endswith(".dist-info/METADATA")]
+        message = email.message_from_bytes(archive.read(metadata))
+    chosen = []
+    for line in message.get_all("Requires-Dist") or []:
+        requirement = Requirement(line)
+        if requirement.name.startswith("onnxruntime"):
+            assert requirement.marker is not None
+            if requirement.marker.evaluate({**PLATFORMS[platform], "extra": "service"}):
+                chosen.append(requirement)
+            # Neither is in the base install.
+            assert not requirement.marker.evaluate({**PLATFORMS[platform], "extra": ""})
+    assert len(chosen) == 1, chosen
+    (runtime,) = chosen
+    assert runtime.name == ("onnxruntime-gpu" if platform == "linux x86_64" else "onnxruntime")
+    (pin,) = runtime.specifier
+    assert pin.operator == "==", runtime
+    # The same version on every platform: one ONNX Runtime behaviour to test.
+    import onnxruntime
+
+    assert pin.version == onnxruntime.__version__
+
+
+def test_the_installed_command_has_a_version_and_the_demo_models(wheel: Path, tmp_path: Path) -> None:
+    target = tmp_path / "site"
+    subprocess.run(
+        [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", target, wheel],
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
+    env = {"PYTHONPATH": str(target), "PATH": "/usr/bin:/bin"}
+
+    def modelyard(*args: str) -> subprocess.CompletedProcess[str]:
+        command = [sys.executable, "-m", "modelyard.cli", *args]
+        return subprocess.run(command, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=60)
+
+    version = modelyard("--version")
+    assert version.returncode == 0 and version.stdout.split() == ["modelyard", "0.1.0"], version
+    made = modelyard("demo-models", "repo")
+    assert made.returncode == 0, made.stderr
+    assert "--repository repo" in made.stdout
+    for name in ("codelm/1/model.onnx", "scaler/2/model.onnx", "classifier/config.yaml"):
+        assert (tmp_path / "repo" / name).read_bytes() == (REPO_ROOT / "models/demo" / name).read_bytes()
+    again = modelyard("demo-models", "repo")  # models already there are not overwritten
+    assert again.returncode == 2 and "already has" in again.stderr
+
+
+def test_the_images_requirements_pick_plain_onnxruntime_for_cpu(wheel: Path, tmp_path: Path) -> None:
+    # What deploy/Dockerfile's stages install after the wheel, read from the installed wheel.
+    target = tmp_path / "site"
+    subprocess.run(
+        [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", target, wheel],
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
+
+    def listed(*args: str) -> list[str]:
+        done = subprocess.run(
+            [sys.executable, "-m", "modelyard.deploy.requirements", *args],
+            env={"PYTHONPATH": str(target), "PATH": "/usr/bin:/bin"},
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert done.returncode == 0, done.stderr
+        return done.stdout.split()
+
+    import onnxruntime
+
+    cpu, here, sidecar = listed("service", "--cpu"), listed("service"), listed("sidecar")
+    assert f"onnxruntime=={onnxruntime.__version__}" in cpu and not [r for r in cpu if "gpu" in r]
+    gpu_here = sys.platform == "linux" and platform.machine() == "x86_64"
+    assert f"onnxruntime{'-gpu' if gpu_here else ''}=={onnxruntime.__version__}" in here
+    assert "pybreaker>=1.2" in sidecar and not [r for r in sidecar if r.startswith(("onnx", "numpy"))]

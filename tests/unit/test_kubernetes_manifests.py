@@ -1,11 +1,16 @@
-"""deploy/kubernetes: every manifest valid against the Kubernetes API schemas (kubernetes-validate,
-offline), and the pieces agreeing with each other and with the processes: each container's
-arguments parse with its process's own settings parser, probes and Services name ports the
-containers listen on, Envoy's and the gateway's upstream names are Services with those ports, and
-what the kustomization generates is what the pods mount."""
+"""deploy/kubernetes (the base) and deploy/overlays/*: every manifest of every kustomize build
+valid against the Kubernetes API schemas (kubernetes-validate, offline, strict), every pod
+meeting Pod Security "restricted", the builds equal to their committed renders (deploy/rendered,
+when kubectl's kustomize is here), and the pieces agreeing with each other and with the
+processes: each container's arguments parse with its process's own settings parser, probes and
+Services name ports the containers listen on, Envoy's and the gateway's upstream names are
+Services with those ports, what the kustomization generates is what the pods mount, autoscalers,
+disruption budgets and spread name real Deployments, and the overlays do what they say."""
 
 from __future__ import annotations
 
+import copy
+import functools
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -19,6 +24,7 @@ from modelyard.gateway.config import parse_settings as gateway_settings
 from modelyard.service.config import parse_settings as service_settings
 from modelyard.sidecar.config import parse_settings as sidecar_settings
 from modelyard.sidecar.routes import parse_table
+from tests import kubernetes_renders
 
 ROOT = Path(__file__).resolve().parents[2]
 KUBERNETES = ROOT / "deploy" / "kubernetes"
@@ -61,10 +67,47 @@ def flag(container: dict[str, Any], name: str) -> str:
     return values[0]
 
 
+@functools.cache
+def rendered(build: str) -> list[dict[str, Any]]:
+    """The committed render of a build (base, or an overlay's name): what `kubectl apply -k` applies."""
+    text = (kubernetes_renders.RENDERED / f"{build}.yaml").read_text()
+    return [d for d in yaml.safe_load_all(text) if d]
+
+
+# Custom resources: no schema of theirs here (their CRDs are not in kubernetes-validate, and
+# nothing is downloaded), so their shape is checked by the tests that read them.
+CUSTOM = {"networking.istio.io/v1", "monitoring.coreos.com/v1"}
+
+
+def test_every_build_is_rendered_and_every_overlay_built() -> None:
+    assert set(kubernetes_renders.BUILDS) == {
+        "base",
+        "gpu",
+        "models-pvc",
+        "models-init",
+        "monitoring",
+        "istio",
+    }
+    committed = {p.stem for p in kubernetes_renders.RENDERED.glob("*.yaml")}
+    assert committed == set(kubernetes_renders.BUILDS)
+
+
+@pytest.mark.skipif(kubernetes_renders.kubectl() is None, reason="no kubectl (kustomize) on this machine")
+def test_the_committed_renders_are_the_kustomize_builds() -> None:
+    for name, text in kubernetes_renders.build_all().items():
+        committed = (kubernetes_renders.RENDERED / f"{name}.yaml").read_text()
+        assert text == committed, f"deploy/rendered/{name}.yaml is stale: python -m tests.kubernetes_renders"
+
+
+@pytest.mark.parametrize("build", kubernetes_renders.BUILDS)
 @pytest.mark.parametrize("version", [OLDEST, str(kubernetes_validate.latest_version())])
-def test_every_manifest_is_valid_against_the_api_schema(version: str) -> None:
-    assert {d["kind"] for d in DOCS} >= {"Deployment", "Service", "NetworkPolicy"}
-    for doc in DOCS:
+def test_every_manifest_is_valid_against_the_api_schema(build: str, version: str) -> None:
+    docs = rendered(build)
+    assert {d["kind"] for d in docs} >= {"Deployment", "Service", "NetworkPolicy"}
+    for doc in docs:
+        if doc["apiVersion"] in CUSTOM:
+            assert doc["metadata"]["name"] and doc["spec"], doc
+            continue
         kubernetes_validate.validate(doc, version, strict=True)
 
 
@@ -191,18 +234,255 @@ def test_the_sidecars_route_file_parses() -> None:
     assert table.stickiness_header == "x-user-id"
 
 
-def test_the_istio_example_routes_to_the_same_services_and_headers() -> None:
-    docs = list(yaml.safe_load_all((KUBERNETES / "istio" / "routing.yaml").read_text()))
+def test_the_istio_overlay_routes_to_clusterip_services_without_retrying_answers() -> None:
+    docs = rendered("istio")
+    services = {d["metadata"]["name"]: d for d in docs if d["kind"] == "Service"}
     (virtual,) = [d for d in docs if d["kind"] == "VirtualService"]
     for route in virtual["spec"]["http"]:
         for destination in route["route"]:
-            service = service_named(destination["destination"]["host"])
+            service = services[destination["destination"]["host"]]
+            # Istio ignores a DestinationRule's load balancing for a headless Service.
+            assert service["spec"].get("clusterIP") != "None", destination
             assert destination["destination"]["port"]["number"] in {
                 p["port"] for p in service["spec"]["ports"]
             }
-        if route["route"][0]["destination"]["host"] == "modelyard-grpc" or route["name"] == "streams":
+        if route["route"][0]["destination"]["port"]["number"] == 50051 or route["name"] == "streams":
             assert route["timeout"] == "0s", f"{route['name']}: a stream needs no route timeout"
-    (rule,) = [d for d in docs if d["kind"] == "DestinationRule"]
+        # Explicit: none, or only connections that could not be made (never the sidecar's
+        # breaker_open/draining answers, which are UNAVAILABLE by design).
+        retries = route["retries"]
+        assert retries["attempts"] == 0 or retries["retryOn"] == "connect-failure", route["name"]
+    assert virtual["spec"]["http"][2]["name"] == "streams" and virtual["spec"]["http"][2]["retries"] == {
+        "attempts": 0
+    }
+    rules = {d["spec"]["host"]: d for d in docs if d["kind"] == "DestinationRule"}
+    assert set(rules) <= set(services)
+    hashed = [r for r in rules.values() if "consistentHash" in r["spec"]["trafficPolicy"]["loadBalancer"]]
+    (rule,) = hashed
     cookie = rule["spec"]["trafficPolicy"]["loadBalancer"]["consistentHash"]["httpCookie"]["name"]
     edge = yaml.safe_load((KUBERNETES / "envoy.yaml").read_text())
-    assert f"name: {cookie}" in yaml.safe_dump(edge)
+    assert f"name: {cookie}" in yaml.safe_dump(edge)  # the same cookie as the Envoy edge's
+    for host, destination in rules.items():
+        outlier = destination["spec"]["trafficPolicy"]["outlierDetection"]
+        # Only local-origin failures eject a pod: a sidecar's answers (any status) never do.
+        assert outlier["splitExternalLocalOriginErrors"] is True, host
+        assert outlier["consecutive5xxErrors"] == outlier["consecutiveGatewayErrors"] == 0, host
+    kinds = {d["kind"] for d in docs}
+    assert not [d for d in docs if d["metadata"]["name"] == "modelyard-edge"], "the Envoy edge is replaced"
+    assert {"Gateway", "VirtualService", "DestinationRule"} <= kinds
+
+
+# --- Pod Security "restricted" ------------------------------------------------------------------
+
+# The volume types the restricted profile allows.
+RESTRICTED_VOLUMES = {
+    "configMap",
+    "csi",
+    "downwardAPI",
+    "emptyDir",
+    "ephemeral",
+    "persistentVolumeClaim",
+    "projected",
+    "secret",
+}
+
+
+def pod_specs(docs: list[dict[str, Any]]) -> Iterator[tuple[str, dict[str, Any]]]:
+    for doc in docs:
+        template = doc.get("spec", {}).get("template", {}).get("spec")
+        if doc["kind"] == "Pod":
+            template = doc["spec"]
+        if template is not None:
+            yield doc["metadata"]["name"], template
+
+
+def restricted_violations(name: str, pod: dict[str, Any]) -> list[str]:
+    """The Pod Security Standards' restricted rules (v1.30+), and a read-only root file system."""
+    found = []
+    context = pod.get("securityContext", {})
+    for host in ("hostNetwork", "hostPID", "hostIPC"):
+        if pod.get(host):
+            found.append(f"{name}: {host}")
+    for volume in pod.get("volumes", []):
+        kinds = set(volume) - {"name"}
+        if not kinds <= RESTRICTED_VOLUMES:
+            found.append(f"{name}: volume {volume['name']} is {kinds}")
+    for container in pod.get("initContainers", []) + pod["containers"]:
+        where = f"{name}/{container['name']}"
+        own = container.get("securityContext", {})
+        if own.get("privileged"):
+            found.append(f"{where}: privileged")
+        if own.get("allowPrivilegeEscalation") is not False:
+            found.append(f"{where}: allowPrivilegeEscalation must be false")
+        if own.get("runAsNonRoot", context.get("runAsNonRoot")) is not True:
+            found.append(f"{where}: runAsNonRoot")
+        if own.get("runAsUser", context.get("runAsUser")) == 0:
+            found.append(f"{where}: runAsUser 0")
+        seccomp = own.get("seccompProfile", context.get("seccompProfile", {})).get("type")
+        if seccomp not in ("RuntimeDefault", "Localhost"):
+            found.append(f"{where}: seccompProfile {seccomp}")
+        capabilities = own.get("capabilities", {})
+        if "ALL" not in capabilities.get("drop", []):
+            found.append(f"{where}: capabilities must drop ALL")
+        if set(capabilities.get("add", [])) - {"NET_BIND_SERVICE"}:
+            found.append(f"{where}: adds {capabilities['add']}")
+        if any(p.get("hostPort") for p in container.get("ports", [])):
+            found.append(f"{where}: hostPort")
+        if own.get("readOnlyRootFilesystem") is not True:
+            found.append(f"{where}: readOnlyRootFilesystem")
+    return found
+
+
+@pytest.mark.parametrize("build", kubernetes_renders.BUILDS)
+def test_every_pod_meets_the_restricted_profile(build: str) -> None:
+    pods = list(pod_specs(rendered(build)))
+    assert pods
+    assert [v for name, pod in pods for v in restricted_violations(name, pod)] == []
+
+
+@pytest.mark.parametrize(
+    ("change", "expected"),
+    [
+        (lambda pod: pod["containers"][0]["securityContext"].pop("capabilities"), "drop ALL"),
+        (lambda pod: pod["securityContext"].pop("seccompProfile"), "seccompProfile"),
+        (
+            lambda pod: pod["containers"][1]["securityContext"].update(allowPrivilegeEscalation=True),
+            "Escalation",
+        ),
+        (lambda pod: pod["containers"][0]["securityContext"].update(runAsNonRoot=False), "runAsNonRoot"),
+        (lambda pod: pod["containers"][0]["securityContext"].pop("readOnlyRootFilesystem"), "readOnlyRoot"),
+        (lambda pod: pod["volumes"].append({"name": "h", "hostPath": {"path": "/"}}), "hostPath"),
+        (lambda pod: pod.update(hostNetwork=True), "hostNetwork"),
+    ],
+)
+def test_the_restricted_check_catches_each_rule(
+    change: Callable[[dict[str, Any]], object], expected: str
+) -> None:
+    (pod,) = [copy.deepcopy(p) for name, p in pod_specs(rendered("base")) if name == "modelyard"]
+    assert restricted_violations("modelyard", pod) == []
+    change(pod)
+    assert [v for v in restricted_violations("modelyard", pod) if expected in v]
+
+
+# --- The builds' pieces -------------------------------------------------------------------------
+
+
+def named(docs: list[dict[str, Any]], kind: str, name: str) -> dict[str, Any]:
+    (doc,) = [d for d in docs if d["kind"] == kind and d["metadata"]["name"] == name]
+    return doc
+
+
+@pytest.mark.parametrize("build", kubernetes_renders.BUILDS)
+def test_the_routes_configmap_is_updated_in_place_and_envoys_rolls(build: str) -> None:
+    docs = rendered(build)
+    names = {d["metadata"]["name"] for d in docs if d["kind"] == "ConfigMap"}
+    # Unhashed: an edit to routes.yaml reaches the running sidecars (their in-place reload).
+    assert "modelyard-routes" in names
+    pod = named(docs, "Deployment", "modelyard")["spec"]["template"]["spec"]
+    assert {"configMap": {"name": "modelyard-routes"}, "name": "routes"} in pod["volumes"]
+    edge = [n for n in names if n.startswith("modelyard-edge")]
+    assert all(n != "modelyard-edge" for n in edge), "Envoy does not re-read its file: hashed, it rolls"
+
+
+@pytest.mark.parametrize("build", kubernetes_renders.BUILDS)
+def test_each_containers_arguments_parse_in_every_build(build: str) -> None:
+    for _, pod in pod_specs(rendered(build)):
+        for container in pod["containers"]:
+            args = container.get("args", [])
+            if args and args[0] in PARSERS:
+                PARSERS[args[0]](args[1:])
+
+
+@pytest.mark.parametrize("build", kubernetes_renders.BUILDS)
+def test_autoscalers_budgets_and_spread_name_real_deployments(build: str) -> None:
+    docs = rendered(build)
+    deployments = {d["metadata"]["name"]: d for d in docs if d["kind"] == "Deployment"}
+    scaled = set()
+    for hpa in [d for d in docs if d["kind"] == "HorizontalPodAutoscaler"]:
+        target = deployments[hpa["spec"]["scaleTargetRef"]["name"]]
+        scaled.add(target["metadata"]["name"])
+        # The autoscaler owns the count: a `replicas` in the Deployment would reset it on apply.
+        assert "replicas" not in target["spec"], hpa["metadata"]["name"]
+        assert hpa["spec"]["minReplicas"] >= 2
+        for metric in hpa["spec"]["metrics"]:
+            if metric["type"] == "Resource":
+                for container in target["spec"]["template"]["spec"]["containers"]:
+                    assert container["resources"]["requests"]["cpu"], "CPU utilization needs requests"
+    expected = {"modelyard-gateway"} | ({"modelyard-edge"} if "modelyard-edge" in deployments else set())
+    assert expected <= scaled
+    budgets = [d for d in docs if d["kind"] == "PodDisruptionBudget"]
+    for name, deployment in deployments.items():
+        labels = deployment["spec"]["template"]["metadata"]["labels"]
+        covering = [b for b in budgets if b["spec"]["selector"]["matchLabels"].items() <= labels.items()]
+        assert len(covering) == 1, f"{name}: one PodDisruptionBudget"
+        assert deployment["spec"].get("replicas", 2) >= 2 or name in scaled
+        spread = deployment["spec"]["template"]["spec"]["topologySpreadConstraints"]
+        assert {s["topologyKey"] for s in spread} == {"kubernetes.io/hostname", "topology.kubernetes.io/zone"}
+        for constraint in spread:
+            assert constraint["labelSelector"]["matchLabels"].items() <= labels.items(), name
+
+
+def test_the_edge_drains_before_it_stops() -> None:
+    pod = named(rendered("base"), "Deployment", "modelyard-edge")["spec"]["template"]["spec"]
+    (envoy,) = pod["containers"]
+    hook = " ".join(envoy["lifecycle"]["preStop"]["exec"]["command"])
+    admin = render.KUBERNETES.admin
+    assert f"/dev/tcp/{admin[0]}/{admin[1]}" in hook and "POST /drain_listeners?graceful" in hook
+    drain_s = int(envoy["args"][envoy["args"].index("--drain-time-s") + 1])
+    assert f"sleep {drain_s}" in hook and drain_s < pod["terminationGracePeriodSeconds"]
+
+
+def test_the_gpu_overlay_asks_for_a_gpu_and_runs_the_cuda_image() -> None:
+    pod = named(rendered("gpu"), "Deployment", "modelyard")["spec"]["template"]["spec"]
+    by_name = {c["name"]: c for c in pod["containers"]}
+    service = by_name["service"]
+    assert service["image"].startswith("modelyard-service-cuda")
+    assert service["resources"]["limits"]["nvidia.com/gpu"] == 1
+    assert service_settings(service["args"][1:]).workers == "1"  # one copy of each model per device
+    assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in pod["tolerations"]
+    assert pod["nodeSelector"]
+    assert by_name["sidecar"]["image"].startswith("modelyard-sidecar:")  # only the service changes
+
+
+@pytest.mark.parametrize("build", ["models-pvc", "models-init"])
+def test_the_model_overlays_mount_the_repository_the_service_serves(build: str) -> None:
+    docs = rendered(build)
+    pod = named(docs, "Deployment", "modelyard")["spec"]["template"]["spec"]
+    service = next(c for c in pod["containers"] if c["name"] == "service")
+    repository = str(service_settings(service["args"][1:]).repository)
+    (mount,) = [m for m in service["volumeMounts"] if m["mountPath"] == repository]
+    assert mount.get("readOnly") is True  # the service reads it; the publisher writes it
+    volume = next(v for v in pod["volumes"] if v["name"] == mount["name"])
+    if build == "models-pvc":
+        claim = volume["persistentVolumeClaim"]["claimName"]
+        assert named(docs, "PersistentVolumeClaim", claim)
+    else:
+        assert "emptyDir" in volume
+        (init,) = pod["initContainers"]
+        assert not init["image"].startswith("modelyard")  # a stock image, not ours
+        assert {m["name"] for m in init["volumeMounts"] if m["mountPath"] == repository} == {mount["name"]}
+
+
+def test_the_monitoring_overlay_scrapes_what_the_pods_serve_and_scales_on_queue_depth() -> None:
+    docs = rendered("monitoring")
+    deployments = {d["metadata"]["name"]: d for d in docs if d["kind"] == "Deployment"}
+    for monitor in [d for d in docs if d["kind"] == "PodMonitor"]:
+        labels = monitor["spec"]["selector"]["matchLabels"]
+        (pod,) = [
+            d
+            for d in deployments.values()
+            if labels.items() <= d["spec"]["template"]["metadata"]["labels"].items()
+        ]
+        ports = {p["name"] for c in pod["spec"]["template"]["spec"]["containers"] for p in c.get("ports", [])}
+        assert {e["port"] for e in monitor["spec"]["podMetricsEndpoints"]} <= ports
+    hpa = named(docs, "HorizontalPodAutoscaler", "modelyard")
+    (metric,) = hpa["spec"]["metrics"]
+    name = metric["pods"]["metric"]["name"]
+    rules = yaml.safe_load(
+        named(docs, "ConfigMap", "modelyard-prometheus-adapter-rules")["data"]["config.yaml"]
+    )
+    assert name in {r["name"]["as"] for r in rules["rules"]}
+    # The series the rule reads is one the service exports.
+    from modelyard.service.metrics import ServiceMetrics
+
+    assert ServiceMetrics().queue_depth._name == name
