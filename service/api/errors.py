@@ -156,7 +156,17 @@ class serving:
     A class rather than an @asynccontextmanager: it runs on every request, and a generator-based
     context manager costs several microseconds more per call."""
 
-    __slots__ = ("_code", "_context", "_method", "_metrics", "_model", "_span", "_start", "version")
+    __slots__ = (
+        "_code",
+        "_context",
+        "_method",
+        "_metrics",
+        "_model",
+        "_reason",
+        "_span",
+        "_start",
+        "version",
+    )
 
     def __init__(self, context: Context, metrics: ServiceMetrics, method: str, model: str) -> None:
         self._context = context
@@ -166,6 +176,7 @@ class serving:
         self._start = 0.0
         self._span: object = None
         self._code = grpc.StatusCode.OK  # an error answered in-band (KServe streams) sets it
+        self._reason = ""  # and its x-error-reason (a span is ERROR only for a server fault)
         self.version = ""  # the version that answered: x-served-version, and the metrics label
 
     async def answered(self, version: str) -> None:
@@ -181,6 +192,7 @@ class serving:
         """An error answered inside a stream's message rather than by the call's status: count it
         under its status code, and return its reason for the message."""
         self._code, reason = status_for(exc)
+        self._reason = reason
         return reason
 
     async def __aenter__(self) -> serving:
@@ -191,37 +203,39 @@ class serving:
     async def __aexit__(
         self, kind: type[BaseException] | None, exc: BaseException | None, tb: object
     ) -> None:
-        code = self._code
+        code, reason = self._code, self._reason
         try:
             if exc is None:
                 return
             if isinstance(exc, errors.ServiceError | TensorError):
-                code, reason = status_for(exc)
-                message = str(exc)
+                code, found = status_for(exc)
+                reason, message = found, str(exc)
                 if code == grpc.StatusCode.INTERNAL:  # a runtime failure on valid-looking input
                     message = internal_error(self._method, self._model, message)
                 await self._context.abort(
-                    code, client_message(message), trailing_metadata=reason_metadata(reason)
+                    code, client_message(message), trailing_metadata=reason_metadata(found)
                 )
             elif isinstance(exc, asyncio.CancelledError | GeneratorExit):  # the client went away
                 # gRPC has answered the client already (CANCELLED, or DEADLINE_EXCEEDED from its own
                 # deadline timer); the reason is set for completeness and for anything reading the
                 # call's metadata on this side.
-                code, reason = (
-                    _DEADLINE if deadline_passed(self._context) else _STATUS[asyncio.CancelledError]
-                )
-                self._context.set_trailing_metadata(reason_metadata(reason))
+                code, found = _DEADLINE if deadline_passed(self._context) else _STATUS[asyncio.CancelledError]
+                reason = found
+                self._context.set_trailing_metadata(reason_metadata(found))
             elif isinstance(exc, grpc.aio.AbortError):
                 code = self._context.code()  # abort() set it, with its reason
             elif isinstance(exc, Exception):
-                code, reason = _INTERNAL
+                code, found = _INTERNAL
+                reason = found
                 await self._context.abort(
                     code,
                     internal_error(self._method, self._model, "", exc),
-                    trailing_metadata=reason_metadata(reason),
+                    trailing_metadata=reason_metadata(found),
                 )
         finally:
-            tracing.end(self._span, self.version, code)
+            # A call that failed after its version was resolved counts (and traces) with it.
+            version = self.version or tracing.resolved_version()
+            tracing.end(self._span, version, code, reason)
             self._metrics.observe_request(
-                self._method, self._model, self.version, code, time.perf_counter() - self._start
+                self._method, self._model, version, code, time.perf_counter() - self._start
             )
