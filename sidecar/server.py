@@ -207,7 +207,7 @@ def build_sidecar(
     )
     health_servicer = health_names.new_servicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    shadows = Shadows(metrics)
+    shadows = Shadows(metrics, tracing=tracing)
     proxy = Proxy(upstreams, breakers, routes, TenantLimits(), metrics, tracing, shadows)
     server.add_generic_rpc_handlers((proxy,))
     listen = settings.listen
