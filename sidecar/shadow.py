@@ -14,19 +14,19 @@ from __future__ import annotations
 
 import array
 import asyncio
+import contextlib
 import logging
 import random
 import sys
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from google.protobuf.message import DecodeError
 
 from modelyard.inference.v1 import inference_service_pb2, tensor_pb2
 from modelyard.kserve.v2 import grpc_service_pb2
 from modelyard.sidecar.metrics import SidecarMetrics
-from modelyard.sidecar.tracing import Tracing
 
 log = logging.getLogger(__name__)
 
@@ -147,6 +147,22 @@ def token_agreement(stable: Sequence[int], canary: Sequence[int]) -> tuple[int, 
     return max(len(stable), len(canary)), agreeing
 
 
+class Traces(Protocol):
+    """The span of one comparison (tracing.Tracing.shadow; not imported here: the route table
+    imports this module, and the planner imports the route table, never tracing)."""
+
+    def shadow(
+        self, model: str, stable: str, canary: str, method: str
+    ) -> contextlib.AbstractContextManager[Any]: ...
+
+
+class _Untraced:
+    def shadow(
+        self, model: str, stable: str, canary: str, method: str
+    ) -> contextlib.AbstractContextManager[Any]:
+        return contextlib.nullcontext()
+
+
 Versions = tuple[str, str]  # (stable, canary): the versions a comparison is between
 Send = Callable[[bytes], Awaitable[bytes]]
 SendStream = Callable[[bytes], Awaitable[list[int]]]
@@ -159,11 +175,11 @@ class Shadows:
         self,
         metrics: SidecarMetrics,
         chance: Callable[[], float] = random.random,
-        tracing: Tracing | None = None,
+        tracing: Traces | None = None,
     ) -> None:
         self._metrics = metrics
         self._chance = chance
-        self._tracing = tracing if tracing is not None else Tracing()
+        self._tracing: Traces = tracing if tracing is not None else _Untraced()
         self._in_flight: set[asyncio.Task[None]] = set()
 
     def wants(self, policy: ShadowPolicy) -> bool:
