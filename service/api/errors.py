@@ -148,6 +148,14 @@ def set_served_by(worker: str) -> None:
     _served_by = ((headers.SERVED_BY, worker),)
 
 
+def _span_reason(exc: BaseException) -> str:
+    """The x-error-reason a call that raised `exc` ended with, for its span's status; empty where
+    the code tells (abort() answered it, or the client went away)."""
+    if isinstance(exc, grpc.aio.AbortError | asyncio.CancelledError | GeneratorExit):
+        return ""
+    return status_for(exc)[1].value
+
+
 class serving:
     """Wrap one call: map an error to its status and x-error-reason (abort), send x-served-version
     once the version that answers is known, and record count and latency by method, model,
@@ -203,39 +211,39 @@ class serving:
     async def __aexit__(
         self, kind: type[BaseException] | None, exc: BaseException | None, tb: object
     ) -> None:
-        code, reason = self._code, self._reason
+        code = self._code
         try:
             if exc is None:
                 return
             if isinstance(exc, errors.ServiceError | TensorError):
-                code, found = status_for(exc)
-                reason, message = found, str(exc)
+                code, reason = status_for(exc)
+                message = str(exc)
                 if code == grpc.StatusCode.INTERNAL:  # a runtime failure on valid-looking input
                     message = internal_error(self._method, self._model, message)
                 await self._context.abort(
-                    code, client_message(message), trailing_metadata=reason_metadata(found)
+                    code, client_message(message), trailing_metadata=reason_metadata(reason)
                 )
             elif isinstance(exc, asyncio.CancelledError | GeneratorExit):  # the client went away
                 # gRPC has answered the client already (CANCELLED, or DEADLINE_EXCEEDED from its own
                 # deadline timer); the reason is set for completeness and for anything reading the
                 # call's metadata on this side.
-                code, found = _DEADLINE if deadline_passed(self._context) else _STATUS[asyncio.CancelledError]
-                reason = found
-                self._context.set_trailing_metadata(reason_metadata(found))
+                code, reason = (
+                    _DEADLINE if deadline_passed(self._context) else _STATUS[asyncio.CancelledError]
+                )
+                self._context.set_trailing_metadata(reason_metadata(reason))
             elif isinstance(exc, grpc.aio.AbortError):
                 code = self._context.code()  # abort() set it, with its reason
             elif isinstance(exc, Exception):
-                code, found = _INTERNAL
-                reason = found
+                code, reason = _INTERNAL
                 await self._context.abort(
                     code,
                     internal_error(self._method, self._model, "", exc),
-                    trailing_metadata=reason_metadata(found),
+                    trailing_metadata=reason_metadata(reason),
                 )
         finally:
             # A call that failed after its version was resolved counts (and traces) with it.
             version = self.version or tracing.resolved_version()
-            tracing.end(self._span, version, code, reason)
+            tracing.end(self._span, version, code, self._reason if exc is None else _span_reason(exc))
             self._metrics.observe_request(
                 self._method, self._model, version, code, time.perf_counter() - self._start
             )
