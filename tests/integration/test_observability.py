@@ -171,6 +171,7 @@ async def test_every_metric_the_dashboard_and_rules_name_is_in_a_real_scrape(
             async with grpc.aio.insecure_channel(sidecar.address) as channel:
                 for user in range(10):
                     await infer(channel, user=f"user-{user}", metadata=[("x-tenant-id", "acme")])
+                await infer(channel, metadata=[("x-canary-weight", "100")])  # a canary call, surely
                 stub = pb_grpc.InferenceServiceStub(channel)
                 request = pb.GenerateRequest(model_name="codelm", prompt="def f(", max_tokens=3)
                 assert [e async for e in stub.Generate(request, timeout=30)]

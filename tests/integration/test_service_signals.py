@@ -83,6 +83,8 @@ async def test_a_failed_run_counts_and_traces_with_its_version_and_is_no_server_
     assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     registry = service.metrics.registry
     labels = {"method": "Infer", "model": "reshaped", "code": "INVALID_ARGUMENT"}
+    # The client may have its answer a moment before the server's handler has recorded it.
+    await eventually(lambda: bool(server_spans(spans, "Infer")), "the call recorded")
     assert metric(registry, "modelyard_requests_total", **labels, version="1") == 1
     assert metric(registry, "modelyard_requests_total", **labels, version="") is None
     (span,) = server_spans(spans, "Infer")
@@ -96,6 +98,7 @@ async def test_a_failed_run_counts_and_traces_with_its_version_and_is_no_server_
     with pytest.raises(grpc.aio.AioRpcError) as missing:
         await stub.Infer(pb.InferRequest(model_name="nosuch"), timeout=10)
     assert missing.value.code() == grpc.StatusCode.NOT_FOUND
+    await eventually(lambda: bool(server_spans(spans, "Infer")), "the call recorded")
     (span,) = server_spans(spans, "Infer")
     assert span.status.status_code is StatusCode.UNSET
     assert "modelyard.version" not in (span.attributes or {})  # no version was resolved
@@ -130,6 +133,7 @@ async def test_a_generate_span_carries_its_time_to_first_token_and_token_counts(
     events = [event async for event in stub.Generate(request, metadata=(("x-tenant-id", "acme"),))]
     generated = sum(len(e.token_ids) for e in events)
     assert generated == 5
+    await eventually(lambda: bool(server_spans(spans, "Generate")), "the call recorded")
     (span,) = server_spans(spans, "Generate")
     attributes = dict(span.attributes or {})
     assert attributes["modelyard.version"] == "1"
@@ -161,8 +165,8 @@ async def test_made_up_model_names_never_become_series(service: Service, stub: A
     for index in range(2, 60):
         with pytest.raises(grpc.aio.AioRpcError):
             await stub.Infer(pb.InferRequest(model_name=f"madeup-{index}", model_version="7"), timeout=10)
-    assert series() == before  # every made-up name is `_unknown`, with no version
-    text = generate_latest(service.metrics.registry).decode()
-    assert "madeup" not in text
     labels = {"method": "Infer", "model": "_unknown", "version": "", "code": "NOT_FOUND"}
-    assert metric(text, "modelyard_requests_total", **labels) == 60
+    registry = service.metrics.registry
+    await eventually(lambda: metric(registry, "modelyard_requests_total", **labels) == 60, "all counted")
+    assert series() == before  # every made-up name is `_unknown`, with no version
+    assert "madeup" not in generate_latest(registry).decode()

@@ -97,8 +97,18 @@ async def test_a_canary_fault_answered_by_stable_counts_against_the_canary(sidec
         assert (healthy.version, healthy.dye) == ("2", "canary")
     faults = fallbacks.count("canary-fault")
     assert faults >= 1
-    text = await scrape(sidecar)
+    latency = {"method": "Infer", "model": "scaler", "version": "1", "dye": "stable"}
+    # A client may have its answer a moment before the sidecar has closed the call's scope.
+    registry = sidecar.metrics.registry
     canary = {"model": "scaler", "version": "2", "dye": "canary"}
+    await eventually(
+        lambda: (
+            metric(registry, "modelyard_sidecar_request_seconds_count", **latency) == 5
+            and metric(registry, "modelyard_sidecar_attempts_total", **canary, code="OK", fault="false") == 1
+        ),
+        "every call recorded",
+    )
+    text = await scrape(sidecar)
     assert metric(text, "modelyard_sidecar_attempts_total", **canary, code="INTERNAL", fault="true") == faults
     assert metric(text, "modelyard_sidecar_attempts_total", **canary, code="OK", fault="false") == 1
     answered = {"method": "Infer", "model": "scaler", "code": "OK"}  # what the client got
@@ -117,7 +127,6 @@ async def test_a_canary_fault_answered_by_stable_counts_against_the_canary(sidec
         metric(text, "modelyard_sidecar_requests_total", **answered, version="2", dye="canary", fallback="")
         == 1
     )
-    latency = {"method": "Infer", "model": "scaler", "version": "1", "dye": "stable"}
     assert metric(text, "modelyard_sidecar_request_seconds_count", **latency) == 5
 
 
@@ -134,11 +143,19 @@ async def test_made_up_pins_and_tenants_never_become_series(sidecar: Sidecar) ->
         before = [line for line in (await scrape(sidecar)).splitlines() if not line.startswith("#")]
         for index in range(1, 60):
             await made_up(index)
+        pinned = {"method": "Infer", "model": "scaler", "version": "_other", "code": "NOT_FOUND"}
+        registry = sidecar.metrics.registry
+        await eventually(
+            lambda: (
+                metric(registry, "modelyard_sidecar_requests_total", **pinned, dye="pinned", fallback="")
+                == 60
+            ),
+            "every call recorded",
+        )
         after = [line for line in (await scrape(sidecar)).splitlines() if not line.startswith("#")]
     assert len(after) == len(before)
     text = "\n".join(after)
     assert "tenant-" not in text and 'version="93' not in text
-    pinned = {"method": "Infer", "model": "scaler", "version": "_other", "code": "NOT_FOUND"}
     assert metric(text, "modelyard_sidecar_requests_total", **pinned, dye="pinned", fallback="") == 60
 
 
@@ -147,6 +164,7 @@ async def test_spans_carry_the_tenant_and_only_server_faults_are_errors(
 ) -> None:
     async with grpc.aio.insecure_channel(sidecar.address) as channel:
         await infer(channel, value=100.0, metadata=[CANARY, ("x-tenant-id", "acme")])
+        await eventually(lambda: bool(server_spans(spans)), "the call's span ended")
         (span,) = server_spans(spans)
         attributes = dict(span.attributes or {})
         assert attributes["modelyard.tenant"] == "acme"
@@ -159,6 +177,7 @@ async def test_spans_carry_the_tenant_and_only_server_faults_are_errors(
         with pytest.raises(grpc.aio.AioRpcError) as missing:
             await infer(channel, "nosuch")
         assert missing.value.code() == grpc.StatusCode.NOT_FOUND
+        await eventually(lambda: bool(server_spans(spans)), "the call's span ended")
         (span,) = server_spans(spans)
         assert span.status.status_code is StatusCode.UNSET  # the client's mistake
         assert dict(span.attributes or {})["modelyard.error_reason"] == "model_not_found"
@@ -176,7 +195,7 @@ async def test_a_shadow_comparison_is_a_span_naming_both_versions(
     def shadow_spans() -> list[ReadableSpan]:
         return [s for s in spans.get_finished_spans() if s.name == "modelyard.sidecar/shadow"]
 
-    await eventually(lambda: bool(shadow_spans()), "the shadow comparison")
+    await eventually(lambda: bool(shadow_spans() and server_spans(spans)), "the shadow comparison")
     (shadow,) = shadow_spans()
     (call,) = server_spans(spans)
     assert shadow.context is not None and call.context is not None
