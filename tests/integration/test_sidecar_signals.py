@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import grpc
+import numpy as np
 import pytest
 import yaml
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
@@ -19,10 +20,13 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import SpanKind, StatusCode
 
 from models import demo_models
+from modelyard.inference.v1 import inference_service_pb2 as pb
+from modelyard.inference.v1 import inference_service_pb2_grpc as pb_grpc
 from modelyard.service.config import Settings as ServiceSettings
 from modelyard.service.server import Service, build_service
 from modelyard.sidecar.server import Sidecar
 from modelyard.sidecar.tracing import Tracing
+from modelyard.tensors import to_tensor
 from tests.integration.test_sidecar_breakers import fails_on_large_values
 from tests.sidecar_support import admin_async, infer, known_versions, running_sidecar
 from tests.support import eventually, metric
@@ -208,3 +212,30 @@ async def test_a_shadow_comparison_is_a_span_naming_both_versions(
     found = dict(event.attributes or {})
     assert found["rows"] == 1
     assert found["rows_agreeing"] in (0, 1)
+
+
+async def test_a_stream_whose_canary_fails_before_its_first_message_counts_once_each(
+    sidecar: Sidecar,
+) -> None:
+    """The canary's stream ends with its error before any message: stable answers it, the
+    canary's attempt is a fault, and the call the client got is stable's OK."""
+    x = np.full((2, 16), 100.0, np.float32)
+    request = pb.InferStreamRequest(model_name="scaler", inputs=[to_tensor("INPUT0", x)], chunk_size=1)
+    async with grpc.aio.insecure_channel(sidecar.address) as channel:
+        stub = pb_grpc.InferenceServiceStub(channel)
+        call = stub.InferStream(request, metadata=[CANARY], timeout=30)
+        chunks = [chunk async for chunk in call]
+        assert [c.model_version for c in chunks] == ["1", "1"]
+        assert dict(await call.initial_metadata()).get("x-dye-fallback") == "canary-fault"
+    registry = sidecar.metrics.registry
+    answered = {"method": "InferStream", "model": "scaler", "version": "1", "dye": "stable"}
+    await eventually(
+        lambda: metric(registry, "modelyard_sidecar_request_seconds_count", **answered) == 1,
+        "the call recorded",
+    )
+    canary = {"model": "scaler", "version": "2", "dye": "canary", "code": "INTERNAL", "fault": "true"}
+    assert metric(registry, "modelyard_sidecar_attempts_total", **canary) == 1
+    ok = {**answered, "code": "OK", "fallback": "canary-fault"}
+    assert metric(registry, "modelyard_sidecar_requests_total", **ok) == 1
+    stable = {"model": "scaler", "version": "1", "dye": "stable", "code": "OK", "fault": "false"}
+    assert metric(registry, "modelyard_sidecar_attempts_total", **stable) == 1
