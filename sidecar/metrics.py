@@ -40,9 +40,10 @@ class SidecarMetrics:
         )
         self.attempts = Counter(
             "modelyard_sidecar_attempts",
-            "Upstream attempts of data calls, by model, version, dye, status code and fault (true: "
-            "it counted against the version, as a breaker counts it). A canary's fault answered by "
-            "stable is a canary attempt with fault=true here, and a stable answer in requests",
+            "Upstream attempts (a call has one, or more after a fault), by model, version, dye, "
+            "status code and fault (true: it counted against the version, as a breaker counts it). "
+            "A canary's fault answered by stable is a canary attempt with fault=true here, and a "
+            "stable answer in requests",
             ["model", "version", "dye", "code", "fault"],
             registry=self.registry,
         )
