@@ -9,8 +9,9 @@ only for a server fault (OpenTelemetry's rule for server spans; `modelyard.commo
 client's mistake or a load refusal is not an error of the service.
 
 On when an OTLP endpoint is configured (`OTEL_EXPORTER_OTLP_ENDPOINT` or
-`OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`), off otherwise; off, a call pays one global read. The
-OpenTelemetry SDK is imported only when tracing is on.
+`OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`), off otherwise; off, a call pays a global read and a context
+variable (the resolved version, for the metrics too). The OpenTelemetry SDK is imported only when
+tracing is on.
 """
 
 from __future__ import annotations
