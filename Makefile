@@ -23,6 +23,7 @@ lint: $(VENV)/.installed-dev $(BUF) system-deps
 	$(PY) proto/generate.py --check
 	$(PY) -m modelyard.envoy.render --check
 	$(PY) docs/reference.py --check
+	cd deploy/observability && promtool check rules alerts.yaml && promtool test rules alerts_test.yaml
 	$(VENV)/bin/envoy --mode validate -c envoy/envoy.yaml --log-level warn
 	$(VENV)/bin/envoy --mode validate -c deploy/kubernetes/envoy.yaml --log-level warn
 	$(MAKE) --no-print-directory web-check
@@ -146,6 +147,7 @@ $(VENV)/.installed-dev: pyproject.toml | $(PY)
 system-deps:
 	@dpkg -s libb64-0d >/dev/null 2>&1 || { apt-get update -qq && apt-get install -y -qq libb64-0d >/dev/null; }
 	@dpkg -s flatbuffers-compiler >/dev/null 2>&1 || { apt-get update -qq && apt-get install -y -qq flatbuffers-compiler >/dev/null; }
+	@dpkg -s prometheus >/dev/null 2>&1 || { apt-get update -qq && apt-get install -y -qq --no-install-recommends prometheus >/dev/null; }
 
 $(BUF):
 	npm install --silent --no-save --no-audit --no-fund --prefix .cache/buf @bufbuild/buf@$(BUF_VERSION)

@@ -72,8 +72,11 @@ class DataPlane:
 
     def open(self, model: str, version: str) -> Call:
         """`with dataplane.open(model, version) as call:` resolves the version now (an unknown
-        model or version raises here) and holds it until the block ends."""
-        return Call(self, self._table.resolve(model, version))
+        model or version raises here) and holds it until the block ends. The call's metrics and
+        span name the version from here on, should it fail."""
+        served = self._table.resolve(model, version)
+        tracing.resolved(str(served.version))
+        return Call(self, served)
 
     async def infer(
         self,

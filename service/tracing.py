@@ -2,11 +2,16 @@
 caller's W3C `traceparent` (the sidecar's client span) and reading its `baggage` (model version
 and dye), with child spans for its steps (`run`: the model's run; `batch`: waiting in a dynamic
 batcher's queue and the batch's run; for Generate, `prefill`: waiting for a decode slot and the
-prompt's pass, up to the first token, then `stream`: the rest of the tokens).
+prompt's pass, up to the first token, then `stream`: the rest of the tokens). The span carries
+the version that served the call as soon as it is resolved (a failed run's span too), the
+caller's tenant, and for Generate its time to first token and token counts. Its status is ERROR
+only for a server fault (OpenTelemetry's rule for server spans; `modelyard.common.reasons`): a
+client's mistake or a load refusal is not an error of the service.
 
 On when an OTLP endpoint is configured (`OTEL_EXPORTER_OTLP_ENDPOINT` or
-`OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`), off otherwise; off, a call pays one global read. The
-OpenTelemetry SDK is imported only when tracing is on.
+`OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`), off otherwise; off, a call pays a global read and a context
+variable (the resolved version, for the metrics too). The OpenTelemetry SDK is imported only when
+tracing is on.
 """
 
 from __future__ import annotations
@@ -19,7 +24,9 @@ from typing import Any
 
 import grpc
 
+from modelyard.common import headers
 from modelyard.common.names import NAME_MAX, echo
+from modelyard.common.reasons import is_server_fault
 from modelyard.process.tracing import otlp_provider
 
 log = logging.getLogger(__name__)
@@ -29,13 +36,20 @@ _propagator: Any = None
 _provider: Any = None
 # The call's server span, for the spans of its steps (same task: the handler's).
 _current: ContextVar[Any] = ContextVar("modelyard_service_span", default=None)
+# The version that serves the current call, once resolved (DataPlane.open, the generation
+# plane's lease): its metrics and span name it even when the call then fails.
+_version: ContextVar[str] = ContextVar("modelyard_service_version", default="")
 _OFF = contextlib.nullcontext()
+# Codes that are a server fault when no x-error-reason says otherwise.
+_FAULT_CODES = frozenset({grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL, grpc.StatusCode.DATA_LOSS})
 
 
-def configure(environ: Mapping[str, str] | None = None) -> bool:
-    """Turn tracing on from the OTEL_* variables; returns whether it is on."""
+def configure(environ: Mapping[str, str] | None = None, provider: Any = None) -> bool:
+    """Turn tracing on from the OTEL_* variables (or with `provider`, a TracerProvider: tests
+    give one with an in-memory exporter); returns whether it is on."""
     global _tracer, _propagator, _provider
-    provider = otlp_provider("modelyard-service", environ)
+    if provider is None:
+        provider = otlp_provider("modelyard-service", environ)
     if provider is None:
         return False
     from opentelemetry.baggage.propagation import W3CBaggagePropagator
@@ -70,6 +84,7 @@ def shutdown() -> None:
 
 def start(context: grpc.aio.ServicerContext[Any, Any], method: str, model: str) -> Any:
     """The call's server span, or None when tracing is off."""
+    _version.set("")  # a new call (a KServe stream runs several in one task)
     if _tracer is None:
         return None
     from opentelemetry import baggage
@@ -80,6 +95,9 @@ def start(context: grpc.aio.ServicerContext[Any, Any], method: str, model: str) 
     # A name that breaks the rule is refused later in the call; the span quotes it capped.
     shown = model if len(model) <= NAME_MAX else echo(model)
     attributes = {"rpc.system": "grpc", "rpc.method": method, "modelyard.model": shown}
+    tenant = carrier.get(headers.TENANT_ID)
+    if tenant:
+        attributes["modelyard.tenant"] = tenant if len(tenant) <= NAME_MAX else echo(tenant)
     for key in ("model.version", "model.dye"):
         value = baggage.get_baggage(key, parent)
         if value is not None:
@@ -89,6 +107,19 @@ def start(context: grpc.aio.ServicerContext[Any, Any], method: str, model: str) 
     )
     _current.set(span)
     return span
+
+
+def resolved(version: str) -> None:
+    """The version that serves the current call is known: on its span now, and the version its
+    metrics and span end with, whether it then answers or fails (`resolved_version`)."""
+    _version.set(version)
+    span = _current.get()
+    if span is not None:
+        span.set_attribute("modelyard.version", version)
+
+
+def resolved_version() -> str:
+    return _version.get()
 
 
 def step(name: str) -> contextlib.AbstractContextManager[Any]:
@@ -124,6 +155,11 @@ class Steps:
         self.end()
         self._span = _tracer.start_span(name, context=trace.set_span_in_context(self._parent))
 
+    def note(self, attributes: Mapping[str, str | int | float]) -> None:
+        """Attributes of the call's span (Generate: time to first token, token counts)."""
+        if self._parent is not None:
+            self._parent.set_attributes(attributes)
+
     def end(self) -> None:
         if self._span is not None:
             self._span.end()
@@ -139,7 +175,15 @@ def steps(first: str) -> Steps:
     return _NO_STEPS if parent is None else Steps(parent, first)
 
 
-def end(span: Any, version: str, code: grpc.StatusCode) -> None:
+def is_fault(code: grpc.StatusCode, reason: str) -> bool:
+    """Whether an answer is the server's fault: its x-error-reason decides; without one, UNKNOWN,
+    INTERNAL and DATA_LOSS are."""
+    if code == grpc.StatusCode.OK:
+        return False
+    return is_server_fault(reason) if reason else code in _FAULT_CODES
+
+
+def end(span: Any, version: str, code: grpc.StatusCode, reason: str = "") -> None:
     if span is None:
         return
     _current.set(None)
@@ -148,6 +192,8 @@ def end(span: Any, version: str, code: grpc.StatusCode) -> None:
     if version:
         span.set_attribute("modelyard.version", version)
     span.set_attribute("rpc.grpc.status_code", code.value[0])
-    if code != grpc.StatusCode.OK:
+    if reason:
+        span.set_attribute("modelyard.error_reason", reason)
+    if is_fault(code, reason):
         span.set_status(Status(StatusCode.ERROR, code.name))
     span.end()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
@@ -15,17 +16,35 @@ STATE_VALUES = {State.CLOSED: 0, State.HALF_OPEN: 1, State.OPEN: 2}
 class SidecarMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
+        # label values -> their children, kept: looking a child up costs more than counting, and
+        # the label sets are bounded (scope.py), so these are too.
+        self._answered: dict[tuple[str, ...], tuple[Any, Any]] = {}
+        self._attempted: dict[tuple[str, ...], Any] = {}
+        # Labels only from bounded sets: a model the upstreams serve (else `_other`), a version
+        # that has a breaker (served, or named by the route; else `_other`), the dye, the status
+        # code's name, the fallback's reason (scope.py).
         self.requests = Counter(
             "modelyard_sidecar_requests",
-            "Calls the sidecar answered, by method, model, dye and status code",
-            ["method", "model", "dye", "code"],
+            "Calls the sidecar answered, by method, model, version and dye of the attempt that "
+            "answered, status code, and fallback (why a canary-dyed call went to stable, else empty)",
+            ["method", "model", "version", "dye", "code", "fallback"],
             registry=self.registry,
         )
         self.latency = Histogram(
             "modelyard_sidecar_request_seconds",
-            "Time from a call's arrival to its answer (unary) or end (streams)",
-            ["method"],
+            "Time from a call's arrival to its answer (unary) or end (streams), by method, model, "
+            "version and dye of the attempt that answered",
+            ["method", "model", "version", "dye"],
             buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
+            registry=self.registry,
+        )
+        self.attempts = Counter(
+            "modelyard_sidecar_attempts",
+            "Upstream attempts (a call has one, or more after a fault), by model, version, dye, "
+            "status code and fault (true: it counted against the version, as a breaker counts it). "
+            "A canary's fault answered by stable is a canary attempt with fault=true here, and a "
+            "stable answer in requests",
+            ["model", "version", "dye", "code", "fault"],
             registry=self.registry,
         )
         self.fallbacks = Counter(
@@ -98,6 +117,28 @@ class SidecarMetrics:
             ["model"],
             registry=self.registry,
         )
+
+    def answered(
+        self, method: str, model: str, version: str, dye: str, code: str, fallback: str, seconds: float
+    ) -> None:
+        """One call answered: its count and latency."""
+        key = (method, model, version, dye, code, fallback)
+        children = self._answered.get(key)
+        if children is None:
+            children = self._answered[key] = (
+                self.requests.labels(*key),
+                self.latency.labels(method, model, version, dye),
+            )
+        children[0].inc()
+        children[1].observe(seconds)
+
+    def attempted(self, model: str, version: str, dye: str, code: str, fault: bool) -> None:
+        """One upstream attempt ended (the one that answered, or one that failed before it)."""
+        key = (model, version, dye, code, "true" if fault else "false")
+        child = self._attempted.get(key)
+        if child is None:
+            child = self._attempted[key] = self.attempts.labels(*key)
+        child.inc()
 
     def breaker_removed(self, key: BreakerKey) -> None:
         labels = (key.upstream, key.model, key.version)

@@ -42,7 +42,7 @@ class Mirror:
             answer: bytes = await method(with_version(message, canary), metadata=md, timeout=30)
             return answer
 
-        self._shadows.mirror(policy, plan.model, path, request, answer, send)
+        self._shadows.mirror(policy, plan.model, path, request, answer, send, (plan.version, canary))
 
     def tokens(self, path: str, plan: Plan, request: bytes | None) -> list[int] | None:
         """A list to collect the stable stream's tokens in, when this Generate is mirrored."""
@@ -65,7 +65,8 @@ class Mirror:
                 produced.extend(token_ids(event))
             return produced
 
-        self._shadows.mirror_tokens(self._routes.table.shadow, plan.model, request, tokens, send)
+        policy = self._routes.table.shadow
+        self._shadows.mirror_tokens(policy, plan.model, request, tokens, send, (plan.version, canary))
 
     def _target(self, plan: Plan) -> tuple[str, Upstream, planner.Metadata] | None:
         return planner.shadow_target(plan, self._routes.table, self._upstreams, self._breakers)

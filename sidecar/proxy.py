@@ -258,6 +258,7 @@ class Proxy(_Handler):
                         )
                         try:
                             if more is None and (early := await forward.ended_early(call)) is not None:
+                                scope.code = early.code  # the attempt's outcome, should another follow
                                 retry = self._after_failure(plan, early, tried, None)
                                 if retry is not None:
                                     attempt.failed(early.code)
@@ -325,7 +326,7 @@ class Proxy(_Handler):
     async def _fail(self, scope: Scope, plan: Plan, failed: forward.Failed, context: Context) -> NoReturn:
         """The upstream's error is the answer (forward.client_status)."""
         code, details, md = forward.client_status(failed.code, failed.details, failed.trailing)
-        scope.code = code
+        scope.code, scope.reason = code, forward.error_reason(md)
         await context.abort(code, details, forward.with_metadata(md, plan.answer_metadata))
 
     async def _cancelled(self, scope: Scope, context: Context) -> None:

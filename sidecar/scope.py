@@ -24,7 +24,7 @@ from modelyard.common.reasons import ErrorReason
 from modelyard.process import calls
 from modelyard.sidecar.limits import ANY_TENANT, TenantLimit, TenantLimits
 from modelyard.sidecar.metrics import SidecarMetrics
-from modelyard.sidecar.plan import OTHER, Metadata, Plan, Refused
+from modelyard.sidecar.plan import OTHER, Metadata, Plan, Refused, is_fault
 from modelyard.sidecar.tracing import Tracing
 
 
@@ -78,8 +78,9 @@ class Flights:
 
 
 class Scope:
-    """One call. `code` is the status the client gets (set as the call goes); `plan` the current
-    attempt (None until planned, and for a call refused before it had one)."""
+    """One call. `code` is the status the client gets (set as the call goes), `reason` its
+    x-error-reason where known; `plan` the current attempt (None until planned, and for a call
+    refused before it had one)."""
 
     __slots__ = (
         "_closed",
@@ -92,6 +93,7 @@ class Scope:
         "metadata",
         "path",
         "plan",
+        "reason",
         "span",
     )
 
@@ -103,6 +105,7 @@ class Scope:
         self.path = path
         self.metadata = md  # the call's request metadata, read once
         self.code = grpc.StatusCode.OK
+        self.reason = ""
         self.plan: Plan[Any] | None = None
         self.caller: int | None = None
         self.span = scopes.tracing.server_span(path, md)
@@ -131,7 +134,16 @@ class Scope:
         self._tenant = tenant
 
     def attempt(self, plan: Plan[Any]) -> None:
-        """The call's attempt is now `plan` (a fallback to stable is counted here, once)."""
+        """The call's attempt is now `plan` (a fallback to stable is counted here, once). A new
+        attempt follows only a fault of the one before (its upstream unreachable, or a canary's
+        fault), which is counted against that one's version: a canary failure that stable then
+        answered is still a canary fault in the metrics."""
+        previous = self.plan
+        if previous is not None:
+            self._scopes.metrics.attempted(
+                previous.label, version_label(previous), previous.dye, self.code.name, True
+            )
+            self.code, self.reason = grpc.StatusCode.OK, ""  # the new attempt's, from here on
         self.plan = plan
         calls.note(model=plan.model, version=plan.version)  # for its log lines and access line
         if plan.fell_back and plan.label != OTHER:
@@ -140,6 +152,7 @@ class Scope:
     def refused(self, refused: Refused) -> grpc.StatusCode:
         """The sidecar answers the call itself; the status code it answers with."""
         self.code = grpc.StatusCode[refused.code]
+        self.reason = refused.reason
         self._scopes.tracing.refused(self.span, refused.reason)
         return self.code
 
@@ -155,16 +168,33 @@ class Scope:
         self._closed = True
         scopes, plan, code = self._scopes, self.plan, self.code
         scopes.flights.leave(self.flight)
-        scopes.tracing.end(self.span, plan, code)
+        reason = self.reason
+        if not reason and self.flight.drained and code == grpc.StatusCode.UNAVAILABLE:
+            reason = ErrorReason.DRAINING.value  # the sidecar's shutdown: no server fault
+        scopes.tracing.end(self.span, plan, code, reason)
         if plan is not None:
             plan.report(code.name, "", None, gone=code == grpc.StatusCode.CANCELLED)
         if self._tenant:
             scopes.limits.release(self._tenant)
-        method = self.path.rpartition("/")[2]
-        scopes.metrics.requests.labels(
-            method, plan.label if plan else "", plan.dye if plan else "", code.name
-        ).inc()
-        scopes.metrics.latency.labels(method).observe(time.perf_counter() - self._started)
+        method = self.path.rpartition("/")[2]  # a path of the method table: bounded
+        took = time.perf_counter() - self._started
+        if plan is None:
+            scopes.metrics.answered(method, "", "", "", code.name, "", took)
+            return
+        version = version_label(plan)
+        scopes.metrics.answered(method, plan.label, version, plan.dye, code.name, plan.fallback, took)
+        # The caller's cancel, or the sidecar's drain, is no verdict on the upstream.
+        gone = code == grpc.StatusCode.CANCELLED or self.flight.drained
+        fault = not gone and is_fault(code.name, reason)
+        scopes.metrics.attempted(plan.label, version, plan.dye, code.name, fault)
+
+
+def version_label(plan: Plan[Any]) -> str:
+    """The version's metric label: only one that has a breaker (a version the upstreams serve, or
+    that the route names) has its own; a pinned version a client made up is `_other`."""
+    if not plan.version:
+        return ""
+    return plan.version if plan.breaker is not None else OTHER
 
 
 class Scopes:

@@ -226,7 +226,7 @@ def build_sidecar(
     )
     health_servicer = health_names.new_servicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    shadows = Shadows(metrics)
+    shadows = Shadows(metrics, tracing=tracing)
     rollouts = RolloutDriver(
         routes,
         lambda model: upstreams.versions(model) if upstreams.knows(model) else (),

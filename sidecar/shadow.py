@@ -1,6 +1,8 @@
 """Shadow comparison: a share of stable-dyed unary calls is mirrored to the canary version and
 the two answers compared (max absolute difference and per-row argmax agreement of each output),
-as metrics; greedy Generate streams are compared token by token. The client only ever gets the
+as metrics; greedy Generate streams are compared token by token. Each comparison is also a span
+in the mirrored call's trace (tracing on), naming the stable and canary versions compared, with
+its result as an event, and a debug log line. The client only ever gets the
 stable answer and never waits for the shadow: the mirror runs in the background after the answer
 has gone, and at most `max_in_flight` at once; beyond that a new shadow call is dropped
 (counted), so shadow load goes first under pressure.
@@ -12,12 +14,13 @@ from __future__ import annotations
 
 import array
 import asyncio
+import contextlib
 import logging
 import random
 import sys
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from google.protobuf.message import DecodeError
 
@@ -144,6 +147,23 @@ def token_agreement(stable: Sequence[int], canary: Sequence[int]) -> tuple[int, 
     return max(len(stable), len(canary)), agreeing
 
 
+class Traces(Protocol):
+    """The span of one comparison (tracing.Tracing.shadow; not imported here: the route table
+    imports this module, and the planner imports the route table, never tracing)."""
+
+    def shadow(
+        self, model: str, stable: str, canary: str, method: str
+    ) -> contextlib.AbstractContextManager[Any]: ...
+
+
+class _Untraced:
+    def shadow(
+        self, model: str, stable: str, canary: str, method: str
+    ) -> contextlib.AbstractContextManager[Any]:
+        return contextlib.nullcontext()
+
+
+Versions = tuple[str, str]  # (stable, canary): the versions a comparison is between
 Send = Callable[[bytes], Awaitable[bytes]]
 SendStream = Callable[[bytes], Awaitable[list[int]]]
 
@@ -151,26 +171,46 @@ SendStream = Callable[[bytes], Awaitable[list[int]]]
 class Shadows:
     """Mirrors calls in the background, bounded; the proxy calls `mirror` once it has answered."""
 
-    def __init__(self, metrics: SidecarMetrics, chance: Callable[[], float] = random.random) -> None:
+    def __init__(
+        self,
+        metrics: SidecarMetrics,
+        chance: Callable[[], float] = random.random,
+        tracing: Traces | None = None,
+    ) -> None:
         self._metrics = metrics
         self._chance = chance
+        self._tracing: Traces = tracing if tracing is not None else _Untraced()
         self._in_flight: set[asyncio.Task[None]] = set()
 
     def wants(self, policy: ShadowPolicy) -> bool:
         return policy.share > 0 and self._chance() * 100 < policy.share
 
     def mirror(
-        self, policy: ShadowPolicy, model: str, method: str, request: bytes, stable: bytes, send: Send
+        self,
+        policy: ShadowPolicy,
+        model: str,
+        method: str,
+        request: bytes,
+        stable: bytes,
+        send: Send,
+        versions: Versions = ("", ""),
     ) -> bool:
         """Send `request` to the canary in the background and compare its answer with `stable`,
-        unless `max_in_flight` shadow calls are running; returns whether it started."""
-        return self._start(policy, model, self._run(model, method, request, stable, send))
+        unless `max_in_flight` shadow calls are running; returns whether it started. `versions`:
+        (stable, canary), for the trace and the log."""
+        return self._start(policy, model, self._run(model, method, request, stable, send, versions))
 
     def mirror_tokens(
-        self, policy: ShadowPolicy, model: str, request: bytes, stable: list[int], send: SendStream
+        self,
+        policy: ShadowPolicy,
+        model: str,
+        request: bytes,
+        stable: list[int],
+        send: SendStream,
+        versions: Versions = ("", ""),
     ) -> bool:
         """The same for a greedy Generate: the canary's tokens against the stable stream's."""
-        return self._start(policy, model, self._run_tokens(model, request, stable, send))
+        return self._start(policy, model, self._run_tokens(model, request, stable, send, versions))
 
     def _start(self, policy: ShadowPolicy, model: str, work: Coroutine[Any, Any, None]) -> bool:
         if len(self._in_flight) >= policy.max_in_flight:
@@ -182,35 +222,58 @@ class Shadows:
         task.add_done_callback(self._in_flight.discard)
         return True
 
-    async def _run_tokens(self, model: str, request: bytes, stable: list[int], send: SendStream) -> None:
-        try:
-            canary = await send(request)
-        except Exception as exc:
-            log.debug("shadow generation on %s failed: %s", model, exc)
-            self._metrics.shadow_calls.labels(model, "failed").inc()
-            return
-        compared, agreeing = token_agreement(stable, canary)
-        self._metrics.shadow_calls.labels(model, "compared").inc()
-        self._metrics.shadow_tokens.labels(model).inc(compared)
-        self._metrics.shadow_tokens_agreeing.labels(model).inc(agreeing)
+    async def _run_tokens(
+        self, model: str, request: bytes, stable: list[int], send: SendStream, versions: Versions
+    ) -> None:
+        with self._tracing.shadow(model, *versions, GENERATE) as span:
+            try:
+                canary = await send(request)
+            except Exception as exc:
+                self._failed(span, model, versions, exc)
+                return
+            compared, agreeing = token_agreement(stable, canary)
+            self._metrics.shadow_calls.labels(model, "compared").inc()
+            self._metrics.shadow_tokens.labels(model).inc(compared)
+            self._metrics.shadow_tokens_agreeing.labels(model).inc(agreeing)
+            self._compared(span, model, versions, {"tokens": compared, "tokens_agreeing": agreeing})
 
-    async def _run(self, model: str, method: str, request: bytes, stable: bytes, send: Send) -> None:
-        try:
-            answer = await send(request)
-        except Exception as exc:  # the canary's failure is a finding, not an error of ours
-            log.debug("shadow call to %s failed: %s", model, exc)
-            self._metrics.shadow_calls.labels(model, "failed").inc()
-            return
-        try:
-            result = compare(decode_outputs(method, stable), decode_outputs(method, answer))
-        except Exception:
-            log.exception("shadow comparison for %s failed", model)
-            self._metrics.shadow_calls.labels(model, "failed").inc()
-            return
-        self._metrics.shadow_calls.labels(model, "compared").inc()
-        self._metrics.shadow_max_abs_diff.labels(model).observe(result.max_abs_diff)
-        self._metrics.shadow_rows.labels(model).inc(result.rows)
-        self._metrics.shadow_rows_agreeing.labels(model).inc(result.rows_agreeing)
+    async def _run(
+        self, model: str, method: str, request: bytes, stable: bytes, send: Send, versions: Versions
+    ) -> None:
+        with self._tracing.shadow(model, *versions, method) as span:
+            try:
+                answer = await send(request)
+            except Exception as exc:  # the canary's failure is a finding, not an error of ours
+                self._failed(span, model, versions, exc)
+                return
+            try:
+                result = compare(decode_outputs(method, stable), decode_outputs(method, answer))
+            except Exception:
+                log.exception("shadow comparison for %s failed", model)
+                self._metrics.shadow_calls.labels(model, "failed").inc()
+                return
+            self._metrics.shadow_calls.labels(model, "compared").inc()
+            self._metrics.shadow_max_abs_diff.labels(model).observe(result.max_abs_diff)
+            self._metrics.shadow_rows.labels(model).inc(result.rows)
+            self._metrics.shadow_rows_agreeing.labels(model).inc(result.rows_agreeing)
+            found = {"rows": result.rows, "rows_agreeing": result.rows_agreeing}
+            self._compared(span, model, versions, {**found, "max_abs_diff": result.max_abs_diff})
+
+    def _failed(self, span: Any, model: str, versions: Versions, exc: Exception) -> None:
+        log.debug("shadow call on %s (stable %s, canary %s) failed: %s", model, *versions, exc)
+        self._metrics.shadow_calls.labels(model, "failed").inc()
+        if span is not None:
+            span.add_event("failed", {"error": str(exc)[:200]})
+
+    def _compared(self, span: Any, model: str, versions: Versions, found: dict[str, int | float]) -> None:
+        log.debug(
+            "shadow comparison on %s: stable %s against canary %s: %s",
+            model,
+            *versions,
+            ", ".join(f"{key} {value:g}" for key, value in found.items()),
+        )
+        if span is not None:
+            span.add_event("compared", found)
 
     async def close(self) -> None:
         for task in list(self._in_flight):

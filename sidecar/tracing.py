@@ -17,6 +17,9 @@ from typing import TYPE_CHECKING, Any
 
 import grpc
 
+from modelyard.common import headers
+from modelyard.common.names import NAME_MAX, echo
+from modelyard.common.reasons import is_server_fault
 from modelyard.process.tracing import otlp_provider
 
 if TYPE_CHECKING:
@@ -64,12 +67,11 @@ class Tracing:
         from opentelemetry import context, trace
 
         service, _, method = path[1:].rpartition("/")
-        span = self._tracer.start_span(
-            path[1:],
-            context=parent,
-            kind=SpanKind.SERVER,
-            attributes={"rpc.system": "grpc", "rpc.service": service, "rpc.method": method},
-        )
+        attributes = {"rpc.system": "grpc", "rpc.service": service, "rpc.method": method}
+        tenant = carrier.get(headers.TENANT_ID)
+        if tenant:  # as sent (capped): a trace is one call's, not a series
+            attributes["modelyard.tenant"] = tenant if len(tenant) <= NAME_MAX else echo(tenant)
+        span = self._tracer.start_span(path[1:], context=parent, kind=SpanKind.SERVER, attributes=attributes)
         # Current for the rest of this call's task, so that its log lines carry the ids.
         context.attach(trace.set_span_in_context(span, parent))
         return span
@@ -103,7 +105,9 @@ class Tracing:
         if span is not None:
             span.set_attribute("modelyard.error_reason", reason)
 
-    def end(self, span: Any, plan: Plan[Any] | None, code: grpc.StatusCode) -> None:
+    def end(self, span: Any, plan: Plan[Any] | None, code: grpc.StatusCode, reason: str = "") -> None:
+        """The call's server span ends: ERROR only for a server fault (OpenTelemetry's rule for
+        server spans), never for a client's mistake or a load refusal."""
         if span is None:
             return
         from opentelemetry.trace import Status, StatusCode
@@ -111,9 +115,35 @@ class Tracing:
         if plan is not None:
             span.set_attributes(_route_attributes(plan))
         span.set_attribute("rpc.grpc.status_code", code.value[0])
-        if code != grpc.StatusCode.OK:
+        if reason:
+            span.set_attribute("modelyard.error_reason", reason)
+        if is_fault(code, reason):
             span.set_status(Status(StatusCode.ERROR, code.name))
         span.end()
+
+    @contextmanager
+    def shadow(self, model: str, stable: str, canary: str, method: str) -> Iterator[Any]:
+        """A span over one shadow comparison, in the trace of the call that was mirrored (the
+        mirror's task runs in that call's context): the versions compared as attributes, the
+        result as an event (`compared`). None when tracing is off."""
+        if not self.enabled:
+            yield None
+            return
+        from opentelemetry.trace import SpanKind
+
+        attributes = {
+            "modelyard.model": model,
+            "modelyard.shadow.stable_version": stable,
+            "modelyard.shadow.canary_version": canary,
+            "rpc.method": method.rpartition("/")[2],
+        }
+        span = self._tracer.start_span(
+            "modelyard.sidecar/shadow", kind=SpanKind.INTERNAL, attributes=attributes
+        )
+        try:
+            yield span
+        finally:
+            span.end()
 
     async def close(self) -> None:
         if self._provider is not None:
@@ -136,6 +166,26 @@ class TraceIds(logging.Filter):
             record.trace_id = format(context.trace_id, "032x")
             record.span_id = format(context.span_id, "016x")
         return True
+
+
+# Codes that are a server fault when no x-error-reason says otherwise.
+_FAULT_CODES = frozenset(
+    {
+        grpc.StatusCode.UNKNOWN,
+        grpc.StatusCode.INTERNAL,
+        grpc.StatusCode.DATA_LOSS,
+        grpc.StatusCode.UNAVAILABLE,
+    }
+)
+
+
+def is_fault(code: grpc.StatusCode, reason: str) -> bool:
+    """Whether the sidecar's answer is a server fault (the upstream's or its own): its
+    x-error-reason decides (modelyard.common.reasons); without one, UNKNOWN, INTERNAL, DATA_LOSS
+    and UNAVAILABLE (no upstream reached) are."""
+    if code == grpc.StatusCode.OK:
+        return False
+    return is_server_fault(reason) if reason else code in _FAULT_CODES
 
 
 def _route_attributes(plan: Plan[Any]) -> dict[str, str]:

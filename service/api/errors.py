@@ -148,6 +148,14 @@ def set_served_by(worker: str) -> None:
     _served_by = ((headers.SERVED_BY, worker),)
 
 
+def _span_reason(exc: BaseException) -> str:
+    """The x-error-reason a call that raised `exc` ended with, for its span's status; empty where
+    the code tells (abort() answered it, or the client went away)."""
+    if isinstance(exc, grpc.aio.AbortError | asyncio.CancelledError | GeneratorExit):
+        return ""
+    return status_for(exc)[1].value
+
+
 class serving:
     """Wrap one call: map an error to its status and x-error-reason (abort), send x-served-version
     once the version that answers is known, and record count and latency by method, model,
@@ -156,7 +164,17 @@ class serving:
     A class rather than an @asynccontextmanager: it runs on every request, and a generator-based
     context manager costs several microseconds more per call."""
 
-    __slots__ = ("_code", "_context", "_method", "_metrics", "_model", "_span", "_start", "version")
+    __slots__ = (
+        "_code",
+        "_context",
+        "_method",
+        "_metrics",
+        "_model",
+        "_reason",
+        "_span",
+        "_start",
+        "version",
+    )
 
     def __init__(self, context: Context, metrics: ServiceMetrics, method: str, model: str) -> None:
         self._context = context
@@ -166,6 +184,7 @@ class serving:
         self._start = 0.0
         self._span: object = None
         self._code = grpc.StatusCode.OK  # an error answered in-band (KServe streams) sets it
+        self._reason = ""  # and its x-error-reason (a span is ERROR only for a server fault)
         self.version = ""  # the version that answered: x-served-version, and the metrics label
 
     async def answered(self, version: str) -> None:
@@ -181,6 +200,7 @@ class serving:
         """An error answered inside a stream's message rather than by the call's status: count it
         under its status code, and return its reason for the message."""
         self._code, reason = status_for(exc)
+        self._reason = reason
         return reason
 
     async def __aenter__(self) -> serving:
@@ -221,7 +241,9 @@ class serving:
                     trailing_metadata=reason_metadata(reason),
                 )
         finally:
-            tracing.end(self._span, self.version, code)
+            # A call that failed after its version was resolved counts (and traces) with it.
+            version = self.version or tracing.resolved_version()
+            tracing.end(self._span, version, code, self._reason if exc is None else _span_reason(exc))
             self._metrics.observe_request(
-                self._method, self._model, self.version, code, time.perf_counter() - self._start
+                self._method, self._model, version, code, time.perf_counter() - self._start
             )

@@ -27,6 +27,11 @@ from modelyard.service.runtime.providers import CUDA
 from modelyard.service.runtime.served import ServedVersion
 from modelyard.service.scheduling.queue import DEFAULT_SCHEDULING, Scheduling
 
+# Generate's span attributes (OpenTelemetry's GenAI names for the token counts).
+TTFT_ATTRIBUTE = "modelyard.generation.time_to_first_token_s"
+INPUT_TOKENS = "gen_ai.usage.input_tokens"
+OUTPUT_TOKENS = "gen_ai.usage.output_tokens"
+
 
 class GenerationPlane:
     def __init__(self, manager: ModelManager, executor: Executor, metrics: ServiceMetrics) -> None:
@@ -54,8 +59,10 @@ class GenerationPlane:
         called if the sequence is dropped because its reader took nothing for too long (the
         reader is then blocked writing, so the transport must end the stream)."""
         remaining = scheduling.time_remaining_s
-        deadline = None if remaining is None else time.monotonic() + remaining
+        arrived = time.monotonic()
+        deadline = None if remaining is None else arrived + remaining
         with self._manager.table.lease(model, version) as served:
+            tracing.resolved(str(served.version))
             decoder = served.runner.kind
             if not isinstance(decoder, DecoderModel):
                 raise NotGenerative(
@@ -81,7 +88,7 @@ class GenerationPlane:
             sequence = engine.submit(request, scheduling)
             sequence.on_stalled = on_stalled
             finished = False
-            index = 0
+            index = generated = 0
             phases = tracing.steps("prefill")  # trace spans: up to the first token, then the stream
             try:
                 while not finished:
@@ -89,10 +96,14 @@ class GenerationPlane:
                     finished = event.finish is not None
                     if index == 0:
                         phases.next("stream")
+                        phases.note({TTFT_ATTRIBUTE: time.monotonic() - arrived})
                     index += 1
+                    generated += len(event.token_ids)
                     yield event
             finally:
                 phases.end()
+                # The call's span: what it cost (tokens in and out), also for a stream cut short.
+                phases.note({INPUT_TOKENS: len(prompt_ids), OUTPUT_TOKENS: generated})
                 if not finished:
                     late = deadline is not None and time.monotonic() >= deadline
                     late = late or (deadline_passed is not None and deadline_passed())

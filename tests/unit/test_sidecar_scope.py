@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import grpc
 import pytest
+from prometheus_client import generate_latest
 
 from modelyard.sidecar.adaptive import BreakerPolicy, State
 from modelyard.sidecar.breakers import Breakers
@@ -40,9 +41,21 @@ def sample(metrics: SidecarMetrics, name: str, **labels: str) -> float:
     return metrics.registry.get_sample_value(name, labels) or 0.0
 
 
-def requests(metrics: SidecarMetrics, model: str = "", dye: str = "", code: str = "OK") -> float:
-    labels = {"method": "ModelInfer", "model": model, "dye": dye, "code": code}
-    return sample(metrics, "modelyard_sidecar_requests_total", **labels)
+def requests(
+    metrics: SidecarMetrics,
+    model: str = "",
+    dye: str = "",
+    code: str = "OK",
+    version: str = "",
+    fallback: str = "",
+) -> float:
+    labels = {"method": "ModelInfer", "model": model, "version": version, "dye": dye, "code": code}
+    return sample(metrics, "modelyard_sidecar_requests_total", **labels, fallback=fallback)
+
+
+def attempts(metrics: SidecarMetrics, version: str, dye: str, code: str, fault: bool) -> float:
+    labels = {"model": "m", "version": version, "dye": dye, "code": code, "fault": str(fault).lower()}
+    return sample(metrics, "modelyard_sidecar_attempts_total", **labels)
 
 
 async def test_a_tenant_slot_is_held_until_the_call_closes_and_given_back_once(
@@ -66,14 +79,16 @@ async def test_a_tenant_slot_is_held_until_the_call_closes_and_given_back_once(
     assert requests(metrics) == 2  # first, again: once each
 
 
-def plan(breakers: Breakers, *, version: str = "1", fallback: str = "", label: str = "m") -> Plan[Up]:
+def plan(
+    breakers: Breakers, *, version: str = "1", fallback: str = "", label: str = "m", dye: str = "stable"
+) -> Plan[Up]:
     breaker = breakers.get("a", "m", version)
     permit = breaker.allow()
     assert permit is not None
     return Plan(
         "m",
         version,
-        "stable",
+        dye,
         fallback,
         "1",
         Up("a"),
@@ -106,7 +121,8 @@ async def test_closing_settles_the_attempts_permit_with_the_calls_code(
     window = breakers.get("a", "m", "1").adaptive.window
     assert attempt.reported
     assert (len(window), window.faults) == ((0, 0) if gone else (1, int(fault)))
-    assert requests(metrics, "m", "stable", code.name) == 1
+    assert requests(metrics, "m", "stable", code.name, version="1") == 1
+    assert attempts(metrics, "1", "stable", code.name, fault) == 1
 
 
 async def test_a_cancelled_probe_is_freed_for_the_next_caller(scopes: Scopes) -> None:
@@ -148,3 +164,27 @@ async def test_a_refused_call_is_counted_without_a_model_or_dye(
         code = scope.refused(Refused("INVALID_ARGUMENT", "bad", "invalid_argument"))
     assert code == grpc.StatusCode.INVALID_ARGUMENT
     assert requests(metrics, code="INVALID_ARGUMENT") == 1
+
+
+async def test_a_canary_fault_answered_by_stable_counts_as_a_canary_fault(
+    scopes: Scopes, metrics: SidecarMetrics
+) -> None:
+    breakers = Breakers(BreakerPolicy(), lambda *args: None)
+    with scopes.open(PATH, ()) as scope:
+        scope.attempt(plan(breakers, version="2", dye="canary"))
+        scope.code = grpc.StatusCode.INTERNAL  # the canary failed; the planner sends it to stable
+        scope.attempt(plan(breakers, fallback="canary-fault"))
+        scope.code = grpc.StatusCode.OK
+    assert attempts(metrics, "2", "canary", "INTERNAL", True) == 1
+    assert attempts(metrics, "1", "stable", "OK", False) == 1
+    assert requests(metrics, "m", "stable", "OK", version="1", fallback="canary-fault") == 1
+    assert requests(metrics, "m", "canary", "INTERNAL", version="2") == 0  # the client got stable's
+
+
+async def test_a_version_without_a_breaker_is_labelled_other(scopes: Scopes, metrics: SidecarMetrics) -> None:
+    made_up = Plan("m", "987", "", "", "", Up("a"), None, None, (), label="m")  # a pin nobody serves
+    with scopes.open(PATH, ()) as scope:
+        scope.attempt(made_up)
+        scope.code = grpc.StatusCode.NOT_FOUND
+    assert requests(metrics, "m", "", "NOT_FOUND", version=OTHER) == 1
+    assert "987" not in generate_latest(metrics.registry).decode()
