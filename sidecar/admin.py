@@ -130,6 +130,7 @@ class AdminServer:
         routes: RouteSource,
         breakers: Callable[[], list[dict[str, object]]],
         *,
+        canaries: Callable[[], Iterable[Any]] = list,  # plan.CanaryStatus of each served model
         tls: TlsFiles | None = None,
         authorizer: Authorizer | None = None,  # None or unconfigured: no credential asked
         auth_reads: bool = False,
@@ -141,6 +142,7 @@ class AdminServer:
         self._registry = registry
         self._routes = routes
         self._breakers = breakers
+        self._canaries = canaries
         self._tls = HttpTls(tls) if tls is not None else None
         self._authorizer = authorizer if authorizer is not None and authorizer.configured else None
         self._auth_reads = auth_reads
@@ -314,11 +316,19 @@ class AdminServer:
         return _json(200, {"model": model, **_route_doc(route)})
 
     def _canary_view(self) -> dict[str, object]:
+        """The routes, and beside each served model's configured weight the weight routing applies
+        (`effective_weight`: 0 while its canary's breakers are open) and the breaker's state."""
         table = self._routes.table
+        models: dict[str, dict[str, object]] = {
+            name: _route_doc(route) for name, route in table.models.items()
+        }
+        for status in self._canaries():
+            route = models.get(status.model) or _route_doc(table.route(status.model))
+            models[status.model] = {**route, **status.doc()}
         return {
             "stickiness_header": table.stickiness_header,
             "canary_weight": table.canary_weight,
-            "models": {name: _route_doc(route) for name, route in table.models.items()},
+            "models": models,
         }
 
 
