@@ -278,7 +278,9 @@ class AdaptivePolicy:
         window = self.window
         lone = lone_trips and window.callers <= 1
         if self._burst_over(fault, caller, lone):
-            self._share = 1.0
+            # The window's share (the burst included), not 1: a canary failing 30% bursts too,
+            # and 3 good probes would let it flap back.
+            self._share = window.faults / len(window)
             return Trip.CONSECUTIVE
         if len(window) < self.policy.min_calls:
             return None
