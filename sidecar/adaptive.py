@@ -24,8 +24,8 @@ else the user's sticky key, else the connection), and a trip must also hold on t
 the caller who contributes most to it (leave-one-out): without the caller with the most faults,
 the others' calls must still have at least one fault and a fault share of `error_rate`; without
 the caller with the most calls over the latency limit, the others' p99 (of at least
-`latency_min_calls` calls) must still exceed it; a burst must hold at least `consecutive_faults`
-// 2 (at least 1) faults of callers other than the burst's biggest. So one client's deadlines,
+`latency_min_calls` calls) must still exceed it; at least half of a burst's `consecutive_faults`
+must come from callers other than the burst's biggest. So one client's deadlines,
 bad values or huge batches never open a breaker that then refuses everyone else, and a genuinely
 broken version, which fails for everybody, still trips. (A caller counts as one however many
 calls it makes; one that forges many identities is the business of authentication and tenant
@@ -310,7 +310,7 @@ class AdaptivePolicy:
         if self._burst < need:
             return False
         others = self._burst - max(self._burst_callers.values(), default=0)
-        return lone or others >= max(1, need // 2)
+        return lone or others >= math.ceil(need / 2)
 
     def _check_latency(self, lone: bool = False, reference: Reference | None = None) -> Trip | None:
         latencies = self.window.latencies()
