@@ -88,6 +88,7 @@ class Breaker:
             listeners=[_Listener(self)],
         )
         self._generation = 0
+        self._changes: list[tuple[State, State]] = []  # told after the transition (_transition)
         self._probes_in_flight = 0
         self._probe_successes = 0
         self._probe_failers: set[Caller] = set()  # callers whose probes failed, this half-open
@@ -186,10 +187,15 @@ class Breaker:
         self._probe_successes = 0
         self._probe_failers = set()
         change()
+        # Told once the change is complete (pybreaker's listener runs before its storage holds
+        # the new state): whoever is told reads the new state (the effective weight, the log).
+        changes, self._changes = self._changes, []
+        for old, new in changes:
+            reason = self.adaptive.reason.value if new is State.OPEN and self.adaptive.reason else ""
+            self._on_change(self.key, old, new, reason)
 
     def changed(self, old: State, new: State) -> None:
-        reason = self.adaptive.reason.value if new is State.OPEN and self.adaptive.reason else ""
-        self._on_change(self.key, old, new, reason)
+        self._changes.append((old, new))
 
     def snapshot(self) -> dict[str, object]:
         a = self.adaptive
