@@ -3,8 +3,9 @@
 
 Canary traffic: `--rate` calls per second (default 10: a 10% canary of a 100 calls/s model), each
 from one of 1000 users (the leave-one-out sees many callers), judged against a stable version that
-does not fail. A call the breaker refuses goes to stable (the effective weight is 0 while it is
-open). For each failure share and policy, `--seeds` runs of `--duration` seconds:
+does not fail; the policies differ in `canary_error_rate`. A call the breaker refuses goes to
+stable (the effective weight is 0 while it is open). For each failure share and policy, `--seeds`
+runs of `--duration` seconds:
 
 - caught: the runs in which the breaker opened;
 - trip s / calls: the median time (and canary calls) from the first failing call to the first trip;
@@ -13,7 +14,9 @@ open). For each failure share and policy, `--seeds` runs of `--duration` seconds
 - closes: the median number of times it closed again after the first trip (a flap each).
 
 Row "100% late": the canary is healthy for 60 s, then dead (the successes of before stay in the
-window: without the burst rule the error rate needs half the window to reach 50%).
+window: without the burst rule the error rate needs half the window to reach 50%). Row "slow": no
+faults, but every canary call takes 0.5 s against stable's 20 ms from the first call (stable's calls,
+9 for each canary call, are simulated too: they are what the canary is judged against).
 
     .venv/bin/python -m bench.breaker_defaults [--rate 10] [--seeds 20] [--duration 300]
 """
@@ -29,13 +32,14 @@ from collections.abc import Sequence
 from modelyard.sidecar.adaptive import BreakerPolicy, State
 from modelyard.sidecar.breakers import Breakers
 
-OLD = BreakerPolicy(error_rate=0.5, consecutive_faults=10**6, probes=3, probes_max=3)  # before issue 20
+# Before issue 20: error rate 0.5 for every version, no burst rule, a run of 3 probes, no reference.
+OLD = BreakerPolicy(canary_error_rate=0.5, consecutive_faults=10**6, probes=3, probes_max=3)
 POLICIES = {
     "old (0.5, 3 probes)": OLD,
-    "0.5 + burst + run": dataclasses.replace(BreakerPolicy(), error_rate=0.5),
-    "0.3 + burst + run": dataclasses.replace(BreakerPolicy(), error_rate=0.3),
+    "0.5 + burst + run": BreakerPolicy(canary_error_rate=0.5),
+    "0.3 + burst + run": BreakerPolicy(canary_error_rate=0.3),
     "0.2 + burst + run (default)": BreakerPolicy(),
-    "0.1 + burst + run": dataclasses.replace(BreakerPolicy(), error_rate=0.1),
+    "0.1 + burst + run": BreakerPolicy(canary_error_rate=0.1),
 }
 SHARES = (0.0, 0.05, 0.10, 0.30, 0.50, 1.0)
 LATE_S = 60.0
@@ -50,7 +54,9 @@ class Run:
     closes: int = 0
 
 
-def simulate(policy: BreakerPolicy, share: float, seed: int, rate: float, duration: float, late: bool) -> Run:
+def simulate(
+    policy: BreakerPolicy, share: float, seed: int, rate: float, duration: float, late: bool, slow: bool
+) -> Run:
     now = [0.0]
     run = Run()
     closes: list[int] = [0]
@@ -61,23 +67,31 @@ def simulate(policy: BreakerPolicy, share: float, seed: int, rate: float, durati
 
     breakers = Breakers(policy, changed, lambda: now[0])
     canary = breakers.get("canary:1", "m", "2")
-    breakers.get("stable:1", "m", "1")  # stable: known, no faults (the reference)
+    stable = breakers.get("stable:1", "m", "1")  # stable: known, no faults (the reference)
     rng = random.Random(seed)
     fails_from = LATE_S if late else 0.0
     while now[0] < duration:
-        now[0] += rng.expovariate(rate)
+        now[0] += rng.expovariate(rate * (10 if slow else 1))
+        if slow and rng.random() < 0.9:  # a stable call
+            granted = stable.allow()
+            assert granted is not None
+            stable.report(granted, False, 0.02, hash(("user", rng.randrange(1000))))
+            continue
         permit = canary.allow()
         if run.tripped_at is not None:
             run.after += 1
         if permit is None:
             continue  # stable answers it
-        failing = now[0] >= fails_from
+        failing = now[0] >= fails_from and (slow or share > 0)
         fault = failing and rng.random() < share
         if run.tripped_at is None and failing:
             run.calls_to_trip += 1
         elif run.tripped_at is not None:
             run.leaked += 1
-        canary.report(permit, fault, 0.005, hash(("user", rng.randrange(1000))), True, stable="1")
+        latency = 0.5 if slow else 0.005
+        # The old policy also stands for the old code: no judging against stable.
+        reference = "" if policy is OLD else "1"
+        canary.report(permit, fault, latency, hash(("user", rng.randrange(1000))), True, stable=reference)
         if run.tripped_at is None and canary.state is not State.CLOSED:
             run.tripped_at = now[0] - fails_from
             closes[0] = 0
@@ -90,13 +104,14 @@ def table(rate: float, seeds: int, duration: float) -> list[str]:
         "| failing | policy | caught | trip s (median) | trip calls | leak after trip | closes |",
         "|---|---|---|---|---|---|---|",
     ]
-    rows: Sequence[tuple[str, float, bool]] = [
-        *((f"{share:.0%}", share, False) for share in SHARES),
-        ("100% late", 1.0, True),
+    rows: Sequence[tuple[str, float, bool, bool]] = [
+        *((f"{share:.0%}", share, False, False) for share in SHARES),
+        ("100% late", 1.0, True, False),
+        ("slow", 0.0, False, True),
     ]
-    for label, share, late in rows:
+    for label, share, late, slow in rows:
         for name, policy in POLICIES.items():
-            runs = [simulate(policy, share, seed, rate, duration, late) for seed in range(seeds)]
+            runs = [simulate(policy, share, seed, rate, duration, late, slow) for seed in range(seeds)]
             caught = [r for r in runs if r.tripped_at is not None]
             trip_s = f"{statistics.median(r.tripped_at or 0.0 for r in caught):.1f}" if caught else "-"
             trip_calls = f"{statistics.median(r.calls_to_trip for r in caught):.0f}" if caught else "-"

@@ -8,15 +8,17 @@ State machine (one instance per upstream x model x version):
     half-open --(a probe fails or is slow)--> open      (backoff x factor, capped)
 
 Closed: every call is recorded in a sliding window of `window_s` seconds (at most `max_samples`).
-Once the window holds `min_calls`, it trips when the share of faults reaches `error_rate`, or
+Once the window holds `min_calls`, it trips when the share of faults reaches `error_rate` (for a
+canary-dyed call, which falls back to stable when it opens: `canary_error_rate`), or
 when the window's p99 latency (of at least `latency_min_calls` timed calls) exceeds both
 `latency_floor_s` and `latency_multiple` x the baseline. Whatever the window holds, it trips
 on `consecutive_faults` faults in a row (the fast path: a dead upstream is cut off in a few
 calls, not once its earlier successes have aged out of the window).
 A canary is judged against stable (`Reference`: the stable version's calls over the same window,
-given by breakers.py for canary-dyed calls): its fault share must reach `error_rate` *above*
-stable's, and its p99 must exceed `latency_multiple` x stable's p99 over the window (and the
-floor). So a canary slow from its first call is cut off (its own baseline would learn the slowness
+given by breakers.py for canary-dyed calls): its fault share must reach `canary_error_rate`
+*above* stable's, and its p99 must exceed `latency_multiple` x stable's p99 over the window (and the
+floor; medians instead while either has fewer than `latency_min_calls` timed calls, at least
+`min_calls`). So a canary slow from its first call is cut off (its own baseline would learn the slowness
 as normal), and a fault both versions see (a shared dependency) does not cut the canary off for a
 stable that fails as much. Without enough stable calls, a canary is judged by its own baseline.
 No single caller decides: each call is recorded with its caller (plan.caller_key: the tenant,
@@ -72,7 +74,8 @@ class BreakerPolicy:
     window_s: float = 10.0
     min_calls: int = 20
     latency_min_calls: int = 100  # a p99 of fewer samples is just their maximum: one hiccup
-    error_rate: float = 0.2  # measured: docs/sidecar.md "Breaker defaults" (bench/breaker_defaults.py)
+    error_rate: float = 0.5  # a version without fallback: its trip refuses calls, so only a heavy fault share
+    canary_error_rate: float = 0.2  # over stable's share; measured: docs/sidecar.md "Breaker defaults"
     consecutive_faults: int = 5  # the fast path: faults in a row that trip whatever the window holds
     latency_multiple: float = 4.0
     latency_floor_s: float = 0.25  # a p99 below this never trips, however small the baseline
@@ -105,8 +108,8 @@ class BreakerPolicy:
             raise ValueError("probes_max must be at least probes")
         if not 0 < self.probe_escape < 1:
             raise ValueError("probe_escape must be in (0, 1)")
-        if not 0 < self.error_rate <= 1:
-            raise ValueError("error_rate must be in (0, 1]")
+        if not (0 < self.error_rate <= 1 and 0 < self.canary_error_rate <= 1):
+            raise ValueError("error_rate and canary_error_rate must be in (0, 1]")
         if self.latency_multiple <= 1 or self.backoff_factor < 1:
             raise ValueError("latency_multiple must exceed 1 and backoff_factor be at least 1")
         if not 0 < self.backoff_s <= self.backoff_max_s:
@@ -116,6 +119,11 @@ class BreakerPolicy:
 def p99(samples: list[float]) -> float:
     ordered = sorted(samples)
     return ordered[min(len(ordered) - 1, math.ceil(0.99 * len(ordered)) - 1)]
+
+
+def p50(samples: list[float]) -> float:
+    ordered = sorted(samples)
+    return ordered[(len(ordered) - 1) // 2]
 
 
 Caller = int | None  # a hash of the caller's identity; None: unknown (counted as nobody's)
@@ -208,9 +216,8 @@ class Reference:
         """Stable's share of faults; 0 for fewer than `min_calls` calls (too few to say)."""
         return self.faults / self.calls if self.calls >= min_calls else 0.0
 
-    def p99(self, min_calls: int) -> float | None:
-        latencies = [x for w in self._windows for x in w.latencies()]
-        return p99(latencies) if len(latencies) >= min_calls else None
+    def latencies(self) -> list[float]:
+        return [x for w in self._windows for x in w.latencies()]
 
 
 class AdaptivePolicy:
@@ -284,9 +291,11 @@ class AdaptivePolicy:
             return Trip.CONSECUTIVE
         if len(window) < self.policy.min_calls:
             return None
-        rate = self.policy.error_rate
+        # A canary-dyed call (its callers get stable when it opens): `canary_error_rate` over
+        # stable's share; a version without fallback (its trip refuses calls): `error_rate`.
+        rate = self.policy.canary_error_rate if lone_trips else self.policy.error_rate
         if window.faults >= rate * len(window):
-            if reference is not None:  # a canary: `error_rate` over stable's share
+            if reference is not None:
                 rate = min(1.0, rate + reference.fault_share(self.policy.min_calls))
             if window.faults >= rate * len(window) and (lone or window.faulty_without_top_caller(rate)):
                 self._share = window.faults / len(window)
@@ -315,28 +324,50 @@ class AdaptivePolicy:
     def _check_latency(self, lone: bool = False, reference: Reference | None = None) -> Trip | None:
         latencies = self.window.latencies()
         p = self.policy
+        stable = reference.latencies() if reference is not None else []
+        if min(len(stable), len(latencies)) >= p.min_calls:
+            # A canary, judged against stable over the same window: their p99s once both hold
+            # `latency_min_calls` timed calls, else their medians (a hiccup cannot move a median,
+            # a canary slow on most calls does: so a canary of little traffic is judged too).
+            many = min(len(stable), len(latencies)) >= p.latency_min_calls
+            stat, need = (p99, p.latency_min_calls) if many else (p50, p.min_calls)
+            limit = self.reference_limit = max(p.latency_floor_s, p.latency_multiple * stat(stable))
+            return self._latency_trip(latencies, stat, need, limit, lone)
         if len(latencies) < p.latency_min_calls:
             return None
-        observed = p99(latencies)
-        stable = reference.p99(p.latency_min_calls) if reference is not None else None
-        if stable is not None:  # a canary, judged against stable over the same window
-            self.reference_limit = max(p.latency_floor_s, p.latency_multiple * stable)
-        limit = self.reference_limit if stable is not None else self._own_limit()
-        if limit is not None and observed > limit:
-            if not lone:
-                others = self.window.latencies_without_top_caller(limit)
-                if len(others) < p.latency_min_calls or p99(others) <= limit:
-                    return None  # slow for one caller only (its own huge batches): not the version's
-            self._share = sum(x > limit for x in latencies) / len(latencies)
-            return Trip.LATENCY
+        limit = self._own_limit()
+        if limit is not None:
+            trip = self._latency_trip(latencies, p99, p.latency_min_calls, limit, lone)
+            if trip is not None or p99(latencies) > limit:
+                return trip
         # Learn slowly, and only from windows that look healthy (at most HEALTHY x the baseline;
         # faster is always learned), so that a slide towards slow cannot drag the baseline along.
+        observed = p99(latencies)
         base = self.baseline
         if base is None:
             self.baseline = observed
         elif observed <= HEALTHY * base:
             self.baseline = base + 0.2 * (observed - base)
         return None
+
+    def _latency_trip(
+        self,
+        latencies: list[float],
+        stat: Callable[[list[float]], float],
+        need: int,
+        limit: float,
+        lone: bool,
+    ) -> Trip | None:
+        """LATENCY when `stat` of the window's latencies exceeds `limit`, and still does without
+        the caller with the most calls over it (unless `lone`)."""
+        if stat(latencies) <= limit:
+            return None
+        if not lone:
+            others = self.window.latencies_without_top_caller(limit)
+            if len(others) < need or stat(others) <= limit:
+                return None  # slow for one caller only (its own huge batches): not the version's
+        self._share = sum(x > limit for x in latencies) / len(latencies)
+        return Trip.LATENCY
 
     def _own_limit(self) -> float | None:
         if self.baseline is None:

@@ -58,9 +58,12 @@ class BreakerDoc(_Keys):
     latency_min_calls: Annotated[
         int, Meta(ge=1, description="calls in the window before the p99 latency counts")
     ] = _BREAKER.latency_min_calls
-    error_rate: Annotated[float, Meta(gt=0, le=1, description="share of failed calls that trips")] = (
-        _BREAKER.error_rate
-    )
+    error_rate: Annotated[
+        float, Meta(gt=0, le=1, description="share of failed calls that trips a version without fallback")
+    ] = _BREAKER.error_rate
+    canary_error_rate: Annotated[
+        float, Meta(gt=0, le=1, description="share of failed canary calls, over stable's share, that trips")
+    ] = _BREAKER.canary_error_rate
     latency_multiple: Annotated[
         float, Meta(gt=1, description="a p99 this many times the baseline's trips")
     ] = _BREAKER.latency_multiple

@@ -126,9 +126,11 @@ def snapshot(sidecar: Sidecar, version: str) -> dict[str, Any]:
 
 
 async def test_a_canary_slow_from_its_first_call_is_cut_off(tmp_path: Path) -> None:
-    config = route_file(tmp_path, latency_min_calls=20, latency_check_s=0, latency_floor_s=0.1)
+    # The defaults (latency_min_calls 100: medians below it; the floor 0.25 s), but a check on each
+    # call: the breakers' clock is stepped by the test, so latency_check_s would never pass.
+    config = route_file(tmp_path, latency_check_s=0)
     async with versions() as (stable, canary):
-        canary.delay_s = 0.3  # 100x stable, from the first call
+        canary.delay_s = 0.5  # 100x stable, from the first call
         ups = [f"{stable.address}@1", f"{canary.address}@2"]
         async with running_sidecar(ups, config=config, clock=SteppedClock()) as sidecar:
             await known_versions(sidecar, "scaler", {"1", "2"})

@@ -89,6 +89,22 @@ def test_a_canary_slow_from_its_first_call_is_cut_off_against_stable(clock: Cloc
     assert state(alone) is State.CLOSED and alone.adaptive.baseline == pytest.approx(0.4)
 
 
+def test_a_slow_canary_of_little_traffic_is_judged_by_medians_at_the_defaults(clock: Clock) -> None:
+    policy = dataclasses.replace(DEFAULT, latency_check_s=0)  # latency_min_calls 100: too many here
+    _, stable, canary = versions(clock, policy)
+    for i in range(40):
+        stable_call(stable, i, latency=0.02)
+    for i in range(DEFAULT.min_calls):
+        canary_call(canary, i, latency=0.02 if i % 10 else 2.0)  # hiccups: the median is untouched
+    assert state(canary) is State.CLOSED
+    calls = 0
+    while canary_call(canary, 100 + calls, latency=0.5):  # slow on most calls
+        calls += 1
+    assert state(canary) is State.OPEN and canary.adaptive.reason == "latency"
+    assert calls <= DEFAULT.min_calls + 1
+    assert canary.adaptive.latency_limit() == DEFAULT.latency_floor_s
+
+
 def test_the_floor_keeps_jitter_from_tripping_a_canary(clock: Clock) -> None:
     _, stable, canary = versions(clock, SLOW_POLICY)
     for i in range(40):
