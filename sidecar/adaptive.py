@@ -331,14 +331,15 @@ class AdaptivePolicy:
             # a canary slow on most calls does: so a canary of little traffic is judged too).
             many = min(len(stable), len(latencies)) >= p.latency_min_calls
             stat, need = (p99, p.latency_min_calls) if many else (p50, p.min_calls)
-            limit = self.reference_limit = max(p.latency_floor_s, p.latency_multiple * stat(stable))
+            limit = max(p.latency_floor_s, p.latency_multiple * stat(stable))
+            self.reference_limit = limit
             return self._latency_trip(latencies, stat, need, limit, lone)
         if len(latencies) < p.latency_min_calls:
             return None
-        limit = self._own_limit()
-        if limit is not None:
-            trip = self._latency_trip(latencies, p99, p.latency_min_calls, limit, lone)
-            if trip is not None or p99(latencies) > limit:
+        own = self._own_limit()
+        if own is not None:
+            trip = self._latency_trip(latencies, p99, p.latency_min_calls, own, lone)
+            if trip is not None or p99(latencies) > own:
                 return trip
         # Learn slowly, and only from windows that look healthy (at most HEALTHY x the baseline;
         # faster is always learned), so that a slide towards slow cannot drag the baseline along.
