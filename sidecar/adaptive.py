@@ -16,17 +16,18 @@ on `consecutive_faults` faults in a row (the fast path: a dead upstream is cut o
 calls, not once its earlier successes have aged out of the window).
 A canary is judged against stable (`Reference`: the stable version's calls over the same window,
 given by breakers.py for canary-dyed calls): its fault share must reach `canary_error_rate`
-*above* stable's, and its p99 must exceed `latency_multiple` x stable's p99 over the window (and the
-floor; medians instead while either has fewer than `latency_min_calls` timed calls, at least
-`min_calls`). So a canary slow from its first call is cut off (its own baseline would learn the slowness
-as normal), and a fault both versions see (a shared dependency) does not cut the canary off for a
-stable that fails as much. Without enough stable calls, a canary is judged by its own baseline.
+*above* stable's, and its p99 must exceed `latency_multiple` x stable's p99 over the window (and
+the floor); while either has fewer than `latency_min_calls` timed calls (but `min_calls`), their
+medians are compared instead. So a canary slow from its first call is cut off (its own baseline
+would learn the slowness as normal), and a fault both versions see (a shared dependency) does not
+cut the canary off for a stable that fails as much. Without enough stable calls, a canary is
+judged by its own baseline.
 No single caller decides: each call is recorded with its caller (plan.caller_key: the tenant,
 else the user's sticky key, else the connection), and a trip must also hold on the window without
 the caller who contributes most to it (leave-one-out): without the caller with the most faults,
 the others' calls must still have at least one fault and a fault share of `error_rate`; without
-the caller with the most calls over the latency limit, the others' p99 (of at least
-`latency_min_calls` calls) must still exceed it; at least half of a burst's `consecutive_faults`
+the caller with the most calls over the latency limit, the others' p99 (or median) must still
+exceed it; at least half of a burst's `consecutive_faults`
 must come from callers other than the burst's biggest. So one client's deadlines,
 bad values or huge batches never open a breaker that then refuses everyone else, and a genuinely
 broken version, which fails for everybody, still trips. (A caller counts as one however many
@@ -38,7 +39,8 @@ The baseline is the p99 learned while healthy (a moving average, updated at most
 Half-open lets `probes` calls through at a time, and closes after a run of good probes as long as
 a version still failing at the share seen when it tripped would pass at most `probe_escape` of
 the time: ceil(log(probe_escape) / log(1 - share)), at least `probes`, at most `probes_max` (a
-30% failing canary needs 9 in a row; a dead one that comes back, `probes`).
+30% failing canary needs 9 in a row; one dead from its first call, `probes`; one that died after
+a healthy window, whose share is diluted by its earlier successes, up to `probes_max`).
 
 Time comes from an injectable clock, so tests step it instead of sleeping.
 """
