@@ -130,7 +130,7 @@ async def test_a_canary_slow_from_its_first_call_is_cut_off(tmp_path: Path) -> N
     # call: the breakers' clock is stepped by the test, so latency_check_s would never pass.
     config = route_file(tmp_path, latency_check_s=0)
     async with versions() as (stable, canary):
-        canary.delay_s = 0.5  # 100x stable, from the first call
+        canary.delay_s = 1.0  # 4x the floor, and far over 4x stable (milliseconds), from the first call
         ups = [f"{stable.address}@1", f"{canary.address}@2"]
         async with running_sidecar(ups, config=config, clock=SteppedClock()) as sidecar:
             await known_versions(sidecar, "scaler", {"1", "2"})
