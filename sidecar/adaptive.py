@@ -2,29 +2,45 @@
 
 State machine (one instance per upstream x model x version):
 
-    closed --(error rate or p99 latency over threshold)--> open
+    closed --(error rate, p99 latency, or a burst of consecutive faults)--> open
     open --(backoff elapsed; the next call asks)--> half-open
-    half-open --(`probes` calls succeed)--> closed      (backoff resets)
+    half-open --(a run of good probes)--> closed        (backoff resets)
     half-open --(a probe fails or is slow)--> open      (backoff x factor, capped)
 
 Closed: every call is recorded in a sliding window of `window_s` seconds (at most `max_samples`).
-Once the window holds `min_calls`, it trips when the share of faults reaches `error_rate`, or
+Once the window holds `min_calls`, it trips when the share of faults reaches `error_rate` (for a
+canary-dyed call, which falls back to stable when it opens: `canary_error_rate`), or
 when the window's p99 latency (of at least `latency_min_calls` timed calls) exceeds both
-`latency_floor_s` and `latency_multiple` x the baseline.
+`latency_floor_s` and `latency_multiple` x the baseline. Whatever the window holds, it trips
+on `consecutive_faults` faults in a row (the fast path: a dead upstream is cut off in a few
+calls, not once its earlier successes have aged out of the window).
+A canary is judged against stable (`Reference`: the stable version's calls over the same window,
+given by breakers.py for canary-dyed calls): its fault share must reach `canary_error_rate`
+*above* stable's, and its p99 must exceed `latency_multiple` x stable's p99 over the window (and
+the floor); while either has fewer than `latency_min_calls` timed calls (but `min_calls`), their
+medians are compared instead. So a canary slow from its first call is cut off (its own baseline
+would learn the slowness as normal), and a fault both versions see (a shared dependency) does not
+cut the canary off for a stable that fails as much. Without enough stable calls, a canary is
+judged by its own baseline.
 No single caller decides: each call is recorded with its caller (plan.caller_key: the tenant,
 else the user's sticky key, else the connection), and a trip must also hold on the window without
 the caller who contributes most to it (leave-one-out): without the caller with the most faults,
 the others' calls must still have at least one fault and a fault share of `error_rate`; without
-the caller with the most calls over the latency limit, the others' p99 (of at least
-`latency_min_calls` calls) must still exceed it. So one client's deadlines, bad values or huge
-batches never open a breaker that then refuses everyone else, and a genuinely broken version,
-which fails for everybody, still trips. (A caller counts as one however many calls it makes; one
-that forges many identities is the business of authentication and tenant limits.) Half-open,
-one caller's failing probes only free their slot for another probe; a failed probe of a second
-caller re-opens (breakers.py).
+the caller with the most calls over the latency limit, the others' p99 (or median) must still
+exceed it; at least half of a burst's `consecutive_faults`
+must come from callers other than the burst's biggest. So one client's deadlines,
+bad values or huge batches never open a breaker that then refuses everyone else, and a genuinely
+broken version, which fails for everybody, still trips. (A caller counts as one however many
+calls it makes; one that forges many identities is the business of authentication and tenant
+limits.) Half-open, one caller's failing probes only free their slot for another probe; a failed
+probe of a second caller re-opens (breakers.py).
 The baseline is the p99 learned while healthy (a moving average, updated at most every
-`latency_check_s`, from windows whose p99 is at most 1.5x the baseline). Half-open lets
-`probes` calls through at a time; others are refused.
+`latency_check_s`, from windows whose p99 is at most 1.5x the baseline).
+Half-open lets `probes` calls through at a time, and closes after a run of good probes as long as
+a version still failing at the share seen when it tripped would pass at most `probe_escape` of
+the time: ceil(log(probe_escape) / log(1 - share)), at least `probes`, at most `probes_max` (a
+30% failing canary needs 9 in a row; one dead from its first call, `probes`; one that died after
+a healthy window, whose share is diluted by its earlier successes, up to `probes_max`).
 
 Time comes from an injectable clock, so tests step it instead of sleeping.
 """
@@ -34,7 +50,7 @@ from __future__ import annotations
 import math
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from enum import StrEnum
 
@@ -51,6 +67,7 @@ class State(StrEnum):
 class Trip(StrEnum):
     ERROR_RATE = "error_rate"
     LATENCY = "latency"
+    CONSECUTIVE = "consecutive_faults"
     PROBE_FAILED = "probe_failed"
 
 
@@ -59,26 +76,42 @@ class BreakerPolicy:
     window_s: float = 10.0
     min_calls: int = 20
     latency_min_calls: int = 100  # a p99 of fewer samples is just their maximum: one hiccup
-    error_rate: float = 0.5
+    error_rate: float = 0.5  # a version without fallback: its trip refuses calls, so only a heavy fault share
+    canary_error_rate: float = 0.2  # over stable's share; measured: docs/sidecar.md "Breaker defaults"
+    consecutive_faults: int = 5  # the fast path: faults in a row that trip whatever the window holds
     latency_multiple: float = 4.0
     latency_floor_s: float = 0.25  # a p99 below this never trips, however small the baseline
     latency_check_s: float = 0.1
     backoff_s: float = 1.0
     backoff_factor: float = 2.0
     backoff_max_s: float = 30.0
-    probes: int = 3
+    probes: int = 3  # probes in flight at once half-open, and the shortest run that closes
+    probes_max: int = 20  # the longest run of good probes asked for
+    probe_escape: float = 0.05  # the chance a version failing as when it tripped passes the run
     max_samples: int = 5000
 
     def __post_init__(self) -> None:
         if (
-            min(self.min_calls, self.latency_min_calls, self.probes, self.max_samples) < 1
+            min(
+                self.min_calls,
+                self.latency_min_calls,
+                self.consecutive_faults,
+                self.probes,
+                self.max_samples,
+            )
+            < 1
             or self.window_s <= 0
         ):
             raise ValueError(
-                "window_s, min_calls, latency_min_calls, probes and max_samples must be positive"
+                "window_s, min_calls, latency_min_calls, consecutive_faults, probes and max_samples "
+                "must be positive"
             )
-        if not 0 < self.error_rate <= 1:
-            raise ValueError("error_rate must be in (0, 1]")
+        if self.probes_max < self.probes:
+            raise ValueError("probes_max must be at least probes")
+        if not 0 < self.probe_escape < 1:
+            raise ValueError("probe_escape must be in (0, 1)")
+        if not (0 < self.error_rate <= 1 and 0 < self.canary_error_rate <= 1):
+            raise ValueError("error_rate and canary_error_rate must be in (0, 1]")
         if self.latency_multiple <= 1 or self.backoff_factor < 1:
             raise ValueError("latency_multiple must exceed 1 and backoff_factor be at least 1")
         if not 0 < self.backoff_s <= self.backoff_max_s:
@@ -88,6 +121,11 @@ class BreakerPolicy:
 def p99(samples: list[float]) -> float:
     ordered = sorted(samples)
     return ordered[min(len(ordered) - 1, math.ceil(0.99 * len(ordered)) - 1)]
+
+
+def p50(samples: list[float]) -> float:
+    ordered = sorted(samples)
+    return ordered[(len(ordered) - 1) // 2]
 
 
 Caller = int | None  # a hash of the caller's identity; None: unknown (counted as nobody's)
@@ -165,6 +203,25 @@ class Window:
         self.faults = 0
 
 
+class Reference:
+    """The stable version's calls over the canary's window (its breakers' windows, trimmed to now):
+    what a canary is judged against."""
+
+    def __init__(self, windows: Iterable[Window], now: float) -> None:
+        self._windows = list(windows)
+        for window in self._windows:
+            window.trim(now)
+        self.calls = sum(len(w) for w in self._windows)
+        self.faults = sum(w.faults for w in self._windows)
+
+    def fault_share(self, min_calls: int) -> float:
+        """Stable's share of faults; 0 for fewer than `min_calls` calls (too few to say)."""
+        return self.faults / self.calls if self.calls >= min_calls else 0.0
+
+    def latencies(self) -> list[float]:
+        return [x for w in self._windows for x in w.latencies()]
+
+
 class AdaptivePolicy:
     """The decisions of one breaker; the caller applies them (breakers.py)."""
 
@@ -173,10 +230,15 @@ class AdaptivePolicy:
         self._clock = clock
         self.window = Window(policy)
         self.baseline: float | None = None  # learned p99 while healthy
+        self.reference_limit: float | None = None  # the latency limit last judged against stable
         self._last_check = -math.inf
         self.trips = 0  # consecutive trips without recovery: the backoff's exponent
         self.opened_at = 0.0
         self.reason: Trip | None = None
+        self.seen = 1.0  # the share of bad calls when it last tripped: sets the probe run
+        self._share = 1.0  # the share behind the trip `record` just returned
+        self._burst = 0  # faults in a row, and whose (the leave-one-out of the fast path)
+        self._burst_callers: dict[int, int] = {}
 
     def now(self) -> float:
         return self._clock()
@@ -186,55 +248,134 @@ class AdaptivePolicy:
         p = self.policy
         return min(p.backoff_max_s, p.backoff_s * p.backoff_factor ** max(0, self.trips - 1))
 
+    @property
+    def run(self) -> int:
+        """Good probes in a row that close it: a version still failing at the share seen when it
+        tripped passes that many with at most `probe_escape` chance."""
+        p = self.policy
+        if self.seen >= 1:
+            return p.probes
+        if self.seen <= 0:
+            return p.probes_max
+        need = math.ceil(math.log(p.probe_escape) / math.log(1 - self.seen))
+        return max(p.probes, min(p.probes_max, need))
+
     def latency_limit(self) -> float | None:
+        if self.reference_limit is not None:
+            return self.reference_limit
         if self.baseline is None:
             return None
         return max(self.policy.latency_floor_s, self.policy.latency_multiple * self.baseline)
 
     def record(
-        self, fault: bool, latency: float | None, caller: Caller = None, lone_trips: bool = False
+        self,
+        fault: bool,
+        latency: float | None,
+        caller: Caller = None,
+        lone_trips: bool = False,
+        reference: Reference | None = None,
     ) -> Trip | None:
         """A call that ended while closed; returns why to open, or None. `lone_trips`: the version
         has a fallback (a canary: its callers get stable when it opens), so when every call of
         the window came from one caller, that caller's faults may open it: nobody else is refused,
         and a client that is the only caller (one process, or the gateway's one connection) is
         still protected from a failing canary. Without a fallback the rule must hold without the
-        top caller (leave-one-out), so one caller never takes a version from everyone."""
+        top caller (leave-one-out), so one caller never takes a version from everyone.
+        `reference`: stable's calls over the same window, for a canary-dyed call."""
         now = self._clock()
         self.window.add(now, fault, latency, caller)
         window = self.window
+        lone = lone_trips and window.callers <= 1
+        if self._burst_over(fault, caller, lone):
+            # The window's share (the burst included), not 1: a canary failing 30% bursts too,
+            # and 3 good probes would let it flap back.
+            self._share = window.faults / len(window)
+            return Trip.CONSECUTIVE
         if len(window) < self.policy.min_calls:
             return None
-        lone = lone_trips and window.callers <= 1
-        rate = self.policy.error_rate
-        if window.faults >= rate * len(window) and (lone or window.faulty_without_top_caller(rate)):
-            return Trip.ERROR_RATE
+        # A canary-dyed call (its callers get stable when it opens): `canary_error_rate` over
+        # stable's share; a version without fallback (its trip refuses calls): `error_rate`.
+        rate = self.policy.canary_error_rate if lone_trips else self.policy.error_rate
+        if window.faults >= rate * len(window):
+            if reference is not None:
+                rate = min(1.0, rate + reference.fault_share(self.policy.min_calls))
+            if window.faults >= rate * len(window) and (lone or window.faulty_without_top_caller(rate)):
+                self._share = window.faults / len(window)
+                return Trip.ERROR_RATE
         if latency is not None and now - self._last_check >= self.policy.latency_check_s:
             self._last_check = now
-            return self._check_latency(lone)
+            return self._check_latency(lone, reference)
         return None
 
-    def _check_latency(self, lone: bool = False) -> Trip | None:
+    def _burst_over(self, fault: bool, caller: Caller, lone: bool) -> bool:
+        """Whether this call ends a burst of `consecutive_faults` faults in a row that trips:
+        one caller's alone (its own bad values) does not, unless it is a canary's lone caller."""
+        if not fault:
+            self._burst = 0
+            self._burst_callers.clear()
+            return False
+        self._burst += 1
+        if caller is not None:
+            self._burst_callers[caller] = self._burst_callers.get(caller, 0) + 1
+        need = self.policy.consecutive_faults
+        if self._burst < need:
+            return False
+        others = self._burst - max(self._burst_callers.values(), default=0)
+        return lone or others >= math.ceil(need / 2)
+
+    def _check_latency(self, lone: bool = False, reference: Reference | None = None) -> Trip | None:
         latencies = self.window.latencies()
-        if len(latencies) < self.policy.latency_min_calls:
+        p = self.policy
+        stable = reference.latencies() if reference is not None else []
+        if min(len(stable), len(latencies)) >= p.min_calls:
+            # A canary, judged against stable over the same window: their p99s once both hold
+            # `latency_min_calls` timed calls, else their medians (a hiccup cannot move a median,
+            # a canary slow on most calls does: so a canary of little traffic is judged too).
+            many = min(len(stable), len(latencies)) >= p.latency_min_calls
+            stat, need = (p99, p.latency_min_calls) if many else (p50, p.min_calls)
+            limit = max(p.latency_floor_s, p.latency_multiple * stat(stable))
+            self.reference_limit = limit
+            return self._latency_trip(latencies, stat, need, limit, lone)
+        if len(latencies) < p.latency_min_calls:
             return None
-        observed = p99(latencies)
-        limit = self.latency_limit()
-        if limit is not None and observed > limit:
-            if lone:
-                return Trip.LATENCY
-            others = self.window.latencies_without_top_caller(limit)
-            if len(others) >= self.policy.latency_min_calls and p99(others) > limit:
-                return Trip.LATENCY
-            return None  # slow for one caller only (its own huge batches): not the version's
+        own = self._own_limit()
+        if own is not None:
+            trip = self._latency_trip(latencies, p99, p.latency_min_calls, own, lone)
+            if trip is not None or p99(latencies) > own:
+                return trip
         # Learn slowly, and only from windows that look healthy (at most HEALTHY x the baseline;
         # faster is always learned), so that a slide towards slow cannot drag the baseline along.
+        observed = p99(latencies)
         base = self.baseline
         if base is None:
             self.baseline = observed
         elif observed <= HEALTHY * base:
             self.baseline = base + 0.2 * (observed - base)
         return None
+
+    def _latency_trip(
+        self,
+        latencies: list[float],
+        stat: Callable[[list[float]], float],
+        need: int,
+        limit: float,
+        lone: bool,
+    ) -> Trip | None:
+        """LATENCY when `stat` of the window's latencies exceeds `limit`, and still does without
+        the caller with the most calls over it (unless `lone`)."""
+        if stat(latencies) <= limit:
+            return None
+        if not lone:
+            others = self.window.latencies_without_top_caller(limit)
+            if len(others) < need or stat(others) <= limit:
+                return None  # slow for one caller only (its own huge batches): not the version's
+        self._share = sum(x > limit for x in latencies) / len(latencies)
+        return Trip.LATENCY
+
+    def _own_limit(self) -> float | None:
+        if self.baseline is None:
+            return None
+        return max(self.policy.latency_floor_s, self.policy.latency_multiple * self.baseline)
 
     def probe_failed(self, fault: bool, latency: float | None) -> bool:
         limit = self.latency_limit()
@@ -244,12 +385,23 @@ class AdaptivePolicy:
         self.trips += 1
         self.opened_at = self._clock()
         self.reason = reason
+        if reason is not Trip.PROBE_FAILED:  # a failed probe says nothing new about the share
+            self.seen = self._share
         self.window.clear()
+        self._burst = 0
+        self._burst_callers.clear()
 
     def closed(self) -> None:
         self.trips = 0
         self.reason = None
         self.window.clear()
+        self._burst = 0
+        self._burst_callers.clear()
+
+    def reachable(self) -> None:
+        """The upstream answers again (its health came back): the backoff that grew while it was
+        down starts over, so recovery does not wait out a doubled backoff."""
+        self.trips = min(self.trips, 1)
 
     def backoff_over(self) -> bool:
         return self._clock() - self.opened_at >= self.backoff_s

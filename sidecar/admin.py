@@ -145,6 +145,7 @@ class AdminServer:
         routes: RouteSource,
         breakers: Callable[[], list[dict[str, object]]],
         *,
+        canaries: Callable[[], Iterable[Any]] = list,  # plan.CanaryStatus of each served model
         tls: TlsFiles | None = None,
         authorizer: Authorizer | None = None,  # None or unconfigured: no credential asked
         auth_reads: bool = False,
@@ -159,6 +160,7 @@ class AdminServer:
         self._registry = registry
         self._routes = routes
         self._breakers = breakers
+        self._canaries = canaries
         self._tls = HttpTls(tls) if tls is not None else None
         self._authorizer = authorizer if authorizer is not None and authorizer.configured else None
         self._auth_reads = auth_reads
@@ -353,12 +355,18 @@ class AdminServer:
         return _json(200, {"model": model, **route_doc(route)})
 
     def _canary_view(self) -> dict[str, object]:
+        """The routes, and beside each served model's configured weight the weight routing applies
+        (`effective_weight`: 0 while its canary's breakers are open) and the breaker's state."""
         table = self._routes.table
+        models = {name: self._model_view(name) for name in table.models}
+        for status in self._canaries():
+            route = models.get(status.model) or self._model_view(status.model)
+            models[status.model] = {**route, **status.doc()}
         return {
             "stickiness_header": table.stickiness_header,
             "sticky_cohort": "shared" if table.shared_cohort else "model",
             "canary_weight": table.canary_weight,
-            "models": {name: self._model_view(name) for name in table.models},
+            "models": models,
         }
 
     def _model_view(self, model: str) -> dict[str, object]:

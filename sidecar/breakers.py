@@ -5,19 +5,34 @@ its own `call` can't guard a coroutine (it counts the un-awaited coroutine as a 
 holds a thread lock across the call). So the proxy asks `allow()` before the call and reports
 the outcome with `report()` when the call (or stream) has ended; the decisions (when to trip,
 backoff, probes) come from adaptive.py. Everything runs on the event loop thread.
+
+A canary-dyed call's outcome is judged against stable: `report(..., stable=VERSION)` hands the
+policy the stable version's calls over the same window (adaptive.Reference, from every breaker of
+that model and version). While every breaker of a canary version is open (its backoff running),
+the canary's effective weight is 0 (`Breakers.shut`, read by plan.py's routing); `Breakers.is_open`
+answers "is this model's canary breaker open?" for whoever acts on it (a rollout).
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
 import pybreaker
 
-from modelyard.sidecar.adaptive import AdaptivePolicy, BreakerPolicy, Caller, Clock, State, Trip
+from modelyard.sidecar.adaptive import (
+    AdaptivePolicy,
+    BreakerPolicy,
+    Caller,
+    Clock,
+    Reference,
+    State,
+    Trip,
+    Window,
+)
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +56,8 @@ class Permit:
 OnChange = Callable[[BreakerKey, State, State, str], None]
 # key, fault, latency: every outcome reported (the rollouts' gates read them: rollout_driver.py)
 Observe = Callable[[BreakerKey, bool, float | None], None]
+# (model, version) -> the windows of that version's breakers (a canary's reference)
+Windows = Callable[[str, str], list[Window]]
 
 
 class _Listener(pybreaker.CircuitBreakerListener):
@@ -54,10 +71,18 @@ class _Listener(pybreaker.CircuitBreakerListener):
 
 
 class Breaker:
-    def __init__(self, key: BreakerKey, policy: BreakerPolicy, clock: Clock, on_change: OnChange) -> None:
+    def __init__(
+        self,
+        key: BreakerKey,
+        policy: BreakerPolicy,
+        clock: Clock,
+        on_change: OnChange,
+        windows: Windows | None = None,  # Breakers: where a canary finds stable's calls
+    ) -> None:
         self.key = key
         self.adaptive = AdaptivePolicy(policy, clock)
         self._on_change = on_change
+        self._windows = windows
         self._cb = pybreaker.CircuitBreaker(
             fail_max=2**31 - 1,  # never trips by pybreaker's own count; adaptive.py decides
             reset_timeout=policy.backoff_s,
@@ -65,6 +90,7 @@ class Breaker:
             listeners=[_Listener(self)],
         )
         self._generation = 0
+        self._changes: list[tuple[State, State]] = []  # told after the transition (_transition)
         self._probes_in_flight = 0
         self._probe_successes = 0
         self._probe_failers: set[Caller] = set()  # callers whose probes failed, this half-open
@@ -74,6 +100,11 @@ class Breaker:
     def state(self) -> State:
         return State(self._cb.current_state)
 
+    @property
+    def shut(self) -> bool:
+        """Open with its backoff still running: no call would be let through, not even a probe."""
+        return self._cb.current_state == pybreaker.STATE_OPEN and not self.adaptive.backoff_over()
+
     def would_allow(self) -> bool:
         """Whether `allow` would let a call through now, without taking a probe slot."""
         state = self._cb.current_state
@@ -81,7 +112,12 @@ class Breaker:
             return True
         if state == pybreaker.STATE_OPEN:
             return self.adaptive.backoff_over()
-        return self._probes_in_flight + self._probe_successes < self.adaptive.policy.probes
+        return self._probe_slot()
+
+    def _probe_slot(self) -> bool:
+        """Half-open: `probes` at a time, and no more than the run still needs."""
+        in_flight, policy = self._probes_in_flight, self.adaptive
+        return in_flight < policy.policy.probes and in_flight + self._probe_successes < policy.run
 
     def allow(self) -> Permit | None:
         state = self._cb.current_state
@@ -91,7 +127,7 @@ class Breaker:
             if not self.adaptive.backoff_over():
                 return None
             self._transition(self._cb.half_open)
-        if self._probes_in_flight + self._probe_successes >= self.adaptive.policy.probes:
+        if not self._probe_slot():
             return None
         self._probes_in_flight += 1
         return Permit(self._generation, True)
@@ -103,11 +139,13 @@ class Breaker:
         latency: float | None,
         caller: Caller = None,
         lone_trips: bool = False,
+        stable: str = "",
     ) -> None:
         """The outcome of an allowed call: `fault` counts against the upstream; `latency` (s) is
         given for calls whose duration means something (unary), else None; `caller` is who made
         it (adaptive.py: no single caller trips a breaker); `lone_trips`: the version has a
-        fallback, so a lone caller's faults may open it (AdaptivePolicy.record)."""
+        fallback, so a lone caller's faults may open it (AdaptivePolicy.record); `stable`: the
+        stable version a canary-dyed call is judged against (empty: none)."""
         if self.observe is not None:
             self.observe(self.key, fault, latency)
         if permit.generation != self._generation:
@@ -122,13 +160,21 @@ class Breaker:
                     self._open(Trip.PROBE_FAILED)
                 return
             self._probe_successes += 1
-            if self._probe_successes >= self.adaptive.policy.probes:
+            if self._probe_successes >= self.adaptive.run:
                 self.adaptive.closed()
                 self._transition(self._cb.close)
             return
-        trip = self.adaptive.record(fault, latency, caller, lone_trips)
+        reference = None
+        if stable and stable != self.key.version and self._windows is not None:
+            reference = Reference(self._windows(self.key.model, stable), self.adaptive.now())
+        trip = self.adaptive.record(fault, latency, caller, lone_trips, reference)
         if trip is not None:
             self._open(trip)
+
+    def reachable(self) -> None:
+        """Its upstream is reachable again: the backoff starts over (AdaptivePolicy.reachable)."""
+        self.adaptive.reachable()
+        self._cb._reset_timeout = self.adaptive.backoff_s
 
     def release(self, permit: Permit) -> None:
         """The call ended with no verdict on the upstream (the client cancelled)."""
@@ -146,10 +192,15 @@ class Breaker:
         self._probe_successes = 0
         self._probe_failers = set()
         change()
+        # Told once the change is complete (pybreaker's listener runs before its storage holds
+        # the new state): whoever is told reads the new state (the effective weight, the log).
+        changes, self._changes = self._changes, []
+        for old, new in changes:
+            reason = self.adaptive.reason.value if new is State.OPEN and self.adaptive.reason else ""
+            self._on_change(self.key, old, new, reason)
 
     def changed(self, old: State, new: State) -> None:
-        reason = self.adaptive.reason.value if new is State.OPEN and self.adaptive.reason else ""
-        self._on_change(self.key, old, new, reason)
+        self._changes.append((old, new))
 
     def snapshot(self) -> dict[str, object]:
         a = self.adaptive
@@ -163,6 +214,9 @@ class Breaker:
             "window_calls": len(a.window),
             "window_faults": a.window.faults,
             "baseline_p99_s": a.baseline,
+            "limit_s": a.latency_limit(),
+            "probe_run": a.run if self.state is not State.CLOSED else None,
+            "probe_successes": self._probe_successes if self.state is State.HALF_OPEN else None,
             "trips": a.trips,
         }
 
@@ -175,20 +229,81 @@ class Breakers:
         policy: BreakerPolicy,
         on_change: OnChange,
         clock: Clock = time.monotonic,  # test seam: stepped by hand in the unit tests
+        on_made: Callable[[BreakerKey], None] = lambda key: None,  # its state series starts at 0
     ) -> None:
         self._policy = policy
         self._clock = clock
         self._on_change = on_change
+        self._on_made = on_made
         self._breakers: dict[BreakerKey, Breaker] = {}
-        self.observe: Observe | None = None  # given every breaker's outcomes
+        self._observe: Observe | None = None  # given every breaker's outcomes
 
     def get(self, upstream: str, model: str, version: str) -> Breaker:
         key = BreakerKey(upstream, model, version)
         breaker = self._breakers.get(key)
         if breaker is None:
-            breaker = self._breakers[key] = Breaker(key, self._policy, self._clock, self._on_change)
-            breaker.observe = self.observe
+            breaker = self._breakers[key] = Breaker(
+                key, self._policy, self._clock, self._on_change, self._windows
+            )
+            self._on_made(key)
+            breaker.observe = self._observe
         return breaker
+
+    @property
+    def observe(self) -> Observe | None:
+        return self._observe
+
+    @observe.setter
+    def observe(self, observe: Observe | None) -> None:
+        """Every breaker's outcomes go to `observe`, those made already included (ensure() makes
+        the served versions' breakers at start)."""
+        self._observe = observe
+        for breaker in list(self._breakers.values()):
+            breaker.observe = observe
+
+    def find(self, upstream: str, model: str, version: str) -> Breaker | None:
+        """The breaker if it exists (never creates one: safe from the metrics thread)."""
+        return self._breakers.get(BreakerKey(upstream, model, version))
+
+    def of_version(self, model: str, version: str) -> list[Breaker]:
+        """Every breaker of a model's version (one per upstream serving it)."""
+        # list() copies in one step: the metrics collector reads from its own thread.
+        return [b for b in list(self._breakers.values()) if b.key.model == model and b.key.version == version]
+
+    def _windows(self, model: str, version: str) -> list[Window]:
+        return [b.adaptive.window for b in self.of_version(model, version)]
+
+    def is_open(self, model: str, version: str) -> bool:
+        """Whether a breaker of the version has tripped and not yet recovered (open or half-open):
+        "is this model's canary breaker open?" for a rollout's rollback."""
+        return any(b.state is not State.CLOSED for b in self.of_version(model, version))
+
+    def shut(self, model: str, version: str) -> bool:
+        """Whether every breaker of the version is open with its backoff running (and there is
+        one): no call would reach that version, so a canary's effective weight is 0."""
+        found = self.of_version(model, version)
+        return bool(found) and all(b.shut for b in found)
+
+    def state_of(self, model: str, version: str) -> State | None:
+        """The worst state among the version's breakers (open > half-open > closed); None: none."""
+        states = {b.state for b in self.of_version(model, version)}
+        for state in (State.OPEN, State.HALF_OPEN, State.CLOSED):
+            if state in states:
+                return state
+        return None
+
+    def ensure(self, keys: Iterable[BreakerKey]) -> None:
+        """Make the breakers of what the upstreams serve before their first call, so that their
+        state series exist from the start (`on_made`)."""
+        for key in keys:
+            self.get(key.upstream, key.model, key.version)
+
+    def reachable(self, upstream: str) -> None:
+        """The upstream is reachable again (its health answered SERVING): its breakers' backoff
+        growth starts over."""
+        for key, breaker in self._breakers.items():
+            if key.upstream == upstream:
+                breaker.reachable()
 
     def set_policy(self, policy: BreakerPolicy) -> None:
         """New thresholds (config reload) apply to breakers made from now on and to existing ones."""

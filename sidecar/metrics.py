@@ -3,14 +3,44 @@
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
 
 from modelyard.sidecar.adaptive import State
 from modelyard.sidecar.breakers import BreakerKey
 
 STATE_VALUES = {State.CLOSED: 0, State.HALF_OPEN: 1, State.OPEN: 2}
+# model, configured canary weight, effective canary weight (plan.canary_status), known models only
+CanaryWeights = Callable[[], Iterable[tuple[str, float, float]]]
+
+
+class _CanaryWeightCollector(Collector):
+    """The canary weights, computed at each scrape (the effective one changes with time: a
+    breaker's backoff ends without an event)."""
+
+    def __init__(self, weights: CanaryWeights) -> None:
+        self._weights = weights
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        configured = GaugeMetricFamily(
+            "modelyard_sidecar_canary_weight",
+            "The canary weight (percent) the route gives each served model with a canary",
+            labels=["model"],
+        )
+        effective = GaugeMetricFamily(
+            "modelyard_sidecar_canary_effective_weight",
+            "The canary weight routing applies: 0 while the canary's breakers are open",
+            labels=["model"],
+        )
+        for model, weight, applied in self._weights():
+            configured.add_metric([model], weight)
+            effective.add_metric([model], applied)
+        yield configured
+        yield effective
 
 
 class SidecarMetrics:
@@ -139,6 +169,14 @@ class SidecarMetrics:
         if child is None:
             child = self._attempted[key] = self.attempts.labels(*key)
         child.inc()
+
+    def canary_weights(self, weights: CanaryWeights) -> None:
+        """Export the configured and effective canary weights, read from `weights` at each scrape."""
+        self.registry.register(_CanaryWeightCollector(weights))
+
+    def breaker_known(self, key: BreakerKey) -> None:
+        """A breaker made before its first call: its state series exists, at 0 (closed)."""
+        self.breaker_state.labels(key.upstream, key.model, key.version).set(STATE_VALUES[State.CLOSED])
 
     def breaker_removed(self, key: BreakerKey) -> None:
         labels = (key.upstream, key.model, key.version)

@@ -7,7 +7,8 @@ translates; refusals are `Refused` with such a name.
 
 The path of a data call: `read` (names checked, modelyard.common.names) -> `decide` (the dye,
 routing.decide) -> the caller's tenant bucket (`tenant_bucket`; its slot is the scope's) -> `first`
-(an upstream whose breaker gives a permit; a canary falls back to stable when none does) ->
+(an upstream whose breaker gives a permit; a canary falls back to stable when none does; while
+every breaker of the canary is open, the route's weight is effectively 0: `effective_weight`) ->
 after a failed attempt, `after_failure` (its verdict to the breaker; another upstream for an
 unreachable one, stable for a canary fault, or None: the failure is the answer).
 """
@@ -140,7 +141,14 @@ class Plan(Generic[U]):
             self.breaker.release(self.permit)
             return
         has_fallback = self.dye == CANARY and bool(self.stable)  # its callers get stable when it opens
-        self.breaker.report(self.permit, is_fault(code, reason), latency, self.caller, has_fallback)
+        self.breaker.report(
+            self.permit,
+            is_fault(code, reason),
+            latency,
+            self.caller,
+            has_fallback,
+            stable=self.stable if has_fallback else "",  # a canary is judged against stable
+        )
 
 
 Found = tuple[U, Breaker | None, Permit | None]
@@ -239,7 +247,17 @@ def first(
 ) -> Plan[U]:
     """The first attempt of a data call: an upstream for the decided version whose breaker lets
     the call through; a canary with none falls back to stable (`breaker-open` when a breaker
-    refused, else `unavailable`); with none for the version either, the call is refused."""
+    refused, else `unavailable`); with none for the version either, the call is refused. While
+    every breaker of the canary is open (`Breakers.shut`), a call dyed canary by the route's weight
+    is dyed stable (the effective weight is 0: no new user is sent there, and none is told of a
+    fallback); one that asked for the canary with `x-canary-weight` falls back as above."""
+    if (
+        decision.dye == CANARY
+        and decision.stable
+        and headers.CANARY_WEIGHT not in request.received
+        and breakers.shut(request.model, decision.version)
+    ):
+        decision = Decision(decision.stable, STABLE, stable=decision.stable)
     found, blocked = take(request.model, decision.version, (), table, pool, breakers)
     dye, version, fallback = decision.dye, decision.version, ""
     if found is None and decision.dye == CANARY and decision.stable:
@@ -325,6 +343,47 @@ def shadow_target(
             md = (*_strip(plan.forward), (headers.MODEL_VERSION, canary), (headers.MODEL_DYE, "shadow"))
             return canary, upstream, md
     return None
+
+
+@dataclass(frozen=True, slots=True)
+class CanaryStatus:
+    """A model's canary as routing sees it now: `weight` the route's (configured), and
+    `effective_weight` what routing applies (0 while the canary's breakers are all open, or when
+    there is no canary); `breaker` the worst state of the canary's breakers (None: no call yet)."""
+
+    model: str
+    stable: str
+    canary: str
+    weight: float
+    effective_weight: float
+    breaker: str | None
+
+    def doc(self) -> dict[str, object]:
+        return {
+            "effective_weight": self.effective_weight,
+            "breaker": self.breaker,
+            "stable_version": self.stable,
+            "canary_version": self.canary,
+        }
+
+
+def canary_status(model: str, table: RouteTable, pool: Pool[Target], breakers: Breakers) -> CanaryStatus:
+    """The canary of a model: its versions, configured and effective weight, breaker state. Reads
+    only (no breaker is made): the metrics collector calls it from its own thread."""
+    route = table.route(model)
+    stable, canary = stable_and_canary(route, pool.versions(model) if pool.knows(model) else ())
+    if not canary or canary == stable:
+        return CanaryStatus(model, stable, "", route.canary_weight, 0.0, None)
+    state = breakers.state_of(model, canary)
+    shut = breakers.shut(model, canary)
+    return CanaryStatus(
+        model,
+        stable,
+        canary,
+        route.canary_weight,
+        0.0 if shut else route.canary_weight,
+        state.value if state is not None else None,
+    )
 
 
 def is_stateful(model: str, version: str, table: RouteTable, pool: Pool[Target]) -> bool:

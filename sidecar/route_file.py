@@ -60,9 +60,12 @@ class BreakerDoc(_Keys):
     latency_min_calls: Annotated[
         int, Meta(ge=1, description="calls in the window before the p99 latency counts")
     ] = _BREAKER.latency_min_calls
-    error_rate: Annotated[float, Meta(gt=0, le=1, description="share of failed calls that trips")] = (
-        _BREAKER.error_rate
-    )
+    error_rate: Annotated[
+        float, Meta(gt=0, le=1, description="share of failed calls that trips a version without fallback")
+    ] = _BREAKER.error_rate
+    canary_error_rate: Annotated[
+        float, Meta(gt=0, le=1, description="share of failed canary calls, over stable's share, that trips")
+    ] = _BREAKER.canary_error_rate
     latency_multiple: Annotated[
         float, Meta(gt=1, description="a p99 this many times the baseline's trips")
     ] = _BREAKER.latency_multiple
@@ -81,9 +84,23 @@ class BreakerDoc(_Keys):
     backoff_max_s: Annotated[float, Meta(gt=0, description="the longest backoff, seconds")] = (
         _BREAKER.backoff_max_s
     )
-    probes: Annotated[int, Meta(ge=1, description="calls let through to probe a half-open breaker")] = (
-        _BREAKER.probes
+    consecutive_faults: Annotated[
+        int, Meta(ge=1, description="faults in a row that trip at once, whatever the window holds")
+    ] = _BREAKER.consecutive_faults
+    probes: Annotated[
+        int, Meta(ge=1, description="probes in flight at once half-open; the shortest run of good probes")
+    ] = _BREAKER.probes
+    probes_max: Annotated[int, Meta(ge=1, description="the longest run of good probes that closes")] = (
+        _BREAKER.probes_max
     )
+    probe_escape: Annotated[
+        float,
+        Meta(
+            gt=0,
+            lt=1,
+            description="chance a version failing as when it tripped passes the probe run (sets its length)",
+        ),
+    ] = _BREAKER.probe_escape
     max_samples: Annotated[int, Meta(ge=1, description="latency samples kept per window")] = (
         _BREAKER.max_samples
     )

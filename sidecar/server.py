@@ -18,6 +18,7 @@ from modelyard.process.grpc_server import connection_options
 from modelyard.process.lifecycle import BindError, bind_reason, bound
 from modelyard.process.settings import split_address
 from modelyard.process.tls import ClientTls, TlsFiles, grpc_server_credentials, is_loopback, warn_if_plaintext
+from modelyard.sidecar import plan as planner
 from modelyard.sidecar.adaptive import Clock, State
 from modelyard.sidecar.admin import AdminLimits, AdminServer
 from modelyard.sidecar.breakers import BreakerKey, Breakers
@@ -56,6 +57,7 @@ class Sidecar:
     _changed: asyncio.Event = field(default_factory=asyncio.Event)
     _tasks: list[asyncio.Task[None]] = field(default_factory=list)
     _models: set[str] = field(default_factory=set)
+    _serving: set[str] = field(default_factory=set)  # upstream addresses last seen serving
 
     @property
     def address(self) -> str:
@@ -85,6 +87,7 @@ class Sidecar:
                 self.metrics.registry,
                 self.routes,
                 self.breakers.snapshot,
+                canaries=self.canaries,
                 tls=self.tls,
                 authorizer=self.admin_auth,
                 auth_reads=self.settings.admin_auth_reads,
@@ -148,6 +151,14 @@ class Sidecar:
             )
             for key in self.breakers.prune(self._breaker_wanted):
                 self.metrics.breaker_removed(key)
+            # Breakers (and their state series) exist from the start; an upstream whose health is
+            # back gets its breakers' backoff growth reset.
+            ups = self.upstreams.all
+            served = (BreakerKey(u.address, m, v) for u in ups for m in u.served for v in u.versions(m))
+            self.breakers.ensure(served)
+            for address in {u.address for u in serving} - self._serving:
+                self.breakers.reachable(address)
+            self._serving = {u.address for u in serving}
             models = {m for u in serving for m in u.served}
             for model in models | self._models:
                 await self.health.set(
@@ -166,6 +177,12 @@ class Sidecar:
             and route is not None
             and key.version in (route.stable, route.canary)
         )
+
+    def canaries(self) -> list[planner.CanaryStatus]:
+        """The canary of every served model (configured and effective weight, breaker state)."""
+        models = sorted({m for u in self.upstreams.all for m in u.served})
+        table = self.routes.table
+        return [planner.canary_status(m, table, self.upstreams, self.breakers) for m in models]
 
     async def _watch_config(self) -> None:
         while True:
@@ -191,28 +208,36 @@ def build_sidecar(
     )
     metrics = SidecarMetrics()
 
+    sidecar_ref: list[Sidecar] = []
+
     def breaker_changed(key: BreakerKey, old: State, new: State, reason: str) -> None:
+        weight = ""
+        if sidecar_ref:  # a canary's line says what routing now applies
+            status = planner.canary_status(key.model, routes.table, sidecar_ref[0].upstreams, breakers)
+            if status.canary == key.version:
+                weight = f"; canary effective weight {status.effective_weight:g} (of {status.weight:g})"
         log.warning(
-            "breaker %s/%s/%s: %s -> %s%s",
+            "breaker %s/%s/%s: %s -> %s%s%s",
             key.upstream,
             key.model,
             key.version,
             old.value,
             new.value,
             f" ({reason})" if reason else "",
+            weight,
         )
         metrics.breaker_changed(key, new)
 
-    breakers = (
-        Breakers(routes.table.breaker, breaker_changed)
-        if clock is None
-        else Breakers(routes.table.breaker, breaker_changed, clock)
+    breakers = Breakers(
+        routes.table.breaker,
+        breaker_changed,
+        time.monotonic if clock is None else clock,
+        on_made=metrics.breaker_known,
     )
     message_limits = [
         ("grpc.max_receive_message_length", settings.max_message_bytes),
         ("grpc.max_send_message_length", settings.max_message_bytes),
     ]
-    sidecar_ref: list[Sidecar] = []
     upstreams = Upstreams(
         [UpstreamSpec.parse(text) for text in settings.upstream],
         message_limits,
@@ -230,10 +255,7 @@ def build_sidecar(
     rollouts = RolloutDriver(
         routes,
         lambda model: upstreams.versions(model) if upstreams.knows(model) else (),
-        lambda model, version: any(
-            b["model"] == model and b["version"] == version and b["state"] == State.OPEN.value
-            for b in breakers.snapshot()
-        ),
+        breakers.is_open,
         metrics.registry,
         saved=saved.get("rollouts"),
         clock=wall,
@@ -268,6 +290,9 @@ def build_sidecar(
         admin_auth=admin_auth,
     )
     sidecar_ref.append(sidecar)
+    metrics.canary_weights(
+        lambda: [(c.model, c.weight, c.effective_weight) for c in sidecar.canaries() if c.canary]
+    )
     return sidecar
 
 

@@ -20,6 +20,7 @@ POLICY = BreakerPolicy(
     backoff_factor=2,
     backoff_max_s=5,
     probes=2,
+    consecutive_faults=100,  # the window's rules alone here; the fast path has its own tests
 )
 
 

@@ -70,6 +70,9 @@ class World:
         self.now = 100.0
         self.breakers = Breakers(POLICY, lambda *args: None, clock=lambda: self.now)
         self.table = table or RouteTable()
+        # Dyed canary by the caller's own x-canary-weight: a shut canary falls back call by call
+        # (dyed by the route's weight, it is dyed stable instead: test_a_shut_canary_...).
+        self.received: dict[str, str] = {"x-canary-weight": "50"}
 
     def open(self, address: str, model: str, version: str) -> None:
         breaker = self.breakers.get(address, model, version)
@@ -81,7 +84,7 @@ class World:
         assert breaker.state is State.OPEN
 
     def request(self, model: str = "m", pin: str = "") -> Request:
-        return Request(model, pin, {}, (("x-request-id", "r1"),), self.pool.knows(model))
+        return Request(model, pin, self.received, (("x-request-id", "r1"),), self.pool.knows(model))
 
     def first(self, decision: Decision, model: str = "m") -> Plan[Up]:
         return planner.first(self.request(model), decision, 7, self.table, self.pool, self.breakers)
