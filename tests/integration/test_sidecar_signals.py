@@ -57,7 +57,13 @@ ROUTES = {
     "models": {"scaler": {"canary_weight": 0}},
     "tenants": {"acme": {"rate": 1000, "burst": 1000}},
     # A breaker that stays closed here: every canary call is tried (and fails) first.
-    "breaker": {"window_s": 600, "min_calls": 1000, "error_rate": 0.99},
+    "breaker": {
+        "window_s": 600,
+        "min_calls": 1000,
+        "error_rate": 0.99,
+        "canary_error_rate": 0.99,
+        "consecutive_faults": 1000,
+    },
 }
 
 
