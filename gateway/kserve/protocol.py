@@ -12,18 +12,48 @@ answer (JSON data, or binary data after the JSON header for the outputs asked fo
 from __future__ import annotations
 
 import json
+import zlib
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from starlette.requests import Request
 from starlette.responses import Response
 
 from modelyard.common import names
+from modelyard.common.reasons import ErrorReason
 from modelyard.gateway import errors, http
 from modelyard.gateway.kserve import tensors
 from modelyard.kserve.v2 import grpc_service_pb2 as kpb
 
 HEADER_LENGTH = "inference-header-content-length"
+# Content-Encoding -> zlib's wbits: what tritonclient sends with request_compression_algorithm.
+_ENCODINGS = {"gzip": 16 + zlib.MAX_WBITS, "deflate": zlib.MAX_WBITS, "identity": 0}
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The body, decompressed when its Content-Encoding is gzip or deflate (as Triton accepts);
+    `limit` bounds the bytes sent and the bytes they inflate to (413 past it), so a small
+    compressed body cannot expand into a large one."""
+    raw = await http.read_body(request, limit)
+    encoding = request.headers.get("content-encoding", "identity").strip().lower()
+    wbits = _ENCODINGS.get(encoding)
+    if wbits is None:
+        message = f"content-encoding {names.echo(encoding, 40)} is not supported (gzip, deflate)"
+        raise errors.HttpError(415, "INVALID_ARGUMENT", ErrorReason.UNSUPPORTED, message)
+    if not wbits:
+        return raw
+    zlib_header = len(raw) >= 2 and raw[0] & 0x0F == 8 and (raw[0] << 8 | raw[1]) % 31 == 0
+    if encoding == "deflate" and not zlib_header:
+        wbits = -zlib.MAX_WBITS  # raw deflate, without the zlib header some clients leave out
+    inflater = zlib.decompressobj(wbits)
+    try:
+        body = inflater.decompress(raw, limit + 1)
+    except zlib.error as exc:
+        raise errors.bad_request(f"the {encoding} body cannot be decompressed: {exc}") from None
+    if len(body) > limit or inflater.unconsumed_tail:
+        raise http.too_large(limit)
+    return body
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,8 +135,15 @@ def _infer_request(
     for output in outputs:
         if not isinstance(output, dict) or not isinstance(output.get("name"), str):
             raise http.invalid("outputs", "each output must be an object with a name")
-        binary_out[output["name"]] = bool(http.get_dict(output, "parameters").get("binary_data", binary_all))
-        request.outputs.append(kpb.ModelInferRequest.InferRequestedOutputTensor(name=output["name"]))
+        output_parameters = http.get_dict(output, "parameters")
+        binary_out[output["name"]] = bool(output_parameters.get("binary_data", binary_all))
+        requested = kpb.ModelInferRequest.InferRequestedOutputTensor(name=output["name"])
+        # The rest (`classification`: top-k, as tritonclient's class_count sends it) goes upstream.
+        for key, value in output_parameters.items():
+            if key != "binary_data":
+                label = f"outputs.{names.echo(output['name'], 64)}.parameters.{names.echo(key, 64)}"
+                requested.parameters[key].CopyFrom(_param(value, label))
+        request.outputs.append(requested)
     if not binary_out and binary_all:
         binary_out[""] = True  # every output binary
     for key, value in parameters.items():
