@@ -96,4 +96,4 @@ class KServeEndpoints:
             served = returned(await call.initial_metadata())
         except grpc.aio.AioRpcError as exc:
             raise errors.from_rpc_error(exc) from None
-        return protocol.infer_response(answer, infer.binary_outputs, served)
+        return protocol.infer_response(answer, infer.binary_outputs, served, infer.shm_outputs)

@@ -8,8 +8,11 @@ from __future__ import annotations
 import asyncio
 import gc
 import json
+import os
+import threading
 import zlib
 from collections.abc import AsyncIterator
+from multiprocessing import shared_memory
 from pathlib import Path
 from typing import Any
 
@@ -109,7 +112,37 @@ def _calls(client: Any) -> dict[str, Any]:
     out["model_trace"] = client.get_trace_settings(model_name="scaler")
     client.update_trace_settings(settings={"trace_rate": None})
     out["missing_config"] = failure(lambda: client.get_model_config("nosuch"))
+    out.update(shm_calls(client, x))
     return out
+
+
+def shm_calls(client: Any, x: np.ndarray) -> dict[str, Any]:
+    """System shared memory over REST: register, status, infer in and out of regions, unregister."""
+    tag = f"{os.getpid()}_{threading.get_ident()}"
+    region_in = shared_memory.SharedMemory(f"modelyard_http_in_{tag}", create=True, size=x.nbytes + 16)
+    region_out = shared_memory.SharedMemory(f"modelyard_http_out_{tag}", create=True, size=x.nbytes)
+    try:
+        region_in.buf[16 : 16 + x.nbytes] = x.tobytes()
+        client.register_system_shared_memory("in", "/" + region_in.name, x.nbytes + 16)
+        client.register_system_shared_memory("out", "/" + region_out.name, x.nbytes)
+        status = client.get_system_shared_memory_status()
+        inp = tritonhttp.InferInput("INPUT0", list(x.shape), "FP32")
+        inp.set_shared_memory("in", x.nbytes, offset=16)
+        requested = tritonhttp.InferRequestedOutput("OUTPUT0")
+        requested.set_shared_memory("out", x.nbytes)
+        result = client.infer("scaler", [inp], outputs=[requested])
+        written = np.frombuffer(region_out.buf, np.float32, count=x.size).reshape(x.shape).copy()
+        client.unregister_system_shared_memory()
+        return {
+            "shm_status": sorted((r["name"], r["byte_size"]) for r in status),
+            "shm_output": result.get_output("OUTPUT0"),
+            "shm_written": written,
+            "shm_after": client.get_system_shared_memory_status(),
+        }
+    finally:
+        for region in (region_in, region_out):
+            region.close()
+            region.unlink()
 
 
 async def test_tritonclient_http_api_against_the_gateway(gateway) -> None:
@@ -149,6 +182,11 @@ async def test_tritonclient_http_api_against_the_gateway(gateway) -> None:
     assert isinstance(out["trace"]["trace_level"], list) and isinstance(out["trace"]["trace_rate"], str)
     assert out["trace_updated"]["trace_rate"] == "7" and out["model_trace"]["trace_rate"] == "7"
     assert out["missing_config"]["status"] == "404" and "nosuch" in out["missing_config"]["message"]
+
+    assert out["shm_status"] == [("in", x.nbytes + 16), ("out", x.nbytes)]
+    np.testing.assert_array_equal(out["shm_written"], x * 3)
+    assert out["shm_output"]["parameters"]["shared_memory_region"] == "out"
+    assert "data" not in out["shm_output"] and out["shm_after"] == []
 
 
 async def test_generate_and_generate_stream(gateway) -> None:
