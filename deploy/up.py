@@ -224,7 +224,7 @@ async def run(settings: Settings) -> int:
             upstream = sidecar.address
         else:
             log.info("no sidecar package: the gateway and Envoy call the service directly")
-        gateway = Child("gateway", re.compile(r"serving HTTP on http://(\S+) "))
+        gateway = Child("gateway", re.compile(r"serving HTTP on http://(\S+) \(metrics (?:on (\S+/metrics))?"))
         children.append(gateway)
         command = [python, "-m", "modelyard.gateway", "--listen", settings.gateway_listen]
         command += ["--upstream", upstream, "--metrics-listen", settings.gateway_metrics]
@@ -256,8 +256,9 @@ async def run(settings: Settings) -> int:
         edge = f"http://127.0.0.1:{port}"
         behind = "sidecar" if use_sidecar else "service"
         metrics = [f"{admin}/stats/prometheus"]
-        if settings.gateway_metrics:
-            metrics.insert(0, f"http://{settings.gateway_metrics}/metrics")
+        gateway_metrics = gateway.output.match.group(2) if gateway.output.match is not None else None
+        if gateway_metrics:  # the address it bound (the flag may say port 0)
+            metrics.insert(0, gateway_metrics)
         if settings.service_metrics:
             metrics.insert(0, f"http://{settings.service_metrics}/metrics")
         if use_sidecar and settings.sidecar_admin:
