@@ -224,7 +224,8 @@ async def run(settings: Settings) -> int:
             upstream = sidecar.address
         else:
             log.info("no sidecar package: the gateway and Envoy call the service directly")
-        gateway = Child("gateway", re.compile(r"serving HTTP on http://(\S+) \(metrics (?:on (\S+/metrics))?"))
+        started = re.compile(r"serving HTTP on http://(\S+) \(metrics (?:on (\S+/metrics))?")
+        gateway = Child("gateway", started)
         children.append(gateway)
         command = [python, "-m", "modelyard.gateway", "--listen", settings.gateway_listen]
         command += ["--upstream", upstream, "--metrics-listen", settings.gateway_metrics]
