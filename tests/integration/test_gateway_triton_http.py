@@ -64,18 +64,18 @@ def failure(call: Any) -> dict[str, Any] | None:
     return None
 
 
-def session(address: str) -> dict[str, Any]:
+def session(address: str, repository: Path) -> dict[str, Any]:
     """Runs in a thread (tritonclient.http blocks): every call of the client's API we serve."""
     client = tritonhttp.InferenceServerClient(url=address)
     try:
-        return _calls(client)
+        return _calls(client, repository)
     finally:
         client.close()
         del client  # its __del__ closes again: let that happen in this (gevent's) thread
         gc.collect()
 
 
-def _calls(client: Any) -> dict[str, Any]:
+def _calls(client: Any, repository: Path) -> dict[str, Any]:
     x = np.arange(48, dtype=np.float32).reshape(3, 16)
 
     def scaler(**kwargs: Any) -> Any:
@@ -104,6 +104,20 @@ def _calls(client: Any) -> dict[str, Any]:
     out["unloaded_ready"] = client.is_model_ready("scaler")
     client.load_model("scaler")
     out["reloaded_ready"] = client.is_model_ready("scaler")
+    # A config override, and the round trip of what /config answers; then a model from files.
+    client.load_model("scaler", config='{"max_batch_size": 4}')
+    out["overridden"] = client.get_model_config("scaler")["max_batch_size"]
+    before = client.get_model_config("classifier")
+    client.load_model("classifier", config=json.dumps(before))
+    out["round_trip"] = client.get_model_config("classifier") == before
+    client.load_model("scaler")
+    model_bytes = (repository / "scaler" / "1" / "model.onnx").read_bytes()
+    upload = {"max_batch_size": 8, "input": [{"name": "INPUT0", "data_type": "TYPE_FP32", "dims": [16]}]}
+    client.load_model("uploaded", config=json.dumps(upload), files={"file:1/model.onnx": model_bytes})
+    inp = tritonhttp.InferInput("INPUT0", [2, 16], "FP32")
+    inp.set_data_from_numpy(np.ones((2, 16), np.float32))
+    out["uploaded"] = client.infer("uploaded", [inp]).as_numpy("OUTPUT0")
+    client.unload_model("uploaded")
     out["log"] = client.get_log_settings()
     out["log_updated"] = client.update_log_settings({"log_verbose_level": 1})
     client.update_log_settings({"log_verbose_level": 0})
@@ -145,8 +159,8 @@ def shm_calls(client: Any, x: np.ndarray) -> dict[str, Any]:
             region.unlink()
 
 
-async def test_tritonclient_http_api_against_the_gateway(gateway) -> None:
-    out = await asyncio.to_thread(session, gateway.address)
+async def test_tritonclient_http_api_against_the_gateway(gateway, triton_repository) -> None:
+    out = await asyncio.to_thread(session, gateway.address, triton_repository)
     extensions = out["server"]["extensions"]
     assert "binary_tensor_data" in extensions and "generate" in extensions
     assert set(extensions) <= set(REST_EXTENSIONS) | set(GATEWAY_EXTENSIONS)
@@ -177,6 +191,8 @@ async def test_tritonclient_http_api_against_the_gateway(gateway) -> None:
     assert {"classifier", "scaler"} <= {s["name"] for s in out["all_stats"]["model_stats"]}
     assert {"classifier", "scaler", "codelm"} <= {m["name"] for m in out["index"]}
     assert out["unloaded_ready"] is False and out["reloaded_ready"] is True
+    assert out["overridden"] == 4 and out["round_trip"] is True
+    np.testing.assert_array_equal(out["uploaded"], np.full((2, 16), 2, np.float32))  # scaler v1: x2
 
     assert out["log"]["log_verbose_level"] == 0 and out["log_updated"]["log_verbose_level"] == 1
     assert isinstance(out["trace"]["trace_level"], list) and isinstance(out["trace"]["trace_rate"], str)
