@@ -17,6 +17,7 @@ import importlib.util
 import json
 import logging
 import re
+import shutil
 import signal
 import sys
 import tempfile
@@ -54,6 +55,9 @@ class Settings:
         "127.0.0.1:9101"
     )
     gateway_listen: Annotated[str, LISTEN, Meta(description="gateway HTTP address")] = "127.0.0.1:8000"
+    gateway_metrics: Annotated[
+        str, LISTEN_OR_EMPTY, Meta(description="gateway /metrics (and /healthz) address")
+    ] = "127.0.0.1:9104"
     envoy_port: Annotated[
         int, _PORT, Meta(description="Envoy listener port on 127.0.0.1 (0: any free port)")
     ] = 8080
@@ -237,11 +241,12 @@ async def run(settings: Settings) -> int:
             upstream = sidecar.address
         else:
             log.info("no sidecar extra (pybreaker): the gateway and Envoy call the service directly")
-        gateway = Child("gateway", re.compile(r"serving HTTP on http://(\S+) "))
+        started = re.compile(r"serving HTTP on http://(\S+) \(metrics (?:on (\S+/metrics))?")
+        gateway = Child("gateway", started)
         children.append(gateway)
-        await gateway.start(
-            python, "-m", "modelyard.gateway", "--listen", settings.gateway_listen, "--upstream", upstream
-        )
+        command = [python, "-m", "modelyard.gateway", "--listen", settings.gateway_listen]
+        command += ["--upstream", upstream, "--metrics-listen", settings.gateway_metrics]
+        await gateway.start(*command)
         await _started(gateway, settings, stopping)
 
         config = render.RenderSettings(
@@ -268,7 +273,10 @@ async def run(settings: Settings) -> int:
         admin, port = await _envoy_ready(admin_file, envoy, settings.start_timeout_s)
         edge = f"http://127.0.0.1:{port}"
         behind = "sidecar" if use_sidecar else "service"
-        metrics = [f"http://{gateway.address}/metrics", f"{admin}/stats/prometheus"]
+        metrics = [f"{admin}/stats/prometheus"]
+        gateway_metrics = gateway.output.match.group(2) if gateway.output.match is not None else None
+        if gateway_metrics:  # the address it bound (the flag may say port 0)
+            metrics.insert(0, gateway_metrics)
         if settings.service_metrics:
             metrics.insert(0, f"http://{settings.service_metrics}/metrics")
         if use_sidecar and settings.sidecar_admin:
@@ -294,6 +302,8 @@ async def run(settings: Settings) -> int:
     finally:
         for child in reversed(children):
             await child.stop(settings.grace_s)
+        # Envoy's config and admin-address file: nothing of a run is left behind, Ctrl-C included.
+        shutil.rmtree(workdir, ignore_errors=True)
         log.info("all stopped")
     return code
 

@@ -8,7 +8,8 @@ upstreams by Service DNS name).
                                                 # variant of envoy/envoy.yaml; tracked files untouched
 
 Routes: gRPC (native, HTTP/2) and gRPC-Web (`application/grpc-web*`, translated by the grpc_web
-filter) go to the sidecar; `/v1/`, `/v2/` and `/` go to the gateway. Streaming routes have
+filter) go to the sidecar; `/v1/`, `/v2/` and `/` go to the gateway, but the gateway's `/metrics`
+and `/healthz`, which Envoy answers 404 itself (they are for operators). Streaming routes have
 `timeout: 0s` (Envoy's default 15 s route timeout would cut a long stream); the connection
 manager's `stream_idle_timeout` ends streams silent for longer than the gateway's heartbeats.
 Slow and idle clients: headers must arrive within `request_headers_timeout`, the whole request
@@ -47,6 +48,7 @@ HEADER = (
 GRPC_ALLOW_HEADERS = ("content-type", "x-grpc-web", "x-user-agent", "grpc-timeout")
 ROUTING_HEADERS = (
     "x-model-version",
+    "x-priority",
     "x-model-name",
     "x-user-id",
     "x-tenant-id",
@@ -58,6 +60,28 @@ ROUTING_HEADERS = (
     "last-event-id",
     "cache-control",
 )
+# What the official OpenAI JavaScript client sends from a browser (openai-node: its platform and
+# retry headers, and the organisation/project ones), so its preflight from an allowed origin passes.
+OPENAI_CLIENT_HEADERS = (
+    "accept",
+    "openai-organization",
+    "openai-project",
+    "openai-beta",
+    "x-stainless-arch",
+    "x-stainless-lang",
+    "x-stainless-os",
+    "x-stainless-package-version",
+    "x-stainless-runtime",
+    "x-stainless-runtime-version",
+    "x-stainless-retry-count",
+    "x-stainless-timeout",
+    "x-stainless-helper-method",
+    "x-stainless-poll-helper",
+    "x-stainless-custom-poll-interval",
+)
+# The gateway's own endpoints, which the public edge does not serve (they are for operators and
+# probes: the gateway's --metrics-listen and its port); answered here with the API's JSON error.
+PRIVATE_PATHS = ("/metrics", "/healthz")
 EXPOSE_HEADERS = (
     "grpc-status",
     "grpc-message",
@@ -179,15 +203,37 @@ def routes(settings: RenderSettings) -> list[dict[str, Any]]:
     cookie = settings.gateway_affinity_cookie
     for model, weight in weights:
         out.append(_route({"prefix": f"/v1/models/{model}/"}, "gateway", 0, weight, cookie))
+        out.append(_route(_generate_stream(model), "gateway", 0, weight, cookie))
         out.append(_route({"prefix": f"/v2/models/{model}/"}, "gateway", unary, weight, cookie))
-    # SSE, OpenAI streams:
+    # SSE, OpenAI streams, Triton's generate_stream:
     out.append(_route({"prefix": "/v1/"}, "gateway", 0, settings.canary_weight, cookie))
+    out.append(_route(_generate_stream("[^/]+"), "gateway", 0, settings.canary_weight, cookie))
     out.append(_route({"prefix": "/v2/"}, "gateway", unary, settings.canary_weight, cookie))
+    out += [_not_public(path) for path in PRIVATE_PATHS]
     out.append(_route({"prefix": "/"}, "gateway", unary, settings.canary_weight, cookie))
     if settings.client_canary_weights:  # the header policy: clients' weights pass (unless replaced)
         for route in out:
             route["request_headers_to_remove"] = [MODEL_DYE]
     return out
+
+
+def _generate_stream(model: str) -> dict[str, Any]:
+    """Triton's streaming generate of `model` (a regex), versioned or not: a stream, no timeout."""
+    return {"safe_regex": {"regex": f"/v2/models/{model}(/versions/[^/]+)?/generate_stream"}}
+
+
+def _not_public(path: str) -> dict[str, Any]:
+    """`path` (and below it) answered by Envoy: 404 in the gateway's error body, never forwarded."""
+    message = f"no such route: {path}"
+    body = f'{{"error": {{"code": "NOT_FOUND", "reason": "unsupported", "message": "{message}"}}}}'
+    return {
+        "match": {"path_separated_prefix": path},
+        "direct_response": {"status": 404, "body": {"inline_string": body}},
+        "response_headers_to_add": [
+            {"header": {"key": "content-type", "value": "application/json"}},
+            {"header": {"key": "x-error-reason", "value": "unsupported"}},
+        ],
+    }
 
 
 def _is_ip(host: str) -> bool:
@@ -234,7 +280,7 @@ def config(settings: RenderSettings) -> dict[str, Any]:
         "@type": _TYPES + "filters.http.cors.v3.CorsPolicy",
         "allow_origin_string_match": [{"exact": origin} for origin in settings.cors_origins],
         "allow_methods": "GET, POST, OPTIONS",
-        "allow_headers": ",".join((*GRPC_ALLOW_HEADERS, *ROUTING_HEADERS)),
+        "allow_headers": ",".join((*GRPC_ALLOW_HEADERS, *ROUTING_HEADERS, *OPENAI_CLIENT_HEADERS)),
         "expose_headers": ",".join(EXPOSE_HEADERS),
         "max_age": "86400",
     }

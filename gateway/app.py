@@ -12,7 +12,6 @@ import time
 from pathlib import Path
 
 import uvicorn
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, RedirectResponse, Response
@@ -25,7 +24,7 @@ from modelyard.gateway import mount
 from modelyard.gateway.config import ENV_PREFIX, Settings
 from modelyard.gateway.kserve import app as kserve_app
 from modelyard.gateway.listener import Limits, protocol_class
-from modelyard.gateway.metrics import GatewayMetrics
+from modelyard.gateway.metrics import GatewayMetrics, metrics_app
 from modelyard.gateway.openai import app as openai_app
 from modelyard.gateway.sse import app as sse_app
 from modelyard.gateway.streams import Registry
@@ -33,6 +32,7 @@ from modelyard.gateway.tls import UpstreamTls, listener_context
 from modelyard.gateway.upstream import Upstream
 from modelyard.process import calls
 from modelyard.process.lifecycle import bound
+from modelyard.process.metrics_http import HttpServer
 from modelyard.process.settings import split_address
 from modelyard.process.tls import TlsFiles, warn_if_plaintext
 
@@ -43,9 +43,6 @@ STATIC = Path(__file__).parent / "static"
 def build_app(
     settings: Settings, upstream: Upstream, registry: Registry, metrics: GatewayMetrics
 ) -> Starlette:
-    async def metrics_endpoint(request: Request) -> Response:
-        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
-
     async def live(request: Request) -> Response:
         return JSONResponse({"status": "ok"})
 
@@ -53,12 +50,11 @@ def build_app(
         return RedirectResponse("/static/index.html")
 
     # One sub-application per API, each owning its own paths and answering errors in its
-    # protocol's body; the rest (metrics, health, the page) is the root's.
+    # protocol's body; the rest (health, the page) is the root's. /metrics is on --metrics-listen.
     routes: list[BaseRoute] = [
         openai_app.api(upstream, settings),
         sse_app.api(upstream, registry, settings, metrics),
         kserve_app.api(upstream, settings),
-        Route("/metrics", metrics_endpoint, methods=["GET"]),
         Route("/healthz", live, methods=["GET"]),
     ]
     if STATIC.is_dir():
@@ -144,6 +140,7 @@ class Gateway:
             settings.resume_buffer_bytes,
         )
         self.upstream: Upstream | None = None
+        self.metrics_server: HttpServer | None = None
         self._server: uvicorn.Server | None = None
         self._socket: socket.socket | None = None
         self._main: asyncio.Task[None] | None = None
@@ -202,9 +199,21 @@ class Gateway:
         self._main = asyncio.get_running_loop().create_task(server.main_loop())
         bound_host, bound_port = sock.getsockname()[:2]
         self.address = f"{bound_host}:{bound_port}"
+        if settings.metrics_listen:
+            app_of_metrics = metrics_app(self.metrics.registry, asyncio.get_running_loop())
+            metrics_host, metrics_port = split_address(settings.metrics_listen)
+            self.metrics_server = bound(
+                ENV_PREFIX,
+                "metrics_listen",
+                settings.metrics_listen,
+                lambda: HttpServer(
+                    app_of_metrics, metrics_host, metrics_port, self.tls, "the gateway's metrics endpoint"
+                ),
+            )
         log.info(
-            "serving HTTP on %s (metrics at /metrics); upstream %s%s;",
+            "serving HTTP on %s (metrics %s); upstream %s%s;",
             self.url,
+            f"on {self.metrics_url}/metrics" if self.metrics_server else "off: no --metrics-listen",
             settings.upstream,
             " over TLS" if self.upstream_tls is not None else "",
         )
@@ -213,6 +222,12 @@ class Gateway:
     def url(self) -> str:
         scheme = "https" if self.tls is not None else "http"
         return f"{scheme}://{self.address}"
+
+    @property
+    def metrics_url(self) -> str:
+        assert self.metrics_server is not None
+        scheme = "https" if self.tls is not None else "http"
+        return f"{scheme}://{split_address(self.settings.metrics_listen)[0]}:{self.metrics_server.port}"
 
     async def stop(self) -> None:
         # Open streams end with an `event: error` (draining) so connections close, then the server drains.
@@ -224,6 +239,8 @@ class Gateway:
             await self._server.shutdown(sockets=[self._socket] if self._socket else None)
         if self.upstream is not None:
             await self.upstream.close()
+        if self.metrics_server is not None:
+            await asyncio.to_thread(self.metrics_server.stop)
 
 
 def build_gateway(settings: Settings) -> Gateway:

@@ -15,7 +15,7 @@ from modelyard.process.startup import check_listeners
 
 def main(argv: Sequence[str] | None = None) -> int:
     settings = parse_settings(sys.argv[1:] if argv is None else argv)
-    failed = check_listeners(settings, ("listen",), ENV_PREFIX, "modelyard gateway")
+    failed = check_listeners(settings, ("listen", "metrics_listen"), ENV_PREFIX, "modelyard gateway")
     if failed is not None:
         return failed
     configure_logging(settings.log_level, settings.log_format, "gateway")

@@ -10,7 +10,7 @@ from typing import Annotated
 from msgspec import Meta
 
 from modelyard.process import logs, tls
-from modelyard.process.settings import LISTEN
+from modelyard.process.settings import LISTEN, LISTEN_OR_EMPTY
 from modelyard.process.settings import parse_settings as parse
 
 ENV_PREFIX = "MODELYARD_GATEWAY_"
@@ -21,6 +21,13 @@ class Settings:
     listen: Annotated[str, LISTEN, Meta(description="HTTP address HOST:PORT (port 0 picks a free port)")] = (
         "127.0.0.1:8000"
     )
+    # Off the public port (Envoy's routes reach only the APIs and the page): off by default, so
+    # that gateways started side by side (tests, several per host) never compete for a port.
+    metrics_listen: Annotated[
+        str,
+        LISTEN_OR_EMPTY,
+        Meta(description="Prometheus /metrics (and /healthz) address HOST:PORT; empty disables it"),
+    ] = ""
     # The sidecar forwards the service's API unchanged.
     upstream: Annotated[str, Meta(description="gRPC address HOST:PORT of the sidecar (or a service)")] = (
         "127.0.0.1:50051"

@@ -61,6 +61,8 @@ class HttpError(Exception):
     reason: str
     message: str
     retry_after_s: int | None = None
+    # The request field at fault, where an API names it apart from the message (OpenAI's `param`).
+    param: str | None = None
 
     def headers(self) -> dict[str, str]:
         out = {headers.ERROR_REASON: self.reason}

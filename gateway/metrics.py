@@ -1,10 +1,19 @@
-"""The gateway's Prometheus metrics, in its own registry (served at /metrics by the app)."""
+"""The gateway's Prometheus metrics, in its own registry, and the listener apart from the public
+port that serves them (`--metrics-listen`): `/metrics`, and `/healthz` for probes."""
 
 from __future__ import annotations
 
+import asyncio
+import json
+from collections.abc import Callable, Iterable
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, make_wsgi_app
+
+from modelyard.process.metrics_http import WsgiApp
+
+# /healthz answers 503 when the event loop does not run a no-op within this long (it is stuck).
+LOOP_CHECK_S = 2.0
 
 _TTFB_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
@@ -69,3 +78,27 @@ class GatewayMetrics:
         if child is None:
             child = self._counted[(route, status)] = self.requests.labels(route, str(status))
         child.inc()
+
+
+def metrics_app(registry: CollectorRegistry, loop: asyncio.AbstractEventLoop) -> WsgiApp:
+    """`/metrics` (the registry) and `/healthz` (200 while the gateway's event loop runs: this
+    server runs on a thread of its own, so it asks the loop); anything else 404."""
+    exposition = make_wsgi_app(registry)
+
+    def app(environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
+        path = environ.get("PATH_INFO", "")
+        if path == "/metrics":
+            scraped: Iterable[bytes] = exposition(environ, start_response)
+            return scraped
+        if path == "/healthz":
+            try:
+                asyncio.run_coroutine_threadsafe(asyncio.sleep(0), loop).result(timeout=LOOP_CHECK_S)
+                status, body = "200 OK", {"status": "ok"}
+            except Exception:
+                status, body = "503 Service Unavailable", {"status": "event loop not responding"}
+            start_response(status, [("content-type", "application/json")])
+            return [json.dumps(body).encode()]
+        start_response("404 Not Found", [("content-type", "text/plain")])
+        return [b"/metrics or /healthz\n"]
+
+    return app

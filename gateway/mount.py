@@ -20,6 +20,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Match, NoMatchFound, Router
 from starlette.types import Receive, Scope, Send
 
+from modelyard.common import names
 from modelyard.common.reasons import ErrorReason
 from modelyard.gateway import errors
 
@@ -32,12 +33,18 @@ def error_body(exc: errors.HttpError) -> Response:
 
 
 def starlette_error(request: Request, exc: HTTPException) -> errors.HttpError:
-    """Starlette's own answers (no such route, a method a route lacks) as an HttpError."""
-    code = "NOT_FOUND" if exc.status_code == 404 else "UNIMPLEMENTED"
-    error = errors.HttpError(exc.status_code, code, ErrorReason.UNSUPPORTED, f"{request.method} {exc.detail}")
-    if exc.status_code < 400 or exc.status_code >= 500:
-        error = errors.HttpError(exc.status_code, code, ErrorReason.INTERNAL, str(exc.detail))
-    return error
+    """Starlette's own answers (no such route, a method a route lacks) as an HttpError whose
+    message names the request."""
+    asked = f"{request.method} {names.echo(request.url.path, 200)}"
+    if exc.status_code == 404:
+        return errors.not_found(f"no such route: {asked}", ErrorReason.UNSUPPORTED)
+    if exc.status_code == 405:
+        message = f"method not allowed: {asked}"
+        return errors.HttpError(405, "UNIMPLEMENTED", ErrorReason.UNSUPPORTED, message)
+    if 400 <= exc.status_code < 500:
+        reason = ErrorReason.INVALID_ARGUMENT
+        return errors.HttpError(exc.status_code, "INVALID_ARGUMENT", reason, str(exc.detail))
+    return errors.HttpError(exc.status_code, "INTERNAL", ErrorReason.INTERNAL, str(exc.detail))
 
 
 def error_handlers(respond: ErrorResponse) -> dict[Any, Any]:

@@ -12,18 +12,49 @@ answer (JSON data, or binary data after the JSON header for the outputs asked fo
 from __future__ import annotations
 
 import json
+import zlib
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from starlette.requests import Request
 from starlette.responses import Response
 
 from modelyard.common import names
+from modelyard.common.reasons import ErrorReason
 from modelyard.gateway import errors, http
 from modelyard.gateway.kserve import tensors
 from modelyard.kserve.v2 import grpc_service_pb2 as kpb
 
 HEADER_LENGTH = "inference-header-content-length"
+SHM_REGION = "shared_memory_region"
+# Content-Encoding -> zlib's wbits: what tritonclient sends with request_compression_algorithm.
+_ENCODINGS = {"gzip": 16 + zlib.MAX_WBITS, "deflate": zlib.MAX_WBITS, "identity": 0}
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The body, decompressed when its Content-Encoding is gzip or deflate (as Triton accepts);
+    `limit` bounds the bytes sent and the bytes they inflate to (413 past it), so a small
+    compressed body cannot expand into a large one."""
+    raw = await http.read_body(request, limit)
+    encoding = request.headers.get("content-encoding", "identity").strip().lower()
+    wbits = _ENCODINGS.get(encoding)
+    if wbits is None:
+        message = f"content-encoding {names.echo(encoding, 40)} is not supported (gzip, deflate)"
+        raise errors.HttpError(415, "INVALID_ARGUMENT", ErrorReason.UNSUPPORTED, message)
+    if not wbits:
+        return raw
+    zlib_header = len(raw) >= 2 and raw[0] & 0x0F == 8 and (raw[0] << 8 | raw[1]) % 31 == 0
+    if encoding == "deflate" and not zlib_header:
+        wbits = -zlib.MAX_WBITS  # raw deflate, without the zlib header some clients leave out
+    inflater = zlib.decompressobj(wbits)
+    try:
+        body = inflater.decompress(raw, limit + 1)
+    except zlib.error as exc:
+        raise errors.bad_request(f"the {encoding} body cannot be decompressed: {exc}") from None
+    if len(body) > limit or inflater.unconsumed_tail:
+        raise http.too_large(limit)
+    return body
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,6 +83,8 @@ class InferRequest:
     message: kpb.ModelInferRequest
     # Output name -> sent as binary data; "" -> every output (binary_data_output without outputs).
     binary_outputs: dict[str, bool]
+    # Output name -> its shared-memory parameters: written into the region, answered without data.
+    shm_outputs: dict[str, dict[str, Any]]
 
 
 def parse_infer(name: str, version: str, head: bytes, binary: bytes) -> InferRequest:
@@ -61,7 +94,7 @@ def parse_infer(name: str, version: str, head: bytes, binary: bytes) -> InferReq
 
 def _infer_request(
     name: str, version: str, document: dict[str, Any], binary: bytes
-) -> tuple[kpb.ModelInferRequest, dict[str, bool]]:
+) -> tuple[kpb.ModelInferRequest, dict[str, bool], dict[str, dict[str, Any]]]:
     inputs = document.get("inputs")
     if not isinstance(inputs, list) or not inputs:
         raise http.invalid("inputs", "must be a non-empty list")
@@ -81,6 +114,15 @@ def _infer_request(
             raise http.invalid(f"{label}.shape", "must be a list of non-negative integers")
         shape = http.int_list(shape, f"{label}.shape", http.INT64)
         parameters = http.get_dict(tensor, "parameters")
+        message = kpb.ModelInferRequest.InferInputTensor(name=tname, datatype=datatype, shape=shape)
+        # The rest (shared_memory_region/_offset/_byte_size: the data is in a registered region)
+        # goes upstream as the tensor's parameters.
+        for key, value in parameters.items():
+            if key != "binary_data_size":
+                message.parameters[key].CopyFrom(_param(value, f"{label}.parameters.{names.echo(key, 64)}"))
+        request.inputs.append(message)
+        if SHM_REGION in parameters:
+            continue  # no raw entry: raw contents are for the inputs outside shared memory
         size = parameters.get("binary_data_size")
         if size is not None:
             size = http.as_int(size, f"{label}.parameters.binary_data_size", http.INT64, 0)
@@ -91,28 +133,39 @@ def _infer_request(
         elif "data" in tensor:
             raw = tensors.encode(datatype, shape, tensor["data"], f"{label}.data")
         else:
-            raise http.invalid(label, "needs data or parameters.binary_data_size")
-        request.inputs.append(
-            kpb.ModelInferRequest.InferInputTensor(name=tname, datatype=datatype, shape=shape)
-        )
+            raise http.invalid(
+                label, "needs data, parameters.binary_data_size or parameters.shared_memory_region"
+            )
         request.raw_input_contents.append(raw)
     parameters = http.get_dict(document, "parameters")
     binary_all = bool(parameters.get("binary_data_output", False))
     binary_out: dict[str, bool] = {}
+    shm_out: dict[str, dict[str, Any]] = {}
     outputs = document.get("outputs") or []
     if not isinstance(outputs, list):
         raise http.invalid("outputs", "must be a list")
     for output in outputs:
         if not isinstance(output, dict) or not isinstance(output.get("name"), str):
             raise http.invalid("outputs", "each output must be an object with a name")
-        binary_out[output["name"]] = bool(http.get_dict(output, "parameters").get("binary_data", binary_all))
-        request.outputs.append(kpb.ModelInferRequest.InferRequestedOutputTensor(name=output["name"]))
+        output_parameters = http.get_dict(output, "parameters")
+        binary_out[output["name"]] = bool(output_parameters.get("binary_data", binary_all))
+        if SHM_REGION in output_parameters:
+            shm_out[output["name"]] = {
+                k: v for k, v in output_parameters.items() if k.startswith("shared_memory")
+            }
+        requested = kpb.ModelInferRequest.InferRequestedOutputTensor(name=output["name"])
+        # The rest (`classification`: top-k, as tritonclient's class_count sends it) goes upstream.
+        for key, value in output_parameters.items():
+            if key != "binary_data":
+                label = f"outputs.{names.echo(output['name'], 64)}.parameters.{names.echo(key, 64)}"
+                requested.parameters[key].CopyFrom(_param(value, label))
+        request.outputs.append(requested)
     if not binary_out and binary_all:
         binary_out[""] = True  # every output binary
     for key, value in parameters.items():
         if key != "binary_data_output":
             request.parameters[key].CopyFrom(_param(value, f"parameters.{names.echo(key, 64)}"))
-    return request, binary_out
+    return request, binary_out, shm_out
 
 
 def _param(value: Any, name: str) -> kpb.InferParameter:
@@ -146,7 +199,10 @@ def model_metadata(answer: kpb.ModelMetadataResponse) -> dict[str, Any]:
 
 
 def infer_response(
-    answer: kpb.ModelInferResponse, binary_out: dict[str, bool], served: dict[str, str]
+    answer: kpb.ModelInferResponse,
+    binary_out: dict[str, bool],
+    served: dict[str, str],
+    shm_out: dict[str, dict[str, Any]] | None = None,
 ) -> Response:
     """The answer as JSON, with the outputs asked for as binary after it (the extension's layout)."""
     outputs: list[dict[str, Any]] = []
@@ -157,7 +213,9 @@ def infer_response(
             "datatype": tensor.datatype,
             "shape": list(tensor.shape),
         }
-        if binary_out.get(tensor.name, binary_out.get("", False)):
+        if tensor.name in (shm_out or {}):
+            entry["parameters"] = (shm_out or {})[tensor.name]  # the data is in the region, as Triton's
+        elif binary_out.get(tensor.name, binary_out.get("", False)):
             entry["parameters"] = {"binary_data_size": len(raw)}
             chunks.append(raw)
         else:

@@ -10,12 +10,12 @@ from modelyard.gateway.openai.protocol import error_response
 from modelyard.gateway.openai.serving import OpenAIEndpoints
 from modelyard.gateway.upstream import Upstream
 
-PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/models")
-
 
 def owns(path: str) -> bool:
-    """These paths (and their trailing-slash forms) answer in OpenAI's error object."""
-    return path.rstrip("/") in PATHS
+    """Every path under /v1 but the SSE API's answers in OpenAI's error object, an unknown one
+    too (404 `invalid_request_error`, as OpenAI's)."""
+    sse = path.startswith("/v1/models/") and path.rstrip("/") != "/v1/models"  # the SSE API's owns()
+    return (path == "/v1" or path.startswith("/v1/")) and not sse
 
 
 def api(upstream: Upstream, settings: Settings) -> mount.Api:

@@ -13,13 +13,15 @@ Responses: `Chunks` makes OpenAI's objects for one completion (the whole answer,
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from starlette.responses import JSONResponse, Response
 
 from modelyard.common import headers
+from modelyard.common.reasons import ErrorReason
 from modelyard.gateway import errors, http
 from modelyard.gateway.openai import chat_template
 from modelyard.gateway.streams import FINISH_REASONS
@@ -33,12 +35,42 @@ _ERROR_TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",
     403: "permission_error",
-    404: "not_found_error",
+    404: "invalid_request_error",  # OpenAI's, for an unknown model or path too
+    409: "invalid_request_error",
     413: "invalid_request_error",
-    422: "invalid_request_error",
     429: "rate_limit_error",
 }
 _OPENAI_FINISH = {"length": "length", "stop": "stop", "eos": "stop", "cancelled": "stop"}
+# A message that names its field first ("max_tokens: ..."): the shared intake's and the service's.
+_FIELD = re.compile(r"([A-Za-z_][\w.\[\]-]*): ")
+
+
+def _off(value: Any) -> bool:
+    """The value a client sends for a feature it does not use: null, false, 0, "" or empty."""
+    if value is None or value is False:
+        return True
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        return value == 0
+    return isinstance(value, str | list | dict) and not value
+
+
+# OpenAI parameters this server does not implement: each is accepted at the value that asks for
+# nothing (clients send some by default: `frequency_penalty: 0`, `logprobs: false`) and refused
+# otherwise with 400 naming it, rather than ignored.
+_UNIMPLEMENTED: dict[str, Any] = {
+    "frequency_penalty": _off,
+    "presence_penalty": _off,
+    "logit_bias": _off,
+    "logprobs": _off,
+    "top_logprobs": _off,
+    "echo": _off,
+    "suffix": _off,
+    "tools": _off,
+    "functions": _off,
+    "best_of": lambda v: v is None or v == 1,
+    "tool_choice": lambda v: v is None or v in ("none", "auto"),
+    "response_format": lambda v: v is None or (isinstance(v, dict) and v.get("type") == "text"),
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,6 +81,14 @@ class CompletionRequest:
     include_usage: bool  # stream_options.include_usage: a last chunk with the usage
     generate: pb.GenerateRequest
     metadata: Metadata  # the forwarded headers, and `user` as x-user-id when the header is absent
+    opening: str = ""  # the start of the answer the chat template wrote (the content begins with it)
+
+
+def unsupported(name: str, message: str) -> errors.HttpError:
+    """A parameter this server does not implement, at a value that asks for it: 400 naming it."""
+    return errors.HttpError(
+        400, "INVALID_ARGUMENT", ErrorReason.UNSUPPORTED, f"{name}: {message}", param=name
+    )
 
 
 def parse_completion(body: dict[str, Any], request_headers: Mapping[str, str]) -> CompletionRequest:
@@ -79,10 +119,13 @@ def parse_chat_completion(body: dict[str, Any], request_headers: Mapping[str, st
         if not isinstance(content, str):
             raise http.invalid(f"messages[{i}].content", "must be a string")
         message["content"] = content
-    fields = {"prompt": chat_template.render(messages)}
+    rendered = chat_template.render(messages)
     if body.get("max_completion_tokens") is not None and body.get("max_tokens") is None:
         body["max_tokens"] = body["max_completion_tokens"]
-    return _completion(body, request_headers, fields, CHAT_COMPLETION, 0)
+    if body.get("stop") is None:
+        body["stop"] = list(rendered.stop)
+    completion = _completion(body, request_headers, {"prompt": rendered.prompt}, CHAT_COMPLETION, 0)
+    return replace(completion, opening=rendered.opening)
 
 
 def _completion(
@@ -97,13 +140,24 @@ def _completion(
         raise http.invalid("model", "required")
     model = http.model_name(model, "model")
     if http.get_int(body, "n", http.INT64, 1, minimum=1) != 1:
-        raise http.invalid("n", "only n=1 is supported")
-    if body.get("logprobs"):
-        raise http.invalid("logprobs", "not supported")
+        raise unsupported("n", "only n=1 is supported (one choice per request)")
+    for name, off in _UNIMPLEMENTED.items():
+        if not off(body.get(name)):
+            raise unsupported(name, "not supported by this server")
     stream = body.get("stream", False)
+    if stream is None:
+        stream = False
     if not isinstance(stream, bool):
         raise http.invalid("stream", "must be a boolean")
     options = http.get_dict(body, "stream_options")
+    if options and not stream:
+        raise errors.HttpError(
+            400,
+            "INVALID_ARGUMENT",
+            ErrorReason.INVALID_ARGUMENT,
+            "stream_options: only allowed when stream is true",
+            param="stream_options",
+        )
     metadata = forward(request_headers)  # 400 before anything starts when a header cannot travel
     include_usage = bool(options.get("include_usage", False))
     generate = pb.GenerateRequest(
@@ -126,7 +180,8 @@ def _completion(
 class Chunks:
     """OpenAI's response objects for one completion."""
 
-    def __init__(self, ident: str, model: str, kind: str, created: int) -> None:
+    def __init__(self, ident: str, model: str, kind: str, created: int, opening: str = "") -> None:
+        self.opening = opening  # the chat template's start of the answer: the content begins with it
         self.ident = ident
         self.model = model
         self.kind = kind
@@ -143,7 +198,7 @@ class Chunks:
         }
 
     def whole(self, responses: list[pb.GenerateResponse]) -> dict[str, Any]:
-        text = "".join(r.text for r in responses)
+        text = self.opening + "".join(r.text for r in responses)
         last = responses[-1]
         choice: dict[str, Any] = {"index": 0, "finish_reason": finish(last), "logprobs": None}
         if self.chat:
@@ -161,6 +216,7 @@ class Chunks:
             delta: dict[str, Any] = {}
             if first:
                 delta["role"] = "assistant"
+                text = self.opening + (text or "") if self.opening else text
             if text is not None:
                 delta["content"] = text
             choice["delta"] = delta
@@ -195,10 +251,27 @@ def data(value: dict[str, Any]) -> bytes:
     return b"data: " + json.dumps(value, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
 
 
+def status(exc: errors.HttpError) -> int:
+    """OpenAI's status for an error: a missing or mistyped field is 400 there, not 422."""
+    return 400 if exc.status == 422 else exc.status
+
+
+def param_of(exc: errors.HttpError, kind: str = TEXT_COMPLETION) -> str | None:
+    """The request field at fault: the error's own, else the one its message names first
+    (client errors only); the service's `prompt` is the chat's `messages`."""
+    param = exc.param
+    if param is None and 400 <= exc.status < 500 and (named := _FIELD.match(exc.message)):
+        param = named.group(1)
+    if param in ("prompt", "prompt_token_ids"):
+        param = "messages" if kind == CHAT_COMPLETION else "prompt"
+    return param
+
+
 def error_object(exc: errors.HttpError) -> dict[str, Any]:
-    kind = _ERROR_TYPES.get(exc.status, "server_error" if exc.status >= 500 else "invalid_request_error")
-    return {"error": {"message": exc.message, "type": kind, "param": None, "code": exc.reason}}
+    code = status(exc)
+    kind = _ERROR_TYPES.get(code, "server_error" if code >= 500 else "invalid_request_error")
+    return {"error": {"message": exc.message, "type": kind, "param": param_of(exc), "code": exc.reason}}
 
 
 def error_response(exc: errors.HttpError) -> Response:
-    return JSONResponse(error_object(exc), status_code=exc.status, headers=exc.headers())
+    return JSONResponse(error_object(exc), status_code=status(exc), headers=exc.headers())

@@ -12,6 +12,7 @@ from __future__ import annotations
 import secrets
 import time
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from typing import Any
 
 import grpc
@@ -64,7 +65,7 @@ class OpenAIEndpoints:
             first = await call.read()
             served = returned(await call.initial_metadata())
         except grpc.aio.AioRpcError as exc:
-            raise errors.from_rpc_error(exc) from None
+            raise _named(errors.from_rpc_error(exc), completion.kind) from None
         except BaseException:
             call.cancel()
             raise
@@ -74,15 +75,20 @@ class OpenAIEndpoints:
         served.setdefault(headers.SERVED_VERSION, first.model_version)
         kind = completion.kind
         ident = ("chatcmpl-" if kind.startswith("chat") else "cmpl-") + secrets.token_hex(12)
-        chunks = Chunks(ident, completion.model, kind, int(time.time()))
+        chunks = Chunks(ident, completion.model, kind, int(time.time()), completion.opening)
         if completion.stream:
             events = _events(chunks, first, call, completion.include_usage)
             return _EventStream(events, call, {**streaming.EVENT_STREAM_HEADERS, **served})
         try:
             responses = [first, *[r async for r in _rest(call)]]
         except grpc.aio.AioRpcError as exc:
-            raise errors.from_rpc_error(exc) from None
+            raise _named(errors.from_rpc_error(exc), kind) from None
         return JSONResponse(chunks.whole(responses), headers=served)
+
+
+def _named(exc: errors.HttpError, kind: str) -> errors.HttpError:
+    """An upstream error with OpenAI's `param` (the service names the field first in its message)."""
+    return replace(exc, param=protocol.param_of(exc, kind))
 
 
 async def _rest(call: Any) -> AsyncIterator[pb.GenerateResponse]:

@@ -206,6 +206,43 @@ async def test_cors_preflight_for_grpc_web_and_sse(http) -> None:
     assert "x-served-version" in exposed and "x-model-dye" in exposed
 
 
+async def test_cors_preflight_allows_what_the_edge_forwards_and_the_openai_js_client_sends(http) -> None:
+    # The headers openai-node sends from a browser, and x-priority (forwarded by the gateway).
+    asked = (
+        "authorization,content-type,accept,x-priority,x-stainless-arch,x-stainless-lang,x-stainless-os,"
+        "x-stainless-package-version,x-stainless-runtime,x-stainless-runtime-version,"
+        "x-stainless-retry-count,x-stainless-timeout"
+    )
+    preflight = await http.options(
+        "/v1/chat/completions",
+        headers={
+            "origin": ORIGIN,
+            "access-control-request-method": "POST",
+            "access-control-request-headers": asked,
+        },
+    )
+    assert preflight.status_code == 200 and preflight.headers["access-control-allow-origin"] == ORIGIN
+    allowed = set(preflight.headers["access-control-allow-headers"].split(","))
+    assert set(asked.split(",")) <= allowed
+
+
+async def test_the_public_edge_serves_neither_the_gateways_metrics_nor_its_health(http) -> None:
+    for path in ("/metrics", "/healthz", "/metrics/x"):
+        answer = await http.get(path)
+        assert answer.status_code == 404, path
+        assert answer.headers["x-error-reason"] == "unsupported" and "error" in answer.json()
+    assert (await http.get("/metricsx")).status_code == 404  # the gateway's own 404: forwarded
+    assert (await http.get("/v2/health/live")).status_code == 200  # the APIs still are
+
+
+async def test_triton_generate_stream_through_envoy(http) -> None:
+    body = {"text_input": "def f(", "parameters": {"max_tokens": 4, "temperature": 0}}
+    async with http.stream("POST", "/v2/models/codelm/generate_stream", json=body) as response:
+        assert response.headers["content-type"].startswith("text/event-stream")
+        pieces = [e async for e in read_events(response)]
+    assert pieces and all("text_output" in (e.data if isinstance(e.data, dict) else {}) for e in pieces)
+
+
 # --- SSE through Envoy --------------------------------------------------------------------------
 
 

@@ -49,10 +49,11 @@ async def client(gateway: Gateway) -> AsyncIterator[openai.AsyncOpenAI]:
         yield c
 
 
-async def sse_text(gateway: Gateway, prompt: str, max_tokens: int) -> str:
+async def sse_text(gateway: Gateway, prompt: str, max_tokens: int, stop: tuple[str, ...] = ()) -> str:
     async with httpx.AsyncClient(base_url=gateway.url, timeout=60) as http:
         response = await http.post(
-            "/v1/models/codelm/generate", json={"prompt": prompt, "max_tokens": max_tokens}
+            "/v1/models/codelm/generate",
+            json={"prompt": prompt, "max_tokens": max_tokens, "stop": list(stop)},
         )
         return "".join(e.data["text"] for e in events_only([e async for e in read_events(response)])[:-1])
 
@@ -90,36 +91,117 @@ async def test_completion_whole_and_streamed_agree_with_the_sse_endpoint(client,
 async def test_chat_completion_uses_the_documented_template(client, gateway) -> None:
     messages = [
         {"role": "system", "content": "short Python functions"},
-        {"role": "user", "content": "add two numbers"},
+        {"role": "user", "content": "Add two numbers!"},
     ]
-    prompt = chat_template.render(messages)
-    assert prompt == "# system: short Python functions\n# user: add two numbers\n"
-    want = await sse_text(gateway, prompt, 10)
+    rendered = chat_template.render(messages)
+    opening = "def add_two_numbers("
+    assert rendered.prompt == f"# system: short Python functions\n# user: Add two numbers!\n{opening}"
+    assert rendered.opening == opening and rendered.stop == chat_template.STOP
+    want = opening + await sse_text(gateway, rendered.prompt, 24, rendered.stop)
     whole = await client.chat.completions.create(
-        model="codelm", messages=messages, max_tokens=10, temperature=0
+        model="codelm", messages=messages, max_tokens=24, temperature=0
     )
     assert whole.object == "chat.completion"
-    assert whole.choices[0].message.role == "assistant" and whole.choices[0].message.content == want
-    assert whole.choices[0].finish_reason == "length" and whole.usage.completion_tokens == 10
+    answer = whole.choices[0].message.content
+    assert whole.choices[0].message.role == "assistant" and answer == want
+    # An answer a person reads as code: the function the template opened, with arguments and a body.
+    assert answer.startswith(opening) and "):\n    " in answer, answer
+    assert whole.usage.completion_tokens <= 24
 
     stream = await client.chat.completions.create(
-        model="codelm", messages=messages, max_tokens=10, temperature=0, stream=True
+        model="codelm", messages=messages, max_tokens=24, temperature=0, stream=True
     )
     chunks = [c async for c in stream]
     assert chunks[0].choices[0].delta.role == "assistant"
+    assert chunks[0].choices[0].delta.content.startswith(opening)
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == want
-    assert chunks[-1].choices[0].finish_reason == "length"
+    assert chunks[-1].choices[0].finish_reason == whole.choices[0].finish_reason
     assert all(c.usage is None for c in chunks)  # include_usage not asked for
+
+
+async def test_the_template_ends_each_answer_as_a_function_ends() -> None:
+    later = chat_template.render(
+        [
+            {"role": "user", "content": "add"},
+            {"role": "assistant", "content": "def add(a, b):\n    return a + b"},
+            {"role": "user", "content": "42 is\nthe answer"},
+        ]
+    )
+    assert later.prompt == (
+        "# user: add\ndef add(a, b):\n    return a + b\n# user: 42 is\n# the answer\ndef f_42_is_the_answer("
+    )
+    assert chat_template.render([{"role": "user", "content": "¿?"}]).opening == "def answer("
+    assert chat_template.render([{"role": "assistant", "content": "x = 1"}]).opening == ""
 
 
 async def test_errors_come_as_openai_error_objects(client) -> None:
     with pytest.raises(openai.NotFoundError) as missing:
         await client.completions.create(model="nosuch", prompt="x", max_tokens=2)
     assert missing.value.status_code == 404 and missing.value.code == "model_not_found"
+    assert missing.value.type == "invalid_request_error"  # OpenAI's type for a 404 too
     with pytest.raises(openai.BadRequestError) as bad:
         await client.completions.create(model="codelm", prompt="x", max_tokens=2, temperature=-1)
-    assert bad.value.type == "invalid_request_error"
-    with pytest.raises(openai.UnprocessableEntityError):
+    assert bad.value.type == "invalid_request_error" and bad.value.param == "temperature"
+    with pytest.raises(openai.BadRequestError) as over:
+        await client.completions.create(model="codelm", prompt="x", max_tokens=257)
+    assert over.value.param == "max_tokens" and "256" in over.value.message
+    # A missing or mistyped field is 400 as in OpenAI's API (not 422), naming the field.
+    with pytest.raises(openai.BadRequestError) as role:
         await client.chat.completions.create(model="codelm", messages=[{"role": "wizard", "content": "x"}])
-    with pytest.raises(openai.UnprocessableEntityError):
-        await client.completions.create(model="codelm", prompt="x", n=2)
+    assert role.value.status_code == 400 and role.value.param == "messages[0].role"
+    with pytest.raises(openai.BadRequestError) as typed:
+        await client.completions.create(model="codelm", prompt="x", extra_body={"max_tokens": "many"})
+    assert typed.value.param == "max_tokens" and typed.value.code == "invalid_argument"
+
+
+UNIMPLEMENTED = [
+    ("n", {"n": 2}),
+    ("frequency_penalty", {"frequency_penalty": 0.5}),
+    ("presence_penalty", {"presence_penalty": -1.0}),
+    ("logit_bias", {"logit_bias": {"50": 10}}),
+    ("logprobs", {"logprobs": True}),
+    ("top_logprobs", {"top_logprobs": 2}),
+    ("tools", {"tools": [{"type": "function", "function": {"name": "f"}}]}),
+    ("response_format", {"response_format": {"type": "json_object"}}),
+    ("stream_options", {"stream_options": {"include_usage": True}}),  # without stream
+]
+
+
+@pytest.mark.parametrize(("param", "fields"), UNIMPLEMENTED, ids=[p for p, _ in UNIMPLEMENTED])
+async def test_parameters_the_server_does_not_implement_are_refused_by_name(client, param, fields) -> None:
+    messages = [{"role": "user", "content": "x"}]
+    with pytest.raises(openai.BadRequestError) as refused:
+        await client.chat.completions.create(model="codelm", messages=messages, max_tokens=1, **fields)
+    assert refused.value.status_code == 400 and refused.value.param == param, refused.value.body
+    assert refused.value.type == "invalid_request_error"
+
+
+async def test_parameters_at_their_neutral_values_are_accepted(client) -> None:
+    # What clients send by default when they use none of these features.
+    answer = await client.chat.completions.create(
+        model="codelm",
+        messages=[{"role": "user", "content": "x"}],
+        max_tokens=1,
+        n=1,
+        frequency_penalty=0,
+        presence_penalty=0.0,
+        logit_bias={},
+        logprobs=False,
+    )
+    assert answer.choices[0].finish_reason in ("length", "stop")
+    completion = await client.completions.create(
+        model="codelm", prompt="x", max_tokens=1, best_of=1, echo=False
+    )
+    assert completion.usage is not None and completion.usage.completion_tokens == 1
+
+
+async def test_unknown_paths_under_v1_answer_in_the_error_object(gateway) -> None:
+    async with httpx.AsyncClient(base_url=gateway.url) as http:
+        for method, path in [("GET", "/v1/nosuch"), ("POST", "/v1/embeddings"), ("GET", "/v1")]:
+            answer = await http.request(method, path)
+            assert answer.status_code == 404, (path, answer.text)
+            error = answer.json()["error"]
+            assert error["type"] == "invalid_request_error" and path in error["message"]
+            assert answer.headers["x-error-reason"] == "unsupported"
+        wrong = await http.get("/v1/completions")
+        assert wrong.status_code == 405 and wrong.json()["error"]["type"] == "invalid_request_error"

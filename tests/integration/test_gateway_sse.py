@@ -300,12 +300,22 @@ async def test_a_failure_after_the_first_token_arrives_as_an_error_event(tmp_pat
         await gateway.stop()
 
 
-async def test_metrics_endpoint_counts_requests_and_streams(client) -> None:
-    await client.get("/v1/models/codelm/generate", params={"prompt": "x", "max_tokens": "2"})
-    text = (await client.get("/metrics")).text
-    assert 'modelyard_gateway_requests_total{route="/v1/models/{model}/generate",status="200"}' in text
-    assert "modelyard_gateway_time_to_first_byte_seconds_bucket" in text
-    assert "modelyard_gateway_streams" in text
+async def test_metrics_endpoint_counts_requests_and_streams(sse_service) -> None:
+    # /metrics and /healthz on --metrics-listen; the public port serves neither /metrics.
+    gateway = await start_gateway(sse_service.address, metrics_listen="127.0.0.1:0")
+    try:
+        async with httpx.AsyncClient(base_url=gateway.url, timeout=60) as client:
+            await client.get("/v1/models/codelm/generate", params={"prompt": "x", "max_tokens": "2"})
+            assert (await client.get("/metrics")).status_code == 404
+            async with httpx.AsyncClient(base_url=gateway.metrics_url, timeout=10) as metrics:
+                text = (await metrics.get("/metrics")).text
+                health = await metrics.get("/healthz")
+        assert 'modelyard_gateway_requests_total{route="/v1/models/{model}/generate",status="200"}' in text
+        assert "modelyard_gateway_time_to_first_byte_seconds_bucket" in text
+        assert "modelyard_gateway_streams" in text
+        assert health.status_code == 200 and health.json() == {"status": "ok"}
+    finally:
+        await gateway.stop()
 
 
 @contextlib.asynccontextmanager

@@ -24,7 +24,8 @@ PID = re.compile(r"(\w+) started \(pid (\d+)\)")
 
 
 class Stack:
-    def __init__(self, repository: Path) -> None:
+    def __init__(self, repository: Path, tmp: Path) -> None:
+        self.tmp = tmp  # its TMPDIR: where the run's own folder (Envoy's config) goes
         cmd = [
             sys.executable,
             "-m",
@@ -35,9 +36,16 @@ class Stack:
             "127.0.0.1:0",
         ]
         cmd += ["--service-metrics", "", "--sidecar-listen", "127.0.0.1:0", "--sidecar-admin", ""]
-        cmd += ["--gateway-listen", "127.0.0.1:0", "--envoy-port", "0", "--envoy-admin-port", "0"]
+        cmd += ["--gateway-listen", "127.0.0.1:0", "--gateway-metrics", ""]
+        cmd += ["--envoy-port", "0", "--envoy-admin-port", "0"]
+        tmp.mkdir(exist_ok=True)
         self.proc = subprocess.Popen(
-            cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO_ROOT
+            cmd,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            cwd=REPO_ROOT,
+            env={**os.environ, "TMPDIR": str(tmp)},
         )
         self.out: list[str] = []
         self.err: list[str] = []
@@ -81,8 +89,8 @@ def alive(pid: int) -> bool:
 
 
 @pytest.fixture
-def stack(repository: Path):
-    running = Stack(repository)
+def stack(repository: Path, tmp_path: Path):
+    running = Stack(repository, tmp_path / "tmp")
     try:
         yield running
     finally:
@@ -104,8 +112,10 @@ def test_stack_comes_up_answers_through_envoy_and_stops_on_sigint(stack) -> None
     with urllib.request.urlopen(stack.url + "/v2/health/ready", timeout=10) as response:
         assert response.status == 200
     assert {"service", "gateway", "envoy"} <= set(stack.pids)
+    assert list(stack.tmp.glob("modelyard-up-*"))  # while it runs
     stack.proc.send_signal(signal.SIGINT)
     assert stack.proc.wait(60) == 0, "".join(stack.err[-30:])
+    assert not list(stack.tmp.glob("modelyard-up-*"))  # its folder is removed on exit
     assert not [name for name, pid in stack.pids.items() if alive(pid)]
     port = int(stack.url.rsplit(":", 1)[1])
     with pytest.raises(OSError), socket.create_connection(("127.0.0.1", port), timeout=2):
