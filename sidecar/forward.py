@@ -11,6 +11,8 @@ the planner's business (plan.py), not this module's.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 from collections.abc import AsyncIterator, Callable, Iterable
 from typing import Any
 
@@ -26,6 +28,10 @@ from modelyard.sidecar.upstreams import Upstream
 Context = grpc.aio.ServicerContext[bytes, bytes]
 Request = bytes | AsyncIterator[bytes]  # one message, or the caller's stream of them
 
+# A trailers-only answer comes as empty headers whose status completes a moment later (a separate
+# completion in grpc.aio, which a busy loop may run some milliseconds after): how long to wait
+# for it when a stream's headers are empty. Streams that send their own headers pay nothing.
+TRAILERS_ONLY_WAIT_S = 0.1
 MESSAGE_MAX = 1024  # characters of an upstream's status message passed on (then `...`)
 # A reason for every error the client gets: an upstream or gRPC itself may answer without one
 # (an unreachable upstream, a transport limit); docs/api.md's reading of a reason-less status.
@@ -155,7 +161,17 @@ def start(
 async def ended_early(call: Any) -> Failed | None:
     """The upstream's error when it answered the call with a status and nothing else (a
     trailers-only answer): nothing has reached the caller yet. None while the call goes on."""
-    await call.initial_metadata()
+    initial = await call.initial_metadata()
+    if not initial and not call.done():
+        finished: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+        def ended(_: object) -> None:
+            if not finished.done():
+                finished.set_result(None)
+
+        call.add_done_callback(ended)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(finished, TRAILERS_ONLY_WAIT_S)
     if not call.done():
         return None
     code = await call.code()
