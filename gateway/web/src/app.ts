@@ -84,7 +84,7 @@ function setStatus(state: string, summary: string, detail = ""): void {
     const small = document.createElement("span");
     small.className = "detail";
     small.textContent = detail;
-    status.append(small);
+    status.append(" ", small);
   }
 }
 

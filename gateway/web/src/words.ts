@@ -39,9 +39,11 @@ const PLAIN: Record<string, string> = {
 /** One sentence for a person, then the server's message and reason as details. */
 export function describe(error: ApiError): { summary: string; detail: string } {
   const said = error.message || "(no message)";
-  const detail = `Server said: ${said} (HTTP ${error.status}, ${error.reason || error.code || "no reason"})`;
-  if (AS_SAID.has(error.reason)) return { summary: `Refused: ${said}`, detail };
-  return { summary: PLAIN[error.reason] ?? `The request failed: ${said}`, detail };
+  const answer = `HTTP ${error.status || "-"}, reason ${error.reason || error.code || "none"}`;
+  if (AS_SAID.has(error.reason)) return { summary: `Refused: ${said}`, detail: `(${answer})` };
+  const plain = PLAIN[error.reason];
+  if (!plain) return { summary: `The request failed: ${said}`, detail: `(${answer})` };
+  return { summary: plain, detail: `Server said: ${said} (${answer})` };
 }
 
 /** An answer that was not the API's JSON error body (a proxy's page, a gateway that is down). */
