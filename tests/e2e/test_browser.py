@@ -157,13 +157,17 @@ async def test_the_page_through_envoy_at_both_widths(stack: Stack) -> None:
     stop = result["stop"]
     assert stop["state"] == "stopped" and stop["after"] == stop["at_stop"] >= 3, stop
     await eventually(
-        lambda: (stack.gateway.metrics.registry.get_sample_value("modelyard_gateway_disconnects_total") or 0)
-        >= disconnects + 2,
+        lambda: (
+            (stack.gateway.metrics.registry.get_sample_value("modelyard_gateway_disconnects_total") or 0)
+            >= disconnects + 2
+        ),
         "the gateway to see both stops",
     )
     # The keyboard: Ctrl+Enter started, a second one did not replace the stream, Esc stopped it.
-    assert result["keyboard"] == {"kept": True, "running": "streaming", "state": "stopped", **result["keyboard"]}
-    assert result["keyboard"]["text"].startswith("Stopped after")
+    keyboard = result["keyboard"]
+    assert keyboard["kept"] is True and keyboard["running"] == "streaming", keyboard
+    assert keyboard["state"] == "stopped", keyboard
+    assert keyboard["text"].startswith("Stopped after")
 
     # Readable at both widths: no horizontal scroll (long prompt and error included), one column
     # on the phone.
@@ -197,8 +201,10 @@ async def test_a_closed_tab_pauses_its_generation_and_the_window_cancels_it(stac
     assert closing("modelyard_generation_cancellations_total", cause="cancelled") == 0
     # The window ends: the gateway cancels the call, the service frees the sequence.
     await eventually(
-        lambda: closing("modelyard_generation_cancellations_total", cause="cancelled") == 1
-        and closing("modelyard_generation_active_sequences") == 0,
+        lambda: (
+            closing("modelyard_generation_cancellations_total", cause="cancelled") == 1
+            and closing("modelyard_generation_active_sequences") == 0
+        ),
         "the cancellation",
         within_s=WINDOW_S + 15,
     )
