@@ -55,6 +55,41 @@ const whenEvents = (page, n) =>
       }),
     n,
   );
+// The moment the page has shown `n` token events, in the page itself: "stop" clicks Stop; "keys"
+// presses Ctrl+Enter in the prompt (a second generation, which must not replace this one), then
+// Esc. Returns what the page showed then.
+const onEvents = (page, n, act) =>
+  page.evaluate(
+    ([n, act]) =>
+      new Promise((resolve) => {
+        const $ = (id) => document.getElementById(id);
+        const output = $("output");
+        const observer = new MutationObserver(() => check());
+        const check = () => {
+          if (Number(output.dataset.events || 0) < n) return;
+          observer.disconnect();
+          const seen = {
+            events: Number(output.dataset.events),
+            text: output.textContent,
+            state: $("status").dataset.state,
+            generate_disabled: $("generate").disabled,
+            stop_disabled: $("stop").disabled,
+          };
+          if (act === "stop") $("stop").click();
+          if (act === "keys") {
+            const key = (init) => new KeyboardEvent("keydown", { bubbles: true, cancelable: true, ...init });
+            $("prompt").dispatchEvent(key({ key: "Enter", ctrlKey: true }));
+            seen.after_second = output.textContent;
+            seen.state_after_second = $("status").dataset.state;
+            $("prompt").dispatchEvent(key({ key: "Escape" }));
+          }
+          resolve(seen);
+        };
+        observer.observe(output, { attributes: true, attributeFilter: ["data-events"] });
+        check();
+      }),
+    [n, act],
+  );
 const events = (page) => page.$eval("#output", (o) => Number(o.dataset.events || 0));
 const status = (page) => page.$eval("#status", (s) => ({ state: s.dataset.state, text: s.textContent }));
 const settled = (page, timeout = 60000) =>
@@ -121,35 +156,31 @@ async function pageMode() {
   await page.screenshot({ path: path.join(artifacts, "page-1280-error.png"), fullPage: true });
   await page.selectOption("#model", "codelm");
 
-  // Stop, by the button: the stream ends and nothing more arrives.
+  // Stop, by the button: the stream ends and nothing more arrives. The click comes from inside
+  // the page the moment the third token shows (a fast model could finish before a click sent
+  // from here arrives).
   await page.fill("#prompt", "def main():");
   await page.fill("#max-tokens", "256");
   await page.click("#generate");
-  await whenEvents(page, 3);
-  result.during = await page.evaluate(() => ({
-    generate_disabled: document.getElementById("generate").disabled,
-    stop_disabled: document.getElementById("stop").disabled,
-  }));
-  await page.click("#stop");
+  result.during = await onEvents(page, 3, "stop");
   await settled(page, 10000);
   const atStop = await events(page);
   await page.waitForTimeout(1500); // a window in which nothing may arrive
   result.stop = { ...(await status(page)), at_stop: atStop, after: await events(page) };
   mark("stopped");
 
-  // The keyboard alone: Ctrl+Enter in the prompt starts, a second Ctrl+Enter does not replace the
-  // running generation, Esc stops it.
+  // The keyboard: Ctrl+Enter in the prompt starts (a real key press); at the third token a second
+  // Ctrl+Enter does not replace the running generation, and Esc stops it (keys sent in the page,
+  // for the same reason as the click above).
   await page.focus("#prompt");
   await page.keyboard.press("Control+Enter");
-  await whenEvents(page, 3);
-  const before = await page.$eval("#output", (o) => o.textContent);
-  await page.focus("#prompt");
-  await page.keyboard.press("Control+Enter");
-  const still = await page.$eval("#output", (o) => o.textContent);
-  const running = await status(page);
-  await page.keyboard.press("Escape");
+  const keys = await onEvents(page, 3, "keys");
   await settled(page, 10000);
-  result.keyboard = { kept: still.startsWith(before), running: running.state, ...(await status(page)) };
+  result.keyboard = {
+    kept: keys.after_second.startsWith(keys.text),
+    running: keys.state_after_second,
+    ...(await status(page)),
+  };
   await page.close();
 
   // A phone: one column, no horizontal scroll with a long prompt, text and error.
@@ -175,10 +206,13 @@ async function closeTabMode() {
   await page.selectOption("#model", model);
   await page.fill("#prompt", "def main():");
   await page.fill("#max-tokens", "256");
+  // The stream's 200 comes with its first token (the gateway waits for it): the browser process
+  // reports it before the page's script has run, so the tab closes as early as it can, before a
+  // fast model ends, its connection with it.
+  const opened = page.waitForResponse((r) => r.url().endsWith("/generate") && r.request().method() === "POST");
   await page.click("#generate");
-  await whenEvents(page, 3);
-  result.before_close = { ...(await status(page)), events: await events(page) };
-  await page.close(); // the tab goes: its connection with it
+  result.status_code = (await opened).status();
+  await page.close();
   mark("closed");
 }
 

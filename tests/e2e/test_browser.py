@@ -122,7 +122,6 @@ def metric(service: Service, name: str, model: str = "codelm", **labels: str) ->
 async def test_the_page_through_envoy_at_both_widths(stack: Stack) -> None:
     for name in ("page-1280.png", "page-1280-error.png", "page-390.png", "page-390-error.png"):
         (ARTIFACTS / name).unlink(missing_ok=True)
-    disconnects = stack.gateway.metrics.registry.get_sample_value("modelyard_gateway_disconnects_total") or 0
     result = await drive("page", stack.url)
 
     # The panel lists every model over gRPC-Web; the generate box offers the decoder only.
@@ -152,17 +151,13 @@ async def test_the_page_through_envoy_at_both_widths(stack: Stack) -> None:
     assert "is not a decoder" in errors["decoder"]["text"] and "; use Infer" in errors["decoder"]["text"]
     assert all(e["text"].startswith("Refused: ") for e in errors.values())
 
-    # Stop stops: nothing arrives after it, the buttons swap, and the gateway saw the client go.
-    assert result["during"] == {"generate_disabled": True, "stop_disabled": False}
+    # Stop stops: nothing arrives after it and the buttons swap back. (What the server does once
+    # the page's connection goes, as it does here, is the closed-tab test's.)
+    during = result["during"]
+    assert during["state"] == "streaming", during
+    assert during["generate_disabled"] is True and during["stop_disabled"] is False, during
     stop = result["stop"]
     assert stop["state"] == "stopped" and stop["after"] == stop["at_stop"] >= 3, stop
-    await eventually(
-        lambda: (
-            (stack.gateway.metrics.registry.get_sample_value("modelyard_gateway_disconnects_total") or 0)
-            >= disconnects + 2
-        ),
-        "the gateway to see both stops",
-    )
     # The keyboard: Ctrl+Enter started, a second one did not replace the stream, Esc stopped it.
     keyboard = result["keyboard"]
     assert keyboard["kept"] is True and keyboard["running"] == "streaming", keyboard
@@ -193,8 +188,17 @@ async def test_a_closed_tab_pauses_its_generation_and_the_window_cancels_it(stac
             closed["at"] = time.monotonic()
             closed["tokens"] = closing("modelyard_generation_tokens_total")
 
-    result = await drive("close-tab", stack.url, on_mark, model=CLOSING)
-    assert "at" in closed and result["before_close"]["state"] == "streaming", result["before_close"]
+    # The tab closes at its first token. On a loaded machine the demo model (a few ms a token)
+    # can still finish its 256 tokens before the browser gets there: then the scenario did not
+    # happen (the generation ended by length) and is run again, at most three times.
+    for _attempt in range(3):
+        ended = closing("modelyard_generation_finished_total", reason="length")
+        result = await drive("close-tab", stack.url, on_mark, model=CLOSING)
+        if closing("modelyard_generation_finished_total", reason="length") == ended:
+            break
+    else:
+        raise AssertionError("the generation ended before its tab closed, three times")
+    assert "at" in closed and result["status_code"] == 200, result
     # Paused, not cancelled: the slot is held for a resume (no decode steps run for it).
     assert time.monotonic() - closed["at"] < WINDOW_S
     assert closing("modelyard_generation_active_sequences") == 1

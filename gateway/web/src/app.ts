@@ -163,6 +163,7 @@ async function generate(event: Event): Promise<void> {
       const seenBefore = state.lastId;
       try {
         for await (const sse of readEvents(response.body, state)) {
+          if (controller.signal.aborted) break; // stopped: events already received are not shown
           const data = JSON.parse(sse.data);
           if (sse.event === "token") {
             attempts = 0;
@@ -186,6 +187,7 @@ async function generate(event: Event): Promise<void> {
         if (err instanceof Failed || controller.signal.aborted) throw err;
         // A broken connection mid-stream: resume below.
       }
+      if (controller.signal.aborted) throw controller.signal.reason;
       // The body ended without `done` or `error`: the connection dropped. Resume from the last
       // event (EventSource's behaviour), unless nothing at all arrived to resume from.
       if (!state.lastId) throw new Failed(unreachable(new Error("the stream closed before its first event")));
