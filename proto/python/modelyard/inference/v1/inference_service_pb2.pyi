@@ -364,10 +364,12 @@ class GenerateRequest(_message.Message):
     """
     frequency_penalty: _builtins.float
     """frequency_penalty, in [-2, 2], is subtracted from a token's logit once for every time the
-    generation has already produced it (0: off); presence_penalty, in [-2, 2], once if it has
-    produced it at all (0: off). Both apply to greedy decoding too, as OpenAI's do.
+    generation has already produced it (0: off). It applies to greedy decoding too, as OpenAI's.
     """
     presence_penalty: _builtins.float
+    """presence_penalty, in [-2, 2], is subtracted from a token's logit once if the generation has
+    produced it at all (0: off).
+    """
     strict_context: _builtins.bool
     """strict_context refuses (INVALID_ARGUMENT, naming both numbers) a prompt whose tokens plus
     max_tokens exceed the model's context, instead of ending the generation early with

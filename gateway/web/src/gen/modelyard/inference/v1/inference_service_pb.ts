@@ -384,14 +384,16 @@ export type GenerateRequest = Message<"modelyard.inference.v1.GenerateRequest"> 
 
   /**
    * frequency_penalty, in [-2, 2], is subtracted from a token's logit once for every time the
-   * generation has already produced it (0: off); presence_penalty, in [-2, 2], once if it has
-   * produced it at all (0: off). Both apply to greedy decoding too, as OpenAI's do.
+   * generation has already produced it (0: off). It applies to greedy decoding too, as OpenAI's.
    *
    * @generated from field: float frequency_penalty = 14;
    */
   frequencyPenalty: number;
 
   /**
+   * presence_penalty, in [-2, 2], is subtracted from a token's logit once if the generation has
+   * produced it at all (0: off).
+   *
    * @generated from field: float presence_penalty = 15;
    */
   presencePenalty: number;
