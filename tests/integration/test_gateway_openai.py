@@ -64,6 +64,18 @@ async def test_models_are_listed(client) -> None:
     assert sorted(models) == ["classifier", "codelm"]
 
 
+async def test_one_model_is_retrieved_and_an_unknown_one_is_not_found(client, gateway) -> None:
+    model = await client.models.retrieve("codelm")
+    assert model.id == "codelm" and model.object == "model"
+    with pytest.raises(openai.NotFoundError) as missing:
+        await client.models.retrieve("nosuch")
+    assert missing.value.code == "model_not_found" and missing.value.type == "invalid_request_error"
+    # Below a model is still the SSE API's (its own error body, not OpenAI's).
+    async with httpx.AsyncClient(base_url=gateway.url) as http:
+        answer = await http.get("/v1/models/nosuch/generate", params={"prompt": "x"})
+    assert answer.status_code == 404 and "error" in answer.json() and "type" not in answer.json()["error"]
+
+
 async def test_completion_whole_and_streamed_agree_with_the_sse_endpoint(client, gateway) -> None:
     want = await sse_text(gateway, "def add(a, b):", 12)
     whole = await client.completions.create(
