@@ -66,7 +66,7 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
                 outputs=to_tensors(result.outputs),
                 request_id=request_id,
             )
-            await call.answered(response.model_version)
+            call.answered(response.model_version)
             return response
 
     async def InferStream(
@@ -95,7 +95,7 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
                     index = 0
                     async for result in chunks:
                         if not index:  # every chunk comes from the same version
-                            await call.answered(str(result.version))
+                            await call.stream_answered(str(result.version))
                         yield pb.InferStreamResponse(
                             model_name=result.model,
                             model_version=call.version,
@@ -128,5 +128,5 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
             async with aclosing(events):
                 async for event in events:
                     if not call.version:  # every event comes from the same version
-                        await call.answered(str(event.version))
+                        await call.stream_answered(str(event.version))
                     await write(context, to_generate_response(event, request_id))
