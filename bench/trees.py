@@ -46,6 +46,8 @@ def tree_service(label: str, tree: Path, repository: Path, workdir: Path, prefix
     """The service of `tree`, started from there (ServerProcess.spawn copies os.environ)."""
     os.environ["PYTHONPATH"] = f"{tree / 'proto' / 'python'}{os.pathsep}{tree}"
     argv = [*service_command(repository, prefix), "--metrics-listen", "127.0.0.1:0", "--grace-s", "1"]
+    if not (tree / "proto" / "python" / "modelyard" / "service").exists():
+        argv[argv.index("modelyard.service")] = "service"  # a tree from before the namespace move
     server = ServerProcess(label, argv, workdir, SERVICE_READY, cwd=tree)
     server.spawn()
     return server

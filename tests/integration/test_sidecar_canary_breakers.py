@@ -90,7 +90,7 @@ class Version:
             await context.abort(
                 grpc.StatusCode.INTERNAL, "kernel failed", (("x-error-reason", "model_failed"),)
             )
-        await context.send_initial_metadata((("x-served-version", self.version),))
+        context.set_trailing_metadata((("x-served-version", self.version),))  # as the service: unary
         return pb.InferResponse(model_name="scaler", model_version=self.version).SerializeToString()
 
 
