@@ -30,7 +30,9 @@ from modelyard.service.server import Service, build_service
 from modelyard.tensors import to_array, to_tensor
 from tests.support import ServiceProcess, eventually, metric
 
-PROBE_LIMIT_S = 0.1  # a prober's trivial call answers within this while a huge run goes on
+# A prober's trivial call answers within this while a huge run goes on. A loop frozen by the run
+# would answer only when the run ends (its 1.5 s deadline); 0.5 s leaves room for a loaded machine.
+PROBE_LIMIT_S = 0.5
 
 
 def _reason(error: grpc.aio.AioRpcError) -> str | None:
