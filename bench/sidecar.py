@@ -384,7 +384,7 @@ def report(summary: dict[str, Any]) -> list[str]:
             rate = f"  {f['rps']:8.0f}/s" if "rps" in f else ""
             if "cpu_us_per_req" in f:
                 rate += f"  cpu {f['cpu_us_per_req']:6.0f} us/req"
-            lines.append(f"  {path:8s} p50 {f['p50_ms']:7.3f} ms  p99 {f['p99_ms']:7.3f} ms{rate}{extra}")
+            lines.append(f"  {path:10s} p50 {f['p50_ms']:7.3f} ms  p99 {f['p99_ms']:7.3f} ms{rate}{extra}")
     unary1 = summary["unary_c1"]
     sidecar_added, envoy_added = unary1["sidecar"]["added_p50_ms"], unary1["envoy"]["added_p50_ms"]
     c16 = summary["unary_c16"]["sidecar"]["rps_x"]
