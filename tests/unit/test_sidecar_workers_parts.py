@@ -3,6 +3,8 @@ views, which gauges of the summed scrape are read as one worker, and the changes
 
 from __future__ import annotations
 
+from typing import Any
+
 from modelyard.process.metrics_sum import sum_scrapes
 from modelyard.sidecar.config import Settings
 from modelyard.sidecar.workers import merge
@@ -25,11 +27,11 @@ def test_breakers_show_the_worst_worker_and_every_workers_state() -> None:
 
 
 def test_canary_view_takes_the_lowest_effective_weight_and_worst_breaker() -> None:
-    view = {
+    view: dict[str, Any] = {
         "canary_weight": 0,
         "models": {"m": {"canary_weight": 50, "effective_weight": 50, "breaker": "closed"}},
     }
-    other = {
+    other: dict[str, Any] = {
         "canary_weight": 0,
         "models": {"m": {"canary_weight": 50, "effective_weight": 0, "breaker": "open"}},
     }
