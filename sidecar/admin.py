@@ -60,6 +60,7 @@ from modelyard.sidecar.state import audit, who
 log = logging.getLogger(__name__)
 
 READS = frozenset({"GET", "HEAD"})
+ADMIT = "/_worker/admit"  # on a worker's private socket: the supervisor lets it take calls
 # On a worker's private socket only (sidecar/workers/supervisor.py): a change the first worker
 # already accepted (or a replay), so this worker does not refuse a model it has not heard of yet.
 FOLLOW = "x-modelyard-follow"
@@ -158,6 +159,7 @@ class AdminServer:
         rollouts: RolloutDriver | None = None,
         clock: Callable[[], float] = time.time,  # the audit lines' time
         unix_path: str = "",  # serve on this unix socket instead (a worker's, for its supervisor)
+        on_admit: Callable[[], None] | None = None,  # a worker's: POST ADMIT on its socket
     ) -> None:
         if not unix_path:
             warn_if_plaintext(host, "the sidecar's admin endpoint", tls)
@@ -176,6 +178,7 @@ class AdminServer:
         self._clock = clock
         self._throttle = LogThrottle(log)
         self._unix_path = unix_path
+        self._on_admit = on_admit
         self._server: asyncio.Server | None = None
         self._connections: set[asyncio.Task[None]] = set()
 
@@ -323,6 +326,9 @@ class AdminServer:
     async def _route(self, request: Request) -> Response:
         """A request that may be made (its credential checked): its answer."""
         path, method = request.path, request.method
+        if path == ADMIT and method == "POST" and self._unix_path and self._on_admit is not None:
+            self._on_admit()
+            return _json(200, {})
         if path == "/metrics" and method in READS:
             encoder, content_type = choose_encoder(request.headers.get("accept", ""))
             body = await asyncio.to_thread(encoder, self._registry)  # the rendering is CPU work

@@ -57,6 +57,7 @@ class Sidecar:
     admin: AdminServer | None = None
     worker: WorkerRole | None = None  # one of --workers N: admin on its unix socket, for the supervisor
     _changed: asyncio.Event = field(default_factory=asyncio.Event)
+    _admitted: asyncio.Event = field(default_factory=asyncio.Event)  # a worker's, by its supervisor
     _tasks: list[asyncio.Task[None]] = field(default_factory=list)
     _models: set[str] = field(default_factory=set)
     _serving: set[str] = field(default_factory=set)  # upstream addresses last seen serving
@@ -76,7 +77,8 @@ class Sidecar:
         await self.health.set(health_names.SERVER, health_names.NOT_SERVING)
         loop = asyncio.get_running_loop()
         self.upstreams.start()
-        await self.server.start()
+        if self.worker is None:
+            await self.server.start()
         if self.settings.admin_listen or self.worker is not None:
             # A worker's admin endpoint is its supervisor's private channel (a unix socket in a
             # 0700 folder): the supervisor's own endpoint checks TLS and tokens.
@@ -109,12 +111,18 @@ class Sidecar:
                 known=self.upstreams.knows,
                 rollouts=self.rollouts,
                 unix_path=str(self.worker.admin_socket) if self.worker is not None else "",
+                on_admit=self._admitted.set,
             )
             try:
                 await self.admin.start()
             except OSError as exc:
                 reason = bind_reason(exc)
                 raise BindError(ENV_PREFIX, "admin_listen", self.settings.admin_listen, reason) from exc
+        if self.worker is not None:
+            # Its port is bound (connections wait in its accept queue); it takes calls once the
+            # supervisor replayed the admin changes to it, never with routes older than theirs.
+            await self._admitted.wait()
+            await self.server.start()
         self._tasks.append(loop.create_task(self._follow_upstreams()))
         self._tasks.append(loop.create_task(self.rollouts.run()))
         self.state.changed()  # what start-up made of the saved state and the route file, kept

@@ -249,8 +249,8 @@ class Supervisor:
         return env
 
     async def _join(self, slot: Slot) -> None:
-        """Once the worker's admin socket answers (it serves gRPC by then): replay the changes to
-        it, then count it in."""
+        """Once the worker's admin socket answers: replay the changes to it, then let it take calls
+        (it starts its gRPC server then) and count it in."""
         path = role.admin_socket(self.folder, slot.index)
         while True:
             try:
@@ -277,6 +277,9 @@ class Supervisor:
                     log.warning(
                         "worker %d: replaying %s %s failed: %s", slot.index, change.method, change.path, exc
                     )
+            answer = await client.ask(path, "POST", admin_http.ADMIT)  # OSError: it is going
+            if answer.status != 200:
+                raise RuntimeError(f"worker {slot.index} refused admission: {answer.status}")
             slot.ready = slot.ever_ready = True
         log.info("worker %d serving", slot.index)
         self._update()
