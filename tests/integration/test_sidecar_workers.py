@@ -13,6 +13,7 @@ import signal
 import socket
 import subprocess
 import sys
+import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -157,3 +158,36 @@ def test_a_taken_port_fails_loudly() -> None:
         )
     assert done.returncode == 2, done.stderr
     assert "listen" in done.stderr and str(port) in done.stderr
+
+
+def test_the_supervisors_admin_endpoint_asks_for_its_tokens(
+    tmp_path: Path, sidecar_process: Callable[..., SidecarProcess]
+) -> None:
+    tokens, routes = tmp_path / "tokens", tmp_path / "routes.yaml"
+    tokens.write_text("s3cret-token-for-the-test\n")
+    routes.write_text("models: {scaler: {canary_weight: 10}}\n")
+    sidecar = sidecar_process(
+        "--upstream",
+        "127.0.0.1:9",
+        "--config",
+        str(routes),
+        "--admin-tokens-file",
+        str(tokens),
+        "--workers",
+        "2",
+    )
+    url = f"{sidecar.admin_url}/canary/scaler"
+    body = json.dumps({"canary_weight": 30}).encode()
+    refused = urllib.request.Request(url, data=body, method="PUT")
+    with pytest.raises(urllib.error.HTTPError) as denied:
+        urllib.request.urlopen(refused, timeout=10)
+    assert denied.value.code == 401
+    allowed = urllib.request.Request(
+        url, data=body, method="PUT", headers={"Authorization": "Bearer s3cret-token-for-the-test"}
+    )
+    with urllib.request.urlopen(allowed, timeout=10) as answer:
+        assert json.loads(answer.read())["canary_weight"] == 30
+    canary = json.loads(get(f"{sidecar.admin_url}/canary"))
+    assert canary["models"]["scaler"]["canary_weight"] == 30
+    text = get(f"{sidecar.admin_url}/metrics")
+    assert metric(text, "modelyard_sidecar_admin_denials_total", outcome="unauthenticated") == 1
