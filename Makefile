@@ -26,6 +26,8 @@ lint: $(VENV)/.installed-dev $(BUF) system-deps
 	cd deploy/observability && promtool check rules alerts.yaml && promtool test rules alerts_test.yaml
 	$(VENV)/bin/envoy --mode validate -c envoy/envoy.yaml --log-level warn
 	$(VENV)/bin/envoy --mode validate -c deploy/kubernetes/envoy.yaml --log-level warn
+	# Every pod of every Kubernetes build meets Pod Security "restricted" (and the check catches each rule).
+	$(PY) -m pytest -q --no-header tests/unit/test_kubernetes_manifests.py -k restricted
 	$(MAKE) --no-print-directory web-check
 	$(BUF) lint
 	$(BUF) breaking --against proto/baseline.binpb

@@ -283,12 +283,12 @@ async def run(settings: Settings) -> int:
             metrics.insert(1, f"http://{settings.sidecar_admin}/metrics")
         print(
             "\nModelyard is up (Ctrl-C stops everything):\n"
-            f"  browser page     {edge}/\n"
+            f"  browser page     {edge}/   <- open this one (Envoy: the page needs its gRPC-Web)\n"
             f"  SSE              {edge}/v1/models/codelm/generate?prompt=def%20main()\n"
             f"  OpenAI base URL  {edge}/v1\n"
             f"  KServe V2 REST   {edge}/v2\n"
             f"  gRPC / gRPC-Web  127.0.0.1:{port} (Envoy), {upstream} ({behind})\n"
-            f"  gateway          http://{gateway.address}\n"
+            f"  gateway          http://{gateway.address} (HTTP APIs behind Envoy; no gRPC-Web)\n"
             f"  service          {service.address}\n"
             f"  metrics          {' '.join(metrics)}\n",
             flush=True,

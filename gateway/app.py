@@ -14,7 +14,7 @@ from pathlib import Path
 import uvicorn
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import JSONResponse, RedirectResponse, Response
+from starlette.responses import FileResponse, JSONResponse, RedirectResponse, Response
 from starlette.routing import BaseRoute, Mount, Route
 from starlette.staticfiles import StaticFiles
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -49,6 +49,9 @@ def build_app(
     async def index(request: Request) -> Response:
         return RedirectResponse("/static/index.html")
 
+    async def favicon(request: Request) -> Response:  # browsers and tools ask for it at the root
+        return FileResponse(STATIC / "favicon.ico", media_type="image/x-icon")
+
     # One sub-application per API, each owning its own paths and answering errors in its
     # protocol's body; the rest (health, the page) is the root's. /metrics is on --metrics-listen.
     routes: list[BaseRoute] = [
@@ -58,7 +61,11 @@ def build_app(
         Route("/healthz", live, methods=["GET"]),
     ]
     if STATIC.is_dir():
-        routes += [Route("/", index, methods=["GET"]), Mount("/static", StaticFiles(directory=STATIC))]
+        routes += [
+            Route("/", index, methods=["GET"]),
+            Route("/favicon.ico", favicon, methods=["GET"]),
+            Mount("/static", StaticFiles(directory=STATIC)),
+        ]
     # No route (404), a wrong method (405) or an error outside the APIs: errors.py's body.
     app = Starlette(routes=routes, exception_handlers=mount.error_handlers(mount.error_body))
     app.add_middleware(_Counted, metrics=metrics)

@@ -49,17 +49,19 @@ class Settings:
     retry_ms: Annotated[
         int, Meta(ge=0, description="reconnect delay hinted to EventSource clients (SSE retry:)")
     ] = 3000
-    # Resume: a stream whose client went away keeps generating into its buffer (up to
-    # resume_buffer_events not yet read) for resume_window_s; then it is cancelled upstream. A
-    # finished stream is kept as long so a late reconnect is answered, not restarted. 0 = no resume:
-    # a disconnect cancels the upstream call at once.
+    # Resume: a stream whose client went away stops being read at once, so the service pauses its
+    # sequence within a few tokens (with the small upstream lookahead below); if nobody resumes it
+    # within resume_window_s it is cancelled upstream (the slot is freed). Shorter than the
+    # service's generation.stall_timeout_ms (30 s), so the gateway's cancel is what ends it. A
+    # finished stream is kept as long so a late reconnect is answered, not restarted. 0 = no
+    # resume: a disconnect cancels the upstream call at once.
     resume_window_s: Annotated[
         float,
         Meta(
             ge=0,
-            description="seconds a stream is kept for Last-Event-ID resume after its client left; 0: none",
+            description="seconds a stream whose client left is kept, paused, for resume; 0: none",
         ),
-    ] = 30.0
+    ] = 20.0
     resume_buffer_events: Annotated[
         int, Meta(ge=1, description="most events a stream buffers for resume (generation pauses when full)")
     ] = 512
@@ -80,11 +82,12 @@ class Settings:
         ),
     ] = 64 * 1024 * 1024
     # gRPC's own flow-control window buffers many small token messages (64 KiB and up: thousands of
-    # tokens) before a stopped reader is felt upstream. A small lookahead makes a stalled stream
-    # pause the service's sequence after a few tokens.
+    # tokens) before a stopped reader is felt upstream. A one-byte lookahead (BDP probing off)
+    # makes a stream that is not read pause the service's sequence within a few tokens; a large
+    # message still gets the window it needs when it is read (one round trip more).
     upstream_lookahead_bytes: Annotated[
         int, Meta(ge=0, description="HTTP/2 lookahead window to the upstream (bytes); 0 = gRPC's default")
-    ] = 0
+    ] = 1
     # Streams may be long.
     upstream_timeout_s: Annotated[
         float, Meta(ge=0, description="deadline of each upstream gRPC call in seconds; 0 = none")

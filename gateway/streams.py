@@ -3,12 +3,13 @@ in a bounded buffer, which readers (the SSE connection, then any reconnect with 
 from a position. The buffer is what makes resume exact: a reconnect continues from the event after
 the one it names, so no token is lost or repeated.
 
-Disconnect policy (documented in README): when a stream's last reader leaves before the end,
-- with resume_window_s > 0 the upstream call keeps running into the buffer; once
-  `resume_buffer_events` events are waiting unread, the stream stops reading from gRPC, so the
-  service's own flow control pauses the sequence (no unbounded buffer). If nobody resumes within
-  resume_window_s the upstream call is cancelled (the service frees the sequence) and the stream is
-  forgotten;
+Disconnect policy (docs/edge.md): when a stream's last reader leaves before the end,
+- with resume_window_s > 0 the stream stops reading from gRPC at once (the producer waits for a
+  reader), so the service's own flow control pauses the sequence within a few tokens (given a
+  small upstream lookahead). A reader that attaches again (resume) lets it go on. If nobody
+  resumes within resume_window_s the upstream call is cancelled (the service frees the sequence)
+  and the stream is forgotten. An attached reader slower than the model pauses it too, once
+  `resume_buffer_events` events wait unread;
 - with resume_window_s == 0 the upstream call is cancelled at once.
 A finished stream is kept for resume_window_s as well, so an EventSource that reconnects after the
 end is told so (204) instead of starting a new generation.
@@ -43,6 +44,7 @@ from modelyard.inference.v1 import inference_service_pb2 as pb
 log = logging.getLogger(__name__)
 
 TOKEN, DONE, ERROR = "token", "done", "error"
+TRAILERS_WAIT_S = 5.0  # after the last event, the most a call may take to send its status
 FINISH_REASONS = {
     pb.FINISH_REASON_UNSPECIFIED: "unspecified",
     pb.FINISH_REASON_LENGTH: "length",
@@ -148,9 +150,13 @@ class Stream:
         self._wake()
 
     async def _append(self, name: str, data: dict[str, Any]) -> None:
-        # Full of events nobody has read yet: pause (the upstream call stops being read, so the
-        # service pauses the sequence) until a reader catches up or the stream expires.
-        while len(self._events) >= self._bound and self._events[0].seq > self._delivered:
+        # Nobody attached (the client left, a resume may come), or full of events nobody has read
+        # yet: pause. The upstream call stops being read, so the service pauses the sequence
+        # (within the few tokens the HTTP/2 windows hold) until a reader comes back or catches
+        # up, or the stream expires and is cancelled.
+        while self.readers <= 0 or (
+            len(self._events) >= self._bound and self._events[0].seq > self._delivered
+        ):
             await self._wait()
         if len(self._events) >= self._bound:
             self.bytes -= len(self._events.popleft().wire)
@@ -195,6 +201,10 @@ class Stream:
     def event(self, seq: int) -> Event | None:
         offset = seq - self._events[0].seq if self._events else -1
         return self._events[offset] if 0 <= offset < len(self._events) else None
+
+    def resumed(self) -> None:
+        """A reader is attached again: a producer paused for want of one goes on."""
+        self._wake()
 
     def delivered(self, seq: int) -> None:
         if seq > self._delivered:
@@ -300,6 +310,7 @@ class Registry:
         if stream.expiry is not None:
             stream.expiry.cancel()
             stream.expiry = None
+        stream.resumed()
 
     def detach(self, stream: Stream) -> None:
         stream.readers -= 1
@@ -310,15 +321,23 @@ class Registry:
         elif stream.expiry is None and stream.id in self._streams:
             stream.expiry = asyncio.get_running_loop().call_later(self.window_s, self._expire, stream)
 
-    def drop(self, stream: Stream) -> None:
-        """Forget the stream and cancel its upstream call if it still runs."""
+    def drop(self, stream: Stream, at_once: bool = False) -> None:
+        """Forget the stream and cancel its upstream call if it still runs. A call whose last event
+        is in is left to end by itself (its OK status follows at once): cancelling it would make
+        the service and the sidecar count a cancel for a stream read to its end. Only a call that
+        outstays TRAILERS_WAIT_S, or any call when `at_once` (shutdown), is cancelled."""
         if stream.expiry is not None:
             stream.expiry.cancel()
             stream.expiry = None
-        if stream.producer is not None and not stream.producer.done():
-            stream.producer.cancel()  # after the last event too: the call's trailers are not needed
-            if not stream.finished:
-                self.metrics.cancelled.inc()
+        producer = stream.producer
+        if producer is not None and not producer.done():
+            if stream.finished and not at_once:
+                late = asyncio.get_running_loop().call_later(TRAILERS_WAIT_S, producer.cancel)
+                producer.add_done_callback(lambda _: late.cancel())
+            else:
+                producer.cancel()
+                if not stream.finished:
+                    self.metrics.cancelled.inc()
         if self._finished.pop(stream.id, None) is not None:
             self._finished_size -= stream.bytes
         self._streams.pop(stream.id, None)
@@ -362,5 +381,5 @@ class Registry:
         """Shutting down: every open stream ends with an error event, every upstream call is cancelled."""
         draining = errors.HttpError(503, "UNAVAILABLE", "draining", "the gateway is shutting down", 1)
         for stream in list(self._streams.values()):
-            self.drop(stream)  # first, so an upstream call cut mid-generation is counted as cancelled
+            self.drop(stream, at_once=True)  # first, so a call cut mid-generation is counted as cancelled
             stream.abort(draining)

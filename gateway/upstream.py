@@ -38,7 +38,9 @@ FORWARDED = (
     headers.TRACESTATE,
     headers.BAGGAGE,
 )
-# gRPC response metadata returned to the HTTP client as headers.
+# gRPC response metadata returned to the HTTP client as headers. x-served-version comes in the
+# trailing metadata of a unary answer and in the initial metadata of a stream (docs/api.md); the
+# sidecar's x-model-dye and x-dye-fallback in the initial metadata.
 RETURNED = (headers.SERVED_VERSION, headers.MODEL_DYE, headers.DYE_FALLBACK)
 
 Metadata = tuple[tuple[str, str], ...]
@@ -68,12 +70,14 @@ def metadata_value(value: str, name: str) -> str:
     return value
 
 
-def returned(metadata: Iterable[tuple[str, str | bytes]] | None) -> dict[str, str]:
-    """The response headers to return from an upstream call's initial (or trailing) metadata."""
+def returned(*metadata: Iterable[tuple[str, str | bytes]] | None) -> dict[str, str]:
+    """The response headers to return from an upstream call's metadata: its initial metadata, and
+    for a unary call its trailing metadata too (where x-served-version rides)."""
     out: dict[str, str] = {}
-    for key, value in metadata or ():
-        if key in RETURNED and isinstance(value, str):
-            out[key] = value
+    for pairs in metadata:
+        for key, value in pairs or ():
+            if key in RETURNED and isinstance(value, str):
+                out[key] = value
     return out
 
 

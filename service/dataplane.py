@@ -19,8 +19,7 @@ import asyncio
 import time
 from collections.abc import AsyncGenerator, Callable, Mapping, Sequence
 from concurrent.futures import Executor
-from dataclasses import dataclass
-from typing import TypeVar
+from typing import NamedTuple, TypeVar
 from weakref import WeakKeyDictionary
 
 import numpy as np
@@ -38,8 +37,7 @@ from modelyard.tensors import TensorError
 T = TypeVar("T")
 
 
-@dataclass(frozen=True)
-class InferResult:
+class InferResult(NamedTuple):  # a tuple: made for every request (a frozen dataclass costs more)
     model: str
     version: int
     outputs: dict[str, np.ndarray]

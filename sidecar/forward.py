@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Callable, Iterable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterable
+from contextlib import aclosing
 from typing import Any
 
 import grpc
@@ -178,6 +179,25 @@ async def ended_early(call: Any) -> Failed | None:
     if code == grpc.StatusCode.OK:
         return None
     return Failed(code, await call.details() or "", await call.trailing_metadata())
+
+
+# After a write fails in gRPC's core, the most its word that the caller cancelled may take.
+CANCEL_WAIT_S = 5.0
+
+
+async def send(messages: AsyncGenerator[bytes, None], context: Context) -> None:
+    """Write the call's response stream to the caller. A caller that cancels while a write waits
+    on flow control (it stopped reading) fails that write before gRPC has marked the call
+    cancelled, which gRPC would log as an ERROR with a traceback. The cancellation follows at
+    once: wait for it, so the call ends as the cancel it is. The stream is closed however the
+    call ends (a cancelled one cancels its upstream call at once)."""
+    async with aclosing(messages):
+        async for message in messages:
+            try:
+                await context.write(message)
+            except grpc.aio.InternalError:  # ExecuteBatchError: the write batch failed in core
+                await asyncio.sleep(CANCEL_WAIT_S)  # cancelled meanwhile, by gRPC
+                raise
 
 
 async def relay(call: Any, context: Context, added: Metadata) -> AsyncIterator[bytes]:

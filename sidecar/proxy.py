@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NoReturn
 
@@ -155,18 +155,17 @@ class Proxy(_Handler):
                 return await self._unary(info, await _first(requests), requests, context)
 
             return grpc.stream_unary_rpc_method_handler(stream_unary)
-        # grpc.aio tells streaming handlers by inspect.isasyncgenfunction: they must be one.
+        # Response streams are written (forward.send), not yielded: a write that fails because the
+        # caller has gone fails here, where it is told from a fault.
         if info.kind == "unary_stream":
 
-            async def unary_stream(request: bytes, context: Context) -> AsyncIterator[bytes]:
-                async for message in self._stream(info, request, None, context):
-                    yield message
+            async def unary_stream(request: bytes, context: Context) -> None:
+                await forward.send(self._stream(info, request, None, context), context)
 
             return grpc.unary_stream_rpc_method_handler(unary_stream)
 
-        async def stream_stream(requests: AsyncIterator[bytes], context: Context) -> AsyncIterator[bytes]:
-            async for message in self._stream(info, await _first(requests), requests, context):
-                yield message
+        async def stream_stream(requests: AsyncIterator[bytes], context: Context) -> None:
+            await forward.send(self._stream(info, await _first(requests), requests, context), context)
 
         return grpc.stream_stream_rpc_method_handler(stream_stream)
 
@@ -232,7 +231,7 @@ class Proxy(_Handler):
         first: bytes | None,
         more: AsyncIterator[bytes] | None,
         context: Context,
-    ) -> AsyncIterator[bytes]:
+    ) -> AsyncGenerator[bytes, None]:
         """A call with a response stream: unary-stream, or stream-stream (`more`). Retried only
         when it ended before its first message (a trailers-only answer): nothing reached the
         caller yet, so an unreachable upstream or a canary fault is retried as for unary calls."""

@@ -39,6 +39,12 @@ CHANNEL_OPTIONS: tuple[tuple[str, Any], ...] = (
     ("grpc.min_reconnect_backoff_ms", 100),
     ("grpc.max_reconnect_backoff_ms", 1000),
     ("grpc.enable_retries", 0),  # the sidecar decides about retries itself
+    # A one-byte lookahead, BDP probing off: a response stream the caller stops reading (a
+    # closed browser tab behind the gateway) pauses the service's sequence within a few tokens,
+    # instead of after gRPC's 64 KiB+ window of them (the whole generation, for short ones). A
+    # large message still gets the window it needs once it is read.
+    ("grpc.http2.lookahead_bytes", 1),
+    ("grpc.http2.bdp_probe", 0),
 )
 
 

@@ -36,6 +36,7 @@ def build_all() -> dict[str, str]:
         copy = Path(scratch)
         shutil.copytree(DEPLOY / "kubernetes", copy / "kubernetes")
         shutil.copytree(DEPLOY / "overlays", copy / "overlays")
+        shutil.copytree(DEPLOY / "observability", copy / "observability")  # the monitoring overlay's
         tokens = copy / "kubernetes" / "tokens"
         tokens.mkdir(exist_ok=True)
         for name in ("service", "admin"):

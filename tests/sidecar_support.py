@@ -104,8 +104,9 @@ class Answer:
 
     @property
     def version(self) -> str:
-        # The service's x-served-version passes through the sidecar, and says what the body says.
-        assert self.initial.get("x-served-version") == self.response.model_version
+        # The service's x-served-version (a unary answer's trailing metadata) passes through the
+        # sidecar, and says what the body says.
+        assert self.trailing.get("x-served-version") == self.response.model_version
         return self.response.model_version
 
     @property

@@ -61,6 +61,9 @@ async def breakdown(repository: Path, request: pb.InferRequest, iterations: int)
         async def send_initial_metadata(self, metadata: object) -> None:
             pass
 
+        def set_trailing_metadata(self, metadata: object) -> None:
+            pass
+
         def __getattr__(self, name: str) -> Any:
             raise RuntimeError(f"context.{name} used: the request failed")
 

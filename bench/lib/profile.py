@@ -30,8 +30,9 @@ THREAD = re.compile(r"^thread \((?P<tid>\d+)\): ?(?P<name>.*)$")
 # work shows up as asyncio's Handle._run itself.
 SERVICE_CATEGORIES: list[tuple[str, Callable[[str, str], bool]]] = [
     ("ORT session.run (+ ORT python wrapper)", lambda fn, f: "onnxruntime" in f or fn == "ModelRunner.run"),
-    # Awaiting send_initial_metadata: its own batch into gRPC core (Cython, unseen by py-spy).
-    ("x-served-version (send_initial_metadata)", lambda fn, f: fn.endswith("answered")),
+    # x-served-version: set_trailing_metadata for a unary answer; a stream awaits
+    # send_initial_metadata (its own batch into gRPC core: Cython, unseen by py-spy).
+    ("x-served-version", lambda fn, f: fn.endswith("answered")),
     ("to_arrays (proto -> numpy)", lambda fn, f: fn in ("to_arrays", "to_array", "datatype_name")),
     ("to_tensors (numpy -> proto)", lambda fn, f: fn in ("to_tensors", "to_tensor", "to_wire")),
     ("KServe tensors (proto <-> numpy)", lambda fn, f: f.endswith("kserve/tensors.py")),

@@ -93,7 +93,8 @@ class KServeEndpoints:
         )
         try:
             answer = await call
-            served = returned(await call.initial_metadata())
+            # A unary answer: x-served-version is in its trailing metadata (docs/api.md).
+            served = returned(await call.initial_metadata(), await call.trailing_metadata())
         except grpc.aio.AioRpcError as exc:
             raise errors.from_rpc_error(exc) from None
         return protocol.infer_response(answer, infer.binary_outputs, served, infer.shm_outputs)

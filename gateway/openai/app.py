@@ -14,14 +14,15 @@ from modelyard.gateway.upstream import Upstream
 def owns(path: str) -> bool:
     """Every path under /v1 but the SSE API's answers in OpenAI's error object, an unknown one
     too (404 `invalid_request_error`, as OpenAI's)."""
-    sse = path.startswith("/v1/models/") and path.rstrip("/") != "/v1/models"  # the SSE API's owns()
-    return (path == "/v1" or path.startswith("/v1/")) and not sse
+    below_a_model = path.startswith("/v1/models/") and "/" in path[len("/v1/models/") :].strip("/")
+    return (path == "/v1" or path.startswith("/v1/")) and not below_a_model  # the SSE API's owns()
 
 
 def api(upstream: Upstream, settings: Settings) -> mount.Api:
     openai = OpenAIEndpoints(upstream, settings)
     routes = [
         Route("/v1/models", openai.models, methods=["GET"]),
+        Route("/v1/models/{model}", openai.model, methods=["GET"]),
         Route("/v1/completions", openai.completions, methods=["POST"]),
         Route("/v1/chat/completions", openai.chat_completions, methods=["POST"]),
     ]

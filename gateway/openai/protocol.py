@@ -58,9 +58,6 @@ def _off(value: Any) -> bool:
 # nothing (clients send some by default: `frequency_penalty: 0`, `logprobs: false`) and refused
 # otherwise with 400 naming it, rather than ignored.
 _UNIMPLEMENTED: dict[str, Any] = {
-    "frequency_penalty": _off,
-    "presence_penalty": _off,
-    "logit_bias": _off,
     "logprobs": _off,
     "top_logprobs": _off,
     "echo": _off,
@@ -171,10 +168,33 @@ def _completion(
     )
     if body.get("seed") is not None:
         generate.seed = http.get_int(body, "seed", http.UINT64)
+    generate.frequency_penalty = http.get_float(body, "frequency_penalty", 0.0)
+    generate.presence_penalty = http.get_float(body, "presence_penalty", 0.0)
+    generate.logit_bias.update(_logit_bias(body))
+    # As OpenAI: a prompt plus an asked-for max_tokens over the context is refused, not cut short.
+    generate.strict_context = body.get("max_tokens") is not None
     user = http.get_str(body, "user")
     if user and not request_headers.get(headers.USER_ID):
         metadata += ((headers.USER_ID, metadata_value(user, "user")),)
     return CompletionRequest(kind, model, stream, include_usage, generate, metadata)
+
+
+def _logit_bias(body: dict[str, Any]) -> dict[int, float]:
+    """OpenAI's `logit_bias`: token ids as JSON object keys (strings) -> biases (the service checks
+    the ranges against the model)."""
+    raw = http.get_dict(body, "logit_bias")
+    bias: dict[int, float] = {}
+    for key, value in raw.items():
+        try:
+            token = int(key)
+        except ValueError:
+            token = -1
+        if not 0 <= token < 2**63:
+            raise http.invalid("logit_bias", f"keys must be token ids, got {key[:64]!r}")
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise http.invalid("logit_bias", f"the bias of token {token} must be a number")
+        bias[token] = float(value)
+    return bias
 
 
 class Chunks:

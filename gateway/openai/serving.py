@@ -44,10 +44,20 @@ class OpenAIEndpoints:
             )
         except grpc.aio.AioRpcError as exc:
             raise errors.from_rpc_error(exc) from None
-        data = [
-            {"id": m.name, "object": "model", "created": 0, "owned_by": "modelyard"} for m in listed.models
-        ]
-        return JSONResponse({"object": "list", "data": data})
+        return JSONResponse({"object": "list", "data": [_model_object(m.name) for m in listed.models]})
+
+    async def model(self, request: Request) -> Response:
+        """GET /v1/models/<model> (the client's models.retrieve): the model object, or 404."""
+        name = http.model_name(request.path_params["model"], "model")
+        try:
+            found = await self.upstream.models.GetModel(
+                model_pb.GetModelRequest(name=name),
+                metadata=forward(request.headers),
+                timeout=self.upstream.timeout_s,
+            )
+        except grpc.aio.AioRpcError as exc:
+            raise errors.from_rpc_error(exc) from None
+        return JSONResponse(_model_object(found.model.name))
 
     async def completions(self, request: Request) -> Response:
         body = await http.read_json(request, self.settings.max_body_bytes)
@@ -139,3 +149,7 @@ class _EventStream(Response):
     async def _write(self, write: streaming.Write) -> None:
         async for chunk in self.events:
             await write(chunk)
+
+
+def _model_object(name: str) -> dict[str, object]:
+    return {"id": name, "object": "model", "created": 0, "owned_by": "modelyard"}

@@ -15,8 +15,9 @@ GENERATE = "/v1/models/{model}/generate"
 
 
 def owns(path: str) -> bool:
-    """Paths under /v1/models/ (the collection itself, /v1/models, is OpenAI's)."""
-    return path.startswith("/v1/models/") and path.rstrip("/") != "/v1/models"
+    """Paths below a model, /v1/models/<model>/... (the collection /v1/models and one model,
+    /v1/models/<model>, are OpenAI's)."""
+    return path.startswith("/v1/models/") and "/" in path[len("/v1/models/") :].strip("/")
 
 
 def api(upstream: Upstream, registry: Registry, settings: Settings, metrics: GatewayMetrics) -> mount.Api:

@@ -24,6 +24,10 @@ def to_generate_params(request: pb.GenerateRequest) -> GenerateParams:
         top_p=request.top_p,
         seed=request.seed if request.HasField("seed") else None,
         stop=tuple(request.stop),
+        frequency_penalty=request.frequency_penalty,
+        presence_penalty=request.presence_penalty,
+        logit_bias=tuple(request.logit_bias.items()),
+        strict_context=request.strict_context,
     )
 
 

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 from functools import partial
+
+import grpc
 
 from modelyard.inference.v1 import inference_service_pb2 as pb
 from modelyard.inference.v1 import inference_service_pb2_grpc as pb_grpc
@@ -17,6 +20,22 @@ from modelyard.service.dataplane import DataPlane
 from modelyard.service.generation.plane import GenerationPlane
 from modelyard.service.metrics import ServiceMetrics
 from modelyard.tensors import to_arrays, to_tensors
+
+# After a write fails in gRPC's core, the most its word that the client cancelled may take.
+CANCEL_WAIT_S = 5.0
+
+
+async def write(context: Context, message: pb.GenerateResponse) -> None:
+    """One message of the stream. A client that cancels while this write waits on flow control (it
+    stopped reading: a paused sequence) fails the write before gRPC has marked the call cancelled,
+    and gRPC would log that as an ERROR with a traceback. The cancellation follows at once: wait
+    for it, so the call ends as the cancel it is (CANCELLED, no error logged). A write failure
+    that no cancel follows is raised (an INTERNAL answer, logged)."""
+    try:
+        await context.write(message)
+    except grpc.aio.InternalError:  # ExecuteBatchError: the write batch failed in core
+        await asyncio.sleep(CANCEL_WAIT_S)  # cancelled meanwhile, by gRPC
+        raise
 
 
 class InferenceServicer(pb_grpc.InferenceServiceServicer):
@@ -47,7 +66,7 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
                 outputs=to_tensors(result.outputs),
                 request_id=request_id,
             )
-            await call.answered(response.model_version)
+            call.answered(response.model_version)
             return response
 
     async def InferStream(
@@ -76,7 +95,7 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
                     index = 0
                     async for result in chunks:
                         if not index:  # every chunk comes from the same version
-                            await call.answered(str(result.version))
+                            await call.stream_answered(str(result.version))
                         yield pb.InferStreamResponse(
                             model_name=result.model,
                             model_version=call.version,
@@ -88,9 +107,11 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
                         )
                         index += 1
 
-    async def Generate(
+    # The reader/writer form (a coroutine that writes, not a generator that yields): a write that
+    # fails because the client has gone fails here, where it can be told from a fault (gone_client).
+    async def Generate(  # type: ignore[override]
         self, request: pb.GenerateRequest, context: Context
-    ) -> AsyncIterator[pb.GenerateResponse]:
+    ) -> None:
         async with serving(context, self._metrics, "Generate", request.model_name) as call:
             version, request_id, priority = call_fields(
                 context, request.model_name, request.model_version, request.request_id, request.priority
@@ -107,5 +128,5 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
             async with aclosing(events):
                 async for event in events:
                     if not call.version:  # every event comes from the same version
-                        await call.answered(str(event.version))
-                    yield to_generate_response(event, request_id)
+                        await call.stream_answered(str(event.version))
+                    await write(context, to_generate_response(event, request_id))

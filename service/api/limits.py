@@ -9,6 +9,7 @@ message over the transport limit still gets gRPC's bare RESOURCE_EXHAUSTED."""
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 from typing import Any
@@ -75,6 +76,16 @@ def _size_checked(method: str, handler: Handler, limit: int, metrics: ServiceMet
         return grpc.unary_unary_rpc_method_handler(checked_unary_unary, response_serializer=serialize)
     if handler.unary_stream is not None:
         unary_stream: Any = handler.unary_stream
+        if not inspect.isasyncgenfunction(unary_stream):  # writes with context.write: a coroutine
+
+            async def checked_unary_writes(raw: bytes, context: Context) -> Any:
+                if len(raw) > limit:
+                    await refuse(context, len(raw))
+                box = [raw]  # not a local while the call runs (as above)
+                del raw
+                return await unary_stream(parse(box.pop()), context)
+
+            return grpc.unary_stream_rpc_method_handler(checked_unary_writes, response_serializer=serialize)
 
         async def checked_unary_stream(raw: bytes, context: Context) -> AsyncIterator[Any]:
             if len(raw) > limit:

@@ -1,6 +1,7 @@
 """What a proxy in front of the service sends and reads in gRPC metadata: the request's version,
 id and priority in headers (used where the message leaves its own fields empty), and the version
-that answered (x-served-version, in the initial metadata of every answer)."""
+that answered (x-served-version: in the trailing metadata of a unary answer, in the initial
+metadata of a stream, before its first message; service/api/errors.py `serving` sends it)."""
 
 from __future__ import annotations
 
@@ -43,7 +44,3 @@ def _priority(text: str) -> int:
             f"header {headers.PRIORITY!r} must be a non-negative integer priority level, got {echo(text)}"
         )
     return int(text)
-
-
-def served_version(version: str) -> tuple[tuple[str, str]]:
-    return ((headers.SERVED_VERSION, version),)

@@ -22,12 +22,23 @@ def check_model(
     """InvalidInput naming the field when `name` or `version` breaks the name rule. An empty
     version means "the policy's choice"; an empty name is refused unless `optional` (a request
     where no name means "every model" or "the server")."""
+    if not version and name in _VALID:  # every inference call asks again for the same few names
+        return
     try:
         if name or not optional:
             check_name(name, name_field)
         check_version(version, version_field)
     except InvalidName as exc:
         raise InvalidInput(str(exc)) from None
+    if name and not version:
+        if len(_VALID) >= _VALID_MAX:  # bounded: names a client makes up do not pile up
+            _VALID.clear()
+        _VALID.add(name)
+
+
+# Names that passed the rule (check_model), so that the next request naming one skips it.
+_VALID: set[str] = set()
+_VALID_MAX = 4096
 
 
 def check_names(names: Iterable[str], field: str) -> None:

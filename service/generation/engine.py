@@ -353,7 +353,10 @@ class Engine:
                 result: tuple[Cache, int] | Exception
                 try:
                     cache, logits = prefill(self._runner, layout, sequence.request.prompt_ids)
-                    result = (cache, choose(logits[: self._vocab], sequence.request.sampling, sequence.rng))
+                    token = choose(
+                        logits[: self._vocab], sequence.request.sampling, sequence.rng, sequence.produced
+                    )
+                    result = (cache, token)
                 except Exception as exc:  # one bad prompt must not fail the others
                     result = exc
                 loop.call_soon_threadsafe(self._after_prefill, sequence, result)
@@ -428,7 +431,10 @@ class Engine:
             logits = batch.step()
             members = list(batch.members)
             tokens = choose_rows(
-                logits[:, : self._vocab], [m.request.sampling for m in members], [m.rng for m in members]
+                logits[:, : self._vocab],
+                [m.request.sampling for m in members],
+                [m.rng for m in members],
+                [m.produced for m in members],
             )
             batch.set_next(tokens)
             run.steps += 1

@@ -18,6 +18,9 @@ MAX_STOP_CHARS = 256
 # Prompt text longer than this many characters per context token cannot fit; refusing it before
 # tokenizing keeps a huge prompt from costing the tokenizer's time.
 MAX_CHARS_PER_TOKEN = 64
+MAX_PENALTY = 2.0  # |frequency_penalty|, |presence_penalty| (OpenAI's range)
+MAX_BIAS = 100.0  # |logit_bias| values (OpenAI's range)
+MAX_BIASED_TOKENS = 300  # entries of logit_bias (OpenAI's limit)
 
 
 @dataclass(frozen=True)
@@ -32,6 +35,10 @@ class GenerateParams:
     top_p: float = 0.0  # 0 = 1 (no nucleus cut), because 0 is what an unset proto3 float reads as
     seed: int | None = None
     stop: tuple[str, ...] = ()
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias)
+    strict_context: bool = False  # refuse prompt + max_tokens over the context (else end early)
 
 
 def check_fields(params: GenerateParams, model: DecoderModel) -> None:
@@ -52,6 +59,17 @@ def check_fields(params: GenerateParams, model: DecoderModel) -> None:
         raise InvalidInput(f"top_p: must be in (0, 1] (0 = unset = 1), got {params.top_p}")
     if params.top_k < 0:
         raise InvalidInput(f"top_k: must be >= 0 (0 = no limit), got {params.top_k}")
+    for name in ("frequency_penalty", "presence_penalty"):
+        value = getattr(params, name)
+        if not math.isfinite(value) or abs(value) > MAX_PENALTY:
+            raise InvalidInput(f"{name}: must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}], got {value}")
+    if len(params.logit_bias) > MAX_BIASED_TOKENS:
+        raise InvalidInput(f"logit_bias: at most {MAX_BIASED_TOKENS} tokens, got {len(params.logit_bias)}")
+    for token, bias in params.logit_bias:
+        if not 0 <= token < model.vocab:
+            raise InvalidInput(f"logit_bias: {token} is not a token id of this model (0..{model.vocab - 1})")
+        if not math.isfinite(bias) or abs(bias) > MAX_BIAS:
+            raise InvalidInput(f"logit_bias: the bias of token {token} must be in [-100, 100], got {bias}")
     if len(params.stop) > MAX_STOP_SEQUENCES:
         raise InvalidInput(f"stop: at most {MAX_STOP_SEQUENCES} sequences, got {len(params.stop)}")
     for stop in params.stop:
@@ -77,14 +95,24 @@ def build_request(
             f"{field}: {len(prompt_ids)} tokens leave no room in the model's context of "
             f"{model.context_length} tokens"
         )
+    max_tokens = params.max_tokens or model.settings.default_max_tokens
+    if params.strict_context and len(prompt_ids) + max_tokens > model.context_length:
+        raise InvalidInput(
+            f"max_tokens: the model's context is {model.context_length} tokens, but {len(prompt_ids)} "
+            f"in the prompt and {max_tokens} to generate make {len(prompt_ids) + max_tokens}; shorten "
+            "the prompt or lower max_tokens"
+        )
     return GenerationRequest(
         prompt_ids=tuple(prompt_ids),
-        max_tokens=params.max_tokens or model.settings.default_max_tokens,
+        max_tokens=max_tokens,
         sampling=SamplingParams(
             temperature=params.temperature,
             top_k=params.top_k,
             top_p=params.top_p or 1.0,
             seed=params.seed,
+            frequency_penalty=params.frequency_penalty,
+            presence_penalty=params.presence_penalty,
+            logit_bias=tuple(sorted(params.logit_bias)),
         ),
         stop=params.stop,
         deadline=deadline,

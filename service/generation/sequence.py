@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from modelyard.service.generation.decoder import Cache
-from modelyard.service.generation.sampling import SamplingParams
+from modelyard.service.generation.sampling import Produced, SamplingParams
 from modelyard.service.generation.text import Decoder, TextStream
 from modelyard.service.scheduling.queue import Ticket
 
@@ -82,6 +82,7 @@ class Sequence:
         self.version = version
         self.state = State.WAITING
         self.rng: np.random.Generator = request.sampling.generator()
+        self.produced = Produced(request.sampling)  # for its penalties: touched by the choosing thread
         self.text = TextStream(decoder, request.stop)
         self.generated = 0
         self.cache: Cache | None = None  # while PAUSED, or between prefill and joining a batch

@@ -6,6 +6,7 @@ import asyncio
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 
 from modelyard.service.repository.config import ModelConfig
 from modelyard.service.runtime.instances import Instances
@@ -152,7 +153,8 @@ class ServedModel:
     config: ModelConfig
     versions: Mapping[int, ServedVersion] = field(default_factory=dict)
 
-    @property
+    @cached_property
     def default(self) -> ServedVersion:
-        # Requests without a version get the newest served one.
+        # Requests without a version get the newest served one. Computed once: the model is
+        # replaced whole on every change, and every request without a version asks.
         return self.versions[max(self.versions)]

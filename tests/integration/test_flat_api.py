@@ -24,7 +24,7 @@ async def test_flat_infer_answers_like_infer(channel: grpc.aio.Channel) -> None:
     response = flat.decode_response(await call)
     assert (response.model_name, response.model_version) == ("scaler", "2")
     np.testing.assert_array_equal(response.tensors["OUTPUT0"], X * 3)
-    assert dict(await call.initial_metadata())[headers.SERVED_VERSION] == "2"
+    assert dict(await call.trailing_metadata())[headers.SERVED_VERSION] == "2"
     pinned = flat.decode_response(await infer(channel, flat.encode_request("scaler", {"INPUT0": X}, "1")))
     np.testing.assert_array_equal(pinned.tensors["OUTPUT0"], X * 2)
 

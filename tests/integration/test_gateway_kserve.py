@@ -96,6 +96,9 @@ async def test_json_tensors_and_errors(gateway) -> None:
         assert answer.status_code == 200, answer.text
         document = answer.json()
         assert document["model_version"] == "2" and document["id"] == "r1"
+        # The service names its version in the unary answer's trailing metadata; the gateway
+        # returns it as a header.
+        assert answer.headers["x-served-version"] == "2"
         assert document["outputs"][0]["data"] == [3 * i for i in range(16)]
         assert document["outputs"][0]["shape"] == [1, 16]
         nested = await http.post(

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import openai
@@ -61,6 +62,18 @@ async def sse_text(gateway: Gateway, prompt: str, max_tokens: int, stop: tuple[s
 async def test_models_are_listed(client) -> None:
     models = [m.id async for m in client.models.list()]
     assert sorted(models) == ["classifier", "codelm"]
+
+
+async def test_one_model_is_retrieved_and_an_unknown_one_is_not_found(client, gateway) -> None:
+    model = await client.models.retrieve("codelm")
+    assert model.id == "codelm" and model.object == "model"
+    with pytest.raises(openai.NotFoundError) as missing:
+        await client.models.retrieve("nosuch")
+    assert missing.value.code == "model_not_found" and missing.value.type == "invalid_request_error"
+    # Below a model is still the SSE API's (its own error body, not OpenAI's).
+    async with httpx.AsyncClient(base_url=gateway.url) as http:
+        answer = await http.get("/v1/models/nosuch/generate", params={"prompt": "x"})
+    assert answer.status_code == 404 and "error" in answer.json() and "type" not in answer.json()["error"]
 
 
 async def test_completion_whole_and_streamed_agree_with_the_sse_endpoint(client, gateway) -> None:
@@ -156,9 +169,6 @@ async def test_errors_come_as_openai_error_objects(client) -> None:
 
 UNIMPLEMENTED = [
     ("n", {"n": 2}),
-    ("frequency_penalty", {"frequency_penalty": 0.5}),
-    ("presence_penalty", {"presence_penalty": -1.0}),
-    ("logit_bias", {"logit_bias": {"50": 10}}),
     ("logprobs", {"logprobs": True}),
     ("top_logprobs", {"top_logprobs": 2}),
     ("tools", {"tools": [{"type": "function", "function": {"name": "f"}}]}),
@@ -174,6 +184,41 @@ async def test_parameters_the_server_does_not_implement_are_refused_by_name(clie
         await client.chat.completions.create(model="codelm", messages=messages, max_tokens=1, **fields)
     assert refused.value.status_code == 400 and refused.value.param == param, refused.value.body
     assert refused.value.type == "invalid_request_error"
+
+
+async def test_logit_bias_and_penalties_reach_the_model(client) -> None:
+    async def text(**fields: Any) -> str:
+        fields = {"prompt": "def add(a, b):", "max_tokens": 6, **fields}
+        answer = await client.completions.create(model="codelm", temperature=0, **fields)
+        return str(answer.choices[0].text)
+
+    plain = await text()
+    # Token 50 forced at every step (greedy: +100 outweighs any logit): one token, repeated.
+    forced = await text(logit_bias={"50": 100})
+    assert forced and forced != plain and len(set(forced)) <= 2, forced
+    # Penalties change greedy text once it would repeat itself (test_generation shows how much).
+    loop = {"prompt": "    for i in range(", "max_tokens": 32}
+    assert await text(**loop, frequency_penalty=2.0, presence_penalty=2.0) != await text(**loop)
+    for fields, param in (
+        ({"frequency_penalty": 2.5}, "frequency_penalty"),
+        ({"presence_penalty": -3}, "presence_penalty"),
+        ({"logit_bias": {"99999999": 1}}, "logit_bias"),
+        ({"logit_bias": {"50": 101}}, "logit_bias"),
+        ({"logit_bias": {"fifty": 1}}, "logit_bias"),
+    ):
+        with pytest.raises(openai.BadRequestError) as refused:
+            await text(**fields)
+        assert refused.value.param == param, refused.value.body
+
+
+async def test_a_prompt_and_max_tokens_over_the_context_are_refused_with_the_numbers(client) -> None:
+    with pytest.raises(openai.BadRequestError) as over:
+        await client.completions.create(model="codelm", prompt="def add(a, b):", max_tokens=256)
+    assert over.value.param == "max_tokens"
+    assert "256 tokens" in over.value.message and "in the prompt and 256 to generate" in over.value.message
+    # Without max_tokens the completion ends where the context does (OpenAI's default too).
+    answer = await client.chat.completions.create(model="codelm", messages=[{"role": "user", "content": "x"}])
+    assert answer.choices[0].finish_reason in ("length", "stop")
 
 
 async def test_parameters_at_their_neutral_values_are_accepted(client) -> None:

@@ -445,6 +445,12 @@ async def test_a_priority_the_model_lacks_is_invalid_argument(stub) -> None:
         ({"prompt": "x", "top_p": -0.1}, "top_p"),
         ({"prompt_token_ids": [5, 999999]}, "prompt_token_ids"),
         ({"prompt": "x", "stop": [""]}, "stop"),
+        ({"prompt": "x", "frequency_penalty": 2.5}, "frequency_penalty"),
+        ({"prompt": "x", "presence_penalty": float("nan")}, "presence_penalty"),
+        ({"prompt": "x", "logit_bias": {999999: 1.0}}, "logit_bias"),
+        ({"prompt": "x", "logit_bias": {5: -100.5}}, "logit_bias"),
+        ({"prompt": "x", "logit_bias": {i: 1.0 for i in range(301)}}, "logit_bias"),
+        ({"prompt": "x", "max_tokens": 256, "strict_context": True}, "max_tokens"),
     ],
 )
 async def test_bad_input_is_invalid_argument_naming_the_field(
@@ -454,6 +460,43 @@ async def test_bad_input_is_invalid_argument_naming_the_field(
         await generate(stub, **fields)
     assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert caught.value.details().startswith(named + ":"), caught.value.details()
+
+
+def token_ids(responses: list[pb.GenerateResponse]) -> list[int]:
+    return [t for r in responses for t in r.token_ids]
+
+
+async def test_logit_bias_forces_and_bans_tokens(stub) -> None:
+    request = {"prompt": PROMPTS[2], "max_tokens": 8}
+    plain = token_ids(await generate(stub, **request))
+    # +100 outweighs any logit: greedy picks the forced token at every step.
+    assert token_ids(await generate(stub, **request, logit_bias={7: 100.0})) == [7] * 8
+    # -100 bans greedy's own first choice: the first token differs, and never is the banned one.
+    banned = token_ids(await generate(stub, **request, logit_bias={plain[0]: -100.0}))
+    assert banned[0] != plain[0] and plain[0] not in banned
+
+
+async def test_penalties_keep_greedy_from_repeating(stub) -> None:
+    request = {"prompt": "    for i in range(", "max_tokens": 32}
+    plain = token_ids(await generate(stub, **request))
+    assert len(set(plain)) < len(plain), "the demo model repeats itself when greedy (the premise)"
+    penalised = token_ids(await generate(stub, **request, presence_penalty=2.0, frequency_penalty=2.0))
+    assert penalised != plain
+    # A token it has produced loses 2 per time plus 2: repeats become rarer.
+    assert len(penalised) - len(set(penalised)) < len(plain) - len(set(plain))
+
+
+async def test_strict_context_refuses_with_the_numbers_and_the_default_ends_early(stub) -> None:
+    prompt_ids = [5] * 250
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await generate(stub, prompt_token_ids=prompt_ids, max_tokens=10, strict_context=True)
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert (
+        "context is 256 tokens" in caught.value.details()
+        and "250 in the prompt and 10" in caught.value.details()
+    )
+    ended = await generate(stub, prompt_token_ids=prompt_ids, max_tokens=10)
+    assert ended[-1].finish_reason == pb.FINISH_REASON_LENGTH and len(token_ids(ended)) == 6
 
 
 async def test_a_model_that_is_not_a_decoder_is_failed_precondition(stub) -> None:

@@ -150,8 +150,9 @@ async def test_metrics_count_requests_by_model_version_method_code(service: Serv
         lambda: urllib.request.urlopen(f"http://{service.metrics_address}/metrics", timeout=5).read().decode()
     )
     assert 'modelyard_requests_total{code="OK",method="Infer",model="scaler",version="1"} 3.0' in body
+    # A failed request counts with the version that was resolved for it (no pin: the newest, 2).
     assert (
-        'modelyard_requests_total{code="INVALID_ARGUMENT",method="Infer",model="scaler",version=""} 1.0'
+        'modelyard_requests_total{code="INVALID_ARGUMENT",method="Infer",model="scaler",version="2"} 1.0'
         in body
     )
     # A made-up model name does not become a label of its own.

@@ -34,7 +34,7 @@ from tests.support import REPO_ROOT, ServiceProcess, start_child
 OBSERVABILITY = REPO_ROOT / "deploy" / "observability"
 DASHBOARD = OBSERVABILITY / "grafana-dashboard.json"
 RULES = OBSERVABILITY / "alerts.yaml"
-_GATEWAY_SERVING = re.compile(r"serving HTTP on (http://\S+) ")
+_GATEWAY_SERVING = re.compile(r"serving HTTP on (http://\S+) \(metrics on (http://\S+)\)")
 
 # PromQL words that are not metric names, and the label lists that follow some of them.
 _KEYWORDS = frozenset({"by", "without", "on", "ignoring", "group_left", "group_right", "bool", "offset"})
@@ -195,7 +195,15 @@ async def test_every_metric_the_dashboard_and_rules_name_is_in_a_real_scrape(
     async with running_sidecar([service.address], config=routes) as sidecar:
         await known_versions(sidecar, "scaler", {"1", "2"})
         gateway = start_child(
-            [sys.executable, "-m", "modelyard.gateway", "--listen", "127.0.0.1:0"],
+            [
+                sys.executable,
+                "-m",
+                "modelyard.gateway",
+                "--listen",
+                "127.0.0.1:0",
+                "--metrics-listen",
+                "127.0.0.1:0",
+            ],
             _GATEWAY_SERVING,
             "gateway",
             env={"MODELYARD_GATEWAY_UPSTREAM": sidecar.address, "PATH": "/usr/bin:/bin"},
@@ -215,7 +223,7 @@ async def test_every_metric_the_dashboard_and_rules_name_is_in_a_real_scrape(
             scrapes = {
                 "service": await _get(service.metrics_url),
                 "sidecar": str(await admin_async(sidecar, "/metrics")),
-                "gateway": await _get(base + "/metrics"),
+                "gateway": await _get(gateway.ready.group(2)),  # its own metrics listener
             }
         finally:
             gateway.stop(signal.SIGTERM)

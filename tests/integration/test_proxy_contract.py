@@ -1,7 +1,8 @@
 """The service as a proxy sees it, through both APIs: request metadata (x-model-version,
 x-request-id, x-priority) fills what the message leaves empty, every answer names its version in
-x-served-version (initial metadata), and every error names its reason in x-error-reason (trailing
-metadata), so that overload and faults are told from client mistakes without parsing messages.
+x-served-version (a unary answer's trailing metadata, a stream's initial metadata), and every
+error names its reason in x-error-reason (trailing metadata), so that overload and faults are
+told from client mistakes without parsing messages.
 
 The service runs in this process with the loader seam of build_service: every version loads as a
 RecordingRunner whose runs can be held at a gate (to build a queue), and the "scaler" model's runner
@@ -190,16 +191,18 @@ async def test_headers_fill_empty_fields_and_fields_win_on_our_api(stub) -> None
     response = await call
     assert (response.model_version, response.request_id) == ("1", "from-header")
     np.testing.assert_array_equal(to_array(response.outputs[0]), np.full((1, 16), 2.0, np.float32))
-    assert first(await call.initial_metadata(), headers.SERVED_VERSION) == "1"
+    assert first(await call.trailing_metadata(), headers.SERVED_VERSION) == "1"
+    # A unary answer sends no initial metadata of its own (a write of its own in grpc.aio).
+    assert first(await call.initial_metadata(), headers.SERVED_VERSION) is None
     # The message's own fields win over the headers.
     call = stub.Infer(scaler("2", request_id="mine"), metadata=meta(version="1", request_id="theirs"))
     response = await call
     assert (response.model_version, response.request_id) == ("2", "mine")
-    assert first(await call.initial_metadata(), headers.SERVED_VERSION) == "2"
+    assert first(await call.trailing_metadata(), headers.SERVED_VERSION) == "2"
     # Neither: the newest version, and x-served-version says which it was.
     call = stub.Infer(scaler())
     assert (await call).model_version == "2"
-    assert first(await call.initial_metadata(), headers.SERVED_VERSION) == "2"
+    assert first(await call.trailing_metadata(), headers.SERVED_VERSION) == "2"
 
 
 async def test_infer_stream_takes_the_headers_and_names_its_version_before_the_first_chunk(stub) -> None:
@@ -222,18 +225,18 @@ async def test_kserve_takes_the_headers_where_the_request_leaves_them_empty(kser
     response = await call
     assert (response.model_version, response.id) == ("1", "k-1")
     assert np.frombuffer(response.raw_output_contents[0], np.float32)[0] == 2.0
-    assert first(await call.initial_metadata(), headers.SERVED_VERSION) == "1"
+    assert first(await call.trailing_metadata(), headers.SERVED_VERSION) == "1"
     call = kserve.ModelInfer(kserve_scaler("2", id="own"), metadata=meta(version="1", request_id="k-1"))
     response = await call
     assert (response.model_version, response.id) == ("2", "own")
-    assert first(await call.initial_metadata(), headers.SERVED_VERSION) == "2"
+    assert first(await call.trailing_metadata(), headers.SERVED_VERSION) == "2"
     # The calls that describe one version name it too.
     for describe, version in (
         (kserve.ModelMetadata(kpb.ModelMetadataRequest(name="scaler", version="1")), "1"),
         (kserve.ModelConfig(kpb.ModelConfigRequest(name="scaler")), "2"),
     ):
         await describe
-        assert first(await describe.initial_metadata(), headers.SERVED_VERSION) == version
+        assert first(await describe.trailing_metadata(), headers.SERVED_VERSION) == version
 
 
 async def test_kserve_stream_names_its_first_version_and_answers_each_request(kserve) -> None:

@@ -107,6 +107,10 @@ def with_signal(pid: int, sig: int) -> None:
 
 def test_stack_comes_up_answers_through_envoy_and_stops_on_sigint(stack) -> None:
     stack.wait_up()
+    # The page's URL is Envoy's (its models panel is a gRPC-Web call), the one to open.
+    printed = "".join(stack.out)
+    gateway = re.search(r"gateway\s+(http://\S+)", printed)
+    assert gateway and gateway.group(1) != stack.url and "open this one" in printed, printed
     with urllib.request.urlopen(stack.url + "/v1/models", timeout=10) as response:
         assert b'"classifier"' in response.read()
     with urllib.request.urlopen(stack.url + "/v2/health/ready", timeout=10) as response:

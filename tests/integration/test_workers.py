@@ -68,9 +68,9 @@ async def connections(address: str, count: int = CHANNELS) -> AsyncIterator[list
 
 async def served_by(channel: grpc.aio.Channel, model: str = "double") -> str:
     call = pb_grpc.InferenceServiceStub(channel).Infer(infer_request(model))
-    metadata = dict(await call.initial_metadata())
     await call
-    return str(metadata["x-served-by"])
+    # A unary answer: beside x-served-version, in the trailing metadata.
+    return str(dict(await call.trailing_metadata())["x-served-by"])
 
 
 async def by_worker(channels: list[grpc.aio.Channel]) -> dict[str, list[grpc.aio.Channel]]:

@@ -65,6 +65,7 @@ async def test_quiet_stream_gets_heartbeats_then_events_and_ends_after_done() ->
 
 async def test_buffer_pauses_when_full_of_unread_events_and_evicts_only_read_ones() -> None:
     stream = Stream("s", "m", 2)
+    stream.readers = 1  # attached, but reading slower than the model
     await stream._append(TOKEN, {"i": 0})
     await stream._append(TOKEN, {"i": 1})
     third = asyncio.create_task(stream._append(TOKEN, {"i": 2}))
@@ -75,6 +76,24 @@ async def test_buffer_pauses_when_full_of_unread_events_and_evicts_only_read_one
     assert [e.seq for e in stream.since(1)] == [1, 2]
     with pytest.raises(Evicted):
         stream.since(0)
+
+
+async def test_a_stream_nobody_reads_stops_reading_upstream_until_a_reader_attaches() -> None:
+    """The client left (a closed tab): the producer waits at once, with room in the buffer, so the
+    upstream call is not read and the service pauses the sequence; a resume lets it go on."""
+    streams = registry(bound=64)
+    stream = Stream("s", "m", 64)
+    streams._streams["s"] = stream
+    stream.readers = 1
+    await stream._append(TOKEN, {"i": 0})
+    streams.detach(stream)
+    assert stream.readers == 0 and stream.expiry is not None
+    second = asyncio.create_task(stream._append(TOKEN, {"i": 1}))
+    await asyncio.sleep(0)
+    assert not second.done() and stream.next_seq == 1  # paused, with 63 places free
+    streams.attach(stream)
+    await asyncio.wait_for(second, 5)
+    assert stream.next_seq == 2 and stream.expiry is None
 
 
 def test_event_ids_round_trip_and_bad_ones_are_refused() -> None:

@@ -1,5 +1,6 @@
 """KServe ModelMetadata lists the served versions as they were when it chose the version that
-answers: a swap while it sends x-served-version (an await) does not change them."""
+answers, and names that version in x-served-version (trailing metadata: a unary answer): a swap
+right after it answers changes neither."""
 
 from __future__ import annotations
 
@@ -18,24 +19,29 @@ from modelyard.service.runtime.providers import ProviderChoice
 
 
 class SwapOnAnswer:
-    """A servicer context whose x-served-version send swaps the model's versions (v2 replaces v1,
-    the default policy serving the latest only), as a reload landing during that await would."""
+    """A servicer context whose x-served-version (set in the trailing metadata) is followed by a
+    swap of the model's versions (v2 replaces v1, the default policy serving the latest only), as a
+    reload landing at once would. Initial metadata sent by the handler would be a write of its own
+    (grpc.aio): a unary answer sends none."""
 
     def __init__(self, manager: ModelManager, repository: Path) -> None:
         self._manager = manager
         self._repository = repository
-        self.sent: list[tuple[tuple[str, str], ...]] = []
+        self.initial: list[Any] = []
+        self.trailing: list[tuple[tuple[str, str], ...]] = []
 
-    async def send_initial_metadata(self, metadata: tuple[tuple[str, str], ...]) -> None:
-        self.sent.append(metadata)
-        demo_models.write_model(self._repository, "m", 2, demo_models.scaled_identity(4, 2.0))
-        await self._manager.reconcile("m")
+    async def send_initial_metadata(self, metadata: Any) -> None:
+        self.initial.append(metadata)
 
     def invocation_metadata(self) -> tuple[tuple[str, str], ...]:
         return ()
 
-    def set_trailing_metadata(self, metadata: Any) -> None:
-        pass
+    def set_trailing_metadata(self, metadata: tuple[tuple[str, str], ...]) -> None:
+        self.trailing.append(metadata)
+
+    async def swap(self) -> None:
+        demo_models.write_model(self._repository, "m", 2, demo_models.scaled_identity(4, 2.0))
+        await self._manager.reconcile("m")
 
 
 async def test_model_metadata_lists_the_versions_it_answered_from_though_a_swap_came_between(
@@ -49,8 +55,10 @@ async def test_model_metadata_lists_the_versions_it_answered_from_though_a_swap_
         servicer = KServeServicer(manager, DataPlane(manager, executor), ServiceMetrics())
         context = SwapOnAnswer(manager, tmp_path)
         response = await servicer.ModelMetadata(pb.ModelMetadataRequest(name="m"), cast(Context, context))
-        assert manager.resolve("m").version == 2  # the swap did happen during the call
-        assert dict(context.sent[0])["x-served-version"] == "1"
+        await context.swap()
+        assert manager.resolve("m").version == 2  # the swap did happen
+        assert context.initial == []
+        assert dict(context.trailing[-1])["x-served-version"] == "1"
         assert list(response.versions) == ["1"]
     finally:
         await manager.close()

@@ -486,3 +486,15 @@ def test_the_monitoring_overlay_scrapes_what_the_pods_serve_and_scales_on_queue_
     from modelyard.service.metrics import ServiceMetrics
 
     assert ServiceMetrics().queue_depth._name == name
+
+
+def test_the_monitoring_overlay_ships_the_dashboard_and_alert_rules_as_they_are_checked() -> None:
+    observability = kubernetes_renders.DEPLOY / "observability"
+    maps = {d["metadata"]["name"]: d for d in rendered("monitoring") if d["kind"] == "ConfigMap"}
+    dashboard = maps["modelyard-grafana-dashboard"]
+    assert dashboard["metadata"]["labels"]["grafana_dashboard"] == "1"
+    assert (
+        dashboard["data"]["grafana-dashboard.json"] == (observability / "grafana-dashboard.json").read_text()
+    )
+    rules = maps["modelyard-alert-rules"]["data"]["alerts.yaml"]
+    assert rules == (observability / "alerts.yaml").read_text()  # what promtool checks in make lint

@@ -108,14 +108,14 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
         async with serving(context, self._metrics, "ModelMetadata", request.name) as call:
             check_model(request.name, request.version, name_field="name", version_field="version")
             served = self._manager.resolve(request.name, request.version)
-            # The versions listed are read with the one that answers, before the await: a swap
-            # during it could list versions that leave that one out.
+            # The versions listed are read with the one that answers, with no await between: a
+            # swap between them could list versions that leave that one out.
             if request.version:  # Triton: the requested version only
                 versions = [str(served.version)]
             else:
                 model = self._manager.served(request.name)
                 versions = [str(v) for v in sorted(model.versions)] if model else []
-            await call.answered(str(served.version))
+            call.answered(str(served.version))
             signature = served.runner.signature
             return pb.ModelMetadataResponse(
                 name=request.name,
@@ -128,7 +128,7 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
     async def ModelInfer(self, request: pb.ModelInferRequest, context: Context) -> pb.ModelInferResponse:
         async with serving(context, self._metrics, "ModelInfer", request.model_name) as call:
             response = await self._infer(request, context)
-            await call.answered(response.model_version)
+            call.answered(response.model_version)
             return response
 
     async def ModelStreamInfer(
@@ -152,7 +152,7 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
                     continue
                 if first:
                     first = False
-                    await call.answered(response.model_version)
+                    await call.stream_answered(response.model_version)
                 else:
                     call.version = response.model_version
                 if final_flag:
@@ -165,7 +165,7 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
         async with serving(context, self._metrics, "ModelConfig", request.name) as call:
             check_model(request.name, request.version, name_field="name", version_field="version")
             served = self._manager.resolve(request.name, request.version)
-            await call.answered(str(served.version))
+            call.answered(str(served.version))
             return pb.ModelConfigResponse(config=triton_config(served))
 
     async def ModelStatistics(

@@ -176,8 +176,14 @@ class OutputOptions:
     in_shm: dict[str, ShmLocation] = field(default_factory=dict)
 
 
+# The options of a request whose outputs ask nothing beyond their names (most): read, never written.
+_NO_OPTIONS = OutputOptions()
+
+
 def output_options(request: ModelInferRequest) -> OutputOptions:
     """The requested outputs' parameters; any we do not handle is refused, never ignored."""
+    if not any(output.parameters for output in request.outputs):
+        return _NO_OPTIONS
     options = OutputOptions()
     for output in request.outputs:
         at = _shm_location(output, "output")

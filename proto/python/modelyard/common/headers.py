@@ -14,7 +14,10 @@ TENANT_ID = "x-tenant-id"
 AUTHORIZATION = "authorization"
 
 # Response: what served the request, and why it failed.
-SERVED_VERSION = "x-served-version"  # initial metadata of every answer from the service
+# x-served-version: the version that answered. A unary answer carries it in its TRAILING metadata
+# (beside x-error-reason; grpc.aio sends handler-set initial metadata as a batch of its own), a
+# stream in its INITIAL metadata, before its first message.
+SERVED_VERSION = "x-served-version"
 SERVED_BY = "x-served-by"  # beside it when the service runs several workers: worker-N
 MODEL_DYE = "x-model-dye"  # stable or canary
 DYE_FALLBACK = "x-dye-fallback"  # why the dye was overridden (e.g. breaker-open)

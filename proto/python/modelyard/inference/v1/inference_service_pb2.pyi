@@ -281,6 +281,26 @@ class GenerateRequest(_message.Message):
 
     DESCRIPTOR: _descriptor.Descriptor
 
+    @_typing.final
+    class LogitBiasEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.int
+        value: _builtins.float
+        def __init__(
+            self,
+            *,
+            key: _builtins.int = ...,
+            value: _builtins.float = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
     MODEL_NAME_FIELD_NUMBER: _builtins.int
     MODEL_VERSION_FIELD_NUMBER: _builtins.int
     PROMPT_FIELD_NUMBER: _builtins.int
@@ -294,6 +314,10 @@ class GenerateRequest(_message.Message):
     REQUEST_ID_FIELD_NUMBER: _builtins.int
     PRIORITY_FIELD_NUMBER: _builtins.int
     TIMEOUT_US_FIELD_NUMBER: _builtins.int
+    FREQUENCY_PENALTY_FIELD_NUMBER: _builtins.int
+    PRESENCE_PENALTY_FIELD_NUMBER: _builtins.int
+    LOGIT_BIAS_FIELD_NUMBER: _builtins.int
+    STRICT_CONTEXT_FIELD_NUMBER: _builtins.int
     model_name: _builtins.str
     """model_name names a decoder language model in the repository."""
     model_version: _builtins.str
@@ -338,6 +362,19 @@ class GenerateRequest(_message.Message):
     timeout. A generation whose time runs out while waiting fails with DEADLINE_EXCEEDED and is
     never run. The call's gRPC deadline always applies as well, while waiting and generating.
     """
+    frequency_penalty: _builtins.float
+    """frequency_penalty, in [-2, 2], is subtracted from a token's logit once for every time the
+    generation has already produced it (0: off). It applies to greedy decoding too, as OpenAI's.
+    """
+    presence_penalty: _builtins.float
+    """presence_penalty, in [-2, 2], is subtracted from a token's logit once if the generation has
+    produced it at all (0: off).
+    """
+    strict_context: _builtins.bool
+    """strict_context refuses (INVALID_ARGUMENT, naming both numbers) a prompt whose tokens plus
+    max_tokens exceed the model's context, instead of ending the generation early with
+    FINISH_REASON_LENGTH when the context is full (the default).
+    """
     @_builtins.property
     def prompt_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """prompt_token_ids, when set, are used instead of tokenizing prompt."""
@@ -346,6 +383,12 @@ class GenerateRequest(_message.Message):
     def stop(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """stop lists up to 16 sequences (1 to 256 characters) that end the generation when produced,
         even across tokens; the stop sequence's text is not returned, its tokens are counted.
+        """
+
+    @_builtins.property
+    def logit_bias(self) -> _containers.ScalarMap[_builtins.int, _builtins.float]:
+        """logit_bias adds a bias in [-100, 100] to the logits of up to 300 token ids of the model's
+        vocabulary at every step (-100 in effect bans a token, 100 forces it).
         """
 
     def __init__(
@@ -364,10 +407,14 @@ class GenerateRequest(_message.Message):
         request_id: _builtins.str = ...,
         priority: _builtins.int = ...,
         timeout_us: _builtins.int = ...,
+        frequency_penalty: _builtins.float = ...,
+        presence_penalty: _builtins.float = ...,
+        logit_bias: _abc.Mapping[_builtins.int, _builtins.float] | None = ...,
+        strict_context: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_seed", b"_seed", "seed", b"seed"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_seed", b"_seed", "max_tokens", b"max_tokens", "model_name", b"model_name", "model_version", b"model_version", "priority", b"priority", "prompt", b"prompt", "prompt_token_ids", b"prompt_token_ids", "request_id", b"request_id", "seed", b"seed", "stop", b"stop", "temperature", b"temperature", "timeout_us", b"timeout_us", "top_k", b"top_k", "top_p", b"top_p"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_seed", b"_seed", "frequency_penalty", b"frequency_penalty", "logit_bias", b"logit_bias", "max_tokens", b"max_tokens", "model_name", b"model_name", "model_version", b"model_version", "presence_penalty", b"presence_penalty", "priority", b"priority", "prompt", b"prompt", "prompt_token_ids", b"prompt_token_ids", "request_id", b"request_id", "seed", b"seed", "stop", b"stop", "strict_context", b"strict_context", "temperature", b"temperature", "timeout_us", b"timeout_us", "top_k", b"top_k", "top_p", b"top_p"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__seed: _TypeAlias = _typing.Literal["seed"]  # noqa: Y015
     _WhichOneofArgType__seed: _TypeAlias = _typing.Literal["_seed", b"_seed"]  # noqa: Y015
