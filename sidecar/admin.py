@@ -60,6 +60,10 @@ from modelyard.sidecar.state import audit, who
 log = logging.getLogger(__name__)
 
 READS = frozenset({"GET", "HEAD"})
+ADMIT = "/_worker/admit"  # on a worker's private socket: the supervisor lets it take calls
+# On a worker's private socket only (sidecar/workers/supervisor.py): a change the first worker
+# already accepted (or a replay), so this worker does not refuse a model it has not heard of yet.
+FOLLOW = "x-modelyard-follow"
 MAX_ROUTES = 1024  # models with their own route (file and admin together) that PUT may add up to
 _PHRASES = {
     200: "OK",
@@ -154,8 +158,11 @@ class AdminServer:
         known: Callable[[str], bool] | None = None,  # whether a model exists (None: any name)
         rollouts: RolloutDriver | None = None,
         clock: Callable[[], float] = time.time,  # the audit lines' time
+        unix_path: str = "",  # serve on this unix socket instead (a worker's, for its supervisor)
+        on_admit: Callable[[], None] | None = None,  # a worker's: POST ADMIT on its socket
     ) -> None:
-        warn_if_plaintext(host, "the sidecar's admin endpoint", tls)
+        if not unix_path:
+            warn_if_plaintext(host, "the sidecar's admin endpoint", tls)
         self._host, self._port = host, port
         self._registry = registry
         self._routes = routes
@@ -170,15 +177,24 @@ class AdminServer:
         self._rollouts = rollouts
         self._clock = clock
         self._throttle = LogThrottle(log)
+        self._unix_path = unix_path
+        self._on_admit = on_admit
         self._server: asyncio.Server | None = None
         self._connections: set[asyncio.Task[None]] = set()
 
     @property
     def port(self) -> int:
         assert self._server is not None and self._server.sockets
+        if self._unix_path:
+            return 0
         return int(self._server.sockets[0].getsockname()[1])
 
     async def start(self) -> None:
+        if self._unix_path:
+            self._server = await asyncio.start_unix_server(
+                self._connection, self._unix_path, limit=self._limits.max_header_bytes
+            )
+            return
         self._server = await asyncio.start_server(
             self._connection, self._host or None, self._port, limit=self._limits.max_header_bytes
         )
@@ -295,7 +311,6 @@ class AdminServer:
         return decision
 
     async def _respond(self, request: Request) -> Response:
-        path, method = request.path, request.method
         refusal = self._refusal(request)
         if refusal is Decision.DENIED:
             raise HttpError(403, ErrorReason.PERMISSION_DENIED, "this client may not make this request")
@@ -306,6 +321,14 @@ class AdminServer:
                 "this request needs valid credentials",
                 headers=[("WWW-Authenticate", "Bearer")],
             )
+        return await self._route(request)
+
+    async def _route(self, request: Request) -> Response:
+        """A request that may be made (its credential checked): its answer."""
+        path, method = request.path, request.method
+        if path == ADMIT and method == "POST" and self._unix_path and self._on_admit is not None:
+            self._on_admit()
+            return _json(200, {})
         if path == "/metrics" and method in READS:
             encoder, content_type = choose_encoder(request.headers.get("accept", ""))
             body = await asyncio.to_thread(encoder, self._registry)  # the rendering is CPU work
@@ -315,23 +338,32 @@ class AdminServer:
         if path == "/canary" and method in READS:
             return _json(200, self._canary_view())
         if path.startswith("/canary/") and method == "PUT":
-            return self._put_route(unquote(path[len("/canary/") :]), request.body, _author(request))
+            model = unquote(path[len("/canary/") :])
+            return self._put_route(model, request.body, _author(request), self._following(request))
         if path == "/rollouts" or path.startswith("/rollouts/"):
             return self._rollout_request(request)
         raise HttpError(404, ErrorReason.UNSUPPORTED, f"no {echo(method)} {echo(path)}")
 
-    def _model(self, model: str) -> str:
+    def _following(self, request: Request) -> bool:
+        return bool(self._unix_path) and request.headers.get(FOLLOW) == "1"
+
+    def _model(self, model: str, follow: bool = False) -> str:
         """A model named in a path: 400 for a bad name, 404 for one nobody knows."""
         try:
             check_name(model, "model")
         except InvalidName as exc:
             raise HttpError(400, ErrorReason.INVALID_ARGUMENT, str(exc)) from exc
-        if self._known is not None and model not in self._routes.table.models and not self._known(model):
+        if (
+            not follow
+            and self._known is not None
+            and model not in self._routes.table.models
+            and not self._known(model)
+        ):
             raise HttpError(404, ErrorReason.MODEL_NOT_FOUND, f"no model {echo(model)}")
         return model
 
-    def _put_route(self, model: str, raw: bytes, by: str = "") -> Response:
-        self._model(model)
+    def _put_route(self, model: str, raw: bytes, by: str = "", follow: bool = False) -> Response:
+        self._model(model, follow)
         if self._rollouts is not None and self._rollouts.steering(model):
             raise HttpError(
                 409,
@@ -388,7 +420,7 @@ class AdminServer:
             return _json(200, self._rollouts.views())
         if len(parts) not in (1, 2) or (len(parts) == 2 and method != "POST"):
             raise HttpError(404, ErrorReason.UNSUPPORTED, f"no {echo(method)} {echo(request.path)}")
-        model = self._model(unquote(parts[0]))
+        model = self._model(unquote(parts[0]), self._following(request))
         try:
             if len(parts) == 2:
                 if parts[1] not in ("pause", "resume", "abort"):

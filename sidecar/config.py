@@ -106,6 +106,14 @@ class Settings:
     admin_max_connections: Annotated[
         int, Meta(ge=1, description="admin connections open at once (more: 503 and closed)")
     ] = 64
+    # A number or auto: checked by modelyard.process.workers.worker_count.
+    workers: Annotated[
+        str,
+        Meta(
+            description="sidecar processes sharing the gRPC port behind one admin endpoint: N, or auto "
+            "for one per usable CPU core"
+        ),
+    ] = "1"
     log_level: logs.Level = "INFO"
     log_format: logs.Format = "text"
     # Off by default: a line per call costs a JSON encode and a write at every call's rate.

@@ -32,6 +32,7 @@ from modelyard.sidecar.shadow import Shadows
 from modelyard.sidecar.state import StateFile, load_state
 from modelyard.sidecar.tracing import Tracing, configure
 from modelyard.sidecar.upstreams import Upstreams, UpstreamSpec
+from modelyard.sidecar.workers.role import WorkerRole
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +55,9 @@ class Sidecar:
     tls: TlsFiles | None = None  # of the gRPC and admin listeners
     admin_auth: Authorizer | None = None
     admin: AdminServer | None = None
+    worker: WorkerRole | None = None  # one of --workers N: admin on its unix socket, for the supervisor
     _changed: asyncio.Event = field(default_factory=asyncio.Event)
+    _admitted: asyncio.Event = field(default_factory=asyncio.Event)  # a worker's, by its supervisor
     _tasks: list[asyncio.Task[None]] = field(default_factory=list)
     _models: set[str] = field(default_factory=set)
     _serving: set[str] = field(default_factory=set)  # upstream addresses last seen serving
@@ -66,16 +69,22 @@ class Sidecar:
     @property
     def admin_address(self) -> str:
         assert self.admin is not None
+        if self.worker is not None:
+            return str(self.worker.admin_socket)
         return f"{split_address(self.settings.admin_listen)[0]}:{self.admin.port}"
 
     async def start(self) -> None:
         await self.health.set(health_names.SERVER, health_names.NOT_SERVING)
         loop = asyncio.get_running_loop()
         self.upstreams.start()
-        await self.server.start()
-        if self.settings.admin_listen:
-            host, port = split_address(self.settings.admin_listen)
-            if not (self.admin_auth and self.admin_auth.configured) and not is_loopback(host):
+        if self.worker is None:
+            await self.server.start()
+        if self.settings.admin_listen or self.worker is not None:
+            # A worker's admin endpoint is its supervisor's private channel (a unix socket in a
+            # 0700 folder): the supervisor's own endpoint checks TLS and tokens.
+            host, port = split_address(self.settings.admin_listen) if self.worker is None else ("", 0)
+            private = self.worker is not None
+            if not private and not (self.admin_auth and self.admin_auth.configured) and not is_loopback(host):
                 log.warning(
                     "the sidecar's admin endpoint on %s takes canary changes from any client "
                     "(configure admin_tokens_file, see docs/security.md)",
@@ -88,8 +97,8 @@ class Sidecar:
                 self.routes,
                 self.breakers.snapshot,
                 canaries=self.canaries,
-                tls=self.tls,
-                authorizer=self.admin_auth,
+                tls=None if private else self.tls,
+                authorizer=None if private else self.admin_auth,
                 auth_reads=self.settings.admin_auth_reads,
                 denials=self.metrics.admin_denials,
                 limits=AdminLimits(
@@ -101,17 +110,27 @@ class Sidecar:
                 ),
                 known=self.upstreams.knows,
                 rollouts=self.rollouts,
+                unix_path=str(self.worker.admin_socket) if self.worker is not None else "",
+                on_admit=self._admitted.set,
             )
             try:
                 await self.admin.start()
             except OSError as exc:
                 reason = bind_reason(exc)
                 raise BindError(ENV_PREFIX, "admin_listen", self.settings.admin_listen, reason) from exc
+        if self.worker is not None:
+            # Its port is bound (connections wait in its accept queue); it takes calls once the
+            # supervisor replayed the admin changes to it, never with routes older than theirs.
+            await self._admitted.wait()
+            await self.server.start()
         self._tasks.append(loop.create_task(self._follow_upstreams()))
         self._tasks.append(loop.create_task(self.rollouts.run()))
         self.state.changed()  # what start-up made of the saved state and the route file, kept
         if self.settings.config:
             self._tasks.append(loop.create_task(self._watch_config()))
+        if self.worker is not None:  # the supervisor says "sidecar serving" once all are up
+            log.info("sidecar worker %d taking calls on %s", self.worker.index, self.address)
+            return
         log.info(
             "sidecar serving gRPC on %s%s; upstreams: %s",
             self.address,
@@ -198,6 +217,7 @@ def build_sidecar(
     clock: Clock | None = None,  # test seam: the breakers' clock
     tracing: Tracing | None = None,  # test seam: default from the OTEL_* environment
     wall_clock: Clock | None = None,  # test seam: the routes' and rollouts' clock (wall seconds)
+    worker: WorkerRole | None = None,  # one of `--workers N` (its supervisor holds the port)
 ) -> Sidecar:
     tls, upstream_tls, admin_auth = _security(settings)
     state_path = Path(settings.state_file) if settings.state_file else None
@@ -247,7 +267,7 @@ def build_sidecar(
     tracing = tracing if tracing is not None else configure("modelyard-sidecar")
     server = grpc.aio.server(
         interceptors=access.interceptors(settings.access_log, settings.log_format),
-        options=[*message_limits, *connection_options(settings), ("grpc.so_reuseport", 0)],
+        options=[*message_limits, *connection_options(settings), ("grpc.so_reuseport", 1 if worker else 0)],
     )
     health_servicer = health_names.new_servicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -288,6 +308,7 @@ def build_sidecar(
         state,
         tls=tls,
         admin_auth=admin_auth,
+        worker=worker,
     )
     sidecar_ref.append(sidecar)
     metrics.canary_weights(

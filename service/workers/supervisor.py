@@ -35,6 +35,7 @@ from modelyard.process.lifecycle import bound
 from modelyard.process.metrics_http import MetricsServer
 from modelyard.process.settings import split_address
 from modelyard.process.tls import TlsFiles
+from modelyard.process.workers import reserve_port
 from modelyard.service.config import ENV_PREFIX, Settings
 from modelyard.service.workers import protocol
 from modelyard.service.workers.member import CHANNEL_OPTIONS
@@ -422,22 +423,6 @@ class _Scrapes:
             )
             per_worker.add_metric([str(index)], total)
         yield per_worker
-
-
-def reserve_port(listen: str) -> socket.socket:
-    """Bind (not listen on) the gRPC address with SO_REUSEPORT: a port another program holds fails
-    here, loudly, and while this socket is open only processes of this user that also ask for
-    SO_REUSEPORT (our workers) can bind it. Port 0 picks the port the workers then share."""
-    host, port = split_address(listen)
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-        sock.bind((host or "0.0.0.0", port))
-    except OSError:
-        sock.close()
-        raise
-    return sock
 
 
 def _env_text(value: object) -> str:

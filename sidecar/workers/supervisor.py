@@ -1,0 +1,449 @@
+"""The parent of `--workers N` sidecar processes: it holds the gRPC port (so a taken port fails
+loudly and only our workers share it, SO_REUSEPORT), starts N workers, restarts one that dies
+(with backoff, logged and counted), and runs the one admin endpoint.
+
+The admin endpoint is the supervisor's (its TLS, tokens and limits: sidecar/admin.py's server,
+with its own routing). Every change (PUT /canary/..., POST /rollouts/...) is forwarded to every
+worker over its private admin socket, one change at a time, and kept (the last per model) to be
+replayed to a worker that restarts. Reads are answered from the workers' views: /metrics summed,
+/breakers and /canary merged (sidecar/workers/merge.py), the rest from the lowest worker serving.
+Each worker owns its routes, breakers and rollouts; the supervisor holds no route state."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import shutil
+import signal
+import socket
+import sys
+import tempfile
+from collections.abc import Iterator
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.exposition import choose_encoder
+
+from modelyard.common.reasons import ErrorReason
+from modelyard.process import children
+from modelyard.process.auth import Authorizer, AuthSettings
+from modelyard.process.lifecycle import BindError, bind_reason, bound
+from modelyard.process.metrics_sum import carry, parse, sum_families
+from modelyard.process.settings import split_address
+from modelyard.process.tls import TlsFiles
+from modelyard.process.workers import Backoff, env_text, reserve_port
+from modelyard.sidecar import admin as admin_http
+from modelyard.sidecar.config import ENV_PREFIX, Settings
+from modelyard.sidecar.routes import RouteSource
+from modelyard.sidecar.workers import client, merge, role
+
+log = logging.getLogger(__name__)
+
+READY_POLL_S = 0.05  # how often a starting worker's admin socket is tried
+SCRAPE_TIMEOUT_S = 5.0
+
+
+class WorkerFailed(RuntimeError):
+    """A worker exited before it ever served: the sidecar could not start."""
+
+
+@dataclass
+class Slot:
+    index: int
+    proc: asyncio.subprocess.Process | None = None
+    ready: bool = False  # its admin socket answers and the changes were replayed to it
+    ever_ready: bool = False
+    restarts: int = 0
+    last_scrape: str | None = None  # its latest /metrics, folded into the totals when it dies
+
+
+@dataclass(frozen=True)
+class Change:
+    method: str
+    path: str
+    body: bytes
+    headers: tuple[tuple[str, str], ...]
+
+
+class Supervisor:
+    def __init__(self, settings: Settings, count: int) -> None:
+        self.settings = settings
+        self.count = count
+        self.port = 0
+        self.folder = Path()
+        self._slots = [Slot(i) for i in range(count)]
+        self._tasks: list[asyncio.Task[None]] = []
+        self._reserved: socket.socket | None = None
+        self._admin: _Admin | None = None
+        self._stopping = asyncio.Event()
+        self._all_ready = asyncio.Event()
+        self._failed: asyncio.Future[None] | None = None
+        # Accepted changes replayed to a worker that joins: per model, the last PUT /canary, and
+        # the rollout's start with its last control (pause/resume/abort).
+        self._changes: dict[str, list[Change]] = {}
+        self._control = asyncio.Lock()  # one change at a time, and none while a worker joins
+        self._carried: list[Metric] = []
+        self.registry = CollectorRegistry()
+        self.restarts = Counter(
+            "modelyard_sidecar_worker_restarts",
+            "Sidecar worker processes restarted after they died.",
+            ["worker"],
+            registry=self.registry,
+        )
+        self.serving = Gauge(
+            "modelyard_sidecar_workers_serving",
+            "Sidecar worker processes taking calls.",
+            registry=self.registry,
+        )
+        self.denials = Counter(
+            "modelyard_sidecar_admin_denials",
+            "Admin endpoint requests refused for want of a valid credential, by outcome "
+            "(unauthenticated, denied)",
+            ["outcome"],
+            registry=self.registry,
+        )
+
+    @property
+    def address(self) -> str:
+        host = split_address(self.settings.listen)[0]
+        return f"[{host}]:{self.port}" if ":" in host else f"{host}:{self.port}"
+
+    @property
+    def admin_address(self) -> str:
+        assert self._admin is not None
+        return f"{split_address(self.settings.admin_listen)[0]}:{self._admin.port}"
+
+    def slots(self) -> list[Slot]:
+        return list(self._slots)
+
+    async def start(self) -> None:
+        self.folder = Path(tempfile.mkdtemp(prefix="modelyard-sidecar-workers-"))  # mode 0700
+        listen = self.settings.listen
+        self._reserved = bound(ENV_PREFIX, "listen", listen, lambda: reserve_port(listen))
+        self.port = self._reserved.getsockname()[1]
+        loop = asyncio.get_running_loop()
+        self._failed = loop.create_future()
+        if self.settings.admin_listen:
+            await self._start_admin()
+        self._tasks = [loop.create_task(self._supervise(slot)) for slot in self._slots]
+        ready = loop.create_task(self._all_ready.wait())
+        started: list[asyncio.Future[Any]] = [ready, self._failed]
+        await asyncio.wait(started, return_when=asyncio.FIRST_COMPLETED)
+        ready.cancel()
+        if self._failed.done():
+            self._failed.result()
+        scheme = "https" if self.settings.tls_cert else "http"
+        log.info(
+            "sidecar serving gRPC on %s%s; upstreams: %s; workers: %d",
+            self.address,
+            f", admin on {scheme}://{self.admin_address}" if self._admin else "",
+            ", ".join(self.settings.upstream),
+            self.count,
+        )
+
+    async def _start_admin(self) -> None:
+        s = self.settings
+        host, port = split_address(s.admin_listen)
+        tls = TlsFiles.from_settings(s.tls_cert, s.tls_key, s.tls_client_ca)
+        tokens = Path(s.admin_tokens_file) if s.admin_tokens_file else None
+        if s.admin_auth_reads and tokens is None:
+            raise ValueError("admin_auth_reads needs admin_tokens_file")
+        self._admin = _Admin(
+            self,
+            host,
+            port,
+            self.registry,
+            RouteSource(None),  # unused: the workers hold the routes
+            list,
+            tls=tls,
+            authorizer=Authorizer(AuthSettings(tokens)),
+            auth_reads=s.admin_auth_reads,
+            denials=self.denials,
+            limits=admin_http.AdminLimits(
+                header_timeout_s=s.admin_header_timeout_s,
+                body_timeout_s=s.admin_body_timeout_s,
+                idle_timeout_s=s.admin_idle_timeout_s,
+                max_body_bytes=s.admin_max_body_bytes,
+                max_connections=s.admin_max_connections,
+            ),
+        )
+        try:
+            await self._admin.start()
+        except OSError as exc:
+            raise BindError(ENV_PREFIX, "admin_listen", s.admin_listen, bind_reason(exc)) from exc
+
+    async def stop(self) -> None:
+        """Every worker drains (SIGTERM: its own graceful shutdown); one that outlives the grace
+        period and a margin is killed."""
+        self._stopping.set()
+        for slot in self._slots:
+            if slot.proc is not None:
+                children.send(slot.proc, signal.SIGTERM)
+        if self._tasks:
+            _, late = await asyncio.wait(self._tasks, timeout=self.settings.grace_s + 10)
+            for slot in self._slots:
+                if late and slot.proc is not None and children.send(slot.proc, signal.SIGKILL):
+                    log.error("worker %d did not stop in time: killed", slot.index)
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._admin is not None:
+            await self._admin.stop()
+        if self._reserved is not None:
+            self._reserved.close()
+        if self.folder != Path():
+            shutil.rmtree(self.folder, ignore_errors=True)
+
+    # -- workers ---------------------------------------------------------------------------
+
+    async def _supervise(self, slot: Slot) -> None:
+        loop = asyncio.get_running_loop()
+        backoff = Backoff()
+        while not self._stopping.is_set():
+            started = loop.time()
+            slot.proc = await children.create(
+                [sys.executable, "-m", "modelyard.sidecar"], env=self._environment(slot.index)
+            )
+            log.info("worker %d started (pid %d)", slot.index, slot.proc.pid)
+            joining = loop.create_task(self._join(slot))
+            code = await slot.proc.wait()
+            joining.cancel()
+            await asyncio.gather(joining, return_exceptions=True)
+            self._leave(slot)
+            if self._stopping.is_set():
+                log.info("worker %d stopped (exit code %d)", slot.index, code)
+                return
+            if not slot.ever_ready and not self._all_ready.is_set():
+                if self._failed is not None and not self._failed.done():
+                    message = f"sidecar worker {slot.index} exited with code {code} before it served"
+                    self._failed.set_exception(WorkerFailed(message))
+                return
+            slot.restarts += 1
+            self.restarts.labels(str(slot.index)).inc()
+            delay = backoff.next(loop.time() - started)
+            log.warning(
+                "worker %d (pid %d) exited with code %d; restarting it in %.1f s (restart %d)",
+                slot.index,
+                slot.proc.pid,
+                code,
+                delay,
+                slot.restarts,
+            )
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._stopping.wait(), delay)
+
+    def _environment(self, index: int) -> dict[str, str]:
+        env = {k: v for k, v in os.environ.items() if not k.startswith(ENV_PREFIX)}
+        for item in fields(Settings):
+            env[ENV_PREFIX + item.name.upper()] = env_text(getattr(self.settings, item.name))
+        env[ENV_PREFIX + "WORKERS"] = "1"
+        env[ENV_PREFIX + "LISTEN"] = self.address
+        env[ENV_PREFIX + "ADMIN_LISTEN"] = ""  # a worker's admin endpoint is its unix socket
+        env[role.ENV_CONTROL] = str(self.folder)
+        env[role.ENV_INDEX] = str(index)
+        env[role.ENV_PARENT] = str(os.getpid())
+        return env
+
+    async def _join(self, slot: Slot) -> None:
+        """Once the worker's admin socket answers: replay the changes to it, then let it take calls
+        (it starts its gRPC server then) and count it in."""
+        path = role.admin_socket(self.folder, slot.index)
+        while True:
+            try:
+                answer = await client.ask(path, "GET", "/canary", timeout_s=2.0)
+                if answer.status == 200:
+                    break
+            except OSError:
+                pass
+            await asyncio.sleep(READY_POLL_S)
+        async with self._control:
+            for change in [c for changes in self._changes.values() for c in changes]:
+                try:
+                    answer = await client.ask(path, change.method, change.path, change.body, _follow(change))
+                    if answer.status >= 300:
+                        log.warning(
+                            "worker %d: replaying %s %s: %d %s",
+                            slot.index,
+                            change.method,
+                            change.path,
+                            answer.status,
+                            answer.body[:200].decode(errors="replace"),
+                        )
+                except OSError as exc:
+                    log.warning(
+                        "worker %d: replaying %s %s failed: %s", slot.index, change.method, change.path, exc
+                    )
+            answer = await client.ask(path, "POST", admin_http.ADMIT)  # OSError: it is going
+            if answer.status != 200:
+                raise RuntimeError(f"worker {slot.index} refused admission: {answer.status}")
+            slot.ready = slot.ever_ready = True
+        log.info("worker %d serving", slot.index)
+        self._update()
+
+    def _leave(self, slot: Slot) -> None:
+        slot.ready = False
+        if slot.last_scrape is not None:  # its counters live on in the sum; its gauges are gone
+            self._carried = carry(self._carried, slot.last_scrape)
+            slot.last_scrape = None
+        self._update()
+
+    def _update(self) -> None:
+        ready = sum(slot.ready for slot in self._slots)
+        self.serving.set(ready)
+        if ready == self.count:
+            self._all_ready.set()
+
+    # -- the admin endpoint's work -----------------------------------------------------------
+
+    def _ready(self) -> list[Slot]:
+        return [slot for slot in self._slots if slot.ready]
+
+    async def gather(
+        self, method: str, path: str, timeout_s: float = client.TIMEOUT_S
+    ) -> list[tuple[Slot, client.Answer]]:
+        """Ask every serving worker the same read; a worker that does not answer is left out."""
+        slots = self._ready()
+        folder = self.folder
+        results = await asyncio.gather(
+            *(
+                client.ask(role.admin_socket(folder, s.index), method, path, timeout_s=timeout_s)
+                for s in slots
+            ),
+            return_exceptions=True,
+        )
+        answers: list[tuple[Slot, client.Answer]] = []
+        for slot, result in zip(slots, results, strict=True):
+            if isinstance(result, client.Answer):
+                answers.append((slot, result))
+            else:
+                log.warning("worker %d did not answer %s %s: %r", slot.index, method, path, result)
+        return answers
+
+    async def change(self, request: admin_http.Request) -> admin_http.Response:
+        """A change to every worker, in turn; the answer is theirs when they agree."""
+        headers = tuple(
+            (name, request.headers[name])
+            for name in ("authorization", "content-type")
+            if name in request.headers
+        )
+        change = Change(request.method, request.path, request.body, headers)
+        async with self._control:
+            slots = self._ready()
+            if not slots:
+                raise admin_http.HttpError(503, ErrorReason.UNAVAILABLE, "no sidecar worker is serving")
+            first, *others = slots
+            answer = await self._ask_change(first, change, change.headers)
+            if answer.status >= 300:  # the first worker judges the change: refused, for all
+                return admin_http.Response(
+                    answer.status, answer.body, answer.content_type or "application/json"
+                )
+            self._keep(change)  # replayed to any worker that did not take it, when it restarts
+            # The others follow it (one that has not heard of the model from its upstreams yet
+            # must not refuse it).
+            differing = []
+            for slot in others:
+                other = await self._ask_change(slot, change, _follow(change))
+                if other.status != answer.status:
+                    differing.append(
+                        f"worker {slot.index}: {other.status} {other.body[:200].decode(errors='replace')}"
+                    )
+            if differing:
+                message = f"worker {first.index} took the change, but " + "; ".join(differing)
+                raise admin_http.HttpError(500, ErrorReason.INTERNAL, message)
+            return admin_http.Response(answer.status, answer.body, answer.content_type or "application/json")
+
+    async def _ask_change(
+        self, slot: Slot, change: Change, headers: tuple[tuple[str, str], ...]
+    ) -> client.Answer:
+        try:
+            path = role.admin_socket(self.folder, slot.index)
+            return await client.ask(path, change.method, change.path, change.body, headers)
+        except OSError as exc:
+            message = f"worker {slot.index} did not answer: {exc!r}"
+            raise admin_http.HttpError(503, ErrorReason.UNAVAILABLE, message) from exc
+
+    def _keep(self, change: Change) -> None:
+        parts = change.path.split("/")  # "", "canary"|"rollouts", model[, action]
+        if len(parts) < 3:
+            return
+        key = f"{parts[1]}/{parts[2]}"
+        if parts[1] == "rollouts" and len(parts) == 4:  # a control: after the rollout's start
+            self._changes[key] = [*self._changes.get(key, [])[:1], change]
+        else:
+            self._changes[key] = [change]
+
+    async def metrics(self) -> list[Metric]:
+        answers = await self.gather("GET", "/metrics", SCRAPE_TIMEOUT_S)
+        for slot, answer in answers:
+            if answer.status == 200:
+                slot.last_scrape = answer.body.decode()
+        texts = [(s.index, s.last_scrape) for s in self._slots if s.last_scrape is not None]
+        scrapes: list[list[Metric]] = [list(self.registry.collect()), self._carried]
+        scrapes += [parse(text) for _, text in texts]
+        families = list(sum_families(scrapes, merge.LOWEST, merge.HIGHEST))
+        per_worker = GaugeMetricFamily(
+            "modelyard_sidecar_worker_requests",
+            "Calls answered by each sidecar worker process since it started.",
+            labels=["worker"],
+        )
+        for index, text in texts:
+            total = sum(
+                sample.value
+                for family in parse(text)
+                if family.name == "modelyard_sidecar_requests"
+                for sample in family.samples
+                if sample.name == "modelyard_sidecar_requests_total"
+            )
+            per_worker.add_metric([str(index)], total)
+        return [*families, per_worker]
+
+
+def _follow(change: Change) -> tuple[tuple[str, str], ...]:
+    return (*change.headers, (admin_http.FOLLOW, "1"))
+
+
+class _Families:
+    """A fixed set of families, for prometheus_client's encoders (which want a registry)."""
+
+    def __init__(self, families: list[Metric]) -> None:
+        self._families = families
+
+    def collect(self) -> Iterator[Metric]:
+        return iter(self._families)
+
+
+class _Admin(admin_http.AdminServer):
+    """The supervisor's admin endpoint: the same server (TLS, tokens, limits), other answers."""
+
+    def __init__(self, supervisor: Supervisor, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._supervisor = supervisor
+
+    async def _route(self, request: admin_http.Request) -> admin_http.Response:
+        supervisor = self._supervisor
+        path, method = request.path, request.method
+        if method not in admin_http.READS:
+            return await supervisor.change(request)
+        if path == "/metrics":
+            families = _Families(await supervisor.metrics())
+            encoder, content_type = choose_encoder(request.headers.get("accept", ""))
+            body = await asyncio.to_thread(encoder, families)
+            return admin_http.Response(200, body, content_type)
+        answers = await supervisor.gather("GET", path)
+        if not answers:
+            raise admin_http.HttpError(503, ErrorReason.UNAVAILABLE, "no sidecar worker is serving")
+        if path == "/breakers" and all(a.status == 200 for _, a in answers):
+            views = [(slot.index, json.loads(a.body)) for slot, a in answers]
+            return _json(merge.breakers(views))
+        if path == "/canary" and all(a.status == 200 for _, a in answers):
+            return _json(merge.canary([json.loads(a.body) for _, a in answers]))
+        first = answers[0][1]  # /rollouts, and every error: the lowest serving worker's answer
+        return admin_http.Response(first.status, first.body, first.content_type or "application/json")
+
+
+def _json(doc: object) -> admin_http.Response:
+    return admin_http.Response(200, json.dumps(doc).encode())
