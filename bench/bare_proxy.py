@@ -72,17 +72,9 @@ def unary(channel: Any, path: str) -> Callable[[bytes, Context], Any]:
     method = channel.unary_unary(path)
 
     async def handle(request: bytes, context: Context) -> bytes | None:
-        call = method(request, metadata=forwarded(context), timeout=context.time_remaining())
-        try:
-            response: bytes = await call
-        except grpc.aio.AioRpcError:
-            await relay_status(call, context)
-            return None
-        initial = await call.initial_metadata()
-        if initial:
-            await context.send_initial_metadata(tuple(initial))
-        await relay_status(call, context)
-        return response
+        return await relay_answer(
+            method(request, metadata=forwarded(context), timeout=context.time_remaining()), context
+        )
 
     return handle
 
@@ -91,19 +83,25 @@ def stream_unary(channel: Any, path: str) -> Callable[[AsyncIterator[bytes], Con
     method = channel.stream_unary(path)
 
     async def handle(requests: AsyncIterator[bytes], context: Context) -> bytes | None:
-        call = method(requests, metadata=forwarded(context), timeout=context.time_remaining())
-        try:
-            response: bytes = await call
-        except grpc.aio.AioRpcError:
-            await relay_status(call, context)
-            return None
-        initial = await call.initial_metadata()
-        if initial:
-            await context.send_initial_metadata(tuple(initial))
-        await relay_status(call, context)
-        return response
+        return await relay_answer(
+            method(requests, metadata=forwarded(context), timeout=context.time_remaining()), context
+        )
 
     return handle
+
+
+async def relay_answer(call: Any, context: Context) -> bytes | None:
+    """A call with one answer: its headers, the answer, its trailers and status."""
+    try:
+        response: bytes = await call
+    except grpc.aio.AioRpcError:
+        await relay_status(call, context)
+        return None
+    initial = await call.initial_metadata()
+    if initial:
+        await context.send_initial_metadata(tuple(initial))
+    await relay_status(call, context)
+    return response
 
 
 async def relay_stream(call: Any, context: Context) -> AsyncIterator[bytes]:

@@ -25,14 +25,14 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client import CollectorRegistry, Counter, Gauge
-from prometheus_client.core import GaugeMetricFamily, Metric
-from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.core import Metric
 
 from modelyard.common import health as health_names
 from modelyard.inference.v1 import model_service_pb2 as model_pb
 from modelyard.process import children
 from modelyard.process.lifecycle import bound
 from modelyard.process.metrics_http import MetricsServer
+from modelyard.process.metrics_sum import per_worker
 from modelyard.process.settings import split_address
 from modelyard.process.tls import TlsFiles
 from modelyard.process.workers import reserve_port
@@ -408,21 +408,12 @@ class _Scrapes:
     def collect(self) -> Iterator[Metric]:
         carried, texts = self._supervisor.scrapes()
         yield from sum_families([carried, *(parse(text) for _, text in texts)])
-        per_worker = GaugeMetricFamily(
+        yield per_worker(
             "modelyard_worker_requests",
             "Requests answered by each worker process since it started.",
-            labels=["worker"],
+            texts,
+            "modelyard_requests",
         )
-        for index, text in texts:
-            total = sum(
-                sample.value
-                for family in text_string_to_metric_families(text)
-                if family.name == "modelyard_requests"
-                for sample in family.samples
-                if sample.name == "modelyard_requests_total"
-            )
-            per_worker.add_metric([str(index)], total)
-        yield per_worker
 
 
 def _env_text(value: object) -> str:

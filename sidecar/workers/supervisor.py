@@ -27,14 +27,14 @@ from pathlib import Path
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import Metric
 from prometheus_client.exposition import choose_encoder
 
 from modelyard.common.reasons import ErrorReason
 from modelyard.process import children
 from modelyard.process.auth import Authorizer, AuthSettings
 from modelyard.process.lifecycle import BindError, bind_reason, bound
-from modelyard.process.metrics_sum import carry, parse, sum_families
+from modelyard.process.metrics_sum import carry, parse, per_worker, sum_families
 from modelyard.process.settings import split_address
 from modelyard.process.tls import TlsFiles
 from modelyard.process.workers import Backoff, env_text, reserve_port
@@ -385,21 +385,13 @@ class Supervisor:
         scrapes: list[list[Metric]] = [list(self.registry.collect()), self._carried]
         scrapes += [parse(text) for _, text in texts]
         families = list(sum_families(scrapes, merge.LOWEST, merge.HIGHEST))
-        per_worker = GaugeMetricFamily(
+        calls = per_worker(
             "modelyard_sidecar_worker_requests",
             "Calls answered by each sidecar worker process since it started.",
-            labels=["worker"],
+            texts,
+            "modelyard_sidecar_requests",
         )
-        for index, text in texts:
-            total = sum(
-                sample.value
-                for family in parse(text)
-                if family.name == "modelyard_sidecar_requests"
-                for sample in family.samples
-                if sample.name == "modelyard_sidecar_requests_total"
-            )
-            per_worker.add_metric([str(index)], total)
-        return [*families, per_worker]
+        return [*families, calls]
 
 
 def _follow(change: Change) -> tuple[tuple[str, str], ...]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator, Sequence
 from collections.abc import Set as AbstractSet
 
-from prometheus_client.core import Metric
+from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.parser import text_string_to_metric_families
 
 # Families whose values only grow while their process lives: carried over when it dies. Gauges
@@ -72,3 +72,21 @@ def carry(carried: Sequence[Metric], last_scrape: str) -> list[Metric]:
 
 def _add(a: float, b: float) -> float:
     return a + b
+
+
+def per_worker(
+    name: str, documentation: str, texts: Iterable[tuple[int, str]], counter: str
+) -> GaugeMetricFamily:
+    """A gauge `name{worker}`: each worker's own total of `counter` (a counter family, e.g.
+    modelyard_requests) from its last scrape, so the spread of calls over the workers shows."""
+    family = GaugeMetricFamily(name, documentation, labels=["worker"])
+    for index, text in texts:
+        total = sum(
+            sample.value
+            for found in text_string_to_metric_families(text)
+            if found.name == counter
+            for sample in found.samples
+            if sample.name == counter + "_total"
+        )
+        family.add_metric([str(index)], total)
+    return family
