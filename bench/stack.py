@@ -59,7 +59,7 @@ class Stack:
         for line in subprocess.run(
             ["ps", "-o", "pid=,args=", "--ppid", str(self.proc.pid)], capture_output=True, text=True
         ).stdout.splitlines():
-            if f"-m {process} " in line + " ":
+            if f"-m modelyard.{process} " in line + " ":
                 return int(line.split()[0])
         raise RuntimeError(f"{process} process not found")
 
