@@ -25,6 +25,13 @@ from modelyard.common.reasons import ErrorReason
 from modelyard.gateway import errors
 
 ErrorResponse = Callable[[errors.HttpError], Response]
+MODELS = "/v1/models/"
+
+
+def below_a_model(path: str) -> bool:
+    """/v1/models/<model>/...: the SSE API's paths (the collection /v1/models and one model,
+    /v1/models/<model>, are OpenAI's). Both APIs divide /v1 by this one rule."""
+    return path.startswith(MODELS) and "/" in path[len(MODELS) :].strip("/")
 
 
 def error_body(exc: errors.HttpError) -> Response:

@@ -6,9 +6,11 @@ OpenAI cancels its upstream call), and a writer that ends closes the body."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from typing import Any
 
-from starlette.types import Message, Receive, Send
+from starlette.responses import Response
+from starlette.types import Message, Receive, Scope, Send
 
 # Headers that stop proxies and browsers from buffering or caching the stream.
 EVENT_STREAM_HEADERS = {
@@ -55,3 +57,23 @@ async def _disconnected(receive: Receive) -> None:
     message: Message = await receive()
     while message["type"] != "http.disconnect":
         message = await receive()
+
+
+class UpstreamEvents(Response):
+    """Writes `events` made from an upstream call's messages; when the client disconnects the
+    writer stops and the upstream call is cancelled (the OpenAI and KServe generate streams)."""
+
+    def __init__(self, events: AsyncIterator[bytes], call: Any, response_headers: Mapping[str, str]) -> None:
+        self.events = events
+        self.call = call
+        self.response_headers = {**EVENT_STREAM_HEADERS, **response_headers}
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await stream(send, receive, self.response_headers, self._write)
+        finally:
+            self.call.cancel()
+
+    async def _write(self, write: Write) -> None:
+        async for chunk in self.events:
+            await write(chunk)

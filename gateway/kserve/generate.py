@@ -20,7 +20,6 @@ from typing import Any
 import grpc
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
-from starlette.types import Receive, Scope, Send
 
 from modelyard.common import headers
 from modelyard.gateway import errors, http, streaming
@@ -78,7 +77,7 @@ class GenerateEndpoints:
 
     async def generate_stream(self, request: Request) -> Response:
         model, call, first, served = await self._open(request)
-        return _Stream(_events(model, call, first), call, {**streaming.EVENT_STREAM_HEADERS, **served})
+        return streaming.UpstreamEvents(_events(model, call, first), call, served)
 
     async def _open(self, request: Request) -> tuple[str, Any, pb.GenerateResponse, dict[str, str]]:
         """The call, its first response and the headers to return: a failure before generation
@@ -120,22 +119,3 @@ async def _events(model: str, call: Any, first: pb.GenerateResponse) -> AsyncIte
             response = await call.read()
     except grpc.aio.AioRpcError as exc:
         yield _data({"error": errors.from_rpc_error(exc).message})
-
-
-class _Stream(Response):
-    """Writes `events`; a client that disconnects stops the writer and cancels the upstream call."""
-
-    def __init__(self, events: AsyncIterator[bytes], call: Any, response_headers: dict[str, str]) -> None:
-        self.events = events
-        self.call = call
-        self.response_headers = response_headers
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        try:
-            await streaming.stream(send, receive, self.response_headers, self._write)
-        finally:
-            self.call.cancel()
-
-    async def _write(self, write: streaming.Write) -> None:
-        async for chunk in self.events:
-            await write(chunk)

@@ -14,8 +14,7 @@ from modelyard.gateway.upstream import Upstream
 def owns(path: str) -> bool:
     """Every path under /v1 but the SSE API's answers in OpenAI's error object, an unknown one
     too (404 `invalid_request_error`, as OpenAI's)."""
-    below_a_model = path.startswith("/v1/models/") and "/" in path[len("/v1/models/") :].strip("/")
-    return (path == "/v1" or path.startswith("/v1/")) and not below_a_model  # the SSE API's owns()
+    return (path == "/v1" or path.startswith("/v1/")) and not mount.below_a_model(path)  # SSE's
 
 
 def api(upstream: Upstream, settings: Settings) -> mount.Api:

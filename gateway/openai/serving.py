@@ -18,7 +18,6 @@ from typing import Any
 import grpc
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
-from starlette.types import Receive, Scope, Send
 
 from modelyard.common import headers
 from modelyard.gateway import errors, http, streaming
@@ -88,7 +87,7 @@ class OpenAIEndpoints:
         chunks = Chunks(ident, completion.model, kind, int(time.time()), completion.opening)
         if completion.stream:
             events = _events(chunks, first, call, completion.include_usage)
-            return _EventStream(events, call, {**streaming.EVENT_STREAM_HEADERS, **served})
+            return streaming.UpstreamEvents(events, call, served)
         try:
             responses = [first, *[r async for r in _rest(call)]]
         except grpc.aio.AioRpcError as exc:
@@ -130,25 +129,6 @@ async def _events(
         yield protocol.data(protocol.error_object(errors.from_rpc_error(exc)))
     except errors.HttpError as exc:
         yield protocol.data(protocol.error_object(exc))
-
-
-class _EventStream(Response):
-    """Writes `events`; when the client disconnects the writer stops and the upstream call is cancelled."""
-
-    def __init__(self, events: AsyncIterator[bytes], call: Any, response_headers: dict[str, str]) -> None:
-        self.events = events
-        self.call = call
-        self.response_headers = response_headers
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        try:
-            await streaming.stream(send, receive, self.response_headers, self._write)
-        finally:
-            self.call.cancel()
-
-    async def _write(self, write: streaming.Write) -> None:
-        async for chunk in self.events:
-            await write(chunk)
 
 
 def _model_object(name: str) -> dict[str, object]:

@@ -15,9 +15,8 @@ GENERATE = "/v1/models/{model}/generate"
 
 
 def owns(path: str) -> bool:
-    """Paths below a model, /v1/models/<model>/... (the collection /v1/models and one model,
-    /v1/models/<model>, are OpenAI's)."""
-    return path.startswith("/v1/models/") and "/" in path[len("/v1/models/") :].strip("/")
+    """Paths below a model, /v1/models/<model>/... (mount.below_a_model)."""
+    return mount.below_a_model(path)
 
 
 def api(upstream: Upstream, registry: Registry, settings: Settings, metrics: GatewayMetrics) -> mount.Api:
