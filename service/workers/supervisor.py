@@ -35,7 +35,7 @@ from modelyard.process.metrics_http import MetricsServer
 from modelyard.process.metrics_sum import per_worker
 from modelyard.process.settings import split_address
 from modelyard.process.tls import TlsFiles
-from modelyard.process.workers import reserve_port
+from modelyard.process.workers import Backoff, env_text, reserve_port
 from modelyard.service.config import ENV_PREFIX, Settings
 from modelyard.service.workers import protocol
 from modelyard.service.workers.member import CHANNEL_OPTIONS
@@ -44,9 +44,6 @@ from modelyard.service.workers.watch import MergedWatch
 
 log = logging.getLogger(__name__)
 
-BACKOFF_FIRST_S = 0.5
-BACKOFF_MAX_S = 30.0
-STEADY_S = 30.0  # a worker that ran this long before dying restarts after the first backoff again
 SCRAPE_TIMEOUT_S = 5.0
 
 
@@ -197,7 +194,7 @@ class Supervisor:
 
     async def _supervise(self, slot: Slot) -> None:
         loop = asyncio.get_running_loop()
-        delay = BACKOFF_FIRST_S
+        backoff = Backoff()
         while not self._stopping.is_set():
             started = loop.time()
             slot.proc = await children.create(
@@ -218,8 +215,7 @@ class Supervisor:
                         WorkerFailed(f"worker {slot.index} exited with code {code} before it served")
                     )
                 return
-            if loop.time() - started > STEADY_S:
-                delay = BACKOFF_FIRST_S
+            delay = backoff.next(loop.time() - started)
             slot.restarts += 1
             self.restarts.labels(str(slot.index)).inc()
             log.warning(
@@ -232,12 +228,11 @@ class Supervisor:
             )
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._stopping.wait(), delay)
-            delay = min(delay * 2, BACKOFF_MAX_S)
 
     def _environment(self, index: int) -> dict[str, str]:
         env = {k: v for k, v in os.environ.items() if not k.startswith(ENV_PREFIX)}
         for item in fields(Settings):
-            env[ENV_PREFIX + item.name.upper()] = _env_text(getattr(self.settings, item.name))
+            env[ENV_PREFIX + item.name.upper()] = env_text(getattr(self.settings, item.name))
         env[ENV_PREFIX + "WORKERS"] = "1"
         env[ENV_PREFIX + "LISTEN"] = self.address
         env[ENV_PREFIX + "METRICS_LISTEN"] = ""  # the supervisor serves the sum
@@ -414,11 +409,3 @@ class _Scrapes:
             texts,
             "modelyard_requests",
         )
-
-
-def _env_text(value: object) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, tuple):
-        return ",".join(str(v) for v in value)
-    return str(value)
