@@ -41,6 +41,7 @@ from tokenizers import Tokenizer
 from bench.processes import running_service
 from modelyard.inference.v1 import inference_service_pb2 as pb
 from modelyard.inference.v1 import inference_service_pb2_grpc as pb_grpc
+from modelyard.service.runtime.providers import CPU, CUDA, NVIDIA_DRIVER
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 CODELM = REPO_ROOT / "models" / "demo" / "codelm"
@@ -64,7 +65,6 @@ CONFIG = """generation:
 """
 PINNED = {"intra_op_threads": 1, "inter_op_threads": 1}
 SERVER_CORE, CLIENT_CORE = 1, 0
-CUDA, CPU = "CUDAExecutionProvider", "CPUExecutionProvider"
 
 
 def execution_config(pin: bool, provider: str) -> str:
@@ -74,7 +74,7 @@ def execution_config(pin: bool, provider: str) -> str:
 
 def bare_providers(provider: str) -> tuple[str, ...]:
     """The bare loop runs where the service's `provider` would (auto: CUDA where it is usable)."""
-    usable = CUDA in ort.get_available_providers() and Path("/proc/driver/nvidia/version").exists()
+    usable = CUDA in ort.get_available_providers() and NVIDIA_DRIVER.exists()
     return (CUDA,) if provider == "cuda" or (provider == "auto" and usable) else (CPU,)
 
 

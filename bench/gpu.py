@@ -43,7 +43,7 @@ from bench.processes import running_service
 from models.demo_models import dense_stack, encoder, serialize, write_model
 from modelyard.inference.v1 import inference_service_pb2 as pb
 from modelyard.inference.v1 import inference_service_pb2_grpc as pb_grpc
-from modelyard.service.gpu_memory import read_nvml
+from modelyard.service.gpu_memory import used_mib
 from modelyard.service.runtime.providers import CPU, CUDA, detect_providers
 from modelyard.tensors import to_tensor
 
@@ -85,8 +85,7 @@ def bare(model: bytes, shape: Sequence[int], provider: str, duration_s: float) -
 async def service(
     repository: Path,
     workdir: Path,
-    names: Sequence[str],
-    shapes: dict[str, tuple[int, ...]],
+    shapes: dict[str, tuple[int, ...]],  # model name -> one row's shape
     duration_s: float,
     floors: dict[str, dict[str, float]],
 ) -> dict[str, dict[str, float]]:
@@ -96,9 +95,8 @@ async def service(
         grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel,
     ):
         stub: Any = pb_grpc.InferenceServiceStub(channel)
-        memory_serving = device_used_mb()
-        for name in names:
-            shape = shapes[name]
+        memory_serving = used_mib()
+        for name, shape in shapes.items():
 
             def request(batch: int, model: str = name, row: tuple[int, ...] = shape) -> pb.InferRequest:
                 return pb.InferRequest(model_name=model, inputs=[to_tensor("INPUT0", rows(row, batch))])
@@ -122,11 +120,6 @@ async def service(
     return results
 
 
-def device_used_mb() -> float | None:
-    devices = read_nvml()
-    return sum(d.used for d in devices) / 2**20 if devices else None
-
-
 async def measure(providers: Sequence[str], duration_s: float) -> dict[str, Any]:
     built = models()
     shapes = {name: shape for name, (_, shape) in built.items()}
@@ -137,7 +130,7 @@ async def measure(providers: Sequence[str], duration_s: float) -> dict[str, Any]
         if provider == CUDA and not choice.cuda_usable:
             report[key] = {"skipped": choice.reason}
             continue
-        section: dict[str, Any] = {"device_memory_mb": {"before": device_used_mb()}}
+        section: dict[str, Any] = {"device_memory_mb": {"before": used_mib()}}
         with tempfile.TemporaryDirectory() as tmp:
             root = Path(tmp) / "models"
             for name, (model, _) in built.items():
@@ -148,8 +141,8 @@ async def measure(providers: Sequence[str], duration_s: float) -> dict[str, Any]
                 name: bare(serialize(model), shape, provider, duration_s)
                 for name, (model, shape) in built.items()
             }
-            served = await service(root, Path(tmp), list(built), shapes, duration_s, floors)
-        section["device_memory_mb"].update(served.pop("device_memory_mb", {}), after=device_used_mb())
+            served = await service(root, Path(tmp), shapes, duration_s, floors)
+        section["device_memory_mb"].update(served.pop("device_memory_mb", {}), after=used_mib())
         for name in built:
             section[name] = {
                 "bare": floors[name],

@@ -38,7 +38,7 @@ from bench.processes import ServerProcess, running_service
 from models.demo_models import dense_classifier, serialize, write_model
 from modelyard.inference.v1 import inference_service_pb2 as pb
 from modelyard.inference.v1 import inference_service_pb2_grpc as pb_grpc
-from modelyard.service.gpu_memory import read_nvml
+from modelyard.service.gpu_memory import used_mib
 from modelyard.tensors import to_tensor
 
 FEATURES, HIDDEN, CLASSES = 512, 512, 16
@@ -97,19 +97,13 @@ def publish(root: Path, staging: Path, version: int) -> None:
     os.rename(folder, root / "m" / str(version))
 
 
-def device_used_mb() -> float | None:
-    """Used memory summed over the GPUs (NVML sees every process's); None without NVML."""
-    devices = read_nvml()
-    return sum(d.used for d in devices) / 2**20 if devices else None
-
-
 @dataclass
 class DevicePeak:
     highest: float = 0.0
 
     async def sample(self) -> None:
         while True:
-            self.highest = max(self.highest, device_used_mb() or 0.0)
+            self.highest = max(self.highest, used_mib() or 0.0)
             await asyncio.sleep(0.05)
 
 
@@ -138,7 +132,7 @@ async def run(args: argparse.Namespace, tmp: Path) -> int:
         tasks = [asyncio.ensure_future(clients.run()) for _ in range(args.concurrency)]
         await asyncio.sleep(1.0)  # warm-up, not measured
         rss_start = rss_mb(server)
-        device_start = device_used_mb()
+        device_start = used_mib()
         device_peak = DevicePeak()
         sampler = asyncio.ensure_future(device_peak.sample())
 
@@ -163,7 +157,7 @@ async def run(args: argparse.Namespace, tmp: Path) -> int:
         await asyncio.gather(*tasks)
         await asyncio.sleep(1.0)  # let the last retired version drain and be released
         rss_end = rss_mb(server)
-        device_end = device_used_mb()
+        device_end = used_mib()
         sampler.cancel()
 
     delays = [clients.first_seen[v] - t for v, t in published.items() if v in clients.first_seen]

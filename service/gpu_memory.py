@@ -62,6 +62,13 @@ def read_nvml() -> list[DeviceMemory] | None:
     return devices
 
 
+def used_mib() -> float | None:
+    """Used memory summed over every device (NVML sees every process's), in MiB; None where NVML
+    cannot be used. For the benchmarks and the CUDA tests: a version's device memory back."""
+    devices = read_nvml()
+    return sum(d.used for d in devices) / 2**20 if devices else None
+
+
 class GpuMemoryCollector(Collector):
     def __init__(self, read: Callable[[], list[DeviceMemory] | None] = read_nvml) -> None:
         self._read = read

@@ -26,7 +26,7 @@ from modelyard.inference.v1 import inference_service_pb2_grpc as pb_grpc
 from modelyard.inference.v1 import model_service_pb2 as mpb
 from modelyard.inference.v1 import model_service_pb2_grpc as mpb_grpc
 from modelyard.service.config import Settings
-from modelyard.service.gpu_memory import read_nvml
+from modelyard.service.gpu_memory import used_mib
 from modelyard.service.runtime.providers import CPU, CUDA, detect_providers
 from modelyard.service.server import Service, build_service
 from modelyard.tensors import to_array, to_tensor
@@ -122,9 +122,9 @@ async def test_generate_on_cuda_equals_the_cpu_greedy(channel: grpc.aio.Channel)
 
 
 def used_mb() -> float:
-    devices = read_nvml()
-    assert devices, "NVML reads no device on a CUDA host"
-    return sum(d.used for d in devices) / 2**20
+    used = used_mib()
+    assert used is not None, "NVML reads no device on a CUDA host"
+    return used
 
 
 async def test_a_swap_under_load_fails_nothing_and_gives_the_device_memory_back(
