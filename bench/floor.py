@@ -77,6 +77,20 @@ def request_for(api: str, model: str, features: int) -> Any:
     return pb.InferRequest(model_name=model, inputs=[tensor])
 
 
+def open_calls(
+    servers: Sequence[ServerProcess], channels: list[grpc.aio.Channel]
+) -> dict[tuple[str, str], Call]:
+    """(server name, API) -> its call, on one channel per server (added to `channels`, for the
+    caller to close)."""
+    calls: dict[tuple[str, str], Call] = {}
+    for server in servers:
+        channel = grpc.aio.insecure_channel(f"127.0.0.1:{server.port}")
+        channels.append(channel)
+        calls[(server.name, "kserve")] = kgrpc.GRPCInferenceServiceStub(channel).ModelInfer
+        calls[(server.name, "v1")] = pb_grpc.InferenceServiceStub(channel).Infer
+    return calls
+
+
 async def measure(
     server: ServerProcess, call: Call, request: Any, concurrency: int, args: argparse.Namespace
 ) -> dict[str, float]:
@@ -135,12 +149,7 @@ async def run(args: argparse.Namespace) -> int:
                 server.spawn()
             await asyncio.gather(*(server.wait_ready() for server in servers))
             await asyncio.gather(*(wait_models_ready(peer, args.models) for peer in peers))
-            calls: dict[tuple[str, str], Call] = {}
-            for server in servers:
-                channel = grpc.aio.insecure_channel(f"127.0.0.1:{server.port}")
-                channels.append(channel)
-                calls[(server.name, "kserve")] = kgrpc.GRPCInferenceServiceStub(channel).ModelInfer
-                calls[(server.name, "v1")] = pb_grpc.InferenceServiceStub(channel).Infer
+            calls = open_calls(servers, channels)
             for round_ in range(args.repeats):
                 for model in args.models:
                     for api in args.apis:

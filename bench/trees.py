@@ -27,11 +27,9 @@ from pathlib import Path
 
 import grpc
 
-from bench.floor import CONFIG, MODELS, Call, measure, request_for
+from bench.floor import CONFIG, MODELS, measure, open_calls, request_for
 from bench.processes import ROOT, SERVICE_READY, ServerProcess, service_command
 from models.demo_models import write_model
-from modelyard.inference.v1 import inference_service_pb2_grpc as pb_grpc
-from modelyard.kserve.v2 import grpc_service_pb2_grpc as kgrpc
 
 SERVER_CORE, CLIENT_CORE = 1, 0
 # (concurrency, metric, label) of each printed line.
@@ -77,12 +75,7 @@ async def run(args: argparse.Namespace) -> int:
                 bare.spawn()
                 servers.append(bare)
             await asyncio.gather(*(server.wait_ready() for server in servers))
-            calls: dict[tuple[str, str], Call] = {}
-            for server in servers:
-                channel = grpc.aio.insecure_channel(f"127.0.0.1:{server.port}")
-                channels.append(channel)
-                calls[(server.name, "kserve")] = kgrpc.GRPCInferenceServiceStub(channel).ModelInfer
-                calls[(server.name, "v1")] = pb_grpc.InferenceServiceStub(channel).Infer
+            calls = open_calls(servers, channels)
             for round_ in range(args.rounds):
                 for model in args.models:
                     for api in args.apis:
