@@ -46,6 +46,19 @@ def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return built
 
 
+@pytest.fixture(scope="module")
+def site(wheel: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The wheel installed alone (no dependencies) into a folder of its own, once for the module."""
+    target = tmp_path_factory.mktemp("site")
+    subprocess.run(
+        [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", target, wheel],
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
+    return target
+
+
 def test_everything_installs_under_one_namespace(wheel: Path) -> None:
     names = zipfile.ZipFile(wheel).namelist()
     assert {name.split("/")[0] for name in names} == {"modelyard", wheel.name.split("-py")[0] + ".dist-info"}
@@ -75,14 +88,8 @@ def test_everything_installs_under_one_namespace(wheel: Path) -> None:
     assert not [name for name in names if "node_modules" in name or "/web/" in name]
 
 
-def test_a_process_starts_from_the_wheel_alone(wheel: Path, tmp_path: Path) -> None:
-    target = tmp_path / "site"
-    subprocess.run(
-        [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", target, wheel],
-        check=True,
-        capture_output=True,
-        timeout=300,
-    )
+def test_a_process_starts_from_the_wheel_alone(site: Path, tmp_path: Path) -> None:
+    target = site
     # The target comes first on the path, ahead of this checkout's editable install.
     probe = (
         "import modelyard, modelyard.envoy.render, modelyard.sidecar.cli; "
@@ -148,14 +155,8 @@ def test_the_service_extra_gets_one_pinned_onnxruntime_each_platform(wheel: Path
     assert pin.version == onnxruntime.__version__
 
 
-def test_the_installed_command_has_a_version_and_the_demo_models(wheel: Path, tmp_path: Path) -> None:
-    target = tmp_path / "site"
-    subprocess.run(
-        [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", target, wheel],
-        check=True,
-        capture_output=True,
-        timeout=300,
-    )
+def test_the_installed_command_has_a_version_and_the_demo_models(site: Path, tmp_path: Path) -> None:
+    target = site
     env = {"PYTHONPATH": str(target), "PATH": "/usr/bin:/bin"}
 
     def modelyard(*args: str) -> subprocess.CompletedProcess[str]:
@@ -173,15 +174,9 @@ def test_the_installed_command_has_a_version_and_the_demo_models(wheel: Path, tm
     assert again.returncode == 2 and "already has" in again.stderr
 
 
-def test_the_images_requirements_pick_plain_onnxruntime_for_cpu(wheel: Path, tmp_path: Path) -> None:
+def test_the_images_requirements_pick_plain_onnxruntime_for_cpu(site: Path, tmp_path: Path) -> None:
+    target = site
     # What deploy/Dockerfile's stages install after the wheel, read from the installed wheel.
-    target = tmp_path / "site"
-    subprocess.run(
-        [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", target, wheel],
-        check=True,
-        capture_output=True,
-        timeout=300,
-    )
 
     def listed(*args: str) -> list[str]:
         done = subprocess.run(
