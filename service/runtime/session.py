@@ -36,6 +36,7 @@ from modelyard.service.errors import (
 from modelyard.service.repository.config import ModelConfig, TensorConfig
 from modelyard.service.runtime import bf16
 from modelyard.service.runtime.cost import value_driven
+from modelyard.service.runtime.iobinding import DeviceBinding, binding_for
 from modelyard.service.runtime.providers import CPU, CUDA, ProviderChoice
 from modelyard.service.runtime.runs import RunControl
 from modelyard.service.runtime.signature import Signature, TensorSpec
@@ -118,6 +119,8 @@ class ModelRunner:
     # Why this version serves on the CPU where CUDA was expected (a host with a driver, or a CUDA
     # session that fell back); "" when it runs where it should. Its status says "degraded: ...".
     degraded: str = ""
+    # How runs on a device bind their tensors (iobinding.py); None: session.run (the CPU).
+    binding: DeviceBinding | None = None
 
     @property
     def runs_inline(self) -> bool:
@@ -136,6 +139,8 @@ class ModelRunner:
         try:
             if self.signature.has_bf16:
                 arrays = bf16.run(self.session, ort_feeds, output_names, options)
+            elif self.binding is not None:
+                arrays = self.binding.run(self.session, ort_feeds, output_names, options)
             else:
                 arrays = self.session.run(list(output_names), ort_feeds, options)
         except UnicodeDecodeError:  # the binding decodes string outputs as UTF-8, strictly
@@ -278,6 +283,13 @@ def load_runner(
         warmup_run_s=0.0,
         kind=kind,
         inline_limit_s=inline_limit_s,
+        # Set before the warm-up, so that the warm-up runs as requests will. A graph a layer
+        # above runs (a decoder) binds its own tensors (its cache stays on the device).
+        binding=binding_for(
+            session.get_providers()[0], config.execution.device_id, signature, config.execution.io_binding
+        )
+        if kind is None
+        else None,
     )
     if kind is not None:
         feeds = kind.warmup_feeds()
