@@ -27,6 +27,7 @@ from modelyard.inference.v1 import model_service_pb2 as mpb
 from modelyard.inference.v1 import model_service_pb2_grpc as mpb_grpc
 from modelyard.service.config import Settings
 from modelyard.service.gpu_memory import used_mib
+from modelyard.service.runtime.iobinding import DeviceBinding
 from modelyard.service.runtime.providers import CPU, CUDA, detect_providers
 from modelyard.service.server import Service, build_service
 from modelyard.tensors import to_array, to_tensor
@@ -46,6 +47,10 @@ GENERATION = """generation:
   eos_token: "<|endoftext|>"
 execution: {{provider: {provider}}}
 """
+BATCHED = {
+    "execution": {"provider": "cuda"},
+    "dynamic_batching": {"max_queue_delay_us": 20000, "max_concurrent_batches": 1},
+}
 
 
 @pytest.fixture(scope="module")
@@ -61,6 +66,20 @@ def repository(tmp_path_factory: pytest.TempPathFactory) -> Path:
         )
         shutil.copytree(demo_models.COMMITTED_ROOT / "codelm" / "1", root / f"codelm_{provider}" / "1")
         (root / f"codelm_{provider}" / "config.yaml").write_text(GENERATION.format(provider=provider))
+        demo_models.write_model(
+            root, f"multi_{provider}", 1, demo_models.multi_io(64), {"max_batch_size": 64, **execution}
+        )
+    # The MLP again on CUDA: batched (several requests to one run), and on session.run (no binding).
+    demo_models.write_model(
+        root, "batched_cuda", 1, demo_models.dense_stack(8, 256), {"max_batch_size": 64, **BATCHED}
+    )
+    demo_models.write_model(
+        root,
+        "unbound_cuda",
+        1,
+        demo_models.dense_stack(8, 256),
+        {"max_batch_size": 64, "execution": {"provider": "cuda", "io_binding": False}},
+    )
     return root
 
 
@@ -108,6 +127,60 @@ async def test_cuda_answers_equal_the_cpu_within_tolerance(
         )
         answers[provider] = to_array(reply.outputs[0])
     np.testing.assert_allclose(answers["cuda"], answers["cpu"], rtol=1e-3, atol=1e-4)
+
+
+# -- IO binding: CUDA runs bind their inputs and outputs (service/runtime/iobinding.py) ----------
+
+
+def test_cuda_versions_bind_their_tensors_and_the_others_run_plainly(service: Service) -> None:
+    for name in ("mlp_cuda", "encoder_cuda", "multi_cuda", "batched_cuda"):
+        runner = service.manager.resolve(name).runner
+        assert runner.provider == CUDA and runner.binding == DeviceBinding("cuda", 0), name
+    assert service.manager.resolve("unbound_cuda").runner.binding is None  # execution.io_binding: false
+    assert service.manager.resolve("mlp_cpu").runner.binding is None  # the CPU path: session.run
+    assert service.manager.resolve("codelm_cuda").runner.binding is None  # generation binds its own
+
+
+@pytest.mark.parametrize("batch", [1, 64])
+async def test_bound_outputs_equal_the_cpu_for_several_outputs_and_types(
+    channel: grpc.aio.Channel, batch: int
+) -> None:
+    stub: Any = pb_grpc.InferenceServiceStub(channel)
+    rng = np.random.default_rng(batch)
+    a = rng.standard_normal((batch, 64), dtype=np.float32)
+    b = rng.integers(-100, 100, (batch, 64), dtype=np.int64)
+    answers = {}
+    for provider in PROVIDERS:
+        reply = await stub.Infer(
+            pb.InferRequest(model_name=f"multi_{provider}", inputs=[to_tensor("a", a), to_tensor("b", b)])
+        )
+        answers[provider] = {o.name: to_array(o) for o in reply.outputs}
+    assert set(answers["cuda"]) == {"sum", "argmax"}
+    np.testing.assert_allclose(answers["cuda"]["sum"], answers["cpu"]["sum"], rtol=1e-6, atol=1e-6)
+    assert answers["cuda"]["argmax"].dtype == np.int64
+    np.testing.assert_array_equal(answers["cuda"]["argmax"], answers["cpu"]["argmax"])
+
+
+async def test_dynamic_batches_on_cuda_answer_each_request_as_the_cpu_does(
+    channel: grpc.aio.Channel, service: Service
+) -> None:
+    stub: Any = pb_grpc.InferenceServiceStub(channel)
+    rng = np.random.default_rng(7)
+    rows = [rng.standard_normal((n, 256), dtype=np.float32) for n in (1, 3, 8, 2, 5, 1, 16, 4)]
+    served = service.manager.resolve("batched_cuda")
+    runs_before = served.stats.execution_count
+
+    async def infer(model: str, x: np.ndarray) -> np.ndarray:
+        reply = await stub.Infer(pb.InferRequest(model_name=model, inputs=[to_tensor("INPUT0", x)]))
+        return to_array(reply.outputs[0])
+
+    batched = await asyncio.gather(*(infer("batched_cuda", x) for x in rows))
+    # Fewer runs than requests: some ran together, in one bound run, and were split back.
+    assert served.stats.execution_count - runs_before < len(rows)
+    for x, got in zip(rows, batched, strict=True):
+        np.testing.assert_allclose(got, await infer("mlp_cpu", x), rtol=1e-3, atol=1e-4)
+        # The same weights through session.run on CUDA (execution.io_binding: false).
+        np.testing.assert_allclose(got, await infer("unbound_cuda", x), rtol=1e-5, atol=1e-6)
 
 
 async def test_generate_on_cuda_equals_the_cpu_greedy(channel: grpc.aio.Channel) -> None:
