@@ -102,4 +102,5 @@ def typed_failure(
         session.run(list(output_names), dict(feeds), options)
     except Exception as typed:
         return typed
-    return RuntimeException(str(exc).removeprefix(UNTYPED_PREFIX))
+    own: Exception = RuntimeException(str(exc).removeprefix(UNTYPED_PREFIX))
+    return own
