@@ -26,9 +26,11 @@ from modelyard.inference.v1 import inference_service_pb2_grpc as pb_grpc
 from modelyard.inference.v1 import model_service_pb2 as mpb
 from modelyard.inference.v1 import model_service_pb2_grpc as mpb_grpc
 from modelyard.service.config import Settings
-from modelyard.service.gpu_memory import used_mib
+from modelyard.service.gpu_memory import memory_of, used_mib
 from modelyard.service.runtime.iobinding import DeviceBinding
+from modelyard.service.runtime.manager import ModelManager
 from modelyard.service.runtime.providers import CPU, CUDA, detect_providers
+from modelyard.service.runtime.status import VersionState
 from modelyard.service.server import Service, build_service
 from modelyard.tensors import to_array, to_tensor
 from tests.support import eventually
@@ -181,6 +183,97 @@ async def test_dynamic_batches_on_cuda_answer_each_request_as_the_cpu_does(
         np.testing.assert_allclose(got, await infer("mlp_cpu", x), rtol=1e-3, atol=1e-4)
         # The same weights through session.run on CUDA (execution.io_binding: false).
         np.testing.assert_allclose(got, await infer("unbound_cuda", x), rtol=1e-5, atol=1e-6)
+
+
+# -- device memory in the version budget (service/runtime/loader.py, device_budget.py) ---------
+
+MIB = 2**20
+WEIGHTS_MIB = 128  # dense_stack(512, 256): 512 x 256 x 256 float32
+ON_CUDA = {"max_batch_size": 8, "execution": {"provider": "cuda"}}
+
+
+def free_mib() -> float:
+    """Free memory of CUDA device 0 as the driver reports it (what the loader reads)."""
+    memory = memory_of([0])
+    assert memory, "NVML reads no device 0 on a CUDA host"
+    return (memory[0].total - memory[0].used) / MIB
+
+
+def run_once(manager: ModelManager, name: str) -> np.ndarray:
+    served = manager.resolve(name)
+    (out,) = served.runner.run({"INPUT0": np.ones((2, 256), np.float32)}, ["OUTPUT0"])
+    return out
+
+
+@pytest.mark.parametrize("when", ["fail", "drain_first"])
+async def test_the_budget_refuses_a_version_its_device_has_no_room_for(tmp_path: Path, when: str) -> None:
+    root = tmp_path / "models"
+    config = {**ON_CUDA, "reload": {"when_over_budget": when}}
+    demo_models.write_model(root, "m", 1, demo_models.dense_stack(8, 256), config)
+    manager = ModelManager(root, CHOICE)
+    try:
+        await manager.load_all()
+        assert manager.resolve("m").runner.provider == CUDA
+        expected = run_once(manager, "m")
+        before = used_mb()
+        # Version 2's sessions may grow to 1 GiB more than the device has free: refused before it
+        # loads, even with drain_first (releasing version 1 would not make that room).
+        oversized = {**config, "execution": {"provider": "cuda", "gpu_mem_limit_mb": int(free_mib()) + 1024}}
+        demo_models.write_model(root, "m", 2, demo_models.dense_stack(8, 256, seed=2), oversized)
+        await manager.reconcile("m")
+        status = manager.status("m")
+        assert status.versions[2].state == VersionState.FAILED
+        assert "does not fit on its device" in status.versions[2].reason
+        assert status.default_version == 1 and status.versions[1].state == VersionState.READY
+        np.testing.assert_array_equal(run_once(manager, "m"), expected)  # version 1 still serves
+        assert used_mb() < before + 32  # no session of version 2 took the device
+    finally:
+        await manager.close()
+
+
+async def test_drain_first_releases_the_served_version_to_make_room_on_the_device(tmp_path: Path) -> None:
+    root = tmp_path / "models"
+    config = {**ON_CUDA, "reload": {"when_over_budget": "drain_first"}}
+    demo_models.write_model(root, "m", 1, demo_models.dense_stack(512, 256), config)
+    manager = ModelManager(root, CHOICE)
+    try:
+        await manager.load_all()
+        took = manager.resolve("m").device_bytes[0] / MIB
+        assert took >= WEIGHTS_MIB  # measured after its warm-up: at least its weights
+        # Version 2 may grow to half of what version 1 took more than is free: it fits only once
+        # version 1 is released, which drain_first does first.
+        limit = int(free_mib() + took / 2)
+        bounded = {**config, "execution": {"provider": "cuda", "gpu_mem_limit_mb": limit}}
+        demo_models.write_model(root, "m", 2, demo_models.dense_stack(8, 256, seed=2), bounded)
+        await manager.reconcile("m")
+        status = manager.status("m")
+        assert status.versions[2].state == VersionState.READY, status.versions[2].reason
+        assert status.default_version == 2 and manager.resolve("m").runner.provider == CUDA
+        assert status.versions[1].state == VersionState.UNLOADED
+    finally:
+        await manager.close()
+
+
+async def test_a_retired_versions_device_memory_comes_back(tmp_path: Path) -> None:
+    root = tmp_path / "models"
+    demo_models.write_model(root, "big", 1, demo_models.dense_stack(512, 256), ON_CUDA)
+    manager = ModelManager(root, CHOICE)
+    try:
+        before = used_mb()
+        await manager.load_all()
+        served = manager.resolve("big")
+        loaded = used_mb()
+        assert loaded >= before + WEIGHTS_MIB
+        # What the loader measured is what the device shows, and what the model's budget counts.
+        assert WEIGHTS_MIB * MIB <= served.device_bytes[0] <= (loaded - before + 1) * MIB
+        assert served.memory_bytes >= served.device_bytes[0]
+        del served
+        await manager.unload("big")
+        await eventually(
+            lambda: used_mb() < before + 64, what="the device memory of the retired version back", within_s=30
+        )
+    finally:
+        await manager.close()
 
 
 async def test_generate_on_cuda_equals_the_cpu_greedy(channel: grpc.aio.Channel) -> None:
