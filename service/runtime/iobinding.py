@@ -29,6 +29,7 @@ import numpy as np
 import onnxruntime as ort
 from onnxruntime.capi.onnxruntime_pybind11_state import RuntimeException
 
+from modelyard.service.runtime.device_errors import names_a_device_failure
 from modelyard.service.runtime.providers import CUDA
 from modelyard.service.runtime.signature import Signature
 
@@ -95,12 +96,15 @@ def typed_failure(
 ) -> Exception:
     """The typed error of a bound run that failed. run_with_iobinding drops ONNX Runtime's status
     code, which is what tells the request's fault (InvalidArgument) from the model's or the
-    device's (session.run_error): the same run through session.run fails with it. Only on a
-    failure; a device that failed fails again at once, and a stopped run stops at once. Should
-    session.run succeed, the bound run's own error stands, as ONNX Runtime's generic runtime error."""
+    device's (session.run_error): the same run through session.run fails with it (only on a
+    failure; a stopped run stops at once). A message that names a device failure is one as it is
+    (ONNX Runtime's generic runtime error, which run_error reads), with no run again on that
+    device; so is the bound run's own error where session.run succeeds."""
+    own: Exception = RuntimeException(str(exc).removeprefix(UNTYPED_PREFIX))
+    if names_a_device_failure(str(own)):
+        return own  # the device failed: no run again on it, and the message says what it is
     try:
         session.run(list(output_names), dict(feeds), options)
     except Exception as typed:
         return typed
-    own: Exception = RuntimeException(str(exc).removeprefix(UNTYPED_PREFIX))
     return own

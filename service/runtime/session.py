@@ -36,6 +36,7 @@ from modelyard.service.errors import (
 from modelyard.service.repository.config import ModelConfig, TensorConfig
 from modelyard.service.runtime import bf16
 from modelyard.service.runtime.cost import value_driven
+from modelyard.service.runtime.device_errors import names_a_device_failure
 from modelyard.service.runtime.iobinding import DeviceBinding, binding_for
 from modelyard.service.runtime.providers import CPU, CUDA, ProviderChoice
 from modelyard.service.runtime.runs import RunControl
@@ -57,10 +58,6 @@ WARMUP_RUNS = 5
 # the session: one large request would hold gigabytes for good), so it is followed by a warm-up
 # sized run with arena shrinkage, which frees the arena's unused chunks. Cheap beside such a run.
 SHRINK_AFTER_S = 0.1
-# How ONNX Runtime reports a failing device when it has no exception type for it: its CUDA provider's
-# CUDA_CALL / CUBLAS_CALL / CUDNN_CALL checks throw "CUDA failure 700: an illegal memory access..."
-# (or "CUBLAS failure", "CUDNN failure", "CUDA error cudaError..."), surfacing as Fail.
-_DEVICE_MESSAGE = re.compile(r"\b(CUDA|CUBLAS|CUDNN|NCCL) (failure|error)\b|\bcudaError", re.IGNORECASE)
 # How an arena refuses an allocation past its max_mem (BFCArena: "Available memory of N is smaller
 # than requested bytes of M"; "Failed to allocate memory for requested buffer of size N"), and
 # the system's own refusal (std::bad_alloc).
@@ -249,7 +246,7 @@ def is_device_fault(exc: BaseException) -> bool:
     values (Fail from an operator's check) is not one: it would fail on any instance."""
     if isinstance(exc, EPFail | DeviceReset):
         return True
-    return isinstance(exc, Fail | RuntimeException) and _DEVICE_MESSAGE.search(str(exc)) is not None
+    return isinstance(exc, Fail | RuntimeException) and names_a_device_failure(str(exc))
 
 
 def load_runner(
