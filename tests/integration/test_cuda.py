@@ -140,7 +140,6 @@ def test_cuda_versions_bind_their_tensors_and_the_others_run_plainly(service: Se
         assert runner.provider == CUDA and runner.binding == DeviceBinding("cuda", 0), name
     assert service.manager.resolve("unbound_cuda").runner.binding is None  # execution.io_binding: false
     assert service.manager.resolve("mlp_cpu").runner.binding is None  # the CPU path: session.run
-    assert service.manager.resolve("codelm_cuda").runner.binding is None  # generation binds its own
 
 
 @pytest.mark.parametrize("batch", [1, 64])

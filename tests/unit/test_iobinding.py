@@ -79,6 +79,14 @@ def test_a_strided_input_is_bound_as_a_contiguous_copy_with_the_same_answer() ->
     np.testing.assert_array_equal(got, expected)
 
 
+def test_read_only_inputs_as_decoded_requests_give_are_bound_as_they_are() -> None:
+    sess = session(demo_models.serialize(demo_models.multi_io()))
+    feeds = {k: np.frombuffer(v.tobytes(), v.dtype).reshape(v.shape) for k, v in multi_io_feeds(3).items()}
+    assert not any(v.flags.writeable for v in feeds.values())
+    for got, want in zip(ON_CPU.run(sess, feeds, ["sum", "argmax"]), sess.run(None, feeds), strict=True):
+        np.testing.assert_array_equal(got, want)
+
+
 def test_a_runner_with_the_binding_answers_as_the_plain_runner(tmp_path: Path) -> None:
     plain = loaded(tmp_path, "multi", demo_models.multi_io(), {"max_batch_size": 8})
     assert plain.binding is None  # the CPU path stays session.run
