@@ -224,7 +224,7 @@ async def test_the_budget_refuses_a_version_its_device_has_no_room_for(tmp_path:
         assert status.versions[2].state == VersionState.FAILED
         assert "does not fit on its device" in status.versions[2].reason
         assert status.default_version == 1 and status.versions[1].state == VersionState.READY
-        np.testing.assert_array_equal(run_once(manager, "m"), expected)  # version 1 still serves
+        np.testing.assert_allclose(run_once(manager, "m"), expected, rtol=1e-6)  # version 1 still serves
         assert used_mb() < before + 32  # no session of version 2 took the device
     finally:
         await manager.close()
