@@ -82,6 +82,13 @@ def repository(tmp_path_factory: pytest.TempPathFactory) -> Path:
         demo_models.dense_stack(8, 256),
         {"max_batch_size": 64, "execution": {"provider": "cuda", "io_binding": False}},
     )
+    demo_models.write_model(
+        root,
+        "pair_cuda",
+        1,
+        demo_models.dense_stack(8, 256),
+        {"max_batch_size": 64, "execution": {"provider": "cuda", "instances": 2}},
+    )
     return root
 
 
@@ -135,7 +142,7 @@ async def test_cuda_answers_equal_the_cpu_within_tolerance(
 
 
 def test_cuda_versions_bind_their_tensors_and_the_others_run_plainly(service: Service) -> None:
-    for name in ("mlp_cuda", "encoder_cuda", "multi_cuda", "batched_cuda"):
+    for name in ("mlp_cuda", "encoder_cuda", "multi_cuda", "batched_cuda", "pair_cuda"):
         runner = service.manager.resolve(name).runner
         assert runner.provider == CUDA and runner.binding == DeviceBinding("cuda", 0), name
     assert service.manager.resolve("unbound_cuda").runner.binding is None  # execution.io_binding: false
@@ -182,6 +189,33 @@ async def test_dynamic_batches_on_cuda_answer_each_request_as_the_cpu_does(
         np.testing.assert_allclose(got, await infer("mlp_cpu", x), rtol=1e-3, atol=1e-4)
         # The same weights through session.run on CUDA (execution.io_binding: false).
         np.testing.assert_allclose(got, await infer("unbound_cuda", x), rtol=1e-5, atol=1e-6)
+
+
+async def test_two_instances_on_the_device_take_runs_by_fewest_pending(
+    channel: grpc.aio.Channel, service: Service
+) -> None:
+    stub: Any = pb_grpc.InferenceServiceStub(channel)
+    x = np.random.default_rng(3).standard_normal((4, 256), dtype=np.float32)
+
+    async def infer(model: str) -> np.ndarray:
+        reply = await stub.Infer(pb.InferRequest(model_name=model, inputs=[to_tensor("INPUT0", x)]))
+        return to_array(reply.outputs[0])
+
+    instances = service.manager.resolve("pair_cuda").instances
+    first, second = instances.all
+    assert first.device == second.device == "cuda:0" and first.runner is not second.runner
+    expected = await infer("mlp_cpu")
+    # A run counted on instance 0 (as one in progress there): the next goes to instance 1's session.
+    busy = instances.start()
+    assert busy is first
+    try:
+        np.testing.assert_allclose(await infer("pair_cuda"), expected, rtol=1e-3, atol=1e-4)
+    finally:
+        instances.finish(busy)
+    assert (first.runs, second.runs) == (1, 1) and (first.pending, second.pending) == (0, 0)
+    # Both idle: the tie goes to the lowest index.
+    np.testing.assert_allclose(await infer("pair_cuda"), expected, rtol=1e-3, atol=1e-4)
+    assert (first.runs, second.runs) == (2, 1)
 
 
 # -- device memory in the version budget (service/runtime/loader.py, device_budget.py) ---------
