@@ -14,6 +14,9 @@ provider and model:
   1 (dynamic batching on), rows/s at concurrency 4 and batch 64.
 - overhead: the service's p50 over the bare p50 at batch 1 (what gRPC, scheduling and the tensor
   conversions add to one call).
+- on CUDA, the service twice: its runs through IO binding (the default) and through plain
+  `session.run` (`execution.io_binding: false`, models `<name>_plain` in the same service), so
+  that the binding is judged by its figures.
 
 With CUDA, the devices' used memory (NVML) is read before the service starts, once it serves and
 after it stops. A provider this host cannot run (CUDA without a GPU) is reported as skipped.
@@ -48,6 +51,7 @@ from modelyard.service.runtime.providers import CPU, CUDA, detect_providers
 from modelyard.tensors import to_tensor
 
 PROVIDERS = {"cpu": CPU, "cuda": CUDA}
+PLAIN = "_plain"  # the same model on CUDA without IO binding (execution.io_binding: false)
 BIG_BATCH = 64
 
 
@@ -133,15 +137,20 @@ async def measure(providers: Sequence[str], duration_s: float) -> dict[str, Any]
         section: dict[str, Any] = {"device_memory_mb": {"before": used_mib()}}
         with tempfile.TemporaryDirectory() as tmp:
             root = Path(tmp) / "models"
+            variants = {"": True, PLAIN: False} if provider == CUDA else {"": True}
             for name, (model, _) in built.items():
-                config = {"max_batch_size": BIG_BATCH, "execution": {"provider": key}}
-                config["dynamic_batching"] = {"max_queue_delay_us": 500}
-                write_model(root, name, 1, model, config)
+                for suffix, binding in variants.items():
+                    execution = {"provider": key} if binding else {"provider": key, "io_binding": False}
+                    config: dict[str, Any] = {"max_batch_size": BIG_BATCH, "execution": execution}
+                    config["dynamic_batching"] = {"max_queue_delay_us": 500}
+                    write_model(root, name + suffix, 1, model, config)
             floors = {
                 name: bare(serialize(model), shape, provider, duration_s)
                 for name, (model, shape) in built.items()
             }
-            served = await service(root, Path(tmp), shapes, duration_s, floors)
+            served_shapes = {name + suffix: shapes[name] for name in built for suffix in variants}
+            served_floors = {name + suffix: floors[name] for name in built for suffix in variants}
+            served = await service(root, Path(tmp), served_shapes, duration_s, served_floors)
         section["device_memory_mb"].update(served.pop("device_memory_mb", {}), after=used_mib())
         for name in built:
             section[name] = {
@@ -149,6 +158,8 @@ async def measure(providers: Sequence[str], duration_s: float) -> dict[str, Any]
                 "service": served[name],
                 "overhead_p50": served[name]["p50_ms"] / floors[name]["p50_ms"],
             }
+            if name + PLAIN in served:
+                section[name]["service" + PLAIN] = served[name + PLAIN]
         report[key] = section
     return report
 
@@ -173,6 +184,13 @@ def print_report(report: dict[str, Any]) -> None:
                 f"{b[f'rows_per_s_b{BIG_BATCH}']:>16.0f}{s['rows_per_s_c16_b1']:>18.0f}"
                 f"{s[f'rows_per_s_c4_b{BIG_BATCH}']:>18.0f}"
             )
+            plain = section[name].get("service" + PLAIN)
+            if plain is not None:
+                print(
+                    f"{key:<9}{'  plain':<9}{'':>12}{plain['p50_ms']:>11.3f}{'':>9}{'':>16}"
+                    f"{plain['rows_per_s_c16_b1']:>18.0f}{plain[f'rows_per_s_c4_b{BIG_BATCH}']:>18.0f}"
+                    "  (no IO binding)"
+                )
         memory = section["device_memory_mb"]
         if memory.get("before") is not None:
             print(f"{'':<9}device memory used, MB: {json.dumps(memory)}")

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Callable, Iterator
+import os
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -67,6 +68,39 @@ def used_mib() -> float | None:
     cannot be used. For the benchmarks and the CUDA tests: a version's device memory back."""
     devices = read_nvml()
     return sum(d.used for d in devices) / 2**20 if devices else None
+
+
+def cuda_to_nvml(device: int, visible: str | None = None) -> int | None:
+    """The NVML index of CUDA device `device` (a session's device_id): CUDA numbers only the
+    devices CUDA_VISIBLE_DEVICES lists, in its order; None where it names them otherwise (UUIDs,
+    MIG instances), which this reading does not map. (CUDA's default order is fastest first, NVML's
+    the PCI bus's: the same on a host of one device model; set CUDA_DEVICE_ORDER=PCI_BUS_ID on
+    a mixed host.)"""
+    if visible is None:
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is None or not visible.strip():
+        return device
+    listed = [entry.strip() for entry in visible.split(",")]
+    if device >= len(listed) or not listed[device].isdigit():
+        return None
+    return int(listed[device])
+
+
+def memory_of(
+    devices: Iterable[int], read: Callable[[], list[DeviceMemory] | None] = read_nvml
+) -> dict[int, DeviceMemory] | None:
+    """The memory of each CUDA device named (by CUDA device id), for a version's load and release;
+    None where NVML cannot be used. A device NVML does not see is left out."""
+    seen = read()
+    if seen is None:
+        return None
+    by_index = {memory.device: memory for memory in seen}
+    found = {}
+    for device in devices:
+        index = cuda_to_nvml(device)
+        if index is not None and index in by_index:
+            found[device] = by_index[index]
+    return found
 
 
 class GpuMemoryCollector(Collector):

@@ -152,13 +152,16 @@ class InstanceCounts(Protocol):
 
     def snapshot(
         self,
-    ) -> Sequence[tuple[str, str, int, int, bool]]: ...  # (index, device, pending, runs, healthy)
+    ) -> Sequence[
+        tuple[str, str, int, int, bool, int]
+    ]: ...  # (index, device, pending, runs, healthy, faults)
 
 
 class InstanceMetrics:
     """Per model instance, so that an operator sees how runs spread over instances and devices:
-    `modelyard_instance_runs_total`, `modelyard_instance_in_flight` and `modelyard_instance_healthy`
-    by model, version, instance (its index) and device.
+    `modelyard_instance_runs_total`, `modelyard_instance_in_flight`, `modelyard_instance_healthy` and
+    `modelyard_instance_device_faults_total` (runs that failed on the instance's device, each of
+    which rested it) by model, version, instance (its index) and device.
 
     A collector read at scrape time from the instances' own counts (plain ints kept on the event
     loop): nothing is added to a run's path. A version's series leave with it. Two loads of the same
@@ -171,7 +174,7 @@ class InstanceMetrics:
         # Replaced whole on every change (one assignment): a scrape on the HTTP thread sees the
         # old mapping or the new one.
         self._versions: dict[tuple[str, str], tuple[InstanceCounts, ...]] = {}
-        self._carried: dict[tuple[str, ...], int] = {}
+        self._carried: dict[tuple[str, ...], tuple[int, int]] = {}  # labels -> (runs, faults)
         registry.register(self)
 
     def add(self, model: str, version: str, counts: InstanceCounts) -> None:
@@ -185,9 +188,10 @@ class InstanceMetrics:
         carried = dict(self._carried)
         if rest:
             versions[key] = rest
-            for index, device, _, runs, _ in counts.snapshot():
+            for index, device, _, runs, _, faults in counts.snapshot():
                 labels = (model, version, index, device)
-                carried[labels] = carried.get(labels, 0) + runs
+                had_runs, had_faults = carried.get(labels, (0, 0))
+                carried[labels] = (had_runs + runs, had_faults + faults)
         else:
             carried = {labels: runs for labels, runs in carried.items() if labels[:2] != key}
         self._versions, self._carried = versions, carried
@@ -206,22 +210,32 @@ class InstanceMetrics:
             "1 while a model instance takes runs, 0 while it rests after a run failed on its device.",
             labels=self.LABELS,
         )
-        # labels -> [runs, in flight, healthy]; what left is carried while its version serves.
-        totals: dict[tuple[str, ...], list[int]] = {k: [runs, 0, 1] for k, runs in self._carried.items()}
+        faults = CounterMetricFamily(
+            "modelyard_instance_device_faults",
+            "Runs that failed on a model instance's device (each rests the instance for a while).",
+            labels=self.LABELS,
+        )
+        # labels -> [runs, in flight, healthy, faults]; what left is carried while its version serves.
+        totals: dict[tuple[str, ...], list[int]] = {
+            k: [runs, 0, 1, failed] for k, (runs, failed) in self._carried.items()
+        }
         for (model, version), pools in list(self._versions.items()):
             for pool in pools:
-                for index, device, pending, started, ok in pool.snapshot():
-                    total = totals.setdefault((model, version, index, device), [0, 0, 1])
+                for index, device, pending, started, ok, failed in pool.snapshot():
+                    total = totals.setdefault((model, version, index, device), [0, 0, 1, 0])
                     total[0] += started
                     total[1] += pending
                     total[2] = min(total[2], int(ok))
-        for labels, (started, pending, healthy_now) in totals.items():
+                    total[3] += failed
+        for labels, (started, pending, healthy_now, failed) in totals.items():
             runs.add_metric(list(labels), started)
             in_flight.add_metric(list(labels), pending)
             healthy.add_metric(list(labels), healthy_now)
+            faults.add_metric(list(labels), failed)
         yield runs
         yield in_flight
         yield healthy
+        yield faults
 
 
 @dataclass(frozen=True)

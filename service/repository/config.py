@@ -83,6 +83,8 @@ class ExecutionConfig:
     inter_op_threads: int = 0
     instances: int = 1  # sessions on each device (service/runtime/instances.py picks among them)
     device_ids: tuple[int, ...] = ()  # CUDA devices to place instances on; () = (device_id,)
+    # CUDA runs bind their inputs and outputs (runtime/iobinding.py); False: plain session.run.
+    io_binding: bool = True
 
     @property
     def devices(self) -> tuple[int, ...]:
@@ -274,6 +276,7 @@ def _execution(doc: ExecutionDoc) -> ExecutionConfig:
         inter_op_threads=doc.inter_op_threads,
         instances=doc.instances,
         device_ids=device_ids,
+        io_binding=doc.io_binding,
     )
     if execution.sessions > MAX_SESSIONS:
         raise DocumentError(

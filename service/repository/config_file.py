@@ -80,6 +80,9 @@ class ExecutionDoc(_Keys):
     intra_op_threads: Annotated[Count, Meta(description="per session; 0 = ONNX Runtime's default")] = 0
     inter_op_threads: Annotated[Count, Meta(description="per session; 0 = ONNX Runtime's default")] = 0
     instances: Annotated[Positive, Meta(description="sessions on each device")] = 1
+    io_binding: Annotated[
+        bool, Meta(description="CUDA runs bind inputs and outputs to the device; false: plain session.run")
+    ] = True
 
 
 class QueuePolicyDoc(_Keys):

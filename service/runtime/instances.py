@@ -81,6 +81,7 @@ class Instance:
     pending: int = 0  # runs started and not yet finished
     runs: int = 0  # runs started, ever
     resting_until: float = 0.0  # skipped until then (monotonic clock): its device failed a run
+    faults: int = 0  # runs that failed on its device, ever
 
 
 class Instances:
@@ -137,6 +138,7 @@ class Instances:
         """A run on `instance` ended; a DeviceFault sends the instance to rest."""
         instance.pending -= 1
         if isinstance(error, DeviceFault):
+            instance.faults += 1
             instance.resting_until = self._clock() + self._backoff_s
             log.warning(
                 "instance %d (%s) failed on its device; skipped for %.0f s while another is healthy: %s",
@@ -218,9 +220,9 @@ class Instances:
         self.runs.end(control)
         self.finish(instance, None if future.cancelled() else future.exception())
 
-    def snapshot(self) -> list[tuple[str, str, int, int, bool]]:
-        """(index, device, pending, runs, healthy) of each instance, for metrics."""
-        return [(str(i.index), i.device, i.pending, i.runs, self.healthy(i)) for i in self.all]
+    def snapshot(self) -> list[tuple[str, str, int, int, bool, int]]:
+        """(index, device, pending, runs, healthy, device faults) of each instance, for metrics."""
+        return [(str(i.index), i.device, i.pending, i.runs, self.healthy(i), i.faults) for i in self.all]
 
 
 def _caller_left(label: str) -> DeadlineExceeded:

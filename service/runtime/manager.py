@@ -12,10 +12,12 @@ read status and control models through the manager.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractContextManager
 from pathlib import Path
 
+from modelyard.service.gpu_memory import DeviceMemory, read_nvml
 from modelyard.service.metrics import ServiceMetrics
 from modelyard.service.runtime.instances import Loader
 from modelyard.service.runtime.loader import LoadHook, VersionLoader
@@ -40,6 +42,7 @@ class ModelManager:
         drain_timeout_s: float = 30.0,
         max_run_s: float = 0.0,  # the longest one run on an executor thread may take; 0: no bound
         loader: Loader = load_runner,  # test seam: a loader that fails or blocks on demand
+        read_devices: Callable[[], list[DeviceMemory] | None] = read_nvml,  # devices' memory (NVML)
     ) -> None:
         self.repository = repository
         self.providers = providers
@@ -54,7 +57,15 @@ class ModelManager:
         # The runs on executor threads of every served version, so that shutdown can stop them.
         self.runs = ActiveRuns(max_run_s)
         self.loader = VersionLoader(
-            self.table, self.board, providers, self.metrics, self._io, self.runs, drain_timeout_s, loader
+            self.table,
+            self.board,
+            providers,
+            self.metrics,
+            self._io,
+            self.runs,
+            drain_timeout_s,
+            loader,
+            read_devices,
         )
         self.reconciler = RepositoryReconciler(
             repository, self.table, self.board, self.loader, self.metrics, self._io

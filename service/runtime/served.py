@@ -99,6 +99,8 @@ class ServedVersion:
         self.config = config
         self.fingerprint = fingerprint  # the files it was loaded from; a change means reload
         self.memory_bytes = memory_bytes  # estimate of all its instances, for the model's memory budget
+        # By CUDA device: the memory its sessions took there by their warm-ups' end (NVML).
+        self.device_bytes: dict[int, int] = {}
         # Class labels by output name, from the config's label files (classification extension).
         self.labels: Mapping[str, tuple[str, ...]] = {}
         self.stats = VersionStats()

@@ -36,6 +36,8 @@ from modelyard.service.errors import (
 from modelyard.service.repository.config import ModelConfig, TensorConfig
 from modelyard.service.runtime import bf16
 from modelyard.service.runtime.cost import value_driven
+from modelyard.service.runtime.device_errors import names_a_device_failure
+from modelyard.service.runtime.iobinding import DeviceBinding, binding_for
 from modelyard.service.runtime.providers import CPU, CUDA, ProviderChoice
 from modelyard.service.runtime.runs import RunControl
 from modelyard.service.runtime.signature import Signature, TensorSpec
@@ -56,10 +58,6 @@ WARMUP_RUNS = 5
 # the session: one large request would hold gigabytes for good), so it is followed by a warm-up
 # sized run with arena shrinkage, which frees the arena's unused chunks. Cheap beside such a run.
 SHRINK_AFTER_S = 0.1
-# How ONNX Runtime reports a failing device when it has no exception type for it: its CUDA provider's
-# CUDA_CALL / CUBLAS_CALL / CUDNN_CALL checks throw "CUDA failure 700: an illegal memory access..."
-# (or "CUBLAS failure", "CUDNN failure", "CUDA error cudaError..."), surfacing as Fail.
-_DEVICE_MESSAGE = re.compile(r"\b(CUDA|CUBLAS|CUDNN|NCCL) (failure|error)\b|\bcudaError", re.IGNORECASE)
 # How an arena refuses an allocation past its max_mem (BFCArena: "Available memory of N is smaller
 # than requested bytes of M"; "Failed to allocate memory for requested buffer of size N"), and
 # the system's own refusal (std::bad_alloc).
@@ -118,6 +116,8 @@ class ModelRunner:
     # Why this version serves on the CPU where CUDA was expected (a host with a driver, or a CUDA
     # session that fell back); "" when it runs where it should. Its status says "degraded: ...".
     degraded: str = ""
+    # How runs on a device bind their tensors (iobinding.py); None: session.run (the CPU).
+    binding: DeviceBinding | None = None
 
     @property
     def runs_inline(self) -> bool:
@@ -136,6 +136,8 @@ class ModelRunner:
         try:
             if self.signature.has_bf16:
                 arrays = bf16.run(self.session, ort_feeds, output_names, options)
+            elif self.binding is not None:
+                arrays = self.binding.run(self.session, ort_feeds, output_names, options)
             else:
                 arrays = self.session.run(list(output_names), ort_feeds, options)
         except UnicodeDecodeError:  # the binding decodes string outputs as UTF-8, strictly
@@ -244,7 +246,7 @@ def is_device_fault(exc: BaseException) -> bool:
     values (Fail from an operator's check) is not one: it would fail on any instance."""
     if isinstance(exc, EPFail | DeviceReset):
         return True
-    return isinstance(exc, Fail | RuntimeException) and _DEVICE_MESSAGE.search(str(exc)) is not None
+    return isinstance(exc, Fail | RuntimeException) and names_a_device_failure(str(exc))
 
 
 def load_runner(
@@ -278,6 +280,13 @@ def load_runner(
         warmup_run_s=0.0,
         kind=kind,
         inline_limit_s=inline_limit_s,
+        # Set before the warm-up, so that the warm-up runs as requests will. A graph a layer
+        # above runs (a decoder) binds its own tensors (its cache stays on the device).
+        binding=binding_for(
+            session.get_providers()[0], config.execution.device_id, signature, config.execution.io_binding
+        )
+        if kind is None
+        else None,
     )
     if kind is not None:
         feeds = kind.warmup_feeds()

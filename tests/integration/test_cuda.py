@@ -26,8 +26,11 @@ from modelyard.inference.v1 import inference_service_pb2_grpc as pb_grpc
 from modelyard.inference.v1 import model_service_pb2 as mpb
 from modelyard.inference.v1 import model_service_pb2_grpc as mpb_grpc
 from modelyard.service.config import Settings
-from modelyard.service.gpu_memory import used_mib
+from modelyard.service.gpu_memory import memory_of, used_mib
+from modelyard.service.runtime.iobinding import DeviceBinding
+from modelyard.service.runtime.manager import ModelManager
 from modelyard.service.runtime.providers import CPU, CUDA, detect_providers
+from modelyard.service.runtime.status import VersionState
 from modelyard.service.server import Service, build_service
 from modelyard.tensors import to_array, to_tensor
 from tests.support import eventually
@@ -46,6 +49,10 @@ GENERATION = """generation:
   eos_token: "<|endoftext|>"
 execution: {{provider: {provider}}}
 """
+BATCHED = {
+    "execution": {"provider": "cuda"},
+    "dynamic_batching": {"max_queue_delay_us": 20000, "max_concurrent_batches": 1},
+}
 
 
 @pytest.fixture(scope="module")
@@ -61,6 +68,27 @@ def repository(tmp_path_factory: pytest.TempPathFactory) -> Path:
         )
         shutil.copytree(demo_models.COMMITTED_ROOT / "codelm" / "1", root / f"codelm_{provider}" / "1")
         (root / f"codelm_{provider}" / "config.yaml").write_text(GENERATION.format(provider=provider))
+        demo_models.write_model(
+            root, f"multi_{provider}", 1, demo_models.multi_io(64), {"max_batch_size": 64, **execution}
+        )
+    # The MLP again on CUDA: batched (several requests to one run), and on session.run (no binding).
+    demo_models.write_model(
+        root, "batched_cuda", 1, demo_models.dense_stack(8, 256), {"max_batch_size": 64, **BATCHED}
+    )
+    demo_models.write_model(
+        root,
+        "unbound_cuda",
+        1,
+        demo_models.dense_stack(8, 256),
+        {"max_batch_size": 64, "execution": {"provider": "cuda", "io_binding": False}},
+    )
+    demo_models.write_model(
+        root,
+        "pair_cuda",
+        1,
+        demo_models.dense_stack(8, 256),
+        {"max_batch_size": 64, "execution": {"provider": "cuda", "instances": 2}},
+    )
     return root
 
 
@@ -108,6 +136,177 @@ async def test_cuda_answers_equal_the_cpu_within_tolerance(
         )
         answers[provider] = to_array(reply.outputs[0])
     np.testing.assert_allclose(answers["cuda"], answers["cpu"], rtol=1e-3, atol=1e-4)
+
+
+# -- IO binding: CUDA runs bind their inputs and outputs (service/runtime/iobinding.py) ----------
+
+
+def test_cuda_versions_bind_their_tensors_and_the_others_run_plainly(service: Service) -> None:
+    for name in ("mlp_cuda", "encoder_cuda", "multi_cuda", "batched_cuda", "pair_cuda"):
+        runner = service.manager.resolve(name).runner
+        assert runner.provider == CUDA and runner.binding == DeviceBinding("cuda", 0), name
+    assert service.manager.resolve("unbound_cuda").runner.binding is None  # execution.io_binding: false
+    assert service.manager.resolve("mlp_cpu").runner.binding is None  # the CPU path: session.run
+
+
+@pytest.mark.parametrize("batch", [1, 64])
+async def test_bound_outputs_equal_the_cpu_for_several_outputs_and_types(
+    channel: grpc.aio.Channel, batch: int
+) -> None:
+    stub: Any = pb_grpc.InferenceServiceStub(channel)
+    rng = np.random.default_rng(batch)
+    a = rng.standard_normal((batch, 64), dtype=np.float32)
+    b = rng.integers(-100, 100, (batch, 64), dtype=np.int64)
+    answers = {}
+    for provider in PROVIDERS:
+        reply = await stub.Infer(
+            pb.InferRequest(model_name=f"multi_{provider}", inputs=[to_tensor("a", a), to_tensor("b", b)])
+        )
+        answers[provider] = {o.name: to_array(o) for o in reply.outputs}
+    assert set(answers["cuda"]) == {"sum", "argmax"}
+    np.testing.assert_allclose(answers["cuda"]["sum"], answers["cpu"]["sum"], rtol=1e-6, atol=1e-6)
+    assert answers["cuda"]["argmax"].dtype == np.int64
+    np.testing.assert_array_equal(answers["cuda"]["argmax"], answers["cpu"]["argmax"])
+
+
+async def test_dynamic_batches_on_cuda_answer_each_request_as_the_cpu_does(
+    channel: grpc.aio.Channel, service: Service
+) -> None:
+    stub: Any = pb_grpc.InferenceServiceStub(channel)
+    rng = np.random.default_rng(7)
+    rows = [rng.standard_normal((n, 256), dtype=np.float32) for n in (1, 3, 8, 2, 5, 1, 16, 4)]
+    served = service.manager.resolve("batched_cuda")
+    runs_before = served.stats.execution_count
+
+    async def infer(model: str, x: np.ndarray) -> np.ndarray:
+        reply = await stub.Infer(pb.InferRequest(model_name=model, inputs=[to_tensor("INPUT0", x)]))
+        return to_array(reply.outputs[0])
+
+    batched = await asyncio.gather(*(infer("batched_cuda", x) for x in rows))
+    # Fewer runs than requests: some ran together, in one bound run, and were split back.
+    assert served.stats.execution_count - runs_before < len(rows)
+    for x, got in zip(rows, batched, strict=True):
+        np.testing.assert_allclose(got, await infer("mlp_cpu", x), rtol=1e-3, atol=1e-4)
+        # The same weights through session.run on CUDA (execution.io_binding: false).
+        np.testing.assert_allclose(got, await infer("unbound_cuda", x), rtol=1e-5, atol=1e-6)
+
+
+async def test_two_instances_on_the_device_take_runs_by_fewest_pending(
+    channel: grpc.aio.Channel, service: Service
+) -> None:
+    stub: Any = pb_grpc.InferenceServiceStub(channel)
+    x = np.random.default_rng(3).standard_normal((4, 256), dtype=np.float32)
+
+    async def infer(model: str) -> np.ndarray:
+        reply = await stub.Infer(pb.InferRequest(model_name=model, inputs=[to_tensor("INPUT0", x)]))
+        return to_array(reply.outputs[0])
+
+    instances = service.manager.resolve("pair_cuda").instances
+    first, second = instances.all
+    assert first.device == second.device == "cuda:0" and first.runner is not second.runner
+    expected = await infer("mlp_cpu")
+    # A run counted on instance 0 (as one in progress there): the next goes to instance 1's session.
+    busy = instances.start()
+    assert busy is first
+    try:
+        np.testing.assert_allclose(await infer("pair_cuda"), expected, rtol=1e-3, atol=1e-4)
+    finally:
+        instances.finish(busy)
+    assert (first.runs, second.runs) == (1, 1) and (first.pending, second.pending) == (0, 0)
+    # Both idle: the tie goes to the lowest index.
+    np.testing.assert_allclose(await infer("pair_cuda"), expected, rtol=1e-3, atol=1e-4)
+    assert (first.runs, second.runs) == (2, 1)
+
+
+# -- device memory in the version budget (service/runtime/loader.py, device_budget.py) ---------
+
+MIB = 2**20
+WEIGHTS_MIB = 128  # dense_stack(512, 256): 512 x 256 x 256 float32
+ON_CUDA = {"max_batch_size": 8, "execution": {"provider": "cuda"}}
+
+
+def free_mib() -> float:
+    """Free memory of CUDA device 0 as the driver reports it (what the loader reads)."""
+    memory = memory_of([0])
+    assert memory, "NVML reads no device 0 on a CUDA host"
+    return (memory[0].total - memory[0].used) / MIB
+
+
+def run_once(manager: ModelManager, name: str) -> np.ndarray:
+    served = manager.resolve(name)
+    (out,) = served.runner.run({"INPUT0": np.ones((2, 256), np.float32)}, ["OUTPUT0"])
+    return out
+
+
+@pytest.mark.parametrize("when", ["fail", "drain_first"])
+async def test_the_budget_refuses_a_version_its_device_has_no_room_for(tmp_path: Path, when: str) -> None:
+    root = tmp_path / "models"
+    config = {**ON_CUDA, "reload": {"when_over_budget": when}}
+    demo_models.write_model(root, "m", 1, demo_models.dense_stack(8, 256), config)
+    manager = ModelManager(root, CHOICE)
+    try:
+        await manager.load_all()
+        assert manager.resolve("m").runner.provider == CUDA
+        expected = run_once(manager, "m")
+        before = used_mb()
+        # Version 2's sessions may grow to 1 GiB more than the device has free: refused before it
+        # loads, even with drain_first (releasing version 1 would not make that room).
+        oversized = {**config, "execution": {"provider": "cuda", "gpu_mem_limit_mb": int(free_mib()) + 1024}}
+        demo_models.write_model(root, "m", 2, demo_models.dense_stack(8, 256, seed=2), oversized)
+        await manager.reconcile("m")
+        status = manager.status("m")
+        assert status.versions[2].state == VersionState.FAILED
+        assert "does not fit on its device" in status.versions[2].reason
+        assert status.default_version == 1 and status.versions[1].state == VersionState.READY
+        np.testing.assert_allclose(run_once(manager, "m"), expected, rtol=1e-6)  # version 1 still serves
+        assert used_mb() < before + 32  # no session of version 2 took the device
+    finally:
+        await manager.close()
+
+
+async def test_drain_first_releases_the_served_version_to_make_room_on_the_device(tmp_path: Path) -> None:
+    root = tmp_path / "models"
+    config = {**ON_CUDA, "reload": {"when_over_budget": "drain_first"}}
+    demo_models.write_model(root, "m", 1, demo_models.dense_stack(512, 256), config)
+    manager = ModelManager(root, CHOICE)
+    try:
+        await manager.load_all()
+        took = manager.resolve("m").device_bytes[0] / MIB
+        assert took >= WEIGHTS_MIB  # measured after its warm-up: at least its weights
+        # Version 2 may grow to half of what version 1 took more than is free: it fits only once
+        # version 1 is released, which drain_first does first.
+        limit = int(free_mib() + took / 2)
+        bounded = {**config, "execution": {"provider": "cuda", "gpu_mem_limit_mb": limit}}
+        demo_models.write_model(root, "m", 2, demo_models.dense_stack(8, 256, seed=2), bounded)
+        await manager.reconcile("m")
+        status = manager.status("m")
+        assert status.versions[2].state == VersionState.READY, status.versions[2].reason
+        assert status.default_version == 2 and manager.resolve("m").runner.provider == CUDA
+        assert status.versions[1].state == VersionState.UNLOADED
+    finally:
+        await manager.close()
+
+
+async def test_a_retired_versions_device_memory_comes_back(tmp_path: Path) -> None:
+    root = tmp_path / "models"
+    demo_models.write_model(root, "big", 1, demo_models.dense_stack(512, 256), ON_CUDA)
+    manager = ModelManager(root, CHOICE)
+    try:
+        before = used_mb()
+        await manager.load_all()
+        served = manager.resolve("big")
+        loaded = used_mb()
+        assert loaded >= before + WEIGHTS_MIB
+        # What the loader measured is what the device shows, and what the model's budget counts.
+        assert WEIGHTS_MIB * MIB <= served.device_bytes[0] <= (loaded - before + 1) * MIB
+        assert served.memory_bytes >= served.device_bytes[0]
+        del served
+        await manager.unload("big")
+        await eventually(
+            lambda: used_mb() < before + 64, what="the device memory of the retired version back", within_s=30
+        )
+    finally:
+        await manager.close()
 
 
 async def test_generate_on_cuda_equals_the_cpu_greedy(channel: grpc.aio.Channel) -> None:

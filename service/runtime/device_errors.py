@@ -1,0 +1,21 @@
+"""How ONNX Runtime says that a device failed, when it has no exception type for it.
+
+Its CUDA provider checks every CUDA library call (cuda_call.h: CUDA_CALL, CUBLAS_CALL, CUSPARSE_CALL,
+CURAND_CALL, CUDNN_CALL, CUFFT_CALL, NCCL_CALL) and, on an error, throws or returns
+"<LIB> failure <code>: <text> ; GPU=<id> ; hostname=<host> ; expr=<call>; " (cuda_call.cc), or a
+status "<LIB> error executing <call>" (cuda_common.h's *_RETURN_IF_ERROR); they reach Python as
+Fail or RuntimeException, or, from a bound run, as a plain RuntimeError (iobinding.py). CUDA's own
+error names (cudaErrorIllegalAddress, ...) say the same.
+"""
+
+from __future__ import annotations
+
+import re
+
+DEVICE_MESSAGE = re.compile(
+    r"\b(CUDA|CUBLAS|CUSPARSE|CURAND|CUDNN|CUFFT|NCCL) (failure|error)\b|\bcudaError", re.IGNORECASE
+)
+
+
+def names_a_device_failure(message: str) -> bool:
+    return DEVICE_MESSAGE.search(message) is not None
