@@ -17,5 +17,16 @@ DEVICE_MESSAGE = re.compile(
 )
 
 
+# A device that ran out of memory has not failed: cudaMalloc's cudaErrorMemoryAllocation ("CUDA
+# failure 2: out of memory") and the libraries' *_STATUS_ALLOC_FAILED come from the run's own size,
+# as the arena's refusals do, so they are the run's memory bound (session.run_error), not a fault
+# that rests the instance.
+OUT_OF_MEMORY = re.compile(r"\bout of memory\b|cudaErrorMemoryAllocation|_STATUS_ALLOC_FAILED", re.IGNORECASE)
+
+
 def names_a_device_failure(message: str) -> bool:
-    return DEVICE_MESSAGE.search(message) is not None
+    return DEVICE_MESSAGE.search(message) is not None and not names_out_of_device_memory(message)
+
+
+def names_out_of_device_memory(message: str) -> bool:
+    return OUT_OF_MEMORY.search(message) is not None

@@ -36,7 +36,7 @@ from modelyard.service.errors import (
 from modelyard.service.repository.config import ModelConfig, TensorConfig
 from modelyard.service.runtime import bf16
 from modelyard.service.runtime.cost import value_driven
-from modelyard.service.runtime.device_errors import names_a_device_failure
+from modelyard.service.runtime.device_errors import names_a_device_failure, names_out_of_device_memory
 from modelyard.service.runtime.iobinding import DeviceBinding, binding_for
 from modelyard.service.runtime.providers import CPU, CUDA, ProviderChoice
 from modelyard.service.runtime.runs import RunControl
@@ -214,7 +214,7 @@ def run_error(exc: BaseException, label: str) -> ServiceError:
     if isinstance(exc, ServiceError):
         return exc
     message = str(exc)
-    if _MEMORY_MESSAGE.search(message):
+    if _MEMORY_MESSAGE.search(message) or names_out_of_device_memory(message):
         return RunMemoryExceeded(
             f"{label}: the run needed more memory than its bound allows (the service's "
             f"--max-run-memory-mb, or the model's execution.gpu_mem_limit_mb); its inputs' values "

@@ -19,7 +19,7 @@ import pytest
 from onnxruntime.capi.onnxruntime_pybind11_state import Fail, InvalidArgument, RuntimeException
 
 from models import demo_models
-from modelyard.service.errors import DeviceFault, InvalidInput, ModelRunError
+from modelyard.service.errors import DeviceFault, InvalidInput, ModelRunError, RunMemoryExceeded
 from modelyard.service.metrics import ServiceMetrics
 from modelyard.service.runtime.instances import Instances
 from modelyard.service.runtime.iobinding import UNTYPED_PREFIX, typed_failure
@@ -83,6 +83,19 @@ def test_each_cuda_librarys_failure_is_a_device_fault_however_it_reaches_python(
     assert is_device_fault(
         Fail(STATUS_PREFIX + "CUDA error cudaErrorIllegalAddress:an illegal memory access")
     )
+
+
+def test_a_device_out_of_memory_is_the_runs_memory_bound_not_a_fault() -> None:
+    # cudaMalloc's cudaErrorMemoryAllocation (2) and the libraries' allocation failures: the run
+    # asked for too much, the device is fine; resting the instance would punish the next caller.
+    for message in (
+        cuda_call("CUDA", 2, "out of memory"),
+        cuda_call("CUBLAS", 3, "CUBLAS_STATUS_ALLOC_FAILED"),
+        cuda_call("CUDNN", 2, "CUDNN_STATUS_ALLOC_FAILED"),
+    ):
+        for exc in (Fail(STATUS_PREFIX + NODE + message), RuntimeException(THROWN_PREFIX + message)):
+            assert not is_device_fault(exc), exc
+            assert isinstance(run_error(exc, "model m version 1"), RunMemoryExceeded), exc
 
 
 def test_failures_that_are_not_the_devices_are_not_device_faults() -> None:
