@@ -17,7 +17,7 @@ test: lint browser-deps installs
 
 # The install step of `make test`: fresh virtual environments with the built wheel and the
 # `service-cpu` and `service-cuda` extras from the package registry (.cache/installs/EXTRA; made
-# anew when pyproject.toml changes; ~25 s and ~80 s on a clean machine, 0.3 and 2.6 GB), where
+# anew when an extra's dependencies change; ~25 s and ~80 s on a clean machine, 0.3 and 2.6 GB), where
 # tests/integration/test_installs.py starts the service as users install it.
 installs: $(VENV)/.installed-dev
 	$(PY) -m tests.installs

@@ -12,6 +12,7 @@ import re
 import tomllib
 
 from tests.dockerfile import DOCKERFILE, ROOT, copies, excluded, ignored_patterns, stages
+from tests.installs import requirements
 
 BUILD_TOOLS = ("gcc", "g++", "build-essential", "make ", "cmake", "git ", "apt-get install")
 STAGES = stages()
@@ -24,15 +25,6 @@ def base(name: str) -> str:
 
 def runs(name: str) -> str:
     return " ".join(rest for word, rest in STAGES[name] if word == "RUN")
-
-
-def requirements(extra: str) -> list[str]:
-    """What `modelyard[extra]` brings, its self-references (modelyard[...]) followed."""
-    found = []
-    for line in PROJECT["optional-dependencies"][extra]:
-        inner = re.fullmatch(r"modelyard\[([\w,-]+)\]", line)
-        found += [r for e in inner.group(1).split(",") for r in requirements(e)] if inner else [line]
-    return found
 
 
 def installed_extra(name: str) -> str:

@@ -1,5 +1,6 @@
 """deploy/kubernetes (the base) and deploy/overlays/*: every manifest of every kustomize build
-valid against the Kubernetes API schemas (kubernetes-validate, offline, strict), every pod
+valid against the Kubernetes API schemas (kubernetes-validate, offline, strict) and every custom
+resource against its CRD's schema (tests/crds.py: Istio's, the Prometheus operator's), every pod
 meeting Pod Security "restricted", the builds equal to their committed renders (deploy/rendered,
 when kubectl's kustomize is here), and the pieces agreeing with each other and with the
 processes: each container's arguments parse with its process's own settings parser, probes and
@@ -24,7 +25,7 @@ from modelyard.gateway.config import parse_settings as gateway_settings
 from modelyard.service.config import parse_settings as service_settings
 from modelyard.sidecar.config import parse_settings as sidecar_settings
 from modelyard.sidecar.routes import parse_table
-from tests import kubernetes_renders
+from tests import crds, kubernetes_renders
 
 ROOT = Path(__file__).resolve().parents[2]
 KUBERNETES = ROOT / "deploy" / "kubernetes"
@@ -74,9 +75,12 @@ def rendered(build: str) -> list[dict[str, Any]]:
     return [d for d in yaml.safe_load_all(text) if d]
 
 
-# Custom resources: no schema of theirs here (their CRDs are not in kubernetes-validate, and
-# nothing is downloaded), so their shape is checked by the tests that read them.
-CUSTOM = {"networking.istio.io/v1", "monitoring.coreos.com/v1"}
+# Custom resources: not in kubernetes-validate; checked against their CRDs' own schemas (tests/crds.py).
+CUSTOM = {"networking.istio.io", "monitoring.coreos.com"}
+
+
+def is_custom(doc: dict[str, Any]) -> bool:
+    return str(doc["apiVersion"]).split("/")[0] in CUSTOM
 
 
 def test_every_build_is_rendered_and_every_overlay_built() -> None:
@@ -105,10 +109,93 @@ def test_every_manifest_is_valid_against_the_api_schema(build: str, version: str
     docs = rendered(build)
     assert {d["kind"] for d in docs} >= {"Deployment", "Service", "NetworkPolicy"}
     for doc in docs:
-        if doc["apiVersion"] in CUSTOM:
-            assert doc["metadata"]["name"] and doc["spec"], doc
-            continue
-        kubernetes_validate.validate(doc, version, strict=True)
+        if not is_custom(doc):
+            kubernetes_validate.validate(doc, version, strict=True)
+
+
+@pytest.mark.parametrize("build", kubernetes_renders.BUILDS)
+def test_every_custom_resource_is_valid_against_its_crd_schema(build: str) -> None:
+    assert [e for doc in rendered(build) if is_custom(doc) for e in crds.errors(doc)] == []
+
+
+def test_the_vendored_crds_are_the_kinds_the_overlays_use() -> None:
+    used = {
+        (d["apiVersion"], d["kind"]) for b in kubernetes_renders.BUILDS for d in rendered(b) if is_custom(d)
+    }
+    assert used == set(crds.schemas())
+    with pytest.raises(crds.UnknownKind):
+        crds.errors({"apiVersion": "networking.istio.io/v1", "kind": "ServiceEntry", "metadata": {}})
+
+
+def _custom(kind: str, name: str) -> dict[str, Any]:
+    (doc,) = [
+        copy.deepcopy(d)
+        for b in kubernetes_renders.BUILDS
+        for d in rendered(b)
+        if d["kind"] == kind and d["metadata"]["name"] == name
+    ][:1]
+    return doc
+
+
+@pytest.mark.parametrize(
+    ("kind", "name", "change", "expected"),
+    [
+        (
+            "VirtualService",
+            "modelyard",
+            lambda d: d["spec"]["http"][0].update(retry={}),
+            "'retry' was unexpected",
+        ),
+        (
+            "VirtualService",
+            "modelyard",
+            lambda d: d["spec"]["http"][0]["route"][0]["destination"]["port"].update(number="50051"),
+            "not of type 'integer'",
+        ),
+        (
+            "DestinationRule",
+            "modelyard-gateway-http",
+            lambda d: d["spec"]["trafficPolicy"]["loadBalancer"].update(simple="ROUND_ROBIN"),
+            "valid under each of",  # simple and consistentHash: one of them only
+        ),
+        (
+            "Gateway",
+            "modelyard",
+            lambda d: d["spec"]["servers"][0].update(tls_mode="x"),
+            "'tls_mode' was unexpected",
+        ),
+        (
+            "PodMonitor",
+            "modelyard-inference",
+            lambda d: d["spec"]["podMetricsEndpoints"][0].update(scheme="gopher"),
+            "'gopher' is not one of",
+        ),
+        (
+            "PodMonitor",
+            "modelyard-inference",
+            lambda d: d["metadata"].update(label={}),
+            "'label' was unexpected",
+        ),
+        ("Gateway", "modelyard", lambda d: d.update(specs={}), "'specs' was unexpected"),
+    ],
+)
+def test_the_crd_check_refuses_unknown_fields_and_wrong_values(
+    kind: str, name: str, change: Callable[[dict[str, Any]], object], expected: str
+) -> None:
+    doc = _custom(kind, name)
+    assert crds.errors(doc) == []
+    change(doc)
+    assert [e for e in crds.errors(doc) if expected in e], crds.errors(doc)
+
+
+def test_the_crd_check_keeps_what_the_schema_preserves() -> None:
+    # Istio's `status` is x-kubernetes-preserve-unknown-fields: an unknown field there is kept, as
+    # on a cluster, while its specified parts (conditions) still refuse theirs.
+    doc = _custom("Gateway", "modelyard")
+    doc["status"] = {"anything": {"nested": 1}}
+    assert crds.errors(doc) == []
+    doc["status"] = {"conditions": [{"anything": 1}]}
+    assert [e for e in crds.errors(doc) if "'anything' was unexpected" in e]
 
 
 def test_the_schema_check_catches_a_wrong_field() -> None:
