@@ -12,6 +12,7 @@ files (SOURCES names each one's repository, release, commit and path).
 
 from __future__ import annotations
 
+import argparse
 import copy
 import functools
 import importlib.resources
@@ -116,8 +117,12 @@ def errors(doc: dict[str, Any]) -> list[str]:
 
 def main(argv: list[str]) -> int:
     """Trim the upstream CRD files (in SOURCES' order) into tests/data/crds/."""
+    parser = argparse.ArgumentParser(prog="python -m tests.crds", description=__doc__)
+    for name, source in SOURCES.items():
+        parser.add_argument(name.removesuffix(".yaml"), help=f"{source['repository']}'s {source['path']}")
+    upstreams = list(vars(parser.parse_args(argv)).values())
     CRDS.mkdir(parents=True, exist_ok=True)
-    for (name, source), upstream in zip(SOURCES.items(), argv, strict=True):
+    for (name, source), upstream in zip(SOURCES.items(), upstreams, strict=True):
         kept = []
         for crd in yaml.safe_load_all(Path(upstream).read_text()):
             if not crd or crd["spec"]["names"]["kind"] not in source["kinds"]:

@@ -13,6 +13,7 @@ it keep one) makes a remake fast; on a clean machine the CPU extra takes ~25 s h
 
 from __future__ import annotations
 
+import argparse
 import hashlib
 import os
 import platform
@@ -98,9 +99,14 @@ def environment(extra: str, wheel: Path) -> Path:
 
 
 def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="python -m tests.installs", description=__doc__)
+    parser.add_argument("extras", nargs="*", metavar="EXTRA", help=f"of {', '.join(EXTRAS)} (default: all)")
+    extras = parser.parse_args(argv).extras or EXTRAS
+    if set(extras) - set(EXTRAS):
+        parser.error(f"no environment for {', '.join(sorted(set(extras) - set(EXTRAS)))}")
     with tempfile.TemporaryDirectory() as out:
         wheel = build_wheel(Path(out))
-        for extra in argv or EXTRAS:
+        for extra in extras:
             environment(extra, wheel)
     return 0
 
