@@ -67,6 +67,19 @@ def in_venv(venv: Path, code: str, *args: str) -> Any:
     return json.loads(done.stdout.splitlines()[-1])
 
 
+def consistent(venv: Path) -> None:
+    """pip's own check: every installed distribution's requirements are met, none conflict."""
+    done = subprocess.run(
+        [str(venv / "bin" / "python"), "-m", "pip", "check"],
+        env=installs.clean_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
 DISTRIBUTIONS = """
 import importlib.metadata as m, json, onnxruntime, modelyard
 print(json.dumps({
@@ -136,6 +149,7 @@ def test_the_cpu_extra_installs_plain_onnxruntime_only(cpu_venv: Path) -> None:
     assert not [name for name in found["dists"] if name.startswith("nvidia-cu")], found["dists"]
     assert CUDA not in found["providers"] and CPU in found["providers"]
     assert Path(found["modelyard"]).is_relative_to(cpu_venv)  # the wheel, not this checkout
+    consistent(cpu_venv)
 
 
 def test_the_service_from_the_cpu_install_serves_on_the_cpu(
@@ -168,6 +182,7 @@ def test_the_cuda_extra_brings_the_libraries_and_the_preload_loads_them(cuda_ven
     assert CUDA in found["providers"]
     assert {"nvidia-cublas", "nvidia-cuda-runtime"} <= set(found["dists"]), found["dists"]
     assert [name for name in found["dists"] if name.startswith("nvidia-cudnn")]
+    consistent(cuda_venv)
     preloaded = in_venv(cuda_venv, PRELOAD)
     assert preloaded["missing"] == []
     for library in NVIDIA_LIBRARIES:
