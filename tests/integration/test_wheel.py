@@ -1,12 +1,10 @@
 """The wheel as users install it: one `modelyard` namespace (no top-level `service` or `gateway`),
 the processes' packages and data inside it (the .proto/.fbs sources, the demo models), a process
-that starts from the wheel alone, and the `service` extra's ONNX Runtime for each platform."""
+that starts from the wheel alone, and the ONNX Runtime each `service*` extra takes on each platform."""
 
 from __future__ import annotations
 
 import email
-import platform
-import shutil
 import subprocess
 import sys
 import zipfile
@@ -15,35 +13,15 @@ from pathlib import Path
 import pytest
 from packaging.requirements import Requirement
 
+from tests import installs
 from tests.support import REPO_ROOT
 
 
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    # From a copy of what deploy/Dockerfile copies: no stale build/ folder, and that set suffices.
-    source, out = tmp_path_factory.mktemp("source"), tmp_path_factory.mktemp("wheel")
-    skip = shutil.ignore_patterns("__pycache__", "*.egg-info", "node_modules", "web")
-    for name in ("pyproject.toml", "README.md"):
-        shutil.copy(REPO_ROOT / name, source / name)
-    for folder in (
-        "proto/python",
-        "proto/modelyard",
-        "models/demo",
-        "service",
-        "sidecar",
-        "gateway",
-        "deploy",
-        "envoy",
-    ):
-        shutil.copytree(REPO_ROOT / folder, source / folder, symlinks=True, ignore=skip)
-    subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", source, "-w", out],
-        check=True,
-        capture_output=True,
-        timeout=300,
-    )
-    (built,) = out.glob("modelyard-*.whl")
-    return built
+    # From a copy of what deploy/Dockerfile's wheel stage copies (tests/dockerfile.py): that set
+    # suffices, and no stale build/ folder comes in.
+    return installs.build_wheel(tmp_path_factory.mktemp("wheel"))
 
 
 @pytest.fixture(scope="module")
@@ -127,32 +105,48 @@ PLATFORMS = {
 }
 
 
-@pytest.mark.parametrize("platform", sorted(PLATFORMS))
-def test_the_service_extra_gets_one_pinned_onnxruntime_each_platform(wheel: Path, platform: str) -> None:
-    # The built wheel's own METADATA, its markers evaluated as pip would on that platform: no
-    # registry needed (nothing is downloaded at test time). onnxruntime-gpu has wheels only for
-    # Linux x86_64 among these; plain onnxruntime has them for all.
+def chosen(wheel: Path, platform: str, extra: str) -> list[Requirement]:
+    """What `pip install 'modelyard[extra]'` would take on `platform`, its self-references
+    (`modelyard[...]`) followed: the built wheel's own METADATA, markers evaluated as pip does."""
     with zipfile.ZipFile(wheel) as archive:
         (metadata,) = [n for n in archive.namelist() if n.endswith(".dist-info/METADATA")]
         message = email.message_from_bytes(archive.read(metadata))
-    chosen = []
+    taken = []
     for line in message.get_all("Requires-Dist") or []:
         requirement = Requirement(line)
-        if requirement.name.startswith("onnxruntime"):
-            assert requirement.marker is not None
-            if requirement.marker.evaluate({**PLATFORMS[platform], "extra": "service"}):
-                chosen.append(requirement)
-            # Neither is in the base install.
-            assert not requirement.marker.evaluate({**PLATFORMS[platform], "extra": ""})
-    assert len(chosen) == 1, chosen
-    (runtime,) = chosen
-    assert runtime.name == ("onnxruntime-gpu" if platform == "linux x86_64" else "onnxruntime")
-    (pin,) = runtime.specifier
-    assert pin.operator == "==", runtime
-    # The same version on every platform: one ONNX Runtime behaviour to test.
+        marker = requirement.marker
+        if marker is None or not marker.evaluate({**PLATFORMS[platform], "extra": extra}):
+            continue
+        if requirement.name == "modelyard":
+            taken += [r for inner in sorted(requirement.extras) for r in chosen(wheel, platform, inner)]
+        else:
+            taken.append(requirement)
+    return taken
+
+
+@pytest.mark.parametrize("platform", sorted(PLATFORMS))
+@pytest.mark.parametrize("extra", ["service", "service-cpu", "service-cuda", ""])
+def test_each_service_extra_gets_one_pinned_onnxruntime_each_platform(
+    wheel: Path, platform: str, extra: str
+) -> None:
+    # No registry needed (nothing is downloaded here; test_installs.py installs service-cpu and
+    # service-cuda for real). onnxruntime-gpu has wheels only for Linux x86_64 among these; plain
+    # onnxruntime has them for all. Both provide the `onnxruntime` module: never both at once.
+    runtimes = {r.name: r for r in chosen(wheel, platform, extra) if r.name.startswith("onnxruntime")}
+    if not extra:
+        assert runtimes == {}  # the base install: no ONNX Runtime
+        return
+    gpu_here = platform == "linux x86_64" and extra != "service-cpu"
+    assert set(runtimes) == {"onnxruntime-gpu" if gpu_here else "onnxruntime"}, runtimes
+    if extra == "service-cuda" and gpu_here:
+        assert [r for r in chosen(wheel, platform, extra) if r.extras == {"cuda", "cudnn"}]
     import onnxruntime
 
-    assert pin.version == onnxruntime.__version__
+    for runtime in chosen(wheel, platform, extra):
+        if runtime.name.startswith("onnxruntime"):
+            (pin,) = runtime.specifier
+            # The same version on every platform: one ONNX Runtime behaviour to test.
+            assert pin.operator == "==" and pin.version == onnxruntime.__version__, runtime
 
 
 def test_the_installed_command_has_a_version_and_the_demo_models(site: Path, tmp_path: Path) -> None:
@@ -172,28 +166,3 @@ def test_the_installed_command_has_a_version_and_the_demo_models(site: Path, tmp
         assert (tmp_path / "repo" / name).read_bytes() == (REPO_ROOT / "models/demo" / name).read_bytes()
     again = modelyard("demo-models", "repo")  # models already there are not overwritten
     assert again.returncode == 2 and "already has" in again.stderr
-
-
-def test_the_images_requirements_pick_plain_onnxruntime_for_cpu(site: Path, tmp_path: Path) -> None:
-    target = site
-    # What deploy/Dockerfile's stages install after the wheel, read from the installed wheel.
-
-    def listed(*args: str) -> list[str]:
-        done = subprocess.run(
-            [sys.executable, "-m", "modelyard.deploy.requirements", *args],
-            env={"PYTHONPATH": str(target), "PATH": "/usr/bin:/bin"},
-            cwd=tmp_path,
-            capture_output=True,
-            text=True,
-            timeout=60,
-        )
-        assert done.returncode == 0, done.stderr
-        return done.stdout.split()
-
-    import onnxruntime
-
-    cpu, here, sidecar = listed("service", "--cpu"), listed("service"), listed("sidecar")
-    assert f"onnxruntime=={onnxruntime.__version__}" in cpu and not [r for r in cpu if "gpu" in r]
-    gpu_here = sys.platform == "linux" and platform.machine() == "x86_64"
-    assert f"onnxruntime{'-gpu' if gpu_here else ''}=={onnxruntime.__version__}" in here
-    assert "pybreaker>=1.2" in sidecar and not [r for r in sidecar if r.startswith(("onnx", "numpy"))]

@@ -1,5 +1,7 @@
 """deploy/kubernetes (the base) and deploy/overlays/*: every manifest of every kustomize build
-valid against the Kubernetes API schemas (kubernetes-validate, offline, strict), every pod
+valid against the Kubernetes API schemas (kubernetes-validate, offline, strict) and every custom
+resource against its CRD's schema (tests/crds.py: Istio's, the Prometheus operator's), the API
+server's own checks that no schema holds (quantities, names, selectors), every pod
 meeting Pod Security "restricted", the builds equal to their committed renders (deploy/rendered,
 when kubectl's kustomize is here), and the pieces agreeing with each other and with the
 processes: each container's arguments parse with its process's own settings parser, probes and
@@ -11,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import re
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -24,7 +27,7 @@ from modelyard.gateway.config import parse_settings as gateway_settings
 from modelyard.service.config import parse_settings as service_settings
 from modelyard.sidecar.config import parse_settings as sidecar_settings
 from modelyard.sidecar.routes import parse_table
-from tests import kubernetes_renders
+from tests import crds, kubernetes_renders
 
 ROOT = Path(__file__).resolve().parents[2]
 KUBERNETES = ROOT / "deploy" / "kubernetes"
@@ -74,9 +77,12 @@ def rendered(build: str) -> list[dict[str, Any]]:
     return [d for d in yaml.safe_load_all(text) if d]
 
 
-# Custom resources: no schema of theirs here (their CRDs are not in kubernetes-validate, and
-# nothing is downloaded), so their shape is checked by the tests that read them.
-CUSTOM = {"networking.istio.io/v1", "monitoring.coreos.com/v1"}
+# Custom resources: not in kubernetes-validate; checked against their CRDs' own schemas (tests/crds.py).
+CUSTOM = {"networking.istio.io", "monitoring.coreos.com"}
+
+
+def is_custom(doc: dict[str, Any]) -> bool:
+    return str(doc["apiVersion"]).split("/")[0] in CUSTOM
 
 
 def test_every_build_is_rendered_and_every_overlay_built() -> None:
@@ -105,10 +111,93 @@ def test_every_manifest_is_valid_against_the_api_schema(build: str, version: str
     docs = rendered(build)
     assert {d["kind"] for d in docs} >= {"Deployment", "Service", "NetworkPolicy"}
     for doc in docs:
-        if doc["apiVersion"] in CUSTOM:
-            assert doc["metadata"]["name"] and doc["spec"], doc
-            continue
-        kubernetes_validate.validate(doc, version, strict=True)
+        if not is_custom(doc):
+            kubernetes_validate.validate(doc, version, strict=True)
+
+
+@pytest.mark.parametrize("build", kubernetes_renders.BUILDS)
+def test_every_custom_resource_is_valid_against_its_crd_schema(build: str) -> None:
+    assert [e for doc in rendered(build) if is_custom(doc) for e in crds.errors(doc)] == []
+
+
+def test_the_vendored_crds_are_the_kinds_the_overlays_use() -> None:
+    used = {
+        (d["apiVersion"], d["kind"]) for b in kubernetes_renders.BUILDS for d in rendered(b) if is_custom(d)
+    }
+    assert used == set(crds.schemas())
+    with pytest.raises(crds.UnknownKind):
+        crds.errors({"apiVersion": "networking.istio.io/v1", "kind": "ServiceEntry", "metadata": {}})
+
+
+def _custom(kind: str, name: str) -> dict[str, Any]:
+    (doc,) = [
+        copy.deepcopy(d)
+        for b in kubernetes_renders.BUILDS
+        for d in rendered(b)
+        if d["kind"] == kind and d["metadata"]["name"] == name
+    ][:1]
+    return doc
+
+
+@pytest.mark.parametrize(
+    ("kind", "name", "change", "expected"),
+    [
+        (
+            "VirtualService",
+            "modelyard",
+            lambda d: d["spec"]["http"][0].update(retry={}),
+            "'retry' was unexpected",
+        ),
+        (
+            "VirtualService",
+            "modelyard",
+            lambda d: d["spec"]["http"][0]["route"][0]["destination"]["port"].update(number="50051"),
+            "not of type 'integer'",
+        ),
+        (
+            "DestinationRule",
+            "modelyard-gateway-http",
+            lambda d: d["spec"]["trafficPolicy"]["loadBalancer"].update(simple="ROUND_ROBIN"),
+            "valid under each of",  # simple and consistentHash: one of them only
+        ),
+        (
+            "Gateway",
+            "modelyard",
+            lambda d: d["spec"]["servers"][0].update(tls_mode="x"),
+            "'tls_mode' was unexpected",
+        ),
+        (
+            "PodMonitor",
+            "modelyard-inference",
+            lambda d: d["spec"]["podMetricsEndpoints"][0].update(scheme="gopher"),
+            "'gopher' is not one of",
+        ),
+        (
+            "PodMonitor",
+            "modelyard-inference",
+            lambda d: d["metadata"].update(label={}),
+            "'label' was unexpected",
+        ),
+        ("Gateway", "modelyard", lambda d: d.update(specs={}), "'specs' was unexpected"),
+    ],
+)
+def test_the_crd_check_refuses_unknown_fields_and_wrong_values(
+    kind: str, name: str, change: Callable[[dict[str, Any]], object], expected: str
+) -> None:
+    doc = _custom(kind, name)
+    assert crds.errors(doc) == []
+    change(doc)
+    assert [e for e in crds.errors(doc) if expected in e], crds.errors(doc)
+
+
+def test_the_crd_check_keeps_what_the_schema_preserves() -> None:
+    # Istio's `status` is x-kubernetes-preserve-unknown-fields: an unknown field there is kept, as
+    # on a cluster, while its specified parts (conditions) still refuse theirs.
+    doc = _custom("Gateway", "modelyard")
+    doc["status"] = {"anything": {"nested": 1}}
+    assert crds.errors(doc) == []
+    doc["status"] = {"conditions": [{"anything": 1}]}
+    assert [e for e in crds.errors(doc) if "'anything' was unexpected" in e]
 
 
 def test_the_schema_check_catches_a_wrong_field() -> None:
@@ -116,6 +205,96 @@ def test_the_schema_check_catches_a_wrong_field() -> None:
     deployment["spec"]["template"]["spec"]["containers"][0]["readinessProbe"]["grcp"] = {"port": 1}
     with pytest.raises(kubernetes_validate.ValidationError):
         kubernetes_validate.validate(deployment, OLDEST, strict=True)
+
+
+# What the API server checks beyond the schemas (its validation code, which the JSON schemas leave
+# out): the quantity grammar, object, container and port names, and a Deployment's selector.
+QUANTITY = re.compile(r"[+-]?(\d+(\.\d*)?|\.\d+)([KMGTPE]i|[numkMGTPE]|[eE][+-]?\d+)?")
+DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")  # RFC 1123
+DNS_1035 = re.compile(r"[a-z]([-a-z0-9]{0,61}[a-z0-9])?")  # a Service's name
+PORT_NAME = re.compile(r"(?=.*[a-z])(?!.*--)[a-z0-9]([-a-z0-9]{0,13}[a-z0-9])?")  # IANA service name
+
+
+def quantities(doc: dict[str, Any]) -> Iterator[tuple[str, object]]:
+    for name, pod in pod_specs([doc]):
+        for container in pod.get("initContainers", []) + pod["containers"]:
+            for bound in ("requests", "limits"):
+                for resource, value in container.get("resources", {}).get(bound, {}).items():
+                    yield f"{name}/{container['name']} {bound}.{resource}", value
+        for volume in pod.get("volumes", []):
+            if "sizeLimit" in volume.get("emptyDir", {}):
+                yield f"{name} volume {volume['name']}", volume["emptyDir"]["sizeLimit"]
+    if doc["kind"] == "PersistentVolumeClaim":
+        for resource, value in doc["spec"]["resources"]["requests"].items():
+            yield f"{doc['metadata']['name']} {resource}", value
+
+
+def api_server_violations(doc: dict[str, Any]) -> list[str]:
+    found = []
+    name = str(doc["metadata"]["name"])
+    rule = DNS_1035 if doc["kind"] == "Service" else DNS_LABEL
+    if not all(rule.fullmatch(part) for part in ([name] if doc["kind"] == "Service" else name.split("."))):
+        found.append(f"{doc['kind']} {name}: not a valid name")
+    for where, value in quantities(doc):
+        if not QUANTITY.fullmatch(str(value)):
+            found.append(f"{where}: {value!r} is not a quantity")
+    for pod_name, pod in pod_specs([doc]):
+        containers = pod.get("initContainers", []) + pod["containers"]
+        if len({c["name"] for c in containers}) != len(containers):
+            found.append(f"{pod_name}: container names repeat")
+        for container in containers:
+            if not DNS_LABEL.fullmatch(container["name"]):
+                found.append(f"{pod_name}/{container['name']}: not a valid container name")
+            for entry in container.get("ports", []):
+                if "name" in entry and not PORT_NAME.fullmatch(entry["name"]):
+                    found.append(f"{pod_name}/{container['name']}: port name {entry['name']!r}")
+    if doc["kind"] == "Deployment":
+        selector = doc["spec"]["selector"]["matchLabels"].items()
+        if not selector <= doc["spec"]["template"]["metadata"]["labels"].items():
+            found.append(f"{name}: the selector does not match the pod template's labels")
+    return found
+
+
+@pytest.mark.parametrize("build", kubernetes_renders.BUILDS)
+def test_every_manifest_passes_the_api_servers_own_checks(build: str) -> None:
+    docs = rendered(build)
+    assert [q for d in docs for q in quantities(d)]  # there are some to check
+    assert [v for doc in docs for v in api_server_violations(doc)] == []
+
+
+@pytest.mark.parametrize(
+    ("change", "expected"),
+    [
+        (
+            lambda d: d["spec"]["template"]["spec"]["containers"][0]["resources"]["requests"].update(
+                cpu="lots"
+            ),
+            "quantity",
+        ),
+        (
+            lambda d: d["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"].update(
+                memory="1GB"
+            ),
+            "quantity",
+        ),
+        (
+            lambda d: d["spec"]["template"]["spec"]["containers"][0]["ports"][0].update(
+                name="a-very-long-port-name"
+            ),
+            "port name",
+        ),
+        (lambda d: d["spec"]["template"]["spec"]["containers"][1].update(name="Sidecar"), "container name"),
+        (lambda d: d["spec"]["selector"]["matchLabels"].update(tier="x"), "selector"),
+        (lambda d: d["metadata"].update(name="Modelyard"), "valid name"),
+    ],
+)
+def test_the_api_server_checks_catch_each_rule(
+    change: Callable[[dict[str, Any]], object], expected: str
+) -> None:
+    deployment = copy.deepcopy(named(rendered("base"), "Deployment", "modelyard"))
+    assert api_server_violations(deployment) == []
+    change(deployment)
+    assert [v for v in api_server_violations(deployment) if expected in v]
 
 
 def test_each_containers_arguments_parse_with_its_process_settings() -> None:
