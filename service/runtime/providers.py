@@ -75,9 +75,12 @@ def detect_providers(
             "this onnxruntime build has no CUDA execution provider (install modelyard[service-cuda])",
             driver_present,
         )
-    if not driver_present:
-        return ProviderChoice(False, f"no NVIDIA driver ({driver} is absent)")
+    # Loaded before the driver is looked at, so that the line says whether the install is whole
+    # on a host where CUDA is not used yet (a node without its driver, an image built for GPUs).
     missing = (preload or preload_cuda_libraries)()
+    if not driver_present:
+        found = f"libraries missing: {', '.join(missing)}" if missing else "the CUDA libraries loaded"
+        return ProviderChoice(False, f"no NVIDIA driver ({driver} is absent; {found})")
     ort.set_default_logger_severity(4)  # the probe's failures are reported below, in one line
     try:
         options = ort.SessionOptions()

@@ -39,9 +39,13 @@ def host_with_a_driver(tmp_path_factory: pytest.TempPathFactory) -> ProviderChoi
 
 
 def test_no_driver_is_not_a_fallback(tmp_path: Path) -> None:
-    choice = detect_providers(driver=tmp_path / "absent", available=lambda: [CUDA, CPU])
+    choice = detect_providers(
+        driver=tmp_path / "absent", available=lambda: [CUDA, CPU], preload=lambda: ["libcudnn.so.9"]
+    )
     assert not choice.cuda_usable and not choice.fallback
     assert "no NVIDIA driver" in choice.reason and str(tmp_path / "absent") in choice.reason
+    # What the preload found is said even so: here the install lacks cuDNN.
+    assert "libraries missing: libcudnn.so.9" in choice.reason
     assert (
         choice.summary().startswith("onnxruntime ") and "CUDA not used: no NVIDIA driver" in choice.summary()
     )
