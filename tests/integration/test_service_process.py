@@ -21,6 +21,8 @@ from modelyard.common import headers
 from modelyard.common.reasons import ErrorReason
 from modelyard.inference.v1 import inference_service_pb2 as pb
 from modelyard.inference.v1 import inference_service_pb2_grpc as pb_grpc
+from modelyard.inference.v1 import model_service_pb2 as mpb
+from modelyard.inference.v1 import model_service_pb2_grpc as mpb_grpc
 from modelyard.tensors import to_array, to_tensor
 from tests.support import eventually, metric
 
@@ -77,6 +79,12 @@ async def test_sigterm_drains_in_flight_requests_then_exits_zero(
         assert (
             await health.Check(health_pb2.HealthCheckRequest())
         ).status == health_pb2.HealthCheckResponse.SERVING
+        # A call that holds the drain open until the test ends it (so the refusal below is seen
+        # during the drain, however fast the slow requests end).
+        watch = mpb_grpc.ModelServiceStub(channel).WatchModels(
+            mpb.WatchModelsRequest(send_initial_state=True)
+        )
+        await watch.read()
         in_flight = await _both_in_flight(stub, process.metrics_url)
         process.proc.send_signal(signal.SIGTERM)
 
@@ -94,6 +102,7 @@ async def test_sigterm_drains_in_flight_requests_then_exits_zero(
         assert caught.value.code() == grpc.StatusCode.UNAVAILABLE
         trailing: Any = caught.value.trailing_metadata() or ()
         assert (headers.ERROR_REASON, ErrorReason.DRAINING.value) in tuple(trailing)
+        watch.cancel()
         assert _whole(await asyncio.gather(*in_flight))
     assert await asyncio.to_thread(process.proc.wait, 30) == 0
     assert any("shutting down" in line for line in process.log)
