@@ -147,6 +147,9 @@ class Supervisor:
         self._workers.stopping.set()
         if self._health is not None:
             await self._health.enter_graceful_shutdown()
+        for slot in self._slots:  # its model-state stream would hold the worker's drain open
+            if slot.watching is not None:
+                slot.watching.cancel()
         await self._workers.stop()
         if self._coordinator is not None:
             await self._coordinator.stop(0)

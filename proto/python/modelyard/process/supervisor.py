@@ -106,6 +106,7 @@ class Workers(Generic[S]):
         self._reserved: socket.socket | None = None
         self._failed: asyncio.Future[None] | None = None
         self._tasks: list[asyncio.Task[None]] = []
+        self._joining: dict[int, asyncio.Task[None]] = {}
         # Counters of workers that died (metrics_sum.carry), added to every scrape. `scraped`
         # guards them and each slot's last scrape (the event loop folds, a scrape may run on
         # another thread).
@@ -139,6 +140,10 @@ class Workers(Generic[S]):
         """Every worker drains (SIGTERM); one that outlives the grace period and the margin is
         killed."""
         self.stopping.set()
+        # What the supervisor holds open on a worker (its health and model-state streams) would
+        # keep the worker's gRPC server waiting out the grace.
+        for joining in self._joining.values():
+            joining.cancel()
         for slot in self.slots:
             if slot.proc is not None:
                 children.send(slot.proc, signal.SIGTERM)
@@ -177,7 +182,7 @@ class Workers(Generic[S]):
                 [sys.executable, "-m", self.kind.module], env=self.environment(slot.index)
             )
             self._log.info("worker %d started (pid %d)", slot.index, slot.proc.pid)
-            joining = loop.create_task(self._supervisor.worker_joins(slot))
+            joining = self._joining[slot.index] = loop.create_task(self._supervisor.worker_joins(slot))
             code = await slot.proc.wait()
             joining.cancel()
             await asyncio.gather(joining, return_exceptions=True)
