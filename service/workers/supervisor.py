@@ -82,14 +82,6 @@ class Supervisor:
         self._workers = Workers(KIND, self.settings, self.count, self._registry, Slot, self, log)
 
     @property
-    def port(self) -> int:
-        return self._workers.port
-
-    @property
-    def address(self) -> str:
-        return self._workers.address
-
-    @property
     def _slots(self) -> list[Slot]:
         return self._workers.slots
 
@@ -130,7 +122,7 @@ class Supervisor:
         models = await self._ready_models()
         log.info(
             "serving gRPC on %s%s; models ready: %s; workers: %d",
-            self.address,
+            self._workers.address,
             f", metrics on http://{self.metrics_address}/metrics" if self._metrics_server else "",
             ", ".join(models) or "none",
             self.count,

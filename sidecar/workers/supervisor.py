@@ -88,14 +88,6 @@ class Supervisor:
         )
 
     @property
-    def port(self) -> int:
-        return self._workers.port
-
-    @property
-    def address(self) -> str:
-        return self._workers.address
-
-    @property
     def admin_address(self) -> str:
         assert self._admin is not None
         return f"{split_address(self.settings.admin_listen)[0]}:{self._admin.port}"
@@ -112,7 +104,7 @@ class Supervisor:
         scheme = "https" if self.settings.tls_cert else "http"
         log.info(
             "sidecar serving gRPC on %s%s; upstreams: %s; workers: %d",
-            self.address,
+            self._workers.address,
             f", admin on {scheme}://{self.admin_address}" if self._admin else "",
             ", ".join(self.settings.upstream),
             self.count,
