@@ -20,6 +20,7 @@ from modelyard.inference.v1 import inference_service_pb2, model_service_pb2
 from modelyard.kserve.v2 import grpc_service_pb2
 from modelyard.process import access as access_log
 from modelyard.process.auth import Authorizer, AuthSettings
+from modelyard.process.drain import Drain
 from modelyard.process.grpc_server import connection_options
 from modelyard.process.lifecycle import bound
 from modelyard.process.metrics_http import MetricsServer
@@ -84,6 +85,7 @@ class Service:
     # supervisor, and `internal` serves the supervisor on a unix socket.
     link: WorkerLink | None = None
     internal: grpc.aio.Server | None = None
+    drain: Drain | None = None  # the calls in flight of both servers (modelyard.process.drain)
     _events: asyncio.Task[None] | None = None
 
     @property
@@ -140,13 +142,16 @@ class Service:
         return f"{split_address(self.settings.metrics_listen)[0]}:{self.metrics_server.port}"
 
     async def stop(self, grace_s: float | None = None) -> None:
-        """Health goes NOT_SERVING, new calls are refused, running calls get the grace period."""
+        """New calls are refused (before health goes NOT_SERVING: who sees that is refused), running
+        calls get the grace period."""
+        if self.drain is not None:
+            self.drain.close()
         await self.health.enter_graceful_shutdown()
         if self.watcher is not None:
             await self.watcher.stop()
         grace = self.settings.grace_s if grace_s is None else grace_s
         servers = [self.server] if self.internal is None else [self.server, self.internal]
-        await stop_servers(servers, grace, self.manager.runs)
+        await stop_servers(servers, grace, self.manager.runs, self.drain, self.port)
         if self.link is not None:
             await self.link.close()
         if self._events is not None:
@@ -184,11 +189,28 @@ class Service:
                 self.metrics.known_models.add(event.model)
 
 
-async def stop_servers(servers: list[grpc.aio.Server], grace: float, runs: ActiveRuns) -> None:
+async def stop_servers(
+    servers: list[grpc.aio.Server],
+    grace: float,
+    runs: ActiveRuns,
+    drain: Drain | None = None,
+    port: int = 0,
+) -> None:
     """Stop the servers with `grace` for in-flight calls. Runs still going shortly before the
     grace ends are stopped (RunOptions.terminate), so that their calls answer UNAVAILABLE/draining
-    themselves before the servers cancel them, and the executor's threads come back."""
-    stopping = asyncio.ensure_future(asyncio.gather(*(server.stop(grace) for server in servers)))
+    themselves before the servers cancel them, and the executor's threads come back. With `drain`,
+    the servers stop once every call ended and its answer reached its peer on `port`, or at the
+    grace's end (modelyard.process.drain: gRPC's stop alone can cut a large answer short)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + grace
+
+    async def drain_then_stop() -> None:
+        if drain is not None:
+            await drain.settle(port, deadline)
+        left = max(0.0, deadline - loop.time())
+        await asyncio.gather(*(server.stop(left) for server in servers))
+
+    stopping = asyncio.ensure_future(drain_then_stop())
     done, _ = await asyncio.wait({stopping}, timeout=max(0.0, grace - min(RUNS_STOP_BEFORE_S, grace / 4)))
     if not done:
         stopped = runs.terminate_all()
@@ -293,7 +315,8 @@ def build_service(
         ServiceHandlers(flat_contract.SERVICE, FlatInferenceServicer(dataplane, metrics).handlers()),
     ]
     health_servicer = health_names.new_servicer()
-    _add_apis(server, apis, health_servicer, settings, metrics, reporter, guard_for, link)
+    drain = Drain()
+    _add_apis(server, apis, health_servicer, settings, metrics, reporter, guard_for, link, drain)
     listen = settings.listen
     if tls is None:
         port = bound(ENV_PREFIX, "listen", listen, lambda: server.add_insecure_port(listen))
@@ -305,7 +328,7 @@ def build_service(
         # The supervisor's way in, on a unix socket in its private folder (no credentials): the
         # same servicers, answering for this worker alone, and this worker's scrape.
         internal = grpc.aio.server(options=limits)
-        _add_apis(internal, apis, health_servicer, settings, metrics, reporter, None, None)
+        _add_apis(internal, apis, health_servicer, settings, metrics, reporter, None, None, drain)
         internal.add_generic_rpc_handlers((metrics_handler(metrics.registry),))
         internal.add_insecure_port(worker.folder.worker(worker.index))
         set_served_by(f"worker-{worker.index}")
@@ -322,6 +345,7 @@ def build_service(
         tls=tls,
         link=link,
         internal=internal,
+        drain=drain,
     )
 
 
@@ -376,11 +400,13 @@ def _add_apis(
     reporter: OnUndecodable,
     guard_for: GuardFor | None,
     link: WorkerLink | None,
+    drain: Drain,
 ) -> None:
-    """Register the APIs, health and reflection on `server` through the request pipeline."""
+    """Register the APIs, health and reflection on `server` through the request pipeline (the
+    APIs' calls outermost counted and, once shutting down, refused by `drain`)."""
     noted = bool(access_log.interceptors(settings.access_log, settings.log_format))
     pipelines = request_pipelines(settings.max_message_bytes, metrics, reporter, guard_for, link, noted)
-    register(server, apis, pipelines.apis)
+    register(server, apis, [*pipelines.apis, drain.wrap])
     open_services = [
         service_of(health_pb2.DESCRIPTOR.services_by_name["Health"], health_servicer),
         # What reflection.enable_server_reflection does for an aio server, through the pipeline.

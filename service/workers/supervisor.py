@@ -1,7 +1,8 @@
-"""The parent of the worker processes: it holds the port (so that a taken port fails loudly and
-only our workers share it), starts N workers, restarts one that dies (with backoff, logged and
-counted), fans model control out to every worker (and replays it to a worker that joins later),
-joins their health, serves one /metrics that sums them, and drains them all on SIGTERM.
+"""The parent of the service's worker processes. The worker supervisor (modelyard.process.supervisor)
+holds the port, starts N workers, restarts one that dies and drains them all on SIGTERM; here: a
+worker is admitted once its repository is loaded (model control replayed to it first), model
+control fans out to every worker (and is kept to replay), their health and model state are joined,
+and one /metrics sums them.
 
 It imports no model runtime: it speaks to the workers over gRPC on unix sockets."""
 
@@ -12,59 +13,52 @@ import contextlib
 import logging
 import os
 import shutil
-import signal
-import socket
-import sys
 import tempfile
 import threading
 from collections.abc import AsyncIterator, Iterator
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from prometheus_client import CollectorRegistry, Counter, Gauge
+from prometheus_client import CollectorRegistry
 from prometheus_client.core import Metric
 
 from modelyard.common import health as health_names
 from modelyard.inference.v1 import model_service_pb2 as model_pb
-from modelyard.process import children
 from modelyard.process.lifecycle import bound
 from modelyard.process.metrics_http import MetricsServer
 from modelyard.process.metrics_sum import per_worker
 from modelyard.process.settings import split_address
+from modelyard.process.supervisor import WorkerFailed, WorkerKind, Workers, WorkerSlot
 from modelyard.process.tls import TlsFiles
-from modelyard.process.workers import Backoff, env_text, reserve_port
 from modelyard.service.config import ENV_PREFIX, Settings
 from modelyard.service.workers import protocol
 from modelyard.service.workers.member import CHANNEL_OPTIONS
-from modelyard.service.workers.metrics_sum import carry, parse, sum_families
+from modelyard.service.workers.metrics_sum import parse, sum_families
 from modelyard.service.workers.watch import MergedWatch
+
+__all__ = ["Supervisor", "WorkerFailed"]
 
 log = logging.getLogger(__name__)
 
 SCRAPE_TIMEOUT_S = 5.0
-
-
-class WorkerFailed(RuntimeError):
-    """A worker exited before it ever served: the service could not start."""
+KIND = WorkerKind(
+    "modelyard.service",
+    ENV_PREFIX,
+    "worker",
+    stop_margin_s=15,
+    restarts=("modelyard_worker_restarts", "Worker processes restarted after they died."),
+    serving=("modelyard_workers_serving", "Worker processes taking traffic."),
+)
 
 
 @dataclass
-class Slot:
-    index: int
-    proc: asyncio.subprocess.Process | None = None
+class Slot(WorkerSlot):  # serving: admitted (its repository loaded, model control replayed)
     channel: grpc.aio.Channel | None = None
-    admitted: bool = False
-    ever_admitted: bool = False
     scrape_channel: grpc.Channel | None = None  # sync: scrapes run on the HTTP thread
-    restarts: int = 0
     watching: asyncio.Task[None] | None = None  # its WatchModels, followed for the merged watch
-    # Its process's latest scrape (read and written under Supervisor._scraped), and which
-    # process that was: a scrape begun before the process was replaced is not kept.
-    last_scrape: str | None = None
-    generation: int = 0
 
 
 @dataclass
@@ -72,38 +66,28 @@ class Supervisor:
     settings: Settings
     count: int
     folder: protocol.ControlFolder = field(init=False)
-    port: int = 0
-    _slots: list[Slot] = field(default_factory=list)
-    _tasks: list[asyncio.Task[None]] = field(default_factory=list)
-    _reserved: socket.socket | None = None
+    _workers: Workers[Slot] = field(init=False)
     _coordinator: grpc.aio.Server | None = None
     _health: Any = None
     _metrics_server: MetricsServer | None = None
-    _stopping: asyncio.Event = field(default_factory=asyncio.Event)
-    _all_admitted: asyncio.Event = field(default_factory=asyncio.Event)
-    _failed: asyncio.Future[None] | None = None
     # Model control applied to every worker, last call per model, replayed to a worker that joins.
     _changes: dict[str, tuple[str, bytes]] = field(default_factory=dict)
     _control: asyncio.Lock = field(default_factory=asyncio.Lock)
     _watch: MergedWatch = field(default_factory=MergedWatch)
-    # Counters of workers that died (metrics_sum.carry), added to every scrape. `_scraped` guards
-    # them and each slot's last scrape (the event loop folds, the HTTP thread scrapes);
-    # `_scraping` lets one scrape run at a time, so that a later scrape never keeps older values.
-    _carried: list[Metric] = field(default_factory=list)
-    _scraped: threading.Lock = field(default_factory=threading.Lock)
+    # One scrape at a time, so that a later scrape never keeps older values.
     _scraping: threading.Lock = field(default_factory=threading.Lock)
+    _registry: CollectorRegistry = field(default_factory=CollectorRegistry)
+
+    def __post_init__(self) -> None:
+        self._workers = Workers(KIND, self.settings, self.count, self._registry, Slot, self, log)
 
     @property
-    def address(self) -> str:
-        host = split_address(self.settings.listen)[0]
-        return f"[{host}]:{self.port}" if ":" in host else f"{host}:{self.port}"
+    def _slots(self) -> list[Slot]:
+        return self._workers.slots
 
     async def start(self) -> None:
         self.folder = protocol.ControlFolder(Path(tempfile.mkdtemp(prefix="modelyard-workers-")))
-        listen = self.settings.listen
-        self._reserved = bound(ENV_PREFIX, "listen", listen, lambda: reserve_port(listen))
-        self.port = self._reserved.getsockname()[1]
-        self._failed = asyncio.get_running_loop().create_future()
+        self._workers.reserve()
         self._health = health_names.new_servicer()
         await self._health.set(health_names.SERVER, health_names.NOT_SERVING)
         self._coordinator = grpc.aio.server()
@@ -121,16 +105,7 @@ class Supervisor:
         self._coordinator.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service, handlers),))
         self._coordinator.add_insecure_port(self.folder.coordinator)
         await self._coordinator.start()
-        registry = CollectorRegistry()
-        self.restarts = Counter(
-            "modelyard_worker_restarts",
-            "Worker processes restarted after they died.",
-            ["worker"],
-            registry=registry,
-        )
-        self.serving = Gauge(
-            "modelyard_workers_serving", "Worker processes taking traffic.", registry=registry
-        )
+        registry = self._registry
         registry.register(_Scrapes(self))
         if self.settings.metrics_listen:
             tls = TlsFiles.from_settings(
@@ -143,19 +118,11 @@ class Supervisor:
                 address,
                 lambda: MetricsServer(registry, *split_address(address), tls=tls),
             )
-        self._slots = [Slot(i) for i in range(self.count)]
-        loop = asyncio.get_running_loop()
-        self._tasks = [loop.create_task(self._supervise(slot)) for slot in self._slots]
-        ready = loop.create_task(self._all_admitted.wait())
-        started: list[asyncio.Future[Any]] = [ready, self._failed]
-        await asyncio.wait(started, return_when=asyncio.FIRST_COMPLETED)
-        ready.cancel()
-        if self._failed.done():
-            self._failed.result()
+        await self._workers.start()
         models = await self._ready_models()
         log.info(
             "serving gRPC on %s%s; models ready: %s; workers: %d",
-            self.address,
+            self._workers.address,
             f", metrics on http://{self.metrics_address}/metrics" if self._metrics_server else "",
             ", ".join(models) or "none",
             self.count,
@@ -169,109 +136,57 @@ class Supervisor:
     async def stop(self) -> None:
         """Every worker drains (SIGTERM: its own graceful shutdown); one that outlives the grace
         period and a margin is killed."""
-        self._stopping.set()
+        self._workers.stopping.set()
         if self._health is not None:
             await self._health.enter_graceful_shutdown()
-        for slot in self._slots:
-            if slot.proc is not None:
-                children.send(slot.proc, signal.SIGTERM)
-        if self._tasks:
-            _, late = await asyncio.wait(self._tasks, timeout=self.settings.grace_s + 15)
-            for slot in self._slots:
-                if late and slot.proc is not None and children.send(slot.proc, signal.SIGKILL):
-                    log.error("worker %d did not stop in time: killed", slot.index)
-            await asyncio.gather(*self._tasks, return_exceptions=True)
+        for slot in self._slots:  # its model-state stream would hold the worker's drain open
+            if slot.watching is not None:
+                slot.watching.cancel()
+        await self._workers.stop()
         if self._coordinator is not None:
             await self._coordinator.stop(0)
         if self._metrics_server is not None:
             self._metrics_server.stop()
-        if self._reserved is not None:
-            self._reserved.close()
+        self._workers.release()
         with contextlib.suppress(AttributeError):
             shutil.rmtree(self.folder.path, ignore_errors=True)
 
     # -- workers ---------------------------------------------------------------------------
 
-    async def _supervise(self, slot: Slot) -> None:
-        loop = asyncio.get_running_loop()
-        backoff = Backoff()
-        while not self._stopping.is_set():
-            started = loop.time()
-            slot.proc = await children.create(
-                [sys.executable, "-m", "modelyard.service"], env=self._environment(slot.index)
-            )
-            log.info("worker %d started (pid %d)", slot.index, slot.proc.pid)
-            joining = loop.create_task(self._join(slot))
-            code = await slot.proc.wait()
-            joining.cancel()
-            await asyncio.gather(joining, return_exceptions=True)
-            await self._leave(slot)
-            if self._stopping.is_set():
-                log.info("worker %d stopped (exit code %d)", slot.index, code)
-                return
-            if not slot.ever_admitted and self._failed is not None and not self._all_admitted.is_set():
-                if not self._failed.done():
-                    self._failed.set_exception(
-                        WorkerFailed(f"worker {slot.index} exited with code {code} before it served")
-                    )
-                return
-            delay = backoff.next(loop.time() - started)
-            slot.restarts += 1
-            self.restarts.labels(str(slot.index)).inc()
-            log.warning(
-                "worker %d (pid %d) exited with code %d; restarting it in %.1f s (restart %d)",
-                slot.index,
-                slot.proc.pid,
-                code,
-                delay,
-                slot.restarts,
-            )
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._stopping.wait(), delay)
+    def worker_environment(self, index: int) -> dict[str, str]:
+        return {
+            ENV_PREFIX + "METRICS_LISTEN": "",  # the supervisor serves the sum
+            protocol.ENV_CONTROL: str(self.folder.path),
+            protocol.ENV_INDEX: str(index),
+            protocol.ENV_COUNT: str(self.count),
+            protocol.ENV_PARENT: str(os.getpid()),
+        }
 
-    def _environment(self, index: int) -> dict[str, str]:
-        env = {k: v for k, v in os.environ.items() if not k.startswith(ENV_PREFIX)}
-        for item in fields(Settings):
-            env[ENV_PREFIX + item.name.upper()] = env_text(getattr(self.settings, item.name))
-        env[ENV_PREFIX + "WORKERS"] = "1"
-        env[ENV_PREFIX + "LISTEN"] = self.address
-        env[ENV_PREFIX + "METRICS_LISTEN"] = ""  # the supervisor serves the sum
-        env[protocol.ENV_CONTROL] = str(self.folder.path)
-        env[protocol.ENV_INDEX] = str(index)
-        env[protocol.ENV_COUNT] = str(self.count)
-        env[protocol.ENV_PARENT] = str(os.getpid())
-        return env
-
-    async def _join(self, slot: Slot) -> None:
+    async def worker_joins(self, slot: Slot) -> None:
         """Once the worker has loaded its repository: replay model control to it, then admit it
         (it opens the shared port then). Follow its readiness from then on."""
         slot.channel = grpc.aio.insecure_channel(self.folder.worker(slot.index), options=CHANNEL_OPTIONS)
         stub = health_pb2_grpc.HealthStub(slot.channel)
         request = health_pb2.HealthCheckRequest(service=protocol.LOCAL)
         async for reply in stub.Watch(request, wait_for_ready=True):
-            if reply.status == health_names.SERVING and not slot.admitted:
+            if reply.status == health_names.SERVING and not slot.serving:
                 async with self._control:
                     await self._replay(slot)
                     slot.watching = await self._watch.join(slot.index, slot.channel)
-                    slot.admitted = slot.ever_admitted = True
+                    self._workers.serves(slot)
                 await self._health.set(protocol.admitted(slot.index), health_names.SERVING)
                 log.info("worker %d admitted", slot.index)
-            elif reply.status != health_names.SERVING and slot.admitted:
-                slot.admitted = False
+            elif reply.status != health_names.SERVING and slot.serving:
+                slot.serving = False
             await self._update_health()
 
-    async def _leave(self, slot: Slot) -> None:
-        slot.admitted = False
+    async def worker_left(self, slot: Slot) -> None:
+        """After its process exited (its scrape is folded into the totals already)."""
         if slot.watching is not None:
             slot.watching.cancel()
             await asyncio.gather(slot.watching, return_exceptions=True)
             slot.watching = None
         self._watch.leave(slot.index)
-        with self._scraped:  # its counters live on in the sum; its gauges are gone
-            if slot.last_scrape is not None:
-                self._carried = carry(self._carried, slot.last_scrape)
-            slot.last_scrape = None
-            slot.generation += 1
         await self._health.set(protocol.admitted(slot.index), health_names.NOT_SERVING)
         await self._update_health()
         if slot.channel is not None:
@@ -282,11 +197,8 @@ class Supervisor:
             slot.scrape_channel = None
 
     async def _update_health(self) -> None:
-        admitted = sum(slot.admitted for slot in self._slots)
-        self.serving.set(admitted)
-        if admitted == self.count:
-            self._all_admitted.set()
-        if not self._stopping.is_set():
+        admitted = self._workers.update()
+        if not self._workers.stopping.is_set():
             await self._health.set(
                 health_names.SERVER,
                 health_names.SERVING if admitted == self.count else health_names.NOT_SERVING,
@@ -326,7 +238,7 @@ class Supervisor:
     async def _call_all(
         self, method: str, request: bytes, context: grpc.aio.ServicerContext[Any, Any]
     ) -> list[bytes]:
-        targets = [slot for slot in self._slots if slot.admitted and slot.channel is not None]
+        targets = [slot for slot in self._workers.serving_slots() if slot.channel is not None]
         if not targets:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "no worker is serving")
         timeout = context.time_remaining()
@@ -373,7 +285,7 @@ class Supervisor:
         with self._scraping:
             fresh: dict[int, tuple[int, str]] = {}
             for slot in list(self._slots):
-                if not slot.admitted:
+                if not slot.serving:
                     continue
                 generation = slot.generation
                 if slot.scrape_channel is None:
@@ -386,12 +298,12 @@ class Supervisor:
                     log.warning("worker %d did not give its metrics: %s", slot.index, exc)
                     continue
                 fresh[slot.index] = (generation, text.decode())
-            with self._scraped:
+            with self._workers.scraped:
                 for slot in self._slots:
                     if slot.index in fresh and fresh[slot.index][0] == slot.generation:
                         slot.last_scrape = fresh[slot.index][1]
                 texts = [(s.index, s.last_scrape) for s in self._slots if s.last_scrape is not None]
-                return self._carried, texts
+                return self._workers.carried, texts
 
 
 class _Scrapes:

@@ -1,6 +1,6 @@
-"""The parent of `--workers N` sidecar processes: it holds the gRPC port (so a taken port fails
-loudly and only our workers share it, SO_REUSEPORT), starts N workers, restarts one that dies
-(with backoff, logged and counted), and runs the one admin endpoint.
+"""The parent of `--workers N` sidecar processes. The worker supervisor (modelyard.process.supervisor)
+holds the gRPC port, starts N workers, restarts one that dies and drains them all on SIGTERM; here:
+a worker takes calls once the admin changes were replayed to it, and the one admin endpoint.
 
 The admin endpoint is the supervisor's (its TLS, tokens and limits: sidecar/admin.py's server,
 with its own routing). Every change (PUT /canary/..., POST /rollouts/...) is forwarded to every
@@ -12,55 +12,50 @@ Each worker owns its routes, breakers and rollouts; the supervisor holds no rout
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 import os
 import shutil
-import signal
-import socket
-import sys
 import tempfile
 from collections.abc import Iterator
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge
+from prometheus_client import CollectorRegistry, Counter
 from prometheus_client.core import Metric
 from prometheus_client.exposition import choose_encoder
 
 from modelyard.common.reasons import ErrorReason
-from modelyard.process import children
 from modelyard.process.auth import Authorizer, AuthSettings
-from modelyard.process.lifecycle import BindError, bind_reason, bound
-from modelyard.process.metrics_sum import carry, parse, per_worker, sum_families
+from modelyard.process.lifecycle import BindError, bind_reason
+from modelyard.process.metrics_sum import parse, per_worker, sum_families
 from modelyard.process.settings import split_address
+from modelyard.process.supervisor import WorkerFailed, WorkerKind, Workers, WorkerSlot
 from modelyard.process.tls import TlsFiles
-from modelyard.process.workers import Backoff, env_text, reserve_port
 from modelyard.sidecar import admin as admin_http
 from modelyard.sidecar.config import ENV_PREFIX, Settings
 from modelyard.sidecar.routes import RouteSource
 from modelyard.sidecar.workers import client, merge, role
 
+__all__ = ["Change", "Slot", "Supervisor", "WorkerFailed"]
+
 log = logging.getLogger(__name__)
 
 READY_POLL_S = 0.05  # how often a starting worker's admin socket is tried
 SCRAPE_TIMEOUT_S = 5.0
+KIND = WorkerKind(
+    "modelyard.sidecar",
+    ENV_PREFIX,
+    "sidecar worker",
+    stop_margin_s=10,
+    restarts=("modelyard_sidecar_worker_restarts", "Sidecar worker processes restarted after they died."),
+    serving=("modelyard_sidecar_workers_serving", "Sidecar worker processes taking calls."),
+)
 
-
-class WorkerFailed(RuntimeError):
-    """A worker exited before it ever served: the sidecar could not start."""
-
-
-@dataclass
-class Slot:
-    index: int
-    proc: asyncio.subprocess.Process | None = None
-    ready: bool = False  # its admin socket answers and the changes were replayed to it
-    ever_ready: bool = False
-    restarts: int = 0
-    last_scrape: str | None = None  # its latest /metrics, folded into the totals when it dies
+# serving: its admin socket answers and the changes were replayed to it; last_scrape: its latest
+# /metrics, folded into the totals when it dies.
+Slot = WorkerSlot
 
 
 @dataclass(frozen=True)
@@ -75,32 +70,15 @@ class Supervisor:
     def __init__(self, settings: Settings, count: int) -> None:
         self.settings = settings
         self.count = count
-        self.port = 0
         self.folder = Path()
-        self._slots = [Slot(i) for i in range(count)]
-        self._tasks: list[asyncio.Task[None]] = []
-        self._reserved: socket.socket | None = None
         self._admin: _Admin | None = None
-        self._stopping = asyncio.Event()
-        self._all_ready = asyncio.Event()
-        self._failed: asyncio.Future[None] | None = None
         # Accepted changes replayed to a worker that joins: per model, the last PUT /canary, and
         # the rollout's start with its last control (pause/resume/abort).
         self._changes: dict[str, list[Change]] = {}
         self._control = asyncio.Lock()  # one change at a time, and none while a worker joins
-        self._carried: list[Metric] = []
         self.registry = CollectorRegistry()
-        self.restarts = Counter(
-            "modelyard_sidecar_worker_restarts",
-            "Sidecar worker processes restarted after they died.",
-            ["worker"],
-            registry=self.registry,
-        )
-        self.serving = Gauge(
-            "modelyard_sidecar_workers_serving",
-            "Sidecar worker processes taking calls.",
-            registry=self.registry,
-        )
+        self._workers = Workers(KIND, settings, count, self.registry, Slot, self, log)
+        self._slots = self._workers.slots
         self.denials = Counter(
             "modelyard_sidecar_admin_denials",
             "Admin endpoint requests refused for want of a valid credential, by outcome "
@@ -108,11 +86,6 @@ class Supervisor:
             ["outcome"],
             registry=self.registry,
         )
-
-    @property
-    def address(self) -> str:
-        host = split_address(self.settings.listen)[0]
-        return f"[{host}]:{self.port}" if ":" in host else f"{host}:{self.port}"
 
     @property
     def admin_address(self) -> str:
@@ -124,24 +97,14 @@ class Supervisor:
 
     async def start(self) -> None:
         self.folder = Path(tempfile.mkdtemp(prefix="modelyard-sidecar-workers-"))  # mode 0700
-        listen = self.settings.listen
-        self._reserved = bound(ENV_PREFIX, "listen", listen, lambda: reserve_port(listen))
-        self.port = self._reserved.getsockname()[1]
-        loop = asyncio.get_running_loop()
-        self._failed = loop.create_future()
+        self._workers.reserve()
         if self.settings.admin_listen:
             await self._start_admin()
-        self._tasks = [loop.create_task(self._supervise(slot)) for slot in self._slots]
-        ready = loop.create_task(self._all_ready.wait())
-        started: list[asyncio.Future[Any]] = [ready, self._failed]
-        await asyncio.wait(started, return_when=asyncio.FIRST_COMPLETED)
-        ready.cancel()
-        if self._failed.done():
-            self._failed.result()
+        await self._workers.start()
         scheme = "https" if self.settings.tls_cert else "http"
         log.info(
             "sidecar serving gRPC on %s%s; upstreams: %s; workers: %d",
-            self.address,
+            self._workers.address,
             f", admin on {scheme}://{self.admin_address}" if self._admin else "",
             ", ".join(self.settings.upstream),
             self.count,
@@ -181,74 +144,24 @@ class Supervisor:
     async def stop(self) -> None:
         """Every worker drains (SIGTERM: its own graceful shutdown); one that outlives the grace
         period and a margin is killed."""
-        self._stopping.set()
-        for slot in self._slots:
-            if slot.proc is not None:
-                children.send(slot.proc, signal.SIGTERM)
-        if self._tasks:
-            _, late = await asyncio.wait(self._tasks, timeout=self.settings.grace_s + 10)
-            for slot in self._slots:
-                if late and slot.proc is not None and children.send(slot.proc, signal.SIGKILL):
-                    log.error("worker %d did not stop in time: killed", slot.index)
-            await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self._workers.stop()
         if self._admin is not None:
             await self._admin.stop()
-        if self._reserved is not None:
-            self._reserved.close()
+        self._workers.release()
         if self.folder != Path():
             shutil.rmtree(self.folder, ignore_errors=True)
 
     # -- workers ---------------------------------------------------------------------------
 
-    async def _supervise(self, slot: Slot) -> None:
-        loop = asyncio.get_running_loop()
-        backoff = Backoff()
-        while not self._stopping.is_set():
-            started = loop.time()
-            slot.proc = await children.create(
-                [sys.executable, "-m", "modelyard.sidecar"], env=self._environment(slot.index)
-            )
-            log.info("worker %d started (pid %d)", slot.index, slot.proc.pid)
-            joining = loop.create_task(self._join(slot))
-            code = await slot.proc.wait()
-            joining.cancel()
-            await asyncio.gather(joining, return_exceptions=True)
-            self._leave(slot)
-            if self._stopping.is_set():
-                log.info("worker %d stopped (exit code %d)", slot.index, code)
-                return
-            if not slot.ever_ready and not self._all_ready.is_set():
-                if self._failed is not None and not self._failed.done():
-                    message = f"sidecar worker {slot.index} exited with code {code} before it served"
-                    self._failed.set_exception(WorkerFailed(message))
-                return
-            slot.restarts += 1
-            self.restarts.labels(str(slot.index)).inc()
-            delay = backoff.next(loop.time() - started)
-            log.warning(
-                "worker %d (pid %d) exited with code %d; restarting it in %.1f s (restart %d)",
-                slot.index,
-                slot.proc.pid,
-                code,
-                delay,
-                slot.restarts,
-            )
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._stopping.wait(), delay)
+    def worker_environment(self, index: int) -> dict[str, str]:
+        return {
+            ENV_PREFIX + "ADMIN_LISTEN": "",  # a worker's admin endpoint is its unix socket
+            role.ENV_CONTROL: str(self.folder),
+            role.ENV_INDEX: str(index),
+            role.ENV_PARENT: str(os.getpid()),
+        }
 
-    def _environment(self, index: int) -> dict[str, str]:
-        env = {k: v for k, v in os.environ.items() if not k.startswith(ENV_PREFIX)}
-        for item in fields(Settings):
-            env[ENV_PREFIX + item.name.upper()] = env_text(getattr(self.settings, item.name))
-        env[ENV_PREFIX + "WORKERS"] = "1"
-        env[ENV_PREFIX + "LISTEN"] = self.address
-        env[ENV_PREFIX + "ADMIN_LISTEN"] = ""  # a worker's admin endpoint is its unix socket
-        env[role.ENV_CONTROL] = str(self.folder)
-        env[role.ENV_INDEX] = str(index)
-        env[role.ENV_PARENT] = str(os.getpid())
-        return env
-
-    async def _join(self, slot: Slot) -> None:
+    async def worker_joins(self, slot: Slot) -> None:
         """Once the worker's admin socket answers: replay the changes to it, then let it take calls
         (it starts its gRPC server then) and count it in."""
         path = role.admin_socket(self.folder, slot.index)
@@ -280,27 +193,18 @@ class Supervisor:
             answer = await client.ask(path, "POST", admin_http.ADMIT)  # OSError: it is going
             if answer.status != 200:
                 raise RuntimeError(f"worker {slot.index} refused admission: {answer.status}")
-            slot.ready = slot.ever_ready = True
+            self._workers.serves(slot)
         log.info("worker %d serving", slot.index)
-        self._update()
+        self._workers.update()
 
-    def _leave(self, slot: Slot) -> None:
-        slot.ready = False
-        if slot.last_scrape is not None:  # its counters live on in the sum; its gauges are gone
-            self._carried = carry(self._carried, slot.last_scrape)
-            slot.last_scrape = None
-        self._update()
-
-    def _update(self) -> None:
-        ready = sum(slot.ready for slot in self._slots)
-        self.serving.set(ready)
-        if ready == self.count:
-            self._all_ready.set()
+    async def worker_left(self, slot: Slot) -> None:
+        """After its process exited (its scrape is folded into the totals already)."""
+        self._workers.update()
 
     # -- the admin endpoint's work -----------------------------------------------------------
 
     def _ready(self) -> list[Slot]:
-        return [slot for slot in self._slots if slot.ready]
+        return self._workers.serving_slots()
 
     async def gather(
         self, method: str, path: str, timeout_s: float = client.TIMEOUT_S
@@ -382,7 +286,7 @@ class Supervisor:
             if answer.status == 200:
                 slot.last_scrape = answer.body.decode()
         texts = [(s.index, s.last_scrape) for s in self._slots if s.last_scrape is not None]
-        scrapes: list[list[Metric]] = [list(self.registry.collect()), self._carried]
+        scrapes: list[list[Metric]] = [list(self.registry.collect()), self._workers.carried]
         scrapes += [parse(text) for _, text in texts]
         families = list(sum_families(scrapes, merge.LOWEST, merge.HIGHEST))
         calls = per_worker(

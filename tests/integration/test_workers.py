@@ -14,6 +14,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from collections import Counter
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -246,6 +247,17 @@ async def test_workers_do_not_outlive_a_killed_supervisor(service_process, small
         for pid in workers:
             if _running(pid):
                 os.kill(pid, signal.SIGKILL)
+
+
+def test_sigterm_stops_idle_workers_without_waiting_out_the_grace(
+    service_process, small_repository: Path
+) -> None:
+    # The supervisor's own streams into each worker (health, model state) are no calls to drain.
+    process = service_process(small_repository, "--workers", "2", "--grace-s", "60")
+    started = time.monotonic()
+    assert process.stop(timeout=90) == 0
+    assert time.monotonic() - started < 30
+    assert sum("worker" in line and "stopped (exit code 0)" in line for line in process.log) == 2
 
 
 def _pid_namespaces() -> bool:
