@@ -118,7 +118,7 @@ class GenerationPlane:
         if engine is None:
             decoder = served.runner.kind
             assert isinstance(decoder, DecoderModel)
-            device = "cuda" if served.runner.provider == CUDA else ""
+            device = "cuda" if served.runner.provider == CUDA else "cpu"
             runner = StepRunner(
                 served.runner.session, decoder.layout, device, served.config.execution.device_id
             )
