@@ -23,13 +23,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import os
 import shutil
 import statistics
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -101,6 +102,11 @@ class Stream:
 class Round:
     streams: list[Stream]
     wall_s: float
+    cpu_s: float = 0.0  # the service process's CPU time over the round (/proc)
+
+    @property
+    def cpu_per_token_s(self) -> float:
+        return self.cpu_s / max(1, sum(s.tokens for s in self.streams))
 
     @property
     def tokens_per_s(self) -> float:
@@ -132,6 +138,13 @@ async def run_round(stub: pb_grpc.InferenceServiceStub, model: str, streams: int
     return Round(list(done), time.perf_counter() - start)
 
 
+@dataclass(frozen=True)
+class Bare:
+    per_token_s: float  # decode, after the prompt (median of repeats)
+    whole_s: float  # per token of the whole loop with its prompt
+    cpu_per_token_s: float  # this process's CPU time per token of the whole loop
+
+
 def bare_loop(
     model_file: Path,
     tokenizer: Tokenizer,
@@ -139,9 +152,11 @@ def bare_loop(
     repeats: int,
     threads: int = 0,
     providers: Sequence[str] = (CPU,),
-) -> tuple[float, float]:
-    """Seconds per decode token of a plain onnxruntime KV-cache loop, batch 1, and per token of the
-    whole loop with its prompt (medians of repeats). `threads`: intra-op threads (0: ORT's default)."""
+) -> Bare:
+    """A plain onnxruntime KV-cache loop, batch 1, on numpy arrays (as most scripts write it; on the
+    CPU ONNX Runtime reads them in place and returns views of its own buffers, so nothing is
+    copied; on CUDA each step copies the cache to the host and back). `threads`: intra-op threads
+    (0: ORT's default)."""
     options = ort.SessionOptions()
     options.intra_op_num_threads = threads
     session = ort.InferenceSession(str(model_file), options, providers=list(providers))
@@ -151,6 +166,7 @@ def bare_loop(
     heads, head_size = inputs[past_names[0]].shape[1], inputs[past_names[0]].shape[3]
     timings = []
     whole = []
+    cpu = time.process_time()
     for r in range(repeats):
         ids = np.asarray(tokenizer.encode(PROMPTS[r % len(PROMPTS)]).ids, dtype=np.int64)[None]
         empty = np.zeros((1, heads, 0, head_size), dtype=np.float32)
@@ -177,14 +193,79 @@ def bare_loop(
         end = time.perf_counter()
         timings.append((end - start) / (tokens - 1))
         whole.append((end - begin) / tokens)
-    return statistics.median(timings), statistics.median(whole)
+    cpu_per_token = (time.process_time() - cpu) / (tokens * repeats)
+    return Bare(statistics.median(timings), statistics.median(whole), cpu_per_token)
+
+
+def bare_ortvalue_loop(
+    model_file: Path,
+    tokenizer: Tokenizer,
+    tokens: int,
+    repeats: int,
+    threads: int = 0,
+    providers: Sequence[str] = (CPU,),
+) -> Bare:
+    """The same loop with the cache as OrtValues on the session's device (IO binding: each step's
+    present.* bound as the next past_key_values.*, only the logits to the host), as the service
+    keeps it on CUDA. On the CPU it copies no more than the numpy loop; it is the fair reference
+    on a GPU."""
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = threads
+    session = ort.InferenceSession(str(model_file), options, providers=list(providers))
+    device = "cuda" if session.get_providers()[0] == CUDA else "cpu"
+    inputs = {i.name: i for i in session.get_inputs()}
+    past_names = [n for n in inputs if n.startswith("past_key_values.")]
+    present_names = [n.replace("past_key_values", "present") for n in past_names]
+    heads, head_size = inputs[past_names[0]].shape[1], inputs[past_names[0]].shape[3]
+    empty = ort.OrtValue.ortvalue_from_numpy(np.zeros((1, heads, 0, head_size), dtype=np.float32), device)
+    timings = []
+    whole = []
+    cpu = time.process_time()
+    for r in range(repeats):
+        ids = np.asarray(tokenizer.encode(PROMPTS[r % len(PROMPTS)]).ids, dtype=np.int64)[None]
+        feeds = {
+            "input_ids": ids,
+            "attention_mask": np.ones_like(ids),
+            "position_ids": np.arange(ids.shape[1], dtype=np.int64)[None],
+        }
+        past = [empty] * len(past_names)
+        begin = time.perf_counter()
+        length = ids.shape[1]
+        for step in range(tokens):
+            if step == 1:
+                start = time.perf_counter()
+            binding = session.io_binding()
+            for name, array in feeds.items():
+                binding.bind_cpu_input(name, array)
+            for name, value in zip(past_names, past, strict=True):
+                binding.bind_ortvalue_input(name, value)
+            binding.bind_output("logits", "cpu")
+            for name in present_names:
+                binding.bind_output(name, device)
+            session.run_with_iobinding(binding)
+            outputs = binding.get_outputs()
+            past = outputs[1:]
+            token = np.argmax(outputs[0].numpy()[:, -1], axis=-1)[:, None]
+            feeds = {
+                "input_ids": token,
+                "attention_mask": np.ones((1, length + 1), dtype=np.int64),
+                "position_ids": np.full((1, 1), length, dtype=np.int64),
+            }
+            length += 1
+        end = time.perf_counter()
+        timings.append((end - start) / (tokens - 1))
+        whole.append((end - begin) / tokens)
+    cpu_per_token = (time.process_time() - cpu) / (tokens * repeats)
+    return Bare(statistics.median(timings), statistics.median(whole), cpu_per_token)
 
 
 def ms(seconds: float) -> str:
     return f"{seconds * 1e3:8.2f}"
 
 
-async def measure(address: str, tokens: int, rounds: int) -> dict[tuple[str, int], list[Round]]:
+async def measure(
+    address: str, tokens: int, rounds: int, cpu: Callable[[], float]
+) -> dict[tuple[str, int], list[Round]]:
     results: dict[tuple[str, int], list[Round]] = {}
     async with grpc.aio.insecure_channel(address) as channel:
         stub = pb_grpc.InferenceServiceStub(channel)
@@ -193,9 +274,10 @@ async def measure(address: str, tokens: int, rounds: int) -> dict[tuple[str, int
         for _ in range(rounds):  # rounds interleave the configurations, so drift hits them alike
             for streams in (1, 8, 32):
                 for model in ("codelm", "codelm-solo"):
-                    results.setdefault((model, streams), []).append(
-                        await run_round(stub, model, streams, tokens)
-                    )
+                    before = cpu()
+                    done = await run_round(stub, model, streams, tokens)
+                    done = dataclasses.replace(done, cpu_s=cpu() - before)
+                    results.setdefault((model, streams), []).append(done)
     return results
 
 
@@ -204,7 +286,7 @@ async def measure_on_service(
 ) -> dict[tuple[str, int], list[Round]]:
     prefix = ["taskset", "-c", str(SERVER_CORE)] if pin else []
     async with running_service(repository, repository, prefix=prefix) as server:
-        return await measure(f"127.0.0.1:{server.port}", tokens, rounds)
+        return await measure(f"127.0.0.1:{server.port}", tokens, rounds, server.cpu_seconds)
 
 
 def main() -> int:
@@ -228,14 +310,18 @@ def main() -> int:
         results = asyncio.run(measure_on_service(repository, args.tokens, args.rounds, pin))
         if pin:
             os.sched_setaffinity(0, {SERVER_CORE})
-        bare, bare_whole = bare_loop(
-            CODELM / "1" / "model.onnx",
-            Tokenizer.from_file(str(CODELM / "1" / "tokenizer.json")),
-            args.tokens,
-            5,
-            threads=1 if pin else 0,
-            providers=bare_providers(args.provider),
-        )
+        references = [
+            loop(
+                CODELM / "1" / "model.onnx",
+                Tokenizer.from_file(str(CODELM / "1" / "tokenizer.json")),
+                args.tokens,
+                5,
+                threads=1 if pin else 0,
+                providers=bare_providers(args.provider),
+            )
+            for loop in (bare_loop, bare_ortvalue_loop)
+        ]
+        bare, bare_whole = references[0].per_token_s, references[0].whole_s
 
     cores = os.cpu_count()
     where = f"service and bare loop on core {SERVER_CORE} with one thread, client on core {CLIENT_CORE}"
@@ -264,7 +350,12 @@ def main() -> int:
                 f"{statistics.median(s.messages for s in r.streams):>7.0f}"
             )
     single = best[("codelm", 1)].streams[0]
+    numpy_loop, ortvalue_loop = references
     print(f"\nbare onnxruntime KV-cache loop, batch 1: {bare * 1e3:.3f} ms/token")
+    print(
+        f"  the same loop on OrtValues (IO binding): {ortvalue_loop.per_token_s * 1e3:.3f} ms/token"
+        f"  (ratio of Generate to it {single.per_token_s / ortvalue_loop.per_token_s:.2f}x)"
+    )
     print(
         f"single stream through Generate:          {single.per_token_s * 1e3:.3f} ms/token  "
         f"-> ratio {single.per_token_s / bare:.2f}x  ({single.messages} messages)"
@@ -273,6 +364,14 @@ def main() -> int:
     print(
         f"whole stream per token, bare / Generate: {bare_whole * 1e3:.3f} / "
         f"{single.stream_per_token_s * 1e3:.3f} ms  -> ratio {single.stream_per_token_s / bare_whole:.2f}x"
+    )
+    # CPU time, steadier than wall time on a shared machine: the service process (gRPC's threads
+    # included) over its leanest one-stream round, against this process over the bare loop.
+    cpu = min(r.cpu_per_token_s for r in results[("codelm", 1)])
+    bare_cpu = numpy_loop.cpu_per_token_s
+    print(
+        f"CPU per token, bare / Generate:          {bare_cpu * 1e6:.0f} / {cpu * 1e6:.0f} us"
+        f"  -> ratio {cpu / bare_cpu:.2f}x  (OrtValue loop {ortvalue_loop.cpu_per_token_s * 1e6:.0f} us)"
     )
     for streams in (8, 32):
         gain = best[("codelm", streams)].tokens_per_s / best[("codelm-solo", streams)].tokens_per_s

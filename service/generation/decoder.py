@@ -74,9 +74,9 @@ class StepRunner:
     def run(self, feeds: dict[str, np.ndarray], past: Sequence[Tensor]) -> tuple[np.ndarray, list[Tensor]]:
         """-> logits [rows, sequence, vocab] on the host, and the present tensors (where past was)."""
         if not self.bound:
-            outputs = self._session.run(
-                self._output_names, {**feeds, **dict(zip(self._past_names, past, strict=True))}
-            )
+            feeds = dict(feeds)
+            feeds.update(zip(self._past_names, past, strict=True))
+            outputs = self._session.run(self._output_names, feeds)
             return np.asarray(outputs[0], dtype=np.float32), list(outputs[1:])
         binding = self._session.io_binding()
         for name, array in feeds.items():
@@ -176,7 +176,10 @@ class DecodeBatch(Generic[Member]):
         """Feed every row its next token -> the logits of the following one, [rows, vocab]."""
         rows = len(self.members)
         width = self._width + 1
-        mask = (np.arange(width)[None, :] >= (width - 1 - self._lengths)[:, None]).astype(np.int64)
+        if rows == 1:  # a lone row is as wide as the batch: no padding to mask
+            mask = np.ones((1, width), dtype=np.int64)
+        else:
+            mask = (np.arange(width)[None, :] >= (width - 1 - self._lengths)[:, None]).astype(np.int64)
         feeds = self._layout.feeds(self._next[:, None], mask, self._lengths[:, None])
         logits, present = self._runner.run(feeds, self._past)
         assert logits.shape[0] == rows

@@ -78,13 +78,17 @@ class _Change:
 @dataclass
 class _Run:
     """One executor call's steps of one batch, as the executor thread and the event loop share it
-    (plain attribute reads and writes: each is atomic under the GIL)."""
+    (plain attribute reads and writes and deque appends/pops: each is atomic under the GIL)."""
 
     deadline: float | None  # the earliest time the loop must look (a deadline, a stall)
     stop: bool = False  # set by the loop: something needs it between steps
     steps: int = 0  # steps run (by the executor thread)
     delivered: int = 0  # steps whose tokens the loop has delivered
-    caught_up: threading.Event = field(default_factory=threading.Event)  # set on each delivery
+    # Steps run but not yet handed to the loop: (rows, their tokens, the step's seconds).
+    pending: deque[tuple[list[Sequence], list[int], float]] = field(default_factory=deque)
+    scheduled: bool = False  # a _drain is on its way to the loop (one wake-up for what piles up)
+    waiting: bool = False  # the executor thread waits for the loop to catch up
+    caught_up: threading.Event = field(default_factory=threading.Event)  # set for a waiting thread
 
     @property
     def ahead(self) -> int:
@@ -381,7 +385,7 @@ class Engine:
 
     async def _advance(self, changes: dict[int, _Change]) -> None:
         """Apply each batch's changes and step it, in the executor, until the loop is needed
-        between steps; each step's tokens are delivered as it ends (_delivered)."""
+        between steps; the steps' tokens are delivered as they end (_drain)."""
         loop = asyncio.get_running_loop()
         batches = list(self._batches)
         work = [(batch, changes.get(id(batch), _Change())) for batch in batches]
@@ -426,19 +430,24 @@ class Engine:
         -> the caches of the rows that paused."""
         kept = batch.remove([*change.leaving, *change.pausing], keep=change.pausing)
         batch.add(change.joining)
+        # The rows stay the same for this whole call: their sampling inputs are gathered once.
+        members = list(batch.members)
+        params = [m.request.sampling for m in members]
+        rngs = [m.rng for m in members]
+        produced = [m.produced for m in members]
+        vocab = self._vocab
         while len(batch):
             start = time.perf_counter()
             logits = batch.step()
-            members = list(batch.members)
-            tokens = choose_rows(
-                logits[:, : self._vocab],
-                [m.request.sampling for m in members],
-                [m.rng for m in members],
-                [m.produced for m in members],
-            )
+            tokens = choose_rows(logits[:, :vocab], params, rngs, produced)
             batch.set_next(tokens)
+            run.pending.append((members, tokens, time.perf_counter() - start))
             run.steps += 1
-            loop.call_soon_threadsafe(self._delivered, run, members, tokens, time.perf_counter() - start)
+            # One wake-up of the loop for every step that piles up before it runs (each wake-up is
+            # a write to its self-pipe, and its thread taking the GIL from this one).
+            if not run.scheduled:
+                run.scheduled = True
+                loop.call_soon_threadsafe(self._drain, run)
             if not self._step_again(run, members, tokens) or not self._wait_for_loop(run):
                 break
         return kept
@@ -447,12 +456,16 @@ class Engine:
         """In the executor: wait (without the GIL) until the loop is at most MAX_AHEAD steps behind,
         so that it gets its turn to send while the next step runs. False: the loop wants to stop."""
         while True:
-            run.caught_up.clear()
             if run.stop or self._closed:
                 return False
             if run.ahead <= MAX_AHEAD:
                 return True
-            run.caught_up.wait(0.001)
+            run.caught_up.clear()
+            run.waiting = True
+            # Looked at again after saying so: the loop sets the event only for a waiting thread.
+            if run.ahead > MAX_AHEAD and not run.stop:
+                run.caught_up.wait(0.001)
+            run.waiting = False
 
     def _step_again(self, run: _Run, members: list[Sequence], tokens: list[int]) -> bool:
         """In the executor, after a step: whether the next one can run without the loop. Not when
@@ -476,19 +489,23 @@ class Engine:
                 return False
         return True
 
-    def _delivered(self, run: _Run, members: list[Sequence], tokens: list[int], seconds: float) -> None:
-        """On the loop: one step's tokens."""
-        self._metrics.step_rows.observe(len(members))
-        self._metrics.step_seconds.observe(seconds)
+    def _drain(self, run: _Run) -> None:
+        """On the loop: the tokens of every step run since the last drain, in order."""
+        run.scheduled = False  # first: a step appended from now on schedules the next drain
+        observe_rows, observe_seconds = self._metrics.step_rows.observe, self._metrics.step_seconds.observe
         now = time.monotonic()
-        for sequence, token in zip(members, tokens, strict=True):
-            self._deliver(sequence, token, now)
-            if sequence.state is State.DONE or sequence.buffer_full:
-                run.stop = True
-        # Last: the executor thread reads `ahead` from this, and must not count these tokens as
-        # delivered before the rows' counts include them.
-        run.delivered += 1
-        run.caught_up.set()
+        while run.pending:
+            members, tokens, seconds = run.pending.popleft()
+            observe_rows(len(members))
+            observe_seconds(seconds)
+            for sequence, token in zip(members, tokens, strict=True):
+                self._deliver(sequence, token, now)
+                if sequence.state is State.DONE or sequence.buffer_full:
+                    run.stop = True
+            # After the rows' counts include them: the executor thread reads `ahead` from this.
+            run.delivered += 1
+        if run.waiting:
+            run.caught_up.set()
 
     # -- tokens to events --------------------------------------------------------------------
 
