@@ -124,18 +124,19 @@ def codelm() -> tuple[ort.InferenceSession, DecoderLayout, dict[str, list[int]]]
     return session, layout_of(session), prompts
 
 
-def on_device(tensors: list[Any], bind: bool) -> bool:
-    """Every tensor is where the runner keeps the cache: OrtValues on its device, or numpy."""
-    if not bind:
+def on_device(tensors: list[Any], device: str) -> bool:
+    """Every tensor is where the runner keeps the cache: OrtValues on `device`, or numpy ("")."""
+    if not device:
         return all(isinstance(t, np.ndarray) for t in tensors)
-    return all(isinstance(t, ort.OrtValue) and t.device_name() == "cpu" for t in tensors)
+    return all(isinstance(t, ort.OrtValue) and t.device_name() == device for t in tensors)
 
 
 def scripted(
-    runner: StepRunner, layout: DecoderLayout, prompts: dict[str, list[int]], n: int
+    runner: StepRunner, layout: DecoderLayout, prompts: dict[str, list[int]], n: int, device: str = ""
 ) -> dict[str, list[int]]:
     """a decodes alone, b and c join it mid-decode, a pauses and rejoins, b leaves early, c
-    stays: each row's greedy tokens, checking at every change that the cache never left its place."""
+    stays: each row's greedy tokens, checking at every change that the cache never left `device`
+    (OrtValues there; "": numpy on the host)."""
     vocab = layout.vocab
     tokens: dict[str, list[int]] = {}
     batch: DecodeBatch[str] = DecodeBatch(runner, layout)
@@ -143,11 +144,11 @@ def scripted(
     def join(name: str, cache: Cache | None = None, token: int = 0) -> None:
         if cache is None:
             cache, logits = prefill(runner, layout, prompts[name])
-            assert on_device(cache.past, runner.bound)
+            assert on_device(cache.past, device)
             token = int(np.argmax(logits[:vocab]))
             tokens[name] = [token]
         batch.add([(name, cache, token)])
-        assert on_device(batch.past, runner.bound)
+        assert on_device(batch.past, device)
 
     def steps(count: int) -> None:
         for _ in range(count):
@@ -155,7 +156,7 @@ def scripted(
             for member, token in zip(batch.members, step, strict=True):
                 tokens[member].append(int(token))
             batch.set_next([tokens[m][-1] for m in batch.members])
-            assert on_device(batch.past, runner.bound)
+            assert on_device(batch.past, device)
 
     join("a")
     steps(3)
@@ -164,7 +165,7 @@ def scripted(
     steps(2)
     kept = batch.remove(["a"], keep=["a"])
     cache, next_token = kept[id("a")]
-    assert on_device(cache.past, runner.bound) and on_device(batch.past, runner.bound)
+    assert on_device(cache.past, device) and on_device(batch.past, device)
     steps(2)
     batch.remove(["b"])
     join("a", cache, next_token)
@@ -176,7 +177,7 @@ def scripted(
 def test_the_ortvalue_path_gives_the_numpy_paths_tokens_through_joins_pauses_and_leaves(codelm) -> None:
     session, layout, prompts = codelm
     numpy_path = scripted(StepRunner(session, layout), layout, prompts, 16)
-    ortvalue_path = scripted(StepRunner(session, layout, "cpu", 0, bind=True), layout, prompts, 16)
+    ortvalue_path = scripted(StepRunner(session, layout, "cpu", 0, bind=True), layout, prompts, 16, "cpu")
     assert ortvalue_path == numpy_path
     # And each row is what it would be alone (b as far as it got before it left).
     for name, got in numpy_path.items():
