@@ -12,8 +12,14 @@ Each turn of the loop:
    full) and resumes those whose reader caught up;
 2. gives free slots to queued sequences and prefills their prompts (first token at once);
 3. runs decode steps for every running sequence together, as one batch: one executor call runs
-   steps back to back, handing each step's tokens to the event loop as it goes, until something
+   steps back to back, leaving each step's tokens for the event loop as it goes, until something
    needs the loop between steps (an arrival, a leave, a reader behind, a deadline, a finish).
+
+The hand-over of tokens costs the fewest wake-ups it can: a reader that runs out of events takes
+what the steps left pending itself (`Sequence.take` pulls), and the executor thread wakes the loop
+(its self-pipe) only when a reader found nothing, or when it would otherwise run more than
+MAX_AHEAD steps ahead; what piled up meanwhile goes over in one wake-up. With one stream whose
+reader is busy writing the previous token, that is one wake-up fewer per token.
 
 Joins and leaves happen only between steps (continuous batching). Model runs, cache copies and
 sampling go to the executor; the event loop only plans, and turns tokens into text and events.
@@ -128,6 +134,11 @@ class Engine:
         self._batches: list[DecodeBatch[Sequence]] = []
         self._batch_of: dict[int, DecodeBatch[Sequence]] = {}  # id(sequence) -> its batch
         self._runs: list[_Run] = []  # the batches' steps running in the executor now
+        # A reader found no event: the executor thread wakes the loop after its next step. Else it
+        # leaves its tokens pending for the loop to take when it next runs (a reader's take, the
+        # end of the executor call, or MAX_AHEAD steps behind): one wake-up fewer per token when
+        # the readers are busy writing the previous one.
+        self._wanted = False
         self._stall_s = self._settings.stall_timeout_ms / 1000
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
@@ -160,7 +171,9 @@ class Engine:
             scheduling = dataclasses.replace(
                 scheduling, time_remaining_s=request.deadline - self._clock.now()
             )
-        sequence = Sequence(request, self._codec, self._version, self._settings.stream_buffer, self._kick)
+        sequence = Sequence(
+            request, self._codec, self._version, self._settings.stream_buffer, self._kick, self._pull
+        )
         sequence.ticket = self._queue.admit(sequence, scheduling)
         # A free slot is taken now, not at the loop's next turn: arrivals that fit in free slots
         # must not count against (or be refused by) the wait queue's bound.
@@ -401,9 +414,9 @@ class Engine:
                 return_exceptions=True,
             )
         finally:
+            for run in runs:  # the tokens of the last steps, not pulled or woken for
+                self._drain(run)
             self._runs = []
-        # The steps' tokens were delivered before this resumes: the executor thread scheduled
-        # those callbacks before the one that completes its call.
         now = time.monotonic()
         for (batch, change), result in zip(work, results, strict=True):
             for sequence in change.leaving:
@@ -443,9 +456,11 @@ class Engine:
             batch.set_next(tokens)
             run.pending.append((members, tokens, time.perf_counter() - start))
             run.steps += 1
-            # One wake-up of the loop for every step that piles up before it runs (each wake-up is
-            # a write to its self-pipe, and its thread taking the GIL from this one).
-            if not run.scheduled:
+            # The loop is woken (a write to its self-pipe, and its thread taking the GIL from this
+            # one) only when a reader waits or this thread would have to wait for it; once for
+            # every step that piles up before it runs. `_wanted` is read after the append: a
+            # reader that says it waits after that read finds the step in its own pull.
+            if not run.scheduled and (self._wanted or run.ahead > MAX_AHEAD):
                 run.scheduled = True
                 loop.call_soon_threadsafe(self._drain, run)
             if not self._step_again(run, members, tokens) or not self._wait_for_loop(run):
@@ -489,9 +504,19 @@ class Engine:
                 return False
         return True
 
+    def _pull(self) -> None:
+        """On the loop, from a reader that has no event: what the running steps left pending, and
+        a wake-up after the next step if that was nothing (see `_wanted`)."""
+        self._wanted = True  # first: a step appended from now on wakes the loop
+        for run in self._runs:
+            if run.pending:
+                self._drain(run)
+
     def _drain(self, run: _Run) -> None:
         """On the loop: the tokens of every step run since the last drain, in order."""
         run.scheduled = False  # first: a step appended from now on schedules the next drain
+        if run.pending:
+            self._wanted = False  # the readers have tokens; one that runs dry pulls again
         observe_rows, observe_seconds = self._metrics.step_rows.observe, self._metrics.step_seconds.observe
         now = time.monotonic()
         while run.pending:

@@ -77,6 +77,7 @@ class Sequence:
         version: int,
         buffer: int,
         on_drained: Callable[[], None],
+        pull: Callable[[], None] | None = None,
     ) -> None:
         self.request = request
         self.version = version
@@ -100,6 +101,7 @@ class Sequence:
         self._events: deque[TokenEvent | BaseException] = deque()
         self._readable = asyncio.Event()
         self._on_drained = on_drained
+        self._pull = pull  # asks the decode loop for tokens its steps ran but did not hand over yet
 
     # -- the decode loop's side --------------------------------------------------------------
 
@@ -140,6 +142,10 @@ class Sequence:
         """Every event buffered now (waiting for one if there is none). A reader that keeps up
         gets one token per call; one that fell behind gets what piled up, in one go."""
         while not self._events:
+            if self._pull is not None:
+                self._pull()
+                if self._events:
+                    break
             self._readable.clear()
             await self._readable.wait()
         taken: list[TokenEvent] = []
