@@ -43,6 +43,8 @@ from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from typing import TypeVar
 
+import numpy as np
+
 from modelyard.service.errors import DeadlineExceeded, ModelUnavailable, ReaderStalled, ServiceError
 from modelyard.service.generation.decoder import Cache, DecodeBatch, StepRunner, prefill
 from modelyard.service.generation.model import DecoderModel
@@ -449,10 +451,14 @@ class Engine:
         rngs = [m.rng for m in members]
         produced = [m.produced for m in members]
         vocab = self._vocab
+        argmax = all(p.greedy and p.plain for p in params)  # choose_rows' plain path, decided once
         while len(batch):
             start = time.perf_counter()
             logits = batch.step()
-            tokens = choose_rows(logits[:, :vocab], params, rngs, produced)
+            if argmax:
+                tokens: list[int] = np.argmax(logits[:, :vocab], axis=-1).tolist()
+            else:
+                tokens = choose_rows(logits[:, :vocab], params, rngs, produced)
             batch.set_next(tokens)
             run.pending.append((members, tokens, time.perf_counter() - start))
             run.steps += 1
