@@ -96,6 +96,11 @@ class _Run:
     pending: deque[tuple[list[Sequence], list[int], float]] = field(default_factory=deque)
     scheduled: bool = False  # a _drain is on its way to the loop (one wake-up for what piles up)
     waiting: bool = False  # the executor thread waits for the loop to catch up
+    # A reader of the batch found no event: wake the loop after the next step. Otherwise the
+    # steps' tokens wait for the loop to take them when it next runs (a reader's pull, the end of
+    # the executor call, or MAX_AHEAD steps behind): one wake-up fewer per token when the
+    # readers are busy writing the previous one.
+    wanted: bool = False
     caught_up: threading.Event = field(default_factory=threading.Event)  # set for a waiting thread
 
     @property
@@ -135,12 +140,7 @@ class Engine:
         self._unprefilled: deque[Sequence] = deque()  # given a slot, prompt not run yet
         self._batches: list[DecodeBatch[Sequence]] = []
         self._batch_of: dict[int, DecodeBatch[Sequence]] = {}  # id(sequence) -> its batch
-        self._runs: list[_Run] = []  # the batches' steps running in the executor now
-        # A reader found no event: the executor thread wakes the loop after its next step. Else it
-        # leaves its tokens pending for the loop to take when it next runs (a reader's take, the
-        # end of the executor call, or MAX_AHEAD steps behind): one wake-up fewer per token when
-        # the readers are busy writing the previous one.
-        self._wanted = False
+        self._runs: dict[int, _Run] = {}  # id(batch) -> its steps running in the executor now
         self._stall_s = self._settings.stall_timeout_ms / 1000
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
@@ -210,7 +210,7 @@ class Engine:
 
     def _kick(self) -> None:
         self._wake.set()
-        for run in self._runs:  # the loop has something to do between steps
+        for run in self._runs.values():  # the loop has something to do between steps
             run.stop = True
         if not self._closed and (self._task is None or self._task.done()):
             self._task = asyncio.get_running_loop().create_task(self._loop(), name="decode-loop")
@@ -406,7 +406,7 @@ class Engine:
         work = [(batch, changes.get(id(batch), _Change())) for batch in batches]
         deadline = self._next_deadline()
         runs = [_Run(deadline) for _ in work]
-        self._runs = runs
+        self._runs = {id(batch): run for (batch, _), run in zip(work, runs, strict=True)}
         try:
             results = await asyncio.gather(
                 *(
@@ -418,7 +418,7 @@ class Engine:
         finally:
             for run in runs:  # the tokens of the last steps, not pulled or woken for
                 self._drain(run)
-            self._runs = []
+            self._runs = {}
         now = time.monotonic()
         for (batch, change), result in zip(work, results, strict=True):
             for sequence in change.leaving:
@@ -464,9 +464,9 @@ class Engine:
             run.steps += 1
             # The loop is woken (a write to its self-pipe, and its thread taking the GIL from this
             # one) only when a reader waits or this thread would have to wait for it; once for
-            # every step that piles up before it runs. `_wanted` is read after the append: a
+            # every step that piles up before it runs. `wanted` is read after the append: a
             # reader that says it waits after that read finds the step in its own pull.
-            if not run.scheduled and (self._wanted or run.ahead > MAX_AHEAD):
+            if not run.scheduled and (run.wanted or run.ahead > MAX_AHEAD):
                 run.scheduled = True
                 loop.call_soon_threadsafe(self._drain, run)
             if not self._step_again(run, members, tokens) or not self._wait_for_loop(run):
@@ -510,19 +510,22 @@ class Engine:
                 return False
         return True
 
-    def _pull(self) -> None:
-        """On the loop, from a reader that has no event: what the running steps left pending, and
-        a wake-up after the next step if that was nothing (see `_wanted`)."""
-        self._wanted = True  # first: a step appended from now on wakes the loop
-        for run in self._runs:
-            if run.pending:
-                self._drain(run)
+    def _pull(self, sequence: Sequence) -> None:
+        """On the loop, from a reader that has no event: what its batch's running steps left
+        pending, and a wake-up after the next step if that was nothing (`_Run.wanted`)."""
+        batch = self._batch_of.get(id(sequence))
+        run = None if batch is None else self._runs.get(id(batch))
+        if run is None:  # not decoding now (prefill, paused, between executor calls)
+            return
+        run.wanted = True  # first: a step appended from now on wakes the loop
+        if run.pending:
+            self._drain(run)
 
     def _drain(self, run: _Run) -> None:
         """On the loop: the tokens of every step run since the last drain, in order."""
         run.scheduled = False  # first: a step appended from now on schedules the next drain
         if run.pending:
-            self._wanted = False  # the readers have tokens; one that runs dry pulls again
+            run.wanted = False  # the readers have tokens; one that runs dry pulls again
         observe_rows, observe_seconds = self._metrics.step_rows.observe, self._metrics.step_seconds.observe
         now = time.monotonic()
         while run.pending:

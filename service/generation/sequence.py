@@ -77,7 +77,7 @@ class Sequence:
         version: int,
         buffer: int,
         on_drained: Callable[[], None],
-        pull: Callable[[], None] | None = None,
+        pull: Callable[[Sequence], None] | None = None,
     ) -> None:
         self.request = request
         self.version = version
@@ -143,7 +143,7 @@ class Sequence:
         gets one token per call; one that fell behind gets what piled up, in one go."""
         while not self._events:
             if self._pull is not None:
-                self._pull()
+                self._pull(self)
                 if self._events:
                     break
             self._readable.clear()
