@@ -3,6 +3,11 @@
 loop of onnxruntime calls on the same model. All in one run, on the same machine.
 
     .venv/bin/python -m bench.generate [--tokens 64] [--rounds 2] [--pin] [--provider cpu|cuda]
+    .venv/bin/python -m bench.generate --trees base=/path/to/a/worktree,now=. [--windows 6] [--window-s 3]
+
+`--trees base=PATH,now=PATH` measures only one stream, the steady way on a shared machine: each
+tree's service (pinned, CPU provider) and the bare loop take turns window by window, and it prints
+the service's CPU per token (its threads' run time, from /proc schedstat) against the bare loop's.
 
 `--pin` measures as bench.floor does (issue 12's harness): the service and the bare loop each on
 core 1 with one intra-op thread, this client on core 0, so that the client's work does not land
@@ -31,6 +36,7 @@ import statistics
 import tempfile
 import time
 from collections.abc import Callable, Sequence
+from contextlib import AsyncExitStack
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -302,6 +308,69 @@ async def measure_on_service(
         return await measure(f"127.0.0.1:{server.port}", tokens, rounds, lambda: run_seconds(server.pid))
 
 
+@dataclass(frozen=True)
+class Window:
+    cpu_per_token_s: float
+    messages_per_token: float
+
+
+async def one_stream_window(
+    stub: pb_grpc.InferenceServiceStub, pid: int, seconds: float, tokens: int
+) -> Window:
+    """One-stream generations back to back for `seconds`: the service's CPU per token."""
+    cpu, start = run_seconds(pid), time.perf_counter()
+    count = messages = 0
+    while time.perf_counter() - start < seconds:
+        done = await run_round(stub, "codelm", 1, tokens)
+        count += sum(s.tokens for s in done.streams)
+        messages += sum(s.messages for s in done.streams)
+    return Window((run_seconds(pid) - cpu) / count, messages / count)
+
+
+async def compare_trees(
+    trees: dict[str, str], repository: Path, windows: int, seconds: float, tokens: int
+) -> dict[str, list[Window]]:
+    """Each tree's service (its proto/python first on PYTHONPATH) and the bare loop take turns,
+    window by window, all on the server core: drift on a shared machine hits them alike."""
+    tokenizer = Tokenizer.from_file(str(CODELM / "1" / "tokenizer.json"))
+    results: dict[str, list[Window]] = {name: [] for name in [*trees, "bare"]}
+    prefix = ["taskset", "-c", str(SERVER_CORE)]
+    async with AsyncExitStack() as stack:
+        stubs = {}
+        for name, tree in trees.items():
+            os.environ["PYTHONPATH"] = str(Path(tree) / "proto" / "python")
+            server = await stack.enter_async_context(running_service(repository, repository, prefix=prefix))
+            channel = await stack.enter_async_context(grpc.aio.insecure_channel(f"127.0.0.1:{server.port}"))
+            stubs[name] = (pb_grpc.InferenceServiceStub(channel), server.pid)
+            await run_round(stubs[name][0], "codelm", 2, 16)  # warm-up
+        for _ in range(windows):
+            for name, (stub, pid) in stubs.items():
+                results[name].append(await one_stream_window(stub, pid, seconds, tokens))
+            os.sched_setaffinity(0, {SERVER_CORE})
+            bare = bare_loop(CODELM / "1" / "model.onnx", tokenizer, tokens, 5, threads=1)
+            os.sched_setaffinity(0, {CLIENT_CORE})
+            results["bare"].append(Window(bare.cpu_per_token_s, 0.0))
+    return results
+
+
+def print_trees(results: dict[str, list[Window]]) -> None:
+    print("one stream, CPU per token (us) per window, service and bare loop pinned to core 1:")
+    names = list(results)
+    print("window " + "".join(f"{n:>10}" for n in names))
+    for i in range(len(results["bare"])):
+        print(f"{i:>6} " + "".join(f"{results[n][i].cpu_per_token_s * 1e6:>10.0f}" for n in names))
+    for name in names[:-1]:
+        ratios = [
+            w.cpu_per_token_s / b.cpu_per_token_s for w, b in zip(results[name], results["bare"], strict=True)
+        ]
+        cpu = [w.cpu_per_token_s for w in results[name]]
+        print(
+            f"{name}: median {statistics.median(cpu) * 1e6:.0f} us/token, ratio to the bare loop median "
+            f"{statistics.median(ratios):.2f}x (min {min(ratios):.2f}x), "
+            f"{statistics.median(w.messages_per_token for w in results[name]):.2f} messages per token"
+        )
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=64, help="max_tokens per stream")
@@ -310,7 +379,27 @@ def main() -> int:
     parser.add_argument(
         "--provider", choices=("auto", "cpu", "cuda"), default="auto", help="the service's and bare loop's"
     )
+    parser.add_argument(
+        "--trees",
+        default="",
+        help="name=path,...: instead, each tree's service and the bare loop in turns, one stream, "
+        "CPU per token (pinned, CPU provider)",
+    )
+    parser.add_argument("--windows", type=int, default=6, help="with --trees: turns of each")
+    parser.add_argument("--window-s", type=float, default=3.0, help="with --trees: seconds of a turn")
     args = parser.parse_args()
+    if args.trees:
+        os.sched_setaffinity(0, {CLIENT_CORE})
+        trees = dict(item.split("=", 1) for item in args.trees.split(","))
+        with tempfile.TemporaryDirectory() as tmp:
+            repository = Path(tmp)
+            shutil.copytree(CODELM / "1", repository / "codelm" / "1")
+            config = CONFIG.format(batching="true") + execution_config(True, "cpu")
+            (repository / "codelm" / "config.yaml").write_text(config)
+            print_trees(
+                asyncio.run(compare_trees(trees, repository, args.windows, args.window_s, args.tokens))
+            )
+        return 0
     pin = args.pin and (os.cpu_count() or 1) >= 2
     if pin:
         os.sched_setaffinity(0, {CLIENT_CORE})
