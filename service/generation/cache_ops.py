@@ -91,27 +91,32 @@ class DeviceCacheOps:
         self._layout = layout
         self._device = device
         self._device_id = device_id
-        n = len(layout.past_names)
-        elem = _ONNX_TYPES[np.dtype(layout.kv_dtype)]
-        options = ort.SessionOptions()
-        options.intra_op_num_threads = 1  # memory copies of a few tensors: threads would only spin
-        options.inter_op_num_threads = 1
-        providers = decoder.get_providers()
-        provider_options = decoder.get_provider_options()
-        self._join = ort.InferenceSession(
-            _join_graph(n, elem), options, providers, [provider_options.get(p, {}) for p in providers]
-        )
-        self._select = ort.InferenceSession(
-            _select_graph(n, elem), options, providers, [provider_options.get(p, {}) for p in providers]
-        )
-        self._join_outputs = [o.name for o in self._join.get_outputs()]
-        self._select_outputs = [o.name for o in self._select.get_outputs()]
+        self._decoder = decoder
+        # Made at the first join of two parts or the first leave: a lone stream never needs them,
+        # and the first Generate of a version should not wait for two more sessions.
+        self._sessions: tuple[ort.InferenceSession, ort.InferenceSession] | None = None
         self._empty = ort.OrtValue.ortvalue_from_numpy(layout.empty_past(1), device, device_id)
         self._run_options = ort.RunOptions()
         if device == "cuda":
             # Batch caches come and go in this session's device arena: give free chunks back after
             # each run, so its peak does not stay held beside the decoder's.
             self._run_options.add_run_config_entry("memory.enable_memory_arena_shrinkage", f"gpu:{device_id}")
+
+    def _graphs(self) -> tuple[ort.InferenceSession, ort.InferenceSession]:
+        """The join and select sessions, on the decoder's providers with its provider options."""
+        if self._sessions is None:
+            n = len(self._layout.past_names)
+            elem = _ONNX_TYPES[np.dtype(self._layout.kv_dtype)]
+            options = ort.SessionOptions()
+            options.intra_op_num_threads = 1  # memory copies of a few tensors: threads would only spin
+            options.inter_op_num_threads = 1
+            providers = self._decoder.get_providers()
+            provider_options = [self._decoder.get_provider_options().get(p, {}) for p in providers]
+            self._sessions = (
+                ort.InferenceSession(_join_graph(n, elem), options, providers, provider_options),
+                ort.InferenceSession(_select_graph(n, elem), options, providers, provider_options),
+            )
+        return self._sessions
 
     def empty(self, rows: int) -> list[Tensor]:
         empty = self._empty
@@ -124,28 +129,30 @@ class DeviceCacheOps:
     def join(self, parts: Sequence[Part], width: int) -> list[Tensor]:
         joined, joined_width = list(parts[0][0]), parts[0][1]
         for tensors, part_width in parts[1:]:
-            binding = self._join.io_binding()
+            session = self._graphs()[0]
+            binding = session.io_binding()
             for i, (a, b) in enumerate(zip(joined, tensors, strict=True)):
                 binding.bind_ortvalue_input(f"a{i}", a)
                 binding.bind_ortvalue_input(f"b{i}", b)
             binding.bind_cpu_input("pads_a", _left_pad(width - joined_width))
             binding.bind_cpu_input("pads_b", _left_pad(width - part_width))
-            for name in self._join_outputs:
-                binding.bind_output(name, self._device, self._device_id)
-            self._join.run_with_iobinding(binding, self._run_options)
+            for i in range(len(joined)):
+                binding.bind_output(f"out{i}", self._device, self._device_id)
+            session.run_with_iobinding(binding, self._run_options)
             joined, joined_width = binding.get_outputs(), width
         assert joined_width == width, "a lone part is already the batch's width"
         return joined
 
     def select(self, past: Sequence[Tensor], rows: Sequence[int], start: int) -> list[Tensor]:
-        binding = self._select.io_binding()
+        session = self._graphs()[1]
+        binding = session.io_binding()
         for i, tensor in enumerate(past):
             binding.bind_ortvalue_input(f"x{i}", tensor)
         binding.bind_cpu_input("rows", np.asarray(rows, dtype=np.int64))
         binding.bind_cpu_input("start", np.asarray([start], dtype=np.int64))
-        for name in self._select_outputs:
-            binding.bind_output(name, self._device, self._device_id)
-        self._select.run_with_iobinding(binding, self._run_options)
+        for i in range(len(past)):
+            binding.bind_output(f"out{i}", self._device, self._device_id)
+        session.run_with_iobinding(binding, self._run_options)
         return list(binding.get_outputs())
 
 

@@ -3,6 +3,7 @@ what each sequence computes alone."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import numpy as np
@@ -11,6 +12,7 @@ import pytest
 from tokenizers import Tokenizer
 
 from models import demo_models
+from modelyard.service.generation.cache_ops import DeviceCacheOps, HostCacheOps, to_host
 from modelyard.service.generation.decoder import Cache, DecodeBatch, StepRunner, prefill
 from modelyard.service.generation.layout import DecoderLayout, decoder_layout
 from modelyard.service.runtime.signature import Signature, TensorSpec
@@ -182,3 +184,31 @@ def test_the_ortvalue_path_gives_the_numpy_paths_tokens_through_joins_pauses_and
     # And each row is what it would be alone (b as far as it got before it left).
     for name, got in numpy_path.items():
         assert got == alone(StepRunner(session, layout), layout, prompts[name], len(got))
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+def test_the_device_graphs_join_and_select_as_numpy_does(session, dtype: type) -> None:
+    """DeviceCacheOps (ONNX graphs, OrtValues) against HostCacheOps (numpy), on parts of different
+    widths and rows: the same tensors, padded on the left with zeros."""
+    layout = dataclasses.replace(layout_of(session), kv_dtype=np.dtype(dtype))
+    rng = np.random.default_rng(0)
+    host, device = HostCacheOps(layout), DeviceCacheOps(layout, session, "cpu", 0)
+    shapes = [(2, 5), (1, 3), (1, 7)]  # (rows, width) of each part
+    parts = [
+        [
+            rng.standard_normal((rows, layout.heads, width, layout.head_size)).astype(dtype)
+            for _ in layout.past_names
+        ]
+        for rows, width in shapes
+    ]
+    width = max(w for _, w in shapes)
+    want = host.join([(p, w) for p, (_, w) in zip(parts, shapes, strict=True)], width)
+    as_values = [[ort.OrtValue.ortvalue_from_numpy(a) for a in p] for p in parts]
+    got = device.join([(p, w) for p, (_, w) in zip(as_values, shapes, strict=True)], width)
+    assert [to_host(t).dtype for t in got] == [np.dtype(dtype)] * len(want)
+    for a, b in zip(got, want, strict=True):
+        np.testing.assert_array_equal(to_host(a), b)
+    assert not np.any(want[0][2, :, : width - 3])  # the narrow part's padding is zeros
+    for rows, start in (([0, 3], 2), ([2], 4), ([1, 2, 3], 0)):
+        for a, b in zip(device.select(got, rows, start), host.select(want, rows, start), strict=True):
+            np.testing.assert_array_equal(to_host(a), b)
