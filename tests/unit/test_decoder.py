@@ -194,7 +194,7 @@ def test_the_device_graphs_join_and_select_as_numpy_does(session, dtype: type) -
     rng = np.random.default_rng(0)
     host, device = HostCacheOps(layout), DeviceCacheOps(layout, session, "cpu", 0)
     shapes = [(2, 5), (1, 3), (1, 7)]  # (rows, width) of each part
-    parts = [
+    parts: list[list[np.ndarray]] = [
         [
             rng.standard_normal((rows, layout.heads, width, layout.head_size)).astype(dtype)
             for _ in layout.past_names
