@@ -3,11 +3,14 @@
 loop of onnxruntime calls on the same model. All in one run, on the same machine.
 
     .venv/bin/python -m bench.generate [--tokens 64] [--rounds 2] [--pin] [--provider cpu|cuda]
-    .venv/bin/python -m bench.generate --trees base=/path/to/a/worktree,now=. [--windows 6] [--window-s 3]
+    .venv/bin/python -m bench.generate --trees base=/path/to/a/worktree,now=. [--streams 1,8,32]
+        [--windows 6] [--window-s 3]
 
-`--trees base=PATH,now=PATH` measures only one stream, the steady way on a shared machine: each
+`--trees base=PATH,now=PATH [--streams 1,8,32]` measures the steady way on a shared machine: each
 tree's service (pinned, CPU provider) and the bare loop take turns window by window, and it prints
-the service's CPU per token (its threads' run time, from /proc schedstat) against the bare loop's.
+the service's CPU per token (its threads' run time, from /proc schedstat) against the bare loop's
+at one stream, and at more streams batched against unbatched (on a saturated core, tokens/s
+goes as one over CPU per token, so their ratio is the batching gain).
 
 `--pin` measures as bench.floor does (issue 12's harness): the service and the bare loop each on
 core 1 with one intra-op thread, this client on core 0, so that the client's work does not land
@@ -314,26 +317,33 @@ class Window:
     messages_per_token: float
 
 
-async def one_stream_window(
-    stub: pb_grpc.InferenceServiceStub, pid: int, seconds: float, tokens: int
+async def window(
+    stub: pb_grpc.InferenceServiceStub, pid: int, model: str, streams: int, seconds: float, tokens: int
 ) -> Window:
-    """One-stream generations back to back for `seconds`: the service's CPU per token."""
+    """Rounds of `streams` generations back to back for `seconds`: the service's CPU per token."""
     cpu, start = run_seconds(pid), time.perf_counter()
     count = messages = 0
     while time.perf_counter() - start < seconds:
-        done = await run_round(stub, "codelm", 1, tokens)
+        done = await run_round(stub, model, streams, tokens)
         count += sum(s.tokens for s in done.streams)
         messages += sum(s.messages for s in done.streams)
     return Window((run_seconds(pid) - cpu) / count, messages / count)
 
 
+# What --trees measures at each stream count: (model, streams); above one stream, continuous
+# batching on and off.
+def tree_configs(streams: Sequence[int]) -> list[tuple[str, int]]:
+    return [(model, n) for n in streams for model in (("codelm",) if n == 1 else ("codelm", "codelm-solo"))]
+
+
 async def compare_trees(
-    trees: dict[str, str], repository: Path, windows: int, seconds: float, tokens: int
-) -> dict[str, list[Window]]:
+    trees: dict[str, str], repository: Path, windows: int, seconds: float, tokens: int, streams: Sequence[int]
+) -> dict[tuple[str, str, int], list[Window]]:
     """Each tree's service (its proto/python first on PYTHONPATH) and the bare loop take turns,
-    window by window, all on the server core: drift on a shared machine hits them alike."""
+    window by window, all on the server core: drift on a shared machine hits them alike.
+    -> windows by (tree or "bare", model, streams)."""
     tokenizer = Tokenizer.from_file(str(CODELM / "1" / "tokenizer.json"))
-    results: dict[str, list[Window]] = {name: [] for name in [*trees, "bare"]}
+    results: dict[tuple[str, str, int], list[Window]] = {}
     prefix = ["taskset", "-c", str(SERVER_CORE)]
     async with AsyncExitStack() as stack:
         stubs = {}
@@ -342,33 +352,54 @@ async def compare_trees(
             server = await stack.enter_async_context(running_service(repository, repository, prefix=prefix))
             channel = await stack.enter_async_context(grpc.aio.insecure_channel(f"127.0.0.1:{server.port}"))
             stubs[name] = (pb_grpc.InferenceServiceStub(channel), server.pid)
-            await run_round(stubs[name][0], "codelm", 2, 16)  # warm-up
+            for model in ("codelm", "codelm-solo"):  # warm-up
+                await run_round(stubs[name][0], model, 4, 16)
         for _ in range(windows):
-            for name, (stub, pid) in stubs.items():
-                results[name].append(await one_stream_window(stub, pid, seconds, tokens))
+            for model, n in tree_configs(streams):
+                for name, (stub, pid) in stubs.items():
+                    found = await window(stub, pid, model, n, seconds, tokens)
+                    results.setdefault((name, model, n), []).append(found)
             os.sched_setaffinity(0, {SERVER_CORE})
             bare = bare_loop(CODELM / "1" / "model.onnx", tokenizer, tokens, 5, threads=1)
             os.sched_setaffinity(0, {CLIENT_CORE})
-            results["bare"].append(Window(bare.cpu_per_token_s, 0.0))
+            results.setdefault(("bare", "codelm", 1), []).append(Window(bare.cpu_per_token_s, 0.0))
     return results
 
 
-def print_trees(results: dict[str, list[Window]]) -> None:
-    print("one stream, CPU per token (us) per window, service and bare loop pinned to core 1:")
-    names = list(results)
-    print("window " + "".join(f"{n:>10}" for n in names))
-    for i in range(len(results["bare"])):
-        print(f"{i:>6} " + "".join(f"{results[n][i].cpu_per_token_s * 1e6:>10.0f}" for n in names))
-    for name in names[:-1]:
-        ratios = [
-            w.cpu_per_token_s / b.cpu_per_token_s for w, b in zip(results[name], results["bare"], strict=True)
-        ]
-        cpu = [w.cpu_per_token_s for w in results[name]]
-        print(
-            f"{name}: median {statistics.median(cpu) * 1e6:.0f} us/token, ratio to the bare loop median "
-            f"{statistics.median(ratios):.2f}x (min {min(ratios):.2f}x), "
-            f"{statistics.median(w.messages_per_token for w in results[name]):.2f} messages per token"
+def print_trees(
+    results: dict[tuple[str, str, int], list[Window]], trees: Sequence[str], streams: Sequence[int]
+) -> None:
+    def median_us(key: tuple[str, str, int]) -> float:
+        return statistics.median(w.cpu_per_token_s for w in results[key]) * 1e6
+
+    print("CPU per token (us) per window, the services and the bare loop pinned to core 1, one thread:")
+    columns = [(name, model, n) for model, n in tree_configs(streams) for name in trees] + [
+        ("bare", "codelm", 1)
+    ]
+    print(
+        "window"
+        + "".join(
+            f"{f'{name} {n}' + ('' if model == 'codelm' else ' off'):>14}" for name, model, n in columns
         )
+    )
+    for i in range(len(results[("bare", "codelm", 1)])):
+        print(f"{i:>6}" + "".join(f"{results[key][i].cpu_per_token_s * 1e6:>14.0f}" for key in columns))
+    bare = results[("bare", "codelm", 1)]
+    for name in trees:
+        if 1 in streams:
+            one = results[(name, "codelm", 1)]
+            ratios = [w.cpu_per_token_s / b.cpu_per_token_s for w, b in zip(one, bare, strict=True)]
+            print(
+                f"{name}, one stream: median {median_us((name, 'codelm', 1)):.0f} us/token, to the bare loop "
+                f"{statistics.median(ratios):.2f}x (min {min(ratios):.2f}x, per window), "
+                f"{statistics.median(w.messages_per_token for w in one):.2f} messages per token"
+            )
+        for n in (n for n in streams if n > 1):
+            on, off = median_us((name, "codelm", n)), median_us((name, "codelm-solo", n))
+            print(
+                f"{name}, {n} streams: {on:.0f} us/token batched, {off:.0f} unbatched: continuous batching "
+                f"gain {off / on:.2f}x (CPU per token off / on; tokens/s on a saturated core)"
+            )
 
 
 def main() -> int:
@@ -387,18 +418,22 @@ def main() -> int:
     )
     parser.add_argument("--windows", type=int, default=6, help="with --trees: turns of each")
     parser.add_argument("--window-s", type=float, default=3.0, help="with --trees: seconds of a turn")
+    parser.add_argument("--streams", default="1", help="with --trees: stream counts, e.g. 1,8,32")
     args = parser.parse_args()
     if args.trees:
         os.sched_setaffinity(0, {CLIENT_CORE})
         trees = dict(item.split("=", 1) for item in args.trees.split(","))
+        streams = [int(n) for n in args.streams.split(",")]
         with tempfile.TemporaryDirectory() as tmp:
             repository = Path(tmp)
-            shutil.copytree(CODELM / "1", repository / "codelm" / "1")
-            config = CONFIG.format(batching="true") + execution_config(True, "cpu")
-            (repository / "codelm" / "config.yaml").write_text(config)
-            print_trees(
-                asyncio.run(compare_trees(trees, repository, args.windows, args.window_s, args.tokens))
+            for name, batching in (("codelm", "true"), ("codelm-solo", "false")):
+                shutil.copytree(CODELM / "1", repository / name / "1")
+                config = CONFIG.format(batching=batching) + execution_config(True, "cpu")
+                (repository / name / "config.yaml").write_text(config)
+            found = asyncio.run(
+                compare_trees(trees, repository, args.windows, args.window_s, args.tokens, streams)
             )
+            print_trees(found, list(trees), streams)
         return 0
     pin = args.pin and (os.cpu_count() or 1) >= 2
     if pin:
