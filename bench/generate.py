@@ -413,7 +413,7 @@ def main() -> int:
     parser.add_argument(
         "--trees",
         default="",
-        help="name=path,...: instead, each tree's service and the bare loop in turns, one stream, "
+        help="name=path,...: instead, each tree's service and the bare loop in turns (see --streams), "
         "CPU per token (pinned, CPU provider)",
     )
     parser.add_argument("--windows", type=int, default=6, help="with --trees: turns of each")
