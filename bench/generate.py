@@ -348,7 +348,7 @@ async def compare_trees(
     async with AsyncExitStack() as stack:
         stubs = {}
         for name, tree in trees.items():
-            os.environ["PYTHONPATH"] = str(Path(tree) / "proto" / "python")
+            os.environ["PYTHONPATH"] = str(Path(tree).resolve() / "proto" / "python")  # the child runs elsewhere
             server = await stack.enter_async_context(running_service(repository, repository, prefix=prefix))
             channel = await stack.enter_async_context(grpc.aio.insecure_channel(f"127.0.0.1:{server.port}"))
             stubs[name] = (pb_grpc.InferenceServiceStub(channel), server.pid)
@@ -423,7 +423,7 @@ def main() -> int:
     if args.trees:
         os.sched_setaffinity(0, {CLIENT_CORE})
         trees = dict(item.split("=", 1) for item in args.trees.split(","))
-        streams = [int(n) for n in args.streams.split(",")]
+        counts = [int(n) for n in args.streams.split(",")]
         with tempfile.TemporaryDirectory() as tmp:
             repository = Path(tmp)
             for name, batching in (("codelm", "true"), ("codelm-solo", "false")):
@@ -431,9 +431,9 @@ def main() -> int:
                 config = CONFIG.format(batching=batching) + execution_config(True, "cpu")
                 (repository / name / "config.yaml").write_text(config)
             found = asyncio.run(
-                compare_trees(trees, repository, args.windows, args.window_s, args.tokens, streams)
+                compare_trees(trees, repository, args.windows, args.window_s, args.tokens, counts)
             )
-            print_trees(found, list(trees), streams)
+            print_trees(found, list(trees), counts)
         return 0
     pin = args.pin and (os.cpu_count() or 1) >= 2
     if pin:
