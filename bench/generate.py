@@ -348,7 +348,7 @@ async def compare_trees(
     async with AsyncExitStack() as stack:
         stubs = {}
         for name, tree in trees.items():
-            os.environ["PYTHONPATH"] = str(Path(tree).resolve() / "proto" / "python")  # the child runs elsewhere
+            os.environ["PYTHONPATH"] = str(Path(tree) / "proto" / "python")
             server = await stack.enter_async_context(running_service(repository, repository, prefix=prefix))
             channel = await stack.enter_async_context(grpc.aio.insecure_channel(f"127.0.0.1:{server.port}"))
             stubs[name] = (pb_grpc.InferenceServiceStub(channel), server.pid)
@@ -422,7 +422,10 @@ def main() -> int:
     args = parser.parse_args()
     if args.trees:
         os.sched_setaffinity(0, {CLIENT_CORE})
-        trees = dict(item.split("=", 1) for item in args.trees.split(","))
+        # Absolute: the services run in the temporary repository.
+        trees = {
+            name: str(Path(path).resolve()) for name, path in (t.split("=", 1) for t in args.trees.split(","))
+        }
         counts = [int(n) for n in args.streams.split(",")]
         with tempfile.TemporaryDirectory() as tmp:
             repository = Path(tmp)
