@@ -22,6 +22,8 @@ from modelyard.service.generation.sampling import Produced, SamplingParams
 from modelyard.service.generation.text import Decoder, TextStream
 from modelyard.service.scheduling.queue import Ticket
 
+_UNDRAWN = np.random.default_rng(0)  # see Sequence.rng
+
 
 class FinishReason(enum.Enum):
     LENGTH = "length"
@@ -82,7 +84,9 @@ class Sequence:
         self.request = request
         self.version = version
         self.state = State.WAITING
-        self.rng: np.random.Generator = request.sampling.generator()
+        # A greedy choice draws nothing: such a sequence shares one generator that is never drawn
+        # from, instead of seeding its own (about 40 us a request, before its first token).
+        self.rng: np.random.Generator = _UNDRAWN if request.sampling.greedy else request.sampling.generator()
         self.produced = Produced(request.sampling)  # for its penalties: touched by the choosing thread
         self.text = TextStream(decoder, request.stop)
         self.generated = 0
