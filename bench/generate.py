@@ -3,6 +3,14 @@
 loop of onnxruntime calls on the same model. All in one run, on the same machine.
 
     .venv/bin/python -m bench.generate [--tokens 64] [--rounds 2] [--pin] [--provider cpu|cuda]
+    .venv/bin/python -m bench.generate --trees base=/path/to/a/worktree,now=. [--streams 1,8,32]
+        [--windows 6] [--window-s 3]
+
+`--trees base=PATH,now=PATH [--streams 1,8,32]` measures the steady way on a shared machine: each
+tree's service (pinned, CPU provider) and the bare loop take turns window by window, and it prints
+the service's CPU per token (its threads' run time, from /proc schedstat) against the bare loop's
+at one stream, and at more streams batched against unbatched (on a saturated core, tokens/s
+goes as one over CPU per token, so their ratio is the batching gain).
 
 `--pin` measures as bench.floor does (issue 12's harness): the service and the bare loop each on
 core 1 with one intra-op thread, this client on core 0, so that the client's work does not land
@@ -23,13 +31,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import os
 import shutil
 import statistics
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from contextlib import AsyncExitStack
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -101,6 +111,11 @@ class Stream:
 class Round:
     streams: list[Stream]
     wall_s: float
+    cpu_s: float = 0.0  # the service process's CPU time over the round (/proc)
+
+    @property
+    def cpu_per_token_s(self) -> float:
+        return self.cpu_s / max(1, sum(s.tokens for s in self.streams))
 
     @property
     def tokens_per_s(self) -> float:
@@ -132,6 +147,13 @@ async def run_round(stub: pb_grpc.InferenceServiceStub, model: str, streams: int
     return Round(list(done), time.perf_counter() - start)
 
 
+@dataclass(frozen=True)
+class Bare:
+    per_token_s: float  # decode, after the prompt (median of repeats)
+    whole_s: float  # per token of the whole loop with its prompt
+    cpu_per_token_s: float  # this process's CPU time per token of the whole loop
+
+
 def bare_loop(
     model_file: Path,
     tokenizer: Tokenizer,
@@ -139,9 +161,11 @@ def bare_loop(
     repeats: int,
     threads: int = 0,
     providers: Sequence[str] = (CPU,),
-) -> tuple[float, float]:
-    """Seconds per decode token of a plain onnxruntime KV-cache loop, batch 1, and per token of the
-    whole loop with its prompt (medians of repeats). `threads`: intra-op threads (0: ORT's default)."""
+) -> Bare:
+    """A plain onnxruntime KV-cache loop, batch 1, on numpy arrays (as most scripts write it; on the
+    CPU ONNX Runtime reads them in place and returns views of its own buffers, so nothing is
+    copied; on CUDA each step copies the cache to the host and back). `threads`: intra-op threads
+    (0: ORT's default)."""
     options = ort.SessionOptions()
     options.intra_op_num_threads = threads
     session = ort.InferenceSession(str(model_file), options, providers=list(providers))
@@ -151,6 +175,7 @@ def bare_loop(
     heads, head_size = inputs[past_names[0]].shape[1], inputs[past_names[0]].shape[3]
     timings = []
     whole = []
+    cpu = time.process_time()
     for r in range(repeats):
         ids = np.asarray(tokenizer.encode(PROMPTS[r % len(PROMPTS)]).ids, dtype=np.int64)[None]
         empty = np.zeros((1, heads, 0, head_size), dtype=np.float32)
@@ -177,14 +202,92 @@ def bare_loop(
         end = time.perf_counter()
         timings.append((end - start) / (tokens - 1))
         whole.append((end - begin) / tokens)
-    return statistics.median(timings), statistics.median(whole)
+    cpu_per_token = (time.process_time() - cpu) / (tokens * repeats)
+    return Bare(statistics.median(timings), statistics.median(whole), cpu_per_token)
+
+
+def bare_ortvalue_loop(
+    model_file: Path,
+    tokenizer: Tokenizer,
+    tokens: int,
+    repeats: int,
+    threads: int = 0,
+    providers: Sequence[str] = (CPU,),
+) -> Bare:
+    """The same loop with the cache as OrtValues on the session's device (IO binding: each step's
+    present.* bound as the next past_key_values.*, only the logits to the host), as the service
+    keeps it on CUDA. On the CPU it copies no more than the numpy loop; it is the fair reference
+    on a GPU."""
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = threads
+    session = ort.InferenceSession(str(model_file), options, providers=list(providers))
+    device = "cuda" if session.get_providers()[0] == CUDA else "cpu"
+    inputs = {i.name: i for i in session.get_inputs()}
+    past_names = [n for n in inputs if n.startswith("past_key_values.")]
+    present_names = [n.replace("past_key_values", "present") for n in past_names]
+    heads, head_size = inputs[past_names[0]].shape[1], inputs[past_names[0]].shape[3]
+    empty = ort.OrtValue.ortvalue_from_numpy(np.zeros((1, heads, 0, head_size), dtype=np.float32), device)
+    timings = []
+    whole = []
+    cpu = time.process_time()
+    for r in range(repeats):
+        ids = np.asarray(tokenizer.encode(PROMPTS[r % len(PROMPTS)]).ids, dtype=np.int64)[None]
+        feeds = {
+            "input_ids": ids,
+            "attention_mask": np.ones_like(ids),
+            "position_ids": np.arange(ids.shape[1], dtype=np.int64)[None],
+        }
+        past = [empty] * len(past_names)
+        begin = time.perf_counter()
+        length = ids.shape[1]
+        for step in range(tokens):
+            if step == 1:
+                start = time.perf_counter()
+            binding = session.io_binding()
+            for name, array in feeds.items():
+                binding.bind_cpu_input(name, array)
+            for name, value in zip(past_names, past, strict=True):
+                binding.bind_ortvalue_input(name, value)
+            binding.bind_output("logits", "cpu")
+            for name in present_names:
+                binding.bind_output(name, device)
+            session.run_with_iobinding(binding)
+            outputs = binding.get_outputs()
+            past = outputs[1:]
+            token = np.argmax(outputs[0].numpy()[:, -1], axis=-1)[:, None]
+            feeds = {
+                "input_ids": token,
+                "attention_mask": np.ones((1, length + 1), dtype=np.int64),
+                "position_ids": np.full((1, 1), length, dtype=np.int64),
+            }
+            length += 1
+        end = time.perf_counter()
+        timings.append((end - start) / (tokens - 1))
+        whole.append((end - begin) / tokens)
+    cpu_per_token = (time.process_time() - cpu) / (tokens * repeats)
+    return Bare(statistics.median(timings), statistics.median(whole), cpu_per_token)
+
+
+def run_seconds(pid: int) -> float:
+    """CPU time of every thread of the process, in nanoseconds' resolution (schedstat), where
+    /proc's stat counts clock ticks (10 ms: most of a 64-token stream)."""
+    total = 0
+    for task in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{task}/schedstat") as f:
+                total += int(f.read().split()[0])
+        except (FileNotFoundError, ProcessLookupError):  # a thread that just ended
+            continue
+    return total / 1e9
 
 
 def ms(seconds: float) -> str:
     return f"{seconds * 1e3:8.2f}"
 
 
-async def measure(address: str, tokens: int, rounds: int) -> dict[tuple[str, int], list[Round]]:
+async def measure(
+    address: str, tokens: int, rounds: int, cpu: Callable[[], float]
+) -> dict[tuple[str, int], list[Round]]:
     results: dict[tuple[str, int], list[Round]] = {}
     async with grpc.aio.insecure_channel(address) as channel:
         stub = pb_grpc.InferenceServiceStub(channel)
@@ -193,9 +296,10 @@ async def measure(address: str, tokens: int, rounds: int) -> dict[tuple[str, int
         for _ in range(rounds):  # rounds interleave the configurations, so drift hits them alike
             for streams in (1, 8, 32):
                 for model in ("codelm", "codelm-solo"):
-                    results.setdefault((model, streams), []).append(
-                        await run_round(stub, model, streams, tokens)
-                    )
+                    before = cpu()
+                    done = await run_round(stub, model, streams, tokens)
+                    done = dataclasses.replace(done, cpu_s=cpu() - before)
+                    results.setdefault((model, streams), []).append(done)
     return results
 
 
@@ -204,7 +308,98 @@ async def measure_on_service(
 ) -> dict[tuple[str, int], list[Round]]:
     prefix = ["taskset", "-c", str(SERVER_CORE)] if pin else []
     async with running_service(repository, repository, prefix=prefix) as server:
-        return await measure(f"127.0.0.1:{server.port}", tokens, rounds)
+        return await measure(f"127.0.0.1:{server.port}", tokens, rounds, lambda: run_seconds(server.pid))
+
+
+@dataclass(frozen=True)
+class Window:
+    cpu_per_token_s: float
+    messages_per_token: float
+
+
+async def window(
+    stub: pb_grpc.InferenceServiceStub, pid: int, model: str, streams: int, seconds: float, tokens: int
+) -> Window:
+    """Rounds of `streams` generations back to back for `seconds`: the service's CPU per token."""
+    cpu, start = run_seconds(pid), time.perf_counter()
+    count = messages = 0
+    while time.perf_counter() - start < seconds:
+        done = await run_round(stub, model, streams, tokens)
+        count += sum(s.tokens for s in done.streams)
+        messages += sum(s.messages for s in done.streams)
+    return Window((run_seconds(pid) - cpu) / count, messages / count)
+
+
+# What --trees measures at each stream count: (model, streams); above one stream, continuous
+# batching on and off.
+def tree_configs(streams: Sequence[int]) -> list[tuple[str, int]]:
+    return [(model, n) for n in streams for model in (("codelm",) if n == 1 else ("codelm", "codelm-solo"))]
+
+
+async def compare_trees(
+    trees: dict[str, str], repository: Path, windows: int, seconds: float, tokens: int, streams: Sequence[int]
+) -> dict[tuple[str, str, int], list[Window]]:
+    """Each tree's service (its proto/python first on PYTHONPATH) and the bare loop take turns,
+    window by window, all on the server core: drift on a shared machine hits them alike.
+    -> windows by (tree or "bare", model, streams)."""
+    tokenizer = Tokenizer.from_file(str(CODELM / "1" / "tokenizer.json"))
+    results: dict[tuple[str, str, int], list[Window]] = {}
+    prefix = ["taskset", "-c", str(SERVER_CORE)]
+    async with AsyncExitStack() as stack:
+        stubs = {}
+        for name, tree in trees.items():
+            os.environ["PYTHONPATH"] = str(Path(tree) / "proto" / "python")
+            server = await stack.enter_async_context(running_service(repository, repository, prefix=prefix))
+            channel = await stack.enter_async_context(grpc.aio.insecure_channel(f"127.0.0.1:{server.port}"))
+            stubs[name] = (pb_grpc.InferenceServiceStub(channel), server.pid)
+            for model in ("codelm", "codelm-solo"):  # warm-up
+                await run_round(stubs[name][0], model, 4, 16)
+        for _ in range(windows):
+            for model, n in tree_configs(streams):
+                for name, (stub, pid) in stubs.items():
+                    found = await window(stub, pid, model, n, seconds, tokens)
+                    results.setdefault((name, model, n), []).append(found)
+            os.sched_setaffinity(0, {SERVER_CORE})
+            bare = bare_loop(CODELM / "1" / "model.onnx", tokenizer, tokens, 5, threads=1)
+            os.sched_setaffinity(0, {CLIENT_CORE})
+            results.setdefault(("bare", "codelm", 1), []).append(Window(bare.cpu_per_token_s, 0.0))
+    return results
+
+
+def print_trees(
+    results: dict[tuple[str, str, int], list[Window]], trees: Sequence[str], streams: Sequence[int]
+) -> None:
+    def median_us(key: tuple[str, str, int]) -> float:
+        return statistics.median(w.cpu_per_token_s for w in results[key]) * 1e6
+
+    print("CPU per token (us) per window, the services and the bare loop pinned to core 1, one thread:")
+    columns = [(name, model, n) for model, n in tree_configs(streams) for name in trees] + [
+        ("bare", "codelm", 1)
+    ]
+    print(
+        "window"
+        + "".join(
+            f"{f'{name} {n}' + ('' if model == 'codelm' else ' off'):>14}" for name, model, n in columns
+        )
+    )
+    for i in range(len(results[("bare", "codelm", 1)])):
+        print(f"{i:>6}" + "".join(f"{results[key][i].cpu_per_token_s * 1e6:>14.0f}" for key in columns))
+    bare = results[("bare", "codelm", 1)]
+    for name in trees:
+        if 1 in streams:
+            one = results[(name, "codelm", 1)]
+            ratios = [w.cpu_per_token_s / b.cpu_per_token_s for w, b in zip(one, bare, strict=True)]
+            print(
+                f"{name}, one stream: median {median_us((name, 'codelm', 1)):.0f} us/token, to the bare loop "
+                f"{statistics.median(ratios):.2f}x (min {min(ratios):.2f}x, per window), "
+                f"{statistics.median(w.messages_per_token for w in one):.2f} messages per token"
+            )
+        for n in (n for n in streams if n > 1):
+            on, off = median_us((name, "codelm", n)), median_us((name, "codelm-solo", n))
+            print(
+                f"{name}, {n} streams: {on:.0f} us/token batched, {off:.0f} unbatched: continuous batching "
+                f"gain {off / on:.2f}x (CPU per token off / on; tokens/s on a saturated core)"
+            )
 
 
 def main() -> int:
@@ -215,7 +410,34 @@ def main() -> int:
     parser.add_argument(
         "--provider", choices=("auto", "cpu", "cuda"), default="auto", help="the service's and bare loop's"
     )
+    parser.add_argument(
+        "--trees",
+        default="",
+        help="name=path,...: instead, each tree's service and the bare loop in turns (see --streams), "
+        "CPU per token (pinned, CPU provider)",
+    )
+    parser.add_argument("--windows", type=int, default=6, help="with --trees: turns of each")
+    parser.add_argument("--window-s", type=float, default=3.0, help="with --trees: seconds of a turn")
+    parser.add_argument("--streams", default="1", help="with --trees: stream counts, e.g. 1,8,32")
     args = parser.parse_args()
+    if args.trees:
+        os.sched_setaffinity(0, {CLIENT_CORE})
+        # Absolute: the services run in the temporary repository.
+        trees = {
+            name: str(Path(path).resolve()) for name, path in (t.split("=", 1) for t in args.trees.split(","))
+        }
+        counts = [int(n) for n in args.streams.split(",")]
+        with tempfile.TemporaryDirectory() as tmp:
+            repository = Path(tmp)
+            for name, batching in (("codelm", "true"), ("codelm-solo", "false")):
+                shutil.copytree(CODELM / "1", repository / name / "1")
+                config = CONFIG.format(batching=batching) + execution_config(True, "cpu")
+                (repository / name / "config.yaml").write_text(config)
+            found = asyncio.run(
+                compare_trees(trees, repository, args.windows, args.window_s, args.tokens, counts)
+            )
+            print_trees(found, list(trees), counts)
+        return 0
     pin = args.pin and (os.cpu_count() or 1) >= 2
     if pin:
         os.sched_setaffinity(0, {CLIENT_CORE})
@@ -228,14 +450,18 @@ def main() -> int:
         results = asyncio.run(measure_on_service(repository, args.tokens, args.rounds, pin))
         if pin:
             os.sched_setaffinity(0, {SERVER_CORE})
-        bare, bare_whole = bare_loop(
-            CODELM / "1" / "model.onnx",
-            Tokenizer.from_file(str(CODELM / "1" / "tokenizer.json")),
-            args.tokens,
-            5,
-            threads=1 if pin else 0,
-            providers=bare_providers(args.provider),
-        )
+        references = [
+            loop(
+                CODELM / "1" / "model.onnx",
+                Tokenizer.from_file(str(CODELM / "1" / "tokenizer.json")),
+                args.tokens,
+                5,
+                threads=1 if pin else 0,
+                providers=bare_providers(args.provider),
+            )
+            for loop in (bare_loop, bare_ortvalue_loop)
+        ]
+        bare, bare_whole = references[0].per_token_s, references[0].whole_s
 
     cores = os.cpu_count()
     where = f"service and bare loop on core {SERVER_CORE} with one thread, client on core {CLIENT_CORE}"
@@ -264,7 +490,12 @@ def main() -> int:
                 f"{statistics.median(s.messages for s in r.streams):>7.0f}"
             )
     single = best[("codelm", 1)].streams[0]
+    numpy_loop, ortvalue_loop = references
     print(f"\nbare onnxruntime KV-cache loop, batch 1: {bare * 1e3:.3f} ms/token")
+    print(
+        f"  the same loop on OrtValues (IO binding): {ortvalue_loop.per_token_s * 1e3:.3f} ms/token"
+        f"  (ratio of Generate to it {single.per_token_s / ortvalue_loop.per_token_s:.2f}x)"
+    )
     print(
         f"single stream through Generate:          {single.per_token_s * 1e3:.3f} ms/token  "
         f"-> ratio {single.per_token_s / bare:.2f}x  ({single.messages} messages)"
@@ -273,6 +504,14 @@ def main() -> int:
     print(
         f"whole stream per token, bare / Generate: {bare_whole * 1e3:.3f} / "
         f"{single.stream_per_token_s * 1e3:.3f} ms  -> ratio {single.stream_per_token_s / bare_whole:.2f}x"
+    )
+    # CPU time, steadier than wall time on a shared machine: the service process (gRPC's threads
+    # included) over its leanest one-stream round, against this process over the bare loop.
+    cpu = min(r.cpu_per_token_s for r in results[("codelm", 1)])
+    bare_cpu = numpy_loop.cpu_per_token_s
+    print(
+        f"CPU per token, bare / Generate:          {bare_cpu * 1e6:.0f} / {cpu * 1e6:.0f} us"
+        f"  -> ratio {cpu / bare_cpu:.2f}x  (OrtValue loop {ortvalue_loop.cpu_per_token_s * 1e6:.0f} us)"
     )
     for streams in (8, 32):
         gain = best[("codelm", streams)].tokens_per_s / best[("codelm-solo", streams)].tokens_per_s

@@ -6,10 +6,16 @@ Batch layout. Sequences of different lengths share one cache tensor per layer,
 left, and the attention mask (1 = real, 0 = padding) hides the padding. Each row's position ids
 count only its own tokens, so padding shifts nothing and a row computes what it would alone.
 
-Rows join and leave between steps. A join or a leave rebuilds the cache tensors on the host
-(one copy); a step in between feeds the model's `present.*` outputs straight back as the next
-`past_key_values.*`, so in steady state the cache stays where the model put it (on the GPU, with
-IO binding). Nothing here is thread-safe: one decode loop owns a batch and calls it from one
+Where the cache lives. On the CPU provider, numpy arrays: ONNX Runtime reads numpy inputs in
+place and returns its outputs as numpy views of its own buffers, so a step copies no cache. On
+another device (CUDA), OrtValues on that device with IO binding: past_key_values.* bound from the
+previous step's present.*, present.* bound to the device, only the logits bound to the host; the
+few index inputs go in as host arrays. A step then copies the new token's ids, mask and position
+to the device and the logits back, nothing of the cache.
+
+Rows join and leave between steps; the batch's cache is re-assembled where it lives
+(cache_ops.py: numpy on the host, two tiny ONNX graphs on the device), never through host memory
+on a device. Nothing here is thread-safe: one decode loop owns a batch and calls it from one
 executor thread at a time.
 """
 
@@ -17,81 +23,88 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Generic, TypeAlias, TypeVar
+from typing import Generic, TypeVar
 
 import numpy as np
 import onnxruntime as ort
 
+from modelyard.service.generation.cache_ops import CacheOps, DeviceCacheOps, HostCacheOps, Tensor
 from modelyard.service.generation.layout import DecoderLayout
 
-# A cache tensor: a numpy array on the host, or an onnxruntime OrtValue (on the device; untyped).
-Tensor: TypeAlias = Any
 Member = TypeVar("Member")
 
 
 @dataclass
 class Cache:
-    """One sequence's KV cache outside a batch: [1, heads, length, head_size] per past input."""
+    """One sequence's KV cache outside a batch: [1, heads, length, head_size] per past input, as
+    numpy on the host or OrtValues on the device (wherever the batch's cache lives)."""
 
-    past: list[np.ndarray]
+    past: list[Tensor]
     length: int
 
 
 class StepRunner:
-    """Runs the decoder graph with a cache that may live on the device.
+    """Runs the decoder graph with its cache where `device` is ("cpu", or "cuda" with `device_id`).
 
-    With `device` set (CUDA), inputs are bound with IO binding: the cache tensors stay on the device
-    as OrtValues between steps and only the logits come back to the host. Without it, a plain
-    `run` on numpy arrays (which ONNX Runtime reads in place on the CPU).
+    `bind`: IO binding with OrtValues (default: on any device but the CPU, where plain `run` on
+    numpy copies nothing either and costs less Python per step). Both paths give the same tokens.
     """
 
     def __init__(
-        self, session: ort.InferenceSession, layout: DecoderLayout, device: str = "", device_id: int = 0
+        self,
+        session: ort.InferenceSession,
+        layout: DecoderLayout,
+        device: str = "cpu",
+        device_id: int = 0,
+        bind: bool | None = None,
     ) -> None:
         self._session = session
-        self._layout = layout
-        self._device = device
+        self._device = device or "cpu"
         self._device_id = device_id
+        self.bound = self._device != "cpu" if bind is None else bind
+        self.ops: CacheOps = (
+            DeviceCacheOps(layout, session, self._device, device_id) if self.bound else HostCacheOps(layout)
+        )
+        # ONNX Runtime's Session.run checks the feed's names against the graph's on every call
+        # (about 5 us of Python a step, a tenth of the step's own Python); the layout checked them
+        # when the version loaded, so the CPU path calls the C++ session directly where it exists
+        # (its EP fallback, the one thing it skips, concerns other providers).
+        inner = getattr(session, "_sess", None)
+        self._run = inner.run if inner is not None and hasattr(inner, "run") else session.run
+        # Looked up once: the layout builds these names on each access.
+        self._past_names = layout.past_names
+        self._present_names = layout.present_names
+        self._output_names = list(layout.output_names)
+        self._logits = layout.output_names[0]
 
     def run(self, feeds: dict[str, np.ndarray], past: Sequence[Tensor]) -> tuple[np.ndarray, list[Tensor]]:
-        """-> logits [rows, sequence, vocab] as float32 on the host, and the present tensors."""
-        layout = self._layout
-        if not self._device:
-            arrays = [self.to_host(t) for t in past]
-            outputs = self._session.run(
-                list(layout.output_names), {**feeds, **dict(zip(layout.past_names, arrays, strict=True))}
-            )
+        """-> logits [rows, sequence, vocab] on the host, and the present tensors (where past was)."""
+        if not self.bound:
+            feeds = dict(feeds)
+            feeds.update(zip(self._past_names, past, strict=True))
+            outputs = self._run(self._output_names, feeds, None)
             return np.asarray(outputs[0], dtype=np.float32), list(outputs[1:])
         binding = self._session.io_binding()
         for name, array in feeds.items():
             binding.bind_cpu_input(name, np.ascontiguousarray(array))
-        for name, tensor in zip(layout.past_names, past, strict=True):
-            if isinstance(tensor, np.ndarray):
-                tensor = ort.OrtValue.ortvalue_from_numpy(
-                    np.ascontiguousarray(tensor), self._device, self._device_id
-                )
+        for name, tensor in zip(self._past_names, past, strict=True):
             binding.bind_ortvalue_input(name, tensor)
-        binding.bind_output(layout.output_names[0], "cpu")
-        for name in layout.present_names:
+        binding.bind_output(self._logits, "cpu")
+        for name in self._present_names:
             binding.bind_output(name, self._device, self._device_id)
         self._session.run_with_iobinding(binding)
         outputs = binding.get_outputs()
-        return np.asarray(outputs[0].numpy(), dtype=np.float32), list(outputs[1:])
-
-    @staticmethod
-    def to_host(tensor: Tensor) -> np.ndarray:
-        return tensor if isinstance(tensor, np.ndarray) else np.asarray(tensor.numpy())
+        return np.asarray(outputs[0].numpy(), dtype=np.float32), outputs[1:]
 
 
 def prefill(runner: StepRunner, layout: DecoderLayout, prompt: Sequence[int]) -> tuple[Cache, np.ndarray]:
     """Run a whole prompt (an empty cache in, its cache out) -> its cache and the last position's
     logits [vocab]. Prompts are prefilled alone, never padded, so a sequence's cache is the same
-    whether it then decodes alone or in a batch."""
+    whether it then decodes alone or in a batch. The cache stays where the runner keeps it."""
     ids = np.asarray(prompt, dtype=np.int64)[None, :]
     feeds = layout.feeds(ids, np.ones_like(ids), np.arange(ids.shape[1], dtype=np.int64)[None, :])
-    empty = layout.empty_past(1)
-    logits, present = runner.run(feeds, [empty] * len(layout.past_names))
-    return Cache([runner.to_host(t) for t in present], ids.shape[1]), logits[0, -1]
+    logits, present = runner.run(feeds, runner.ops.empty(1))
+    return Cache(present, ids.shape[1]), logits[0, -1]
 
 
 class DecodeBatch(Generic[Member]):
@@ -105,6 +118,7 @@ class DecodeBatch(Generic[Member]):
         self._width = 0  # cache positions per row (the longest row's length)
         self._lengths = np.zeros(0, dtype=np.int64)  # real cache positions per row
         self._next = np.zeros(0, dtype=np.int64)  # each row's next input token
+        self._ones = np.ones((1, 256), dtype=np.int64)  # a lone row's masks are views of it
 
     def __len__(self) -> int:
         return len(self.members)
@@ -113,22 +127,20 @@ class DecodeBatch(Generic[Member]):
     def width(self) -> int:
         return self._width
 
+    @property
+    def past(self) -> list[Tensor]:
+        """The batch's cache tensors, one per past input (where the runner keeps them)."""
+        return self._past
+
     def add(self, joining: Sequence[tuple[Member, Cache, int]]) -> None:
-        """Rows join: (member, its cache, its next input token). One host copy of the batch."""
+        """Rows join: (member, its cache, its next input token). The batch's cache is written once
+        more where it lives (old rows and new ones into one tensor per layer)."""
         if not joining:
             return
-        old = [self._runner.to_host(t) for t in self._past] if self.members else []
-        rows = len(self.members) + len(joining)
-        width = max([self._width, *(cache.length for _, cache, _ in joining)])
-        past = []
-        for i in range(len(self._layout.past_names)):
-            merged = self._layout.empty_past(rows, width)
-            if old:
-                merged[: len(self.members), :, width - self._width :] = old[i]
-            for j, (_, cache, _) in enumerate(joining):
-                merged[len(self.members) + j, :, width - cache.length :] = cache.past[i][0]
-            past.append(merged)
-        self._past = list(past)
+        parts = [(self._past, self._width)] if self.members else []
+        parts += [(cache.past, cache.length) for _, cache, _ in joining]
+        width = max(part_width for _, part_width in parts)
+        self._past = self._runner.ops.join(parts, width)
         self._width = width
         self._lengths = np.concatenate([self._lengths, [cache.length for _, cache, _ in joining]]).astype(
             np.int64
@@ -138,12 +150,13 @@ class DecodeBatch(Generic[Member]):
 
     def remove(self, leaving: Sequence[Member], keep: Sequence[Member] = ()) -> dict[int, tuple[Cache, int]]:
         """Rows leave; the caches of those in `keep` are returned (with their next token), by
-        member id, so that they can rejoin later. The rest of the cache is freed."""
+        member id, so that they can rejoin later; they stay where the batch's cache lives. The
+        rest of the cache is freed."""
         gone = {id(m) for m in leaving}
         if not gone:
             return {}
+        ops = self._runner.ops
         kept_caches: dict[int, tuple[Cache, int]] = {}
-        host = [self._runner.to_host(t) for t in self._past]
         keep_ids = {id(m) for m in keep}
         stay = []
         for row, member in enumerate(self.members):
@@ -151,17 +164,18 @@ class DecodeBatch(Generic[Member]):
                 stay.append(row)
             elif id(member) in keep_ids:
                 length = int(self._lengths[row])
-                start = self._width - length
                 kept_caches[id(member)] = (
-                    Cache([array[row : row + 1, :, start:].copy() for array in host], length),
+                    Cache(ops.select(self._past, [row], self._width - length), length),
                     int(self._next[row]),
                 )
+        if len(stay) == len(self.members):
+            return kept_caches
         self.members = [self.members[row] for row in stay]
         self._lengths = self._lengths[stay]
         self._next = self._next[stay]
         # Columns that are padding in every remaining row are dropped.
         width = int(self._lengths.max()) if stay else 0
-        self._past = [np.ascontiguousarray(array[stay, :, self._width - width :]) for array in host]
+        self._past = ops.select(self._past, stay, self._width - width) if stay else []
         self._width = width
         return kept_caches
 
@@ -169,7 +183,12 @@ class DecodeBatch(Generic[Member]):
         """Feed every row its next token -> the logits of the following one, [rows, vocab]."""
         rows = len(self.members)
         width = self._width + 1
-        mask = (np.arange(width)[None, :] >= (width - 1 - self._lengths)[:, None]).astype(np.int64)
+        if rows == 1:  # a lone row is as wide as the batch: no padding to mask
+            if width > self._ones.shape[1]:
+                self._ones = np.ones((1, 2 * width), dtype=np.int64)
+            mask = self._ones[:, :width]  # contiguous: one row (np.ones costs 4 us a step)
+        else:
+            mask = (np.arange(width)[None, :] >= (width - 1 - self._lengths)[:, None]).astype(np.int64)
         feeds = self._layout.feeds(self._next[:, None], mask, self._lengths[:, None])
         logits, present = self._runner.run(feeds, self._past)
         assert logits.shape[0] == rows

@@ -12,8 +12,14 @@ Each turn of the loop:
    full) and resumes those whose reader caught up;
 2. gives free slots to queued sequences and prefills their prompts (first token at once);
 3. runs decode steps for every running sequence together, as one batch: one executor call runs
-   steps back to back, handing each step's tokens to the event loop as it goes, until something
+   steps back to back, leaving each step's tokens for the event loop as it goes, until something
    needs the loop between steps (an arrival, a leave, a reader behind, a deadline, a finish).
+
+The hand-over of tokens costs the fewest wake-ups it can: a reader that runs out of events takes
+what the steps left pending itself (`Sequence.take` pulls), and the executor thread wakes the loop
+(its self-pipe) only when a reader found nothing, or when it would otherwise run more than
+MAX_AHEAD steps ahead; what piled up meanwhile goes over in one wake-up. With one stream whose
+reader is busy writing the previous token, that is one wake-up fewer per token.
 
 Joins and leaves happen only between steps (continuous batching). Model runs, cache copies and
 sampling go to the executor; the event loop only plans, and turns tokens into text and events.
@@ -36,6 +42,8 @@ from collections.abc import Iterable
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from typing import TypeVar
+
+import numpy as np
 
 from modelyard.service.errors import DeadlineExceeded, ModelUnavailable, ReaderStalled, ServiceError
 from modelyard.service.generation.decoder import Cache, DecodeBatch, StepRunner, prefill
@@ -78,13 +86,22 @@ class _Change:
 @dataclass
 class _Run:
     """One executor call's steps of one batch, as the executor thread and the event loop share it
-    (plain attribute reads and writes: each is atomic under the GIL)."""
+    (plain attribute reads and writes and deque appends/pops: each is atomic under the GIL)."""
 
     deadline: float | None  # the earliest time the loop must look (a deadline, a stall)
     stop: bool = False  # set by the loop: something needs it between steps
     steps: int = 0  # steps run (by the executor thread)
     delivered: int = 0  # steps whose tokens the loop has delivered
-    caught_up: threading.Event = field(default_factory=threading.Event)  # set on each delivery
+    # Steps run but not yet handed to the loop: (rows, their tokens, the step's seconds).
+    pending: deque[tuple[list[Sequence], list[int], float]] = field(default_factory=deque)
+    scheduled: bool = False  # a _drain is on its way to the loop (one wake-up for what piles up)
+    waiting: bool = False  # the executor thread waits for the loop to catch up
+    # A reader of the batch found no event: wake the loop after the next step. Otherwise the
+    # steps' tokens wait for the loop to take them when it next runs (a reader's pull, the end of
+    # the executor call, or MAX_AHEAD steps behind): one wake-up fewer per token when the
+    # readers are busy writing the previous one.
+    wanted: bool = False
+    caught_up: threading.Event = field(default_factory=threading.Event)  # set for a waiting thread
 
     @property
     def ahead(self) -> int:
@@ -123,7 +140,7 @@ class Engine:
         self._unprefilled: deque[Sequence] = deque()  # given a slot, prompt not run yet
         self._batches: list[DecodeBatch[Sequence]] = []
         self._batch_of: dict[int, DecodeBatch[Sequence]] = {}  # id(sequence) -> its batch
-        self._runs: list[_Run] = []  # the batches' steps running in the executor now
+        self._runs: dict[int, _Run] = {}  # id(batch) -> its steps running in the executor now
         self._stall_s = self._settings.stall_timeout_ms / 1000
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
@@ -156,7 +173,9 @@ class Engine:
             scheduling = dataclasses.replace(
                 scheduling, time_remaining_s=request.deadline - self._clock.now()
             )
-        sequence = Sequence(request, self._codec, self._version, self._settings.stream_buffer, self._kick)
+        sequence = Sequence(
+            request, self._codec, self._version, self._settings.stream_buffer, self._kick, self._pull
+        )
         sequence.ticket = self._queue.admit(sequence, scheduling)
         # A free slot is taken now, not at the loop's next turn: arrivals that fit in free slots
         # must not count against (or be refused by) the wait queue's bound.
@@ -191,7 +210,7 @@ class Engine:
 
     def _kick(self) -> None:
         self._wake.set()
-        for run in self._runs:  # the loop has something to do between steps
+        for run in self._runs.values():  # the loop has something to do between steps
             run.stop = True
         if not self._closed and (self._task is None or self._task.done()):
             self._task = asyncio.get_running_loop().create_task(self._loop(), name="decode-loop")
@@ -381,13 +400,13 @@ class Engine:
 
     async def _advance(self, changes: dict[int, _Change]) -> None:
         """Apply each batch's changes and step it, in the executor, until the loop is needed
-        between steps; each step's tokens are delivered as it ends (_delivered)."""
+        between steps; the steps' tokens are delivered as they end (_drain)."""
         loop = asyncio.get_running_loop()
         batches = list(self._batches)
         work = [(batch, changes.get(id(batch), _Change())) for batch in batches]
         deadline = self._next_deadline()
         runs = [_Run(deadline) for _ in work]
-        self._runs = runs
+        self._runs = {id(batch): run for (batch, _), run in zip(work, runs, strict=True)}
         try:
             results = await asyncio.gather(
                 *(
@@ -397,9 +416,9 @@ class Engine:
                 return_exceptions=True,
             )
         finally:
-            self._runs = []
-        # The steps' tokens were delivered before this resumes: the executor thread scheduled
-        # those callbacks before the one that completes its call.
+            for run in runs:  # the tokens of the last steps, not pulled or woken for
+                self._drain(run)
+            self._runs = {}
         now = time.monotonic()
         for (batch, change), result in zip(work, results, strict=True):
             for sequence in change.leaving:
@@ -426,19 +445,30 @@ class Engine:
         -> the caches of the rows that paused."""
         kept = batch.remove([*change.leaving, *change.pausing], keep=change.pausing)
         batch.add(change.joining)
+        # The rows stay the same for this whole call: their sampling inputs are gathered once.
+        members = list(batch.members)
+        params = [m.request.sampling for m in members]
+        rngs = [m.rng for m in members]
+        produced = [m.produced for m in members]
+        vocab = self._vocab
+        argmax = all(p.greedy and p.plain for p in params)  # choose_rows' plain path, decided once
         while len(batch):
             start = time.perf_counter()
             logits = batch.step()
-            members = list(batch.members)
-            tokens = choose_rows(
-                logits[:, : self._vocab],
-                [m.request.sampling for m in members],
-                [m.rng for m in members],
-                [m.produced for m in members],
-            )
+            if argmax:
+                tokens: list[int] = np.argmax(logits[:, :vocab], axis=-1).tolist()
+            else:
+                tokens = choose_rows(logits[:, :vocab], params, rngs, produced)
             batch.set_next(tokens)
+            run.pending.append((members, tokens, time.perf_counter() - start))
             run.steps += 1
-            loop.call_soon_threadsafe(self._delivered, run, members, tokens, time.perf_counter() - start)
+            # The loop is woken (a write to its self-pipe, and its thread taking the GIL from this
+            # one) only when a reader waits or this thread would have to wait for it; once for
+            # every step that piles up before it runs. `wanted` is read after the append: a
+            # reader that says it waits after that read finds the step in its own pull.
+            if not run.scheduled and (run.wanted or run.ahead > MAX_AHEAD):
+                run.scheduled = True
+                loop.call_soon_threadsafe(self._drain, run)
             if not self._step_again(run, members, tokens) or not self._wait_for_loop(run):
                 break
         return kept
@@ -447,12 +477,16 @@ class Engine:
         """In the executor: wait (without the GIL) until the loop is at most MAX_AHEAD steps behind,
         so that it gets its turn to send while the next step runs. False: the loop wants to stop."""
         while True:
-            run.caught_up.clear()
             if run.stop or self._closed:
                 return False
             if run.ahead <= MAX_AHEAD:
                 return True
-            run.caught_up.wait(0.001)
+            run.caught_up.clear()
+            run.waiting = True
+            # Looked at again after saying so: the loop sets the event only for a waiting thread.
+            if run.ahead > MAX_AHEAD and not run.stop:
+                run.caught_up.wait(0.001)
+            run.waiting = False
 
     def _step_again(self, run: _Run, members: list[Sequence], tokens: list[int]) -> bool:
         """In the executor, after a step: whether the next one can run without the loop. Not when
@@ -476,19 +510,36 @@ class Engine:
                 return False
         return True
 
-    def _delivered(self, run: _Run, members: list[Sequence], tokens: list[int], seconds: float) -> None:
-        """On the loop: one step's tokens."""
-        self._metrics.step_rows.observe(len(members))
-        self._metrics.step_seconds.observe(seconds)
+    def _pull(self, sequence: Sequence) -> None:
+        """On the loop, from a reader that has no event: what its batch's running steps left
+        pending, and a wake-up after the next step if that was nothing (`_Run.wanted`)."""
+        batch = self._batch_of.get(id(sequence))
+        run = None if batch is None else self._runs.get(id(batch))
+        if run is None:  # not decoding now (prefill, paused, between executor calls)
+            return
+        run.wanted = True  # first: a step appended from now on wakes the loop
+        if run.pending:
+            self._drain(run)
+
+    def _drain(self, run: _Run) -> None:
+        """On the loop: the tokens of every step run since the last drain, in order."""
+        run.scheduled = False  # first: a step appended from now on schedules the next drain
+        if run.pending:
+            run.wanted = False  # the readers have tokens; one that runs dry pulls again
+        observe_rows, observe_seconds = self._metrics.step_rows.observe, self._metrics.step_seconds.observe
         now = time.monotonic()
-        for sequence, token in zip(members, tokens, strict=True):
-            self._deliver(sequence, token, now)
-            if sequence.state is State.DONE or sequence.buffer_full:
-                run.stop = True
-        # Last: the executor thread reads `ahead` from this, and must not count these tokens as
-        # delivered before the rows' counts include them.
-        run.delivered += 1
-        run.caught_up.set()
+        while run.pending:
+            members, tokens, seconds = run.pending.popleft()
+            observe_rows(len(members))
+            observe_seconds(seconds)
+            for sequence, token in zip(members, tokens, strict=True):
+                self._deliver(sequence, token, now)
+                if sequence.state is State.DONE or sequence.buffer_full:
+                    run.stop = True
+            # After the rows' counts include them: the executor thread reads `ahead` from this.
+            run.delivered += 1
+        if run.waiting:
+            run.caught_up.set()
 
     # -- tokens to events --------------------------------------------------------------------
 

@@ -17,8 +17,10 @@ from typing import Any
 
 import grpc
 import numpy as np
+import onnxruntime as ort
 import pytest
 import pytest_asyncio
+from tokenizers import Tokenizer
 
 from models import demo_models
 from modelyard.inference.v1 import inference_service_pb2 as pb
@@ -26,6 +28,7 @@ from modelyard.inference.v1 import inference_service_pb2_grpc as pb_grpc
 from modelyard.inference.v1 import model_service_pb2 as mpb
 from modelyard.inference.v1 import model_service_pb2_grpc as mpb_grpc
 from modelyard.service.config import Settings
+from modelyard.service.generation.decoder import StepRunner
 from modelyard.service.gpu_memory import memory_of, used_mib
 from modelyard.service.runtime.iobinding import DeviceBinding
 from modelyard.service.runtime.manager import ModelManager
@@ -378,3 +381,56 @@ async def test_a_swap_under_load_fails_nothing_and_gives_the_device_memory_back(
         lambda: used_mb() < before + 64, what="device memory back after the retirement", within_s=30
     )
     assert peak > before
+
+
+# --- generation: the KV cache on the device ------------------------------------------------------
+
+
+def test_the_decode_cache_stays_on_the_device_through_joins_pauses_and_leaves() -> None:
+    """The decoder's own loop on a CUDA session: every cache tensor (a prefill's, the batch's after
+    each step, join and leave, a paused row's) is an OrtValue on the GPU, never host memory, and
+    the greedy tokens equal the CPU's numpy path row for row."""
+    from tests.unit import test_decoder as unit  # the scripted joins and leaves, and their prompts
+
+    codelm = demo_models.COMMITTED_ROOT / "codelm" / "1"
+    tokenizer = Tokenizer.from_file(str(codelm / "tokenizer.json"))
+    prompts = {name: list(tokenizer.encode(text).ids) for name, text in unit.CODE_PROMPTS.items()}
+    tokens = {}
+    for provider in (CUDA, CPU):
+        # TF32 off: full FP32 matrix products, so a near tie cannot tip the greedy choice.
+        options = {"use_tf32": "0"} if provider == CUDA else {}
+        session = ort.InferenceSession(str(codelm / "model.onnx"), providers=[(provider, options)])
+        layout = unit.layout_of(session)
+        device = "cuda" if provider == CUDA else ""
+        runner = StepRunner(session, layout, device or "cpu", 0)
+        assert runner.bound == (provider == CUDA)
+        tokens[provider] = unit.scripted(runner, layout, prompts, 24, device)
+    assert tokens[CUDA] == tokens[CPU]
+
+
+async def test_concurrent_generations_on_cuda_equal_the_cpu_greedy(channel: grpc.aio.Channel) -> None:
+    """Streams that join and leave one CUDA decode batch mid-decode (staggered starts, different
+    lengths) give each the tokens the CPU gives it."""
+    stub: Any = pb_grpc.InferenceServiceStub(channel)
+    prompts = ["def __init__(self", "import os\n", "    for i in range(", "class Parser:\n"]
+
+    async def one(
+        model: str, prompt: str, max_tokens: int, started: asyncio.Event | None = None
+    ) -> list[int]:
+        request = pb.GenerateRequest(model_name=model, prompt=prompt, max_tokens=max_tokens)
+        tokens: list[int] = []
+        async for response in stub.Generate(request):
+            tokens += response.token_ids
+            if started is not None:
+                started.set()
+        return tokens
+
+    results = {}
+    for provider in PROVIDERS:
+        model = f"codelm_{provider}"
+        started = asyncio.Event()
+        first = asyncio.ensure_future(one(model, prompts[0], 48, started))
+        await started.wait()  # the others join the first's batch while it decodes
+        rest = await asyncio.gather(*(one(model, p, 8 + 12 * i) for i, p in enumerate(prompts[1:])))
+        results[provider] = [await first, *rest]
+    assert all(results["cuda"]) and results["cuda"] == results["cpu"]

@@ -3,11 +3,17 @@ what each sequence computes alone."""
 
 from __future__ import annotations
 
+import dataclasses
+from typing import Any
+
 import numpy as np
 import onnxruntime as ort
 import pytest
+from tokenizers import Tokenizer
 
-from modelyard.service.generation.decoder import DecodeBatch, StepRunner, prefill
+from models import demo_models
+from modelyard.service.generation.cache_ops import DeviceCacheOps, HostCacheOps, to_host
+from modelyard.service.generation.decoder import Cache, DecodeBatch, StepRunner, prefill
 from modelyard.service.generation.layout import DecoderLayout, decoder_layout
 from modelyard.service.runtime.signature import Signature, TensorSpec
 from tests import hf_decoder
@@ -23,6 +29,10 @@ def session() -> ort.InferenceSession:
 
 @pytest.fixture(scope="module")
 def layout(session: ort.InferenceSession) -> DecoderLayout:
+    return layout_of(session)
+
+
+def layout_of(session: ort.InferenceSession) -> DecoderLayout:
     def specs(args: list[ort.NodeArg]) -> tuple[TensorSpec, ...]:
         names = {"tensor(float)": "FP32", "tensor(int64)": "INT64"}
         return tuple(
@@ -34,12 +44,13 @@ def layout(session: ort.InferenceSession) -> DecoderLayout:
 
 
 def alone(runner: StepRunner, layout: DecoderLayout, prompt: list[int], n: int) -> list[int]:
+    vocab = layout.vocab if layout.vocab > 0 else VOCAB
     cache, logits = prefill(runner, layout, prompt)
-    tokens = [int(np.argmax(logits[:VOCAB]))]
+    tokens = [int(np.argmax(logits[:vocab]))]
     batch: DecodeBatch[str] = DecodeBatch(runner, layout)
     batch.add([("x", cache, tokens[0])])
     while len(tokens) < n:
-        tokens.append(int(np.argmax(batch.step()[0, :VOCAB])))
+        tokens.append(int(np.argmax(batch.step()[0, :vocab])))
         batch.set_next(tokens[-1:])
     return tokens
 
@@ -47,9 +58,9 @@ def alone(runner: StepRunner, layout: DecoderLayout, prompt: list[int], n: int) 
 PROMPTS = {"a": [5, 6, 7, 8, 9, 10, 11], "b": [42], "c": [100, 3, 17]}
 
 
-@pytest.mark.parametrize("device", ["", "cpu"])  # "cpu": the IO-binding path, as on CUDA
-def test_rows_of_different_lengths_compute_what_they_compute_alone(session, layout, device: str) -> None:
-    runner = StepRunner(session, layout, device)
+@pytest.mark.parametrize("bind", [False, True])  # True: OrtValues and IO binding, as on CUDA
+def test_rows_of_different_lengths_compute_what_they_compute_alone(session, layout, bind: bool) -> None:
+    runner = StepRunner(session, layout, bind=bind)
     want = {name: alone(StepRunner(session, layout), layout, p, 10) for name, p in PROMPTS.items()}
     batch: DecodeBatch[str] = DecodeBatch(runner, layout)
     got: dict[str, list[int]] = {}
@@ -70,8 +81,11 @@ def test_rows_of_different_lengths_compute_what_they_compute_alone(session, layo
     assert {name: tokens[:10] for name, tokens in got.items()} == want
 
 
-def test_a_paused_row_resumes_where_it_left_off_and_leaving_rows_shrink_the_cache(session, layout) -> None:
-    runner = StepRunner(session, layout)
+@pytest.mark.parametrize("bind", [False, True])
+def test_a_paused_row_resumes_where_it_left_off_and_leaving_rows_shrink_the_cache(
+    session, layout, bind: bool
+) -> None:
+    runner = StepRunner(session, layout, bind=bind)
     want = alone(runner, layout, PROMPTS["a"], 8)
     batch: DecodeBatch[str] = DecodeBatch(runner, layout)
     cache_a, logits_a = prefill(runner, layout, PROMPTS["a"])
@@ -94,3 +108,107 @@ def test_a_paused_row_resumes_where_it_left_off_and_leaving_rows_shrink_the_cach
         tokens.append(int(np.argmax(batch.step()[0, :VOCAB])))
         batch.set_next(tokens[-1:])
     assert tokens == want
+
+
+# --- the demo language model: the OrtValue path against the numpy path -------------------------
+
+CODELM = demo_models.COMMITTED_ROOT / "codelm" / "1"
+CODE_PROMPTS = {"a": "def __init__(self", "b": "import os\n", "c": "    for i in range("}
+
+
+@pytest.fixture(scope="module")
+def codelm() -> tuple[ort.InferenceSession, DecoderLayout, dict[str, list[int]]]:
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = 1
+    session = ort.InferenceSession(str(CODELM / "model.onnx"), options, providers=["CPUExecutionProvider"])
+    tokenizer = Tokenizer.from_file(str(CODELM / "tokenizer.json"))
+    prompts = {name: list(tokenizer.encode(text).ids) for name, text in CODE_PROMPTS.items()}
+    return session, layout_of(session), prompts
+
+
+def on_device(tensors: list[Any], device: str) -> bool:
+    """Every tensor is where the runner keeps the cache: OrtValues on `device`, or numpy ("")."""
+    if not device:
+        return all(isinstance(t, np.ndarray) for t in tensors)
+    return all(isinstance(t, ort.OrtValue) and t.device_name() == device for t in tensors)
+
+
+def scripted(
+    runner: StepRunner, layout: DecoderLayout, prompts: dict[str, list[int]], n: int, device: str = ""
+) -> dict[str, list[int]]:
+    """a decodes alone, b and c join it mid-decode, a pauses and rejoins, b leaves early, c
+    stays: each row's greedy tokens, checking at every change that the cache never left `device`
+    (OrtValues there; "": numpy on the host)."""
+    vocab = layout.vocab
+    tokens: dict[str, list[int]] = {}
+    batch: DecodeBatch[str] = DecodeBatch(runner, layout)
+
+    def join(name: str, cache: Cache | None = None, token: int = 0) -> None:
+        if cache is None:
+            cache, logits = prefill(runner, layout, prompts[name])
+            assert on_device(cache.past, device)
+            token = int(np.argmax(logits[:vocab]))
+            tokens[name] = [token]
+        batch.add([(name, cache, token)])
+        assert on_device(batch.past, device)
+
+    def steps(count: int) -> None:
+        for _ in range(count):
+            step = np.argmax(batch.step()[:, :vocab], axis=-1)
+            for member, token in zip(batch.members, step, strict=True):
+                tokens[member].append(int(token))
+            batch.set_next([tokens[m][-1] for m in batch.members])
+            assert on_device(batch.past, device)
+
+    join("a")
+    steps(3)
+    join("b")
+    join("c")
+    steps(2)
+    kept = batch.remove(["a"], keep=["a"])
+    cache, next_token = kept[id("a")]
+    assert on_device(cache.past, device) and on_device(batch.past, device)
+    steps(2)
+    batch.remove(["b"])
+    join("a", cache, next_token)
+    while min(len(tokens[m]) for m in batch.members) < n:
+        steps(1)
+    return {name: got[:n] if name != "b" else got for name, got in tokens.items()}
+
+
+def test_the_ortvalue_path_gives_the_numpy_paths_tokens_through_joins_pauses_and_leaves(codelm) -> None:
+    session, layout, prompts = codelm
+    numpy_path = scripted(StepRunner(session, layout), layout, prompts, 16)
+    ortvalue_path = scripted(StepRunner(session, layout, "cpu", 0, bind=True), layout, prompts, 16, "cpu")
+    assert ortvalue_path == numpy_path
+    # And each row is what it would be alone (b as far as it got before it left).
+    for name, got in numpy_path.items():
+        assert got == alone(StepRunner(session, layout), layout, prompts[name], len(got))
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+def test_the_device_graphs_join_and_select_as_numpy_does(session, dtype: type) -> None:
+    """DeviceCacheOps (ONNX graphs, OrtValues) against HostCacheOps (numpy), on parts of different
+    widths and rows: the same tensors, padded on the left with zeros."""
+    layout = dataclasses.replace(layout_of(session), kv_dtype=np.dtype(dtype))
+    rng = np.random.default_rng(0)
+    host, device = HostCacheOps(layout), DeviceCacheOps(layout, session, "cpu", 0)
+    shapes = [(2, 5), (1, 3), (1, 7)]  # (rows, width) of each part
+    parts: list[list[np.ndarray]] = [
+        [
+            rng.standard_normal((rows, layout.heads, width, layout.head_size)).astype(dtype)
+            for _ in layout.past_names
+        ]
+        for rows, width in shapes
+    ]
+    width = max(w for _, w in shapes)
+    want = host.join([(p, w) for p, (_, w) in zip(parts, shapes, strict=True)], width)
+    as_values = [[ort.OrtValue.ortvalue_from_numpy(a) for a in p] for p in parts]
+    got = device.join([(p, w) for p, (_, w) in zip(as_values, shapes, strict=True)], width)
+    assert [to_host(t).dtype for t in got] == [np.dtype(dtype)] * len(want)
+    for a, b in zip(got, want, strict=True):
+        np.testing.assert_array_equal(to_host(a), b)
+    assert not np.any(want[0][2, :, : width - 3])  # the narrow part's padding is zeros
+    for rows, start in (([0, 3], 2), ([2], 4), ([1, 2, 3], 0)):
+        for a, b in zip(device.select(got, rows, start), host.select(want, rows, start), strict=True):
+            np.testing.assert_array_equal(to_host(a), b)

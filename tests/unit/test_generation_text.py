@@ -6,7 +6,9 @@ from collections.abc import Sequence
 
 import pytest
 
+from models import demo_models
 from modelyard.service.generation.text import IncrementalDetokenizer, StopMatcher, TextStream
+from modelyard.service.generation.tokenizer import TextCodec
 
 
 class ByteDecoder:
@@ -85,3 +87,30 @@ def test_overlapping_prefixes_find_the_earliest_stop() -> None:
 def test_stops_with_multibyte_characters(stop: str) -> None:
     pieces, stopped = run(TextStream(ByteDecoder(), [stop]), f"ab{stop}cd")
     assert stopped and "".join(pieces) == "ab"
+
+
+class CountingDecoder:
+    """The demo model's real tokenizer (byte-level BPE), counting its decode calls."""
+
+    def __init__(self) -> None:
+        self.codec = TextCodec.from_file(CODELM_TOKENIZER)
+        self.calls = 0
+
+    def decode(self, ids: Sequence[int]) -> str:
+        self.calls += 1
+        return self.codec.decode(ids)
+
+
+CODELM_TOKENIZER = demo_models.COMMITTED_ROOT / "codelm" / "1" / "tokenizer.json"
+CODE = 'class Parser:\n    def parse(self, text: str) -> list[str]:\n        """Ünïcode ok €."""\n' * 4
+
+
+def test_a_real_tokenizers_pieces_add_up_to_its_whole_decoding_at_about_one_decode_per_token() -> None:
+    decoder = CountingDecoder()
+    ids = decoder.codec.encode(CODE)
+    detok = IncrementalDetokenizer(decoder)
+    pieces = [detok.push(token) for token in ids]
+    pieces.append(detok.flush())
+    assert "".join(pieces) == decoder.codec.decode(ids) == CODE
+    # One decode per token, and one more each time the window moves up (every few tokens).
+    assert decoder.calls <= len(ids) * (1 + 1 / (IncrementalDetokenizer.WINDOW - 1)) + 2
