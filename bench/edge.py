@@ -1,7 +1,7 @@
 """Edge benchmark: what the HTTP edge adds to a generation, in one run on this machine.
 
     .venv/bin/python -m bench.edge [--requests 20] [--tokens 32] [--streams 32] [--ttft-only]
-        [--trees NAME=DIR,...] [--flags NAME='FLAGS']
+        [--raw-client] [--trees NAME=DIR,...] [--flags NAME='FLAGS']
 
 The stack runs as `make up` runs it (python -m modelyard.deploy: service, the sidecar when installed, gateway,
 Envoy; ephemeral ports). At concurrency 1 it measures time to first token (TTFT: request sent to
@@ -42,6 +42,7 @@ from modelyard.inference.v1 import inference_service_pb2_grpc as pb_grpc
 ROOT = Path(__file__).resolve().parents[1]
 PROMPT = "def __init__(self"
 DIRECT, SIDECAR = "service (gRPC, direct)", "sidecar (gRPC)"
+WARMUP = 3  # requests per path before the measured turns
 GATEWAY, ON_SERVICE = "gateway -> sidecar", "gateway -> service"
 Timing = tuple[float, float, int]  # ttft s, per-token s, tokens
 
@@ -79,13 +80,56 @@ async def sse_once(client: httpx.AsyncClient, tokens: int) -> Timing:
     return first - start, (last - first) / max(1, count - 1), count
 
 
+class RawSse:
+    """A lean HTTP/1.1 client for the SSE generate call (one kept-alive connection, the request in one
+    write, chunked body parsed by hand): what the edge adds without httpx's own cost per request,
+    which the gRPC paths do not pay (--raw-client)."""
+
+    def __init__(self, url: str, tokens: int) -> None:
+        self.host, _, port = url.removeprefix("http://").rstrip("/").rpartition(":")
+        self.port = int(port)
+        body = json.dumps({"prompt": PROMPT, "max_tokens": tokens}).encode()
+        self.request = (
+            f"POST /v1/models/codelm/generate HTTP/1.1\r\nhost: {self.host}\r\n"
+            f"content-type: application/json\r\ncontent-length: {len(body)}\r\n\r\n"
+        ).encode() + body
+        self.conn: tuple[asyncio.StreamReader, asyncio.StreamWriter] | None = None
+
+    async def once(self) -> Timing:
+        if self.conn is None:
+            self.conn = await asyncio.open_connection(self.host, self.port)
+        reader, writer = self.conn
+        start = time.perf_counter()
+        first = last = 0.0
+        count = 0
+        writer.write(self.request)
+        head = await reader.readuntil(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 200"), head
+        pending = b""
+        while size := int((await reader.readline()).strip(), 16):
+            pending += (await reader.readexactly(size + 2))[:-2]
+            *events, pending = pending.split(b"\n\n")
+            for event in events:
+                if b"\nevent: token\n" in event:
+                    last = time.perf_counter()
+                    first = first or last
+                    count += len(json.loads(event.rpartition(b"data: ")[2])["token_ids"])
+        await reader.readline()  # the CRLF after the last chunk
+        return first - start, (last - first) / max(1, count - 1), count
+
+    async def close(self) -> None:
+        if self.conn is not None:
+            self.conn[1].close()
+            await self.conn[1].wait_closed()
+
+
 async def measure(
     paths: dict[str, Callable[[], Awaitable[Timing]]], n: int
 ) -> list[tuple[str, float, float, float]]:
     """Median TTFT and per-token time, and the fastest TTFT, per path; the paths take turns request
     by request, so load from elsewhere on the machine falls on all of them alike."""
     for once in paths.values():
-        for _ in range(3):  # warm-up: connections, first-call paths
+        for _ in range(WARMUP):  # warm-up: connections, first-call paths
             await once()
     runs: dict[str, list[Timing]] = {name: [] for name in paths}
     for _ in range(n):
@@ -196,7 +240,21 @@ async def main(args: argparse.Namespace) -> None:
             edge_path = "Envoy -> " + gateway_path
             paths[gateway_path] = lambda: sse_once(gw, args.tokens)
             paths[edge_path] = lambda: sse_once(edge, args.tokens)
+            if args.raw_client:
+                raw = RawSse(stack.gateway, args.tokens)
+                clients.push_async_callback(raw.close)
+                paths[gateway_path + " (raw client)"] = raw.once
+            # Each gateway's own CPU time over the turns, per request it served: steadier than
+            # wall-clock TTFT on a loaded machine, and what a change to the gateway's path moves.
+            stack_gateway = stack.gateway_pid()
+            served = {stack_gateway: sum(1 for name in paths if name.startswith(gateway_path))}
+            served.update({gateway.pid: 1 for gateway in extra.values()})
+            cpu_at = {pid: cpu_s(pid) for pid in served}
             rows = await measure(paths, args.requests)
+            gateway_cpu_ms = {
+                pid: (cpu_s(pid) - cpu_at[pid]) * 1e3 / (count * (args.requests + WARMUP))
+                for pid, count in served.items()
+            }
             if not args.ttft_only:
                 direct_tps = await throughput(lambda: grpc_once(direct, args.tokens), args.streams)
                 gateway_pid = stack.gateway_pid()
@@ -211,7 +269,7 @@ async def main(args: argparse.Namespace) -> None:
         for gateway in extra.values():
             gateway.stop()
         stack.stop()
-    base_ttft, base_tok, base_min = rows[0][1], rows[0][2], rows[0][3]
+    base_ttft, base_tok, base_min = rows[0][1], rows[0][2] or 1.0, rows[0][3]  # 1 token: no per-token time
     chain = "Envoy -> gateway -> sidecar -> service" if stack.sidecar else "Envoy -> gateway -> service"
     print(f"\nEdge benchmark: codelm, {args.tokens} tokens, greedy, {args.requests} requests, concurrency 1")
     print(f"chain measured: {chain}\n")
@@ -224,6 +282,10 @@ async def main(args: argparse.Namespace) -> None:
             f"{name:<32}{ttft * 1e3:>9.2f}{ttft / base_ttft:>9.2f}{(ttft - base_ttft) * 1e3:>7.2f}"
             f"{least * 1e3:>8.2f}{(least - base_min) * 1e3:>7.2f}{tok * 1e3:>13.3f}{tok / base_tok:>9.2f}"
         )
+    print(f"\ngateway CPU per request ({args.tokens} tokens), its own process:")
+    for name, gateway in extra.items():
+        print(f"  {name:<30}{gateway_cpu_ms[gateway.pid]:>7.3f} ms")
+    print(f"  {'the stack' + chr(39) + 's (its paths together)':<30}{gateway_cpu_ms[stack_gateway]:>7.3f} ms")
     by_name = {name: (ttft, tok, least) for name, ttft, tok, least in rows}
     print(f"\n{'TTFT added by each hop':<24}{'median +ms':>11}{'fastest +ms':>12}  (path minus path)")
     for hop, path, below in hops(by_name, gateway_path, edge_path):
@@ -259,6 +321,9 @@ if __name__ == "__main__":
     parser.add_argument("--tokens", type=int, default=32)
     parser.add_argument("--streams", type=int, default=32)
     parser.add_argument("--held", type=int, default=64)
+    parser.add_argument(
+        "--raw-client", action="store_true", help="the stack's gateway once more with a lean HTTP client"
+    )
     parser.add_argument(
         "--ttft-only", action="store_true", help="time to first token only (no throughput, memory)"
     )
