@@ -42,6 +42,7 @@ from modelyard.inference.v1 import inference_service_pb2_grpc as pb_grpc
 ROOT = Path(__file__).resolve().parents[1]
 PROMPT = "def __init__(self"
 DIRECT, SIDECAR = "service (gRPC, direct)", "sidecar (gRPC)"
+RAW = " (raw client)"
 WARMUP = 3  # requests per path before the measured turns
 GATEWAY, ON_SERVICE = "gateway -> sidecar", "gateway -> service"
 Timing = tuple[float, float, int]  # ttft s, per-token s, tokens
@@ -205,6 +206,7 @@ def hops(rows: dict[str, Any], gateway: str, edge: str) -> list[tuple[str, str, 
         ("gateway on the sidecar", GATEWAY, SIDECAR),
         ("Envoy", edge, gateway),
         ("whole chain", edge, DIRECT),
+        ("whole chain, raw client", edge + RAW, DIRECT),
     ]
     return [hop for hop in out if hop[1] in rows and hop[2] in rows]
 
@@ -241,13 +243,14 @@ async def main(args: argparse.Namespace) -> None:
             paths[gateway_path] = lambda: sse_once(gw, args.tokens)
             paths[edge_path] = lambda: sse_once(edge, args.tokens)
             if args.raw_client:
-                raw = RawSse(stack.gateway, args.tokens)
-                clients.push_async_callback(raw.close)
-                paths[gateway_path + " (raw client)"] = raw.once
+                for path, url in ((gateway_path, stack.gateway), (edge_path, stack.edge)):
+                    raw = RawSse(url, args.tokens)
+                    clients.push_async_callback(raw.close)
+                    paths[path + RAW] = raw.once
             # Each gateway's own CPU time over the turns, per request it served: steadier than
             # wall-clock TTFT on a loaded machine, and what a change to the gateway's path moves.
             stack_gateway = stack.gateway_pid()
-            served = {stack_gateway: sum(1 for name in paths if name.startswith(gateway_path))}
+            served = {stack_gateway: sum(1 for name in paths if name.startswith((gateway_path, edge_path)))}
             served.update({gateway.pid: 1 for gateway in extra.values()})
             cpu_at = {pid: cpu_s(pid) for pid in served}
             rows = await measure(paths, args.requests)
@@ -322,7 +325,9 @@ if __name__ == "__main__":
     parser.add_argument("--streams", type=int, default=32)
     parser.add_argument("--held", type=int, default=64)
     parser.add_argument(
-        "--raw-client", action="store_true", help="the stack's gateway once more with a lean HTTP client"
+        "--raw-client",
+        action="store_true",
+        help="the stack's gateway and Envoy once more with a lean HTTP client",
     )
     parser.add_argument(
         "--ttft-only", action="store_true", help="time to first token only (no throughput, memory)"
