@@ -277,12 +277,12 @@ async def main(args: argparse.Namespace) -> None:
     print(f"\nEdge benchmark: codelm, {args.tokens} tokens, greedy, {args.requests} requests, concurrency 1")
     print(f"chain measured: {chain}\n")
     print(
-        f"{'path':<32}{'TTFT ms':>9}{'x direct':>9}{'+ms':>7}{'min ms':>8}{'+ms':>7}"
+        f"{'path':<42}{'TTFT ms':>9}{'x direct':>9}{'+ms':>7}{'min ms':>8}{'+ms':>7}"
         f"{'per-token ms':>13}{'x direct':>9}"
     )
     for name, ttft, tok, least in rows:
         print(
-            f"{name:<32}{ttft * 1e3:>9.2f}{ttft / base_ttft:>9.2f}{(ttft - base_ttft) * 1e3:>7.2f}"
+            f"{name:<42}{ttft * 1e3:>9.2f}{ttft / base_ttft:>9.2f}{(ttft - base_ttft) * 1e3:>7.2f}"
             f"{least * 1e3:>8.2f}{(least - base_min) * 1e3:>7.2f}{tok * 1e3:>13.3f}{tok / base_tok:>9.2f}"
         )
     print(f"\ngateway CPU per request ({args.tokens} tokens), its own process:")
