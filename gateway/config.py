@@ -82,16 +82,12 @@ class Settings:
         ),
     ] = 64 * 1024 * 1024
     # gRPC's own flow-control window buffers many small token messages (64 KiB and up: thousands of
-    # tokens) before a stopped reader is felt upstream. A small lookahead (BDP probing off) makes a
-    # stream that is not read pause the service's sequence within a few tokens; a larger message
-    # still gets the window it needs when it is read (one round trip more). 64 bytes holds about
-    # three token messages (~21 bytes each): a token, the first one included, arrives without
-    # waiting for a WINDOW_UPDATE round trip (one byte cost ~0.3 ms of time to first token and a
-    # window update sent from the event loop per message), and a paused stream holds at most
-    # three tokens more.
+    # tokens) before a stopped reader is felt upstream. A one-byte lookahead (BDP probing off)
+    # makes a stream that is not read pause the service's sequence within a few tokens; a large
+    # message still gets the window it needs when it is read (one round trip more).
     upstream_lookahead_bytes: Annotated[
         int, Meta(ge=0, description="HTTP/2 lookahead window to the upstream (bytes); 0 = gRPC's default")
-    ] = 64
+    ] = 1
     # Streams may be long.
     upstream_timeout_s: Annotated[
         float, Meta(ge=0, description="deadline of each upstream gRPC call in seconds; 0 = none")
