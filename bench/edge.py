@@ -128,13 +128,16 @@ async def measure(
     paths: dict[str, Callable[[], Awaitable[Timing]]], n: int
 ) -> list[tuple[str, float, float, float]]:
     """Median TTFT and per-token time, and the fastest TTFT, per path; the paths take turns request
-    by request, so load from elsewhere on the machine falls on all of them alike."""
+    by request (back and forth), so load from elsewhere on the machine falls on all of them alike."""
     for once in paths.values():
         for _ in range(WARMUP):  # warm-up: connections, first-call paths
             await once()
     runs: dict[str, list[Timing]] = {name: [] for name in paths}
-    for _ in range(n):
-        for name, once in paths.items():
+    order = list(paths.items())
+    for turn in range(n):
+        # Every other turn in reverse order: no path always follows the same other one (whose
+        # stream's tail, still being cleaned up in its processes, would fall on it).
+        for name, once in order if turn % 2 == 0 else order[::-1]:
             runs[name].append(await once())
     return [
         (

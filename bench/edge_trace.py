@@ -5,9 +5,9 @@
 The stack runs as for bench.edge; beside it, one gateway per --trees / --flags entry (default: this
 tree's) on the sidecar, each run by this file with timestamps at each step of the SSE first-event
 path. time.perf_counter is CLOCK_MONOTONIC on Linux, one clock for every process, so the client's
-send and first token line up with the gateway's steps. The gateways take turns request by request
-(with a direct call to the sidecar in each turn, for reference); the table gives each step's
-median and fastest per gateway, and each gateway's CPU per request.
+send and first token line up with the gateway's steps. The gateways take turns request by request,
+back and forth (with a direct call to the sidecar in each turn, for reference); the table gives
+each step's median and fastest per gateway, and each gateway's CPU per request.
 
 Steps: recv (the request's bytes reach uvicorn) -> handler (the SSE endpoint is entered: uvicorn's
 task, Starlette's middleware and routing) -> body (read) -> parsed (parse_generate) -> producer
@@ -218,9 +218,11 @@ async def run(args: argparse.Namespace) -> None:
                 cpu = [cpu_s(g.proc.pid) for g in gateways]
                 sent: list[list[tuple[float, float]]] = [[] for _ in gateways]
                 direct: list[float] = []
-                for _ in range(args.requests):
+                turns = list(zip(sent, clients, strict=True))
+                for turn in range(args.requests):
                     direct.append((await grpc_once(stub, args.tokens))[0])
-                    for times, client in zip(sent, clients, strict=True):
+                    # Back and forth: neither gateway always follows the other's stream tail.
+                    for times, client in turns if turn % 2 == 0 else turns[::-1]:
                         times.append(await first_token(client, args.tokens))
                 cpu = [(cpu_s(g.proc.pid) - c) / args.requests for g, c in zip(gateways, cpu, strict=True)]
             for client in clients:
