@@ -253,7 +253,8 @@ async def run(args: argparse.Namespace) -> None:
 def rows(steps: list[dict[str, float]], times: list[tuple[float, float]]) -> dict[str, list[float]]:
     out: dict[str, list[float]] = {"client send -> recv": []}
     out.update({f"{a} -> {b}": [] for a, b in itertools.pairwise(STEPS)})
-    out.update({"body_send -> client's first token": [], "in the gateway, upstream excluded": []})
+    out.update({"body_send -> client's first token": [], "start_send -> client's first token": []})
+    out["in the gateway, upstream excluded"] = []
     out.update({"upstream (producer -> msg1)": [], "client TTFT": []})
     if len(steps) != len(times):
         raise RuntimeError(f"{len(steps)} traced requests for {len(times)} sent")
@@ -263,6 +264,7 @@ def rows(steps: list[dict[str, float]], times: list[tuple[float, float]]) -> dic
             out[f"{a} -> {b}"].append(step[b] - step[a])
         upstream = step["msg1"] - step["producer"]
         out["body_send -> client's first token"].append(first - step["body_send"])
+        out["start_send -> client's first token"].append(first - step["start_send"])
         out["in the gateway, upstream excluded"].append(step["body_send"] - step["recv"] - upstream)
         out["upstream (producer -> msg1)"].append(upstream)
         out["client TTFT"].append(first - start)
