@@ -1,20 +1,28 @@
 """Edge benchmark: what the HTTP edge adds to a generation, in one run on this machine.
 
-    .venv/bin/python -m bench.edge [--requests 20] [--tokens 32] [--streams 32]
+    .venv/bin/python -m bench.edge [--requests 20] [--tokens 32] [--streams 32] [--ttft-only]
+        [--raw-client] [--trees NAME=DIR,...] [--flags NAME='FLAGS']
 
 The stack runs as `make up` runs it (python -m modelyard.deploy: service, the sidecar when installed, gateway,
 Envoy; ephemeral ports). At concurrency 1 it measures time to first token (TTFT: request sent to
 first token received) and per-token latency (first to last token / (tokens - 1)) for: the service
-directly (gRPC), the sidecar (gRPC, when present), the gateway's SSE, and Envoy -> gateway SSE;
-reported as medians and as ratios to direct. Then tokens/s with 32 concurrent streams, direct
-versus the whole chain, and the gateway's resident memory per held SSE stream (streams opened and
-left unread, so the gateway holds each one in its buffer).
+directly (gRPC), the sidecar (gRPC, when present), a gateway of the bench's own on the service (the
+gateway hop without the sidecar), the stack's gateway SSE on the sidecar, and Envoy -> gateway SSE,
+taking turns request by request; reported as medians, fastest and ratios to direct, then as the
+TTFT each hop adds (the difference of the paths with and without it). `--trees base=DIR,now=DIR`
+and `--flags NAME='--flag value'` add gateways on the sidecar from other source trees or with
+other flags to the same turns (before/after pairs in one run); `--ttft-only` stops there.
+Then tokens/s with 32 concurrent streams, direct versus the whole chain, and the gateway's resident
+memory per held SSE stream (streams opened and left unread, so the gateway holds each one in its
+buffer).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import functools
 import json
 import os
 import statistics
@@ -27,12 +35,16 @@ import grpc
 import httpx
 
 from bench.lib.procfs import rss_kib
-from bench.stack import Stack
+from bench.stack import Gateway, Stack
 from modelyard.inference.v1 import inference_service_pb2 as pb
 from modelyard.inference.v1 import inference_service_pb2_grpc as pb_grpc
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPT = "def __init__(self"
+DIRECT, SIDECAR = "service (gRPC, direct)", "sidecar (gRPC)"
+RAW = " (raw client)"
+WARMUP = 3  # requests per path before the measured turns
+GATEWAY, ON_SERVICE = "gateway -> sidecar", "gateway -> service"
 Timing = tuple[float, float, int]  # ttft s, per-token s, tokens
 
 
@@ -69,17 +81,63 @@ async def sse_once(client: httpx.AsyncClient, tokens: int) -> Timing:
     return first - start, (last - first) / max(1, count - 1), count
 
 
+class RawSse:
+    """A lean HTTP/1.1 client for the SSE generate call (one kept-alive connection, the request in one
+    write, chunked body parsed by hand): what the edge adds without httpx's own cost per request,
+    which the gRPC paths do not pay (--raw-client)."""
+
+    def __init__(self, url: str, tokens: int) -> None:
+        self.host, _, port = url.removeprefix("http://").rstrip("/").rpartition(":")
+        self.port = int(port)
+        body = json.dumps({"prompt": PROMPT, "max_tokens": tokens}).encode()
+        self.request = (
+            f"POST /v1/models/codelm/generate HTTP/1.1\r\nhost: {self.host}\r\n"
+            f"content-type: application/json\r\ncontent-length: {len(body)}\r\n\r\n"
+        ).encode() + body
+        self.conn: tuple[asyncio.StreamReader, asyncio.StreamWriter] | None = None
+
+    async def once(self) -> Timing:
+        if self.conn is None:
+            self.conn = await asyncio.open_connection(self.host, self.port)
+        reader, writer = self.conn
+        start = time.perf_counter()
+        first = last = 0.0
+        count = 0
+        writer.write(self.request)
+        head = await reader.readuntil(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 200"), head
+        pending = b""
+        while size := int((await reader.readline()).strip(), 16):
+            pending += (await reader.readexactly(size + 2))[:-2]
+            *events, pending = pending.split(b"\n\n")
+            for event in events:
+                if b"\nevent: token\n" in event:
+                    last = time.perf_counter()
+                    first = first or last
+                    count += len(json.loads(event.rpartition(b"data: ")[2])["token_ids"])
+        await reader.readline()  # the CRLF after the last chunk
+        return first - start, (last - first) / max(1, count - 1), count
+
+    async def close(self) -> None:
+        if self.conn is not None:
+            self.conn[1].close()
+            await self.conn[1].wait_closed()
+
+
 async def measure(
     paths: dict[str, Callable[[], Awaitable[Timing]]], n: int
 ) -> list[tuple[str, float, float, float]]:
     """Median TTFT and per-token time, and the fastest TTFT, per path; the paths take turns request
-    by request, so load from elsewhere on the machine falls on all of them alike."""
+    by request (back and forth), so load from elsewhere on the machine falls on all of them alike."""
     for once in paths.values():
-        for _ in range(3):  # warm-up: connections, first-call paths
+        for _ in range(WARMUP):  # warm-up: connections, first-call paths
             await once()
     runs: dict[str, list[Timing]] = {name: [] for name in paths}
-    for _ in range(n):
-        for name, once in paths.items():
+    order = list(paths.items())
+    for turn in range(n):
+        # Every other turn in reverse order: no path always follows the same other one (whose
+        # stream's tail, still being cleaned up in its processes, would fall on it).
+        for name, once in order if turn % 2 == 0 else order[::-1]:
             runs[name].append(await once())
     return [
         (
@@ -125,53 +183,140 @@ async def held_streams(gateway: str, pid: int, count: int) -> tuple[int, float]:
     return during - before, (during - before) / count
 
 
+def extra_gateways(stack: Stack, args: argparse.Namespace) -> dict[str, Gateway]:
+    """The gateways the bench starts beside the stack's: one on the service itself (the gateway hop
+    without the sidecar), and one per --trees / --flags entry on the sidecar (before/after pairs)."""
+    upstream = stack.sidecar or stack.service
+    out: dict[str, Gateway] = {}
+    try:
+        if stack.sidecar:
+            out[ON_SERVICE] = Gateway(stack.service)
+        for name, tree in args.trees:
+            out[f"gateway[{name}] -> sidecar"] = Gateway(upstream, tree)
+        for name, flags in args.flags:
+            out[f"gateway[{name}] -> sidecar"] = Gateway(upstream, ROOT, flags.split())
+    except BaseException:
+        for gateway in out.values():
+            gateway.stop()
+        raise
+    return out
+
+
+def hops(rows: dict[str, Any], gateway: str, edge: str) -> list[tuple[str, str, str]]:
+    """Each hop as the difference of the paths with and without it: (hop, path, path below it)."""
+    out = [("sidecar", SIDECAR, DIRECT), ("gateway on the service", ON_SERVICE, DIRECT)]
+    out += [
+        ("gateway on the sidecar", GATEWAY, SIDECAR),
+        ("Envoy", edge, gateway),
+        ("whole chain", edge, DIRECT),
+        ("whole chain, raw client", edge + RAW, DIRECT),
+    ]
+    return [hop for hop in out if hop[1] in rows and hop[2] in rows]
+
+
 async def main(args: argparse.Namespace) -> None:
     stack = Stack()
+    extra: dict[str, Gateway] = {}
     try:
+        extra = extra_gateways(stack, args)
         limits = httpx.Limits(max_connections=args.streams + 4)
-        async with (
-            grpc.aio.insecure_channel(stack.service) as channel,
-            grpc.aio.insecure_channel(stack.sidecar or stack.service) as side,
-            httpx.AsyncClient(base_url=stack.gateway, timeout=60) as gw,
-            httpx.AsyncClient(base_url=stack.edge, timeout=120, limits=limits) as edge,
-        ):
+        async with contextlib.AsyncExitStack() as clients:
+            channel = await clients.enter_async_context(grpc.aio.insecure_channel(stack.service))
+            side = await clients.enter_async_context(
+                grpc.aio.insecure_channel(stack.sidecar or stack.service)
+            )
+            gw = await clients.enter_async_context(httpx.AsyncClient(base_url=stack.gateway, timeout=60))
+            edge = await clients.enter_async_context(
+                httpx.AsyncClient(base_url=stack.edge, timeout=120, limits=limits)
+            )
             direct = pb_grpc.InferenceServiceStub(channel)
             sidecar = pb_grpc.InferenceServiceStub(side)
             paths: dict[str, Callable[[], Awaitable[Timing]]] = {
-                "service (gRPC, direct)": lambda: grpc_once(direct, args.tokens)
+                DIRECT: lambda: grpc_once(direct, args.tokens)
             }
             if stack.sidecar:
-                paths["sidecar (gRPC)"] = lambda: grpc_once(sidecar, args.tokens)
-            paths["gateway SSE"] = lambda: sse_once(gw, args.tokens)
-            paths["Envoy -> gateway SSE"] = lambda: sse_once(edge, args.tokens)
+                paths[SIDECAR] = lambda: grpc_once(sidecar, args.tokens)
+            for name, gateway in extra.items():
+                client = await clients.enter_async_context(
+                    httpx.AsyncClient(base_url=gateway.url, timeout=60)
+                )
+                paths[name] = functools.partial(sse_once, client, args.tokens)
+            gateway_path = GATEWAY if stack.sidecar else ON_SERVICE
+            edge_path = "Envoy -> " + gateway_path
+            paths[gateway_path] = lambda: sse_once(gw, args.tokens)
+            paths[edge_path] = lambda: sse_once(edge, args.tokens)
+            if args.raw_client:
+                for path, url in ((gateway_path, stack.gateway), (edge_path, stack.edge)):
+                    raw = RawSse(url, args.tokens)
+                    clients.push_async_callback(raw.close)
+                    paths[path + RAW] = raw.once
+            # Each gateway's own CPU time over the turns, per request it served: steadier than
+            # wall-clock TTFT on a loaded machine, and what a change to the gateway's path moves.
+            stack_gateway = stack.gateway_pid()
+            served = {stack_gateway: sum(1 for name in paths if name.startswith((gateway_path, edge_path)))}
+            served.update({gateway.pid: 1 for gateway in extra.values()})
+            cpu_at = {pid: cpu_s(pid) for pid in served}
             rows = await measure(paths, args.requests)
-            direct_tps = await throughput(lambda: grpc_once(direct, args.tokens), args.streams)
-            gateway_pid = stack.gateway_pid()
-            cpu_before, started = cpu_s(gateway_pid), time.perf_counter()
-            chain_tps = await throughput(lambda: sse_once(edge, args.tokens), args.streams)
-            gateway_cpu = (cpu_s(gateway_pid) - cpu_before) / (chain_tps * (time.perf_counter() - started))
-        held, per_stream = await held_streams(stack.gateway, stack.gateway_pid(), args.held)
+            gateway_cpu_ms = {
+                pid: (cpu_s(pid) - cpu_at[pid]) * 1e3 / (count * (args.requests + WARMUP))
+                for pid, count in served.items()
+            }
+            if not args.ttft_only:
+                direct_tps = await throughput(lambda: grpc_once(direct, args.tokens), args.streams)
+                gateway_pid = stack.gateway_pid()
+                cpu_before, started = cpu_s(gateway_pid), time.perf_counter()
+                chain_tps = await throughput(lambda: sse_once(edge, args.tokens), args.streams)
+                gateway_cpu = (cpu_s(gateway_pid) - cpu_before) / (
+                    chain_tps * (time.perf_counter() - started)
+                )
+        if not args.ttft_only:
+            held, per_stream = await held_streams(stack.gateway, stack.gateway_pid(), args.held)
     finally:
+        for gateway in extra.values():
+            gateway.stop()
         stack.stop()
-    base_ttft, base_tok, base_min = rows[0][1], rows[0][2], rows[0][3]
+    base_ttft, base_tok, base_min = rows[0][1], rows[0][2] or 1.0, rows[0][3]  # 1 token: no per-token time
     chain = "Envoy -> gateway -> sidecar -> service" if stack.sidecar else "Envoy -> gateway -> service"
     print(f"\nEdge benchmark: codelm, {args.tokens} tokens, greedy, {args.requests} requests, concurrency 1")
     print(f"chain measured: {chain}\n")
     print(
-        f"{'path':<26}{'TTFT ms':>9}{'x direct':>9}{'+ms':>7}{'min ms':>8}{'+ms':>7}"
+        f"{'path':<42}{'TTFT ms':>9}{'x direct':>9}{'+ms':>7}{'min ms':>8}{'+ms':>7}"
         f"{'per-token ms':>13}{'x direct':>9}"
     )
     for name, ttft, tok, least in rows:
         print(
-            f"{name:<26}{ttft * 1e3:>9.2f}{ttft / base_ttft:>9.2f}{(ttft - base_ttft) * 1e3:>7.2f}"
+            f"{name:<42}{ttft * 1e3:>9.2f}{ttft / base_ttft:>9.2f}{(ttft - base_ttft) * 1e3:>7.2f}"
             f"{least * 1e3:>8.2f}{(least - base_min) * 1e3:>7.2f}{tok * 1e3:>13.3f}{tok / base_tok:>9.2f}"
         )
+    print(f"\ngateway CPU per request ({args.tokens} tokens), its own process:")
+    for name, gateway in extra.items():
+        print(f"  {name:<30}{gateway_cpu_ms[gateway.pid]:>7.3f} ms")
+    print(f"  {'the stack' + chr(39) + 's (its paths together)':<30}{gateway_cpu_ms[stack_gateway]:>7.3f} ms")
+    by_name = {name: (ttft, tok, least) for name, ttft, tok, least in rows}
+    print(f"\n{'TTFT added by each hop':<24}{'median +ms':>11}{'fastest +ms':>12}  (path minus path)")
+    for hop, path, below in hops(by_name, gateway_path, edge_path):
+        median = (by_name[path][0] - by_name[below][0]) * 1e3
+        fastest = (by_name[path][2] - by_name[below][2]) * 1e3
+        print(f"{hop:<24}{median:>11.2f}{fastest:>12.2f}  ({path} minus {below})")
+    if args.ttft_only:
+        return
     print(
         f"\n{args.streams} concurrent streams: direct {direct_tps:,.0f} tokens/s, "
         f"chain {chain_tps:,.0f} tokens/s ({chain_tps / direct_tps:.2f} x direct)"
     )
     print(f"gateway CPU per streamed token at {args.streams} streams: {gateway_cpu * 1e3:.3f} ms")
     print(f"gateway RSS with {args.held} held SSE streams: +{held} KiB, {per_stream:.1f} KiB per stream")
+
+
+def _named(text: str) -> tuple[str, str]:
+    name, equals, value = text.partition("=")
+    if not equals or not name:
+        raise argparse.ArgumentTypeError(f"{text!r} is not NAME=VALUE")
+    return name, value
+
+
+def _trees(text: str) -> list[tuple[str, Path]]:
+    return [(name, Path(tree).resolve()) for name, tree in map(_named, text.split(","))]
 
 
 if __name__ == "__main__":
@@ -182,4 +327,20 @@ if __name__ == "__main__":
     parser.add_argument("--tokens", type=int, default=32)
     parser.add_argument("--streams", type=int, default=32)
     parser.add_argument("--held", type=int, default=64)
+    parser.add_argument(
+        "--raw-client",
+        action="store_true",
+        help="the stack's gateway and Envoy once more with a lean HTTP client",
+    )
+    parser.add_argument(
+        "--ttft-only", action="store_true", help="time to first token only (no throughput, memory)"
+    )
+    parser.add_argument(
+        "--trees", type=_trees, default=[], metavar="NAME=TREE,...",
+        help="one more gateway on the sidecar from each source tree (a git worktree), taking turns",
+    )  # fmt: skip
+    parser.add_argument(
+        "--flags", type=_named, action="append", default=[], metavar="NAME='FLAGS'",
+        help="one more gateway on the sidecar with these flags (repeatable), taking turns",
+    )  # fmt: skip
     asyncio.run(main(parser.parse_args()))

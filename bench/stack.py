@@ -3,11 +3,13 @@ ephemeral or chosen loopback ports, for the benchmarks that go through the chain
 
 from __future__ import annotations
 
+import os
 import re
 import signal
 import socket
 import subprocess
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 from modelyard.process import children
@@ -74,3 +76,27 @@ def _find(pattern: str, text: str) -> str:
     found = re.search(pattern, text)
     assert found, pattern
     return found.group(1)
+
+
+class Gateway:
+    """One more gateway process beside the stack's (`python -m modelyard.gateway`), from `tree`'s
+    code (its proto/python first on PYTHONPATH) and with extra `flags`, calling `upstream`: a hop
+    of its own to measure (gateway -> service), or the same hop from another tree or with other
+    flags, taking turns with the stack's in one run."""
+
+    def __init__(self, upstream: str, tree: Path = ROOT, flags: Sequence[str] = ()) -> None:
+        env = dict(os.environ, PYTHONPATH=str(tree / "proto" / "python"))
+        cmd = [sys.executable, "-m", "modelyard.gateway", "--listen", "127.0.0.1:0", "--upstream", upstream]
+        self.proc: subprocess.Popen[str] = children.popen(
+            [*cmd, *flags], cwd=tree, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+        )
+        assert self.proc.stderr is not None
+        lines = children.ReadyLine(re.compile(r"serving HTTP on (http://\S+)"))
+        if not children.follow(self.proc.stderr, lines).wait(60) or lines.match is None:
+            self.stop()
+            raise RuntimeError(f"the gateway from {tree} did not start")
+        self.url = lines.match.group(1)
+        self.pid = self.proc.pid
+
+    def stop(self) -> None:
+        children.stop(self.proc, signal.SIGTERM, grace_s=30)

@@ -74,6 +74,7 @@ class GuardedProtocol(HttpToolsProtocol):
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
+        self.transport = HeadHeld(transport, self.loop)  # uvicorn's responses write through it
         self._watch()
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -196,6 +197,83 @@ class GuardedProtocol(HttpToolsProtocol):
                 _answer(408, "Request Timeout", "DEADLINE_EXCEEDED", ErrorReason.DEADLINE, message)
             )
         self.transport.close()  # the app, if it is reading the body, sees a disconnect
+
+
+class HeadHeld(asyncio.Transport):
+    """A connection's transport that holds a response's head until the next write, so that the
+    head and the first body bytes written right after it (an SSE stream's first event, a JSON
+    answer) leave in one TCP segment: uvicorn writes them separately, and with TCP_NODELAY each
+    write is a segment of its own, for which the client (or Envoy) wakes and reads once more. A
+    head that nothing follows within the event loop's turn goes out alone at the end of it."""
+
+    def __init__(self, transport: asyncio.Transport, loop: asyncio.AbstractEventLoop) -> None:
+        super().__init__()
+        self._transport = transport
+        self._loop = loop
+        self._head = b""
+
+    def write(self, data: bytes | bytearray | memoryview) -> None:
+        if self._head:
+            head, self._head = self._head, b""
+            self._transport.write(head + data)
+        elif data[:9] == b"HTTP/1.1 " and not self._transport.is_closing():
+            self._head = bytes(data)
+            self._loop.call_soon(self._release)
+        else:
+            self._transport.write(data)
+
+    def _release(self) -> None:
+        head, self._head = self._head, b""
+        if head and not self._transport.is_closing():
+            self._transport.write(head)
+
+    def writelines(self, list_of_data: Any) -> None:
+        self.write(b"".join(list_of_data))
+
+    def close(self) -> None:
+        self._release()
+        self._transport.close()
+
+    def abort(self) -> None:
+        self._head = b""
+        self._transport.abort()
+
+    def write_eof(self) -> None:
+        self._release()
+        self._transport.write_eof()
+
+    def can_write_eof(self) -> bool:
+        return self._transport.can_write_eof()
+
+    def is_closing(self) -> bool:
+        return self._transport.is_closing()
+
+    def get_extra_info(self, name: str, default: Any = None) -> Any:
+        return self._transport.get_extra_info(name, default)
+
+    def set_protocol(self, protocol: asyncio.BaseProtocol) -> None:
+        self._transport.set_protocol(protocol)
+
+    def get_protocol(self) -> asyncio.BaseProtocol:
+        return self._transport.get_protocol()
+
+    def is_reading(self) -> bool:
+        return self._transport.is_reading()
+
+    def pause_reading(self) -> None:
+        self._transport.pause_reading()
+
+    def resume_reading(self) -> None:
+        self._transport.resume_reading()
+
+    def set_write_buffer_limits(self, high: int | None = None, low: int | None = None) -> None:
+        self._transport.set_write_buffer_limits(high, low)
+
+    def get_write_buffer_size(self) -> int:
+        return self._transport.get_write_buffer_size() + len(self._head)
+
+    def get_write_buffer_limits(self) -> tuple[int, int]:
+        return self._transport.get_write_buffer_limits()
 
 
 def protocol_class(limits: Limits) -> type[GuardedProtocol]:

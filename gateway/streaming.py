@@ -23,10 +23,13 @@ Write = Callable[[bytes], Awaitable[None]]  # sends one chunk of the body
 Body = Callable[[Write], Awaitable[None]]  # writes the whole body with it
 
 
-async def stream(send: Send, receive: Receive, headers: Mapping[str, str], body: Body) -> bool:
-    """Sends a 200 with `headers`, then runs `body` until it returns or the client disconnects.
-    True when it returned (the body is then closed); False when the client left first or the
-    writer failed (the connection is left to end without a closed body)."""
+async def stream(
+    send: Send, receive: Receive, headers: Mapping[str, str], body: Body, first: bytes = b""
+) -> bool:
+    """Sends a 200 with `headers` and `first` (what is ready to go already), then runs `body`
+    until it returns or the client disconnects. True when it returned (the body is then closed);
+    False when the client left first or the writer failed (the connection is left to end
+    without a closed body)."""
     await send(
         {
             "type": "http.response.start",
@@ -37,6 +40,9 @@ async def stream(send: Send, receive: Receive, headers: Mapping[str, str], body:
 
     async def write(chunk: bytes) -> None:
         await send({"type": "http.response.body", "body": chunk, "more_body": True})
+
+    if first:  # right behind the headers, not a loop turn later from the writer's task
+        await write(first)
 
     writer = asyncio.ensure_future(body(write))
     gone = asyncio.ensure_future(_disconnected(receive))

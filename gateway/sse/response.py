@@ -44,39 +44,57 @@ class SSEResponse(Response):
             "x-stream-id": stream.id,
             **extra_headers,
         }
+        # The retry hint first, and a comment naming the stream (an id for logs and for resume by
+        # hand), in the same write as the events already there.
+        self._preamble = f"retry: {retry_ms}\n: stream {format_id(stream.id, start)}\n\n".encode()
+        self._position = start  # the next event to write
+        self._written = -1  # the last event in a chunk written, not yet marked delivered
+        self._new = False  # the last chunk taken held events (more may follow at once)
+        self._ended = False  # the last chunk taken held the last event (or the reader fell behind)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         self.metrics.attached.inc()
         try:
-            if not await streaming.stream(send, receive, self.response_headers, self._write):
+            # What is there already (the first event, usually) goes out with the headers.
+            first = self._take()
+            if not await streaming.stream(send, receive, self.response_headers, self._write, first):
                 self.metrics.disconnects.inc()
         finally:
             self.metrics.attached.dec()
             self.registry.detach(self.stream)
 
+    def _take(self) -> bytes:
+        """The preamble (the first time) and the events buffered from this reader's position on,
+        as one chunk."""
+        preamble, self._preamble = self._preamble, b""
+        try:
+            events = self.stream.since(self._position)
+        except Evicted:  # a second reader of the same stream ran ahead of this one
+            self._ended = True
+            return preamble + LAGGED
+        self._new = bool(events)
+        if not events:
+            return preamble
+        self._position = events[-1].seq + 1
+        self._written = events[-1].seq
+        self._ended = events[-1].terminal
+        return preamble + b"".join(e.wire or encode(self.stream.id, e) for e in events)
+
+    def _delivered(self) -> None:
+        """The chunk taken last has been written: its events count as delivered (see Stream)."""
+        if self._written >= 0:
+            self.stream.delivered(self._written)
+            self._written = -1
+
     async def _write(self, write: streaming.Write) -> None:
-        stream = self.stream
-        # The retry hint first, and a comment naming the stream (an id for logs and for resume by
-        # hand), in the same write as the events already there.
-        preamble = f"retry: {self.retry_ms}\n: stream {format_id(stream.id, self.start)}\n\n".encode()
-        position = self.start
-        while True:
-            try:
-                events = stream.since(position)
-            except Evicted:  # a second reader of the same stream ran ahead of this one
-                await write(preamble + LAGGED)
-                return
-            if not events:
-                if preamble:
-                    await write(preamble)
-                    preamble = b""
-                await stream.wait_change(self.heartbeat_s)
-                if not stream.since(position):
+        self._delivered()  # the first chunk went out with the headers
+        while not self._ended:
+            if not self._new:
+                await self.stream.wait_change(self.heartbeat_s)
+                if not self.stream.since(self._position):
                     await write(HEARTBEAT)
-                continue
-            await write(preamble + b"".join(e.wire or encode(stream.id, e) for e in events))
-            preamble = b""
-            position = events[-1].seq + 1
-            stream.delivered(events[-1].seq)
-            if events[-1].terminal:
-                return
+                    continue
+            chunk = self._take()
+            if chunk:
+                await write(chunk)
+                self._delivered()
