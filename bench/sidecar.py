@@ -199,7 +199,10 @@ async def wait_sidecar_ready(address: str) -> None:
         while time.monotonic() < deadline:
             call = stub.ModelInfer(infer_request(), metadata=[("x-canary-weight", "100")])
             await call
-            if dict(await call.initial_metadata()).get("x-model-dye") == "canary":
+            # A unary answer's x-model-dye rides in the trailing metadata (docs/api.md; before
+            # 2026-12 in the initial metadata: either, so that older trees can be compared).
+            answered = (*(await call.initial_metadata() or ()), *(await call.trailing_metadata() or ()))
+            if ("x-model-dye", "canary") in answered:
                 return
             await asyncio.sleep(0.1)
     raise RuntimeError("the sidecar never learned the canary version")
