@@ -12,7 +12,8 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
+from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
 import grpc
@@ -29,13 +30,22 @@ log = logging.getLogger(__name__)
 
 
 class Attempt:
-    """One upstream attempt: the metadata to send (with the trace context when tracing)."""
+    """One upstream attempt: the metadata to send (with the trace context when tracing). Untraced,
+    it is its own `with` block (no generator per call)."""
 
     __slots__ = ("metadata", "span")
 
     def __init__(self, metadata: Metadata, span: Any = None) -> None:
         self.metadata = metadata
         self.span = span
+
+    def __enter__(self) -> Attempt:
+        return self
+
+    def __exit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        return None
 
     def failed(self, code: grpc.StatusCode) -> None:
         if self.span is not None:
@@ -76,11 +86,13 @@ class Tracing:
         context.attach(trace.set_span_in_context(span, parent))
         return span
 
-    @contextmanager
-    def attempt(self, parent: Any, plan: Plan[Any], path: str) -> Iterator[Attempt]:
+    def attempt(self, parent: Any, plan: Plan[Any], path: str) -> AbstractContextManager[Attempt]:
         if parent is None:
-            yield Attempt(plan.forward)
-            return
+            return Attempt(plan.forward)
+        return self._traced_attempt(parent, plan, path)
+
+    @contextmanager
+    def _traced_attempt(self, parent: Any, plan: Plan[Any], path: str) -> Iterator[Attempt]:
         from opentelemetry import baggage, trace
         from opentelemetry.trace import SpanKind
 

@@ -181,11 +181,13 @@ class Upstreams:
                 retiring.add_done_callback(self._retired.discard)
             log.info("upstream TLS files reloaded; new calls use new channels")
 
-    def versions(self, model: str) -> set[str]:
+    def versions(self, model: str) -> frozenset[str]:
+        if len(self.all) == 1:  # the usual pod: its upstream's own set, no copy (asked per call)
+            return self.all[0].versions(model)
         found: set[str] = set()
         for upstream in self.all:
             found |= upstream.versions(model)
-        return found
+        return frozenset(found)
 
     def knows(self, model: str, version: str = "") -> bool:
         """Whether an upstream's WatchModels reported the model (and the version, when given) as
