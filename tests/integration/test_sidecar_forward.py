@@ -172,7 +172,7 @@ async def rig() -> AsyncIterator[Rig]:
     finally:
         await channel.close(None)
         await edge_server.stop(None)
-        await upstream.channel.close(None)
+        await upstream.close(None)
         await upstream_server.stop(None)
 
 
