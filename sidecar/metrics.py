@@ -53,7 +53,7 @@ class _CanaryWeightCollector(Collector):
 
 
 LATENCY_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
-_LE = (*(floatToGoString(b) for b in LATENCY_BUCKETS), "+Inf")
+_LE: tuple[str, ...] = (*(floatToGoString(b) for b in LATENCY_BUCKETS), "+Inf")  # type: ignore[no-untyped-call]
 
 
 class _Counts:
@@ -124,7 +124,7 @@ class SidecarMetrics:
         self.registry = CollectorRegistry()
         # One ended call's label values -> the cells it adds to (its requests series, its latency
         # series, its attempts series), kept: the label sets are bounded (scope.py), so these are.
-        self._answered: dict[tuple[str, ...], tuple[list[float], list[float], list[float]]] = {}
+        self._answered: dict[tuple[str | bool | None, ...], tuple[list[float], list[float], list[float]]] = {}
         # Labels only from bounded sets: a model the upstreams serve (else `_other`), a version
         # that has a breaker (served, or named by the route; else `_other`), the dye, the status
         # code's name, the fallback's reason (scope.py).

@@ -206,8 +206,14 @@ def tenant_bucket(tenants: Mapping[str, TenantLimit], received: Mapping[str, str
 def read(request: bytes | None, md: Metadata, pool: Pool[Target], *, model_addressed: bool) -> Request:
     """The model and pinned version a call names (its fields 1 and 2, else its headers), checked
     by the one name rule before they reach any state, label or message."""
-    received = {key: value for key, value in md if isinstance(value, str)}
-    forward = tuple((k, v) for k, v in md if k not in _DROP and not k.startswith(":"))
+    received: dict[str, str] = {}
+    kept: list[tuple[str, str | bytes]] = []
+    for key, value in md:  # one pass over the call's metadata
+        if isinstance(value, str):
+            received[key] = value
+        if key not in _DROP and key[:1] != ":":
+            kept.append((key, value))
+    forward = tuple(kept)
     model = pin = ""
     read: Read | None = None
     if model_addressed:
