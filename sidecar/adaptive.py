@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import math
 import time
+from bisect import bisect_left, bisect_right, insort
 from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -119,12 +120,19 @@ class BreakerPolicy:
 
 
 def p99(samples: list[float]) -> float:
-    ordered = sorted(samples)
-    return ordered[min(len(ordered) - 1, math.ceil(0.99 * len(ordered)) - 1)]
+    return sorted_p99(sorted(samples))
 
 
 def p50(samples: list[float]) -> float:
-    ordered = sorted(samples)
+    return sorted_p50(sorted(samples))
+
+
+def sorted_p99(ordered: list[float]) -> float:
+    """p99 of samples already in ascending order."""
+    return ordered[min(len(ordered) - 1, math.ceil(0.99 * len(ordered)) - 1)]
+
+
+def sorted_p50(ordered: list[float]) -> float:
     return ordered[(len(ordered) - 1) // 2]
 
 
@@ -133,12 +141,15 @@ Caller = int | None  # a hash of the caller's identity; None: unknown (counted a
 
 class Window:
     """Calls of the last `window_s` seconds: (time, fault, latency or None, caller). Running counts
-    (in total and per caller) keep recording O(1); latency percentiles and the leave-one-out checks
-    are computed only when a trip is considered."""
+    (in total and per caller) keep recording O(1), and the latencies are kept in order as they come
+    and go (a binary search and a move in one list), so a percentile is an index, not a sort of
+    the window every `latency_check_s`; the leave-one-out checks are computed only when a trip is
+    considered."""
 
     def __init__(self, policy: BreakerPolicy) -> None:
         self.policy = policy
         self._calls: deque[tuple[float, bool, float | None, Caller]] = deque()
+        self._ordered: list[float] = []  # the window's latencies, ascending
         self.faults = 0
         self._callers: dict[int, list[int]] = {}  # caller -> [calls, faults] in the window
 
@@ -148,6 +159,8 @@ class Window:
     def add(self, now: float, fault: bool, latency: float | None, caller: Caller = None) -> None:
         self._calls.append((now, fault, latency, caller))
         self.faults += fault
+        if latency is not None:
+            insort(self._ordered, latency)
         if caller is not None:
             counts = self._callers.setdefault(caller, [0, 0])
             counts[0] += 1
@@ -158,8 +171,11 @@ class Window:
         horizon = now - self.policy.window_s
         calls = self._calls
         while calls and (calls[0][0] < horizon or len(calls) > self.policy.max_samples):
-            _, fault, _, caller = calls.popleft()
+            _, fault, latency, caller = calls.popleft()
             self.faults -= fault
+            if latency is not None:
+                ordered = self._ordered
+                del ordered[bisect_left(ordered, latency)]
             if caller is not None:
                 counts = self._callers[caller]
                 counts[0] -= 1
@@ -181,8 +197,9 @@ class Window:
         calls, faults = len(self._calls) - top_calls, self.faults - top_faults
         return faults >= 1 and faults >= error_rate * calls
 
-    def latencies(self) -> list[float]:
-        return [latency for _, _, latency, _ in self._calls if latency is not None]
+    def ordered_latencies(self) -> list[float]:
+        """The window's latencies in ascending order (the window's own list: read, never change)."""
+        return self._ordered
 
     def latencies_without_top_caller(self, limit: float) -> list[float]:
         """The latencies without the calls of the caller with the most calls over `limit`."""
@@ -199,6 +216,7 @@ class Window:
 
     def clear(self) -> None:
         self._calls.clear()
+        self._ordered.clear()
         self._callers.clear()
         self.faults = 0
 
@@ -218,8 +236,11 @@ class Reference:
         """Stable's share of faults; 0 for fewer than `min_calls` calls (too few to say)."""
         return self.faults / self.calls if self.calls >= min_calls else 0.0
 
-    def latencies(self) -> list[float]:
-        return [x for w in self._windows for x in w.latencies()]
+    def ordered_latencies(self) -> list[float]:
+        """Stable's latencies over the window, ascending (one window's own list: read only)."""
+        if len(self._windows) == 1:
+            return self._windows[0].ordered_latencies()
+        return sorted(x for w in self._windows for x in w.ordered_latencies())
 
 
 class AdaptivePolicy:
@@ -324,15 +345,15 @@ class AdaptivePolicy:
         return lone or others >= math.ceil(need / 2)
 
     def _check_latency(self, lone: bool = False, reference: Reference | None = None) -> Trip | None:
-        latencies = self.window.latencies()
+        latencies = self.window.ordered_latencies()  # ascending, as is every list of this check
         p = self.policy
-        stable = reference.latencies() if reference is not None else []
+        stable = reference.ordered_latencies() if reference is not None else []
         if min(len(stable), len(latencies)) >= p.min_calls:
             # A canary, judged against stable over the same window: their p99s once both hold
             # `latency_min_calls` timed calls, else their medians (a hiccup cannot move a median,
             # a canary slow on most calls does: so a canary of little traffic is judged too).
             many = min(len(stable), len(latencies)) >= p.latency_min_calls
-            stat, need = (p99, p.latency_min_calls) if many else (p50, p.min_calls)
+            stat, need = (sorted_p99, p.latency_min_calls) if many else (sorted_p50, p.min_calls)
             limit = max(p.latency_floor_s, p.latency_multiple * stat(stable))
             self.reference_limit = limit
             return self._latency_trip(latencies, stat, need, limit, lone)
@@ -340,12 +361,12 @@ class AdaptivePolicy:
             return None
         own = self._own_limit()
         if own is not None:
-            trip = self._latency_trip(latencies, p99, p.latency_min_calls, own, lone)
-            if trip is not None or p99(latencies) > own:
+            trip = self._latency_trip(latencies, sorted_p99, p.latency_min_calls, own, lone)
+            if trip is not None or sorted_p99(latencies) > own:
                 return trip
         # Learn slowly, and only from windows that look healthy (at most HEALTHY x the baseline;
         # faster is always learned), so that a slide towards slow cannot drag the baseline along.
-        observed = p99(latencies)
+        observed = sorted_p99(latencies)
         base = self.baseline
         if base is None:
             self.baseline = observed
@@ -361,15 +382,16 @@ class AdaptivePolicy:
         limit: float,
         lone: bool,
     ) -> Trip | None:
-        """LATENCY when `stat` of the window's latencies exceeds `limit`, and still does without
-        the caller with the most calls over it (unless `lone`)."""
+        """LATENCY when `stat` of the window's latencies (ascending) exceeds `limit`, and still
+        does without the caller with the most calls over it (unless `lone`)."""
         if stat(latencies) <= limit:
             return None
         if not lone:
             others = self.window.latencies_without_top_caller(limit)
+            others.sort()
             if len(others) < need or stat(others) <= limit:
                 return None  # slow for one caller only (its own huge batches): not the version's
-        self._share = sum(x > limit for x in latencies) / len(latencies)
+        self._share = (len(latencies) - bisect_right(latencies, limit)) / len(latencies)
         return Trip.LATENCY
 
     def _own_limit(self) -> float | None:

@@ -236,15 +236,18 @@ class Breakers:
         self._on_change = on_change
         self._on_made = on_made
         self._breakers: dict[BreakerKey, Breaker] = {}
+        # The same breakers by plain tuple: looked up per call without making a BreakerKey.
+        self._by_names: dict[tuple[str, str, str], Breaker] = {}
         self._observe: Observe | None = None  # given every breaker's outcomes
 
     def get(self, upstream: str, model: str, version: str) -> Breaker:
-        key = BreakerKey(upstream, model, version)
-        breaker = self._breakers.get(key)
+        breaker = self._by_names.get((upstream, model, version))
         if breaker is None:
+            key = BreakerKey(upstream, model, version)
             breaker = self._breakers[key] = Breaker(
                 key, self._policy, self._clock, self._on_change, self._windows
             )
+            self._by_names[(upstream, model, version)] = breaker
             self._on_made(key)
             breaker.observe = self._observe
         return breaker
@@ -323,6 +326,7 @@ class Breakers:
         gone = [key for key in self._breakers if not keep(key)]
         for key in gone:
             del self._breakers[key]
+            del self._by_names[(key.upstream, key.model, key.version)]
         return gone
 
     def snapshot(self) -> list[dict[str, object]]:

@@ -70,19 +70,18 @@ class TenantLimits:
             return None
         now = self._clock()
         bucket = self._buckets.get(tenant)
-        if bucket is None or bucket.limit != limit:  # new tenant, or its limit changed
+        if bucket is None or (bucket.limit is not limit and bucket.limit != limit):  # new, or changed
             bucket = self._buckets[tenant] = _Bucket(limit, now) if bucket is None else bucket
             bucket.limit = limit
             bucket.tokens = min(bucket.tokens, bucket.capacity)
-        who = f"tenant {echo(tenant)}" if tenant != ANY_TENANT else "tenants without their own limit ('*')"
         if limit.concurrency and bucket.in_flight >= limit.concurrency:
-            return Refusal(f"{who}: {limit.concurrency} calls in flight (the limit)", 0.05)
+            return Refusal(f"{_who(tenant)}: {limit.concurrency} calls in flight (the limit)", 0.05)
         if limit.rate:
             bucket.tokens = min(bucket.capacity, bucket.tokens + (now - bucket.stamp) * limit.rate)
             bucket.stamp = now
             if bucket.tokens < 1.0:
                 wait = (1.0 - bucket.tokens) / limit.rate
-                return Refusal(f"{who}: over the rate limit of {limit.rate:g}/s", wait)
+                return Refusal(f"{_who(tenant)}: over the rate limit of {limit.rate:g}/s", wait)
             bucket.tokens -= 1.0
         bucket.in_flight += 1
         return None
@@ -91,3 +90,7 @@ class TenantLimits:
         bucket = self._buckets.get(tenant) or self._buckets.get(ANY_TENANT)
         if bucket is not None and bucket.in_flight > 0:
             bucket.in_flight -= 1
+
+
+def _who(tenant: str) -> str:
+    return f"tenant {echo(tenant)}" if tenant != ANY_TENANT else "tenants without their own limit ('*')"

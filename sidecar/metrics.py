@@ -1,14 +1,23 @@
-"""The sidecar's Prometheus metrics, in its own registry (tests run several sidecars at once)."""
+"""The sidecar's Prometheus metrics, in its own registry (tests run several sidecars at once).
+
+The series every call adds to (requests, their latency, attempts) are plain Python numbers,
+exported by a collector at scrape time with prometheus_client's names, labels and samples
+(`_total`, `_created`, `_bucket`, `_count`, `_sum`): a prometheus_client child takes a lock per
+increment and walks the buckets per observation, several times per call.
+"""
 
 from __future__ import annotations
 
 import contextlib
+import time
+from bisect import bisect_left
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
+from prometheus_client.samples import Sample
+from prometheus_client.utils import floatToGoString
 
 from modelyard.sidecar.adaptive import State
 from modelyard.sidecar.breakers import BreakerKey
@@ -43,40 +52,103 @@ class _CanaryWeightCollector(Collector):
         yield effective
 
 
+LATENCY_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
+_LE: tuple[str, ...] = (*(floatToGoString(b) for b in LATENCY_BUCKETS), "+Inf")  # type: ignore[no-untyped-call]
+
+
+class _Counts:
+    """A counter's series: label values -> [value], and when each series began."""
+
+    def __init__(self, name: str, documentation: str, labels: list[str]) -> None:
+        self.name, self.documentation, self.labels = name, documentation, labels
+        self.cells: dict[tuple[str, ...], list[float]] = {}
+        self.created: dict[tuple[str, ...], float] = {}
+
+    def cell(self, key: tuple[str, ...]) -> list[float]:
+        found = self.cells.get(key)
+        if found is None:
+            self.created[key] = time.time()
+            found = self.cells[key] = [0.0]
+        return found
+
+    def family(self) -> Metric:
+        family = CounterMetricFamily(self.name, self.documentation, labels=self.labels)
+        for key, cell in list(self.cells.items()):  # one step: the loop may add a series meanwhile
+            family.add_metric(key, cell[0], created=self.created[key])
+        return family
+
+
+class _Histograms:
+    """A histogram's series: label values -> [count per bucket (not cumulative)..., +Inf, sum]."""
+
+    def __init__(self, name: str, documentation: str, labels: list[str]) -> None:
+        self.name, self.documentation, self.labels = name, documentation, labels
+        self.cells: dict[tuple[str, ...], list[float]] = {}
+        self.created: dict[tuple[str, ...], float] = {}
+
+    def cell(self, key: tuple[str, ...]) -> list[float]:
+        found = self.cells.get(key)
+        if found is None:
+            self.created[key] = time.time()
+            found = self.cells[key] = [0.0] * (len(LATENCY_BUCKETS) + 2)
+        return found
+
+    def family(self) -> Metric:
+        family = HistogramMetricFamily(self.name, self.documentation, labels=self.labels)
+        for key, cell in list(self.cells.items()):
+            counts, total = cell[:-1], cell[-1]  # a copy: the sum may lag the counts by a call
+            cumulative, running = [], 0.0
+            for le, count in zip(_LE, counts, strict=True):
+                running += count
+                cumulative.append((le, running))
+            family.add_metric(key, cumulative, total)
+            family.samples.append(
+                Sample(f"{self.name}_created", dict(zip(self.labels, key, strict=True)), self.created[key])
+            )
+        return family
+
+
+class _CallSeries(Collector):
+    """The per-call series, read at each scrape (from the admin's thread, or the loop's)."""
+
+    def __init__(self, *series: _Counts | _Histograms) -> None:
+        self._series = series
+
+    def collect(self) -> Iterator[Metric]:
+        for series in self._series:
+            yield series.family()
+
+
 class SidecarMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
-        # label values -> their children, kept: looking a child up costs more than counting, and
-        # the label sets are bounded (scope.py), so these are too.
-        self._answered: dict[tuple[str, ...], tuple[Any, Any]] = {}
-        self._attempted: dict[tuple[str, ...], Any] = {}
+        # One ended call's label values -> the cells it adds to (its requests series, its latency
+        # series, its attempts series), kept: the label sets are bounded (scope.py), so these are.
+        self._answered: dict[tuple[str | bool | None, ...], tuple[list[float], list[float], list[float]]] = {}
         # Labels only from bounded sets: a model the upstreams serve (else `_other`), a version
         # that has a breaker (served, or named by the route; else `_other`), the dye, the status
         # code's name, the fallback's reason (scope.py).
-        self.requests = Counter(
+        self._requests = _Counts(
             "modelyard_sidecar_requests",
             "Calls the sidecar answered, by method, model, version and dye of the attempt that "
             "answered, status code, and fallback (why a canary-dyed call went to stable, else empty)",
             ["method", "model", "version", "dye", "code", "fallback"],
-            registry=self.registry,
         )
-        self.latency = Histogram(
+        self._latency = _Histograms(
             "modelyard_sidecar_request_seconds",
             "Time from a call's arrival to its answer (unary) or end (streams), by method, model, "
             "version and dye of the attempt that answered",
             ["method", "model", "version", "dye"],
-            buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
-            registry=self.registry,
         )
-        self.attempts = Counter(
+        self._attempts = _Counts(
             "modelyard_sidecar_attempts",
             "Upstream attempts (a call has one, or more after a fault), by model, version, dye, "
             "status code and fault (true: it counted against the version, as a breaker counts it). "
             "A canary's fault answered by stable is a canary attempt with fault=true here, and a "
             "stable answer in requests",
             ["model", "version", "dye", "code", "fault"],
-            registry=self.registry,
         )
+        self.registry.register(_CallSeries(self._requests, self._latency, self._attempts))
         self.fallbacks = Counter(
             "modelyard_sidecar_dye_fallbacks",
             "Canary-dyed calls sent to the stable version instead, by reason",
@@ -149,26 +221,39 @@ class SidecarMetrics:
         )
 
     def answered(
-        self, method: str, model: str, version: str, dye: str, code: str, fallback: str, seconds: float
+        self,
+        method: str,
+        model: str,
+        version: str,
+        dye: str,
+        code: str,
+        fallback: str,
+        seconds: float,
+        fault: bool | None = None,
     ) -> None:
-        """One call answered: its count and latency."""
-        key = (method, model, version, dye, code, fallback)
-        children = self._answered.get(key)
-        if children is None:
-            children = self._answered[key] = (
-                self.requests.labels(*key),
-                self.latency.labels(method, model, version, dye),
+        """One call answered: its count and latency; and, unless `fault` is None (a call that had
+        no attempt), its answering attempt (`attempted`)."""
+        key = (method, model, version, dye, code, fallback, fault)
+        cells = self._answered.get(key)
+        if cells is None:
+            cells = self._answered[key] = (
+                self._requests.cell((method, model, version, dye, code, fallback)),
+                self._latency.cell((method, model, version, dye)),
+                self._attempt(model, version, dye, code, fault) if fault is not None else [0.0],
             )
-        children[0].inc()
-        children[1].observe(seconds)
+        requests, latency, attempts = cells
+        requests[0] += 1
+        latency[bisect_left(LATENCY_BUCKETS, seconds)] += 1  # the first bucket with le >= seconds
+        latency[-1] += seconds
+        if fault is not None:
+            attempts[0] += 1
 
     def attempted(self, model: str, version: str, dye: str, code: str, fault: bool) -> None:
-        """One upstream attempt ended (the one that answered, or one that failed before it)."""
-        key = (model, version, dye, code, "true" if fault else "false")
-        child = self._attempted.get(key)
-        if child is None:
-            child = self._attempted[key] = self.attempts.labels(*key)
-        child.inc()
+        """One upstream attempt ended (one that failed before another answered)."""
+        self._attempt(model, version, dye, code, fault)[0] += 1
+
+    def _attempt(self, model: str, version: str, dye: str, code: str, fault: bool) -> list[float]:
+        return self._attempts.cell((model, version, dye, code, "true" if fault else "false"))
 
     def canary_weights(self, weights: CanaryWeights) -> None:
         """Export the configured and effective canary weights, read from `weights` at each scrape."""

@@ -26,9 +26,10 @@ from modelyard.sidecar.breakers import Breaker, Breakers, Permit
 from modelyard.sidecar.limits import ANY_TENANT, TenantLimit
 from modelyard.sidecar.routes import RouteTable
 from modelyard.sidecar.routing import CANARY, STABLE, Decision, RoutingError, decide, stable_and_canary
-from modelyard.sidecar.wire import WireError, read_model_fields, with_version
+from modelyard.sidecar.wire import ModelFields, WireError, read_model_fields, with_version
 
 Metadata = tuple[tuple[str, str | bytes], ...]
+Read = tuple[bytes, ModelFields]  # a message and its fields 1 and 2 (wire.read_model_fields)
 
 OTHER = "_other"  # the one metric label of every model or tenant the sidecar holds no state for
 FALLBACK_BREAKER = "breaker-open"
@@ -87,6 +88,7 @@ class Request:
     received: Mapping[str, str]  # the string-valued request headers
     forward: Metadata  # request metadata for the upstream, less what the sidecar sets itself
     known: bool  # the upstreams serve the model (WatchModels): it earns state and a label
+    read: Read | None = None  # the call's first message and its fields, as read (once)
 
     @property
     def label(self) -> str:
@@ -110,6 +112,7 @@ class Plan(Generic[U]):
     label: str = OTHER  # the model's metric label: its name when the upstreams serve it
     fell_back: bool = False  # this attempt is the fallback to stable (counted once)
     reported: bool = False
+    read: Read | None = None  # the call's first message and its fields (Request.read)
 
     @property
     def answer_metadata(self) -> Metadata:
@@ -123,10 +126,14 @@ class Plan(Generic[U]):
         """The message with the chosen version in field 2, unless it carries one already."""
         if not self.version or not self.dye:
             return message
-        try:
-            fields = read_model_fields(message)
-        except WireError:
-            return message  # the upstream answers INVALID_ARGUMENT for it
+        read = self.read
+        if read is not None and read[0] is message:
+            fields = read[1]  # the first message, read by the planner already
+        else:
+            try:
+                fields = read_model_fields(message)
+            except WireError:
+                return message  # the upstream answers INVALID_ARGUMENT for it
         if not fields.complete or fields.version or (fields.name and fields.name != self.model):
             return message
         return with_version(message, self.version)
@@ -199,12 +206,20 @@ def tenant_bucket(tenants: Mapping[str, TenantLimit], received: Mapping[str, str
 def read(request: bytes | None, md: Metadata, pool: Pool[Target], *, model_addressed: bool) -> Request:
     """The model and pinned version a call names (its fields 1 and 2, else its headers), checked
     by the one name rule before they reach any state, label or message."""
-    received = {key: value for key, value in md if isinstance(value, str)}
-    forward = tuple((k, v) for k, v in md if k not in _DROP and not k.startswith(":"))
+    received: dict[str, str] = {}
+    kept: list[tuple[str, str | bytes]] = []
+    for key, value in md:  # one pass over the call's metadata
+        if isinstance(value, str):
+            received[key] = value
+        if key not in _DROP and key[:1] != ":":
+            kept.append((key, value))
+    forward = tuple(kept)
     model = pin = ""
+    read: Read | None = None
     if model_addressed:
+        message = request or b""
         try:
-            fields = read_model_fields(request or b"")
+            fields = read_model_fields(message)
         except WireError as exc:
             raise Refused(
                 "INVALID_ARGUMENT", f"the request is not a valid message: {exc}", ErrorReason.INVALID_ARGUMENT
@@ -214,8 +229,9 @@ def read(request: bytes | None, md: Metadata, pool: Pool[Target], *, model_addre
             pin = _checked(check_version, fields.version, "model_version", received, headers.MODEL_VERSION)
         except InvalidName as exc:
             raise Refused("INVALID_ARGUMENT", str(exc), ErrorReason.INVALID_ARGUMENT) from exc
+        read = (message, fields)
     known = bool(model) and pool.knows(model)
-    return Request(model, pin, received, forward, known)
+    return Request(model, pin, received, forward, known, read)
 
 
 def routing_decision(request: Request, table: RouteTable, pool: Pool[Target]) -> Decision:
@@ -293,6 +309,7 @@ def first(
         caller,
         request.label,
         fell_back=bool(fallback),
+        read=request.read,
     )
 
 
@@ -453,6 +470,7 @@ def _next(
         plan.caller,
         plan.label,
         fell_back=fell_back,
+        read=plan.read,
     )
 
 

@@ -214,9 +214,7 @@ class Proxy(_Handler):
                             plan = retry
                             continue
                     scope.code = grpc.StatusCode.OK  # this attempt answered, whatever an earlier one did
-                    plan.report(
-                        scope.code.name, "", None if more is not None else time.perf_counter() - started
-                    )
+                    plan.report("OK", "", None if more is not None else time.perf_counter() - started)
                     await forward.answer(call, context, plan.answer_metadata)
                     if first is not None and more is None:
                         self._mirror.answered(info.path, plan, first, response)

@@ -54,6 +54,9 @@ T = TypeVar("T")
 log = logging.getLogger(__name__)
 
 
+DEFAULTS_KEPT = 1024
+
+
 class ConfigError(ValueError):
     """The route file is malformed; the message names the key."""
 
@@ -68,11 +71,20 @@ class RouteTable:
     shadow: ShadowPolicy = field(default_factory=ShadowPolicy)
     shared_cohort: bool = False  # one canary cohort across models (the bucket is not salted)
     rollouts: Mapping[str, RolloutSpec] = field(default_factory=dict)
+    # The default route of models without their own entry, made once per model (asked per call);
+    # at most DEFAULTS_KEPT of them, since any name a client sends is asked for.
+    _defaults: dict[str, ModelRoute] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def route(self, model: str) -> ModelRoute:
         found = self.models.get(model)
         if found is None:
-            return ModelRoute(canary_weight=self.canary_weight, cohort="" if self.shared_cohort else model)
+            found = self._defaults.get(model)
+            if found is None:
+                found = ModelRoute(
+                    canary_weight=self.canary_weight, cohort="" if self.shared_cohort else model
+                )
+                if len(self._defaults) < DEFAULTS_KEPT:
+                    self._defaults[model] = found
         return found
 
     def with_route(self, model: str, route: ModelRoute) -> RouteTable:

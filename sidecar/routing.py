@@ -19,6 +19,7 @@ import hashlib
 import os
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from functools import lru_cache
 
 from modelyard.common.names import echo
 
@@ -82,9 +83,17 @@ def parse_weight(text: str) -> float:
 def stable_and_canary(route: ModelRoute, served: Iterable[str]) -> tuple[str, str]:
     """(stable, canary) for a model: the route's versions where set, else the two newest served
     versions (numeric order); with one served version there is no canary."""
-    ordered = sorted(set(served), key=_version_key)
-    canary = route.canary or (ordered[-1] if len(ordered) >= 2 else "")
-    stable = route.stable or next((v for v in reversed(ordered) if v != canary), "")
+    served = served if isinstance(served, frozenset) else frozenset(served)
+    return _stable_and_canary(route.stable, route.canary, served)
+
+
+@lru_cache(maxsize=1024)
+def _stable_and_canary(stable: str, canary: str, served: frozenset[str]) -> tuple[str, str]:
+    # Asked on every dyed call, with the same few answers: computed once per route and versions
+    # served (the served sets are the upstreams' own, rebound whole when they change).
+    ordered = sorted(served, key=_version_key)
+    canary = canary or (ordered[-1] if len(ordered) >= 2 else "")
+    stable = stable or next((v for v in reversed(ordered) if v != canary), "")
     return stable, canary
 
 

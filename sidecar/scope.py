@@ -27,6 +27,9 @@ from modelyard.sidecar.metrics import SidecarMetrics
 from modelyard.sidecar.plan import OTHER, Metadata, Plan, Refused, is_fault
 from modelyard.sidecar.tracing import Tracing
 
+# A status code's name: the enum's `name` is a property, read several times per call.
+CODE_NAMES = {code: code.name for code in grpc.StatusCode}
+
 
 @dataclass(eq=False, slots=True)
 class Flight:
@@ -141,7 +144,7 @@ class Scope:
         previous = self.plan
         if previous is not None:
             self._scopes.metrics.attempted(
-                previous.label, version_label(previous), previous.dye, self.code.name, True
+                previous.label, version_label(previous), previous.dye, CODE_NAMES[self.code], True
             )
             self.code, self.reason = grpc.StatusCode.OK, ""  # the new attempt's, from here on
         self.plan = plan
@@ -166,27 +169,28 @@ class Scope:
         if self._closed:
             return
         self._closed = True
-        scopes, plan, code = self._scopes, self.plan, self.code
-        scopes.flights.leave(self.flight)
+        scopes, plan, code, flight = self._scopes, self.plan, self.code, self.flight
+        scopes.flights.leave(flight)
         reason = self.reason
-        if not reason and self.flight.drained and code == grpc.StatusCode.UNAVAILABLE:
+        if not reason and flight.drained and code == grpc.StatusCode.UNAVAILABLE:
             reason = ErrorReason.DRAINING.value  # the sidecar's shutdown: no server fault
-        scopes.tracing.end(self.span, plan, code, reason)
-        if plan is not None:
-            plan.report(code.name, "", None, gone=code == grpc.StatusCode.CANCELLED)
+        if self.span is not None:
+            scopes.tracing.end(self.span, plan, code, reason)
+        name = CODE_NAMES[code]
+        cancelled = code == grpc.StatusCode.CANCELLED
+        if plan is not None and not plan.reported:
+            plan.report(name, "", None, gone=cancelled)
         if self._tenant:
             scopes.limits.release(self._tenant)
         method = self.path.rpartition("/")[2]  # a path of the method table: bounded
         took = time.perf_counter() - self._started
         if plan is None:
-            scopes.metrics.answered(method, "", "", "", code.name, "", took)
+            scopes.metrics.answered(method, "", "", "", name, "", took)
             return
-        version = version_label(plan)
-        scopes.metrics.answered(method, plan.label, version, plan.dye, code.name, plan.fallback, took)
         # The caller's cancel, or the sidecar's drain, is no verdict on the upstream.
-        gone = code == grpc.StatusCode.CANCELLED or self.flight.drained
-        fault = not gone and is_fault(code.name, reason)
-        scopes.metrics.attempted(plan.label, version, plan.dye, code.name, fault)
+        fault = not (cancelled or flight.drained) and is_fault(name, reason)
+        version = version_label(plan)
+        scopes.metrics.answered(method, plan.label, version, plan.dye, name, plan.fallback, took, fault)
 
 
 def version_label(plan: Plan[Any]) -> str:

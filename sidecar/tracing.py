@@ -12,7 +12,8 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
+from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
 import grpc
@@ -27,15 +28,26 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+ROUTE_BAGGAGE_KEPT = 256  # encoded baggage headers kept, per (version, dye)
+
 
 class Attempt:
-    """One upstream attempt: the metadata to send (with the trace context when tracing)."""
+    """One upstream attempt: the metadata to send (with the trace context when tracing). Untraced,
+    it is its own `with` block (no generator per call)."""
 
     __slots__ = ("metadata", "span")
 
     def __init__(self, metadata: Metadata, span: Any = None) -> None:
         self.metadata = metadata
         self.span = span
+
+    def __enter__(self) -> Attempt:
+        return self
+
+    def __exit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        return None
 
     def failed(self, code: grpc.StatusCode) -> None:
         if self.span is not None:
@@ -50,12 +62,18 @@ class Tracing:
         self._provider = provider
         self.enabled = provider is not None
         if provider is not None:
+            # Imported once here, not per call (the SDK stays out of an untraced sidecar).
+            from opentelemetry import baggage, context, trace
             from opentelemetry.baggage.propagation import W3CBaggagePropagator
             from opentelemetry.propagators.composite import CompositePropagator
             from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
             self._tracer = provider.get_tracer("modelyard.sidecar")
-            self._propagator = CompositePropagator([TraceContextTextMapPropagator(), W3CBaggagePropagator()])
+            self._trace_context = TraceContextTextMapPropagator()
+            self._baggage_propagator = W3CBaggagePropagator()
+            self._propagator = CompositePropagator([self._trace_context, self._baggage_propagator])
+            self._baggage, self._context, self._trace = baggage, context, trace
+            self._route_baggage: dict[tuple[str, str], dict[str, str]] = {}
 
     def server_span(self, path: str, md: Metadata) -> Any:
         if not self.enabled:
@@ -64,7 +82,7 @@ class Tracing:
 
         carrier = {k: v for k, v in md if isinstance(v, str)}
         parent = self._propagator.extract(carrier)
-        from opentelemetry import context, trace
+        context, trace = self._context, self._trace
 
         service, _, method = path[1:].rpartition("/")
         attributes = {"rpc.system": "grpc", "rpc.service": service, "rpc.method": method}
@@ -76,30 +94,58 @@ class Tracing:
         context.attach(trace.set_span_in_context(span, parent))
         return span
 
-    @contextmanager
-    def attempt(self, parent: Any, plan: Plan[Any], path: str) -> Iterator[Attempt]:
+    def attempt(self, parent: Any, plan: Plan[Any], path: str) -> AbstractContextManager[Attempt]:
         if parent is None:
-            yield Attempt(plan.forward)
-            return
-        from opentelemetry import baggage, trace
+            return Attempt(plan.forward)
+        if not parent.is_recording():
+            # A call the sampler left out: a client span would record nothing either; the trace
+            # context (not sampled) and the baggage still go on, so the service's view is the same.
+            return Attempt(self._outgoing(plan, self._trace.set_span_in_context(parent)))
+        return self._traced_attempt(parent, plan, path)
+
+    @contextmanager
+    def _traced_attempt(self, parent: Any, plan: Plan[Any], path: str) -> Iterator[Attempt]:
         from opentelemetry.trace import SpanKind
 
+        trace = self._trace
         context = trace.set_span_in_context(parent)
         attributes: dict[str, Any] = {"net.peer.name": plan.upstream.address, **_route_attributes(plan)}
         if plan.breaker is not None:
             attributes["modelyard.breaker.state"] = plan.breaker.state.value
         span = self._tracer.start_span(path[1:], context=context, kind=SpanKind.CLIENT, attributes=attributes)
-        context = trace.set_span_in_context(span, context)
-        if plan.version:
-            context = baggage.set_baggage("model.version", plan.version, context)
-            context = baggage.set_baggage("model.dye", plan.dye, context)
-        carrier: dict[str, str] = {}
-        self._propagator.inject(carrier, context)
-        metadata = tuple((k, v) for k, v in plan.forward if k not in carrier) + tuple(carrier.items())
+        metadata = self._outgoing(plan, trace.set_span_in_context(span, context))
         try:
             yield Attempt(metadata, span)
         finally:
             span.end()
+
+    def _outgoing(self, plan: Plan[Any], context: Any) -> Metadata:
+        """The attempt's request metadata: the forwarded headers, and `context`'s traceparent
+        (and tracestate) and baggage, with the attempt's `model.version` and `model.dye` added."""
+        carrier: dict[str, str] = {}
+        baggage = self._baggage
+        if plan.version and not baggage.get_all(context):
+            # No baggage came with the call: the header is the route's own, encoded once.
+            self._trace_context.inject(carrier, context)
+            carrier.update(self._baggage_of(plan.version, plan.dye))
+        else:
+            if plan.version:
+                context = baggage.set_baggage("model.version", plan.version, context)
+                context = baggage.set_baggage("model.dye", plan.dye, context)
+            self._propagator.inject(carrier, context)
+        return tuple((k, v) for k, v in plan.forward if k not in carrier) + tuple(carrier.items())
+
+    def _baggage_of(self, version: str, dye: str) -> dict[str, str]:
+        """The `baggage` header of only model.version and model.dye, as the propagator writes it."""
+        found = self._route_baggage.get((version, dye))
+        if found is None:
+            baggage = self._baggage
+            context = baggage.set_baggage("model.version", version, self._context.Context())
+            found = {}
+            self._baggage_propagator.inject(found, baggage.set_baggage("model.dye", dye, context))
+            if len(self._route_baggage) < ROUTE_BAGGAGE_KEPT:  # a pinned version may be anything
+                self._route_baggage[(version, dye)] = found
+        return found
 
     def refused(self, span: Any, reason: str) -> None:
         if span is not None:
@@ -108,8 +154,8 @@ class Tracing:
     def end(self, span: Any, plan: Plan[Any] | None, code: grpc.StatusCode, reason: str = "") -> None:
         """The call's server span ends: ERROR only for a server fault (OpenTelemetry's rule for
         server spans), never for a client's mistake or a load refusal."""
-        if span is None:
-            return
+        if span is None or not span.is_recording():
+            return  # an unsampled span keeps nothing: its attributes, status and end are no-ops
         from opentelemetry.trace import Status, StatusCode
 
         if plan is not None:

@@ -1,5 +1,6 @@
-"""The service instances behind the sidecar: one pooled channel each, what they serve (followed
-with WatchModels) and whether they are up (followed with the health Watch).
+"""The service instances behind the sidecar: two pooled channels each (one for calls with a
+response stream and the watches, one for calls with one response: STREAM_OPTIONS), what they
+serve (followed with WatchModels) and whether they are up (followed with the health Watch).
 
 An upstream may be labelled with the versions it serves (`HOST:PORT@2`, or `@1+2`), so that a
 canary can live in another process or pod; without a label, what its WatchModels reports decides.
@@ -7,8 +8,8 @@ What an upstream served is kept while its watch is broken: a dropped connection 
 business, not a reason to re-dye every user.
 
 Over TLS (modelyard.process.tls.ClientTls), a change of the CA or client certificate files (a
-renewal) is picked up without a restart: every upstream gets a new channel made with them, its
-watches start again on it, and the old channel is closed once its calls had time to finish.
+renewal) is picked up without a restart: every upstream gets new channels made with them, its
+watches start again on them, and the old channels are closed once their calls had time to finish.
 """
 
 from __future__ import annotations
@@ -39,13 +40,19 @@ CHANNEL_OPTIONS: tuple[tuple[str, Any], ...] = (
     ("grpc.min_reconnect_backoff_ms", 100),
     ("grpc.max_reconnect_backoff_ms", 1000),
     ("grpc.enable_retries", 0),  # the sidecar decides about retries itself
-    # A one-byte lookahead, BDP probing off: a response stream the caller stops reading (a
-    # closed browser tab behind the gateway) pauses the service's sequence within a few tokens,
-    # instead of after gRPC's 64 KiB+ window of them (the whole generation, for short ones). A
-    # large message still gets the window it needs once it is read.
+)
+# The channel of response streams: a one-byte lookahead, BDP probing off, so that a response
+# stream the caller stops reading (a closed browser tab behind the gateway) pauses the service's
+# sequence within a few tokens, instead of after gRPC's 64 KiB+ window of them (the whole
+# generation, for short ones). A large message still gets the window it needs once it is read.
+# Not for calls with one response: there the tiny window costs a round trip per call (the
+# service sends a byte, the sidecar a window update for the rest: one more sendmsg and two more
+# recvmsg per call in each process, measured), and a single response is read at once anyway.
+STREAM_OPTIONS: tuple[tuple[str, Any], ...] = (
     ("grpc.http2.lookahead_bytes", 1),
     ("grpc.http2.bdp_probe", 0),
 )
+_ONE_RESPONSE = frozenset({"unary_unary", "stream_unary"})
 
 
 @dataclass(frozen=True)
@@ -72,23 +79,32 @@ class Upstream:
         self.address = spec.address
         self.labels = spec.versions
         self._options = [*CHANNEL_OPTIONS, *options]
-        self.channel = self._channel(credentials)
+        self.channel = self._channel(credentials, STREAM_OPTIONS)  # response streams, the watches
+        self.unary_channel = self._channel(credentials)  # calls with one response
         self.served: dict[str, frozenset[str]] = {}  # model -> READY versions; rebound whole
         self.watched = False  # WatchModels has answered at least once
         self.serving = False  # the upstream's own health ("" service)
         self._methods: dict[tuple[str, str], Any] = {}
 
-    def _channel(self, credentials: grpc.ChannelCredentials | None) -> grpc.aio.Channel:
+    def _channel(
+        self, credentials: grpc.ChannelCredentials | None, extra: tuple[tuple[str, Any], ...] = ()
+    ) -> grpc.aio.Channel:
+        options = [*self._options, *extra]
         if credentials is None:
-            return grpc.aio.insecure_channel(self.address, options=self._options)
-        return grpc.aio.secure_channel(self.address, credentials, options=self._options)
+            return grpc.aio.insecure_channel(self.address, options=options)
+        return grpc.aio.secure_channel(self.address, credentials, options=options)
 
-    def reconnect(self, credentials: grpc.ChannelCredentials) -> grpc.aio.Channel:
-        """A new channel for new calls; the old one is returned for the caller to close."""
-        old = self.channel
-        self.channel = self._channel(credentials)
+    def reconnect(self, credentials: grpc.ChannelCredentials) -> list[grpc.aio.Channel]:
+        """New channels for new calls; the old ones are returned for the caller to close."""
+        old = [self.channel, self.unary_channel]
+        self.channel = self._channel(credentials, STREAM_OPTIONS)
+        self.unary_channel = self._channel(credentials)
         self._methods = {}
         return old
+
+    async def close(self, grace: float | None = None) -> None:
+        await self.channel.close(grace)
+        await self.unary_channel.close(grace)
 
     def versions(self, model: str) -> frozenset[str]:
         served = self.served.get(model, frozenset())
@@ -110,11 +126,12 @@ class Upstream:
         """The channel's multicallable for a method, bytes in and out (no (de)serializers)."""
         found = self._methods.get((path, kind))
         if found is None:
+            channel = self.unary_channel if kind in _ONE_RESPONSE else self.channel
             make = {
-                "unary_unary": self.channel.unary_unary,
-                "unary_stream": self.channel.unary_stream,
-                "stream_unary": self.channel.stream_unary,
-                "stream_stream": self.channel.stream_stream,
+                "unary_unary": channel.unary_unary,
+                "unary_stream": channel.unary_stream,
+                "stream_unary": channel.stream_unary,
+                "stream_stream": channel.stream_stream,
             }[kind]
             found = self._methods[(path, kind)] = make(path, None, None)
         return found
@@ -163,7 +180,7 @@ class Upstreams:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         for upstream in self.all:
-            await upstream.channel.close(None)
+            await upstream.close(None)
 
     async def _follow_tls(self) -> None:
         renewals = self._renewals
@@ -174,18 +191,21 @@ class Upstreams:
             if credentials is None:
                 continue
             for index, upstream in enumerate(self.all):
-                old = upstream.reconnect(credentials)
+                olds = upstream.reconnect(credentials)
                 self._watch(index)
-                retiring = asyncio.get_running_loop().create_task(old.close(RETIRED_GRACE_S))
-                self._retired.add(retiring)
-                retiring.add_done_callback(self._retired.discard)
+                for old in olds:
+                    retiring = asyncio.get_running_loop().create_task(old.close(RETIRED_GRACE_S))
+                    self._retired.add(retiring)
+                    retiring.add_done_callback(self._retired.discard)
             log.info("upstream TLS files reloaded; new calls use new channels")
 
-    def versions(self, model: str) -> set[str]:
+    def versions(self, model: str) -> frozenset[str]:
+        if len(self.all) == 1:  # the usual pod: its upstream's own set, no copy (asked per call)
+            return self.all[0].versions(model)
         found: set[str] = set()
         for upstream in self.all:
             found |= upstream.versions(model)
-        return found
+        return frozenset(found)
 
     def knows(self, model: str, version: str = "") -> bool:
         """Whether an upstream's WatchModels reported the model (and the version, when given) as

@@ -36,7 +36,7 @@ class ModelFields:
     complete: bool = True  # False: the walk stopped at MAX_FIELDS before the end of the message
 
 
-def _varint(data: bytes | memoryview, pos: int) -> tuple[int, int]:
+def _varint(data: bytes, pos: int) -> tuple[int, int]:
     result = 0
     shift = 0
     end = len(data)
@@ -58,7 +58,6 @@ def read_model_fields(data: bytes, max_fields: int = MAX_FIELDS) -> ModelFields:
     version: bytes | None = None
     pos = 0
     end = len(data)
-    view = memoryview(data)
     walked = 0
     while pos < end and (name is None or version is None):
         if walked >= max_fields:
@@ -66,21 +65,30 @@ def read_model_fields(data: bytes, max_fields: int = MAX_FIELDS) -> ModelFields:
                 return ModelFields(complete=False)
             return ModelFields(_text(name), "", complete=False)
         walked += 1
-        key, pos = _varint(view, pos)
+        # One-byte varints (tags of fields 1-15, lengths under 128) inline: this runs per message.
+        key = data[pos]
+        if key < 0x80:
+            pos += 1
+        else:
+            key, pos = _varint(data, pos)
         field, kind = key >> 3, key & 7
         if field == 0:
             raise WireError("field number 0")
-        if kind == _VARINT:
-            _, pos = _varint(view, pos)
-        elif kind == _LEN:
-            size, pos = _varint(view, pos)
+        if kind == _LEN:
+            if pos < end and data[pos] < 0x80:
+                size = data[pos]
+                pos += 1
+            else:
+                size, pos = _varint(data, pos)
             if size > end - pos:
                 raise WireError("length-delimited field runs past the end")
             if field == 1 and name is None:
-                name = bytes(view[pos : pos + min(size, VALUE_MAX)])
+                name = data[pos : pos + min(size, VALUE_MAX)]  # a copy of the value alone
             elif field == 2 and version is None:
-                version = bytes(view[pos : pos + min(size, VALUE_MAX)])
+                version = data[pos : pos + min(size, VALUE_MAX)]
             pos += size
+        elif kind == _VARINT:
+            _, pos = _varint(data, pos)
         elif kind == _I64:
             pos += 8
         elif kind == _I32:

@@ -111,11 +111,14 @@ class Answer:
 
     @property
     def dye(self) -> str | None:
-        return self.initial.get("x-model-dye")
+        # The sidecar's headers of a unary answer ride in its trailing metadata, never the initial.
+        assert "x-model-dye" not in self.initial
+        return self.trailing.get("x-model-dye")
 
     @property
     def fallback(self) -> str | None:
-        return self.initial.get("x-dye-fallback")
+        assert "x-dye-fallback" not in self.initial
+        return self.trailing.get("x-dye-fallback")
 
 
 async def infer(

@@ -3,11 +3,20 @@
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
+from typing import Any
 
+import grpc
 from opentelemetry import context, trace
 from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.sdk.trace.sampling import ALWAYS_OFF, ALWAYS_ON, ParentBased
 
-from modelyard.sidecar.tracing import TraceIds, configure
+from modelyard.sidecar.plan import Plan
+from modelyard.sidecar.tracing import TraceIds, Tracing, configure
+
+PATH = "/inference.GRPCInferenceService/ModelInfer"
 
 
 def test_off_without_an_otlp_endpoint() -> None:
@@ -29,3 +38,53 @@ def test_log_records_carry_the_current_trace_and_span_ids() -> None:
     ids = span.get_span_context()
     assert getattr(record, "trace_id", None) == format(ids.trace_id, "032x")
     assert getattr(record, "span_id", None) == format(ids.span_id, "016x")
+
+
+@dataclass(frozen=True)
+class _Up:
+    address: str
+
+
+def _plan(version: str = "2", dye: str = "canary") -> Plan[Any]:
+    return Plan("m", version, dye, "", "1", _Up("a"), None, None, (("x-user-id", "u"),))
+
+
+def _traced(sampler: Any) -> tuple[Tracing, InMemorySpanExporter]:
+    exported = InMemorySpanExporter()
+    provider = TracerProvider(sampler=sampler)
+    provider.add_span_processor(SimpleSpanProcessor(exported))
+    return Tracing(provider), exported
+
+
+PARENT = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-00"  # a caller's unsampled trace
+
+
+def test_an_unsampled_call_passes_its_trace_context_and_the_route_baggage_on() -> None:
+    """No span is recorded (no client span is made), yet the service gets what a sampled call's
+    attempt sends: the caller's trace id, not sampled, and model.version / model.dye baggage."""
+    tracing, exported = _traced(ParentBased(ALWAYS_ON))
+    span = tracing.server_span(PATH, (("traceparent", PARENT),))
+    with tracing.attempt(span, _plan(), PATH) as attempt:
+        md = {k: v for k, v in attempt.metadata if isinstance(v, str)}
+    tracing.end(span, _plan(), grpc.StatusCode.OK)
+    assert not span.is_recording() and exported.get_finished_spans() == ()
+    assert md["x-user-id"] == "u"
+    version, trace_id, parent_id, flags = md["traceparent"].split("-")
+    assert (version, trace_id, flags) == ("00", "0af7651916cd43dd8448eb211c80319c", "00")
+    assert parent_id == format(span.get_span_context().span_id, "016x")  # no client span was made
+    assert md["baggage"] == "model.version=2,model.dye=canary"
+
+
+def test_a_sampled_and_an_unsampled_attempt_send_the_same_baggage_and_keep_the_callers() -> None:
+    sampled, exported = _traced(ALWAYS_ON)
+    unsampled, _ = _traced(ALWAYS_OFF)
+    sent: list[str | bytes] = []
+    for tracing in (sampled, unsampled, sampled):
+        caller = (("baggage", "team=a"),) if len(sent) == 2 else ()
+        span = tracing.server_span(PATH, caller)
+        with tracing.attempt(span, _plan("1", "stable"), PATH) as attempt:
+            sent.append(dict(attempt.metadata)["baggage"])
+        tracing.end(span, _plan("1", "stable"), grpc.StatusCode.OK)
+    assert sent[0] == sent[1] == "model.version=1,model.dye=stable"
+    assert sent[2] == "team=a,model.version=1,model.dye=stable"  # the caller's kept, then ours
+    assert len(exported.get_finished_spans()) == 4  # two calls, each a server and a client span
