@@ -38,9 +38,9 @@ FORWARDED = (
     headers.TRACESTATE,
     headers.BAGGAGE,
 )
-# gRPC response metadata returned to the HTTP client as headers. x-served-version comes in the
-# trailing metadata of a unary answer and in the initial metadata of a stream (docs/api.md); the
-# sidecar's x-model-dye and x-dye-fallback in the initial metadata.
+# gRPC response metadata returned to the HTTP client as headers. x-served-version, and the
+# sidecar's x-model-dye and x-dye-fallback, come in the trailing metadata of a unary answer and in
+# the initial metadata of a stream (docs/api.md).
 RETURNED = (headers.SERVED_VERSION, headers.MODEL_DYE, headers.DYE_FALLBACK)
 
 Metadata = tuple[tuple[str, str], ...]
