@@ -34,6 +34,7 @@ from modelyard.common import headers
 from modelyard.common.reasons import ErrorReason
 from modelyard.inference.v1 import inference_service_pb2, model_service_pb2
 from modelyard.kserve.v2 import grpc_service_pb2
+from modelyard.process.drain import Drain
 from modelyard.sidecar import forward
 from modelyard.sidecar import plan as planner
 from modelyard.sidecar.breakers import Breakers
@@ -118,6 +119,7 @@ class Proxy(_Handler):
         metrics: SidecarMetrics,
         tracing: Tracing,
         shadows: Shadows,
+        drain: Drain | None = None,
     ) -> None:
         self._mirror = Mirror(upstreams, breakers, routes, shadows)
         self._upstreams = upstreams
@@ -128,7 +130,9 @@ class Proxy(_Handler):
         self._scopes = Scopes(limits, metrics, tracing)
         self._handlers: dict[str, _MethodHandler] = {}
         for info in method_table().values():
-            self._handlers[info.path] = self._make_handler(info)
+            handler = self._make_handler(info)
+            # Outermost: the call counts until gRPC ended it, and is refused once shutting down.
+            self._handlers[info.path] = drain.wrap(info.path, handler) if drain is not None else handler
 
     @property
     def limits(self) -> TenantLimits:

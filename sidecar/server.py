@@ -14,6 +14,7 @@ from grpc_health.v1 import health_pb2_grpc
 from modelyard.common import health as health_names
 from modelyard.process import access
 from modelyard.process.auth import Authorizer, AuthSettings
+from modelyard.process.drain import Drain
 from modelyard.process.grpc_server import connection_options
 from modelyard.process.lifecycle import BindError, bind_reason, bound
 from modelyard.process.settings import split_address
@@ -50,6 +51,7 @@ class Sidecar:
     tracing: Tracing
     shadows: Shadows
     proxy: Proxy
+    drain: Drain  # the proxied calls in flight (modelyard.process.drain)
     rollouts: RolloutDriver
     state: StateFile
     tls: TlsFiles | None = None  # of the gRPC and admin listeners
@@ -141,10 +143,16 @@ class Sidecar:
     async def stop(self, grace_s: float | None = None) -> None:
         await self.health.enter_graceful_shutdown()
         grace = self.settings.grace_s if grace_s is None else grace_s
-        stopping = asyncio.ensure_future(self.server.stop(grace))  # new calls are refused at once
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + grace
+        self.drain.close()  # new calls are refused (UNAVAILABLE, draining) at once
         # Calls still running near the grace's end are answered `draining`, not cancelled by gRPC.
-        await self.proxy.drain(grace - min(0.5, grace / 4))
-        await stopping
+        ending = asyncio.ensure_future(self.proxy.drain(grace - min(0.5, grace / 4)))
+        # gRPC's stop(grace) alone shuts a connection once its last call ended, and a slow reader's
+        # next window update then resets it, losing the answer's tail: stop once the peers hold it.
+        await self.drain.settle(self.port, deadline)
+        await self.server.stop(max(0.0, deadline - loop.time()))
+        await ending
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -284,7 +292,8 @@ def build_sidecar(
     breakers.observe = rollouts.outcomes.record
     state = StateFile(state_path, lambda: {"routes": routes.saved(), "rollouts": rollouts.saved()})
     routes.on_change = rollouts.on_change = state.changed
-    proxy = Proxy(upstreams, breakers, routes, TenantLimits(), metrics, tracing, shadows)
+    drain = Drain()
+    proxy = Proxy(upstreams, breakers, routes, TenantLimits(), metrics, tracing, shadows, drain)
     server.add_generic_rpc_handlers((proxy,))
     listen = settings.listen
     if tls is None:
@@ -304,6 +313,7 @@ def build_sidecar(
         tracing,
         shadows,
         proxy,
+        drain,
         rollouts,
         state,
         tls=tls,

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import urllib.request
@@ -21,6 +22,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from models import demo_models
 from modelyard.inference.v1 import inference_service_pb2 as pb
 from modelyard.inference.v1 import inference_service_pb2_grpc as pb_grpc
+from tests.integration import test_service_process as service_tests
 from tests.integration.test_entry_points import HEAVY, RUN_REFUSING
 from tests.integration.test_perf_analyzer import run_perf_analyzer
 from tests.sidecar_support import SidecarProcess, infer, pairs, start_sidecar_process
@@ -28,6 +30,8 @@ from tests.support import ServiceProcess, eventually, metric
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+# The service's slow model and slow reader, for the drain (test_service_process.py).
+slow_repository = service_tests.slow_repository
 TIGHT = "generation:\n  max_concurrent_sequences: 1\n  max_tokens: 256\n  stream_buffer: 2\n"
 
 
@@ -233,3 +237,40 @@ async def test_shadow_compares_greedy_generations_token_by_token(upstream, sidec
 
         await eventually(lambda: compared("modelyard_sidecar_shadow_tokens_total") == produced)
         assert compared("modelyard_sidecar_shadow_tokens_agreeing_total") == produced  # the same weights
+
+
+async def test_sigterm_drained_answers_reach_a_slow_reader(
+    service_process: Callable[..., ServiceProcess], sidecar_process, slow_repository: Path
+) -> None:
+    """As the service's own drain (test_service_process.py): gRPC's stop(grace) alone would shut
+    the caller's connection once its last call ended, and the slow reader's next window update
+    would reset it, dropping the answer's tail. The sidecar stops its server only once the
+    callers acknowledged every byte of the answers it relayed."""
+    service = service_process(slow_repository)
+    assert service.metrics_url is not None
+    sidecar = sidecar_process("--upstream", service.address, "--grace-s", "20")
+    host, port = sidecar.address.rsplit(":", 1)
+    upstream_ended: list[str] = []
+
+    async def relay(client_r: asyncio.StreamReader, client_w: asyncio.StreamWriter) -> None:
+        sidecar_r, sidecar_w = await asyncio.open_connection(host, int(port))
+        sidecar_w.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 16)
+        slow = service_tests.SLOW_READER_BYTES_PER_S
+        await asyncio.gather(
+            service_tests._pump(client_r, sidecar_w, 0, []),
+            service_tests._pump(sidecar_r, client_w, slow, upstream_ended),
+        )
+
+    relay_server = await asyncio.start_server(relay, "127.0.0.1", 0)
+    try:
+        address = f"127.0.0.1:{relay_server.sockets[0].getsockname()[1]}"
+        async with grpc.aio.insecure_channel(address, options=service_tests.BIG) as channel:
+            stub = pb_grpc.InferenceServiceStub(channel)
+            in_flight = await service_tests._both_in_flight(stub, service.metrics_url)
+            sidecar.proc.send_signal(signal.SIGTERM)
+            assert service_tests._whole(await asyncio.gather(*in_flight))
+        assert await asyncio.to_thread(sidecar.proc.wait, 30) == 0
+        assert "ConnectionResetError" not in " ".join(upstream_ended)
+    finally:
+        relay_server.close()
+        await relay_server.wait_closed()
