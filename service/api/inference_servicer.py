@@ -18,7 +18,6 @@ from modelyard.service.api.scheduling import scheduling
 from modelyard.service.api.tensor_headers import our_headers, our_plain, refuse_extra_tensors
 from modelyard.service.dataplane import DataPlane
 from modelyard.service.generation.plane import GenerationPlane
-from modelyard.service.intake import decode_fixed
 from modelyard.service.metrics import ServiceMetrics
 from modelyard.tensors import to_arrays, to_tensors
 
@@ -58,7 +57,7 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
                 # Decoded only once the tensors' headers fit the version (service/intake.py).
                 plain = our_plain(request.inputs)
                 if plain is not None:  # fixed-size datatypes: decoded from the checked headers
-                    inputs = await held.decode(plain[0], partial(decode_fixed, *plain))
+                    inputs = held.decode_fixed(*plain)
                 else:
                     inputs = await held.decode(
                         our_headers(request.inputs), partial(to_arrays, request.inputs)

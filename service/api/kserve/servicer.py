@@ -37,7 +37,7 @@ from modelyard.service.api.scheduling import kserve_priority, kserve_scheduling
 from modelyard.service.api.tensor_headers import kserve_headers, kserve_plain, refuse_extra_tensors
 from modelyard.service.dataplane import DataPlane
 from modelyard.service.errors import InvalidInput, ServiceError
-from modelyard.service.intake import INLINE_DECODE_BYTES, decode_fixed
+from modelyard.service.intake import INLINE_DECODE_BYTES
 from modelyard.service.metrics import ServiceMetrics
 from modelyard.service.repository.uploads import UploadSpace
 from modelyard.service.runtime.manager import ModelManager
@@ -262,7 +262,7 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
             # Decoded only once the tensors' headers fit the model (service/intake.py).
             plain = kserve_plain(request)
             if plain is not None:  # raw contents only: decoded from the checked headers
-                inputs = await held.decode(plain[0], partial(decode_fixed, *plain))
+                inputs = held.decode_fixed(*plain)
             else:
                 headers = kserve_headers(request)
                 inputs = await held.decode(headers, partial(decode_inputs, request, self._shm))
