@@ -20,7 +20,6 @@ import time
 from collections.abc import AsyncGenerator, Callable, Mapping, Sequence
 from concurrent.futures import Executor
 from typing import NamedTuple, TypeVar
-from weakref import WeakKeyDictionary
 
 import numpy as np
 
@@ -28,7 +27,7 @@ from modelyard.service import tracing
 from modelyard.service.batching.layer import BatchingLayer
 from modelyard.service.errors import ServiceError
 from modelyard.service.generation.model import DecoderModel
-from modelyard.service.intake import Bounds, TensorHeader, bounds_for, check_headers, offload
+from modelyard.service.intake import Bounds, TensorHeader, bounds_for, check_headers, decode_fixed, offload
 from modelyard.service.runtime.manager import ModelManager
 from modelyard.service.runtime.served import ServedVersion
 from modelyard.service.scheduling.queue import DEFAULT_SCHEDULING, Scheduling
@@ -46,13 +45,25 @@ class InferResult(NamedTuple):  # a tuple: made for every request (a frozen data
 
 
 def _checked(
-    served: ServedVersion, inputs: Mapping[str, np.ndarray], output_names: Sequence[str], admitted_ns: int
+    served: ServedVersion,
+    inputs: Mapping[str, np.ndarray],
+    output_names: Sequence[str],
+    admitted_ns: int,
+    fitted: bool = False,
 ) -> tuple[str, ...]:
     """The outputs to compute, once the inputs fit the version; a request they do not fit counts
-    as a failed inference of that version (as Triton's statistics count it)."""
+    as a failed inference of that version (as Triton's statistics count it). `fitted`: the inputs
+    were decoded from headers that fit (Call.decode_fixed), so that only what their headers do
+    not show is left to check: that every input is given, and one batch size across inputs."""
+    signature = served.runner.signature
     try:
-        served.runner.signature.check_inputs(inputs)
-        return served.runner.signature.select_outputs(output_names)
+        if (
+            not fitted
+            or len(inputs) != len(signature.inputs)
+            or (signature.max_batch_size and len(inputs) > 1)
+        ):
+            signature.check_inputs(inputs)  # every check, and its precise answer
+        return signature.select_outputs(output_names)
     except ServiceError:
         served.stats.record_request(False, time.perf_counter_ns() - admitted_ns)
         raise
@@ -66,7 +77,11 @@ class DataPlane:
         self._table = manager.table  # the request path resolves and leases here
         self._executor = executor
         self._batching = batching
-        self._bounds: WeakKeyDictionary[ServedVersion, Bounds] = WeakKeyDictionary()  # per version
+        # Per version, until it retires (a plain dict: read on every request).
+        self._bounds: dict[ServedVersion, Bounds] = {}
+
+    async def _forget_bounds(self, served: ServedVersion) -> None:
+        self._bounds.pop(served, None)
 
     def open(self, model: str, version: str) -> Call:
         """`with dataplane.open(model, version) as call:` resolves the version now (an unknown
@@ -121,11 +136,12 @@ class Call:
     held while the request decodes and while it waits in a batcher's queue: a retiring version
     answers what it has admitted before it is released."""
 
-    __slots__ = ("_plane", "served")
+    __slots__ = ("_fitted", "_plane", "served")
 
     def __init__(self, plane: DataPlane, served: ServedVersion) -> None:
         self._plane = plane
         self.served = served
+        self._fitted: object = None  # the inputs decode_fixed gave, checked by their headers
 
     def __enter__(self) -> Call:
         self.served.acquire()
@@ -134,10 +150,8 @@ class Call:
     def __exit__(self, *exc: object) -> None:
         self.served.release()
 
-    async def decode(self, headers: Sequence[TensorHeader], decode: Callable[[], T]) -> T:
-        """Check a request's tensors (their headers) against the version, then decode them:
-        inline when small, in the executor when large, so that the event loop never waits on a
-        request's decoding. `infer` checks the decoded arrays again."""
+    def _check(self, headers: Sequence[TensorHeader]) -> None:
+        """Check a request's tensors (their headers) against the version's bounds."""
         started = time.perf_counter_ns()
         served, plane = self.served, self._plane
         bounds = plane._bounds.get(served)
@@ -147,6 +161,7 @@ class Call:
             bounds = plane._bounds[served] = bounds_for(
                 served.runner.signature, served.config.limits, decoder
             )
+            served.on_retire(plane._forget_bounds)
         try:
             check_headers(bounds, headers)
         except (ServiceError, TensorError):
@@ -154,9 +169,26 @@ class Call:
             # check_inputs refuses it (Triton's statistics count it so).
             served.stats.record_request(False, time.perf_counter_ns() - started)
             raise
+
+    async def decode(self, headers: Sequence[TensorHeader], decode: Callable[[], T]) -> T:
+        """Check a request's tensors (their headers) against the version, then decode them:
+        inline when small, in the executor when large, so that the event loop never waits on a
+        request's decoding. `infer` checks the decoded arrays again."""
+        self._check(headers)
         if offload(headers):
-            return await asyncio.get_running_loop().run_in_executor(plane._executor, decode)
+            return await asyncio.get_running_loop().run_in_executor(self._plane._executor, decode)
         return decode()
+
+    def decode_fixed(
+        self, headers: Sequence[TensorHeader], contents: Sequence[bytes]
+    ) -> dict[str, np.ndarray]:
+        """A plain request's tensors (fixed-size datatypes, raw bytes: service/intake.py
+        decode_fixed), checked by their headers and decoded without copying, on the loop. `infer`
+        on these arrays checks only what the headers cannot show (_checked)."""
+        self._check(headers)
+        arrays = decode_fixed(headers, contents)
+        self._fitted = arrays
+        return arrays
 
     async def infer(
         self,
@@ -166,7 +198,7 @@ class Call:
     ) -> InferResult:
         admitted = time.perf_counter_ns()
         served = self.served
-        names = _checked(served, inputs, output_names, admitted)
+        names = _checked(served, inputs, output_names, admitted, inputs is self._fitted)
         outputs = await self._plane._run(served, inputs, names, scheduling, admitted)
         return InferResult(served.model, served.version, outputs)
 

@@ -6,14 +6,18 @@ after seconds of decoding on the event loop. Both APIs describe their tensors as
 `check_headers` refuses what cannot fit the served version (name, datatype, rank, fixed
 dimensions, batch size, element count) or its bounds (limits.max_elements / max_request_bytes,
 a decoder's context length); `offload` says when the decoding that remains is large enough to run
-in an executor rather than on the event loop.
+in an executor rather than on the event loop; `decode_fixed` decodes the tensors of a plain
+request (fixed-size datatypes, raw bytes) from headers that check_headers has passed.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
+
+import numpy as np
 
 from modelyard.common.names import echo
 from modelyard.service.errors import InvalidInput, TooLarge
@@ -21,7 +25,7 @@ from modelyard.service.generation.layout import ATTENTION_MASK, INPUT_IDS, POSIT
 from modelyard.service.generation.model import DecoderModel
 from modelyard.service.repository.config import LimitsConfig
 from modelyard.service.runtime.signature import Signature, TensorSpec
-from modelyard.tensors import element_count
+from modelyard.tensors import NUMPY_BY_NAME, element_count
 
 # Payloads that take Python work per element (BYTES, typed contents) above this many bytes are
 # decoded in an executor; below it the hop to a thread costs more than the decoding.
@@ -108,3 +112,25 @@ def check_headers(bounds: Bounds, headers: Sequence[TensorHeader]) -> None:
 def offload(headers: Sequence[TensorHeader]) -> bool:
     """True when decoding these tensors is worth an executor hop (see INLINE_DECODE_BYTES)."""
     return sum(h.nbytes for h in headers if h.per_element) > INLINE_DECODE_BYTES
+
+
+def decode_fixed(headers: Sequence[TensorHeader], contents: Sequence[bytes]) -> dict[str, np.ndarray]:
+    """A plain request's tensors (each of a fixed-size datatype, its raw bytes in `contents`) as
+    zero-copy arrays, from headers that check_headers has passed (names, datatypes, shapes): what
+    is left to check is that no tensor comes twice and that each holds its shape's bytes. Both
+    APIs read plain requests this way (service/api/tensor_headers.py)."""
+    arrays: dict[str, np.ndarray] = {}
+    for header, data in zip(headers, contents, strict=True):
+        name, datatype, shape = header.name, header.datatype, header.shape
+        if name in arrays:
+            raise InvalidInput(f"input {echo(name)} is given twice")
+        assert datatype is not None  # a plain request's datatypes are known
+        dtype = NUMPY_BY_NAME[datatype]
+        expected = math.prod(shape) * dtype.itemsize
+        if len(data) != expected:
+            raise InvalidInput(
+                f"input {echo(name)}: shape {list(shape)} of {datatype} needs {expected} bytes of "
+                f"raw data, got {len(data)}"
+            )
+        arrays[name] = np.frombuffer(data, dtype=dtype).reshape(shape)
+    return arrays

@@ -39,6 +39,9 @@ LATENCY_BUCKETS = (
 
 M = TypeVar("M", bound=MetricWrapperBase)
 
+# The `code` label of each status (StatusCode.name is a Python property: read on every request).
+_CODE_NAMES = {code: code.name for code in grpc.StatusCode}
+
 # Rows per batched run: powers of two up to the largest max_batch_size worth batching on one device.
 BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
@@ -414,7 +417,7 @@ class ServiceMetrics:
     def observe_request(
         self, method: str, model: str, version: str, code: grpc.StatusCode, seconds: float
     ) -> None:
-        key = (method, model if model in self.known_models else "_unknown", version, code.name)
+        key = (method, model if model in self.known_models else "_unknown", version, _CODE_NAMES[code])
         self.requests.observe(key, seconds)
 
     def _generation_families(self, labels: list[str]) -> None:

@@ -15,7 +15,7 @@ from modelyard.service.api.errors import Context, deadline_passed, end_stalled, 
 from modelyard.service.api.generation_convert import to_generate_params, to_generate_response
 from modelyard.service.api.metadata import call_fields
 from modelyard.service.api.scheduling import scheduling
-from modelyard.service.api.tensor_headers import our_headers, refuse_extra_tensors
+from modelyard.service.api.tensor_headers import our_headers, our_plain, refuse_extra_tensors
 from modelyard.service.dataplane import DataPlane
 from modelyard.service.generation.plane import GenerationPlane
 from modelyard.service.metrics import ServiceMetrics
@@ -54,9 +54,14 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
                 refuse_extra_tensors(
                     request.model_name, signature, len(request.inputs), len(request.output_names)
                 )
-                headers = our_headers(request.inputs)
                 # Decoded only once the tensors' headers fit the version (service/intake.py).
-                inputs = await held.decode(headers, partial(to_arrays, request.inputs))
+                plain = our_plain(request.inputs)
+                if plain is not None:  # fixed-size datatypes: decoded from the checked headers
+                    inputs = held.decode_fixed(*plain)
+                else:
+                    inputs = await held.decode(
+                        our_headers(request.inputs), partial(to_arrays, request.inputs)
+                    )
                 result = await held.infer(
                     inputs, request.output_names, scheduling(context, priority, request.timeout_us)
                 )

@@ -23,7 +23,7 @@ def scheduling(context: Context, priority: int = 0, timeout_us: int = 0) -> Sche
 
 def kserve_priority(parameters: Mapping[str, InferParameter]) -> int:
     """KServe V2: Triton's `priority` request parameter; 0 when absent."""
-    return _count(parameters, PRIORITY, "a priority level")
+    return _count(parameters, PRIORITY, "a priority level") if parameters else 0
 
 
 def kserve_scheduling(
@@ -31,6 +31,8 @@ def kserve_scheduling(
 ) -> Scheduling:
     """KServe V2: the priority (kserve_priority, or the x-priority header) and Triton's `timeout`
     request parameter (microseconds)."""
+    if not parameters:  # most requests
+        return Scheduling(priority, 0, context.time_remaining())
     return scheduling(context, priority, _count(parameters, TIMEOUT, "microseconds"))
 
 

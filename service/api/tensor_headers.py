@@ -10,7 +10,7 @@ from modelyard.kserve.v2.grpc_service_pb2 import ModelInferRequest
 from modelyard.service.errors import InvalidInput
 from modelyard.service.intake import TensorHeader
 from modelyard.service.runtime.signature import Signature
-from modelyard.tensors import datatype_name, is_known
+from modelyard.tensors import NUMPY_BY_NAME, datatype_name, is_known
 
 # A few extra tensors get the precise answer of the checks per tensor (unknown, given twice).
 EXTRA_TENSORS_CHECKED = 64
@@ -20,6 +20,10 @@ def refuse_extra_tensors(model: str, signature: Signature, inputs: int, outputs:
     """InvalidInput when a request names many more inputs or outputs than the model has: it
     cannot be valid, and refusing it before any work per tensor keeps a message of 700,000
     tensors from holding the event loop for seconds."""
+    if inputs <= len(signature.inputs) + EXTRA_TENSORS_CHECKED and outputs <= (
+        len(signature.outputs) + EXTRA_TENSORS_CHECKED
+    ):
+        return  # every request but those refused (it runs on each)
     for kind, given, own in (
         ("inputs", inputs, len(signature.inputs)),
         ("outputs", outputs, len(signature.outputs)),
@@ -36,6 +40,45 @@ def our_headers(tensors: Iterable[tensor_pb2.Tensor]) -> list[TensorHeader]:
             TensorHeader(tensor.name, name, tuple(tensor.shape), len(tensor.raw_data), name == "BYTES")
         )
     return headers
+
+
+# Datatypes whose raw contents decode without touching elements (np.frombuffer).
+_FIXED_SIZE = frozenset(name for name in NUMPY_BY_NAME if name != "BYTES")
+
+
+def kserve_plain(request: ModelInferRequest) -> tuple[list[TensorHeader], list[bytes]] | None:
+    """The headers and raw contents of a plain request (most): every input in
+    raw_input_contents, one raw entry per input, of a fixed-size datatype, with no parameters (no
+    shared memory) and no typed contents. Its tensors decode from their headers and these bytes
+    (decode_fixed); each raw entry is read once (protobuf copies a bytes field on every read).
+    None for any other request: kserve_headers and decode_inputs take it, with their answers."""
+    raw = request.raw_input_contents
+    inputs = request.inputs
+    if len(raw) != len(inputs):
+        return None
+    headers, contents = [], []
+    for tensor, data in zip(inputs, raw, strict=True):
+        datatype = tensor.datatype
+        if datatype not in _FIXED_SIZE or tensor.parameters or tensor.HasField("contents"):
+            return None
+        headers.append(TensorHeader(tensor.name, datatype, tuple(tensor.shape), len(data), False))
+        contents.append(data)
+    return headers, contents
+
+
+def our_plain(tensors: Iterable[tensor_pb2.Tensor]) -> tuple[list[TensorHeader], list[bytes]] | None:
+    """Our API's request tensors as kserve_plain reads KServe's: when every tensor is of a
+    fixed-size datatype, their headers and raw_data (each read once); else None (our_headers and
+    modelyard.tensors.to_arrays take them, with their answers)."""
+    headers, contents = [], []
+    for tensor in tensors:
+        datatype = datatype_name(tensor.datatype)
+        if datatype not in _FIXED_SIZE:
+            return None
+        data = tensor.raw_data
+        headers.append(TensorHeader(tensor.name, datatype, tuple(tensor.shape), len(data), False))
+        contents.append(data)
+    return headers, contents
 
 
 def kserve_headers(request: ModelInferRequest) -> list[TensorHeader]:

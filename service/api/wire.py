@@ -141,9 +141,14 @@ class _Refuse:
             )
 
     async def message(self, raw: Any, context: Context) -> Any:
-        """A request's bytes parsed and checked."""
-        request = await self.parse(raw)
-        await self.check(request, context)
+        """A request's bytes parsed and checked: a small message (nearly every one) with no
+        awaits of parse's and check's own (two coroutines fewer per call)."""
+        if isinstance(raw, bytes) and len(raw) <= STEPPED_PARSE_BYTES:
+            request = self._deserialize(raw)
+        else:
+            request = await self.parse(raw)
+        if isinstance(request, Undecodable):
+            await self.check(request, context)
         return request
 
 

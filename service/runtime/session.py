@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import logging
 import re
 import statistics
@@ -11,7 +12,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import numpy as np
 import onnxruntime as ort
@@ -123,6 +124,15 @@ class ModelRunner:
     def runs_inline(self) -> bool:
         return not self.value_driven and max(self.warmup_run_s, self.peak_run_s) < self.inline_limit_s
 
+    @functools.cached_property
+    def _session_run(self) -> Callable[..., list[np.ndarray]]:
+        # A CPU-only session runs through the binding itself: the Python wrapper's checks (every
+        # input given, no foreign OrtValues) are the signature's, made before each run, and its
+        # EP fallback has no other provider to go to. ~3 us of CPU per request under load.
+        session: Any = self.session
+        run = session._sess.run if session.get_providers() == [CPU] else session.run
+        return cast(Callable[..., list[np.ndarray]], run)
+
     def run(
         self,
         feeds: Mapping[str, np.ndarray],
@@ -139,7 +149,7 @@ class ModelRunner:
             elif self.binding is not None:
                 arrays = self.binding.run(self.session, ort_feeds, output_names, options)
             else:
-                arrays = self.session.run(list(output_names), ort_feeds, options)
+                arrays = self._session_run(list(output_names), ort_feeds, options)
         except UnicodeDecodeError:  # the binding decodes string outputs as UTF-8, strictly
             raise ModelRunError(
                 "a BYTES output holds bytes that are not UTF-8, which ONNX Runtime's Python binding "

@@ -7,9 +7,11 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from models import demo_models
 from modelyard.service.dataplane import DataPlane
+from modelyard.service.errors import InvalidInput
 from modelyard.service.intake import TensorHeader
 from modelyard.service.runtime.manager import ModelManager
 from modelyard.service.runtime.providers import ProviderChoice
@@ -39,6 +41,50 @@ async def test_a_call_runs_on_the_version_it_resolved_though_a_reload_swapped_th
         assert held.served.in_flight == 0
         await eventually(lambda: not manager.retiring, "version 1 to retire")
         assert (await plane.infer("m", "", inputs)).version == 2
+    finally:
+        await manager.close()
+        executor.shutdown()
+
+
+async def test_a_plain_request_is_checked_by_its_headers_and_what_they_cannot_show(tmp_path: Path) -> None:
+    """decode_fixed decodes from headers that fit; infer then checks only that every input is
+    given and the batch sizes agree (falling back to the signature's own answer), and a bad
+    plain request is refused as before."""
+    demo_models.write_model(tmp_path, "mio", 1, demo_models.multi_io(4), {"max_batch_size": 8})
+    manager = ModelManager(tmp_path, ProviderChoice(False, "test: CPU"))
+    executor = ThreadPoolExecutor(max_workers=1)
+    a = np.arange(8, dtype=np.float32).reshape(2, 4)
+    b, b3 = np.ones((2, 4), np.int64), np.ones((3, 4), np.int64)
+
+    def plain(*tensors: tuple[str, str, np.ndarray]) -> tuple[list[TensorHeader], list[bytes]]:
+        headers = [TensorHeader(n, d, x.shape, x.nbytes, False) for n, d, x in tensors]
+        return headers, [x.tobytes() for _, _, x in tensors]
+
+    try:
+        await manager.load_all()
+        plane = DataPlane(manager, executor)
+        with plane.open("mio", "") as held:
+            inputs = held.decode_fixed(*plain(("a", "FP32", a), ("b", "INT64", b)))
+            assert not inputs["a"].flags.writeable  # a view of the request's bytes
+            result = await held.infer(inputs, ["sum"])
+            assert result.outputs["sum"].tolist() == (a + 1).tolist()
+        refusals = [
+            (plain(("a", "FP32", a)), "missing input 'b'"),
+            (plain(("a", "FP32", a), ("b", "INT64", b3)), "disagree on the batch size"),
+            (plain(("a", "FP32", a), ("a", "FP32", a)), "'a' is given twice"),
+        ]
+        for (headers, contents), words in refusals:
+            with plane.open("mio", "") as held, pytest.raises(InvalidInput, match=words):
+                await held.infer(held.decode_fixed(headers, contents))
+        short = [TensorHeader("a", "FP32", (2, 4), 28, False), TensorHeader("b", "INT64", (2, 4), 64, False)]
+        with (
+            plane.open("mio", "") as held,
+            pytest.raises(InvalidInput, match="needs 32 bytes of raw data, got 28"),
+        ):
+            held.decode_fixed(short, [a.tobytes()[:28], b.tobytes()])
+        stats = manager.resolve("mio").stats
+        # The inputs' checks count a refusal as a failed inference (decoding errors do not, as before).
+        assert (stats.success_count, stats.fail_count) == (1, 2)
     finally:
         await manager.close()
         executor.shutdown()

@@ -34,7 +34,7 @@ from modelyard.service.api.metadata import call_fields
 from modelyard.service.api.model_control import ModelControl
 from modelyard.service.api.names import check_model, quoted
 from modelyard.service.api.scheduling import kserve_priority, kserve_scheduling
-from modelyard.service.api.tensor_headers import kserve_headers, refuse_extra_tensors
+from modelyard.service.api.tensor_headers import kserve_headers, kserve_plain, refuse_extra_tensors
 from modelyard.service.dataplane import DataPlane
 from modelyard.service.errors import InvalidInput, ServiceError
 from modelyard.service.intake import INLINE_DECODE_BYTES
@@ -260,8 +260,12 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
                 request.model_name, served.runner.signature, len(request.inputs), len(request.outputs)
             )
             # Decoded only once the tensors' headers fit the model (service/intake.py).
-            headers = kserve_headers(request)
-            inputs = await held.decode(headers, partial(decode_inputs, request, self._shm))
+            plain = kserve_plain(request)
+            if plain is not None:  # raw contents only: decoded from the checked headers
+                inputs = held.decode_fixed(*plain)
+            else:
+                headers = kserve_headers(request)
+                inputs = await held.decode(headers, partial(decode_inputs, request, self._shm))
             names = requested_outputs(request)
             options = output_options(request)
             classify = options.classify
@@ -284,7 +288,7 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
                 else array
                 for name, array in outputs.items()
             }
-        if sum(size for _, _, size in options.in_shm.values()) > INLINE_DECODE_BYTES:
+        if options.in_shm and sum(size for _, _, size in options.in_shm.values()) > INLINE_DECODE_BYTES:
             # Large copies into shared memory (pwrite) go off the event loop.
             await asyncio.get_running_loop().run_in_executor(
                 None, encode_outputs, response, outputs, options.in_shm, self._shm

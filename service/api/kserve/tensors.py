@@ -129,7 +129,19 @@ def encode_outputs(
     raw contents stay aligned with outputs)."""
     if len(response.outputs) != len(response.raw_output_contents):
         raise ValueError("response already holds outputs without raw contents; cannot append raw outputs")
-    in_shm = in_shm or {}
+    if not in_shm:  # the common case: every output's bytes in the response
+        add, append = response.outputs.add, response.raw_output_contents.append
+        for name, value in outputs.items():
+            array = np.asarray(value)
+            try:
+                datatype, data = to_wire(array)
+            except ValueError:
+                raise Unsupported(
+                    f"output {quoted(name)}: numpy dtype {array.dtype} has no KServe V2 datatype"
+                ) from None
+            add(name=name, datatype=datatype, shape=array.shape)
+            append(data)
+        return
     for name, value in outputs.items():
         array = np.asarray(value)
         try:
@@ -158,6 +170,8 @@ def encode_outputs(
 def requested_outputs(request: ModelInferRequest) -> list[str]:
     """The names of the requested outputs, in order; an empty list means all outputs."""
     names: list[str] = []
+    if not request.outputs:  # all outputs (most requests)
+        return names
     for output in request.outputs:
         if not output.name:
             raise InvalidInput("a requested output has no name")
@@ -182,7 +196,8 @@ _NO_OPTIONS = OutputOptions()
 
 def output_options(request: ModelInferRequest) -> OutputOptions:
     """The requested outputs' parameters; any we do not handle is refused, never ignored."""
-    if not any(output.parameters for output in request.outputs):
+    outputs = request.outputs
+    if not outputs or not any(output.parameters for output in outputs):
         return _NO_OPTIONS
     options = OutputOptions()
     for output in request.outputs:
