@@ -228,16 +228,16 @@ class Batcher:
         self._metrics.batch_size.observe(rows)
         runs: list[tuple[int, int]] = []
         instance = instances.start()
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.thread_time()
         try:
             outputs = _execute(instance.runner, feeds, names, self.name, runs)
         except ServiceError as exc:
             instances.finish(instance, exc)
-            instances.ran_inline(time.perf_counter() - start, self.name)
+            instances.ran_inline(time.perf_counter() - start, self.name, time.thread_time() - cpu)
             self._stats.record_request(False, time.perf_counter_ns() - arrived)
             raise
         instances.finish(instance)
-        instances.ran_inline(runs[0][1] / 1e9, self.name)
+        instances.ran_inline(runs[0][1] / 1e9, self.name, time.thread_time() - cpu)
         self._stats.record_execution(*runs[0])
         self._stats.record_compute(1, runs[0][1])
         self._stats.record_request(True, time.perf_counter_ns() - arrived)
@@ -354,14 +354,14 @@ class Batcher:
         instance = instances.start()
         if instances.runs_inline:
             done: _Computed | None = None
-            start = time.perf_counter()
+            start, cpu = time.perf_counter(), time.thread_time()
             try:
                 done = _compute(instance.runner, items, self.name)
                 self._deliver(items, done)
             finally:
                 self._busy -= 1
                 instances.finish(instance, done.fault if done is not None else None)
-                instances.ran_inline(time.perf_counter() - start, self.name)
+                instances.ran_inline(time.perf_counter() - start, self.name, time.thread_time() - cpu)
             return
         loop = asyncio.get_running_loop()
         control = instances.runs.start()

@@ -11,7 +11,8 @@ it). The counts are plain ints, touched on the event loop only; the runs go to t
 A run on the executor can be stopped (runtime/runs.py): when its caller leaves (its deadline
 passed, or it cancelled) the run's RunOptions.terminate is set, so that its thread, its instance
 and its core come back. An inline run (fixed cost, microseconds) is timed instead: one that takes
-longer than INLINE_WATCHDOG_S moves the version off the event loop for good.
+longer than INLINE_WATCHDOG_S, on the loop thread's own CPU as well as by the clock, moves the
+version off the event loop for good.
 """
 
 from __future__ import annotations
@@ -148,10 +149,13 @@ class Instances:
                 error,
             )
 
-    def ran_inline(self, elapsed_s: float, label: str) -> None:
+    def ran_inline(self, elapsed_s: float, label: str, cpu_s: float) -> None:
         """The watchdog of inline runs: one that held the event loop past INLINE_WATCHDOG_S sends
-        every later run of this version to the executor."""
-        if elapsed_s > INLINE_WATCHDOG_S and self.runs_inline:
+        every later run of this version to the executor. `cpu_s`, the loop thread's own CPU time
+        in the run: a run that took the time waiting for a core (the thread preempted on a loaded
+        machine: tens of milliseconds at a time) is not one that costs it, and must not send a
+        cheap model's every later run through the executor's hand-off."""
+        if elapsed_s > INLINE_WATCHDOG_S and cpu_s > INLINE_WATCHDOG_S / 2 and self.runs_inline:
             self.runs_inline = False
             log.warning(
                 "%s: an inline run held the event loop for %.1f ms (over %.0f ms); its runs go to "
@@ -171,11 +175,11 @@ class Instances:
             # pending when anyone looks; counted only (this is every request of a cheap model).
             only = self.all[0]
             only.runs += 1
-            start = time.perf_counter()
+            start, cpu = time.perf_counter(), time.thread_time()
             try:
                 return run_checked(only.runner, feeds, output_names, label)
             finally:
-                self.ran_inline(time.perf_counter() - start, label)
+                self.ran_inline(time.perf_counter() - start, label, time.thread_time() - cpu)
         instance = self.start()
         control = self.runs.start()
         if len(self.all) == 1:

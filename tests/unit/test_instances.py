@@ -238,8 +238,33 @@ class SlowInlineRunner(FakeRunner):
     def run(
         self, feeds: Mapping[str, np.ndarray], output_names: Sequence[str], options: Any = None
     ) -> list[np.ndarray]:
-        time.sleep(INLINE_WATCHDOG_S * 1.5)  # the run itself: the event loop is held meanwhile
+        # The run itself, on the CPU of the loop's thread: the event loop is held meanwhile.
+        end = time.thread_time() + INLINE_WATCHDOG_S * 1.5
+        while time.thread_time() < end:
+            pass
         return super().run(feeds, output_names)
+
+
+class PreemptedInlineRunner(FakeRunner):
+    """Inline, cheap, but its thread waits past the watchdog for a core (as on a loaded machine:
+    the clock runs, the thread's CPU time does not)."""
+
+    def __init__(self) -> None:
+        super().__init__(inline=True)
+
+    def run(
+        self, feeds: Mapping[str, np.ndarray], output_names: Sequence[str], options: Any = None
+    ) -> list[np.ndarray]:
+        time.sleep(INLINE_WATCHDOG_S * 1.5)  # off the CPU, as a preempted thread is
+        return super().run(feeds, output_names)
+
+
+async def test_an_inline_run_that_waited_for_a_core_keeps_the_version_inline(
+    executor: ThreadPoolExecutor,
+) -> None:
+    instances = Instances([PreemptedInlineRunner()])
+    await instances.run(x(1), ["y"], executor, "m")
+    assert instances.runs_inline
 
 
 async def test_an_inline_run_past_the_watchdog_moves_the_version_off_the_loop(
@@ -334,7 +359,7 @@ async def test_two_batches_run_at_once_on_two_instances(executor: ThreadPoolExec
 
 
 async def test_a_batch_that_fails_on_its_device_is_not_rerun_alone(executor: ThreadPoolExecutor) -> None:
-    broken = FaultyRunner(Fail("CUDA failure 2: out of memory"))
+    broken = FaultyRunner(Fail("CUDA failure 700: an illegal memory access was encountered"))
     broken.gate.close()
     batcher, instances = rig([broken], executor)
     first = asyncio.ensure_future(batcher.infer(x(1), ("y",), Scheduling()))
