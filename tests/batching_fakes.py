@@ -97,6 +97,32 @@ class FakeRunner:
         return [len(x) for x in self.runs]
 
 
+class FaultyRunner(FakeRunner):
+    """A FakeRunner whose every run fails with `error`, as ONNX Runtime raises it (held at its
+    gate first, and recorded)."""
+
+    def __init__(self, error: Exception) -> None:
+        super().__init__()
+        self.error = error
+
+    def run(
+        self, feeds: Mapping[str, np.ndarray], output_names: Sequence[str], options: Any = None
+    ) -> list[np.ndarray]:
+        self.gate.pass_()
+        self.runs.append(np.array(feeds["x"]))
+        raise self.error
+
+
+class HandClock:
+    """A plain clock callable (time.monotonic's stand-in) whose `now` the test sets by hand."""
+
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
 @dataclass(frozen=True)
 class RecordingRunner(ModelRunner):
     """A real ONNX Runtime runner that records each run's first input and can be held at a gate.

@@ -10,7 +10,7 @@ are not device faults."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -24,7 +24,7 @@ from modelyard.service.metrics import ServiceMetrics
 from modelyard.service.runtime.instances import Instances
 from modelyard.service.runtime.iobinding import UNTYPED_PREFIX, typed_failure
 from modelyard.service.runtime.session import is_device_fault, run_error
-from tests.batching_fakes import FakeRunner
+from tests.batching_fakes import FakeRunner, FaultyRunner, HandClock
 from tests.support import metric
 
 # cuda_call.cc's format, and the library names cuda_call.h gives it.
@@ -33,28 +33,6 @@ LIBRARIES = ("CUDA", "CUBLAS", "CUSPARSE", "CURAND", "CUDNN", "CUFFT", "NCCL")
 STATUS_PREFIX = "[ONNXRuntimeError] : 1 : FAIL : "
 THROWN_PREFIX = "[ONNXRuntimeError] : 6 : RUNTIME_EXCEPTION : "
 NODE = "Non-zero status code returned while running MatMul node. Name:'fc0' Status Message: "
-
-
-class FaultyRunner(FakeRunner):
-    """A runner whose every run fails with `error`, as ONNX Runtime raises it."""
-
-    def __init__(self, error: Exception) -> None:
-        super().__init__()
-        self.error = error
-
-    def run(
-        self, feeds: Mapping[str, np.ndarray], output_names: Sequence[str], options: object = None
-    ) -> list[np.ndarray]:
-        self.runs.append(np.array(feeds["x"]))
-        raise self.error
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def cuda_call(
@@ -145,7 +123,7 @@ async def executor() -> AsyncIterator[ThreadPoolExecutor]:
 async def test_a_device_fault_rests_the_instance_a_bounded_time_and_is_counted(
     executor: ThreadPoolExecutor,
 ) -> None:
-    clock = Clock()
+    clock = HandClock()
     broken = FaultyRunner(Fail(STATUS_PREFIX + NODE + cuda_call()))
     healthy = FakeRunner()
     instances = Instances([broken, healthy], ["cuda:0", "cuda:1"], clock=clock, backoff_s=10.0)

@@ -32,34 +32,11 @@ from modelyard.service.runtime.session import (
     run_error,
 )
 from modelyard.service.scheduling.queue import AdmissionPolicy, Scheduling
-from tests.batching_fakes import FakeRunner, ManualClock
+from tests.batching_fakes import FakeRunner, FaultyRunner, HandClock, ManualClock
 from tests.support import eventually, metric
 
 GPU = ProviderChoice(True, "test: CUDA usable")
 NO_GPU = ProviderChoice(False, "test: no CUDA")
-
-
-class FaultyRunner(FakeRunner):
-    """A FakeRunner whose runs fail as ONNX Runtime fails when its device does."""
-
-    def __init__(self, error: Exception) -> None:
-        super().__init__()
-        self.error = error
-
-    def run(
-        self, feeds: Mapping[str, np.ndarray], output_names: Sequence[str], options: Any = None
-    ) -> list[np.ndarray]:
-        self.gate.pass_()
-        self.runs.append(np.array(feeds["x"]))
-        raise self.error
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 @pytest.fixture
@@ -145,7 +122,7 @@ def test_the_picker_takes_the_fewest_pending_and_the_lowest_index_on_ties() -> N
 
 
 def test_an_instance_that_failed_on_its_device_rests_then_comes_back() -> None:
-    clock = Clock()
+    clock = HandClock()
     instances = Instances([FakeRunner(), FakeRunner()], clock=clock, backoff_s=10.0)
     broken = instances.start()
     assert broken.index == 0
@@ -171,7 +148,7 @@ def test_bad_input_does_not_send_an_instance_to_rest() -> None:
 
 
 def test_with_every_instance_resting_the_least_busy_still_runs() -> None:
-    clock = Clock()
+    clock = HandClock()
     instances = Instances([FakeRunner(), FakeRunner()], clock=clock)
     a, b = instances.start(), instances.start()
     instances.start()  # a second run on instance 0 (ties: lowest index)
