@@ -10,6 +10,7 @@ The SDK is imported only when tracing is on, so the hot path of a sidecar withou
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from collections.abc import Iterator, Mapping
 from contextlib import AbstractContextManager, contextmanager
@@ -29,6 +30,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 ROUTE_BAGGAGE_KEPT = 256  # encoded baggage headers kept, per (version, dye)
+# Request headers that carry a trace context or baggage in (W3C).
+_CONTEXT_HEADERS = frozenset({"traceparent", "tracestate", "baggage"})
 
 
 class Attempt:
@@ -57,6 +60,27 @@ class Attempt:
             self.span.set_status(Status(StatusCode.ERROR, code.name))
 
 
+_TRACEPARENT = "traceparent"
+
+
+@functools.cache
+def _unsampled_type() -> Any:
+    """The class of Unsampled spans (made once the SDK is in: an untraced sidecar imports none)."""
+    from opentelemetry.trace import NonRecordingSpan
+
+    class Unsampled(NonRecordingSpan):
+        """The server span of a call the sampler left out and that brought no trace context or
+        baggage (nor a tracestate from the sampler): it records nothing, and its traceparent is
+        the one trace header its attempts carry for it."""
+
+        def traceparent(self) -> str:
+            # The W3C trace-context propagator's format.
+            c = self.get_span_context()
+            return f"00-{c.trace_id:032x}-{c.span_id:016x}-{c.trace_flags:02x}"
+
+    return Unsampled
+
+
 class Tracing:
     def __init__(self, provider: Any = None) -> None:
         self._provider = provider
@@ -74,6 +98,7 @@ class Tracing:
             self._propagator = CompositePropagator([self._trace_context, self._baggage_propagator])
             self._baggage, self._context, self._trace = baggage, context, trace
             self._route_baggage: dict[tuple[str, str], dict[str, str]] = {}
+            self._unsampled = _unsampled_type()
 
     def server_span(self, path: str, md: Metadata) -> Any:
         if not self.enabled:
@@ -90,6 +115,13 @@ class Tracing:
         if tenant:  # as sent (capped): a trace is one call's, not a series
             attributes["modelyard.tenant"] = tenant if len(tenant) <= NAME_MAX else echo(tenant)
         span = self._tracer.start_span(path[1:], context=parent, kind=SpanKind.SERVER, attributes=attributes)
+        if not span.is_recording() and _CONTEXT_HEADERS.isdisjoint(carrier):
+            # Most calls: the sampler left it out and it came with no context of its own. Its
+            # attempts' trace headers are then its traceparent and the route's baggage only,
+            # written without the propagators (about 3 us a call less).
+            found = span.get_span_context()
+            if not found.trace_state:
+                span = self._unsampled(found)
         # Current for the rest of this call's task, so that its log lines carry the ids.
         context.attach(trace.set_span_in_context(span, parent))
         return span
@@ -97,6 +129,12 @@ class Tracing:
     def attempt(self, parent: Any, plan: Plan[Any], path: str) -> AbstractContextManager[Attempt]:
         if parent is None:
             return Attempt(plan.forward)
+        if type(parent) is self._unsampled:
+            # As the propagators write them (and `forward` holds neither: the call brought none).
+            sent: Metadata = ((_TRACEPARENT, parent.traceparent()),)
+            if plan.version:
+                sent = (*sent, *self._baggage_of(plan.version, plan.dye).items())
+            return Attempt(plan.forward + sent)
         if not parent.is_recording():
             # A call the sampler left out: a client span would record nothing either; the trace
             # context (not sampled) and the baggage still go on, so the service's view is the same.

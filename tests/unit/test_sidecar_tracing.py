@@ -88,3 +88,29 @@ def test_a_sampled_and_an_unsampled_attempt_send_the_same_baggage_and_keep_the_c
     assert sent[0] == sent[1] == "model.version=1,model.dye=stable"
     assert sent[2] == "team=a,model.version=1,model.dye=stable"  # the caller's kept, then ours
     assert len(exported.get_finished_spans()) == 4  # two calls, each a server and a client span
+
+
+def test_an_unsampled_root_call_sends_what_the_propagators_write() -> None:
+    """A call that brought no trace context and that the sampler left out (most calls): its
+    attempts carry its traceparent and the route's baggage exactly as the W3C propagators write
+    them (the sidecar writes them itself on this path), and its log lines its ids."""
+    from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+    tracing, exported = _traced(ParentBased(ALWAYS_OFF))
+    for plan, baggage in ((_plan(), "model.version=2,model.dye=canary"), (_plan("", ""), None)):
+        token = context.attach(context.Context())
+        try:
+            span = tracing.server_span(PATH, (("x-user-id", "u"),))
+            assert trace.get_current_span() is span  # current: log lines carry its ids
+            with tracing.attempt(span, plan, PATH) as attempt:
+                md = dict(attempt.metadata)
+            tracing.end(span, plan, grpc.StatusCode.OK)
+        finally:
+            context.detach(token)
+        written: dict[str, str] = {}
+        TraceContextTextMapPropagator().inject(written, trace.set_span_in_context(span))
+        assert not span.is_recording() and span.get_span_context().is_valid
+        assert md["traceparent"] == written["traceparent"]
+        assert md.get("baggage") == baggage and "tracestate" not in md
+        assert list(md)[:1] == ["x-user-id"] and len(attempt.metadata) == len(md)
+    assert exported.get_finished_spans() == ()
