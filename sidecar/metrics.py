@@ -56,8 +56,10 @@ LATENCY_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.
 _LE: tuple[str, ...] = (*(floatToGoString(b) for b in LATENCY_BUCKETS), "+Inf")  # type: ignore[no-untyped-call]
 
 
-class _Counts:
-    """A counter's series: label values -> [value], and when each series began."""
+class _Series:
+    """A family's series: label values -> its cells (`width` floats), and when each series began."""
+
+    width = 1
 
     def __init__(self, name: str, documentation: str, labels: list[str]) -> None:
         self.name, self.documentation, self.labels = name, documentation, labels
@@ -68,8 +70,12 @@ class _Counts:
         found = self.cells.get(key)
         if found is None:
             self.created[key] = time.time()
-            found = self.cells[key] = [0.0]
+            found = self.cells[key] = [0.0] * self.width
         return found
+
+
+class _Counts(_Series):
+    """A counter's series: label values -> [value]."""
 
     def family(self) -> Metric:
         family = CounterMetricFamily(self.name, self.documentation, labels=self.labels)
@@ -78,20 +84,10 @@ class _Counts:
         return family
 
 
-class _Histograms:
+class _Histograms(_Series):
     """A histogram's series: label values -> [count per bucket (not cumulative)..., +Inf, sum]."""
 
-    def __init__(self, name: str, documentation: str, labels: list[str]) -> None:
-        self.name, self.documentation, self.labels = name, documentation, labels
-        self.cells: dict[tuple[str, ...], list[float]] = {}
-        self.created: dict[tuple[str, ...], float] = {}
-
-    def cell(self, key: tuple[str, ...]) -> list[float]:
-        found = self.cells.get(key)
-        if found is None:
-            self.created[key] = time.time()
-            found = self.cells[key] = [0.0] * (len(LATENCY_BUCKETS) + 2)
-        return found
+    width = len(LATENCY_BUCKETS) + 2
 
     def family(self) -> Metric:
         family = HistogramMetricFamily(self.name, self.documentation, labels=self.labels)
