@@ -45,8 +45,15 @@ class ServerProcess:
         with self.log_path.open("wb") as log:
             try:
                 # Own session: a Ctrl-C in the terminal reaches the benchmark, which stops its children.
+                # Dying with it: a benchmark killed outright (a timeout's SIGKILL) leaves no server behind.
                 self.proc = children.popen(
-                    self.argv, cwd=self.cwd, stdout=log, stderr=subprocess.STDOUT, env=env, own_session=True
+                    self.argv,
+                    cwd=self.cwd,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    env=env,
+                    own_session=True,
+                    with_parent=True,
                 )
             except OSError as exc:
                 raise RuntimeError(f"cannot start {self.name}: {exc}") from None
