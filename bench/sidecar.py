@@ -55,7 +55,8 @@ from typing import Any
 import grpc
 import numpy as np
 
-from bench.processes import CLK_TCK, ServerProcess, running_service
+from bench.lib.procfs import tree_cpu_seconds
+from bench.processes import ServerProcess, running_service
 from models import demo_models
 from modelyard.inference.v1 import inference_service_pb2 as pb
 from modelyard.inference.v1 import inference_service_pb2_grpc as pb_grpc
@@ -223,23 +224,6 @@ async def wait_sidecar_ready(address: str) -> None:
                 return
             await asyncio.sleep(0.1)
     raise RuntimeError("the sidecar never learned the canary version")
-
-
-def tree_cpu_seconds(pid: int) -> float:
-    """User + system CPU of a process and its live descendants (a supervisor and its workers)."""
-    total = 0.0
-    pending = [pid]
-    while pending:
-        current = pending.pop()
-        try:
-            with open(f"/proc/{current}/stat") as f:
-                fields = f.read().rpartition(")")[2].split()
-            with open(f"/proc/{current}/task/{current}/children") as f:
-                pending.extend(int(child) for child in f.read().split())
-        except OSError:
-            continue  # gone meanwhile
-        total += (int(fields[11]) + int(fields[12])) / CLK_TCK
-    return total
 
 
 def _ready(url: str) -> bool:
