@@ -30,6 +30,7 @@ import onnxruntime as ort
 
 from modelyard.service.generation.cache_ops import CacheOps, DeviceCacheOps, HostCacheOps, Tensor
 from modelyard.service.generation.layout import DecoderLayout
+from modelyard.service.runtime.session import direct_run
 
 Member = TypeVar("Member")
 
@@ -66,11 +67,8 @@ class StepRunner:
             DeviceCacheOps(layout, session, self._device, device_id) if self.bound else HostCacheOps(layout)
         )
         # ONNX Runtime's Session.run checks the feed's names against the graph's on every call
-        # (about 5 us of Python a step, a tenth of the step's own Python); the layout checked them
-        # when the version loaded, so the CPU path calls the C++ session directly where it exists
-        # (its EP fallback, the one thing it skips, concerns other providers).
-        inner = getattr(session, "_sess", None)
-        self._run = inner.run if inner is not None and hasattr(inner, "run") else session.run
+        # (about 5 us of Python a step); the layout checked them when the version loaded.
+        self._run = direct_run(session)
         # Looked up once: the layout builds these names on each access.
         self._past_names = layout.past_names
         self._present_names = layout.present_names
