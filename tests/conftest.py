@@ -12,6 +12,7 @@ import pytest
 from models import demo_models
 from modelyard.service.config import Settings
 from modelyard.service.server import Service, build_service
+from tests.sidecar_support import SidecarProcess, start_sidecar_process
 from tests.support import ServiceProcess, start_service_process
 
 
@@ -49,6 +50,22 @@ def service_process() -> Iterator[Callable[..., ServiceProcess]]:
 
     def start(repository: Path, *args: str) -> ServiceProcess:
         process = start_service_process(repository, *args)
+        started.append(process)
+        return process
+
+    yield start
+    for process in started:
+        if process.proc.poll() is None:
+            process.stop(signal.SIGKILL)
+
+
+@pytest.fixture
+def sidecar_process() -> Iterator[Callable[..., SidecarProcess]]:
+    """A factory for sidecar processes; every process it starts is stopped at the end."""
+    started: list[SidecarProcess] = []
+
+    def start(*args: str, env: dict[str, str] | None = None) -> SidecarProcess:
+        process = start_sidecar_process(*args, env=env)
         started.append(process)
         return process
 

@@ -11,7 +11,7 @@ import socket
 import subprocess
 import sys
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import grpc
@@ -25,7 +25,7 @@ from modelyard.inference.v1 import inference_service_pb2_grpc as pb_grpc
 from tests.integration import test_service_process as service_tests
 from tests.integration.test_entry_points import HEAVY, RUN_REFUSING
 from tests.integration.test_perf_analyzer import run_perf_analyzer
-from tests.sidecar_support import SidecarProcess, infer, pairs, start_sidecar_process
+from tests.sidecar_support import infer, pairs
 from tests.support import ServiceProcess, eventually, metric
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
@@ -50,21 +50,6 @@ def repository(tmp_path: Path) -> Path:
 @pytest.fixture
 def upstream(repository: Path, service_process: Callable[..., ServiceProcess]) -> ServiceProcess:
     return service_process(repository)
-
-
-@pytest.fixture
-def sidecar_process() -> Iterator[Callable[..., SidecarProcess]]:
-    started: list[SidecarProcess] = []
-
-    def start(*args: str, **kwargs) -> SidecarProcess:
-        process = start_sidecar_process(*args, **kwargs)
-        started.append(process)
-        return process
-
-    yield start
-    for process in started:
-        if process.proc.poll() is None:
-            process.stop(signal.SIGKILL)
 
 
 def scrape(url: str, name: str, **labels: str) -> float | None:

@@ -15,7 +15,7 @@ import subprocess
 import sys
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import grpc
@@ -27,25 +27,10 @@ from models import demo_models
 from modelyard.inference.v1 import inference_service_pb2 as pb
 from modelyard.inference.v1 import inference_service_pb2_grpc as pb_grpc
 from modelyard.tensors import to_tensor
-from tests.sidecar_support import SidecarProcess, start_sidecar_process
+from tests.sidecar_support import SidecarProcess
 from tests.support import ServiceProcess, eventually, metric
 
 CONNECTIONS = 16  # separate connections: the kernel spreads connections, not calls, over workers
-
-
-@pytest.fixture
-def sidecar_process() -> Iterator[Callable[..., SidecarProcess]]:
-    started: list[SidecarProcess] = []
-
-    def start(*args: str) -> SidecarProcess:
-        process = start_sidecar_process(*args)
-        started.append(process)
-        return process
-
-    yield start
-    for process in started:
-        if process.proc.poll() is None:
-            process.stop(signal.SIGKILL)
 
 
 def get(url: str) -> str:
