@@ -145,11 +145,11 @@ class Sidecar:
         grace = self.settings.grace_s if grace_s is None else grace_s
         loop = asyncio.get_running_loop()
         deadline = loop.time() + grace
-        self.drain.close()  # new calls are refused (UNAVAILABLE, draining) at once
         # Calls still running near the grace's end are answered `draining`, not cancelled by gRPC.
         ending = asyncio.ensure_future(self.proxy.drain(grace - min(0.5, grace / 4)))
-        # gRPC's stop(grace) alone shuts a connection once its last call ended, and a slow reader's
-        # next window update then resets it, losing the answer's tail: stop once the peers hold it.
+        # New calls are refused (UNAVAILABLE, draining) from here on. gRPC's stop(grace) alone shuts
+        # a connection once its last call ended, and a slow reader's next window update then resets
+        # it, losing the answer's tail: stop once the peers hold it.
         await self.drain.settle(self.port, deadline)
         await self.server.stop(max(0.0, deadline - loop.time()))
         await ending
