@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import signal
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from pathlib import Path
 
 import grpc
@@ -12,7 +12,7 @@ import pytest
 from models import demo_models
 from modelyard.service.config import Settings
 from modelyard.service.server import Service, build_service
-from tests.sidecar_support import SidecarProcess, start_sidecar_process
+from tests.sidecar_support import SIDECAR_MODULE, SidecarProcess, start_sidecar_process
 from tests.support import ServiceProcess, start_service_process
 
 
@@ -64,8 +64,10 @@ def sidecar_process() -> Iterator[Callable[..., SidecarProcess]]:
     """A factory for sidecar processes; every process it starts is stopped at the end."""
     started: list[SidecarProcess] = []
 
-    def start(*args: str, env: dict[str, str] | None = None) -> SidecarProcess:
-        process = start_sidecar_process(*args, env=env)
+    def start(
+        *args: str, prefix: Sequence[str] = SIDECAR_MODULE, env: dict[str, str] | None = None
+    ) -> SidecarProcess:
+        process = start_sidecar_process(*args, prefix=prefix, env=env)
         started.append(process)
         return process
 

@@ -162,8 +162,11 @@ class SidecarProcess(ChildProcess):
         return self.ready.group(2)
 
 
+SIDECAR_MODULE = ("-m", "modelyard.sidecar")
+
+
 def start_sidecar_process(
-    *args: str, prefix: Sequence[str] = ("-m", "modelyard.sidecar"), env: dict[str, str] | None = None
+    *args: str, prefix: Sequence[str] = SIDECAR_MODULE, env: dict[str, str] | None = None
 ) -> SidecarProcess:
     """`prefix` replaces `-m modelyard.sidecar` (e.g. with a runner that refuses some imports)."""
     base = {k: v for k, v in os.environ.items() if not k.startswith(("MODELYARD_", "OTEL_"))}
