@@ -15,6 +15,7 @@ watches start again on them, and the old channels are closed once their calls ha
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -53,6 +54,9 @@ STREAM_OPTIONS: tuple[tuple[str, Any], ...] = (
     ("grpc.http2.bdp_probe", 0),
 )
 _ONE_RESPONSE = frozenset({"unary_unary", "stream_unary"})
+# How long an upstream whose health is back waits for its one-response channel to connect before
+# it counts as serving anyway (more than the channels' reconnect backoff, max_reconnect_backoff_ms).
+UNARY_READY_S = 2.0
 
 
 @dataclass(frozen=True)
@@ -118,6 +122,13 @@ class Upstream:
         if self.labels is not None and version not in self.labels:
             return False
         return not self.watched or version in self.served.get(model, ())
+
+    async def unary_ready(self) -> None:
+        """Wait (bounded) for the channel of calls with one response to connect. When an upstream
+        comes back, the watches' channel has connected, while that one may still be waiting out its
+        reconnect backoff: a call sent now would fail and count against the upstream's breakers."""
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self.unary_channel.channel_ready(), UNARY_READY_S)
 
     def reachable(self) -> bool:
         return self.channel.get_state(try_to_connect=False) is not grpc.ChannelConnectivity.TRANSIENT_FAILURE
@@ -269,6 +280,8 @@ class Upstreams:
             try:
                 async for answer in stub.Watch(health_pb2.HealthCheckRequest(service="")):
                     serving = answer.status == health_pb2.HealthCheckResponse.SERVING
+                    if serving and not upstream.serving:
+                        await upstream.unary_ready()
                     if serving != upstream.serving:
                         log.info(
                             "upstream %s is %s", upstream.address, "serving" if serving else "not serving"
