@@ -9,7 +9,7 @@ import grpc
 
 from modelyard.common.reasons import ErrorReason
 from modelyard.service import errors
-from modelyard.service.api.errors import status_for
+from modelyard.service.api.errors import DEADLINE_SLACK_S, deadline_passed, status_for
 from modelyard.tensors import TensorError
 
 
@@ -38,3 +38,22 @@ def test_the_rows_a_proxy_depends_on() -> None:
     assert status_for(errors.ModelRunError("r")) == (grpc.StatusCode.INTERNAL, ErrorReason.MODEL_FAILED)
     assert status_for(asyncio.CancelledError()) == (grpc.StatusCode.CANCELLED, ErrorReason.CANCELLED)
     assert status_for(KeyError("bug")) == (grpc.StatusCode.INTERNAL, ErrorReason.INTERNAL)
+
+
+class _Remaining:
+    """A call context as far as deadline_passed reads one."""
+
+    def __init__(self, remaining: float | None) -> None:
+        self._remaining = remaining
+
+    def time_remaining(self) -> float | None:
+        return self._remaining
+
+
+def test_a_cancel_a_hair_before_the_server_side_deadline_counts_as_the_deadline() -> None:
+    # The client's deadline fires first (the server's runs from its receipt of the headers), so its
+    # cancel reaches the handler with a few milliseconds still left on the server's clock.
+    assert deadline_passed(_Remaining(0.01))  # type: ignore[arg-type]
+    assert deadline_passed(_Remaining(-0.2))  # type: ignore[arg-type]
+    assert not deadline_passed(_Remaining(DEADLINE_SLACK_S * 4))  # type: ignore[arg-type]
+    assert not deadline_passed(_Remaining(None))  # type: ignore[arg-type]
