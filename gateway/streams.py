@@ -58,8 +58,9 @@ FINISH_REASONS = {
 class Event:
     seq: int
     name: str  # token, done or error
-    data: dict[str, Any]
-    wire: bytes = b""  # the encoded event (its size is what the resume budget counts)
+    wire: bytes  # the encoded event (its size is what the resume budget counts)
+    # The event is kept encoded only, not also as its data: a held stream buffers up to its
+    # --resume-buffer-events, and the dicts beside the bytes were most of its memory.
 
     @property
     def terminal(self) -> bool:
@@ -174,8 +175,7 @@ class Stream:
                 self.on_finished(self)
 
     def _push(self, name: str, data: dict[str, Any]) -> None:
-        event = Event(self._next, name, data)
-        event = Event(self._next, name, data, encode(self.id, event))
+        event = Event(self._next, name, encode(self.id, self._next, name, data))
         self._events.append(event)
         self.bytes += len(event.wire)
         self._next += 1
@@ -251,11 +251,9 @@ def parse_id(text: str) -> tuple[str, int]:
     return stream_id, int(seq)
 
 
-def encode(stream_id: str, event: Event) -> bytes:
-    if event.wire:
-        return event.wire
-    data = json.dumps(event.data, ensure_ascii=False, separators=(",", ":"))
-    return f"id: {format_id(stream_id, event.seq)}\nevent: {event.name}\ndata: {data}\n\n".encode()
+def encode(stream_id: str, seq: int, name: str, data: dict[str, Any]) -> bytes:
+    text = json.dumps(data, ensure_ascii=False, separators=(",", ":"))
+    return f"id: {format_id(stream_id, seq)}\nevent: {name}\ndata: {text}\n\n".encode()
 
 
 class Registry:
