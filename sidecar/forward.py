@@ -28,7 +28,6 @@ from modelyard.sidecar.upstreams import Upstream
 
 Context = grpc.aio.ServicerContext[bytes, bytes]
 Request = bytes | AsyncIterator[bytes]  # one message, or the caller's stream of them
-EOF: object = grpc.aio.EOF  # type: ignore[attr-defined]  # the end of a call read with read()
 
 # A trailers-only answer comes as empty headers whose status completes a moment later (a separate
 # completion in grpc.aio, which a busy loop may run some milliseconds after): how long to wait
@@ -211,28 +210,11 @@ async def relay(call: Any, context: Context, added: Metadata) -> AsyncIterator[b
     caller; `Failed` when the upstream ends the stream with an error."""
     try:
         initial = await call.initial_metadata()
-        # The first read is asked for before the caller's headers are sent, not after: with the
-        # one-byte lookahead the upstream's first message waits for this read's window update,
-        # and that round trip now overlaps the headers' batch instead of following it.
-        first = asyncio.ensure_future(call.read())
-        try:
-            await context.send_initial_metadata(with_metadata(initial, added))
-        except BaseException:  # the caller went away: so does the read (and with it the call)
-            first.cancel()
-            first.add_done_callback(_retrieved)
-            raise
-        message = await first
-        while message is not EOF:
+        await context.send_initial_metadata(with_metadata(initial, added))
+        async for message in call:
             yield message
-            message = await call.read()
         trailing = await call.trailing_metadata()
     except grpc.aio.AioRpcError as exc:
         raise Failed(exc.code(), exc.details() or "", exc.trailing_metadata()) from exc
     if trailing:
         context.set_trailing_metadata(tuple(trailing))
-
-
-def _retrieved(task: asyncio.Future[Any]) -> None:
-    """A read given up on: its failure, if any, is known and needs no report."""
-    if not task.cancelled():
-        task.exception()
