@@ -421,6 +421,7 @@ def rows(
     out.update({f"  beside: {b} -> {step}": [] for step, b in BESIDE})
     out["in the gateway, upstream excluded"] = []
     out["in the sidecar, service excluded"] = []
+    out["sidecar: upstream headers -> first message written"] = []
     out.update({"service (sc.called -> sc.up_initmd)": [], "client TTFT": []})
     if not len(gateway) == len(sidecar) == len(times):
         raise RuntimeError(f"{len(gateway)} and {len(sidecar)} traced requests for {len(times)} sent")
@@ -444,6 +445,9 @@ def rows(
         service = step["sc.up_initmd"] - step["sc.called"]
         out["in the sidecar, service excluded"].append(step["sc.write_call"] - step["sc.entered"] - service)
         out["service (sc.called -> sc.up_initmd)"].append(service)
+        out["sidecar: upstream headers -> first message written"].append(
+            step["sc.write_call"] - step["sc.up_initmd"]
+        )
         out["client TTFT"].append(first - start)
     return out
 
