@@ -1,7 +1,8 @@
 """Edge benchmark: what the HTTP edge adds to a generation, in one run on this machine.
 
     .venv/bin/python -m bench.edge [--requests 20] [--tokens 32] [--streams 32] [--ttft-only]
-        [--raw-client] [--trees NAME=DIR,...] [--flags NAME='FLAGS'] [--sidecar-trees NAME=DIR,...]
+        [--raw-client] [--bare-proxy] [--trees NAME=DIR,...] [--flags NAME='FLAGS']
+        [--sidecar-trees NAME=DIR,...]
 
 The stack runs as `make up` runs it (python -m modelyard.deploy: service, the sidecar when installed, gateway,
 Envoy; ephemeral ports). At concurrency 1 it measures time to first token (TTFT: request sent to
@@ -13,7 +14,8 @@ TTFT each hop adds (the difference of the paths with and without it). `--trees b
 and `--flags NAME='--flag value'` add gateways on the sidecar from other source trees or with
 other flags to the same turns (before/after pairs in one run); `--sidecar-trees base=DIR,now=DIR`
 adds, per tree, a sidecar from it on the service and a gateway from it on that sidecar (the sidecar
-hop and the gateway + sidecar pair before/after, in the same turns); `--ttft-only` stops there.
+hop and the gateway + sidecar pair before/after, in the same turns); `--bare-proxy` adds
+bench/bare_proxy.py on the service (the sidecar hop's grpc.aio floor); `--ttft-only` stops there.
 Then tokens/s with 32 concurrent streams, direct versus the whole chain, and the gateway's resident
 memory per held SSE stream (streams opened and left unread, so the gateway holds each one in its
 buffer).
@@ -49,6 +51,7 @@ from modelyard.process import children
 ROOT = Path(__file__).resolve().parents[1]
 PROMPT = "def __init__(self"
 DIRECT, SIDECAR = "service (gRPC, direct)", "sidecar (gRPC)"
+BARE = "bare proxy (gRPC)"
 RAW = " (raw client)"
 WARMUP = 3  # requests per path before the measured turns
 GATEWAY, ON_SERVICE = "gateway -> sidecar", "gateway -> service"
@@ -216,6 +219,26 @@ class Sidecar:
         children.stop(self.proc, signal.SIGTERM, grace_s=30)
 
 
+class BareProxy:
+    """bench/bare_proxy.py on the stack's service: the grpc.aio floor of the sidecar's hop (bytes,
+    metadata and status forwarded, nothing else; gRPC's default windows), in the same turns."""
+
+    def __init__(self, upstream: str) -> None:
+        cmd = [sys.executable, "-m", "bench.bare_proxy", "--upstream", upstream, "--listen", "127.0.0.1:0"]
+        self.proc: subprocess.Popen[str] = children.popen(
+            cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
+        )
+        assert self.proc.stdout is not None
+        lines = children.ReadyLine(re.compile(r"bare proxy serving gRPC on (\S+)"))
+        if not children.follow(self.proc.stdout, lines).wait(60) or lines.match is None:
+            self.stop()
+            raise RuntimeError("the bare proxy did not start")
+        self.address = lines.match.group(1)
+
+    def stop(self) -> None:
+        children.stop(self.proc, signal.SIGTERM, grace_s=30)
+
+
 def sidecar_name(name: str) -> str:
     return f"sidecar[{name}] (gRPC)"
 
@@ -247,7 +270,12 @@ def hops(
     rows: dict[str, Any], gateway: str, edge: str, sidecar_trees: Sequence[str] = ()
 ) -> list[tuple[str, str, str]]:
     """Each hop as the difference of the paths with and without it: (hop, path, path below it)."""
-    out = [("sidecar", SIDECAR, DIRECT), ("gateway on the service", ON_SERVICE, DIRECT)]
+    out = [
+        ("sidecar", SIDECAR, DIRECT),
+        ("bare proxy", BARE, DIRECT),
+        ("sidecar over bare proxy", SIDECAR, BARE),
+    ]
+    out += [("gateway on the service", ON_SERVICE, DIRECT)]
     for name in sidecar_trees:
         out += [
             (f"sidecar[{name}]", sidecar_name(name), DIRECT),
@@ -266,8 +294,11 @@ async def main(args: argparse.Namespace) -> None:
     stack = Stack()
     extra: dict[str, Gateway] = {}
     sidecars: dict[str, Sidecar] = {}
+    bare: BareProxy | None = None
     try:
         extra = extra_gateways(stack, args)
+        if args.bare_proxy:
+            bare = BareProxy(stack.service)
         for name, tree in args.sidecar_trees:
             sidecars[name] = Sidecar(stack.service, tree)
             extra[pair_name(name)] = Gateway(sidecars[name].address, tree)
@@ -288,6 +319,11 @@ async def main(args: argparse.Namespace) -> None:
             }
             if stack.sidecar:
                 paths[SIDECAR] = lambda: grpc_once(sidecar, args.tokens)
+            if bare is not None:
+                bare_channel = await clients.enter_async_context(grpc.aio.insecure_channel(bare.address))
+                paths[BARE] = functools.partial(
+                    grpc_once, pb_grpc.InferenceServiceStub(bare_channel), args.tokens
+                )
             for name, tree_sidecar in sidecars.items():
                 tree_channel = await clients.enter_async_context(
                     grpc.aio.insecure_channel(tree_sidecar.address)
@@ -335,6 +371,8 @@ async def main(args: argparse.Namespace) -> None:
             gateway.stop()
         for tree_sidecar in sidecars.values():
             tree_sidecar.stop()
+        if bare is not None:
+            bare.stop()
         stack.stop()
     base_ttft, base_tok, base_min = rows[0][1], rows[0][2] or 1.0, rows[0][3]  # 1 token: no per-token time
     chain = "Envoy -> gateway -> sidecar -> service" if stack.sidecar else "Envoy -> gateway -> service"
@@ -400,6 +438,11 @@ if __name__ == "__main__":
         "--trees", type=_trees, default=[], metavar="NAME=TREE,...",
         help="one more gateway on the sidecar from each source tree (a git worktree), taking turns",
     )  # fmt: skip
+    parser.add_argument(
+        "--bare-proxy",
+        action="store_true",
+        help="a bare grpc.aio proxy on the service too (the sidecar's floor)",
+    )
     parser.add_argument(
         "--sidecar-trees", type=_trees, default=[], metavar="NAME=TREE,...",
         help="one more sidecar on the service, and a gateway on it, from each source tree, taking turns",
