@@ -120,6 +120,10 @@ class Stream:
                     if dye and self._next == 0:  # for EventSource, which cannot read headers
                         token["model_dye"] = dye
                     await self._append(TOKEN, token)
+                    if self._next == 1:
+                        # The first event: let the request waiting for it answer (headers and
+                        # event written) before this task asks gRPC for the next message.
+                        await asyncio.sleep(0)
                 if response.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
                     await self._append(DONE, {**done_data(response), "model_dye": dye or ""})
             if not self.finished:  # the upstream ended without a final event: a fault upstream
