@@ -21,9 +21,10 @@ the service's own time) -> sc.up_msg1 (its first message: the service's write af
 and the one-byte window's round trip) -> sc.write_call (written to the gateway) -> msg1 (the
 gateway's producer has it: the gateway's one-byte window) -> resumed (the first event buffered,
 the endpoint woken) -> start_send (the response headers) -> body_call (the first event) -> the
-client's first token. Beside the path (not waited on by it): producer (the gateway's producer task
-running), sc.initmd_sent (the sidecar's headers sent to the gateway; from sc.up_initmd), initmd
-(the gateway has them), sc.written (the sidecar's write completed), body_send (the gateway's).
+client's first token. Beside the path (not waited on by it): send (the gateway's call's own task
+starting to send the request), producer (the gateway's producer task running), sc.initmd_sent
+(the sidecar's headers sent to the gateway; from sc.up_initmd), initmd (the gateway has them),
+sc.written (the sidecar's write completed), body_send (the gateway's).
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ STEPS = (
     "handler",
     "body",
     "parsed",
+    "send",
     "producer",
     "initmd",
     "msg1",
@@ -87,6 +89,7 @@ CHAIN = (
     "body_call",
 )
 BESIDE = (
+    ("send", "parsed"),
     ("producer", "parsed"),
     ("sc.initmd_sent", "sc.up_initmd"),
     ("initmd", "sc.up_initmd"),
@@ -269,6 +272,15 @@ def serve(argv: Sequence[str]) -> int:
             if all(step in now for step in STEPS):
                 out.write(repr(dict(now)) + "\n")
 
+    from grpc.aio import _call as aio_call
+
+    send_request = aio_call.UnaryStreamCall._send_unary_request
+
+    async def traced_send_request(self: Any) -> None:
+        now.setdefault("send", clock())
+        await send_request(self)
+
+    aio_call.UnaryStreamCall._send_unary_request = traced_send_request  # type: ignore[method-assign]
     uvicorn_http.HttpToolsProtocol.data_received = traced_data_received  # type: ignore[method-assign]
     serving.GenerateEndpoints.post = traced_post  # type: ignore[method-assign]
     http.read_json = traced_read_json
