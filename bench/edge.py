@@ -1,7 +1,8 @@
 """Edge benchmark: what the HTTP edge adds to a generation, in one run on this machine.
 
     .venv/bin/python -m bench.edge [--requests 20] [--tokens 32] [--streams 32] [--ttft-only]
-        [--raw-client] [--trees NAME=DIR,...] [--flags NAME='FLAGS']
+        [--raw-client] [--bare-proxy] [--trees NAME=DIR,...] [--flags NAME='FLAGS']
+        [--sidecar-trees NAME=DIR,...]
 
 The stack runs as `make up` runs it (python -m modelyard.deploy: service, the sidecar when installed, gateway,
 Envoy; ephemeral ports). At concurrency 1 it measures time to first token (TTFT: request sent to
@@ -11,7 +12,10 @@ gateway hop without the sidecar), the stack's gateway SSE on the sidecar, and En
 taking turns request by request; reported as medians, fastest and ratios to direct, then as the
 TTFT each hop adds (the difference of the paths with and without it). `--trees base=DIR,now=DIR`
 and `--flags NAME='--flag value'` add gateways on the sidecar from other source trees or with
-other flags to the same turns (before/after pairs in one run); `--ttft-only` stops there.
+other flags to the same turns (before/after pairs in one run); `--sidecar-trees base=DIR,now=DIR`
+adds, per tree, a sidecar from it on the service and a gateway from it on that sidecar (the sidecar
+hop and the gateway + sidecar pair before/after, in the same turns); `--bare-proxy` adds
+bench/bare_proxy.py on the service (the sidecar hop's grpc.aio floor); `--ttft-only` stops there.
 Then tokens/s with 32 concurrent streams, direct versus the whole chain, and the gateway's resident
 memory per held SSE stream (streams opened and left unread, so the gateway holds each one in its
 buffer).
@@ -25,9 +29,13 @@ import contextlib
 import functools
 import json
 import os
+import re
+import signal
 import statistics
+import subprocess
+import sys
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -38,10 +46,12 @@ from bench.lib.procfs import rss_kib
 from bench.stack import Gateway, Stack
 from modelyard.inference.v1 import inference_service_pb2 as pb
 from modelyard.inference.v1 import inference_service_pb2_grpc as pb_grpc
+from modelyard.process import children
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPT = "def __init__(self"
 DIRECT, SIDECAR = "service (gRPC, direct)", "sidecar (gRPC)"
+BARE = "bare proxy (gRPC)"
 RAW = " (raw client)"
 WARMUP = 3  # requests per path before the measured turns
 GATEWAY, ON_SERVICE = "gateway -> sidecar", "gateway -> service"
@@ -183,6 +193,60 @@ async def held_streams(gateway: str, pid: int, count: int) -> tuple[int, float]:
     return during - before, (during - before) / count
 
 
+class Sidecar:
+    """One more sidecar process (`python -m modelyard.sidecar`, no admin listener) from `tree`'s code,
+    on the stack's service: the sidecar hop from another tree in the same turns (--sidecar-trees)."""
+
+    def __init__(self, upstream: str, tree: Path) -> None:
+        env = dict(os.environ, PYTHONPATH=str(tree / "proto" / "python"))
+        cmd = [sys.executable, "-m", "modelyard.sidecar", "--listen", "127.0.0.1:0", "--upstream", upstream]
+        self.proc: subprocess.Popen[str] = children.popen(
+            [*cmd, "--admin-listen", ""],
+            cwd=tree,
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        assert self.proc.stderr is not None
+        lines = children.ReadyLine(re.compile(r"sidecar serving gRPC on ([^\s;,]+)"))
+        if not children.follow(self.proc.stderr, lines).wait(60) or lines.match is None:
+            self.stop()
+            raise RuntimeError(f"the sidecar from {tree} did not start")
+        self.address = lines.match.group(1)
+
+    def stop(self) -> None:
+        children.stop(self.proc, signal.SIGTERM, grace_s=30)
+
+
+class BareProxy:
+    """bench/bare_proxy.py on the stack's service: the grpc.aio floor of the sidecar's hop (bytes,
+    metadata and status forwarded, nothing else; gRPC's default windows), in the same turns."""
+
+    def __init__(self, upstream: str) -> None:
+        cmd = [sys.executable, "-m", "bench.bare_proxy", "--upstream", upstream, "--listen", "127.0.0.1:0"]
+        self.proc: subprocess.Popen[str] = children.popen(
+            cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
+        )
+        assert self.proc.stdout is not None
+        lines = children.ReadyLine(re.compile(r"bare proxy serving gRPC on (\S+)"))
+        if not children.follow(self.proc.stdout, lines).wait(60) or lines.match is None:
+            self.stop()
+            raise RuntimeError("the bare proxy did not start")
+        self.address = lines.match.group(1)
+
+    def stop(self) -> None:
+        children.stop(self.proc, signal.SIGTERM, grace_s=30)
+
+
+def sidecar_name(name: str) -> str:
+    return f"sidecar[{name}] (gRPC)"
+
+
+def pair_name(name: str) -> str:
+    return f"gateway[{name}] -> sidecar[{name}]"
+
+
 def extra_gateways(stack: Stack, args: argparse.Namespace) -> dict[str, Gateway]:
     """The gateways the bench starts beside the stack's: one on the service itself (the gateway hop
     without the sidecar), and one per --trees / --flags entry on the sidecar (before/after pairs)."""
@@ -202,9 +266,21 @@ def extra_gateways(stack: Stack, args: argparse.Namespace) -> dict[str, Gateway]
     return out
 
 
-def hops(rows: dict[str, Any], gateway: str, edge: str) -> list[tuple[str, str, str]]:
+def hops(
+    rows: dict[str, Any], gateway: str, edge: str, sidecar_trees: Sequence[str] = ()
+) -> list[tuple[str, str, str]]:
     """Each hop as the difference of the paths with and without it: (hop, path, path below it)."""
-    out = [("sidecar", SIDECAR, DIRECT), ("gateway on the service", ON_SERVICE, DIRECT)]
+    out = [
+        ("sidecar", SIDECAR, DIRECT),
+        ("bare proxy", BARE, DIRECT),
+        ("sidecar over bare proxy", SIDECAR, BARE),
+    ]
+    out += [("gateway on the service", ON_SERVICE, DIRECT)]
+    for name in sidecar_trees:
+        out += [
+            (f"sidecar[{name}]", sidecar_name(name), DIRECT),
+            (f"gateway+sidecar[{name}]", pair_name(name), DIRECT),
+        ]
     out += [
         ("gateway on the sidecar", GATEWAY, SIDECAR),
         ("Envoy", edge, gateway),
@@ -217,8 +293,15 @@ def hops(rows: dict[str, Any], gateway: str, edge: str) -> list[tuple[str, str, 
 async def main(args: argparse.Namespace) -> None:
     stack = Stack()
     extra: dict[str, Gateway] = {}
+    sidecars: dict[str, Sidecar] = {}
+    bare: BareProxy | None = None
     try:
         extra = extra_gateways(stack, args)
+        if args.bare_proxy:
+            bare = BareProxy(stack.service)
+        for name, tree in args.sidecar_trees:
+            sidecars[name] = Sidecar(stack.service, tree)
+            extra[pair_name(name)] = Gateway(sidecars[name].address, tree)
         limits = httpx.Limits(max_connections=args.streams + 4)
         async with contextlib.AsyncExitStack() as clients:
             channel = await clients.enter_async_context(grpc.aio.insecure_channel(stack.service))
@@ -236,6 +319,18 @@ async def main(args: argparse.Namespace) -> None:
             }
             if stack.sidecar:
                 paths[SIDECAR] = lambda: grpc_once(sidecar, args.tokens)
+            if bare is not None:
+                bare_channel = await clients.enter_async_context(grpc.aio.insecure_channel(bare.address))
+                paths[BARE] = functools.partial(
+                    grpc_once, pb_grpc.InferenceServiceStub(bare_channel), args.tokens
+                )
+            for name, tree_sidecar in sidecars.items():
+                tree_channel = await clients.enter_async_context(
+                    grpc.aio.insecure_channel(tree_sidecar.address)
+                )
+                paths[sidecar_name(name)] = functools.partial(
+                    grpc_once, pb_grpc.InferenceServiceStub(tree_channel), args.tokens
+                )
             for name, gateway in extra.items():
                 client = await clients.enter_async_context(
                     httpx.AsyncClient(base_url=gateway.url, timeout=60)
@@ -274,6 +369,10 @@ async def main(args: argparse.Namespace) -> None:
     finally:
         for gateway in extra.values():
             gateway.stop()
+        for tree_sidecar in sidecars.values():
+            tree_sidecar.stop()
+        if bare is not None:
+            bare.stop()
         stack.stop()
     base_ttft, base_tok, base_min = rows[0][1], rows[0][2] or 1.0, rows[0][3]  # 1 token: no per-token time
     chain = "Envoy -> gateway -> sidecar -> service" if stack.sidecar else "Envoy -> gateway -> service"
@@ -294,7 +393,7 @@ async def main(args: argparse.Namespace) -> None:
     print(f"  {'the stack' + chr(39) + 's (its paths together)':<30}{gateway_cpu_ms[stack_gateway]:>7.3f} ms")
     by_name = {name: (ttft, tok, least) for name, ttft, tok, least in rows}
     print(f"\n{'TTFT added by each hop':<24}{'median +ms':>11}{'fastest +ms':>12}  (path minus path)")
-    for hop, path, below in hops(by_name, gateway_path, edge_path):
+    for hop, path, below in hops(by_name, gateway_path, edge_path, list(sidecars)):
         median = (by_name[path][0] - by_name[below][0]) * 1e3
         fastest = (by_name[path][2] - by_name[below][2]) * 1e3
         print(f"{hop:<24}{median:>11.2f}{fastest:>12.2f}  ({path} minus {below})")
@@ -338,6 +437,15 @@ if __name__ == "__main__":
     parser.add_argument(
         "--trees", type=_trees, default=[], metavar="NAME=TREE,...",
         help="one more gateway on the sidecar from each source tree (a git worktree), taking turns",
+    )  # fmt: skip
+    parser.add_argument(
+        "--bare-proxy",
+        action="store_true",
+        help="a bare grpc.aio proxy on the service too (the sidecar's floor)",
+    )
+    parser.add_argument(
+        "--sidecar-trees", type=_trees, default=[], metavar="NAME=TREE,...",
+        help="one more sidecar on the service, and a gateway on it, from each source tree, taking turns",
     )  # fmt: skip
     parser.add_argument(
         "--flags", type=_named, action="append", default=[], metavar="NAME='FLAGS'",

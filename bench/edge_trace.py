@@ -1,20 +1,30 @@
-"""Where a gateway's time to first token goes, step by step, in one run:
+"""Where the edge's time to first token goes, step by step, in the gateway and the sidecar, in one run:
 
     .venv/bin/python -m bench.edge_trace [--trees base=DIR,now=DIR] [--flags NAME='FLAGS'] [--requests 40]
+        [--dump]
 
-The stack runs as for bench.edge; beside it, one gateway per --trees / --flags entry (default: this
-tree's) on the sidecar, each run by this file with timestamps at each step of the SSE first-event
-path. time.perf_counter is CLOCK_MONOTONIC on Linux, one clock for every process, so the client's
-send and first token line up with the gateway's steps. The gateways take turns request by request,
-back and forth (with a direct call to the sidecar in each turn, for reference); the table gives
-each step's median and fastest per gateway, and each gateway's CPU per request.
+The stack runs as for bench.edge (its service is the upstream); beside it, per --trees / --flags
+entry (default: this tree), a sidecar from that tree on the service and a gateway from it on that
+sidecar, each run by this file with timestamps at each step of the first token's path.
+time.perf_counter is CLOCK_MONOTONIC on Linux, one clock for every process, so the client's send
+and first token line up with both processes' steps. The pairs take turns request by request, back
+and forth (with a direct call to the stack's sidecar in each turn, for reference); the table gives
+each step's median and fastest per pair, and each process's CPU per request. `--dump` prints each
+request's steps in the order they happened.
 
-Steps: recv (the request's bytes reach uvicorn) -> handler (the SSE endpoint is entered: uvicorn's
-task, Starlette's middleware and routing) -> body (read) -> parsed (parse_generate) -> producer
-(the upstream call made, the stream registered, its producer task running) -> initmd (the
-upstream's initial metadata) -> msg1 (its first message) -> resumed (the first event buffered,
-the handler woken) -> start_send (the response headers) -> body_call -> body_send (the first
-event's bytes written to the socket).
+The first token's path (the table's rows, in order): recv (the request's bytes reach uvicorn) ->
+handler (the SSE endpoint entered: uvicorn's task, Starlette's middleware and routing) -> body
+(read) -> parsed (parse_generate) -> sc.entered (the sidecar's handler: the gateway's call made
+and sent, the sidecar's server reading it) -> sc.planned (the call's scope and the planner's first
+attempt) -> sc.called (the upstream call made) -> sc.up_initmd (the service's initial metadata:
+the service's own time) -> sc.up_msg1 (its first message: the service's write after its headers,
+and the one-byte window's round trip) -> sc.write_call (written to the gateway) -> msg1 (the
+gateway's producer has it: the gateway's one-byte window) -> resumed (the first event buffered,
+the endpoint woken) -> start_send (the response headers) -> body_call (the first event) -> the
+client's first token. Beside the path (not waited on by it): send (the gateway's call's own task
+starting to send the request), producer (the gateway's producer task running), sc.initmd_sent
+(the sidecar's headers sent to the gateway; from sc.up_initmd), initmd (the gateway has them),
+sc.written (the sidecar's write completed), body_send (the gateway's).
 """
 
 from __future__ import annotations
@@ -31,13 +41,14 @@ import tempfile
 import time
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 STEPS = (
     "recv",
     "handler",
     "body",
     "parsed",
+    "send",
     "producer",
     "initmd",
     "msg1",
@@ -47,6 +58,136 @@ STEPS = (
     "body_send",
 )
 PROMPT = "def __init__(self"
+
+
+SIDECAR_STEPS = (
+    "sc.entered",
+    "sc.planned",
+    "sc.called",
+    "sc.up_initmd",
+    "sc.initmd_sent",
+    "sc.up_msg1",
+    "sc.write_call",
+    "sc.written",
+)
+# The first token's path through both processes (one clock), and the steps beside it: (step, the
+# path's step it is measured from).
+CHAIN = (
+    "recv",
+    "handler",
+    "body",
+    "parsed",
+    "sc.entered",
+    "sc.planned",
+    "sc.called",
+    "sc.up_initmd",
+    "sc.up_msg1",
+    "sc.write_call",
+    "msg1",
+    "resumed",
+    "start_send",
+    "body_call",
+)
+BESIDE = (
+    ("send", "parsed"),
+    ("producer", "parsed"),
+    ("sc.initmd_sent", "sc.up_initmd"),
+    ("initmd", "sc.up_initmd"),
+    ("sc.written", "sc.write_call"),
+    ("body_send", "body_call"),
+)
+
+
+def serve_sidecar(argv: Sequence[str]) -> int:
+    """The sidecar (`python -m modelyard.sidecar ARGS`) with its stream path's timestamps, one line
+    per Generate call appended to $EDGE_TRACE: entered (the handler), planned (the planner's first
+    attempt), called (the upstream call made), up_initmd (the upstream's initial metadata),
+    initmd_sent (the caller's headers sent), up_msg1 (the upstream's first message), write_call and
+    written (that message written to the caller)."""
+    from modelyard.sidecar import forward, proxy
+    from modelyard.sidecar.cli import main
+
+    out = Path(os.environ["EDGE_TRACE"]).open("a", buffering=1)  # noqa: SIM115  # the process's life
+    now: dict[str, float] = {}
+    clock = time.perf_counter
+
+    class TracedUpstreamCall:
+        def __init__(self, call: Any) -> None:
+            self._call = call
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(self._call, name)
+
+        async def initial_metadata(self) -> Any:
+            metadata = await self._call.initial_metadata()
+            now.setdefault("sc.up_initmd", clock())
+            return metadata
+
+        async def read(self) -> Any:
+            message = await self._call.read()
+            now.setdefault("sc.up_msg1", clock())
+            return message
+
+        def __aiter__(self) -> AsyncIterator[Any]:
+            return self._messages()
+
+        async def _messages(self) -> AsyncIterator[Any]:
+            async for message in self._call:
+                now.setdefault("sc.up_msg1", clock())
+                yield message
+
+    class TracedContext:
+        def __init__(self, context: Any) -> None:
+            self._context = context
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(self._context, name)
+
+        async def send_initial_metadata(self, metadata: Any) -> None:
+            await self._context.send_initial_metadata(metadata)
+            now.setdefault("sc.initmd_sent", clock())
+
+        async def write(self, message: Any) -> None:
+            first = "sc.write_call" not in now
+            if first:
+                now["sc.write_call"] = clock()
+            await self._context.write(message)
+            if first:
+                now["sc.written"] = clock()
+                if all(step in now for step in SIDECAR_STEPS):
+                    out.write(repr(dict(now)) + "\n")
+
+    send = forward.send
+
+    async def traced_send(messages: Any, context: Any) -> None:
+        now.clear()
+        now["sc.entered"] = clock()
+        await send(messages, cast(Any, TracedContext(context)))
+
+    relay = forward.relay
+
+    def traced_relay(call: Any, context: Any, added: Any) -> Any:
+        return relay(call, cast(Any, TracedContext(context)), added)
+
+    start = forward.start
+
+    def traced_start(*args: Any) -> Any:
+        call = TracedUpstreamCall(start(*args))
+        now["sc.called"] = clock()
+        return call
+
+    first_attempt = proxy.Proxy._first_attempt
+
+    async def traced_first_attempt(self: Any, *args: Any) -> Any:
+        plan = await first_attempt(self, *args)
+        now["sc.planned"] = clock()
+        return plan
+
+    forward.send = traced_send
+    forward.relay = traced_relay
+    forward.start = traced_start  # type: ignore[assignment]
+    proxy.Proxy._first_attempt = traced_first_attempt  # type: ignore[method-assign,assignment]
+    return main(argv)
 
 
 def serve(argv: Sequence[str]) -> int:
@@ -131,6 +272,15 @@ def serve(argv: Sequence[str]) -> int:
             if all(step in now for step in STEPS):
                 out.write(repr(dict(now)) + "\n")
 
+    from grpc.aio import _call as aio_call
+
+    send_request = aio_call.UnaryStreamCall._send_unary_request
+
+    async def traced_send_request(self: Any) -> None:
+        now.setdefault("send", clock())
+        await send_request(self)
+
+    aio_call.UnaryStreamCall._send_unary_request = traced_send_request  # type: ignore[method-assign]
     uvicorn_http.HttpToolsProtocol.data_received = traced_data_received  # type: ignore[method-assign]
     serving.GenerateEndpoints.post = traced_post  # type: ignore[method-assign]
     http.read_json = traced_read_json
@@ -151,19 +301,24 @@ async def first_token(client: Any, tokens: int) -> tuple[float, float]:
     return start, first
 
 
-class TracedGateway:
-    def __init__(self, name: str, upstream: str, tree: Path, flags: Sequence[str], folder: Path) -> None:
+class Traced:
+    """One traced process from `tree`'s code: this file with --serve (a gateway) or --serve-sidecar,
+    its steps appended to a trace file of its own; `address` is what it logged it serves on."""
+
+    def __init__(self, name: str, mode: str, argv: Sequence[str], tree: Path, trace: Path) -> None:
         import re
 
         from modelyard.process import children
 
         self.name = name
-        self.trace = folder / f"{name}.txt"
+        self.trace = trace
         self.trace.write_text("")
         env = dict(os.environ, EDGE_TRACE=str(self.trace), PYTHONPATH=str(tree / "proto" / "python"))
-        cmd = [sys.executable, str(Path(__file__).resolve()), "--serve", "--listen", "127.0.0.1:0"]
+        ready = (
+            r"serving HTTP on (http://\S+)" if mode == "--serve" else r"sidecar serving gRPC on ([^\s;,]+)"
+        )
         self.proc: subprocess.Popen[str] = children.popen(
-            [*cmd, "--upstream", upstream, *flags],
+            [sys.executable, str(Path(__file__).resolve()), mode, *argv],
             cwd=tree,
             env=env,
             stdout=subprocess.DEVNULL,
@@ -171,11 +326,11 @@ class TracedGateway:
             text=True,
         )
         assert self.proc.stderr is not None
-        lines = children.ReadyLine(re.compile(r"serving HTTP on (http://\S+)"))
+        lines = children.ReadyLine(re.compile(ready))
         if not children.follow(self.proc.stderr, lines).wait(60) or lines.match is None:
             self.stop()
-            raise RuntimeError(f"the traced gateway {name} did not start")
-        self.url = lines.match.group(1)
+            raise RuntimeError(f"the traced process {name} ({mode}) did not start")
+        self.address = lines.match.group(1)
 
     def steps(self) -> list[dict[str, float]]:
         return [ast.literal_eval(line) for line in self.trace.read_text().splitlines()]
@@ -201,22 +356,29 @@ async def run(args: argparse.Namespace) -> None:
     ]
     specs = specs or [("now", ROOT, [])]
     stack = Stack()
-    gateways: list[TracedGateway] = []
+    traced: list[Traced] = []
+    pairs: list[tuple[Traced, Traced]] = []  # (gateway, sidecar) per spec
     try:
         with tempfile.TemporaryDirectory(prefix="edge-trace-") as folder:
-            upstream = stack.sidecar or stack.service
             for name, tree, flags in specs:
-                gateways.append(TracedGateway(name, upstream, tree, flags, Path(folder)))
-            clients = [httpx.AsyncClient(base_url=g.url, timeout=60) for g in gateways]
-            async with grpc.aio.insecure_channel(upstream) as channel:
+                # Each spec's own sidecar (from its tree) on the stack's service, and its gateway on it.
+                sidecar_argv = ["--listen", "127.0.0.1:0", "--upstream", stack.service, "--admin-listen", ""]
+                sidecar = Traced(name, "--serve-sidecar", sidecar_argv, tree, Path(folder, f"{name}.sidecar"))
+                traced.append(sidecar)
+                gateway_argv = ["--listen", "127.0.0.1:0", "--upstream", sidecar.address, *flags]
+                gateway = Traced(name, "--serve", gateway_argv, tree, Path(folder, f"{name}.gateway"))
+                traced.append(gateway)
+                pairs.append((gateway, sidecar))
+            clients = [httpx.AsyncClient(base_url=g.address, timeout=60) for g, _ in pairs]
+            async with grpc.aio.insecure_channel(stack.sidecar or stack.service) as channel:
                 stub = pb_grpc.InferenceServiceStub(channel)
                 for _ in range(3):
                     for client in clients:
                         await first_token(client, args.tokens)
-                for gateway in gateways:
-                    gateway.trace.write_text("")
-                cpu = [cpu_s(g.proc.pid) for g in gateways]
-                sent: list[list[tuple[float, float]]] = [[] for _ in gateways]
+                for process in traced:
+                    process.trace.write_text("")
+                cpu = [(cpu_s(g.proc.pid), cpu_s(s.proc.pid)) for g, s in pairs]
+                sent: list[list[tuple[float, float]]] = [[] for _ in pairs]
                 direct: list[float] = []
                 turns = list(zip(sent, clients, strict=True))
                 for turn in range(args.requests):
@@ -224,49 +386,80 @@ async def run(args: argparse.Namespace) -> None:
                     # Back and forth: neither gateway always follows the other's stream tail.
                     for times, client in turns if turn % 2 == 0 else turns[::-1]:
                         times.append(await first_token(client, args.tokens))
-                cpu = [(cpu_s(g.proc.pid) - c) / args.requests for g, c in zip(gateways, cpu, strict=True)]
+                cpu = [
+                    ((cpu_s(g.proc.pid) - gc) / args.requests, (cpu_s(s.proc.pid) - sc) / args.requests)
+                    for (g, s), (gc, sc) in zip(pairs, cpu, strict=True)
+                ]
             for client in clients:
                 await client.aclose()
-            table = [rows(gateway.steps(), times) for gateway, times in zip(gateways, sent, strict=True)]
+            table = [
+                rows(g.steps(), s.steps(), times, args.dump)
+                for (g, s), times in zip(pairs, sent, strict=True)
+            ]
     finally:
-        for gateway in gateways:
-            gateway.stop()
+        for process in traced:
+            process.stop()
         stack.stop()
     print(
-        f"\nGateway first-event path: codelm, {args.tokens} tokens, {args.requests} requests, concurrency 1"
+        f"\nFirst-event path, gateway and sidecar: codelm, {args.tokens} tokens, {args.requests} requests,"
+        " concurrency 1"
     )
     print(
-        f"sidecar direct (gRPC) TTFT: median {statistics.median(direct) * 1e3:.3f} ms, "
+        f"the stack's sidecar direct (gRPC) TTFT: median {statistics.median(direct) * 1e3:.3f} ms, "
         f"fastest {min(direct) * 1e3:.3f}"
     )
-    print(f"\n{'step (ms)':<36}" + "".join(f"{g.name + ' med':>13}{g.name + ' min':>13}" for g in gateways))
+    names = [g.name for g, _ in pairs]
+    print(f"\n{'step (ms)':<40}" + "".join(f"{name + ' med':>13}{name + ' min':>13}" for name in names))
     for label in table[0]:
         print(
-            f"{label:<36}"
+            f"{label:<40}"
             + "".join(
                 f"{statistics.median(t[label]) * 1e3:>13.3f}{min(t[label]) * 1e3:>13.3f}" for t in table
             )
         )
-    print(f"{'gateway CPU per request':<36}" + "".join(f"{c * 1e3:>13.3f}{'':>13}" for c in cpu))
+    print(f"{'gateway CPU per request':<40}" + "".join(f"{c[0] * 1e3:>13.3f}{'':>13}" for c in cpu))
+    print(f"{'sidecar CPU per request':<40}" + "".join(f"{c[1] * 1e3:>13.3f}{'':>13}" for c in cpu))
 
 
-def rows(steps: list[dict[str, float]], times: list[tuple[float, float]]) -> dict[str, list[float]]:
+def rows(
+    gateway: list[dict[str, float]],
+    sidecar: list[dict[str, float]],
+    times: list[tuple[float, float]],
+    dump: bool = False,
+) -> dict[str, list[float]]:
     out: dict[str, list[float]] = {"client send -> recv": []}
-    out.update({f"{a} -> {b}": [] for a, b in itertools.pairwise(STEPS)})
-    out.update({"body_send -> client's first token": [], "start_send -> client's first token": []})
+    out.update({f"{a} -> {b}": [] for a, b in itertools.pairwise(CHAIN)})
+    out["body_call -> client's first token"] = []
+    out.update({f"  beside: {b} -> {step}": [] for step, b in BESIDE})
     out["in the gateway, upstream excluded"] = []
-    out.update({"upstream (producer -> msg1)": [], "client TTFT": []})
-    if len(steps) != len(times):
-        raise RuntimeError(f"{len(steps)} traced requests for {len(times)} sent")
-    for step, (start, first) in zip(steps, times, strict=True):
+    out["in the sidecar, service excluded"] = []
+    out["sidecar: upstream headers -> first message written"] = []
+    out.update({"service (sc.called -> sc.up_initmd)": [], "client TTFT": []})
+    if not len(gateway) == len(sidecar) == len(times):
+        raise RuntimeError(f"{len(gateway)} and {len(sidecar)} traced requests for {len(times)} sent")
+    for g, s, (start, first) in zip(gateway, sidecar, times, strict=True):
+        step = {**g, **s}
+        if dump:
+            order = sorted(step.items(), key=lambda kv: kv[1])
+            print(
+                " ".join(f"{k} {(v - start) * 1e3:.3f}" for k, v in order),
+                f"first {(first - start) * 1e3:.3f}",
+            )
         out["client send -> recv"].append(step["recv"] - start)
-        for a, b in itertools.pairwise(STEPS):
+        for a, b in itertools.pairwise(CHAIN):
             out[f"{a} -> {b}"].append(step[b] - step[a])
-        upstream = step["msg1"] - step["producer"]
-        out["body_send -> client's first token"].append(first - step["body_send"])
-        out["start_send -> client's first token"].append(first - step["start_send"])
-        out["in the gateway, upstream excluded"].append(step["body_send"] - step["recv"] - upstream)
-        out["upstream (producer -> msg1)"].append(upstream)
+        out["body_call -> client's first token"].append(first - step["body_call"])
+        for b, a in BESIDE:
+            out[f"  beside: {a} -> {b}"].append(step[b] - step[a])
+        out["in the gateway, upstream excluded"].append(
+            step["body_call"] - step["recv"] - (step["msg1"] - step["parsed"])
+        )
+        service = step["sc.up_initmd"] - step["sc.called"]
+        out["in the sidecar, service excluded"].append(step["sc.write_call"] - step["sc.entered"] - service)
+        out["service (sc.called -> sc.up_initmd)"].append(service)
+        out["sidecar: upstream headers -> first message written"].append(
+            step["sc.write_call"] - step["sc.up_initmd"]
+        )
         out["client TTFT"].append(first - start)
     return out
 
@@ -274,6 +467,8 @@ def rows(steps: list[dict[str, float]], times: list[tuple[float, float]]) -> dic
 if __name__ == "__main__":
     if sys.argv[1:2] == ["--serve"]:
         sys.exit(serve(sys.argv[2:]))
+    if sys.argv[1:2] == ["--serve-sidecar"]:
+        sys.exit(serve_sidecar(sys.argv[2:]))
     from bench.edge import _named, _trees
 
     parser = argparse.ArgumentParser(
@@ -283,4 +478,7 @@ if __name__ == "__main__":
     parser.add_argument("--tokens", type=int, default=32)
     parser.add_argument("--trees", type=_trees, default=[], metavar="NAME=TREE,...")
     parser.add_argument("--flags", type=_named, action="append", default=[], metavar="NAME='FLAGS'")
+    parser.add_argument(
+        "--dump", action="store_true", help="each request's steps, in the order they happened"
+    )
     asyncio.run(run(parser.parse_args()))

@@ -58,8 +58,9 @@ FINISH_REASONS = {
 class Event:
     seq: int
     name: str  # token, done or error
-    data: dict[str, Any]
-    wire: bytes = b""  # the encoded event (its size is what the resume budget counts)
+    wire: bytes  # the encoded event (its size is what the resume budget counts)
+    # The event is kept encoded only, not also as its data: a held stream buffers up to its
+    # --resume-buffer-events, and the dicts beside the bytes were most of its memory.
 
     @property
     def terminal(self) -> bool:
@@ -119,6 +120,10 @@ class Stream:
                     if dye and self._next == 0:  # for EventSource, which cannot read headers
                         token["model_dye"] = dye
                     await self._append(TOKEN, token)
+                    if self._next == 1:
+                        # The first event: let the request waiting for it answer (headers and
+                        # event written) before this task asks gRPC for the next message.
+                        await asyncio.sleep(0)
                 if response.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
                     await self._append(DONE, {**done_data(response), "model_dye": dye or ""})
             if not self.finished:  # the upstream ended without a final event: a fault upstream
@@ -174,8 +179,7 @@ class Stream:
                 self.on_finished(self)
 
     def _push(self, name: str, data: dict[str, Any]) -> None:
-        event = Event(self._next, name, data)
-        event = Event(self._next, name, data, encode(self.id, event))
+        event = Event(self._next, name, encode(self.id, self._next, name, data))
         self._events.append(event)
         self.bytes += len(event.wire)
         self._next += 1
@@ -251,11 +255,9 @@ def parse_id(text: str) -> tuple[str, int]:
     return stream_id, int(seq)
 
 
-def encode(stream_id: str, event: Event) -> bytes:
-    if event.wire:
-        return event.wire
-    data = json.dumps(event.data, ensure_ascii=False, separators=(",", ":"))
-    return f"id: {format_id(stream_id, event.seq)}\nevent: {event.name}\ndata: {data}\n\n".encode()
+def encode(stream_id: str, seq: int, name: str, data: dict[str, Any]) -> bytes:
+    text = json.dumps(data, ensure_ascii=False, separators=(",", ":"))
+    return f"id: {format_id(stream_id, seq)}\nevent: {name}\ndata: {text}\n\n".encode()
 
 
 class Registry:

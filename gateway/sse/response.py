@@ -10,7 +10,7 @@ from starlette.types import Receive, Scope, Send
 
 from modelyard.gateway import streaming
 from modelyard.gateway.metrics import GatewayMetrics
-from modelyard.gateway.streams import Evicted, Registry, Stream, encode, format_id
+from modelyard.gateway.streams import Evicted, Registry, Stream, format_id
 
 HEARTBEAT = b": keep-alive\n\n"
 LAGGED = b'event: error\ndata: {"status":410,"code":"OUT_OF_RANGE","reason":"resume_too_old",' + (
@@ -78,7 +78,7 @@ class SSEResponse(Response):
         self._position = events[-1].seq + 1
         self._written = events[-1].seq
         self._ended = events[-1].terminal
-        return preamble + b"".join(e.wire or encode(self.stream.id, e) for e in events)
+        return preamble + b"".join(e.wire for e in events)
 
     def _delivered(self) -> None:
         """The chunk taken last has been written: its events count as delivered (see Stream)."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import tracemalloc
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -204,3 +205,34 @@ async def test_finished_buffers_are_bounded_by_bytes_oldest_forgotten_first() ->
     kept = done[-1]
     assert [e.seq for e in kept.since(2)] == [2, 3] and kept.event(3) is not None and kept.event(3).terminal
     streams.drop(open_one)
+
+
+async def test_the_request_waiting_for_the_first_event_runs_before_the_producer_reads_on() -> None:
+    # The request answers (headers and first event written) before the producer asks gRPC for the
+    # next message: here the next messages are ready at once, so a producer that read on would
+    # have buffered them all before the waiting request woke.
+    streams = registry(bound=16)
+    stream = streams.start("m", FakeCall(5))
+    async with asyncio.timeout(5):  # as the endpoint waits (wait_for would add a task between)
+        await stream.started()
+    assert stream.next_seq == 1
+    assert stream.producer is not None
+    await stream.producer
+    assert stream.next_seq == 6  # then the rest, as before
+
+
+async def test_a_buffered_event_costs_little_beyond_its_encoded_bytes() -> None:
+    # A held stream buffers up to --resume-buffer-events events: each is kept encoded only (its
+    # bytes, a small record), not also as the dict it was made from (which about doubled it).
+    stream = Stream("Zx3kQ1w2e3r4", "codelm", 512)
+    stream.readers = 1
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        for i in range(256):
+            token = {"text": f"self{i}", "token_ids": [1000 + i], "index": i, "model_version": "1"}
+            await stream._append(TOKEN, token)
+        per_event = (tracemalloc.get_traced_memory()[0] - before) / 256
+    finally:
+        tracemalloc.stop()
+    assert per_event < stream.bytes / 256 + 160, per_event
