@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU check: one command on a bare machine with an NVIDIA GPU and no package registry, in under
-# ten minutes. It installs the wheels bench/gpu_prepare.sh carried (.gpu/parts/), runs the CUDA
+# ten minutes. It unpacks the packages bench/gpu_prepare.sh made (.gpu/parts/), runs the CUDA
 # tests, and measures CPU and CUDA side by side in one run: Infer p50 and rows/s at batch 1 and 64
 # on an MLP and a MiniLM-L6-shaped encoder with the service's overhead over a bare ONNX Runtime
 # loop (bench.gpu), Generate tokens/s at 1, 8 and 32 streams (bench.generate), and a swap under
@@ -21,24 +21,27 @@ status=0
 step() { echo; echo "== $* ($(date -u +%T))"; }
 
 step "install"
-SITE=/tmp/modelyard-site
-if [ -d .gpu/parts ]; then
-    rm -rf /tmp/modelyard-wheels && mkdir -p /tmp/modelyard-wheels
-    cat .gpu/parts/wheels.tar.part* | tar -x -C /tmp/modelyard-wheels || { echo "the carried parts do not make a whole archive"; exit 1; }
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" \
-        /tmp/modelyard-wheels/wheels/*.whl || exit 1
+SITE=/tmp/modelyard/site
+if ls .gpu/parts/site.tar.xz.part* >/dev/null 2>&1; then
+    # The parts gpu_prepare.sh made, in order: one xz stream, whose own checks fail on a part
+    # missing or cut short. Nothing is fetched: the packages are unpacked, as installed there.
+    rm -rf "$(dirname "$SITE")" && mkdir -p "$(dirname "$SITE")"
+    ls -l .gpu/parts
+    cat .gpu/parts/site.tar.xz.part* | xz -dc | tar -x -C "$(dirname "$SITE")" ||
+        { echo "the carried parts do not make a whole archive: carry every part of .gpu/parts"; exit 1; }
     export PYTHONPATH="$SITE:$PWD/proto/python:$PWD"
 else
     echo "no .gpu/parts: using this environment as it is"
     export PYTHONPATH="$PWD/proto/python:$PWD${PYTHONPATH:+:$PYTHONPATH}"
 fi
 export PYTHONUNBUFFERED=1
-# CUDA's libraries from this machine's own nvidia-* wheels: ONNX Runtime's preload looks beside its
-# own package first (our --target folder, which has none), then on the loader's path.
-nvidia=$(python3 -c 'import nvidia; print(list(nvidia.__path__)[0])' 2>/dev/null)
-if [ -n "$nvidia" ]; then
-    LD_LIBRARY_PATH="$(find "$nvidia" -maxdepth 3 -type d -name lib | tr '\n' ':')${LD_LIBRARY_PATH:-}"
-    export LD_LIBRARY_PATH
+# CUDA's libraries from this machine's own nvidia-* wheels (CUDA 13's nvidia/cu13/lib, cuDNN's
+# nvidia/cudnn/lib): ONNX Runtime's preload looks beside its own package first (our unpacked
+# folder, which has none), then on the loader's path, which this sets.
+nvidia_libs=$(python3 -c 'import nvidia; print("\n".join(nvidia.__path__))' 2>/dev/null |
+    while read -r root; do find "$root" -maxdepth 3 -type d -name lib; done | tr '\n' ':')
+if [ -n "$nvidia_libs" ]; then
+    export LD_LIBRARY_PATH="$nvidia_libs${LD_LIBRARY_PATH:-}"
 fi
 python3 --version
 nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total --format=csv 2>&1 || true
