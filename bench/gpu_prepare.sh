@@ -10,7 +10,9 @@
 # ml-dtypes, nvidia-ml-py, pytest's own needs, pytest-timeout and CUDA 13's NVIDIA libraries
 # (cuBLAS, cuDNN, cuFFT, cuRAND, the runtime; /work/.library/device/KINDS.md lists them); this
 # carries what it lacks: ONNX Runtime's CUDA build (less its TensorRT provider, which the check
-# never loads) and our gRPC, settings and test dependencies, pinned as in our venv. The machine
+# never loads) and our gRPC, settings and test dependencies, pinned as in our venv (pybreaker: the
+# tests' conftest imports the sidecar's support). A dry run (docs/gpu.md) checks that list: a
+# Python 3.12 with only the machine's packages, no network, the parts unpacked as here. The machine
 # then unpacks the parts (gpu_check.sh): no pip and no registry there. docs/gpu.md gives the
 # device calls: one per part, back to back, the last one also running the check.
 set -euo pipefail
@@ -25,6 +27,7 @@ WHEELS=(
     protobuf==7.36.2
     msgspec==0.23.0
     watchdog==7.1.0
+    pybreaker==1.4.1
     pytest==9.2.0
     pytest-asyncio==1.5.0
 )
