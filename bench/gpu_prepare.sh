@@ -12,8 +12,8 @@
 # carries what it lacks: ONNX Runtime's CUDA build (less its TensorRT provider, which the check
 # never loads) and our gRPC, settings and test dependencies, pinned as in our venv (pybreaker: the
 # tests' conftest imports the sidecar's support). A dry run (docs/gpu.md) checks that list: a
-# Python 3.12 with only the machine's packages, no network, the parts unpacked as here. The machine
-# then unpacks the parts (gpu_check.sh): no pip and no registry there. docs/gpu.md gives the
+# Python 3.12 with only the machine's packages, no network. The machine unpacks the parts
+# (gpu_check.sh): no pip and no registry there. docs/gpu.md gives the
 # device calls: one per part, back to back, the last one also running the check.
 set -euo pipefail
 cd "$(dirname "$0")/.."
