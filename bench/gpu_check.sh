@@ -54,7 +54,7 @@ export PYTHONUNBUFFERED=1
 nvidia_libs=$(python3 -c 'import nvidia; print("\n".join(nvidia.__path__))' 2>/dev/null |
     while read -r root; do find "$root" -maxdepth 3 -type d -name lib; done | tr '\n' ':')
 if [ -n "$nvidia_libs" ]; then
-    export LD_LIBRARY_PATH="$nvidia_libs${LD_LIBRARY_PATH:-}"
+    export LD_LIBRARY_PATH="${nvidia_libs%:}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 fi
 python3 --version
 nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total --format=csv 2>&1 || true
