@@ -226,7 +226,8 @@ def bare_ortvalue_loop(
     past_names = [n for n in inputs if n.startswith("past_key_values.")]
     present_names = [n.replace("past_key_values", "present") for n in past_names]
     heads, head_size = inputs[past_names[0]].shape[1], inputs[past_names[0]].shape[3]
-    empty = ort.OrtValue.ortvalue_from_numpy(np.zeros((1, heads, 0, head_size), dtype=np.float32), device)
+    # The empty past holds no bytes: from host memory, as the service binds it (cache_ops.py).
+    empty = ort.OrtValue.ortvalue_from_numpy(np.zeros((1, heads, 0, head_size), dtype=np.float32))
     timings = []
     whole = []
     cpu = time.process_time()

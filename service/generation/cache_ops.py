@@ -95,7 +95,10 @@ class DeviceCacheOps:
         # Made at the first join of two parts or the first leave: a lone stream never needs them,
         # and the first Generate of a version should not wait for two more sessions.
         self._sessions: tuple[ort.InferenceSession, ort.InferenceSession] | None = None
-        self._empty = ort.OrtValue.ortvalue_from_numpy(layout.empty_past(1), device, device_id)
+        # A prompt's empty past holds no bytes, so it stays in host memory: the bound run takes it
+        # as it takes any host input (the path of a plain run with an empty past), rather than
+        # through a zero-size allocation on the device, which nothing else here makes.
+        self._empty = ort.OrtValue.ortvalue_from_numpy(layout.empty_past(1))
         self._run_options = ort.RunOptions()
         if device == "cuda":
             # Batch caches come and go in this session's device arena: give free chunks back after
@@ -119,11 +122,7 @@ class DeviceCacheOps:
         return self._sessions
 
     def empty(self, rows: int) -> list[Tensor]:
-        empty = self._empty
-        if rows != 1:
-            empty = ort.OrtValue.ortvalue_from_numpy(
-                self._layout.empty_past(rows), self._device, self._device_id
-            )
+        empty = self._empty if rows == 1 else ort.OrtValue.ortvalue_from_numpy(self._layout.empty_past(rows))
         return [empty] * len(self._layout.past_names)
 
     def join(self, parts: Sequence[Part], width: int) -> list[Tensor]:

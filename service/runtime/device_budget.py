@@ -9,7 +9,10 @@ serving version keeps serving (`fail`). Here is only the arithmetic, on plain nu
 What a session is held to need before it exists: the arena bound its config sets
 (`execution.gpu_mem_limit_mb`: the session may grow to it, and its weights live in that arena),
 else its weights (the version's files) plus DEVICE_RESERVE_BYTES for what its warm-up and first
-runs allocate besides (activations, cuBLAS and cuDNN workspaces). Once loaded, what the version
+runs allocate besides (activations, cuBLAS and cuDNN workspaces). With the process's run memory
+bound (`--max-run-memory-mb`) the sessions allocate their weights with the device allocator
+(`session.use_device_allocator_for_initializers`, session.py), outside the arena and its bound:
+then the bound and the weights. Once loaded, what the version
 really took is measured (the devices' used memory after its warm-up, less before its load) and is
 what the model's memory budget counts from then on.
 """
@@ -47,9 +50,16 @@ class DevicePlan:
         )
 
 
-def session_need_bytes(weights_bytes: int, gpu_mem_limit_mb: int, reserve: int = DEVICE_RESERVE_BYTES) -> int:
+def session_need_bytes(
+    weights_bytes: int,
+    gpu_mem_limit_mb: int,
+    reserve: int = DEVICE_RESERVE_BYTES,
+    weights_in_arena: bool = True,
+) -> int:
     """What one CUDA session is held to need on its device before it loads (see the module's doc)."""
-    return gpu_mem_limit_mb * MIB if gpu_mem_limit_mb else weights_bytes + reserve
+    if not gpu_mem_limit_mb:
+        return weights_bytes + reserve
+    return gpu_mem_limit_mb * MIB + (0 if weights_in_arena else weights_bytes)
 
 
 def plan_device_load(
@@ -60,6 +70,7 @@ def plan_device_load(
     when_over_budget: Literal["fail", "drain_first"],
     releasable: Mapping[int, int] | None = None,
     reserve: int = DEVICE_RESERVE_BYTES,
+    weights_in_arena: bool = True,
 ) -> DevicePlan:
     """What to do with a CUDA version about to load: `session_devices` names the device of each
     of its sessions (a device twice: two instances there), `weights_bytes` one session's weights,
@@ -68,8 +79,9 @@ def plan_device_load(
 
     `releasable`: by device, what the served version that drain_first would release took there
     (measured after its warm-up). It is released only where that makes room: a version too large
-    even then is refused with the served one still serving."""
-    per_session = session_need_bytes(weights_bytes, gpu_mem_limit_mb, reserve)
+    even then is refused with the served one still serving. `weights_in_arena`: False where the
+    sessions' weights are allocated outside their arena (the process's run memory bound)."""
+    per_session = session_need_bytes(weights_bytes, gpu_mem_limit_mb, reserve, weights_in_arena)
     needs = {
         device: count * per_session
         for device, count in sorted(Counter(session_devices).items())

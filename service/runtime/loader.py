@@ -35,7 +35,7 @@ from modelyard.service.runtime.memory import trim_heap
 from modelyard.service.runtime.providers import ProviderChoice
 from modelyard.service.runtime.runs import ActiveRuns
 from modelyard.service.runtime.served import ServedModel, ServedVersion
-from modelyard.service.runtime.session import ModelRunner
+from modelyard.service.runtime.session import ModelRunner, bound_run_memory
 from modelyard.service.runtime.signature import Signature
 from modelyard.service.runtime.status import StatusBoard, VersionState, VersionStatus
 from modelyard.service.runtime.table import ServedTable
@@ -224,6 +224,8 @@ class VersionLoader:
                 {device: m.total - m.used for device, m in memory.items()},
                 config.reload.when_over_budget,
                 releasable=victim.device_bytes if victim is not None else None,
+                # With the run memory bound, weights go outside the arena (session.py).
+                weights_in_arena=not bound_run_memory(0),
             )
             if plan.action == "load":
                 return

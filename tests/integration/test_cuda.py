@@ -152,6 +152,17 @@ def test_cuda_versions_bind_their_tensors_and_the_others_run_plainly(service: Se
     assert service.manager.resolve("mlp_cpu").runner.binding is None  # the CPU path: session.run
 
 
+def test_a_cuda_runner_gives_its_arenas_unused_chunks_back(service: Service) -> None:
+    """The shrinking run after a slow or failed one names the CUDA session's arenas ("cpu:0;gpu:0",
+    session.py): ONNX Runtime refuses the run (INVALID_ARGUMENT) if one of them is not found, so
+    this fails if the device string is wrong for the device's arena (1.31.1 matches type and id)."""
+    runner = service.manager.resolve("mlp_cuda").runner
+    assert runner.shrink_options is not None
+    runner.give_back_memory()
+    (out,) = runner.run({"INPUT0": np.ones((2, 256), np.float32)}, ["OUTPUT0"])
+    assert out.shape == (2, 256)
+
+
 @pytest.mark.parametrize("batch", [1, 64])
 async def test_bound_outputs_equal_the_cpu_for_several_outputs_and_types(
     channel: grpc.aio.Channel, batch: int

@@ -212,3 +212,18 @@ def test_the_device_graphs_join_and_select_as_numpy_does(session, dtype: type) -
     for rows, start in (([0, 3], 2), ([2], 4), ([1, 2, 3], 0)):
         for a, b in zip(device.select(got, rows, start), host.select(want, rows, start), strict=True):
             np.testing.assert_array_equal(to_host(a), b)
+
+
+def test_a_prompts_empty_past_comes_from_host_memory_on_any_device(
+    session: ort.InferenceSession, layout: DecoderLayout
+) -> None:
+    """The zero-width past of a prefill holds no bytes: DeviceCacheOps keeps it in host memory for
+    every device (a CUDA decoder's bound run takes it as any host input), so making the ops for
+    "cuda" allocates nothing on a device (here, without one, that would raise)."""
+    ops = DeviceCacheOps(layout, session, "cuda", 0)
+    for rows in (1, 3):
+        empty = ops.empty(rows)
+        assert len(empty) == len(layout.past_names)
+        for tensor in empty:
+            assert tensor.device_name() == "cpu"
+            assert tensor.shape() == [rows, layout.heads, 0, layout.head_size]

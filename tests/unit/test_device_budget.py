@@ -36,6 +36,16 @@ def test_a_session_needs_its_arena_bound_or_its_weights_and_the_reserve() -> Non
     assert session_need_bytes(100 * MIB, 0, reserve=0) == 100 * MIB
 
 
+def test_weights_outside_the_arena_add_to_its_bound() -> None:
+    """With the process's run memory bound, sessions allocate their weights with the device
+    allocator (session.use_device_allocator_for_initializers), not in the bounded arena."""
+    assert session_need_bytes(100 * MIB, 2048, weights_in_arena=False) == 2 * GIB + 100 * MIB
+    assert session_need_bytes(100 * MIB, 0, weights_in_arena=False) == 100 * MIB + DEVICE_RESERVE_BYTES
+    room = {0: 2 * GIB + 50 * MIB}
+    assert plan_device_load([0], 100 * MIB, 2048, room, "fail").action == "load"
+    assert plan_device_load([0], 100 * MIB, 2048, room, "fail", weights_in_arena=False).action == "refuse"
+
+
 def test_a_version_loads_where_every_device_has_room() -> None:
     free = {0: 10 * GIB, 1: 10 * GIB}
     assert plan_device_load([0, 1], 1 * GIB, 0, free, "fail") == DevicePlan("load")

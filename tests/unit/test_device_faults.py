@@ -2,7 +2,8 @@
 
 No run on this machine's CPU raises a device error, so the classifier is tested on the messages
 ONNX Runtime's CUDA provider makes, built from its own format strings (cuda_call.cc: "%s failure
-%d: %s ; GPU=%d ; hostname=%s ; expr=%s; %s" for each library cuda_call.h names; cuda_common.h:
+%d: %s ; GPU=%d ; hostname=%s ; file=%s ; line=%d ; expr=%s; %s" for each library cuda_call.h
+names, as 1.31.1's libonnxruntime_providers_cuda.so holds them; older builds' cuda_common.h:
 "<LIB> error executing <call>"), wrapped as its Python binding raises them: Fail or
 RuntimeException with "[ONNXRuntimeError] : <code> : <NAME> : ", or from a bound run
 (run_with_iobinding) a plain RuntimeError "Error in execution: ...". Messages of real CPU failures
@@ -27,9 +28,10 @@ from modelyard.service.runtime.session import is_device_fault, run_error
 from tests.batching_fakes import FakeRunner, FaultyRunner, HandClock
 from tests.support import metric
 
-# cuda_call.cc's format, and the library names cuda_call.h gives it.
-CUDA_CALL_FORMAT = "%s failure %d: %s ; GPU=%d ; hostname=%s ; expr=%s; %s"
-LIBRARIES = ("CUDA", "CUBLAS", "CUSPARSE", "CURAND", "CUDNN", "CUFFT", "NCCL")
+# cuda_call.cc's format, and the library names cuda_call.h gives it (both as in the strings of
+# onnxruntime-gpu 1.31.1's libonnxruntime_providers_cuda.so: CUDNN_FE is cuDNN's frontend API).
+CUDA_CALL_FORMAT = "%s failure %d: %s ; GPU=%d ; hostname=%s ; file=%s ; line=%d ; expr=%s; %s"
+LIBRARIES = ("CUDA", "CUBLAS", "CUSPARSE", "CURAND", "CUDNN", "CUDNN_FE", "CUFFT", "NCCL")
 STATUS_PREFIX = "[ONNXRuntimeError] : 1 : FAIL : "
 THROWN_PREFIX = "[ONNXRuntimeError] : 6 : RUNTIME_EXCEPTION : "
 NODE = "Non-zero status code returned while running MatMul node. Name:'fc0' Status Message: "
@@ -44,6 +46,8 @@ def cuda_call(
         text,
         0,
         "gpu-host",
+        "/onnxruntime_src/onnxruntime/core/providers/cuda/gpu_data_transfer.cc",
+        88,
         "cudaMemcpyAsync(dst, src, bytes, kind, stream)",
         "",
     )
