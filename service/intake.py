@@ -85,8 +85,13 @@ def check_headers(bounds: Bounds, headers: Sequence[TensorHeader]) -> None:
         if datatype is not None and datatype != spec.datatype:
             raise InvalidInput(f"input {echo(name)}: expected datatype {spec.datatype}, got {datatype}")
         elements += element_count(shape, name)  # negative or overflowing shapes: TensorError
-        if len(shape) != len(spec.shape) or any(shape[i] != d for i, d in fixed):
+        if len(shape) != len(spec.shape):
             raise InvalidInput(f"input {echo(name)}: expected shape {list(spec.shape)}, got {list(shape)}")
+        for i, d in fixed:  # a loop, not any(): no generator per tensor of every request
+            if shape[i] != d:
+                raise InvalidInput(
+                    f"input {echo(name)}: expected shape {list(spec.shape)}, got {list(shape)}"
+                )
         limit = bounds.max_batch_size
         if limit and shape and shape[0] > limit:
             raise InvalidInput(f"input {echo(name)}: batch size {shape[0]} exceeds max_batch_size {limit}")

@@ -18,9 +18,9 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from contextvars import ContextVar
-from typing import Any
+from typing import Any, ParamSpec, TypeVar
 
 import grpc
 
@@ -30,6 +30,8 @@ from modelyard.common.reasons import is_server_fault
 from modelyard.process.tracing import otlp_provider
 
 log = logging.getLogger(__name__)
+P = ParamSpec("P")
+T = TypeVar("T")
 
 _tracer: Any = None
 _propagator: Any = None
@@ -133,6 +135,15 @@ def step(name: str) -> contextlib.AbstractContextManager[Any]:
         name, context=trace.set_span_in_context(parent)
     )
     return span
+
+
+def traced(name: str, run: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
+    """`run(*args, **kwargs)` as the step `name`: inside its child span when the call has one, else
+    called as it is (no context manager entered and left on every request when tracing is off)."""
+    if _current.get() is None:
+        return run(*args, **kwargs)
+    with step(name):
+        return run(*args, **kwargs)
 
 
 class Steps:

@@ -142,10 +142,26 @@ def deadline_passed(context: Context) -> bool:
 _served_by: tuple[tuple[str, str], ...] = ()
 
 
+# The answer's metadata by version, built once per version (a tuple of tuples per request
+# otherwise). Versions are few (a model's served versions, ever): the dict stays small.
+_answer_metadata: dict[str, tuple[tuple[str, str], ...]] = {}
+
+
 def set_served_by(worker: str) -> None:
     """Name the worker process in every answer's metadata, beside x-served-version."""
     global _served_by
     _served_by = ((headers.SERVED_BY, worker),)
+    _answer_metadata.clear()
+
+
+def answer_metadata(version: str) -> tuple[tuple[str, str], ...]:
+    """x-served-version (and x-served-by in a worker) of an answer from `version`."""
+    metadata = _answer_metadata.get(version)
+    if metadata is None:
+        metadata = ((headers.SERVED_VERSION, version), *_served_by)
+        if len(_answer_metadata) < 1024:  # a bound, should versions ever be many
+            _answer_metadata[version] = metadata
+    return metadata
 
 
 def _span_reason(exc: BaseException) -> str:
@@ -193,13 +209,13 @@ class serving:
         the handler as a batch of its own (~50 us of CPU per call), the trailing metadata in the
         final batch. An error after this replaces it with its x-error-reason."""
         self.version = version
-        self._context.set_trailing_metadata(((headers.SERVED_VERSION, version), *_served_by))
+        self._context.set_trailing_metadata(answer_metadata(version))
 
     async def stream_answered(self, version: str) -> None:
         """A stream's version that answers: x-served-version in the initial metadata, before the
         first message (call it before yielding that message)."""
         self.version = version
-        await self._context.send_initial_metadata(((headers.SERVED_VERSION, version), *_served_by))
+        await self._context.send_initial_metadata(answer_metadata(version))
 
     def in_band(self, exc: Exception) -> ErrorReason:
         """An error answered inside a stream's message rather than by the call's status: count it
