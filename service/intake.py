@@ -25,7 +25,7 @@ from modelyard.service.generation.layout import ATTENTION_MASK, INPUT_IDS, POSIT
 from modelyard.service.generation.model import DecoderModel
 from modelyard.service.repository.config import LimitsConfig
 from modelyard.service.runtime.signature import Signature, TensorSpec
-from modelyard.tensors import NUMPY_BY_NAME, element_count
+from modelyard.tensors import MAX_SHAPE_ELEMENTS, NUMPY_BY_NAME, element_count
 
 # Payloads that take Python work per element (BYTES, typed contents) above this many bytes are
 # decoded in an executor; below it the hop to a thread costs more than the decoding.
@@ -84,7 +84,10 @@ def check_headers(bounds: Bounds, headers: Sequence[TensorHeader]) -> None:
         spec, fixed = found
         if datatype is not None and datatype != spec.datatype:
             raise InvalidInput(f"input {echo(name)}: expected datatype {spec.datatype}, got {datatype}")
-        elements += element_count(shape, name)  # negative or overflowing shapes: TensorError
+        count = math.prod(shape)  # element_count's common case, without its call per tensor
+        if not 0 < count <= MAX_SHAPE_ELEMENTS or min(shape, default=1) <= 0:
+            count = element_count(shape, name)  # negative or overflowing shapes: TensorError
+        elements += count
         if len(shape) != len(spec.shape):
             raise InvalidInput(f"input {echo(name)}: expected shape {list(spec.shape)}, got {list(shape)}")
         for i, d in fixed:  # a loop, not any(): no generator per tensor of every request

@@ -264,7 +264,8 @@ class serving:
         finally:
             # A call that failed after its version was resolved counts (and traces) with it.
             version = self.version or tracing.resolved_version()
-            tracing.end(self._span, version, code, self._reason if exc is None else _span_reason(exc))
+            if self._span is not None:
+                tracing.end(self._span, version, code, self._reason if exc is None else _span_reason(exc))
             self._metrics.observe_request(
                 self._method, self._model, version, code, time.perf_counter() - self._start
             )

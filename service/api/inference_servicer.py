@@ -45,25 +45,23 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         self._metrics = metrics
 
     async def Infer(self, request: pb.InferRequest, context: Context) -> pb.InferResponse:
-        async with serving(context, self._metrics, "Infer", request.model_name) as call:
+        # Each field read once: each read of a protobuf field makes a new object.
+        model, tensors, output_names = request.model_name, request.inputs, request.output_names
+        async with serving(context, self._metrics, "Infer", model) as call:
             version, request_id, priority = call_fields(
-                context, request.model_name, request.model_version, request.request_id, request.priority
+                context, model, request.model_version, request.request_id, request.priority
             )
-            with self._dataplane.open(request.model_name, version) as held:
+            with self._dataplane.open(model, version) as held:
                 signature = held.served.runner.signature
-                refuse_extra_tensors(
-                    request.model_name, signature, len(request.inputs), len(request.output_names)
-                )
+                refuse_extra_tensors(model, signature, len(tensors), len(output_names))
                 # Decoded only once the tensors' headers fit the version (service/intake.py).
-                plain = our_plain(request.inputs)
+                plain = our_plain(tensors)
                 if plain is not None:  # fixed-size datatypes: decoded from the checked headers
                     inputs = held.decode_fixed(*plain)
                 else:
-                    inputs = await held.decode(
-                        our_headers(request.inputs), partial(to_arrays, request.inputs)
-                    )
+                    inputs = await held.decode(our_headers(tensors), partial(to_arrays, tensors))
                 result = await held.infer(
-                    inputs, request.output_names, scheduling(context, priority, request.timeout_us)
+                    inputs, output_names, scheduling(context, priority, request.timeout_us)
                 )
             response = pb.InferResponse(
                 model_name=result.model,

@@ -126,8 +126,9 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
             )
 
     async def ModelInfer(self, request: pb.ModelInferRequest, context: Context) -> pb.ModelInferResponse:
-        async with serving(context, self._metrics, "ModelInfer", request.model_name) as call:
-            response = await self._infer(request, context)
+        model = request.model_name  # each read of a protobuf field makes a new object: read once
+        async with serving(context, self._metrics, "ModelInfer", model) as call:
+            response = await self._infer(request, context, model)
             call.answered(response.model_version)
             return response
 
@@ -145,7 +146,7 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
             async with serving(context, self._metrics, "ModelStreamInfer", request.model_name) as call:
                 try:
                     final_flag = _empty_final_response(request)
-                    response = await self._infer(request, context)
+                    response = await self._infer(request, context, request.model_name)
                 except (ServiceError, TensorError) as exc:
                     first = False
                     yield _in_band_error(request, exc, call.in_band(exc))
@@ -244,21 +245,19 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
                 self._manager.status(request.model_name)  # NOT_FOUND for a model it does not know
             return settings.answer_trace_setting(self._traces, request)
 
-    async def _infer(self, request: pb.ModelInferRequest, context: Context) -> pb.ModelInferResponse:
+    async def _infer(
+        self, request: pb.ModelInferRequest, context: Context, model: str
+    ) -> pb.ModelInferResponse:
+        """`model`: the request's model_name (read once: each read of a field is a new object)."""
+        parameters = request.parameters
         version, request_id, priority = call_fields(
-            context,
-            request.model_name,
-            request.model_version,
-            request.id,
-            kserve_priority(request.parameters),
+            context, model, request.model_version, request.id, kserve_priority(parameters)
         )
         # One version for the whole request: its limits check the tensors, its priority levels
         # and label files apply, and it runs.
-        with self._dataplane.open(request.model_name, version) as held:
+        with self._dataplane.open(model, version) as held:
             served = held.served
-            refuse_extra_tensors(
-                request.model_name, served.runner.signature, len(request.inputs), len(request.outputs)
-            )
+            refuse_extra_tensors(model, served.runner.signature, len(request.inputs), len(request.outputs))
             # Decoded only once the tensors' headers fit the model (service/intake.py).
             plain = kserve_plain(request)
             if plain is not None:  # raw contents only: decoded from the checked headers
@@ -269,7 +268,7 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
             names = requested_outputs(request)
             options = output_options(request)
             classify = options.classify
-            scheduling = kserve_scheduling(context, request.parameters, priority)
+            scheduling = kserve_scheduling(context, parameters, priority)
             if scheduling.priority:
                 batching = served.config.dynamic_batching
                 if batching is None or scheduling.priority > batching.admission.priority_levels:
