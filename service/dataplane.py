@@ -89,7 +89,7 @@ class DataPlane:
         model or version raises here) and holds it until the block ends. The call's metrics and
         span name the version from here on, should it fail."""
         served = self._table.resolve(model, version)
-        tracing.resolved(str(served.version))
+        tracing.resolved(served.version_name)
         return Call(self, served)
 
     async def infer(
@@ -187,7 +187,7 @@ class Call:
         self._fitted: object = None  # the inputs decode_fixed gave, checked by their headers
 
     def __enter__(self) -> Call:
-        self.served.acquire()
+        self.served.in_flight += 1  # ServedVersion.acquire, inline: it runs on every request
         return self
 
     def __exit__(self, *exc: object) -> None:

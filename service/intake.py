@@ -128,7 +128,9 @@ def decode_fixed(headers: Sequence[TensorHeader], contents: Sequence[bytes]) -> 
     is left to check is that no tensor comes twice and that each holds its shape's bytes. Both
     APIs read plain requests this way (service/api/tensor_headers.py)."""
     arrays: dict[str, np.ndarray] = {}
-    for header, data in zip(headers, contents, strict=True):
+    if len(headers) != len(contents):  # zip(strict=True)'s check, without its keyword call
+        raise ValueError("a header per tensor's contents")
+    for header, data in zip(headers, contents):  # noqa: B905 (checked above)
         name, datatype, shape = header.name, header.datatype, header.shape
         if name in arrays:
             raise InvalidInput(f"input {echo(name)} is given twice")

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from contextlib import aclosing
 from functools import partial
 
 import grpc
+import numpy as np
 
 from modelyard.inference.v1 import inference_service_pb2 as pb
 from modelyard.inference.v1 import inference_service_pb2_grpc as pb_grpc
@@ -19,7 +20,7 @@ from modelyard.service.api.tensor_headers import our_headers, our_plain, refuse_
 from modelyard.service.dataplane import DataPlane
 from modelyard.service.generation.plane import GenerationPlane
 from modelyard.service.metrics import ServiceMetrics
-from modelyard.tensors import to_arrays, to_tensors
+from modelyard.tensors import datatype_value, to_arrays, to_tensors, to_wire
 
 # After a write fails in gRPC's core, the most its word that the client cancelled may take.
 CANCEL_WAIT_S = 5.0
@@ -36,6 +37,19 @@ async def write(context: Context, message: pb.GenerateResponse) -> None:
     except grpc.aio.InternalError:  # ExecuteBatchError: the write batch failed in core
         await asyncio.sleep(CANCEL_WAIT_S)  # cancelled meanwhile, by gRPC
         raise
+
+
+def _response(
+    model: str, version: str, outputs: Mapping[str, np.ndarray], request_id: str
+) -> pb.InferResponse:
+    """An Infer answer, each output added in place (to_tensors' Tensors are copied into the
+    message: ~2 us more per request under load)."""
+    response = pb.InferResponse(model_name=model, model_version=version, request_id=request_id)
+    add = response.outputs.add
+    for name, array in outputs.items():
+        datatype, raw = to_wire(array)
+        add(name=name, datatype=datatype_value(datatype), shape=array.shape, raw_data=raw)
+    return response
 
 
 class InferenceServicer(pb_grpc.InferenceServiceServicer):
@@ -63,14 +77,9 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
                 result = await held.infer(
                     inputs, output_names, scheduling(context, priority, request.timeout_us)
                 )
-            response = pb.InferResponse(
-                model_name=result.model,
-                model_version=str(result.version),
-                outputs=to_tensors(result.outputs),
-                request_id=request_id,
-            )
-            call.answered(response.model_version)
-            return response
+            version = str(result.version)
+            call.answered(version)
+            return _response(result.model, version, result.outputs, request_id)
 
     async def InferStream(
         self, request: pb.InferStreamRequest, context: Context

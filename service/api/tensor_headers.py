@@ -62,7 +62,8 @@ def kserve_plain(request: ModelInferRequest) -> tuple[list[TensorHeader], list[b
     if len(raw) != len(inputs):
         return None
     headers, contents = [], []
-    for tensor, data in zip(inputs, raw, strict=True):
+    for index in range(len(raw)):  # by index: cheaper than zip over two protobuf containers
+        tensor, data = inputs[index], raw[index]
         datatype = tensor.datatype
         if datatype not in _FIXED_SIZE or tensor.parameters or tensor.HasField("contents"):
             return None

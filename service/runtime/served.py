@@ -103,6 +103,7 @@ class ServedVersion:
         self.model = model
         self.version = version
         self.label = f"model {model} version {version}"  # for messages and logs
+        self.version_name = str(version)  # as requests and answers name it (made once)
         # Every instance holds the same model: the first one answers for the signature, the
         # graph's kind and the provider; runs go through `instances`.
         self.runner = runners[0]

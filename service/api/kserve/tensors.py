@@ -127,10 +127,12 @@ def encode_outputs(
     """Append each array to the response as an output tensor with its data in raw_output_contents,
     or written into its shared memory region (then, as Triton, with an empty raw entry so that
     raw contents stay aligned with outputs)."""
-    if len(response.outputs) != len(response.raw_output_contents):
+    # Each container read once: each read of a protobuf field makes a new object.
+    tensors, raw = response.outputs, response.raw_output_contents
+    if len(tensors) != len(raw):
         raise ValueError("response already holds outputs without raw contents; cannot append raw outputs")
     if not in_shm:  # the common case: every output's bytes in the response
-        add, append = response.outputs.add, response.raw_output_contents.append
+        add, append = tensors.add, raw.append
         for name, value in outputs.items():
             array = np.asarray(value)
             try:
