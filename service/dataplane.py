@@ -168,9 +168,8 @@ def _record(
     at `admitted_ns`, its run from `start_ns` to now."""
     end = time.perf_counter_ns()
     rows = next(iter(inputs.values())).shape[0] if served.config.max_batch_size and inputs else 1
-    served.stats.record(
-        ok, end - admitted_ns, rows, queue_ns=start_ns - admitted_ns, compute_ns=end - start_ns
-    )
+    # Positional (queue_ns, compute_ns last): keyword arguments cost more per call.
+    served.stats.record(ok, end - admitted_ns, rows, start_ns - admitted_ns, end - start_ns)
 
 
 class Call:

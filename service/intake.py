@@ -84,8 +84,10 @@ def check_headers(bounds: Bounds, headers: Sequence[TensorHeader]) -> None:
         spec, fixed = found
         if datatype is not None and datatype != spec.datatype:
             raise InvalidInput(f"input {echo(name)}: expected datatype {spec.datatype}, got {datatype}")
-        count = math.prod(shape)  # element_count's common case, without its call per tensor
-        if not 0 < count <= MAX_SHAPE_ELEMENTS or min(shape, default=1) <= 0:
+        # element_count's common case, without its call per tensor (and min() without a keyword:
+        # a scalar's () holds no dimension to check)
+        count = math.prod(shape)
+        if not 0 < count <= MAX_SHAPE_ELEMENTS or (shape and min(shape) <= 0):
             count = element_count(shape, name)  # negative or overflowing shapes: TensorError
         elements += count
         if len(shape) != len(spec.shape):
@@ -142,5 +144,5 @@ def decode_fixed(headers: Sequence[TensorHeader], contents: Sequence[bytes]) -> 
                 f"input {echo(name)}: shape {list(shape)} of {datatype} needs {expected} bytes of "
                 f"raw data, got {len(data)}"
             )
-        arrays[name] = np.frombuffer(data, dtype=dtype).reshape(shape)
+        arrays[name] = np.frombuffer(data, dtype).reshape(shape)  # positional: cheaper than dtype=
     return arrays

@@ -20,7 +20,7 @@ import contextlib
 import logging
 from collections.abc import Callable, Mapping
 from contextvars import ContextVar
-from typing import Any, ParamSpec, TypeVar
+from typing import Any, TypeVar, TypeVarTuple
 
 import grpc
 
@@ -30,8 +30,8 @@ from modelyard.common.reasons import is_server_fault
 from modelyard.process.tracing import otlp_provider
 
 log = logging.getLogger(__name__)
-P = ParamSpec("P")
 T = TypeVar("T")
+Ts = TypeVarTuple("Ts")
 
 _tracer: Any = None
 _propagator: Any = None
@@ -137,13 +137,13 @@ def step(name: str) -> contextlib.AbstractContextManager[Any]:
     return span
 
 
-def traced(name: str, run: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
-    """`run(*args, **kwargs)` as the step `name`: inside its child span when the call has one, else
-    called as it is (no context manager entered and left on every request when tracing is off)."""
+def traced(name: str, run: Callable[[*Ts], T], *args: *Ts) -> T:
+    """`run(*args)` as the step `name`: inside its child span when the call has one, else called
+    as it is (no context manager entered and left on every request when tracing is off)."""
     if _current.get() is None:
-        return run(*args, **kwargs)
+        return run(*args)
     with step(name):
-        return run(*args, **kwargs)
+        return run(*args)
 
 
 class Steps:

@@ -44,7 +44,11 @@ def _response(
 ) -> pb.InferResponse:
     """An Infer answer, each output added in place (to_tensors' Tensors are copied into the
     message: ~2 us more per request under load)."""
-    response = pb.InferResponse(model_name=model, model_version=version, request_id=request_id)
+    # Fields set one by one: cheaper than the constructor's keywords (and no empty id set).
+    response = pb.InferResponse()
+    response.model_name, response.model_version = model, version
+    if request_id:
+        response.request_id = request_id
     add = response.outputs.add
     for name, array in outputs.items():
         datatype, raw = to_wire(array)
