@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 from modelyard.common.names import echo
 from modelyard.inference.v1 import tensor_pb2
@@ -51,14 +51,16 @@ _FIXED_SIZE = frozenset(name for name in NUMPY_BY_NAME if name != "BYTES")
 _header = tuple.__new__
 
 
-def kserve_plain(request: ModelInferRequest) -> tuple[list[TensorHeader], list[bytes]] | None:
+def kserve_plain(
+    inputs: Sequence[ModelInferRequest.InferInputTensor], raw: Sequence[bytes]
+) -> tuple[list[TensorHeader], list[bytes]] | None:
     """The headers and raw contents of a plain request (most): every input in
     raw_input_contents, one raw entry per input, of a fixed-size datatype, with no parameters (no
     shared memory) and no typed contents. Its tensors decode from their headers and these bytes
     (decode_fixed); each raw entry is read once (protobuf copies a bytes field on every read).
-    None for any other request: kserve_headers and decode_inputs take it, with their answers."""
-    raw = request.raw_input_contents
-    inputs = request.inputs
+    None for any other request: kserve_headers and decode_inputs take it, with their answers.
+    `inputs` and `raw`: the request's inputs and raw_input_contents (each read once by the caller:
+    each read of a protobuf field makes a new object)."""
     if len(raw) != len(inputs):
         return None
     headers, contents = [], []

@@ -257,16 +257,18 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
         # and label files apply, and it runs.
         with self._dataplane.open(model, version) as held:
             served = held.served
-            refuse_extra_tensors(model, served.runner.signature, len(request.inputs), len(request.outputs))
+            # Each container read once (each read of a protobuf field makes a new object).
+            tensors, outputs = request.inputs, request.outputs
+            refuse_extra_tensors(model, served.runner.signature, len(tensors), len(outputs))
             # Decoded only once the tensors' headers fit the model (service/intake.py).
-            plain = kserve_plain(request)
+            plain = kserve_plain(tensors, request.raw_input_contents)
             if plain is not None:  # raw contents only: decoded from the checked headers
                 inputs = held.decode_fixed(*plain)
             else:
                 headers = kserve_headers(request)
                 inputs = await held.decode(headers, partial(decode_inputs, request, self._shm))
-            names = requested_outputs(request)
-            options = output_options(request)
+            names = requested_outputs(outputs)
+            options = output_options(outputs)
             classify = options.classify
             scheduling = kserve_scheduling(context, parameters, priority)
             if scheduling.priority:
@@ -280,22 +282,22 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
         response.model_name, response.model_version = result.model, str(result.version)
         if request_id:
             response.id = request_id
-        outputs = result.outputs
+        answers = result.outputs
         if classify:
             batched = bool(served.config.max_batch_size)
-            outputs = {
+            answers = {
                 name: top_k(name, array, classify[name], batched, served.labels.get(name, ()))
                 if name in classify
                 else array
-                for name, array in outputs.items()
+                for name, array in answers.items()
             }
         if options.in_shm and sum(size for _, _, size in options.in_shm.values()) > INLINE_DECODE_BYTES:
             # Large copies into shared memory (pwrite) go off the event loop.
             await asyncio.get_running_loop().run_in_executor(
-                None, encode_outputs, response, outputs, options.in_shm, self._shm
+                None, encode_outputs, response, answers, options.in_shm, self._shm
             )
         else:
-            encode_outputs(response, outputs, options.in_shm, self._shm)
+            encode_outputs(response, answers, options.in_shm, self._shm)
         return response
 
 
