@@ -31,7 +31,13 @@ from modelyard.service.errors import DeadlineExceeded, DeviceFault
 from modelyard.service.repository.config import ModelConfig
 from modelyard.service.runtime.providers import ProviderChoice
 from modelyard.service.runtime.runs import ActiveRuns, RunControl
-from modelyard.service.runtime.session import INLINE_WATCHDOG_S, ModelRunner, Runnable, run_checked
+from modelyard.service.runtime.session import (
+    INLINE_WATCHDOG_S,
+    ModelRunner,
+    Runnable,
+    run_checked,
+    run_error,
+)
 
 log = logging.getLogger(__name__)
 
@@ -176,7 +182,10 @@ class Instances:
         only.runs += 1
         start, cpu = time.perf_counter(), time.thread_time()
         try:
-            return run_checked(only.runner, feeds, output_names, label)
+            # run_checked without a RunControl (an inline run is not stoppable), one call fewer.
+            return only.runner.run(feeds, output_names)
+        except Exception as exc:
+            raise run_error(exc, label) from None
         finally:
             elapsed = time.perf_counter() - start
             if elapsed > INLINE_WATCHDOG_S:  # the watchdog's call only for a run that may concern it
