@@ -7,8 +7,10 @@ import inspect
 
 import grpc
 
+from modelyard.common import headers
 from modelyard.common.reasons import ErrorReason
 from modelyard.service import errors
+from modelyard.service.api import errors as api_errors
 from modelyard.service.api.errors import status_for
 from modelyard.tensors import TensorError
 
@@ -38,3 +40,20 @@ def test_the_rows_a_proxy_depends_on() -> None:
     assert status_for(errors.ModelRunError("r")) == (grpc.StatusCode.INTERNAL, ErrorReason.MODEL_FAILED)
     assert status_for(asyncio.CancelledError()) == (grpc.StatusCode.CANCELLED, ErrorReason.CANCELLED)
     assert status_for(KeyError("bug")) == (grpc.StatusCode.INTERNAL, ErrorReason.INTERNAL)
+
+
+def test_answer_metadata_names_the_worker_once_it_is_set() -> None:
+    # The answer's metadata is built once per version: naming the worker later must not leave
+    # the metadata built before it without x-served-by.
+    saved = api_errors._served_by
+    try:
+        assert api_errors.answer_metadata("7") == ((headers.SERVED_VERSION, "7"),)
+        api_errors.set_served_by("worker-3")
+        assert api_errors.answer_metadata("7") == (
+            (headers.SERVED_VERSION, "7"),
+            (headers.SERVED_BY, "worker-3"),
+        )
+        assert api_errors.answer_metadata("7") is api_errors.answer_metadata("7")  # built once
+    finally:
+        api_errors._served_by = saved
+        api_errors._answer_metadata.clear()
