@@ -46,6 +46,7 @@ _STATUS: dict[type[BaseException], tuple[grpc.StatusCode, ErrorReason]] = {
     Exception: (grpc.StatusCode.INTERNAL, ErrorReason.INTERNAL),
 }
 _DEADLINE = _STATUS[errors.DeadlineExceeded]
+_OK = grpc.StatusCode.OK
 _INTERNAL = _STATUS[Exception]
 
 # The most UTF-8 bytes of an error message sent to a client. Each value a message quotes is capped
@@ -197,9 +198,8 @@ class serving:
         self._metrics = metrics
         self._method = method
         self._model = model
-        self._start = 0.0
-        self._span: object = None
-        self._code = grpc.StatusCode.OK  # an error answered in-band (KServe streams) sets it
+        # _start and _span are set by __aenter__ (before anything reads them).
+        self._code = _OK  # an error answered in-band (KServe streams) sets it
         self._reason = ""  # and its x-error-reason (a span is ERROR only for a server fault)
         self.version = ""  # the version that answered: x-served-version, and the metrics label
 
@@ -226,7 +226,7 @@ class serving:
 
     async def __aenter__(self) -> serving:
         self._start = time.perf_counter()
-        self._span = tracing.start(self._context, self._method, self._model)
+        self._span: object = tracing.start(self._context, self._method, self._model)
         return self
 
     async def __aexit__(

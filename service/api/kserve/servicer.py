@@ -251,7 +251,11 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
         """`model`: the request's model_name (read once: each read of a field is a new object)."""
         parameters = request.parameters
         version, request_id, priority = call_fields(
-            context, model, request.model_version, request.id, kserve_priority(parameters)
+            context,
+            model,
+            request.model_version,
+            request.id,
+            kserve_priority(parameters) if parameters else 0,
         )
         # One version for the whole request: its limits check the tensors, its priority levels
         # and label files apply, and it runs.
