@@ -12,7 +12,7 @@ Instructions are not time (cache misses under load make the same instructions ~3
 in a hot loop), but fewer instructions on the same path are less CPU.
 
     .venv/bin/python -m bench.instructions --trees base=/work/wt/base,now=. [--bare]
-        [--models tiny] [--apis kserve,v1] [--requests 320]
+        [--models tiny] [--apis kserve,v1] [--requests 320] [--keep DIR]
 """
 
 from __future__ import annotations
@@ -67,6 +67,13 @@ def callgrind(command: str, pid: int) -> None:
     subprocess.run(["callgrind_control", command, str(pid)], check=True, capture_output=True)
 
 
+def kept(out: Path, keep: Path) -> None:
+    """Copy one run's dumps to `keep`, for callgrind_annotate (which C functions ran them)."""
+    keep.mkdir(parents=True, exist_ok=True)
+    for path in glob.glob(f"{out}*"):
+        shutil.copy(path, keep / Path(path).name)
+
+
 def instructions(out: Path) -> int:
     """The instructions counted in callgrind's dumps of one run."""
     total = 0
@@ -76,7 +83,15 @@ def instructions(out: Path) -> int:
     return total
 
 
-async def measure(label: str, tree: Path | None, model: str, api: str, requests: int, workdir: Path) -> float:
+async def measure(
+    label: str,
+    tree: Path | None,
+    model: str,
+    api: str,
+    requests: int,
+    workdir: Path,
+    keep: Path | None = None,
+) -> float:
     repository = workdir / "models"
     out = workdir / f"{label}-{model}-{api}.callgrind"
     process = server(label, tree, repository, workdir, out)
@@ -103,6 +118,8 @@ async def measure(label: str, tree: Path | None, model: str, api: str, requests:
         for channel in channels:
             await channel.close(None)
         process.stop()
+    if keep is not None:
+        kept(out, keep)
     return instructions(out) / (requests // CONCURRENCY * CONCURRENCY)
 
 
@@ -122,7 +139,9 @@ async def run(args: argparse.Namespace) -> int:
                 for api in args.apis:
                     for label, tree in targets:
                         os.environ["PYTHONPATH"] = own_path  # a tree's service sets its own
-                        per_request = await measure(label, tree, model, api, args.requests, workdir)
+                        per_request = await measure(
+                            label, tree, model, api, args.requests, workdir, args.keep
+                        )
                         results[(model, api, label)] = per_request
                         print(
                             f"{model} {api} {label}: {per_request:,.0f} instructions/request", file=sys.stderr
@@ -153,6 +172,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--models", type=names, default=["tiny"])
     parser.add_argument("--apis", type=names, default=["kserve", "v1"])
     parser.add_argument("--requests", type=int, default=320, help="counted requests per point")
+    parser.add_argument(
+        "--keep", type=Path, default=None, help="copy callgrind's dumps here (for callgrind_annotate)"
+    )
     return parser.parse_args(argv)
 
 

@@ -25,7 +25,7 @@ from modelyard.service.generation.layout import ATTENTION_MASK, INPUT_IDS, POSIT
 from modelyard.service.generation.model import DecoderModel
 from modelyard.service.repository.config import LimitsConfig
 from modelyard.service.runtime.signature import Signature, TensorSpec
-from modelyard.tensors import NUMPY_BY_NAME, element_count
+from modelyard.tensors import MAX_SHAPE_ELEMENTS, NUMPY_BY_NAME, element_count
 
 # Payloads that take Python work per element (BYTES, typed contents) above this many bytes are
 # decoded in an executor; below it the hop to a thread costs more than the decoding.
@@ -84,9 +84,19 @@ def check_headers(bounds: Bounds, headers: Sequence[TensorHeader]) -> None:
         spec, fixed = found
         if datatype is not None and datatype != spec.datatype:
             raise InvalidInput(f"input {echo(name)}: expected datatype {spec.datatype}, got {datatype}")
-        elements += element_count(shape, name)  # negative or overflowing shapes: TensorError
-        if len(shape) != len(spec.shape) or any(shape[i] != d for i, d in fixed):
+        # element_count's common case, without its call per tensor (and min() without a keyword:
+        # a scalar's () holds no dimension to check)
+        count = math.prod(shape)
+        if not 0 < count <= MAX_SHAPE_ELEMENTS or (shape and min(shape) <= 0):
+            count = element_count(shape, name)  # negative or overflowing shapes: TensorError
+        elements += count
+        if len(shape) != len(spec.shape):
             raise InvalidInput(f"input {echo(name)}: expected shape {list(spec.shape)}, got {list(shape)}")
+        for i, d in fixed:  # a loop, not any(): no generator per tensor of every request
+            if shape[i] != d:
+                raise InvalidInput(
+                    f"input {echo(name)}: expected shape {list(spec.shape)}, got {list(shape)}"
+                )
         limit = bounds.max_batch_size
         if limit and shape and shape[0] > limit:
             raise InvalidInput(f"input {echo(name)}: batch size {shape[0]} exceeds max_batch_size {limit}")
@@ -120,7 +130,9 @@ def decode_fixed(headers: Sequence[TensorHeader], contents: Sequence[bytes]) -> 
     is left to check is that no tensor comes twice and that each holds its shape's bytes. Both
     APIs read plain requests this way (service/api/tensor_headers.py)."""
     arrays: dict[str, np.ndarray] = {}
-    for header, data in zip(headers, contents, strict=True):
+    if len(headers) != len(contents):  # zip(strict=True)'s check, without its keyword call
+        raise ValueError("a header per tensor's contents")
+    for header, data in zip(headers, contents):  # noqa: B905 (checked above)
         name, datatype, shape = header.name, header.datatype, header.shape
         if name in arrays:
             raise InvalidInput(f"input {echo(name)} is given twice")
@@ -132,5 +144,5 @@ def decode_fixed(headers: Sequence[TensorHeader], contents: Sequence[bytes]) -> 
                 f"input {echo(name)}: shape {list(shape)} of {datatype} needs {expected} bytes of "
                 f"raw data, got {len(data)}"
             )
-        arrays[name] = np.frombuffer(data, dtype=dtype).reshape(shape)
+        arrays[name] = np.frombuffer(data, dtype).reshape(shape)  # positional: cheaper than dtype=
     return arrays

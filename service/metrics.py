@@ -41,6 +41,7 @@ M = TypeVar("M", bound=MetricWrapperBase)
 
 # The `code` label of each status (StatusCode.name is a Python property: read on every request).
 _CODE_NAMES = {code: code.name for code in grpc.StatusCode}
+_OK = grpc.StatusCode.OK
 
 # Rows per batched run: powers of two up to the largest max_batch_size worth batching on one device.
 BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
@@ -417,7 +418,9 @@ class ServiceMetrics:
     def observe_request(
         self, method: str, model: str, version: str, code: grpc.StatusCode, seconds: float
     ) -> None:
-        key = (method, model if model in self.known_models else "_unknown", version, _CODE_NAMES[code])
+        # OK without the dict: a StatusCode hashes in Python (Enum.__hash__), on every request.
+        name = "OK" if code is _OK else _CODE_NAMES[code]
+        key = (method, model if model in self.known_models else "_unknown", version, name)
         self.requests.observe(key, seconds)
 
     def _generation_families(self, labels: list[str]) -> None:

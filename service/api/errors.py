@@ -46,6 +46,7 @@ _STATUS: dict[type[BaseException], tuple[grpc.StatusCode, ErrorReason]] = {
     Exception: (grpc.StatusCode.INTERNAL, ErrorReason.INTERNAL),
 }
 _DEADLINE = _STATUS[errors.DeadlineExceeded]
+_OK = grpc.StatusCode.OK
 _INTERNAL = _STATUS[Exception]
 
 # The most UTF-8 bytes of an error message sent to a client. Each value a message quotes is capped
@@ -150,10 +151,26 @@ def deadline_passed(context: Context) -> bool:
 _served_by: tuple[tuple[str, str], ...] = ()
 
 
+# The answer's metadata by version, built once per version (a tuple of tuples per request
+# otherwise). Versions are few (a model's served versions, ever): the dict stays small.
+_answer_metadata: dict[str, tuple[tuple[str, str], ...]] = {}
+
+
 def set_served_by(worker: str) -> None:
     """Name the worker process in every answer's metadata, beside x-served-version."""
     global _served_by
     _served_by = ((headers.SERVED_BY, worker),)
+    _answer_metadata.clear()
+
+
+def answer_metadata(version: str) -> tuple[tuple[str, str], ...]:
+    """x-served-version (and x-served-by in a worker) of an answer from `version`."""
+    metadata = _answer_metadata.get(version)
+    if metadata is None:
+        metadata = ((headers.SERVED_VERSION, version), *_served_by)
+        if len(_answer_metadata) < 1024:  # a bound, should versions ever be many
+            _answer_metadata[version] = metadata
+    return metadata
 
 
 def _span_reason(exc: BaseException) -> str:
@@ -189,9 +206,8 @@ class serving:
         self._metrics = metrics
         self._method = method
         self._model = model
-        self._start = 0.0
-        self._span: object = None
-        self._code = grpc.StatusCode.OK  # an error answered in-band (KServe streams) sets it
+        # _start and _span are set by __aenter__ (before anything reads them).
+        self._code = _OK  # an error answered in-band (KServe streams) sets it
         self._reason = ""  # and its x-error-reason (a span is ERROR only for a server fault)
         self.version = ""  # the version that answered: x-served-version, and the metrics label
 
@@ -201,13 +217,13 @@ class serving:
         the handler as a batch of its own (~50 us of CPU per call), the trailing metadata in the
         final batch. An error after this replaces it with its x-error-reason."""
         self.version = version
-        self._context.set_trailing_metadata(((headers.SERVED_VERSION, version), *_served_by))
+        self._context.set_trailing_metadata(answer_metadata(version))
 
     async def stream_answered(self, version: str) -> None:
         """A stream's version that answers: x-served-version in the initial metadata, before the
         first message (call it before yielding that message)."""
         self.version = version
-        await self._context.send_initial_metadata(((headers.SERVED_VERSION, version), *_served_by))
+        await self._context.send_initial_metadata(answer_metadata(version))
 
     def in_band(self, exc: Exception) -> ErrorReason:
         """An error answered inside a stream's message rather than by the call's status: count it
@@ -218,7 +234,7 @@ class serving:
 
     async def __aenter__(self) -> serving:
         self._start = time.perf_counter()
-        self._span = tracing.start(self._context, self._method, self._model)
+        self._span: object = tracing.start(self._context, self._method, self._model)
         return self
 
     async def __aexit__(
@@ -256,7 +272,8 @@ class serving:
         finally:
             # A call that failed after its version was resolved counts (and traces) with it.
             version = self.version or tracing.resolved_version()
-            tracing.end(self._span, version, code, self._reason if exc is None else _span_reason(exc))
+            if self._span is not None:
+                tracing.end(self._span, version, code, self._reason if exc is None else _span_reason(exc))
             self._metrics.observe_request(
                 self._method, self._model, version, code, time.perf_counter() - self._start
             )

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from contextlib import aclosing
 from functools import partial
 
 import grpc
+import numpy as np
 
 from modelyard.inference.v1 import inference_service_pb2 as pb
 from modelyard.inference.v1 import inference_service_pb2_grpc as pb_grpc
@@ -19,7 +20,7 @@ from modelyard.service.api.tensor_headers import our_headers, our_plain, refuse_
 from modelyard.service.dataplane import DataPlane
 from modelyard.service.generation.plane import GenerationPlane
 from modelyard.service.metrics import ServiceMetrics
-from modelyard.tensors import to_arrays, to_tensors
+from modelyard.tensors import datatype_value, to_arrays, to_tensors, to_wire
 
 # After a write fails in gRPC's core, the most its word that the client cancelled may take.
 CANCEL_WAIT_S = 5.0
@@ -38,6 +39,23 @@ async def write(context: Context, message: pb.GenerateResponse) -> None:
         raise
 
 
+def _response(
+    model: str, version: str, outputs: Mapping[str, np.ndarray], request_id: str
+) -> pb.InferResponse:
+    """An Infer answer, each output added in place (to_tensors' Tensors are copied into the
+    message: ~2 us more per request under load)."""
+    # Fields set one by one: cheaper than the constructor's keywords (and no empty id set).
+    response = pb.InferResponse()
+    response.model_name, response.model_version = model, version
+    if request_id:
+        response.request_id = request_id
+    add = response.outputs.add
+    for name, array in outputs.items():
+        datatype, raw = to_wire(array)
+        add(name=name, datatype=datatype_value(datatype), shape=array.shape, raw_data=raw)
+    return response
+
+
 class InferenceServicer(pb_grpc.InferenceServiceServicer):
     def __init__(self, dataplane: DataPlane, generation: GenerationPlane, metrics: ServiceMetrics) -> None:
         self._dataplane = dataplane
@@ -45,34 +63,27 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         self._metrics = metrics
 
     async def Infer(self, request: pb.InferRequest, context: Context) -> pb.InferResponse:
-        async with serving(context, self._metrics, "Infer", request.model_name) as call:
+        # Each field read once: each read of a protobuf field makes a new object.
+        model, tensors, output_names = request.model_name, request.inputs, request.output_names
+        async with serving(context, self._metrics, "Infer", model) as call:
             version, request_id, priority = call_fields(
-                context, request.model_name, request.model_version, request.request_id, request.priority
+                context, model, request.model_version, request.request_id, request.priority
             )
-            with self._dataplane.open(request.model_name, version) as held:
+            with self._dataplane.open(model, version) as held:
                 signature = held.served.runner.signature
-                refuse_extra_tensors(
-                    request.model_name, signature, len(request.inputs), len(request.output_names)
-                )
+                refuse_extra_tensors(model, signature, len(tensors), len(output_names))
                 # Decoded only once the tensors' headers fit the version (service/intake.py).
-                plain = our_plain(request.inputs)
+                plain = our_plain(tensors)
                 if plain is not None:  # fixed-size datatypes: decoded from the checked headers
                     inputs = held.decode_fixed(*plain)
                 else:
-                    inputs = await held.decode(
-                        our_headers(request.inputs), partial(to_arrays, request.inputs)
-                    )
+                    inputs = await held.decode(our_headers(tensors), partial(to_arrays, tensors))
                 result = await held.infer(
-                    inputs, request.output_names, scheduling(context, priority, request.timeout_us)
+                    inputs, output_names, scheduling(context, priority, request.timeout_us)
                 )
-            response = pb.InferResponse(
-                model_name=result.model,
-                model_version=str(result.version),
-                outputs=to_tensors(result.outputs),
-                request_id=request_id,
-            )
-            call.answered(response.model_version)
-            return response
+            version = str(result.version)
+            call.answered(version)
+            return _response(result.model, version, result.outputs, request_id)
 
     async def InferStream(
         self, request: pb.InferStreamRequest, context: Context

@@ -55,6 +55,7 @@ def _size_checked(method: str, handler: Handler, limit: int, metrics: ServiceMet
     # parses after its guard. A handler that has one is parsed here, after the size check.
     deserializer: Any = handler.request_deserializer
     parse: Any = deserializer if deserializer is not None else _as_is
+    parsed = deserializer is not None  # else the bytes go on as they are (no call per request)
     serialize = handler.response_serializer
 
     async def refuse(context: Context, size: int) -> None:
@@ -71,7 +72,7 @@ def _size_checked(method: str, handler: Handler, limit: int, metrics: ServiceMet
             # (and grpc.aio keeps that exception with the call's state).
             box = [raw]
             del raw
-            return await unary_unary(parse(box.pop()), context)
+            return await unary_unary(parse(box.pop()) if parsed else box.pop(), context)
 
         return grpc.unary_unary_rpc_method_handler(checked_unary_unary, response_serializer=serialize)
     if handler.unary_stream is not None:

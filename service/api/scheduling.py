@@ -9,7 +9,7 @@ from modelyard.service.api.errors import Context
 from modelyard.service.api.kserve.tensors import parameter_value
 from modelyard.service.api.names import quoted
 from modelyard.service.errors import InvalidInput
-from modelyard.service.scheduling.queue import Scheduling
+from modelyard.service.scheduling.queue import DEFAULT_SCHEDULING, Scheduling
 
 # Triton's request parameters (tritonclient sends priority as uint64, timeout as int64, in us).
 PRIORITY = "priority"
@@ -18,7 +18,15 @@ TIMEOUT = "timeout"
 
 def scheduling(context: Context, priority: int = 0, timeout_us: int = 0) -> Scheduling:
     """Our API: the request's fields, and the call's gRPC deadline."""
-    return Scheduling(priority, timeout_us, context.time_remaining())
+    return _of(priority, timeout_us, context.time_remaining())
+
+
+def _of(priority: int, timeout_us: int, time_remaining_s: float | None) -> Scheduling:
+    # A request that asks nothing (no priority, timeout or deadline) shares the default: a frozen
+    # dataclass costs a few microseconds to make, on every request.
+    if not priority and not timeout_us and time_remaining_s is None:
+        return DEFAULT_SCHEDULING
+    return Scheduling(priority, timeout_us, time_remaining_s)
 
 
 def kserve_priority(parameters: Mapping[str, InferParameter]) -> int:
@@ -32,7 +40,7 @@ def kserve_scheduling(
     """KServe V2: the priority (kserve_priority, or the x-priority header) and Triton's `timeout`
     request parameter (microseconds)."""
     if not parameters:  # most requests
-        return Scheduling(priority, 0, context.time_remaining())
+        return _of(priority, 0, context.time_remaining())
     return scheduling(context, priority, _count(parameters, TIMEOUT, "microseconds"))
 
 

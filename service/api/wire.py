@@ -169,12 +169,24 @@ def _forget_locals(error: BaseException) -> None:
 
 
 def _unary_unary(inner: Any, refuse: _Refuse) -> Any:
+    deserialize = refuse._deserialize
+
     async def call(raw: Any, context: Context) -> Any:
         # Not a local while the servicer runs: an aborted call's traceback keeps this frame.
         box = [raw]
         del raw
         try:
-            return await inner(await refuse.message(box.pop(), context), context)
+            # A small message (nearly every one) is parsed here, without message()'s coroutine;
+            # the box holds it, not a local (as above).
+            if isinstance(box[0], bytes) and len(box[0]) <= STEPPED_PARSE_BYTES:
+                request: Any = deserialize(box.pop())
+                if isinstance(request, Undecodable):
+                    await refuse.check(request, context)
+                box.append(request)
+                del request
+            else:
+                box.append(await refuse.message(box.pop(), context))
+            return await inner(box.pop(), context)
         except BaseException as exc:
             _forget_locals(exc)
             raise

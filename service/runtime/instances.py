@@ -31,7 +31,13 @@ from modelyard.service.errors import DeadlineExceeded, DeviceFault
 from modelyard.service.repository.config import ModelConfig
 from modelyard.service.runtime.providers import ProviderChoice
 from modelyard.service.runtime.runs import ActiveRuns, RunControl
-from modelyard.service.runtime.session import INLINE_WATCHDOG_S, ModelRunner, Runnable, run_checked
+from modelyard.service.runtime.session import (
+    INLINE_WATCHDOG_S,
+    ModelRunner,
+    Runnable,
+    run_checked,
+    run_error,
+)
 
 log = logging.getLogger(__name__)
 
@@ -165,21 +171,33 @@ class Instances:
                 INLINE_WATCHDOG_S * 1e3,
             )
 
+    def run_here(
+        self, feeds: Mapping[str, np.ndarray], output_names: Sequence[str], label: str
+    ) -> list[np.ndarray]:
+        """Run inline, on the calling thread (the event loop), where `runs_inline`: one instance
+        and a run of microseconds, so nothing to choose and never pending when anyone looks;
+        counted only (this is every request of a cheap model), and timed by the watchdog. A plain
+        function, not a coroutine: the request path calls it without an await."""
+        only = self.all[0]
+        only.runs += 1
+        start, cpu = time.perf_counter(), time.thread_time()
+        try:
+            # run_checked without a RunControl (an inline run is not stoppable), one call fewer.
+            return only.runner.run(feeds, output_names)
+        except Exception as exc:
+            raise run_error(exc, label) from None
+        finally:
+            elapsed = time.perf_counter() - start
+            if elapsed > INLINE_WATCHDOG_S:  # the watchdog's call only for a run that may concern it
+                self.ran_inline(elapsed, label, time.thread_time() - cpu)
+
     async def run(
         self, feeds: Mapping[str, np.ndarray], output_names: Sequence[str], executor: Executor, label: str
     ) -> list[np.ndarray]:
         """Run once on the chosen instance: inline on the event loop when the model is cheap enough
         (one instance only), else on the executor, stopped if the caller leaves."""
         if self.runs_inline:
-            # One instance and a run of microseconds, on the loop: nothing to choose and never
-            # pending when anyone looks; counted only (this is every request of a cheap model).
-            only = self.all[0]
-            only.runs += 1
-            start, cpu = time.perf_counter(), time.thread_time()
-            try:
-                return run_checked(only.runner, feeds, output_names, label)
-            finally:
-                self.ran_inline(time.perf_counter() - start, label, time.thread_time() - cpu)
+            return self.run_here(feeds, output_names, label)
         instance = self.start()
         control = self.runs.start()
         if len(self.all) == 1:

@@ -39,12 +39,23 @@ class VersionStats:
     compute_request_ns: int = 0
 
     def record(self, ok: bool, elapsed_ns: int, items: int, queue_ns: int, compute_ns: int) -> None:
-        """One request that was one run of its own (no batching)."""
-        self.record_request(ok, elapsed_ns)
-        if ok:
-            self.record_queue(queue_ns)
-            self.record_execution(items, compute_ns)
-            self.record_compute(1, compute_ns)
+        """One request that was one run of its own (no batching): record_request, and when it
+        succeeded record_queue, record_execution and record_compute(1, ...), in one body (it runs
+        on every such request)."""
+        self.last_inference_ms = time.time_ns() // 1_000_000
+        if not ok:
+            self.fail_count += 1
+            self.fail_ns += elapsed_ns
+            return
+        self.success_count += 1
+        self.success_ns += elapsed_ns
+        self.queue_count += 1
+        self.queue_ns += queue_ns
+        self.inference_count += items
+        self.execution_count += 1
+        self.compute_ns += compute_ns
+        self.compute_request_count += 1
+        self.compute_request_ns += compute_ns
 
     def record_request(self, ok: bool, elapsed_ns: int) -> None:
         if ok:
@@ -92,6 +103,7 @@ class ServedVersion:
         self.model = model
         self.version = version
         self.label = f"model {model} version {version}"  # for messages and logs
+        self.version_name = str(version)  # as requests and answers name it (made once)
         # Every instance holds the same model: the first one answers for the signature, the
         # graph's kind and the provider; runs go through `instances`.
         self.runner = runners[0]

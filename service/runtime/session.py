@@ -135,7 +135,10 @@ class ModelRunner:
         options: ort.RunOptions | None = None,
     ) -> list[np.ndarray]:
         strings = self.signature.string_inputs
-        ort_feeds = feeds_for_ort(feeds, strings) if strings else dict(feeds)
+        # ONNX Runtime takes a dict and keeps none of it: the decoders' dicts go as they are.
+        ort_feeds = (
+            feeds_for_ort(feeds, strings) if strings else feeds if type(feeds) is dict else dict(feeds)
+        )
         arrays: list[np.ndarray]
         start = time.perf_counter()
         try:
@@ -144,7 +147,7 @@ class ModelRunner:
             elif self.binding is not None:
                 arrays = self.binding.run(self.session, ort_feeds, output_names, options)
             else:
-                arrays = self._session_run(list(output_names), ort_feeds, options)
+                arrays = self._session_run(output_names, ort_feeds, options)  # any sequence of str
         except UnicodeDecodeError:  # the binding decodes string outputs as UTF-8, strictly
             raise ModelRunError(
                 "a BYTES output holds bytes that are not UTF-8, which ONNX Runtime's Python binding "

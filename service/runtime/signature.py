@@ -30,8 +30,8 @@ class Signature:
     outputs: tuple[TensorSpec, ...]
     max_batch_size: int  # 0 = no batch dimension declared
 
-    @property
-    def output_names(self) -> tuple[str, ...]:
+    @cached_property
+    def output_names(self) -> tuple[str, ...]:  # cached: every request that names no output reads it
         return tuple(t.name for t in self.outputs)
 
     @cached_property

@@ -7,8 +7,10 @@ import inspect
 
 import grpc
 
+from modelyard.common import headers
 from modelyard.common.reasons import ErrorReason
 from modelyard.service import errors
+from modelyard.service.api import errors as api_errors
 from modelyard.service.api.errors import DEADLINE_SLACK_S, deadline_passed, status_for
 from modelyard.tensors import TensorError
 
@@ -57,3 +59,20 @@ def test_a_cancel_a_hair_before_the_server_side_deadline_counts_as_the_deadline(
     assert deadline_passed(_Remaining(-0.2))  # type: ignore[arg-type]
     assert not deadline_passed(_Remaining(DEADLINE_SLACK_S * 4))  # type: ignore[arg-type]
     assert not deadline_passed(_Remaining(None))  # type: ignore[arg-type]
+
+
+def test_answer_metadata_names_the_worker_once_it_is_set() -> None:
+    # The answer's metadata is built once per version: naming the worker later must not leave
+    # the metadata built before it without x-served-by.
+    saved = api_errors._served_by
+    try:
+        assert api_errors.answer_metadata("7") == ((headers.SERVED_VERSION, "7"),)
+        api_errors.set_served_by("worker-3")
+        assert api_errors.answer_metadata("7") == (
+            (headers.SERVED_VERSION, "7"),
+            (headers.SERVED_BY, "worker-3"),
+        )
+        assert api_errors.answer_metadata("7") is api_errors.answer_metadata("7")  # built once
+    finally:
+        api_errors._served_by = saved
+        api_errors._answer_metadata.clear()

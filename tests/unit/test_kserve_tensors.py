@@ -206,13 +206,13 @@ def test_parameter_value(parameter: InferParameter, value: object) -> None:
 
 def test_requested_outputs() -> None:
     request = ModelInferRequest()
-    assert requested_outputs(request) == []
+    assert requested_outputs(request.outputs) == []
     request.outputs.add(name="b")
     request.outputs.add(name="a")
-    assert requested_outputs(request) == ["b", "a"]
+    assert requested_outputs(request.outputs) == ["b", "a"]
     request.outputs.add(name="b")
     with pytest.raises(InvalidInput, match="'b' is requested more than once"):
-        requested_outputs(request)
+        requested_outputs(request.outputs)
 
 
 # Bad input --------------------------------------------------------------------------------------

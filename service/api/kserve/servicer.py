@@ -126,8 +126,9 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
             )
 
     async def ModelInfer(self, request: pb.ModelInferRequest, context: Context) -> pb.ModelInferResponse:
-        async with serving(context, self._metrics, "ModelInfer", request.model_name) as call:
-            response = await self._infer(request, context)
+        model = request.model_name  # each read of a protobuf field makes a new object: read once
+        async with serving(context, self._metrics, "ModelInfer", model) as call:
+            response = await self._infer(request, context, model)
             call.answered(response.model_version)
             return response
 
@@ -145,7 +146,7 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
             async with serving(context, self._metrics, "ModelStreamInfer", request.model_name) as call:
                 try:
                     final_flag = _empty_final_response(request)
-                    response = await self._infer(request, context)
+                    response = await self._infer(request, context, request.model_name)
                 except (ServiceError, TensorError) as exc:
                     first = False
                     yield _in_band_error(request, exc, call.in_band(exc))
@@ -244,57 +245,63 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
                 self._manager.status(request.model_name)  # NOT_FOUND for a model it does not know
             return settings.answer_trace_setting(self._traces, request)
 
-    async def _infer(self, request: pb.ModelInferRequest, context: Context) -> pb.ModelInferResponse:
+    async def _infer(
+        self, request: pb.ModelInferRequest, context: Context, model: str
+    ) -> pb.ModelInferResponse:
+        """`model`: the request's model_name (read once: each read of a field is a new object)."""
+        parameters = request.parameters
         version, request_id, priority = call_fields(
             context,
-            request.model_name,
+            model,
             request.model_version,
             request.id,
-            kserve_priority(request.parameters),
+            kserve_priority(parameters) if parameters else 0,
         )
         # One version for the whole request: its limits check the tensors, its priority levels
         # and label files apply, and it runs.
-        with self._dataplane.open(request.model_name, version) as held:
+        with self._dataplane.open(model, version) as held:
             served = held.served
-            refuse_extra_tensors(
-                request.model_name, served.runner.signature, len(request.inputs), len(request.outputs)
-            )
+            # Each container read once (each read of a protobuf field makes a new object).
+            tensors, outputs = request.inputs, request.outputs
+            refuse_extra_tensors(model, served.runner.signature, len(tensors), len(outputs))
             # Decoded only once the tensors' headers fit the model (service/intake.py).
-            plain = kserve_plain(request)
+            plain = kserve_plain(tensors, request.raw_input_contents)
             if plain is not None:  # raw contents only: decoded from the checked headers
                 inputs = held.decode_fixed(*plain)
             else:
                 headers = kserve_headers(request)
                 inputs = await held.decode(headers, partial(decode_inputs, request, self._shm))
-            names = requested_outputs(request)
-            options = output_options(request)
+            names = requested_outputs(outputs)
+            options = output_options(outputs)
             classify = options.classify
-            scheduling = kserve_scheduling(context, request.parameters, priority)
+            scheduling = kserve_scheduling(context, parameters, priority)
             if scheduling.priority:
                 batching = served.config.dynamic_batching
                 if batching is None or scheduling.priority > batching.admission.priority_levels:
                     # As Triton: a priority the model does not have means its default level.
                     scheduling = replace(scheduling, priority=0)
             result = await held.infer(inputs, names, scheduling)
-        response = pb.ModelInferResponse(
-            model_name=result.model, model_version=str(result.version), id=request_id
-        )
-        outputs = result.outputs
+        # Fields set one by one: cheaper than the constructor's keywords (and no empty id set).
+        response = pb.ModelInferResponse()
+        response.model_name, response.model_version = result.model, str(result.version)
+        if request_id:
+            response.id = request_id
+        answers = result.outputs
         if classify:
             batched = bool(served.config.max_batch_size)
-            outputs = {
+            answers = {
                 name: top_k(name, array, classify[name], batched, served.labels.get(name, ()))
                 if name in classify
                 else array
-                for name, array in outputs.items()
+                for name, array in answers.items()
             }
         if options.in_shm and sum(size for _, _, size in options.in_shm.values()) > INLINE_DECODE_BYTES:
             # Large copies into shared memory (pwrite) go off the event loop.
             await asyncio.get_running_loop().run_in_executor(
-                None, encode_outputs, response, outputs, options.in_shm, self._shm
+                None, encode_outputs, response, answers, options.in_shm, self._shm
             )
         else:
-            encode_outputs(response, outputs, options.in_shm, self._shm)
+            encode_outputs(response, answers, options.in_shm, self._shm)
         return response
 
 

@@ -9,7 +9,7 @@ InvalidInput naming the tensor.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -127,10 +127,12 @@ def encode_outputs(
     """Append each array to the response as an output tensor with its data in raw_output_contents,
     or written into its shared memory region (then, as Triton, with an empty raw entry so that
     raw contents stay aligned with outputs)."""
-    if len(response.outputs) != len(response.raw_output_contents):
+    # Each container read once: each read of a protobuf field makes a new object.
+    tensors, raw = response.outputs, response.raw_output_contents
+    if len(tensors) != len(raw):
         raise ValueError("response already holds outputs without raw contents; cannot append raw outputs")
     if not in_shm:  # the common case: every output's bytes in the response
-        add, append = response.outputs.add, response.raw_output_contents.append
+        add, append = tensors.add, raw.append
         for name, value in outputs.items():
             array = np.asarray(value)
             try:
@@ -167,12 +169,13 @@ def encode_outputs(
         response.raw_output_contents.append(data)
 
 
-def requested_outputs(request: ModelInferRequest) -> list[str]:
-    """The names of the requested outputs, in order; an empty list means all outputs."""
+def requested_outputs(outputs: Sequence[ModelInferRequest.InferRequestedOutputTensor]) -> list[str]:
+    """The names of the requested outputs (a request's `outputs`, read once by the caller), in
+    order; an empty list means all outputs."""
     names: list[str] = []
-    if not request.outputs:  # all outputs (most requests)
+    if not outputs:  # all outputs (most requests)
         return names
-    for output in request.outputs:
+    for output in outputs:
         if not output.name:
             raise InvalidInput("a requested output has no name")
         if output.name in names:
@@ -194,13 +197,13 @@ class OutputOptions:
 _NO_OPTIONS = OutputOptions()
 
 
-def output_options(request: ModelInferRequest) -> OutputOptions:
-    """The requested outputs' parameters; any we do not handle is refused, never ignored."""
-    outputs = request.outputs
+def output_options(outputs: Sequence[ModelInferRequest.InferRequestedOutputTensor]) -> OutputOptions:
+    """The requested outputs' parameters (a request's `outputs`); any we do not handle is refused,
+    never ignored."""
     if not outputs or not any(output.parameters for output in outputs):
         return _NO_OPTIONS
     options = OutputOptions()
-    for output in request.outputs:
+    for output in outputs:
         at = _shm_location(output, "output")
         if at is not None:
             options.in_shm[output.name] = at
