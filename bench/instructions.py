@@ -168,6 +168,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--tracing", default="", metavar="SAMPLER[:ARG]", help="--sidecar: also each tree's sidecar traced so"
     )
+    parser.add_argument(
+        "--keep", type=Path, help="--sidecar: write the callgrind files here (for callgrind_annotate)"
+    )
     return parser.parse_args(argv)
 
 
@@ -213,12 +216,13 @@ async def measure_sidecar(
     env: Sequence[str],
     requests: int,
     workdir: Path,
+    keep: Path | None = None,
 ) -> list[float]:
     """Instructions per request of one proxy under saturating load: its threads', most first."""
     from bench.sidecar import TENANT_MD, infer_request, wait_sidecar_ready
     from modelyard.kserve.v2 import grpc_service_pb2_grpc as kserve_grpc
 
-    out = workdir / f"{label}.callgrind"
+    out = (keep or workdir) / f"{label}.callgrind"
     own_path = os.environ.get("PYTHONPATH", "")
     if tree is not None:
         os.environ["PYTHONPATH"] = str(tree / "proto" / "python")
@@ -279,7 +283,7 @@ async def run_sidecar(args: argparse.Namespace) -> int:
                 upstream = f"127.0.0.1:{service.port}"
                 for label, tree, env in targets:
                     threads = await measure_sidecar(
-                        label, tree, upstream, routes, env, args.requests, workdir
+                        label, tree, upstream, routes, env, args.requests, workdir, args.keep
                     )
                     results[label] = threads
                     print(f"{label}: {sum(threads):,.0f} instructions/request", file=sys.stderr)
