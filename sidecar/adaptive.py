@@ -49,12 +49,11 @@ from __future__ import annotations
 
 import math
 import time
-from bisect import bisect_left, bisect_right
+from bisect import bisect_right
 from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from enum import StrEnum
-from itertools import accumulate
 
 Clock = Callable[[], float]
 HEALTHY = 1.5  # a window's p99 up to this multiple of the baseline still teaches the baseline
@@ -138,29 +137,37 @@ def bucket_of(latency: float) -> int:
     return min(BUCKETS - 1, int((math.log(latency) - _LOG_LOW) * _SCALE))
 
 
-class Latencies:
-    """Latencies as counts per bucket (bucket_of): O(1) to add or remove one, and a percentile,
-    or how many are above a limit, is a walk over the buckets (only when a trip is considered)."""
+GROUP = 32  # buckets per group: a percentile walks the groups' counts, then one group's buckets
 
-    __slots__ = ("counts", "total")
+
+class Latencies:
+    """Latencies as counts per bucket (bucket_of), and per group of GROUP buckets: O(1) to add or
+    remove one; a percentile walks at most BUCKETS / GROUP groups and GROUP buckets, and how many
+    are above a limit is a sum over the buckets (only when a trip is considered)."""
+
+    __slots__ = ("counts", "groups", "total")
 
     def __init__(self, counts: list[int] | None = None) -> None:
         self.counts = counts if counts is not None else [0] * BUCKETS
-        self.total = sum(self.counts) if counts is not None else 0
+        self.groups = [sum(self.counts[g : g + GROUP]) for g in range(0, BUCKETS, GROUP)]
+        self.total = sum(self.groups)
 
     def __len__(self) -> int:
         return self.total
 
     def add(self, bucket: int) -> None:
         self.counts[bucket] += 1
+        self.groups[bucket // GROUP] += 1
         self.total += 1
 
     def remove(self, bucket: int) -> None:
         self.counts[bucket] -= 1
+        self.groups[bucket // GROUP] -= 1
         self.total -= 1
 
     def clear(self) -> None:
         self.counts = [0] * BUCKETS
+        self.groups = [0] * (BUCKETS // GROUP)
         self.total = 0
 
     def copy(self) -> Latencies:
@@ -173,7 +180,16 @@ class Latencies:
 
     def ranked(self, rank: int) -> float:
         """The rank-th smallest latency (1-based), as its bucket's middle."""
-        return _MIDDLES[bisect_left(list(accumulate(self.counts)), rank)]
+        seen = 0
+        for group, count in enumerate(self.groups):
+            if seen + count >= rank:
+                first = group * GROUP
+                for bucket in range(first, first + GROUP):
+                    seen += self.counts[bucket]
+                    if seen >= rank:
+                        return _MIDDLES[bucket]
+            seen += count
+        return _MIDDLES[-1]  # rank beyond the count: the largest bucket (never asked)
 
     def above(self, limit: float) -> int:
         """How many are above `limit` (whose bucket's middle is)."""
@@ -403,8 +419,8 @@ class AdaptivePolicy:
     def _check_latency(self, lone: bool = False, reference: Reference | None = None) -> Trip | None:
         latencies = self.window.latencies
         p = self.policy
-        stable = reference.latencies() if reference is not None else Latencies()
-        if min(len(stable), len(latencies)) >= p.min_calls:
+        stable = reference.latencies() if reference is not None else None
+        if stable is not None and min(len(stable), len(latencies)) >= p.min_calls:
             # A canary, judged against stable over the same window: their p99s once both hold
             # `latency_min_calls` timed calls, else their medians (a hiccup cannot move a median,
             # a canary slow on most calls does: so a canary of little traffic is judged too).
@@ -415,14 +431,12 @@ class AdaptivePolicy:
             return self._latency_trip(latencies, stat, need, limit, lone)
         if len(latencies) < p.latency_min_calls:
             return None
+        observed = p99(latencies)  # once: a walk over the histogram
         own = self._own_limit()
-        if own is not None:
-            trip = self._latency_trip(latencies, p99, p.latency_min_calls, own, lone)
-            if trip is not None or p99(latencies) > own:
-                return trip
+        if own is not None and observed > own:
+            return self._latency_trip(latencies, p99, p.latency_min_calls, own, lone, observed)
         # Learn slowly, and only from windows that look healthy (at most HEALTHY x the baseline;
         # faster is always learned), so that a slide towards slow cannot drag the baseline along.
-        observed = p99(latencies)
         base = self.baseline
         if base is None:
             self.baseline = observed
@@ -437,10 +451,11 @@ class AdaptivePolicy:
         need: int,
         limit: float,
         lone: bool,
+        value: float | None = None,
     ) -> Trip | None:
-        """LATENCY when `stat` of the window's latencies exceeds `limit`, and still does without
-        the caller with the most calls over it (unless `lone`)."""
-        if stat(latencies) <= limit:
+        """LATENCY when `stat` of the window's latencies (`value`, when computed already) exceeds
+        `limit`, and still does without the caller with the most calls over it (unless `lone`)."""
+        if (stat(latencies) if value is None else value) <= limit:
             return None
         if not lone:
             others = self.window.latencies_without_top_caller(limit)
