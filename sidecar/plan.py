@@ -181,16 +181,17 @@ def is_unreachable(code: str, reason: str) -> bool:
     return code == "UNAVAILABLE" and not reason
 
 
-def caller_key(received: Mapping[str, str], stickiness_header: str, peer: str) -> int:
+def caller_key(received: Mapping[str, str], stickiness_header: str, peer: str | Callable[[], str]) -> int:
     """Who a call is, as far as the sidecar can tell: its tenant, else its user's sticky key, else
-    its connection. Only a hash is kept (in the breakers' windows)."""
+    its connection (`peer`, or what gives it: gRPC's context.peer builds a string per call, asked
+    only when needed). Only a hash is kept (in the breakers' windows)."""
     tenant = received.get(headers.TENANT_ID)
     if tenant:
         return hash(("tenant", tenant))
     user = received.get(stickiness_header)
     if user:
         return hash(("user", user))
-    return hash(("peer", peer))
+    return hash(("peer", peer if isinstance(peer, str) else peer()))
 
 
 def tenant_bucket(tenants: Mapping[str, TenantLimit], received: Mapping[str, str]) -> str:
