@@ -127,6 +127,7 @@ RATIO = 1.02
 BUCKETS = 1024
 _SCALE = 1 / math.log(RATIO)
 _LOG_LOW = math.log(LOW)
+_log = math.log
 _MIDDLES: list[float] = [LOW * RATIO ** (i + 0.5) for i in range(BUCKETS)]
 
 
@@ -230,7 +231,8 @@ class Window:
     def add(self, now: float, fault: bool, latency: float | None, caller: Caller = None) -> None:
         bucket = -1
         if latency is not None:
-            bucket = bucket_of(latency)
+            # bucket_of, inline: this runs per call
+            bucket = 0 if latency <= LOW else min(BUCKETS - 1, int((_log(latency) - _LOG_LOW) * _SCALE))
             self.latencies.add(bucket)
         self._calls.append((now, fault, bucket, caller))
         self.faults += fault

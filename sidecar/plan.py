@@ -408,9 +408,13 @@ def is_stateful(model: str, version: str, table: RouteTable, pool: Pool[Target])
     """Whether a (model, version) gets a breaker: only what the upstreams serve (WatchModels),
     or a version the route names for a served model. Anything a client makes up is forwarded
     without state, and answered by the upstream (NOT_FOUND)."""
-    if not model or not pool.knows(model):
+    if not model:
         return False
-    if not version or pool.knows(model, version):
+    if version and pool.knows(model, version):  # the usual answer, in one look
+        return True
+    if not pool.knows(model):
+        return False
+    if not version:
         return True
     route = table.models.get(model)
     return route is not None and version in (route.stable, route.canary)
