@@ -79,7 +79,8 @@ class Refused(Exception):
         return ((headers.ERROR_REASON, self.reason), *self.extra)
 
 
-@dataclass(frozen=True, slots=True)
+# Not frozen (a value all the same): a frozen dataclass's __init__ costs ~0.2 us a field, per call.
+@dataclass(slots=True)
 class Request:
     """What a call asks for, read from its message and headers (names checked)."""
 

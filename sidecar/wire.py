@@ -30,7 +30,8 @@ class WireError(ValueError):
     """The bytes are not a protobuf message."""
 
 
-@dataclass(frozen=True, slots=True)
+# Not frozen (a value all the same): a frozen dataclass's __init__ costs ~0.2 us a field, per call.
+@dataclass(slots=True)
 class ModelFields:
     name: str = ""
     version: str = ""
