@@ -13,6 +13,17 @@ in a hot loop), but fewer instructions on the same path are less CPU.
 
     .venv/bin/python -m bench.instructions --trees base=/work/wt/base,now=. [--bare]
         [--models tiny] [--apis kserve,v1] [--requests 320] [--keep DIR]
+
+With --sidecar, the same for the sidecar hop (bench/sidecar.py's set-up: two versions of tiny, a
+10% canary, a tenant limit on every call, a fresh x-user-id per call): one service runs natively,
+each tree's `python -m modelyard.sidecar` in front of it runs under callgrind (and, with
+--tracing SAMPLER[:ARG], a second one of each tree with tracing on, exporting to a receiver in
+this process that drops what it gets), and with --bare bench/bare_proxy.py (the reference, from
+this tree). Threads are counted apart (--separate-threads): the main thread's share and the rest
+(gRPC's poller, a span exporter) are printed beside the total.
+
+    .venv/bin/python -m bench.instructions --sidecar --trees base=/work/wt/base,now=. --bare
+        [--tracing parentbased_traceidratio:0.01] [--requests 320] [--keep DIR]
 """
 
 from __future__ import annotations
@@ -172,14 +183,139 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--models", type=names, default=["tiny"])
     parser.add_argument("--apis", type=names, default=["kserve", "v1"])
     parser.add_argument("--requests", type=int, default=320, help="counted requests per point")
+    parser.add_argument("--sidecar", action="store_true", help="the sidecar hop instead of the service")
     parser.add_argument(
-        "--keep", type=Path, default=None, help="copy callgrind's dumps here (for callgrind_annotate)"
+        "--tracing", default="", metavar="SAMPLER[:ARG]", help="--sidecar: also each tree's sidecar traced so"
+    )
+    parser.add_argument(
+        "--keep", type=Path, default=None, help="keep callgrind's dumps here (for callgrind_annotate)"
     )
     return parser.parse_args(argv)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    return asyncio.run(run(parse_args(argv)))
+    args = parse_args(argv)
+    return asyncio.run(run_sidecar(args) if args.sidecar else run(args))
+
+
+# --- the sidecar hop (--sidecar) ---------------------------------------------------------------
+
+
+def sidecar_server(
+    label: str, tree: Path | None, upstream: str, routes: Path, env: Sequence[str], workdir: Path, out: Path
+) -> ServerProcess:
+    """The tree's sidecar (None: the bare proxy of this tree) under callgrind, counting off,
+    each thread counted apart, pinned to core 1; `env`: NAME=VALUE set for it (tracing)."""
+    from bench.sidecar import BARE_READY, SIDECAR_READY
+
+    valgrind = ["env", *env, "taskset", "-c", "1", "valgrind", "--tool=callgrind", "--instr-atstart=no"]
+    valgrind += ["--separate-threads=yes", f"--callgrind-out-file={out}"]
+    if tree is None:
+        argv = [*valgrind, sys.executable, "-m", "bench.bare_proxy", "--upstream", upstream]
+        return ServerProcess(label, argv, workdir, BARE_READY)
+    argv = [*valgrind, sys.executable, "-m", "modelyard.sidecar", "--listen", "127.0.0.1:0"]
+    argv += ["--upstream", upstream, "--admin-listen", "", "--config", str(routes), "--grace-s", "1"]
+    return ServerProcess(label, argv, workdir, SIDECAR_READY, cwd=tree)
+
+
+def thread_instructions(out: Path) -> list[int]:
+    """Instructions per thread of one run (callgrind's per-thread dumps), most first."""
+    totals = []
+    for path in glob.glob(f"{out}*"):
+        with open(path) as f:
+            totals.append(sum(int(line.split()[1]) for line in f if line.startswith("totals:")))
+    return sorted(totals, reverse=True)
+
+
+async def measure_sidecar(
+    label: str,
+    tree: Path | None,
+    upstream: str,
+    routes: Path,
+    env: Sequence[str],
+    requests: int,
+    workdir: Path,
+    keep: Path | None = None,
+) -> list[float]:
+    """Instructions per request of one proxy under saturating load: its threads', most first."""
+    from bench.sidecar import TENANT_MD, infer_request, wait_sidecar_ready
+    from modelyard.kserve.v2 import grpc_service_pb2_grpc as kserve_grpc
+
+    out = (keep or workdir) / f"{label}.callgrind"
+    own_path = os.environ.get("PYTHONPATH", "")
+    if tree is not None:
+        os.environ["PYTHONPATH"] = str(tree / "proto" / "python")
+    try:
+        process = sidecar_server(label, tree, upstream, routes, env, workdir, out)
+        process.spawn()
+    finally:
+        os.environ["PYTHONPATH"] = own_path
+    try:
+        await process.wait_ready(900.0)
+        address = f"127.0.0.1:{process.port}"
+        if tree is not None:
+            await wait_sidecar_ready(address)
+        request = infer_request()
+        async with grpc.aio.insecure_channel(address) as channel:
+            call = kserve_grpc.GRPCInferenceServiceStub(channel).ModelInfer
+
+            async def load(count: int, tag: str) -> None:
+                async def client(n: int) -> None:
+                    for i in range(count // CONCURRENCY):
+                        await call(request, metadata=[("x-user-id", f"{tag}{n}-{i}"), TENANT_MD], timeout=600)
+
+                await asyncio.gather(*(client(n) for n in range(CONCURRENCY)))
+
+            await load(WARMUP_REQUESTS, "w")
+            callgrind("--instr=on", process.pid)
+            await load(requests, "u")
+            callgrind("--instr=off", process.pid)
+            callgrind("--dump", process.pid)
+    finally:
+        process.stop()
+    counted = requests // CONCURRENCY * CONCURRENCY
+    return [count / counted for count in thread_instructions(out)]
+
+
+async def run_sidecar(args: argparse.Namespace) -> int:
+    from bench.processes import running_service
+    from bench.sidecar import ROUTES, build_repository, trace_receiver, tracing_env
+
+    if shutil.which("valgrind") is None or shutil.which("callgrind_control") is None:
+        print("valgrind (callgrind) is not installed", file=sys.stderr)
+        return 1
+    results: dict[str, list[float]] = {}
+    with tempfile.TemporaryDirectory(prefix="bench-instructions-") as tmp:
+        workdir = Path(tmp)
+        build_repository(workdir / "models")
+        routes = workdir / "routes.yaml"
+        routes.write_text(ROUTES)
+        receiver, port = await trace_receiver() if args.tracing else (None, 0)
+        traced_env = tracing_env(args.tracing, port) if args.tracing else []
+        targets: list[tuple[str, Path | None, list[str]]] = [(label, tree, []) for label, tree in args.trees]
+        if args.tracing:
+            targets += [(f"{label}_traced", tree, traced_env) for label, tree in args.trees]
+        if args.bare:
+            targets.append(("bare", None, []))
+        try:
+            async with running_service(workdir / "models", workdir) as service:
+                upstream = f"127.0.0.1:{service.port}"
+                for label, tree, env in targets:
+                    threads = await measure_sidecar(
+                        label, tree, upstream, routes, env, args.requests, workdir, args.keep
+                    )
+                    results[label] = threads
+                    print(f"{label}: {sum(threads):,.0f} instructions/request", file=sys.stderr)
+        finally:
+            if receiver is not None:
+                await receiver.stop(None)
+    reference = "bare" if args.bare else targets[0][0]
+    print(f"\n{'':<14}{'total':>12}{'busiest':>12}{'others':>12}   x {reference}")
+    for label, threads in results.items():
+        total = sum(threads)
+        ratio = total / sum(results[reference])
+        print(f"{label:<14}{total:>12,.0f}{threads[0]:>12,.0f}{total - threads[0]:>12,.0f}   {ratio:.3f}")
+    return 0
 
 
 if __name__ == "__main__":

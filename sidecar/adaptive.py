@@ -49,7 +49,7 @@ from __future__ import annotations
 
 import math
 import time
-from bisect import bisect_left, bisect_right, insort
+from bisect import bisect_right
 from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -119,37 +119,109 @@ class BreakerPolicy:
             raise ValueError("backoff_s must be positive and at most backoff_max_s")
 
 
-def p99(samples: list[float]) -> float:
-    return sorted_p99(sorted(samples))
+# The window's latencies are counted in log-spaced buckets, each RATIO wide, from LOW up (below:
+# the first bucket; above the last: the last): a percentile is its bucket's geometric middle, so
+# within +-1% of the sample it stands for (sqrt(RATIO) - 1), from 10 us to over 15 minutes.
+LOW = 1e-5
+RATIO = 1.02
+BUCKETS = 1024
+_SCALE = 1 / math.log(RATIO)
+_LOG_LOW = math.log(LOW)
+_log = math.log
+_MIDDLES: list[float] = [LOW * RATIO ** (i + 0.5) for i in range(BUCKETS)]
 
 
-def p50(samples: list[float]) -> float:
-    return sorted_p50(sorted(samples))
+def bucket_of(latency: float) -> int:
+    """The bucket a latency (s) is counted in."""
+    if latency <= LOW:
+        return 0
+    return min(BUCKETS - 1, int((math.log(latency) - _LOG_LOW) * _SCALE))
 
 
-def sorted_p99(ordered: list[float]) -> float:
-    """p99 of samples already in ascending order."""
-    return ordered[min(len(ordered) - 1, math.ceil(0.99 * len(ordered)) - 1)]
+GROUP = 32  # buckets per group: a percentile walks the groups' counts, then one group's buckets
 
 
-def sorted_p50(ordered: list[float]) -> float:
-    return ordered[(len(ordered) - 1) // 2]
+class Latencies:
+    """Latencies as counts per bucket (bucket_of), and per group of GROUP buckets: O(1) to add or
+    remove one; a percentile walks at most BUCKETS / GROUP groups and GROUP buckets, and how many
+    are above a limit is a sum over the buckets (only when a trip is considered)."""
+
+    __slots__ = ("counts", "groups", "total")
+
+    def __init__(self, counts: list[int] | None = None) -> None:
+        self.counts = counts if counts is not None else [0] * BUCKETS
+        self.groups = [sum(self.counts[g : g + GROUP]) for g in range(0, BUCKETS, GROUP)]
+        self.total = sum(self.groups)
+
+    def __len__(self) -> int:
+        return self.total
+
+    def add(self, bucket: int) -> None:
+        self.counts[bucket] += 1
+        self.groups[bucket // GROUP] += 1
+        self.total += 1
+
+    def remove(self, bucket: int) -> None:
+        self.counts[bucket] -= 1
+        self.groups[bucket // GROUP] -= 1
+        self.total -= 1
+
+    def clear(self) -> None:
+        self.counts = [0] * BUCKETS
+        self.groups = [0] * (BUCKETS // GROUP)
+        self.total = 0
+
+    def copy(self) -> Latencies:
+        return Latencies(list(self.counts))
+
+    @staticmethod
+    def merged(parts: Iterable[Latencies]) -> Latencies:
+        found = [part.counts for part in parts]
+        return Latencies([sum(column) for column in zip(*found, strict=True)] if found else None)
+
+    def ranked(self, rank: int) -> float:
+        """The rank-th smallest latency (1-based), as its bucket's middle."""
+        seen = 0
+        for group, count in enumerate(self.groups):
+            if seen + count >= rank:
+                first = group * GROUP
+                for bucket in range(first, first + GROUP):
+                    seen += self.counts[bucket]
+                    if seen >= rank:
+                        return _MIDDLES[bucket]
+            seen += count
+        return _MIDDLES[-1]  # rank beyond the count: the largest bucket (never asked)
+
+    def above(self, limit: float) -> int:
+        """How many are above `limit` (whose bucket's middle is)."""
+        first = bisect_right(_MIDDLES, limit)
+        return sum(self.counts[first:])
+
+
+def p99(latencies: Latencies) -> float:
+    """The nearest-rank p99 (as the sorted list's index ceil(0.99 n) - 1 gave it)."""
+    n = latencies.total
+    return latencies.ranked(min(n, math.ceil(0.99 * n)))
+
+
+def p50(latencies: Latencies) -> float:
+    """The lower median (the sorted list's index (n - 1) // 2)."""
+    return latencies.ranked((latencies.total - 1) // 2 + 1)
 
 
 Caller = int | None  # a hash of the caller's identity; None: unknown (counted as nobody's)
 
 
 class Window:
-    """Calls of the last `window_s` seconds: (time, fault, latency or None, caller). Running counts
-    (in total and per caller) keep recording O(1), and the latencies are kept in order as they come
-    and go (a binary search and a move in one list), so a percentile is an index, not a sort of
-    the window every `latency_check_s`; the leave-one-out checks are computed only when a trip is
-    considered."""
+    """Calls of the last `window_s` seconds: (time, fault, latency bucket or -1, caller). Running
+    counts (in total and per caller) and the latencies' histogram (Latencies) keep recording O(1)
+    and a call's leaving the window O(1); the leave-one-out checks are computed only when a trip
+    is considered."""
 
     def __init__(self, policy: BreakerPolicy) -> None:
         self.policy = policy
-        self._calls: deque[tuple[float, bool, float | None, Caller]] = deque()
-        self._ordered: list[float] = []  # the window's latencies, ascending
+        self._calls: deque[tuple[float, bool, int, Caller]] = deque()
+        self.latencies = Latencies()  # the window's latencies, bucketed
         self.faults = 0
         self._callers: dict[int, list[int]] = {}  # caller -> [calls, faults] in the window
 
@@ -157,12 +229,17 @@ class Window:
         return len(self._calls)
 
     def add(self, now: float, fault: bool, latency: float | None, caller: Caller = None) -> None:
-        self._calls.append((now, fault, latency, caller))
-        self.faults += fault
+        bucket = -1
         if latency is not None:
-            insort(self._ordered, latency)
+            # bucket_of, inline: this runs per call
+            bucket = 0 if latency <= LOW else min(BUCKETS - 1, int((_log(latency) - _LOG_LOW) * _SCALE))
+            self.latencies.add(bucket)
+        self._calls.append((now, fault, bucket, caller))
+        self.faults += fault
         if caller is not None:
-            counts = self._callers.setdefault(caller, [0, 0])
+            counts = self._callers.get(caller)
+            if counts is None:
+                counts = self._callers[caller] = [0, 0]
             counts[0] += 1
             counts[1] += fault
         self.trim(now)
@@ -171,11 +248,10 @@ class Window:
         horizon = now - self.policy.window_s
         calls = self._calls
         while calls and (calls[0][0] < horizon or len(calls) > self.policy.max_samples):
-            _, fault, latency, caller = calls.popleft()
+            _, fault, bucket, caller = calls.popleft()
             self.faults -= fault
-            if latency is not None:
-                ordered = self._ordered
-                del ordered[bisect_left(ordered, latency)]
+            if bucket >= 0:
+                self.latencies.remove(bucket)
             if caller is not None:
                 counts = self._callers[caller]
                 counts[0] -= 1
@@ -197,26 +273,24 @@ class Window:
         calls, faults = len(self._calls) - top_calls, self.faults - top_faults
         return faults >= 1 and faults >= error_rate * calls
 
-    def ordered_latencies(self) -> list[float]:
-        """The window's latencies in ascending order (the window's own list: read, never change)."""
-        return self._ordered
-
-    def latencies_without_top_caller(self, limit: float) -> list[float]:
+    def latencies_without_top_caller(self, limit: float) -> Latencies:
         """The latencies without the calls of the caller with the most calls over `limit`."""
+        first_over = bisect_right(_MIDDLES, limit)  # the buckets over the limit (Latencies.above)
         slow: dict[int, int] = {}
-        for _, _, latency, caller in self._calls:
-            if caller is not None and latency is not None and latency > limit:
+        for _, _, bucket, caller in self._calls:
+            if caller is not None and bucket >= first_over:
                 slow[caller] = slow.get(caller, 0) + 1
         top = max(slow, key=slow.__getitem__, default=None)
-        return [
-            latency
-            for _, _, latency, caller in self._calls
-            if latency is not None and (caller is None or caller != top)
-        ]
+        others = self.latencies.copy()
+        if top is not None:
+            for _, _, bucket, caller in self._calls:
+                if caller == top and bucket >= 0:
+                    others.remove(bucket)
+        return others
 
     def clear(self) -> None:
         self._calls.clear()
-        self._ordered.clear()
+        self.latencies.clear()
         self._callers.clear()
         self.faults = 0
 
@@ -236,11 +310,11 @@ class Reference:
         """Stable's share of faults; 0 for fewer than `min_calls` calls (too few to say)."""
         return self.faults / self.calls if self.calls >= min_calls else 0.0
 
-    def ordered_latencies(self) -> list[float]:
-        """Stable's latencies over the window, ascending (one window's own list: read only)."""
+    def latencies(self) -> Latencies:
+        """Stable's latencies over the window (one window's own: read only)."""
         if len(self._windows) == 1:
-            return self._windows[0].ordered_latencies()
-        return sorted(x for w in self._windows for x in w.ordered_latencies())
+            return self._windows[0].latencies
+        return Latencies.merged(w.latencies for w in self._windows)
 
 
 class AdaptivePolicy:
@@ -345,28 +419,26 @@ class AdaptivePolicy:
         return lone or others >= math.ceil(need / 2)
 
     def _check_latency(self, lone: bool = False, reference: Reference | None = None) -> Trip | None:
-        latencies = self.window.ordered_latencies()  # ascending, as is every list of this check
+        latencies = self.window.latencies
         p = self.policy
-        stable = reference.ordered_latencies() if reference is not None else []
-        if min(len(stable), len(latencies)) >= p.min_calls:
+        stable = reference.latencies() if reference is not None else None
+        if stable is not None and min(len(stable), len(latencies)) >= p.min_calls:
             # A canary, judged against stable over the same window: their p99s once both hold
             # `latency_min_calls` timed calls, else their medians (a hiccup cannot move a median,
             # a canary slow on most calls does: so a canary of little traffic is judged too).
             many = min(len(stable), len(latencies)) >= p.latency_min_calls
-            stat, need = (sorted_p99, p.latency_min_calls) if many else (sorted_p50, p.min_calls)
+            stat, need = (p99, p.latency_min_calls) if many else (p50, p.min_calls)
             limit = max(p.latency_floor_s, p.latency_multiple * stat(stable))
             self.reference_limit = limit
             return self._latency_trip(latencies, stat, need, limit, lone)
         if len(latencies) < p.latency_min_calls:
             return None
+        observed = p99(latencies)  # once: a walk over the histogram
         own = self._own_limit()
-        if own is not None:
-            trip = self._latency_trip(latencies, sorted_p99, p.latency_min_calls, own, lone)
-            if trip is not None or sorted_p99(latencies) > own:
-                return trip
+        if own is not None and observed > own:
+            return self._latency_trip(latencies, p99, p.latency_min_calls, own, lone, observed)
         # Learn slowly, and only from windows that look healthy (at most HEALTHY x the baseline;
         # faster is always learned), so that a slide towards slow cannot drag the baseline along.
-        observed = sorted_p99(latencies)
         base = self.baseline
         if base is None:
             self.baseline = observed
@@ -376,22 +448,22 @@ class AdaptivePolicy:
 
     def _latency_trip(
         self,
-        latencies: list[float],
-        stat: Callable[[list[float]], float],
+        latencies: Latencies,
+        stat: Callable[[Latencies], float],
         need: int,
         limit: float,
         lone: bool,
+        value: float | None = None,
     ) -> Trip | None:
-        """LATENCY when `stat` of the window's latencies (ascending) exceeds `limit`, and still
-        does without the caller with the most calls over it (unless `lone`)."""
-        if stat(latencies) <= limit:
+        """LATENCY when `stat` of the window's latencies (`value`, when computed already) exceeds
+        `limit`, and still does without the caller with the most calls over it (unless `lone`)."""
+        if (stat(latencies) if value is None else value) <= limit:
             return None
         if not lone:
             others = self.window.latencies_without_top_caller(limit)
-            others.sort()
             if len(others) < need or stat(others) <= limit:
                 return None  # slow for one caller only (its own huge batches): not the version's
-        self._share = (len(latencies) - bisect_right(latencies, limit)) / len(latencies)
+        self._share = latencies.above(limit) / len(latencies)
         return Trip.LATENCY
 
     def _own_limit(self) -> float | None:

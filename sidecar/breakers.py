@@ -90,6 +90,7 @@ class Breaker:
             listeners=[_Listener(self)],
         )
         self._generation = 0
+        self._closed_permit = Permit(0, False)  # every closed call's, until the state changes
         self._changes: list[tuple[State, State]] = []  # told after the transition (_transition)
         self._probes_in_flight = 0
         self._probe_successes = 0
@@ -122,7 +123,7 @@ class Breaker:
     def allow(self) -> Permit | None:
         state = self._cb.current_state
         if state == pybreaker.STATE_CLOSED:
-            return Permit(self._generation, False)
+            return self._closed_permit
         if state == pybreaker.STATE_OPEN:
             if not self.adaptive.backoff_over():
                 return None
@@ -188,6 +189,7 @@ class Breaker:
 
     def _transition(self, change: Callable[[], object]) -> None:
         self._generation += 1
+        self._closed_permit = Permit(self._generation, False)
         self._probes_in_flight = 0
         self._probe_successes = 0
         self._probe_failers = set()

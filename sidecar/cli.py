@@ -26,7 +26,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         configure_logging(settings.log_level, settings.log_format, f"sidecar worker {role.index}")
         children.die_with_parent(role.parent)
         name = f"sidecar worker {role.index}"
-        return asyncio.run(run_process(lambda: build_sidecar(settings, worker=role), name, settings.grace_s))
+        return asyncio.run(
+            run_process(
+                lambda: build_sidecar(settings, worker=role, settle_heap=True), name, settings.grace_s
+            )
+        )
     try:
         workers = worker_count(settings.workers)
     except ValueError as exc:
@@ -44,4 +48,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         return asyncio.run(
             run_process(lambda: Supervisor(settings, workers), "sidecar", settings.grace_s, PROG)
         )
-    return asyncio.run(run_process(lambda: build_sidecar(settings), "sidecar", settings.grace_s))
+    return asyncio.run(
+        run_process(lambda: build_sidecar(settings, settle_heap=True), "sidecar", settings.grace_s)
+    )

@@ -303,7 +303,7 @@ class Proxy(_Handler):
             tenant = planner.tenant_bucket(table.tenants, asked.received)
             if tenant:
                 scope.admit(tenant, table.tenants)
-            scope.caller = planner.caller_key(asked.received, table.stickiness_header, context.peer())
+            scope.caller = planner.caller_key(asked.received, table.stickiness_header, context.peer)
             return planner.first(asked, decision, scope.caller, table, upstreams, self._breakers)
         except Refused as refused:
             await context.abort(scope.refused(refused), str(refused), refused.metadata)

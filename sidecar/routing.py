@@ -45,7 +45,8 @@ class ModelRoute:
     cohort: str = field(default="", compare=False)
 
 
-@dataclass(frozen=True, slots=True)
+# Not frozen (a value all the same): a frozen dataclass's __init__ costs ~0.2 us a field, per call.
+@dataclass(slots=True)
 class Decision:
     version: str  # empty: the model's versions are unknown; the service picks its default
     dye: str  # stable, canary or pinned; empty when the versions are unknown

@@ -114,3 +114,62 @@ def test_an_unsampled_root_call_sends_what_the_propagators_write() -> None:
         assert md.get("baggage") == baggage and "tracestate" not in md
         assert list(md)[:1] == ["x-user-id"] and len(attempt.metadata) == len(md)
     assert exported.get_finished_spans() == ()
+
+
+def _root_calls(tracing: Tracing, calls: int) -> list[Any]:
+    spans = []
+    for _ in range(calls):
+        token = context.attach(context.Context())
+        try:
+            span = tracing.server_span(PATH, (("x-user-id", "u"),))
+            tracing.end(span, _plan(), grpc.StatusCode.OK)
+        finally:
+            context.detach(token)
+        spans.append(span)
+    return spans
+
+
+def test_a_root_call_is_sampled_on_the_trace_id_it_is_sent_with() -> None:
+    """The sidecar decides a root call's sampling itself (no SDK span for one left out): a call
+    the ratio sampler takes is recorded under the very trace id the decision was made on, and the
+    share taken is the ratio (a second, fresh trace id at the tracer would make it ratio^2)."""
+    from opentelemetry.sdk.trace.sampling import ParentBasedTraceIdRatio, TraceIdRatioBased
+
+    tracing, exported = _traced(ParentBasedTraceIdRatio(0.5))
+    spans = _root_calls(tracing, 400)
+    bound = TraceIdRatioBased.get_bound_for_rate(0.5)
+    recorded = [s for s in spans if s.get_span_context().trace_flags.sampled]  # ended: not recording
+    assert 140 <= len(recorded) <= 260, len(recorded)
+    for span in spans:
+        taken = span.get_span_context().trace_id & TraceIdRatioBased.TRACE_ID_LIMIT < bound
+        assert taken == span.get_span_context().trace_flags.sampled
+    assert {s.context.trace_id for s in exported.get_finished_spans()} == {
+        s.get_span_context().trace_id for s in recorded
+    }
+
+
+def test_another_sampler_is_asked_about_each_root_call_once() -> None:
+    """A sampler other than the ratio rule is asked (once per call, as the tracer would) with the
+    call's attributes; what it takes is recorded under the trace id it was asked about."""
+    from opentelemetry.sdk.trace.sampling import Decision, Sampler, SamplingResult
+
+    asked: list[tuple[int, dict[str, Any]]] = []
+
+    class EveryThird(Sampler):
+        def should_sample(
+            self, parent_context: Any, trace_id: int, *args: Any, **kwargs: Any
+        ) -> SamplingResult:
+            attributes = kwargs.get("attributes", args[2] if len(args) > 2 else None)
+            asked.append((trace_id, dict(attributes or {})))
+            take = len(asked) % 3 == 0
+            return SamplingResult(Decision.RECORD_AND_SAMPLE if take else Decision.DROP, attributes)
+
+        def get_description(self) -> str:
+            return "every third"
+
+    tracing, exported = _traced(EveryThird())
+    spans = _root_calls(tracing, 9)
+    assert len(asked) == 9 and all(a["rpc.method"] == "ModelInfer" for _, a in asked)
+    assert [s.get_span_context().trace_id for s in spans] == [trace_id for trace_id, _ in asked]
+    assert [s.get_span_context().trace_flags.sampled for s in spans] == [n % 3 == 2 for n in range(9)]
+    assert len(exported.get_finished_spans()) == 3
