@@ -43,6 +43,7 @@ import grpc
 import httpx
 
 from bench.lib.procfs import rss_kib
+from bench.processes import SIDECAR_READY, start_announced
 from bench.stack import Gateway, Stack
 from modelyard.inference.v1 import inference_service_pb2 as pb
 from modelyard.inference.v1 import inference_service_pb2_grpc as pb_grpc
@@ -200,20 +201,9 @@ class Sidecar:
     def __init__(self, upstream: str, tree: Path) -> None:
         env = dict(os.environ, PYTHONPATH=str(tree / "proto" / "python"))
         cmd = [sys.executable, "-m", "modelyard.sidecar", "--listen", "127.0.0.1:0", "--upstream", upstream]
-        self.proc: subprocess.Popen[str] = children.popen(
-            [*cmd, "--admin-listen", ""],
-            cwd=tree,
-            env=env,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-            text=True,
+        self.proc, self.address = start_announced(
+            [*cmd, "--admin-listen", ""], tree, env, SIDECAR_READY, f"the sidecar from {tree}"
         )
-        assert self.proc.stderr is not None
-        lines = children.ReadyLine(re.compile(r"sidecar serving gRPC on ([^\s;,]+)"))
-        if not children.follow(self.proc.stderr, lines).wait(60) or lines.match is None:
-            self.stop()
-            raise RuntimeError(f"the sidecar from {tree} did not start")
-        self.address = lines.match.group(1)
 
     def stop(self) -> None:
         children.stop(self.proc, signal.SIGTERM, grace_s=30)

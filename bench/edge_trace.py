@@ -35,7 +35,6 @@ import asyncio
 import itertools
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -306,31 +305,20 @@ class Traced:
     its steps appended to a trace file of its own; `address` is what it logged it serves on."""
 
     def __init__(self, name: str, mode: str, argv: Sequence[str], tree: Path, trace: Path) -> None:
-        import re
-
-        from modelyard.process import children
+        from bench.processes import SIDECAR_READY, start_announced
 
         self.name = name
         self.trace = trace
         self.trace.write_text("")
         env = dict(os.environ, EDGE_TRACE=str(self.trace), PYTHONPATH=str(tree / "proto" / "python"))
-        ready = (
-            r"serving HTTP on (http://\S+)" if mode == "--serve" else r"sidecar serving gRPC on ([^\s;,]+)"
-        )
-        self.proc: subprocess.Popen[str] = children.popen(
+        ready = r"serving HTTP on (http://\S+)" if mode == "--serve" else SIDECAR_READY
+        self.proc, self.address = start_announced(
             [sys.executable, str(Path(__file__).resolve()), mode, *argv],
-            cwd=tree,
-            env=env,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-            text=True,
+            tree,
+            env,
+            ready,
+            f"the traced process {name} ({mode})",
         )
-        assert self.proc.stderr is not None
-        lines = children.ReadyLine(re.compile(ready))
-        if not children.follow(self.proc.stderr, lines).wait(60) or lines.match is None:
-            self.stop()
-            raise RuntimeError(f"the traced process {name} ({mode}) did not start")
-        self.address = lines.match.group(1)
 
     def steps(self) -> list[dict[str, float]]:
         return [ast.literal_eval(line) for line in self.trace.read_text().splitlines()]

@@ -18,7 +18,25 @@ from modelyard.process import children
 
 ROOT = Path(__file__).resolve().parent.parent
 SERVICE_READY = re.compile(r"serving gRPC on [^\s;,]+:(\d+)")
+SIDECAR_READY = r"sidecar serving gRPC on ([^\s;,]+)"  # its address
 CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+
+def start_announced(
+    argv: Sequence[str], tree: Path, env: dict[str, str], ready: str, what: str
+) -> tuple[subprocess.Popen[str], str]:
+    """A bench child run from `tree` that says on stderr, by matching `ready` (one group: its
+    address), that it serves; the process and that address. One that does not say so within 60 s
+    is stopped, and raises."""
+    proc: subprocess.Popen[str] = children.popen(
+        list(argv), cwd=tree, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+    )
+    assert proc.stderr is not None
+    lines = children.ReadyLine(re.compile(ready))
+    if not children.follow(proc.stderr, lines).wait(60) or lines.match is None:
+        children.stop(proc, signal.SIGTERM, grace_s=30)
+        raise RuntimeError(f"{what} did not start")
+    return proc, lines.match.group(1)
 
 
 class ServerProcess:

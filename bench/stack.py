@@ -12,6 +12,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from bench.processes import start_announced
 from modelyard.process import children
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -87,15 +88,9 @@ class Gateway:
     def __init__(self, upstream: str, tree: Path = ROOT, flags: Sequence[str] = ()) -> None:
         env = dict(os.environ, PYTHONPATH=str(tree / "proto" / "python"))
         cmd = [sys.executable, "-m", "modelyard.gateway", "--listen", "127.0.0.1:0", "--upstream", upstream]
-        self.proc: subprocess.Popen[str] = children.popen(
-            [*cmd, *flags], cwd=tree, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+        self.proc, self.url = start_announced(
+            [*cmd, *flags], tree, env, r"serving HTTP on (http://\S+)", f"the gateway from {tree}"
         )
-        assert self.proc.stderr is not None
-        lines = children.ReadyLine(re.compile(r"serving HTTP on (http://\S+)"))
-        if not children.follow(self.proc.stderr, lines).wait(60) or lines.match is None:
-            self.stop()
-            raise RuntimeError(f"the gateway from {tree} did not start")
-        self.url = lines.match.group(1)
         self.pid = self.proc.pid
 
     def stop(self) -> None:
