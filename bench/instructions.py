@@ -70,7 +70,8 @@ def server(label: str, tree: Path | None, repository: Path, workdir: Path, out: 
         return ServerProcess(label, argv, workdir, re.compile(r"^(\d+)$", re.M))
     os.environ["PYTHONPATH"] = str(tree / "proto" / "python")
     argv = [*valgrind, sys.executable, "-c", LAUNCHER, "--repository", str(repository)]
-    argv += ["--listen", "127.0.0.1:0", "--grace-s", "1"]
+    # The metrics listener on a free port too: the default one may be another service's.
+    argv += ["--listen", "127.0.0.1:0", "--metrics-listen", "127.0.0.1:0", "--grace-s", "1"]
     return ServerProcess(label, argv, workdir, SERVICE_READY, cwd=tree)
 
 

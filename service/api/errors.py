@@ -232,18 +232,41 @@ class serving:
         self._reason = reason
         return reason
 
-    async def __aenter__(self) -> serving:
+    def begin(self) -> serving:
+        """Start observing the call (what `async with` does on entry). A unary path's own use:
+        `call = serving(...).begin()`, then on success `call.done()`, on an error
+        `await call.failed(exc)` and re-raise: no coroutine per call unless it fails."""
         self._start = time.perf_counter()
         self._span: object = tracing.start(self._context, self._method, self._model)
         return self
 
+    def done(self) -> None:
+        """The call answered: record it (its span, its metrics). `_record`'s body, for one frame
+        fewer on every answered call."""
+        version = self.version or tracing.resolved_version()
+        if self._span is not None:
+            tracing.end(self._span, version, self._code, self._reason)
+        self._metrics.observe_request(
+            self._method, self._model, version, self._code, time.perf_counter() - self._start
+        )
+
+    async def __aenter__(self) -> serving:
+        return self.begin()
+
     async def __aexit__(
         self, kind: type[BaseException] | None, exc: BaseException | None, tb: object
     ) -> None:
+        if exc is None:
+            self.done()
+        else:
+            await self.failed(exc)
+
+    async def failed(self, exc: BaseException) -> None:
+        """The call raised `exc`: answer it with its status and reason (abort raises
+        AbortError), or, where gRPC has answered already, return (the caller re-raises `exc`);
+        record it either way."""
         code = self._code
         try:
-            if exc is None:
-                return
             if isinstance(exc, errors.ServiceError | TensorError):
                 code, reason = status_for(exc)
                 message = str(exc)
@@ -270,10 +293,13 @@ class serving:
                     trailing_metadata=reason_metadata(reason),
                 )
         finally:
-            # A call that failed after its version was resolved counts (and traces) with it.
-            version = self.version or tracing.resolved_version()
-            if self._span is not None:
-                tracing.end(self._span, version, code, self._reason if exc is None else _span_reason(exc))
-            self._metrics.observe_request(
-                self._method, self._model, version, code, time.perf_counter() - self._start
-            )
+            self._record(code, exc)
+
+    def _record(self, code: grpc.StatusCode, exc: BaseException | None) -> None:
+        # A call that failed after its version was resolved counts (and traces) with it.
+        version = self.version or tracing.resolved_version()
+        if self._span is not None:
+            tracing.end(self._span, version, code, self._reason if exc is None else _span_reason(exc))
+        self._metrics.observe_request(
+            self._method, self._model, version, code, time.perf_counter() - self._start
+        )

@@ -65,7 +65,9 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
     async def Infer(self, request: pb.InferRequest, context: Context) -> pb.InferResponse:
         # Each field read once: each read of a protobuf field makes a new object.
         model, tensors, output_names = request.model_name, request.inputs, request.output_names
-        async with serving(context, self._metrics, "Infer", model) as call:
+        # serving() by hand (as KServe's ModelInfer): no coroutine of its own on success.
+        call = serving(context, self._metrics, "Infer", model).begin()
+        try:
             version, request_id, priority = call_fields(
                 context, model, request.model_version, request.request_id, request.priority
             )
@@ -83,7 +85,12 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
                 )
             version = str(result.version)
             call.answered(version)
-            return _response(result.model, version, result.outputs, request_id)
+            response = _response(result.model, version, result.outputs, request_id)
+        except BaseException as exc:
+            await call.failed(exc)
+            raise
+        call.done()
+        return response
 
     async def InferStream(
         self, request: pb.InferStreamRequest, context: Context

@@ -127,10 +127,17 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
 
     async def ModelInfer(self, request: pb.ModelInferRequest, context: Context) -> pb.ModelInferResponse:
         model = request.model_name  # each read of a protobuf field makes a new object: read once
-        async with serving(context, self._metrics, "ModelInfer", model) as call:
+        # serving() by hand: the success path runs no coroutine of its own (two per call as a
+        # context manager); an error awaits failed(), which answers it.
+        call = serving(context, self._metrics, "ModelInfer", model).begin()
+        try:
             response = await self._infer(request, context, model)
             call.answered(response.model_version)
-            return response
+        except BaseException as exc:
+            await call.failed(exc)
+            raise
+        call.done()
+        return response
 
     async def ModelStreamInfer(
         self, request_iterator: AsyncIterator[pb.ModelInferRequest], context: Context

@@ -53,7 +53,9 @@ class Drain:
         if handler.response_streaming and inspect.isasyncgenfunction(behaviour):
 
             async def replies(request: Any, context: Any) -> AsyncIterator[Any]:
-                await self._admit(context)
+                if self.closed:
+                    await _refuse(context)
+                self._admit(context)
                 async for reply in behaviour(request, context):
                     yield reply
 
@@ -61,15 +63,17 @@ class Drain:
         else:
 
             async def reply(request: Any, context: Any) -> Any:
-                await self._admit(context)
+                # While open (every call but those of the last moments), admitting is plain
+                # calls: no coroutine of its own per call.
+                if self.closed:
+                    await _refuse(context)
+                self._admit(context)
                 return await behaviour(request, context)
 
             wrapped = reply
         return handler._replace(**{kind: wrapped})
 
-    async def _admit(self, context: Any) -> None:  # grpc's stubs take no function as a done callback
-        if self.closed:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "the server is shutting down", _REFUSED)
+    def _admit(self, context: Any) -> None:  # grpc's stubs take no function as a done callback
         self.calls += 1
         context.add_done_callback(self._ended)
 
@@ -87,6 +91,11 @@ class Drain:
             if loop.time() >= deadline:
                 return False
             await asyncio.sleep(min(LOOK_EVERY_S, max(0.0, deadline - loop.time())))
+
+
+async def _refuse(context: Any) -> None:
+    """A call that came once the drain closed: UNAVAILABLE (draining); abort raises."""
+    await context.abort(grpc.StatusCode.UNAVAILABLE, "the server is shutting down", _REFUSED)
 
 
 def unacknowledged_bytes(port: int) -> int:
