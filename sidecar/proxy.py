@@ -22,6 +22,7 @@ who each call came from (plan.caller_key), so that no single caller opens one (a
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass
@@ -148,15 +149,13 @@ class Proxy(_Handler):
 
     def _make_handler(self, info: MethodInfo) -> _MethodHandler:
         if info.kind == "unary_unary":
-
-            async def unary_unary(request: bytes, context: Context) -> bytes:
-                return await self._unary(info, request, None, context)
-
-            return grpc.unary_unary_rpc_method_handler(unary_unary)
+            # The path itself is the handler (no coroutine of its own around it): a call's frames
+            # are the sidecar's per-call CPU beyond the bare proxy's.
+            return grpc.unary_unary_rpc_method_handler(functools.partial(self._unary, info))
         if info.kind == "stream_unary":
 
             async def stream_unary(requests: AsyncIterator[bytes], context: Context) -> bytes:
-                return await self._unary(info, await _first(requests), requests, context)
+                return await self._unary(info, await _first(requests), context, requests)
 
             return grpc.stream_unary_rpc_method_handler(stream_unary)
         # Response streams are written (forward.send), not yielded: a write that fails because the
@@ -176,7 +175,11 @@ class Proxy(_Handler):
     # --- the path of a call ----------------------------------------------------------------
 
     async def _unary(
-        self, info: MethodInfo, first: bytes | None, more: AsyncIterator[bytes] | None, context: Context
+        self,
+        info: MethodInfo,
+        first: bytes | None,
+        context: Context,
+        more: AsyncIterator[bytes] | None = None,
     ) -> bytes:
         """A call with one response: unary-unary, or stream-unary (`more`: the rest of the
         caller's stream, which cannot be sent twice, so such a call is never retried)."""
@@ -192,7 +195,7 @@ class Proxy(_Handler):
                     )
                     with self._tracing.attempt(scope.span, plan, info.path) as attempt:
                         try:
-                            response, call = await forward.ask(
+                            response, initial, trailing = await forward.ask(
                                 plan.upstream,
                                 info.path,
                                 info.kind,
@@ -219,7 +222,9 @@ class Proxy(_Handler):
                             continue
                     scope.code = grpc.StatusCode.OK  # this attempt answered, whatever an earlier one did
                     plan.report("OK", "", None if more is not None else time.perf_counter() - started)
-                    await forward.answer(call, context, plan.answer_metadata)
+                    if initial:  # the service's unary answers carry none (docs/api.md)
+                        await context.send_initial_metadata(initial)
+                    forward.answer(context, trailing, plan.answer_metadata)
                     if first is not None and more is None:
                         self._mirror.answered(info.path, plan, first, response)
                     return response
