@@ -183,54 +183,60 @@ class Proxy(_Handler):
     ) -> bytes:
         """A call with one response: unary-unary, or stream-unary (`more`: the rest of the
         caller's stream, which cannot be sent twice, so such a call is never retried)."""
-        with self._scopes.open(info.path, tuple(context.invocation_metadata() or ())) as scope:
+        # The scope closes in `finally` (no `with` block: two calls a call fewer).
+        scope = self._scopes.open(info.path, tuple(context.invocation_metadata() or ()))
+        try:
             try:
-                plan = await self._first_attempt(info, first, scope, context)
-                tried: list[Upstream] = []
-                while True:
-                    scope.attempt(plan)
-                    started = time.perf_counter()
-                    request = (
-                        plan.body(first or b"") if more is None else forward.requests(first, more, plan.body)
-                    )
-                    with self._tracing.attempt(scope.span, plan, info.path) as attempt:
-                        try:
-                            response, initial, trailing = await forward.ask(
-                                plan.upstream,
-                                info.path,
-                                info.kind,
-                                request,
-                                attempt.metadata,
-                                context.time_remaining(),
-                                scope.flight,
-                            )
-                        except forward.Failed as failed:
-                            scope.code = failed.code
-                            attempt.failed(failed.code)
-                            # The caller's own deadline (ours is the caller's) is no fault; its
-                            # duration still tells how slow the upstream was.
-                            timed_out = failed.code == grpc.StatusCode.DEADLINE_EXCEEDED and not failed.reason
-                            took = time.perf_counter() - started if timed_out else None
-                            if more is None:
-                                retry = self._after_failure(plan, failed, tried, took)
-                            else:  # the caller's stream is spent: it cannot be sent again
-                                plan.report(failed.code.name, failed.reason, took)
-                                retry = None
-                            if retry is None:
-                                await self._fail(scope, plan, failed, context)
-                            plan = retry
-                            continue
-                    scope.code = grpc.StatusCode.OK  # this attempt answered, whatever an earlier one did
-                    plan.report("OK", "", None if more is not None else time.perf_counter() - started)
-                    if initial:  # the service's unary answers carry none (docs/api.md)
-                        await context.send_initial_metadata(initial)
-                    forward.answer(context, trailing, plan.answer_metadata)
-                    if first is not None and more is None:
-                        self._mirror.answered(info.path, plan, first, response)
-                    return response
-            except asyncio.CancelledError:
-                await self._cancelled(scope, context)
-                raise
+                plan = self._first_attempt(info, first, scope, context)
+            except Refused as refused:
+                await self._refuse(scope, refused, context)
+            tried: list[Upstream] = []
+            while True:
+                scope.attempt(plan)
+                started = time.perf_counter()
+                request = (
+                    plan.body(first or b"") if more is None else forward.requests(first, more, plan.body)
+                )
+                with self._tracing.attempt(scope.span, plan, info.path) as attempt:
+                    try:
+                        response, initial, trailing = await forward.ask(
+                            plan.upstream,
+                            info.path,
+                            info.kind,
+                            request,
+                            attempt.metadata,
+                            context.time_remaining(),
+                            scope.flight,
+                        )
+                    except forward.Failed as failed:
+                        scope.code = failed.code
+                        attempt.failed(failed.code)
+                        # The caller's own deadline (ours is the caller's) is no fault; its
+                        # duration still tells how slow the upstream was.
+                        timed_out = failed.code == grpc.StatusCode.DEADLINE_EXCEEDED and not failed.reason
+                        took = time.perf_counter() - started if timed_out else None
+                        if more is None:
+                            retry = self._after_failure(plan, failed, tried, took)
+                        else:  # the caller's stream is spent: it cannot be sent again
+                            plan.report(failed.code.name, failed.reason, took)
+                            retry = None
+                        if retry is None:
+                            await self._fail(scope, plan, failed, context)
+                        plan = retry
+                        continue
+                scope.code = grpc.StatusCode.OK  # this attempt answered, whatever an earlier one did
+                plan.report("OK", "", None if more is not None else time.perf_counter() - started)
+                if initial:  # the service's unary answers carry none (docs/api.md)
+                    await context.send_initial_metadata(initial)
+                forward.answer(context, trailing, plan.answer_metadata)
+                if first is not None and more is None:
+                    self._mirror.answered(info.path, plan, first, response)
+                return response
+        except asyncio.CancelledError:
+            await self._cancelled(scope, context)
+            raise
+        finally:
+            scope.close()
 
     async def _stream(
         self,
@@ -245,7 +251,10 @@ class Proxy(_Handler):
         with self._scopes.open(info.path, tuple(context.invocation_metadata() or ())) as scope:
             call: Any = None
             try:
-                plan = await self._first_attempt(info, first, scope, context)
+                try:
+                    plan = self._first_attempt(info, first, scope, context)
+                except Refused as refused:
+                    await self._refuse(scope, refused, context)
                 tried: list[Upstream] = []
                 while True:
                     scope.attempt(plan)
@@ -293,25 +302,25 @@ class Proxy(_Handler):
                 if call is not None and not call.done():
                     call.cancel()  # the client went away: so does the upstream call, at once
 
-    async def _first_attempt(
-        self, info: MethodInfo, first: bytes | None, scope: Scope, context: Context
-    ) -> Plan:
+    def _first_attempt(self, info: MethodInfo, first: bytes | None, scope: Scope, context: Context) -> Plan:
         """The call's first attempt: what it asks for (the planner), its dye, a tenant slot (the
-        scope's), an upstream whose breaker lets it through; or the sidecar's refusal."""
+        scope's), an upstream whose breaker lets it through; or `Refused` (see `_refuse`). A plain
+        function, not a coroutine: only a refusal awaits anything."""
         upstreams = self._upstreams
-        try:
-            asked = planner.read(first, scope.metadata, upstreams, model_addressed=info.model_addressed)
-            if not info.routed:
-                return planner.unrouted(asked, upstreams, model_addressed=info.model_addressed)
-            table = self._routes.table
-            decision = planner.routing_decision(asked, table, upstreams)
-            tenant = planner.tenant_bucket(table.tenants, asked.received)
-            if tenant:
-                scope.admit(tenant, table.tenants)
-            scope.caller = planner.caller_key(asked.received, table.stickiness_header, context.peer)
-            return planner.first(asked, decision, scope.caller, table, upstreams, self._breakers)
-        except Refused as refused:
-            await context.abort(scope.refused(refused), str(refused), refused.metadata)
+        asked = planner.read(first, scope.metadata, upstreams, model_addressed=info.model_addressed)
+        if not info.routed:
+            return planner.unrouted(asked, upstreams, model_addressed=info.model_addressed)
+        table = self._routes.table
+        decision = planner.routing_decision(asked, table, upstreams)
+        tenant = planner.tenant_bucket(table.tenants, asked.received)
+        if tenant:
+            scope.admit(tenant, table.tenants)
+        scope.caller = planner.caller_key(asked.received, table.stickiness_header, context.peer)
+        return planner.first(asked, decision, scope.caller, table, upstreams, self._breakers)
+
+    async def _refuse(self, scope: Scope, refused: Refused, context: Context) -> NoReturn:
+        """The sidecar answers the call itself (a bad name, a tenant limit, no upstream left)."""
+        await context.abort(scope.refused(refused), str(refused), refused.metadata)
 
     def _after_failure(
         self, plan: Plan, failed: forward.Failed, tried: list[Upstream], latency: float | None
