@@ -197,33 +197,35 @@ class Proxy(_Handler):
                 request = (
                     plan.body(first or b"") if more is None else forward.requests(first, more, plan.body)
                 )
-                with self._tracing.attempt(scope.span, plan, info.path) as attempt:
-                    try:
-                        response, initial, trailing = await forward.ask(
-                            plan.upstream,
-                            info.path,
-                            info.kind,
-                            request,
-                            attempt.metadata,
-                            context.time_remaining(),
-                            scope.flight,
-                        )
-                    except forward.Failed as failed:
-                        scope.code = failed.code
-                        attempt.failed(failed.code)
-                        # The caller's own deadline (ours is the caller's) is no fault; its
-                        # duration still tells how slow the upstream was.
-                        timed_out = failed.code == grpc.StatusCode.DEADLINE_EXCEEDED and not failed.reason
-                        took = time.perf_counter() - started if timed_out else None
-                        if more is None:
-                            retry = self._after_failure(plan, failed, tried, took)
-                        else:  # the caller's stream is spent: it cannot be sent again
-                            plan.report(failed.code.name, failed.reason, took)
-                            retry = None
-                        if retry is None:
-                            await self._fail(scope, plan, failed, context)
-                        plan = retry
-                        continue
+                attempt = self._tracing.attempt(scope.span, plan, info.path)  # ended in `finally`
+                try:
+                    response, initial, trailing = await forward.ask(
+                        plan.upstream,
+                        info.path,
+                        info.kind,
+                        request,
+                        attempt.metadata,
+                        context.time_remaining(),
+                        scope.flight,
+                    )
+                except forward.Failed as failed:
+                    scope.code = failed.code
+                    attempt.failed(failed.code)
+                    # The caller's own deadline (ours is the caller's) is no fault; its
+                    # duration still tells how slow the upstream was.
+                    timed_out = failed.code == grpc.StatusCode.DEADLINE_EXCEEDED and not failed.reason
+                    took = time.perf_counter() - started if timed_out else None
+                    if more is None:
+                        retry = self._after_failure(plan, failed, tried, took)
+                    else:  # the caller's stream is spent: it cannot be sent again
+                        plan.report(failed.code.name, failed.reason, took)
+                        retry = None
+                    if retry is None:
+                        await self._fail(scope, plan, failed, context)
+                    plan = retry
+                    continue
+                finally:
+                    attempt.end()
                 scope.code = grpc.StatusCode.OK  # this attempt answered, whatever an earlier one did
                 plan.report("OK", "", None if more is not None else time.perf_counter() - started)
                 if initial:  # the service's unary answers carry none (docs/api.md)
