@@ -184,7 +184,7 @@ class Proxy(_Handler):
         """A call with one response: unary-unary, or stream-unary (`more`: the rest of the
         caller's stream, which cannot be sent twice, so such a call is never retried)."""
         # The scope closes in `finally` (no `with` block: two calls a call fewer).
-        scope = self._scopes.open(info.path, tuple(context.invocation_metadata() or ()))
+        scope = Scope(self._scopes, info.path, tuple(context.invocation_metadata() or ()))
         try:
             try:
                 plan = self._first_attempt(info, first, scope, context)
