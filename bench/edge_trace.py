@@ -177,8 +177,8 @@ def serve_sidecar(argv: Sequence[str]) -> int:
 
     first_attempt = proxy.Proxy._first_attempt
 
-    async def traced_first_attempt(self: Any, *args: Any) -> Any:
-        plan = await first_attempt(self, *args)
+    def traced_first_attempt(self: Any, *args: Any) -> Any:
+        plan = first_attempt(self, *args)
         now["sc.planned"] = clock()
         return plan
 

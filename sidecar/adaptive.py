@@ -381,21 +381,23 @@ class AdaptivePolicy:
         self.window.add(now, fault, latency, caller)
         window = self.window
         lone = lone_trips and window.callers <= 1
-        if self._burst_over(fault, caller, lone):
+        calls = len(window)
+        # A success after a success has no burst to end: no call (this runs per call).
+        if (fault or self._burst) and self._burst_over(fault, caller, lone):
             # The window's share (the burst included), not 1: a canary failing 30% bursts too,
             # and 3 good probes would let it flap back.
-            self._share = window.faults / len(window)
+            self._share = window.faults / calls
             return Trip.CONSECUTIVE
-        if len(window) < self.policy.min_calls:
+        if calls < self.policy.min_calls:
             return None
         # A canary-dyed call (its callers get stable when it opens): `canary_error_rate` over
         # stable's share; a version without fallback (its trip refuses calls): `error_rate`.
         rate = self.policy.canary_error_rate if lone_trips else self.policy.error_rate
-        if window.faults >= rate * len(window):
+        if window.faults >= rate * calls:
             if reference is not None:
                 rate = min(1.0, rate + reference.fault_share(self.policy.min_calls))
-            if window.faults >= rate * len(window) and (lone or window.faulty_without_top_caller(rate)):
-                self._share = window.faults / len(window)
+            if window.faults >= rate * calls and (lone or window.faulty_without_top_caller(rate)):
+                self._share = window.faults / calls
                 return Trip.ERROR_RATE
         if latency is not None and now - self._last_check >= self.policy.latency_check_s:
             self._last_check = now

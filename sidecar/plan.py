@@ -228,7 +228,10 @@ def read(request: bytes | None, md: Metadata, pool: Pool[Target], *, model_addre
             ) from exc
         try:
             model = _checked(check_name, fields.name, "model_name", received, headers.MODEL_NAME)
-            pin = _checked(check_version, fields.version, "model_version", received, headers.MODEL_VERSION)
+            if fields.version or headers.MODEL_VERSION in received:  # most calls pin none
+                pin = _checked(
+                    check_version, fields.version, "model_version", received, headers.MODEL_VERSION
+                )
         except InvalidName as exc:
             raise Refused("INVALID_ARGUMENT", str(exc), ErrorReason.INVALID_ARGUMENT) from exc
         read = (message, fields)

@@ -22,6 +22,7 @@ who each call came from (plan.caller_key), so that no single caller opens one (a
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass
@@ -148,15 +149,13 @@ class Proxy(_Handler):
 
     def _make_handler(self, info: MethodInfo) -> _MethodHandler:
         if info.kind == "unary_unary":
-
-            async def unary_unary(request: bytes, context: Context) -> bytes:
-                return await self._unary(info, request, None, context)
-
-            return grpc.unary_unary_rpc_method_handler(unary_unary)
+            # The path itself is the handler (no coroutine of its own around it): a call's frames
+            # are the sidecar's per-call CPU beyond the bare proxy's.
+            return grpc.unary_unary_rpc_method_handler(functools.partial(self._unary, info))
         if info.kind == "stream_unary":
 
             async def stream_unary(requests: AsyncIterator[bytes], context: Context) -> bytes:
-                return await self._unary(info, await _first(requests), requests, context)
+                return await self._unary(info, await _first(requests), context, requests)
 
             return grpc.stream_unary_rpc_method_handler(stream_unary)
         # Response streams are written (forward.send), not yielded: a write that fails because the
@@ -176,56 +175,70 @@ class Proxy(_Handler):
     # --- the path of a call ----------------------------------------------------------------
 
     async def _unary(
-        self, info: MethodInfo, first: bytes | None, more: AsyncIterator[bytes] | None, context: Context
+        self,
+        info: MethodInfo,
+        first: bytes | None,
+        context: Context,
+        more: AsyncIterator[bytes] | None = None,
     ) -> bytes:
         """A call with one response: unary-unary, or stream-unary (`more`: the rest of the
         caller's stream, which cannot be sent twice, so such a call is never retried)."""
-        with self._scopes.open(info.path, tuple(context.invocation_metadata() or ())) as scope:
+        # The scope closes in `finally` (no `with` block: two calls a call fewer).
+        scope = Scope(self._scopes, info.path, tuple(context.invocation_metadata() or ()))
+        try:
             try:
-                plan = await self._first_attempt(info, first, scope, context)
-                tried: list[Upstream] = []
-                while True:
-                    scope.attempt(plan)
-                    started = time.perf_counter()
-                    request = (
-                        plan.body(first or b"") if more is None else forward.requests(first, more, plan.body)
+                plan = self._first_attempt(info, first, scope, context)
+            except Refused as refused:
+                await self._refuse(scope, refused, context)
+            tried: list[Upstream] = []
+            while True:
+                scope.attempt(plan)
+                started = time.perf_counter()
+                request = (
+                    plan.body(first or b"") if more is None else forward.requests(first, more, plan.body)
+                )
+                attempt = self._tracing.attempt(scope.span, plan, info.path)  # ended in `finally`
+                try:
+                    response, initial, trailing = await forward.ask(
+                        plan.upstream,
+                        info.path,
+                        info.kind,
+                        request,
+                        attempt.metadata,
+                        context.time_remaining(),
+                        scope.flight,
                     )
-                    with self._tracing.attempt(scope.span, plan, info.path) as attempt:
-                        try:
-                            response, call = await forward.ask(
-                                plan.upstream,
-                                info.path,
-                                info.kind,
-                                request,
-                                attempt.metadata,
-                                context.time_remaining(),
-                                scope.flight,
-                            )
-                        except forward.Failed as failed:
-                            scope.code = failed.code
-                            attempt.failed(failed.code)
-                            # The caller's own deadline (ours is the caller's) is no fault; its
-                            # duration still tells how slow the upstream was.
-                            timed_out = failed.code == grpc.StatusCode.DEADLINE_EXCEEDED and not failed.reason
-                            took = time.perf_counter() - started if timed_out else None
-                            if more is None:
-                                retry = self._after_failure(plan, failed, tried, took)
-                            else:  # the caller's stream is spent: it cannot be sent again
-                                plan.report(failed.code.name, failed.reason, took)
-                                retry = None
-                            if retry is None:
-                                await self._fail(scope, plan, failed, context)
-                            plan = retry
-                            continue
-                    scope.code = grpc.StatusCode.OK  # this attempt answered, whatever an earlier one did
-                    plan.report("OK", "", None if more is not None else time.perf_counter() - started)
-                    await forward.answer(call, context, plan.answer_metadata)
-                    if first is not None and more is None:
-                        self._mirror.answered(info.path, plan, first, response)
-                    return response
-            except asyncio.CancelledError:
-                await self._cancelled(scope, context)
-                raise
+                except forward.Failed as failed:
+                    scope.code = failed.code
+                    attempt.failed(failed.code)
+                    # The caller's own deadline (ours is the caller's) is no fault; its
+                    # duration still tells how slow the upstream was.
+                    timed_out = failed.code == grpc.StatusCode.DEADLINE_EXCEEDED and not failed.reason
+                    took = time.perf_counter() - started if timed_out else None
+                    if more is None:
+                        retry = self._after_failure(plan, failed, tried, took)
+                    else:  # the caller's stream is spent: it cannot be sent again
+                        plan.report(failed.code.name, failed.reason, took)
+                        retry = None
+                    if retry is None:
+                        await self._fail(scope, plan, failed, context)
+                    plan = retry
+                    continue
+                finally:
+                    attempt.end()
+                scope.code = grpc.StatusCode.OK  # this attempt answered, whatever an earlier one did
+                plan.report("OK", "", None if more is not None else time.perf_counter() - started)
+                if initial:  # the service's unary answers carry none (docs/api.md)
+                    await context.send_initial_metadata(initial)
+                forward.answer(context, trailing, plan.answer_metadata)
+                if first is not None and more is None:
+                    self._mirror.answered(info.path, plan, first, response)
+                return response
+        except asyncio.CancelledError:
+            await self._cancelled(scope, context)
+            raise
+        finally:
+            scope.close()
 
     async def _stream(
         self,
@@ -240,7 +253,10 @@ class Proxy(_Handler):
         with self._scopes.open(info.path, tuple(context.invocation_metadata() or ())) as scope:
             call: Any = None
             try:
-                plan = await self._first_attempt(info, first, scope, context)
+                try:
+                    plan = self._first_attempt(info, first, scope, context)
+                except Refused as refused:
+                    await self._refuse(scope, refused, context)
                 tried: list[Upstream] = []
                 while True:
                     scope.attempt(plan)
@@ -288,25 +304,25 @@ class Proxy(_Handler):
                 if call is not None and not call.done():
                     call.cancel()  # the client went away: so does the upstream call, at once
 
-    async def _first_attempt(
-        self, info: MethodInfo, first: bytes | None, scope: Scope, context: Context
-    ) -> Plan:
+    def _first_attempt(self, info: MethodInfo, first: bytes | None, scope: Scope, context: Context) -> Plan:
         """The call's first attempt: what it asks for (the planner), its dye, a tenant slot (the
-        scope's), an upstream whose breaker lets it through; or the sidecar's refusal."""
+        scope's), an upstream whose breaker lets it through; or `Refused` (see `_refuse`). A plain
+        function, not a coroutine: only a refusal awaits anything."""
         upstreams = self._upstreams
-        try:
-            asked = planner.read(first, scope.metadata, upstreams, model_addressed=info.model_addressed)
-            if not info.routed:
-                return planner.unrouted(asked, upstreams, model_addressed=info.model_addressed)
-            table = self._routes.table
-            decision = planner.routing_decision(asked, table, upstreams)
-            tenant = planner.tenant_bucket(table.tenants, asked.received)
-            if tenant:
-                scope.admit(tenant, table.tenants)
-            scope.caller = planner.caller_key(asked.received, table.stickiness_header, context.peer)
-            return planner.first(asked, decision, scope.caller, table, upstreams, self._breakers)
-        except Refused as refused:
-            await context.abort(scope.refused(refused), str(refused), refused.metadata)
+        asked = planner.read(first, scope.metadata, upstreams, model_addressed=info.model_addressed)
+        if not info.routed:
+            return planner.unrouted(asked, upstreams, model_addressed=info.model_addressed)
+        table = self._routes.table
+        decision = planner.routing_decision(asked, table, upstreams)
+        tenant = planner.tenant_bucket(table.tenants, asked.received)
+        if tenant:
+            scope.admit(tenant, table.tenants)
+        scope.caller = planner.caller_key(asked.received, table.stickiness_header, context.peer)
+        return planner.first(asked, decision, scope.caller, table, upstreams, self._breakers)
+
+    async def _refuse(self, scope: Scope, refused: Refused, context: Context) -> NoReturn:
+        """The sidecar answers the call itself (a bad name, a tenant limit, no upstream left)."""
+        await context.abort(scope.refused(refused), str(refused), refused.metadata)
 
     def _after_failure(
         self, plan: Plan, failed: forward.Failed, tried: list[Upstream], latency: float | None

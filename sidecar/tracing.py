@@ -14,7 +14,7 @@ import functools
 import logging
 import random
 from collections.abc import Callable, Iterator, Mapping
-from contextlib import AbstractContextManager, contextmanager
+from contextlib import contextmanager
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
@@ -36,8 +36,9 @@ _CONTEXT_HEADERS = frozenset({"traceparent", "tracestate", "baggage"})
 
 
 class Attempt:
-    """One upstream attempt: the metadata to send (with the trace context when tracing). Untraced,
-    it is its own `with` block (no generator per call)."""
+    """One upstream attempt: the metadata to send (with the trace context when tracing) and its
+    client span, if sampled. `end` it once the attempt is over (the proxy does so in `finally`:
+    no `with` block, nor a generator, per call); a `with` block does the same."""
 
     __slots__ = ("metadata", "span")
 
@@ -51,7 +52,11 @@ class Attempt:
     def __exit__(
         self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
-        return None
+        self.end()
+
+    def end(self) -> None:
+        if self.span is not None:
+            self.span.end()
 
     def failed(self, code: grpc.StatusCode) -> None:
         if self.span is not None:
@@ -268,7 +273,7 @@ class Tracing:
         context.attach(trace.set_span_in_context(span, parent))
         return span
 
-    def attempt(self, parent: Any, plan: Plan[Any], path: str) -> AbstractContextManager[Attempt]:
+    def attempt(self, parent: Any, plan: Plan[Any], path: str) -> Attempt:
         if parent is None:
             return Attempt(plan.forward)
         if type(parent) is self._unsampled:
@@ -283,8 +288,7 @@ class Tracing:
             return Attempt(self._outgoing(plan, self._trace.set_span_in_context(parent)))
         return self._traced_attempt(parent, plan, path)
 
-    @contextmanager
-    def _traced_attempt(self, parent: Any, plan: Plan[Any], path: str) -> Iterator[Attempt]:
+    def _traced_attempt(self, parent: Any, plan: Plan[Any], path: str) -> Attempt:
         from opentelemetry.trace import SpanKind
 
         trace = self._trace
@@ -293,11 +297,11 @@ class Tracing:
         if plan.breaker is not None:
             attributes["modelyard.breaker.state"] = plan.breaker.state.value
         span = self._tracer.start_span(path[1:], context=context, kind=SpanKind.CLIENT, attributes=attributes)
-        metadata = self._outgoing(plan, trace.set_span_in_context(span, context))
         try:
-            yield Attempt(metadata, span)
-        finally:
+            return Attempt(self._outgoing(plan, trace.set_span_in_context(span, context)), span)
+        except BaseException:
             span.end()
+            raise
 
     def _outgoing(self, plan: Plan[Any], context: Any) -> Metadata:
         """The attempt's request metadata: the forwarded headers, and `context`'s traceparent

@@ -112,12 +112,14 @@ class Edge(Handler):
 
         async def one(request: forward.Request, context: Context) -> bytes:
             try:
-                response, call = await forward.ask(
+                response, initial, trailing = await forward.ask(
                     self.upstream, path, kind, request, self._md(context), 10, Flight()
                 )
             except forward.Failed as failed:
                 await self._failed(context, failed)
-            await forward.answer(call, context, ADDED)
+            if initial:
+                await context.send_initial_metadata(initial)
+            forward.answer(context, trailing, ADDED)
             return response
 
         async def many(request: forward.Request, context: Context) -> AsyncIterator[bytes]:
