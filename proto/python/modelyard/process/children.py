@@ -11,9 +11,11 @@ import ctypes
 import functools
 import os
 import re
+import shutil
 import signal
 import subprocess
 import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import IO, Any
@@ -44,32 +46,66 @@ def die_with_parent(parent: int | None = None, sig: int = signal.SIGTERM) -> Non
         os.kill(os.getpid(), sig)
 
 
-def _session(own_session: bool, with_parent: bool) -> dict[str, Any]:
+@functools.cache
+def _setpriv() -> str | None:
+    found = shutil.which("setpriv")  # util-linux
+    return os.path.realpath(found) if found is not None else None
+
+
+SETPRIV_WAIT_S = 5.0
+
+
+def _still_setpriv(pid: int) -> bool:
+    """The child is still setpriv, before its prctl and exec (not yet told to die with us)."""
+    try:
+        return os.readlink(f"/proc/{pid}/exe") == _setpriv()
+    except OSError:  # gone already, or no /proc
+        return False
+
+
+def _session(cmd: Sequence[str], own_session: bool, with_parent: bool) -> tuple[list[str], dict[str, Any]]:
+    """The command to run and Popen's options for it."""
     options: dict[str, Any] = {}
     if own_session:
         # A Ctrl-C in the terminal reaches only the parent, which stops its children in order.
         options["start_new_session"] = True
     if with_parent:
+        setpriv = _setpriv()
+        if setpriv is not None:
+            # setpriv asks for the signal and execs the command (same pid; the setting survives
+            # the exec). Not a preexec_fn: that makes Python fork() and run code in the child
+            # before the exec, and a child forked while this process's gRPC threads are busy
+            # can crash there (grpc/grpc#43055: seen in the benchmarks, 8 of 40 forks).
+            return [setpriv, "--pdeathsig", "TERM", "--", *cmd], options
         _prctl()
         options["preexec_fn"] = functools.partial(die_with_parent, os.getpid())
-    return options
+    return list(cmd), options
 
 
 def popen(
     cmd: Sequence[str], *, own_session: bool = False, with_parent: bool = False, **options: Any
 ) -> subprocess.Popen[Any]:
     """subprocess.Popen(cmd, **options), in its own session and/or dying with this process."""
-    return subprocess.Popen(list(cmd), **_session(own_session, with_parent), **options)
+    argv, extra = _session(cmd, own_session, with_parent)
+    proc = subprocess.Popen(argv, **extra, **options)
+    if with_parent and argv[0] == _setpriv():  # back once setpriv has asked for the signal
+        deadline = time.monotonic() + SETPRIV_WAIT_S
+        while _still_setpriv(proc.pid) and time.monotonic() < deadline:
+            time.sleep(0.0005)
+    return proc
 
 
 async def create(
     cmd: Sequence[str], *, own_session: bool = False, with_parent: bool = False, **options: Any
 ) -> asyncio.subprocess.Process:
     """asyncio.create_subprocess_exec(*cmd, **options), with the same choices as `popen`."""
-    program, *args = cmd
-    return await asyncio.create_subprocess_exec(
-        program, *args, **_session(own_session, with_parent), **options
-    )
+    (program, *args), extra = _session(cmd, own_session, with_parent)
+    proc = await asyncio.create_subprocess_exec(program, *args, **extra, **options)
+    if with_parent and program == _setpriv():  # back once setpriv has asked for the signal
+        deadline = time.monotonic() + SETPRIV_WAIT_S
+        while _still_setpriv(proc.pid) and time.monotonic() < deadline:  # noqa: ASYNC110 (a /proc state: no event to wait on)
+            await asyncio.sleep(0.0005)
+    return proc
 
 
 def stop(proc: subprocess.Popen[Any], sig: int = signal.SIGTERM, grace_s: float = 10.0) -> bool:
