@@ -216,7 +216,10 @@ async def test_a_closed_tab_pauses_its_generation_and_the_window_cancels_it(stac
     assert time.monotonic() - closed["at"] >= WINDOW_S - 0.5
     final = closing("modelyard_generation_tokens_total")
     assert final - closed["tokens"] <= PAUSE_BOUND_TOKENS, (closed, final)
-    assert final - started < 200  # this attempt's tokens: far from its 256-token end
+    # Held paused to the end: cancelled by the window, never run on to its 256-token end (how
+    # many tokens came before the close depends on how fast the browser closed the tab).
+    assert closing("modelyard_generation_finished_total", reason="length") == ended
+    assert final - started < 256
 
 
 async def test_on_the_gateway_port_the_page_says_where_to_open_it_and_words_a_crash(
