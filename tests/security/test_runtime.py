@@ -26,6 +26,7 @@ from modelyard.common import headers
 from modelyard.inference.v1 import inference_service_pb2 as pb
 from modelyard.inference.v1 import inference_service_pb2_grpc as pb_grpc
 from modelyard.service.config import Settings
+from modelyard.service.runtime import session
 from modelyard.service.server import Service, build_service
 from modelyard.tensors import to_array, to_tensor
 from tests.support import ServiceProcess, eventually, metric
@@ -70,8 +71,13 @@ def _repository(root: Path) -> Path:
 
 
 @pytest.fixture
-async def service(tmp_path: Path) -> AsyncIterator[Service]:
+async def service(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[Service]:
     """One executor thread: a run that kept its thread would starve every later run."""
+    # The probes' scaler must run inline whatever a loaded machine's warm-up took (55 us once in
+    # CI: its version 2 went to the executor, behind the run the test keeps there). The graphs
+    # under test are value-driven: never inline, whatever the limit.
+    monkeypatch.setattr(session, "INLINE_RUN_LIMIT_S", 0.005)
+    monkeypatch.setattr(session, "ONE_CORE_INLINE_RUN_LIMIT_S", 0.005)
     running = build_service(
         Settings(
             repository=_repository(tmp_path / "models"),
