@@ -200,13 +200,7 @@ class Proxy(_Handler):
                 attempt = self._tracing.attempt(scope.span, plan, info.path)  # ended in `finally`
                 try:
                     response, initial, trailing = await forward.ask(
-                        plan.upstream,
-                        info.path,
-                        info.kind,
-                        request,
-                        attempt.metadata,
-                        context.time_remaining(),
-                        scope.flight,
+                        _start(info, plan, request, attempt.metadata, context, scope)
                     )
                 except forward.Failed as failed:
                     scope.code = failed.code
@@ -264,15 +258,7 @@ class Proxy(_Handler):
                         plan.body(first or b"") if more is None else forward.requests(first, more, plan.body)
                     )
                     with self._tracing.attempt(scope.span, plan, info.path) as attempt:
-                        call = forward.start(
-                            plan.upstream,
-                            info.path,
-                            info.kind,
-                            request,
-                            attempt.metadata,
-                            context.time_remaining(),
-                            scope.flight,
-                        )
+                        call = _start(info, plan, request, attempt.metadata, context, scope)
                         try:
                             if more is None and (early := await forward.ended_early(call)) is not None:
                                 scope.code = early.code  # the attempt's outcome, should another follow
@@ -368,3 +354,17 @@ async def _first(requests: AsyncIterator[bytes]) -> bytes | None:
     async for message in requests:
         return message
     return None
+
+
+def _start(
+    info: MethodInfo,
+    plan: Plan,
+    request: forward.Request,
+    metadata: planner.Metadata,
+    context: Context,
+    scope: Scope,
+) -> Any:
+    """One attempt's upstream call, started as planned, within the caller's time left."""
+    return forward.start(
+        plan.upstream, info.path, info.kind, request, metadata, context.time_remaining(), scope.flight
+    )

@@ -112,9 +112,8 @@ class Edge(Handler):
 
         async def one(request: forward.Request, context: Context) -> bytes:
             try:
-                response, initial, trailing = await forward.ask(
-                    self.upstream, path, kind, request, self._md(context), 10, Flight()
-                )
+                call = forward.start(self.upstream, path, kind, request, self._md(context), 10, Flight())
+                response, initial, trailing = await forward.ask(call)
             except forward.Failed as failed:
                 await self._failed(context, failed)
             if initial:
