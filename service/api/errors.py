@@ -241,14 +241,8 @@ class serving:
         return self
 
     def done(self) -> None:
-        """The call answered: record it (its span, its metrics). `_record`'s body, for one frame
-        fewer on every answered call."""
-        version = self.version or tracing.resolved_version()
-        if self._span is not None:
-            tracing.end(self._span, version, self._code, self._reason)
-        self._metrics.observe_request(
-            self._method, self._model, version, self._code, time.perf_counter() - self._start
-        )
+        """The call answered: record it (its span, its metrics)."""
+        self._record(self._code, None)
 
     async def __aenter__(self) -> serving:
         return self.begin()
