@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import signal
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
+from typing import Any, TypeVar
 
 import grpc
 import pytest
@@ -12,7 +13,7 @@ import pytest
 from models import demo_models
 from modelyard.service.config import Settings
 from modelyard.service.server import Service, build_service
-from tests.sidecar_support import SIDECAR_MODULE, SidecarProcess, start_sidecar_process
+from tests.sidecar_support import SidecarProcess, start_sidecar_process
 from tests.support import ServiceProcess, start_service_process
 
 
@@ -43,13 +44,15 @@ async def channel(service: Service) -> AsyncIterator[grpc.aio.Channel]:
         yield chan
 
 
-@pytest.fixture
-def service_process() -> Iterator[Callable[..., ServiceProcess]]:
-    """A factory for service processes; every process it starts is stopped at the end."""
-    started: list[ServiceProcess] = []
+P = TypeVar("P", ServiceProcess, SidecarProcess)
 
-    def start(repository: Path, *args: str) -> ServiceProcess:
-        process = start_service_process(repository, *args)
+
+def _stopped_at_the_end(start_one: Callable[..., P]) -> Iterator[Callable[..., P]]:
+    """A fixture's factory of processes (`start_one`): every process it starts is stopped at the end."""
+    started: list[P] = []
+
+    def start(*args: Any, **options: Any) -> P:
+        process = start_one(*args, **options)
         started.append(process)
         return process
 
@@ -57,21 +60,15 @@ def service_process() -> Iterator[Callable[..., ServiceProcess]]:
     for process in started:
         if process.proc.poll() is None:
             process.stop(signal.SIGKILL)
+
+
+@pytest.fixture
+def service_process() -> Iterator[Callable[..., ServiceProcess]]:
+    """start(repository, *args): a service process, stopped at the end."""
+    yield from _stopped_at_the_end(start_service_process)
 
 
 @pytest.fixture
 def sidecar_process() -> Iterator[Callable[..., SidecarProcess]]:
-    """A factory for sidecar processes; every process it starts is stopped at the end."""
-    started: list[SidecarProcess] = []
-
-    def start(
-        *args: str, prefix: Sequence[str] = SIDECAR_MODULE, env: dict[str, str] | None = None
-    ) -> SidecarProcess:
-        process = start_sidecar_process(*args, prefix=prefix, env=env)
-        started.append(process)
-        return process
-
-    yield start
-    for process in started:
-        if process.proc.poll() is None:
-            process.stop(signal.SIGKILL)
+    """start(*args, prefix=..., env=...): a sidecar process, stopped at the end."""
+    yield from _stopped_at_the_end(start_sidecar_process)
