@@ -109,7 +109,7 @@ def default_concurrency(config: ModelConfig, provider: str, cpus: int) -> int:
     return max(sessions, max(1, (cpus - 1) // threads) if threads else 1)
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class _Pending:
     """One request in the batcher: its inputs, and the future its caller awaits."""
 

@@ -83,7 +83,7 @@ class Scheduling:
 DEFAULT_SCHEDULING = Scheduling()  # the default level, the level's timeout, no client deadline
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Ticket(Generic[T]):
     """One piece of waiting work. `queued` turns False when it leaves the queue for any reason."""
 
@@ -170,18 +170,22 @@ class AdmissionQueue(Generic[T]):
     def check(self, scheduling: Scheduling) -> tuple[int, float | None]:
         """The level and deadline a request would get, raising what `admit` raises except for a full
         queue: for work that runs at once, without waiting in the queue."""
+        level, deadline, _ = self._check(scheduling)
+        return level, deadline
+
+    def _check(self, scheduling: Scheduling) -> tuple[int, float | None, float]:
         level = self.level_of(scheduling)
         now = self._clock.now()
         deadline = self.deadline_of(level, scheduling, now)
         if deadline is not None and deadline <= now:
             self._observer.dropped(level, DEADLINE)
             raise DeadlineExceeded("the request's deadline passed before it was queued")
-        return level, deadline
+        return level, deadline, now
 
     def admit(self, item: T, scheduling: Scheduling) -> Ticket[T]:
         """Queue `item`, or refuse it at once: InvalidInput (no such priority), DeadlineExceeded
         (its deadline has already passed), Overloaded (its level's queue is full)."""
-        level, deadline = self.check(scheduling)
+        level, deadline, now = self._check(scheduling)
         queue = self._levels[level - 1]
         limit = self._policies[level - 1].max_queue_size
         if limit and len(queue) >= limit:
@@ -190,7 +194,7 @@ class AdmissionQueue(Generic[T]):
                 f"{self._name or 'the model'} is overloaded: its priority {level} queue holds "
                 f"{len(queue)} requests, its max_queue_size; retry later or with a higher priority"
             )
-        ticket = Ticket(item, level, self._clock.now(), deadline, next(self._sequence))
+        ticket = Ticket(item, level, now, deadline, next(self._sequence))
         queue[ticket.number] = ticket
         if deadline is not None:
             heapq.heappush(self._deadlines, (deadline, ticket.number, ticket))
