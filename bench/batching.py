@@ -18,7 +18,12 @@ saturate the batched dense model while an interactive client sends one row every
 not waiting for answers) and measures its latency: alone, under the bulk at priority 1, under the
 bulk at the default (low) priority, and, for reference, under the same bulk on the unbatched model.
 
-    .venv/bin/python bench/batching.py [--duration 3] [--rounds 3] [--levels 1,8,32,64]
+    .venv/bin/python -m bench.batching [--duration 3] [--rounds 3] [--levels 1,8,32,64] [--no-burst]
+
+Beside throughput and latency, each point prints the service's CPU per answered request (its
+process tree, from /proc) and this client's: on two shared cores they, not the model, bound the
+batched modes, so the CPU per request is the steadier figure. The client is the same for every
+mode (grpc.aio, pre-serialized bytes, no deserialization).
 
 The service runs as a child process (`python -m modelyard.service`), on 127.0.0.1 only; this process is the
 client (grpc.aio, pre-serialized requests, so that the client spends little per call). Results go
@@ -49,6 +54,7 @@ from typing import Any
 import grpc
 import numpy as np
 
+from bench.lib.procfs import tree_cpu_seconds
 from models.demo_models import dense_stack, scaled_identity, write_model
 from modelyard.inference.v1 import inference_service_pb2 as pb
 from modelyard.kserve.v2 import grpc_service_pb2 as kpb
@@ -146,11 +152,19 @@ class Measure:
     seconds: float
     latencies: list[float] = field(default_factory=list)
     errors: Counter[str] = field(default_factory=Counter)
+    # CPU per answered request, warm-up included (the CPU is read around the whole window):
+    # the service's (its process tree, from /proc) and this client's own.
+    answered: int = 0
+    server_cpu_s: float = 0.0
+    client_cpu_s: float = 0.0
 
     def merge(self, other: Measure) -> None:
         self.seconds += other.seconds
         self.latencies += other.latencies
         self.errors.update(other.errors)
+        self.answered += other.answered
+        self.server_cpu_s += other.server_cpu_s
+        self.client_cpu_s += other.client_cpu_s
 
     def summary(self) -> dict[str, Any]:
         values = np.array(self.latencies) if self.latencies else np.array([np.nan])
@@ -160,14 +174,19 @@ class Measure:
             "p99_ms": float(np.percentile(values, 99)) * 1e3,
             "requests": len(self.latencies),
             "errors": dict(self.errors),
+            "server_cpu_us": self.server_cpu_s / max(self.answered, 1) * 1e6,
+            "client_cpu_us": self.client_cpu_s / max(self.answered, 1) * 1e6,
         }
 
 
 Call = grpc.aio.UnaryUnaryMultiCallable[bytes, bytes]
 
 
-async def closed_loop(call: Call, body: bytes, clients: int, warmup: float, duration: float) -> Measure:
-    """`clients` callers, each sending its next request when the last one is answered."""
+async def closed_loop(
+    call: Call, body: bytes, clients: int, warmup: float, duration: float, server_pid: int = 0
+) -> Measure:
+    """`clients` callers, each sending its next request when the last one is answered. With
+    `server_pid`, the service's CPU and this client's over the window, per answered request."""
     start = time.perf_counter() + warmup
     stop = start + duration
     measure = Measure(duration)
@@ -180,10 +199,15 @@ async def closed_loop(call: Call, body: bytes, clients: int, warmup: float, dura
                 if sent >= start:
                     measure.errors[exc.code().name] += 1
                 continue
+            measure.answered += 1
             if sent >= start:
                 measure.latencies.append(time.perf_counter() - sent)
 
+    server_cpu = tree_cpu_seconds(server_pid) if server_pid else 0.0
+    client_cpu = time.process_time()
     await asyncio.gather(*(client() for _ in range(clients)))
+    measure.client_cpu_s = time.process_time() - client_cpu
+    measure.server_cpu_s = tree_cpu_seconds(server_pid) - server_cpu if server_pid else 0.0
     return measure
 
 
@@ -236,7 +260,7 @@ def check_outputs(channel: grpc.Channel) -> dict[str, Any]:
 
 
 async def phase_levels(
-    address: str, levels: list[int], rounds: int, warmup: float, duration: float
+    address: str, pid: int, levels: list[int], rounds: int, warmup: float, duration: float
 ) -> dict[str, dict[int, dict[str, Any]]]:
     results: dict[str, dict[int, dict[str, Any]]] = {}
     async with grpc.aio.insecure_channel(address) as channel:
@@ -253,7 +277,7 @@ async def phase_levels(
                     for mode in order[round_ % len(order) :] + order[: round_ % len(order)]:
                         name = modes[mode][0]
                         before = await _counts(kserve, name)
-                        measure = await closed_loop(call, bodies[mode], level, warmup, duration)
+                        measure = await closed_loop(call, bodies[mode], level, warmup, duration, pid)
                         after = await _counts(kserve, name)
                         runs[(mode, "rows")] += after[0] - before[0]
                         runs[(mode, "runs")] += after[1] - before[1]
@@ -278,7 +302,9 @@ async def _counts(kserve: kpb_grpc.GRPCInferenceServiceAsyncStub, model: str) ->
 def _line(mode: str, s: dict[str, Any]) -> str:
     errors = f" errors {s['errors']}" if s["errors"] else ""
     rows = f" [{s['rows_per_run']:4.1f} rows/run]" if mode != "off" else ""
-    return f"{mode}: {s['throughput']:5.0f}/s p50 {s['p50_ms']:6.2f} p99 {s['p99_ms']:6.2f} ms{rows}{errors}"
+    cpu = f" cpu/req srv {s['server_cpu_us']:4.0f} cli {s['client_cpu_us']:3.0f} us"
+    latency = f"p50 {s['p50_ms']:6.2f} p99 {s['p99_ms']:6.2f} ms"
+    return f"{mode}: {s['throughput']:5.0f}/s {latency}{rows}{cpu}{errors}"
 
 
 async def phase_burst(address: str, warmup: float, duration: float) -> dict[str, dict[str, Any]]:
@@ -331,6 +357,8 @@ def ratios(levels: dict[str, dict[int, dict[str, Any]]]) -> dict[str, dict[int, 
                 mode: {
                     "throughput": values["throughput"] / off["throughput"],
                     "p99": values["p99_ms"] / off["p99_ms"],
+                    # The service's CPU per request, off over on: the gain on a saturated machine.
+                    "server_cpu": off["server_cpu_us"] / max(values["server_cpu_us"], 1e-9),
                 }
                 for mode, values in modes.items()
                 if mode != "off"
@@ -346,6 +374,7 @@ def main() -> int:
     parser.add_argument("--warmup", type=float, default=0.5, help="unmeasured seconds before each point")
     parser.add_argument("--rounds", type=int, default=3, help="rounds per point, mode order rotating")
     parser.add_argument("--levels", default="1,8,32,64", help="client concurrency levels")
+    parser.add_argument("--no-burst", action="store_true", help="phase 1 only (a shorter run)")
     parser.add_argument("--output", type=Path, default=RESULTS)
     args = parser.parse_args()
     levels = [int(v) for v in args.levels.split(",")]
@@ -360,7 +389,7 @@ def main() -> int:
             print(f"batched vs unbatched outputs: {exactness}")
             print("phase 1: closed-loop clients, batching off / on")
             by_level = asyncio.run(
-                phase_levels(server.address, levels, args.rounds, args.warmup, args.duration)
+                phase_levels(server.address, server.proc.pid, levels, args.rounds, args.warmup, args.duration)
             )
             gains = ratios(by_level)
             print("gains over batching off (throughput ratio; p99 ratio, lower is better):")
@@ -368,11 +397,13 @@ def main() -> int:
                 for level in (32, 64):
                     for mode, g in gains[kind].get(level, {}).items():
                         ratio = f"throughput x{g['throughput']:.2f}, p99 x{g['p99']:.2f}"
+                        ratio += f", service CPU per request x{1 / g['server_cpu']:.2f}"
                         print(f"  {kind:5} c={level} {mode:7}: {ratio}")
-            print(
-                f"phase 2: burst (bulk: {BULK_CLIENTS} closed-loop low-priority clients on the dense model)"
-            )
-            burst = asyncio.run(phase_burst(server.address, args.warmup, args.duration))
+            burst: dict[str, dict[str, Any]] = {}
+            if not args.no_burst:
+                bulk = f"{BULK_CLIENTS} closed-loop low-priority clients on the dense model"
+                print(f"phase 2: burst (bulk: {bulk})")
+                burst = asyncio.run(phase_burst(server.address, args.warmup, args.duration))
             batching_lines = [line for line in server.log if "batches up to" in line]
         report = {
             "machine": {"cpus": os.cpu_count(), "python": platform.python_version()},

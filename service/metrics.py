@@ -59,8 +59,11 @@ class BatchingMetrics:
         # new config has two for a while): they update the same series.
         self._series = metrics.version_series(self._labels)
         self._rejections_family = metrics.queue_rejections
-        self._queue_seconds = [self._bind(metrics.queue_seconds, str(n)) for n in range(1, levels + 1)]
-        self._depth = [self._bind(metrics.queue_depth, str(n)) for n in range(1, levels + 1)]
+        queues = metrics.queues
+        per_level = [(*self._labels, str(n)) for n in range(1, levels + 1)]
+        self._series.update((queues, labels) for labels in per_level)
+        self._depth = [queues.depth(labels) for labels in per_level]
+        self._waits = [queues.waits(labels) for labels in per_level]
         self._rejections: dict[tuple[int, str], Counter] = {}
         self._closed = False
 
@@ -75,10 +78,12 @@ class BatchingMetrics:
         return family.labels(*labels)
 
     def depth(self, level: int, depth: int) -> None:
-        self._depth[level - 1].set(depth)
+        self._depth[level - 1][0] = depth
 
     def dequeued(self, level: int, waited_s: float) -> None:
-        self._queue_seconds[level - 1].observe(waited_s)
+        series = self._waits[level - 1]
+        series[bisect_left(LATENCY_BUCKETS, waited_s)] += 1  # Prometheus buckets are "less or equal"
+        series[-1] += waited_s
 
     def dropped(self, level: int, reason: str) -> None:
         child = self._rejections.get((level, reason))
@@ -96,6 +101,71 @@ class BatchingMetrics:
         for family, labels in self._owner.release_version_series(self._labels):
             with contextlib.suppress(KeyError):
                 family.remove(*labels)
+
+
+class Removable(Protocol):
+    """A family whose series of one label set can leave the registry (a version retired)."""
+
+    def remove(self, *labels: str) -> None: ...
+
+
+class QueueSeries:
+    """`modelyard_queue_depth` and `modelyard_queue_duration_seconds`, by model, version and priority
+    level: plain numbers kept on the event loop, read at scrape time.
+
+    A collector of its own because a queue reports on every request it admits and takes out (on the
+    batched path, per request): prometheus_client's Gauge and Histogram take a lock per observation
+    and walk the buckets in Python. A scrape (on the HTTP thread) copies each series, so it may see
+    a wait in the count a moment before it is in the sum, never a torn number."""
+
+    LABELS = ("model", "version", "priority")
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        # label values -> [depth]; label values -> [waits per bucket (the last one +Inf)..., sum]
+        self._depths: dict[tuple[str, ...], list[float]] = {}
+        self._waits: dict[tuple[str, ...], list[float]] = {}
+        registry.register(self)
+
+    def depth(self, labels: tuple[str, ...]) -> list[float]:
+        """The depth of one queue (shared by every queue of the same labels: the last one set wins)."""
+        series = self._depths.get(labels)
+        if series is None:
+            series = self._depths[labels] = [0.0]
+        return series
+
+    def waits(self, labels: tuple[str, ...]) -> list[float]:
+        """The wait histogram of one queue level (shared by every queue of the same labels)."""
+        series = self._waits.get(labels)
+        if series is None:
+            series = self._waits[labels] = [0.0] * (len(LATENCY_BUCKETS) + 2)
+        return series
+
+    def remove(self, *labels: str) -> None:
+        # One assignment each: a scrape on the HTTP thread sees the old dict or the new one.
+        self._depths = {key: series for key, series in self._depths.items() if key != labels}
+        self._waits = {key: series for key, series in self._waits.items() if key != labels}
+
+    def collect(self) -> Iterator[Metric]:
+        depth = GaugeMetricFamily(
+            "modelyard_queue_depth",
+            "Requests waiting in a model version's queue (batching, or decode slots), by priority level "
+            "(1 is highest).",
+            labels=self.LABELS,
+        )
+        waits = HistogramMetricFamily(
+            "modelyard_queue_duration_seconds",
+            "Time a request waited in its model version's queue (batching, or decode slots) before it ran.",
+            labels=self.LABELS,
+        )
+        for key, series in list(self._depths.items()):
+            depth.add_metric(list(key), series[0])
+        bounds = [floatToGoString(b) for b in LATENCY_BUCKETS] + ["+Inf"]  # type: ignore[no-untyped-call]
+        for key, series in list(self._waits.items()):
+            snapshot = list(series)
+            cumulative = list(accumulate(snapshot[:-1]))
+            waits.add_metric(list(key), list(zip(bounds, cumulative, strict=True)), sum_value=snapshot[-1])
+        yield depth
+        yield waits
 
 
 # Decode steps batch up to a model's max_concurrent_sequences rows.
@@ -257,7 +327,7 @@ class GenerationMetrics:
     _cancellations: Counter
     _labels: tuple[str, str]
     _owner: ServiceMetrics
-    _series: set[tuple[MetricWrapperBase, tuple[str, ...]]]
+    _series: set[tuple[Removable, tuple[str, ...]]]
 
     def finished(self, reason: str) -> None:
         """A sequence ended: length, stop, eos, cancelled, deadline, stalled or error."""
@@ -341,27 +411,12 @@ class ServiceMetrics:
         # Requests label their model by name only while it is in the repository and has served:
         # names a request made up must not grow the label set without bound.
         self.known_models: set[str] = set()
-        self._version_series: dict[
-            tuple[str, str], tuple[int, set[tuple[MetricWrapperBase, tuple[str, ...]]]]
-        ] = {}
+        self._version_series: dict[tuple[str, str], tuple[int, set[tuple[Removable, tuple[str, ...]]]]] = {}
         self._batching_families()
 
     def _batching_families(self) -> None:
         levels = ["model", "version", "priority"]
-        self.queue_seconds = Histogram(
-            "modelyard_queue_duration_seconds",
-            "Time a request waited in its model version's queue (batching, or decode slots) before it ran.",
-            levels,
-            buckets=LATENCY_BUCKETS,
-            registry=self.registry,
-        )
-        self.queue_depth = Gauge(
-            "modelyard_queue_depth",
-            "Requests waiting in a model version's queue (batching, or decode slots), by priority level "
-            "(1 is highest).",
-            levels,
-            registry=self.registry,
-        )
+        self.queues = QueueSeries(self.registry)  # depth and waits
         self.queue_rejections = Counter(
             "modelyard_queue_rejections",
             "Requests refused by a queue (batching, or decode slots) or removed from it without running, "
@@ -381,7 +436,7 @@ class ServiceMetrics:
     def batching(self, model: str, version: str, levels: int) -> BatchingMetrics:
         return BatchingMetrics(self, model, version, levels)
 
-    def version_series(self, labels: tuple[str, str]) -> set[tuple[MetricWrapperBase, tuple[str, ...]]]:
+    def version_series(self, labels: tuple[str, str]) -> set[tuple[Removable, tuple[str, ...]]]:
         """The series of one model version (batching and generation), shared by everything that
         serves that version (counted), so that a replaced version's leaving does not remove series
         its successor with the same number already uses."""
@@ -389,9 +444,7 @@ class ServiceMetrics:
         self._version_series[labels] = (users + 1, series)
         return series
 
-    def release_version_series(
-        self, labels: tuple[str, str]
-    ) -> set[tuple[MetricWrapperBase, tuple[str, ...]]]:
+    def release_version_series(self, labels: tuple[str, str]) -> set[tuple[Removable, tuple[str, ...]]]:
         """One user of the version's series is gone; the series to remove once none is left."""
         users, series = self._version_series.pop(labels, (1, set()))
         if users > 1:

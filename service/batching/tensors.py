@@ -14,7 +14,10 @@ Feeds = Mapping[str, np.ndarray]
 def batch_key(feeds: Feeds) -> Hashable:
     """Requests with equal keys can be concatenated along the batch dimension: the same input
     names, element types and shapes apart from the first (batch) dimension."""
-    return tuple(sorted((name, array.dtype.str, array.shape[1:]) for name, array in feeds.items()))
+    if len(feeds) == 1:  # most models, on every batched request: nothing to sort
+        for name, array in feeds.items():
+            return ((name, array.dtype, array.shape[1:]),)
+    return tuple(sorted([(name, array.dtype, array.shape[1:]) for name, array in feeds.items()]))
 
 
 def batch_rows(feeds: Feeds) -> int:
@@ -29,8 +32,13 @@ def concat(parts: Sequence[Feeds]) -> dict[str, np.ndarray]:
     return {name: np.concatenate([part[name] for part in parts], axis=0) for name in parts[0]}
 
 
-def split(outputs: Mapping[str, np.ndarray], rows: Sequence[int]) -> list[dict[str, np.ndarray]]:
-    """One batch's outputs cut back into each request's rows (views, not copies)."""
+def split(
+    outputs: Mapping[str, np.ndarray],
+    rows: Sequence[int],
+    names: Sequence[Sequence[str]] | None = None,
+) -> list[dict[str, np.ndarray]]:
+    """One batch's outputs cut back into each request's rows (views, not copies); with `names`
+    (one sequence per request), each request gets only the outputs it asked for."""
     total = sum(rows)
     for name, array in outputs.items():
         if array.ndim == 0 or array.shape[0] != total:
@@ -40,7 +48,9 @@ def split(outputs: Mapping[str, np.ndarray], rows: Sequence[int]) -> list[dict[s
             )
     pieces: list[dict[str, np.ndarray]] = []
     start = 0
-    for count in rows:
-        pieces.append({name: array[start : start + count] for name, array in outputs.items()})
-        start += count
+    for index, count in enumerate(rows):
+        end = start + count
+        wanted = outputs if names is None else names[index]
+        pieces.append({name: outputs[name][start:end] for name in wanted})
+        start = end
     return pieces

@@ -83,7 +83,7 @@ class Scheduling:
 DEFAULT_SCHEDULING = Scheduling()  # the default level, the level's timeout, no client deadline
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Ticket(Generic[T]):
     """One piece of waiting work. `queued` turns False when it leaves the queue for any reason."""
 
@@ -130,6 +130,8 @@ class AdmissionQueue(Generic[T]):
         self._name = name  # says whose queue it is in error messages, e.g. "model m version 3"
         # One insertion-ordered dict per level: O(1) removal of any ticket, oldest first.
         self._levels: list[dict[int, Ticket[T]]] = [{} for _ in range(policy.priority_levels)]
+        # Each level's policy, looked up once (admit reads it on every request).
+        self._policies = [policy.policy(level) for level in range(1, policy.priority_levels + 1)]
         # Deadlines in a heap; tickets that left the queue stay in it until they reach the top, or
         # until they are half of it: then it is rebuilt, so that work answered long before its
         # deadline (a 30 s gRPC deadline, say) is not kept alive for that long.
@@ -155,7 +157,7 @@ class AdmissionQueue(Generic[T]):
     def deadline_of(self, level: int, scheduling: Scheduling, now: float) -> float | None:
         """When a request admitted now must have left the queue: the earlier of its level's timeout
         (lowered by the request's own timeout where allowed) and its client's deadline."""
-        policy = self.policy.policy(level)
+        policy = self._policies[level - 1]
         timeout_us = policy.default_timeout_us
         if scheduling.timeout_us and policy.allow_timeout_override:
             timeout_us = min(timeout_us, scheduling.timeout_us) if timeout_us else scheduling.timeout_us
@@ -168,27 +170,31 @@ class AdmissionQueue(Generic[T]):
     def check(self, scheduling: Scheduling) -> tuple[int, float | None]:
         """The level and deadline a request would get, raising what `admit` raises except for a full
         queue: for work that runs at once, without waiting in the queue."""
+        level, deadline, _ = self._check(scheduling)
+        return level, deadline
+
+    def _check(self, scheduling: Scheduling) -> tuple[int, float | None, float]:
         level = self.level_of(scheduling)
         now = self._clock.now()
         deadline = self.deadline_of(level, scheduling, now)
         if deadline is not None and deadline <= now:
             self._observer.dropped(level, DEADLINE)
             raise DeadlineExceeded("the request's deadline passed before it was queued")
-        return level, deadline
+        return level, deadline, now
 
     def admit(self, item: T, scheduling: Scheduling) -> Ticket[T]:
         """Queue `item`, or refuse it at once: InvalidInput (no such priority), DeadlineExceeded
         (its deadline has already passed), Overloaded (its level's queue is full)."""
-        level, deadline = self.check(scheduling)
+        level, deadline, now = self._check(scheduling)
         queue = self._levels[level - 1]
-        limit = self.policy.policy(level).max_queue_size
+        limit = self._policies[level - 1].max_queue_size
         if limit and len(queue) >= limit:
             self._observer.dropped(level, QUEUE_FULL)
             raise Overloaded(
                 f"{self._name or 'the model'} is overloaded: its priority {level} queue holds "
                 f"{len(queue)} requests, its max_queue_size; retry later or with a higher priority"
             )
-        ticket = Ticket(item, level, self._clock.now(), deadline, next(self._sequence))
+        ticket = Ticket(item, level, now, deadline, next(self._sequence))
         queue[ticket.number] = ticket
         if deadline is not None:
             heapq.heappush(self._deadlines, (deadline, ticket.number, ticket))
@@ -231,11 +237,15 @@ class AdmissionQueue(Generic[T]):
     def take(self, tickets: Iterable[Ticket[T]]) -> None:
         """Take tickets out to run them (they must still be queued)."""
         now = self._clock.now()
+        levels: set[int] = set()
         for ticket in tickets:
             if not ticket.queued:
                 raise ValueError("the ticket has already left the queue")
-            self._unlink(ticket)
+            self._unlink(ticket, report=False)
+            levels.add(ticket.level)
             self._observer.dequeued(ticket.level, now - ticket.enqueued_at)
+        for level in levels:  # once per level a batch took from, not once per request
+            self._observer.depth(level, len(self._levels[level - 1]))
 
     def pop(self) -> Ticket[T] | None:
         """Take the head (highest priority, oldest) out to run it; None when the queue is empty."""
@@ -274,12 +284,13 @@ class AdmissionQueue(Generic[T]):
     def depth(self, level: int) -> int:
         return len(self._levels[level - 1])
 
-    def _unlink(self, ticket: Ticket[T], in_heap: bool = True) -> None:
+    def _unlink(self, ticket: Ticket[T], in_heap: bool = True, report: bool = True) -> None:
         queue = self._levels[ticket.level - 1]
         del queue[ticket.number]
         ticket.queued = False
         self._count -= 1
-        self._observer.depth(ticket.level, len(queue))
+        if report:
+            self._observer.depth(ticket.level, len(queue))
         if ticket.deadline is not None and in_heap:
             self._stale += 1
             if self._stale > 64 and self._stale * 2 > len(self._deadlines):
