@@ -49,24 +49,35 @@ class Flights:
 
     def __init__(self) -> None:
         self._flights: set[Flight] = set()
-        self._empty = asyncio.Event()
-        self._empty.set()
+        # Made only while a drain waits for the last call to leave: an Event cleared and set
+        # per call would be two Python calls per call for what only shutdown asks.
+        self._emptied: asyncio.Event | None = None
         self._draining = False
 
     def enter(self) -> Flight:
-        flight = Flight(drained=self._draining)
+        flight = Flight(None, self._draining)
         self._flights.add(flight)
-        self._empty.clear()
         return flight
 
     def leave(self, flight: Flight) -> None:
-        self._flights.discard(flight)
+        flights = self._flights
+        flights.discard(flight)
+        if not flights and self._emptied is not None:
+            self._emptied.set()
+
+    async def _until_empty(self, within_s: float) -> None:
         if not self._flights:
-            self._empty.set()
+            return
+        emptied = self._emptied = self._emptied or asyncio.Event()
+        try:
+            await asyncio.wait_for(emptied.wait(), max(0.0, within_s))
+        finally:
+            if not self._flights:
+                self._emptied = None
 
     async def drain(self, within_s: float) -> None:
         try:
-            await asyncio.wait_for(self._empty.wait(), max(0.0, within_s))
+            await self._until_empty(within_s)
             return
         except TimeoutError:
             pass
@@ -77,7 +88,7 @@ class Flights:
                 flight.call.cancel()
         # The handlers answer at once (their upstream call raised); a moment for them to do so.
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._empty.wait(), 0.5)
+            await self._until_empty(0.5)
 
 
 class Scope:
