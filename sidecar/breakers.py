@@ -15,6 +15,7 @@ answers "is this model's canary breaker open?" for whoever acts on it (a rollout
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Callable, Iterable
@@ -167,7 +168,7 @@ class Breaker:
             return
         reference = None
         if stable and stable != self.key.version and self._windows is not None:
-            reference = Reference(self._windows(self.key.model, stable), self.adaptive.now())
+            reference = Reference(functools.partial(self._windows, self.key.model, stable), self.adaptive.now)
         trip = self.adaptive.record(fault, latency, caller, lone_trips, reference)
         if trip is not None:
             self._open(trip)

@@ -151,7 +151,7 @@ class Plan(Generic[U]):
         has_fallback = self.dye == CANARY and bool(self.stable)  # its callers get stable when it opens
         self.breaker.report(
             self.permit,
-            is_fault(code, reason),
+            code != "OK" and is_fault(code, reason),
             latency,
             self.caller,
             has_fallback,
