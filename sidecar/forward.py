@@ -107,7 +107,7 @@ async def requests(
 
 
 def with_metadata(received: Iterable[Any] | None, added: Metadata) -> Metadata:
-    return (*((key, value) for key, value in received or ()), *added)
+    return (*(received or ()), *added)
 
 
 # --- calls with one response: unary-unary, stream-unary ------------------------------------

@@ -29,6 +29,7 @@ from modelyard.sidecar.tracing import Tracing
 
 # A status code's name: the enum's `name` is a property, read several times per call.
 CODE_NAMES = {code: code.name for code in grpc.StatusCode}
+_OK, _CANCELLED = grpc.StatusCode.OK, grpc.StatusCode.CANCELLED
 
 
 @dataclass(eq=False, slots=True)
@@ -187,8 +188,9 @@ class Scope:
             reason = ErrorReason.DRAINING.value  # the sidecar's shutdown: no server fault
         if self.span is not None:
             scopes.tracing.end(self.span, plan, code, reason)
-        name = CODE_NAMES[code]
-        cancelled = code == grpc.StatusCode.CANCELLED
+        ok = code is _OK  # nearly every call: no look-up of its name (an Enum's hash is Python)
+        name = "OK" if ok else CODE_NAMES[code]
+        cancelled = code is _CANCELLED
         if plan is not None and not plan.reported:
             plan.report(name, "", None, gone=cancelled)
         if self._tenant:
@@ -199,8 +201,10 @@ class Scope:
             scopes.metrics.answered(method, "", "", "", name, "", took)
             return
         # The caller's cancel, or the sidecar's drain, is no verdict on the upstream.
-        fault = not (cancelled or flight.drained) and is_fault(name, reason)
-        version = version_label(plan)
+        fault = not (ok or cancelled or flight.drained) and is_fault(name, reason)
+        version = plan.version
+        if version and plan.breaker is None:  # version_label, inline
+            version = OTHER
         scopes.metrics.answered(method, plan.label, version, plan.dye, name, plan.fallback, took, fault)
 
 

@@ -99,7 +99,10 @@ def read_model_fields(data: bytes, max_fields: int = MAX_FIELDS) -> ModelFields:
             raise WireError(f"unsupported wire type {kind}")
         if pos > end:
             raise WireError("field runs past the end")
-    return ModelFields(_text(name or b""), _text(version or b""))
+    try:  # _text, inline for the usual case: this runs per message
+        return ModelFields(name.decode() if name else "", version.decode() if version else "")
+    except UnicodeDecodeError:
+        return ModelFields(_text(name or b""), _text(version or b""))
 
 
 def _text(raw: bytes) -> str:
