@@ -90,6 +90,9 @@ class Breaker:
             name=f"{key.upstream}/{key.model}/{key.version}",
             listeners=[_Listener(self)],
         )
+        # pybreaker's state as of the last transition (only _transition changes it): read per call
+        # here rather than through its two properties and its storage.
+        self._current: str = self._cb.current_state
         self._generation = 0
         self._closed_permit = Permit(0, False)  # every closed call's, until the state changes
         self._changes: list[tuple[State, State]] = []  # told after the transition (_transition)
@@ -100,16 +103,16 @@ class Breaker:
 
     @property
     def state(self) -> State:
-        return State(self._cb.current_state)
+        return State(self._current)
 
     @property
     def shut(self) -> bool:
         """Open with its backoff still running: no call would be let through, not even a probe."""
-        return self._cb.current_state == pybreaker.STATE_OPEN and not self.adaptive.backoff_over()
+        return self._current == pybreaker.STATE_OPEN and not self.adaptive.backoff_over()
 
     def would_allow(self) -> bool:
         """Whether `allow` would let a call through now, without taking a probe slot."""
-        state = self._cb.current_state
+        state = self._current
         if state == pybreaker.STATE_CLOSED:
             return True
         if state == pybreaker.STATE_OPEN:
@@ -122,7 +125,7 @@ class Breaker:
         return in_flight < policy.policy.probes and in_flight + self._probe_successes < policy.run
 
     def allow(self) -> Permit | None:
-        state = self._cb.current_state
+        state = self._current
         if state == pybreaker.STATE_CLOSED:
             return self._closed_permit
         if state == pybreaker.STATE_OPEN:
@@ -195,6 +198,7 @@ class Breaker:
         self._probe_successes = 0
         self._probe_failers = set()
         change()
+        self._current = self._cb.current_state
         # Told once the change is complete (pybreaker's listener runs before its storage holds
         # the new state): whoever is told reads the new state (the effective weight, the log).
         changes, self._changes = self._changes, []

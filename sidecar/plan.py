@@ -39,6 +39,10 @@ FALLBACK_CANARY_FAULT = "canary-fault"
 _DROP = frozenset({headers.MODEL_VERSION, headers.MODEL_DYE, "user-agent", "te", "content-type"})
 # Status codes (by name) that count against an upstream when the answer carries no reason.
 FAULT_CODES = frozenset({"UNAVAILABLE", "INTERNAL", "UNKNOWN", "DEADLINE_EXCEEDED"})
+# Model names (from field 1) that passed the name rule: the same few on every call, so checked
+# once each. Bounded, since a client may send any number of valid names: past it, each is checked.
+VALID_NAMES_KEPT = 1024
+_VALID_NAMES: set[str] = set()
 
 
 class Target(Protocol):
@@ -227,7 +231,11 @@ def read(request: bytes | None, md: Metadata, pool: Pool[Target], *, model_addre
                 "INVALID_ARGUMENT", f"the request is not a valid message: {exc}", ErrorReason.INVALID_ARGUMENT
             ) from exc
         try:
-            model = _checked(check_name, fields.name, "model_name", received, headers.MODEL_NAME)
+            model = fields.name
+            if model not in _VALID_NAMES:  # a name seen valid before is not checked again
+                model = _checked(check_name, model, "model_name", received, headers.MODEL_NAME)
+                if model and len(_VALID_NAMES) < VALID_NAMES_KEPT:
+                    _VALID_NAMES.add(model)
             if fields.version or headers.MODEL_VERSION in received:  # most calls pin none
                 pin = _checked(
                     check_version, fields.version, "model_version", received, headers.MODEL_VERSION
@@ -259,7 +267,16 @@ def unrouted(request: Request, pool: Pool[U], *, model_addressed: bool) -> Plan[
     candidates = pool.candidates(request.model, request.pin) if model_addressed else []
     upstream = (candidates or pool.any())[0]
     return Plan(
-        request.model, request.pin, "", "", "", upstream, None, None, request.forward, label=request.label
+        request.model,
+        request.pin,
+        "",
+        "",
+        "",
+        upstream,
+        None,
+        None,
+        request.forward,
+        label=request.model if request.known else OTHER,
     )
 
 
@@ -312,7 +329,7 @@ def first(
         permit,
         forward,
         caller,
-        request.label,
+        request.model if request.known else OTHER,  # request.label, inline
         fell_back=bool(fallback),
         read=request.read,
     )
