@@ -26,7 +26,7 @@ from modelyard.sidecar.breakers import Breaker, Breakers, Permit
 from modelyard.sidecar.limits import ANY_TENANT, TenantLimit
 from modelyard.sidecar.routes import RouteTable
 from modelyard.sidecar.routing import CANARY, STABLE, Decision, RoutingError, decide, stable_and_canary
-from modelyard.sidecar.wire import ModelFields, WireError, read_model_fields, with_version
+from modelyard.sidecar.wire import ModelFields, WireError, read_model_fields, version_field
 
 Metadata = tuple[tuple[str, str | bytes], ...]
 Read = tuple[bytes, ModelFields]  # a message and its fields 1 and 2 (wire.read_model_fields)
@@ -141,7 +141,7 @@ class Plan(Generic[U]):
                 return message  # the upstream answers INVALID_ARGUMENT for it
         if not fields.complete or fields.version or (fields.name and fields.name != self.model):
             return message
-        return with_version(message, self.version)
+        return message + version_field(self.version)  # wire.with_version, inline
 
     def report(self, code: str, reason: str, latency: float | None, *, gone: bool = False) -> None:
         """The attempt's outcome to its breaker, once; `gone`: the caller cancelled (or the

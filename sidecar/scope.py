@@ -119,11 +119,12 @@ class Scope:
         self._closed = False
         self.path = path
         self.metadata = md  # the call's request metadata, read once
-        self.code = grpc.StatusCode.OK
+        self.code = _OK
         self.reason = ""
         self.plan: Plan[Any] | None = None
         self.caller: int | None = None
-        self.span = scopes.tracing.server_span(path, md)
+        tracing = scopes.tracing
+        self.span = tracing.server_span(path, md) if tracing.enabled else None  # no call untraced
         self.flight = scopes.flights.enter()
 
     def __enter__(self) -> Scope:

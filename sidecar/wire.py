@@ -129,11 +129,11 @@ def _encode_varint(value: int) -> bytes:
 def with_version(data: bytes, version: str) -> bytes:
     """The message with field 2 set to `version`: appended, because for a singular field the last
     occurrence on the wire wins. No decode, one copy."""
-    return data + _version_field(version)
+    return data + version_field(version)
 
 
 @lru_cache(maxsize=256)
-def _version_field(version: str) -> bytes:
+def version_field(version: str) -> bytes:
     """Field 2 holding `version`, encoded (the same few versions on every call)."""
     raw = version.encode()
     return bytes((_VERSION_TAG,)) + _encode_varint(len(raw)) + raw
