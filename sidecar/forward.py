@@ -151,7 +151,9 @@ def start(
 ) -> Any:
     """One attempt's call, started: `ask` it (one response), or `relay` it (after `ended_early`)."""
     call = upstream.method(path, kind)(request, metadata=metadata, timeout=time_left)
-    flight.follow(call)
+    flight.call = call  # Flight.follow, inline: this runs per attempt
+    if flight.drained:
+        call.cancel()
     return call
 
 

@@ -457,7 +457,8 @@ def take(
     candidates = pool.candidates(model, version)
     if not candidates and fallback_to_any:
         candidates = pool.any()
-    stateful = is_stateful(model, version, table, pool)
+    # is_stateful's usual answer (a served version) in one look, without its call
+    stateful = (bool(version) and pool.knows(model, version)) or is_stateful(model, version, table, pool)
     for upstream in candidates:
         if upstream in exclude:
             continue
