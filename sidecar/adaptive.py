@@ -228,21 +228,32 @@ class Window:
     def __len__(self) -> int:
         return len(self._calls)
 
-    def add(self, now: float, fault: bool, latency: float | None, caller: Caller = None) -> None:
+    def add(self, now: float, fault: bool, latency: float | None, caller: Caller = None) -> int:
+        """Record one call; returns how many calls the window holds (after its trim)."""
         bucket = -1
         if latency is not None:
-            # bucket_of, inline: this runs per call
-            bucket = 0 if latency <= LOW else min(BUCKETS - 1, int((_log(latency) - _LOG_LOW) * _SCALE))
-            self.latencies.add(bucket)
-        self._calls.append((now, fault, bucket, caller))
-        self.faults += fault
+            # bucket_of and Latencies.add, inline: this runs per call
+            bucket = 0 if latency <= LOW else int((_log(latency) - _LOG_LOW) * _SCALE)
+            if bucket >= BUCKETS:
+                bucket = BUCKETS - 1
+            latencies = self.latencies
+            latencies.counts[bucket] += 1
+            latencies.groups[bucket // GROUP] += 1
+            latencies.total += 1
+        calls = self._calls
+        calls.append((now, fault, bucket, caller))
+        if fault:
+            self.faults += 1
         if caller is not None:
             counts = self._callers.get(caller)
             if counts is None:
                 counts = self._callers[caller] = [0, 0]
             counts[0] += 1
             counts[1] += fault
-        self.trim(now)
+        policy = self.policy
+        if calls[0][0] < now - policy.window_s or len(calls) > policy.max_samples:
+            self.trim(now)
+        return len(calls)
 
     def trim(self, now: float) -> None:
         horizon = now - self.policy.window_s
@@ -297,18 +308,35 @@ class Window:
 
 class Reference:
     """The stable version's calls over the canary's window (its breakers' windows, trimmed to now):
-    what a canary is judged against."""
+    what a canary is judged against. Found (`find`) and trimmed only when a check asks, not for
+    every canary-dyed call recorded."""
 
-    def __init__(self, windows: Iterable[Window], now: float) -> None:
-        self._windows = list(windows)
-        for window in self._windows:
-            window.trim(now)
-        self.calls = sum(len(w) for w in self._windows)
-        self.faults = sum(w.faults for w in self._windows)
+    def __init__(self, find: Callable[[], Iterable[Window]], clock: Clock) -> None:
+        self._find = find
+        self._clock = clock
+        self._found: list[Window] | None = None
+
+    @property
+    def _windows(self) -> list[Window]:
+        if self._found is None:
+            now = self._clock()
+            self._found = list(self._find())
+            for window in self._found:
+                window.trim(now)
+        return self._found
+
+    @property
+    def calls(self) -> int:
+        return sum(len(w) for w in self._windows)
+
+    @property
+    def faults(self) -> int:
+        return sum(w.faults for w in self._windows)
 
     def fault_share(self, min_calls: int) -> float:
         """Stable's share of faults; 0 for fewer than `min_calls` calls (too few to say)."""
-        return self.faults / self.calls if self.calls >= min_calls else 0.0
+        calls = self.calls
+        return self.faults / calls if calls >= min_calls else 0.0
 
     def latencies(self) -> Latencies:
         """Stable's latencies over the window (one window's own: read only)."""
@@ -378,28 +406,29 @@ class AdaptivePolicy:
         top caller (leave-one-out), so one caller never takes a version from everyone.
         `reference`: stable's calls over the same window, for a canary-dyed call."""
         now = self._clock()
-        self.window.add(now, fault, latency, caller)
         window = self.window
+        calls = window.add(now, fault, latency, caller)
         lone = lone_trips and window.callers <= 1
-        calls = len(window)
         # A success after a success has no burst to end: no call (this runs per call).
         if (fault or self._burst) and self._burst_over(fault, caller, lone):
             # The window's share (the burst included), not 1: a canary failing 30% bursts too,
             # and 3 good probes would let it flap back.
             self._share = window.faults / calls
             return Trip.CONSECUTIVE
-        if calls < self.policy.min_calls:
+        policy = self.policy
+        if calls < policy.min_calls:
             return None
         # A canary-dyed call (its callers get stable when it opens): `canary_error_rate` over
         # stable's share; a version without fallback (its trip refuses calls): `error_rate`.
-        rate = self.policy.canary_error_rate if lone_trips else self.policy.error_rate
-        if window.faults >= rate * calls:
+        rate = policy.canary_error_rate if lone_trips else policy.error_rate
+        faults = window.faults
+        if faults >= rate * calls:
             if reference is not None:
-                rate = min(1.0, rate + reference.fault_share(self.policy.min_calls))
-            if window.faults >= rate * calls and (lone or window.faulty_without_top_caller(rate)):
-                self._share = window.faults / calls
+                rate = min(1.0, rate + reference.fault_share(policy.min_calls))
+            if faults >= rate * calls and (lone or window.faulty_without_top_caller(rate)):
+                self._share = faults / calls
                 return Trip.ERROR_RATE
-        if latency is not None and now - self._last_check >= self.policy.latency_check_s:
+        if latency is not None and now - self._last_check >= policy.latency_check_s:
             self._last_check = now
             return self._check_latency(lone, reference)
         return None

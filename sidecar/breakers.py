@@ -15,6 +15,7 @@ answers "is this model's canary breaker open?" for whoever acts on it (a rollout
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Callable, Iterable
@@ -89,6 +90,9 @@ class Breaker:
             name=f"{key.upstream}/{key.model}/{key.version}",
             listeners=[_Listener(self)],
         )
+        # pybreaker's state as of the last transition (only _transition changes it): read per call
+        # here rather than through its two properties and its storage.
+        self._current: str = self._cb.current_state
         self._generation = 0
         self._closed_permit = Permit(0, False)  # every closed call's, until the state changes
         self._changes: list[tuple[State, State]] = []  # told after the transition (_transition)
@@ -99,16 +103,16 @@ class Breaker:
 
     @property
     def state(self) -> State:
-        return State(self._cb.current_state)
+        return State(self._current)
 
     @property
     def shut(self) -> bool:
         """Open with its backoff still running: no call would be let through, not even a probe."""
-        return self._cb.current_state == pybreaker.STATE_OPEN and not self.adaptive.backoff_over()
+        return self._current == pybreaker.STATE_OPEN and not self.adaptive.backoff_over()
 
     def would_allow(self) -> bool:
         """Whether `allow` would let a call through now, without taking a probe slot."""
-        state = self._cb.current_state
+        state = self._current
         if state == pybreaker.STATE_CLOSED:
             return True
         if state == pybreaker.STATE_OPEN:
@@ -121,7 +125,7 @@ class Breaker:
         return in_flight < policy.policy.probes and in_flight + self._probe_successes < policy.run
 
     def allow(self) -> Permit | None:
-        state = self._cb.current_state
+        state = self._current
         if state == pybreaker.STATE_CLOSED:
             return self._closed_permit
         if state == pybreaker.STATE_OPEN:
@@ -167,7 +171,7 @@ class Breaker:
             return
         reference = None
         if stable and stable != self.key.version and self._windows is not None:
-            reference = Reference(self._windows(self.key.model, stable), self.adaptive.now())
+            reference = Reference(functools.partial(self._windows, self.key.model, stable), self.adaptive.now)
         trip = self.adaptive.record(fault, latency, caller, lone_trips, reference)
         if trip is not None:
             self._open(trip)
@@ -194,6 +198,7 @@ class Breaker:
         self._probe_successes = 0
         self._probe_failers = set()
         change()
+        self._current = self._cb.current_state
         # Told once the change is complete (pybreaker's listener runs before its storage holds
         # the new state): whoever is told reads the new state (the effective weight, the log).
         changes, self._changes = self._changes, []

@@ -34,17 +34,25 @@ class Refusal:
 
 
 class _Bucket:
-    __slots__ = ("in_flight", "limit", "stamp", "tokens")
+    # The limit's figures are copied here (the limit is a plain dataclass: each read of one of
+    # its fields is a dict look-up, and the capacity a computation, per call).
+    __slots__ = ("capacity", "concurrency", "in_flight", "limit", "rate", "stamp", "tokens")
 
     def __init__(self, limit: TenantLimit, now: float) -> None:
-        self.limit = limit
-        self.tokens = self.capacity
-        self.stamp = now
         self.in_flight = 0
+        self.tokens = 0.0
+        self.stamp = now
+        self.limit = limit
+        self.set(limit)
+        self.tokens = self.capacity
 
-    @property
-    def capacity(self) -> float:
-        return self.limit.burst or max(1.0, self.limit.rate)
+    def set(self, limit: TenantLimit) -> None:
+        """Apply `limit` (a new table's): the tokens held are capped by its capacity."""
+        self.limit = limit
+        self.capacity = limit.burst or max(1.0, limit.rate)
+        self.rate = limit.rate
+        self.concurrency = limit.concurrency
+        self.tokens = min(self.tokens, self.capacity)
 
 
 class TenantLimits:
@@ -63,26 +71,31 @@ class TenantLimits:
             self._limits = limits
             for name in [n for n, b in self._buckets.items() if n not in limits and not b.in_flight]:
                 del self._buckets[name]
-        if tenant not in limits:
-            tenant = ANY_TENANT
         limit = limits.get(tenant)
         if limit is None:
-            return None
-        now = self._clock()
+            tenant = ANY_TENANT
+            limit = limits.get(tenant)
+            if limit is None:
+                return None
         bucket = self._buckets.get(tenant)
-        if bucket is None or (bucket.limit is not limit and bucket.limit != limit):  # new, or changed
-            bucket = self._buckets[tenant] = _Bucket(limit, now) if bucket is None else bucket
-            bucket.limit = limit
-            bucket.tokens = min(bucket.tokens, bucket.capacity)
-        if limit.concurrency and bucket.in_flight >= limit.concurrency:
+        if bucket is None:
+            bucket = self._buckets[tenant] = _Bucket(limit, self._clock())
+        elif bucket.limit is not limit and bucket.limit != limit:  # changed
+            bucket.set(limit)
+        if bucket.concurrency and bucket.in_flight >= bucket.concurrency:
             return Refusal(f"{_who(tenant)}: {limit.concurrency} calls in flight (the limit)", 0.05)
-        if limit.rate:
-            bucket.tokens = min(bucket.capacity, bucket.tokens + (now - bucket.stamp) * limit.rate)
+        rate = bucket.rate
+        if rate:
+            now = self._clock()
+            tokens = bucket.tokens + (now - bucket.stamp) * rate
+            if tokens > bucket.capacity:
+                tokens = bucket.capacity
             bucket.stamp = now
-            if bucket.tokens < 1.0:
-                wait = (1.0 - bucket.tokens) / limit.rate
-                return Refusal(f"{_who(tenant)}: over the rate limit of {limit.rate:g}/s", wait)
-            bucket.tokens -= 1.0
+            if tokens < 1.0:
+                bucket.tokens = tokens
+                wait = (1.0 - tokens) / rate
+                return Refusal(f"{_who(tenant)}: over the rate limit of {rate:g}/s", wait)
+            bucket.tokens = tokens - 1.0
         bucket.in_flight += 1
         return None
 

@@ -33,7 +33,7 @@ class Mirror:
         if plan.dye != STABLE or path not in METHODS:
             return
         policy = self._routes.table.shadow
-        if not self._shadows.wants(policy) or (target := self._target(plan)) is None:
+        if policy.share <= 0 or not self._shadows.wants(policy) or (target := self._target(plan)) is None:
             return
         canary, upstream, md = target
         method = upstream.method(path, "unary_unary")

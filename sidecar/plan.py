@@ -26,7 +26,7 @@ from modelyard.sidecar.breakers import Breaker, Breakers, Permit
 from modelyard.sidecar.limits import ANY_TENANT, TenantLimit
 from modelyard.sidecar.routes import RouteTable
 from modelyard.sidecar.routing import CANARY, STABLE, Decision, RoutingError, decide, stable_and_canary
-from modelyard.sidecar.wire import ModelFields, WireError, read_model_fields, with_version
+from modelyard.sidecar.wire import ModelFields, WireError, read_model_fields, version_field
 
 Metadata = tuple[tuple[str, str | bytes], ...]
 Read = tuple[bytes, ModelFields]  # a message and its fields 1 and 2 (wire.read_model_fields)
@@ -39,6 +39,10 @@ FALLBACK_CANARY_FAULT = "canary-fault"
 _DROP = frozenset({headers.MODEL_VERSION, headers.MODEL_DYE, "user-agent", "te", "content-type"})
 # Status codes (by name) that count against an upstream when the answer carries no reason.
 FAULT_CODES = frozenset({"UNAVAILABLE", "INTERNAL", "UNKNOWN", "DEADLINE_EXCEEDED"})
+# Model names (from field 1) that passed the name rule: the same few on every call, so checked
+# once each. Bounded, since a client may send any number of valid names: past it, each is checked.
+VALID_NAMES_KEPT = 1024
+_VALID_NAMES: set[str] = set()
 
 
 class Target(Protocol):
@@ -137,7 +141,7 @@ class Plan(Generic[U]):
                 return message  # the upstream answers INVALID_ARGUMENT for it
         if not fields.complete or fields.version or (fields.name and fields.name != self.model):
             return message
-        return with_version(message, self.version)
+        return message + version_field(self.version)  # wire.with_version, inline
 
     def report(self, code: str, reason: str, latency: float | None, *, gone: bool = False) -> None:
         """The attempt's outcome to its breaker, once; `gone`: the caller cancelled (or the
@@ -151,7 +155,7 @@ class Plan(Generic[U]):
         has_fallback = self.dye == CANARY and bool(self.stable)  # its callers get stable when it opens
         self.breaker.report(
             self.permit,
-            is_fault(code, reason),
+            code != "OK" and is_fault(code, reason),
             latency,
             self.caller,
             has_fallback,
@@ -227,7 +231,11 @@ def read(request: bytes | None, md: Metadata, pool: Pool[Target], *, model_addre
                 "INVALID_ARGUMENT", f"the request is not a valid message: {exc}", ErrorReason.INVALID_ARGUMENT
             ) from exc
         try:
-            model = _checked(check_name, fields.name, "model_name", received, headers.MODEL_NAME)
+            model = fields.name
+            if model not in _VALID_NAMES:  # a name seen valid before is not checked again
+                model = _checked(check_name, model, "model_name", received, headers.MODEL_NAME)
+                if model and len(_VALID_NAMES) < VALID_NAMES_KEPT:
+                    _VALID_NAMES.add(model)
             if fields.version or headers.MODEL_VERSION in received:  # most calls pin none
                 pin = _checked(
                     check_version, fields.version, "model_version", received, headers.MODEL_VERSION
@@ -259,7 +267,16 @@ def unrouted(request: Request, pool: Pool[U], *, model_addressed: bool) -> Plan[
     candidates = pool.candidates(request.model, request.pin) if model_addressed else []
     upstream = (candidates or pool.any())[0]
     return Plan(
-        request.model, request.pin, "", "", "", upstream, None, None, request.forward, label=request.label
+        request.model,
+        request.pin,
+        "",
+        "",
+        "",
+        upstream,
+        None,
+        None,
+        request.forward,
+        label=request.model if request.known else OTHER,
     )
 
 
@@ -312,7 +329,7 @@ def first(
         permit,
         forward,
         caller,
-        request.label,
+        request.model if request.known else OTHER,  # request.label, inline
         fell_back=bool(fallback),
         read=request.read,
     )
@@ -440,7 +457,8 @@ def take(
     candidates = pool.candidates(model, version)
     if not candidates and fallback_to_any:
         candidates = pool.any()
-    stateful = is_stateful(model, version, table, pool)
+    # is_stateful's usual answer (a served version) in one look, without its call
+    stateful = (bool(version) and pool.knows(model, version)) or is_stateful(model, version, table, pool)
     for upstream in candidates:
         if upstream in exclude:
             continue

@@ -197,14 +197,26 @@ class Proxy(_Handler):
                 request = (
                     plan.body(first or b"") if more is None else forward.requests(first, more, plan.body)
                 )
-                attempt = self._tracing.attempt(scope.span, plan, info.path)  # ended in `finally`
+                # Ended in `finally`. An untraced call's attempt (tracing.attempt without a
+                # span) is the plan's metadata alone: not made, per call.
+                span = scope.span
+                attempt = None if span is None else self._tracing.attempt(span, plan, info.path)
                 try:
                     response, initial, trailing = await forward.ask(
-                        _start(info, plan, request, attempt.metadata, context, scope)
+                        forward.start(
+                            plan.upstream,
+                            info.path,
+                            info.kind,
+                            request,
+                            plan.forward if attempt is None else attempt.metadata,
+                            context.time_remaining(),
+                            scope.flight,
+                        )
                     )
                 except forward.Failed as failed:
                     scope.code = failed.code
-                    attempt.failed(failed.code)
+                    if attempt is not None:
+                        attempt.failed(failed.code)
                     # The caller's own deadline (ours is the caller's) is no fault; its
                     # duration still tells how slow the upstream was.
                     timed_out = failed.code == grpc.StatusCode.DEADLINE_EXCEEDED and not failed.reason
@@ -219,7 +231,8 @@ class Proxy(_Handler):
                     plan = retry
                     continue
                 finally:
-                    attempt.end()
+                    if attempt is not None:
+                        attempt.end()
                 scope.code = grpc.StatusCode.OK  # this attempt answered, whatever an earlier one did
                 plan.report("OK", "", None if more is not None else time.perf_counter() - started)
                 if initial:  # the service's unary answers carry none (docs/api.md)

@@ -60,6 +60,9 @@ class Outcomes:
         self._clock = clock
         self._seen: dict[tuple[str, str], deque[Outcome]] = {}
         self.watched: frozenset[str] = frozenset()
+        # Told whether any model is watched (the breakers then tell `record` every outcome; with
+        # none watched, they make no call per outcome for it to drop).
+        self.on_watch: Callable[[bool], None] | None = None
 
     def record(self, key: BreakerKey, fault: bool, latency: float | None) -> None:
         if key.model not in self.watched:
@@ -84,6 +87,8 @@ class Outcomes:
 
     def watch(self, models: Iterable[str]) -> None:
         self.watched = frozenset(models)
+        if self.on_watch is not None:
+            self.on_watch(bool(self.watched))
         for key in [k for k in self._seen if k[0] not in self.watched]:
             del self._seen[key]
 

@@ -113,13 +113,16 @@ def decide(
     """The version for one request. `sticky_key` None means no key: a random bucket."""
     if pin:
         return Decision(normalize_version(pin), PINNED)
-    stable, canary = stable_and_canary(route, served)
+    # stable_and_canary, inline: this runs per dyed call
+    stable, canary = _stable_and_canary(
+        route.stable, route.canary, served if isinstance(served, frozenset) else frozenset(served)
+    )
     if not stable:
         return Decision("", "")  # versions unknown (yet): undyed, the service answers as it would
     if not canary or canary == stable:
         return Decision(stable, STABLE, stable=stable)
     weight = route.canary_weight if header_weight is None else parse_weight(header_weight)
     key = sticky_key if sticky_key is not None else os.urandom(8).hex()
-    if is_canary(key, weight, route.cohort):
+    if bucket(key, route.cohort) < weight * (BUCKETS / 100):  # is_canary, inline
         return Decision(canary, CANARY, canary=canary, stable=stable)
     return Decision(stable, STABLE, stable=stable)

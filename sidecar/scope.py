@@ -29,6 +29,7 @@ from modelyard.sidecar.tracing import Tracing
 
 # A status code's name: the enum's `name` is a property, read several times per call.
 CODE_NAMES = {code: code.name for code in grpc.StatusCode}
+_OK, _CANCELLED = grpc.StatusCode.OK, grpc.StatusCode.CANCELLED
 
 
 @dataclass(eq=False, slots=True)
@@ -49,24 +50,35 @@ class Flights:
 
     def __init__(self) -> None:
         self._flights: set[Flight] = set()
-        self._empty = asyncio.Event()
-        self._empty.set()
+        # Made only while a drain waits for the last call to leave: an Event cleared and set
+        # per call would be two Python calls per call for what only shutdown asks.
+        self._emptied: asyncio.Event | None = None
         self._draining = False
 
     def enter(self) -> Flight:
-        flight = Flight(drained=self._draining)
+        flight = Flight(None, self._draining)
         self._flights.add(flight)
-        self._empty.clear()
         return flight
 
     def leave(self, flight: Flight) -> None:
-        self._flights.discard(flight)
+        flights = self._flights
+        flights.discard(flight)
+        if not flights and self._emptied is not None:
+            self._emptied.set()
+
+    async def _until_empty(self, within_s: float) -> None:
         if not self._flights:
-            self._empty.set()
+            return
+        emptied = self._emptied = self._emptied or asyncio.Event()
+        try:
+            await asyncio.wait_for(emptied.wait(), max(0.0, within_s))
+        finally:
+            if not self._flights:
+                self._emptied = None
 
     async def drain(self, within_s: float) -> None:
         try:
-            await asyncio.wait_for(self._empty.wait(), max(0.0, within_s))
+            await self._until_empty(within_s)
             return
         except TimeoutError:
             pass
@@ -77,7 +89,7 @@ class Flights:
                 flight.call.cancel()
         # The handlers answer at once (their upstream call raised); a moment for them to do so.
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._empty.wait(), 0.5)
+            await self._until_empty(0.5)
 
 
 class Scope:
@@ -107,11 +119,12 @@ class Scope:
         self._closed = False
         self.path = path
         self.metadata = md  # the call's request metadata, read once
-        self.code = grpc.StatusCode.OK
+        self.code = _OK
         self.reason = ""
         self.plan: Plan[Any] | None = None
         self.caller: int | None = None
-        self.span = scopes.tracing.server_span(path, md)
+        tracing = scopes.tracing
+        self.span = tracing.server_span(path, md) if tracing.enabled else None  # no call untraced
         self.flight = scopes.flights.enter()
 
     def __enter__(self) -> Scope:
@@ -176,8 +189,9 @@ class Scope:
             reason = ErrorReason.DRAINING.value  # the sidecar's shutdown: no server fault
         if self.span is not None:
             scopes.tracing.end(self.span, plan, code, reason)
-        name = CODE_NAMES[code]
-        cancelled = code == grpc.StatusCode.CANCELLED
+        ok = code is _OK  # nearly every call: no look-up of its name (an Enum's hash is Python)
+        name = "OK" if ok else CODE_NAMES[code]
+        cancelled = code is _CANCELLED
         if plan is not None and not plan.reported:
             plan.report(name, "", None, gone=cancelled)
         if self._tenant:
@@ -188,8 +202,10 @@ class Scope:
             scopes.metrics.answered(method, "", "", "", name, "", took)
             return
         # The caller's cancel, or the sidecar's drain, is no verdict on the upstream.
-        fault = not (cancelled or flight.drained) and is_fault(name, reason)
-        version = version_label(plan)
+        fault = not (ok or cancelled or flight.drained) and is_fault(name, reason)
+        version = plan.version
+        if version and plan.breaker is None:  # version_label, inline
+            version = OTHER
         scopes.metrics.answered(method, plan.label, version, plan.dye, name, plan.fallback, took, fault)
 
 

@@ -298,7 +298,13 @@ def build_sidecar(
         clock=wall,
         tick_s=settings.rollout_tick_s,
     )
-    breakers.observe = rollouts.outcomes.record
+    outcomes = rollouts.outcomes
+
+    def observe(watching: bool) -> None:
+        breakers.observe = outcomes.record if watching else None
+
+    outcomes.on_watch = observe
+    observe(bool(outcomes.watched))
     state = StateFile(state_path, lambda: {"routes": routes.saved(), "rollouts": rollouts.saved()})
     routes.on_change = rollouts.on_change = state.changed
     drain = Drain()

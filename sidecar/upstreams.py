@@ -232,6 +232,9 @@ class Upstreams:
 
     def candidates(self, model: str, version: str) -> list[Upstream]:
         """Upstreams that serve the version, reachable ones first, in turn."""
+        if len(self.all) == 1:  # the usual pod (asked per call)
+            only = self.all[0]
+            return [only] if only.serves(model, version) else []
         serving = [u for u in self.all if u.serves(model, version)]
         if len(serving) > 1:
             self._turn += 1

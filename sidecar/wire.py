@@ -99,7 +99,10 @@ def read_model_fields(data: bytes, max_fields: int = MAX_FIELDS) -> ModelFields:
             raise WireError(f"unsupported wire type {kind}")
         if pos > end:
             raise WireError("field runs past the end")
-    return ModelFields(_text(name or b""), _text(version or b""))
+    try:  # _text, inline for the usual case: this runs per message
+        return ModelFields(name.decode() if name else "", version.decode() if version else "")
+    except UnicodeDecodeError:
+        return ModelFields(_text(name or b""), _text(version or b""))
 
 
 def _text(raw: bytes) -> str:
@@ -126,11 +129,11 @@ def _encode_varint(value: int) -> bytes:
 def with_version(data: bytes, version: str) -> bytes:
     """The message with field 2 set to `version`: appended, because for a singular field the last
     occurrence on the wire wins. No decode, one copy."""
-    return data + _version_field(version)
+    return data + version_field(version)
 
 
 @lru_cache(maxsize=256)
-def _version_field(version: str) -> bytes:
+def version_field(version: str) -> bytes:
     """Field 2 holding `version`, encoded (the same few versions on every call)."""
     raw = version.encode()
     return bytes((_VERSION_TAG,)) + _encode_varint(len(raw)) + raw

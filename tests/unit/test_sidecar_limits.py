@@ -34,3 +34,21 @@ def test_a_long_tenant_id_is_echoed_capped() -> None:
     assert limits.acquire("x" * 5000, table) is None
     refusal = limits.acquire("x" * 5000, table)
     assert refusal is not None and len(refusal.message) < 300
+
+
+def test_a_changed_limit_applies_to_its_tenants_bucket_at_once() -> None:
+    now = [0.0]
+    limits = TenantLimits(clock=lambda: now[0])
+    before = {"acme": TenantLimit(rate=100, burst=100, concurrency=1)}
+    assert limits.acquire("acme", before) is None
+    assert limits.acquire("acme", before) is not None  # one in flight: the limit
+    # A reloaded table: two in flight, and a bucket of 2 (the 99 tokens held are capped to it).
+    after = {"acme": TenantLimit(rate=1, burst=2, concurrency=2)}
+    assert limits.acquire("acme", after) is None
+    limits.release("acme")
+    limits.release("acme")
+    assert limits.acquire("acme", after) is None
+    refusal = limits.acquire("acme", after)  # the capped bucket is empty; 1 token a second
+    assert refusal is not None and "1/s" in refusal.message and refusal.retry_after_s == 1.0
+    now[0] += 1.0
+    assert limits.acquire("acme", after) is None
