@@ -14,7 +14,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.sdk.trace.sampling import ALWAYS_OFF, ALWAYS_ON, ParentBased
 
 from modelyard.sidecar.plan import Plan
-from modelyard.sidecar.tracing import TraceIds, Tracing, configure
+from modelyard.sidecar.tracing import TraceIds, Tracing, call_span, configure
 
 PATH = "/inference.GRPCInferenceService/ModelInfer"
 
@@ -67,11 +67,11 @@ def test_an_unsampled_call_passes_its_trace_context_and_the_route_baggage_on() -
     with tracing.attempt(span, _plan(), PATH) as attempt:
         md = {k: v for k, v in attempt.metadata if isinstance(v, str)}
     tracing.end(span, _plan(), grpc.StatusCode.OK)
-    assert not span.is_recording() and exported.get_finished_spans() == ()
+    assert not call_span(span).is_recording() and exported.get_finished_spans() == ()
     assert md["x-user-id"] == "u"
     version, trace_id, parent_id, flags = md["traceparent"].split("-")
     assert (version, trace_id, flags) == ("00", "0af7651916cd43dd8448eb211c80319c", "00")
-    assert parent_id == format(span.get_span_context().span_id, "016x")  # no client span was made
+    assert parent_id == format(call_span(span).get_span_context().span_id, "016x")  # no client span
     assert md["baggage"] == "model.version=2,model.dye=canary"
 
 
@@ -101,15 +101,21 @@ def test_an_unsampled_root_call_sends_what_the_propagators_write() -> None:
         token = context.attach(context.Context())
         try:
             span = tracing.server_span(PATH, (("x-user-id", "u"),))
-            assert trace.get_current_span() is span  # current: log lines carry its ids
+            record = logging.LogRecord("n", logging.INFO, __file__, 1, "m", None, None)
+            TraceIds().filter(record)  # its log lines carry its ids
             with tracing.attempt(span, plan, PATH) as attempt:
                 md = dict(attempt.metadata)
             tracing.end(span, plan, grpc.StatusCode.OK)
         finally:
             context.detach(token)
         written: dict[str, str] = {}
-        TraceContextTextMapPropagator().inject(written, trace.set_span_in_context(span))
-        assert not span.is_recording() and span.get_span_context().is_valid
+        TraceContextTextMapPropagator().inject(written, trace.set_span_in_context(call_span(span)))
+        ids = call_span(span).get_span_context()
+        assert not call_span(span).is_recording() and ids.is_valid
+        assert (getattr(record, "trace_id", ""), getattr(record, "span_id", "")) == (
+            format(ids.trace_id, "032x"),
+            format(ids.span_id, "016x"),
+        )
         assert md["traceparent"] == written["traceparent"]
         assert md.get("baggage") == baggage and "tracestate" not in md
         assert list(md)[:1] == ["x-user-id"] and len(attempt.metadata) == len(md)
@@ -125,7 +131,7 @@ def _root_calls(tracing: Tracing, calls: int) -> list[Any]:
             tracing.end(span, _plan(), grpc.StatusCode.OK)
         finally:
             context.detach(token)
-        spans.append(span)
+        spans.append(call_span(span))
     return spans
 
 
