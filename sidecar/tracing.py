@@ -31,7 +31,8 @@ if TYPE_CHECKING:
     from modelyard.sidecar.plan import Metadata, Plan
 
 log = logging.getLogger(__name__)
-_NO_ID = "0" * 16  # 64 zero bits as hex: a zero trace id (both halves) or span id is invalid (W3C)
+_ID_BLOCK = 24 * 256  # bytes of random ids drawn at once (server_span): 256 calls'
+_NO_ID = bytes(8)  # 64 zero bits (a zero trace id or span id is invalid, W3C)
 
 ROUTE_BAGGAGE_KEPT = 256  # encoded baggage headers kept, per (version, dye)
 # Request headers that carry a trace context or baggage in (W3C).
@@ -148,13 +149,15 @@ def _is_sdk_tracer(tracer: Any) -> bool:
     return type(tracer) is Tracer and hasattr(tracer, "_tracer_config")
 
 
-def _random_ids(calls: int = 256) -> Iterator[tuple[str, ...]]:
-    """Random ids for `calls` root calls, drawn at once as hex (os.urandom: the random bits that
-    the SDK's RandomIdGenerator would draw from random.getrandbits, in one system call and one
-    conversion, not two draws and a formatting per call): each the trace id's high and low 64
-    bits and the span id, 16 digits each."""
-    digits = os.urandom(24 * calls).hex("|", 8).split("|")
-    return zip(*[iter(digits)] * 3, strict=True)
+def _random_ids() -> bytes:
+    """Random ids for _ID_BLOCK // 24 root calls, drawn at once: for each, 16 bytes of trace id
+    and 8 of span id (os.urandom: the random bits that the SDK's RandomIdGenerator would draw from
+    random.getrandbits, without two draws a call). A block with 8 zero bytes anywhere is drawn
+    again (the SDK redraws a zero id)."""
+    while True:
+        block = os.urandom(_ID_BLOCK)
+        if _NO_ID not in block:
+            return block
 
 
 class _Roots:
@@ -266,11 +269,10 @@ class Tracing:
             self._server_kind = roots.server_kind
             # The inline root path (server_span): the ratio rule, with the SDK's random ids and
             # its Tracer's enabled flag read directly. `_least_unsampled`: the rule's bound as
-            # 16 hex digits (a trace id's low 64 bits at or above it are left out).
+            # 8 big-endian bytes (a trace id's low 64 bits at or above it are left out).
             bound = roots.bound if roots.random and _is_sdk_tracer(self._tracer) else None
-            self._least_unsampled = None if bound is None or bound > roots.limit else format(bound, "016x")
-            self._root_flags = roots.traceparent[-2:]
-            self._ids: Iterator[tuple[str, ...]] = iter(())
+            self._least_unsampled = None if bound is None or bound > roots.limit else bound.to_bytes(8, "big")
+            self._ids, self._at = b"", _ID_BLOCK
             self._drops_unsampled_parents = _drops_unsampled_remote_parents(roots._sampler.sampler)
             self._parent_format = TraceContextTextMapPropagator._TRACEPARENT_HEADER_FORMAT_RE
 
@@ -286,40 +288,43 @@ class Tracing:
             # usual ratio rule: random ids, one compare, its traceparent written.
             least = self._least_unsampled
             if least is not None and self._tracer._tracer_config.is_enabled:
-                ids = next(self._ids, None)
-                if ids is None:
+                at = self._at
+                if at == _ID_BLOCK:
                     self._ids = _random_ids()
-                    ids = next(self._ids)
-                high, low, span_id = ids  # the trace id's high and low 64 bits, the span id's
-                if low >= least and span_id != _NO_ID and (low != _NO_ID or high != _NO_ID):
-                    traceparent = f"00-{high}{low}-{span_id}-{self._root_flags}"
+                    at = 0
+                self._at = at + 24
+                ids = self._ids[at : at + 24]  # the trace id's 16 bytes, the span id's 8
+                if ids[8:16] >= least:  # the ratio rule, on the trace id's low 64 bits (big-endian)
+                    traceparent = f"00-{ids.hex('-', -16)}-02"  # random trace id flag: set
                     _UNSAMPLED.set(traceparent)
                     return traceparent
-                # Taken (or a zero id): the tracer's span, on this trace id (if not zero).
-                self._roots.ids.preset = int(high + low, 16)
+                # Taken: the tracer's span, on this very trace id.
+                self._roots.ids.preset = int.from_bytes(ids[:16], "big")
             else:
                 attributes = functools.partial(_server_attributes, path, dict(md))
                 traceparent = self._roots.unsampled(path[1:], attributes)
                 if traceparent:
                     _UNSAMPLED.set(traceparent)
                     return traceparent
-            return self._started(path, md, self._roots.empty)
+            return self._started(path, dict(md), self._roots.empty)
         found = dict(md)
         continued = self._unsampled_child(found)
         if continued is not None:
             _UNSAMPLED.set(continued)
             return continued
-        return self._started(path, md, self._propagator.extract({k: v for k, v in md if isinstance(v, str)}))
+        carrier = {k: v for k, v in found.items() if isinstance(v, str)}
+        return self._started(path, found, self._propagator.extract(carrier))
 
-    def _started(self, path: str, md: Metadata, parent: Any) -> Any:
-        """The SDK's server span of a call, under `parent` (a context), current for the rest of
-        the call's task so that its log lines carry its ids."""
-        attributes = _server_attributes(path, dict(md))
+    def _started(self, path: str, found: Mapping[str, str | bytes], parent: Any) -> Any:
+        """The SDK's server span of a call (`found`: its metadata), under `parent` (a context),
+        current for the rest of the call's task so that its log lines carry its ids."""
+        attributes = _server_attributes(path, found)
         span = self._tracer.start_span(
             path[1:], context=parent, kind=self._server_kind, attributes=attributes
         )
         self._context.attach(self._trace.set_span_in_context(span, parent))
-        _UNSAMPLED.set(None)
+        if _UNSAMPLED.get() is not None:
+            _UNSAMPLED.set(None)  # this call's log lines read the OTel context's span
         return span
 
     def _unsampled_child(self, found: Mapping[str, str | bytes]) -> _Continued | None:
@@ -360,9 +365,10 @@ class Tracing:
             # An unsampled root (no span): its traceparent and the route's baggage, as the
             # propagators write them (`forward` holds neither: the call brought none).
             if plan.version:
-                return Attempt(
-                    (*plan.forward, (_TRACEPARENT, parent), *self._baggage_of(plan.version, plan.dye))
+                baggage = self._route_baggage.get((plan.version, plan.dye)) or self._baggage_of(
+                    plan.version, plan.dye
                 )
+                return Attempt((*plan.forward, (_TRACEPARENT, parent), *baggage))
             return Attempt((*plan.forward, (_TRACEPARENT, parent)))
         if type(parent) is _Continued:
             # The same for an unsampled call that continues its caller's trace, whose traceparent
