@@ -373,7 +373,7 @@ class Tracing:
         if type(parent) is _Continued:
             # The same for an unsampled call that continues its caller's trace, whose traceparent
             # `forward` holds (and no tracestate or baggage): replaced by the call's.
-            forward = tuple(kv for kv in plan.forward if kv[0] != _TRACEPARENT)
+            forward = tuple([kv for kv in plan.forward if kv[0] != _TRACEPARENT])
             sent: Metadata = ((_TRACEPARENT, str(parent)),)
             if plan.version:
                 sent = (*sent, *self._baggage_of(plan.version, plan.dye))
@@ -439,11 +439,12 @@ class Tracing:
             return  # an unsampled call keeps nothing: its attributes, status and end are no-ops
         from opentelemetry.trace import Status, StatusCode
 
-        if plan is not None:
-            span.set_attributes(_route_attributes(plan))
-        span.set_attribute("rpc.grpc.status_code", code.value[0])
+        # One set_attributes (one lock, one validation pass), in the order they were set apart.
+        attributes: dict[str, Any] = {} if plan is None else _route_attributes(plan)
+        attributes["rpc.grpc.status_code"] = code.value[0]
         if reason:
-            span.set_attribute("modelyard.error_reason", reason)
+            attributes["modelyard.error_reason"] = reason
+        span.set_attributes(attributes)
         if is_fault(code, reason):
             span.set_status(Status(StatusCode.ERROR, code.name))
         span.end()
