@@ -14,6 +14,7 @@ import functools
 import logging
 import os
 import random
+import weakref
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -149,6 +150,19 @@ def _is_sdk_tracer(tracer: Any) -> bool:
     return type(tracer) is Tracer and hasattr(tracer, "_tracer_config")
 
 
+_DRAWING: weakref.WeakSet[Tracing] = weakref.WeakSet()  # those that cut ids from a block
+
+
+def _forget_ids() -> None:
+    """In a forked child: a block of ids drawn before the fork is the parent's (the random module
+    reseeds at a fork for the same reason)."""
+    for tracing in _DRAWING:
+        tracing._at = _ID_BLOCK
+
+
+os.register_at_fork(after_in_child=_forget_ids)
+
+
 def _random_ids() -> bytes:
     """Random ids for _ID_BLOCK // 24 root calls, drawn at once: for each, 16 bytes of trace id
     and 8 of span id (os.urandom: the random bits that the SDK's RandomIdGenerator would draw from
@@ -273,6 +287,7 @@ class Tracing:
             bound = roots.bound if roots.random and _is_sdk_tracer(self._tracer) else None
             self._least_unsampled = None if bound is None or bound > roots.limit else bound.to_bytes(8, "big")
             self._ids, self._at = b"", _ID_BLOCK
+            _DRAWING.add(self)
             self._drops_unsampled_parents = _drops_unsampled_remote_parents(roots._sampler.sampler)
             self._parent_format = TraceContextTextMapPropagator._TRACEPARENT_HEADER_FORMAT_RE
 

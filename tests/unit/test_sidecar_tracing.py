@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -291,3 +292,21 @@ def test_the_ratio_rules_ends_take_no_root_or_every_root(rate: float) -> None:
     assert [s.get_span_context().trace_flags.sampled for s in spans] == [rate == 1.0] * 300
     assert len({s.get_span_context().trace_id for s in spans}) == 300
     assert len(exported.get_finished_spans()) == (300 if rate else 0)
+
+
+def test_a_forked_child_does_not_send_its_parents_trace_ids() -> None:
+    from opentelemetry.sdk.trace.sampling import ParentBasedTraceIdRatio
+
+    tracing, _ = _traced(ParentBasedTraceIdRatio(0.0))
+    assert isinstance(tracing.server_span(PATH, ()), str)  # a block of ids is drawn
+    read, write = os.pipe()
+    child = os.fork()
+    if child == 0:  # pragma: no cover (the child)
+        os.write(write, str(tracing.server_span(PATH, ())).encode())
+        os._exit(0)
+    os.close(write)
+    _, status = os.waitpid(child, 0)
+    theirs = os.read(read, 100).decode()
+    os.close(read)
+    assert status == 0 and theirs.startswith("00-")
+    assert str(tracing.server_span(PATH, ()))[3:35] != theirs[3:35]
