@@ -32,7 +32,7 @@ if TYPE_CHECKING:
     from modelyard.sidecar.plan import Metadata, Plan
 
 log = logging.getLogger(__name__)
-_ID_BLOCK = 24 * 256  # bytes of random ids drawn at once (server_span): 256 calls'
+_ID_BLOCK = 24 * 256  # bytes of random ids drawn at once (server_span): 256 calls' worth
 _NO_ID = bytes(8)  # 64 zero bits (a zero trace id or span id is invalid, W3C)
 
 ROUTE_BAGGAGE_KEPT = 256  # encoded baggage headers kept, per (version, dye)
