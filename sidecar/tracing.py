@@ -12,9 +12,12 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import os
 import random
+import weakref
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
+from contextvars import ContextVar
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
@@ -29,10 +32,15 @@ if TYPE_CHECKING:
     from modelyard.sidecar.plan import Metadata, Plan
 
 log = logging.getLogger(__name__)
+_ID_BLOCK = 24 * 256  # bytes of random ids drawn at once (server_span): 256 calls' worth
+_NO_ID = bytes(8)  # 64 zero bits (a zero trace id or span id is invalid, W3C)
 
 ROUTE_BAGGAGE_KEPT = 256  # encoded baggage headers kept, per (version, dye)
 # Request headers that carry a trace context or baggage in (W3C).
 _CONTEXT_HEADERS = frozenset({"traceparent", "tracestate", "baggage"})
+# The current call's server span when it is an unsampled call's traceparent (see Tracing), else
+# None: what its log lines and a shadow span of it read instead of an attached OTel context.
+_UNSAMPLED: ContextVar[str | None] = ContextVar("modelyard.sidecar.unsampled", default=None)
 
 
 class Attempt:
@@ -67,44 +75,6 @@ class Attempt:
 
 
 _TRACEPARENT = "traceparent"
-
-
-@functools.cache
-def _unsampled_type() -> Any:
-    """The class of Unsampled spans (made once the SDK is in: an untraced sidecar imports none)."""
-    from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags
-
-    class Unsampled(NonRecordingSpan):
-        """The server span of a call the sampler left out and that brought no trace context or
-        baggage (nor a tracestate from the sampler): it records nothing, and its traceparent is
-        the one trace header its attempts carry for it. Its SpanContext is made only when asked
-        for (a log line, a shadow span): most such calls never need one."""
-
-        __slots__ = ("_flags", "_made", "_span_id", "_trace_id", "_traceparent")
-
-        def __init__(self, trace_id: int, span_id: int, flags: int) -> None:
-            super().__init__(None)  # type: ignore[arg-type]  # made on demand (get_span_context)
-            self._trace_id, self._span_id, self._flags = trace_id, span_id, flags
-            self._traceparent = ""
-            self._made: Any = None
-
-        def get_span_context(self) -> Any:
-            made = self._made
-            if made is None:
-                flags = TraceFlags(self._flags)
-                made = self._made = self._context = SpanContext(
-                    self._trace_id, self._span_id, is_remote=False, trace_flags=flags
-                )
-            return made
-
-        def traceparent(self) -> str:
-            # The W3C trace-context propagator's format, written once per call.
-            if not self._traceparent:
-                ids = (self._trace_id, self._span_id, self._flags)
-                self._traceparent = "00-%032x-%016x-%02x" % ids  # noqa: UP031 (the fastest here)
-            return self._traceparent
-
-    return Unsampled
 
 
 @functools.cache
@@ -157,58 +127,106 @@ def _preset_ids_type() -> Any:
     return PresetIds
 
 
+class _Continued(str):
+    """The traceparent that stands for an unsampled call's span when the call continues its
+    caller's trace (a root's is a plain str): its attempts replace the caller's traceparent."""
+
+    __slots__ = ()
+
+
+def _ids_random(ids: Any) -> bool:
+    """Whether an id generator is the SDK's RandomIdGenerator itself (random.getrandbits, with a
+    redraw of a zero id), whose ids the sidecar may then draw directly."""
+    from opentelemetry.sdk.trace.id_generator import RandomIdGenerator
+
+    return type(ids) is RandomIdGenerator
+
+
+def _is_sdk_tracer(tracer: Any) -> bool:
+    """Whether the tracer is the SDK's Tracer, whose enabled check is its _TracerConfig's flag
+    (which the provider may change), read directly then."""
+    from opentelemetry.sdk.trace import Tracer
+
+    return type(tracer) is Tracer and hasattr(tracer, "_tracer_config")
+
+
+_DRAWING: weakref.WeakSet[Tracing] = weakref.WeakSet()  # those that cut ids from a block
+
+
+def _forget_ids() -> None:
+    """In a forked child: a block of ids drawn before the fork is the parent's (the random module
+    reseeds at a fork for the same reason)."""
+    for tracing in _DRAWING:
+        tracing._at = _ID_BLOCK
+
+
+os.register_at_fork(after_in_child=_forget_ids)
+
+
+def _random_ids() -> bytes:
+    """Random ids for _ID_BLOCK // 24 root calls, drawn at once: for each, 16 bytes of trace id
+    and 8 of span id (os.urandom: the random bits that the SDK's RandomIdGenerator would draw from
+    random.getrandbits, without two draws a call). A block with 8 zero bytes anywhere is drawn
+    again (the SDK redraws a zero id)."""
+    while True:
+        block = os.urandom(_ID_BLOCK)
+        if _NO_ID not in block:
+            return block
+
+
 class _Roots:
     """The sampling of root calls (no trace context came in), decided without an SDK span: the
     tracer's own steps for a root (a trace id from its id generator, its sampler asked with an
     empty parent context, the random-trace-id flag), minus the span objects of a call left out.
-    A ParentBased(TraceIdRatioBased) sampler, the usual one, is read directly (its root's rule on
-    the trace id's low 64 bits). A root the sampler takes is left to the tracer, with its trace id
-    preset, so the span is of the very trace id the decision was made on. (The SDK's own span
-    metrics, kept only with an OTel meter provider, which the sidecar does not set, do not count
-    a root left out.)"""
+    A ParentBased(TraceIdRatioBased) sampler, the usual one, is read directly (`bound`: its root's
+    rule on the trace id's low 64 bits). A root the sampler takes is left to the tracer, with its
+    trace id preset, so the span is of the very trace id the decision was made on. (The SDK's own
+    span metrics, kept only with an OTel meter provider, which the sidecar does not set, do not
+    count a call left out.)"""
 
     def __init__(self, tracer: Any) -> None:
         from opentelemetry.context import Context
-        from opentelemetry.sdk.trace.id_generator import RandomIdGenerator
         from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
         from opentelemetry.trace import SpanKind, TraceFlags
 
         self.empty = Context()
         self.server_kind = SpanKind.SERVER
+        self.enabled: Callable[[], bool] = tracer._is_enabled
         self._tracer = tracer
-        self._ids = tracer.id_generator = _preset_ids_type()(tracer.id_generator)
-        self._random = type(self._ids.ids) is RandomIdGenerator  # random.getrandbits, called directly
-        self._flags = TraceFlags.RANDOM_TRACE_ID if self._ids.is_trace_id_random() else TraceFlags.DEFAULT
+        self.ids = tracer.id_generator = _preset_ids_type()(tracer.id_generator)
+        self.random = _ids_random(self.ids.ids)
+        flags = TraceFlags.RANDOM_TRACE_ID if self.ids.is_trace_id_random() else TraceFlags.DEFAULT
+        # An unsampled root's traceparent, as the W3C propagator writes it: trace id, span id.
+        self.traceparent = "00-%%032x-%%016x-%02x" % flags  # noqa: UP031
         sampler = tracer.sampler
         self._sampler = tracer.sampler = _preset_sampler_type()(sampler)
         if isinstance(sampler, ParentBased) and type(sampler).should_sample is ParentBased.should_sample:
             sampler = sampler._root  # what decides for a root
         ratio = isinstance(sampler, TraceIdRatioBased)
         # The bound of a TraceIdRatioBased root rule (sampling.py), else None: the sampler is asked.
-        self._bound: int | None = (
+        self.bound: int | None = (
             sampler.bound
             if ratio and type(sampler).should_sample is TraceIdRatioBased.should_sample
             else None
         )
-        self._limit = TraceIdRatioBased.TRACE_ID_LIMIT
+        self.limit = TraceIdRatioBased.TRACE_ID_LIMIT
 
-    def unsampled(self, name: str, attributes: Callable[[], dict[str, Any]], make: Any) -> Any:
-        """The span of a root call the sampler leaves out (`make`: the Unsampled class), or None
-        when it takes it (the tracer's start_span then makes its span, of the same trace id).
+    def unsampled(self, name: str, attributes: Callable[[], dict[str, Any]]) -> str:
+        """The traceparent of a root call the sampler leaves out, or "" when it takes it (the
+        tracer's start_span then makes its span, of the same trace id; or the tracer is off).
         `attributes`: the span's, made only when the sampler is asked for its decision."""
-        tracer = self._tracer
-        if not tracer._is_enabled():
-            return None  # the tracer's own answer (a non-recording span without context)
-        if self._random:
-            trace_id = random.getrandbits(128) or self._ids.ids.generate_trace_id()  # RandomIdGenerator's
+        if not self.enabled():
+            return ""  # the tracer's own answer (a non-recording span without context)
+        if self.random:
+            trace_id = random.getrandbits(128) or self.ids.ids.generate_trace_id()  # RandomIdGenerator's
         else:
-            trace_id = self._ids.ids.generate_trace_id()
-        bound = self._bound
+            trace_id = self.ids.ids.generate_trace_id()
+        bound = self.bound
         if bound is not None:
-            if trace_id & self._limit >= bound:
-                return make(trace_id, self._span_id(), self._flags)
+            if trace_id & self.limit >= bound:
+                return self.traceparent % (trace_id, self.span_id())
         else:
-            found = tracer.sampler.should_sample(
+            found = self._tracer.sampler.should_sample(
                 self.empty, trace_id, name, self.server_kind, attributes(), ()
             )
             if (
@@ -216,18 +234,35 @@ class _Roots:
                 and not found.decision.is_sampled()
                 and not found.trace_state
             ):
-                return make(trace_id, self._span_id(), self._flags)
+                return self.traceparent % (trace_id, self.span_id())
             self._sampler.preset = (trace_id, found)  # the tracer's start_span is told, not asks
-        self._ids.preset = trace_id
-        return None
+        self.ids.preset = trace_id
+        return ""
 
-    def _span_id(self) -> int:
-        if self._random:
-            return random.getrandbits(64) or int(self._ids.ids.generate_span_id())
-        return int(self._ids.ids.generate_span_id())
+    def span_id(self) -> int:
+        if self.random:
+            return random.getrandbits(64) or int(self.ids.ids.generate_span_id())
+        return int(self.ids.ids.generate_span_id())
+
+
+def _drops_unsampled_remote_parents(sampler: Any) -> bool:
+    """Whether the sampler is a ParentBased one whose rule for a remote parent that is not sampled
+    is the SDK's ALWAYS_OFF (its default): then such a call is left out without asking it."""
+    from opentelemetry.sdk.trace.sampling import Decision, ParentBased, StaticSampler
+
+    if type(sampler).should_sample is not ParentBased.should_sample or not isinstance(sampler, ParentBased):
+        return False
+    rule = sampler._remote_parent_not_sampled
+    return type(rule) is StaticSampler and rule._decision is Decision.DROP
 
 
 class Tracing:
+    """The sidecar's spans. A call the sampler leaves out and that brought no tracestate or
+    baggage (most calls) has no span object: its "span" is the traceparent its attempts carry (a
+    str), made of a random trace id (or the caller's) and span id; the call's log lines and a
+    shadow span of it find it in a context variable (no OTel context is attached), and its end is
+    nothing. Every other call has the SDK's span, made and attached as the SDK does."""
+
     def __init__(self, provider: Any = None) -> None:
         self._provider = provider
         self.enabled = provider is not None
@@ -243,45 +278,121 @@ class Tracing:
             self._baggage_propagator = W3CBaggagePropagator()
             self._propagator = CompositePropagator([self._trace_context, self._baggage_propagator])
             self._baggage, self._context, self._trace = baggage, context, trace
-            self._route_baggage: dict[tuple[str, str], dict[str, str]] = {}
-            self._unsampled = _unsampled_type()
-            self._roots = _Roots(self._tracer)
-            self._server_kind = self._roots.server_kind
+            self._route_baggage: dict[tuple[str, str], tuple[tuple[str, str], ...]] = {}
+            self._roots = roots = _Roots(self._tracer)
+            self._server_kind = roots.server_kind
+            # The inline root path (server_span): the ratio rule, with the SDK's random ids and
+            # its Tracer's enabled flag read directly. `_least_unsampled`: the rule's bound as
+            # 8 big-endian bytes (a trace id's low 64 bits at or above it are left out).
+            bound = roots.bound if roots.random and _is_sdk_tracer(self._tracer) else None
+            self._least_unsampled = None if bound is None or bound > roots.limit else bound.to_bytes(8, "big")
+            self._ids, self._at = b"", _ID_BLOCK
+            _DRAWING.add(self)
+            self._drops_unsampled_parents = _drops_unsampled_remote_parents(roots._sampler.sampler)
+            self._parent_format = TraceContextTextMapPropagator._TRACEPARENT_HEADER_FORMAT_RE
 
     def server_span(self, path: str, md: Metadata) -> Any:
         if not self.enabled:
             return None
-        carrier = {k: v for k, v in md if isinstance(v, str)}
-        context, trace = self._context, self._trace
-        if _CONTEXT_HEADERS.isdisjoint(carrier):
-            # Most calls: a root (no context came with it), that the sampler leaves out. Decided
-            # here, as the tracer would (_Roots), without making an SDK span: its attempts' trace
-            # headers are its traceparent and the route's baggage only, written without the
-            # propagators. A root the sampler takes is started by the tracer on that trace id.
-            parent = self._roots.empty
-            span = self._roots.unsampled(path[1:], lambda: _server_attributes(path, carrier), self._unsampled)
-            if span is not None:
-                # Current for the rest of this call's task, so that its log lines carry the ids.
-                context.attach(trace.set_span_in_context(span, parent))
-                return span
+        for key, _ in md:
+            if key in _CONTEXT_HEADERS:
+                break
         else:
-            parent = self._propagator.extract(carrier)
-        attributes = _server_attributes(path, carrier)
+            # Most calls: a root (no context came with it). Decided here, as the tracer would
+            # (_Roots), without an SDK span for one that the sampler leaves out; inline for the
+            # usual ratio rule: random ids, one compare, its traceparent written.
+            least = self._least_unsampled
+            if least is not None and self._tracer._tracer_config.is_enabled:
+                at = self._at
+                if at == _ID_BLOCK:
+                    self._ids = _random_ids()
+                    at = 0
+                self._at = at + 24
+                ids = self._ids[at : at + 24]  # the trace id's 16 bytes, the span id's 8
+                if ids[8:16] >= least:  # the ratio rule, on the trace id's low 64 bits (big-endian)
+                    traceparent = f"00-{ids.hex('-', -16)}-02"  # random trace id flag: set
+                    _UNSAMPLED.set(traceparent)
+                    return traceparent
+                # Taken: the tracer's span, on this very trace id.
+                self._roots.ids.preset = int.from_bytes(ids[:16], "big")
+            else:
+                attributes = functools.partial(_server_attributes, path, dict(md))
+                traceparent = self._roots.unsampled(path[1:], attributes)
+                if traceparent:
+                    _UNSAMPLED.set(traceparent)
+                    return traceparent
+            return self._started(path, dict(md), self._roots.empty)
+        found = dict(md)
+        continued = self._unsampled_child(found)
+        if continued is not None:
+            _UNSAMPLED.set(continued)
+            return continued
+        carrier = {k: v for k, v in found.items() if isinstance(v, str)}
+        return self._started(path, found, self._propagator.extract(carrier))
+
+    def _started(self, path: str, found: Mapping[str, str | bytes], parent: Any) -> Any:
+        """The SDK's server span of a call (`found`: its metadata), under `parent` (a context),
+        current for the rest of the call's task so that its log lines carry its ids."""
+        attributes = _server_attributes(path, found)
         span = self._tracer.start_span(
             path[1:], context=parent, kind=self._server_kind, attributes=attributes
         )
-        context.attach(trace.set_span_in_context(span, parent))
+        self._context.attach(self._trace.set_span_in_context(span, parent))
+        if _UNSAMPLED.get() is not None:
+            _UNSAMPLED.set(None)  # this call's log lines read the OTel context's span
         return span
+
+    def _unsampled_child(self, found: Mapping[str, str | bytes]) -> _Continued | None:
+        """The traceparent of a call whose caller's traceparent says "not sampled", with no
+        tracestate or baggage, when the sampler leaves such a call out (ParentBased's default):
+        the caller's trace id, a new span id, the caller's random-trace-id flag, read as the W3C
+        propagator reads them. None otherwise (the SDK's path decides)."""
+        parent = found.get(_TRACEPARENT)
+        if (
+            type(parent) is not str
+            or not self._drops_unsampled_parents
+            or "tracestate" in found
+            or "baggage" in found
+            or len(parent) > 512  # the propagator's limit
+        ):
+            return None
+        match = self._parent_format.match(parent)
+        if match is None:
+            return None
+        version, trace_id, span_id, flags, rest = match.groups()
+        sampled = int(flags, 16)
+        if (
+            sampled & 1
+            or version == "ff"
+            or (version == "00" and rest)
+            or trace_id == "0" * 32
+            or span_id == "0" * 16
+            or not self._roots.enabled()
+        ):
+            return None
+        ids = (trace_id, self._roots.span_id(), "02" if sampled & 2 else "00")
+        return _Continued("00-%s-%016x-%s" % ids)  # noqa: UP031
 
     def attempt(self, parent: Any, plan: Plan[Any], path: str) -> Attempt:
         if parent is None:
             return Attempt(plan.forward)
-        if type(parent) is self._unsampled:
-            # As the propagators write them (and `forward` holds neither: the call brought none).
-            sent: Metadata = ((_TRACEPARENT, parent.traceparent()),)
+        if type(parent) is str:
+            # An unsampled root (no span): its traceparent and the route's baggage, as the
+            # propagators write them (`forward` holds neither: the call brought none).
             if plan.version:
-                sent = (*sent, *self._baggage_of(plan.version, plan.dye).items())
-            return Attempt(plan.forward + sent)
+                baggage = self._route_baggage.get((plan.version, plan.dye)) or self._baggage_of(
+                    plan.version, plan.dye
+                )
+                return Attempt((*plan.forward, (_TRACEPARENT, parent), *baggage))
+            return Attempt((*plan.forward, (_TRACEPARENT, parent)))
+        if type(parent) is _Continued:
+            # The same for an unsampled call that continues its caller's trace, whose traceparent
+            # `forward` holds (and no tracestate or baggage): replaced by the call's.
+            forward = tuple([kv for kv in plan.forward if kv[0] != _TRACEPARENT])
+            sent: Metadata = ((_TRACEPARENT, str(parent)),)
+            if plan.version:
+                sent = (*sent, *self._baggage_of(plan.version, plan.dye))
+            return Attempt(forward + sent)
         if not parent.is_recording():
             # A call the sampler left out: a client span would record nothing either; the trace
             # context (not sampled) and the baggage still go on, so the service's view is the same.
@@ -319,34 +430,36 @@ class Tracing:
             self._propagator.inject(carrier, context)
         return tuple((k, v) for k, v in plan.forward if k not in carrier) + tuple(carrier.items())
 
-    def _baggage_of(self, version: str, dye: str) -> dict[str, str]:
+    def _baggage_of(self, version: str, dye: str) -> tuple[tuple[str, str], ...]:
         """The `baggage` header of only model.version and model.dye, as the propagator writes it."""
         found = self._route_baggage.get((version, dye))
         if found is None:
             baggage = self._baggage
             context = baggage.set_baggage("model.version", version, self._context.Context())
-            found = {}
-            self._baggage_propagator.inject(found, baggage.set_baggage("model.dye", dye, context))
+            written: dict[str, str] = {}
+            self._baggage_propagator.inject(written, baggage.set_baggage("model.dye", dye, context))
+            found = tuple(written.items())
             if len(self._route_baggage) < ROUTE_BAGGAGE_KEPT:  # a pinned version may be anything
                 self._route_baggage[(version, dye)] = found
         return found
 
     def refused(self, span: Any, reason: str) -> None:
-        if span is not None:
+        if span is not None and not isinstance(span, str):  # an unsampled call's keeps nothing
             span.set_attribute("modelyard.error_reason", reason)
 
     def end(self, span: Any, plan: Plan[Any] | None, code: grpc.StatusCode, reason: str = "") -> None:
         """The call's server span ends: ERROR only for a server fault (OpenTelemetry's rule for
         server spans), never for a client's mistake or a load refusal."""
-        if span is None or not span.is_recording():
-            return  # an unsampled span keeps nothing: its attributes, status and end are no-ops
+        if span is None or isinstance(span, str) or not span.is_recording():
+            return  # an unsampled call keeps nothing: its attributes, status and end are no-ops
         from opentelemetry.trace import Status, StatusCode
 
-        if plan is not None:
-            span.set_attributes(_route_attributes(plan))
-        span.set_attribute("rpc.grpc.status_code", code.value[0])
+        # One set_attributes (one lock, one validation pass), in the order they were set apart.
+        attributes: dict[str, Any] = {} if plan is None else _route_attributes(plan)
+        attributes["rpc.grpc.status_code"] = code.value[0]
         if reason:
-            span.set_attribute("modelyard.error_reason", reason)
+            attributes["modelyard.error_reason"] = reason
+        span.set_attributes(attributes)
         if is_fault(code, reason):
             span.set_status(Status(StatusCode.ERROR, code.name))
         span.end()
@@ -367,8 +480,12 @@ class Tracing:
             "modelyard.shadow.canary_version": canary,
             "rpc.method": method.rpartition("/")[2],
         }
+        unsampled = _UNSAMPLED.get()
+        # A shadow of an unsampled call is its child as if its span were current (no OTel context
+        # was attached for it): the sampler decides as for any child of an unsampled parent.
+        parent = None if unsampled is None else self._trace.set_span_in_context(unsampled_span(unsampled))
         span = self._tracer.start_span(
-            "modelyard.sidecar/shadow", kind=SpanKind.INTERNAL, attributes=attributes
+            "modelyard.sidecar/shadow", context=parent, kind=SpanKind.INTERNAL, attributes=attributes
         )
         try:
             yield span
@@ -386,9 +503,14 @@ class Tracing:
 
 
 class TraceIds(logging.Filter):
-    """Puts the current span's trace and span ids on log records (JSON logs show them)."""
+    """Puts the current call's trace and span ids on log records (JSON logs show them): an
+    unsampled call's from its traceparent, else the current OTel span's."""
 
     def filter(self, record: logging.LogRecord) -> bool:
+        unsampled = _UNSAMPLED.get()
+        if unsampled is not None:
+            record.trace_id, record.span_id = unsampled[3:35], unsampled[36:52]
+            return True
         from opentelemetry import trace
 
         context = trace.get_current_span().get_span_context()
@@ -396,6 +518,25 @@ class TraceIds(logging.Filter):
             record.trace_id = format(context.trace_id, "032x")
             record.span_id = format(context.span_id, "016x")
         return True
+
+
+def call_span(span: Any) -> Any:
+    """The OTel span of a server span from Tracing.server_span (None when tracing is off): an
+    unsampled call's made from its traceparent."""
+    return unsampled_span(span) if isinstance(span, str) else span
+
+
+def unsampled_span(traceparent: str) -> Any:
+    """The OTel span (non-recording) that an unsampled call's traceparent stands for (see
+    Tracing): for what needs a span object, made only when asked."""
+    from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags
+
+    trace_id, span_id, flags = (
+        int(traceparent[3:35], 16),
+        int(traceparent[36:52], 16),
+        int(traceparent[53:55], 16),
+    )
+    return NonRecordingSpan(SpanContext(trace_id, span_id, is_remote=False, trace_flags=TraceFlags(flags)))
 
 
 # Codes that are a server fault when no x-error-reason says otherwise.
@@ -425,10 +566,10 @@ def _method_attributes(path: str) -> dict[str, str]:
     return {"rpc.system": "grpc", "rpc.service": service, "rpc.method": method}
 
 
-def _server_attributes(path: str, carrier: Mapping[str, str]) -> dict[str, str]:
+def _server_attributes(path: str, carrier: Mapping[str, str | bytes]) -> dict[str, str]:
     attributes = dict(_method_attributes(path))  # a copy: the span keeps it
     tenant = carrier.get(headers.TENANT_ID)
-    if tenant:  # as sent (capped): a trace is one call's, not a series
+    if isinstance(tenant, str) and tenant:  # as sent (capped): a trace is one call's, not a series
         attributes["modelyard.tenant"] = tenant if len(tenant) <= NAME_MAX else echo(tenant)
     return attributes
 

@@ -22,6 +22,7 @@ from tests.support import eventually
 
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
 GENERATE_TRACE_ID = "5bf92f3577b34da6a3ce929d0e0e4737"
+UNSAMPLED_TRACE_ID = "6bf92f3577b34da6a3ce929d0e0e4738"
 CLIENT_SPAN = "00f067aa0ba902b7"
 
 
@@ -77,6 +78,10 @@ async def test_one_trace_from_client_through_sidecar_to_service(
     async with running_sidecar([upstream.address], tracing=tracing) as sidecar:
         await known_versions(sidecar, "scaler", {"1", "2"})
         async with grpc.aio.insecure_channel(sidecar.address) as channel:
+            # First, a call whose caller left it out: no span of its trace anywhere (the sidecar
+            # makes none, and the service follows the unsampled traceparent it is sent).
+            unsampled = [("traceparent", f"00-{UNSAMPLED_TRACE_ID}-{CLIENT_SPAN}-00")]
+            assert (await infer(channel, user="u", metadata=unsampled)).version
             parent = [("traceparent", f"00-{TRACE_ID}-{CLIENT_SPAN}-01"), ("x-canary-weight", "100")]
             answer = await infer(channel, user="u", metadata=parent)
             assert (answer.version, answer.dye) == ("2", "canary")
@@ -91,6 +96,7 @@ async def test_one_trace_from_client_through_sidecar_to_service(
 
         await eventually(lambda: len(ours()) == 4, "sidecar server + client, service server + step")
         await eventually(lambda: len(ours(GENERATE_TRACE_ID)) == 5, "Generate: + prefill and stream")
+        assert ours(UNSAMPLED_TRACE_ID) == []  # each process exports its spans in order
     spans = ours()
     (server,) = [s for n, s in spans if n == "modelyard-sidecar" and s.kind == s.SPAN_KIND_SERVER]
     (client,) = [s for n, s in spans if n == "modelyard-sidecar" and s.kind == s.SPAN_KIND_CLIENT]

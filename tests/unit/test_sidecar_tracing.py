@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 from typing import Any
 
 import grpc
+import pytest
 from opentelemetry import context, trace
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
@@ -14,7 +16,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.sdk.trace.sampling import ALWAYS_OFF, ALWAYS_ON, ParentBased
 
 from modelyard.sidecar.plan import Plan
-from modelyard.sidecar.tracing import TraceIds, Tracing, configure
+from modelyard.sidecar.tracing import TraceIds, Tracing, call_span, configure
 
 PATH = "/inference.GRPCInferenceService/ModelInfer"
 
@@ -67,11 +69,11 @@ def test_an_unsampled_call_passes_its_trace_context_and_the_route_baggage_on() -
     with tracing.attempt(span, _plan(), PATH) as attempt:
         md = {k: v for k, v in attempt.metadata if isinstance(v, str)}
     tracing.end(span, _plan(), grpc.StatusCode.OK)
-    assert not span.is_recording() and exported.get_finished_spans() == ()
+    assert not call_span(span).is_recording() and exported.get_finished_spans() == ()
     assert md["x-user-id"] == "u"
     version, trace_id, parent_id, flags = md["traceparent"].split("-")
     assert (version, trace_id, flags) == ("00", "0af7651916cd43dd8448eb211c80319c", "00")
-    assert parent_id == format(span.get_span_context().span_id, "016x")  # no client span was made
+    assert parent_id == format(call_span(span).get_span_context().span_id, "016x")  # no client span
     assert md["baggage"] == "model.version=2,model.dye=canary"
 
 
@@ -101,15 +103,21 @@ def test_an_unsampled_root_call_sends_what_the_propagators_write() -> None:
         token = context.attach(context.Context())
         try:
             span = tracing.server_span(PATH, (("x-user-id", "u"),))
-            assert trace.get_current_span() is span  # current: log lines carry its ids
+            record = logging.LogRecord("n", logging.INFO, __file__, 1, "m", None, None)
+            TraceIds().filter(record)  # its log lines carry its ids
             with tracing.attempt(span, plan, PATH) as attempt:
                 md = dict(attempt.metadata)
             tracing.end(span, plan, grpc.StatusCode.OK)
         finally:
             context.detach(token)
         written: dict[str, str] = {}
-        TraceContextTextMapPropagator().inject(written, trace.set_span_in_context(span))
-        assert not span.is_recording() and span.get_span_context().is_valid
+        TraceContextTextMapPropagator().inject(written, trace.set_span_in_context(call_span(span)))
+        ids = call_span(span).get_span_context()
+        assert not call_span(span).is_recording() and ids.is_valid
+        assert (getattr(record, "trace_id", ""), getattr(record, "span_id", "")) == (
+            format(ids.trace_id, "032x"),
+            format(ids.span_id, "016x"),
+        )
         assert md["traceparent"] == written["traceparent"]
         assert md.get("baggage") == baggage and "tracestate" not in md
         assert list(md)[:1] == ["x-user-id"] and len(attempt.metadata) == len(md)
@@ -125,7 +133,7 @@ def _root_calls(tracing: Tracing, calls: int) -> list[Any]:
             tracing.end(span, _plan(), grpc.StatusCode.OK)
         finally:
             context.detach(token)
-        spans.append(span)
+        spans.append(call_span(span))
     return spans
 
 
@@ -173,3 +181,132 @@ def test_another_sampler_is_asked_about_each_root_call_once() -> None:
     assert [s.get_span_context().trace_id for s in spans] == [trace_id for trace_id, _ in asked]
     assert [s.get_span_context().trace_flags.sampled for s in spans] == [n % 3 == 2 for n in range(9)]
     assert len(exported.get_finished_spans()) == 3
+
+
+def _no_sdk_span(tracing: Tracing, monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The names of the SDK spans the tracer starts from here on (it should start none)."""
+    started: list[str] = []
+    tracer = tracing._tracer
+    start = tracer.start_span
+
+    def counted(name: str, *args: Any, **kwargs: Any) -> Any:
+        started.append(name)
+        return start(name, *args, **kwargs)
+
+    monkeypatch.setattr(tracer, "start_span", counted)
+    return started
+
+
+@pytest.mark.parametrize("flags", ["00", "02"])
+def test_an_unsampled_callers_trace_is_continued_without_an_sdk_span(
+    flags: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A call whose caller's traceparent says "not sampled" (the gateway's, say), with
+    ParentBased's rule for it (ALWAYS_OFF): no SDK span is made, and the attempt sends the
+    caller's trace id under a new span id, with the caller's random-trace-id flag, in place of
+    the caller's traceparent (which the forwarded metadata holds)."""
+    tracing, exported = _traced(ParentBased(ALWAYS_ON))
+    started = _no_sdk_span(tracing, monkeypatch)
+    caller = f"{PARENT[:-2]}{flags}"
+    md = (("x-user-id", "u"), ("traceparent", caller))
+    span = tracing.server_span(PATH, md)
+    plan = Plan("m", "2", "canary", "", "1", _Up("a"), None, None, md)
+    with tracing.attempt(span, plan, PATH) as attempt:
+        sent = [v for k, v in attempt.metadata if k == "traceparent"]
+    tracing.end(span, plan, grpc.StatusCode.OK)
+    assert started == [] and exported.get_finished_spans() == ()
+    assert len(sent) == 1 and sent[0] != caller
+    version, trace_id, span_id, sent_flags = str(sent[0]).split("-")
+    assert (version, trace_id, sent_flags) == ("00", PARENT.split("-")[1], flags)
+    ids = call_span(span).get_span_context()
+    assert span_id == format(ids.span_id, "016x") and ids.trace_flags == int(flags, 16)
+    sampled = tracing.server_span(PATH, (("traceparent", f"{PARENT[:-2]}01"),))  # the SDK's path
+    assert started == ["inference.GRPCInferenceService/ModelInfer"] and sampled.is_recording()
+    tracing.end(sampled, plan, grpc.StatusCode.OK)
+    (recorded,) = exported.get_finished_spans()
+    assert recorded.parent is not None and recorded.parent.span_id == int(PARENT.split("-")[2], 16)
+
+
+@pytest.mark.parametrize(
+    "header",
+    [
+        PARENT,
+        PARENT.upper(),  # upper-case hex: not W3C
+        "ff" + PARENT[2:],  # version ff: invalid
+        "00-" + "0" * 32 + PARENT[35:],  # zero trace id
+        PARENT[:36] + "0" * 16 + "-00",  # zero span id
+        PARENT + "-more",  # version 00 with more fields
+        "01" + PARENT[2:] + "-more",  # a later version may have more
+        " " + PARENT,  # leading blanks are allowed
+        PARENT[:-3],  # cut short
+    ],
+)
+def test_an_unsampled_callers_traceparent_is_read_as_the_propagator_reads_it(header: str) -> None:
+    """A traceparent the W3C propagator accepts is continued (without an SDK span); one it refuses
+    makes the call a root (here left out too: a new trace id, by the SDK's path)."""
+    from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+    tracing, _ = _traced(ParentBased(ALWAYS_OFF))
+    span = tracing.server_span(PATH, (("traceparent", header),))
+    parent = trace.get_current_span(TraceContextTextMapPropagator().extract({"traceparent": header}))
+    accepted = parent.get_span_context().is_valid
+    assert isinstance(span, str) is accepted
+    ids = call_span(span).get_span_context()
+    assert (ids.trace_id == parent.get_span_context().trace_id) is accepted
+    assert ids.span_id != parent.get_span_context().span_id
+
+
+def test_an_unsampled_calls_log_lines_and_shadow_span_are_of_its_trace() -> None:
+    """No OTel context is attached for an unsampled call: its log lines read its ids and a shadow
+    span of it is its child all the same (recorded here: a sampler that takes such children); a
+    sampled call after it in the same context is not mistaken for it."""
+    from opentelemetry.sdk.trace.sampling import TraceIdRatioBased
+
+    tracing, exported = _traced(ParentBased(TraceIdRatioBased(0.0), local_parent_not_sampled=ALWAYS_ON))
+    token = context.attach(context.Context())
+    try:
+        span = tracing.server_span(PATH, (("x-user-id", "u"),))
+        ids = call_span(span).get_span_context()
+        record = logging.LogRecord("n", logging.INFO, __file__, 1, "m", None, None)
+        TraceIds().filter(record)
+        assert getattr(record, "span_id", "") == format(ids.span_id, "016x")
+        with tracing.shadow("m", "1", "2", PATH):
+            pass
+        tracing.end(span, _plan(), grpc.StatusCode.OK)
+        (shadow,) = exported.get_finished_spans()
+        assert shadow.name == "modelyard.sidecar/shadow" and shadow.parent is not None
+        assert (shadow.context.trace_id, shadow.parent.span_id) == (ids.trace_id, ids.span_id)
+        sampled = tracing.server_span(PATH, (("traceparent", f"{PARENT[:-2]}01"),))
+        TraceIds().filter(record)
+        assert getattr(record, "span_id", "") == format(sampled.get_span_context().span_id, "016x")
+    finally:
+        context.detach(token)
+
+
+@pytest.mark.parametrize("rate", [0.0, 1.0])
+def test_the_ratio_rules_ends_take_no_root_or_every_root(rate: float) -> None:
+    from opentelemetry.sdk.trace.sampling import ParentBasedTraceIdRatio
+
+    tracing, exported = _traced(ParentBasedTraceIdRatio(rate))
+    spans = _root_calls(tracing, 300)  # more than one block of ids
+    assert [s.get_span_context().trace_flags.sampled for s in spans] == [rate == 1.0] * 300
+    assert len({s.get_span_context().trace_id for s in spans}) == 300
+    assert len(exported.get_finished_spans()) == (300 if rate else 0)
+
+
+def test_a_forked_child_does_not_send_its_parents_trace_ids() -> None:
+    from opentelemetry.sdk.trace.sampling import ParentBasedTraceIdRatio
+
+    tracing, _ = _traced(ParentBasedTraceIdRatio(0.0))
+    assert isinstance(tracing.server_span(PATH, ()), str)  # a block of ids is drawn
+    read, write = os.pipe()
+    child = os.fork()
+    if child == 0:  # pragma: no cover (the child)
+        os.write(write, str(tracing.server_span(PATH, ())).encode())
+        os._exit(0)
+    os.close(write)
+    _, status = os.waitpid(child, 0)
+    theirs = os.read(read, 100).decode()
+    os.close(read)
+    assert status == 0 and theirs.startswith("00-")
+    assert str(tracing.server_span(PATH, ()))[3:35] != theirs[3:35]
