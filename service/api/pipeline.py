@@ -9,13 +9,18 @@ request stream). `register` applies the list in order, each wrapper to what the 
 returned, so the last one listed is the outermost: its behaviour is the one gRPC calls.
 
 The handlers are built here from a servicer and its service's descriptor, as the generated
-add_*Servicer_to_server functions build them, and registered on the server both ways those
-functions do (a generic handler, and registered method handlers: grpc.aio's faster lookup).
+add_*Servicer_to_server functions build them. Every method is served through a generic handler;
+only the few hot ones named in `register`'s `fast` are also registered methods. grpc.aio's server
+keeps one pending request per registered method (and one for all the rest), and waits on all of
+them with asyncio.wait each time calls come in, whose Python visits every one of them: each
+registered method cost every call of every method ~5.7k instructions (33 of them: 170k, a fifth
+of a tiny model's whole request). A method served only generically costs its own calls one
+generic lookup more (a Python call per service before its own).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeAlias
 
@@ -70,11 +75,18 @@ def wrapped(service: ServiceHandlers, wrappers: Sequence[Wrapper]) -> dict[str, 
 
 
 def register(
-    server: grpc.aio.Server, services: Iterable[ServiceHandlers], wrappers: Sequence[Wrapper]
+    server: grpc.aio.Server,
+    services: Iterable[ServiceHandlers],
+    wrappers: Sequence[Wrapper],
+    fast: Collection[str] = (),
 ) -> None:
-    """Register every method of `services` on `server`, through `wrappers` (see `wrapped`)."""
+    """Register every method of `services` on `server`, through `wrappers` (see `wrapped`): each
+    in a generic handler, and those named in `fast` (full names, "/package.Service/Method") as
+    registered methods too, grpc.aio's direct lookup (see the module's docstring: few)."""
     for service in services:
         handlers = wrapped(service, wrappers)
         server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service.name, handlers),))
-        # grpc.aio.Server has it (the generated code calls it); the type stubs lag behind.
-        server.add_registered_method_handlers(service.name, handlers)  # type: ignore[attr-defined]
+        registered = {name: h for name, h in handlers.items() if f"/{service.name}/{name}" in fast}
+        if registered:
+            # grpc.aio.Server has it (the generated code calls it); the type stubs lag behind.
+            server.add_registered_method_handlers(service.name, registered)  # type: ignore[attr-defined]

@@ -13,6 +13,7 @@ from google.protobuf.descriptor import ServiceDescriptor
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
+from modelyard import flat
 from modelyard.inference.v1 import (
     inference_service_pb2,
     inference_service_pb2_grpc,
@@ -20,7 +21,8 @@ from modelyard.inference.v1 import (
     model_service_pb2_grpc,
 )
 from modelyard.kserve.v2 import grpc_service_pb2, grpc_service_pb2_grpc
-from modelyard.service.api.pipeline import Handler, ServiceHandlers, service_of, wrapped
+from modelyard.service.api.pipeline import Handler, ServiceHandlers, register, service_of, wrapped
+from modelyard.service.server import FAST_METHODS
 
 GENERATED: list[tuple[ServiceDescriptor, Callable[[Any, Any], None], type]] = [
     (
@@ -99,3 +101,63 @@ def test_wrappers_apply_in_order_the_last_outermost() -> None:
     assert seen == [("inner", "/pkg.S/M"), ("outer", "/pkg.S/M")]
     outermost: Any = handlers["M"].unary_unary
     assert outermost == ("outer", ("inner", behaviour))
+
+
+class _Server:
+    """What `register` registers: the generic handlers and the registered methods."""
+
+    def __init__(self) -> None:
+        self.generic: list[Any] = []
+        self.registered: dict[str, Mapping[str, Handler]] = {}
+
+    def add_generic_rpc_handlers(self, handlers: Any) -> None:
+        self.generic.extend(handlers)
+
+    def add_registered_method_handlers(self, service: str, handlers: Mapping[str, Handler]) -> None:
+        self.registered[service] = handlers
+
+    def lookup(self, method: str) -> Handler | None:
+        """As grpc.aio's server finds a method: registered first, then each generic handler."""
+        service, name = method[1:].split("/")
+        if name in self.registered.get(service, {}):
+            return self.registered[service][name]
+        details: Any = type("Details", (), {"method": method, "invocation_metadata": ()})()
+        for generic in self.generic:
+            found: Handler | None = generic.service(details)
+            if found is not None:
+                return found
+        return None
+
+
+def test_only_the_fast_methods_are_registered_and_every_method_is_found() -> None:
+    # grpc.aio waits on one pending request per registered method at every call: the service
+    # registers a few hot ones; the rest are found through the generic handlers, as before.
+    servicer = grpc_service_pb2_grpc.GRPCInferenceServiceServicer()  # type: ignore[abstract]
+    descriptor = grpc_service_pb2.DESCRIPTOR.services_by_name["GRPCInferenceService"]
+    service = service_of(descriptor, servicer)
+    server = _Server()
+    fast = {"/inference.GRPCInferenceService/ModelInfer"}
+    register(server, [service], [], fast)  # type: ignore[arg-type]  # a recorder, not a server
+    registered = {name: set(handlers) for name, handlers in server.registered.items()}
+    assert registered == {"inference.GRPCInferenceService": {"ModelInfer"}}
+    for method in descriptor.methods:
+        found = server.lookup(f"/inference.GRPCInferenceService/{method.name}")
+        assert found == service.handlers[method.name], method.name
+    assert server.lookup("/inference.GRPCInferenceService/NoSuchMethod") is None
+
+
+def test_the_service_registers_its_unary_inference_methods_and_no_other() -> None:
+    # Each name must be one of the APIs' methods: a renamed method would lose its fast lookup
+    # without a word otherwise.
+    methods = {
+        f"/{descriptor.full_name}/{method.name}"
+        for descriptor in (
+            grpc_service_pb2.DESCRIPTOR.services_by_name["GRPCInferenceService"],
+            inference_service_pb2.DESCRIPTOR.services_by_name["InferenceService"],
+        )
+        for method in descriptor.methods
+    } | {f"/{flat.SERVICE}/{flat.METHOD_NAME}"}
+    assert methods >= FAST_METHODS
+    hot = {"/inference.GRPCInferenceService/ModelInfer", "/modelyard.inference.v1.InferenceService/Infer"}
+    assert hot <= FAST_METHODS
+    assert len(FAST_METHODS) <= 4  # each one costs every call (service/api/pipeline.py)
