@@ -349,18 +349,6 @@ def build_service(
     )
 
 
-# The unary inference calls, registered with grpc.aio for its direct lookup; every other method
-# is found through the generic handlers (service/api/pipeline.py says why so few: each one
-# registered costs every call).
-FAST_METHODS = frozenset(
-    {
-        "/inference.GRPCInferenceService/ModelInfer",
-        "/modelyard.inference.v1.InferenceService/Infer",
-        f"/{flat_contract.SERVICE}/{flat_contract.METHOD_NAME}",
-    }
-)
-
-
 @dataclass(frozen=True)
 class Pipelines:
     apis: list[Wrapper]  # the APIs' methods
@@ -418,7 +406,7 @@ def _add_apis(
     APIs' calls outermost counted and, once shutting down, refused by `drain`)."""
     noted = bool(access_log.interceptors(settings.access_log, settings.log_format))
     pipelines = request_pipelines(settings.max_message_bytes, metrics, reporter, guard_for, link, noted)
-    register(server, apis, [*pipelines.apis, drain.wrap], FAST_METHODS)
+    register(server, apis, [*pipelines.apis, drain.wrap])
     open_services = [
         service_of(health_pb2.DESCRIPTOR.services_by_name["Health"], health_servicer),
         # What reflection.enable_server_reflection does for an aio server, through the pipeline.

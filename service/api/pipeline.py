@@ -9,20 +9,20 @@ request stream). `register` applies the list in order, each wrapper to what the 
 returned, so the last one listed is the outermost: its behaviour is the one gRPC calls.
 
 The handlers are built here from a servicer and its service's descriptor, as the generated
-add_*Servicer_to_server functions build them. Every method is served through a generic handler;
-only the few hot ones named in `register`'s `fast` are also registered methods. grpc.aio's server
-keeps one pending request per registered method (and one for all the rest), and waits on all of
-them with asyncio.wait each time calls come in, whose Python visits every one of them: each
-registered method cost every call of every method ~5.7k instructions (33 of them: 170k, a fifth
-of a tiny model's whole request). A method served only generically costs its own calls one
-generic lookup more (a Python call per service before its own).
+add_*Servicer_to_server functions build them, and found by one generic handler per `register`
+(a dict by full method name). None is a grpc.aio registered method, as the generated functions
+would make every method: grpc.aio's server keeps one pending request per registered method (and
+one for all the rest) and waits on all of them with asyncio.wait each time calls come in, whose
+Python visits every one of them. The 33 methods registered so cost every call ~170k instructions
+(~5.7k each; a tiny model's whole request is ~680k), the few hot ones alone ~17k, the generic
+lookup ~1k (one Python call).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeAlias
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 import grpc
 from google.protobuf.descriptor import ServiceDescriptor
@@ -31,6 +31,11 @@ from google.protobuf.message_factory import GetMessageClass
 # grpc's type stubs describe the sync API: a handler's behaviours and types are Any here.
 Handler: TypeAlias = "grpc.RpcMethodHandler[Any, Any]"
 Wrapper = Callable[[str, Handler], Handler]
+
+if TYPE_CHECKING:
+    _Generic = grpc.GenericRpcHandler[Any, Any]
+else:  # not subscriptable at run time
+    _Generic = grpc.GenericRpcHandler
 
 # The four call kinds, by (request streaming, response streaming).
 _HANDLER_OF_KIND = {
@@ -74,19 +79,23 @@ def wrapped(service: ServiceHandlers, wrappers: Sequence[Wrapper]) -> dict[str, 
     return handlers
 
 
+class _Methods(_Generic):
+    """The handlers of several services by full method name ("/package.Service/Method")."""
+
+    def __init__(self, handlers: Mapping[str, Handler]) -> None:
+        self._handlers = dict(handlers)
+
+    def service(self, handler_call_details: grpc.HandlerCallDetails) -> Handler | None:
+        return self._handlers.get(handler_call_details.method)
+
+
 def register(
-    server: grpc.aio.Server,
-    services: Iterable[ServiceHandlers],
-    wrappers: Sequence[Wrapper],
-    fast: Collection[str] = (),
+    server: grpc.aio.Server, services: Iterable[ServiceHandlers], wrappers: Sequence[Wrapper]
 ) -> None:
-    """Register every method of `services` on `server`, through `wrappers` (see `wrapped`): each
-    in a generic handler, and those named in `fast` (full names, "/package.Service/Method") as
-    registered methods too, grpc.aio's direct lookup (see the module's docstring: few)."""
+    """Register every method of `services` on `server`, through `wrappers` (see `wrapped`), in
+    one generic handler (no registered methods: see the module's docstring)."""
+    handlers = {}
     for service in services:
-        handlers = wrapped(service, wrappers)
-        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service.name, handlers),))
-        registered = {name: h for name, h in handlers.items() if f"/{service.name}/{name}" in fast}
-        if registered:
-            # grpc.aio.Server has it (the generated code calls it); the type stubs lag behind.
-            server.add_registered_method_handlers(service.name, registered)  # type: ignore[attr-defined]
+        for name, handler in wrapped(service, wrappers).items():
+            handlers[f"/{service.name}/{name}"] = handler
+    server.add_generic_rpc_handlers((_Methods(handlers),))

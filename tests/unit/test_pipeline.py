@@ -13,7 +13,6 @@ from google.protobuf.descriptor import ServiceDescriptor
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from modelyard import flat
 from modelyard.inference.v1 import (
     inference_service_pb2,
     inference_service_pb2_grpc,
@@ -22,7 +21,6 @@ from modelyard.inference.v1 import (
 )
 from modelyard.kserve.v2 import grpc_service_pb2, grpc_service_pb2_grpc
 from modelyard.service.api.pipeline import Handler, ServiceHandlers, register, service_of, wrapped
-from modelyard.service.server import FAST_METHODS
 
 GENERATED: list[tuple[ServiceDescriptor, Callable[[Any, Any], None], type]] = [
     (
@@ -129,35 +127,16 @@ class _Server:
         return None
 
 
-def test_only_the_fast_methods_are_registered_and_every_method_is_found() -> None:
-    # grpc.aio waits on one pending request per registered method at every call: the service
-    # registers a few hot ones; the rest are found through the generic handlers, as before.
-    servicer = grpc_service_pb2_grpc.GRPCInferenceServiceServicer()  # type: ignore[abstract]
-    descriptor = grpc_service_pb2.DESCRIPTOR.services_by_name["GRPCInferenceService"]
-    service = service_of(descriptor, servicer)
+def test_no_method_is_a_registered_method_and_every_method_is_found() -> None:
+    # grpc.aio waits on one pending request per registered method at every call: none is one;
+    # every method of every service is found through the one generic handler.
+    services = [service_of(descriptor, servicer_class()) for descriptor, _, servicer_class in GENERATED]
     server = _Server()
-    fast = {"/inference.GRPCInferenceService/ModelInfer"}
-    register(server, [service], [], fast)  # type: ignore[arg-type]  # a recorder, not a server
-    registered = {name: set(handlers) for name, handlers in server.registered.items()}
-    assert registered == {"inference.GRPCInferenceService": {"ModelInfer"}}
-    for method in descriptor.methods:
-        found = server.lookup(f"/inference.GRPCInferenceService/{method.name}")
-        assert found == service.handlers[method.name], method.name
+    register(server, services, [])  # type: ignore[arg-type]  # a recorder, not a server
+    assert server.registered == {}
+    assert len(server.generic) == 1
+    for service in services:
+        for name, handler in service.handlers.items():
+            assert server.lookup(f"/{service.name}/{name}") == handler, name
     assert server.lookup("/inference.GRPCInferenceService/NoSuchMethod") is None
-
-
-def test_the_service_registers_its_unary_inference_methods_and_no_other() -> None:
-    # Each name must be one of the APIs' methods: a renamed method would lose its fast lookup
-    # without a word otherwise.
-    methods = {
-        f"/{descriptor.full_name}/{method.name}"
-        for descriptor in (
-            grpc_service_pb2.DESCRIPTOR.services_by_name["GRPCInferenceService"],
-            inference_service_pb2.DESCRIPTOR.services_by_name["InferenceService"],
-        )
-        for method in descriptor.methods
-    } | {f"/{flat.SERVICE}/{flat.METHOD_NAME}"}
-    assert methods >= FAST_METHODS
-    hot = {"/inference.GRPCInferenceService/ModelInfer", "/modelyard.inference.v1.InferenceService/Infer"}
-    assert hot <= FAST_METHODS
-    assert len(FAST_METHODS) <= 4  # each one costs every call (service/api/pipeline.py)
+    assert server.lookup("/no.Such/ModelInfer") is None
