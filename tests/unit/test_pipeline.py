@@ -4,6 +4,8 @@ wrappers apply in the order listed, the last one outermost."""
 
 from __future__ import annotations
 
+import asyncio
+import contextvars
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -20,7 +22,14 @@ from modelyard.inference.v1 import (
     model_service_pb2_grpc,
 )
 from modelyard.kserve.v2 import grpc_service_pb2, grpc_service_pb2_grpc
-from modelyard.service.api.pipeline import Handler, ServiceHandlers, register, service_of, wrapped
+from modelyard.service.api.pipeline import (
+    Handler,
+    ServiceHandlers,
+    invocation_metadata,
+    register,
+    service_of,
+    wrapped,
+)
 
 GENERATED: list[tuple[ServiceDescriptor, Callable[[Any, Any], None], type]] = [
     (
@@ -140,3 +149,44 @@ def test_no_method_is_a_registered_method_and_every_method_is_found() -> None:
             assert server.lookup(f"/{service.name}/{name}") == handler, name
     assert server.lookup("/inference.GRPCInferenceService/NoSuchMethod") is None
     assert server.lookup("/no.Such/ModelInfer") is None
+
+
+async def test_each_call_reads_its_own_request_metadata_from_its_lookup() -> None:
+    # Every call waits until all have been looked up before it reads its metadata: each must
+    # still read its own (the lookup's copy is per call, not the last lookup's).
+    calls = 8
+    arrived: list[str] = []
+    everyone = asyncio.Event()
+
+    async def behaviour(request: bytes, context: Any) -> bytes:
+        arrived.append("")
+        if len(arrived) == calls:
+            everyone.set()
+        await everyone.wait()
+        return str(dict(invocation_metadata(context))["x-request-id"]).encode()
+
+    service = ServiceHandlers("pkg.S", {"M": grpc.unary_unary_rpc_method_handler(behaviour)})
+    server = grpc.aio.server()
+    register(server, [service], [])
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            method = channel.unary_unary("/pkg.S/M", None, None)
+            answers = await asyncio.wait_for(
+                asyncio.gather(*(method(b"", metadata=[("x-request-id", f"r{i}")]) for i in range(calls))), 30
+            )
+    finally:
+        await server.stop(None)
+    assert answers == [f"r{i}".encode() for i in range(calls)]
+
+
+class _NoMetadata:
+    def invocation_metadata(self) -> Any:
+        return None
+
+
+def test_a_handler_called_without_a_lookup_reads_the_context_metadata() -> None:
+    # A handler that no lookup ran before (a test or a benchmark calling it directly), here in a
+    # context of its own: the context's metadata (None from grpc where a call has none).
+    assert contextvars.Context().run(invocation_metadata, _NoMetadata()) == ()
