@@ -28,6 +28,7 @@ from modelyard.common import headers
 from modelyard.common.names import NAME_MAX, echo
 from modelyard.common.reasons import is_server_fault
 from modelyard.process.tracing import otlp_provider
+from modelyard.service.api.pipeline import invocation_metadata
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -97,7 +98,7 @@ def start(context: grpc.aio.ServicerContext[Any, Any], method: str, model: str) 
     from opentelemetry import baggage
     from opentelemetry.trace import SpanKind
 
-    carrier = {k: v for k, v in context.invocation_metadata() or () if isinstance(v, str)}
+    carrier = {k: v for k, v in invocation_metadata(context) if isinstance(v, str)}
     parent = _propagator.extract(carrier)
     # A name that breaks the rule is refused later in the call; the span quotes it capped.
     shown = model if len(model) <= NAME_MAX else echo(model)

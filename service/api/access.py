@@ -15,6 +15,7 @@ from modelyard.common.reasons import ErrorReason
 from modelyard.process.auth import Authorizer, Decision
 from modelyard.process.throttle import LogThrottle
 from modelyard.service.api.errors import Context
+from modelyard.service.api.pipeline import invocation_metadata
 from modelyard.service.api.wire import Guard, GuardFor
 from modelyard.service.metrics import ServiceMetrics
 
@@ -47,7 +48,7 @@ def guards(authorizer: Authorizer, inference_too: bool, metrics: ServiceMetrics)
 
     def guard_of(kind: str) -> Guard:
         async def guard(context: Context) -> None:
-            decision = authorizer.check(context.invocation_metadata() or (), context.auth_context())
+            decision = authorizer.check(invocation_metadata(context), context.auth_context())
             if decision is Decision.ALLOW:
                 return
             metrics.auth_denials.labels(kind, decision.value).inc()

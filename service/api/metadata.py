@@ -9,6 +9,7 @@ from modelyard.common import headers
 from modelyard.common.names import echo
 from modelyard.service.api.errors import Context
 from modelyard.service.api.names import check_model
+from modelyard.service.api.pipeline import invocation_metadata
 from modelyard.service.errors import InvalidInput
 
 _UINT32_MAX = 2**32 - 1
@@ -26,7 +27,7 @@ def call_fields(
         return version, request_id, priority
     version_field = "model_version"
     # Values are str: only keys ending in -bin carry bytes.
-    for key, value in context.invocation_metadata() or ():
+    for key, value in invocation_metadata(context):
         if key == headers.MODEL_VERSION:
             if not version:
                 version, version_field = str(value), headers.MODEL_VERSION

@@ -9,15 +9,24 @@ request stream). `register` applies the list in order, each wrapper to what the 
 returned, so the last one listed is the outermost: its behaviour is the one gRPC calls.
 
 The handlers are built here from a servicer and its service's descriptor, as the generated
-add_*Servicer_to_server functions build them, and registered on the server both ways those
-functions do (a generic handler, and registered method handlers: grpc.aio's faster lookup).
+add_*Servicer_to_server functions build them, and found by one generic handler per `register`
+(a dict by full method name). None is a grpc.aio registered method, as the generated functions
+would make every method: grpc.aio's server keeps one pending request per registered method (and
+one for all the rest) and waits on all of them with asyncio.wait each time calls come in, whose
+Python visits every one of them. The 33 methods registered so cost every call ~170k instructions
+(~5.7k each; a tiny model's whole request is ~680k), the few hot ones alone ~17k, the generic
+lookup ~1k (one Python call).
+
+The lookup also keeps the call's request metadata (`invocation_metadata`): gRPC builds it for the
+lookup, and context.invocation_metadata() would build it again.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from contextvars import ContextVar
 from dataclasses import dataclass
-from typing import Any, TypeAlias
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 import grpc
 from google.protobuf.descriptor import ServiceDescriptor
@@ -26,6 +35,18 @@ from google.protobuf.message_factory import GetMessageClass
 # grpc's type stubs describe the sync API: a handler's behaviours and types are Any here.
 Handler: TypeAlias = "grpc.RpcMethodHandler[Any, Any]"
 Wrapper = Callable[[str, Handler], Handler]
+
+if TYPE_CHECKING:
+    _Generic = grpc.GenericRpcHandler[Any, Any]
+else:  # not subscriptable at run time
+    _Generic = grpc.GenericRpcHandler
+
+Metadata: TypeAlias = Sequence[tuple[str, "str | bytes"]]
+
+# The request metadata of the call whose method was looked up last in this task: grpc.aio looks a
+# call's method up and runs its handler in one task of the call's own (as the tracing module's
+# variables, a value per call).
+_looked_up: ContextVar[Metadata | None] = ContextVar("modelyard_invocation_metadata", default=None)
 
 # The four call kinds, by (request streaming, response streaming).
 _HANDLER_OF_KIND = {
@@ -69,12 +90,34 @@ def wrapped(service: ServiceHandlers, wrappers: Sequence[Wrapper]) -> dict[str, 
     return handlers
 
 
+class _Methods(_Generic):
+    """The handlers of several services by full method name ("/package.Service/Method")."""
+
+    def __init__(self, handlers: Mapping[str, Handler]) -> None:
+        self._handlers = dict(handlers)
+
+    def service(self, handler_call_details: grpc.HandlerCallDetails) -> Handler | None:
+        _looked_up.set(handler_call_details.invocation_metadata)
+        return self._handlers.get(handler_call_details.method)
+
+
+def invocation_metadata(context: Any) -> Metadata:
+    """The call's request metadata: the tuple its method's lookup was given (~8k instructions
+    fewer than context.invocation_metadata(), which builds it again), or, for a handler that no
+    lookup of `register`'s ran before (called directly: tests, benchmarks), the context's."""
+    metadata = _looked_up.get()
+    if metadata is None:
+        metadata = context.invocation_metadata() or ()
+    return metadata
+
+
 def register(
     server: grpc.aio.Server, services: Iterable[ServiceHandlers], wrappers: Sequence[Wrapper]
 ) -> None:
-    """Register every method of `services` on `server`, through `wrappers` (see `wrapped`)."""
+    """Register every method of `services` on `server`, through `wrappers` (see `wrapped`), in
+    one generic handler (no registered methods: see the module's docstring)."""
+    handlers = {}
     for service in services:
-        handlers = wrapped(service, wrappers)
-        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service.name, handlers),))
-        # grpc.aio.Server has it (the generated code calls it); the type stubs lag behind.
-        server.add_registered_method_handlers(service.name, handlers)  # type: ignore[attr-defined]
+        for name, handler in wrapped(service, wrappers).items():
+            handlers[f"/{service.name}/{name}"] = handler
+    server.add_generic_rpc_handlers((_Methods(handlers),))

@@ -4,6 +4,8 @@ wrappers apply in the order listed, the last one outermost."""
 
 from __future__ import annotations
 
+import asyncio
+import contextvars
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -20,7 +22,14 @@ from modelyard.inference.v1 import (
     model_service_pb2_grpc,
 )
 from modelyard.kserve.v2 import grpc_service_pb2, grpc_service_pb2_grpc
-from modelyard.service.api.pipeline import Handler, ServiceHandlers, service_of, wrapped
+from modelyard.service.api.pipeline import (
+    Handler,
+    ServiceHandlers,
+    invocation_metadata,
+    register,
+    service_of,
+    wrapped,
+)
 
 GENERATED: list[tuple[ServiceDescriptor, Callable[[Any, Any], None], type]] = [
     (
@@ -99,3 +108,85 @@ def test_wrappers_apply_in_order_the_last_outermost() -> None:
     assert seen == [("inner", "/pkg.S/M"), ("outer", "/pkg.S/M")]
     outermost: Any = handlers["M"].unary_unary
     assert outermost == ("outer", ("inner", behaviour))
+
+
+class _Server:
+    """What `register` registers: the generic handlers and the registered methods."""
+
+    def __init__(self) -> None:
+        self.generic: list[Any] = []
+        self.registered: dict[str, Mapping[str, Handler]] = {}
+
+    def add_generic_rpc_handlers(self, handlers: Any) -> None:
+        self.generic.extend(handlers)
+
+    def add_registered_method_handlers(self, service: str, handlers: Mapping[str, Handler]) -> None:
+        self.registered[service] = handlers
+
+    def lookup(self, method: str) -> Handler | None:
+        """As grpc.aio's server finds a method: registered first, then each generic handler."""
+        service, name = method[1:].split("/")
+        if name in self.registered.get(service, {}):
+            return self.registered[service][name]
+        details: Any = type("Details", (), {"method": method, "invocation_metadata": ()})()
+        for generic in self.generic:
+            found: Handler | None = generic.service(details)
+            if found is not None:
+                return found
+        return None
+
+
+def test_no_method_is_a_registered_method_and_every_method_is_found() -> None:
+    # grpc.aio waits on one pending request per registered method at every call: none is one;
+    # every method of every service is found through the one generic handler.
+    services = [service_of(descriptor, servicer_class()) for descriptor, _, servicer_class in GENERATED]
+    server = _Server()
+    register(server, services, [])  # type: ignore[arg-type]  # a recorder, not a server
+    assert server.registered == {}
+    assert len(server.generic) == 1
+    for service in services:
+        for name, handler in service.handlers.items():
+            assert server.lookup(f"/{service.name}/{name}") == handler, name
+    assert server.lookup("/inference.GRPCInferenceService/NoSuchMethod") is None
+    assert server.lookup("/no.Such/ModelInfer") is None
+
+
+async def test_each_call_reads_its_own_request_metadata_from_its_lookup() -> None:
+    # Every call waits until all have been looked up before it reads its metadata: each must
+    # still read its own (the lookup's copy is per call, not the last lookup's).
+    calls = 8
+    arrived: list[str] = []
+    everyone = asyncio.Event()
+
+    async def behaviour(request: bytes, context: Any) -> bytes:
+        arrived.append("")
+        if len(arrived) == calls:
+            everyone.set()
+        await everyone.wait()
+        return str(dict(invocation_metadata(context))["x-request-id"]).encode()
+
+    service = ServiceHandlers("pkg.S", {"M": grpc.unary_unary_rpc_method_handler(behaviour)})
+    server = grpc.aio.server()
+    register(server, [service], [])
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            method = channel.unary_unary("/pkg.S/M", None, None)
+            answers = await asyncio.wait_for(
+                asyncio.gather(*(method(b"", metadata=[("x-request-id", f"r{i}")]) for i in range(calls))), 30
+            )
+    finally:
+        await server.stop(None)
+    assert answers == [f"r{i}".encode() for i in range(calls)]
+
+
+class _NoMetadata:
+    def invocation_metadata(self) -> Any:
+        return None
+
+
+def test_a_handler_called_without_a_lookup_reads_the_context_metadata() -> None:
+    # A handler that no lookup ran before (a test or a benchmark calling it directly), here in a
+    # context of its own: the context's metadata (None from grpc where a call has none).
+    assert contextvars.Context().run(invocation_metadata, _NoMetadata()) == ()
