@@ -10,7 +10,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
-from grpc_health.v1 import health_pb2_grpc
 
 from modelyard.common import health as health_names
 from modelyard.process import access
@@ -287,7 +286,6 @@ def build_sidecar(
         options=[*message_limits, *connection_options(settings), ("grpc.so_reuseport", 1 if worker else 0)],
     )
     health_servicer = health_names.new_servicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     shadows = Shadows(metrics, tracing=tracing)
     rollouts = RolloutDriver(
         routes,
@@ -309,7 +307,8 @@ def build_sidecar(
     routes.on_change = rollouts.on_change = state.changed
     drain = Drain()
     proxy = Proxy(upstreams, breakers, routes, TenantLimits(), metrics, tracing, shadows, drain)
-    server.add_generic_rpc_handlers((proxy,))
+    server.add_generic_rpc_handlers((proxy,))  # first: every proxied call's look-up
+    server.add_generic_rpc_handlers(health_names.generic_handlers(health_servicer))
     listen = settings.listen
     if tls is None:
         port = bound(ENV_PREFIX, "listen", listen, lambda: server.add_insecure_port(listen))

@@ -3,9 +3,11 @@ model), the statuses, and what the processes use of grpcio-health-checking's asy
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, Protocol
 
-from grpc_health.v1 import health, health_pb2
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 SERVER = ""  # the whole server: SERVING once it serves, NOT_SERVING while starting or stopping
 MODEL_PREFIX = "models/"
@@ -32,3 +34,26 @@ class HealthServicer(Protocol):
 def new_servicer() -> HealthServicer:
     servicer: Any = health.aio.HealthServicer()  # type: ignore[attr-defined]
     return servicer  # type: ignore[no-any-return]
+
+
+class _GenericOnly:
+    """Takes what a generated add_*Servicer_to_server function adds, keeping its generic handler."""
+
+    def __init__(self) -> None:
+        self.handlers: Sequence[Any] = ()
+
+    def add_generic_rpc_handlers(self, handlers: Sequence[Any]) -> None:
+        self.handlers = tuple(handlers)
+
+    def add_registered_method_handlers(self, service: str, handlers: object) -> None:
+        pass  # the point: none (see generic_handlers)
+
+
+def generic_handlers(servicer: HealthServicer) -> Sequence[grpc.GenericRpcHandler[Any, Any]]:
+    """Check and Watch for server.add_generic_rpc_handlers, and not also as grpc.aio registered
+    methods, as the generated add_HealthServicer_to_server makes them: grpc.aio's server keeps one
+    pending request per registered method and waits on all of them each time calls come in, so
+    two more cost every proxied call ~11k instructions (~1.3% of a sidecar's call)."""
+    collected = _GenericOnly()
+    health_pb2_grpc.add_HealthServicer_to_server(servicer, collected)
+    return collected.handlers
