@@ -11,7 +11,7 @@ for the tiny model; an MLP's runs would go to the executor, so --models is tiny 
 Instructions are not time (cache misses under load make the same instructions ~3x dearer than
 in a hot loop), but fewer instructions on the same path are less CPU.
 
-    .venv/bin/python -m bench.instructions --trees base=/work/wt/base,now=. [--bare]
+    .venv/bin/python -m bench.instructions --trees base=/work/wt/base,now=. [--bare] [--bare-served-only]
         [--models tiny] [--apis kserve,v1] [--requests 320] [--keep DIR]
 
 With --sidecar, the same for the sidecar hop (bench/sidecar.py's set-up: two versions of tiny, a
@@ -48,6 +48,7 @@ from bench.processes import ROOT, SERVICE_READY, ServerProcess
 from models.demo_models import write_model
 
 CONCURRENCY = 16
+BARE_SERVED_ONLY = "bare_served"  # bench/bare_server.py --served-only: no registered method
 WARMUP_REQUESTS = 320
 # The service as it runs natively, under valgrind's slowdown: inline runs stay inline.
 LAUNCHER = (
@@ -67,6 +68,8 @@ def server(label: str, tree: Path | None, repository: Path, workdir: Path, out: 
     valgrind.append(f"--callgrind-out-file={out}")
     if tree is None:
         argv = [*valgrind, sys.executable, str(ROOT / "bench" / "bare_server.py"), str(repository)]
+        if label == BARE_SERVED_ONLY:
+            argv.append("--served-only")
         return ServerProcess(label, argv, workdir, re.compile(r"^(\d+)$", re.M))
     os.environ["PYTHONPATH"] = str(tree / "proto" / "python")
     argv = [*valgrind, sys.executable, "-c", LAUNCHER, "--repository", str(repository)]
@@ -140,6 +143,8 @@ async def run(args: argparse.Namespace) -> int:
         print("valgrind (callgrind) is not installed", file=sys.stderr)
         return 1
     targets: list[tuple[str, Path | None]] = [*args.trees, *([("bare", None)] if args.bare else [])]
+    if args.bare_served_only:
+        targets.append((BARE_SERVED_ONLY, None))
     own_path = os.environ.get("PYTHONPATH", "")
     results: dict[tuple[str, str, str], float] = {}
     with tempfile.TemporaryDirectory(prefix="bench-instructions-") as tmp:
@@ -181,6 +186,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--trees", type=trees, required=True, help="label=path,... (git worktrees)")
     parser.add_argument("--bare", action="store_true", help="the bare server (bench/bare_server.py) too")
+    parser.add_argument(
+        "--bare-served-only",
+        action="store_true",
+        help="also the bare server with --served-only (no grpc.aio registered method, as the service)",
+    )
     parser.add_argument("--models", type=names, default=["tiny"])
     parser.add_argument("--apis", type=names, default=["kserve", "v1"])
     parser.add_argument("--requests", type=int, default=320, help="counted requests per point")
