@@ -27,8 +27,8 @@ import grpc
 from modelyard.common import headers
 from modelyard.common.names import NAME_MAX, echo
 from modelyard.common.reasons import is_server_fault
+from modelyard.process.request_metadata import invocation_metadata
 from modelyard.process.tracing import otlp_provider
-from modelyard.service.api.pipeline import invocation_metadata
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

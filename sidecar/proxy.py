@@ -35,7 +35,9 @@ from modelyard.common import headers
 from modelyard.common.reasons import ErrorReason
 from modelyard.inference.v1 import inference_service_pb2, model_service_pb2
 from modelyard.kserve.v2 import grpc_service_pb2
+from modelyard.process import request_metadata
 from modelyard.process.drain import Drain
+from modelyard.process.request_metadata import invocation_metadata
 from modelyard.sidecar import forward
 from modelyard.sidecar import plan as planner
 from modelyard.sidecar.breakers import Breakers
@@ -140,6 +142,7 @@ class Proxy(_Handler):
         return self._limits
 
     def service(self, handler_call_details: grpc.HandlerCallDetails) -> _MethodHandler | None:
+        request_metadata.keep(handler_call_details.invocation_metadata)  # not built twice a call
         return self._handlers.get(handler_call_details.method)
 
     async def drain(self, within_s: float) -> None:
@@ -184,7 +187,7 @@ class Proxy(_Handler):
         """A call with one response: unary-unary, or stream-unary (`more`: the rest of the
         caller's stream, which cannot be sent twice, so such a call is never retried)."""
         # The scope closes in `finally` (no `with` block: two calls a call fewer).
-        scope = Scope(self._scopes, info.path, tuple(context.invocation_metadata() or ()))
+        scope = Scope(self._scopes, info.path, tuple(invocation_metadata(context)))
         try:
             try:
                 plan = self._first_attempt(info, first, scope, context)
@@ -257,7 +260,7 @@ class Proxy(_Handler):
         """A call with a response stream: unary-stream, or stream-stream (`more`). Retried only
         when it ended before its first message (a trailers-only answer): nothing reached the
         caller yet, so an unreachable upstream or a canary fault is retried as for unary calls."""
-        with self._scopes.open(info.path, tuple(context.invocation_metadata() or ())) as scope:
+        with self._scopes.open(info.path, tuple(invocation_metadata(context))) as scope:
             call: Any = None
             try:
                 try:

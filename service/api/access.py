@@ -13,9 +13,9 @@ import grpc
 from modelyard.common.headers import ERROR_REASON
 from modelyard.common.reasons import ErrorReason
 from modelyard.process.auth import Authorizer, Decision
+from modelyard.process.request_metadata import invocation_metadata
 from modelyard.process.throttle import LogThrottle
 from modelyard.service.api.errors import Context
-from modelyard.service.api.pipeline import invocation_metadata
 from modelyard.service.api.wire import Guard, GuardFor
 from modelyard.service.metrics import ServiceMetrics
 

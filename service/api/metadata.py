@@ -7,9 +7,9 @@ from __future__ import annotations
 
 from modelyard.common import headers
 from modelyard.common.names import echo
+from modelyard.process.request_metadata import invocation_metadata
 from modelyard.service.api.errors import Context
 from modelyard.service.api.names import check_model
-from modelyard.service.api.pipeline import invocation_metadata
 from modelyard.service.errors import InvalidInput
 
 _UINT32_MAX = 2**32 - 1

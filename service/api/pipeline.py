@@ -17,20 +17,21 @@ Python visits every one of them. The 33 methods registered so cost every call ~1
 (~5.7k each; a tiny model's whole request is ~680k), the few hot ones alone ~17k, the generic
 lookup ~1k (one Python call).
 
-The lookup also keeps the call's request metadata (`invocation_metadata`): gRPC builds it for the
-lookup, and context.invocation_metadata() would build it again.
+The lookup also keeps the call's request metadata (modelyard.process.request_metadata): gRPC builds
+it for the lookup, and context.invocation_metadata() would build it again.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeAlias
 
 import grpc
 from google.protobuf.descriptor import ServiceDescriptor
 from google.protobuf.message_factory import GetMessageClass
+
+from modelyard.process import request_metadata
 
 # grpc's type stubs describe the sync API: a handler's behaviours and types are Any here.
 Handler: TypeAlias = "grpc.RpcMethodHandler[Any, Any]"
@@ -41,12 +42,6 @@ if TYPE_CHECKING:
 else:  # not subscriptable at run time
     _Generic = grpc.GenericRpcHandler
 
-Metadata: TypeAlias = Sequence[tuple[str, "str | bytes"]]
-
-# The request metadata of the call whose method was looked up last in this task: grpc.aio looks a
-# call's method up and runs its handler in one task of the call's own (as the tracing module's
-# variables, a value per call).
-_looked_up: ContextVar[Metadata | None] = ContextVar("modelyard_invocation_metadata", default=None)
 
 # The four call kinds, by (request streaming, response streaming).
 _HANDLER_OF_KIND = {
@@ -97,18 +92,8 @@ class _Methods(_Generic):
         self._handlers = dict(handlers)
 
     def service(self, handler_call_details: grpc.HandlerCallDetails) -> Handler | None:
-        _looked_up.set(handler_call_details.invocation_metadata)
+        request_metadata.keep(handler_call_details.invocation_metadata)
         return self._handlers.get(handler_call_details.method)
-
-
-def invocation_metadata(context: Any) -> Metadata:
-    """The call's request metadata: the tuple its method's lookup was given (~8k instructions
-    fewer than context.invocation_metadata(), which builds it again), or, for a handler that no
-    lookup of `register`'s ran before (called directly: tests, benchmarks), the context's."""
-    metadata = _looked_up.get()
-    if metadata is None:
-        metadata = context.invocation_metadata() or ()
-    return metadata
 
 
 def register(

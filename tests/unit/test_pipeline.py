@@ -22,10 +22,10 @@ from modelyard.inference.v1 import (
     model_service_pb2_grpc,
 )
 from modelyard.kserve.v2 import grpc_service_pb2, grpc_service_pb2_grpc
+from modelyard.process.request_metadata import invocation_metadata
 from modelyard.service.api.pipeline import (
     Handler,
     ServiceHandlers,
-    invocation_metadata,
     register,
     service_of,
     wrapped,
