@@ -26,7 +26,7 @@ from modelyard.sidecar.breakers import Breaker, Breakers, Permit
 from modelyard.sidecar.limits import ANY_TENANT, TenantLimit
 from modelyard.sidecar.routes import RouteTable
 from modelyard.sidecar.routing import CANARY, STABLE, Decision, RoutingError, decide, stable_and_canary
-from modelyard.sidecar.wire import ModelFields, WireError, read_model_fields, version_field
+from modelyard.sidecar.wire import ModelFields, WireError, read_model_fields, with_version
 
 Metadata = tuple[tuple[str, str | bytes], ...]
 Read = tuple[bytes, ModelFields]  # a message and its fields 1 and 2 (wire.read_model_fields)
@@ -141,7 +141,7 @@ class Plan(Generic[U]):
                 return message  # the upstream answers INVALID_ARGUMENT for it
         if not fields.complete or fields.version or (fields.name and fields.name != self.model):
             return message
-        return message + version_field(self.version)  # wire.with_version, inline
+        return with_version(message, self.version)
 
     def report(self, code: str, reason: str, latency: float | None, *, gone: bool = False) -> None:
         """The attempt's outcome to its breaker, once; `gone`: the caller cancelled (or the
@@ -276,7 +276,7 @@ def unrouted(request: Request, pool: Pool[U], *, model_addressed: bool) -> Plan[
         None,
         None,
         request.forward,
-        label=request.model if request.known else OTHER,
+        label=request.label,
     )
 
 
@@ -329,7 +329,7 @@ def first(
         permit,
         forward,
         caller,
-        request.model if request.known else OTHER,  # request.label, inline
+        request.label,
         fell_back=bool(fallback),
         read=request.read,
     )

@@ -205,16 +205,9 @@ class Proxy(_Handler):
                 span = scope.span
                 attempt = None if span is None else self._tracing.attempt(span, plan, info.path)
                 try:
+                    metadata = plan.forward if attempt is None else attempt.metadata
                     response, initial, trailing = await forward.ask(
-                        forward.start(
-                            plan.upstream,
-                            info.path,
-                            info.kind,
-                            request,
-                            plan.forward if attempt is None else attempt.metadata,
-                            context.time_remaining(),
-                            scope.flight,
-                        )
+                        _start(info, plan, request, metadata, context, scope)
                     )
                 except forward.Failed as failed:
                     scope.code = failed.code
