@@ -11,8 +11,13 @@ for the tiny model; an MLP's runs would go to the executor, so --models is tiny 
 Instructions are not time (cache misses under load make the same instructions ~3x dearer than
 in a hot loop), but fewer instructions on the same path are less CPU.
 
+With --cache-sim, callgrind also simulates a small cache (16 KiB L1s, a 512 KiB last level: what
+one core keeps of a shared VM's caches when its neighbours are busy) and prints the last-level
+misses per request beside the instructions: the figure for a path's footprint, which
+instructions miss (the service ran fewer instructions than the bare server and took more CPU).
+
     .venv/bin/python -m bench.instructions --trees base=/work/wt/base,now=. [--bare] [--bare-served-only]
-        [--models tiny] [--apis kserve,v1] [--requests 320] [--keep DIR]
+        [--models tiny] [--apis kserve,v1] [--requests 320] [--keep DIR] [--cache-sim]
 
 With --sidecar, the same for the sidecar hop (bench/sidecar.py's set-up: two versions of tiny, a
 10% canary, a tenant limit on every call, a fresh x-user-id per call): one service runs natively,
@@ -48,6 +53,9 @@ from bench.processes import ROOT, SERVICE_READY, ServerProcess
 from models.demo_models import write_model
 
 CONCURRENCY = 16
+LL_MISSES = ("ILmr", "DLmr", "DLmw")
+# --cache-sim: a small simulated cache, so that a larger per-request footprint shows as misses.
+CACHE_SIM = ["--cache-sim=yes", "--I1=16384,4,64", "--D1=16384,4,64", "--LL=524288,8,64"]
 BARE_SERVED_ONLY = "bare_served"  # bench/bare_server.py --served-only: no registered method
 WARMUP_REQUESTS = 320
 # The service as it runs natively, under valgrind's slowdown: inline runs stay inline.
@@ -62,10 +70,13 @@ LAUNCHER = (
 )
 
 
-def server(label: str, tree: Path | None, repository: Path, workdir: Path, out: Path) -> ServerProcess:
+def server(
+    label: str, tree: Path | None, repository: Path, workdir: Path, out: Path, cache_sim: bool = False
+) -> ServerProcess:
     """The tree's service (None: the bare server) under callgrind, counting off, pinned to core 1."""
     valgrind = ["taskset", "-c", "1", "valgrind", "--tool=callgrind", "--instr-atstart=no"]
     valgrind.append(f"--callgrind-out-file={out}")
+    valgrind += CACHE_SIM if cache_sim else []
     if tree is None:
         argv = [*valgrind, sys.executable, str(ROOT / "bench" / "bare_server.py"), str(repository)]
         if label == BARE_SERVED_ONLY:
@@ -89,13 +100,20 @@ def kept(out: Path, keep: Path) -> None:
         shutil.copy(path, keep / Path(path).name)
 
 
-def instructions(out: Path) -> int:
-    """The instructions counted in callgrind's dumps of one run."""
-    total = 0
+def events(out: Path) -> dict[str, int]:
+    """The events counted in callgrind's dumps of one run (Ir: instructions; with the cache
+    simulated also ILmr, DLmr, DLmw: last-level misses of instruction fetches, reads, writes)."""
+    totals: dict[str, int] = {}
     for path in glob.glob(f"{out}*"):
+        names: list[str] = []
         with open(path) as f:
-            total += sum(int(line.split()[1]) for line in f if line.startswith("totals:"))
-    return total
+            for line in f:
+                if line.startswith("events:"):
+                    names = line.split()[1:]
+                elif line.startswith("totals:"):  # all counts zero: one 0
+                    for name, value in zip(names, line.split()[1:], strict=False):
+                        totals[name] = totals.get(name, 0) + int(value)
+    return totals
 
 
 async def measure(
@@ -106,10 +124,12 @@ async def measure(
     requests: int,
     workdir: Path,
     keep: Path | None = None,
-) -> float:
+    cache_sim: bool = False,
+) -> dict[str, float]:
+    """Callgrind's events per request (Ir: instructions; see `events`)."""
     repository = workdir / "models"
     out = workdir / f"{label}-{model}-{api}.callgrind"
-    process = server(label, tree, repository, workdir, out)
+    process = server(label, tree, repository, workdir, out, cache_sim)
     process.spawn()
     channels: list[grpc.aio.Channel] = []
     try:
@@ -135,7 +155,8 @@ async def measure(
         process.stop()
     if keep is not None:
         kept(out, keep)
-    return instructions(out) / (requests // CONCURRENCY * CONCURRENCY)
+    counted = requests // CONCURRENCY * CONCURRENCY
+    return {name: value / counted for name, value in events(out).items()}
 
 
 async def run(args: argparse.Namespace) -> int:
@@ -147,6 +168,7 @@ async def run(args: argparse.Namespace) -> int:
         targets.append((BARE_SERVED_ONLY, None))
     own_path = os.environ.get("PYTHONPATH", "")
     results: dict[tuple[str, str, str], float] = {}
+    misses: dict[tuple[str, str, str], float] = {}  # --cache-sim: last-level misses per request
     with tempfile.TemporaryDirectory(prefix="bench-instructions-") as tmp:
         workdir = Path(tmp)
         for model in args.models:
@@ -156,23 +178,38 @@ async def run(args: argparse.Namespace) -> int:
                 for api in args.apis:
                     for label, tree in targets:
                         os.environ["PYTHONPATH"] = own_path  # a tree's service sets its own
-                        per_request = await measure(
-                            label, tree, model, api, args.requests, workdir, args.keep
+                        counted = await measure(
+                            label, tree, model, api, args.requests, workdir, args.keep, args.cache_sim
                         )
-                        results[(model, api, label)] = per_request
-                        print(
-                            f"{model} {api} {label}: {per_request:,.0f} instructions/request", file=sys.stderr
-                        )
+                        per_request = results[(model, api, label)] = counted["Ir"]
+                        line = f"{model} {api} {label}: {per_request:,.0f} instructions/request"
+                        if args.cache_sim:
+                            misses[(model, api, label)] = sum(counted[e] for e in LL_MISSES)
+                            line += (
+                                " (last-level misses: "
+                                + ", ".join(f"{e} {counted[e]:,.0f}" for e in LL_MISSES)
+                                + ")"
+                            )
+                        print(line, file=sys.stderr)
         finally:
             os.environ["PYTHONPATH"] = own_path
     first = targets[0][0]
     print(f"\n{'':<13}" + "".join(f"{label:>14}" for label, _ in targets) + f"   (ratios to {first})")
     for model in args.models:
         for api in args.apis:
-            row = [results[(model, api, label)] for label, _ in targets]
-            ratios = "  ".join(f"{value / row[0]:.3f}" for value in row[1:])
-            print(f"{model + ' ' + api:<13}" + "".join(f"{value:>14,.0f}" for value in row) + f"   {ratios}")
+            print_row(f"{model} {api}", [results[(model, api, label)] for label, _ in targets])
+    if misses:
+        print("\nlast-level misses per request (simulated 512 KiB cache: instruction fetches, reads, writes)")
+        for model in args.models:
+            for api in args.apis:
+                print_row(f"{model} {api}", [misses[(model, api, label)] for label, _ in targets])
     return 0
+
+
+def print_row(name: str, row: list[float]) -> None:
+    """One point's figures per target, then each one's ratio to the first."""
+    ratios = "  ".join(f"{value / row[0]:.3f}" for value in row[1:])
+    print(f"{name:<13}" + "".join(f"{value:>14,.0f}" for value in row) + f"   {ratios}")
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -194,6 +231,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--models", type=names, default=["tiny"])
     parser.add_argument("--apis", type=names, default=["kserve", "v1"])
     parser.add_argument("--requests", type=int, default=320, help="counted requests per point")
+    parser.add_argument(
+        "--cache-sim",
+        action="store_true",
+        help="also simulate a small cache and print last-level misses per request (the service)",
+    )
     parser.add_argument("--sidecar", action="store_true", help="the sidecar hop instead of the service")
     parser.add_argument(
         "--tracing", default="", metavar="SAMPLER[:ARG]", help="--sidecar: also each tree's sidecar traced so"
