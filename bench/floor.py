@@ -5,15 +5,16 @@ Two models: tiny (one Mul on FP32[1,16]: the serving path is all there is) and a
 256-1024-1024-16 (~0.1 ms per run: as long as the serving path). Two APIs: KServe V2 ModelInfer
 and our v1 Infer. Both servers run with one intra-op thread and, on a machine with 2 or more cores,
 pinned to core 1 (taskset) while this client is pinned to core 0. The service runs with metrics
-and statistics on. For each (model, API, concurrency) the two servers alternate, round by round;
-ratios are medians of the paired (same round) ratios: p50 at concurrency 1 (service/bare: the
-issue's target is <= 1.1) and throughput at concurrency 16 (service/bare: >= 0.95).
+and statistics on. For each (model, API, concurrency) the two servers take back-to-back windows,
+which goes first alternating round by round; ratios are medians of the paired (same round)
+ratios, printed with their range over rounds: p50 at concurrency 1, throughput and CPU per
+request at concurrency 16 (service/bare).
 
 `--peers kserve,mlserver` adds the established Python servers (KServe's Python model server,
 MLServer; bench/peer_servers.py, each in its own virtual environment built by `make bench-peers`)
-to the same alternation, through the KServe V2 API only, with the same pinning, and prints the
-service/peer ratios: p50 and p99 at concurrency 1, throughput at 16 (and 64 when measured), server
-CPU per request at 16.
+to the same rounds (taking turns before and after the bare/service pair), through the KServe V2
+API only, with the same pinning, and prints the service/peer ratios: p50 and p99 at concurrency
+1, throughput at 16 (and 64 when measured), server CPU per request at 16.
 
     .venv/bin/python -m bench.floor [--models tiny,mlp] [--apis kserve,v1] [--duration 4] [--repeats 3]
         [--no-pin] [--profile] [--service-arg=--workers=1 ...] [--peers kserve,mlserver]
@@ -62,6 +63,18 @@ EXECUTION = {"intra_op_threads": 1, "inter_op_threads": 1}
 CONFIG = {"max_batch_size": 8, "execution": EXECUTION}
 SERVER_CORE, CLIENT_CORE = 1, 0
 Call = Callable[[Any], Awaitable[Any]]
+
+
+def turn_order(servers: Sequence[ServerProcess], turn: int) -> list[ServerProcess]:
+    """The servers in the order they take a point: the bare server and the service back to back
+    (the service/bare ratios are paired: the machine drifts between windows further apart), the
+    pair's own order alternating, and the peers taking turns around the pair."""
+    pair, peers = list(servers[:2]), list(servers[2:])
+    if turn % 2:
+        pair.reverse()
+    units: list[list[ServerProcess]] = [pair, *([peer] for peer in peers)]
+    shift = turn % len(units)
+    return [server for unit in units[shift:] + units[:shift] for server in unit]
 
 
 def request_for(api: str, model: str, features: int) -> Any:
@@ -157,8 +170,7 @@ async def run(args: argparse.Namespace) -> int:
                         # The peers serve the KServe V2 API only.
                         taking_part = servers if api == "kserve" else [bare, service]
                         for index, c in enumerate(args.concurrency):
-                            turn = (round_ + index) % len(taking_part)  # who goes first, in turn
-                            for server in taking_part[turn:] + taking_part[:turn]:
+                            for server in turn_order(taking_part, round_ + index):
                                 result = await measure(server, calls[(server.name, api)], request, c, args)
                                 row = {"round": round_, "model": model, "api": api, "concurrency": c}
                                 rows.append({**row, "server": server.name, **result})
@@ -201,15 +213,12 @@ async def run(args: argparse.Namespace) -> int:
     print(f"\nserver pinned to core {SERVER_CORE}, client to core {CLIENT_CORE}" if pin else "\nnot pinned")
     print(
         f"{'model':<5} {'api':<7} {'p50 c=1 service/bare':>22} {'throughput c=16 service/bare':>30} "
-        f"{'CPU/request c=16 service/bare':>31}"
+        f"{'CPU/request c=16 service/bare':>31}   (median [range] of the rounds' paired ratios)"
     )
     for key, value in summary.items():
         model, api = key.split("/")
-        print(
-            f"{model:<5} {api:<7} {value.get('p50_c1', float('nan')):>22.2f} "
-            f"{value.get('tput_c16', float('nan')):>30.2f} "
-            f"{value.get('cpu_per_request_c16', float('nan')):>31.2f}"
-        )
+        cells = [ranged(value, name) for name in ("p50_c1", "tput_c16", "cpu_per_request_c16")]
+        print(f"{model:<5} {api:<7} {cells[0]:>22} {cells[1]:>30} {cells[2]:>31}")
     peer_summary = summarize_peers(rows, args)
     print_peers(peer_summary, rows, args)
     for api, api_profiles in profiles.items():
@@ -245,8 +254,16 @@ def summarize(rows: list[dict[str, Any]], args: argparse.Namespace) -> dict[str,
                 ]
                 if ratios:
                     entry[name] = round(statistics.median(ratios), 3)
+                    entry[f"{name}_min"], entry[f"{name}_max"] = round(min(ratios), 3), round(max(ratios), 3)
             summary[f"{model}/{api}"] = entry
     return summary
+
+
+def ranged(entry: dict[str, float], name: str) -> str:
+    """A median ratio with its range over rounds: "1.07 [1.02-1.12]"."""
+    if name not in entry:
+        return "-"
+    return f"{entry[name]:.2f} [{entry[f'{name}_min']:.2f}-{entry[f'{name}_max']:.2f}]"
 
 
 def paired_ratio(
