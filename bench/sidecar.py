@@ -15,7 +15,8 @@ unary KServe ModelInfer (what tritonclient sends) p50/p99 and throughput at conc
 and Generate time to first token (p50/p99) at concurrency 1 and 4. Reported as ratios to direct,
 the added p50 of each hop, and each proxy's own CPU per request at concurrency 16 (for direct: the
 service's). Targets: the sidecar adds at most twice what Envoy adds at p50, keeps at least 0.7x of
-direct throughput at concurrency 16, and spends at most 1.1x the bare proxy's CPU per request.
+direct throughput at concurrency 16, and spends at most 1.1x the bare proxy's CPU per request
+(the median of the rounds' paired ratios: each round's CPU against the bare proxy's in it).
 
     .venv/bin/python -m bench.sidecar [--duration 3] [--rounds 2] [--workers 1,2]
         [--tracing parentbased_traceidratio:0.01]
@@ -417,7 +418,9 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def summarize(results: dict[str, dict[str, list[dict[str, float]]]]) -> dict[str, Any]:
-    """Median over rounds of each figure; ratios and added p50 against direct."""
+    """Median over rounds of each figure; ratios and added p50 against direct; CPU against the
+    bare proxy as the median of the rounds' paired ratios (the machine drifts from round to
+    round: a path's CPU is held against the bare proxy's in the same round)."""
     summary: dict[str, Any] = {}
     for path, scenarios in results.items():
         for scenario, rounds in scenarios.items():
@@ -432,8 +435,12 @@ def summarize(results: dict[str, dict[str, list[dict[str, float]]]]) -> dict[str
             figures["added_p50_ms"] = figures["p50_ms"] - direct["p50_ms"]
             if "rps" in figures:
                 figures["rps_x"] = figures["rps"] / direct["rps"]
-            if "cpu_us_per_req" in figures:
-                figures["cpu_x_bare"] = figures["cpu_us_per_req"] / paths["bare"]["cpu_us_per_req"]
+    for path, scenarios in results.items():
+        for scenario, rounds in scenarios.items():
+            bare = results["bare"].get(scenario, [])
+            if path != "direct" and bare and "cpu_us_per_req" in rounds[0]:
+                pairs = [r["cpu_us_per_req"] / b["cpu_us_per_req"] for r, b in zip(rounds, bare, strict=True)]
+                summary[scenario][path]["cpu_x_bare"] = statistics.median(pairs)
     return summary
 
 
