@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import shutil
+import tempfile
 import urllib.error
 import urllib.request
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -17,13 +19,20 @@ from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from prometheus_client import CollectorRegistry
 
 from modelyard.common import headers, health
 from modelyard.inference.v1 import model_service_pb2 as mpb
 from modelyard.service.config import Settings as ServiceSettings
 from modelyard.service.server import build_service
 from modelyard.sidecar import upstreams as upstreams_module
+from modelyard.sidecar.admin import AdminServer, Request
+from modelyard.sidecar.config import Settings as SidecarSettings
+from modelyard.sidecar.routes import RouteSource
 from modelyard.sidecar.server import Sidecar
+from modelyard.sidecar.workers import role
+from modelyard.sidecar.workers import supervisor as supervisor_module
+from modelyard.sidecar.workers.supervisor import Supervisor
 from tests.sidecar_support import SidecarProcess, running_sidecar
 from tests.support import ServiceProcess, eventually
 
@@ -185,3 +194,58 @@ async def test_a_change_right_after_the_ready_line_is_never_a_404(
 
 async def _is(status: Awaitable[int], wanted: int) -> bool:
     return await status == wanted
+
+
+class Worker:
+    """A worker's admin endpoint on its private socket (the real server), whose upstreams have not
+    reported (`pending`) and which knows a model from its `known_from`-th question on."""
+
+    def __init__(self, folder: Path, index: int, known_from: int | None) -> None:
+        self.routes = RouteSource(None)
+        self.asked = 0
+        self.known_from = known_from
+        self.server = AdminServer(
+            "",
+            0,
+            CollectorRegistry(),
+            self.routes,
+            list,
+            known=self.known,
+            pending=lambda: True,
+            unix_path=str(role.admin_socket(folder, index)),
+        )
+
+    def known(self, model: str) -> bool:
+        self.asked += 1
+        return self.known_from is not None and self.asked >= self.known_from
+
+
+async def test_the_supervisor_asks_the_first_worker_again_until_it_can_judge(monkeypatch) -> None:
+    """--workers N: the first worker's 503 (its upstreams not reported) is asked again, so a change
+    right after start is taken; past CHANGE_WAIT_S that 503 (with Retry-After) is the answer."""
+    folder = Path(tempfile.mkdtemp(prefix="race-"))  # short: a unix socket's path is bounded
+    supervisor = Supervisor(SidecarSettings(), 2)
+    supervisor.folder = folder
+    first, other = Worker(folder, 0, known_from=3), Worker(folder, 1, known_from=None)
+    change = Request("PUT", "/canary/scaler", "HTTP/1.1", {}, b'{"canary_weight": 10}')
+    try:
+        for worker in (first, other):
+            await worker.server.start()
+        for slot in supervisor.slots():
+            slot.serving = True
+        answer = await supervisor.change(change)
+        assert answer.status == 200, answer.body
+        assert first.asked == 3  # two 503s, then known
+        assert other.routes.table.route("scaler").canary_weight == 10  # it followed, unasked
+        assert other.asked == 0
+
+        monkeypatch.setattr(supervisor_module, "CHANGE_WAIT_S", 0.2)
+        first.known_from, first.asked = None, 0
+        answer = await supervisor.change(Request("PUT", "/canary/nope", "HTTP/1.1", {}, b"{}"))
+        assert answer.status == 503 and json.loads(answer.body)["reason"] == "unavailable"
+        assert ("Retry-After", "1") in answer.headers and first.asked > 1
+        assert "nope" not in other.routes.table.models  # refused, for all
+    finally:
+        for worker in (first, other):
+            await worker.server.stop()
+        shutil.rmtree(folder, ignore_errors=True)
