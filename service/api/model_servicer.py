@@ -95,8 +95,8 @@ class ModelServicer(pb_grpc.ModelServiceServicer):
                     # knows when it has the whole of it, an empty repository (0) included, which
                     # sends no event at all.
                     await context.send_initial_metadata(((headers.INITIAL_STATE_COUNT, str(len(snapshot))),))
-                    for event in snapshot:
-                        yield event
+                    for initial in snapshot:
+                        yield initial
                 while True:
                     try:
                         event = await watcher.get()
