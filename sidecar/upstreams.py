@@ -277,7 +277,8 @@ class Upstreams:
             try:
                 call = stub.WatchModels(model_service_pb2.WatchModelsRequest(send_initial_state=True))
                 remaining = _initial_count(upstream, await self._initial_metadata(upstream, call))
-                delay = _RETRY_MIN_S
+                if remaining is not None:  # (a failed call's metadata is empty: it keeps backing off)
+                    delay = _RETRY_MIN_S
                 # A fresh watch starts from its initial state, not from what we knew: gathered
                 # whole when its size is known, else from the first event on.
                 served: dict[str, frozenset[str]] | None = None
@@ -285,6 +286,7 @@ class Upstreams:
                 if remaining == 0:
                     served = self._report(upstream, {})
                 async for event in call:
+                    delay = _RETRY_MIN_S
                     if remaining:  # the initial state, taken whole with its last event
                         _apply(gathering, event)
                         remaining -= 1

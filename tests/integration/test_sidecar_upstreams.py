@@ -167,6 +167,24 @@ async def test_an_older_service_with_no_models_counts_as_reported_after_a_wait(m
         await upstream.server.stop(0)
 
 
+async def test_an_upstream_without_watch_models_counts_as_reported() -> None:
+    """It will never say what it serves: reported at once (routing by its label, or anything)."""
+    server = grpc.aio.server()
+    servicer = health.new_servicer()
+    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    await servicer.set(health.SERVER, health.SERVING)
+    try:
+        async with running_sidecar([f"127.0.0.1:{port}"]) as sidecar:
+            (mine,) = sidecar.upstreams.all
+            await eventually(lambda: mine.reported, "an upstream without WatchModels")
+            assert not mine.watched and not sidecar.upstreams.pending()
+            await eventually(lambda: _is(readiness(sidecar), SERVING), "readiness")
+    finally:
+        await server.stop(0)
+
+
 async def test_a_change_right_after_the_ready_line_is_never_a_404(
     repository: Path,
     service_process: Callable[..., ServiceProcess],
