@@ -19,9 +19,11 @@ answered 401 with the same body whatever was wrong, and counted.
 Every error is JSON `{"error": message, "reason": x-error-reason word}` with a 4xx status (a JSON
 body that is not an object, nested too deeply or not JSON at all is a 400 `invalid_argument`).
 
-PUT /canary/<model> for a model neither the route table nor the upstreams know is a 404; one whose
-weight an active rollout sets is a 409 (pause or abort it first). Every accepted change is one
-audit line (sidecar/state.py: who, what, when) and is kept in the state file when there is one.
+PUT /canary/<model> for a model neither the route table nor the upstreams know is a 404 (a 503
+`unavailable`, with Retry-After, while an upstream has not reported its models yet: the model may
+be one it serves); one whose weight an active rollout sets is a 409 (pause or abort it first).
+Every accepted change is one audit line (sidecar/state.py: who, what, when) and is kept in the
+state file when there is one.
 
     curl -X PUT localhost:9101/canary/scaler -H "authorization: Bearer $TOKEN" -d '{"canary_weight": 25}'
     curl -X POST localhost:9101/rollouts/scaler -H "authorization: Bearer $TOKEN" \
@@ -156,6 +158,7 @@ class AdminServer:
         denials: Counter | None = None,  # labelled by outcome
         limits: AdminLimits | None = None,
         known: Callable[[str], bool] | None = None,  # whether a model exists (None: any name)
+        pending: Callable[[], bool] = lambda: False,  # whether an upstream has not reported yet
         rollouts: RolloutDriver | None = None,
         clock: Callable[[], float] = time.time,  # the audit lines' time
         unix_path: str = "",  # serve on this unix socket instead (a worker's, for its supervisor)
@@ -174,6 +177,7 @@ class AdminServer:
         self._denials = denials
         self._limits = limits or AdminLimits()
         self._known = known
+        self._pending = pending
         self._rollouts = rollouts
         self._clock = clock
         self._throttle = LogThrottle(log)
@@ -348,7 +352,8 @@ class AdminServer:
         return bool(self._unix_path) and request.headers.get(FOLLOW) == "1"
 
     def _model(self, model: str, follow: bool = False) -> str:
-        """A model named in a path: 400 for a bad name, 404 for one nobody knows."""
+        """A model named in a path: 400 for a bad name, 404 for one nobody knows (503 while an
+        upstream has not said what it serves: that it is unknown is not known yet)."""
         try:
             check_name(model, "model")
         except InvalidName as exc:
@@ -359,6 +364,13 @@ class AdminServer:
             and model not in self._routes.table.models
             and not self._known(model)
         ):
+            if self._pending():
+                raise HttpError(
+                    503,
+                    ErrorReason.UNAVAILABLE,
+                    f"the upstreams have not reported their models yet (no {echo(model)} so far); retry",
+                    headers=[("Retry-After", "1")],
+                )
             raise HttpError(404, ErrorReason.MODEL_NOT_FOUND, f"no model {echo(model)}")
         return model
 

@@ -112,6 +112,7 @@ class Sidecar:
                     max_connections=self.settings.admin_max_connections,
                 ),
                 known=self.upstreams.knows,
+                pending=self.upstreams.pending,
                 rollouts=self.rollouts,
                 unix_path=str(self.worker.admin_socket) if self.worker is not None else "",
                 on_admit=self._admitted.set,
@@ -174,14 +175,17 @@ class Sidecar:
         self._changed.set()
 
     async def _follow_upstreams(self) -> None:
-        """The sidecar's health follows its upstreams': health_names.SERVING while one serves; per model,
-        while a serving upstream has a ready version of it."""
+        """The sidecar's health follows its upstreams': health_names.SERVING while one serves and
+        has reported what it serves (before that, the sidecar would route undyed and could not
+        tell an unknown model from one not reported yet: a readiness probe waits those few
+        milliseconds); per model, while a serving upstream has a ready version of it."""
         while True:
             await self._changed.wait()
             self._changed.clear()
             serving = [u for u in self.upstreams.all if u.serving]
+            ready = any(u.reported for u in serving)
             await self.health.set(
-                health_names.SERVER, health_names.SERVING if serving else health_names.NOT_SERVING
+                health_names.SERVER, health_names.SERVING if ready else health_names.NOT_SERVING
             )
             for key in self.breakers.prune(self._breaker_wanted):
                 self.metrics.breaker_removed(key)

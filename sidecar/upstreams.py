@@ -7,6 +7,15 @@ canary can live in another process or pod; without a label, what its WatchModels
 What an upstream served is kept while its watch is broken: a dropped connection is the breakers'
 business, not a reason to re-dye every user.
 
+An upstream has *reported* once its watch gave its whole initial state: the service says how many
+events that is (x-initial-state-count, in the watch's initial metadata; 0 for an empty repository,
+which sends no event), and the state is taken whole once they all arrived. An older service sends
+no count: it has reported at its first event. One that will never say (its WatchModels is
+unimplemented, or an older service with no models that says nothing for REPORT_WAIT_S while its
+health serves) counts as reported too, with what it serves unknown (its label, or anything, decides
+as before). Until every upstream reported, the sidecar cannot tell a model nobody serves from one
+not reported yet (the admin endpoint's 503), and it is not ready (sidecar/server.py).
+
 Over TLS (modelyard.process.tls.ClientTls), a change of the CA or client certificate files (a
 renewal) is picked up without a restart: every upstream gets new channels made with them, its
 watches start again on them, and the old channels are closed once their calls had time to finish.
@@ -24,6 +33,7 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from modelyard.common import headers
 from modelyard.inference.v1 import model_service_pb2, model_service_pb2_grpc
 from modelyard.process.tls import ClientTls, Renewals
 from modelyard.sidecar.routing import normalize_version
@@ -34,6 +44,9 @@ READY = model_service_pb2.MODEL_STATE_READY
 _RETRY_MIN_S, _RETRY_MAX_S = 0.1, 2.0
 RECHECK_S = 1.0  # how often the upstream TLS files are looked at again (stat)
 RETIRED_GRACE_S = 30.0  # calls on a replaced channel get this long to finish
+# How long a watch that says nothing (no initial metadata, no event) while its upstream's health
+# serves is waited for: an older service with no models never says anything.
+REPORT_WAIT_S = 3.0
 
 # Reconnect quickly once an upstream comes back (gRPC's default backoff grows to two minutes).
 CHANNEL_OPTIONS: tuple[tuple[str, Any], ...] = (
@@ -86,7 +99,8 @@ class Upstream:
         self.channel = self._channel(credentials, STREAM_OPTIONS)  # response streams, the watches
         self.unary_channel = self._channel(credentials)  # calls with one response
         self.served: dict[str, frozenset[str]] = {}  # model -> READY versions; rebound whole
-        self.watched = False  # WatchModels has answered at least once
+        self.watched = False  # WatchModels gave its whole initial state: `served` is what it serves
+        self.silent = False  # it will not say (see the module's doc): reported, `served` unknown
         self.serving = False  # the upstream's own health ("" service)
         self._methods: dict[tuple[str, str], Any] = {}
 
@@ -109,6 +123,10 @@ class Upstream:
     async def close(self, grace: float | None = None) -> None:
         await self.channel.close(grace)
         await self.unary_channel.close(grace)
+
+    @property
+    def reported(self) -> bool:
+        return self.watched or self.silent
 
     def versions(self, model: str) -> frozenset[str]:
         served = self.served.get(model, frozenset())
@@ -227,6 +245,11 @@ class Upstreams:
                 return True
         return False
 
+    def pending(self) -> bool:
+        """Whether an upstream has not reported its initial state yet: a model `knows` denies may
+        still be one it serves."""
+        return not all(upstream.reported for upstream in self.all)
+
     def models(self) -> set[str]:
         return {model for upstream in self.all for model in upstream.served}
 
@@ -251,30 +274,60 @@ class Upstreams:
         delay = _RETRY_MIN_S
         while True:
             stub = model_service_pb2_grpc.ModelServiceStub(upstream.channel)
-            served: dict[str, frozenset[str]] | None = None
             try:
                 call = stub.WatchModels(model_service_pb2.WatchModelsRequest(send_initial_state=True))
-                async for event in call:
-                    # A fresh watch starts from its initial state, not from what we knew.
-                    served = dict(upstream.served) if served is not None else {}
-                    versions = set(served.get(event.model_name, ()))
-                    version = normalize_version(event.version)
-                    if event.state == READY:
-                        versions.add(version)
-                    else:
-                        versions.discard(version)
-                    if versions:
-                        served[event.model_name] = frozenset(versions)
-                    else:
-                        served.pop(event.model_name, None)
-                    upstream.served = served
-                    upstream.watched = True
+                remaining = _initial_count(upstream, await self._initial_metadata(upstream, call))
+                if remaining is not None:  # (a failed call's metadata is empty: it keeps backing off)
                     delay = _RETRY_MIN_S
-                    self._on_change()
+                # A fresh watch starts from its initial state, not from what we knew: gathered
+                # whole when its size is known, else from the first event on.
+                served: dict[str, frozenset[str]] | None = None
+                gathering: dict[str, frozenset[str]] = {}
+                if remaining == 0:
+                    served = self._report(upstream, {})
+                async for event in call:
+                    delay = _RETRY_MIN_S
+                    if remaining:  # the initial state, taken whole with its last event
+                        _apply(gathering, event)
+                        remaining -= 1
+                        if remaining == 0:
+                            served = self._report(upstream, gathering)
+                        continue
+                    served = dict(upstream.served) if served is not None else {}
+                    served = self._report(upstream, _apply(served, event))
             except grpc.aio.AioRpcError as exc:
                 log.debug("model watch on %s ended: %s", upstream.address, exc.code())
+                if exc.code() is grpc.StatusCode.UNIMPLEMENTED and not upstream.reported:
+                    log.info("upstream %s has no WatchModels: what it serves is not known", upstream.address)
+                    upstream.silent = True
+                    self._on_change()
             await asyncio.sleep(delay)
             delay = min(_RETRY_MAX_S, delay * 2)
+
+    async def _initial_metadata(self, upstream: Upstream, call: Any) -> Any:
+        """The watch's initial metadata (a service sends it with the count, an older one with its
+        first event); one that says nothing for REPORT_WAIT_S while the upstream's health serves
+        has reported nothing (an older service with no models)."""
+        waiting = asyncio.ensure_future(call.initial_metadata())
+        try:
+            while not (await asyncio.wait({waiting}, timeout=REPORT_WAIT_S))[0]:
+                if upstream.serving and not upstream.reported:
+                    log.warning(
+                        "upstream %s has not reported its models in %g s (an older service with none?)",
+                        upstream.address,
+                        REPORT_WAIT_S,
+                    )
+                    upstream.silent = True
+                    self._on_change()
+            return waiting.result()
+        finally:
+            waiting.cancel()
+
+    def _report(self, upstream: Upstream, served: dict[str, frozenset[str]]) -> dict[str, frozenset[str]]:
+        upstream.served = served  # rebound whole: readers per call see one state or the other
+        upstream.watched = True
+        self._on_change()
+        return served
 
     async def _follow_health(self, upstream: Upstream) -> None:
         delay = _RETRY_MIN_S
@@ -300,3 +353,36 @@ class Upstreams:
                 self._on_change()
             await asyncio.sleep(delay)
             delay = min(_RETRY_MAX_S, delay * 2)
+
+
+def _initial_count(upstream: Upstream, metadata: Any) -> int | None:
+    """The initial state's number of events, from the watch's initial metadata; None from an
+    older service (or a value that is not a count)."""
+    value = metadata.get(headers.INITIAL_STATE_COUNT) if metadata is not None else None
+    if value is None:
+        return None
+    try:
+        count = int(value)
+    except ValueError:
+        count = -1
+    if count < 0:
+        log.warning(
+            "upstream %s sent %s %r: not a count", upstream.address, headers.INITIAL_STATE_COUNT, value
+        )
+        return None
+    return count
+
+
+def _apply(served: dict[str, frozenset[str]], event: Any) -> dict[str, frozenset[str]]:
+    """One WatchModels event applied to what is served (in place)."""
+    versions = set(served.get(event.model_name, ()))
+    version = normalize_version(event.version)
+    if event.state == READY:
+        versions.add(version)
+    else:
+        versions.discard(version)
+    if versions:
+        served[event.model_name] = frozenset(versions)
+    else:
+        served.pop(event.model_name, None)
+    return served

@@ -6,6 +6,7 @@ from collections.abc import AsyncIterator
 
 from google.protobuf.timestamp_pb2 import Timestamp
 
+from modelyard.common import headers
 from modelyard.inference.v1 import model_service_pb2 as pb
 from modelyard.inference.v1 import model_service_pb2_grpc as pb_grpc
 from modelyard.service.api.convert import to_specs
@@ -84,12 +85,18 @@ class ModelServicer(pb_grpc.ModelServiceServicer):
             check_names(request.names, "names")
             with self._manager.watch() as watcher:  # subscribe before the snapshot: no change is missed
                 if request.send_initial_state:
-                    for status in self._manager.statuses():
-                        for v in status.versions.values():
-                            if not wanted or status.name in wanted:
-                                yield _change(
-                                    ModelEvent(status.name, v.version, v.state, v.reason, v.updated_at)
-                                )
+                    snapshot = [
+                        _change(ModelEvent(status.name, v.version, v.state, v.reason, v.updated_at))
+                        for status in self._manager.statuses()
+                        if not wanted or status.name in wanted
+                        for v in status.versions.values()
+                    ]
+                    # How many events the initial state is, before them: a watcher (the sidecar)
+                    # knows when it has the whole of it, an empty repository (0) included, which
+                    # sends no event at all.
+                    await context.send_initial_metadata(((headers.INITIAL_STATE_COUNT, str(len(snapshot))),))
+                    for initial in snapshot:
+                        yield initial
                 while True:
                     try:
                         event = await watcher.get()

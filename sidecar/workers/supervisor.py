@@ -44,6 +44,10 @@ log = logging.getLogger(__name__)
 
 READY_POLL_S = 0.05  # how often a starting worker's admin socket is tried
 SCRAPE_TIMEOUT_S = 5.0
+# How long a change the first worker cannot judge yet (503 unavailable: its upstreams have not
+# reported their models) is asked again before that 503 is the answer: a worker's upstreams
+# report within milliseconds of its start, or count as reported after REPORT_WAIT_S.
+CHANGE_WAIT_S = 5.0
 KIND = WorkerKind(
     "modelyard.sidecar",
     ENV_PREFIX,
@@ -240,10 +244,11 @@ class Supervisor:
             if not slots:
                 raise admin_http.HttpError(503, ErrorReason.UNAVAILABLE, "no sidecar worker is serving")
             first, *others = slots
-            answer = await self._ask_change(first, change, change.headers)
+            answer = await self._judged(first, change)
             if answer.status >= 300:  # the first worker judges the change: refused, for all
+                retry = [("Retry-After", "1")] if _not_yet(answer) else []
                 return admin_http.Response(
-                    answer.status, answer.body, answer.content_type or "application/json"
+                    answer.status, answer.body, answer.content_type or "application/json", retry
                 )
             self._keep(change)  # replayed to any worker that did not take it, when it restarts
             # The others follow it (one that has not heard of the model from its upstreams yet
@@ -259,6 +264,17 @@ class Supervisor:
                 message = f"worker {first.index} took the change, but " + "; ".join(differing)
                 raise admin_http.HttpError(500, ErrorReason.INTERNAL, message)
             return admin_http.Response(answer.status, answer.body, answer.content_type or "application/json")
+
+    async def _judged(self, slot: Slot, change: Change) -> client.Answer:
+        """The first worker's answer to a change, asked again (bounded) while it cannot judge it yet:
+        an admin change right after start is taken, or one clear retryable 503."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + CHANGE_WAIT_S
+        while True:
+            answer = await self._ask_change(slot, change, change.headers)
+            if not _not_yet(answer) or loop.time() >= deadline:
+                return answer
+            await asyncio.sleep(READY_POLL_S)
 
     async def _ask_change(
         self, slot: Slot, change: Change, headers: tuple[tuple[str, str], ...]
@@ -296,6 +312,16 @@ class Supervisor:
             "modelyard_sidecar_requests",
         )
         return [*families, calls]
+
+
+def _not_yet(answer: client.Answer) -> bool:
+    """A worker's 503 `unavailable`: its upstreams have not reported their models yet."""
+    if answer.status != 503:
+        return False
+    try:
+        return bool(json.loads(answer.body).get("reason") == ErrorReason.UNAVAILABLE.value)
+    except (ValueError, AttributeError):
+        return False
 
 
 def _follow(change: Change) -> tuple[tuple[str, str], ...]:

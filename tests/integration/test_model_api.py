@@ -13,6 +13,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from models import demo_models
+from modelyard.common import headers
 from modelyard.common.health import model_service_name
 from modelyard.inference.v1 import inference_service_pb2 as ipb
 from modelyard.inference.v1 import inference_service_pb2_grpc as ipb_grpc
@@ -100,6 +101,28 @@ async def test_watch_initial_state(models) -> None:
         ("scaler", "1", READY),
         ("scaler", "2", READY),
     }
+
+
+async def test_watch_says_how_many_events_the_initial_state_is(models, tmp_path: Path) -> None:
+    """x-initial-state-count, in the initial metadata before the initial state: its events (the
+    selected ones), 0 for an empty repository (which sends none)."""
+    stream = models.WatchModels(pb.WatchModelsRequest(send_initial_state=True))
+    assert dict(await stream.initial_metadata())[headers.INITIAL_STATE_COUNT] == "4"
+    stream.cancel()
+    stream = models.WatchModels(pb.WatchModelsRequest(names=["scaler"], send_initial_state=True))
+    assert dict(await stream.initial_metadata())[headers.INITIAL_STATE_COUNT] == "2"
+    assert {(await stream.read()).version for _ in range(2)} == {"1", "2"}
+    stream.cancel()
+    (tmp_path / "empty").mkdir()
+    service = build_service(Settings(repository=tmp_path / "empty", listen="127.0.0.1:0", metrics_listen=""))
+    await service.start()
+    try:
+        async with grpc.aio.insecure_channel(service.address) as chan:
+            empty = pb_grpc.ModelServiceStub(chan).WatchModels(pb.WatchModelsRequest(send_initial_state=True))
+            assert dict(await empty.initial_metadata())[headers.INITIAL_STATE_COUNT] == "0"
+            empty.cancel()
+    finally:
+        await service.stop(grace_s=1.0)
 
 
 async def test_health_overall_and_per_model(service: Service, channel) -> None:

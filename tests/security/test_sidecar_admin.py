@@ -79,7 +79,9 @@ async def test_a_bad_model_name_is_400_and_a_good_change_applies(
         answer = await http.put(f"/canary/{name}", json={"canary_weight": 10})
         assert error(answer) == (400, "invalid_argument"), name
     assert set(sidecar.routes.table.models) == {"scaler"}
-    assert error(await http.put("/canary/nosuch", json={"canary_weight": 10})) == (404, "model_not_found")
+    # No upstream has reported (none answers): a model the route file does not name is not known
+    # to be unknown yet, and is refused as retryable.
+    assert error(await http.put("/canary/nosuch", json={"canary_weight": 10})) == (503, "unavailable")
     assert set(sidecar.routes.table.models) == {"scaler"}
     answer = await http.put("/canary/scaler", json={"canary_weight": 10, "stable": 1, "canary": "v2"})
     assert answer.status_code == 200 and answer.json()["canary"] == "2"

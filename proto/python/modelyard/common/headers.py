@@ -22,6 +22,10 @@ SERVED_BY = "x-served-by"  # beside it when the service runs several workers: wo
 MODEL_DYE = "x-model-dye"  # stable or canary
 DYE_FALLBACK = "x-dye-fallback"  # why the dye was overridden (e.g. breaker-open)
 ERROR_REASON = "x-error-reason"  # trailing metadata of every error; values in reasons.py
+# WatchModels with send_initial_state: the number of events of the initial state (a decimal, "0"
+# for nothing served), in the stream's INITIAL metadata, before them; the watcher has the whole
+# initial state once that many events arrived. An older service sends none.
+INITIAL_STATE_COUNT = "x-initial-state-count"
 # gRPC's own retry hint (milliseconds), honoured by gRPC's retry policy; sent with overload answers.
 RETRY_PUSHBACK_MS = "grpc-retry-pushback-ms"
 

@@ -104,7 +104,10 @@ class ModelServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def WatchModels(self, request, context):
-        """WatchModels streams model state changes as they happen.
+        """WatchModels streams model state changes as they happen. With send_initial_state, the
+        stream's initial metadata carries x-initial-state-count (a decimal) before the initial
+        state: the number of its events, "0" when nothing is served (no event then), so a watcher
+        knows when it has the whole of it. An older service sends no such header.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -49,7 +49,11 @@ class ModelServiceStub:
     UnloadModel: _grpc.UnaryUnaryMultiCallable[_model_service_pb2.UnloadModelRequest, _model_service_pb2.UnloadModelResponse]
     """UnloadModel stops serving a model; requests already running finish first."""
     WatchModels: _grpc.UnaryStreamMultiCallable[_model_service_pb2.WatchModelsRequest, _model_service_pb2.WatchModelsResponse]
-    """WatchModels streams model state changes as they happen."""
+    """WatchModels streams model state changes as they happen. With send_initial_state, the
+    stream's initial metadata carries x-initial-state-count (a decimal) before the initial
+    state: the number of its events, "0" when nothing is served (no event then), so a watcher
+    knows when it has the whole of it. An older service sends no such header.
+    """
 
 @_typing.type_check_only
 class ModelServiceAsyncStub(ModelServiceStub):
@@ -72,7 +76,11 @@ class ModelServiceAsyncStub(ModelServiceStub):
     UnloadModel: _aio.UnaryUnaryMultiCallable[_model_service_pb2.UnloadModelRequest, _model_service_pb2.UnloadModelResponse]  # type: ignore[assignment]
     """UnloadModel stops serving a model; requests already running finish first."""
     WatchModels: _aio.UnaryStreamMultiCallable[_model_service_pb2.WatchModelsRequest, _model_service_pb2.WatchModelsResponse]  # type: ignore[assignment]
-    """WatchModels streams model state changes as they happen."""
+    """WatchModels streams model state changes as they happen. With send_initial_state, the
+    stream's initial metadata carries x-initial-state-count (a decimal) before the initial
+    state: the number of its events, "0" when nothing is served (no event then), so a watcher
+    knows when it has the whole of it. An older service sends no such header.
+    """
 
 class ModelServiceServicer(metaclass=_abc_1.ABCMeta):
     """ModelService lists, describes, loads and unloads models, and streams their state changes.
@@ -122,6 +130,10 @@ class ModelServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _model_service_pb2.WatchModelsRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_abc.Iterator[_model_service_pb2.WatchModelsResponse], _abc.AsyncIterator[_model_service_pb2.WatchModelsResponse]]:
-        """WatchModels streams model state changes as they happen."""
+        """WatchModels streams model state changes as they happen. With send_initial_state, the
+        stream's initial metadata carries x-initial-state-count (a decimal) before the initial
+        state: the number of its events, "0" when nothing is served (no event then), so a watcher
+        knows when it has the whole of it. An older service sends no such header.
+        """
 
 def add_ModelServiceServicer_to_server(servicer: ModelServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

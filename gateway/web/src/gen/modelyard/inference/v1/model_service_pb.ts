@@ -501,7 +501,10 @@ export const ModelService: GenService<{
     output: typeof UnloadModelResponseSchema;
   },
   /**
-   * WatchModels streams model state changes as they happen.
+   * WatchModels streams model state changes as they happen. With send_initial_state, the
+   * stream's initial metadata carries x-initial-state-count (a decimal) before the initial
+   * state: the number of its events, "0" when nothing is served (no event then), so a watcher
+   * knows when it has the whole of it. An older service sends no such header.
    *
    * @generated from rpc modelyard.inference.v1.ModelService.WatchModels
    */
