@@ -16,6 +16,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client import CollectorRegistry, generate_latest
 
+from modelyard.common import headers
 from modelyard.common import health as health_names
 from modelyard.service.api.errors import Context, abort
 from modelyard.service.api.names import check_model
@@ -141,6 +142,11 @@ class WorkerLink:
         async def forward(request: bytes, context: Context) -> AsyncIterator[bytes]:
             stream = self.channel.unary_stream(protocol.WATCH, None, None)(request)
             try:
+                # The initial state's size, passed on before its events (the sidecar waits for
+                # the whole of it; docs/api.md): the merged watch sends it in its metadata.
+                count = dict(await stream.initial_metadata() or ()).get(headers.INITIAL_STATE_COUNT)
+                if count is not None:
+                    await context.send_initial_metadata(((headers.INITIAL_STATE_COUNT, count),))
                 async for event in stream:
                     yield event
             except grpc.aio.AioRpcError as exc:

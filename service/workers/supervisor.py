@@ -25,6 +25,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import Metric
 
+from modelyard.common import headers
 from modelyard.common import health as health_names
 from modelyard.inference.v1 import model_service_pb2 as model_pb
 from modelyard.process.lifecycle import bound
@@ -261,8 +262,11 @@ class Supervisor:
     async def _watch_models(
         self, request: model_pb.WatchModelsRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> AsyncIterator[model_pb.WatchModelsResponse]:
+        async def announce(count: int) -> None:
+            await context.send_initial_metadata(((headers.INITIAL_STATE_COUNT, str(count)),))
+
         try:
-            async for event in self._watch.stream(request):
+            async for event in self._watch.stream(request, announce):
                 yield event
         except OverflowError as exc:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))

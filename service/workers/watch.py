@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import grpc
 
@@ -80,15 +80,20 @@ class MergedWatch:
                     queue.get_nowait()
                 queue.put_nowait(None)
 
-    async def stream(self, request: pb.WatchModelsRequest) -> AsyncIterator[pb.WatchModelsResponse]:
+    async def stream(
+        self, request: pb.WatchModelsRequest, announce: Callable[[int], Awaitable[None]]
+    ) -> AsyncIterator[pb.WatchModelsResponse]:
+        """The merged events; with send_initial_state, `announce` is told how many events the
+        initial state is before they are yielded (x-initial-state-count, as one service sends)."""
         wanted = set(request.names)
         queue: asyncio.Queue[pb.WatchModelsResponse | None] = asyncio.Queue(QUEUE_SIZE)
         self._subscribers.add(queue)  # before the snapshot: no change is missed
         try:
             if request.send_initial_state:
-                for current in list(self._merged.values()):
-                    if not wanted or current.model_name in wanted:
-                        yield current
+                snapshot = [e for e in self._merged.values() if not wanted or e.model_name in wanted]
+                await announce(len(snapshot))
+                for current in snapshot:
+                    yield current
             while True:
                 event = await queue.get()
                 if event is None:

@@ -28,6 +28,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from models import demo_models
+from modelyard.common import headers
 from modelyard.inference.v1 import inference_service_pb2 as pb
 from modelyard.inference.v1 import inference_service_pb2_grpc as pb_grpc
 from modelyard.inference.v1 import model_service_pb2 as model_pb
@@ -422,6 +423,13 @@ async def test_a_version_swap_under_load_fails_no_request(service_process, small
     async with connections(process.address) as channels:
         workers = await by_worker(channels)
         assert set(workers) == {"worker-0", "worker-1"}
+        for first, *_ in workers.values():  # each worker passes on the merged watch's count
+            initial = model_grpc.ModelServiceStub(first).WatchModels(
+                model_pb.WatchModelsRequest(send_initial_state=True)
+            )
+            assert dict(await initial.initial_metadata())[headers.INITIAL_STATE_COUNT] == "1"
+            assert (await initial.read()).model_name == "double"
+            initial.cancel()
         failures: list[BaseException] = []
         versions: Counter[str] = Counter()
         stop = asyncio.Event()
