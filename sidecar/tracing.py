@@ -18,7 +18,6 @@ import weakref
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from contextvars import ContextVar
-from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
 import grpc
@@ -41,37 +40,6 @@ _CONTEXT_HEADERS = frozenset({"traceparent", "tracestate", "baggage"})
 # The current call's server span when it is an unsampled call's traceparent (see Tracing), else
 # None: what its log lines and a shadow span of it read instead of an attached OTel context.
 _UNSAMPLED: ContextVar[str | None] = ContextVar("modelyard.sidecar.unsampled", default=None)
-
-
-class Attempt:
-    """One upstream attempt: the metadata to send (with the trace context when tracing) and its
-    client span, if sampled. `end` it once the attempt is over (the proxy does so in `finally`:
-    no `with` block, nor a generator, per call); a `with` block does the same."""
-
-    __slots__ = ("metadata", "span")
-
-    def __init__(self, metadata: Metadata, span: Any = None) -> None:
-        self.metadata = metadata
-        self.span = span
-
-    def __enter__(self) -> Attempt:
-        return self
-
-    def __exit__(
-        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self.end()
-
-    def end(self) -> None:
-        if self.span is not None:
-            self.span.end()
-
-    def failed(self, code: grpc.StatusCode) -> None:
-        if self.span is not None:
-            from opentelemetry.trace import Status, StatusCode
-
-            self.span.set_attribute("rpc.grpc.status_code", code.value[0])
-            self.span.set_status(Status(StatusCode.ERROR, code.name))
 
 
 _TRACEPARENT = "traceparent"
@@ -373,9 +341,14 @@ class Tracing:
         ids = (trace_id, self._roots.span_id(), "02" if sampled & 2 else "00")
         return _Continued("00-%s-%016x-%s" % ids)  # noqa: UP031
 
-    def attempt(self, parent: Any, plan: Plan[Any], path: str) -> Attempt:
+    def attempt(self, parent: Any, plan: Plan[Any], path: str) -> tuple[Metadata, Any]:
+        """One upstream attempt of the call whose server span is `parent`: the request metadata
+        to send (with the trace context and the route's baggage when tracing) and the attempt's
+        client span, or None when it has none (untraced, or not sampled). The caller ends a client
+        span once the attempt is over (`failed` first for a failure). A pair, not an object: most
+        attempts have no span, and then nothing is made but the metadata."""
         if parent is None:
-            return Attempt(plan.forward)
+            return plan.forward, None
         if type(parent) is str:
             # An unsampled root (no span): its traceparent and the route's baggage, as the
             # propagators write them (`forward` holds neither: the call brought none).
@@ -383,8 +356,8 @@ class Tracing:
                 baggage = self._route_baggage.get((plan.version, plan.dye)) or self._baggage_of(
                     plan.version, plan.dye
                 )
-                return Attempt((*plan.forward, (_TRACEPARENT, parent), *baggage))
-            return Attempt((*plan.forward, (_TRACEPARENT, parent)))
+                return (*plan.forward, (_TRACEPARENT, parent), *baggage), None
+            return (*plan.forward, (_TRACEPARENT, parent)), None
         if type(parent) is _Continued:
             # The same for an unsampled call that continues its caller's trace, whose traceparent
             # `forward` holds (and no tracestate or baggage): replaced by the call's.
@@ -392,14 +365,14 @@ class Tracing:
             sent: Metadata = ((_TRACEPARENT, str(parent)),)
             if plan.version:
                 sent = (*sent, *self._baggage_of(plan.version, plan.dye))
-            return Attempt(forward + sent)
+            return forward + sent, None
         if not parent.is_recording():
             # A call the sampler left out: a client span would record nothing either; the trace
             # context (not sampled) and the baggage still go on, so the service's view is the same.
-            return Attempt(self._outgoing(plan, self._trace.set_span_in_context(parent)))
+            return self._outgoing(plan, self._trace.set_span_in_context(parent)), None
         return self._traced_attempt(parent, plan, path)
 
-    def _traced_attempt(self, parent: Any, plan: Plan[Any], path: str) -> Attempt:
+    def _traced_attempt(self, parent: Any, plan: Plan[Any], path: str) -> tuple[Metadata, Any]:
         from opentelemetry.trace import SpanKind
 
         trace = self._trace
@@ -409,10 +382,18 @@ class Tracing:
             attributes["modelyard.breaker.state"] = plan.breaker.state.value
         span = self._tracer.start_span(path[1:], context=context, kind=SpanKind.CLIENT, attributes=attributes)
         try:
-            return Attempt(self._outgoing(plan, trace.set_span_in_context(span, context)), span)
+            return self._outgoing(plan, trace.set_span_in_context(span, context)), span
         except BaseException:
             span.end()
             raise
+
+    @staticmethod
+    def failed(client: Any, code: grpc.StatusCode) -> None:
+        """An attempt's client span (from `attempt`) failed with `code`."""
+        from opentelemetry.trace import Status, StatusCode
+
+        client.set_attribute("rpc.grpc.status_code", code.value[0])
+        client.set_status(Status(StatusCode.ERROR, code.name))
 
     def _outgoing(self, plan: Plan[Any], context: Any) -> Metadata:
         """The attempt's request metadata: the forwarded headers, and `context`'s traceparent
