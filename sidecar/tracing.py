@@ -349,27 +349,23 @@ class Tracing:
         attempts have no span, and then nothing is made but the metadata."""
         if parent is None:
             return plan.forward, None
+        # An unsampled call's attempts carry its traceparent (not sampled: the service's
+        # parent-based sampler leaves the call out too) and no route baggage: the service's span
+        # reads model.version and model.dye from it only when it records, and the version and
+        # dye travel as headers anyway (x-model-version, x-model-dye). One header fewer a call.
         if type(parent) is str:
-            # An unsampled root (no span): its traceparent and the route's baggage, as the
-            # propagators write them (`forward` holds neither: the call brought none).
-            if plan.version:
-                baggage = self._route_baggage.get((plan.version, plan.dye)) or self._baggage_of(
-                    plan.version, plan.dye
-                )
-                return (*plan.forward, (_TRACEPARENT, parent), *baggage), None
+            # An unsampled root (no span): its traceparent, as the W3C propagator writes it
+            # (`forward` holds none: the call brought no trace context).
             return (*plan.forward, (_TRACEPARENT, parent)), None
         if type(parent) is _Continued:
             # The same for an unsampled call that continues its caller's trace, whose traceparent
             # `forward` holds (and no tracestate or baggage): replaced by the call's.
             forward = tuple([kv for kv in plan.forward if kv[0] != _TRACEPARENT])
-            sent: Metadata = ((_TRACEPARENT, str(parent)),)
-            if plan.version:
-                sent = (*sent, *self._baggage_of(plan.version, plan.dye))
-            return forward + sent, None
+            return (*forward, (_TRACEPARENT, str(parent))), None
         if not parent.is_recording():
-            # A call the sampler left out: a client span would record nothing either; the trace
-            # context (not sampled) and the baggage still go on, so the service's view is the same.
-            return self._outgoing(plan, self._trace.set_span_in_context(parent)), None
+            # A call the sampler left out: a client span would record nothing either; its trace
+            # context (not sampled) and the caller's baggage, as it came, go on.
+            return self._outgoing(plan, self._trace.set_span_in_context(parent), route=False), None
         return self._traced_attempt(parent, plan, path)
 
     def _traced_attempt(self, parent: Any, plan: Plan[Any], path: str) -> tuple[Metadata, Any]:
@@ -395,12 +391,15 @@ class Tracing:
         client.set_attribute("rpc.grpc.status_code", code.value[0])
         client.set_status(Status(StatusCode.ERROR, code.name))
 
-    def _outgoing(self, plan: Plan[Any], context: Any) -> Metadata:
+    def _outgoing(self, plan: Plan[Any], context: Any, route: bool = True) -> Metadata:
         """The attempt's request metadata: the forwarded headers, and `context`'s traceparent
-        (and tracestate) and baggage, with the attempt's `model.version` and `model.dye` added."""
+        (and tracestate) and baggage, with the attempt's `model.version` and `model.dye` added
+        (`route`: a sampled attempt's)."""
         carrier: dict[str, str] = {}
         baggage = self._baggage
-        if plan.version and not baggage.get_all(context):
+        if not route:
+            self._propagator.inject(carrier, context)
+        elif plan.version and not baggage.get_all(context):
             # No baggage came with the call: the header is the route's own, encoded once.
             self._trace_context.inject(carrier, context)
             carrier.update(self._baggage_of(plan.version, plan.dye))
