@@ -1,8 +1,9 @@
 """OpenTelemetry tracing: a server span per call, a client span per upstream attempt, W3C
-`traceparent` and `baggage` passed on to the service. On when an OTLP endpoint is configured
-(`OTEL_EXPORTER_OTLP_ENDPOINT` or `OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`; protocol from
-`OTEL_EXPORTER_OTLP_PROTOCOL`: grpc, the default, or http/protobuf); off, it costs a few
-attribute reads per call. Health checks are not traced (the proxy never sees them).
+`traceparent` passed on to the service (and the route's `baggage` on a sampled call). On when
+an OTLP endpoint is configured (`OTEL_EXPORTER_OTLP_ENDPOINT` or
+`OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`; protocol from `OTEL_EXPORTER_OTLP_PROTOCOL`: grpc, the
+default, or http/protobuf); off, it costs a few attribute reads per call. Health checks are not
+traced (the proxy never sees them).
 
 The SDK is imported only when tracing is on, so the hot path of a sidecar without it stays lean.
 """
