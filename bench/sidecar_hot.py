@@ -130,6 +130,8 @@ async def run(args: argparse.Namespace) -> list[float]:
 class _Details:
     def __init__(self, method: str) -> None:
         self.method = method
+        # None: each call's handler reads its FakeContext's metadata (request_metadata's fallback).
+        self.invocation_metadata = None
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -200,19 +200,20 @@ class Proxy(_Handler):
                 request = (
                     plan.body(first or b"") if more is None else forward.requests(first, more, plan.body)
                 )
-                # Ended in `finally`. An untraced call's attempt (tracing.attempt without a
-                # span) is the plan's metadata alone: not made, per call.
+                # The attempt's client span (None: untraced or not sampled) ends in `finally`.
+                # An untraced call's metadata is the plan's alone (no tracing.attempt call).
                 span = scope.span
-                attempt = None if span is None else self._tracing.attempt(span, plan, info.path)
+                metadata, client = (
+                    (plan.forward, None) if span is None else self._tracing.attempt(span, plan, info.path)
+                )
                 try:
-                    metadata = plan.forward if attempt is None else attempt.metadata
                     response, initial, trailing = await forward.ask(
                         _start(info, plan, request, metadata, context, scope)
                     )
                 except forward.Failed as failed:
                     scope.code = failed.code
-                    if attempt is not None:
-                        attempt.failed(failed.code)
+                    if client is not None:
+                        self._tracing.failed(client, failed.code)
                     # The caller's own deadline (ours is the caller's) is no fault; its
                     # duration still tells how slow the upstream was.
                     timed_out = failed.code == grpc.StatusCode.DEADLINE_EXCEEDED and not failed.reason
@@ -227,8 +228,8 @@ class Proxy(_Handler):
                     plan = retry
                     continue
                 finally:
-                    if attempt is not None:
-                        attempt.end()
+                    if client is not None:
+                        client.end()
                 scope.code = grpc.StatusCode.OK  # this attempt answered, whatever an earlier one did
                 plan.report("OK", "", None if more is not None else time.perf_counter() - started)
                 if initial:  # the service's unary answers carry none (docs/api.md)
@@ -266,28 +267,33 @@ class Proxy(_Handler):
                     request = (
                         plan.body(first or b"") if more is None else forward.requests(first, more, plan.body)
                     )
-                    with self._tracing.attempt(scope.span, plan, info.path) as attempt:
-                        call = _start(info, plan, request, attempt.metadata, context, scope)
-                        try:
-                            if more is None and (early := await forward.ended_early(call)) is not None:
-                                scope.code = early.code  # the attempt's outcome, should another follow
-                                retry = self._after_failure(plan, early, tried, None)
-                                if retry is not None:
-                                    attempt.failed(early.code)
-                                    plan = retry
-                                    continue
-                            shadowed = self._mirror.tokens(info.path, plan, first)
-                            async for message in forward.relay(call, context, plan.answer_metadata):
-                                if shadowed is not None:
-                                    shadowed.extend(token_ids(message))
-                                yield message
-                            if shadowed is not None and first is not None:
-                                self._mirror.generated(plan, first, shadowed)
-                        except forward.Failed as failed:
-                            scope.code = failed.code
-                            plan.report(failed.code.name, failed.reason, None)
-                            attempt.failed(failed.code)
-                            await self._fail(scope, plan, failed, context)
+                    metadata, client = self._tracing.attempt(scope.span, plan, info.path)
+                    try:  # the attempt's client span, if any, ends in `finally`
+                        call = _start(info, plan, request, metadata, context, scope)
+                        if more is None and (early := await forward.ended_early(call)) is not None:
+                            scope.code = early.code  # the attempt's outcome, should another follow
+                            retry = self._after_failure(plan, early, tried, None)
+                            if retry is not None:
+                                if client is not None:
+                                    self._tracing.failed(client, early.code)
+                                plan = retry
+                                continue
+                        shadowed = self._mirror.tokens(info.path, plan, first)
+                        async for message in forward.relay(call, context, plan.answer_metadata):
+                            if shadowed is not None:
+                                shadowed.extend(token_ids(message))
+                            yield message
+                        if shadowed is not None and first is not None:
+                            self._mirror.generated(plan, first, shadowed)
+                    except forward.Failed as failed:
+                        scope.code = failed.code
+                        plan.report(failed.code.name, failed.reason, None)
+                        if client is not None:
+                            self._tracing.failed(client, failed.code)
+                        await self._fail(scope, plan, failed, context)
+                    finally:
+                        if client is not None:
+                            client.end()
                     break
             except GeneratorExit:
                 scope.code = grpc.StatusCode.CANCELLED

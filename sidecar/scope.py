@@ -187,8 +187,9 @@ class Scope:
         reason = self.reason
         if not reason and flight.drained and code == grpc.StatusCode.UNAVAILABLE:
             reason = ErrorReason.DRAINING.value  # the sidecar's shutdown: no server fault
-        if self.span is not None:
-            scopes.tracing.end(self.span, plan, code, reason)
+        span = self.span
+        if span is not None and not isinstance(span, str):  # an unsampled call's ends as nothing
+            scopes.tracing.end(span, plan, code, reason)
         ok = code is _OK  # nearly every call: no look-up of its name (an Enum's hash is Python)
         name = "OK" if ok else CODE_NAMES[code]
         cancelled = code is _CANCELLED

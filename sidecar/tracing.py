@@ -1,8 +1,9 @@
 """OpenTelemetry tracing: a server span per call, a client span per upstream attempt, W3C
-`traceparent` and `baggage` passed on to the service. On when an OTLP endpoint is configured
-(`OTEL_EXPORTER_OTLP_ENDPOINT` or `OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`; protocol from
-`OTEL_EXPORTER_OTLP_PROTOCOL`: grpc, the default, or http/protobuf); off, it costs a few
-attribute reads per call. Health checks are not traced (the proxy never sees them).
+`traceparent` passed on to the service (and the route's `baggage` on a sampled call). On when
+an OTLP endpoint is configured (`OTEL_EXPORTER_OTLP_ENDPOINT` or
+`OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`; protocol from `OTEL_EXPORTER_OTLP_PROTOCOL`: grpc, the
+default, or http/protobuf); off, it costs a few attribute reads per call. Health checks are not
+traced (the proxy never sees them).
 
 The SDK is imported only when tracing is on, so the hot path of a sidecar without it stays lean.
 """
@@ -18,7 +19,6 @@ import weakref
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from contextvars import ContextVar
-from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
 import grpc
@@ -41,37 +41,6 @@ _CONTEXT_HEADERS = frozenset({"traceparent", "tracestate", "baggage"})
 # The current call's server span when it is an unsampled call's traceparent (see Tracing), else
 # None: what its log lines and a shadow span of it read instead of an attached OTel context.
 _UNSAMPLED: ContextVar[str | None] = ContextVar("modelyard.sidecar.unsampled", default=None)
-
-
-class Attempt:
-    """One upstream attempt: the metadata to send (with the trace context when tracing) and its
-    client span, if sampled. `end` it once the attempt is over (the proxy does so in `finally`:
-    no `with` block, nor a generator, per call); a `with` block does the same."""
-
-    __slots__ = ("metadata", "span")
-
-    def __init__(self, metadata: Metadata, span: Any = None) -> None:
-        self.metadata = metadata
-        self.span = span
-
-    def __enter__(self) -> Attempt:
-        return self
-
-    def __exit__(
-        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self.end()
-
-    def end(self) -> None:
-        if self.span is not None:
-            self.span.end()
-
-    def failed(self, code: grpc.StatusCode) -> None:
-        if self.span is not None:
-            from opentelemetry.trace import Status, StatusCode
-
-            self.span.set_attribute("rpc.grpc.status_code", code.value[0])
-            self.span.set_status(Status(StatusCode.ERROR, code.name))
 
 
 _TRACEPARENT = "traceparent"
@@ -373,33 +342,34 @@ class Tracing:
         ids = (trace_id, self._roots.span_id(), "02" if sampled & 2 else "00")
         return _Continued("00-%s-%016x-%s" % ids)  # noqa: UP031
 
-    def attempt(self, parent: Any, plan: Plan[Any], path: str) -> Attempt:
+    def attempt(self, parent: Any, plan: Plan[Any], path: str) -> tuple[Metadata, Any]:
+        """One upstream attempt of the call whose server span is `parent`: the request metadata
+        to send (with the trace context and the route's baggage when tracing) and the attempt's
+        client span, or None when it has none (untraced, or not sampled). The caller ends a client
+        span once the attempt is over (`failed` first for a failure). A pair, not an object: most
+        attempts have no span, and then nothing is made but the metadata."""
         if parent is None:
-            return Attempt(plan.forward)
+            return plan.forward, None
+        # An unsampled call's attempts carry its traceparent (not sampled: the service's
+        # parent-based sampler leaves the call out too) and no route baggage: the service's span
+        # reads model.version and model.dye from it only when it records, and the version and
+        # dye travel as headers anyway (x-model-version, x-model-dye). One header fewer a call.
         if type(parent) is str:
-            # An unsampled root (no span): its traceparent and the route's baggage, as the
-            # propagators write them (`forward` holds neither: the call brought none).
-            if plan.version:
-                baggage = self._route_baggage.get((plan.version, plan.dye)) or self._baggage_of(
-                    plan.version, plan.dye
-                )
-                return Attempt((*plan.forward, (_TRACEPARENT, parent), *baggage))
-            return Attempt((*plan.forward, (_TRACEPARENT, parent)))
+            # An unsampled root (no span): its traceparent, as the W3C propagator writes it
+            # (`forward` holds none: the call brought no trace context).
+            return (*plan.forward, (_TRACEPARENT, parent)), None
         if type(parent) is _Continued:
             # The same for an unsampled call that continues its caller's trace, whose traceparent
             # `forward` holds (and no tracestate or baggage): replaced by the call's.
             forward = tuple([kv for kv in plan.forward if kv[0] != _TRACEPARENT])
-            sent: Metadata = ((_TRACEPARENT, str(parent)),)
-            if plan.version:
-                sent = (*sent, *self._baggage_of(plan.version, plan.dye))
-            return Attempt(forward + sent)
+            return (*forward, (_TRACEPARENT, str(parent))), None
         if not parent.is_recording():
-            # A call the sampler left out: a client span would record nothing either; the trace
-            # context (not sampled) and the baggage still go on, so the service's view is the same.
-            return Attempt(self._outgoing(plan, self._trace.set_span_in_context(parent)))
+            # A call the sampler left out: a client span would record nothing either; its trace
+            # context (not sampled) and the caller's baggage, as it came, go on.
+            return self._outgoing(plan, self._trace.set_span_in_context(parent), route=False), None
         return self._traced_attempt(parent, plan, path)
 
-    def _traced_attempt(self, parent: Any, plan: Plan[Any], path: str) -> Attempt:
+    def _traced_attempt(self, parent: Any, plan: Plan[Any], path: str) -> tuple[Metadata, Any]:
         from opentelemetry.trace import SpanKind
 
         trace = self._trace
@@ -409,17 +379,28 @@ class Tracing:
             attributes["modelyard.breaker.state"] = plan.breaker.state.value
         span = self._tracer.start_span(path[1:], context=context, kind=SpanKind.CLIENT, attributes=attributes)
         try:
-            return Attempt(self._outgoing(plan, trace.set_span_in_context(span, context)), span)
+            return self._outgoing(plan, trace.set_span_in_context(span, context)), span
         except BaseException:
             span.end()
             raise
 
-    def _outgoing(self, plan: Plan[Any], context: Any) -> Metadata:
+    @staticmethod
+    def failed(client: Any, code: grpc.StatusCode) -> None:
+        """An attempt's client span (from `attempt`) failed with `code`."""
+        from opentelemetry.trace import Status, StatusCode
+
+        client.set_attribute("rpc.grpc.status_code", code.value[0])
+        client.set_status(Status(StatusCode.ERROR, code.name))
+
+    def _outgoing(self, plan: Plan[Any], context: Any, route: bool = True) -> Metadata:
         """The attempt's request metadata: the forwarded headers, and `context`'s traceparent
-        (and tracestate) and baggage, with the attempt's `model.version` and `model.dye` added."""
+        (and tracestate) and baggage, with the attempt's `model.version` and `model.dye` added
+        (`route`: a sampled attempt's)."""
         carrier: dict[str, str] = {}
         baggage = self._baggage
-        if plan.version and not baggage.get_all(context):
+        if not route:
+            self._propagator.inject(carrier, context)
+        elif plan.version and not baggage.get_all(context):
             # No baggage came with the call: the header is the route's own, encoded once.
             self._trace_context.inject(carrier, context)
             carrier.update(self._baggage_of(plan.version, plan.dye))

@@ -15,7 +15,7 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.sdk.trace.sampling import ALWAYS_OFF, ALWAYS_ON, ParentBased
 
-from modelyard.sidecar.plan import Plan
+from modelyard.sidecar.plan import Metadata, Plan
 from modelyard.sidecar.tracing import TraceIds, Tracing, call_span, configure
 
 PATH = "/inference.GRPCInferenceService/ModelInfer"
@@ -58,55 +58,71 @@ def _traced(sampler: Any) -> tuple[Tracing, InMemorySpanExporter]:
     return Tracing(provider), exported
 
 
+def _attempted(tracing: Tracing, span: Any, plan: Plan[Any]) -> Metadata:
+    """One attempt of the call (its client span, if it has one, ended): the metadata it sends."""
+    metadata, client = tracing.attempt(span, plan, PATH)
+    if client is not None:
+        client.end()
+    return metadata
+
+
 PARENT = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-00"  # a caller's unsampled trace
 
 
-def test_an_unsampled_call_passes_its_trace_context_and_the_route_baggage_on() -> None:
-    """No span is recorded (no client span is made), yet the service gets what a sampled call's
-    attempt sends: the caller's trace id, not sampled, and model.version / model.dye baggage."""
+def test_an_unsampled_call_passes_its_trace_context_on_without_the_route_baggage() -> None:
+    """No span is recorded (no client span is made), yet the service gets the trace context that
+    its parent-based sampler agrees with: the caller's trace id, not sampled. No route baggage: the
+    service's span reads it only when it records (version and dye travel as headers)."""
     tracing, exported = _traced(ParentBased(ALWAYS_ON))
     span = tracing.server_span(PATH, (("traceparent", PARENT),))
-    with tracing.attempt(span, _plan(), PATH) as attempt:
-        md = {k: v for k, v in attempt.metadata if isinstance(v, str)}
+    md = {k: v for k, v in _attempted(tracing, span, _plan()) if isinstance(v, str)}
     tracing.end(span, _plan(), grpc.StatusCode.OK)
     assert not call_span(span).is_recording() and exported.get_finished_spans() == ()
     assert md["x-user-id"] == "u"
     version, trace_id, parent_id, flags = md["traceparent"].split("-")
     assert (version, trace_id, flags) == ("00", "0af7651916cd43dd8448eb211c80319c", "00")
     assert parent_id == format(call_span(span).get_span_context().span_id, "016x")  # no client span
-    assert md["baggage"] == "model.version=2,model.dye=canary"
+    assert "baggage" not in md
 
 
-def test_a_sampled_and_an_unsampled_attempt_send_the_same_baggage_and_keep_the_callers() -> None:
+def test_a_sampled_attempt_adds_the_route_baggage_and_every_attempt_keeps_the_callers() -> None:
     sampled, exported = _traced(ALWAYS_ON)
     unsampled, _ = _traced(ALWAYS_OFF)
-    sent: list[str | bytes] = []
-    for tracing in (sampled, unsampled, sampled):
-        caller = (("baggage", "team=a"),) if len(sent) == 2 else ()
-        span = tracing.server_span(PATH, caller)
-        with tracing.attempt(span, _plan("1", "stable"), PATH) as attempt:
-            sent.append(dict(attempt.metadata)["baggage"])
-        tracing.end(span, _plan("1", "stable"), grpc.StatusCode.OK)
-    assert sent[0] == sent[1] == "model.version=1,model.dye=stable"
+    sent: list[str | bytes | None] = []
+    for tracing, caller in (
+        (sampled, None),
+        (unsampled, None),
+        (sampled, "team=a"),
+        (unsampled, "team=a"),  # the SDK's path (baggage came): an unsampled span
+    ):
+        token = context.attach(context.Context())  # each call in a context of its own
+        try:
+            span = tracing.server_span(PATH, (("baggage", caller),) if caller else ())
+            sent.append(dict(_attempted(tracing, span, _plan("1", "stable"))).get("baggage"))
+            tracing.end(span, _plan("1", "stable"), grpc.StatusCode.OK)
+        finally:
+            context.detach(token)
+    assert sent[0] == "model.version=1,model.dye=stable" and sent[1] is None
     assert sent[2] == "team=a,model.version=1,model.dye=stable"  # the caller's kept, then ours
+    assert sent[3] == "team=a"  # the caller's, as it came
     assert len(exported.get_finished_spans()) == 4  # two calls, each a server and a client span
 
 
 def test_an_unsampled_root_call_sends_what_the_propagators_write() -> None:
     """A call that brought no trace context and that the sampler left out (most calls): its
-    attempts carry its traceparent and the route's baggage exactly as the W3C propagators write
-    them (the sidecar writes them itself on this path), and its log lines its ids."""
+    attempts carry its traceparent exactly as the W3C propagator writes it (the sidecar writes
+    it itself on this path) and no baggage, and its log lines its ids."""
     from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
     tracing, exported = _traced(ParentBased(ALWAYS_OFF))
-    for plan, baggage in ((_plan(), "model.version=2,model.dye=canary"), (_plan("", ""), None)):
+    for plan in (_plan(), _plan("", "")):
         token = context.attach(context.Context())
         try:
             span = tracing.server_span(PATH, (("x-user-id", "u"),))
             record = logging.LogRecord("n", logging.INFO, __file__, 1, "m", None, None)
             TraceIds().filter(record)  # its log lines carry its ids
-            with tracing.attempt(span, plan, PATH) as attempt:
-                md = dict(attempt.metadata)
+            metadata = _attempted(tracing, span, plan)
+            md = dict(metadata)
             tracing.end(span, plan, grpc.StatusCode.OK)
         finally:
             context.detach(token)
@@ -119,8 +135,8 @@ def test_an_unsampled_root_call_sends_what_the_propagators_write() -> None:
             format(ids.span_id, "016x"),
         )
         assert md["traceparent"] == written["traceparent"]
-        assert md.get("baggage") == baggage and "tracestate" not in md
-        assert list(md)[:1] == ["x-user-id"] and len(attempt.metadata) == len(md)
+        assert "baggage" not in md and "tracestate" not in md
+        assert list(md)[:1] == ["x-user-id"] and len(metadata) == len(md)
     assert exported.get_finished_spans() == ()
 
 
@@ -211,8 +227,7 @@ def test_an_unsampled_callers_trace_is_continued_without_an_sdk_span(
     md = (("x-user-id", "u"), ("traceparent", caller))
     span = tracing.server_span(PATH, md)
     plan = Plan("m", "2", "canary", "", "1", _Up("a"), None, None, md)
-    with tracing.attempt(span, plan, PATH) as attempt:
-        sent = [v for k, v in attempt.metadata if k == "traceparent"]
+    sent = [v for k, v in _attempted(tracing, span, plan) if k == "traceparent"]
     tracing.end(span, plan, grpc.StatusCode.OK)
     assert started == [] and exported.get_finished_spans() == ()
     assert len(sent) == 1 and sent[0] != caller
