@@ -25,7 +25,9 @@ each tree's `python -m modelyard.sidecar` in front of it runs under callgrind (a
 --tracing SAMPLER[:ARG], a second one of each tree with tracing on, exporting to a receiver in
 this process that drops what it gets), and with --bare bench/bare_proxy.py (the reference, from
 this tree). Threads are counted apart (--separate-threads): the main thread's share and the rest
-(gRPC's poller, a span exporter) are printed beside the total.
+(gRPC's poller, a span exporter) are printed beside the total. The breakers' latency check, timed
+work, runs once in a long while here (INSTRUCTIONS_ROUTES): at valgrind's pace it would weigh
+~50x per call what it does natively.
 
     .venv/bin/python -m bench.instructions --sidecar --trees base=/work/wt/base,now=. --bare
         [--tracing parentbased_traceidratio:0.01] [--requests 320] [--keep DIR]
@@ -54,6 +56,11 @@ from models.demo_models import write_model
 
 CONCURRENCY = 16
 LL_MISSES = ("ILmr", "DLmr", "DLmw")
+# --sidecar: the breakers' latency check is timed work (every 0.1 s by default); under valgrind
+# the sidecar serves ~30 calls a second, not ~1,500, so counted per call it weighs ~50x what it
+# does natively and swings from run to run (two traced runs of one tree differed by 46k a call).
+# Checked once in a long while here, two runs of one tree agree to tens of instructions.
+INSTRUCTIONS_ROUTES = "breaker: {latency_check_s: 1000}\n"
 # --cache-sim: a small simulated cache, so that a larger per-request footprint shows as misses.
 CACHE_SIM = ["--cache-sim=yes", "--I1=16384,4,64", "--D1=16384,4,64", "--LL=524288,8,64"]
 BARE_SERVED_ONLY = "bare_served"  # bench/bare_server.py --served-only: no registered method
@@ -342,7 +349,7 @@ async def run_sidecar(args: argparse.Namespace) -> int:
         workdir = Path(tmp)
         build_repository(workdir / "models")
         routes = workdir / "routes.yaml"
-        routes.write_text(ROUTES)
+        routes.write_text(ROUTES + INSTRUCTIONS_ROUTES)
         receiver, port = await trace_receiver() if args.tracing else (None, 0)
         traced_env = tracing_env(args.tracing, port) if args.tracing else []
         targets: list[tuple[str, Path | None, list[str]]] = [(label, tree, []) for label, tree in args.trees]

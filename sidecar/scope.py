@@ -188,7 +188,7 @@ class Scope:
         if not reason and flight.drained and code == grpc.StatusCode.UNAVAILABLE:
             reason = ErrorReason.DRAINING.value  # the sidecar's shutdown: no server fault
         span = self.span
-        if span is not None and not isinstance(span, str):  # an unsampled call's ends as nothing
+        if span is not None and not isinstance(span, str):  # unsampled: its traceparent (tracing.py)
             scopes.tracing.end(span, plan, code, reason)
         ok = code is _OK  # nearly every call: no look-up of its name (an Enum's hash is Python)
         name = "OK" if ok else CODE_NAMES[code]
