@@ -129,7 +129,7 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
         model = request.model_name  # each read of a protobuf field makes a new object: read once
         # serving() by hand: the success path runs no coroutine of its own (two per call as a
         # context manager); an error awaits failed(), which answers it.
-        call = serving(context, self._metrics, "ModelInfer", model).begin()
+        call = serving(context, self._metrics, "ModelInfer", model)
         try:
             response = await self._infer(request, context, model)
             call.answered(response.model_version)
