@@ -23,6 +23,7 @@ from modelyard.service.api.kserve import repository, settings, shared_memory, st
 from modelyard.service.api.kserve.classification import top_k
 from modelyard.service.api.kserve.settings import LogSettings, TraceSettings
 from modelyard.service.api.kserve.tensors import (
+    NO_OPTIONS,
     decode_inputs,
     encode_outputs,
     output_options,
@@ -278,8 +279,10 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
             else:
                 headers = kserve_headers(request)
                 inputs = await held.decode(headers, partial(decode_inputs, request, self._shm))
-            names = requested_outputs(outputs)
-            options = output_options(outputs)
+            if outputs:
+                names, options = requested_outputs(outputs), output_options(outputs)
+            else:  # every output, asked nothing (most requests): no call to say so
+                names, options = [], NO_OPTIONS
             classify = options.classify
             scheduling = kserve_scheduling(context, parameters, priority)
             if scheduling.priority:
