@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Callable
-from dataclasses import replace
 from functools import partial
 
 from modelyard.common.names import is_valid_name
@@ -289,7 +288,7 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
                 batching = served.config.dynamic_batching
                 if batching is None or scheduling.priority > batching.admission.priority_levels:
                     # As Triton: a priority the model does not have means its default level.
-                    scheduling = replace(scheduling, priority=0)
+                    scheduling = scheduling._replace(priority=0)
             result = await held.infer(inputs, names, scheduling)
         # Fields set one by one: cheaper than the constructor's keywords (and no empty id set).
         response = pb.ModelInferResponse()
