@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncGenerator, Callable, Mapping, Sequence
+from collections.abc import AsyncGenerator, Callable, Container, Mapping, Sequence
 from concurrent.futures import Executor
 from typing import NamedTuple, TypeVar
 
@@ -78,6 +78,7 @@ class DataPlane:
         self._table = manager.table  # the request path resolves and leases here
         self._executor = executor
         self._batching = batching
+        self._batched: Container[ServedVersion] = batching.batched if batching is not None else ()
         # Per version, until it retires (a plain dict: read on every request).
         self._bounds: dict[ServedVersion, Bounds] = {}
 
@@ -107,9 +108,7 @@ class DataPlane:
     def _runs_here(self, served: ServedVersion) -> bool:
         """True when the version's requests run inline, one by one: no batcher, and a run of
         microseconds on the event loop (`_run_here`, called without an await)."""
-        return served.instances.runs_inline and (
-            self._batching is None or self._batching.batcher(served) is None
-        )
+        return served.instances.runs_inline and served not in self._batched
 
     def _run_here(
         self,
@@ -243,9 +242,16 @@ class Call:
     ) -> InferResult:
         admitted = time.perf_counter_ns()
         served = self.served
-        names = _checked(served, inputs, output_names, admitted, inputs is self._fitted)
+        signature = served.runner.signature
+        if inputs is self._fitted and not output_names and len(inputs) == 1 == len(signature.inputs):
+            # A plain request to a one-input model, for every output (most): its headers showed
+            # all that _checked would check, with no call.
+            names = signature.output_names
+        else:
+            names = _checked(served, inputs, output_names, admitted, inputs is self._fitted)
         plane = self._plane
-        if plane._runs_here(served):  # most requests of a cheap model: no await on the way
+        # _runs_here, inline: most requests of a cheap model, with no await on the way.
+        if served.instances.runs_inline and served not in plane._batched:
             outputs = plane._run_here(served, inputs, names, admitted)
         else:
             outputs = await plane._run(served, inputs, names, scheduling, admitted)

@@ -121,9 +121,10 @@ def resolved(version: str) -> None:
     """The version that serves the current call is known: on its span now, and the version its
     metrics and span end with, whether it then answers or fails (`resolved_version`)."""
     _version.set(version)
-    span = _current.get()
-    if span is not None:
-        span.set_attribute("modelyard.version", version)
+    if enabled:  # else no call has a span: no look for one
+        span = _current.get()
+        if span is not None:
+            span.set_attribute("modelyard.version", version)
 
 
 def resolved_version() -> str:

@@ -202,14 +202,18 @@ class serving:
     )
 
     def __init__(self, context: Context, metrics: ServiceMetrics, method: str, model: str) -> None:
+        """The call is observed from here (its clock and span start): `async with serving(...)`,
+        or a unary path's own `call = serving(...)`, then on success `call.done()`, on an error
+        `await call.failed(exc)` and re-raise (no coroutine per call unless it fails)."""
         self._context = context
         self._metrics = metrics
         self._method = method
         self._model = model
-        # _start and _span are set by __aenter__ (before anything reads them).
         self._code = _OK  # an error answered in-band (KServe streams) sets it
         self._reason = ""  # and its x-error-reason (a span is ERROR only for a server fault)
         self.version = ""  # the version that answered: x-served-version, and the metrics label
+        self._start = time.perf_counter()
+        self._span: object = tracing.start(context, method, model)
 
     def answered(self, version: str) -> None:
         """A unary call's version that answers: x-served-version rides in the trailing metadata,
@@ -217,7 +221,8 @@ class serving:
         the handler as a batch of its own (~50 us of CPU per call), the trailing metadata in the
         final batch. An error after this replaces it with its x-error-reason."""
         self.version = version
-        self._context.set_trailing_metadata(answer_metadata(version))
+        # answer_metadata's common case (a version that answered before), with no call
+        self._context.set_trailing_metadata(_answer_metadata.get(version) or answer_metadata(version))
 
     async def stream_answered(self, version: str) -> None:
         """A stream's version that answers: x-served-version in the initial metadata, before the
@@ -232,20 +237,12 @@ class serving:
         self._reason = reason
         return reason
 
-    def begin(self) -> serving:
-        """Start observing the call (what `async with` does on entry). A unary path's own use:
-        `call = serving(...).begin()`, then on success `call.done()`, on an error
-        `await call.failed(exc)` and re-raise: no coroutine per call unless it fails."""
-        self._start = time.perf_counter()
-        self._span: object = tracing.start(self._context, self._method, self._model)
-        return self
-
     def done(self) -> None:
         """The call answered: record it (its span, its metrics)."""
         self._record(self._code, None)
 
     async def __aenter__(self) -> serving:
-        return self.begin()
+        return self  # observed since __init__ (the unary paths skip this: one call fewer)
 
     async def __aexit__(
         self, kind: type[BaseException] | None, exc: BaseException | None, tb: object

@@ -66,7 +66,7 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         # Each field read once: each read of a protobuf field makes a new object.
         model, tensors, output_names = request.model_name, request.inputs, request.output_names
         # serving() by hand (as KServe's ModelInfer): no coroutine of its own on success.
-        call = serving(context, self._metrics, "Infer", model).begin()
+        call = serving(context, self._metrics, "Infer", model)
         try:
             version, request_id, priority = call_fields(
                 context, model, request.model_version, request.request_id, request.priority

@@ -14,6 +14,7 @@ from modelyard.service.scheduling.queue import DEFAULT_SCHEDULING, Scheduling
 # Triton's request parameters (tritonclient sends priority as uint64, timeout as int64, in us).
 PRIORITY = "priority"
 TIMEOUT = "timeout"
+_scheduling = tuple.__new__
 
 
 def scheduling(context: Context, priority: int = 0, timeout_us: int = 0) -> Scheduling:
@@ -26,7 +27,8 @@ def _of(priority: int, timeout_us: int, time_remaining_s: float | None) -> Sched
     # dataclass costs a few microseconds to make, on every request.
     if not priority and not timeout_us and time_remaining_s is None:
         return DEFAULT_SCHEDULING
-    return Scheduling(priority, timeout_us, time_remaining_s)
+    # Made as the tuple it is: a NamedTuple's own __new__ is Python.
+    return _scheduling(Scheduling, (priority, timeout_us, time_remaining_s))
 
 
 def kserve_priority(parameters: Mapping[str, InferParameter]) -> int:

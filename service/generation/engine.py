@@ -33,7 +33,6 @@ under padding) every sequence decodes in a batch of its own instead.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import threading
 import time
@@ -170,9 +169,7 @@ class Engine:
         if request.deadline is not None:
             # The queue measures the client's time from now: what is left of the request's
             # deadline, so that both end at the same instant.
-            scheduling = dataclasses.replace(
-                scheduling, time_remaining_s=request.deadline - self._clock.now()
-            )
+            scheduling = scheduling._replace(time_remaining_s=request.deadline - self._clock.now())
         sequence = Sequence(
             request, self._codec, self._version, self._settings.stream_buffer, self._kick, self._pull
         )

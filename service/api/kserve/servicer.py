@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Callable
-from dataclasses import replace
 from functools import partial
 
 from modelyard.common.names import is_valid_name
@@ -23,6 +22,7 @@ from modelyard.service.api.kserve import repository, settings, shared_memory, st
 from modelyard.service.api.kserve.classification import top_k
 from modelyard.service.api.kserve.settings import LogSettings, TraceSettings
 from modelyard.service.api.kserve.tensors import (
+    NO_OPTIONS,
     decode_inputs,
     encode_outputs,
     output_options,
@@ -129,7 +129,7 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
         model = request.model_name  # each read of a protobuf field makes a new object: read once
         # serving() by hand: the success path runs no coroutine of its own (two per call as a
         # context manager); an error awaits failed(), which answers it.
-        call = serving(context, self._metrics, "ModelInfer", model).begin()
+        call = serving(context, self._metrics, "ModelInfer", model)
         try:
             response = await self._infer(request, context, model)
             call.answered(response.model_version)
@@ -278,15 +278,17 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
             else:
                 headers = kserve_headers(request)
                 inputs = await held.decode(headers, partial(decode_inputs, request, self._shm))
-            names = requested_outputs(outputs)
-            options = output_options(outputs)
+            if outputs:
+                names, options = requested_outputs(outputs), output_options(outputs)
+            else:  # every output, asked nothing (most requests): no call to say so
+                names, options = [], NO_OPTIONS
             classify = options.classify
             scheduling = kserve_scheduling(context, parameters, priority)
             if scheduling.priority:
                 batching = served.config.dynamic_batching
                 if batching is None or scheduling.priority > batching.admission.priority_levels:
                     # As Triton: a priority the model does not have means its default level.
-                    scheduling = replace(scheduling, priority=0)
+                    scheduling = scheduling._replace(priority=0)
             result = await held.infer(inputs, names, scheduling)
         # Fields set one by one: cheaper than the constructor's keywords (and no empty id set).
         response = pb.ModelInferResponse()

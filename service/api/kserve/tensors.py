@@ -194,14 +194,14 @@ class OutputOptions:
 
 
 # The options of a request whose outputs ask nothing beyond their names (most): read, never written.
-_NO_OPTIONS = OutputOptions()
+NO_OPTIONS = OutputOptions()
 
 
 def output_options(outputs: Sequence[ModelInferRequest.InferRequestedOutputTensor]) -> OutputOptions:
     """The requested outputs' parameters (a request's `outputs`); any we do not handle is refused,
     never ignored."""
     if not outputs or not any(output.parameters for output in outputs):
-        return _NO_OPTIONS
+        return NO_OPTIONS
     options = OutputOptions()
     for output in outputs:
         at = _shm_location(output, "output")

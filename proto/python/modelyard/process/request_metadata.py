@@ -8,7 +8,7 @@ look-up is that call's alone (tasks the handler starts copy it, for the same cal
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from contextvars import ContextVar
 from typing import Any, TypeAlias
 
@@ -16,10 +16,9 @@ Metadata: TypeAlias = Sequence[tuple[str, "str | bytes"]]
 
 _looked_up: ContextVar[Metadata | None] = ContextVar("modelyard_invocation_metadata", default=None)
 
-
-def keep(metadata: Metadata) -> None:
-    """In a generic handler's `service`: the metadata of the call being looked up."""
-    _looked_up.set(metadata)
+# `keep(metadata)`, in a generic handler's `service`: the metadata of the call being looked up.
+# The context variable's own set (a C call: no Python frame per call).
+keep: Callable[[Metadata], object] = _looked_up.set
 
 
 def invocation_metadata(context: Any) -> Metadata:
