@@ -250,8 +250,7 @@ class Call:
         else:
             names = _checked(served, inputs, output_names, admitted, inputs is self._fitted)
         plane = self._plane
-        # _runs_here, inline: most requests of a cheap model, with no await on the way.
-        if served.instances.runs_inline and served not in plane._batched:
+        if plane._runs_here(served):  # most requests of a cheap model: no await on the way
             outputs = plane._run_here(served, inputs, names, admitted)
         else:
             outputs = await plane._run(served, inputs, names, scheduling, admitted)

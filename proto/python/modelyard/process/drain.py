@@ -63,12 +63,11 @@ class Drain:
         else:
 
             async def reply(request: Any, context: Any) -> Any:
-                # While open (every call but those of the last moments), admitting is _admit's
-                # body, inline: no coroutine nor Python call of its own per call.
+                # While open (every call but those of the last moments), admitting is plain
+                # calls: no coroutine of its own per call.
                 if self.closed:
                     await _refuse(context)
-                self.calls += 1
-                context.add_done_callback(self._ended)
+                self._admit(context)
                 return await behaviour(request, context)
 
             wrapped = reply
