@@ -428,7 +428,9 @@ async def test_a_version_swap_under_load_fails_no_request(service_process, small
                 model_pb.WatchModelsRequest(send_initial_state=True)
             )
             assert dict(await initial.initial_metadata())[headers.INITIAL_STATE_COUNT] == "1"
-            assert (await initial.read()).model_name == "double"
+            first_event = await initial.read()
+            assert isinstance(first_event, model_pb.WatchModelsResponse)
+            assert first_event.model_name == "double"
             initial.cancel()
         failures: list[BaseException] = []
         versions: Counter[str] = Counter()
