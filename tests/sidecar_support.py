@@ -16,14 +16,41 @@ from typing import Any
 
 import grpc
 import numpy as np
+from grpc_health.v1 import health_pb2_grpc
 
+from modelyard.common import health
 from modelyard.inference.v1 import inference_service_pb2 as pb
 from modelyard.inference.v1 import inference_service_pb2_grpc as pb_grpc
+from modelyard.inference.v1 import model_service_pb2 as mpb
 from modelyard.sidecar.config import Settings
 from modelyard.sidecar.server import Sidecar, build_sidecar
 from modelyard.sidecar.tracing import Tracing
 from modelyard.tensors import to_tensor
 from tests.support import ChildProcess, eventually, start_child
+
+
+def upstream_server(
+    watch_models: Callable[..., AsyncIterator[Any]], *handlers: grpc.GenericRpcHandler[Any, Any]
+) -> tuple[grpc.aio.Server, Any]:
+    """A fake upstream's grpc.aio server (not started, no port yet): gRPC health (its servicer
+    returned, to set) and ModelService.WatchModels answered by `watch_models`, beside `handlers`."""
+    server = grpc.aio.server()
+    servicer = health.new_servicer()
+    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+    watch = grpc.unary_stream_rpc_method_handler(
+        watch_models,
+        request_deserializer=mpb.WatchModelsRequest.FromString,
+        response_serializer=mpb.WatchModelsResponse.SerializeToString,
+    )
+    server.add_generic_rpc_handlers(
+        (
+            grpc.method_handlers_generic_handler(
+                "modelyard.inference.v1.ModelService", {"WatchModels": watch}
+            ),
+            *handlers,
+        )
+    )
+    return server, servicer
 
 
 @asynccontextmanager

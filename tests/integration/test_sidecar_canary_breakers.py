@@ -19,7 +19,6 @@ from typing import Any
 
 import grpc
 import yaml
-from grpc_health.v1 import health_pb2_grpc
 
 from modelyard.common import health
 from modelyard.inference.v1 import inference_service_pb2 as pb
@@ -33,6 +32,7 @@ from tests.sidecar_support import (
     infer,
     known_versions,
     running_sidecar,
+    upstream_server,
 )
 from tests.support import eventually, metric
 
@@ -49,24 +49,12 @@ class Version:
         self.delay_s = 0.0
         self.failing: tuple[int, ...] = ()  # call numbers (mod 10) that fail
         self.calls = 0
-        self.server = grpc.aio.server()
-        self.health = health.new_servicer()
-        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
-        watch = grpc.unary_stream_rpc_method_handler(
+        self.server, self.health = upstream_server(
             self.watch_models,
-            request_deserializer=mpb.WatchModelsRequest.FromString,
-            response_serializer=mpb.WatchModelsResponse.SerializeToString,
-        )
-        self.server.add_generic_rpc_handlers(
-            (
-                grpc.method_handlers_generic_handler(
-                    "modelyard.inference.v1.ModelService", {"WatchModels": watch}
-                ),
-                grpc.method_handlers_generic_handler(
-                    "modelyard.inference.v1.InferenceService",
-                    {"Infer": grpc.unary_unary_rpc_method_handler(self.infer)},
-                ),
-            )
+            grpc.method_handlers_generic_handler(
+                "modelyard.inference.v1.InferenceService",
+                {"Infer": grpc.unary_unary_rpc_method_handler(self.infer)},
+            ),
         )
         self.port = self.server.add_insecure_port(f"127.0.0.1:{port}")
 

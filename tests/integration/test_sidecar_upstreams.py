@@ -33,7 +33,7 @@ from modelyard.sidecar.server import Sidecar
 from modelyard.sidecar.workers import role
 from modelyard.sidecar.workers import supervisor as supervisor_module
 from modelyard.sidecar.workers.supervisor import Supervisor
-from tests.sidecar_support import SidecarProcess, running_sidecar
+from tests.sidecar_support import SidecarProcess, running_sidecar, upstream_server
 from tests.support import ServiceProcess, eventually
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
@@ -69,21 +69,7 @@ class Held:
         self.models = models
         self.count = count
         self.released = asyncio.Event()
-        self.server = grpc.aio.server()
-        self.health = health.new_servicer()
-        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
-        watch = grpc.unary_stream_rpc_method_handler(
-            self.watch_models,
-            request_deserializer=mpb.WatchModelsRequest.FromString,
-            response_serializer=mpb.WatchModelsResponse.SerializeToString,
-        )
-        self.server.add_generic_rpc_handlers(
-            (
-                grpc.method_handlers_generic_handler(
-                    "modelyard.inference.v1.ModelService", {"WatchModels": watch}
-                ),
-            )
-        )
+        self.server, self.health = upstream_server(self.watch_models)
         self.address = f"127.0.0.1:{self.server.add_insecure_port('127.0.0.1:0')}"
 
     async def watch_models(self, request: Any, context: Any) -> AsyncIterator[mpb.WatchModelsResponse]:
