@@ -92,7 +92,9 @@ async def test_a_large_bad_request_does_not_delay_a_small_one(
             assert code == (grpc.StatusCode.INVALID_ARGUMENT if payload is bad else grpc.StatusCode.NOT_FOUND)
             worst[payload].append(max(during))
     beside_bad, beside_reference = statistics.median(worst[bad]), statistics.median(worst[reference])
-    assert beside_bad < 2 * beside_reference + 0.01, (
+    # 50 ms of slack: the decoding this guards against held the loop ~1.45 s; a 10 ms slack failed
+    # twice in CI on noise alone (23.9 against a 23.8 ms bound; 33.9 against 32).
+    assert beside_bad < 2 * beside_reference + 0.05, (
         f"small calls took up to {beside_bad * 1e3:.1f} ms (median of 4) beside the bad request, "
         f"{beside_reference * 1e3:.1f} ms beside a same-size request refused without decoding"
     )
