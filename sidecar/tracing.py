@@ -250,6 +250,7 @@ class Tracing:
             self._route_baggage: dict[tuple[str, str], tuple[tuple[str, str], ...]] = {}
             self._roots = roots = _Roots(self._tracer)
             self._server_kind = roots.server_kind
+            self._client_kind = trace.SpanKind.CLIENT
             # The inline root path (server_span): the ratio rule, with the SDK's random ids and
             # its Tracer's enabled flag read directly. `_least_unsampled`: the rule's bound as
             # 8 big-endian bytes (a trace id's low 64 bits at or above it are left out).
@@ -370,15 +371,24 @@ class Tracing:
         return self._traced_attempt(parent, plan, path)
 
     def _traced_attempt(self, parent: Any, plan: Plan[Any], path: str) -> tuple[Metadata, Any]:
-        from opentelemetry.trace import SpanKind
-
         trace = self._trace
         context = trace.set_span_in_context(parent)
         attributes: dict[str, Any] = {"net.peer.name": plan.upstream.address, **_route_attributes(plan)}
         if plan.breaker is not None:
             attributes["modelyard.breaker.state"] = plan.breaker.state.value
-        span = self._tracer.start_span(path[1:], context=context, kind=SpanKind.CLIENT, attributes=attributes)
+        kind = self._client_kind
+        span = self._tracer.start_span(path[1:], context=context, kind=kind, attributes=attributes)
         try:
+            if plan.version and not self._baggage.get_all(context):
+                # No baggage came with the call: the span's trace context, as the W3C propagator
+                # writes it (a recording span's context is valid), and the route's own baggage.
+                ids = span.get_span_context()
+                carrier = {_TRACEPARENT: f"00-{ids.trace_id:032x}-{ids.span_id:016x}-{ids.trace_flags:02x}"}
+                if ids.trace_state:
+                    carrier["tracestate"] = ids.trace_state.to_header()
+                carrier.update(self._baggage_of(plan.version, plan.dye))
+                forward = tuple([kv for kv in plan.forward if kv[0] not in carrier])
+                return (*forward, *carrier.items()), span
             return self._outgoing(plan, trace.set_span_in_context(span, context)), span
         except BaseException:
             span.end()
@@ -395,20 +405,13 @@ class Tracing:
     def _outgoing(self, plan: Plan[Any], context: Any, route: bool = True) -> Metadata:
         """The attempt's request metadata: the forwarded headers, and `context`'s traceparent
         (and tracestate) and baggage, with the attempt's `model.version` and `model.dye` added
-        (`route`: a sampled attempt's)."""
+        (`route`: a sampled attempt's; _traced_attempt writes the usual case itself)."""
         carrier: dict[str, str] = {}
         baggage = self._baggage
-        if not route:
-            self._propagator.inject(carrier, context)
-        elif plan.version and not baggage.get_all(context):
-            # No baggage came with the call: the header is the route's own, encoded once.
-            self._trace_context.inject(carrier, context)
-            carrier.update(self._baggage_of(plan.version, plan.dye))
-        else:
-            if plan.version:
-                context = baggage.set_baggage("model.version", plan.version, context)
-                context = baggage.set_baggage("model.dye", plan.dye, context)
-            self._propagator.inject(carrier, context)
+        if route and plan.version:
+            context = baggage.set_baggage("model.version", plan.version, context)
+            context = baggage.set_baggage("model.dye", plan.dye, context)
+        self._propagator.inject(carrier, context)
         return tuple((k, v) for k, v in plan.forward if k not in carrier) + tuple(carrier.items())
 
     def _baggage_of(self, version: str, dye: str) -> tuple[tuple[str, str], ...]:

@@ -108,6 +108,40 @@ def test_a_sampled_attempt_adds_the_route_baggage_and_every_attempt_keeps_the_ca
     assert len(exported.get_finished_spans()) == 4  # two calls, each a server and a client span
 
 
+@pytest.mark.parametrize(
+    "caller",
+    [
+        (),  # a root
+        (
+            ("traceparent", "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"),
+            ("tracestate", "a=1,b=2"),
+        ),
+    ],
+)
+def test_a_sampled_attempt_sends_what_the_propagators_write(caller: Metadata) -> None:
+    """The client span's traceparent (and the caller's tracestate) as the W3C propagator writes
+    them, then the route's baggage, after the forwarded headers."""
+    from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+    tracing, _ = _traced(ALWAYS_ON)
+    token = context.attach(context.Context())
+    try:
+        span = tracing.server_span(PATH, caller)
+        metadata, client = tracing.attempt(span, _plan(), PATH)
+        written: dict[str, str] = {}
+        TraceContextTextMapPropagator().inject(written, trace.set_span_in_context(client))
+        client.end()
+        tracing.end(span, _plan(), grpc.StatusCode.OK)
+    finally:
+        context.detach(token)
+    assert ("tracestate" in written) == bool(caller)
+    assert metadata == (
+        ("x-user-id", "u"),
+        *written.items(),
+        ("baggage", "model.version=2,model.dye=canary"),
+    )
+
+
 def test_an_unsampled_root_call_sends_what_the_propagators_write() -> None:
     """A call that brought no trace context and that the sampler left out (most calls): its
     attempts carry its traceparent exactly as the W3C propagator writes it (the sidecar writes
