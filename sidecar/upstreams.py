@@ -226,6 +226,7 @@ class Upstreams:
                     retiring = asyncio.get_running_loop().create_task(old.close(RETIRED_GRACE_S))
                     self._retired.add(retiring)
                     retiring.add_done_callback(self._retired.discard)
+            self._on_change()  # new channels: what was made of the old ones is made again
             log.info("upstream TLS files reloaded; new calls use new channels")
 
     def versions(self, model: str) -> frozenset[str]:
@@ -253,12 +254,13 @@ class Upstreams:
     def models(self) -> set[str]:
         return {model for upstream in self.all for model in upstream.served}
 
+    def serving(self, model: str, version: str) -> list[Upstream]:
+        """Upstreams that serve the version, in their order (no turn taken)."""
+        return [u for u in self.all if u.serves(model, version)]
+
     def candidates(self, model: str, version: str) -> list[Upstream]:
         """Upstreams that serve the version, reachable ones first, in turn."""
-        if len(self.all) == 1:  # the usual pod (asked per call)
-            only = self.all[0]
-            return [only] if only.serves(model, version) else []
-        serving = [u for u in self.all if u.serves(model, version)]
+        serving = self.serving(model, version)
         if len(serving) > 1:
             self._turn += 1
             shift = self._turn % len(serving)
