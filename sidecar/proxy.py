@@ -210,9 +210,11 @@ class Proxy(_Handler):
                     (plan.forward, None) if span is None else self._tracing.attempt(span, plan, info.path)
                 )
                 try:
-                    response, initial, trailing = await forward.ask(
-                        _start(info, plan, request, metadata, context, scope)
+                    time_left = context.time_remaining()
+                    call = forward.start(
+                        plan.upstream, info.path, info.kind, request, metadata, time_left, scope.flight
                     )
+                    response, initial, trailing = await forward.ask(call)
                 except forward.Failed as failed:
                     scope.code = failed.code
                     if client is not None:
