@@ -212,7 +212,7 @@ class Proxy(_Handler):
                 try:
                     time_left = context.time_remaining()
                     call = forward.start(
-                        plan.upstream, info.path, info.kind, request, metadata, time_left, scope.flight
+                        plan.upstream, info.path, info.kind, request, metadata, time_left, scope
                     )
                     response, initial, trailing = await forward.ask(call)
                 except forward.Failed as failed:
@@ -386,5 +386,5 @@ def _start(
 ) -> Any:
     """One attempt's upstream call, started as planned, within the caller's time left."""
     return forward.start(
-        plan.upstream, info.path, info.kind, request, metadata, context.time_remaining(), scope.flight
+        plan.upstream, info.path, info.kind, request, metadata, context.time_remaining(), scope
     )
