@@ -215,7 +215,7 @@ class Plan(Generic[U]):
             latency,
             self.caller,
             has_fallback,
-            stable=self.stable if has_fallback else "",  # a canary is judged against stable
+            self.stable if has_fallback else "",  # stable: a canary is judged against it
         )
 
 
@@ -270,11 +270,12 @@ def read(request: bytes | None, md: Metadata, views: Views, *, model_addressed: 
     by the one name rule before they reach any state, label or message."""
     received: dict[str, str] = {}
     kept: list[tuple[str, str | bytes]] = []
-    for key, value in md:  # one pass over the call's metadata
+    for item in md:  # one pass over the call's metadata
+        key, value = item
         if isinstance(value, str):
             received[key] = value
         if key not in _DROP and key[:1] != ":":
-            kept.append((key, value))
+            kept.append(item)  # the pair itself, not a copy
     forward = tuple(kept)
     model = pin = ""
     read: Read | None = None
