@@ -226,7 +226,6 @@ class Upstreams:
                     retiring = asyncio.get_running_loop().create_task(old.close(RETIRED_GRACE_S))
                     self._retired.add(retiring)
                     retiring.add_done_callback(self._retired.discard)
-            self._on_change()  # new channels: what was made of the old ones is made again
             log.info("upstream TLS files reloaded; new calls use new channels")
 
     def versions(self, model: str) -> frozenset[str]:

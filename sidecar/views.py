@@ -6,10 +6,11 @@ nobody serves gets a fresh view per call: any name a client sends is asked for, 
 state). All of them are dropped at once when something they hold may have changed:
 - the route table (reloaded from its file, changed over the admin endpoint or by a rollout: a new
   table is bound whole, so the first call under it finds the views are of another);
-- what the upstreams serve, their labels, health and channels (every such change calls
-  `Sidecar.upstreams_changed`, which calls `clear`), and the breakers pruned after such a change
-  (`clear` again, so that no view holds a breaker the sidecar dropped).
-A breaker's state is not held: the view holds the breaker itself, whose `allow` reads it.
+- what the upstreams serve, whether they have reported it, and their health (every such change
+  calls `Sidecar.upstreams_changed`, which calls `clear`), and the breakers pruned after such a
+  change (`clear` again, so that no view holds a breaker the sidecar dropped).
+A breaker's state is not held: the view holds the breaker itself, whose `allow` reads it; nor
+are channels (a TLS renewal's new ones): an attempt asks its upstream for its method.
 """
 
 from __future__ import annotations
