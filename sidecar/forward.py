@@ -132,7 +132,7 @@ def answer(context: Context, trailing: Iterable[Any] | None, added: Metadata) ->
     x-served-version (docs/api.md): grpc.aio sends initial metadata that a handler sets as a batch
     of its own (about 60 us of the sidecar's CPU per call), while the trailing metadata goes in
     the answer's final batch. A plain function: one coroutine a call less."""
-    md = with_metadata(trailing, added)
+    md = (*trailing, *added) if trailing else added  # with_metadata, inline
     if md:
         context.set_trailing_metadata(md)
 

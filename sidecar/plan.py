@@ -16,8 +16,8 @@ unreachable one, stable for a canary fault, or None: the failure is the answer).
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
-from typing import Generic, Protocol, TypeVar
+from dataclasses import dataclass, field
+from typing import Any, Generic, Protocol, TypeVar
 
 from modelyard.common import headers
 from modelyard.common.names import InvalidName, check_name, check_version, echo
@@ -25,7 +25,16 @@ from modelyard.common.reasons import ErrorReason, is_server_fault
 from modelyard.sidecar.breakers import Breaker, Breakers, Permit
 from modelyard.sidecar.limits import ANY_TENANT, TenantLimit
 from modelyard.sidecar.routes import RouteTable
-from modelyard.sidecar.routing import CANARY, STABLE, Decision, RoutingError, decide, stable_and_canary
+from modelyard.sidecar.routing import (
+    CANARY,
+    PINNED,
+    STABLE,
+    Decision,
+    ModelRoute,
+    RoutingError,
+    choose,
+    stable_and_canary,
+)
 from modelyard.sidecar.wire import ModelFields, WireError, read_model_fields, with_version
 
 Metadata = tuple[tuple[str, str | bytes], ...]
@@ -65,6 +74,8 @@ class Pool(Protocol[U_co]):
 
     def candidates(self, model: str, version: str) -> Sequence[U_co]: ...
 
+    def serving(self, model: str, version: str) -> Sequence[U_co]: ...
+
     def any(self) -> Sequence[U_co]: ...
 
 
@@ -92,12 +103,57 @@ class Request:
     pin: str
     received: Mapping[str, str]  # the string-valued request headers
     forward: Metadata  # request metadata for the upstream, less what the sidecar sets itself
-    known: bool  # the upstreams serve the model (WatchModels): it earns state and a label
+    view: ModelView[Any]  # the model as the sidecar knows it now (model_view)
     read: Read | None = None  # the call's first message and its fields, as read (once)
 
     @property
+    def known(self) -> bool:
+        """The upstreams serve the model (WatchModels): it earns state and a label."""
+        return self.view.known
+
+    @property
     def label(self) -> str:
-        return self.model if self.known else OTHER
+        return self.view.label
+
+
+@dataclass(slots=True, eq=False)
+class Served(Generic[U]):
+    """One version of a model as `take` finds it while its view stands: whether it gets state
+    (is_stateful), the upstream serving it when exactly one does, with its breaker (None: none,
+    or several, whose turn and reachability `take` asks of the pool per call), and the headers
+    an attempt at it carries, by dye."""
+
+    stateful: bool
+    only: U | None
+    breaker: Breaker | None
+    headers: Mapping[str, Metadata]
+
+
+@dataclass(slots=True, eq=False)
+class ModelView(Generic[U]):
+    """A model as a dyed call reads it: what changes only when the route table, the versions the
+    upstreams serve or the breakers do (views.ModelViews keeps one per served model, and drops
+    them all on each such change), read per call in one look instead of a dozen."""
+
+    model: str
+    known: bool
+    label: str
+    route: ModelRoute
+    stable: str
+    canary: str
+    table: RouteTable
+    versions: dict[str, Served[U]] = field(default_factory=dict)  # filled by `take` (stateful only)
+
+
+def model_view(model: str, table: RouteTable, pool: Pool[U]) -> ModelView[U]:
+    """The view of a model under this table and what the pool serves now."""
+    known = bool(model) and pool.knows(model)
+    route = table.route(model)
+    stable, canary = stable_and_canary(route, pool.versions(model) if known else ())
+    return ModelView(model, known, model if known else OTHER, route, stable, canary, table)
+
+
+Views = Callable[[str], ModelView[Any]]  # model -> its view (views.ModelViews.of)
 
 
 @dataclass(slots=True)
@@ -159,7 +215,7 @@ class Plan(Generic[U]):
             latency,
             self.caller,
             has_fallback,
-            stable=self.stable if has_fallback else "",  # a canary is judged against stable
+            self.stable if has_fallback else "",  # stable: a canary is judged against it
         )
 
 
@@ -209,16 +265,17 @@ def tenant_bucket(tenants: Mapping[str, TenantLimit], received: Mapping[str, str
     return named if named in tenants and named != ANY_TENANT else ANY_TENANT
 
 
-def read(request: bytes | None, md: Metadata, pool: Pool[Target], *, model_addressed: bool) -> Request:
+def read(request: bytes | None, md: Metadata, views: Views, *, model_addressed: bool) -> Request:
     """The model and pinned version a call names (its fields 1 and 2, else its headers), checked
     by the one name rule before they reach any state, label or message."""
     received: dict[str, str] = {}
     kept: list[tuple[str, str | bytes]] = []
-    for key, value in md:  # one pass over the call's metadata
+    for item in md:  # one pass over the call's metadata
+        key, value = item
         if isinstance(value, str):
             received[key] = value
         if key not in _DROP and key[:1] != ":":
-            kept.append((key, value))
+            kept.append(item)  # the pair itself, not a copy
     forward = tuple(kept)
     model = pin = ""
     read: Read | None = None
@@ -243,20 +300,21 @@ def read(request: bytes | None, md: Metadata, pool: Pool[Target], *, model_addre
         except InvalidName as exc:
             raise Refused("INVALID_ARGUMENT", str(exc), ErrorReason.INVALID_ARGUMENT) from exc
         read = (message, fields)
-    known = bool(model) and pool.knows(model)
-    return Request(model, pin, received, forward, known, read)
+    return Request(model, pin, received, forward, views(model), read)
 
 
-def routing_decision(request: Request, table: RouteTable, pool: Pool[Target]) -> Decision:
-    """The version and dye of a data call (routing.decide); a bad routing header is refused."""
-    sticky = request.received.get(table.stickiness_header) or request.received.get(headers.REQUEST_ID)
+def routing_decision(request: Request) -> Decision:
+    """The version and dye of a data call (routing.choose); a bad routing header is refused."""
+    view, received = request.view, request.received
+    sticky = received.get(view.table.stickiness_header) or received.get(headers.REQUEST_ID)
     try:
-        return decide(
-            table.route(request.model),
-            pool.versions(request.model) if request.known else (),
+        return choose(
+            view.route,
+            view.stable,
+            view.canary,
             pin=request.pin,
             sticky_key=sticky,
-            header_weight=request.received.get(headers.CANARY_WEIGHT),
+            header_weight=received.get(headers.CANARY_WEIGHT),
         )
     except RoutingError as exc:
         raise Refused("INVALID_ARGUMENT", str(exc), ErrorReason.INVALID_ARGUMENT) from exc
@@ -280,9 +338,7 @@ def unrouted(request: Request, pool: Pool[U], *, model_addressed: bool) -> Plan[
     )
 
 
-def first(
-    request: Request, decision: Decision, caller: int, table: RouteTable, pool: Pool[U], breakers: Breakers
-) -> Plan[U]:
+def first(request: Request, decision: Decision, caller: int, pool: Pool[U], breakers: Breakers) -> Plan[U]:
     """The first attempt of a data call: an upstream for the decided version whose breaker lets
     the call through; a canary with none falls back to stable (`breaker-open` when a breaker
     refused, else `unavailable`); with none for the version either, the call is refused. While
@@ -296,12 +352,13 @@ def first(
         and breakers.shut(request.model, decision.version)
     ):
         decision = Decision(decision.stable, STABLE, stable=decision.stable)
-    found, blocked = take(request.model, decision.version, (), table, pool, breakers)
+    view = request.view
+    found, blocked, served = take(view, decision.version, (), pool, breakers)
     dye, version, fallback = decision.dye, decision.version, ""
     if found is None and decision.dye == CANARY and decision.stable:
         fallback = FALLBACK_BREAKER if blocked else FALLBACK_UNAVAILABLE
         dye, version = STABLE, decision.stable
-        found, _ = take(request.model, version, (), table, pool, breakers)
+        found, _, served = take(view, version, (), pool, breakers)
     if found is None:
         if blocked:
             raise Refused(
@@ -317,7 +374,7 @@ def first(
     upstream, breaker, permit = found
     forward = request.forward
     if version:
-        forward = (*forward, (headers.MODEL_VERSION, version), (headers.MODEL_DYE, dye))
+        forward = (*forward, *served.headers[dye])
     return Plan(
         request.model,
         version,
@@ -329,7 +386,7 @@ def first(
         permit,
         forward,
         caller,
-        request.label,
+        view.label,
         fell_back=bool(fallback),
         read=request.read,
     )
@@ -341,14 +398,15 @@ def after_failure(
     reason: str,
     latency: float | None,
     tried: list[U],
-    table: RouteTable,
+    view: ModelView[U],
     pool: Pool[U],
     breakers: Breakers,
 ) -> Plan[U] | None:
     """An attempt failed before any answer reached the client: its verdict goes to its breaker,
     and the next attempt is returned (another upstream for an unreachable one, stable for a
     canary fault: a canary's faults count against its breaker, never against a user), or None
-    when the failure is the answer. `tried` gathers the upstreams tried so far."""
+    when the failure is the answer. `tried` gathers the upstreams tried so far; `view`: the
+    model's view now (ModelViews.of)."""
     plan.report(code, reason, latency)
     unreachable = is_unreachable(code, reason)
     if not unreachable and not (plan.dye == CANARY and is_fault(code, reason)):
@@ -356,11 +414,11 @@ def after_failure(
     tried.append(plan.upstream)
     forward = _strip(plan.forward)
     if unreachable:
-        found, _ = take(plan.model, plan.version, tried, table, pool, breakers, fallback_to_any=False)
+        found, _, _ = take(view, plan.version, tried, pool, breakers, fallback_to_any=False)
         if found is not None:
             return _next(plan, plan.version, plan.dye, plan.fallback, found, forward)
     if plan.dye == CANARY and plan.stable:
-        found, _ = take(plan.model, plan.stable, tried if unreachable else (), table, pool, breakers)
+        found, _, _ = take(view, plan.stable, tried if unreachable else (), pool, breakers)
         if found is not None:
             reason = FALLBACK_UNAVAILABLE if unreachable else FALLBACK_CANARY_FAULT
             return _next(plan, plan.stable, STABLE, reason, found, forward, fell_back=True)
@@ -442,34 +500,59 @@ def is_stateful(model: str, version: str, table: RouteTable, pool: Pool[Target])
 
 
 def take(
-    model: str,
+    view: ModelView[U],
     version: str,
     exclude: Sequence[U],
-    table: RouteTable,
     pool: Pool[U],
     breakers: Breakers,
     fallback_to_any: bool = True,
-) -> tuple[Found[U] | None, bool]:
+) -> tuple[Found[U] | None, bool, Served[U]]:
     """The first upstream for the version whose breaker lets a call through (its permit taken);
-    and whether a breaker refused. With no upstream known to serve it, any (it answers NOT_FOUND
-    itself), unless `fallback_to_any` is off."""
+    whether a breaker refused; and the version as the view holds it. With no upstream known to
+    serve it, any (it answers NOT_FOUND itself), unless `fallback_to_any` is off."""
+    served = view.versions.get(version)
+    if served is None:
+        served = _served(view, version, pool, breakers)
+    only = served.only
+    if only is not None:  # the usual pod: one upstream serves it, its breaker at hand
+        if only in exclude:
+            return None, False, served
+        breaker = served.breaker
+        if breaker is None:
+            return (only, None, None), False, served
+        permit = breaker.allow()
+        return ((only, breaker, permit), False, served) if permit is not None else (None, True, served)
     blocked = False
-    candidates = pool.candidates(model, version)
+    model = view.model
+    candidates = pool.candidates(model, version)  # several in turn, reachable ones first; or none
     if not candidates and fallback_to_any:
         candidates = pool.any()
-    # is_stateful's usual answer (a served version) in one look, without its call
-    stateful = (bool(version) and pool.knows(model, version)) or is_stateful(model, version, table, pool)
     for upstream in candidates:
         if upstream in exclude:
             continue
-        if not stateful:
-            return (upstream, None, None), blocked
+        if not served.stateful:
+            return (upstream, None, None), blocked, served
         breaker = breakers.get(upstream.address, model, version)
         permit = breaker.allow()
         if permit is not None:
-            return (upstream, breaker, permit), blocked
+            return (upstream, breaker, permit), blocked, served
         blocked = True
-    return None, blocked
+    return None, blocked, served
+
+
+def _served(view: ModelView[U], version: str, pool: Pool[U], breakers: Breakers) -> Served[U]:
+    """A version of the view's model, kept in the view when it gets state (a version the
+    upstreams serve or the route names: a bounded few; a pin a client made up is not kept)."""
+    model = view.model
+    stateful = is_stateful(model, version, view.table, pool)
+    serving = pool.serving(model, version)
+    only = serving[0] if len(serving) == 1 else None
+    breaker = breakers.get(only.address, model, version) if only is not None and stateful else None
+    sent = {d: ((headers.MODEL_VERSION, version), (headers.MODEL_DYE, d)) for d in (STABLE, CANARY, PINNED)}
+    served = Served(stateful, only, breaker, sent)
+    if stateful:
+        view.versions[version] = served
+    return served
 
 
 def _next(

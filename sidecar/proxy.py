@@ -50,6 +50,7 @@ from modelyard.sidecar.scope import Scope, Scopes
 from modelyard.sidecar.shadow import Shadows, token_ids
 from modelyard.sidecar.tracing import Tracing
 from modelyard.sidecar.upstreams import Upstream, Upstreams
+from modelyard.sidecar.views import ModelViews
 
 Context = grpc.aio.ServicerContext[bytes, bytes]
 if TYPE_CHECKING:
@@ -131,6 +132,8 @@ class Proxy(_Handler):
         self._limits = limits
         self._tracing = tracing
         self._scopes = Scopes(limits, metrics, tracing)
+        self.views = ModelViews(routes, upstreams)  # cleared by the sidecar on every change
+        self._view_of = self.views.of
         self._handlers: dict[str, _MethodHandler] = {}
         for info in method_table().values():
             handler = self._make_handler(info)
@@ -207,9 +210,11 @@ class Proxy(_Handler):
                     (plan.forward, None) if span is None else self._tracing.attempt(span, plan, info.path)
                 )
                 try:
-                    response, initial, trailing = await forward.ask(
-                        _start(info, plan, request, metadata, context, scope)
+                    time_left = context.time_remaining()
+                    call = forward.start(
+                        plan.upstream, info.path, info.kind, request, metadata, time_left, scope
                     )
+                    response, initial, trailing = await forward.ask(call)
                 except forward.Failed as failed:
                     scope.code = failed.code
                     if client is not None:
@@ -310,16 +315,16 @@ class Proxy(_Handler):
         scope's), an upstream whose breaker lets it through; or `Refused` (see `_refuse`). A plain
         function, not a coroutine: only a refusal awaits anything."""
         upstreams = self._upstreams
-        asked = planner.read(first, scope.metadata, upstreams, model_addressed=info.model_addressed)
+        asked = planner.read(first, scope.metadata, self._view_of, model_addressed=info.model_addressed)
         if not info.routed:
             return planner.unrouted(asked, upstreams, model_addressed=info.model_addressed)
-        table = self._routes.table
-        decision = planner.routing_decision(asked, table, upstreams)
+        table = asked.view.table  # the table the model's view was made under
+        decision = planner.routing_decision(asked)
         tenant = planner.tenant_bucket(table.tenants, asked.received)
         if tenant:
             scope.admit(tenant, table.tenants)
         scope.caller = planner.caller_key(asked.received, table.stickiness_header, context.peer)
-        return planner.first(asked, decision, scope.caller, table, upstreams, self._breakers)
+        return planner.first(asked, decision, scope.caller, upstreams, self._breakers)
 
     async def _refuse(self, scope: Scope, refused: Refused, context: Context) -> NoReturn:
         """The sidecar answers the call itself (a bad name, a tenant limit, no upstream left)."""
@@ -336,7 +341,7 @@ class Proxy(_Handler):
             failed.reason,
             latency,
             tried,
-            self._routes.table,
+            self._view_of(plan.model),
             self._upstreams,
             self._breakers,
         )
@@ -381,5 +386,5 @@ def _start(
 ) -> Any:
     """One attempt's upstream call, started as planned, within the caller's time left."""
     return forward.start(
-        plan.upstream, info.path, info.kind, request, metadata, context.time_remaining(), scope.flight
+        plan.upstream, info.path, info.kind, request, metadata, context.time_remaining(), scope
     )

@@ -111,12 +111,23 @@ def decide(
     header_weight: str | None,
 ) -> Decision:
     """The version for one request. `sticky_key` None means no key: a random bucket."""
+    stable, canary = stable_and_canary(route, served)
+    return choose(route, stable, canary, pin=pin, sticky_key=sticky_key, header_weight=header_weight)
+
+
+def choose(
+    route: ModelRoute,
+    stable: str,
+    canary: str,
+    *,
+    pin: str,
+    sticky_key: str | None,
+    header_weight: str | None,
+) -> Decision:
+    """`decide`, given the route's stable and canary (stable_and_canary): what a dyed call runs,
+    with those two read from its model's view (plan.ModelView)."""
     if pin:
         return Decision(normalize_version(pin), PINNED)
-    # stable_and_canary, inline: this runs per dyed call
-    stable, canary = _stable_and_canary(
-        route.stable, route.canary, served if isinstance(served, frozenset) else frozenset(served)
-    )
     if not stable:
         return Decision("", "")  # versions unknown (yet): undyed, the service answers as it would
     if not canary or canary == stable:

@@ -55,10 +55,9 @@ class Flights:
         self._emptied: asyncio.Event | None = None
         self._draining = False
 
-    def enter(self) -> Flight:
-        flight = Flight(None, self._draining)
+    def enter(self, flight: Flight) -> None:
+        flight.drained = self._draining
         self._flights.add(flight)
-        return flight
 
     def leave(self, flight: Flight) -> None:
         flights = self._flights
@@ -92,8 +91,9 @@ class Flights:
             await self._until_empty(0.5)
 
 
-class Scope:
-    """One call. `code` is the status the client gets (set as the call goes), `reason` its
+class Scope(Flight):
+    """One call, and its place among the calls in flight (a Flight itself: no object of its
+    own per call). `code` is the status the client gets (set as the call goes), `reason` its
     x-error-reason where known; `plan` the current attempt (None until planned, and for a call
     refused before it had one)."""
 
@@ -104,7 +104,6 @@ class Scope:
         "_tenant",
         "caller",
         "code",
-        "flight",
         "metadata",
         "path",
         "plan",
@@ -125,7 +124,8 @@ class Scope:
         self.caller: int | None = None
         tracing = scopes.tracing
         self.span = tracing.server_span(path, md) if tracing.enabled else None  # no call untraced
-        self.flight = scopes.flights.enter()
+        self.call = None
+        scopes.flights.enter(self)
 
     def __enter__(self) -> Scope:
         return self
@@ -176,16 +176,16 @@ class Scope:
         """Whether a CancelledError came from the drain (it cancelled the upstream call), not from
         the client's cancel (which cancels the handler's task)."""
         task = asyncio.current_task()
-        return self.flight.drained and (task is None or not task.cancelling())
+        return self.drained and (task is None or not task.cancelling())
 
     def close(self) -> None:
         if self._closed:
             return
         self._closed = True
-        scopes, plan, code, flight = self._scopes, self.plan, self.code, self.flight
-        scopes.flights.leave(flight)
+        scopes, plan, code = self._scopes, self.plan, self.code
+        scopes.flights.leave(self)
         reason = self.reason
-        if not reason and flight.drained and code == grpc.StatusCode.UNAVAILABLE:
+        if not reason and self.drained and code == grpc.StatusCode.UNAVAILABLE:
             reason = ErrorReason.DRAINING.value  # the sidecar's shutdown: no server fault
         span = self.span
         if span is not None and not isinstance(span, str):  # unsampled: its traceparent (tracing.py)
@@ -203,7 +203,7 @@ class Scope:
             scopes.metrics.answered(method, "", "", "", name, "", took)
             return
         # The caller's cancel, or the sidecar's drain, is no verdict on the upstream.
-        fault = not (ok or cancelled or flight.drained) and is_fault(name, reason)
+        fault = not (ok or cancelled or self.drained) and is_fault(name, reason)
         version = plan.version
         if version and plan.breaker is None:  # version_label, inline
             version = OTHER

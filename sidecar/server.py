@@ -172,6 +172,7 @@ class Sidecar:
         await self.tracing.close()
 
     def upstreams_changed(self) -> None:
+        self.proxy.views.clear()  # what a model's view holds may have changed (views.py)
         self._changed.set()
 
     async def _follow_upstreams(self) -> None:
@@ -187,7 +188,10 @@ class Sidecar:
             await self.health.set(
                 health_names.SERVER, health_names.SERVING if ready else health_names.NOT_SERVING
             )
-            for key in self.breakers.prune(self._breaker_wanted):
+            pruned = self.breakers.prune(self._breaker_wanted)
+            if pruned:
+                self.proxy.views.clear()  # no view keeps a breaker the sidecar dropped
+            for key in pruned:
                 self.metrics.breaker_removed(key)
             # Breakers (and their state series) exist from the start; an upstream whose health is
             # back gets its breakers' backoff growth reset.

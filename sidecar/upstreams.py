@@ -253,12 +253,13 @@ class Upstreams:
     def models(self) -> set[str]:
         return {model for upstream in self.all for model in upstream.served}
 
+    def serving(self, model: str, version: str) -> list[Upstream]:
+        """Upstreams that serve the version, in their order (no turn taken)."""
+        return [u for u in self.all if u.serves(model, version)]
+
     def candidates(self, model: str, version: str) -> list[Upstream]:
         """Upstreams that serve the version, reachable ones first, in turn."""
-        if len(self.all) == 1:  # the usual pod (asked per call)
-            only = self.all[0]
-            return [only] if only.serves(model, version) else []
-        serving = [u for u in self.all if u.serves(model, version)]
+        serving = self.serving(model, version)
         if len(serving) > 1:
             self._turn += 1
             shift = self._turn % len(serving)

@@ -60,36 +60,45 @@ def read_model_fields(data: bytes, max_fields: int = MAX_FIELDS) -> ModelFields:
     version: bytes | None = None
     pos = 0
     end = len(data)
-    walked = 0
-    while pos < end and (name is None or version is None):
-        if walked >= max_fields:
+    left = max_fields
+    while pos < end:
+        if not left:
             if name is None:  # not named within the bound: no model, no version
                 return ModelFields(complete=False)
             return ModelFields(_text(name), "", complete=False)
-        walked += 1
+        left -= 1
         # One-byte varints (tags of fields 1-15, lengths under 128) inline: this runs per message.
         key = data[pos]
         if key < 0x80:
             pos += 1
         else:
             key, pos = _varint(data, pos)
-        field, kind = key >> 3, key & 7
-        if field == 0:
-            raise WireError("field number 0")
+        kind = key & 7
         if kind == _LEN:
-            if pos < end and data[pos] < 0x80:
-                size = data[pos]
+            if key < 8:
+                raise WireError("field number 0")
+            size = data[pos] if pos < end else 0x80
+            if size < 0x80:
                 pos += 1
             else:
                 size, pos = _varint(data, pos)
-            if size > end - pos:
-                raise WireError("length-delimited field runs past the end")
-            if field == 1 and name is None:
-                name = data[pos : pos + min(size, VALUE_MAX)]  # a copy of the value alone
-            elif field == 2 and version is None:
-                version = data[pos : pos + min(size, VALUE_MAX)]
+            start = pos
             pos += size
-        elif kind == _VARINT:
+            if pos > end:
+                raise WireError("length-delimited field runs past the end")
+            if key == 0x0A:  # field 1
+                if name is None:
+                    name = data[start : start + min(size, VALUE_MAX)]  # a copy of the value alone
+                    if version is not None:
+                        break
+            elif key == 0x12 and version is None:  # field 2
+                version = data[start : start + min(size, VALUE_MAX)]
+                if name is not None:
+                    break
+            continue
+        if key < 8:
+            raise WireError("field number 0")
+        if kind == _VARINT:
             _, pos = _varint(data, pos)
         elif kind == _I64:
             pos += 8

@@ -267,6 +267,8 @@ class Pool:
     def candidates(self, model: str, version: str) -> Sequence[Up]:
         return [self.ups[a] for a, vs in self.served.items() if model == "m" and version in vs]
 
+    serving = candidates  # no turn taken here
+
     def any(self) -> Sequence[Up]:
         return list(self.ups.values())
 
@@ -278,8 +280,9 @@ def test_an_open_canary_has_effective_weight_zero_until_its_backoff_ends(clock: 
     breakers, _, canary = versions(clock)
     pool = Pool({"s": {"1"}, "c": {"2"}})
     table = RouteTable(models={"m": ModelRoute(canary_weight=30)})
-    by_route = Request("m", "", {}, (), True)
-    by_header = Request("m", "", {"x-canary-weight": "100"}, (), True)
+    view = planner.model_view("m", table, pool)
+    by_route = Request("m", "", {}, (), view)
+    by_header = Request("m", "", {"x-canary-weight": "100"}, (), view)
 
     def status() -> tuple[float, float, str | None]:
         found = planner.canary_status("m", table, pool, breakers)
@@ -290,14 +293,14 @@ def test_an_open_canary_has_effective_weight_zero_until_its_backoff_ends(clock: 
         canary_call(canary, i, fault=True)
     assert status() == (30, 0, "open") and breakers.is_open("m", "2") and not breakers.is_open("m", "1")
     # Dyed canary by the route: stable, with no fallback to tell (no new user goes there).
-    plan = planner.first(by_route, CANARY_2, 7, table, pool, breakers)
+    plan = planner.first(by_route, CANARY_2, 7, pool, breakers)
     assert (plan.version, plan.dye, plan.fallback) == ("1", STABLE, "")
     # Asked for by the caller's own header: a per-call fallback, told.
-    plan = planner.first(by_header, CANARY_2, 7, table, pool, breakers)
+    plan = planner.first(by_header, CANARY_2, 7, pool, breakers)
     assert (plan.version, plan.dye, plan.fallback) == ("1", STABLE, "breaker-open")
     clock.now += DEFAULT.backoff_s  # probes may go: the weight is back, for the probes to come
     assert status() == (30, 30, "open")
-    plan = planner.first(by_route, CANARY_2, 7, table, pool, breakers)
+    plan = planner.first(by_route, CANARY_2, 7, pool, breakers)
     assert (plan.version, plan.dye, plan.fallback) == ("2", CANARY, "")
     assert status() == (30, 30, "half-open") and breakers.is_open("m", "2")
 

@@ -58,8 +58,15 @@ class Pool:
             if model in models and (not version or version in models[model])
         ]
 
+    serving = candidates  # no turn taken here
+
     def any(self) -> Sequence[Up]:
         return list(self.ups.values())
+
+
+def views(pool: Pool, table: RouteTable | None = None) -> planner.Views:
+    """Each model's view made afresh (views.ModelViews keeps them; the planner reads them)."""
+    return lambda model: planner.model_view(model, table or RouteTable(), pool)
 
 
 class World:
@@ -83,17 +90,27 @@ class World:
             breaker.report(permit, True, None, caller)
         assert breaker.state is State.OPEN
 
+    def view(self, model: str = "m") -> planner.ModelView[Up]:
+        return planner.model_view(model, self.table, self.pool)
+
     def request(self, model: str = "m", pin: str = "") -> Request:
-        return Request(model, pin, self.received, (("x-request-id", "r1"),), self.pool.knows(model))
+        return Request(model, pin, self.received, (("x-request-id", "r1"),), self.view(model))
 
     def first(self, decision: Decision, model: str = "m") -> Plan[Up]:
-        return planner.first(self.request(model), decision, 7, self.table, self.pool, self.breakers)
+        return planner.first(self.request(model), decision, 7, self.pool, self.breakers)
 
     def after(
         self, plan: Plan[Up], code: str, reason: str = "", tried: list[Up] | None = None
     ) -> Plan[Up] | None:
         return planner.after_failure(
-            plan, code, reason, None, tried if tried is not None else [], self.table, self.pool, self.breakers
+            plan,
+            code,
+            reason,
+            None,
+            tried if tried is not None else [],
+            self.view(plan.model),
+            self.pool,
+            self.breakers,
         )
 
 
@@ -367,12 +384,12 @@ def test_reading_the_model_and_pin(
     pool = Pool(TWO_VERSIONS)
     if isinstance(expected, str):
         with pytest.raises(Refused) as refused:
-            planner.read(body, md, pool, model_addressed=True)
+            planner.read(body, md, views(pool), model_addressed=True)
         assert (refused.value.code, refused.value.reason) == ("INVALID_ARGUMENT", "invalid_argument")
         assert expected in str(refused.value)
         assert refused.value.metadata == (("x-error-reason", "invalid_argument"),)
         return
-    asked = planner.read(body, md, pool, model_addressed=True)
+    asked = planner.read(body, md, views(pool), model_addressed=True)
     assert (asked.model, asked.pin, asked.known, asked.label) == (*expected, True, "m")
 
 
@@ -387,34 +404,35 @@ def test_reading_drops_what_the_sidecar_sets_itself_and_ignores_fields_of_unaddr
         ("x-user-id", "u1"),
         ("bin-bin", b"\x00"),
     )
-    asked = planner.read(message("nobody"), md, Pool(TWO_VERSIONS), model_addressed=False)
+    asked = planner.read(message("nobody"), md, views(Pool(TWO_VERSIONS)), model_addressed=False)
     assert (asked.model, asked.pin, asked.known, asked.label) == ("", "", False, OTHER)
     assert asked.forward == (("x-user-id", "u1"), ("bin-bin", b"\x00"))
     assert "bin-bin" not in asked.received and asked.received["x-user-id"] == "u1"
-    unknown = planner.read(message("nobody"), (), Pool(TWO_VERSIONS), model_addressed=True)
+    unknown = planner.read(message("nobody"), (), views(Pool(TWO_VERSIONS)), model_addressed=True)
     assert (unknown.model, unknown.known, unknown.label) == ("nobody", False, OTHER)
 
 
 def test_a_call_that_is_not_dyed_goes_to_a_serving_upstream_else_any() -> None:
     pool = Pool({"a": {"other": {"1"}}, "b": {"m": {"1"}}})
-    plan = planner.unrouted(Request("m", "", {}, (), True), pool, model_addressed=True)
+    view = views(pool)
+    plan = planner.unrouted(Request("m", "", {}, (), view("m")), pool, model_addressed=True)
     assert (plan.upstream.address, plan.breaker, plan.dye, plan.label) == ("b", None, "", "m")
-    plan = planner.unrouted(Request("m", "", {}, (), True), pool, model_addressed=False)
+    plan = planner.unrouted(Request("m", "", {}, (), view("m")), pool, model_addressed=False)
     assert plan.upstream.address == "a"
-    plan = planner.unrouted(Request("x", "", {}, (), False), pool, model_addressed=True)
+    plan = planner.unrouted(Request("x", "", {}, (), view("x")), pool, model_addressed=True)
     assert (plan.upstream.address, plan.label) == ("a", OTHER)
 
 
 def test_a_bad_weight_header_is_refused_and_a_good_one_decides() -> None:
-    pool = Pool(TWO_VERSIONS)
-    request = Request("m", "", {"x-canary-weight": "101"}, (), True)
+    view = views(Pool(TWO_VERSIONS))
+    request = Request("m", "", {"x-canary-weight": "101"}, (), view("m"))
     with pytest.raises(Refused) as refused:
-        planner.routing_decision(request, RouteTable(), pool)
+        planner.routing_decision(request)
     assert (refused.value.code, refused.value.reason) == ("INVALID_ARGUMENT", "invalid_argument")
-    everyone = Request("m", "", {"x-canary-weight": "100", "x-user-id": "u"}, (), True)
-    assert planner.routing_decision(everyone, RouteTable(), pool) == CANARY_2
-    unknown = Request("x", "", {"x-canary-weight": "100"}, (), False)  # versions not known: undyed
-    assert planner.routing_decision(unknown, RouteTable(), pool) == Decision("", "")
+    everyone = Request("m", "", {"x-canary-weight": "100", "x-user-id": "u"}, (), view("m"))
+    assert planner.routing_decision(everyone) == CANARY_2
+    unknown = Request("x", "", {"x-canary-weight": "100"}, (), view("x"))  # versions not known: undyed
+    assert planner.routing_decision(unknown) == Decision("", "")
 
 
 # --- tenants and callers -------------------------------------------------------------------

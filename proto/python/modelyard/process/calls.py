@@ -26,7 +26,9 @@ def note(**fields: str) -> None:
     """Add what is known of the current call (empty values are skipped); nothing outside a call."""
     call = _CALL.get()
     if call is not None:
-        call.update({name: value for name, value in fields.items() if value})
+        for name, value in fields.items():  # a loop, not a comprehension: no frame of its own
+            if value:
+                call[name] = value
 
 
 @contextmanager
