@@ -255,6 +255,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.keep is not None:
+        args.keep.mkdir(parents=True, exist_ok=True)  # --sidecar's callgrind writes its dumps straight there
     return asyncio.run(run_sidecar(args) if args.sidecar else run(args))
 
 
