@@ -402,9 +402,9 @@ class Batcher:
         self._deliver(items, done)
         if not self._closed:
             # The answers first; the next batch is planned by the loop task's next turn, behind
-            # the handlers those answers woke, so that what arrived meanwhile joins it. Planned
-            # here at once instead, before the answers, batches without a wait window settled at
-            # 5-8 rows a run where this gives 9-19 (bench.batching at c=64, docs/benchmarks.md).
+            # the handlers those answers woke, so that what arrived meanwhile joins it (without a
+            # wait window, at c=64: 12.4 rows a run on average against 10.0 when it was planned
+            # here before the answers; docs/benchmarks.md, batching).
             self._kick()
 
     def _deliver(self, items: list[_Pending], done: _Computed) -> None:
