@@ -403,8 +403,8 @@ class Batcher:
         if not self._closed:
             # The answers first; the next batch is planned by the loop task's next turn, behind
             # the handlers those answers woke, so that what arrived meanwhile joins it (without a
-            # wait window, at c=64: 12.4 rows a run on average against 10.0 when it was planned
-            # here before the answers; docs/benchmarks.md, batching).
+            # wait window, at c=64: 11.9 rows a run on average against 10.7 when it was planned
+            # here before the answers, 730 against 856 us of CPU a request; docs/benchmarks.md).
             self._kick()
 
     def _deliver(self, items: list[_Pending], done: _Computed) -> None:
