@@ -17,13 +17,14 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncGenerator, Callable, Container, Mapping, Sequence
+from collections.abc import AsyncGenerator, Callable, Mapping, Sequence
 from concurrent.futures import Executor
 from typing import NamedTuple, TypeVar
 
 import numpy as np
 
 from modelyard.service import tracing
+from modelyard.service.batching.batcher import Batcher
 from modelyard.service.batching.layer import BatchingLayer
 from modelyard.service.errors import ServiceError
 from modelyard.service.generation.model import DecoderModel
@@ -77,8 +78,8 @@ class DataPlane:
         self.manager = manager
         self._table = manager.table  # the request path resolves and leases here
         self._executor = executor
-        self._batching = batching
-        self._batched: Container[ServedVersion] = batching.batched if batching is not None else ()
+        # The batched versions' batchers (the batching layer's, read-only; none without it).
+        self._batchers: Mapping[ServedVersion, Batcher] = batching.batchers if batching is not None else {}
         # Per version, until it retires (a plain dict: read on every request).
         self._bounds: dict[ServedVersion, Bounds] = {}
 
@@ -108,7 +109,7 @@ class DataPlane:
     def _runs_here(self, served: ServedVersion) -> bool:
         """True when the version's requests run inline, one by one: no batcher, and a run of
         microseconds on the event loop (`_run_here`, called without an await)."""
-        return served.instances.runs_inline and served not in self._batched
+        return served.instances.runs_inline and served not in self._batchers
 
     def _run_here(
         self,
@@ -141,7 +142,7 @@ class DataPlane:
     ) -> dict[str, np.ndarray]:
         if self._runs_here(served):
             return self._run_here(served, inputs, names, admitted_ns)
-        batcher = self._batching.batcher(served) if self._batching is not None else None
+        batcher = self._batchers.get(served)
         if batcher is not None:
             with tracing.step("batch"):
                 return await batcher.infer(inputs, names, scheduling)
@@ -252,6 +253,10 @@ class Call:
         plane = self._plane
         if plane._runs_here(served):  # most requests of a cheap model: no await on the way
             outputs = plane._run_here(served, inputs, names, admitted)
+        elif not tracing.enabled and (batcher := plane._batchers.get(served)) is not None:
+            # A batched request with no span to open: straight to its batcher (what _run does,
+            # without its coroutine and its step)
+            outputs = await batcher.infer(inputs, names, scheduling)
         else:
             outputs = await plane._run(served, inputs, names, scheduling, admitted)
         # Made as the tuple it is: a NamedTuple's own __new__ is Python (~1 us per request).

@@ -6,7 +6,7 @@ from __future__ import annotations
 import contextlib
 import functools
 from bisect import bisect_left
-from collections.abc import Iterator, Sequence
+from collections.abc import Container, Iterator, Sequence
 from dataclasses import dataclass, field
 from itertools import accumulate
 from typing import Protocol, TypeVar
@@ -184,16 +184,23 @@ class RequestLog:
 
     LABELS = ("method", "model", "version", "code")
 
-    def __init__(self, registry: CollectorRegistry) -> None:
+    def __init__(self, registry: CollectorRegistry, known_models: Container[str]) -> None:
         # label values -> [observations per bucket (the last one +Inf)..., sum of seconds]
         self._series: dict[tuple[str, ...], list[float]] = {}
+        self._known = known_models  # the models labelled by name; any other is "_unknown"
         registry.register(self)
 
     def forget_model(self, model: str) -> None:
         # One assignment: a scrape on the HTTP thread sees the old dict or the new one.
         self._series = {key: series for key, series in self._series.items() if key[1] != model}
 
-    def observe(self, key: tuple[str, ...], seconds: float) -> None:
+    def observe_request(
+        self, method: str, model: str, version: str, code: grpc.StatusCode, seconds: float
+    ) -> None:
+        """One answered request (ServiceMetrics.observe_request is this method)."""
+        # OK without the dict: a StatusCode hashes in Python (Enum.__hash__), on every request.
+        name = "OK" if code is _OK else _CODE_NAMES[code]
+        key = (method, model if model in self._known else "_unknown", version, name)
         series = self._series.get(key)
         if series is None:
             series = self._series[key] = [0.0] * (len(LATENCY_BUCKETS) + 2)
@@ -353,7 +360,12 @@ class ServiceMetrics:
     registry: CollectorRegistry = field(default_factory=CollectorRegistry)
 
     def __post_init__(self) -> None:
-        self.requests = RequestLog(self.registry)
+        # Requests label their model by name only while it is in the repository and has served:
+        # names a request made up must not grow the label set without bound.
+        self.known_models: set[str] = set()
+        self.requests = RequestLog(self.registry, self.known_models)
+        # The request log's own method: one call per answered request, no forwarding.
+        self.observe_request = self.requests.observe_request
         self.instances = InstanceMetrics(self.registry)
         self.auth_denials = Counter(
             "modelyard_auth_denials",
@@ -408,9 +420,6 @@ class ServiceMetrics:
             registry=self.registry,
         )
         self._generation_families(["model", "version"])
-        # Requests label their model by name only while it is in the repository and has served:
-        # names a request made up must not grow the label set without bound.
-        self.known_models: set[str] = set()
         self._version_series: dict[tuple[str, str], tuple[int, set[tuple[Removable, tuple[str, ...]]]]] = {}
         self._batching_families()
 
@@ -467,14 +476,6 @@ class ServiceMetrics:
             self.versions_degraded,
         ):
             family.remove_by_labels({"model": model})
-
-    def observe_request(
-        self, method: str, model: str, version: str, code: grpc.StatusCode, seconds: float
-    ) -> None:
-        # OK without the dict: a StatusCode hashes in Python (Enum.__hash__), on every request.
-        name = "OK" if code is _OK else _CODE_NAMES[code]
-        key = (method, model if model in self.known_models else "_unknown", version, name)
-        self.requests.observe(key, seconds)
 
     def _generation_families(self, labels: list[str]) -> None:
         self.generation_ttft = Histogram(

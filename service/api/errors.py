@@ -237,9 +237,18 @@ class serving:
         self._reason = reason
         return reason
 
-    def done(self) -> None:
-        """The call answered: record it (its span, its metrics)."""
-        self._record(self._code, None)
+    def done(self, code: grpc.StatusCode | None = None, exc: BaseException | None = None) -> None:
+        """The call answered: record it (its span, its metrics); `failed` gives the code it
+        answered with, and the exception. (One function: the success path's only call here.)"""
+        if code is None:
+            code = self._code
+        # A call that failed after its version was resolved counts (and traces) with it.
+        version = self.version or tracing.resolved_version()
+        if self._span is not None:
+            tracing.end(self._span, version, code, self._reason if exc is None else _span_reason(exc))
+        self._metrics.observe_request(
+            self._method, self._model, version, code, time.perf_counter() - self._start
+        )
 
     async def __aenter__(self) -> serving:
         return self  # observed since __init__ (the unary paths skip this: one call fewer)
@@ -284,13 +293,4 @@ class serving:
                     trailing_metadata=reason_metadata(reason),
                 )
         finally:
-            self._record(code, exc)
-
-    def _record(self, code: grpc.StatusCode, exc: BaseException | None) -> None:
-        # A call that failed after its version was resolved counts (and traces) with it.
-        version = self.version or tracing.resolved_version()
-        if self._span is not None:
-            tracing.end(self._span, version, code, self._reason if exc is None else _span_reason(exc))
-        self._metrics.observe_request(
-            self._method, self._model, version, code, time.perf_counter() - self._start
-        )
+            self.done(code, exc)

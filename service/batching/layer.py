@@ -9,7 +9,7 @@ batcher; the runtime knows nothing of it.
 from __future__ import annotations
 
 import logging
-from collections.abc import Container
+from collections.abc import Mapping
 from concurrent.futures import Executor
 
 from modelyard.service.batching.batcher import Batcher, BatchSettings
@@ -36,8 +36,9 @@ class BatchingLayer:
         # Keyed by the version object itself (identity): a reloaded version with the same number
         # is another key, so the old batcher drains while the new one serves.
         self._batchers: dict[ServedVersion, Batcher] = {}
-        # The versions that have a batcher, for the request path's `in` (no call per request).
-        self.batched: Container[ServedVersion] = self._batchers
+        # The same, read-only, for the request path: an `in` and a `get`, no call of this layer's
+        # per request.
+        self.batchers: Mapping[ServedVersion, Batcher] = self._batchers
 
     def batcher(self, served: ServedVersion) -> Batcher | None:
         """The version's batcher; None when its requests run one by one."""

@@ -20,6 +20,15 @@ def batch_key(feeds: Feeds) -> Hashable:
     return tuple(sorted([(name, array.dtype, array.shape[1:]) for name, array in feeds.items()]))
 
 
+def rows_and_key(feeds: Feeds) -> tuple[int, Hashable]:
+    """batch_rows and batch_key in one call (the batcher asks both of every request)."""
+    if len(feeds) == 1:  # most models
+        for name, array in feeds.items():
+            shape = array.shape
+            return shape[0], ((name, array.dtype, shape[1:]),)
+    return batch_rows(feeds), batch_key(feeds)
+
+
 def batch_rows(feeds: Feeds) -> int:
     """The size of the batch dimension (inputs agree on it: the signature checked them)."""
     return next(iter(feeds.values())).shape[0] if feeds else 0

@@ -57,12 +57,13 @@ class VersionStats:
         self.compute_request_count += 1
         self.compute_request_ns += compute_ns
 
-    def record_request(self, ok: bool, elapsed_ns: int) -> None:
+    def record_request(self, ok: bool, elapsed_ns: int, requests: int = 1) -> None:
+        """`requests` requests that ended together (a batch's), `elapsed_ns` their summed time."""
         if ok:
-            self.success_count += 1
+            self.success_count += requests
             self.success_ns += elapsed_ns
         else:
-            self.fail_count += 1
+            self.fail_count += requests
             self.fail_ns += elapsed_ns
         self.last_inference_ms = time.time_ns() // 1_000_000
 
@@ -77,8 +78,9 @@ class VersionStats:
         self.compute_request_count += requests
         self.compute_request_ns += requests * compute_ns
 
-    def record_queue(self, waited_ns: int) -> None:
-        self.queue_count += 1
+    def record_queue(self, waited_ns: int, requests: int = 1) -> None:
+        """`requests` requests that left the queue together, `waited_ns` their summed wait."""
+        self.queue_count += requests
         self.queue_ns += waited_ns
 
 

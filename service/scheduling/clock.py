@@ -22,8 +22,8 @@ class Clock(Protocol):
 class MonotonicClock:
     """time.monotonic, with timed waits on the event loop's timer (no task per wait)."""
 
-    def now(self) -> float:
-        return time.monotonic()
+    # time.monotonic itself, not a method that calls it: read on every request a queue admits.
+    now = staticmethod(time.monotonic)
 
     async def wait(self, event: asyncio.Event, until: float | None) -> None:
         if until is None:

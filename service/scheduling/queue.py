@@ -133,6 +133,10 @@ class AdmissionQueue(Generic[T]):
         self._levels: list[dict[int, Ticket[T]]] = [{} for _ in range(policy.priority_levels)]
         # Each level's policy, looked up once (admit reads it on every request).
         self._policies = [policy.policy(level) for level in range(1, policy.priority_levels + 1)]
+        # The levels whose requests wait without a timeout unless they ask for one: a request
+        # there that asks nothing of the queue and has no client deadline has no deadline at all.
+        self._untimed = [not p.default_timeout_us for p in self._policies]
+        self._default_level = policy.default_priority_level
         # Deadlines in a heap; tickets that left the queue stay in it until they reach the top, or
         # until they are half of it: then it is rebuilt, so that work answered long before its
         # deadline (a 30 s gRPC deadline, say) is not kept alive for that long.
@@ -175,8 +179,10 @@ class AdmissionQueue(Generic[T]):
         return level, deadline
 
     def _check(self, scheduling: Scheduling) -> tuple[int, float | None, float]:
-        level = self.level_of(scheduling)
+        level = self.level_of(scheduling) if scheduling.priority else self._default_level
         now = self._clock.now()
+        if scheduling.time_remaining_s is None and not scheduling.timeout_us and self._untimed[level - 1]:
+            return level, None, now  # most requests: no deadline, nothing to check (no call)
         deadline = self.deadline_of(level, scheduling, now)
         if deadline is not None and deadline <= now:
             self._observer.dropped(level, DEADLINE)
@@ -239,14 +245,21 @@ class AdmissionQueue(Generic[T]):
         """Take tickets out to run them (they must still be queued)."""
         now = self._clock.now()
         levels: set[int] = set()
+        observer = self._observer
         for ticket in tickets:
             if not ticket.queued:
                 raise ValueError("the ticket has already left the queue")
-            self._unlink(ticket, report=False)
-            levels.add(ticket.level)
-            self._observer.dequeued(ticket.level, now - ticket.enqueued_at)
+            # _unlink's work, without its call and its depth report (once per level, below)
+            level = ticket.level
+            del self._levels[level - 1][ticket.number]
+            ticket.queued = False
+            self._count -= 1
+            if ticket.deadline is not None:
+                self._stale_entry()
+            levels.add(level)
+            observer.dequeued(level, now - ticket.enqueued_at)
         for level in levels:  # once per level a batch took from, not once per request
-            self._observer.depth(level, len(self._levels[level - 1]))
+            observer.depth(level, len(self._levels[level - 1]))
 
     def pop(self) -> Ticket[T] | None:
         """Take the head (highest priority, oldest) out to run it; None when the queue is empty."""
@@ -285,16 +298,20 @@ class AdmissionQueue(Generic[T]):
     def depth(self, level: int) -> int:
         return len(self._levels[level - 1])
 
-    def _unlink(self, ticket: Ticket[T], in_heap: bool = True, report: bool = True) -> None:
+    def _unlink(self, ticket: Ticket[T], in_heap: bool = True) -> None:
         queue = self._levels[ticket.level - 1]
         del queue[ticket.number]
         ticket.queued = False
         self._count -= 1
-        if report:
-            self._observer.depth(ticket.level, len(queue))
+        self._observer.depth(ticket.level, len(queue))
         if ticket.deadline is not None and in_heap:
-            self._stale += 1
-            if self._stale > 64 and self._stale * 2 > len(self._deadlines):
-                self._deadlines = [entry for entry in self._deadlines if entry[2].queued]
-                heapq.heapify(self._deadlines)
-                self._stale = 0
+            self._stale_entry()
+
+    def _stale_entry(self) -> None:
+        """A ticket with a deadline left the queue; its heap entry stays until it reaches the top,
+        or until the stale entries are half the heap: then the heap is rebuilt."""
+        self._stale += 1
+        if self._stale > 64 and self._stale * 2 > len(self._deadlines):
+            self._deadlines = [entry for entry in self._deadlines if entry[2].queued]
+            heapq.heapify(self._deadlines)
+            self._stale = 0

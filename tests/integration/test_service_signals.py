@@ -47,6 +47,8 @@ async def service(tmp_path: Path, spans: InMemorySpanExporter) -> AsyncIterator[
     root = tmp_path / "models"
     demo_models.write_model(root, "scaler", 1, demo_models.scaled_identity(4, 2.0))
     demo_models.write_model(root, "reshaped", 1, value_models.reshaped(), {})
+    batching = {"max_batch_size": 8, "dynamic_batching": {}}
+    demo_models.write_model(root, "batched", 1, demo_models.scaled_identity(4, 2.0), batching)
     assert demo_models.copy_trained_models(demo_models.COMMITTED_ROOT, root) == ["codelm"]
     running = build_service(Settings(repository=root, listen="127.0.0.1:0", metrics_listen=""))
     await running.start()
@@ -102,6 +104,25 @@ async def test_a_failed_run_counts_and_traces_with_its_version_and_is_no_server_
     (span,) = server_spans(spans, "Infer")
     assert span.status.status_code is StatusCode.UNSET
     assert "modelyard.version" not in (span.attributes or {})  # no version was resolved
+
+
+async def test_a_batched_call_traces_its_batch_as_a_step(
+    service: Service, stub: Any, spans: InMemorySpanExporter
+) -> None:
+    """With tracing on, a batched request's wait and run in its batcher are a child span of its
+    call (the data plane hands an untraced one to the batcher directly, with no step)."""
+    x = np.ones((1, 4), np.float32)
+    request = pb.InferRequest(model_name="batched", inputs=[to_tensor("INPUT0", x)])
+    answer = await stub.Infer(request, timeout=10)
+    assert answer.model_version == "1"
+    await eventually(lambda: bool(server_spans(spans, "Infer")), "the call recorded")
+    (call,) = server_spans(spans, "Infer")
+    children = [
+        s.name
+        for s in spans.get_finished_spans()
+        if s.parent is not None and s.parent.span_id == call.context.span_id
+    ]
+    assert children == ["batch"]
 
 
 def test_a_server_fault_is_a_span_error_and_a_client_mistake_is_not() -> None:

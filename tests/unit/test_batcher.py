@@ -128,6 +128,26 @@ async def test_requests_that_wait_together_run_together(executor: ThreadPoolExec
     assert rig.sample("modelyard_batch_size_sum") == 7
 
 
+async def test_a_batchs_answers_go_out_before_the_next_batch_forms(executor: ThreadPoolExecutor) -> None:
+    """A caller that sends again as soon as it is answered (a closed-loop client) joins the
+    request that waited behind its batch: the next batch forms after the answers went out."""
+    rig = Rig(executor)
+    rig.runner.gate.close()
+
+    async def closed_loop() -> None:
+        for value in (0, 2):  # awaited here, as a handler awaits it (no task between)
+            await rig.batcher.infer({"x": np.full((1, 3), value, np.float32)}, ("y",))
+
+    client = asyncio.ensure_future(closed_loop())
+    await eventually(lambda: rig.runner.gate.entered == 1, "the first run to start")
+    waiting = rig.send(1)
+    await queued(rig, 1)
+    rig.runner.gate.open()
+    await asyncio.gather(client, waiting)
+    assert rig.ran() == [[0], [1, 2]]
+    assert rig.stats.success_count == 3 and rig.stats.queue_count == 3
+
+
 async def test_only_matching_shapes_share_a_run_and_others_still_run(executor: ThreadPoolExecutor) -> None:
     rig = Rig(executor)
     first = await held_first(rig)
