@@ -51,16 +51,7 @@ def _grpc_exporter_type() -> Any:
     if "_translate_data" not in OTLPSpanExporter.__dict__:
         return OTLPSpanExporter
     try:  # the SDK's internal encoders that encode_spans reuses (the SDK is not pinned above)
-        from opentelemetry.exporter.otlp.proto.common._internal import (  # noqa: F401
-            _encode_instrumentation_scope,
-            _encode_key_value,
-            _encode_resource,
-        )
-        from opentelemetry.exporter.otlp.proto.common._internal.trace_encoder import (  # noqa: F401
-            _SPAN_KIND_MAP,
-            _encode_events,
-            _encode_links,
-        )
+        encode_spans([])
     except ImportError:
         return OTLPSpanExporter
 
