@@ -5,10 +5,11 @@ breakers): no transport (no grpc, no channels: an upstream is anything with an `
 I/O, no asyncio. Status codes are named by their gRPC names ("UNAVAILABLE"), so the forwarder
 translates; refusals are `Refused` with such a name.
 
-The path of a data call: `read` (names checked, modelyard.common.names) -> `decide` (the dye,
-routing.decide) -> the caller's tenant bucket (`tenant_bucket`; its slot is the scope's) -> `first`
-(an upstream whose breaker gives a permit; a canary falls back to stable when none does; while
-every breaker of the canary is open, the route's weight is effectively 0: `effective_weight`) ->
+The path of a data call: `read` (names checked, modelyard.common.names; the dye, routing.choose,
+kept in the call's Request) -> the caller's tenant bucket (`tenant_bucket`; its slot is the
+scope's) -> `first` (an upstream whose breaker gives a permit; a canary falls back to stable when
+none does; while every breaker of the canary is open, the route's weight is effectively 0:
+`effective_weight`) ->
 after a failed attempt, `after_failure` (its verdict to the breaker; another upstream for an
 unreachable one, stable for a canary fault, or None: the failure is the answer).
 """
@@ -29,7 +30,6 @@ from modelyard.sidecar.routing import (
     CANARY,
     PINNED,
     STABLE,
-    Decision,
     ModelRoute,
     RoutingError,
     choose,
@@ -105,6 +105,11 @@ class Request:
     forward: Metadata  # request metadata for the upstream, less what the sidecar sets itself
     view: ModelView[Any]  # the model as the sidecar knows it now (model_view)
     read: Read | None = None  # the call's first message and its fields, as read (once)
+    # A data call's routing decision (routing.choose, made by `read`): what a Decision holds,
+    # kept here rather than in an object of its own a call.
+    version: str = ""  # empty: the model's versions are unknown; the service picks its default
+    dye: str = ""  # stable, canary or pinned; empty when the versions are unknown
+    stable: str = ""  # the stable version, where a canary may fall back to
 
     @property
     def known(self) -> bool:
@@ -265,9 +270,12 @@ def tenant_bucket(tenants: Mapping[str, TenantLimit], received: Mapping[str, str
     return named if named in tenants and named != ANY_TENANT else ANY_TENANT
 
 
-def read(request: bytes | None, md: Metadata, views: Views, *, model_addressed: bool) -> Request:
+def read(
+    request: bytes | None, md: Metadata, views: Views, *, model_addressed: bool, routed: bool = False
+) -> Request:
     """The model and pinned version a call names (its fields 1 and 2, else its headers), checked
-    by the one name rule before they reach any state, label or message."""
+    by the one name rule before they reach any state, label or message; for a data call
+    (`routed`), its version and dye (routing.choose; a bad routing header is refused)."""
     received: dict[str, str] = {}
     kept: list[tuple[str, str | bytes]] = []
     for item in md:  # one pass over the call's metadata
@@ -300,24 +308,17 @@ def read(request: bytes | None, md: Metadata, views: Views, *, model_addressed: 
         except InvalidName as exc:
             raise Refused("INVALID_ARGUMENT", str(exc), ErrorReason.INVALID_ARGUMENT) from exc
         read = (message, fields)
-    return Request(model, pin, received, forward, views(model), read)
-
-
-def routing_decision(request: Request) -> Decision:
-    """The version and dye of a data call (routing.choose); a bad routing header is refused."""
-    view, received = request.view, request.received
+    view = views(model)
+    if not routed:
+        return Request(model, pin, received, forward, view, read)
     sticky = received.get(view.table.stickiness_header) or received.get(headers.REQUEST_ID)
     try:
-        return choose(
-            view.route,
-            view.stable,
-            view.canary,
-            pin=request.pin,
-            sticky_key=sticky,
-            header_weight=received.get(headers.CANARY_WEIGHT),
+        version, dye, stable = choose(
+            view.route, view.stable, view.canary, pin, sticky, received.get(headers.CANARY_WEIGHT)
         )
     except RoutingError as exc:
         raise Refused("INVALID_ARGUMENT", str(exc), ErrorReason.INVALID_ARGUMENT) from exc
+    return Request(model, pin, received, forward, view, read, version, dye, stable)
 
 
 def unrouted(request: Request, pool: Pool[U], *, model_addressed: bool) -> Plan[U]:
@@ -338,26 +339,27 @@ def unrouted(request: Request, pool: Pool[U], *, model_addressed: bool) -> Plan[
     )
 
 
-def first(request: Request, decision: Decision, caller: int, pool: Pool[U], breakers: Breakers) -> Plan[U]:
-    """The first attempt of a data call: an upstream for the decided version whose breaker lets
-    the call through; a canary with none falls back to stable (`breaker-open` when a breaker
-    refused, else `unavailable`); with none for the version either, the call is refused. While
+def first(request: Request, caller: int, pool: Pool[U], breakers: Breakers) -> Plan[U]:
+    """The first attempt of a data call (`read` with `routed`): an upstream for the version it
+    decided whose breaker lets the call through; a canary with none falls back to stable
+    (`breaker-open` when a breaker refused, else `unavailable`); with none for the version
+    either, the call is refused. While
     every breaker of the canary is open (`Breakers.shut`), a call dyed canary by the route's weight
     is dyed stable (the effective weight is 0: no new user is sent there, and none is told of a
     fallback); one that asked for the canary with `x-canary-weight` falls back as above."""
+    dye, version, stable, fallback = request.dye, request.version, request.stable, ""
     if (
-        decision.dye == CANARY
-        and decision.stable
+        dye == CANARY
+        and stable
         and headers.CANARY_WEIGHT not in request.received
-        and breakers.shut(request.model, decision.version)
+        and breakers.shut(request.model, version)
     ):
-        decision = Decision(decision.stable, STABLE, stable=decision.stable)
+        dye, version = STABLE, stable
     view = request.view
-    found, blocked, served = take(view, decision.version, (), pool, breakers)
-    dye, version, fallback = decision.dye, decision.version, ""
-    if found is None and decision.dye == CANARY and decision.stable:
+    found, blocked, served = take(view, version, (), pool, breakers)
+    if found is None and dye == CANARY and stable:
         fallback = FALLBACK_BREAKER if blocked else FALLBACK_UNAVAILABLE
-        dye, version = STABLE, decision.stable
+        dye, version = STABLE, stable
         found, _, served = take(view, version, (), pool, breakers)
     if found is None:
         if blocked:
@@ -380,7 +382,7 @@ def first(request: Request, decision: Decision, caller: int, pool: Pool[U], brea
         version,
         dye,
         fallback,
-        decision.stable,
+        stable,
         upstream,
         breaker,
         permit,

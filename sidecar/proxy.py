@@ -315,16 +315,18 @@ class Proxy(_Handler):
         scope's), an upstream whose breaker lets it through; or `Refused` (see `_refuse`). A plain
         function, not a coroutine: only a refusal awaits anything."""
         upstreams = self._upstreams
-        asked = planner.read(first, scope.metadata, self._view_of, model_addressed=info.model_addressed)
-        if not info.routed:
+        routed = info.routed
+        asked = planner.read(
+            first, scope.metadata, self._view_of, model_addressed=info.model_addressed, routed=routed
+        )
+        if not routed:
             return planner.unrouted(asked, upstreams, model_addressed=info.model_addressed)
         table = asked.view.table  # the table the model's view was made under
-        decision = planner.routing_decision(asked)
         tenant = planner.tenant_bucket(table.tenants, asked.received)
         if tenant:
             scope.admit(tenant, table.tenants)
         scope.caller = planner.caller_key(asked.received, table.stickiness_header, context.peer)
-        return planner.first(asked, decision, scope.caller, upstreams, self._breakers)
+        return planner.first(asked, scope.caller, upstreams, self._breakers)
 
     async def _refuse(self, scope: Scope, refused: Refused, context: Context) -> NoReturn:
         """The sidecar answers the call itself (a bad name, a tenant limit, no upstream left)."""

@@ -4,6 +4,7 @@ stepped clock, no gRPC."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
@@ -97,7 +98,7 @@ class World:
         return Request(model, pin, self.received, (("x-request-id", "r1"),), self.view(model))
 
     def first(self, decision: Decision, model: str = "m") -> Plan[Up]:
-        return planner.first(self.request(model), decision, 7, self.pool, self.breakers)
+        return planner.first(decided(self.request(model), decision), 7, self.pool, self.breakers)
 
     def after(
         self, plan: Plan[Up], code: str, reason: str = "", tried: list[Up] | None = None
@@ -112,6 +113,17 @@ class World:
             self.pool,
             self.breakers,
         )
+
+
+def decided(request: Request, decision: Decision) -> Request:
+    """The request as `read` leaves a data call's: with its routing decision."""
+    return dataclasses.replace(request, version=decision.version, dye=decision.dye, stable=decision.stable)
+
+
+def decision_of(request: Request) -> Decision:
+    """The routing decision `read` kept in a data call's request, as routing.decide gives it."""
+    canary = request.version if request.dye == CANARY else ""
+    return Decision(request.version, request.dye, canary, request.stable)
 
 
 def shape(plan: Plan[Up] | None) -> tuple[str, str, str, str, bool] | None:
@@ -425,14 +437,19 @@ def test_a_call_that_is_not_dyed_goes_to_a_serving_upstream_else_any() -> None:
 
 def test_a_bad_weight_header_is_refused_and_a_good_one_decides() -> None:
     view = views(Pool(TWO_VERSIONS))
-    request = Request("m", "", {"x-canary-weight": "101"}, (), view("m"))
     with pytest.raises(Refused) as refused:
-        planner.routing_decision(request)
+        planner.read(message("m"), (("x-canary-weight", "101"),), view, model_addressed=True, routed=True)
     assert (refused.value.code, refused.value.reason) == ("INVALID_ARGUMENT", "invalid_argument")
-    everyone = Request("m", "", {"x-canary-weight": "100", "x-user-id": "u"}, (), view("m"))
-    assert planner.routing_decision(everyone) == CANARY_2
-    unknown = Request("x", "", {"x-canary-weight": "100"}, (), view("x"))  # versions not known: undyed
-    assert planner.routing_decision(unknown) == Decision("", "")
+    md = (("x-canary-weight", "100"), ("x-user-id", "u"))
+    everyone = planner.read(message("m"), md, view, model_addressed=True, routed=True)
+    assert decision_of(everyone) == CANARY_2
+    pinned = planner.read(message("m", "v2"), md, view, model_addressed=True, routed=True)
+    assert decision_of(pinned) == PINNED_2
+    unknown = planner.read(message("x"), md, view, model_addressed=True, routed=True)  # versions not known
+    assert decision_of(unknown) == Decision("", "")
+    # A call that is not dyed is not decided (a bad weight header is no business of it).
+    plain = planner.read(message("m"), (("x-canary-weight", "101"),), view, model_addressed=True)
+    assert (plain.version, plain.dye, plain.stable) == ("", "", "")
 
 
 # --- tenants and callers -------------------------------------------------------------------
