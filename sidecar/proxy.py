@@ -211,10 +211,9 @@ class Proxy(_Handler):
                 )
                 try:
                     time_left = context.time_remaining()
-                    call = forward.start(
+                    response, initial, trailing = await forward.ask(
                         plan.upstream, info.path, info.kind, request, metadata, time_left, scope
                     )
-                    response, initial, trailing = await forward.ask(call)
                 except forward.Failed as failed:
                     scope.code = failed.code
                     if client is not None:
