@@ -193,17 +193,16 @@ class Scope(Flight):
             plan.report(name, "", None, gone=cancelled)
         if self._tenant:
             scopes.limits.release(self._tenant)
-        method = self.path.rpartition("/")[2]  # a path of the method table: bounded
         took = time.perf_counter() - self._started
         if plan is None:
-            scopes.metrics.answered(method, "", "", "", name, "", took)
+            scopes.metrics.answered(self.path, "", "", "", name, "", took)
             return
         # The caller's cancel, or the sidecar's drain, is no verdict on the upstream.
         fault = not (ok or cancelled or self.drained) and is_fault(name, reason)
         version = plan.version
         if version and plan.breaker is None:  # version_label, inline
             version = OTHER
-        scopes.metrics.answered(method, plan.label, version, plan.dye, name, plan.fallback, took, fault)
+        scopes.metrics.answered(self.path, plan.label, version, plan.dye, name, plan.fallback, took, fault)
 
 
 def version_label(plan: Plan[Any]) -> str:
