@@ -272,7 +272,7 @@ def tenant_bucket(tenants: Mapping[str, TenantLimit], received: Mapping[str, str
 
 
 def read(
-    request: bytes | None, md: Metadata, views: Views, *, model_addressed: bool, routed: bool = False
+    request: bytes | None, md: Metadata, views: Views, model_addressed: bool, routed: bool = False
 ) -> Request:
     """The model and pinned version a call names (its fields 1 and 2, else its headers), checked
     by the one name rule before they reach any state, label or message; for a data call

@@ -315,9 +315,8 @@ class Proxy(_Handler):
         function, not a coroutine: only a refusal awaits anything."""
         upstreams = self._upstreams
         routed = info.routed
-        asked = planner.read(
-            first, scope.metadata, self._view_of, model_addressed=info.model_addressed, routed=routed
-        )
+        # Positional arguments (model_addressed, routed): keywords cost ~0.7k instructions each.
+        asked = planner.read(first, scope.metadata, self._view_of, info.model_addressed, routed)
         if not routed:
             return planner.unrouted(asked, upstreams, model_addressed=info.model_addressed)
         table = asked.view.table  # the table the model's view was made under
