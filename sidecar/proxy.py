@@ -204,11 +204,16 @@ class Proxy(_Handler):
                     plan.body(first or b"") if more is None else forward.requests(first, more, plan.body)
                 )
                 # The attempt's client span (None: untraced or not sampled) ends in `finally`.
-                # An untraced call's metadata is the plan's alone (no tracing.attempt call).
+                # An untraced call's metadata is the plan's alone, and an unsampled root's (a
+                # str: its traceparent) the plan's and that: Tracing.attempt's first two cases,
+                # without the call (most calls are one or the other).
                 span = scope.span
-                metadata, client = (
-                    (plan.forward, None) if span is None else self._tracing.attempt(span, plan, info.path)
-                )
+                if span is None:
+                    metadata, client = plan.forward, None
+                elif type(span) is str:
+                    metadata, client = (*plan.forward, (headers.TRACEPARENT, span)), None
+                else:
+                    metadata, client = self._tracing.attempt(span, plan, info.path)
                 try:
                     time_left = context.time_remaining()
                     response, initial, trailing = await forward.ask(
