@@ -6,7 +6,7 @@ I/O, no asyncio. Status codes are named by their gRPC names ("UNAVAILABLE"), so 
 translates; refusals are `Refused` with such a name.
 
 The path of a data call: `read` (names checked, modelyard.common.names; the dye, routing.choose,
-kept in the call's Request) -> the caller's tenant bucket (`tenant_bucket`; its slot is the
+kept in the call's Plan) -> the caller's tenant bucket (`tenant_bucket`; its slot is the
 scope's) -> `first` (an upstream whose breaker gives a permit; a canary falls back to stable when
 none does; while every breaker of the canary is open, the route's weight is effectively 0:
 `effective_weight`) ->
@@ -94,34 +94,6 @@ class Refused(Exception):
         return ((headers.ERROR_REASON, self.reason), *self.extra)
 
 
-# Not frozen (a value all the same): a frozen dataclass's __init__ costs ~0.2 us a field, per call.
-# Made with positional arguments only on a call's path (as Plan): keywords cost ~1.5k instructions.
-@dataclass(slots=True)
-class Request:
-    """What a call asks for, read from its message and headers (names checked)."""
-
-    model: str
-    pin: str
-    received: Mapping[str, str]  # the string-valued request headers
-    forward: Metadata  # request metadata for the upstream, less what the sidecar sets itself
-    view: ModelView[Any]  # the model as the sidecar knows it now (model_view)
-    read: Read | None = None  # the call's first message and its fields, as read (once)
-    # A data call's routing decision (routing.choose, made by `read`): what a Decision holds,
-    # kept here rather than in an object of its own a call.
-    version: str = ""  # empty: the model's versions are unknown; the service picks its default
-    dye: str = ""  # stable, canary or pinned; empty when the versions are unknown
-    stable: str = ""  # the stable version, where a canary may fall back to
-
-    @property
-    def known(self) -> bool:
-        """The upstreams serve the model (WatchModels): it earns state and a label."""
-        return self.view.known
-
-    @property
-    def label(self) -> str:
-        return self.view.label
-
-
 @dataclass(slots=True, eq=False)
 class Served(Generic[U]):
     """One version of a model as `take` finds it while its view stands: whether it gets state
@@ -162,9 +134,17 @@ def model_view(model: str, table: RouteTable, pool: Pool[U]) -> ModelView[U]:
 Views = Callable[[str], ModelView[Any]]  # model -> its view (views.ModelViews.of)
 
 
+# What a Plan made for a retry holds of the call's model (after_failure is given its view now).
+_NO_VIEW: ModelView[Any] = ModelView("", False, OTHER, ModelRoute(), "", "", RouteTable())
+
+
+# Not frozen (a value all the same): a frozen dataclass's __init__ costs ~0.2 us a field, per call.
+# Made with positional arguments only on a call's path: keywords cost ~1.5k instructions.
 @dataclass(slots=True)
 class Plan(Generic[U]):
-    """One attempt: where it goes and what it holds. A retry is a new Plan."""
+    """One attempt: where it goes and what it holds. A retry is a new Plan. A call's first one is
+    made by `read` (`asked`: what the call asks for, its upstream not chosen yet), then `first`
+    (or `unrouted`) plans the attempt in it: one object a call, not a request and a plan."""
 
     model: str
     version: str
@@ -179,7 +159,16 @@ class Plan(Generic[U]):
     label: str = OTHER  # the model's metric label: its name when the upstreams serve it
     fell_back: bool = False  # this attempt is the fallback to stable (counted once)
     reported: bool = False
-    read: Read | None = None  # the call's first message and its fields (Request.read)
+    read: Read | None = None  # the call's first message and its fields, as read (once)
+    # The call as asked (`read`; a retry's plan keeps none of it):
+    pin: str = ""  # the version it pinned (field 2 or x-model-version); empty: none
+    received: Mapping[str, str] = field(default_factory=dict)  # its string-valued request headers
+    view: ModelView[Any] = _NO_VIEW  # its model as the sidecar knew it (model_view)
+
+    @property
+    def known(self) -> bool:
+        """The upstreams serve the model (WatchModels): it earns state and a label."""
+        return self.view.known
 
     @property
     def answer_metadata(self) -> Metadata:
@@ -271,9 +260,44 @@ def tenant_bucket(tenants: Mapping[str, TenantLimit], received: Mapping[str, str
     return named if named in tenants and named != ANY_TENANT else ANY_TENANT
 
 
+def asked(
+    model: str,
+    pin: str,
+    received: Mapping[str, str],
+    forward: Metadata,
+    view: ModelView[Any],
+    read: Read | None = None,
+    version: str = "",
+    dye: str = "",
+    stable: str = "",
+) -> Plan[Any]:
+    """A call as asked (what `read` finds): a Plan whose attempt `first` or `unrouted` plans.
+    `version`, `dye` and `stable`: a data call's routing decision (routing.choose)."""
+    upstream: Any = None  # chosen by `first` or `unrouted`
+    return Plan(
+        model,
+        version,
+        dye,
+        "",
+        stable,
+        upstream,
+        None,
+        None,
+        forward,
+        None,
+        view.label,
+        False,
+        False,
+        read,
+        pin,
+        received,
+        view,
+    )
+
+
 def read(
     request: bytes | None, md: Metadata, views: Views, model_addressed: bool, routed: bool = False
-) -> Request:
+) -> Plan[Any]:
     """The model and pinned version a call names (its fields 1 and 2, else its headers), checked
     by the one name rule before they reach any state, label or message; for a data call
     (`routed`), its version and dye (routing.choose; a bad routing header is refused)."""
@@ -310,8 +334,27 @@ def read(
             raise Refused("INVALID_ARGUMENT", str(exc), ErrorReason.INVALID_ARGUMENT) from exc
         read = (message, fields)
     view = views(model)
+    label, upstream = view.label, None  # `asked`, inline (one call a call fewer); `first` chooses
     if not routed:
-        return Request(model, pin, received, forward, view, read)
+        return Plan(
+            model,
+            "",
+            "",
+            "",
+            "",
+            upstream,
+            None,
+            None,
+            forward,
+            None,
+            label,
+            False,
+            False,
+            read,
+            pin,
+            received,
+            view,
+        )
     sticky = received.get(view.table.stickiness_header) or received.get(headers.REQUEST_ID)
     try:
         version, dye, stable = choose(
@@ -319,32 +362,42 @@ def read(
         )
     except RoutingError as exc:
         raise Refused("INVALID_ARGUMENT", str(exc), ErrorReason.INVALID_ARGUMENT) from exc
-    return Request(model, pin, received, forward, view, read, version, dye, stable)
-
-
-def unrouted(request: Request, pool: Pool[U], *, model_addressed: bool) -> Plan[U]:
-    """A call that is not dyed: to an upstream serving the model it names, else to any; no state."""
-    candidates = pool.candidates(request.model, request.pin) if model_addressed else []
-    upstream = (candidates or pool.any())[0]
     return Plan(
-        request.model,
-        request.pin,
+        model,
+        version,
+        dye,
         "",
-        "",
-        "",
+        stable,
         upstream,
         None,
         None,
-        request.forward,
-        label=request.label,
+        forward,
+        None,
+        label,
+        False,
+        False,
+        read,
+        pin,
+        received,
+        view,
     )
 
 
-def first(request: Request, caller: int, pool: Pool[U], breakers: Breakers) -> Plan[U]:
-    """The first attempt of a data call (`read` with `routed`): an upstream for the version it
-    decided whose breaker lets the call through; a canary with none falls back to stable
-    (`breaker-open` when a breaker refused, else `unavailable`); with none for the version
-    either, the call is refused. While
+def unrouted(request: Plan[Any], pool: Pool[U], *, model_addressed: bool) -> Plan[U]:
+    """A call that is not dyed (`read`, not routed): to an upstream serving the model it names,
+    else to any; no state. Its plan is the request itself."""
+    candidates = pool.candidates(request.model, request.pin) if model_addressed else []
+    request.upstream = (candidates or pool.any())[0]
+    request.version = request.pin
+    plan: Plan[U] = request
+    return plan
+
+
+def first(request: Plan[Any], caller: int, pool: Pool[U], breakers: Breakers) -> Plan[U]:
+    """The first attempt of a data call (`read` with `routed`), planned in the call's own Plan (a
+    refused call's is left as it was): an upstream for the version it decided whose breaker lets
+    the call through; a canary with none falls back to stable (`breaker-open` when a breaker
+    refused, else `unavailable`); with none for the version either, the call is refused. While
     every breaker of the canary is open (`Breakers.shut`), a call dyed canary by the route's weight
     is dyed stable (the effective weight is 0: no new user is sent there, and none is told of a
     fallback); one that asked for the canary with `x-canary-weight` falls back as above."""
@@ -375,25 +428,12 @@ def first(request: Request, caller: int, pool: Pool[U], breakers: Breakers) -> P
             ErrorReason.UNAVAILABLE,
         )
     upstream, breaker, permit = found
-    forward = request.forward
+    plan: Plan[U] = request  # the attempt, planned in the call's own object
     if version:
-        forward = (*forward, *served.headers[dye])
-    return Plan(
-        request.model,
-        version,
-        dye,
-        fallback,
-        stable,
-        upstream,
-        breaker,
-        permit,
-        forward,
-        caller,
-        view.label,
-        bool(fallback),  # fell_back
-        False,  # reported
-        request.read,
-    )
+        plan.forward = (*request.forward, *served.headers[dye])
+    plan.version, plan.dye, plan.fallback, plan.fell_back = version, dye, fallback, bool(fallback)
+    plan.upstream, plan.breaker, plan.permit, plan.caller = upstream, breaker, permit, caller
+    return plan
 
 
 def after_failure(

@@ -124,7 +124,7 @@ def choose(
 ) -> Choice:
     """`decide`, given the route's stable and canary (stable_and_canary): what a dyed call runs,
     with those two read from its model's view (plan.ModelView). A tuple, not a Decision: no
-    object of its own a call (plan.read keeps it in the call's Request)."""
+    object of its own a call (plan.read keeps it in the call's Plan)."""
     if pin:
         return normalize_version(pin), PINNED, ""
     if not stable:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import pytest
 
@@ -21,7 +22,6 @@ from modelyard.sidecar.plan import (
     OTHER,
     Plan,
     Refused,
-    Request,
 )
 from modelyard.sidecar.routes import RouteTable
 from modelyard.sidecar.routing import CANARY, PINNED, STABLE, Decision, ModelRoute
@@ -94,8 +94,8 @@ class World:
     def view(self, model: str = "m") -> planner.ModelView[Up]:
         return planner.model_view(model, self.table, self.pool)
 
-    def request(self, model: str = "m", pin: str = "") -> Request:
-        return Request(model, pin, self.received, (("x-request-id", "r1"),), self.view(model))
+    def request(self, model: str = "m", pin: str = "") -> Plan[Any]:
+        return planner.asked(model, pin, self.received, (("x-request-id", "r1"),), self.view(model))
 
     def first(self, decision: Decision, model: str = "m") -> Plan[Up]:
         return planner.first(decided(self.request(model), decision), 7, self.pool, self.breakers)
@@ -115,12 +115,12 @@ class World:
         )
 
 
-def decided(request: Request, decision: Decision) -> Request:
+def decided(request: Plan[Any], decision: Decision) -> Plan[Any]:
     """The request as `read` leaves a data call's: with its routing decision."""
     return dataclasses.replace(request, version=decision.version, dye=decision.dye, stable=decision.stable)
 
 
-def decision_of(request: Request) -> Decision:
+def decision_of(request: Plan[Any]) -> Decision:
     """The routing decision `read` kept in a data call's request, as routing.decide gives it."""
     canary = request.version if request.dye == CANARY else ""
     return Decision(request.version, request.dye, canary, request.stable)
@@ -427,11 +427,11 @@ def test_reading_drops_what_the_sidecar_sets_itself_and_ignores_fields_of_unaddr
 def test_a_call_that_is_not_dyed_goes_to_a_serving_upstream_else_any() -> None:
     pool = Pool({"a": {"other": {"1"}}, "b": {"m": {"1"}}})
     view = views(pool)
-    plan = planner.unrouted(Request("m", "", {}, (), view("m")), pool, model_addressed=True)
+    plan = planner.unrouted(planner.asked("m", "", {}, (), view("m")), pool, model_addressed=True)
     assert (plan.upstream.address, plan.breaker, plan.dye, plan.label) == ("b", None, "", "m")
-    plan = planner.unrouted(Request("m", "", {}, (), view("m")), pool, model_addressed=False)
+    plan = planner.unrouted(planner.asked("m", "", {}, (), view("m")), pool, model_addressed=False)
     assert plan.upstream.address == "a"
-    plan = planner.unrouted(Request("x", "", {}, (), view("x")), pool, model_addressed=True)
+    plan = planner.unrouted(planner.asked("x", "", {}, (), view("x")), pool, model_addressed=True)
     assert (plan.upstream.address, plan.label) == ("a", OTHER)
 
 
