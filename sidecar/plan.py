@@ -120,6 +120,9 @@ class ModelView(Generic[U]):
     stable: str
     canary: str
     table: RouteTable
+    # The table mirrors a share of stable answers to the canary (its shadow policy's share > 0):
+    # only then is an answer offered to the mirror (mirror.py), which decides per call.
+    mirrored: bool = False
     versions: dict[str, Served[U]] = field(default_factory=dict)  # filled by `take` (stateful only)
 
 
@@ -128,7 +131,8 @@ def model_view(model: str, table: RouteTable, pool: Pool[U]) -> ModelView[U]:
     known = bool(model) and pool.knows(model)
     route = table.route(model)
     stable, canary = stable_and_canary(route, pool.versions(model) if known else ())
-    return ModelView(model, known, model if known else OTHER, route, stable, canary, table)
+    mirrored = table.shadow.share > 0
+    return ModelView(model, known, model if known else OTHER, route, stable, canary, table, mirrored)
 
 
 Views = Callable[[str], ModelView[Any]]  # model -> its view (views.ModelViews.of)

@@ -196,6 +196,7 @@ class Proxy(_Handler):
                 plan = self._first_attempt(info, first, scope, context)
             except Refused as refused:
                 await self._refuse(scope, refused, context)
+            mirrored = plan.view.mirrored  # the call's view (a retry's plan holds none)
             tried: list[Upstream] = []
             while True:
                 scope.attempt(plan)
@@ -244,7 +245,7 @@ class Proxy(_Handler):
                 if initial:  # the service's unary answers carry none (docs/api.md)
                     await context.send_initial_metadata(initial)
                 forward.answer(context, trailing, plan.answer_metadata)
-                if first is not None and more is None:
+                if mirrored and first is not None and more is None:
                     self._mirror.answered(info.path, plan, first, response)
                 return response
         except asyncio.CancelledError:
