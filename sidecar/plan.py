@@ -168,19 +168,14 @@ class Plan(Generic[U]):
     pin: str = ""  # the version it pinned (field 2 or x-model-version); empty: none
     received: Mapping[str, str] = field(default_factory=dict)  # its string-valued request headers
     view: ModelView[Any] = _NO_VIEW  # its model as the sidecar knew it (model_view)
+    # What the client's response metadata gets from the sidecar (`answer_metadata` of the dye and
+    # fallback), set with them by `first` and `_next`: a field, not a property (a call a call).
+    answer_metadata: Metadata = ()
 
     @property
     def known(self) -> bool:
         """The upstreams serve the model (WatchModels): it earns state and a label."""
         return self.view.known
-
-    @property
-    def answer_metadata(self) -> Metadata:
-        """What the client's response metadata gets from the sidecar."""
-        if not self.dye:
-            return ()
-        md: Metadata = ((headers.MODEL_DYE, self.dye),)
-        return (*md, (headers.DYE_FALLBACK, self.fallback)) if self.fallback else md
 
     def body(self, message: bytes) -> bytes:
         """The message with the chosen version in field 2, unless it carries one already."""
@@ -219,6 +214,16 @@ class Plan(Generic[U]):
 
 
 Found = tuple[U, Breaker | None, Permit | None]
+
+
+_ANSWERS: dict[str, Metadata] = {"": (), **{d: ((headers.MODEL_DYE, d),) for d in (STABLE, CANARY, PINNED)}}
+
+
+def answer_metadata(dye: str, fallback: str) -> Metadata:
+    """What the client's response metadata gets from the sidecar for an attempt so dyed: its dye
+    (none without one) and the fallback, if any."""
+    md = _ANSWERS.get(dye) or ((headers.MODEL_DYE, dye),) if dye else ()
+    return (*md, (headers.DYE_FALLBACK, fallback)) if fallback and dye else md
 
 
 def is_fault(code: str, reason: str) -> bool:
@@ -436,6 +441,7 @@ def first(request: Plan[Any], caller: int, pool: Pool[U], breakers: Breakers) ->
     if version:
         plan.forward = (*request.forward, *served.headers[dye])
     plan.version, plan.dye, plan.fallback, plan.fell_back = version, dye, fallback, bool(fallback)
+    plan.answer_metadata = _ANSWERS[dye] if not fallback else answer_metadata(dye, fallback)
     plan.upstream, plan.breaker, plan.permit, plan.caller = upstream, breaker, permit, caller
     return plan
 
@@ -629,6 +635,7 @@ def _next(
         plan.label,
         fell_back=fell_back,
         read=plan.read,
+        answer_metadata=answer_metadata(dye, fallback),
     )
 
 

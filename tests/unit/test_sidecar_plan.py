@@ -309,6 +309,9 @@ def test_after_a_failed_attempt(
         assert tried == [world.pool.ups["a"]]
         assert following.permit is not None and not following.reported
         assert (following.caller, following.label, following.stable) == (7, "m", plan.stable)
+        dyed = (("x-model-dye", following.dye),)
+        fell_back = (("x-dye-fallback", following.fallback),) if following.fallback else ()
+        assert following.answer_metadata == (*dyed, *fell_back)  # the new attempt's own
         # the version and dye headers are the new attempt's, once each
         versions = [v for k, v in following.forward if k == "x-model-version"]
         dyes = [v for k, v in following.forward if k == "x-model-dye"]
