@@ -49,11 +49,12 @@ from __future__ import annotations
 
 import math
 import time
-from bisect import bisect_right
+from bisect import bisect_left, bisect_right
 from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from enum import StrEnum
+from itertools import accumulate
 
 Clock = Callable[[], float]
 HEALTHY = 1.5  # a window's p99 up to this multiple of the baseline still teaches the baseline
@@ -125,50 +126,42 @@ class BreakerPolicy:
 LOW = 1e-5
 RATIO = 1.02
 BUCKETS = 1024
-_SCALE = 1 / math.log(RATIO)
-_LOG_LOW = math.log(LOW)
-_log = math.log
+# Where each bucket but the first starts: a latency's bucket is one bisect (C) among them, not a
+# logarithm and its arithmetic in Python (this runs per call).
+_EDGES: list[float] = [LOW * RATIO**i for i in range(1, BUCKETS)]
 _MIDDLES: list[float] = [LOW * RATIO ** (i + 0.5) for i in range(BUCKETS)]
 
 
 def bucket_of(latency: float) -> int:
-    """The bucket a latency (s) is counted in."""
-    if latency <= LOW:
-        return 0
-    return min(BUCKETS - 1, int((math.log(latency) - _LOG_LOW) * _SCALE))
-
-
-GROUP = 32  # buckets per group: a percentile walks the groups' counts, then one group's buckets
+    """The bucket a latency (s) is counted in: the first for LOW and below, the last for all
+    beyond it."""
+    return bisect_right(_EDGES, latency)
 
 
 class Latencies:
-    """Latencies as counts per bucket (bucket_of), and per group of GROUP buckets: O(1) to add or
-    remove one; a percentile walks at most BUCKETS / GROUP groups and GROUP buckets, and how many
-    are above a limit is a sum over the buckets (only when a trip is considered)."""
+    """Latencies as counts per bucket (bucket_of): O(1) to add or remove one; a percentile is
+    a running sum over the buckets (C: itertools.accumulate) and a bisect, and how many are
+    above a limit a sum over the buckets (both only when a trip is considered)."""
 
-    __slots__ = ("counts", "groups", "total")
+    __slots__ = ("counts", "total")
 
     def __init__(self, counts: list[int] | None = None) -> None:
         self.counts = counts if counts is not None else [0] * BUCKETS
-        self.groups = [sum(self.counts[g : g + GROUP]) for g in range(0, BUCKETS, GROUP)]
-        self.total = sum(self.groups)
+        self.total = sum(self.counts)
 
     def __len__(self) -> int:
         return self.total
 
     def add(self, bucket: int) -> None:
         self.counts[bucket] += 1
-        self.groups[bucket // GROUP] += 1
         self.total += 1
 
     def remove(self, bucket: int) -> None:
         self.counts[bucket] -= 1
-        self.groups[bucket // GROUP] -= 1
         self.total -= 1
 
     def clear(self) -> None:
         self.counts = [0] * BUCKETS
-        self.groups = [0] * (BUCKETS // GROUP)
         self.total = 0
 
     def copy(self) -> Latencies:
@@ -180,17 +173,9 @@ class Latencies:
         return Latencies([sum(column) for column in zip(*found, strict=True)] if found else None)
 
     def ranked(self, rank: int) -> float:
-        """The rank-th smallest latency (1-based), as its bucket's middle."""
-        seen = 0
-        for group, count in enumerate(self.groups):
-            if seen + count >= rank:
-                first = group * GROUP
-                for bucket in range(first, first + GROUP):
-                    seen += self.counts[bucket]
-                    if seen >= rank:
-                        return _MIDDLES[bucket]
-            seen += count
-        return _MIDDLES[-1]  # rank beyond the count: the largest bucket (never asked)
+        """The rank-th smallest latency (1-based), as its bucket's middle: the first bucket whose
+        running count reaches it (beyond the count: the largest bucket, never asked)."""
+        return _MIDDLES[min(BUCKETS - 1, bisect_left(list(accumulate(self.counts)), rank))]
 
     def above(self, limit: float) -> int:
         """How many are above `limit` (whose bucket's middle is)."""
@@ -233,12 +218,9 @@ class Window:
         bucket = -1
         if latency is not None:
             # bucket_of and Latencies.add, inline: this runs per call
-            bucket = 0 if latency <= LOW else int((_log(latency) - _LOG_LOW) * _SCALE)
-            if bucket >= BUCKETS:
-                bucket = BUCKETS - 1
+            bucket = bisect_right(_EDGES, latency)
             latencies = self.latencies
             latencies.counts[bucket] += 1
-            latencies.groups[bucket // GROUP] += 1
             latencies.total += 1
         calls = self._calls
         calls.append((now, fault, bucket, caller))

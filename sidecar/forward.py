@@ -113,10 +113,22 @@ def with_metadata(received: Iterable[Any] | None, added: Metadata) -> Metadata:
 # --- calls with one response: unary-unary, stream-unary ------------------------------------
 
 
-async def ask(call: Any) -> tuple[bytes, Metadata, Any]:
-    """One attempt with one response (its call `start`ed): the upstream's response, headers and
-    trailers once the call has finished; `Failed` for an error. The caller gets them by `answer`,
-    once the planner has its outcome."""
+async def ask(
+    upstream: Upstream,
+    path: str,
+    kind: str,
+    request: Request,
+    metadata: Metadata,
+    time_left: float | None,
+    flight: Flight,
+) -> tuple[bytes, Metadata, Any]:
+    """One attempt with one response, started (as `start` does, inline: one call a call fewer)
+    and awaited: the upstream's response, headers and trailers once the call has finished;
+    `Failed` for an error. The caller gets them by `answer`, once the planner has its outcome."""
+    call = upstream.method(path, kind)(request, metadata=metadata, timeout=time_left)
+    flight.call = call  # Flight.follow, inline
+    if flight.drained:
+        call.cancel()
     try:
         response: bytes = await call
     except grpc.aio.AioRpcError as exc:
@@ -149,7 +161,7 @@ def start(
     time_left: float | None,
     flight: Flight,
 ) -> Any:
-    """One attempt's call, started: `ask` it (one response), or `relay` it (after `ended_early`)."""
+    """One attempt's call with a response stream, started: `relay` it (after `ended_early`)."""
     call = upstream.method(path, kind)(request, metadata=metadata, timeout=time_left)
     flight.follow(call)
     return call

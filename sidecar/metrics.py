@@ -218,7 +218,7 @@ class SidecarMetrics:
 
     def answered(
         self,
-        method: str,
+        path: str,
         model: str,
         version: str,
         dye: str,
@@ -228,10 +228,12 @@ class SidecarMetrics:
         fault: bool | None = None,
     ) -> None:
         """One call answered: its count and latency; and, unless `fault` is None (a call that had
-        no attempt), its answering attempt (`attempted`)."""
-        key = (method, model, version, dye, code, fallback, fault)
+        no attempt), its answering attempt (`attempted`). `path`: the call's (one of the method
+        table's: bounded), labelled by its method's name (found once per series)."""
+        key = (path, model, version, dye, code, fallback, fault)
         cells = self._answered.get(key)
         if cells is None:
+            method = path.rpartition("/")[2]
             cells = self._answered[key] = (
                 self._requests.cell((method, model, version, dye, code, fallback)),
                 self._latency.cell((method, model, version, dye)),

@@ -5,10 +5,11 @@ breakers): no transport (no grpc, no channels: an upstream is anything with an `
 I/O, no asyncio. Status codes are named by their gRPC names ("UNAVAILABLE"), so the forwarder
 translates; refusals are `Refused` with such a name.
 
-The path of a data call: `read` (names checked, modelyard.common.names) -> `decide` (the dye,
-routing.decide) -> the caller's tenant bucket (`tenant_bucket`; its slot is the scope's) -> `first`
-(an upstream whose breaker gives a permit; a canary falls back to stable when none does; while
-every breaker of the canary is open, the route's weight is effectively 0: `effective_weight`) ->
+The path of a data call: `read` (names checked, modelyard.common.names; the dye, routing.choose,
+kept in the call's Plan) -> the caller's tenant bucket (`tenant_bucket`; its slot is the
+scope's) -> `first` (an upstream whose breaker gives a permit; a canary falls back to stable when
+none does; while every breaker of the canary is open, the route's weight is effectively 0:
+`effective_weight`) ->
 after a failed attempt, `after_failure` (its verdict to the breaker; another upstream for an
 unreachable one, stable for a canary fault, or None: the failure is the answer).
 """
@@ -29,7 +30,6 @@ from modelyard.sidecar.routing import (
     CANARY,
     PINNED,
     STABLE,
-    Decision,
     ModelRoute,
     RoutingError,
     choose,
@@ -94,28 +94,6 @@ class Refused(Exception):
         return ((headers.ERROR_REASON, self.reason), *self.extra)
 
 
-# Not frozen (a value all the same): a frozen dataclass's __init__ costs ~0.2 us a field, per call.
-@dataclass(slots=True)
-class Request:
-    """What a call asks for, read from its message and headers (names checked)."""
-
-    model: str
-    pin: str
-    received: Mapping[str, str]  # the string-valued request headers
-    forward: Metadata  # request metadata for the upstream, less what the sidecar sets itself
-    view: ModelView[Any]  # the model as the sidecar knows it now (model_view)
-    read: Read | None = None  # the call's first message and its fields, as read (once)
-
-    @property
-    def known(self) -> bool:
-        """The upstreams serve the model (WatchModels): it earns state and a label."""
-        return self.view.known
-
-    @property
-    def label(self) -> str:
-        return self.view.label
-
-
 @dataclass(slots=True, eq=False)
 class Served(Generic[U]):
     """One version of a model as `take` finds it while its view stands: whether it gets state
@@ -142,6 +120,9 @@ class ModelView(Generic[U]):
     stable: str
     canary: str
     table: RouteTable
+    # The table mirrors a share of stable answers to the canary (its shadow policy's share > 0):
+    # only then is an answer offered to the mirror (mirror.py), which decides per call.
+    mirrored: bool = False
     versions: dict[str, Served[U]] = field(default_factory=dict)  # filled by `take` (stateful only)
 
 
@@ -150,15 +131,24 @@ def model_view(model: str, table: RouteTable, pool: Pool[U]) -> ModelView[U]:
     known = bool(model) and pool.knows(model)
     route = table.route(model)
     stable, canary = stable_and_canary(route, pool.versions(model) if known else ())
-    return ModelView(model, known, model if known else OTHER, route, stable, canary, table)
+    mirrored = table.shadow.share > 0
+    return ModelView(model, known, model if known else OTHER, route, stable, canary, table, mirrored)
 
 
 Views = Callable[[str], ModelView[Any]]  # model -> its view (views.ModelViews.of)
 
 
+# What a Plan made for a retry holds of the call's model (after_failure is given its view now).
+_NO_VIEW: ModelView[Any] = ModelView("", False, OTHER, ModelRoute(), "", "", RouteTable())
+
+
+# Not frozen (a value all the same): a frozen dataclass's __init__ costs ~0.2 us a field, per call.
+# Made with positional arguments only on a call's path: keywords cost ~1.5k instructions.
 @dataclass(slots=True)
 class Plan(Generic[U]):
-    """One attempt: where it goes and what it holds. A retry is a new Plan."""
+    """One attempt: where it goes and what it holds. A retry is a new Plan. A call's first one is
+    made by `read` (`asked`: what the call asks for, its upstream not chosen yet), then `first`
+    (or `unrouted`) plans the attempt in it: one object a call, not a request and a plan."""
 
     model: str
     version: str
@@ -173,15 +163,19 @@ class Plan(Generic[U]):
     label: str = OTHER  # the model's metric label: its name when the upstreams serve it
     fell_back: bool = False  # this attempt is the fallback to stable (counted once)
     reported: bool = False
-    read: Read | None = None  # the call's first message and its fields (Request.read)
+    read: Read | None = None  # the call's first message and its fields, as read (once)
+    # The call as asked (`read`; a retry's plan keeps none of it):
+    pin: str = ""  # the version it pinned (field 2 or x-model-version); empty: none
+    received: Mapping[str, str] = field(default_factory=dict)  # its string-valued request headers
+    view: ModelView[Any] = _NO_VIEW  # its model as the sidecar knew it (model_view)
+    # What the client's response metadata gets from the sidecar (`answer_metadata` of the dye and
+    # fallback), set with them by `first` and `_next`: a field, not a property (a call a call).
+    answer_metadata: Metadata = ()
 
     @property
-    def answer_metadata(self) -> Metadata:
-        """What the client's response metadata gets from the sidecar."""
-        if not self.dye:
-            return ()
-        md: Metadata = ((headers.MODEL_DYE, self.dye),)
-        return (*md, (headers.DYE_FALLBACK, self.fallback)) if self.fallback else md
+    def known(self) -> bool:
+        """The upstreams serve the model (WatchModels): it earns state and a label."""
+        return self.view.known
 
     def body(self, message: bytes) -> bytes:
         """The message with the chosen version in field 2, unless it carries one already."""
@@ -220,6 +214,16 @@ class Plan(Generic[U]):
 
 
 Found = tuple[U, Breaker | None, Permit | None]
+
+
+_ANSWERS: dict[str, Metadata] = {"": (), **{d: ((headers.MODEL_DYE, d),) for d in (STABLE, CANARY, PINNED)}}
+
+
+def answer_metadata(dye: str, fallback: str) -> Metadata:
+    """What the client's response metadata gets from the sidecar for an attempt so dyed: its dye
+    (none without one) and the fallback, if any."""
+    md = _ANSWERS.get(dye) or ((headers.MODEL_DYE, dye),) if dye else ()
+    return (*md, (headers.DYE_FALLBACK, fallback)) if fallback and dye else md
 
 
 def is_fault(code: str, reason: str) -> bool:
@@ -265,9 +269,47 @@ def tenant_bucket(tenants: Mapping[str, TenantLimit], received: Mapping[str, str
     return named if named in tenants and named != ANY_TENANT else ANY_TENANT
 
 
-def read(request: bytes | None, md: Metadata, views: Views, *, model_addressed: bool) -> Request:
+def asked(
+    model: str,
+    pin: str,
+    received: Mapping[str, str],
+    forward: Metadata,
+    view: ModelView[Any],
+    read: Read | None = None,
+    version: str = "",
+    dye: str = "",
+    stable: str = "",
+) -> Plan[Any]:
+    """A call as asked (what `read` finds): a Plan whose attempt `first` or `unrouted` plans.
+    `version`, `dye` and `stable`: a data call's routing decision (routing.choose)."""
+    upstream: Any = None  # chosen by `first` or `unrouted`
+    return Plan(
+        model,
+        version,
+        dye,
+        "",
+        stable,
+        upstream,
+        None,
+        None,
+        forward,
+        None,
+        view.label,
+        False,
+        False,
+        read,
+        pin,
+        received,
+        view,
+    )
+
+
+def read(
+    request: bytes | None, md: Metadata, views: Views, model_addressed: bool, routed: bool = False
+) -> Plan[Any]:
     """The model and pinned version a call names (its fields 1 and 2, else its headers), checked
-    by the one name rule before they reach any state, label or message."""
+    by the one name rule before they reach any state, label or message; for a data call
+    (`routed`), its version and dye (routing.choose; a bad routing header is refused)."""
     received: dict[str, str] = {}
     kept: list[tuple[str, str | bytes]] = []
     for item in md:  # one pass over the call's metadata
@@ -300,64 +342,87 @@ def read(request: bytes | None, md: Metadata, views: Views, *, model_addressed: 
         except InvalidName as exc:
             raise Refused("INVALID_ARGUMENT", str(exc), ErrorReason.INVALID_ARGUMENT) from exc
         read = (message, fields)
-    return Request(model, pin, received, forward, views(model), read)
-
-
-def routing_decision(request: Request) -> Decision:
-    """The version and dye of a data call (routing.choose); a bad routing header is refused."""
-    view, received = request.view, request.received
+    view = views(model)
+    label, upstream = view.label, None  # `asked`, inline (one call a call fewer); `first` chooses
+    if not routed:
+        return Plan(
+            model,
+            "",
+            "",
+            "",
+            "",
+            upstream,
+            None,
+            None,
+            forward,
+            None,
+            label,
+            False,
+            False,
+            read,
+            pin,
+            received,
+            view,
+        )
     sticky = received.get(view.table.stickiness_header) or received.get(headers.REQUEST_ID)
     try:
-        return choose(
-            view.route,
-            view.stable,
-            view.canary,
-            pin=request.pin,
-            sticky_key=sticky,
-            header_weight=received.get(headers.CANARY_WEIGHT),
+        version, dye, stable = choose(
+            view.route, view.stable, view.canary, pin, sticky, received.get(headers.CANARY_WEIGHT)
         )
     except RoutingError as exc:
         raise Refused("INVALID_ARGUMENT", str(exc), ErrorReason.INVALID_ARGUMENT) from exc
-
-
-def unrouted(request: Request, pool: Pool[U], *, model_addressed: bool) -> Plan[U]:
-    """A call that is not dyed: to an upstream serving the model it names, else to any; no state."""
-    candidates = pool.candidates(request.model, request.pin) if model_addressed else []
-    upstream = (candidates or pool.any())[0]
     return Plan(
-        request.model,
-        request.pin,
+        model,
+        version,
+        dye,
         "",
-        "",
-        "",
+        stable,
         upstream,
         None,
         None,
-        request.forward,
-        label=request.label,
+        forward,
+        None,
+        label,
+        False,
+        False,
+        read,
+        pin,
+        received,
+        view,
     )
 
 
-def first(request: Request, decision: Decision, caller: int, pool: Pool[U], breakers: Breakers) -> Plan[U]:
-    """The first attempt of a data call: an upstream for the decided version whose breaker lets
+def unrouted(request: Plan[Any], pool: Pool[U], *, model_addressed: bool) -> Plan[U]:
+    """A call that is not dyed (`read`, not routed): to an upstream serving the model it names,
+    else to any; no state. Its plan is the request itself."""
+    candidates = pool.candidates(request.model, request.pin) if model_addressed else []
+    request.upstream = (candidates or pool.any())[0]
+    request.version = request.pin
+    plan: Plan[U] = request
+    return plan
+
+
+def first(request: Plan[Any], caller: int, pool: Pool[U], breakers: Breakers) -> Plan[U]:
+    """The first attempt of a data call (`read` with `routed`), planned in the call's own Plan (a
+    refused call's is left as it was): an upstream for the version it decided whose breaker lets
     the call through; a canary with none falls back to stable (`breaker-open` when a breaker
     refused, else `unavailable`); with none for the version either, the call is refused. While
     every breaker of the canary is open (`Breakers.shut`), a call dyed canary by the route's weight
     is dyed stable (the effective weight is 0: no new user is sent there, and none is told of a
     fallback); one that asked for the canary with `x-canary-weight` falls back as above."""
+    dye, version, stable, fallback = request.dye, request.version, request.stable, ""
     if (
-        decision.dye == CANARY
-        and decision.stable
+        dye == CANARY
+        and stable
         and headers.CANARY_WEIGHT not in request.received
-        and breakers.shut(request.model, decision.version)
+        and breakers.shut(request.model, version)
     ):
-        decision = Decision(decision.stable, STABLE, stable=decision.stable)
+        dye, version = STABLE, stable
     view = request.view
-    found, blocked, served = take(view, decision.version, (), pool, breakers)
-    dye, version, fallback = decision.dye, decision.version, ""
-    if found is None and decision.dye == CANARY and decision.stable:
+    found, blocked, served = take(view, version, (), pool, breakers)
+    if found is None and dye == CANARY and stable:
         fallback = FALLBACK_BREAKER if blocked else FALLBACK_UNAVAILABLE
-        dye, version = STABLE, decision.stable
+        dye, version = STABLE, stable
         found, _, served = take(view, version, (), pool, breakers)
     if found is None:
         if blocked:
@@ -372,24 +437,13 @@ def first(request: Request, decision: Decision, caller: int, pool: Pool[U], brea
             ErrorReason.UNAVAILABLE,
         )
     upstream, breaker, permit = found
-    forward = request.forward
+    plan: Plan[U] = request  # the attempt, planned in the call's own object
     if version:
-        forward = (*forward, *served.headers[dye])
-    return Plan(
-        request.model,
-        version,
-        dye,
-        fallback,
-        decision.stable,
-        upstream,
-        breaker,
-        permit,
-        forward,
-        caller,
-        view.label,
-        fell_back=bool(fallback),
-        read=request.read,
-    )
+        plan.forward = (*request.forward, *served.headers[dye])
+    plan.version, plan.dye, plan.fallback, plan.fell_back = version, dye, fallback, bool(fallback)
+    plan.answer_metadata = _ANSWERS[dye] if not fallback else answer_metadata(dye, fallback)
+    plan.upstream, plan.breaker, plan.permit, plan.caller = upstream, breaker, permit, caller
+    return plan
 
 
 def after_failure(
@@ -581,6 +635,7 @@ def _next(
         plan.label,
         fell_back=fell_back,
         read=plan.read,
+        answer_metadata=answer_metadata(dye, fallback),
     )
 
 

@@ -196,6 +196,7 @@ class Proxy(_Handler):
                 plan = self._first_attempt(info, first, scope, context)
             except Refused as refused:
                 await self._refuse(scope, refused, context)
+            mirrored = plan.view.mirrored  # the call's view (a retry's plan holds none)
             tried: list[Upstream] = []
             while True:
                 scope.attempt(plan)
@@ -204,17 +205,21 @@ class Proxy(_Handler):
                     plan.body(first or b"") if more is None else forward.requests(first, more, plan.body)
                 )
                 # The attempt's client span (None: untraced or not sampled) ends in `finally`.
-                # An untraced call's metadata is the plan's alone (no tracing.attempt call).
+                # An untraced call's metadata is the plan's alone, and an unsampled root's (a
+                # str: its traceparent) the plan's and that: Tracing.attempt's first two cases,
+                # without the call (most calls are one or the other).
                 span = scope.span
-                metadata, client = (
-                    (plan.forward, None) if span is None else self._tracing.attempt(span, plan, info.path)
-                )
+                if span is None:
+                    metadata, client = plan.forward, None
+                elif type(span) is str:
+                    metadata, client = (*plan.forward, (headers.TRACEPARENT, span)), None
+                else:
+                    metadata, client = self._tracing.attempt(span, plan, info.path)
                 try:
                     time_left = context.time_remaining()
-                    call = forward.start(
+                    response, initial, trailing = await forward.ask(
                         plan.upstream, info.path, info.kind, request, metadata, time_left, scope
                     )
-                    response, initial, trailing = await forward.ask(call)
                 except forward.Failed as failed:
                     scope.code = failed.code
                     if client is not None:
@@ -240,7 +245,7 @@ class Proxy(_Handler):
                 if initial:  # the service's unary answers carry none (docs/api.md)
                     await context.send_initial_metadata(initial)
                 forward.answer(context, trailing, plan.answer_metadata)
-                if first is not None and more is None:
+                if mirrored and first is not None and more is None:
                     self._mirror.answered(info.path, plan, first, response)
                 return response
         except asyncio.CancelledError:
@@ -315,16 +320,17 @@ class Proxy(_Handler):
         scope's), an upstream whose breaker lets it through; or `Refused` (see `_refuse`). A plain
         function, not a coroutine: only a refusal awaits anything."""
         upstreams = self._upstreams
-        asked = planner.read(first, scope.metadata, self._view_of, model_addressed=info.model_addressed)
-        if not info.routed:
+        routed = info.routed
+        # Positional arguments (model_addressed, routed): keywords cost ~0.7k instructions each.
+        asked = planner.read(first, scope.metadata, self._view_of, info.model_addressed, routed)
+        if not routed:
             return planner.unrouted(asked, upstreams, model_addressed=info.model_addressed)
         table = asked.view.table  # the table the model's view was made under
-        decision = planner.routing_decision(asked)
         tenant = planner.tenant_bucket(table.tenants, asked.received)
         if tenant:
             scope.admit(tenant, table.tenants)
         scope.caller = planner.caller_key(asked.received, table.stickiness_header, context.peer)
-        return planner.first(asked, decision, scope.caller, upstreams, self._breakers)
+        return planner.first(asked, scope.caller, upstreams, self._breakers)
 
     async def _refuse(self, scope: Scope, refused: Refused, context: Context) -> NoReturn:
         """The sidecar answers the call itself (a bad name, a tenant limit, no upstream left)."""

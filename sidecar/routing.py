@@ -112,28 +112,27 @@ def decide(
 ) -> Decision:
     """The version for one request. `sticky_key` None means no key: a random bucket."""
     stable, canary = stable_and_canary(route, served)
-    return choose(route, stable, canary, pin=pin, sticky_key=sticky_key, header_weight=header_weight)
+    version, dye, stable = choose(route, stable, canary, pin, sticky_key, header_weight)
+    return Decision(version, dye, version if dye == CANARY else "", stable)
+
+
+Choice = tuple[str, str, str]  # a Decision's version, dye and stable, as a dyed call uses them
 
 
 def choose(
-    route: ModelRoute,
-    stable: str,
-    canary: str,
-    *,
-    pin: str,
-    sticky_key: str | None,
-    header_weight: str | None,
-) -> Decision:
+    route: ModelRoute, stable: str, canary: str, pin: str, sticky_key: str | None, header_weight: str | None
+) -> Choice:
     """`decide`, given the route's stable and canary (stable_and_canary): what a dyed call runs,
-    with those two read from its model's view (plan.ModelView)."""
+    with those two read from its model's view (plan.ModelView). A tuple, not a Decision: no
+    object of its own a call (plan.read keeps it in the call's Plan)."""
     if pin:
-        return Decision(normalize_version(pin), PINNED)
+        return normalize_version(pin), PINNED, ""
     if not stable:
-        return Decision("", "")  # versions unknown (yet): undyed, the service answers as it would
+        return "", "", ""  # versions unknown (yet): undyed, the service answers as it would
     if not canary or canary == stable:
-        return Decision(stable, STABLE, stable=stable)
+        return stable, STABLE, stable
     weight = route.canary_weight if header_weight is None else parse_weight(header_weight)
     key = sticky_key if sticky_key is not None else os.urandom(8).hex()
     if bucket(key, route.cohort) < weight * (BUCKETS / 100):  # is_canary, inline
-        return Decision(canary, CANARY, canary=canary, stable=stable)
-    return Decision(stable, STABLE, stable=stable)
+        return canary, CANARY, stable
+    return stable, STABLE, stable

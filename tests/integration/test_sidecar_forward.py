@@ -112,8 +112,9 @@ class Edge(Handler):
 
         async def one(request: forward.Request, context: Context) -> bytes:
             try:
-                call = forward.start(self.upstream, path, kind, request, self._md(context), 10, Flight())
-                response, initial, trailing = await forward.ask(call)
+                response, initial, trailing = await forward.ask(
+                    self.upstream, path, kind, request, self._md(context), 10, Flight()
+                )
             except forward.Failed as failed:
                 await self._failed(context, failed)
             if initial:

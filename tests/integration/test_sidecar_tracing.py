@@ -16,7 +16,7 @@ from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_serv
 from models import demo_models
 from modelyard.inference.v1 import inference_service_pb2 as pb
 from modelyard.inference.v1 import inference_service_pb2_grpc as pb_grpc
-from modelyard.sidecar.tracing import configure
+from modelyard.sidecar.tracing import Tracing, configure
 from tests.sidecar_support import infer, known_versions, running_sidecar
 from tests.support import eventually
 
@@ -127,3 +127,53 @@ async def test_one_trace_from_client_through_sidecar_to_service(
     assert service_span.parent_span_id == client_span.span_id
     assert prefill.parent_span_id == stream.parent_span_id == service_span.span_id
     assert prefill.end_time_unix_nano <= stream.start_time_unix_nano <= stream.end_time_unix_nano
+
+
+class RecordingUpstream(grpc.GenericRpcHandler):  # type: ignore[type-arg]
+    """KServe's ModelInfer alone, answering the request's bytes and keeping each call's metadata."""
+
+    def __init__(self) -> None:
+        self.seen: list[dict[str, Any]] = []
+
+    def service(self, details: grpc.HandlerCallDetails) -> Any:
+        if details.method != "/inference.GRPCInferenceService/ModelInfer":
+            return None
+
+        async def infer(request: bytes, context: Any) -> bytes:
+            self.seen.append(dict(context.invocation_metadata() or ()))
+            return request
+
+        return grpc.unary_unary_rpc_method_handler(infer)
+
+
+async def test_an_unsampled_root_call_sends_its_traceparent_upstream() -> None:
+    """A call that brought no trace context and that the sampler left out (most calls, with a
+    ratio sampler): its attempt carries its traceparent, unsampled, and no baggage (the proxy
+    writes it itself on this path, as Tracing.attempt would); an untraced sidecar sends none."""
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.sampling import ALWAYS_OFF, ParentBased
+
+    from modelyard.kserve.v2 import grpc_service_pb2 as kserve
+
+    recorder = RecordingUpstream()
+    server = grpc.aio.server()
+    server.add_generic_rpc_handlers((recorder,))
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    request = kserve.ModelInferRequest(model_name="m").SerializeToString()
+    try:
+        for tracing in (Tracing(TracerProvider(sampler=ParentBased(ALWAYS_OFF))), Tracing()):
+            async with (
+                running_sidecar([f"127.0.0.1:{port}"], tracing=tracing) as sidecar,
+                grpc.aio.insecure_channel(sidecar.address) as channel,
+            ):
+                infer = channel.unary_unary("/inference.GRPCInferenceService/ModelInfer", None, None)
+                assert await infer(request, metadata=(("x-user-id", "u"),), timeout=10) == request
+    finally:
+        await server.stop(0)
+    traced, untraced = recorder.seen
+    version, trace_id, span_id, flags = traced["traceparent"].split("-")
+    assert (version, len(trace_id), len(span_id)) == ("00", 32, 16)
+    assert not int(flags, 16) & 1  # not sampled
+    assert int(trace_id, 16) and "baggage" not in traced and traced["x-user-id"] == "u"
+    assert "traceparent" not in untraced and untraced["x-user-id"] == "u"

@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import pytest
 
@@ -15,9 +16,8 @@ from modelyard.sidecar import plan as planner
 from modelyard.sidecar.adaptive import BreakerPolicy, State
 from modelyard.sidecar.breakers import Breaker, BreakerKey, Breakers
 from modelyard.sidecar.metrics import SidecarMetrics
-from modelyard.sidecar.plan import Request
 from modelyard.sidecar.routes import RouteTable
-from modelyard.sidecar.routing import CANARY, STABLE, Decision, ModelRoute
+from modelyard.sidecar.routing import CANARY, STABLE, ModelRoute
 from tests.support import metric
 
 DEFAULT = BreakerPolicy()
@@ -273,16 +273,15 @@ class Pool:
         return list(self.ups.values())
 
 
-CANARY_2 = Decision("2", CANARY, canary="2", stable="1")
-
-
 def test_an_open_canary_has_effective_weight_zero_until_its_backoff_ends(clock: Clock) -> None:
     breakers, _, canary = versions(clock)
     pool = Pool({"s": {"1"}, "c": {"2"}})
     table = RouteTable(models={"m": ModelRoute(canary_weight=30)})
     view = planner.model_view("m", table, pool)
-    by_route = Request("m", "", {}, (), view)
-    by_header = Request("m", "", {"x-canary-weight": "100"}, (), view)
+
+    def dyed_canary(received: dict[str, str]) -> planner.Plan[Any]:
+        """A call dyed canary (version 2, stable 1), as `read` leaves it (`first` plans in it)."""
+        return planner.asked("m", "", received, (), view, None, "2", CANARY, "1")
 
     def status() -> tuple[float, float, str | None]:
         found = planner.canary_status("m", table, pool, breakers)
@@ -293,14 +292,14 @@ def test_an_open_canary_has_effective_weight_zero_until_its_backoff_ends(clock: 
         canary_call(canary, i, fault=True)
     assert status() == (30, 0, "open") and breakers.is_open("m", "2") and not breakers.is_open("m", "1")
     # Dyed canary by the route: stable, with no fallback to tell (no new user goes there).
-    plan = planner.first(by_route, CANARY_2, 7, pool, breakers)
+    plan = planner.first(dyed_canary({}), 7, pool, breakers)
     assert (plan.version, plan.dye, plan.fallback) == ("1", STABLE, "")
     # Asked for by the caller's own header: a per-call fallback, told.
-    plan = planner.first(by_header, CANARY_2, 7, pool, breakers)
+    plan = planner.first(dyed_canary({"x-canary-weight": "100"}), 7, pool, breakers)
     assert (plan.version, plan.dye, plan.fallback) == ("1", STABLE, "breaker-open")
     clock.now += DEFAULT.backoff_s  # probes may go: the weight is back, for the probes to come
     assert status() == (30, 30, "open")
-    plan = planner.first(by_route, CANARY_2, 7, pool, breakers)
+    plan = planner.first(dyed_canary({}), 7, pool, breakers)
     assert (plan.version, plan.dye, plan.fallback) == ("2", CANARY, "")
     assert status() == (30, 30, "half-open") and breakers.is_open("m", "2")
 

@@ -4,8 +4,10 @@ stepped clock, no gRPC."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import pytest
 
@@ -20,7 +22,6 @@ from modelyard.sidecar.plan import (
     OTHER,
     Plan,
     Refused,
-    Request,
 )
 from modelyard.sidecar.routes import RouteTable
 from modelyard.sidecar.routing import CANARY, PINNED, STABLE, Decision, ModelRoute
@@ -93,11 +94,11 @@ class World:
     def view(self, model: str = "m") -> planner.ModelView[Up]:
         return planner.model_view(model, self.table, self.pool)
 
-    def request(self, model: str = "m", pin: str = "") -> Request:
-        return Request(model, pin, self.received, (("x-request-id", "r1"),), self.view(model))
+    def request(self, model: str = "m", pin: str = "") -> Plan[Any]:
+        return planner.asked(model, pin, self.received, (("x-request-id", "r1"),), self.view(model))
 
     def first(self, decision: Decision, model: str = "m") -> Plan[Up]:
-        return planner.first(self.request(model), decision, 7, self.pool, self.breakers)
+        return planner.first(decided(self.request(model), decision), 7, self.pool, self.breakers)
 
     def after(
         self, plan: Plan[Up], code: str, reason: str = "", tried: list[Up] | None = None
@@ -112,6 +113,17 @@ class World:
             self.pool,
             self.breakers,
         )
+
+
+def decided(request: Plan[Any], decision: Decision) -> Plan[Any]:
+    """The request as `read` leaves a data call's: with its routing decision."""
+    return dataclasses.replace(request, version=decision.version, dye=decision.dye, stable=decision.stable)
+
+
+def decision_of(request: Plan[Any]) -> Decision:
+    """The routing decision `read` kept in a data call's request, as routing.decide gives it."""
+    canary = request.version if request.dye == CANARY else ""
+    return Decision(request.version, request.dye, canary, request.stable)
 
 
 def shape(plan: Plan[Up] | None) -> tuple[str, str, str, str, bool] | None:
@@ -297,6 +309,9 @@ def test_after_a_failed_attempt(
         assert tried == [world.pool.ups["a"]]
         assert following.permit is not None and not following.reported
         assert (following.caller, following.label, following.stable) == (7, "m", plan.stable)
+        dyed = (("x-model-dye", following.dye),)
+        fell_back = (("x-dye-fallback", following.fallback),) if following.fallback else ()
+        assert following.answer_metadata == (*dyed, *fell_back)  # the new attempt's own
         # the version and dye headers are the new attempt's, once each
         versions = [v for k, v in following.forward if k == "x-model-version"]
         dyes = [v for k, v in following.forward if k == "x-model-dye"]
@@ -415,24 +430,29 @@ def test_reading_drops_what_the_sidecar_sets_itself_and_ignores_fields_of_unaddr
 def test_a_call_that_is_not_dyed_goes_to_a_serving_upstream_else_any() -> None:
     pool = Pool({"a": {"other": {"1"}}, "b": {"m": {"1"}}})
     view = views(pool)
-    plan = planner.unrouted(Request("m", "", {}, (), view("m")), pool, model_addressed=True)
+    plan = planner.unrouted(planner.asked("m", "", {}, (), view("m")), pool, model_addressed=True)
     assert (plan.upstream.address, plan.breaker, plan.dye, plan.label) == ("b", None, "", "m")
-    plan = planner.unrouted(Request("m", "", {}, (), view("m")), pool, model_addressed=False)
+    plan = planner.unrouted(planner.asked("m", "", {}, (), view("m")), pool, model_addressed=False)
     assert plan.upstream.address == "a"
-    plan = planner.unrouted(Request("x", "", {}, (), view("x")), pool, model_addressed=True)
+    plan = planner.unrouted(planner.asked("x", "", {}, (), view("x")), pool, model_addressed=True)
     assert (plan.upstream.address, plan.label) == ("a", OTHER)
 
 
 def test_a_bad_weight_header_is_refused_and_a_good_one_decides() -> None:
     view = views(Pool(TWO_VERSIONS))
-    request = Request("m", "", {"x-canary-weight": "101"}, (), view("m"))
     with pytest.raises(Refused) as refused:
-        planner.routing_decision(request)
+        planner.read(message("m"), (("x-canary-weight", "101"),), view, model_addressed=True, routed=True)
     assert (refused.value.code, refused.value.reason) == ("INVALID_ARGUMENT", "invalid_argument")
-    everyone = Request("m", "", {"x-canary-weight": "100", "x-user-id": "u"}, (), view("m"))
-    assert planner.routing_decision(everyone) == CANARY_2
-    unknown = Request("x", "", {"x-canary-weight": "100"}, (), view("x"))  # versions not known: undyed
-    assert planner.routing_decision(unknown) == Decision("", "")
+    md = (("x-canary-weight", "100"), ("x-user-id", "u"))
+    everyone = planner.read(message("m"), md, view, model_addressed=True, routed=True)
+    assert decision_of(everyone) == CANARY_2
+    pinned = planner.read(message("m", "v2"), md, view, model_addressed=True, routed=True)
+    assert decision_of(pinned) == PINNED_2
+    unknown = planner.read(message("x"), md, view, model_addressed=True, routed=True)  # versions not known
+    assert decision_of(unknown) == Decision("", "")
+    # A call that is not dyed is not decided (a bad weight header is no business of it).
+    plain = planner.read(message("m"), (("x-canary-weight", "101"),), view, model_addressed=True)
+    assert (plain.version, plain.dye, plain.stable) == ("", "", "")
 
 
 # --- tenants and callers -------------------------------------------------------------------

@@ -149,3 +149,45 @@ async def test_a_route_reload_a_served_change_and_the_breakers_reach_the_next_ca
         assert await call() == ("2", "stable")
     finally:
         await sidecar.stop(grace_s=0.1)
+
+
+async def test_a_shadow_share_set_or_dropped_by_a_reload_reaches_the_next_call(tmp_path: Path) -> None:
+    """A stable answer is offered to the mirror only while the route table mirrors a share (the
+    view holds whether it does): a reload that turns shadowing on, or off, applies at once."""
+    routes, now = tmp_path / "routes.yaml", time.time()
+    _routes(routes, 0, now)
+    settings = Settings(listen="127.0.0.1:0", upstream=("127.0.0.1:1",), admin_listen="", config=str(routes))
+    sidecar: Sidecar = build_sidecar(settings)
+    await sidecar.start()
+    try:
+        upstream = sidecar.upstreams.all[0]
+        dyes: list[str] = []
+
+        def method(path: str, kind: str) -> Any:
+            def call(request: bytes, metadata: Any = None, timeout: Any = None) -> Answered:
+                dyes.append(dict(metadata)["x-model-dye"])
+                return Answered()
+
+            return call
+
+        upstream.method = method  # type: ignore[method-assign]
+        upstream.served = {"m": frozenset({"1", "2"})}
+        upstream.watched = upstream.serving = True
+        sidecar.upstreams_changed()
+        handler: Any = sidecar.proxy.service(cast(Any, _Details())).unary_unary
+        request = kpb.ModelInferRequest(model_name="m").SerializeToString()
+
+        assert await handler(request, Context("u1")) == ANSWER
+        assert dyes == ["stable"]  # no shadow share: not mirrored
+        routes.write_text("models:\n  m: {canary_weight: 0}\nshadow: {share: 100}\n")
+        os.utime(routes, (now + 10, now + 10))
+        assert sidecar.routes.reload_if_changed()
+        assert await handler(request, Context("u2")) == ANSWER
+        await eventually(lambda: dyes == ["stable", "stable", "shadow"], "the answer mirrored to the canary")
+        _routes(routes, 0, now + 20)
+        assert sidecar.routes.reload_if_changed()
+        assert await handler(request, Context("u3")) == ANSWER
+        await eventually(lambda: not sidecar.proxy._mirror._shadows._in_flight, "the shadow call ended")
+        assert dyes == ["stable", "stable", "shadow", "stable"]  # shadowing off again
+    finally:
+        await sidecar.stop(grace_s=0.1)

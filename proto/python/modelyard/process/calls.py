@@ -31,6 +31,16 @@ def note(**fields: str) -> None:
                 call[name] = value
 
 
+def note_model(model: str, version: str) -> None:
+    """`note(model=..., version=...)` without building its keyword dict (a proxy's every call)."""
+    call = _CALL.get()
+    if call is not None:
+        if model:
+            call["model"] = model
+        if version:
+            call["version"] = version
+
+
 @contextmanager
 def call(method: str, request_id: str = "") -> Iterator[dict[str, str]]:
     """The context of one call, for the code it runs (tasks it starts copy the same dict)."""
