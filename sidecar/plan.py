@@ -344,33 +344,16 @@ def read(
         read = (message, fields)
     view = views(model)
     label, upstream = view.label, None  # `asked`, inline (one call a call fewer); `first` chooses
-    if not routed:
-        return Plan(
-            model,
-            "",
-            "",
-            "",
-            "",
-            upstream,
-            None,
-            None,
-            forward,
-            None,
-            label,
-            False,
-            False,
-            read,
-            pin,
-            received,
-            view,
-        )
-    sticky = received.get(view.table.stickiness_header) or received.get(headers.REQUEST_ID)
-    try:
-        version, dye, stable = choose(
-            view.route, view.stable, view.canary, pin, sticky, received.get(headers.CANARY_WEIGHT)
-        )
-    except RoutingError as exc:
-        raise Refused("INVALID_ARGUMENT", str(exc), ErrorReason.INVALID_ARGUMENT) from exc
+    if routed:
+        sticky = received.get(view.table.stickiness_header) or received.get(headers.REQUEST_ID)
+        try:
+            version, dye, stable = choose(
+                view.route, view.stable, view.canary, pin, sticky, received.get(headers.CANARY_WEIGHT)
+            )
+        except RoutingError as exc:
+            raise Refused("INVALID_ARGUMENT", str(exc), ErrorReason.INVALID_ARGUMENT) from exc
+    else:
+        version = dye = stable = ""
     return Plan(
         model,
         version,
