@@ -343,36 +343,16 @@ def read(
             raise Refused("INVALID_ARGUMENT", str(exc), ErrorReason.INVALID_ARGUMENT) from exc
         read = (message, fields)
     view = views(model)
-    label, upstream = view.label, None  # `asked`, inline (one call a call fewer); `first` chooses
-    if routed:
-        sticky = received.get(view.table.stickiness_header) or received.get(headers.REQUEST_ID)
-        try:
-            version, dye, stable = choose(
-                view.route, view.stable, view.canary, pin, sticky, received.get(headers.CANARY_WEIGHT)
-            )
-        except RoutingError as exc:
-            raise Refused("INVALID_ARGUMENT", str(exc), ErrorReason.INVALID_ARGUMENT) from exc
-    else:
-        version = dye = stable = ""
-    return Plan(
-        model,
-        version,
-        dye,
-        "",
-        stable,
-        upstream,
-        None,
-        None,
-        forward,
-        None,
-        label,
-        False,
-        False,
-        read,
-        pin,
-        received,
-        view,
-    )
+    if not routed:
+        return asked(model, pin, received, forward, view, read)
+    sticky = received.get(view.table.stickiness_header) or received.get(headers.REQUEST_ID)
+    try:
+        version, dye, stable = choose(
+            view.route, view.stable, view.canary, pin, sticky, received.get(headers.CANARY_WEIGHT)
+        )
+    except RoutingError as exc:
+        raise Refused("INVALID_ARGUMENT", str(exc), ErrorReason.INVALID_ARGUMENT) from exc
+    return asked(model, pin, received, forward, view, read, version, dye, stable)
 
 
 def unrouted(request: Plan[Any], pool: Pool[U], *, model_addressed: bool) -> Plan[U]:
