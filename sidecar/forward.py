@@ -122,13 +122,10 @@ async def ask(
     time_left: float | None,
     flight: Flight,
 ) -> tuple[bytes, Metadata, Any]:
-    """One attempt with one response, started (as `start` does, inline: one call a call fewer)
-    and awaited: the upstream's response, headers and trailers once the call has finished;
-    `Failed` for an error. The caller gets them by `answer`, once the planner has its outcome."""
-    call = upstream.method(path, kind)(request, metadata=metadata, timeout=time_left)
-    flight.call = call  # Flight.follow, inline
-    if flight.drained:
-        call.cancel()
+    """One attempt with one response, started (`start`) and awaited: the upstream's response,
+    headers and trailers once the call has finished; `Failed` for an error. The caller gets them
+    by `answer`, once the planner has its outcome."""
+    call = start(upstream, path, kind, request, metadata, time_left, flight)
     try:
         response: bytes = await call
     except grpc.aio.AioRpcError as exc:
@@ -161,7 +158,8 @@ def start(
     time_left: float | None,
     flight: Flight,
 ) -> Any:
-    """One attempt's call with a response stream, started: `relay` it (after `ended_early`)."""
+    """One attempt's call, started: `ask` awaits it (one response); a response stream is
+    `relay`ed (after `ended_early`)."""
     call = upstream.method(path, kind)(request, metadata=metadata, timeout=time_left)
     flight.follow(call)
     return call
