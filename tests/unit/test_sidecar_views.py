@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Generator
+from collections.abc import AsyncIterator, Generator
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any, cast
 
@@ -71,6 +72,18 @@ class _Details:
     invocation_metadata = None
 
 
+@asynccontextmanager
+async def _started(routes: Path) -> AsyncIterator[Sidecar]:
+    """A sidecar on the route file whose one upstream (127.0.0.1:1) the test stands in for."""
+    settings = Settings(listen="127.0.0.1:0", upstream=("127.0.0.1:1",), admin_listen="", config=str(routes))
+    sidecar: Sidecar = build_sidecar(settings)
+    await sidecar.start()
+    try:
+        yield sidecar
+    finally:
+        await sidecar.stop(grace_s=0.1)
+
+
 def _routes(path: Path, weight: int, at: float) -> None:
     path.write_text(f"models:\n  m: {{canary_weight: {weight}}}\n")
     os.utime(path, (at, at))  # a reload sees a newer file
@@ -79,10 +92,7 @@ def _routes(path: Path, weight: int, at: float) -> None:
 async def test_a_route_reload_a_served_change_and_the_breakers_reach_the_next_call(tmp_path: Path) -> None:
     routes, now = tmp_path / "routes.yaml", time.time()
     _routes(routes, 100, now)
-    settings = Settings(listen="127.0.0.1:0", upstream=("127.0.0.1:1",), admin_listen="", config=str(routes))
-    sidecar: Sidecar = build_sidecar(settings)
-    await sidecar.start()
-    try:
+    async with _started(routes) as sidecar:
         upstream = sidecar.upstreams.all[0]
         sent: list[dict[str, Any]] = []
 
@@ -147,8 +157,6 @@ async def test_a_route_reload_a_served_change_and_the_breakers_reach_the_next_ca
             new.report(permit, True, None, caller)
         assert new.state is State.OPEN
         assert await call() == ("2", "stable")
-    finally:
-        await sidecar.stop(grace_s=0.1)
 
 
 async def test_a_shadow_share_set_or_dropped_by_a_reload_reaches_the_next_call(tmp_path: Path) -> None:
@@ -156,10 +164,7 @@ async def test_a_shadow_share_set_or_dropped_by_a_reload_reaches_the_next_call(t
     view holds whether it does): a reload that turns shadowing on, or off, applies at once."""
     routes, now = tmp_path / "routes.yaml", time.time()
     _routes(routes, 0, now)
-    settings = Settings(listen="127.0.0.1:0", upstream=("127.0.0.1:1",), admin_listen="", config=str(routes))
-    sidecar: Sidecar = build_sidecar(settings)
-    await sidecar.start()
-    try:
+    async with _started(routes) as sidecar:
         upstream = sidecar.upstreams.all[0]
         dyes: list[str] = []
 
@@ -189,5 +194,3 @@ async def test_a_shadow_share_set_or_dropped_by_a_reload_reaches_the_next_call(t
         assert await handler(request, Context("u3")) == ANSWER
         await eventually(lambda: not sidecar.proxy._mirror._shadows._in_flight, "the shadow call ended")
         assert dyes == ["stable", "stable", "shadow", "stable"]  # shadowing off again
-    finally:
-        await sidecar.stop(grace_s=0.1)
