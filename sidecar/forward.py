@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
+from collections import OrderedDict
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterable
 from contextlib import aclosing
-from typing import Any
+from typing import Any, NoReturn
 
 import grpc
 
@@ -110,6 +112,36 @@ def with_metadata(received: Iterable[Any] | None, added: Metadata) -> Metadata:
     return (*(received or ()), *added)
 
 
+class Outgoing(tuple[tuple[str, str | bytes], ...], grpc.aio.Metadata):  # type: ignore[misc]
+    """An attempt's request metadata as grpc.aio takes it without a Python step per entry: a
+    tuple (what its call hands gRPC's core) that is a grpc.aio.Metadata (which its multicallable
+    keeps as it is). A plain tuple is made a Metadata first (Metadata.add per entry) and then a
+    tuple again (Metadata.__iter__, a generator, per entry): ~1.5k instructions an entry, on the
+    4-5 entries of every attempt. Iterated and counted as the tuple; read by key (an interceptor,
+    a test's fake) as a Metadata of the same entries; never changed."""
+
+    __slots__ = ()
+
+    @property
+    def _metadata(self) -> OrderedDict[str, list[str | bytes]]:  # what Metadata's reads read
+        found: OrderedDict[str, list[str | bytes]] = OrderedDict()
+        for key, value in tuple.__iter__(self):
+            found.setdefault(key, []).append(value)
+        return found
+
+    __getitem__ = grpc.aio.Metadata.__getitem__  # type: ignore[assignment]
+    __contains__ = grpc.aio.Metadata.__contains__
+    __repr__ = grpc.aio.Metadata.__repr__
+
+    def _read_only(self, *_: Any) -> NoReturn:
+        raise TypeError("an attempt's request metadata is not changed once made")
+
+    add = __setitem__ = __delitem__ = set_all = delete_all = _read_only  # type: ignore[assignment]
+
+
+outgoing = functools.partial(tuple.__new__, Outgoing)  # no __init__: Metadata's is not run
+
+
 # --- calls with one response: unary-unary, stream-unary ------------------------------------
 
 
@@ -160,7 +192,7 @@ def start(
 ) -> Any:
     """One attempt's call, started: `ask` awaits it (one response); a response stream is
     `relay`ed (after `ended_early`)."""
-    call = upstream.method(path, kind)(request, metadata=metadata, timeout=time_left)
+    call = upstream.method(path, kind)(request, metadata=outgoing(metadata), timeout=time_left)
     flight.follow(call)
     return call
 
