@@ -139,7 +139,8 @@ class Outgoing(tuple[tuple[str, str | bytes], ...], grpc.aio.Metadata):  # type:
     add = __setitem__ = __delitem__ = set_all = delete_all = _read_only  # type: ignore[assignment]
 
 
-outgoing = functools.partial(tuple.__new__, Outgoing)  # no __init__: Metadata's is not run
+# tuple.__new__ alone (a C call): Metadata's __init__ is not run.
+outgoing: Callable[[Metadata], Outgoing] = functools.partial(tuple.__new__, Outgoing)
 
 
 # --- calls with one response: unary-unary, stream-unary ------------------------------------
