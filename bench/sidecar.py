@@ -14,9 +14,11 @@ Measured for each path, alternating paths round by round so that machine noise h
 unary KServe ModelInfer (what tritonclient sends) p50/p99 and throughput at concurrency 1 and 16,
 and Generate time to first token (p50/p99) at concurrency 1 and 4. Reported as ratios to direct,
 the added p50 of each hop, and each proxy's own CPU per request at concurrency 16 (for direct: the
-service's). Targets: the sidecar adds at most twice what Envoy adds at p50, keeps at least 0.7x of
-direct throughput at concurrency 16, and spends at most 1.1x the bare proxy's CPU per request
-(the median of the rounds' paired ratios: each round's CPU against the bare proxy's in it).
+service's). The target (issue 19): the sidecar, tracing off and on (--tracing), spends at most
+1.1x the bare proxy's CPU per request at concurrency 16 (the median of the rounds' paired ratios:
+each round's CPU against the bare proxy's in it); printed as met or NOT met. Envoy's added p50 and
+each proxy's share of direct throughput are printed for comparison (the bare Python proxy itself
+adds ~3x what Envoy adds).
 
     .venv/bin/python -m bench.sidecar [--duration 3] [--rounds 2] [--workers 1,2]
         [--tracing parentbased_traceidratio:0.01]
@@ -76,6 +78,7 @@ BARE_READY = re.compile(r"bare proxy serving gRPC on [^\s;,]+:(\d+)")
 HCM = "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager"
 PATHS: tuple[str, ...] = ("direct", "bare", "sidecar", "envoy")  # with --workers: sidecar_wN too
 TRACED = "sidecar_traced"  # with --tracing
+CPU_TARGET_X_BARE = 1.1  # issue 19: the sidecar's CPU per request, tracing off and on
 TENANT = "bench"
 # A tenant limit on every sidecar call that never refuses one: its bookkeeping is what is measured.
 ROUTES = f"""canary_weight: 10
@@ -459,15 +462,6 @@ def report(summary: dict[str, Any]) -> list[str]:
             if "cpu_us_per_req" in f:
                 rate += f"  cpu {f['cpu_us_per_req']:6.0f} us/req"
             lines.append(f"  {path:10s} p50 {f['p50_ms']:7.3f} ms  p99 {f['p99_ms']:7.3f} ms{rate}{extra}")
-    unary1 = summary["unary_c1"]
-    sidecar_added, envoy_added = unary1["sidecar"]["added_p50_ms"], unary1["envoy"]["added_p50_ms"]
-    c16 = summary["unary_c16"]["sidecar"]["rps_x"]
-    lines.append(
-        f"target: sidecar adds <= 2x Envoy's hop at p50 (c=1): {sidecar_added:.3f} vs {envoy_added:.3f} ms"
-        f" -> {'met' if sidecar_added <= 2 * max(envoy_added, 1e-9) else 'NOT met'}"
-    )
-    verdict = "met" if c16 >= 0.7 else "NOT met"
-    lines.append(f"target: sidecar throughput at c=16 >= 0.7x direct: {c16:.2f}x -> {verdict}")
     for path, f in summary["unary_c16"].items():
         if workers_of(path):
             one = summary["unary_c16"]["sidecar"]
@@ -475,14 +469,37 @@ def report(summary: dict[str, Any]) -> list[str]:
                 f"{path}: throughput at c=16 {f['rps'] / one['rps']:.2f}x the one-process sidecar's, "
                 f"CPU per request {f['cpu_us_per_req'] / one['cpu_us_per_req']:.2f}x"
             )
+    # Issue 19's target: the sidecar's CPU per request within 1.1x the bare proxy's, tracing off
+    # and on (this tree's `sidecar` and `sidecar_traced`; another tree's paths are information).
+    met = []
     for path in [p for p in summary["unary_c16"] if p.startswith("sidecar") and not workers_of(p)]:
         cpu = summary["unary_c16"][path]["cpu_x_bare"]
         at_c1 = summary["unary_c1"][path]["cpu_x_bare"]
-        verdict = "met" if cpu <= 1.1 else "NOT met"
-        lines.append(
-            f"target: {path} CPU per request at c=16 <= 1.1x the bare proxy's: {cpu:.2f}x -> {verdict}"
-            f" (c=1: {at_c1:.2f}x)"
-        )
+        measured = f"{path} CPU per request at c=16: {cpu:.2f}x the bare proxy's (c=1: {at_c1:.2f}x)"
+        if path in ("sidecar", TRACED):
+            met.append(cpu <= CPU_TARGET_X_BARE)
+            lines.append(f"target: {measured} -> {'met' if met[-1] else 'NOT met'}")
+        else:
+            lines.append(f"info: {measured}")
+    traced = TRACED in summary["unary_c16"]
+    verdict = "NOT met" if not all(met) else "met" if traced else "tracing on not measured (--tracing)"
+    lines.append(
+        f"issue 19 (CPU per request <= {CPU_TARGET_X_BARE}x the bare proxy's, tracing off and on): {verdict}"
+    )
+    # Envoy, for comparison only: the bare Python proxy itself adds ~3x Envoy's p50.
+    unary1 = summary["unary_c1"]
+    sidecar_added, envoy_added, bare_added = (
+        unary1[path]["added_p50_ms"] for path in ("sidecar", "envoy", "bare")
+    )
+    lines.append(
+        f"info: added p50 at c=1: sidecar {sidecar_added:.3f} ms, bare proxy {bare_added:.3f} ms, Envoy"
+        f" {envoy_added:.3f} ms (sidecar {sidecar_added / max(envoy_added, 1e-9):.1f}x Envoy's)"
+    )
+    c16 = summary["unary_c16"]
+    lines.append(
+        f"info: throughput at c=16 against direct: sidecar {c16['sidecar']['rps_x']:.2f}x, bare proxy"
+        f" {c16['bare']['rps_x']:.2f}x, Envoy {c16['envoy']['rps_x']:.2f}x"
+    )
     return lines
 
 
