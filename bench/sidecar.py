@@ -222,10 +222,23 @@ async def wait_sidecar_ready(address: str) -> None:
     """Until the sidecar knows both versions (a dyed call answers)."""
     async with grpc.aio.insecure_channel(address) as channel:
         stub = kserve_grpc.GRPCInferenceServiceStub(channel)
-        deadline = time.monotonic() + 30
+        # Long, and through transient connect failures (wait_for_ready): a sidecar under valgrind
+        # on a busy machine may take seconds to finish a handshake.
+        deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
-            call = stub.ModelInfer(infer_request(), metadata=[("x-canary-weight", "100")])
-            await call
+            call = stub.ModelInfer(
+                infer_request(),
+                metadata=[("x-canary-weight", "100")],
+                wait_for_ready=True,
+                timeout=max(1.0, deadline - time.monotonic()),
+            )
+            try:
+                await call
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() != grpc.StatusCode.UNAVAILABLE:
+                    raise
+                await asyncio.sleep(0.5)
+                continue
             # A unary answer's x-model-dye rides in the trailing metadata (docs/api.md; before
             # 2026-12 in the initial metadata: either, so that older trees can be compared).
             answered = (*(await call.initial_metadata() or ()), *(await call.trailing_metadata() or ()))
