@@ -19,6 +19,13 @@ not waiting for answers) and measures its latency: alone, under the bulk at prio
 bulk at the default (low) priority, and, for reference, under the same bulk on the unbatched model.
 
     .venv/bin/python -m bench.batching [--duration 3] [--rounds 3] [--levels 1,8,32,64] [--no-burst]
+        [--trees base=/tmp/before,now=.]
+
+With `--trees LABEL=PATH,...` each source tree's service (its proto/python first on PYTHONPATH)
+serves the same repository, and in phase 1 the trees take turns window by window (each mode of
+every tree, next to each other in time), so that a change is judged by a paired before/after on
+a shared machine: each tree's gains, and every later tree's CPU per request and throughput over
+the first's (the median and range of the per-round ratios). Phase 2 runs on each tree in turn.
 
 Beside throughput and latency, each point prints the service's CPU per answered request (its
 process tree, from /proc) and this client's: on two shared cores they, not the model, bound the
@@ -40,13 +47,14 @@ import platform
 import re
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from collections import Counter
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import AsyncExitStack, ExitStack, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -116,12 +124,15 @@ class Server:
 
 
 @contextmanager
-def served(repository: Path) -> Iterator[Server]:
+def served(repository: Path, tree: Path | None = None) -> Iterator[Server]:
+    """The service, from this tree or from `tree` (run there, its proto/python first)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("MODELYARD_")}
+    if tree is not None:
+        env["PYTHONPATH"] = f"{tree / 'proto' / 'python'}{os.pathsep}{tree}"
     cmd = [sys.executable, "-m", "modelyard.service", "--repository", str(repository)]
     cmd += ["--listen", "127.0.0.1:0", "--metrics-listen", "", "--log-level", "INFO"]
     proc: subprocess.Popen[str] = children.popen(
-        cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=env, cwd=ROOT
+        cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=env, cwd=tree or ROOT
     )
     lines: list[str] = []
     output = children.ReadyLine(_SERVING, lines.append)
@@ -259,38 +270,87 @@ def check_outputs(channel: grpc.Channel) -> dict[str, Any]:
     return found
 
 
+# Phase 1's measures of one tree, kind, level and mode: the rounds merged, and each round's own.
+Key = tuple[str, str, int, str]
+
+
 async def phase_levels(
-    address: str, pid: int, levels: list[int], rounds: int, warmup: float, duration: float
-) -> dict[str, dict[int, dict[str, Any]]]:
-    results: dict[str, dict[int, dict[str, Any]]] = {}
-    async with grpc.aio.insecure_channel(address) as channel:
-        call: Call = channel.unary_unary(INFER, None, None)
-        kserve = kpb_grpc.GRPCInferenceServiceStub(channel)
-        for kind, modes in VARIANTS.items():
+    servers: Mapping[str, Server],
+    levels: list[int],
+    rounds: int,
+    warmup: float,
+    duration: float,
+    kinds: Sequence[str] = tuple(VARIANTS),
+) -> tuple[dict[str, dict[str, dict[int, dict[str, Any]]]], dict[Key, list[dict[str, Any]]]]:
+    """-> (tree -> kind -> level -> mode -> summary, (tree, kind, level, mode) -> round summaries).
+    In each round every mode of every tree runs once, the modes in an order rotated every round
+    and, within a mode, the trees too: drift in the machine's load hits them alike."""
+    results: dict[str, dict[str, dict[int, dict[str, Any]]]] = {label: {} for label in servers}
+    per_round: dict[Key, list[dict[str, Any]]] = {}
+    async with AsyncExitStack() as stack:
+        calls: dict[str, tuple[Call, kpb_grpc.GRPCInferenceServiceAsyncStub]] = {}
+        for label, server in servers.items():
+            channel = await stack.enter_async_context(grpc.aio.insecure_channel(server.address))
+            calls[label] = (
+                channel.unary_unary(INFER, None, None),
+                kpb_grpc.GRPCInferenceServiceStub(channel),
+            )
+        labels = list(servers)
+        for kind in kinds:
+            modes = VARIANTS[kind]
             bodies = {mode: request_bytes(name, payload(kind)) for mode, (name, _) in modes.items()}
             for level in levels:
-                measures: dict[str, Measure] = {}
-                runs: Counter[tuple[str, str]] = Counter()  # batched models' rows and runs, warm-up too
+                measures: dict[tuple[str, str], Measure] = {}
+                runs: Counter[tuple[str, str, str]] = Counter()  # batched models' rows and runs, warm-up too
                 order = list(modes)
                 for round_ in range(rounds):
-                    # Rotate the order, so that drift in the machine's load hits every mode alike.
-                    for mode in order[round_ % len(order) :] + order[: round_ % len(order)]:
-                        name = modes[mode][0]
-                        before = await _counts(kserve, name)
-                        measure = await closed_loop(call, bodies[mode], level, warmup, duration, pid)
-                        after = await _counts(kserve, name)
-                        runs[(mode, "rows")] += after[0] - before[0]
-                        runs[(mode, "runs")] += after[1] - before[1]
-                        if mode in measures:
-                            measures[mode].merge(measure)
-                        else:
-                            measures[mode] = measure
-                summary = {mode: m.summary() for mode, m in measures.items()}
-                for mode in summary:
-                    summary[mode]["rows_per_run"] = runs[(mode, "rows")] / max(runs[(mode, "runs")], 1)
-                print(f"  {kind:5} c={level:<3} " + "  ".join(_line(mode, summary[mode]) for mode in modes))
-                results.setdefault(kind, {})[level] = summary
-    return results
+                    for mode in _rotated(order, round_):
+                        for label in _rotated(labels, round_):
+                            call, kserve = calls[label]
+                            name = modes[mode][0]
+                            before = await _counts(kserve, name)
+                            pid = servers[label].proc.pid
+                            measure = await closed_loop(call, bodies[mode], level, warmup, duration, pid)
+                            after = await _counts(kserve, name)
+                            runs[(label, mode, "rows")] += after[0] - before[0]
+                            runs[(label, mode, "runs")] += after[1] - before[1]
+                            per_round.setdefault((label, kind, level, mode), []).append(measure.summary())
+                            if (label, mode) in measures:
+                                measures[(label, mode)].merge(measure)
+                            else:
+                                measures[(label, mode)] = measure
+                for label in labels:
+                    summary = {mode: measures[(label, mode)].summary() for mode in modes}
+                    for mode in summary:
+                        rows, count = runs[(label, mode, "rows")], runs[(label, mode, "runs")]
+                        summary[mode]["rows_per_run"] = rows / max(count, 1)
+                    lines = "  ".join(_line(mode, summary[mode]) for mode in modes)
+                    print(f"  {label + ' ' if label else ''}{kind:5} c={level:<3} {lines}")
+                    results[label].setdefault(kind, {})[level] = summary
+    return results, per_round
+
+
+def _rotated(items: list[str], by: int) -> list[str]:
+    by %= len(items)
+    return items[by:] + items[:by]
+
+
+def paired(
+    per_round: Mapping[Key, list[dict[str, Any]]], first: str, other: str
+) -> dict[str, dict[str, Any]]:
+    """`other` tree over `first`, round by round (each pair ran next to each other): the service's
+    CPU per request and the throughput, median and range, by "kind c=level mode"."""
+    out: dict[str, dict[str, Any]] = {}
+    for (label, kind, level, mode), theirs in per_round.items():
+        if label != other:
+            continue
+        ours = per_round[(first, kind, level, mode)]
+        found: dict[str, Any] = {}
+        for metric in ("server_cpu_us", "throughput"):
+            ratios = [b[metric] / max(a[metric], 1e-9) for a, b in zip(ours, theirs, strict=True)]
+            found[metric] = {"median": statistics.median(ratios), "min": min(ratios), "max": max(ratios)}
+        out[f"{kind} c={level} {mode}"] = found
+    return out
 
 
 async def _counts(kserve: kpb_grpc.GRPCInferenceServiceAsyncStub, model: str) -> tuple[int, int]:
@@ -374,40 +434,65 @@ def main() -> int:
     parser.add_argument("--warmup", type=float, default=0.5, help="unmeasured seconds before each point")
     parser.add_argument("--rounds", type=int, default=3, help="rounds per point, mode order rotating")
     parser.add_argument("--levels", default="1,8,32,64", help="client concurrency levels")
+    parser.add_argument("--kinds", type=_kinds, default=list(VARIANTS), help="models of phase 1 (dense,tiny)")
     parser.add_argument("--no-burst", action="store_true", help="phase 1 only (a shorter run)")
     parser.add_argument("--output", type=Path, default=RESULTS)
+    parser.add_argument(
+        "--trees",
+        type=_trees,
+        default=None,
+        help="LABEL=PATH,...: each tree's service, paired (the first is the reference)",
+    )
     args = parser.parse_args()
     levels = [int(v) for v in args.levels.split(",")]
+
+    trees: list[tuple[str, Path | None]] = list(args.trees) if args.trees else [("", None)]
 
     workdir = Path(tempfile.mkdtemp(prefix="modelyard-bench-batching-"))
     try:
         build_repository(workdir / "models")
-        with served(workdir / "models") as server:
-            print(f"service on {server.address}; {os.cpu_count()} CPUs; {platform.machine()}")
-            with grpc.insecure_channel(server.address) as channel:
-                exactness = check_outputs(channel)
+        with ExitStack() as stack:
+            servers = {label: stack.enter_context(served(workdir / "models", tree)) for label, tree in trees}
+            for label, server in servers.items():
+                where = f"on {server.address}; {os.cpu_count()} CPUs; {platform.machine()}"
+                print(f"service {label + ' ' if label else ''}{where}")
+                with grpc.insecure_channel(server.address) as channel:
+                    exactness = check_outputs(channel)
             print(f"batched vs unbatched outputs: {exactness}")
             print("phase 1: closed-loop clients, batching off / on")
-            by_level = asyncio.run(
-                phase_levels(server.address, server.proc.pid, levels, args.rounds, args.warmup, args.duration)
+            by_level, per_round = asyncio.run(
+                phase_levels(servers, levels, args.rounds, args.warmup, args.duration, args.kinds)
             )
-            gains = ratios(by_level)
+            gains = {label: ratios(found) for label, found in by_level.items()}
             print("gains over batching off (throughput ratio; p99 ratio, lower is better):")
-            for kind in gains:
-                for level in (32, 64):
-                    for mode, g in gains[kind].get(level, {}).items():
-                        ratio = f"throughput x{g['throughput']:.2f}, p99 x{g['p99']:.2f}"
-                        ratio += f", service CPU per request x{1 / g['server_cpu']:.2f}"
-                        print(f"  {kind:5} c={level} {mode:7}: {ratio}")
-            burst: dict[str, dict[str, Any]] = {}
+            for label, found in gains.items():
+                for kind in found:
+                    for level in (32, 64):
+                        for mode, g in found[kind].get(level, {}).items():
+                            ratio = f"throughput x{g['throughput']:.2f}, p99 x{g['p99']:.2f}"
+                            ratio += f", service CPU per request x{1 / g['server_cpu']:.2f}"
+                            print(f"  {label + ' ' if label else ''}{kind:5} c={level} {mode:7}: {ratio}")
+            pairs = {label: paired(per_round, trees[0][0], label) for label, _ in trees[1:]}
+            for label, pair in pairs.items():
+                print(f"{label} over {trees[0][0]}, paired by round (median [range]):")
+                for point, values in pair.items():
+                    cpu, rate = values["server_cpu_us"], values["throughput"]
+                    print(
+                        f"  {point:20} service CPU per request x{cpu['median']:.3f} "
+                        f"[{cpu['min']:.2f}-{cpu['max']:.2f}]  throughput x{rate['median']:.3f} "
+                        f"[{rate['min']:.2f}-{rate['max']:.2f}]"
+                    )
+            burst: dict[str, dict[str, dict[str, Any]]] = {}
             if not args.no_burst:
                 bulk = f"{BULK_CLIENTS} closed-loop low-priority clients on the dense model"
-                print(f"phase 2: burst (bulk: {bulk})")
-                burst = asyncio.run(phase_burst(server.address, args.warmup, args.duration))
-            batching_lines = [line for line in server.log if "batches up to" in line]
-        report = {
+                for label, server in servers.items():
+                    print(f"phase 2{' ' + label if label else ''}: burst (bulk: {bulk})")
+                    burst[label] = asyncio.run(phase_burst(server.address, args.warmup, args.duration))
+            batching_lines = [line for line in servers[trees[0][0]].log if "batches up to" in line]
+        report: dict[str, Any] = {
             "machine": {"cpus": os.cpu_count(), "python": platform.python_version()},
-            "settings": vars(args) | {"output": str(args.output)},
+            "settings": vars(args)
+            | {"output": str(args.output), "trees": [(label, str(tree)) for label, tree in trees]},
             "models": {
                 "dense": f"dense_stack({DENSE_LAYERS}, {DENSE_WIDTH}): weight-bandwidth bound",
                 "tiny": f"scaled_identity({TINY_WIDTH}): overhead bound",
@@ -415,16 +500,36 @@ def main() -> int:
             "config": {"max_batch_size": MAX_BATCH, "execution": EXECUTION, "dynamic_batching": BATCHING},
             "batchers": batching_lines,
             "outputs": exactness,
-            "levels": by_level,
-            "gains": gains,
-            "burst": burst,
         }
+        if args.trees:  # by tree, and the paired ratios to the first
+            report |= {"levels": by_level, "gains": gains, "burst": burst, "paired": pairs}
+        else:  # as before --trees
+            report |= {"levels": by_level[""], "gains": gains[""], "burst": burst.get("", {})}
         args.output.parent.mkdir(parents=True, exist_ok=True)
         args.output.write_text(json.dumps(report, indent=2, default=str))
         print(f"results: {args.output}")
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     return 0
+
+
+def _kinds(text: str) -> list[str]:
+    kinds = [part for part in text.split(",") if part]
+    if not kinds or set(kinds) - set(VARIANTS):
+        raise argparse.ArgumentTypeError(f"{text!r}: give some of {', '.join(VARIANTS)}")
+    return kinds
+
+
+def _trees(text: str) -> list[tuple[str, Path]]:
+    pairs = []
+    for part in (part for part in text.split(",") if part):
+        label, _, path = part.partition("=")
+        if not label or not path or not (Path(path) / "proto" / "python" / "modelyard").is_dir():
+            raise argparse.ArgumentTypeError(f"{part!r}: give LABEL=PATH of a source tree")
+        pairs.append((label, Path(path).resolve()))
+    if len(pairs) < 2:
+        raise argparse.ArgumentTypeError("give two trees or more: the first is the reference")
+    return pairs
 
 
 if __name__ == "__main__":

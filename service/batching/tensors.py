@@ -57,6 +57,14 @@ def split(
             )
     pieces: list[dict[str, np.ndarray]] = []
     start = 0
+    if len(outputs) == 1:  # most models: one output, asked for by every request (no comprehension)
+        ((only, array),) = outputs.items()
+        if names is None or all(len(wanted) == 1 for wanted in names):
+            for count in rows:
+                end = start + count
+                pieces.append({only: array[start:end]})
+                start = end
+            return pieces
     for index, count in enumerate(rows):
         end = start + count
         wanted = outputs if names is None else names[index]

@@ -36,6 +36,19 @@ def test_concat_then_split_gives_each_request_its_rows() -> None:
         np.testing.assert_array_equal(piece["t"], part["t"])
 
 
+def test_split_gives_each_request_the_outputs_it_asked_for() -> None:
+    y = np.arange(8, dtype=np.float32).reshape(4, 2)
+    one = split({"y": y}, [1, 3], [("y",), ()])  # one output; a request that asked for none
+    assert list(one[0]) == ["y"] and one[1] == {}
+    np.testing.assert_array_equal(one[0]["y"], y[:1])
+    views = split({"y": y}, [3, 1], [("y",), ("y",)])
+    assert all(np.shares_memory(piece["y"], y) for piece in views)  # views of the batch, not copies
+    np.testing.assert_array_equal(views[1]["y"], y[3:])
+    both = split({"y": y, "s": y.sum(axis=1)}, [2, 2], [("s",), ("y", "s")])
+    assert list(both[0]) == ["s"] and list(both[1]) == ["y", "s"]
+    np.testing.assert_array_equal(both[1]["s"], y[2:].sum(axis=1))
+
+
 def test_one_request_is_not_copied() -> None:
     x = np.zeros((2, 3), np.float32)
     assert concat([{"x": x}])["x"] is x

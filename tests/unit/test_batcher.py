@@ -148,6 +148,23 @@ async def test_a_batchs_answers_go_out_before_the_next_batch_forms(executor: Thr
     assert rig.stats.success_count == 3 and rig.stats.queue_count == 3
 
 
+async def test_a_caller_that_leaves_a_running_batch_stops_waiting_and_the_rest_are_answered(
+    executor: ThreadPoolExecutor,
+) -> None:
+    rig = Rig(executor, target_rows=2, max_queue_delay_s=1.0)  # two rows leave at once, together
+    rig.runner.gate.close()
+    leaving, staying = rig.send(1), rig.send(2)
+    await eventually(lambda: rig.runner.gate.entered == 1, "the batch of both to start")
+    leaving.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await leaving
+    rig.runner.gate.open()
+    answer = await asyncio.wait_for(staying, 10)  # not left hanging by the one that left
+    np.testing.assert_array_equal(answer["y"], np.full((1, 3), 4, np.float32))
+    assert rig.ran() == [[1, 2]]  # one run, not stopped: a caller still waited for it
+    assert rig.stats.success_count == 2 and rig.stats.execution_count == 1
+
+
 async def test_only_matching_shapes_share_a_run_and_others_still_run(executor: ThreadPoolExecutor) -> None:
     rig = Rig(executor)
     first = await held_first(rig)
