@@ -2,7 +2,7 @@
 
     .venv/bin/python -m bench.edge [--requests 20] [--tokens 32] [--streams 32] [--ttft-only]
         [--raw-client] [--bare-proxy] [--trees NAME=DIR,...] [--flags NAME='FLAGS']
-        [--sidecar-trees NAME=DIR,...]
+        [--sidecar-trees NAME=DIR,...] [--service-trees NAME=DIR,...]
 
 The stack runs as `make up` runs it (python -m modelyard.deploy: service, the sidecar when installed, gateway,
 Envoy; ephemeral ports). At concurrency 1 it measures time to first token (TTFT: request sent to
@@ -14,7 +14,10 @@ TTFT each hop adds (the difference of the paths with and without it). `--trees b
 and `--flags NAME='--flag value'` add gateways on the sidecar from other source trees or with
 other flags to the same turns (before/after pairs in one run); `--sidecar-trees base=DIR,now=DIR`
 adds, per tree, a sidecar from it on the service and a gateway from it on that sidecar (the sidecar
-hop and the gateway + sidecar pair before/after, in the same turns); `--bare-proxy` adds
+hop and the gateway + sidecar pair before/after, in the same turns); `--service-trees base=DIR,now=DIR`
+adds, per tree, a service from it (the stack's model repository) with this tree's sidecar and gateway
+on it, called directly and through that gateway with the lean client (the service's own share of the
+chain before/after: direct TTFT, and the chain over it; no Envoy); `--bare-proxy` adds
 bench/bare_proxy.py on the service (the sidecar hop's grpc.aio floor); `--ttft-only` stops there.
 Then tokens/s with 32 concurrent streams, direct versus the whole chain, and the gateway's resident
 memory per held SSE stream (streams opened and left unread, so the gateway holds each one in its
@@ -209,6 +212,36 @@ class Sidecar:
         children.stop(self.proc, signal.SIGTERM, grace_s=30)
 
 
+class TreeService:
+    """One more service process (`python -m modelyard.service`, the stack's repository) from
+    `tree`'s code, with this tree's sidecar and gateway on it (--service-trees)."""
+
+    def __init__(self, tree: Path) -> None:
+        env = dict(os.environ, PYTHONPATH=str(tree / "proto" / "python"))
+        cmd = [sys.executable, "-m", "modelyard.service", "--repository", str(ROOT / "models" / "demo")]
+        self.proc, self.address = start_announced(
+            [*cmd, "--listen", "127.0.0.1:0", "--metrics-listen", ""],
+            tree,
+            env,
+            r"serving gRPC on ([^\s;,]+)",
+            f"the service from {tree}",
+        )
+        self.sidecar: Sidecar | None = None
+        self.gateway: Gateway | None = None
+        try:
+            self.sidecar = Sidecar(self.address, ROOT)
+            self.gateway = Gateway(self.sidecar.address)
+        except BaseException:
+            self.stop()
+            raise
+
+    def stop(self) -> None:
+        for part in (self.gateway, self.sidecar):
+            if part is not None:
+                part.stop()
+        children.stop(self.proc, signal.SIGTERM, grace_s=30)
+
+
 class BareProxy:
     """bench/bare_proxy.py on the stack's service: the grpc.aio floor of the sidecar's hop (bytes,
     metadata and status forwarded, nothing else; gRPC's default windows), in the same turns."""
@@ -256,8 +289,20 @@ def extra_gateways(stack: Stack, args: argparse.Namespace) -> dict[str, Gateway]
     return out
 
 
+def service_name(name: str) -> str:
+    return f"service[{name}] (gRPC, direct)"
+
+
+def on_service_name(name: str) -> str:
+    return f"gateway -> sidecar -> service[{name}]" + RAW
+
+
 def hops(
-    rows: dict[str, Any], gateway: str, edge: str, sidecar_trees: Sequence[str] = ()
+    rows: dict[str, Any],
+    gateway: str,
+    edge: str,
+    sidecar_trees: Sequence[str] = (),
+    service_trees: Sequence[str] = (),
 ) -> list[tuple[str, str, str]]:
     """Each hop as the difference of the paths with and without it: (hop, path, path below it)."""
     out = [
@@ -270,6 +315,14 @@ def hops(
         out += [
             (f"sidecar[{name}]", sidecar_name(name), DIRECT),
             (f"gateway+sidecar[{name}]", pair_name(name), DIRECT),
+        ]
+    for name in service_trees:
+        out += [(f"chain over service[{name}]", on_service_name(name), service_name(name))]
+    for name in service_trees[1:]:  # each tree's service against the first tree's, directly and chained
+        first = service_trees[0]
+        out += [
+            (f"service[{name}] - [{first}]", service_name(name), service_name(first)),
+            (f"chain[{name}] - [{first}]", on_service_name(name), on_service_name(first)),
         ]
     out += [
         ("gateway on the sidecar", GATEWAY, SIDECAR),
@@ -284,6 +337,7 @@ async def main(args: argparse.Namespace) -> None:
     stack = Stack()
     extra: dict[str, Gateway] = {}
     sidecars: dict[str, Sidecar] = {}
+    services: dict[str, TreeService] = {}
     bare: BareProxy | None = None
     try:
         extra = extra_gateways(stack, args)
@@ -292,6 +346,8 @@ async def main(args: argparse.Namespace) -> None:
         for name, tree in args.sidecar_trees:
             sidecars[name] = Sidecar(stack.service, tree)
             extra[pair_name(name)] = Gateway(sidecars[name].address, tree)
+        for name, tree in args.service_trees:
+            services[name] = TreeService(tree)
         limits = httpx.Limits(max_connections=args.streams + 4)
         async with contextlib.AsyncExitStack() as clients:
             channel = await clients.enter_async_context(grpc.aio.insecure_channel(stack.service))
@@ -321,6 +377,17 @@ async def main(args: argparse.Namespace) -> None:
                 paths[sidecar_name(name)] = functools.partial(
                     grpc_once, pb_grpc.InferenceServiceStub(tree_channel), args.tokens
                 )
+            for name, tree_service in services.items():
+                service_channel = await clients.enter_async_context(
+                    grpc.aio.insecure_channel(tree_service.address)
+                )
+                paths[service_name(name)] = functools.partial(
+                    grpc_once, pb_grpc.InferenceServiceStub(service_channel), args.tokens
+                )
+                assert tree_service.gateway is not None
+                raw = RawSse(tree_service.gateway.url, args.tokens)
+                clients.push_async_callback(raw.close)
+                paths[on_service_name(name)] = raw.once
             for name, gateway in extra.items():
                 client = await clients.enter_async_context(
                     httpx.AsyncClient(base_url=gateway.url, timeout=60)
@@ -361,6 +428,8 @@ async def main(args: argparse.Namespace) -> None:
             gateway.stop()
         for tree_sidecar in sidecars.values():
             tree_sidecar.stop()
+        for tree_service in services.values():
+            tree_service.stop()
         if bare is not None:
             bare.stop()
         stack.stop()
@@ -368,13 +437,14 @@ async def main(args: argparse.Namespace) -> None:
     chain = "Envoy -> gateway -> sidecar -> service" if stack.sidecar else "Envoy -> gateway -> service"
     print(f"\nEdge benchmark: codelm, {args.tokens} tokens, greedy, {args.requests} requests, concurrency 1")
     print(f"chain measured: {chain}\n")
+    wide = max([42, *(len(name) + 2 for name, *_ in rows)])
     print(
-        f"{'path':<42}{'TTFT ms':>9}{'x direct':>9}{'+ms':>7}{'min ms':>8}{'+ms':>7}"
+        f"{'path':<{wide}}{'TTFT ms':>9}{'x direct':>9}{'+ms':>7}{'min ms':>8}{'+ms':>7}"
         f"{'per-token ms':>13}{'x direct':>9}"
     )
     for name, ttft, tok, least in rows:
         print(
-            f"{name:<42}{ttft * 1e3:>9.2f}{ttft / base_ttft:>9.2f}{(ttft - base_ttft) * 1e3:>7.2f}"
+            f"{name:<{wide}}{ttft * 1e3:>9.2f}{ttft / base_ttft:>9.2f}{(ttft - base_ttft) * 1e3:>7.2f}"
             f"{least * 1e3:>8.2f}{(least - base_min) * 1e3:>7.2f}{tok * 1e3:>13.3f}{tok / base_tok:>9.2f}"
         )
     print(f"\ngateway CPU per request ({args.tokens} tokens), its own process:")
@@ -382,11 +452,13 @@ async def main(args: argparse.Namespace) -> None:
         print(f"  {name:<30}{gateway_cpu_ms[gateway.pid]:>7.3f} ms")
     print(f"  {'the stack' + chr(39) + 's (its paths together)':<30}{gateway_cpu_ms[stack_gateway]:>7.3f} ms")
     by_name = {name: (ttft, tok, least) for name, ttft, tok, least in rows}
-    print(f"\n{'TTFT added by each hop':<24}{'median +ms':>11}{'fastest +ms':>12}  (path minus path)")
-    for hop, path, below in hops(by_name, gateway_path, edge_path, list(sidecars)):
+    added = hops(by_name, gateway_path, edge_path, list(sidecars), list(services))
+    wide = max([24, *(len(hop) + 2 for hop, *_ in added)])
+    print(f"\n{'TTFT added by each hop':<{wide}}{'median +ms':>11}{'fastest +ms':>12}  (path minus path)")
+    for hop, path, below in added:
         median = (by_name[path][0] - by_name[below][0]) * 1e3
         fastest = (by_name[path][2] - by_name[below][2]) * 1e3
-        print(f"{hop:<24}{median:>11.2f}{fastest:>12.2f}  ({path} minus {below})")
+        print(f"{hop:<{wide}}{median:>11.2f}{fastest:>12.2f}  ({path} minus {below})")
     if args.ttft_only:
         return
     print(
@@ -436,6 +508,10 @@ if __name__ == "__main__":
     parser.add_argument(
         "--sidecar-trees", type=_trees, default=[], metavar="NAME=TREE,...",
         help="one more sidecar on the service, and a gateway on it, from each source tree, taking turns",
+    )  # fmt: skip
+    parser.add_argument(
+        "--service-trees", type=_trees, default=[], metavar="NAME=TREE,...",
+        help="one more service from each source tree, with a sidecar and a gateway on it, taking turns",
     )  # fmt: skip
     parser.add_argument(
         "--flags", type=_named, action="append", default=[], metavar="NAME='FLAGS'",

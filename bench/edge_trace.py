@@ -16,9 +16,10 @@ The first token's path (the table's rows, in order): recv (the request's bytes r
 handler (the SSE endpoint entered: uvicorn's task, Starlette's middleware and routing) -> body
 (read) -> parsed (parse_generate) -> sc.entered (the sidecar's handler: the gateway's call made
 and sent, the sidecar's server reading it) -> sc.planned (the call's scope and the planner's first
-attempt) -> sc.called (the upstream call made) -> sc.up_initmd (the service's initial metadata:
-the service's own time) -> sc.up_msg1 (its first message: the service's write after its headers,
-and the one-byte window's round trip) -> sc.write_call (written to the gateway) -> msg1 (the
+attempt) -> sc.called (the upstream call made) -> sc.up_initmd (the service's initial metadata,
+sent once the request is accepted, while its prompt runs) -> sc.up_msg1 (its first message: the
+rest of the prefill, the service's write, and the one-byte window's round trip; the service's
+own time is sc.called -> sc.up_msg1) -> sc.write_call (written to the gateway) -> msg1 (the
 gateway's producer has it: the gateway's one-byte window) -> resumed (the first event buffered,
 the endpoint woken) -> start_send (the response headers) -> body_call (the first event) -> the
 client's first token. Beside the path (not waited on by it): send (the gateway's call's own task
@@ -421,8 +422,7 @@ def rows(
     out.update({f"  beside: {b} -> {step}": [] for step, b in BESIDE})
     out["in the gateway, upstream excluded"] = []
     out["in the sidecar, service excluded"] = []
-    out["sidecar: upstream headers -> first message written"] = []
-    out.update({"service (sc.called -> sc.up_initmd)": [], "client TTFT": []})
+    out.update({"service (sc.called -> sc.up_msg1)": [], "client TTFT": []})
     if not len(gateway) == len(sidecar) == len(times):
         raise RuntimeError(f"{len(gateway)} and {len(sidecar)} traced requests for {len(times)} sent")
     for g, s, (start, first) in zip(gateway, sidecar, times, strict=True):
@@ -442,12 +442,10 @@ def rows(
         out["in the gateway, upstream excluded"].append(
             step["body_call"] - step["recv"] - (step["msg1"] - step["parsed"])
         )
-        service = step["sc.up_initmd"] - step["sc.called"]
+        # The service's headers go out before its prefill: its time runs to its first message.
+        service = step["sc.up_msg1"] - step["sc.called"]
         out["in the sidecar, service excluded"].append(step["sc.write_call"] - step["sc.entered"] - service)
-        out["service (sc.called -> sc.up_initmd)"].append(service)
-        out["sidecar: upstream headers -> first message written"].append(
-            step["sc.write_call"] - step["sc.up_initmd"]
-        )
+        out["service (sc.called -> sc.up_msg1)"].append(service)
         out["client TTFT"].append(first - start)
     return out
 

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+from typing import Any
+
+from modelyard.common import headers
 from modelyard.inference.v1 import inference_service_pb2 as pb
+from modelyard.process.request_metadata import invocation_metadata
 from modelyard.service.generation.params import GenerateParams
 from modelyard.service.generation.sequence import FinishReason, TokenEvent
 
@@ -12,6 +16,22 @@ _FINISH = {
     FinishReason.EOS: pb.FINISH_REASON_EOS,
     FinishReason.CANCELLED: pb.FINISH_REASON_CANCELLED,
 }
+
+
+# The dye a sidecar sends on a canary attempt (x-model-dye), which it answers by stable if the
+# attempt fails before its first message (docs/sidecar.md).
+CANARY = "canary"
+
+
+def headers_early(context: Any) -> bool:
+    """Whether a Generate stream sends its headers once accepted, before its prefill, rather than
+    with its first token: every stream but a sidecar's canary attempt. That one keeps them for its
+    first token, so that a fault before it stays a status-only answer, which the sidecar retries
+    on stable (it reads a stream that sent headers as one under way)."""
+    for key, value in invocation_metadata(context):
+        if key == headers.MODEL_DYE:
+            return value != CANARY
+    return True
 
 
 def to_generate_params(request: pb.GenerateRequest) -> GenerateParams:

@@ -13,7 +13,7 @@ import numpy as np
 from modelyard.inference.v1 import inference_service_pb2 as pb
 from modelyard.inference.v1 import inference_service_pb2_grpc as pb_grpc
 from modelyard.service.api.errors import Context, deadline_passed, end_stalled, serving
-from modelyard.service.api.generation_convert import to_generate_params, to_generate_response
+from modelyard.service.api.generation_convert import headers_early, to_generate_params, to_generate_response
 from modelyard.service.api.metadata import call_fields
 from modelyard.service.api.scheduling import scheduling
 from modelyard.service.api.tensor_headers import our_headers, our_plain, refuse_extra_tensors
@@ -139,6 +139,9 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
             version, request_id, priority = call_fields(
                 context, request.model_name, request.model_version, request.request_id, request.priority
             )
+            # x-served-version goes out once the request is accepted, overlapping its prefill (its
+            # batch off the first token's path); a canary attempt's waits for its first token.
+            accepted = (lambda served: call.stream_answered(str(served))) if headers_early(context) else None
             events = self._generation.generate(
                 request.model_name,
                 version,
@@ -146,10 +149,11 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
                 scheduling(context, priority, request.timeout_us),
                 deadline_passed=lambda: deadline_passed(context),
                 on_stalled=lambda error: end_stalled(context, error),
+                accepted=accepted,
             )
             # aclosing: a cancelled stream leaves its batch and releases its lease at once.
             async with aclosing(events):
                 async for event in events:
-                    if not call.version:  # every event comes from the same version
+                    if not call.version:  # held for the first token; every event is from its version
                         await call.stream_answered(str(event.version))
                     await write(context, to_generate_response(event, request_id))

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import shutil
+import threading
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
@@ -25,6 +26,8 @@ from models import demo_models
 from modelyard.inference.v1 import inference_service_pb2 as pb
 from modelyard.inference.v1 import inference_service_pb2_grpc as pb_grpc
 from modelyard.service.config import Settings
+from modelyard.service.generation.plane import INLINE_PROMPT_CHARS
+from modelyard.service.generation.tokenizer import TextCodec
 from modelyard.service.server import Service, build_service
 from tests import hf_decoder
 from tests.support import eventually, metric
@@ -203,6 +206,26 @@ async def test_prompt_token_ids_are_used_instead_of_text(stub) -> None:
     by_text = await generate(stub, prompt=PROMPTS[2], max_tokens=8)
     by_ids = await generate(stub, prompt_token_ids=tokenizer.encode(PROMPTS[2]).ids, max_tokens=8)
     assert ids(by_text) == ids(by_ids)
+
+
+async def test_a_short_prompt_is_tokenized_on_the_event_loop_and_a_long_one_in_the_executor(
+    stub, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The executor's round trip is on the first token's path: a short prompt skips it."""
+    on_loop: list[tuple[int, bool]] = []
+    loop_thread = threading.current_thread()  # the test runs on the service's event loop
+    real = TextCodec.encode
+
+    def encode(codec: TextCodec, prompt: str) -> list[int]:
+        on_loop.append((len(prompt), threading.current_thread() is loop_thread))
+        return real(codec, prompt)
+
+    monkeypatch.setattr(TextCodec, "encode", encode)
+    short, long = PROMPTS[0], PROMPTS[3] * (INLINE_PROMPT_CHARS // len(PROMPTS[3]) + 1)
+    assert len(short) <= INLINE_PROMPT_CHARS < len(long)
+    for prompt in (short, long):
+        assert len(ids(await generate(stub, prompt=prompt, max_tokens=2))) == 2
+    assert on_loop == [(len(short), True), (len(long), False)]
 
 
 # --- sampling --------------------------------------------------------------------------------------
