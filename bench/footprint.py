@@ -171,7 +171,7 @@ async def run(args: argparse.Namespace) -> int:
                             for row in sorted(rows, key=lambda r: (r[0], r[2])):
                                 if own(row[0], tree):
                                     where = row[0].rsplit("/modelyard/", 1)[-1]
-                                    print(f"    {row[4] / counted:6.2f}  {where}:{row[2]} {row[1]}")
+                                    print(f"    {row[4] / counted:6.2f} {row[3]:6,d} B  {where}:{row[2]} {row[1]}")
         finally:
             os.environ["PYTHONPATH"] = own_path
     return 0

@@ -129,7 +129,7 @@ class DataPlane:
                 arrays = served.instances.run_here(inputs, names, served.label)
             ok = True
         finally:
-            _record(served, ok, inputs, admitted_ns, start)
+            served.record_run(ok, inputs, admitted_ns, start)
         return _by_name(names, arrays)
 
     async def _run(
@@ -153,7 +153,7 @@ class DataPlane:
                 arrays = await served.instances.run(inputs, names, self._executor, served.label)
             ok = True
         finally:
-            _record(served, ok, inputs, admitted_ns, start)
+            served.record_run(ok, inputs, admitted_ns, start)
         return _by_name(names, arrays)
 
 
@@ -162,17 +162,6 @@ def _by_name(names: Sequence[str], arrays: Sequence[np.ndarray]) -> dict[str, np
     if len(names) == 1 == len(arrays):  # most models: a dict of one, without zip's machinery
         return {names[0]: arrays[0]}
     return dict(zip(names, arrays, strict=True))
-
-
-def _record(
-    served: ServedVersion, ok: bool, inputs: Mapping[str, np.ndarray], admitted_ns: int, start_ns: int
-) -> None:
-    """A request that was one run of its own (no batcher), in the version's statistics: admitted
-    at `admitted_ns`, its run from `start_ns` to now."""
-    end = time.perf_counter_ns()
-    rows = next(iter(inputs.values())).shape[0] if served.config.max_batch_size and inputs else 1
-    # Positional (queue_ns, compute_ns last): keyword arguments cost more per call.
-    served.stats.record(ok, end - admitted_ns, rows, start_ns - admitted_ns, end - start_ns)
 
 
 class Call:
