@@ -88,11 +88,14 @@ class DataPlane:
 
     def open(self, model: str, version: str) -> Call:
         """`with dataplane.open(model, version) as call:` resolves the version now (an unknown
-        model or version raises here) and holds it until the block ends. The call's metrics and
-        span name the version from here on, should it fail."""
+        model or version raises here) and holds it until the block ends (or, without a `with`,
+        until `call.served.release()` in a `finally` that follows at once). The call's metrics
+        and span name the version from here on, should it fail."""
         served = self._table.resolve(model, version)
         tracing.resolved(served.version_name)
-        return Call(self, served)
+        call = Call(self, served)
+        served.in_flight += 1  # the lease (ServedVersion.acquire, inline: it runs on every request)
+        return call
 
     async def infer(
         self,
@@ -165,10 +168,11 @@ def _by_name(names: Sequence[str], arrays: Sequence[np.ndarray]) -> dict[str, np
 
 
 class Call:
-    """One request's hold on the version that serves it: resolved once (DataPlane.open), leased
-    while the `with` block runs (a class, not a generator: it runs per request). The lease is
-    held while the request decodes and while it waits in a batcher's queue: a retiring version
-    answers what it has admitted before it is released."""
+    """One request's hold on the version that serves it: resolved and leased once (DataPlane.open),
+    released when the `with` block ends (a class, not a generator: it runs per request); the
+    unary paths release it in their own `finally` (`served.release()`: no __enter__ and __exit__
+    frames per request). The lease is held while the request decodes and while it waits in a
+    batcher's queue: a retiring version answers what it has admitted before it is released."""
 
     __slots__ = ("_fitted", "_plane", "served")
 
@@ -178,8 +182,7 @@ class Call:
         self._fitted: object = None  # the inputs decode_fixed gave, checked by their headers
 
     def __enter__(self) -> Call:
-        self.served.in_flight += 1  # ServedVersion.acquire, inline: it runs on every request
-        return self
+        return self  # leased since open()
 
     def __exit__(self, kind: object, exc: object, tb: object) -> None:
         self.served.release()
