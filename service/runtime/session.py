@@ -502,7 +502,7 @@ def _warm_up(
             fastest = min(fastest, clock() - start)
             runs += 1
     except Exception as exc:
-        raise ModelLoadError(f"{model_file}: warm-up run failed: {_first_line(exc)}") from None
+        raise ModelLoadError(f"{model_file}: warm-up run failed: {_first_line(exc)}", "warmup") from None
     return fastest
 
 
