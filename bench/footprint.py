@@ -14,7 +14,7 @@ of the counted window are one request's; calls are per request. "own" is the ser
     .venv/bin/python -m bench.footprint --trees base=/work/wt/base,now=. [--bare] [--models tiny]
         [--apis kserve,v1] [--requests 320] [--list]
 
-`--list` prints each server's own functions, with their calls per request.
+`--list` prints each server's own functions, with their calls per request and bytecode size.
 """
 
 from __future__ import annotations
@@ -149,6 +149,14 @@ def figures(s: dict[str, float], part: str) -> str:
     return f"{functions:>{10 - len(part)},.0f}{kb:>7.1f}{calls:>8.1f}"
 
 
+def print_own(rows: list[list[Any]], tree: Path | None, requests: int) -> None:
+    """The server's own functions: calls per request, bytecode bytes, where."""
+    for path, name, line, size, calls in sorted(rows, key=lambda r: (r[0], r[2])):
+        if own(path, tree):
+            where = path.rsplit("/modelyard/", 1)[-1]
+            print(f"    {calls / requests:6.2f} {size:6,d} B  {where}:{line} {name}")
+
+
 async def run(args: argparse.Namespace) -> int:
     targets: list[tuple[str, Path | None]] = [*args.trees, *([("bare", None)] if args.bare else [])]
     own_path = os.environ.get("PYTHONPATH", "")
@@ -168,10 +176,7 @@ async def run(args: argparse.Namespace) -> int:
                         s = summary(rows, tree, counted)
                         print(f"{label:<8}{figures(s, '')}   {figures(s, 'own_')}")
                         if args.list:
-                            for row in sorted(rows, key=lambda r: (r[0], r[2])):
-                                if own(row[0], tree):
-                                    where = row[0].rsplit("/modelyard/", 1)[-1]
-                                    print(f"    {row[4] / counted:6.2f} {row[3]:6,d} B  {where}:{row[2]} {row[1]}")
+                            print_own(rows, tree, counted)
         finally:
             os.environ["PYTHONPATH"] = own_path
     return 0
