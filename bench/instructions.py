@@ -17,7 +17,10 @@ misses per request beside the instructions: the figure for a path's footprint, w
 instructions miss (the service ran fewer instructions than the bare server and took more CPU).
 
     .venv/bin/python -m bench.instructions --trees base=/work/wt/base,now=. [--bare] [--bare-served-only]
-        [--models tiny] [--apis kserve,v1] [--requests 320] [--keep DIR] [--cache-sim]
+        [--models tiny] [--apis kserve,v1] [--requests 320] [--keep DIR] [--cache-sim] [--executor]
+
+With --executor every run of the service goes to its executor (none inline, as on a machine where
+a model's runs are longer than the inline limit): the hand-off's cost, per request.
 
 With --sidecar, the same for the sidecar hop (bench/sidecar.py's set-up: two versions of tiny, a
 10% canary, a tenant limit on every call, a fresh x-user-id per call): one service runs natively,
@@ -65,12 +68,15 @@ INSTRUCTIONS_ROUTES = "breaker: {latency_check_s: 1000}\n"
 CACHE_SIM = ["--cache-sim=yes", "--I1=16384,4,64", "--D1=16384,4,64", "--LL=524288,8,64"]
 BARE_SERVED_ONLY = "bare_served"  # bench/bare_server.py --served-only: no registered method
 WARMUP_REQUESTS = 320
-# The service as it runs natively, under valgrind's slowdown: inline runs stay inline.
+# The service as it runs natively, under valgrind's slowdown: inline runs stay inline (with
+# --executor, $INLINE_LIMIT_S = 0: every run goes to the executor).
+INLINE_LIMIT = "INLINE_LIMIT_S"
 LAUNCHER = (
-    "import runpy, sys\n"
+    "import os, runpy, sys\n"
     "import modelyard.service.runtime.session as session\n"
     "import modelyard.service.runtime.instances as instances\n"
-    "session.ONE_CORE_INLINE_RUN_LIMIT_S = session.INLINE_RUN_LIMIT_S = 1.0\n"
+    f"limit = float(os.environ.get('{INLINE_LIMIT}', '1.0'))\n"
+    "session.ONE_CORE_INLINE_RUN_LIMIT_S = session.INLINE_RUN_LIMIT_S = limit\n"
     "instances.INLINE_WATCHDOG_S = 1e9\n"
     "sys.argv[0] = 'modelyard.service'\n"
     "runpy.run_module('modelyard.service', run_name='__main__', alter_sys=True)\n"
@@ -174,6 +180,8 @@ async def run(args: argparse.Namespace) -> int:
     if args.bare_served_only:
         targets.append((BARE_SERVED_ONLY, None))
     own_path = os.environ.get("PYTHONPATH", "")
+    if args.executor:
+        os.environ[INLINE_LIMIT] = "0"
     results: dict[tuple[str, str, str], float] = {}
     misses: dict[tuple[str, str, str], float] = {}  # --cache-sim: last-level misses per request
     with tempfile.TemporaryDirectory(prefix="bench-instructions-") as tmp:
@@ -242,6 +250,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--cache-sim",
         action="store_true",
         help="also simulate a small cache and print last-level misses per request (the service)",
+    )
+    parser.add_argument(
+        "--executor",
+        action="store_true",
+        help="the service's runs on its executor (none inline): the hand-off's cost per request",
     )
     parser.add_argument("--sidecar", action="store_true", help="the sidecar hop instead of the service")
     parser.add_argument(

@@ -88,11 +88,14 @@ class DataPlane:
 
     def open(self, model: str, version: str) -> Call:
         """`with dataplane.open(model, version) as call:` resolves the version now (an unknown
-        model or version raises here) and holds it until the block ends. The call's metrics and
-        span name the version from here on, should it fail."""
+        model or version raises here) and holds it until the block ends (or, without a `with`,
+        until `call.served.release()` in a `finally` that follows at once). The call's metrics
+        and span name the version from here on, should it fail."""
         served = self._table.resolve(model, version)
         tracing.resolved(served.version_name)
-        return Call(self, served)
+        call = Call(self, served)
+        served.in_flight += 1  # the lease (ServedVersion.acquire, inline: it runs on every request)
+        return call
 
     async def infer(
         self,
@@ -129,7 +132,7 @@ class DataPlane:
                 arrays = served.instances.run_here(inputs, names, served.label)
             ok = True
         finally:
-            _record(served, ok, inputs, admitted_ns, start)
+            served.record_run(ok, inputs, admitted_ns, start)
         return _by_name(names, arrays)
 
     async def _run(
@@ -153,7 +156,7 @@ class DataPlane:
                 arrays = await served.instances.run(inputs, names, self._executor, served.label)
             ok = True
         finally:
-            _record(served, ok, inputs, admitted_ns, start)
+            served.record_run(ok, inputs, admitted_ns, start)
         return _by_name(names, arrays)
 
 
@@ -164,22 +167,12 @@ def _by_name(names: Sequence[str], arrays: Sequence[np.ndarray]) -> dict[str, np
     return dict(zip(names, arrays, strict=True))
 
 
-def _record(
-    served: ServedVersion, ok: bool, inputs: Mapping[str, np.ndarray], admitted_ns: int, start_ns: int
-) -> None:
-    """A request that was one run of its own (no batcher), in the version's statistics: admitted
-    at `admitted_ns`, its run from `start_ns` to now."""
-    end = time.perf_counter_ns()
-    rows = next(iter(inputs.values())).shape[0] if served.config.max_batch_size and inputs else 1
-    # Positional (queue_ns, compute_ns last): keyword arguments cost more per call.
-    served.stats.record(ok, end - admitted_ns, rows, start_ns - admitted_ns, end - start_ns)
-
-
 class Call:
-    """One request's hold on the version that serves it: resolved once (DataPlane.open), leased
-    while the `with` block runs (a class, not a generator: it runs per request). The lease is
-    held while the request decodes and while it waits in a batcher's queue: a retiring version
-    answers what it has admitted before it is released."""
+    """One request's hold on the version that serves it: resolved and leased once (DataPlane.open),
+    released when the `with` block ends (a class, not a generator: it runs per request); the
+    unary paths release it in their own `finally` (`served.release()`: no __enter__ and __exit__
+    frames per request). The lease is held while the request decodes and while it waits in a
+    batcher's queue: a retiring version answers what it has admitted before it is released."""
 
     __slots__ = ("_fitted", "_plane", "served")
 
@@ -189,8 +182,7 @@ class Call:
         self._fitted: object = None  # the inputs decode_fixed gave, checked by their headers
 
     def __enter__(self) -> Call:
-        self.served.in_flight += 1  # ServedVersion.acquire, inline: it runs on every request
-        return self
+        return self  # leased since open()
 
     def __exit__(self, kind: object, exc: object, tb: object) -> None:
         self.served.release()

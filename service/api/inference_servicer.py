@@ -71,7 +71,8 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
             version, request_id, priority = call_fields(
                 context, model, request.model_version, request.request_id, request.priority
             )
-            with self._dataplane.open(model, version) as held:
+            held = self._dataplane.open(model, version)  # leased until the finally (Call)
+            try:
                 signature = held.served.runner.signature
                 refuse_extra_tensors(model, signature, len(tensors), len(output_names))
                 # Decoded only once the tensors' headers fit the version (service/intake.py).
@@ -83,6 +84,8 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
                 result = await held.infer(
                     inputs, output_names, scheduling(context, priority, request.timeout_us)
                 )
+            finally:
+                held.served.release()
             version = str(result.version)
             call.answered(version)
             response = _response(result.model, version, result.outputs, request_id)

@@ -8,6 +8,8 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 
+import numpy as np
+
 from modelyard.service.repository.config import ModelConfig
 from modelyard.service.runtime.instances import Instances
 from modelyard.service.runtime.runs import ActiveRuns
@@ -37,25 +39,6 @@ class VersionStats:
     # charged the compute time of the run that served it (a batch's run, for each request in it).
     compute_request_count: int = 0
     compute_request_ns: int = 0
-
-    def record(self, ok: bool, elapsed_ns: int, items: int, queue_ns: int, compute_ns: int) -> None:
-        """One request that was one run of its own (no batching): record_request, and when it
-        succeeded record_queue, record_execution and record_compute(1, ...), in one body (it runs
-        on every such request)."""
-        self.last_inference_ms = time.time_ns() // 1_000_000
-        if not ok:
-            self.fail_count += 1
-            self.fail_ns += elapsed_ns
-            return
-        self.success_count += 1
-        self.success_ns += elapsed_ns
-        self.queue_count += 1
-        self.queue_ns += queue_ns
-        self.inference_count += items
-        self.execution_count += 1
-        self.compute_ns += compute_ns
-        self.compute_request_count += 1
-        self.compute_request_ns += compute_ns
 
     def record_request(self, ok: bool, elapsed_ns: int, requests: int = 1) -> None:
         """`requests` requests that ended together (a batch's), `elapsed_ns` their summed time."""
@@ -125,6 +108,31 @@ class ServedVersion:
 
     def acquire(self) -> None:
         self.in_flight += 1
+
+    def record_run(self, ok: bool, inputs: Mapping[str, np.ndarray], admitted_ns: int, start_ns: int) -> None:
+        """A request that was one run of its own (no batcher), in the statistics: admitted at
+        `admitted_ns`, its run from `start_ns` to now. VersionStats' record_request, and when it
+        succeeded record_queue, record_execution and record_compute(1, ...), in one body: it
+        runs on every such request."""
+        end = time.perf_counter_ns()
+        stats = self.stats
+        stats.last_inference_ms = time.time_ns() // 1_000_000
+        if not ok:
+            stats.fail_count += 1
+            stats.fail_ns += end - admitted_ns
+            return
+        compute_ns = end - start_ns
+        stats.success_count += 1
+        stats.success_ns += end - admitted_ns
+        stats.queue_count += 1
+        stats.queue_ns += start_ns - admitted_ns
+        # Items are batch rows: the first input's first dimension where the model batches.
+        batched = self.config.max_batch_size and inputs
+        stats.inference_count += next(iter(inputs.values())).shape[0] if batched else 1
+        stats.execution_count += 1
+        stats.compute_ns += compute_ns
+        stats.compute_request_count += 1
+        stats.compute_request_ns += compute_ns
 
     def release(self) -> None:
         self.in_flight -= 1

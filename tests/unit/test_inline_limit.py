@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from types import SimpleNamespace
+from typing import cast
 
 import pytest
 from onnx import TensorProto, helper
@@ -15,6 +17,10 @@ from modelyard.service.runtime.providers import detect_providers
 from modelyard.service.runtime.session import (
     INLINE_RUN_LIMIT_S,
     ONE_CORE_INLINE_RUN_LIMIT_S,
+    WARMUP_RUNS,
+    WARMUP_SETTLE_RUNS,
+    ModelRunner,
+    _warm_up,
     inline_run_limit_s,
     load_runner,
 )
@@ -86,3 +92,41 @@ def test_shapes_computed_from_fixed_shapes_keep_a_model_inline(tmp_path: Path) -
     runner = load_runner(model_file, config, detect_providers(), inline_limit_s=1.0)
     assert runner.value_driven == ""
     assert runner.runs_inline
+
+
+class _Cooling:
+    """A stand-in runner whose runs take the given times, in turn (the last one from then on),
+    on a clock that only its runs advance."""
+
+    def __init__(self, times: list[float]) -> None:
+        self.times = times
+        self.now = 0.0
+        self.runs = 0
+        self.signature = SimpleNamespace(output_names=("Y",))
+
+    def clock(self) -> float:
+        return self.now
+
+    def run(self, feeds: object, output_names: object) -> None:
+        self.now += self.times[min(self.runs, len(self.times) - 1)]
+        self.runs += 1
+
+
+def _warm(times: list[float], limit_s: float) -> tuple[float, int]:
+    runner = _Cooling(times)
+    fastest = _warm_up(cast(ModelRunner, runner), {}, Path("m.onnx"), limit_s, runner.clock)
+    return fastest, runner.runs
+
+
+def test_a_model_near_the_limit_warms_until_a_run_is_under_it() -> None:
+    # Cold first runs (a fresh session's page faults, cold caches) over the limit, warm ones under.
+    fastest, runs = _warm([1.4e-3, 0.9e-3, 0.8e-3, 0.7e-3, 0.6e-3, 0.55e-3, 0.52e-3, 0.3e-3], 500e-6)
+    assert fastest == pytest.approx(0.3e-3) and runs == 8  # no run after the first under the limit
+
+
+def test_warm_up_runs_stay_few_where_the_limit_is_far() -> None:
+    assert _warm([0.1e-3], 500e-6)[1] == WARMUP_RUNS  # under it from the first run
+    assert _warm([5e-3], 500e-6)[1] == WARMUP_RUNS  # 10x over: no warm run will be under it
+    assert _warm([1e-3], 0.0)[1] == WARMUP_RUNS  # no limit (a layer above runs the graph)
+    fastest, runs = _warm([1e-3], 500e-6)  # near, and never under: bounded
+    assert fastest == pytest.approx(1e-3) and runs == WARMUP_RUNS + WARMUP_SETTLE_RUNS

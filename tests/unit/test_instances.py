@@ -276,6 +276,52 @@ async def test_a_caller_that_leaves_stops_its_run(executor: ThreadPoolExecutor) 
     runner.gate.open()
 
 
+@pytest.mark.parametrize("count", [1, 2])
+async def test_a_queued_run_whose_caller_left_never_starts(count: int) -> None:
+    # One executor thread, held by a first run: the second waits in the executor's queue.
+    pool = ThreadPoolExecutor(max_workers=1)
+    runners = [FakeRunner() for _ in range(count)]
+    instances = Instances(runners)
+    try:
+        for runner in runners:
+            runner.gate.close()
+        first = asyncio.ensure_future(instances.run(x(1), ["y"], pool, "m"))
+        await eventually(lambda: sum(r.gate.entered for r in runners) == 1, "the first run to start")
+        queued = asyncio.ensure_future(instances.run(x(2), ["y"], pool, "m"))
+        await eventually(lambda: sum(i.pending for i in instances.all) == 2, "the second run to queue")
+        queued.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await queued
+        for runner in runners:
+            runner.gate.open()
+        await first
+        await eventually(lambda: not any(i.pending for i in instances.all), "both counted down")
+        assert sum(len(r.runs) for r in runners) == 1 and len(instances.runs) == 0
+    finally:
+        pool.shutdown(wait=True)
+
+
+@pytest.mark.parametrize("count", [1, 2])
+async def test_a_run_that_shutdown_cancelled_in_the_queue_answers_its_caller(count: int) -> None:
+    pool = ThreadPoolExecutor(max_workers=1)
+    runners = [FakeRunner() for _ in range(count)]
+    instances = Instances(runners)
+    for runner in runners:
+        runner.gate.close()
+    first = asyncio.ensure_future(instances.run(x(1), ["y"], pool, "m"))
+    await eventually(lambda: sum(r.gate.entered for r in runners) == 1, "the first run to start")
+    queued = asyncio.ensure_future(instances.run(x(2), ["y"], pool, "m"))
+    await eventually(lambda: sum(i.pending for i in instances.all) == 2, "the second run to queue")
+    pool.shutdown(wait=False, cancel_futures=True)  # as runs.shut_down_executor does
+    with pytest.raises(asyncio.CancelledError):
+        await queued  # answered, not left waiting for a run that will never come
+    for runner in runners:
+        runner.gate.open()
+    await first
+    await eventually(lambda: not any(i.pending for i in instances.all), "both counted down")
+    assert len(instances.runs) == 0
+
+
 async def test_a_device_fault_moves_the_next_runs_to_the_healthy_instance(
     executor: ThreadPoolExecutor,
 ) -> None:

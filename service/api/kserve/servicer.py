@@ -266,7 +266,8 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
         )
         # One version for the whole request: its limits check the tensors, its priority levels
         # and label files apply, and it runs.
-        with self._dataplane.open(model, version) as held:
+        held = self._dataplane.open(model, version)  # leased until the finally (Call)
+        try:
             served = held.served
             # Each container read once (each read of a protobuf field makes a new object).
             tensors, outputs = request.inputs, request.outputs
@@ -290,6 +291,8 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
                     # As Triton: a priority the model does not have means its default level.
                     scheduling = scheduling._replace(priority=0)
             result = await held.infer(inputs, names, scheduling)
+        finally:
+            held.served.release()
         # Fields set one by one: cheaper than the constructor's keywords (and no empty id set).
         response = pb.ModelInferResponse()
         response.model_name, response.model_version = result.model, str(result.version)
