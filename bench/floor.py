@@ -104,6 +104,17 @@ def open_calls(
     return calls
 
 
+async def send_all(call: Any, request: Any, count: int, concurrency: int, call_timeout_s: float) -> None:
+    """`count` calls (rounded down to a multiple of `concurrency`) from `concurrency` closed-loop
+    clients: the counted load of bench.instructions and bench.footprint."""
+
+    async def client() -> None:
+        for _ in range(count // concurrency):
+            await call(request, timeout=call_timeout_s)
+
+    await asyncio.gather(*(client() for _ in range(concurrency)))
+
+
 async def measure(
     server: ServerProcess, call: Call, request: Any, concurrency: int, args: argparse.Namespace
 ) -> dict[str, float]:

@@ -34,7 +34,7 @@ from typing import Any
 
 import grpc
 
-from bench.floor import CONFIG, MODELS, open_calls, request_for
+from bench.floor import CONFIG, MODELS, open_calls, request_for, send_all
 from bench.processes import ROOT, SERVICE_READY, ServerProcess
 from models.demo_models import write_model
 
@@ -98,17 +98,10 @@ async def measure(
         call: Any = open_calls([process], channels)[(label, api)]
         request = request_for(api, model, MODELS[model][1])
 
-        async def load(count: int) -> None:
-            async def client() -> None:
-                for _ in range(count // CONCURRENCY):
-                    await call(request, timeout=60)
-
-            await asyncio.gather(*(client() for _ in range(CONCURRENCY)))
-
-        await load(WARMUP_REQUESTS)
+        await send_all(call, request, WARMUP_REQUESTS, CONCURRENCY, 60)
         os.kill(process.pid, signal.SIGUSR1)
         await asyncio.sleep(0.2)  # the signal's handler runs between two of the loop's bytecodes
-        await load(requests)
+        await send_all(call, request, requests, CONCURRENCY, 60)
         os.kill(process.pid, signal.SIGUSR2)
         deadline = time.monotonic() + 30
         while not out.exists():

@@ -53,7 +53,7 @@ from typing import Any
 
 import grpc
 
-from bench.floor import CONFIG, MODELS, open_calls, request_for
+from bench.floor import CONFIG, MODELS, open_calls, request_for, send_all
 from bench.processes import ROOT, SERVICE_READY, ServerProcess
 from models.demo_models import write_model
 
@@ -150,16 +150,9 @@ async def measure(
         call: Any = open_calls([process], channels)[(label, api)]  # called with a timeout
         request = request_for(api, model, MODELS[model][1])
 
-        async def load(count: int) -> None:
-            async def client() -> None:
-                for _ in range(count // CONCURRENCY):
-                    await call(request, timeout=600)
-
-            await asyncio.gather(*(client() for _ in range(CONCURRENCY)))
-
-        await load(WARMUP_REQUESTS)
+        await send_all(call, request, WARMUP_REQUESTS, CONCURRENCY, 600)
         callgrind("--instr=on", process.pid)
-        await load(requests)
+        await send_all(call, request, requests, CONCURRENCY, 600)
         callgrind("--instr=off", process.pid)
         callgrind("--dump", process.pid)
     finally:
