@@ -21,11 +21,12 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from functools import lru_cache
 
+from modelyard.common.headers import DYE_CANARY, DYE_STABLE
 from modelyard.common.names import echo
 
 BUCKETS = 10_000
-STABLE = "stable"
-CANARY = "canary"
+STABLE = DYE_STABLE
+CANARY = DYE_CANARY
 PINNED = "pinned"
 
 

@@ -18,11 +18,6 @@ _FINISH = {
 }
 
 
-# The dye a sidecar sends on a canary attempt (x-model-dye), which it answers by stable if the
-# attempt fails before its first message (docs/sidecar.md).
-CANARY = "canary"
-
-
 def headers_early(context: Any) -> bool:
     """Whether a Generate stream sends its headers once accepted, before its prefill, rather than
     with its first token: every stream but a sidecar's canary attempt. That one keeps them for its
@@ -30,7 +25,7 @@ def headers_early(context: Any) -> bool:
     on stable (it reads a stream that sent headers as one under way)."""
     for key, value in invocation_metadata(context):
         if key == headers.MODEL_DYE:
-            return value != CANARY
+            return value != headers.DYE_CANARY  # answered by stable if it fails first
     return True
 
 

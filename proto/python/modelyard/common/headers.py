@@ -19,7 +19,9 @@ AUTHORIZATION = "authorization"
 # stream in its INITIAL metadata, before its first message.
 SERVED_VERSION = "x-served-version"
 SERVED_BY = "x-served-by"  # beside it when the service runs several workers: worker-N
-MODEL_DYE = "x-model-dye"  # stable or canary
+MODEL_DYE = "x-model-dye"  # DYE_STABLE or DYE_CANARY
+DYE_STABLE = "stable"
+DYE_CANARY = "canary"  # a sidecar's canary attempt (the service holds its stream's headers for it)
 DYE_FALLBACK = "x-dye-fallback"  # why the dye was overridden (e.g. breaker-open)
 ERROR_REASON = "x-error-reason"  # trailing metadata of every error; values in reasons.py
 # WatchModels with send_initial_state: the number of events of the initial state (a decimal, "0"
