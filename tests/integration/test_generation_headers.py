@@ -140,19 +140,24 @@ async def test_the_headers_arrive_before_the_first_token_exists(stub, gate: Gate
     assert {r.model_version for r in responses} == {"1"}
 
 
-async def test_a_fault_after_the_headers_ends_the_stream_with_its_status_and_reason(
-    stub, gate: Gate, service: Service
-) -> None:
-    gate.fail = True
-    labels = {"method": "Generate", "model": "codelm", "version": "1", "code": "INTERNAL"}
-    before = metric(service.metrics.registry, "modelyard_requests_total", **labels) or 0.0
-    call = generate(stub)
+async def fails_after_its_headers(call: Any, gate: Gate) -> None:
+    """`call` (its prefill set to fail) has its headers while the prefill is held, then ends with
+    INTERNAL and model_failed, the headers' version kept."""
     assert (await headers_while_held(call))[headers.SERVED_VERSION] == "1"
     gate.opened.set()
     code, initial, trailing = await refused(call)
     assert code == grpc.StatusCode.INTERNAL
     assert initial[headers.SERVED_VERSION] == "1"
     assert trailing[headers.ERROR_REASON] == "model_failed"
+
+
+async def test_a_fault_after_the_headers_ends_the_stream_with_its_status_and_reason(
+    stub, gate: Gate, service: Service
+) -> None:
+    gate.fail = True
+    labels = {"method": "Generate", "model": "codelm", "version": "1", "code": "INTERNAL"}
+    before = metric(service.metrics.registry, "modelyard_requests_total", **labels) or 0.0
+    await fails_after_its_headers(generate(stub), gate)
     # One terminal answer, counted once, under the version that had answered.
     await eventually(
         lambda: metric(service.metrics.registry, "modelyard_requests_total", **labels) == before + 1,
@@ -199,13 +204,7 @@ async def test_the_sidecar_relays_a_fault_after_the_headers(service: Service, ga
         grpc.aio.insecure_channel(sidecar.address) as channel,
     ):
         await known_versions(sidecar, "codelm", {"1"})
-        call = generate(pb_grpc.InferenceServiceStub(channel))
-        assert (await headers_while_held(call))[headers.SERVED_VERSION] == "1"
-        gate.opened.set()
-        code, initial, trailing = await refused(call)
-    assert code == grpc.StatusCode.INTERNAL
-    assert initial[headers.SERVED_VERSION] == "1"
-    assert trailing[headers.ERROR_REASON] == "model_failed"
+        await fails_after_its_headers(generate(pb_grpc.InferenceServiceStub(channel)), gate)
 
 
 async def test_the_gateway_answers_a_fault_after_the_headers_with_its_http_status(

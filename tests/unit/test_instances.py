@@ -276,19 +276,27 @@ async def test_a_caller_that_leaves_stops_its_run(executor: ThreadPoolExecutor) 
     runner.gate.open()
 
 
-@pytest.mark.parametrize("count", [1, 2])
-async def test_a_queued_run_whose_caller_left_never_starts(count: int) -> None:
-    # One executor thread, held by a first run: the second waits in the executor's queue.
-    pool = ThreadPoolExecutor(max_workers=1)
+async def one_running_one_queued(
+    pool: ThreadPoolExecutor, count: int
+) -> tuple[list[FakeRunner], Instances, asyncio.Future[Any], asyncio.Future[Any]]:
+    """`count` held runners on a one-thread `pool`: a first run started (holding the thread) and a
+    second waiting in the executor's queue."""
     runners = [FakeRunner() for _ in range(count)]
     instances = Instances(runners)
+    for runner in runners:
+        runner.gate.close()
+    first = asyncio.ensure_future(instances.run(x(1), ["y"], pool, "m"))
+    await eventually(lambda: sum(r.gate.entered for r in runners) == 1, "the first run to start")
+    queued = asyncio.ensure_future(instances.run(x(2), ["y"], pool, "m"))
+    await eventually(lambda: sum(i.pending for i in instances.all) == 2, "the second run to queue")
+    return runners, instances, first, queued
+
+
+@pytest.mark.parametrize("count", [1, 2])
+async def test_a_queued_run_whose_caller_left_never_starts(count: int) -> None:
+    pool = ThreadPoolExecutor(max_workers=1)
     try:
-        for runner in runners:
-            runner.gate.close()
-        first = asyncio.ensure_future(instances.run(x(1), ["y"], pool, "m"))
-        await eventually(lambda: sum(r.gate.entered for r in runners) == 1, "the first run to start")
-        queued = asyncio.ensure_future(instances.run(x(2), ["y"], pool, "m"))
-        await eventually(lambda: sum(i.pending for i in instances.all) == 2, "the second run to queue")
+        runners, instances, first, queued = await one_running_one_queued(pool, count)
         queued.cancel()
         with pytest.raises(asyncio.CancelledError):
             await queued
@@ -304,14 +312,7 @@ async def test_a_queued_run_whose_caller_left_never_starts(count: int) -> None:
 @pytest.mark.parametrize("count", [1, 2])
 async def test_a_run_that_shutdown_cancelled_in_the_queue_answers_its_caller(count: int) -> None:
     pool = ThreadPoolExecutor(max_workers=1)
-    runners = [FakeRunner() for _ in range(count)]
-    instances = Instances(runners)
-    for runner in runners:
-        runner.gate.close()
-    first = asyncio.ensure_future(instances.run(x(1), ["y"], pool, "m"))
-    await eventually(lambda: sum(r.gate.entered for r in runners) == 1, "the first run to start")
-    queued = asyncio.ensure_future(instances.run(x(2), ["y"], pool, "m"))
-    await eventually(lambda: sum(i.pending for i in instances.all) == 2, "the second run to queue")
+    runners, instances, first, queued = await one_running_one_queued(pool, count)
     pool.shutdown(wait=False, cancel_futures=True)  # as runs.shut_down_executor does
     with pytest.raises(asyncio.CancelledError):
         await queued  # answered, not left waiting for a run that will never come
