@@ -63,6 +63,7 @@ import grpc
 import numpy as np
 
 from bench.lib.procfs import tree_cpu_seconds
+from bench.lib.trees import source_trees
 from models.demo_models import dense_stack, scaled_identity, write_model
 from modelyard.inference.v1 import inference_service_pb2 as pb
 from modelyard.kserve.v2 import grpc_service_pb2 as kpb
@@ -521,12 +522,7 @@ def _kinds(text: str) -> list[str]:
 
 
 def _trees(text: str) -> list[tuple[str, Path]]:
-    pairs = []
-    for part in (part for part in text.split(",") if part):
-        label, _, path = part.partition("=")
-        if not label or not path or not (Path(path) / "proto" / "python" / "modelyard").is_dir():
-            raise argparse.ArgumentTypeError(f"{part!r}: give LABEL=PATH of a source tree")
-        pairs.append((label, Path(path).resolve()))
+    pairs = source_trees(text)
     if len(pairs) < 2:
         raise argparse.ArgumentTypeError("give two trees or more: the first is the reference")
     return pairs

@@ -46,6 +46,7 @@ import grpc
 import httpx
 
 from bench.lib.procfs import rss_kib
+from bench.lib.trees import source_trees
 from bench.processes import SIDECAR_READY, start_announced
 from bench.stack import Gateway, Stack
 from modelyard.inference.v1 import inference_service_pb2 as pb
@@ -476,10 +477,6 @@ def _named(text: str) -> tuple[str, str]:
     return name, value
 
 
-def _trees(text: str) -> list[tuple[str, Path]]:
-    return [(name, Path(tree).resolve()) for name, tree in map(_named, text.split(","))]
-
-
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -497,7 +494,7 @@ if __name__ == "__main__":
         "--ttft-only", action="store_true", help="time to first token only (no throughput, memory)"
     )
     parser.add_argument(
-        "--trees", type=_trees, default=[], metavar="NAME=TREE,...",
+        "--trees", type=source_trees, default=[], metavar="NAME=TREE,...",
         help="one more gateway on the sidecar from each source tree (a git worktree), taking turns",
     )  # fmt: skip
     parser.add_argument(
@@ -506,11 +503,11 @@ if __name__ == "__main__":
         help="a bare grpc.aio proxy on the service too (the sidecar's floor)",
     )
     parser.add_argument(
-        "--sidecar-trees", type=_trees, default=[], metavar="NAME=TREE,...",
+        "--sidecar-trees", type=source_trees, default=[], metavar="NAME=TREE,...",
         help="one more sidecar on the service, and a gateway on it, from each source tree, taking turns",
     )  # fmt: skip
     parser.add_argument(
-        "--service-trees", type=_trees, default=[], metavar="NAME=TREE,...",
+        "--service-trees", type=source_trees, default=[], metavar="NAME=TREE,...",
         help="one more service from each source tree, with a sidecar and a gateway on it, taking turns",
     )  # fmt: skip
     parser.add_argument(

@@ -455,14 +455,15 @@ if __name__ == "__main__":
         sys.exit(serve(sys.argv[2:]))
     if sys.argv[1:2] == ["--serve-sidecar"]:
         sys.exit(serve_sidecar(sys.argv[2:]))
-    from bench.edge import _named, _trees
+    from bench.edge import _named
+    from bench.lib.trees import source_trees
 
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--requests", type=int, default=40)
     parser.add_argument("--tokens", type=int, default=32)
-    parser.add_argument("--trees", type=_trees, default=[], metavar="NAME=TREE,...")
+    parser.add_argument("--trees", type=source_trees, default=[], metavar="NAME=TREE,...")
     parser.add_argument("--flags", type=_named, action="append", default=[], metavar="NAME='FLAGS'")
     parser.add_argument(
         "--dump", action="store_true", help="each request's steps, in the order they happened"

@@ -54,6 +54,7 @@ from typing import Any
 import grpc
 
 from bench.floor import CONFIG, MODELS, open_calls, request_for, send_all
+from bench.lib.trees import source_trees
 from bench.processes import ROOT, SERVICE_READY, ServerProcess
 from models.demo_models import write_model
 
@@ -224,12 +225,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     def names(text: str) -> list[str]:
         return [part for part in text.split(",") if part]
 
-    def trees(text: str) -> list[tuple[str, Path]]:
-        pairs = [part.split("=", 1) for part in names(text)]
-        return [(label, Path(path).resolve()) for label, path in pairs]
-
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
-    parser.add_argument("--trees", type=trees, required=True, help="label=path,... (git worktrees)")
+    parser.add_argument("--trees", type=source_trees, required=True, help="label=path,... (git worktrees)")
     parser.add_argument("--bare", action="store_true", help="the bare server (bench/bare_server.py) too")
     parser.add_argument(
         "--bare-served-only",

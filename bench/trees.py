@@ -28,6 +28,7 @@ from pathlib import Path
 import grpc
 
 from bench.floor import CONFIG, MODELS, measure, open_calls, request_for
+from bench.lib.trees import source_trees
 from bench.processes import ROOT, SERVICE_READY, ServerProcess, service_command
 from models.demo_models import write_model
 
@@ -124,20 +125,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     def names(text: str) -> list[str]:
         return [part for part in text.split(",") if part]
 
-    def trees(text: str) -> list[tuple[str, Path]]:
-        pairs = []
-        for part in names(text):
-            label, _, path = part.partition("=")
-            if not path or not (Path(path) / "service").is_dir():
-                raise argparse.ArgumentTypeError(f"{part!r}: give LABEL=PATH of a source tree")
-            pairs.append((label, Path(path).resolve()))
-        return pairs
-
     parser = argparse.ArgumentParser(
         prog="bench.trees", description=__doc__.split("\n")[0] if __doc__ else None
     )
     parser.add_argument(
-        "--trees", type=trees, required=True, help="LABEL=PATH,... (the first is the reference)"
+        "--trees", type=source_trees, required=True, help="LABEL=PATH,... (the first is the reference)"
     )
     parser.add_argument("--bare", action="store_true", help="the bare server (bench/bare_server.py) too")
     parser.add_argument("--models", type=names, default=["tiny"])
