@@ -105,9 +105,11 @@ class Settings:
     tls_client_ca: Annotated[
         str, Meta(description="PEM CA bundle; when set, clients must present a certificate it signed (mTLS)")
     ] = ""
-    # When either is set, LoadModel/UnloadModel and the KServe repository extension need a credential.
+    # Management (modelyard.common.surfaces) needs a credential with the management scope; without
+    # any configured it is off, unless management_open.
     auth_tokens_file: Annotated[
-        str, Meta(description="file of bearer tokens, one per line; management calls then need one")
+        str,
+        Meta(description="bearer tokens, a line each (TOKEN [management] [inference]); management needs one"),
     ] = ""
     auth_client_names: Annotated[
         tuple[str, ...],
@@ -115,6 +117,13 @@ class Settings:
     ] = ()
     auth_inference: Annotated[
         bool, Meta(description="require a credential for inference and metadata calls too")
+    ] = False
+    management_open: Annotated[
+        bool,
+        Meta(
+            description="let every client that reaches the port load/unload models and use shared memory, "
+            "logging and trace settings without a credential (a trusted local host only)"
+        ),
     ] = False
     # System shared memory (KServe extension).
     shm_max_regions: Annotated[

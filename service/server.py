@@ -26,7 +26,7 @@ from modelyard.process.lifecycle import bound
 from modelyard.process.metrics_http import MetricsServer
 from modelyard.process.settings import split_address
 from modelyard.process.throttle import LogThrottle
-from modelyard.process.tls import TlsFiles, grpc_server_credentials, is_loopback, warn_if_plaintext
+from modelyard.process.tls import TlsFiles, grpc_server_credentials, warn_if_plaintext
 from modelyard.service.api.access import guards
 from modelyard.service.api.errors import set_served_by
 from modelyard.service.api.flat_servicer import FlatInferenceServicer
@@ -285,7 +285,7 @@ def build_service(
         ],
     )
     tls, authorizer = _security(settings)
-    guard_for = guards(authorizer, settings.auth_inference, metrics)
+    guard_for = guards(authorizer, settings.auth_inference, metrics, settings.management_open)
     reporter = _undecodable_reporter(metrics)
     link = WorkerLink(worker) if worker is not None else None
     shm = SharedMemoryRegistry(
@@ -438,10 +438,12 @@ def _security(settings: Settings) -> tuple[TlsFiles | None, Authorizer]:
         raise ValueError("auth_inference needs auth_tokens_file or auth_client_names")
     host = split_address(settings.listen)[0]
     warn_if_plaintext(host, "the gRPC listener", tls)
-    if not authorizer.configured and not is_loopback(host):
+    if settings.management_open:
         log.warning(
-            "the gRPC listener on %s takes LoadModel/UnloadModel and repository calls from any client "
-            "(configure auth_tokens_file, see docs/security.md)",
+            "management is open: the gRPC listener on %s takes LoadModel/UnloadModel, repository, "
+            "shared-memory, log and trace calls from any client that reaches it (docs/security.md)",
             host or "all addresses",
         )
+    elif not authorizer.configured:
+        log.info("management calls are off (no credential configured: auth_tokens_file, auth_client_names)")
     return tls, authorizer

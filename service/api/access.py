@@ -1,8 +1,10 @@
-"""Who may call which method: the management surface (loading and unloading models, the KServe
-repository, shared-memory, log and trace extensions) needs a credential once tokens or client
-identities are configured; inference and metadata calls need one only with `auth_inference`;
-health and reflection stay open (orchestrators probe them). Denials are counted and logged
-(rate-limited) and answer the same few words whatever was wrong."""
+"""Who may call which method: the management surface (modelyard.common.surfaces: loading and
+unloading models, the KServe repository, shared-memory, log and trace extensions) needs a
+credential with the management scope; with no credential configured it is off, unless the
+operator opened it to anyone who reaches the port (`management_open`, credentials or not).
+Inference and metadata calls need a credential only with `auth_inference`; health and reflection
+stay open (orchestrators probe them). Denials are counted and logged (rate-limited) and answer
+the same few words whatever was wrong."""
 
 from __future__ import annotations
 
@@ -12,7 +14,8 @@ import grpc
 
 from modelyard.common.headers import ERROR_REASON
 from modelyard.common.reasons import ErrorReason
-from modelyard.process.auth import Authorizer, Decision
+from modelyard.common.surfaces import MANAGEMENT_METHODS
+from modelyard.process.auth import Authorizer, Decision, Scope
 from modelyard.process.request_metadata import invocation_metadata
 from modelyard.process.throttle import LogThrottle
 from modelyard.service.api.errors import Context
@@ -21,34 +24,34 @@ from modelyard.service.metrics import ServiceMetrics
 
 log = logging.getLogger(__name__)
 
-MANAGEMENT = frozenset(
-    {
-        "/modelyard.inference.v1.ModelService/LoadModel",
-        "/modelyard.inference.v1.ModelService/UnloadModel",
-        "/inference.GRPCInferenceService/RepositoryIndex",
-        "/inference.GRPCInferenceService/RepositoryModelLoad",
-        "/inference.GRPCInferenceService/RepositoryModelUnload",
-        # Registering shared memory makes the server map a region by its key: not for anyone.
-        "/inference.GRPCInferenceService/SystemSharedMemoryStatus",
-        "/inference.GRPCInferenceService/SystemSharedMemoryRegister",
-        "/inference.GRPCInferenceService/SystemSharedMemoryUnregister",
-        "/inference.GRPCInferenceService/CudaSharedMemoryStatus",
-        "/inference.GRPCInferenceService/CudaSharedMemoryRegister",
-        "/inference.GRPCInferenceService/CudaSharedMemoryUnregister",
-        "/inference.GRPCInferenceService/LogSettings",
-        "/inference.GRPCInferenceService/TraceSetting",
-    }
-)
 ALWAYS_OPEN = ("/grpc.health.v1.Health/", "/grpc.reflection.")
 
 
-def guards(authorizer: Authorizer, inference_too: bool, metrics: ServiceMetrics) -> GuardFor:
+MANAGEMENT_OFF = (
+    "management calls are off on this service: give it a management credential "
+    "(--auth-tokens-file) or open them to every client that reaches it (--management-open); "
+    "see docs/security.md"
+)
+
+
+def guards(
+    authorizer: Authorizer, inference_too: bool, metrics: ServiceMetrics, management_open: bool = False
+) -> GuardFor:
     """The guard of each method: None (open) or one that aborts calls without a credential."""
     throttle = LogThrottle(log)
 
-    def guard_of(kind: str) -> Guard:
+    async def management_off(context: Context) -> None:
+        metrics.auth_denials.labels("management", "off").inc()
+        throttle.log(logging.INFO, "refused a management call from %s (management is off)", context.peer())
+        await context.abort(
+            grpc.StatusCode.PERMISSION_DENIED,
+            MANAGEMENT_OFF,
+            trailing_metadata=((ERROR_REASON, ErrorReason.PERMISSION_DENIED.value),),
+        )
+
+    def guard_of(kind: str, scope: Scope) -> Guard:
         async def guard(context: Context) -> None:
-            decision = authorizer.check(invocation_metadata(context), context.auth_context())
+            decision = authorizer.check(invocation_metadata(context), context.auth_context(), scope)
             if decision is Decision.ALLOW:
                 return
             metrics.auth_denials.labels(kind, decision.value).inc()
@@ -69,13 +72,16 @@ def guards(authorizer: Authorizer, inference_too: bool, metrics: ServiceMetrics)
 
         return guard
 
-    management, inference = guard_of("management"), guard_of("inference")
+    management = guard_of("management", Scope.MANAGEMENT)
+    inference = guard_of("inference", Scope.INFERENCE)
 
     def guard_for(method: str) -> Guard | None:
-        if not authorizer.configured or method.startswith(ALWAYS_OPEN):
+        if method.startswith(ALWAYS_OPEN):
             return None
-        if method in MANAGEMENT:
-            return management
-        return inference if inference_too else None
+        if method in MANAGEMENT_METHODS:
+            if management_open:  # the operator's explicit choice: anyone who reaches the port
+                return None
+            return management if authorizer.configured else management_off
+        return inference if inference_too and authorizer.configured else None
 
     return guard_for

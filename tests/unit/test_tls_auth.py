@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from modelyard.process.auth import Authorizer, AuthSettings, Decision
+from modelyard.process.auth import Authorizer, AuthSettings, Decision, Scope
 from modelyard.process.tls import TlsFiles, is_loopback, warn_if_plaintext
 
 
@@ -52,3 +52,30 @@ def test_tokens_and_identities(tmp_path: Path) -> None:
     assert not Authorizer(AuthSettings()).configured
     with pytest.raises(ValueError):
         Authorizer(AuthSettings(tmp_path / "missing"))
+
+
+def test_token_scopes_and_identities(tmp_path: Path) -> None:
+    tokens = tmp_path / "tokens"
+    tokens.write_text("ops management\nuser inference\nboth\n")
+    authorizer = Authorizer(AuthSettings(tokens, ("svc-a",)))
+    none: dict[str, list[bytes]] = {}
+    ops, user, both = ([("authorization", f"Bearer {t}")] for t in ("ops", "user", "both"))
+    assert authorizer.check(ops, none, Scope.MANAGEMENT) is Decision.ALLOW
+    assert authorizer.check(ops, none, Scope.INFERENCE) is Decision.DENIED
+    assert authorizer.check(user, none, Scope.INFERENCE) is Decision.ALLOW
+    assert authorizer.check(user, none) is Decision.DENIED  # the management scope by default
+    assert all(authorizer.check(both, none, scope) is Decision.ALLOW for scope in Scope)
+    # Identities: a valid token's digest (never the token), an allowed certificate, else anonymous.
+    assert authorizer.identity(ops, none).startswith("token:") and "ops" not in authorizer.identity(ops, none)
+    assert authorizer.identity(ops, none) != authorizer.identity(user, none)
+    assert authorizer.identity([("authorization", "Bearer forged")], none) == ""
+    assert authorizer.identity([], {"x509_common_name": [b"svc-a"]}) == "client:svc-a"
+    assert authorizer.identity([], {"x509_common_name": [b"svc-b"]}) == ""
+
+
+def test_an_unknown_scope_names_its_line_not_the_token(tmp_path: Path) -> None:
+    tokens = tmp_path / "tokens"
+    tokens.write_text("# ops\nsecret-token admin\n")
+    with pytest.raises(ValueError, match="line 2: unknown scope 'admin'") as raised:
+        Authorizer(AuthSettings(tokens))
+    assert "secret-token" not in str(raised.value)
