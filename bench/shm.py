@@ -79,7 +79,10 @@ async def main_async(sizes: list[int], count: int) -> dict[str, object]:
         work = Path(tmp)
         write_model(work / "models", "identity", 1, identity_model(), {"max_batch_size": 1})  # type: ignore[arg-type]
         limit = str(max(sizes) * MIB + MIB)
-        async with running_service(work / "models", work, "--max-message-bytes", limit) as server:
+        # The bench registers its regions without a credential: management open (loopback, its own service).
+        async with running_service(
+            work / "models", work, "--management-open", "--max-message-bytes", limit
+        ) as server:
             options = [
                 ("grpc.max_receive_message_length", int(limit)),
                 ("grpc.max_send_message_length", int(limit)),

@@ -26,10 +26,13 @@ def repository(tmp_path: Path) -> Path:
 
 
 @pytest.fixture
-async def service(repository: Path) -> AsyncIterator[Service]:
-    """The real service, in this process, on an ephemeral port."""
+async def service(repository: Path, request: pytest.FixtureRequest) -> AsyncIterator[Service]:
+    """The real service, in this process, on an ephemeral port; a test's
+    `@pytest.mark.service_settings(**fields)` overrides its settings (e.g. management_open=True)."""
+    marker = request.node.get_closest_marker("service_settings")
+    overrides = marker.kwargs if marker is not None else {}
     running = build_service(
-        Settings(repository=repository, listen="127.0.0.1:0", metrics_listen="127.0.0.1:0")
+        Settings(repository=repository, listen="127.0.0.1:0", metrics_listen="127.0.0.1:0", **overrides)
     )
     await running.start()
     try:

@@ -45,7 +45,12 @@ def triton_repository(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def gateway(triton_repository: Path) -> AsyncIterator[Gateway]:
-    service = build_service(Settings(repository=triton_repository, listen="127.0.0.1:0", metrics_listen=""))
+    # Management open (as Triton's explicit model control): the client's repository, log, trace and
+    # shared-memory calls are what this test drives.
+    settings = Settings(
+        repository=triton_repository, listen="127.0.0.1:0", metrics_listen="", management_open=True
+    )
+    service = build_service(settings)
     await service.start()
     running = Gateway(GatewaySettings(listen="127.0.0.1:0", upstream=service.address))
     await running.start()

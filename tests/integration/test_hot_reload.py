@@ -294,7 +294,7 @@ async def test_kubernetes_style_symlink_swap(tmp_path: Path) -> None:
 
 
 async def test_explicit_mode_loads_only_when_asked(root: Path, tmp_path: Path) -> None:
-    service = await started(root, control_mode="explicit")
+    service = await started(root, control_mode="explicit", management_open=True)
     try:
         publish_by_rename(root, tmp_path / "staging", 2, model_bytes(2))
         assert service.watcher is None  # nothing follows the disk: only LoadModel brings v2 in
@@ -352,7 +352,7 @@ async def test_repeated_load_unload_keeps_memory_bounded(service_process, root: 
     demo_models.write_model(
         root, "big", 1, demo_models.dense_stack(layers=4, width=512, seed=0), {"max_batch_size": 8}
     )  # 4 MiB of weights per load
-    process = service_process(root)
+    process = service_process(root, "--management-open")
 
     def rss_mb() -> float:
         for line in Path(f"/proc/{process.proc.pid}/status").read_text().splitlines():

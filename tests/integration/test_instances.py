@@ -59,7 +59,13 @@ def runners() -> Runners:
 
 @pytest.fixture
 async def live(root: Path, runners: Runners) -> AsyncIterator[Service]:
-    settings = Settings(repository=root, listen="127.0.0.1:0", metrics_listen="", control_mode="explicit")
+    settings = Settings(
+        repository=root,
+        listen="127.0.0.1:0",
+        metrics_listen="",
+        control_mode="explicit",
+        management_open=True,
+    )
     service = build_service(settings, loader=runners.loader())
     await service.start()
     try:

@@ -53,6 +53,7 @@ async def test_list_and_describe(models) -> None:
     assert caught.value.code() == grpc.StatusCode.NOT_FOUND
 
 
+@pytest.mark.service_settings(management_open=True)
 async def test_unload_then_load_is_watched(models, channel) -> None:
     infer = ipb_grpc.InferenceServiceStub(channel)
     x = ipb.InferRequest(model_name="scaler", inputs=[to_tensor("INPUT0", np.ones((1, 16), np.float32))])

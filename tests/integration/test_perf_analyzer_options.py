@@ -18,7 +18,8 @@ from tests.integration.test_perf_analyzer import run_perf_analyzer
     ],
 )
 def test_perf_analyzer_options(service_process, repository: Path, options: tuple[str, ...]) -> None:
-    process = service_process(repository)
+    # perf_analyzer registers its shared memory without a credential: management open, as for Triton.
+    process = service_process(repository, *(["--management-open"] if "--shared-memory" in options else []))
     run = run_perf_analyzer(process.address, *options)
     assert run.requests > 0 and run.inferences == 8 * run.requests, run.stdout
     assert process.stop() == 0

@@ -102,6 +102,7 @@ async def live(root: Path, runners: Runners, clock: ManualClock) -> AsyncIterato
         listen="127.0.0.1:0",
         metrics_listen="",
         control_mode="explicit",
+        management_open=True,
         max_message_bytes=LIMIT,
     )
     service = build_service(settings, loader=load, clock=clock)

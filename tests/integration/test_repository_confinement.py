@@ -128,7 +128,11 @@ async def test_uploaded_model_files_share_a_bounded_space(
     demo_models.build_demo_repository(root)
     model = (root / "scaler" / "1" / "model.onnx").read_bytes()
     settings = Settings(
-        repository=root, listen="127.0.0.1:0", metrics_listen="", max_upload_bytes=int(len(model) * 1.5)
+        repository=root,
+        listen="127.0.0.1:0",
+        metrics_listen="",
+        max_upload_bytes=int(len(model) * 1.5),
+        management_open=True,
     )
     service = build_service(settings)
     await service.start()

@@ -359,7 +359,8 @@ def build_repository(root: Path) -> None:
 def run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Run]:
     repository = tmp_path_factory.mktemp("triton-extensions") / "models"
     build_repository(repository)
-    service = start_service_process(repository)
+    # Management open, as Triton's explicit model control: the client drives repository calls.
+    service = start_service_process(repository, "--management-open")
     try:
         client = subprocess.run(
             [sys.executable, "-c", CLIENT, service.address, str(repository)],

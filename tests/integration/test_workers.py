@@ -127,7 +127,9 @@ async def test_requests_spread_over_workers_and_one_scrape_sums_them(
 
 
 async def test_explicit_load_and_unload_reach_every_worker(service_process, small_repository: Path) -> None:
-    process = service_process(small_repository, "--workers", "2", "--control-mode", "explicit")
+    process = service_process(
+        small_repository, "--workers", "2", "--control-mode", "explicit", "--management-open"
+    )
     async with connections(process.address) as channels:
         workers = await by_worker(channels)
         assert len(workers) == 2
@@ -317,7 +319,9 @@ async def readiness(channel: grpc.aio.Channel) -> tuple[list[tuple[str, str, str
 
 
 async def test_kserve_readiness_answers_for_every_worker(service_process, small_repository: Path) -> None:
-    process = service_process(small_repository, "--workers", "2", "--control-mode", "explicit")
+    process = service_process(
+        small_repository, "--workers", "2", "--control-mode", "explicit", "--management-open"
+    )
     ready, unloaded = model_pb.MODEL_STATE_READY, model_pb.MODEL_STATE_UNLOADED
     async with connections(process.address) as channels:
         workers = await by_worker(channels)
@@ -479,7 +483,7 @@ async def test_a_version_swap_under_load_fails_no_request(service_process, small
 async def test_shared_memory_registered_through_one_worker_serves_on_any(
     service_process, small_repository: Path
 ) -> None:
-    process = service_process(small_repository, "--workers", "2")
+    process = service_process(small_repository, "--workers", "2", "--management-open")
     block = shared_memory.SharedMemory(f"modelyard_workers_{os.getpid()}", create=True, size=64)
     try:
         np.ndarray((1, 4), np.float32, buffer=block.buf)[:] = [[1, 2, 3, 4]]

@@ -74,7 +74,11 @@ async def setup(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> AsyncIterato
     root = tmp_path / "models"
     model_file = demo_models.write_model(root, "scaler", 1, demo_models.scaled_identity(4, 2.0))
     settings = Settings(
-        repository=root, listen="127.0.0.1:0", metrics_listen="127.0.0.1:0", watch_quiet_s=0.05
+        repository=root,
+        listen="127.0.0.1:0",
+        metrics_listen="127.0.0.1:0",
+        watch_quiet_s=0.05,
+        management_open=True,  # these tests are about what management calls do with names
     )
     service = build_service(settings)
     await service.start()
@@ -304,7 +308,7 @@ async def test_model_control_through_workers_refuses_bad_names(
     # (the name in gRPC metadata) and on to every worker: a bad name is refused before it travels.
     root = tmp_path / "models"
     model_file = demo_models.write_model(root, "scaler", 1, demo_models.scaled_identity(4, 2.0))
-    process = service_process(root, "--workers", "2")
+    process = service_process(root, "--workers", "2", "--management-open")
     async with grpc.aio.insecure_channel(process.address) as channel:
         models: Any = mpb_grpc.ModelServiceStub(channel)
         kserve: Any = kpb_grpc.GRPCInferenceServiceStub(channel)

@@ -69,7 +69,7 @@ async def test_a_region_shrunk_under_its_registration_is_invalid_argument_not_a_
     root: Path, shm_object: tuple[str, int], service_process: Callable[..., ServiceProcess]
 ) -> None:
     key, fd = shm_object
-    process = service_process(root)
+    process = service_process(root, "--management-open")
     async with grpc.aio.insecure_channel(process.address) as channel:
         stub = kpb_grpc.GRPCInferenceServiceStub(channel)
         await stub.SystemSharedMemoryRegister(
@@ -100,7 +100,7 @@ async def test_registrations_are_bounded_in_number_and_bytes(
     root: Path, shm_object: tuple[str, int], service_process: Callable[..., ServiceProcess]
 ) -> None:
     key, _ = shm_object
-    process = service_process(root, "--shm-max-regions", "2", "--shm-max-bytes", "3000")
+    process = service_process(root, "--management-open", "--shm-max-regions", "2", "--shm-max-bytes", "3000")
     async with grpc.aio.insecure_channel(process.address) as channel:
         stub = kpb_grpc.GRPCInferenceServiceStub(channel)
 
