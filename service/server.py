@@ -27,7 +27,7 @@ from modelyard.process.metrics_http import MetricsServer
 from modelyard.process.settings import split_address
 from modelyard.process.throttle import LogThrottle
 from modelyard.process.tls import TlsFiles, grpc_server_credentials, warn_if_plaintext
-from modelyard.service.api.access import guards
+from modelyard.service.api.access import guards, identities
 from modelyard.service.api.errors import set_served_by
 from modelyard.service.api.flat_servicer import FlatInferenceServicer
 from modelyard.service.api.inference_servicer import InferenceServicer
@@ -309,6 +309,7 @@ def build_service(
                 shm=shm,
                 whole_service_ready=(lambda: link.service_serving) if link is not None else None,
                 uploads=UploadSpace(settings.max_upload_bytes),
+                identify=identities(authorizer),
             ),
         ),
         # The FlatBuffers method (no protobuf): its servicer gives its handler (bytes in and out).

@@ -9,6 +9,7 @@ the same few words whatever was wrong."""
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import grpc
 
@@ -85,3 +86,13 @@ def guards(
         return inference if inference_too and authorizer.configured else None
 
     return guard_for
+
+
+def identities(authorizer: Authorizer) -> Callable[[Context], str]:
+    """Who a call's caller is, for what it owns (Authorizer.identity of its metadata and its
+    client certificate): "" for a caller without a credential."""
+
+    def identify(context: Context) -> str:
+        return authorizer.identity(invocation_metadata(context), context.auth_context())
+
+    return identify

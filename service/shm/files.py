@@ -14,7 +14,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import TypeVar
 
-from modelyard.service.shm.registry import RegionLimits, RegionSpec
+from modelyard.service.shm.registry import Key, RegionLimits, RegionSpec, add_to, key_of
 
 T = TypeVar("T")
 
@@ -23,30 +23,23 @@ class FileRegionStore:
     def __init__(self, path: Path) -> None:
         self._path = path
         self._lock_path = path.with_suffix(".lock")
-        self._cached: tuple[tuple[int, ...], dict[str, RegionSpec]] = ((), {})
+        self._cached: tuple[tuple[int, ...], dict[Key, RegionSpec]] = ((), {})
         self._thread_lock = threading.RLock()
 
     def add(self, spec: RegionSpec, limits: RegionLimits | None = None) -> bool:
-        def change(specs: dict[str, RegionSpec]) -> bool:
-            if spec.name in specs:
-                return False
-            if limits is not None:
-                limits.check(list(specs.values()), spec)  # under the lock every worker takes
-            specs[spec.name] = spec
-            return True
+        # Under the lock every worker takes: the limits hold across workers.
+        return self._change(lambda specs: add_to(specs, spec, limits))
 
-        return self._change(change)
+    def remove(self, owner: str, name: str) -> RegionSpec | None:
+        return self._change(lambda specs: specs.pop((owner, name), None))
 
-    def remove(self, name: str) -> RegionSpec | None:
-        return self._change(lambda specs: specs.pop(name, None))
-
-    def get(self, name: str) -> RegionSpec | None:
-        return self._read().get(name)
+    def get(self, owner: str, name: str) -> RegionSpec | None:
+        return self._read().get((owner, name))
 
     def all(self) -> list[RegionSpec]:
-        return sorted(self._read().values(), key=lambda s: s.name)
+        return sorted(self._read().values(), key=key_of)
 
-    def _read(self) -> dict[str, RegionSpec]:
+    def _read(self) -> dict[Key, RegionSpec]:
         try:
             version = _version(os.stat(self._path))
         except FileNotFoundError:
@@ -57,11 +50,11 @@ class FileRegionStore:
         with self._thread_lock, contextlib.suppress(FileNotFoundError):
             with open(self._path, encoding="utf-8") as file:
                 version = _version(os.fstat(file.fileno()))
-                specs = {s["name"]: RegionSpec(**s) for s in json.load(file)}
+                specs = {key_of(spec): spec for spec in (RegionSpec(**s) for s in json.load(file))}
             self._cached = (version, specs)
         return self._cached[1]
 
-    def _change(self, change: Callable[[dict[str, RegionSpec]], T]) -> T:
+    def _change(self, change: Callable[[dict[Key, RegionSpec]], T]) -> T:
         with self._locked():
             self._cached = ((), {})  # read afresh under the lock
             specs = dict(self._read())

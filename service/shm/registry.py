@@ -7,6 +7,11 @@ it serves a request that names a region of it. The store here is in-process; whe
 runs several worker processes, a store they share (one registration visible to every worker)
 slots in unchanged, since nothing else is kept per process but the open descriptors.
 
+Regions belong to the caller that registered them (its `owner`: the identity of its credential,
+modelyard.process.auth.Authorizer.identity; "" for a caller without one): each owner has its own
+names, sees, uses and unregisters only its own regions, and another's region answers exactly as a
+name nobody registered. The limits hold per owner, so one caller cannot fill the table for others.
+
 The objects are read and written with pread/pwrite on their descriptors, never mapped: the
 object's owner may shrink it (ftruncate) at any time, and touching a mapping past the new end
 kills the process with SIGBUS. pread returns short there instead, and a write is checked against
@@ -21,7 +26,7 @@ import os
 import re
 import stat
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -47,6 +52,7 @@ class RegionSpec:
     key: str
     offset: int
     byte_size: int
+    owner: str = ""  # who registered it (Authorizer.identity); "" a caller without a credential
 
 
 @dataclass(frozen=True)
@@ -71,42 +77,60 @@ class RegionLimits:
             )
 
 
+Key = tuple[str, str]  # (owner, name)
+
+
+def key_of(spec: RegionSpec) -> Key:
+    return (spec.owner, spec.name)
+
+
+def owned(specs: Iterable[RegionSpec], owner: str) -> list[RegionSpec]:
+    return [s for s in specs if s.owner == owner]
+
+
+def add_to(specs: dict[Key, RegionSpec], spec: RegionSpec, limits: RegionLimits | None) -> bool:
+    """The one rule of adding (under the store's lock): False when the owner has the name already;
+    TooLarge when the owner's regions would pass a limit."""
+    if key_of(spec) in specs:
+        return False
+    if limits is not None:
+        limits.check(owned(specs.values(), spec.owner), spec)
+    specs[key_of(spec)] = spec
+    return True
+
+
 class RegionStore(Protocol):
     """Where registrations live: shared by every process that serves requests."""
 
-    # False when the name is taken; TooLarge (limits.check, under the store's lock) when full.
+    # False when the owner has the name already; TooLarge (limits.check, under the store's lock)
+    # when the owner's regions are at a limit.
     def add(self, spec: RegionSpec, limits: RegionLimits | None = None) -> bool: ...
-    def remove(self, name: str) -> RegionSpec | None: ...
-    def get(self, name: str) -> RegionSpec | None: ...
-    def all(self) -> list[RegionSpec]: ...
+    def remove(self, owner: str, name: str) -> RegionSpec | None: ...
+    def get(self, owner: str, name: str) -> RegionSpec | None: ...
+    def all(self) -> list[RegionSpec]: ...  # every owner's
 
 
 class LocalRegionStore:
     """The registrations of one process."""
 
     def __init__(self) -> None:
-        self._specs: dict[str, RegionSpec] = {}
+        self._specs: dict[Key, RegionSpec] = {}
         self._lock = threading.Lock()
 
     def add(self, spec: RegionSpec, limits: RegionLimits | None = None) -> bool:
         with self._lock:
-            if spec.name in self._specs:
-                return False
-            if limits is not None:
-                limits.check(list(self._specs.values()), spec)
-            self._specs[spec.name] = spec
-            return True
+            return add_to(self._specs, spec, limits)
 
-    def remove(self, name: str) -> RegionSpec | None:
+    def remove(self, owner: str, name: str) -> RegionSpec | None:
         with self._lock:
-            return self._specs.pop(name, None)
+            return self._specs.pop((owner, name), None)
 
-    def get(self, name: str) -> RegionSpec | None:
-        return self._specs.get(name)
+    def get(self, owner: str, name: str) -> RegionSpec | None:
+        return self._specs.get((owner, name))
 
     def all(self) -> list[RegionSpec]:
         with self._lock:
-            return sorted(self._specs.values(), key=lambda s: s.name)
+            return sorted(self._specs.values(), key=key_of)
 
 
 class _Opened:
@@ -130,9 +154,13 @@ class SharedMemoryRegistry:
         self._opened: dict[str, _Opened] = {}  # by key, in this process
         self._lock = threading.Lock()
 
+    def of(self, owner: Callable[[], str]) -> Regions:
+        """The regions of one call's caller (`owner` is asked once, when a region is first named)."""
+        return Regions(self, owner)
+
     # -- registration (blocking: opens files; run off the event loop) ----------------------
 
-    def register(self, name: str, key: str, offset: int, byte_size: int) -> None:
+    def register(self, name: str, key: str, offset: int, byte_size: int, *, owner: str) -> None:
         if not name:
             raise InvalidInput("a shared memory region needs a name")
         # The name keys the registrations (and a file shared by workers): short, printable.
@@ -140,7 +168,7 @@ class SharedMemoryRegistry:
             raise InvalidInput(
                 f"shared memory region name {echo(name)} must be at most {NAME_MAX} printable characters"
             )
-        if self.store.get(name) is not None:
+        if self.store.get(owner, name) is not None:
             raise InvalidInput(f"shared memory region {echo(name)} is already registered")
         try:
             with self._use(key) as fd:
@@ -150,32 +178,34 @@ class SharedMemoryRegistry:
                     f"shared memory region {echo(name)}: offset {offset} + byte_size {byte_size} exceeds "
                     f"the {size} bytes of {echo(key)}"
                 )
-            if not self.store.add(RegionSpec(name, key, offset, byte_size), self._limits):
+            if not self.store.add(RegionSpec(name, key, offset, byte_size, owner), self._limits):
                 raise InvalidInput(f"shared memory region {echo(name)} is already registered")
         except Exception:
             self._release_unused()  # no descriptor stays open for a refused registration
             raise
 
-    def unregister(self, name: str = "") -> None:
-        """One region, or every region when `name` is empty; an unknown name is no error."""
-        for spec in self.store.all() if not name else [s for s in [self.store.get(name)] if s]:
-            self.store.remove(spec.name)
+    def unregister(self, name: str = "", *, owner: str) -> None:
+        """One of the owner's regions, or all of them when `name` is empty; an unknown name is no
+        error."""
+        for spec in owned(self.store.all(), owner) if not name else [self.store.get(owner, name)]:
+            if spec is not None:
+                self.store.remove(owner, spec.name)
         self._release_unused()
 
-    def status(self, name: str = "") -> list[RegionSpec]:
+    def status(self, name: str = "", *, owner: str) -> list[RegionSpec]:
         if not name:
-            return self.store.all()
-        spec = self.store.get(name)
+            return owned(self.store.all(), owner)
+        spec = self.store.get(owner, name)
         if spec is None:
             raise RegionNotFound(f"no system shared memory region {echo(name)} is registered")
         return [spec]
 
     # -- data (blocking: a copy of up to a region's size; off the event loop when large) ----
 
-    def read(self, name: str, offset: int, size: int, tensor: str) -> memoryview:
-        """A copy of `size` bytes of the region from `offset`; InvalidInput naming the tensor when
-        the region is unknown, the span leaves it, or its object is shorter than the region now."""
-        spec = self._spec(name, tensor)
+    def read(self, name: str, offset: int, size: int, tensor: str, *, owner: str) -> memoryview:
+        """A copy of `size` bytes of the owner's region from `offset`; InvalidInput naming the tensor
+        when the region is unknown, the span leaves it, or its object is shorter than the region now."""
+        spec = self._spec(owner, name, tensor)
         self._check_span(spec, offset, size, tensor)
         buffer = memoryview(bytearray(size))
         start = spec.offset + offset
@@ -190,11 +220,18 @@ class SharedMemoryRegistry:
         return buffer
 
     def write(
-        self, name: str, offset: int, capacity: int, data: bytes | npt.NDArray[np.uint8], tensor: str
+        self,
+        name: str,
+        offset: int,
+        capacity: int,
+        data: bytes | npt.NDArray[np.uint8],
+        tensor: str,
+        *,
+        owner: str,
     ) -> None:
-        """Write `data` at `offset` of the region, if it fits both the request's byte size for the
-        tensor and the region (and the region's object still holds it)."""
-        spec = self._spec(name, tensor)
+        """Write `data` at `offset` of the owner's region, if it fits both the request's byte size
+        for the tensor and the region (and the region's object still holds it)."""
+        spec = self._spec(owner, name, tensor)
         self._check_span(spec, offset, capacity, tensor)
         if len(data) > capacity:
             raise InvalidInput(
@@ -218,8 +255,8 @@ class SharedMemoryRegistry:
 
     # -- internals -------------------------------------------------------------------------
 
-    def _spec(self, name: str, tensor: str) -> RegionSpec:
-        spec = self.store.get(name)
+    def _spec(self, owner: str, name: str, tensor: str) -> RegionSpec:
+        spec = self.store.get(owner, name)
         if spec is None:
             raise InvalidInput(
                 f"tensor {echo(tensor)}: no system shared memory region {echo(name)} is registered"
@@ -284,3 +321,29 @@ class SharedMemoryRegistry:
         entry.released = True
         if entry.users == 0:
             os.close(entry.fd)
+
+
+class Regions:
+    """One call's view of the registry: its caller's regions, read and written by name. The owner
+    is asked for only when the call names a region (most calls never do)."""
+
+    __slots__ = ("_identify", "_owner", "_registry")
+
+    def __init__(self, registry: SharedMemoryRegistry, identify: Callable[[], str]) -> None:
+        self._registry = registry
+        self._identify = identify
+        self._owner: str | None = None
+
+    @property
+    def owner(self) -> str:
+        if self._owner is None:
+            self._owner = self._identify()
+        return self._owner
+
+    def read(self, name: str, offset: int, size: int, tensor: str) -> memoryview:
+        return self._registry.read(name, offset, size, tensor, owner=self.owner)
+
+    def write(
+        self, name: str, offset: int, capacity: int, data: bytes | npt.NDArray[np.uint8], tensor: str
+    ) -> None:
+        self._registry.write(name, offset, capacity, data, tensor, owner=self.owner)

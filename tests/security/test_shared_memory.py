@@ -1,5 +1,6 @@
 """System shared memory under a hostile owner: a region's object shrunk after registration must
-not crash the service (a mapped read past the new end is SIGBUS), and registrations are bounded."""
+not crash the service (a mapped read past the new end is SIGBUS), registrations are bounded, and a
+region serves only the caller who registered it."""
 
 from __future__ import annotations
 
@@ -129,3 +130,48 @@ async def test_registrations_are_bounded_in_number_and_bytes(
         # Unregistering gives the room back.
         await stub.SystemSharedMemoryUnregister(kpb.SystemSharedMemoryUnregisterRequest(name="a"))
         await register("c", 1)
+
+
+async def test_a_region_is_used_only_by_whoever_registered_it(
+    root: Path, tmp_path: Path, shm_object: tuple[str, int], service_process: Callable[..., ServiceProcess]
+) -> None:
+    # Management (registering) needs a management token; inference is open. Alice registers a region
+    # over her object; Mallory, with a valid token of her own, and an anonymous caller can neither
+    # read it (as an input), overwrite it (as an output), list it nor unregister it.
+    key, fd = shm_object
+    tokens = tmp_path / "tokens"
+    tokens.write_text("alice-token\nmallory-token\n")
+    process = service_process(root, "--auth-tokens-file", str(tokens))
+    alice, mallory = ((("authorization", f"Bearer {who}-token"),) for who in ("alice", "mallory"))
+    secret = np.full(FEATURES, 7.0, np.float32).tobytes()
+    os.pwrite(fd, secret, 0)
+    async with grpc.aio.insecure_channel(process.address) as channel:
+        stub = kpb_grpc.GRPCInferenceServiceStub(channel)
+        register = kpb.SystemSharedMemoryRegisterRequest(name="mine", key=key, offset=0, byte_size=2048)
+        with pytest.raises(grpc.aio.AioRpcError) as anonymous:
+            await stub.SystemSharedMemoryRegister(register)
+        assert anonymous.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        await stub.SystemSharedMemoryRegister(register, metadata=alice)
+        for metadata in (mallory, ()):
+            for request in (_infer("mine", None), _infer(None, "mine")):
+                with pytest.raises(grpc.aio.AioRpcError) as caught:
+                    await stub.ModelInfer(request, metadata=metadata, timeout=10)
+                assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+                assert "no system shared memory region 'mine' is registered" in (caught.value.details() or "")
+        status = await stub.SystemSharedMemoryStatus(kpb.SystemSharedMemoryStatusRequest(), metadata=mallory)
+        assert dict(status.regions) == {}
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            await stub.SystemSharedMemoryStatus(
+                kpb.SystemSharedMemoryStatusRequest(name="mine"), metadata=mallory
+            )
+        assert caught.value.code() == grpc.StatusCode.NOT_FOUND
+        await stub.SystemSharedMemoryUnregister(kpb.SystemSharedMemoryUnregisterRequest(), metadata=mallory)
+        await stub.SystemSharedMemoryUnregister(
+            kpb.SystemSharedMemoryUnregisterRequest(name="mine"), metadata=mallory
+        )
+        assert os.pread(fd, NBYTES, 0) == secret  # nothing was written over
+        # Alice's region is still registered and serves her.
+        status = await stub.SystemSharedMemoryStatus(kpb.SystemSharedMemoryStatusRequest(), metadata=alice)
+        assert list(status.regions) == ["mine"]
+        answer = await stub.ModelInfer(_infer("mine", None), metadata=alice, timeout=10)
+        assert np.frombuffer(answer.raw_output_contents[0], np.float32).tolist() == [14.0] * FEATURES

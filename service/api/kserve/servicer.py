@@ -69,7 +69,10 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
         shm: SharedMemoryRegistry | None = None,
         whole_service_ready: Callable[[], bool] | None = None,  # with workers: every worker serving
         uploads: UploadSpace | None = None,  # where a load's files go; None: no limit
+        # Who a call's caller is, for the shared-memory regions it owns (Authorizer.identity).
+        identify: Callable[[Context], str] = lambda context: "",
     ) -> None:
+        self._identify = identify
         self._manager = manager
         self._control = ModelControl(manager, uploads)
         self._whole_service_ready = whole_service_ready
@@ -207,19 +210,19 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
         self, request: pb.SystemSharedMemoryStatusRequest, context: Context
     ) -> pb.SystemSharedMemoryStatusResponse:
         async with serving(context, self._metrics, "SystemSharedMemoryStatus", ""):
-            return shared_memory.system_status(self._shm, request)
+            return shared_memory.system_status(self._shm, request, self._identify(context))
 
     async def SystemSharedMemoryRegister(
         self, request: pb.SystemSharedMemoryRegisterRequest, context: Context
     ) -> pb.SystemSharedMemoryRegisterResponse:
         async with serving(context, self._metrics, "SystemSharedMemoryRegister", ""):
-            return await shared_memory.system_register(self._shm, request)
+            return await shared_memory.system_register(self._shm, request, self._identify(context))
 
     async def SystemSharedMemoryUnregister(
         self, request: pb.SystemSharedMemoryUnregisterRequest, context: Context
     ) -> pb.SystemSharedMemoryUnregisterResponse:
         async with serving(context, self._metrics, "SystemSharedMemoryUnregister", ""):
-            return shared_memory.system_unregister(self._shm, request)
+            return shared_memory.system_unregister(self._shm, request, self._identify(context))
 
     async def CudaSharedMemoryStatus(
         self, request: pb.CudaSharedMemoryStatusRequest, context: Context
@@ -278,7 +281,8 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
                 inputs = held.decode_fixed(*plain)
             else:
                 headers = kserve_headers(request)
-                inputs = await held.decode(headers, partial(decode_inputs, request, self._shm))
+                regions = self._shm.of(partial(self._identify, context))
+                inputs = await held.decode(headers, partial(decode_inputs, request, regions))
             if outputs:
                 names, options = requested_outputs(outputs), output_options(outputs)
             else:  # every output, asked nothing (most requests): no call to say so
@@ -307,13 +311,16 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
                 else array
                 for name, array in answers.items()
             }
-        if options.in_shm and sum(size for _, _, size in options.in_shm.values()) > INLINE_DECODE_BYTES:
+        if not options.in_shm:
+            encode_outputs(response, answers)
+        elif sum(size for _, _, size in options.in_shm.values()) > INLINE_DECODE_BYTES:
             # Large copies into shared memory (pwrite) go off the event loop.
+            regions = self._shm.of(partial(self._identify, context))
             await asyncio.get_running_loop().run_in_executor(
-                None, encode_outputs, response, answers, options.in_shm, self._shm
+                None, encode_outputs, response, answers, options.in_shm, regions
             )
         else:
-            encode_outputs(response, answers, options.in_shm, self._shm)
+            encode_outputs(response, answers, options.in_shm, self._shm.of(partial(self._identify, context)))
         return response
 
 

@@ -1,10 +1,12 @@
 """Triton's system and CUDA shared-memory extensions: registering, listing and dropping regions
 in the registry that the tensors read inputs from and write outputs into (kserve/tensors.py).
-CUDA regions are refused: none can be registered."""
+Each call acts on its caller's regions only (`owner`, service/shm/registry.py). CUDA regions are
+refused: none can be registered."""
 
 from __future__ import annotations
 
 import asyncio
+from functools import partial
 
 from modelyard.common.names import echo
 from modelyard.kserve.v2 import grpc_service_pb2 as pb
@@ -18,10 +20,10 @@ CUDA_SHM_REFUSAL = (
 
 
 def system_status(
-    registry: SharedMemoryRegistry, request: pb.SystemSharedMemoryStatusRequest
+    registry: SharedMemoryRegistry, request: pb.SystemSharedMemoryStatusRequest, owner: str
 ) -> pb.SystemSharedMemoryStatusResponse:
     response = pb.SystemSharedMemoryStatusResponse()
-    for spec in registry.status(request.name):
+    for spec in registry.status(request.name, owner=owner):
         response.regions[spec.name].CopyFrom(
             pb.SystemSharedMemoryStatusResponse.RegionStatus(
                 name=spec.name, key=spec.key, offset=spec.offset, byte_size=spec.byte_size
@@ -31,18 +33,19 @@ def system_status(
 
 
 async def system_register(
-    registry: SharedMemoryRegistry, request: pb.SystemSharedMemoryRegisterRequest
+    registry: SharedMemoryRegistry, request: pb.SystemSharedMemoryRegisterRequest, owner: str
 ) -> pb.SystemSharedMemoryRegisterResponse:
+    register = partial(registry.register, owner=owner)
     await asyncio.get_running_loop().run_in_executor(
-        None, registry.register, request.name, request.key, request.offset, request.byte_size
+        None, register, request.name, request.key, request.offset, request.byte_size
     )
     return pb.SystemSharedMemoryRegisterResponse()
 
 
 def system_unregister(
-    registry: SharedMemoryRegistry, request: pb.SystemSharedMemoryUnregisterRequest
+    registry: SharedMemoryRegistry, request: pb.SystemSharedMemoryUnregisterRequest, owner: str
 ) -> pb.SystemSharedMemoryUnregisterResponse:
-    registry.unregister(request.name)
+    registry.unregister(request.name, owner=owner)
     return pb.SystemSharedMemoryUnregisterResponse()
 
 

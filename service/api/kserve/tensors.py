@@ -24,7 +24,7 @@ from modelyard.kserve.v2.grpc_service_pb2 import (
 )
 from modelyard.service.api.names import quoted
 from modelyard.service.errors import InvalidInput, Unsupported
-from modelyard.service.shm.registry import SharedMemoryRegistry
+from modelyard.service.shm.registry import Regions
 from modelyard.tensors import NUMPY_BY_NAME, TensorError, decode_bytes, element_count, name_of, to_wire
 
 Array = npt.NDArray[Any]
@@ -68,7 +68,7 @@ _SHM_KEYS = (_SHM_REGION, _SHM_OFFSET, _SHM_SIZE)
 ShmLocation = tuple[str, int, int]  # region, offset, byte size
 
 
-def decode_inputs(request: ModelInferRequest, shm: SharedMemoryRegistry | None = None) -> dict[str, Array]:
+def decode_inputs(request: ModelInferRequest, shm: Regions | None = None) -> dict[str, Array]:
     """The request's input tensors as arrays, by name.
 
     Arrays decoded from raw contents are read-only, zero-copy views of the request's bytes (or of
@@ -122,7 +122,7 @@ def encode_outputs(
     response: ModelInferResponse,
     outputs: Mapping[str, npt.ArrayLike],
     in_shm: Mapping[str, ShmLocation] | None = None,
-    shm: SharedMemoryRegistry | None = None,
+    shm: Regions | None = None,
 ) -> None:
     """Append each array to the response as an output tensor with its data in raw_output_contents,
     or written into its shared memory region (then, as Triton, with an empty raw entry so that
