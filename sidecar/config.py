@@ -71,7 +71,7 @@ class Settings:
         str,
         Meta(
             description="JSON file keeping admin weight changes and rollouts across restarts "
-            "(written atomically); empty: kept in memory only"
+            "(written atomically; a change is answered once it is on disk); empty: kept in memory only"
         ),
     ] = ""
     rollout_tick_s: Annotated[

@@ -41,11 +41,11 @@ GOOD: dict[str, Any] = {
 ROLLOUT: dict[str, Any] = {"spec": {}, "started": 1.0, "state": "running", "step": 0, "step_started": 1.0}
 
 
-def text(value: str) -> Callable[[Path], None]:
+def text(value: str) -> Callable[[Path], object]:
     return lambda path: path.write_bytes(value.encode())
 
 
-def doc(value: object) -> Callable[[Path], None]:
+def doc(value: object) -> Callable[[Path], object]:
     return lambda path: path.write_text(json.dumps(value))
 
 
@@ -74,7 +74,7 @@ def routes(section: str, model: str, **entry: object) -> dict[str, Any]:
 OVERRIDE_INFINITE = '{"format": 1, "routes": {"overrides": {"s": {"canary_weight": Infinity, "at": 1}}}}'
 
 # (what is wrong, how to make such a file, words the line must have)
-BAD: list[tuple[str, Callable[[Path], None], str]] = [
+BAD: list[tuple[str, Callable[[Path], object], str]] = [
     ("empty", text(""), "is empty"),
     ("blank", text("\n  \n"), "is empty"),
     ("truncated", text(json.dumps(GOOD)[:45]), "not JSON"),
@@ -127,7 +127,7 @@ def one_line(result: subprocess.CompletedProcess[str], *named: str) -> str:
 
 @pytest.mark.parametrize(("what", "make", "words"), BAD, ids=[case[0] for case in BAD])
 def test_a_state_file_that_is_not_the_sidecars_is_one_line_and_exit_2(
-    tmp_path: Path, what: str, make: Callable[[Path], None], words: str
+    tmp_path: Path, what: str, make: Callable[[Path], object], words: str
 ) -> None:
     state = tmp_path / "state.json"
     make(state)
