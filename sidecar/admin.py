@@ -12,9 +12,23 @@ and at most `max_connections` are open at once (more are answered 503 and closed
 changes of the sidecar's state run on the loop between awaits; rendering /metrics runs in a
 thread.
 
-With a tokens file (modelyard.process.auth, the service's format), every change needs
-`Authorization: Bearer <token>`, and with `auth_reads` every read too; a missing or wrong token is
-answered 401 with the same body whatever was wrong, and counted.
+Who may change the sidecar's state (every method but GET and HEAD): with a tokens file
+(modelyard.process.auth, the service's format) a client whose `Authorization: Bearer <token>`
+holds the management scope, and with `auth_reads` every read needs one too; a missing or wrong
+token is answered 401 with the same body whatever was wrong, a token without the scope 403. Without
+a tokens file changes are off (403 `permission_denied`, naming --admin-tokens-file and
+--admin-open) unless the operator opened them to everyone (`open_writes`: --admin-open; a worker's
+private socket). Before any of that, a change a browser could send cross-site without a CORS
+preflight is refused (403): one carrying `Origin`, or `Sec-Fetch-Site` other than `same-origin` or
+`none`, must be `Content-Type: application/json`, which a browser sends cross-site only after a
+preflight, and the endpoint grants none (it sends no Access-Control-* header). Every refusal is
+counted by outcome.
+
+A change is answered once it is in the state file when there is one (`durable`): a 2xx means
+written (fsynced); a write that fails is a 500 `internal` saying the change applies but is not kept.
+
+Every number read from a JSON body must be finite (`NaN`, `Infinity` and `1e999` are a 400 naming
+the key), and nothing the endpoint writes can hold one (`allow_nan=False`).
 
 Every error is JSON `{"error": message, "reason": x-error-reason word}` with a 4xx status (a JSON
 body that is not an object, nested too deeply or not JSON at all is a 400 `invalid_argument`).
@@ -37,9 +51,10 @@ import asyncio
 import contextlib
 import json
 import logging
+import math
 import ssl
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import unquote
@@ -52,12 +67,12 @@ from modelyard.common.reasons import ErrorReason
 from modelyard.process.auth import Authorizer, Decision
 from modelyard.process.documents import DocumentError, load
 from modelyard.process.throttle import LogThrottle
-from modelyard.process.tls import HttpTls, TlsFiles, warn_if_plaintext
+from modelyard.process.tls import HttpTls, TlsFiles, is_loopback, warn_if_plaintext
 from modelyard.sidecar.rollout import RolloutSpec
 from modelyard.sidecar.rollout_driver import RolloutDriver, RolloutError
 from modelyard.sidecar.route_file import RolloutDoc
 from modelyard.sidecar.routes import ConfigError, RouteSource, parse_model_route, route_change, route_doc
-from modelyard.sidecar.state import audit, who
+from modelyard.sidecar.state import StateWriteError, audit, who
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +82,16 @@ ADMIT = "/_worker/admit"  # on a worker's private socket: the supervisor lets it
 # already accepted (or a replay), so this worker does not refuse a model it has not heard of yet.
 FOLLOW = "x-modelyard-follow"
 MAX_ROUTES = 1024  # models with their own route (file and admin together) that PUT may add up to
+ADMIN_OFF = (
+    "admin changes are off on this sidecar: give it a credential (--admin-tokens-file, then send "
+    "authorization: Bearer <token>) or open them to every client that reaches it (--admin-open); "
+    "see docs/security.md"
+)
+CROSS_SITE = (
+    "a cross-site admin change must be sent with Content-Type: application/json (this request came "
+    "from a web page: Origin or Sec-Fetch-Site)"
+)
+SAME_SITE = frozenset({"same-origin", "none"})  # Sec-Fetch-Site values of no other site's page
 _PHRASES = {
     200: "OK",
     201: "Created",
@@ -160,6 +185,8 @@ class AdminServer:
         known: Callable[[str], bool] | None = None,  # whether a model exists (None: any name)
         pending: Callable[[], bool] = lambda: False,  # whether an upstream has not reported yet
         rollouts: RolloutDriver | None = None,
+        open_writes: bool = False,  # without a tokens file: changes from anyone (else refused)
+        durable: Callable[[], Awaitable[None]] | None = None,  # a change is on disk (StateWriteError)
         clock: Callable[[], float] = time.time,  # the audit lines' time
         unix_path: str = "",  # serve on this unix socket instead (a worker's, for its supervisor)
         on_admit: Callable[[], None] | None = None,  # a worker's: POST ADMIT on its socket
@@ -179,6 +206,8 @@ class AdminServer:
         self._known = known
         self._pending = pending
         self._rollouts = rollouts
+        self._open_writes = open_writes or bool(unix_path)  # a worker's: the supervisor checked
+        self._durable = durable
         self._clock = clock
         self._throttle = LogThrottle(log)
         self._unix_path = unix_path
@@ -297,26 +326,37 @@ class AdminServer:
 
     # --- requests -----------------------------------------------------------------------
 
-    def _refusal(self, request: Request) -> Decision | None:
-        """None when the request may go on; otherwise why not."""
-        if self._authorizer is None:
-            return None
-        if request.method in READS and not self._auth_reads:
-            return None
-        presented = [("authorization", request.headers.get("authorization", ""))]
-        decision = self._authorizer.check(presented, {})
-        if decision is Decision.ALLOW:
+    def _refusal(self, request: Request) -> str | None:
+        """None when the request may go on; otherwise why not (the denials' outcome label)."""
+        write = request.method not in READS
+        if write and _cross_site(request):
+            outcome: str | None = "cross_site"
+        elif self._authorizer is None:
+            outcome = "off" if write and not self._open_writes else None
+        elif write and self._open_writes:
+            outcome = None  # the operator's explicit choice, as the service's management_open
+        elif not write and not self._auth_reads:
+            outcome = None
+        else:
+            presented = [("authorization", request.headers.get("authorization", ""))]
+            decision = self._authorizer.check(presented, {})  # the management scope
+            outcome = None if decision is Decision.ALLOW else decision.value
+        if outcome is None:
             return None
         if self._denials is not None:
-            self._denials.labels(decision.value).inc()
+            self._denials.labels(outcome).inc()
         self._throttle.log(
-            logging.INFO, "admin: denied %s %s (%s)", request.method, echo(request.path), decision.value
+            logging.INFO, "admin: denied %s %s (%s)", request.method, echo(request.path), outcome
         )
-        return decision
+        return outcome
 
     async def _respond(self, request: Request) -> Response:
         refusal = self._refusal(request)
-        if refusal is Decision.DENIED:
+        if refusal == "cross_site":
+            raise HttpError(403, ErrorReason.PERMISSION_DENIED, CROSS_SITE)
+        if refusal == "off":
+            raise HttpError(403, ErrorReason.PERMISSION_DENIED, ADMIN_OFF)
+        if refusal == Decision.DENIED.value:
             raise HttpError(403, ErrorReason.PERMISSION_DENIED, "this client may not make this request")
         if refusal is not None:  # the same words whether the token was missing, malformed or wrong
             raise HttpError(
@@ -325,7 +365,14 @@ class AdminServer:
                 "this request needs valid credentials",
                 headers=[("WWW-Authenticate", "Bearer")],
             )
-        return await self._route(request)
+        response = await self._route(request)
+        if request.method not in READS and response.status < 300 and self._durable is not None:
+            try:  # an acknowledgement means written: answered once the change is on disk
+                await self._durable()
+            except StateWriteError as exc:
+                message = f"the change applies but is not kept across a restart: {exc}"
+                raise HttpError(500, ErrorReason.INTERNAL, _capped(message)) from exc
+        return response
 
     async def _route(self, request: Request) -> Response:
         """A request that may be made (its credential checked): its answer."""
@@ -472,11 +519,21 @@ def _parse_head(head: bytes) -> Request:
     return Request(method, target.partition("?")[0], version, headers)
 
 
+def _cross_site(request: Request) -> bool:
+    """A change a browser may have sent from another site's page without a preflight: it carries
+    Origin (or a Sec-Fetch-Site naming another site) and is not JSON (text/plain, a form)."""
+    site = request.headers.get("sec-fetch-site", "").lower()
+    if "origin" not in request.headers and site in ("", *SAME_SITE):
+        return False
+    media = request.headers.get("content-type", "").partition(";")[0].strip().lower()
+    return media != "application/json"
+
+
 def _json_object(raw: bytes) -> dict[str, Any]:
     if not raw.strip():
         return {}
     try:
-        doc = json.loads(raw)
+        doc = json.loads(raw)  # NaN, Infinity and 1e999 (inf) are kept, to be named by key below
     except RecursionError as exc:
         raise HttpError(400, ErrorReason.INVALID_ARGUMENT, "the JSON body is nested too deeply") from exc
     except ValueError as exc:  # UnicodeDecodeError included
@@ -485,7 +542,25 @@ def _json_object(raw: bytes) -> dict[str, Any]:
         ) from exc
     if not isinstance(doc, dict):
         raise HttpError(400, ErrorReason.INVALID_ARGUMENT, "the body must be a JSON object")
+    where = _non_finite(doc)
+    if where is not None:
+        raise HttpError(400, ErrorReason.INVALID_ARGUMENT, _capped(f"{where}: expected a finite number"))
     return doc
+
+
+def _non_finite(doc: object) -> str | None:
+    """The key path of the first NaN or infinite number in a decoded body (None: there is none).
+    Iterative: json.loads' nesting limit is deeper than the interpreter's."""
+    pending: list[tuple[str, object]] = [("body", doc)]
+    while pending:
+        path, value = pending.pop()
+        if isinstance(value, float) and not math.isfinite(value):
+            return path
+        if isinstance(value, dict):
+            pending.extend((f"{path}.{echo(k, 64)[1:-1]}", v) for k, v in value.items())
+        elif isinstance(value, list):
+            pending.extend((f"{path}[{i}]", v) for i, v in enumerate(value))
+    return None
 
 
 def _capped(text: str, limit: int = 512) -> str:
@@ -513,7 +588,27 @@ def _author(request: Request) -> str:
 
 
 def _json(status: int, doc: object, headers: Iterable[tuple[str, str]] = (), close: bool = False) -> Response:
-    return Response(status, json.dumps(doc).encode(), "application/json", list(headers), close)
+    # Strict JSON out: a NaN or infinity is a bug of ours (a 500), never a bare `Infinity`.
+    body = json.dumps(doc, allow_nan=False).encode()
+    return Response(status, body, "application/json", list(headers), close)
+
+
+def admin_warnings(host: str, open_writes: bool, configured: bool) -> None:
+    """What start-up says about who may use the admin endpoint."""
+    if open_writes:
+        log.warning(
+            "the sidecar's admin endpoint on %s is open (admin_open): any client that reaches it may "
+            "change canary weights and rollouts without a credential (docs/security.md)",
+            host or "all addresses",
+        )
+    elif not configured:
+        log.info("the sidecar's admin changes are off (no admin_tokens_file, not admin_open); reads are open")
+    if not configured and not is_loopback(host):
+        log.warning(
+            "the sidecar's admin endpoint on %s serves /metrics, /breakers and /canary to any client "
+            "(configure admin_tokens_file and admin_auth_reads, see docs/security.md)",
+            host or "all addresses",
+        )
 
 
 async def _write(writer: asyncio.StreamWriter, response: Response, head_only: bool) -> None:

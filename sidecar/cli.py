@@ -5,14 +5,17 @@ from __future__ import annotations
 import asyncio
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 from modelyard.process import children
 from modelyard.process.lifecycle import EXIT_USAGE, run_process
 from modelyard.process.logs import configure as configure_logging
-from modelyard.process.startup import check_listeners
+from modelyard.process.startup import check_listeners, usage_error
 from modelyard.process.workers import worker_count
 from modelyard.sidecar.config import ENV_PREFIX, parse_settings
+from modelyard.sidecar.saved import read_saved
 from modelyard.sidecar.server import build_sidecar
+from modelyard.sidecar.state import StateError
 from modelyard.sidecar.workers.role import WorkerRole
 from modelyard.sidecar.workers.supervisor import Supervisor
 
@@ -43,6 +46,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     failed = check_listeners(settings, ("listen", "admin_listen"), ENV_PREFIX, PROG)
     if failed is not None:
         return failed
+    if settings.state_file:
+        # A state file the sidecar cannot use is the operator's to fix: one line, as a bad flag.
+        try:
+            read_saved(Path(settings.state_file))
+        except StateError as exc:
+            return usage_error(PROG, ENV_PREFIX, "state_file", str(exc))
     configure_logging(settings.log_level, settings.log_format, "sidecar")
     if workers > 1:
         return asyncio.run(

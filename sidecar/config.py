@@ -9,11 +9,35 @@ from typing import Annotated
 
 from msgspec import Meta
 
+from modelyard.common.names import echo, is_valid_name
 from modelyard.process import grpc_server, logs, tls
 from modelyard.process.settings import LISTEN, LISTEN_OR_EMPTY
 from modelyard.process.settings import parse_settings as parse
 
 ENV_PREFIX = "MODELYARD_SIDECAR_"
+
+
+def check_upstream(text: str) -> tuple[str, tuple[str, ...]]:
+    """`HOST:PORT[@VERSION[+VERSION...]]` as (address, versions); ValueError saying what is wrong."""
+    address, at, label = text.partition("@")
+    host, _, port = address.rpartition(":")
+    if not host.strip("[]") or not (port.isascii() and port.isdigit()) or not 0 < int(port) <= 65535:
+        raise ValueError(f"upstream {echo(text)} is not HOST:PORT[@VERSION[+VERSION...]] (port 1-65535)")
+    versions = tuple(label.split("+")) if at else ()
+    for version in versions:
+        if not is_valid_name(version):
+            raise ValueError(f"upstream {echo(text)}: version label {echo(version)} is not a version")
+    return address, versions
+
+
+def _upstreams(values: tuple[str, ...]) -> None:
+    if not values:
+        raise ValueError("no upstream: give at least one HOST:PORT")
+    for value in values:
+        check_upstream(value)
+
+
+UPSTREAMS = Meta(extra={"check": _upstreams})
 
 
 @dataclass(frozen=True)
@@ -23,6 +47,7 @@ class Settings:
     ] = "127.0.0.1:50051"
     upstream: Annotated[
         tuple[str, ...],
+        UPSTREAMS,
         Meta(
             description="a service HOST:PORT, optionally @VERSION[+VERSION] it alone serves; "
             "repeat for several"
@@ -46,7 +71,7 @@ class Settings:
         str,
         Meta(
             description="JSON file keeping admin weight changes and rollouts across restarts "
-            "(written atomically); empty: kept in memory only"
+            "(written atomically; a change is answered once it is on disk); empty: kept in memory only"
         ),
     ] = ""
     rollout_tick_s: Annotated[
@@ -78,11 +103,22 @@ class Settings:
     upstream_cert: tls.UpstreamCert = ""
     upstream_key: tls.UpstreamKey = ""
     upstream_server_name: tls.UpstreamServerName = ""
-    # The admin endpoint's credential (the service's token file format).
+    # The admin endpoint's credential (the service's token file format). Without one, changes are
+    # refused unless admin_open (sidecar/admin.py).
     admin_tokens_file: Annotated[
         str,
-        Meta(description="file of bearer tokens, one per line; admin changes (PUT /canary) then need one"),
+        Meta(
+            description="bearer tokens, a line each (TOKEN [management] [inference]); admin changes "
+            "(PUT /canary, the rollouts' POSTs) need one with the management scope"
+        ),
     ] = ""
+    admin_open: Annotated[
+        bool,
+        Meta(
+            description="let every client that reaches the admin endpoint change weights and rollouts "
+            "without a credential (a trusted local host only)"
+        ),
+    ] = False
     admin_auth_reads: Annotated[
         bool,
         Meta(description="require a token for the admin endpoint's reads too (/metrics, /breakers, /canary)"),

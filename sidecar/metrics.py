@@ -165,8 +165,8 @@ class SidecarMetrics:
         )
         self.admin_denials = Counter(
             "modelyard_sidecar_admin_denials",
-            "Admin endpoint requests refused for want of a valid credential, by outcome "
-            "(unauthenticated, denied)",
+            "Admin endpoint requests refused by outcome: unauthenticated, denied (a credential "
+            "without the scope), off (changes with no credential configured), cross_site",
             ["outcome"],
             registry=self.registry,
         )

@@ -23,6 +23,7 @@ Paused: the weight holds and the rollout does not advance, but a red gate still 
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -34,6 +35,13 @@ GATES = ("errors", "latency", "shadow")
 RESULTS = (GREEN, RED, PENDING, OFF)
 MAX_HISTORY = 200  # events kept per rollout (the newest)
 ADMIN, ROUTE_FILE = "admin", "route_file"  # where a rollout was started from
+# The knobs' bounds (route_file.RolloutDoc declares them too). MAX_CALLS is what the driver keeps of
+# a version's outcomes: a step needing more canary calls could never advance.
+MAX_STEPS = 100
+MAX_DWELL_S = 7 * 86400.0
+MAX_CALLS = 20_000
+MAX_LATENCY_RATIO = 1000.0
+MAX_LATENCY_FLOOR_S = 3600.0
 
 
 @dataclass(frozen=True)
@@ -58,8 +66,26 @@ class RolloutSpec:
             raise ValueError("steps must rise")
         if steps[-1] != 100:
             raise ValueError("the last step must be 100")
-        if self.dwell_s < 0 or self.min_calls < 1 or self.judge_calls < 1:
-            raise ValueError("dwell_s must be >= 0, min_calls and judge_calls >= 1")
+        if len(steps) > MAX_STEPS:
+            raise ValueError(f"at most {MAX_STEPS} steps")
+        # Every knob finite and bounded: an infinite ratio or floor would turn a gate off unseen, an
+        # infinite dwell or call count would hold a step for ever (and GET /rollouts must stay JSON).
+        for name, low, high in (
+            ("dwell_s", 0.0, MAX_DWELL_S),
+            ("max_error_excess", 0.0, 1.0),
+            ("max_latency_ratio", 0.0, MAX_LATENCY_RATIO),
+            ("latency_floor_s", 0.0, MAX_LATENCY_FLOOR_S),
+            ("min_agreement", 0.0, 1.0),
+        ):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+                raise ValueError(f"{name} must be a finite number, got {value!r}")
+            if not low <= value <= high or (name == "max_latency_ratio" and value == 0):
+                raise ValueError(f"{name} must be from {low:g} to {high:g}, got {value!r}")
+        for name in ("min_calls", "judge_calls"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_CALLS:
+                raise ValueError(f"{name} must be an integer from 1 to {MAX_CALLS}, got {value!r}")
         object.__setattr__(self, "judge_calls", min(self.judge_calls, self.min_calls))
 
     def doc(self) -> dict[str, Any]:
@@ -287,7 +313,7 @@ class Rollout:
         step = int(raw["step"])
         known = raw["state"] in (RUNNING, PAUSED, SUCCEEDED, FAILED, ABORTED)
         if not known or not 0 <= step < len(spec.steps):
-            raise ValueError(f"rollout {model}: state {raw['state']!r} step {step} is not one it can be in")
+            raise ValueError(f"state {raw['state']!r} step {step} is not one it can be in")
         return Rollout(
             model,
             spec,

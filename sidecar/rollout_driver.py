@@ -28,6 +28,7 @@ from modelyard.sidecar.breakers import BreakerKey
 from modelyard.sidecar.rollout import (
     ADMIN,
     GATES,
+    MAX_CALLS,
     RESULTS,
     ROUTE_FILE,
     Evidence,
@@ -41,7 +42,7 @@ from modelyard.sidecar.state import audit
 
 log = logging.getLogger(__name__)
 
-KEEP = 20_000  # outcomes kept per model and version (the newest)
+KEEP = MAX_CALLS  # outcomes kept per model and version (the newest): a step's min_calls fit
 STABLE_REFERENCE = 2_000  # stable's newest outcomes the canary is compared with
 
 

@@ -15,7 +15,14 @@ from msgspec import UNSET, Meta, UnsetType
 from modelyard.common import headers
 from modelyard.sidecar.adaptive import BreakerPolicy
 from modelyard.sidecar.limits import TenantLimit
-from modelyard.sidecar.rollout import RolloutSpec
+from modelyard.sidecar.rollout import (
+    MAX_CALLS,
+    MAX_DWELL_S,
+    MAX_LATENCY_FLOOR_S,
+    MAX_LATENCY_RATIO,
+    MAX_STEPS,
+    RolloutSpec,
+)
 from modelyard.sidecar.shadow import ShadowPolicy
 
 Weight = Annotated[
@@ -131,26 +138,34 @@ class RolloutDoc(_Keys):
 
     steps: Annotated[
         list[Annotated[float, Meta(gt=0, le=100)]],
-        Meta(min_length=1, description="canary weights in order, rising, ending at 100"),
+        Meta(
+            min_length=1, max_length=MAX_STEPS, description="canary weights in order, rising, ending at 100"
+        ),
     ] = msgspec.field(default_factory=lambda: list(_ROLLOUT.steps))
-    dwell_s: Annotated[float, Meta(ge=0, description="seconds each step's gates must stay green")] = (
-        _ROLLOUT.dwell_s
-    )
-    min_calls: Annotated[int, Meta(ge=1, description="canary calls each step needs before it advances")] = (
-        _ROLLOUT.min_calls
-    )
+    dwell_s: Annotated[
+        float, Meta(ge=0, le=MAX_DWELL_S, description="seconds each step's gates must stay green")
+    ] = _ROLLOUT.dwell_s
+    min_calls: Annotated[
+        int, Meta(ge=1, le=MAX_CALLS, description="canary calls each step needs before it advances")
+    ] = _ROLLOUT.min_calls
     judge_calls: Annotated[
-        int, Meta(ge=1, description="canary calls in a step before a gate may turn red (at most min_calls)")
+        int,
+        Meta(
+            ge=1,
+            le=MAX_CALLS,
+            description="canary calls in a step before a gate may turn red (at most min_calls)",
+        ),
     ] = _ROLLOUT.judge_calls
     max_error_excess: Annotated[
         float, Meta(ge=0, le=1, description="red when the canary's error rate exceeds stable's by more")
     ] = _ROLLOUT.max_error_excess
     max_latency_ratio: Annotated[
-        float, Meta(gt=0, description="red when the canary's p99 exceeds stable's times this")
+        float,
+        Meta(gt=0, le=MAX_LATENCY_RATIO, description="red when the canary's p99 exceeds stable's times this"),
     ] = _ROLLOUT.max_latency_ratio
-    latency_floor_s: Annotated[float, Meta(ge=0, description="a canary p99 below this is never red")] = (
-        _ROLLOUT.latency_floor_s
-    )
+    latency_floor_s: Annotated[
+        float, Meta(ge=0, le=MAX_LATENCY_FLOOR_S, description="a canary p99 below this is never red")
+    ] = _ROLLOUT.latency_floor_s
     min_agreement: Annotated[
         float, Meta(ge=0, le=1, description="red when shadow agreement (argmax rows, greedy tokens) is lower")
     ] = _ROLLOUT.min_agreement

@@ -192,8 +192,8 @@ class Change:
         return {**route_doc(self.route), "at": self.at, "source": self.source, "by": self.by}
 
     @staticmethod
-    def from_doc(raw: Mapping[str, Any], source: str) -> Change:
-        route = parse_model_route({k: raw.get(k) for k in ("canary_weight", "stable", "canary")}, "state")
+    def from_doc(raw: Mapping[str, Any], source: str, where: str = "state") -> Change:
+        route = parse_model_route({k: raw.get(k) for k in ("canary_weight", "stable", "canary")}, where)
         return Change(route, float(raw["at"]), source, str(raw.get("by", "")))
 
 

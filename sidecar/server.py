@@ -18,10 +18,10 @@ from modelyard.process.drain import Drain
 from modelyard.process.grpc_server import connection_options
 from modelyard.process.lifecycle import BindError, bind_reason, bound
 from modelyard.process.settings import split_address
-from modelyard.process.tls import ClientTls, TlsFiles, grpc_server_credentials, is_loopback, warn_if_plaintext
+from modelyard.process.tls import ClientTls, TlsFiles, grpc_server_credentials, warn_if_plaintext
 from modelyard.sidecar import plan as planner
 from modelyard.sidecar.adaptive import Clock, State
-from modelyard.sidecar.admin import AdminLimits, AdminServer
+from modelyard.sidecar.admin import AdminLimits, AdminServer, admin_warnings
 from modelyard.sidecar.breakers import BreakerKey, Breakers
 from modelyard.sidecar.config import ENV_PREFIX, Settings
 from modelyard.sidecar.limits import TenantLimits
@@ -29,8 +29,9 @@ from modelyard.sidecar.metrics import SidecarMetrics
 from modelyard.sidecar.proxy import Proxy
 from modelyard.sidecar.rollout_driver import RolloutDriver
 from modelyard.sidecar.routes import RouteSource
+from modelyard.sidecar.saved import read_saved
 from modelyard.sidecar.shadow import Shadows
-from modelyard.sidecar.state import StateFile, load_state
+from modelyard.sidecar.state import StateFile, remove_stale
 from modelyard.sidecar.tracing import Tracing, configure
 from modelyard.sidecar.upstreams import Upstreams, UpstreamSpec
 from modelyard.sidecar.workers.role import WorkerRole
@@ -87,12 +88,9 @@ class Sidecar:
             # 0700 folder): the supervisor's own endpoint checks TLS and tokens.
             host, port = split_address(self.settings.admin_listen) if self.worker is None else ("", 0)
             private = self.worker is not None
-            if not private and not (self.admin_auth and self.admin_auth.configured) and not is_loopback(host):
-                log.warning(
-                    "the sidecar's admin endpoint on %s takes canary changes from any client "
-                    "(configure admin_tokens_file, see docs/security.md)",
-                    host or "all addresses",
-                )
+            if not private:
+                configured = self.admin_auth is not None and self.admin_auth.configured
+                admin_warnings(host, self.settings.admin_open, configured)
             self.admin = AdminServer(
                 host,
                 port,
@@ -114,6 +112,8 @@ class Sidecar:
                 known=self.upstreams.knows,
                 pending=self.upstreams.pending,
                 rollouts=self.rollouts,
+                open_writes=self.settings.admin_open,
+                durable=self.state.durable,
                 unix_path=str(self.worker.admin_socket) if self.worker is not None else "",
                 on_admit=self._admitted.set,
             )
@@ -245,7 +245,9 @@ def build_sidecar(
 ) -> Sidecar:
     tls, upstream_tls, admin_auth = _security(settings)
     state_path = Path(settings.state_file) if settings.state_file else None
-    saved = load_state(state_path)  # StateError (a ValueError): refuse to start
+    saved = read_saved(state_path)  # StateError (a ValueError): refuse to start
+    if state_path is not None:
+        remove_stale(state_path)  # a crash's temporary files (no write of this process yet)
     wall = wall_clock if wall_clock is not None else time.time
     routes = RouteSource(
         Path(settings.config) if settings.config else None, saved=saved.get("routes"), clock=wall

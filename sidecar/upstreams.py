@@ -36,6 +36,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from modelyard.common import headers
 from modelyard.inference.v1 import model_service_pb2, model_service_pb2_grpc
 from modelyard.process.tls import ClientTls, Renewals
+from modelyard.sidecar.config import check_upstream
 from modelyard.sidecar.routing import normalize_version
 
 log = logging.getLogger(__name__)
@@ -79,10 +80,8 @@ class UpstreamSpec:
 
     @classmethod
     def parse(cls, text: str) -> UpstreamSpec:
-        address, _, label = text.partition("@")
-        if not address.rpartition(":")[2].isdigit():
-            raise ValueError(f"upstream {text!r} is not HOST:PORT[@VERSION[+VERSION...]]")
-        versions = frozenset(normalize_version(v) for v in label.split("+") if v) if label else None
+        address, label = check_upstream(text)  # the setting's own check (config.py)
+        versions = frozenset(normalize_version(v) for v in label) if label else None
         return cls(address, versions)
 
 

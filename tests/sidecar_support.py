@@ -61,6 +61,8 @@ async def running_sidecar(
     clock: Callable[[], float] | None = None,
     **settings: Any,
 ) -> AsyncIterator[Sidecar]:
+    """A sidecar in this process on ephemeral ports. Its admin changes are off, as by default: a
+    test that makes them passes `admin_open=True` or an `admin_tokens_file` (and the token)."""
     sidecar = build_sidecar(
         Settings(
             listen="127.0.0.1:0",
@@ -94,9 +96,17 @@ async def known_versions(sidecar: Sidecar, model: str, versions: set[str]) -> No
     await eventually(lambda: sidecar.upstreams.versions(model) == versions, f"{model} {versions}")
 
 
-def admin(sidecar: Sidecar, path: str, method: str = "GET", body: object = None) -> Any:
+def admin(
+    sidecar: Sidecar, path: str, method: str = "GET", body: object = None, token: str | None = None
+) -> Any:
+    """One admin request (JSON, as the CLI sends it; `token` as a bearer token): the answer's JSON
+    (the text of /metrics), whatever its status."""
     data = json.dumps(body).encode() if body is not None else None
-    request = urllib.request.Request(f"http://{sidecar.admin_address}{path}", data=data, method=method)
+    headers = {"Content-Type": "application/json"}
+    if token is not None:
+        headers["Authorization"] = f"Bearer {token}"
+    url = f"http://{sidecar.admin_address}{path}"
+    request = urllib.request.Request(url, data=data, method=method, headers=headers)
     try:
         with urllib.request.urlopen(request, timeout=10) as answer:
             raw = answer.read()
@@ -105,8 +115,10 @@ def admin(sidecar: Sidecar, path: str, method: str = "GET", body: object = None)
     return raw.decode() if path == "/metrics" else json.loads(raw)
 
 
-async def admin_async(sidecar: Sidecar, path: str, method: str = "GET", body: object = None) -> Any:
-    return await asyncio.to_thread(admin, sidecar, path, method, body)
+async def admin_async(
+    sidecar: Sidecar, path: str, method: str = "GET", body: object = None, token: str | None = None
+) -> Any:
+    return await asyncio.to_thread(admin, sidecar, path, method, body, token)
 
 
 def pairs(metadata: Any) -> list[tuple[str, Any]]:
@@ -193,10 +205,15 @@ SIDECAR_MODULE = ("-m", "modelyard.sidecar")
 
 
 def start_sidecar_process(
-    *args: str, prefix: Sequence[str] = SIDECAR_MODULE, env: dict[str, str] | None = None
+    *args: str,
+    prefix: Sequence[str] = SIDECAR_MODULE,
+    env: dict[str, str] | None = None,
+    admin_open: bool = False,
 ) -> SidecarProcess:
-    """`prefix` replaces `-m modelyard.sidecar` (e.g. with a runner that refuses some imports)."""
+    """`prefix` replaces `-m modelyard.sidecar` (e.g. with a runner that refuses some imports).
+    Admin changes are off unless `admin_open` (--admin-open) or `args` give --admin-tokens-file."""
     base = {k: v for k, v in os.environ.items() if not k.startswith(("MODELYARD_", "OTEL_"))}
-    cmd = [sys.executable, *prefix, "--listen", "127.0.0.1:0", "--admin-listen", "127.0.0.1:0", *args]
+    cmd = [sys.executable, *prefix, "--listen", "127.0.0.1:0", "--admin-listen", "127.0.0.1:0"]
+    cmd += [*(["--admin-open"] if admin_open else []), *args]
     child = start_child(cmd, _SIDECAR_SERVING, "sidecar", env={**base, **(env or {})})
     return SidecarProcess(child.proc, child.ready, child.log)

@@ -85,8 +85,8 @@ class Supervisor:
         self._slots = self._workers.slots
         self.denials = Counter(
             "modelyard_sidecar_admin_denials",
-            "Admin endpoint requests refused for want of a valid credential, by outcome "
-            "(unauthenticated, denied)",
+            "Admin endpoint requests refused by outcome: unauthenticated, denied (a credential "
+            "without the scope), off (changes with no credential configured), cross_site",
             ["outcome"],
             registry=self.registry,
         )
@@ -121,6 +121,8 @@ class Supervisor:
         tokens = Path(s.admin_tokens_file) if s.admin_tokens_file else None
         if s.admin_auth_reads and tokens is None:
             raise ValueError("admin_auth_reads needs admin_tokens_file")
+        authorizer = Authorizer(AuthSettings(tokens))
+        admin_http.admin_warnings(host, s.admin_open, authorizer.configured)
         self._admin = _Admin(
             self,
             host,
@@ -129,8 +131,9 @@ class Supervisor:
             RouteSource(None),  # unused: the workers hold the routes
             list,
             tls=tls,
-            authorizer=Authorizer(AuthSettings(tokens)),
+            authorizer=authorizer,
             auth_reads=s.admin_auth_reads,
+            open_writes=s.admin_open,
             denials=self.denials,
             limits=admin_http.AdminLimits(
                 header_timeout_s=s.admin_header_timeout_s,
@@ -368,4 +371,4 @@ class _Admin(admin_http.AdminServer):
 
 
 def _json(doc: object) -> admin_http.Response:
-    return admin_http.Response(200, json.dumps(doc).encode())
+    return admin_http.Response(200, json.dumps(doc, allow_nan=False).encode())

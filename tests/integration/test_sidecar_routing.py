@@ -37,7 +37,7 @@ def config(tmp_path: Path) -> Path:
 
 @pytest.fixture
 async def sidecar(service: Service, config: Path) -> AsyncIterator[Sidecar]:
-    async with running_sidecar([service.address], config=config) as running:
+    async with running_sidecar([service.address], config=config, admin_open=True) as running:
         await known_versions(running, "scaler", {"1", "2"})
         yield running
 

@@ -93,7 +93,7 @@ async def test_a_change_before_the_upstream_reported_is_a_retryable_503(monkeypa
     monkeypatch.setattr(upstreams_module, "REPORT_WAIT_S", 120.0, raising=False)
     upstream = await held([("scaler", "1"), ("scaler", "2")])
     try:
-        async with running_sidecar([upstream.address]) as sidecar:
+        async with running_sidecar([upstream.address], admin_open=True) as sidecar:
             (mine,) = sidecar.upstreams.all
             await eventually(lambda: mine.serving, "the upstream's health")
             status, answer, heard = await put_route(sidecar, "scaler", {"canary_weight": 10})
@@ -124,7 +124,7 @@ async def test_an_empty_repository_is_reported(tmp_path: Path) -> None:
     )
     await service.start()
     try:
-        async with running_sidecar([service.address]) as sidecar:
+        async with running_sidecar([service.address], admin_open=True) as sidecar:
             (mine,) = sidecar.upstreams.all
             await eventually(lambda: mine.watched, "the empty repository's report")
             assert mine.served == {} and not sidecar.upstreams.pending()
@@ -143,7 +143,7 @@ async def test_an_older_service_with_no_models_counts_as_reported_after_a_wait(m
     upstream = await held([], count=False)
     upstream.released.set()
     try:
-        async with running_sidecar([upstream.address]) as sidecar:
+        async with running_sidecar([upstream.address], admin_open=True) as sidecar:
             (mine,) = sidecar.upstreams.all
             await eventually(lambda: mine.reported, "the wait for an older service's report")
             assert not mine.watched and mine.serves("scaler", "")
@@ -179,7 +179,7 @@ async def test_a_change_right_after_the_ready_line_is_never_a_404(
     """An operator's script that sets a route as soon as the sidecar says it serves: taken, or a
     503 `unavailable` that a retry turns into the change taken."""
     upstream = service_process(repository)
-    sidecar = sidecar_process("--upstream", upstream.address)
+    sidecar = sidecar_process("--upstream", upstream.address, admin_open=True)
     assert sidecar.admin_url is not None
     url = f"{sidecar.admin_url}/canary/scaler"
     status, answer, _ = await asyncio.to_thread(put, url, {"canary_weight": 10})

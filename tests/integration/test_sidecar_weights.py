@@ -34,7 +34,7 @@ async def test_admin_weights_survive_a_restart_and_file_edits_of_other_models(
 ) -> None:
     config, state = tmp_path / "routes.yaml", tmp_path / "state.json"
     write_config(config, {"models": {"scaler": {"canary_weight": 10}, "other": {"canary_weight": 10}}})
-    settings: dict[str, Any] = {"state_file": str(state)}
+    settings: dict[str, Any] = {"state_file": str(state), "admin_open": True}
     caplog.set_level(logging.INFO, "modelyard.sidecar.audit")
     async with running_sidecar(["127.0.0.1:9"], config=config, **settings) as sidecar:
         answer = await admin_async(sidecar, "/canary/scaler", "PUT", {"canary_weight": 25})

@@ -83,7 +83,7 @@ async def test_two_workers_spread_sum_take_changes_and_restart(
     repository = tmp_path / "models"
     demo_models.build_demo_repository(repository)  # scaler serves versions 1 and 2
     upstream = service_process(repository)
-    sidecar = sidecar_process("--upstream", upstream.address, "--workers", "2")
+    sidecar = sidecar_process("--upstream", upstream.address, "--workers", "2", admin_open=True)
     assert sidecar.admin_url is not None
     admin = sidecar.admin_url
 

@@ -2,12 +2,16 @@
 objects or are nested too deeply are 400 with a reason (never 500), bodies over the bound 413 before
 they are read, a held half-request and an idle connection are closed after their timeouts, a
 connection flood is bounded, and one slow client never holds up another (asyncio, not a thread per
-connection). The upstream address is closed: the admin endpoint needs none."""
+connection). Changes are off without a credential unless the operator opens them, a web page's
+cross-site simple request cannot act even then, and no number that is not finite or out of its
+bounds is taken (nor ever written back). The upstream address is closed: the admin endpoint needs
+none."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import math
 import threading
 import time
 from collections.abc import AsyncIterator
@@ -19,6 +23,7 @@ import pytest
 
 from modelyard.sidecar.server import Sidecar
 from tests.sidecar_support import running_sidecar
+from tests.support import metric
 
 MAX_CONNECTIONS = 8
 LIMITS: dict[str, Any] = {
@@ -35,7 +40,7 @@ async def sidecar(tmp_path: Path) -> AsyncIterator[Sidecar]:
     # No upstream answers: the route file names the one model the changes are about.
     config = tmp_path / "routes.yaml"
     config.write_text("models: {scaler: {canary_weight: 0}}\n")
-    async with running_sidecar(["127.0.0.1:9"], config=config, **LIMITS) as running:
+    async with running_sidecar(["127.0.0.1:9"], config=config, admin_open=True, **LIMITS) as running:
         yield running
 
 
@@ -165,3 +170,195 @@ async def read_answer(reader: asyncio.StreamReader) -> tuple[int, Any]:
         if line.lower().startswith(b"content-length")
     )
     return status, json.loads(await reader.readexactly(length))
+
+
+# --- who may change the sidecar's state -------------------------------------------------------
+
+
+async def test_changes_are_off_by_default_and_reads_stay_open(tmp_path: Path) -> None:
+    config = tmp_path / "routes.yaml"
+    config.write_text("models: {scaler: {canary_weight: 0}}\n")
+    async with (
+        running_sidecar(["127.0.0.1:9"], config=config) as sidecar,
+        httpx.AsyncClient(base_url=f"http://{sidecar.admin_address}", timeout=10) as http,
+    ):
+        changes = [
+            http.put("/canary/scaler", json={"canary_weight": 50}),
+            http.post("/rollouts/scaler", json={"steps": [10, 100]}),
+            http.post("/rollouts/scaler/abort", json={}),
+            http.delete("/canary/scaler"),
+        ]
+        for change in changes:
+            answer = await change
+            assert error(answer) == (403, "permission_denied"), answer.text
+            assert "--admin-tokens-file" in answer.json()["error"]
+            assert "--admin-open" in answer.json()["error"]
+        # Nothing happened: the weight is the file's, no rollout started.
+        assert sidecar.routes.table.route("scaler").canary_weight == 0
+        assert sidecar.rollouts.rollouts == {}
+        assert (await http.get("/canary")).json()["models"]["scaler"]["canary_weight"] == 0
+        assert (await http.get("/rollouts")).json() == {}
+        scraped = (await http.get("/metrics")).text
+        assert metric(scraped, "modelyard_sidecar_admin_denials_total", outcome="off") == 4
+
+
+async def test_a_change_needs_the_management_scope(tmp_path: Path) -> None:
+    config, tokens = tmp_path / "routes.yaml", tmp_path / "tokens"
+    config.write_text("models: {scaler: {canary_weight: 0}}\n")
+    tokens.write_text("reader-token inference\nadmin-token management\n")
+    async with (
+        running_sidecar(["127.0.0.1:9"], config=config, admin_tokens_file=str(tokens)) as sidecar,
+        httpx.AsyncClient(base_url=f"http://{sidecar.admin_address}", timeout=10) as http,
+    ):
+        body = {"canary_weight": 20}
+        assert error(await http.put("/canary/scaler", json=body)) == (401, "unauthenticated")
+        reader = {"authorization": "Bearer reader-token"}
+        answer = await http.put("/canary/scaler", json=body, headers=reader)
+        assert error(answer) == (403, "permission_denied")
+        assert sidecar.routes.table.route("scaler").canary_weight == 0
+        admin = {"authorization": "Bearer admin-token"}
+        assert (await http.put("/canary/scaler", json=body, headers=admin)).status_code == 200
+        assert sidecar.routes.table.route("scaler").canary_weight == 20
+
+
+EVIL = {"origin": "http://evil.example", "content-type": "text/plain"}
+
+
+async def test_a_cross_site_simple_request_cannot_act(http: httpx.AsyncClient, sidecar: Sidecar) -> None:
+    """Even with changes open to everyone (a newcomer's loopback setup), a web page's POST that a
+    browser sends without a preflight (text/plain or a form, with Origin or Sec-Fetch-Site) is
+    refused before it does anything."""
+    spec = json.dumps({"steps": [10, 100], "dwell_s": 60}).encode()
+    answer = await http.post("/rollouts/scaler", content=spec, headers=EVIL)
+    assert error(answer) == (403, "permission_denied") and "application/json" in answer.json()["error"]
+    assert sidecar.rollouts.rollouts == {}  # no rollout started
+    assert sidecar.routes.table.route("scaler").canary_weight == 0
+
+    # A rollout the operator started (JSON, no Origin: curl, the CLI): a page cannot abort it
+    # (which would set the weight to 0) nor pause it, whatever a browser may put in the headers.
+    started = await http.post("/rollouts/scaler", content=spec, headers={"content-type": "application/json"})
+    assert started.status_code == 201, started.text
+    assert sidecar.routes.table.route("scaler").canary_weight == 10
+    pages = [
+        EVIL,
+        {"origin": "null", "content-type": "application/x-www-form-urlencoded"},
+        {"sec-fetch-site": "cross-site", "content-type": "multipart/form-data; boundary=x"},
+        {"sec-fetch-site": "same-site"},  # another port of 127.0.0.1 is the same site
+        {"origin": "http://127.0.0.1:9101", "content-type": "text/plain;charset=UTF-8"},
+    ]
+    for headers in pages:
+        for action in ("abort", "pause"):
+            answer = await http.post(f"/rollouts/scaler/{action}", content=b"{}", headers=headers)
+            assert error(answer) == (403, "permission_denied"), (headers, answer.text)
+        answer = await http.post("/canary/scaler", content=b'{"canary_weight": 0}', headers=headers)
+        assert error(answer) == (403, "permission_denied"), headers
+    assert sidecar.rollouts.rollouts["scaler"].state == "running"
+    assert sidecar.routes.table.route("scaler").canary_weight == 10
+
+    # The preflight a JSON request from a page needs is never granted.
+    preflight = await http.options(
+        "/rollouts/scaler/abort",
+        headers={"origin": "http://evil.example", "access-control-request-method": "POST"},
+    )
+    assert preflight.status_code >= 400
+    assert not any(name.lower().startswith("access-control-") for name in preflight.headers)
+    # A request no browser page sends cross-site without that preflight is a change as before.
+    json_from_a_page = {"origin": "http://evil.example", "content-type": "application/json"}
+    answer = await http.post("/rollouts/scaler/pause", content=b"{}", headers=json_from_a_page)
+    assert answer.status_code == 200 and answer.json()["state"] == "paused"
+    same_origin = {"sec-fetch-site": "same-origin", "content-type": "text/plain"}
+    answer = await http.post("/rollouts/scaler/resume", content=b"{}", headers=same_origin)
+    assert answer.status_code == 200 and answer.json()["state"] == "running"
+
+
+# --- numbers ----------------------------------------------------------------------------------
+
+NOT_FINITE = ["Infinity", "-Infinity", "NaN", "1e999", "-1e999"]
+ROLLOUT_KNOBS = [
+    "dwell_s",
+    "min_calls",
+    "judge_calls",
+    "max_error_excess",
+    "max_latency_ratio",
+    "latency_floor_s",
+    "min_agreement",
+]
+
+
+def strict_json(raw: bytes) -> Any:
+    """What a strict parser reads: no NaN or Infinity."""
+
+    def refuse(text: str) -> None:
+        raise ValueError(f"not JSON: {text}")
+
+    return json.loads(raw, parse_constant=refuse)
+
+
+@pytest.mark.parametrize("number", NOT_FINITE)
+@pytest.mark.parametrize("knob", ROLLOUT_KNOBS)
+async def test_a_rollout_knob_that_is_not_finite_is_400_naming_it(
+    http: httpx.AsyncClient, sidecar: Sidecar, knob: str, number: str
+) -> None:
+    body = f'{{"steps": [10, 100], "{knob}": {number}}}'.encode()
+    answer = await http.post("/rollouts/scaler", content=body)
+    assert error(answer) == (400, "invalid_argument"), answer.text
+    assert knob in answer.json()["error"]
+    assert sidecar.rollouts.rollouts == {}
+    assert strict_json((await http.get("/rollouts")).content) == {}
+
+
+@pytest.mark.parametrize(
+    ("knob", "value"),
+    [
+        ("min_calls", 2**70),
+        ("min_calls", 20_001),  # more than the driver keeps of a version's calls: never reached
+        ("judge_calls", 2**64),
+        ("dwell_s", 1e9),
+        ("max_latency_ratio", 1e6),
+        ("max_latency_ratio", 0),
+        ("latency_floor_s", 1e5),
+        ("max_error_excess", 1.5),
+        ("min_agreement", -0.1),
+        ("steps", [*range(1, 101), 100]),  # 101 steps
+        ("steps", [10, "NaN", 100]),
+    ],
+)
+async def test_a_rollout_knob_out_of_its_bounds_is_400_naming_it(
+    http: httpx.AsyncClient, sidecar: Sidecar, knob: str, value: object
+) -> None:
+    answer = await http.post("/rollouts/scaler", json={"steps": [10, 100], knob: value})
+    assert error(answer) == (400, "invalid_argument"), answer.text
+    assert knob in answer.json()["error"]
+    assert sidecar.rollouts.rollouts == {}
+
+
+async def test_the_bounds_themselves_are_taken_and_read_back_as_strict_json(
+    http: httpx.AsyncClient, sidecar: Sidecar
+) -> None:
+    spec = {
+        "steps": [10, 100],
+        "dwell_s": 7 * 86400,
+        "min_calls": 20_000,
+        "judge_calls": 20_000,
+        "max_latency_ratio": 1000,
+        "latency_floor_s": 3600,
+    }
+    answer = await http.post("/rollouts/scaler", json=spec)
+    assert answer.status_code == 201, answer.text
+    shown = strict_json((await http.get("/rollouts")).content)["scaler"]["spec"]
+    assert all(math.isfinite(v) for v in shown.values() if not isinstance(v, list))
+    assert shown["min_calls"] == 20_000 and shown["max_latency_ratio"] == 1000
+
+
+@pytest.mark.parametrize("number", NOT_FINITE)
+async def test_a_weight_that_is_not_finite_is_400_naming_it(
+    http: httpx.AsyncClient, sidecar: Sidecar, number: str
+) -> None:
+    answer = await http.put("/canary/scaler", content=f'{{"canary_weight": {number}}}'.encode())
+    assert error(answer) == (400, "invalid_argument"), answer.text
+    assert "canary_weight" in answer.json()["error"]
+    # Even where no number is expected, or nested: named, never taken.
+    answer = await http.put("/canary/scaler", content=f'{{"other": [1, {{"x": {number}}}]}}'.encode())
+    assert error(answer) == (400, "invalid_argument") and "other[1].x" in answer.json()["error"]
+    assert sidecar.routes.table.route("scaler").canary_weight == 0
+    assert strict_json((await http.get("/canary")).content)["models"]["scaler"]["canary_weight"] == 0

@@ -27,6 +27,9 @@ def test_upstream_labels() -> None:
     assert UpstreamSpec.parse("h:1@v1+2") == UpstreamSpec("h:1", frozenset({"1", "2"}))
     with pytest.raises(ValueError, match="HOST:PORT"):
         UpstreamSpec.parse("nohost")
+    for bad in ("h:0", "h:65536", ":1", "h:1@", "h:1@1+", "h:1@../x", "h:1@a b"):
+        with pytest.raises(ValueError, match="upstream"):
+            UpstreamSpec.parse(bad)
 
 
 def test_route_file() -> None:
