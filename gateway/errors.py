@@ -75,7 +75,10 @@ class HttpError(Exception):
 
 
 def bad_request(
-    message: str, reason: ErrorReason = ErrorReason.INVALID_ARGUMENT, status: int = 400, param: str | None = None
+    message: str,
+    reason: ErrorReason = ErrorReason.INVALID_ARGUMENT,
+    status: int = 400,
+    param: str | None = None,
 ) -> HttpError:
     return HttpError(status, grpc.StatusCode.INVALID_ARGUMENT.name, reason, message, param=param)
 

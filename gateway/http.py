@@ -12,7 +12,7 @@ exception that would become a 500:
 - integers are range-checked against the protobuf field they fill (`INT32` ... `UINT64`);
 - numbers in text (query parameters, object keys that are token ids) are read by JSON's grammar
   in ASCII (`decimal_int`, `json_number`), not by int()/float(), which also take `" 5 "`,
-  `"5_0"`, `"+5"`, `"05"`, `"٥"`, `"inf"` and `"nan"`;
+  `"5_0"`, `"+5"`, `"05"`, other scripts' digits (U+0665), `"inf"` and `"nan"`;
 - model names and versions follow modelyard.common.names;
 - forwarded header values must be printable ASCII (gRPC metadata).
 """
@@ -148,7 +148,7 @@ def _finite(text: str) -> float:
 
 
 def decimal_int(text: str) -> int | None:
-    """`text` when it is a JSON integer in ASCII (`5`, `-5`; not `05`, `+5`, ` 5 `, `5_0`, `٥`),
+    """`text` when it is a JSON integer in ASCII (`5`, `-5`; not `05`, `+5`, ` 5 `, `5_0`, U+0665),
     as an int; else None. At most 4,300 digits are read (Python's limit), longer is None too."""
     if _DECIMAL_INT.fullmatch(text) is None:
         return None

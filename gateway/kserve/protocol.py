@@ -83,8 +83,12 @@ def split_body(body: bytes, header_length: str | None) -> tuple[bytes, bytes]:
     """The JSON header and the binary tensor data of a body (all JSON without the header)."""
     if header_length is None:
         return body, b""
-    # ASCII digits only: str.isdigit() also takes '²' (which int() refuses) and '٥' (which it reads).
-    if not (header_length.isascii() and header_length.isdigit()) or len(header_length) > 19 or int(header_length) > len(body):
+    # ASCII digits only: str.isdigit() also takes '²' (which int() refuses) and U+0665 (which it reads as 5).
+    if (
+        not (header_length.isascii() and header_length.isdigit())
+        or len(header_length) > 19
+        or int(header_length) > len(body)
+    ):
         raise errors.bad_request(f"{HEADER_LENGTH} {names.echo(header_length, 40)} does not fit the body")
     return body[: int(header_length)], body[int(header_length) :]
 

@@ -189,7 +189,7 @@ def _completion(
 def _logit_bias(body: dict[str, Any]) -> dict[int, float]:
     """OpenAI's `logit_bias`: token ids as JSON object keys (strings) -> biases in [-100, 100].
     A key must be a token id written as JSON writes an integer (`"5"`; not `" 5 "`, `"5_0"`,
-    `"+5"`, `"05"` or `"٥"`, which int() would read as 5, 50...); the service then checks the
+    `"+5"`, `"05"` or U+0665, which int() would read as 5, 50...); the service then checks the
     ids against the model's vocabulary. Each fault is 400 `invalid_argument`, param `logit_bias`."""
     raw = http.get_dict(body, "logit_bias")
     if len(raw) > MAX_BIASED_TOKENS:
@@ -203,7 +203,9 @@ def _logit_bias(body: dict[str, Any]) -> dict[int, float]:
             raise _bias_error(f"the bias of token {token} must be a number")
         # Compared before float(): an int of 400 digits is past a float's range (OverflowError).
         if not -MAX_BIAS <= value <= MAX_BIAS:
-            raise _bias_error(f"the bias of token {token} must be in [-100, 100], got {names.echo(value, 40)}")
+            raise _bias_error(
+                f"the bias of token {token} must be in [-100, 100], got {names.echo(value, 40)}"
+            )
         bias[token] = float(value)
     return bias
 

@@ -60,7 +60,9 @@ class Seen(grpc.GenericRpcHandler):  # type: ignore[type-arg]
     def service(self, details: grpc.HandlerCallDetails) -> Any:
         if details.method == "/modelyard.inference.v1.InferenceService/Generate":
 
-            async def recorded(request: pb.GenerateRequest, context: Any) -> AsyncIterator[pb.GenerateResponse]:
+            async def recorded(
+                request: pb.GenerateRequest, context: Any
+            ) -> AsyncIterator[pb.GenerateResponse]:
                 self.generate.append(request)
                 async for response in generate(request, context):
                     yield response
@@ -120,7 +122,9 @@ def harness(seen: Seen) -> Iterator[Harness]:
         loop.close()
 
 
-def openai_error(response: httpx.Response, param: str | None, reason: str = "invalid_argument") -> dict[str, Any]:
+def openai_error(
+    response: httpx.Response, param: str | None, reason: str = "invalid_argument"
+) -> dict[str, Any]:
     """A 400 with `reason` in OpenAI's error object, naming `param`."""
     assert response.status_code == 400, response.text
     assert response.headers["x-error-reason"] == reason
@@ -185,7 +189,9 @@ def test_logit_bias_of_canonical_ids_reaches_the_model(harness: Harness, seen: S
     bias = {"0": -100, "5": 100, "7": 0.5, "9223372036854775807": -1e-3}
     response = harness.request("POST", COMPLETIONS, json={**OPENAI_BASE, "logit_bias": bias})
     assert response.status_code == 200, response.text
-    assert dict(seen.generate[-1].logit_bias) == pytest.approx({0: -100.0, 5: 100.0, 7: 0.5, 2**63 - 1: -1e-3})
+    assert dict(seen.generate[-1].logit_bias) == pytest.approx(
+        {0: -100.0, 5: 100.0, 7: 0.5, 2**63 - 1: -1e-3}
+    )
 
 
 @settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -215,7 +221,9 @@ async def _answer(reader: asyncio.StreamReader) -> tuple[bytes, bytes]:
     """One HTTP/1.1 response (Content-Length framed): its head and body."""
     head = await reader.readuntil(b"\r\n\r\n")
     length = next(
-        int(line.split(b":", 1)[1]) for line in head.split(b"\r\n") if line.lower().startswith(b"content-length:")
+        int(line.split(b":", 1)[1])
+        for line in head.split(b"\r\n")
+        if line.lower().startswith(b"content-length:")
     )
     return head, await reader.readexactly(length)
 
@@ -291,7 +299,14 @@ def test_query_numbers_past_a_float_are_400(harness: Harness, text: str) -> None
 
 
 def test_query_numbers_in_json_grammar_pass(harness: Harness, seen: Seen) -> None:
-    params = {"prompt": "x", "max_tokens": "5", "temperature": "0.5", "top_p": "1e-1", "seed": "0", "top_k": "7"}
+    params = {
+        "prompt": "x",
+        "max_tokens": "5",
+        "temperature": "0.5",
+        "top_p": "1e-1",
+        "seed": "0",
+        "top_k": "7",
+    }
     response = harness.request("GET", GENERATE, params=params)
     assert response.status_code == 200, response.text
     sent = seen.generate[-1]
@@ -323,7 +338,10 @@ FLOAT_FIELDS = [
     ("/v2/models/m/generate", b'{"text_input": "x", "parameters": {"temperature": %s}}'),
     (INFER, b'{"inputs": [{"name": "x", "datatype": "FP64", "shape": [1], "data": [%s]}]}'),
     (INFER, b'{"inputs": [{"name": "x", "datatype": "FP32", "shape": [1], "data": [%s]}]}'),
-    (INFER, b'{"inputs": [{"name": "x", "datatype": "FP64", "shape": [1], "data": [1]}], "parameters": {"p": %s}}'),
+    (
+        INFER,
+        b'{"inputs": [{"name": "x", "datatype": "FP64", "shape": [1], "data": [1]}], "parameters": {"p": %s}}',  # noqa: E501
+    ),
 ]
 
 
@@ -347,7 +365,9 @@ def test_large_finite_numbers_still_pass(harness: Harness, seen: Seen) -> None:
 
 # --- compressed bodies ---------------------------------------------------------------------------
 
-TENSOR = json.dumps({"inputs": [{"name": "x", "datatype": "INT64", "shape": [3], "data": [1, 2, 3]}]}).encode()
+TENSOR = json.dumps(
+    {"inputs": [{"name": "x", "datatype": "INT64", "shape": [3], "data": [1, 2, 3]}]}
+).encode()
 GZIPPED = gzip.compress(TENSOR)
 ZLIBBED = zlib.compress(TENSOR)
 
@@ -381,7 +401,9 @@ BROKEN = [
 
 
 @pytest.mark.parametrize(("encoding", "body"), INTACT)
-def test_an_intact_compressed_body_is_served(harness: Harness, seen: Seen, encoding: str, body: bytes) -> None:
+def test_an_intact_compressed_body_is_served(
+    harness: Harness, seen: Seen, encoding: str, body: bytes
+) -> None:
     response = harness.request("POST", INFER, content=body, headers={"content-encoding": encoding})
     assert response.status_code == 200, response.text
     assert response.json()["outputs"][0]["data"] == [1, 2, 3]
@@ -391,7 +413,9 @@ def test_an_intact_compressed_body_is_served(harness: Harness, seen: Seen, encod
 def test_a_compressed_body_that_is_not_one_whole_stream_is_400(
     harness: Harness, seen: Seen, encoding: str, body: bytes, says: str
 ) -> None:
-    response = refused_before_upstream(harness, seen, INFER, content=body, headers={"content-encoding": encoding})
+    response = refused_before_upstream(
+        harness, seen, INFER, content=body, headers={"content-encoding": encoding}
+    )
     assert says in assert_refused(response)
 
 
@@ -405,7 +429,9 @@ def test_a_truncated_management_body_is_400_too(harness: Harness) -> None:
 def test_a_decompression_bomb_is_still_413(harness: Harness, seen: Seen) -> None:
     bomb = gzip.compress(b"{" + b" " * (4 * LIMIT) + b"}")
     assert len(bomb) < LIMIT
-    response = refused_before_upstream(harness, seen, INFER, content=bomb, headers={"content-encoding": "gzip"})
+    response = refused_before_upstream(
+        harness, seen, INFER, content=bomb, headers={"content-encoding": "gzip"}
+    )
     assert_refused(response, 413, "too_large")
 
 
