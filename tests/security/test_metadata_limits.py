@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import grpc
 import numpy as np
@@ -58,7 +59,8 @@ def listener(
 
 
 def _reason(error: grpc.aio.AioRpcError) -> str | None:
-    return dict(error.trailing_metadata() or ()).get("x-error-reason")  # type: ignore[arg-type]
+    trailing: Any = error.trailing_metadata() or ()  # grpc-stubs types this as one entry
+    return next((str(value) for key, value in trailing if key == "x-error-reason"), None)
 
 
 async def _infer(channel: grpc.aio.Channel, metadata: list[tuple[str, str]]) -> pb.InferResponse:
