@@ -75,9 +75,12 @@ class HttpError(Exception):
 
 
 def bad_request(
-    message: str, reason: ErrorReason = ErrorReason.INVALID_ARGUMENT, status: int = 400
+    message: str,
+    reason: ErrorReason = ErrorReason.INVALID_ARGUMENT,
+    status: int = 400,
+    param: str | None = None,
 ) -> HttpError:
-    return HttpError(status, grpc.StatusCode.INVALID_ARGUMENT.name, reason, message)
+    return HttpError(status, grpc.StatusCode.INVALID_ARGUMENT.name, reason, message, param=param)
 
 
 def not_found(message: str, reason: str = ErrorReason.MODEL_NOT_FOUND) -> HttpError:
@@ -98,7 +101,8 @@ def from_status(code: grpc.StatusCode, message: str, metadata: dict[str, str]) -
     retry_after: int | None = None
     if status in (429, 503):
         pushback = metadata.get(headers.RETRY_PUSHBACK_MS, "")
-        retry_after = max(1, -(-int(pushback) // 1000)) if pushback.isdigit() else DEFAULT_RETRY_AFTER_S
+        digits = pushback.isascii() and pushback.isdigit() and len(pushback) < 10
+        retry_after = max(1, -(-int(pushback) // 1000)) if digits else DEFAULT_RETRY_AFTER_S
     return HttpError(status, code.name, reason, message, retry_after)
 
 

@@ -6,9 +6,13 @@ exception that would become a 500:
 - a body is read up to `limit` bytes (413 past it), and must be strict UTF-8 JSON;
 - its nesting depth is measured before it is parsed, without recursion (`MAX_DEPTH`), so neither
   the JSON decoder nor the endpoints' own walks can overflow the stack;
-- `NaN`/`Infinity` are refused, and so are strings with lone surrogates (`"\\ud800"`: valid JSON,
+- `NaN`/`Infinity` are refused, and so is a number that a double cannot hold (`1e999`, which
+  Python would read as infinity), and strings with lone surrogates (`"\\ud800"`: valid JSON,
   but no UTF-8 encoding, so protobuf and gRPC would fail on them);
 - integers are range-checked against the protobuf field they fill (`INT32` ... `UINT64`);
+- numbers in text (query parameters, object keys that are token ids) are read by JSON's grammar
+  in ASCII (`decimal_int`, `json_number`), not by int()/float(), which also take `" 5 "`,
+  `"5_0"`, `"+5"`, `"05"`, other scripts' digits (U+0665), `"inf"` and `"nan"`;
 - model names and versions follow modelyard.common.names;
 - forwarded header values must be printable ASCII (gRPC metadata).
 """
@@ -18,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -40,6 +45,10 @@ IntKind = tuple[str, int, int]
 # The float fields of the API are float32: a larger double would arrive as infinity.
 FLOAT32_MAX = 3.4028234663852886e38
 
+# JSON's number grammar, ASCII digits only (a str pattern's \\d would match any Unicode digit).
+_DECIMAL_INT = re.compile(r"-?(?:0|[1-9][0-9]*)")
+_JSON_NUMBER = re.compile(r"-?(?:0|[1-9][0-9]*)(?:\.[0-9]+)?(?:[eE][+-]?[0-9]+)?")
+
 _NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
 _SQUARE = bytes.maketrans(b"{}", b"[]")
 
@@ -47,7 +56,7 @@ _SQUARE = bytes.maketrans(b"{}", b"[]")
 async def read_body(request: Request, limit: int) -> bytes:
     """The whole body; 413 past `limit` bytes (declared or sent: nothing more is read)."""
     declared = request.headers.get("content-length", "")
-    if declared.isdigit() and len(declared) < 20 and int(declared) > limit:
+    if declared.isascii() and declared.isdigit() and len(declared) < 20 and int(declared) > limit:
         raise too_large(limit)
     body = bytearray()
     try:
@@ -91,7 +100,9 @@ def parse_json(raw: bytes) -> Any:
     if depth > MAX_DEPTH:
         raise errors.bad_request(f"the body is nested deeper than {MAX_DEPTH} levels")
     try:
-        value = json.loads(text, parse_constant=_no_constant)
+        value = json.loads(text, parse_constant=_no_constant, parse_float=_finite)
+    except NotFinite as exc:
+        raise errors.bad_request(f"the body has a number out of range: {exc}") from None
     except (ValueError, RecursionError) as exc:  # ValueError: also ints of over 4300 digits
         raise errors.bad_request(f"the body is not valid JSON: {names.echo(str(exc))}") from None
     if b"\\ud" in raw or b"\\uD" in raw:
@@ -122,6 +133,39 @@ def nesting_depth(raw: bytes, stop_after: int = MAX_DEPTH) -> int | None:
 
 def _no_constant(name: str) -> Any:
     raise ValueError(f"{name} is not a JSON number")
+
+
+class NotFinite(ValueError):
+    """A JSON number past a double's range (`1e999`, `-1e999`): Python reads it as an infinity."""
+
+
+def _finite(text: str) -> float:
+    """A JSON number with a fraction or exponent (the decoder's parse_float): a finite double."""
+    value = float(text)
+    if not math.isfinite(value):
+        raise NotFinite(f"{names.echo(text, 40)} is beyond a double's range")
+    return value
+
+
+def decimal_int(text: str) -> int | None:
+    """`text` when it is a JSON integer in ASCII (`5`, `-5`; not `05`, `+5`, ` 5 `, `5_0`, U+0665),
+    as an int; else None. At most 4,300 digits are read (Python's limit), longer is None too."""
+    if _DECIMAL_INT.fullmatch(text) is None:
+        return None
+    try:
+        return int(text)
+    except ValueError:  # over 4300 digits
+        return None
+
+
+def json_number(text: str) -> int | float | None:
+    """`text` when it is a JSON number in ASCII (an int without fraction or exponent, else a
+    float, which may be infinite for a huge exponent: get_float refuses that); else None."""
+    if _JSON_NUMBER.fullmatch(text) is None:
+        return None
+    if any(c in text for c in ".eE"):
+        return float(text)
+    return decimal_int(text)
 
 
 def too_large(limit: int) -> errors.HttpError:
@@ -231,7 +275,7 @@ def model_name(value: Any, field: str) -> str:
     try:
         return names.check_name(value, field)
     except names.InvalidName as exc:
-        raise errors.bad_request(str(exc)) from None
+        raise errors.bad_request(str(exc), param=field) from None
 
 
 def model_version(value: Any, field: str) -> str:
@@ -241,22 +285,23 @@ def model_version(value: Any, field: str) -> str:
     try:
         return names.check_version(value, field)
     except names.InvalidName as exc:
-        raise errors.bad_request(str(exc)) from None
+        raise errors.bad_request(str(exc), param=field) from None
 
 
 def query_fields(request: Request, numbers: dict[str, type]) -> dict[str, Any]:
-    """Query parameters as the JSON body would carry them: numbers parsed, `stop` repeatable;
-    they then go through the same field checks as a body."""
+    """Query parameters as the JSON body would carry them: numbers parsed by JSON's grammar (an
+    int field takes an integer, a float field any number), `stop` repeatable; they then go
+    through the same field checks as a body."""
     out: dict[str, Any] = {}
     for key, text in request.query_params.items():
         check_string(text, key)
         if key == "stop":
             out["stop"] = [check_string(s, key) for s in request.query_params.getlist("stop")]
         elif key in numbers:
-            try:
-                out[key] = numbers[key](text)
-            except ValueError:  # also over 4300 digits
-                raise invalid(key, f"must be a {numbers[key].__name__}, got {names.echo(text, 40)}") from None
+            number = decimal_int(text) if numbers[key] is int else json_number(text)
+            if number is None:
+                raise invalid(key, f"must be a JSON {numbers[key].__name__}, got {names.echo(text, 40)}")
+            out[key] = number
         else:
             out[key] = text
     return out

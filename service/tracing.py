@@ -27,6 +27,7 @@ import grpc
 from modelyard.common import headers
 from modelyard.common.names import NAME_MAX, echo
 from modelyard.common.reasons import is_server_fault
+from modelyard.process import logs
 from modelyard.process.request_metadata import invocation_metadata
 from modelyard.process.tracing import otlp_provider
 
@@ -39,6 +40,10 @@ _propagator: Any = None
 _provider: Any = None
 # The call's server span, for the spans of its steps (same task: the handler's).
 _current: ContextVar[Any] = ContextVar("modelyard_service_span", default=None)
+# The same span for the call's log lines: kept after the span ends (the access line is written
+# once the call has ended), replaced by the next call's (a KServe stream runs several in a task).
+_logged: ContextVar[Any] = ContextVar("modelyard_service_logged_span", default=None)
+_trace: Any = None  # opentelemetry.trace, once tracing is on
 # The version that serves the current call, once resolved (DataPlane.open, the generation
 # plane's lease): its metrics and span name it even when the call then fails.
 _version: ContextVar[str] = ContextVar("modelyard_service_version", default="")
@@ -54,34 +59,35 @@ _FAULT_CODES = frozenset({grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL, grp
 def configure(environ: Mapping[str, str] | None = None, provider: Any = None) -> bool:
     """Turn tracing on from the OTEL_* variables (or with `provider`, a TracerProvider: tests
     give one with an in-memory exporter); returns whether it is on."""
-    global _tracer, _propagator, _provider, enabled
+    global _tracer, _propagator, _provider, _trace, enabled
     if provider is None:
         provider = otlp_provider("modelyard-service", environ)
     if provider is None:
         return False
+    from opentelemetry import trace
     from opentelemetry.baggage.propagation import W3CBaggagePropagator
     from opentelemetry.propagators.composite import CompositePropagator
     from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
     _provider = provider
     _tracer = _provider.get_tracer("modelyard.service")
+    _trace = trace
     enabled = True
     _propagator = CompositePropagator([TraceContextTextMapPropagator(), W3CBaggagePropagator()])
-    for handler in logging.getLogger().handlers:
-        handler.addFilter(TraceIds())
+    logs.join_traces(log_ids)
     return True
 
 
-class TraceIds(logging.Filter):
-    """Puts the current call's trace and span ids on log records (JSON logs show them)."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        span = _current.get()
-        if span is not None:
-            ids = span.get_span_context()
-            record.trace_id = format(ids.trace_id, "032x")
-            record.span_id = format(ids.span_id, "016x")
-        return True
+def log_ids() -> tuple[str, str] | None:
+    """The trace and span ids for a log line (modelyard.process.logs): the current step's span
+    (a model run's, where it is current), else the call's server span; None outside a call."""
+    ids = _trace.get_current_span().get_span_context() if _trace is not None else None
+    if ids is None or not ids.is_valid:
+        span = _logged.get()
+        if span is None:
+            return None
+        ids = span.get_span_context()
+    return format(ids.trace_id, "032x"), format(ids.span_id, "016x")
 
 
 def shutdown() -> None:
@@ -114,6 +120,7 @@ def start(context: grpc.aio.ServicerContext[Any, Any], method: str, model: str) 
         f"modelyard.service/{method}", context=parent, kind=SpanKind.SERVER, attributes=attributes
     )
     _current.set(span)
+    _logged.set(span)
     return span
 
 

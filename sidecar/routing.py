@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from functools import lru_cache
@@ -72,11 +73,13 @@ def is_canary(key: str, weight: float, cohort: str = "") -> bool:
     return bucket(key, cohort) < weight * (BUCKETS / 100)
 
 
+# A weight as JSON writes a non-negative number, in ASCII: float() would also take " 50 ", "5_0",
+# other scripts' digits and "1e1" spelled many ways.
+_WEIGHT = re.compile(r"(?:0|[1-9][0-9]*)(?:\.[0-9]+)?")
+
+
 def parse_weight(text: str) -> float:
-    try:
-        weight = float(text)
-    except ValueError:
-        weight = -1.0
+    weight = float(text) if len(text) <= 32 and _WEIGHT.fullmatch(text) else -1.0
     if not 0.0 <= weight <= 100.0:
         raise RoutingError(f"x-canary-weight must be a number from 0 to 100, not {echo(text)}")
     return weight

@@ -26,6 +26,7 @@ import grpc
 from modelyard.common import headers
 from modelyard.common.names import NAME_MAX, echo
 from modelyard.common.reasons import is_server_fault
+from modelyard.process import logs
 from modelyard.process.tracing import otlp_provider
 
 if TYPE_CHECKING:
@@ -236,6 +237,7 @@ class Tracing:
         self._provider = provider
         self.enabled = provider is not None
         if provider is not None:
+            logs.join_traces(log_ids)  # JSON log lines carry the current call's ids
             # Imported once here, not per call (the SDK stays out of an untraced sidecar).
             from opentelemetry import baggage, context, trace
             from opentelemetry.baggage.propagation import W3CBaggagePropagator
@@ -486,22 +488,20 @@ class Tracing:
             await asyncio.to_thread(self._provider.force_flush)
 
 
-class TraceIds(logging.Filter):
-    """Puts the current call's trace and span ids on log records (JSON logs show them): an
-    unsampled call's from its traceparent, else the current OTel span's."""
+def log_ids() -> tuple[str, str] | None:
+    """The current call's trace and span ids for a log line (modelyard.process.logs): an
+    unsampled call's from its traceparent, else the current OTel span's; None outside a call.
+    The call's context stays attached to its task after its span ends, so its access line
+    carries them too."""
+    unsampled = _UNSAMPLED.get()
+    if unsampled is not None:
+        return unsampled[3:35], unsampled[36:52]
+    from opentelemetry import trace
 
-    def filter(self, record: logging.LogRecord) -> bool:
-        unsampled = _UNSAMPLED.get()
-        if unsampled is not None:
-            record.trace_id, record.span_id = unsampled[3:35], unsampled[36:52]
-            return True
-        from opentelemetry import trace
-
-        context = trace.get_current_span().get_span_context()
-        if context.is_valid:
-            record.trace_id = format(context.trace_id, "032x")
-            record.span_id = format(context.span_id, "016x")
-        return True
+    context = trace.get_current_span().get_span_context()
+    if not context.is_valid:
+        return None
+    return format(context.trace_id, "032x"), format(context.span_id, "016x")
 
 
 def call_span(span: Any) -> Any:
@@ -574,6 +574,4 @@ def configure(service_name: str, environ: Mapping[str, str] | None = None) -> Tr
     provider = otlp_provider(service_name, environ)
     if provider is None:
         return Tracing()
-    for handler in logging.getLogger().handlers:
-        handler.addFilter(TraceIds())
     return Tracing(provider)

@@ -35,7 +35,8 @@ _ENCODINGS = {"gzip": 16 + zlib.MAX_WBITS, "deflate": zlib.MAX_WBITS, "identity"
 async def read_body(request: Request, limit: int) -> bytes:
     """The body, decompressed when its Content-Encoding is gzip or deflate (as Triton accepts);
     `limit` bounds the bytes sent and the bytes they inflate to (413 past it), so a small
-    compressed body cannot expand into a large one."""
+    compressed body cannot expand into a large one. The compressed stream must be one whole
+    stream (one gzip member), checksum checked, with nothing after it (else 400)."""
     raw = await http.read_body(request, limit)
     encoding = request.headers.get("content-encoding", "identity").strip().lower()
     wbits = _ENCODINGS.get(encoding)
@@ -50,10 +51,19 @@ async def read_body(request: Request, limit: int) -> bytes:
     inflater = zlib.decompressobj(wbits)
     try:
         body = inflater.decompress(raw, limit + 1)
-    except zlib.error as exc:
+    except zlib.error as exc:  # also a bad CRC-32 / ISIZE (gzip) or Adler-32 (zlib) check
         raise errors.bad_request(f"the {encoding} body cannot be decompressed: {exc}") from None
     if len(body) > limit or inflater.unconsumed_tail:
         raise http.too_large(limit)
+    # Whole and alone: a stream cut before its end (a gzip without its CRC-32/ISIZE trailer, a
+    # deflate without its last block) or followed by more bytes (garbage, or a second gzip
+    # member) is refused, not read as far as it goes. An empty body is no stream at all.
+    if raw and not inflater.eof:
+        raise errors.bad_request(f"the {encoding} body is truncated: its stream does not end")
+    if inflater.unused_data:
+        raise errors.bad_request(
+            f"the {encoding} body has {len(inflater.unused_data)} bytes after the end of its stream"
+        )
     return body
 
 
@@ -73,7 +83,12 @@ def split_body(body: bytes, header_length: str | None) -> tuple[bytes, bytes]:
     """The JSON header and the binary tensor data of a body (all JSON without the header)."""
     if header_length is None:
         return body, b""
-    if not header_length.isdigit() or len(header_length) > 19 or int(header_length) > len(body):
+    # ASCII digits only: str.isdigit() also takes '²' (which int() refuses) and U+0665 (which it reads as 5).
+    if (
+        not (header_length.isascii() and header_length.isdigit())
+        or len(header_length) > 19
+        or int(header_length) > len(body)
+    ):
         raise errors.bad_request(f"{HEADER_LENGTH} {names.echo(header_length, 40)} does not fit the body")
     return body[: int(header_length)], body[int(header_length) :]
 

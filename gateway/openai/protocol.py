@@ -20,7 +20,7 @@ from typing import Any
 
 from starlette.responses import JSONResponse, Response
 
-from modelyard.common import headers
+from modelyard.common import headers, names
 from modelyard.common.reasons import ErrorReason
 from modelyard.gateway import errors, http
 from modelyard.gateway.openai import chat_template
@@ -41,8 +41,13 @@ _ERROR_TYPES = {
     429: "rate_limit_error",
 }
 _OPENAI_FINISH = {"length": "length", "stop": "stop", "eos": "stop", "cancelled": "stop"}
+# OpenAI's bounds of logit_bias (the service's too): entries, and each bias's magnitude.
+MAX_BIASED_TOKENS = 300
+MAX_BIAS = 100
+_TOKEN_DIGITS = 19  # an int64 token id has at most 19 digits: longer keys are not read
 # A message that names its field first ("max_tokens: ..."): the shared intake's and the service's.
-_FIELD = re.compile(r"([A-Za-z_][\w.\[\]-]*): ")
+# No `-`: a header's name ("x-request-id: ...") is not a request parameter (param stays null).
+_FIELD = re.compile(r"([A-Za-z_][\w.\[\]]*): ")
 
 
 def _off(value: Any) -> bool:
@@ -118,6 +123,8 @@ def parse_chat_completion(body: dict[str, Any], request_headers: Mapping[str, st
         message["content"] = content
     rendered = chat_template.render(messages)
     if body.get("max_completion_tokens") is not None and body.get("max_tokens") is None:
+        # Checked under its own name first, so that a bad value's error names what was sent.
+        http.get_int(body, "max_completion_tokens", http.UINT32)
         body["max_tokens"] = body["max_completion_tokens"]
     if body.get("stop") is None:
         body["stop"] = list(rendered.stop)
@@ -180,21 +187,31 @@ def _completion(
 
 
 def _logit_bias(body: dict[str, Any]) -> dict[int, float]:
-    """OpenAI's `logit_bias`: token ids as JSON object keys (strings) -> biases (the service checks
-    the ranges against the model)."""
+    """OpenAI's `logit_bias`: token ids as JSON object keys (strings) -> biases in [-100, 100].
+    A key must be a token id written as JSON writes an integer (`"5"`; not `" 5 "`, `"5_0"`,
+    `"+5"`, `"05"` or U+0665, which int() would read as 5, 50...); the service then checks the
+    ids against the model's vocabulary. Each fault is 400 `invalid_argument`, param `logit_bias`."""
     raw = http.get_dict(body, "logit_bias")
+    if len(raw) > MAX_BIASED_TOKENS:
+        raise _bias_error(f"at most {MAX_BIASED_TOKENS} tokens, got {len(raw)}")
     bias: dict[int, float] = {}
     for key, value in raw.items():
-        try:
-            token = int(key)
-        except ValueError:
-            token = -1
-        if not 0 <= token < 2**63:
-            raise http.invalid("logit_bias", f"keys must be token ids, got {key[:64]!r}")
+        token = http.decimal_int(key) if len(key) <= _TOKEN_DIGITS else None
+        if token is None or not 0 <= token <= http.INT64[2]:
+            raise _bias_error(f"keys must be token ids (decimal integers from 0), got {names.echo(key, 64)}")
         if isinstance(value, bool) or not isinstance(value, int | float):
-            raise http.invalid("logit_bias", f"the bias of token {token} must be a number")
+            raise _bias_error(f"the bias of token {token} must be a number")
+        # Compared before float(): an int of 400 digits is past a float's range (OverflowError).
+        if not -MAX_BIAS <= value <= MAX_BIAS:
+            raise _bias_error(
+                f"the bias of token {token} must be in [-100, 100], got {names.echo(value, 40)}"
+            )
         bias[token] = float(value)
     return bias
+
+
+def _bias_error(message: str) -> errors.HttpError:
+    return errors.bad_request(f"logit_bias: {message}", param="logit_bias")
 
 
 class Chunks:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from modelyard.process.grpc_server import INT_MAX, connection_options
+from modelyard.process.grpc_server import INT_MAX, MAX_METADATA_BYTES, connection_options
 from modelyard.service.config import Settings as ServiceSettings
 from modelyard.sidecar.config import Settings as SidecarSettings
 
@@ -19,6 +19,9 @@ def test_options_come_from_the_settings_and_zero_means_no_limit() -> None:
     assert options["grpc.max_connection_idle_ms"] == 2500
     assert options["grpc.http2.max_ping_strikes"] > 0
     assert options["grpc.http.overload_protection"] == 1
+    # Soft = hard: no call under the limit is refused at random.
+    assert options["grpc.max_metadata_size"] == MAX_METADATA_BYTES
+    assert options["grpc.absolute_max_metadata_size"] == MAX_METADATA_BYTES
     assert dict(connection_options(SidecarSettings())) == dict(connection_options(ServiceSettings()))
     with pytest.raises(ValueError, match="at least 1"):
         connection_options(ServiceSettings(grpc_max_concurrent_streams=0))

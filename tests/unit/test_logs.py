@@ -5,7 +5,7 @@ import logging
 import os
 import sys
 
-from modelyard.process import calls
+from modelyard.process import calls, logs
 from modelyard.process.logs import JsonFormatter
 
 
@@ -45,3 +45,19 @@ def test_a_records_own_fields_are_merged() -> None:
     record.fields = {"code": "NOT_FOUND", "duration_ms": 1.5}
     entry = json.loads(JsonFormatter().format(record))
     assert entry["code"] == "NOT_FOUND" and entry["duration_ms"] == 1.5
+
+
+def test_json_lines_carry_the_ids_a_tracing_source_finds(monkeypatch) -> None:
+    found: list[tuple[str, str] | None] = [None]
+    monkeypatch.setattr(logs, "_trace_sources", ())  # as a process that does not trace
+    assert "trace_id" not in json.loads(JsonFormatter().format(_record()))
+    logs.join_traces(lambda: found[0])
+    logs.join_traces(lambda: ("0" * 31 + "2", "0" * 15 + "2"))  # asked only when the first finds none
+    found[0] = ("0" * 31 + "1", "0" * 15 + "1")
+    entry = json.loads(JsonFormatter().format(_record()))
+    assert (entry["trace_id"], entry["span_id"]) == ("0" * 31 + "1", "0" * 15 + "1")
+    found[0] = None
+    assert json.loads(JsonFormatter().format(_record()))["trace_id"] == "0" * 31 + "2"
+    record = _record()
+    record.trace_id, record.span_id = "a" * 32, "b" * 16  # a record's own win
+    assert json.loads(JsonFormatter().format(record))["trace_id"] == "a" * 32

@@ -3,8 +3,6 @@ current call's ids."""
 
 from __future__ import annotations
 
-import logging
-
 import grpc
 from opentelemetry.sdk.trace import TracerProvider
 
@@ -20,13 +18,14 @@ def test_off_without_an_endpoint_and_the_hooks_do_nothing() -> None:
     tracing.end(None, "1", grpc.StatusCode.OK)
 
 
-def test_log_records_carry_the_calls_ids() -> None:
+def test_log_lines_carry_the_calls_ids_after_its_span_ended() -> None:
     span = TracerProvider().get_tracer("t").start_span("call")
-    record = logging.LogRecord("n", logging.INFO, __file__, 1, "m", None, None)
-    token = tracing._current.set(span)
+    assert tracing.log_ids() is None
+    token = tracing._logged.set(span)
     try:
-        tracing.TraceIds().filter(record)
+        span.end()  # the access line is written once the call ended
+        found = tracing.log_ids()
     finally:
-        tracing._current.reset(token)
-    assert getattr(record, "trace_id", None) == format(span.get_span_context().trace_id, "032x")
-    assert getattr(record, "span_id", None) == format(span.get_span_context().span_id, "016x")
+        tracing._logged.reset(token)
+    ids = span.get_span_context()
+    assert found == (format(ids.trace_id, "032x"), format(ids.span_id, "016x"))

@@ -71,9 +71,13 @@ def test_the_header_weight_overrides_the_route() -> None:
     route = ModelRoute(canary_weight=0)
     assert all(dye(u, 0, route, header="100") == CANARY for u in users)
     assert all(dye(u, 0, ModelRoute(canary_weight=100), header="0") == STABLE for u in users)
+    assert all(dye(u, 0, route, header="100.0") == CANARY for u in users)
 
 
-@pytest.mark.parametrize("header", ["-1", "101", "lots", ""])
+@pytest.mark.parametrize(
+    "header",
+    ["-1", "101", "lots", "", " 50 ", "5_0", "+50", "050", "\u0665\u0660", "nan", "inf", "5e1", "50."],
+)
 def test_a_bad_header_weight_is_a_clear_error(header: str) -> None:
     with pytest.raises(RoutingError, match="x-canary-weight"):
         dye("u", 0, header=header)

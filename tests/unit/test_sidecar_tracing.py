@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -16,7 +15,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.sdk.trace.sampling import ALWAYS_OFF, ALWAYS_ON, ParentBased
 
 from modelyard.sidecar.plan import Metadata, Plan
-from modelyard.sidecar.tracing import TraceIds, Tracing, call_span, configure
+from modelyard.sidecar.tracing import Tracing, call_span, configure, log_ids
 
 PATH = "/inference.GRPCInferenceService/ModelInfer"
 
@@ -30,16 +29,14 @@ def test_off_without_an_otlp_endpoint() -> None:
 
 def test_log_records_carry_the_current_trace_and_span_ids() -> None:
     span = TracerProvider().get_tracer("t").start_span("s")
-    record = logging.LogRecord("n", logging.INFO, __file__, 1, "m", None, None)
-    assert TraceIds().filter(record) and not hasattr(record, "trace_id")
+    assert log_ids() is None
     token = context.attach(trace.set_span_in_context(span))
     try:
-        TraceIds().filter(record)
+        found = log_ids()
     finally:
         context.detach(token)
     ids = span.get_span_context()
-    assert getattr(record, "trace_id", None) == format(ids.trace_id, "032x")
-    assert getattr(record, "span_id", None) == format(ids.span_id, "016x")
+    assert found == (format(ids.trace_id, "032x"), format(ids.span_id, "016x"))
 
 
 @dataclass(frozen=True)
@@ -153,8 +150,7 @@ def test_an_unsampled_root_call_sends_what_the_propagators_write() -> None:
         token = context.attach(context.Context())
         try:
             span = tracing.server_span(PATH, (("x-user-id", "u"),))
-            record = logging.LogRecord("n", logging.INFO, __file__, 1, "m", None, None)
-            TraceIds().filter(record)  # its log lines carry its ids
+            found = log_ids()  # its log lines carry its ids
             metadata = _attempted(tracing, span, plan)
             md = dict(metadata)
             tracing.end(span, plan, grpc.StatusCode.OK)
@@ -164,10 +160,7 @@ def test_an_unsampled_root_call_sends_what_the_propagators_write() -> None:
         TraceContextTextMapPropagator().inject(written, trace.set_span_in_context(call_span(span)))
         ids = call_span(span).get_span_context()
         assert not call_span(span).is_recording() and ids.is_valid
-        assert (getattr(record, "trace_id", ""), getattr(record, "span_id", "")) == (
-            format(ids.trace_id, "032x"),
-            format(ids.span_id, "016x"),
-        )
+        assert found == (format(ids.trace_id, "032x"), format(ids.span_id, "016x"))
         assert md["traceparent"] == written["traceparent"]
         assert "baggage" not in md and "tracestate" not in md
         assert list(md)[:1] == ["x-user-id"] and len(metadata) == len(md)
@@ -316,9 +309,7 @@ def test_an_unsampled_calls_log_lines_and_shadow_span_are_of_its_trace() -> None
     try:
         span = tracing.server_span(PATH, (("x-user-id", "u"),))
         ids = call_span(span).get_span_context()
-        record = logging.LogRecord("n", logging.INFO, __file__, 1, "m", None, None)
-        TraceIds().filter(record)
-        assert getattr(record, "span_id", "") == format(ids.span_id, "016x")
+        assert log_ids() == (format(ids.trace_id, "032x"), format(ids.span_id, "016x"))
         with tracing.shadow("m", "1", "2", PATH):
             pass
         tracing.end(span, _plan(), grpc.StatusCode.OK)
@@ -326,8 +317,8 @@ def test_an_unsampled_calls_log_lines_and_shadow_span_are_of_its_trace() -> None
         assert shadow.name == "modelyard.sidecar/shadow" and shadow.parent is not None
         assert (shadow.context.trace_id, shadow.parent.span_id) == (ids.trace_id, ids.span_id)
         sampled = tracing.server_span(PATH, (("traceparent", f"{PARENT[:-2]}01"),))
-        TraceIds().filter(record)
-        assert getattr(record, "span_id", "") == format(sampled.get_span_context().span_id, "016x")
+        ids = sampled.get_span_context()
+        assert log_ids() == (format(ids.trace_id, "032x"), format(ids.span_id, "016x"))
     finally:
         context.detach(token)
 

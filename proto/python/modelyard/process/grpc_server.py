@@ -15,6 +15,12 @@ the sidecar's listeners both build their servers with `connection_options`).
 - Keepalive enforcement: a client may ping at most once per 10 s when it sends no data (also
   with no call open); a client that pings more often is sent GOAWAY (too_many_pings) after
   two strikes.
+- Metadata: a call's headers may total `MAX_METADATA_BYTES` (64 KiB, gRPC's soft and hard limit
+  both, so nothing under it is refused at random as between gRPC's default 8 KiB soft and 16 KiB
+  hard limits): an oversized value of ours (`x-model-version`) reaches the handlers, which answer
+  INVALID_ARGUMENT with `x-error-reason`. Past it gRPC itself answers RESOURCE_EXHAUSTED without
+  a reason ("received metadata size exceeds hard limit"). 64 KiB is what the HTTP edge admits
+  too (Envoy 60 KiB, the gateway 64 KiB), so a header that got through the edge is ours to answer.
 """
 
 from __future__ import annotations
@@ -32,6 +38,9 @@ MAX_PING_STRIKES = 2
 # The server's own keepalive: a connection quiet this long is pinged; unanswered, it is closed.
 SERVER_KEEPALIVE_TIME_MS = 60_000
 SERVER_KEEPALIVE_TIMEOUT_MS = 20_000
+# A call's metadata (header list, HPACK-decoded) that reaches the handlers; past it gRPC refuses
+# the call itself. Soft = hard: gRPC refuses calls between the two at random.
+MAX_METADATA_BYTES = 64 * 1024
 
 # The settings every gRPC listener's process declares (`grpc_max_concurrent_streams: MaxStreams = 256`).
 MaxStreams = Annotated[
@@ -96,4 +105,6 @@ def connection_options(settings: ConnectionSettings) -> list[tuple[str, int]]:
         ("grpc.keepalive_permit_without_calls", 1),
         ("grpc.http2.min_ping_interval_without_data_ms", MIN_CLIENT_PING_INTERVAL_MS),
         ("grpc.http2.max_ping_strikes", MAX_PING_STRIKES),
+        ("grpc.max_metadata_size", MAX_METADATA_BYTES),  # soft limit (GRPC_ARG_MAX_METADATA_SIZE)
+        ("grpc.absolute_max_metadata_size", MAX_METADATA_BYTES),  # hard (..._ABSOLUTE_MAX_METADATA_SIZE)
     ]
