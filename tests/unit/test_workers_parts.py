@@ -143,13 +143,13 @@ modelyard_model_versions_ready{model="m"} {v}
 def test_a_region_registered_through_one_store_is_seen_by_another(tmp_path: Path) -> None:
     path = tmp_path / "regions.json"
     first, second = FileRegionStore(path), FileRegionStore(path)
-    assert second.get("a") is None
+    assert second.get("", "a") is None
     spec = RegionSpec("a", "/key", 0, 16)
     assert first.add(spec)
-    assert second.get("a") == spec
+    assert second.get("", "a") == spec
     assert not second.add(RegionSpec("a", "/other", 0, 8))  # the name is taken, seen across stores
-    assert second.remove("a") == spec
-    assert first.get("a") is None
+    assert second.remove("", "a") == spec
+    assert first.get("", "a") is None
     assert first.all() == []
 
 
