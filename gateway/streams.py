@@ -130,6 +130,7 @@ class Stream:
         self.finished = False
         self.on_finished: Callable[[Stream], None] | None = None  # called once, when it finishes
         self.producer: asyncio.Task[None] | None = None
+        self.call: GenerateCall | None = None  # the upstream call the producer reads
         self.expiry: asyncio.TimerHandle | None = None
 
     # --- the producer side ---------------------------------------------------------------------
@@ -381,6 +382,7 @@ class Registry:
         stream.readers = 1
         self._open += 1
         stream.on_finished = self._finished_one
+        stream.call = call
         stream.producer = asyncio.get_running_loop().create_task(stream.run(call))
         stream.producer.add_done_callback(lambda _: self._ended(stream))
         self._gauges()
@@ -450,6 +452,8 @@ class Registry:
                 producer.add_done_callback(lambda _: late.cancel())
             else:
                 producer.cancel()
+                if stream.call is not None:  # also when the producer never ran (its except did not)
+                    stream.call.cancel()
                 if not stream.finished:
                     self.metrics.cancelled.inc()
         if self._finished.pop(stream.id, None) is not None:

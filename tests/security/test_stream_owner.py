@@ -86,7 +86,9 @@ async def gateway(service: Service) -> AsyncIterator[Gateway]:
         await running.stop()
 
 
-async def started_then_left(http: httpx.AsyncClient, credential: dict[str, str], tokens: int) -> list[SseEvent]:
+async def started_then_left(
+    http: httpx.AsyncClient, credential: dict[str, str], tokens: int
+) -> list[SseEvent]:
     """A stream started with `credential`, read for `tokens` token events, then the client leaves."""
     seen: list[SseEvent] = []
     async with http.stream("POST", GENERATE, json=BODY, headers=credential) as response:
@@ -121,7 +123,9 @@ async def test_a_stream_is_resumed_only_with_the_credential_that_started_it(gate
         last = first[-1].id
         stream_id = last.rpartition(":")[0]
         unknown = await http.get(GENERATE, headers={**A, "Last-Event-ID": "nosuchstream0000:2"})
-        before = gateway.metrics.registry.get_sample_value("modelyard_gateway_resumes_total", {"outcome": "resumed"})
+        before = gateway.metrics.registry.get_sample_value(
+            "modelyard_gateway_resumes_total", {"outcome": "resumed"}
+        )
 
         for refused in (
             await http.get(GENERATE, headers={"Last-Event-ID": last}),  # anonymous, as EventSource
@@ -129,11 +133,15 @@ async def test_a_stream_is_resumed_only_with_the_credential_that_started_it(gate
             await http.post(GENERATE, headers={"Last-Event-ID": last}),  # anonymous POST
             await http.get(GENERATE, headers={**B, "Last-Event-ID": last}),  # another token
             await http.get(GENERATE, params={"last_event_id": last}, headers=B),
-            await http.get(GENERATE, headers={"authorization": "Bearer " + TOKEN_A[:-1], "Last-Event-ID": last}),
+            await http.get(
+                GENERATE, headers={"authorization": "Bearer " + TOKEN_A[:-1], "Last-Event-ID": last}
+            ),
         ):
             same_as_unknown(refused, unknown, stream_id)
         assert (
-            gateway.metrics.registry.get_sample_value("modelyard_gateway_resumes_total", {"outcome": "resumed"})
+            gateway.metrics.registry.get_sample_value(
+                "modelyard_gateway_resumes_total", {"outcome": "resumed"}
+            )
             == before
         )
         stream = gateway.registry.get(stream_id)
@@ -170,7 +178,9 @@ def _records_naming(records: list[logging.LogRecord], secret: str) -> list[str]:
     return found
 
 
-async def test_stream_ids_stay_out_of_every_log_line(service: Service, caplog: pytest.LogCaptureFixture) -> None:
+async def test_stream_ids_stay_out_of_every_log_line(
+    service: Service, caplog: pytest.LogCaptureFixture
+) -> None:
     """Started, resumed by the header and the query parameter, refused, evicted (its client's
     bound), expired: at DEBUG, with the access line on, no record names a stream id."""
     caplog.set_level(logging.DEBUG)
@@ -203,7 +213,9 @@ async def test_stream_ids_stay_out_of_every_log_line(service: Service, caplog: p
             await eventually(lambda: gateway.registry.get(ids[0]) is None, "the first stream evicted")
             # The second one expires with nobody resuming it.
             await eventually(lambda: gateway.registry.get(ids[1]) is None, "the second stream expired")
-            assert (await http.get(GENERATE, headers={**A, "Last-Event-ID": second[-1].id})).status_code == 404
+            assert (
+                await http.get(GENERATE, headers={**A, "Last-Event-ID": second[-1].id})
+            ).status_code == 404
     finally:
         await gateway.stop()
     evicted = gateway.metrics.registry.get_sample_value(
