@@ -100,7 +100,7 @@ class Readers:
         # A deadline: a stream that never gets a slot fails the test rather than hanging it.
         call = pb_grpc.InferenceServiceStub(channel).Generate(req, timeout=60)
         self.stack.callback(call.cancel)
-        first = await call.read()
+        first: Any = await call.read()
         assert first.sequence_number == 0
         return call, first
 
