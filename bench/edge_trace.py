@@ -226,9 +226,9 @@ def serve(argv: Sequence[str]) -> int:
 
     open_stream = serving.GenerateEndpoints.open_stream
 
-    async def traced_open_stream(self: Any, generate: Any, metadata: Any) -> Any:
+    async def traced_open_stream(self: Any, generate: Any, *rest: Any) -> Any:  # metadata (, caller)
         now["parsed"] = clock()
-        stream = await open_stream(self, generate, metadata)
+        stream = await open_stream(self, generate, *rest)
         now["resumed"] = clock()
         return stream
 
@@ -284,7 +284,7 @@ def serve(argv: Sequence[str]) -> int:
     uvicorn_http.HttpToolsProtocol.data_received = traced_data_received  # type: ignore[method-assign]
     serving.GenerateEndpoints.post = traced_post  # type: ignore[method-assign]
     http.read_json = traced_read_json
-    serving.GenerateEndpoints.open_stream = traced_open_stream  # type: ignore[method-assign]
+    serving.GenerateEndpoints.open_stream = traced_open_stream  # type: ignore[method-assign,assignment]
     streams.Stream.run = traced_run  # type: ignore[method-assign]
     uvicorn_http.RequestResponseCycle.send = traced_send  # type: ignore[method-assign]
     return main(argv)

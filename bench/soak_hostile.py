@@ -3,6 +3,7 @@ in alternating quiet and hostile windows of one run, so that what the hostile mi
 callers is measured against the same stack, minutes apart.
 
     .venv/bin/python -m bench.soak_hostile [--duration-s 120] [--windows 8] [--unary 4] [--sse 2]
+        [--only CLASS,...] [--skip CLASS,...] [--abandon-rate 8] [--trees base=DIR,now=DIR] [--repeat N]
 
 The stack runs as `make up` runs it (python -m modelyard.deploy: service, sidecar, gateway, Envoy) on a
 temporary repository: the demo models plus two whose cost depends on input values (`fill`, a
@@ -14,12 +15,21 @@ each class at a few requests a second: path-escaping and malformed names (Infer,
 RepositoryModelLoad), a rotating stream of unknown model names and of tenants, a deadline storm and
 a bad-values storm from one tenant, a huge ConstantOfShape, a Loop of 10^12 trips under a short
 deadline, undecodable bytes, a message of a million tiny fields, bad HTTP bodies and headers at the
-gateway, bad admin bodies at the sidecar, and connections held open with half a request.
+gateway, bad admin bodies at the sidecar, connections held open with half a request, and a client
+that abandons streams: generations started through Envoy at --abandon-rate a second, each socket
+dropped (RST) as soon as its answer's head is in, continuously (issue 33: with more abandoned
+streams than decode slots, other clients waited for the resume window).
 
 Reported: errors of the normal traffic (goal 0), p50/p99 of the normal traffic in the quiet and in
-the hostile windows and their ratio (goal: p99 within 1.5x), each process's RSS at the start and the
-end and its slope over the run, the sidecar's and service's /metrics sizes, and every hostile answer
-that was a 5xx, INTERNAL, UNKNOWN or a hang (goal: none). Exit status 1 when a goal is missed.
+the hostile windows and their ratio (goal: p99 within 1.5x; the SSE clients' time to first token
+within 2x), each process's RSS at the start and the end and its slope over the run, the sidecar's
+and service's /metrics sizes, and every hostile answer that was a 5xx, INTERNAL, UNKNOWN or a hang
+(goal: none). Exit status 1 when a goal is missed.
+
+`--only CLASS,...` runs only those hostile classes (`--only "abandoned streams"`: the abandoned-stream
+client alone). `--trees base=DIR,now=DIR` runs the soak once per source tree (each a whole stack from
+that tree's code; the clients are this tree's), `--repeat N` times in turns, and ends with a table of
+each run's TTFT figures and their spread: before/after on the same machine in one run.
 """
 
 from __future__ import annotations
@@ -31,6 +41,7 @@ import multiprocessing
 import queue
 import shutil
 import socket
+import struct
 import tempfile
 import time
 from collections import Counter
@@ -46,7 +57,8 @@ import httpx
 import numpy as np
 
 from bench.lib.procfs import rss_kib
-from bench.stack import Stack
+from bench.lib.trees import source_trees
+from bench.stack import ROOT, Stack
 from models import value_models
 from models.demo_models import COMMITTED_ROOT, write_model
 from modelyard.inference.v1 import inference_service_pb2 as pb
@@ -58,6 +70,12 @@ from modelyard.tensors import to_tensor
 HANG_S = 10.0  # a hostile call unanswered for this long is a hang
 HOSTILE_PAUSE_S = 1.0  # each hostile class sends about one request a second
 BAD_CODES = {grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN}
+TTFT = "SSE TTFT via Envoy"  # the SSE clients' time to their first token event
+# The most a hostile window may cost the normal traffic: p99 (and p50 for TTFT) x the quiet one's.
+RATIO_GOAL = 1.5
+TTFT_GOAL = 2.0  # issue 33: others' time to first token with the abandoned-stream client running
+ABANDONED = "abandoned streams"
+HELD = "held half-requests"
 
 
 def build_repository(root: Path) -> None:
@@ -115,11 +133,15 @@ async def normal_unary(stub: Any, record: Record, interval_s: float) -> None:
 
 
 async def normal_sse(edge: httpx.AsyncClient, record: Record, interval_s: float) -> None:
+    """SSE generations through Envoy: each one's whole time and its time to first token. One that
+    is refused or gets no token (an error, HANG_S without an answer) counts as HANG_S in the time
+    to first token, so that a client locked out shows in the figure, not only in the errors."""
     body = {"prompt": "def add(a, b):", "max_tokens": 8}
     when = [time.perf_counter()]
     while not record.stopping:
         await paced(interval_s, when)
         hostile, start = record.hostile, time.perf_counter()
+        first = 0.0
         try:
             async with edge.stream("POST", "/v1/models/codelm/generate", json=body) as response:
                 if response.status_code != 200:
@@ -130,6 +152,8 @@ async def normal_sse(edge: httpx.AsyncClient, record: Record, interval_s: float)
                     if line.startswith("event: "):
                         event = line[7:]
                         done = done or event == "done"
+                        if event == "token" and not first:
+                            first = time.perf_counter()
                         if event == "error":
                             record.normal_errors["SSE event: error"] += 1
             if not done:
@@ -138,6 +162,11 @@ async def normal_sse(edge: httpx.AsyncClient, record: Record, interval_s: float)
                 record.latency("SSE via Envoy", time.perf_counter() - start, hostile)
         except httpx.HTTPError as exc:
             record.normal_errors[f"SSE {type(exc).__name__}"] += 1
+        finally:
+            if hostile == record.hostile:
+                record.latency(
+                    TTFT, first - start if first else max(HANG_S, time.perf_counter() - start), hostile
+                )
 
 
 # --- the hostile mix ------------------------------------------------------------------------------
@@ -275,6 +304,21 @@ def hostile_attempts(
     }
 
 
+# The classes hostile_attempts makes, each sent about once a second in the hostile windows.
+ATTEMPTS = (
+    "bad name",
+    "planted upload",
+    "unknown name",
+    "rotating tenant",
+    "deadline storm",
+    "bad values",
+    "huge fill",
+    "long loop",
+    "undecodable",
+    "many fields",
+    "bad http",
+    "bad admin",
+)
 # Classes whose request must be refused: an OK means the harm was done (a model planted, 2 GiB
 # allocated, a loop run to the end, a bad body taken as a request).
 MUST_REFUSE = {"bad name", "planted upload", "unknown name", "huge fill", "long loop", "undecodable"}
@@ -362,18 +406,80 @@ async def held_connections(host: str, port: int, record: HostileSide, count: int
     record.hostile_answers[f"held half-requests: closed by the server x{closed}"] += 1
 
 
-async def hostile_main(addresses: dict[str, str], planted: Path, skip: set[str], side: HostileSide) -> None:
+async def abandoned_streams(
+    host: str, port: int, side: HostileSide, rate: float, inflight: int = 256
+) -> None:
+    """Generations started through Envoy, each connection dropped (RST, as a closed tab's or a
+    killed client's) as soon as the answer's head is in: the generation has started (its first
+    token, or the gateway's first-event wait) and nobody will ever read it. `rate` a second, in
+    the hostile windows, at most `inflight` at once."""
+    body = json.dumps({"prompt": "def main(", "max_tokens": 256}).encode()
+    request = (
+        b"POST /v1/models/codelm/generate HTTP/1.1\r\nHost: bench\r\nContent-Type: application/json\r\n"
+        + f"Content-Length: {len(body)}\r\n\r\n".encode()
+        + body
+    )
+    places = asyncio.Semaphore(inflight)
+    answers: Counter[str] = Counter()
+
+    async def one() -> None:
+        writer = None
+        try:
+            async with asyncio.timeout(HANG_S):
+                reader, writer = await asyncio.open_connection(host, port)
+                writer.write(request)
+                status = (await reader.readline()).split(b" ")
+                answers[f"started HTTP {status[1].decode() if len(status) > 1 else '?'}"] += 1
+        except TimeoutError:
+            answers["hang"] += 1
+        except OSError as exc:
+            answers[f"connection {type(exc).__name__}"] += 1
+        finally:
+            places.release()
+            if writer is not None:
+                sock = writer.get_extra_info("socket")
+                if sock is not None:  # a reset, not an orderly close: the client is gone
+                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                writer.close()
+
+    tasks: set[asyncio.Task[None]] = set()
+    when = [time.perf_counter()]
+    while not side.stopping:
+        if not side.hostile:
+            await asyncio.sleep(0.05)
+            when = [time.perf_counter()]
+            continue
+        await paced(1 / rate, when)
+        await places.acquire()
+        task = asyncio.ensure_future(one())
+        tasks.add(task)
+        task.add_done_callback(tasks.discard)
+    await asyncio.gather(*tasks, return_exceptions=True)
+    for answer, count in answers.items():
+        side.hostile_answers[f"{ABANDONED}: {answer}"] += count
+        if is_finding(ABANDONED, answer):
+            side.findings[f"{ABANDONED}: {answer}"] += count
+
+
+async def hostile_main(
+    addresses: dict[str, str], planted: Path, classes: set[str], abandon_rate: float, side: HostileSide
+) -> None:
     async with (
         grpc.aio.insecure_channel(addresses["sidecar"]) as sidecar,
         httpx.AsyncClient(base_url=addresses["gateway"], timeout=60) as gateway,
         httpx.AsyncClient(base_url=addresses["admin"], timeout=30) as admin,
     ):
         attempts = hostile_attempts(sidecar, gateway, admin, planted)
+        assert tuple(attempts) == ATTEMPTS
         host, _, port = addresses["gateway"].removeprefix("http://").rpartition(":")
-        tasks = [
-            asyncio.ensure_future(hostile_loop(n, a, side)) for n, a in attempts.items() if n not in skip
-        ]
-        tasks.append(asyncio.ensure_future(held_connections(host, int(port), side)))
+        tasks = [asyncio.ensure_future(hostile_loop(n, a, side)) for n, a in attempts.items() if n in classes]
+        if HELD in classes:
+            tasks.append(asyncio.ensure_future(held_connections(host, int(port), side)))
+        if ABANDONED in classes:
+            edge_host, _, edge_port = addresses["edge"].removeprefix("http://").rpartition(":")
+            tasks.append(
+                asyncio.ensure_future(abandoned_streams(edge_host, int(edge_port), side, abandon_rate))
+            )
         await side.until_stopped()
         _, pending = await asyncio.wait(tasks, timeout=HANG_S + 10)
         for task in pending:
@@ -385,7 +491,8 @@ async def hostile_main(addresses: dict[str, str], planted: Path, skip: set[str],
 def hostile_child(
     addresses: dict[str, str],
     planted: str,
-    skip: list[str],
+    classes: list[str],
+    abandon_rate: float,
     switch: EventType,
     stop: EventType,
     results: Queue[tuple[dict[str, int], dict[str, int]]],
@@ -394,7 +501,7 @@ def hostile_child(
     sending 17 MB bodies, million-field messages) must not show as the normal callers' latency;
     only what it costs the stack may."""
     side = HostileSide(switch, stop)
-    asyncio.run(hostile_main(addresses, Path(planted), set(skip), side))
+    asyncio.run(hostile_main(addresses, Path(planted), set(classes), abandon_rate, side))
     results.put((dict(side.hostile_answers), dict(side.findings)))
 
 
@@ -418,11 +525,22 @@ async def metrics_size(client: httpx.AsyncClient | None) -> int:
     return len((await client.get("/metrics", timeout=10)).content)
 
 
-async def run(args: argparse.Namespace, tmp: Path) -> int:
+def hostile_classes(args: argparse.Namespace) -> list[str]:
+    """The hostile classes this run sends: --only's (default all), less --skip's."""
+    known = [*ATTEMPTS, HELD, ABANDONED]
+    only = [c for c in args.only.split(",") if c] or known
+    skip = {c for c in args.skip.split(",") if c}
+    unknown = sorted((set(only) | skip) - set(known))
+    if unknown:
+        raise SystemExit(f"unknown hostile classes {unknown}; the classes are {known}")
+    return [c for c in known if c in only and c not in skip]
+
+
+async def run(args: argparse.Namespace, tmp: Path, tree: Path = ROOT) -> tuple[int, Record]:
     root = tmp / "models"
     build_repository(root)
     planted = tmp / "planted"
-    stack = Stack("--repository", str(root), metrics=True)
+    stack = Stack("--repository", str(root), metrics=True, tree=tree)
     processes = {name: stack.pid_of(name) for name in ("service", "sidecar", "gateway")}
     rss: dict[str, list[tuple[float, float]]] = {name: [] for name in processes}
     record = Record()
@@ -442,11 +560,20 @@ async def run(args: argparse.Namespace, tmp: Path) -> int:
             addresses = {
                 "sidecar": stack.sidecar,
                 "gateway": stack.gateway,
+                "edge": stack.edge,
                 "admin": f"http://{stack.sidecar_admin}",
             }
-            skip = sorted(filter(None, args.skip.split(",")))
             child = spawn.Process(
-                target=hostile_child, args=(addresses, str(planted), skip, switch, stop, results)
+                target=hostile_child,
+                args=(
+                    addresses,
+                    str(planted),
+                    hostile_classes(args),
+                    args.abandon_rate,
+                    switch,
+                    stop,
+                    results,
+                ),
             )
             child.start()
             unary_every, sse_every = args.unary / args.unary_rate, args.sse / args.sse_rate
@@ -485,7 +612,7 @@ async def run(args: argparse.Namespace, tmp: Path) -> int:
                 child.kill()
     finally:
         stack.stop()
-    return report(args, record, rss, sizes, planted)
+    return report(args, record, rss, sizes, planted), record
 
 
 def report(
@@ -501,20 +628,25 @@ def report(
         f"Envoy; "
         f"{len(record.hostile_answers)} kinds of hostile answer"
     )
-    print(f"\n{'normal traffic':<22}{'window':>9}{'calls':>8}{'p50 ms':>9}{'p99 ms':>9}{'p99 x quiet':>13}")
-    worst = 0.0
+    print(
+        f"\n{'normal traffic':<22}{'window':>9}{'calls':>8}{'p50 ms':>9}{'p99 ms':>9}"
+        f"{'p50 x quiet':>13}{'p99 x quiet':>13}"
+    )
+    worst, worst_ttft = 0.0, 0.0
     for kind in sorted({k for k, _ in record.latencies}):
-        quiet = record.latencies.get((kind, False), [])
-        loud = record.latencies.get((kind, True), [])
-        base = percentile(quiet, 0.99)
-        for label, values in (("quiet", quiet), ("hostile", loud)):
-            p99 = percentile(values, 0.99)
-            ratio = p99 / base if base else float("nan")
-            if label == "hostile":
-                worst = max(worst, ratio)
+        ratios = {
+            label: ratio for label, ratio in zip(("p50", "p99"), ttft_ratios(record, kind), strict=True)
+        }
+        if kind == TTFT:
+            worst_ttft = max(worst_ttft, *ratios.values())
+        else:
+            worst = max(worst, ratios["p99"])
+        for label, hostile in (("quiet", False), ("hostile", True)):
+            values = record.latencies.get((kind, hostile), [])
+            shown = f"{ratios['p50']:>13.2f}{ratios['p99']:>13.2f}" if hostile else ""
             print(
                 f"{kind:<22}{label:>9}{len(values):>8}{percentile(values, 0.5) * 1e3:>9.2f}"
-                f"{p99 * 1e3:>9.2f}{ratio:>13.2f}"
+                f"{percentile(values, 0.99) * 1e3:>9.2f}{shown}"
             )
     # The slope over the second half, after warm-up (allocators and caches settle in the first).
     print("\nRSS (MB)            start      end   second-half slope MB/min   at each window's end")
@@ -541,9 +673,53 @@ def report(
     print(f"hostile answers that are 5xx / INTERNAL / UNKNOWN / hangs / harm done: {findings} (goal: 0)")
     for what, count in sorted(record.findings.items()):
         print(f"  {what} x{count}")
-    print(f"worst p99 ratio hostile/quiet: {worst:.2f} (goal: <= 1.5)")
-    missed = record.normal_errors or record.findings or worst > 1.5 or planted.exists()
+    print(f"worst p99 ratio hostile/quiet: {worst:.2f} (goal: <= {RATIO_GOAL})")
+    print(f"worst TTFT ratio (p50 or p99) hostile/quiet: {worst_ttft:.2f} (goal: <= {TTFT_GOAL})")
+    missed = (
+        record.normal_errors
+        or record.findings
+        or worst > RATIO_GOAL
+        or worst_ttft > TTFT_GOAL
+        or planted.exists()
+    )
     return 1 if missed else 0
+
+
+def ttft_ratios(record: Record, kind: str = TTFT) -> tuple[float, float]:
+    """The hostile windows' p50 and p99 of `kind` over the quiet windows'."""
+    quiet = record.latencies.get((kind, False), [])
+    loud = record.latencies.get((kind, True), [])
+    out = []
+    for q in (0.5, 0.99):
+        base = percentile(quiet, q)
+        out.append(percentile(loud, q) / base if base else float("nan"))
+    return out[0], out[1]
+
+
+def summary(runs: list[tuple[str, int, Record]]) -> None:
+    """Each run's TTFT figures, by tree, and the spread of each tree's ratios over its runs."""
+    print(f"\n== {TTFT}, quiet vs hostile windows, by tree and run ==")
+    print(
+        f"{'tree':<10}{'run':>4}{'quiet p50':>11}{'quiet p99':>11}{'hostile p50':>13}{'hostile p99':>13}"
+        f"{'p50 x':>8}{'p99 x':>8}{'errors':>8}"
+    )
+    for label, number, record in runs:
+        quiet = record.latencies.get((TTFT, False), [])
+        loud = record.latencies.get((TTFT, True), [])
+        p50, p99 = ttft_ratios(record)
+        print(
+            f"{label:<10}{number:>4}"
+            f"{percentile(quiet, 0.5) * 1e3:>9.1f}ms{percentile(quiet, 0.99) * 1e3:>9.1f}ms"
+            f"{percentile(loud, 0.5) * 1e3:>11.1f}ms{percentile(loud, 0.99) * 1e3:>11.1f}ms"
+            f"{p50:>8.2f}{p99:>8.2f}{sum(record.normal_errors.values()):>8}"
+        )
+    for label in dict.fromkeys(label for label, _, _ in runs):
+        ratios = [ttft_ratios(record) for name, _, record in runs if name == label]
+        p50s, p99s = [r[0] for r in ratios], [r[1] for r in ratios]
+        print(
+            f"{label}: p50 x {min(p50s):.2f}-{max(p50s):.2f}, p99 x {min(p99s):.2f}-{max(p99s):.2f} "
+            f"over {len(ratios)} runs (goal: <= {TTFT_GOAL})"
+        )
 
 
 def main() -> int:
@@ -555,9 +731,35 @@ def main() -> int:
     parser.add_argument("--sse", type=int, default=2, help="SSE generation clients via Envoy")
     parser.add_argument("--sse-rate", type=float, default=4.0, help="SSE generations a second, all clients")
     parser.add_argument("--skip", default="", help="hostile classes to leave out, comma-separated")
+    parser.add_argument("--only", default="", help="the only hostile classes to send, comma-separated")
+    parser.add_argument(
+        "--abandon-rate",
+        type=float,
+        default=8.0,
+        help="streams a second the abandoned-stream client starts (issue 33's figure: 32)",
+    )
+    parser.add_argument(
+        "--trees",
+        type=source_trees,
+        default=[("now", ROOT)],
+        metavar="NAME=TREE,...",
+        help="run the stack from each source tree in turn (before/after pairs)",
+    )
+    parser.add_argument("--repeat", type=int, default=1, help="runs of each tree, in turns")
     args = parser.parse_args()
-    with tempfile.TemporaryDirectory() as tmp:
-        return asyncio.run(run(args, Path(tmp)))
+    hostile_classes(args)  # an unknown class name stops here, before any stack starts
+    runs: list[tuple[str, int, Record]] = []
+    code = 0
+    for number in range(1, args.repeat + 1):
+        for label, tree in args.trees:
+            if len(args.trees) > 1 or args.repeat > 1:
+                print(f"\n== tree {label} ({tree}), run {number} ==", flush=True)
+            with tempfile.TemporaryDirectory() as tmp:
+                code, record = asyncio.run(run(args, Path(tmp), tree))
+            runs.append((label, number, record))
+    if len(runs) > 1:
+        summary(runs)
+    return code  # the last run's (the last tree's: the tree under test)
 
 
 if __name__ == "__main__":

@@ -31,15 +31,23 @@ class Stack:
     """`python -m modelyard.deploy` in a child process: the addresses read from what it prints, stopped by
     SIGINT (the supervisor then stops its children in order), killed if it hangs."""
 
-    def __init__(self, *args: str, metrics: bool = False) -> None:
+    def __init__(self, *args: str, metrics: bool = False, tree: Path = ROOT) -> None:
+        """The stack from `tree`'s code (its proto/python first on PYTHONPATH; default this one)."""
         cmd = [sys.executable, "-m", "modelyard.deploy", "--service-listen", "127.0.0.1:0"]
         self.service_metrics = f"127.0.0.1:{free_port()}" if metrics else ""
         self.sidecar_admin = f"127.0.0.1:{free_port()}" if metrics else ""
         cmd += ["--service-metrics", self.service_metrics, "--sidecar-admin", self.sidecar_admin]
         cmd += ["--sidecar-listen", "127.0.0.1:0", "--gateway-listen", "127.0.0.1:0"]
         cmd += ["--envoy-port", "0", "--envoy-admin-port", "0", *args]
+        env = dict(os.environ, PYTHONPATH=str(tree / "proto" / "python")) if tree != ROOT else None
         self.proc: subprocess.Popen[str] = children.popen(
-            cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, own_session=True
+            cmd,
+            cwd=tree,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+            own_session=True,
         )
         self.lines: list[str] = []
         assert self.proc.stdout is not None

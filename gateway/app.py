@@ -147,6 +147,7 @@ class Gateway:
             settings.max_streams,
             self.metrics,
             settings.resume_buffer_bytes,
+            settings.max_detached_per_client,
         )
         self.upstream: Upstream | None = None
         self.metrics_server: HttpServer | None = None

@@ -70,9 +70,25 @@ class Settings:
         int,
         Meta(
             ge=0,
-            description="most SSE streams open at once (generating, attached or kept for resume); more: 429",
+            description=(
+                "most SSE streams open at once (generating, attached or kept for resume); at it a new "
+                "stream cancels the oldest one kept for resume, or is refused (429) if none is"
+            ),
         ),
     ] = 1024
+    # A client (its credential, else its x-tenant-id, else its peer address) that leaves streams
+    # unread holds upstream slots with them: past this many its oldest is cancelled. And at
+    # max_streams a new stream cancels the oldest detached one instead of being refused.
+    max_detached_per_client: Annotated[
+        int,
+        Meta(
+            ge=0,
+            description=(
+                "most open streams one client (credential, else x-tenant-id, else peer address) may "
+                "leave unread for resume; past it its oldest is cancelled"
+            ),
+        ),
+    ] = 8
     # Finished streams kept for resume hold only their buffers (encoded events).
     resume_buffer_bytes: Annotated[
         int,

@@ -38,6 +38,18 @@ class GatewayMetrics:
             "SSE generation streams whose upstream call still runs (what --max-streams bounds)",
             registry=self.registry,
         )
+        self.detached_streams = Gauge(
+            "modelyard_gateway_detached_streams",
+            "Open SSE streams nobody reads, kept for resume (what gives way to live streams)",
+            registry=self.registry,
+        )
+        self.evicted = Counter(
+            "modelyard_gateway_detached_evictions",
+            "Detached streams cancelled to make room: over their client's --max-detached-per-client "
+            "(cause=client) or for a new stream at --max-streams (cause=full)",
+            ["cause"],
+            registry=self.registry,
+        )
         self.finished_bytes = Gauge(
             "modelyard_gateway_finished_stream_bytes",
             "Encoded bytes buffered by finished streams kept for resume (bounded by --resume-buffer-bytes)",

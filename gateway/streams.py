@@ -19,12 +19,26 @@ kept for resume): they hold a slot upstream. Finished streams hold only their bu
 bounded by memory instead: their buffers together stay under `finished_bytes` (the encoded size
 of their events), the oldest finished streams forgotten first. A one-token stream therefore costs
 the limit nothing once it has ended.
+
+Abandoned streams never lock live clients out: an open stream nobody reads (DETACHED, kept for
+resume) is what gives way. One client (its credential, else its x-tenant-id, else its peer
+address) keeps at most `per_client` detached streams: one more and its oldest is cancelled. And
+when the open streams are at `max_streams`, a new stream cancels the oldest detached one (anyone's)
+instead of being refused; only when every open stream is being read is it refused (429). A
+cancelled stream is forgotten, so its resume is answered as an expired one.
+
+Owners: a stream keeps a keyed digest of the credential that started it (its `authorization`
+header); a resume with another credential, or with none, is answered as an unknown stream. A
+stream started without a credential is resumed by whoever holds its id: the id is the capability,
+so it is kept out of the log (log lines name a stream by its number only).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
+import hmac
 import itertools
 import json
 import logging
@@ -67,6 +81,21 @@ class Event:
         return self.name != TOKEN
 
 
+@dataclass(frozen=True, slots=True)
+class Caller:
+    """Who a request comes from, as the registry keys it (Registry.caller): `owner`, a keyed digest
+    of its credential (None: anonymous), which a resume must match; `client`, a keyed digest of
+    the credential, else the x-tenant-id, else the peer address, under which its detached streams
+    are counted. Fixed-size digests: what a client sends never grows the registry's keys."""
+
+    owner: bytes | None = None
+    client: bytes = b""
+
+
+ANONYMOUS = Caller()
+_NUMBERS = itertools.count(1)  # a stream's number, for log lines (its id is a capability)
+
+
 class GenerateCall(Protocol):
     """What a Stream needs of a grpc.aio server-streaming call."""
 
@@ -82,9 +111,11 @@ class Evicted(Exception):
 
 
 class Stream:
-    def __init__(self, stream_id: str, model: str, bound: int) -> None:
+    def __init__(self, stream_id: str, model: str, bound: int, caller: Caller = ANONYMOUS) -> None:
         self.id = stream_id
+        self.number = next(_NUMBERS)  # what log lines name it by
         self.model = model
+        self.caller = caller
         self.headers: dict[str, str] = {}  # x-served-version, x-model-dye from the upstream call
         self.failure: errors.HttpError | None = None  # set when the call failed before any event
         self._bound = bound
@@ -99,6 +130,7 @@ class Stream:
         self.finished = False
         self.on_finished: Callable[[Stream], None] | None = None  # called once, when it finishes
         self.producer: asyncio.Task[None] | None = None
+        self.call: GenerateCall | None = None  # the upstream call the producer reads
         self.expiry: asyncio.TimerHandle | None = None
 
     # --- the producer side ---------------------------------------------------------------------
@@ -265,14 +297,26 @@ class Registry:
     finished ones until they expire or their buffers are over `finished_bytes` together."""
 
     def __init__(
-        self, window_s: float, bound: int, limit: int, metrics: GatewayMetrics, finished_bytes: int = 64 << 20
+        self,
+        window_s: float,
+        bound: int,
+        limit: int,
+        metrics: GatewayMetrics,
+        finished_bytes: int = 64 << 20,
+        per_client: int = 8,
     ) -> None:
         self.window_s = window_s
         self.bound = bound
         self.limit = limit
         self.finished_bytes = finished_bytes
+        self.per_client = per_client
         self.metrics = metrics
+        self._key = secrets.token_bytes(32)  # this process's digests of credentials and clients
         self._streams: dict[str, Stream] = {}
+        # Open streams that nobody reads (kept for resume), oldest detach first, and the same by
+        # client: what gives way to live streams. Entries exist only while a stream is detached.
+        self._detached: dict[str, Stream] = {}
+        self._detached_by: dict[bytes, dict[str, Stream]] = {}
         self._open = 0  # streams that have not sent their last event (nor been given up)
         # Finished streams still held, oldest first, and the size of their buffers together.
         self._finished: dict[str, Stream] = {}
@@ -289,19 +333,56 @@ class Registry:
     def finished_size(self) -> int:
         return self._finished_size
 
+    @property
+    def detached(self) -> int:
+        """Open streams nobody reads (kept for resume)."""
+        return len(self._detached)
+
+    def detached_by(self, caller: Caller) -> int:
+        return len(self._detached_by.get(caller.client, ()))
+
+    def caller(self, authorization: str, tenant: str, peer: str) -> Caller:
+        """The Caller of a request with these headers from this peer address (host only: every
+        connection of a client has its own port)."""
+        owner = self._digest(b"credential", authorization) if authorization else None
+        if owner is not None:
+            return Caller(owner, owner[:16])
+        if tenant:
+            return Caller(None, self._digest(b"tenant", tenant)[:16])
+        return Caller(None, self._digest(b"peer", peer)[:16])
+
+    def _digest(self, kind: bytes, value: str) -> bytes:
+        return hmac.new(
+            self._key, kind + b"\0" + value.encode("utf-8", "surrogateescape"), hashlib.sha256
+        ).digest()
+
+    @staticmethod
+    def may_resume(stream: Stream, caller: Caller) -> bool:
+        """Whether `caller` may read `stream`: it started without a credential (its id is the
+        capability), or the caller presents the same one (compared in constant time)."""
+        owner = stream.caller.owner
+        if owner is None:
+            return True
+        return caller.owner is not None and hmac.compare_digest(owner, caller.owner)
+
     def get(self, stream_id: str) -> Stream | None:
         return self._streams.get(stream_id)
 
-    def start(self, model: str, call: GenerateCall) -> Stream:
-        """A new stream reading `call`, with one reader attached (the request that started it)."""
+    def start(self, model: str, call: GenerateCall, caller: Caller = ANONYMOUS) -> Stream:
+        """A new stream reading `call`, with one reader attached (the request that started it). At
+        the limit of open streams, the oldest detached stream gives way; with none, 429."""
         if self._open >= self.limit:
-            call.cancel()
-            raise errors.overloaded(f"the gateway has {self.limit} streams open, its limit")
-        stream = Stream(secrets.token_urlsafe(12), model, self.bound)
+            oldest = next(iter(self._detached.values()), None)
+            if oldest is None:
+                call.cancel()
+                raise errors.overloaded(f"the gateway has {self.limit} streams open, its limit")
+            self._evict(oldest, "full")
+        stream = Stream(secrets.token_urlsafe(12), model, self.bound, caller)
         self._streams[stream.id] = stream
         stream.readers = 1
         self._open += 1
         stream.on_finished = self._finished_one
+        stream.call = call
         stream.producer = asyncio.get_running_loop().create_task(stream.run(call))
         stream.producer.add_done_callback(lambda _: self._ended(stream))
         self._gauges()
@@ -309,6 +390,7 @@ class Registry:
 
     def attach(self, stream: Stream) -> None:
         stream.readers += 1
+        self._undetach(stream)
         if stream.expiry is not None:
             stream.expiry.cancel()
             stream.expiry = None
@@ -320,8 +402,40 @@ class Registry:
             return
         if self.window_s <= 0 or stream.failure is not None:
             self.drop(stream)
-        elif stream.expiry is None and stream.id in self._streams:
+            return
+        if stream.expiry is None and stream.id in self._streams:
             stream.expiry = asyncio.get_running_loop().call_later(self.window_s, self._expire, stream)
+        if not stream.finished and stream.id in self._streams:
+            self._detach_open(stream)
+
+    def _detach_open(self, stream: Stream) -> None:
+        """An open stream is left unread: count it against its client, whose oldest detached
+        stream is cancelled past `per_client`."""
+        self._detached[stream.id] = stream
+        mine = self._detached_by.setdefault(stream.caller.client, {})
+        mine[stream.id] = stream
+        while len(mine) > self.per_client:
+            self._evict(next(iter(mine.values())), "client")
+        self._gauges()
+
+    def _undetach(self, stream: Stream) -> None:
+        """It is read again, has finished, or is dropped: no longer held detached."""
+        if self._detached.pop(stream.id, None) is None:
+            return
+        client = stream.caller.client
+        mine = self._detached_by.get(client)
+        if mine is not None:
+            mine.pop(stream.id, None)
+            if not mine:
+                del self._detached_by[client]
+
+    def _evict(self, stream: Stream, cause: str) -> None:
+        """Cancel a detached stream's upstream call and forget it (its resume: unknown or expired),
+        so that its place and its slot upstream go to a live stream. It counts as ended at once."""
+        self.metrics.evicted.labels(cause).inc()
+        log.debug("detached stream #%d cancelled (%s)", stream.number, cause)
+        self.drop(stream)
+        stream._finish()
 
     def drop(self, stream: Stream, at_once: bool = False) -> None:
         """Forget the stream and cancel its upstream call if it still runs. A call whose last event
@@ -338,22 +452,26 @@ class Registry:
                 producer.add_done_callback(lambda _: late.cancel())
             else:
                 producer.cancel()
+                if stream.call is not None:  # also when the producer never ran (its except did not)
+                    stream.call.cancel()
                 if not stream.finished:
                     self.metrics.cancelled.inc()
         if self._finished.pop(stream.id, None) is not None:
             self._finished_size -= stream.bytes
+        self._undetach(stream)
         self._streams.pop(stream.id, None)
         self._gauges()
 
     def _expire(self, stream: Stream) -> None:
         stream.expiry = None
         if stream.readers == 0:
-            log.debug("stream %s expired", stream.id)
+            log.debug("stream #%d expired", stream.number)
             self.drop(stream)
 
     def _gauges(self) -> None:
         self.metrics.streams.set(len(self._streams))
         self.metrics.open_streams.set(self._open)
+        self.metrics.detached_streams.set(len(self._detached))
         self.metrics.finished_bytes.set(self._finished_size)
 
     def _ended(self, stream: Stream) -> None:
@@ -364,6 +482,7 @@ class Registry:
 
     def _finished_one(self, stream: Stream) -> None:
         self._open -= 1
+        self._undetach(stream)  # its upstream call is over: it holds nothing upstream any more
         self._gauges()
         if stream.id not in self._streams:
             return
@@ -374,7 +493,7 @@ class Registry:
         while self._finished_size > self.finished_bytes and self._finished:
             oldest = next(iter(self._finished.values()))
             log.debug(
-                "stream %s forgotten: finished streams are over %d bytes", oldest.id, self.finished_bytes
+                "stream #%d forgotten: finished streams are over %d bytes", oldest.number, self.finished_bytes
             )
             self.drop(oldest)
         self._gauges()

@@ -69,3 +69,9 @@ class DeadlineExceeded(ServiceError):
 
 class ReaderStalled(ServiceError):
     """A stream's reader took nothing for longer than the stall limit; its work was dropped."""
+
+
+class PreemptedDropped(ReaderStalled):
+    """A stream whose reader fell behind gave up its decode slot to waiting work and was then the
+    oldest of more such streams than generation.max_preempted: its work was dropped (ABORTED,
+    reader_stalled, as a stalled reader's)."""

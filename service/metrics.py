@@ -328,6 +328,8 @@ class GenerationMetrics:
     tokens: Counter
     active: Gauge
     waiting: Gauge
+    preempted: Gauge
+    preemptions: Counter
     step_rows: Histogram
     step_seconds: Histogram
     _finished: Counter
@@ -342,8 +344,9 @@ class GenerationMetrics:
         self._finished.labels(*self._labels, reason).inc()
 
     def cancelled(self, cause: str) -> None:
-        """A sequence was abandoned by its client: cancelled (or disconnected), deadline, or stalled
-        (its reader took nothing past generation.stall_timeout_ms)."""
+        """A sequence was abandoned by its client: cancelled (or disconnected), deadline, stalled
+        (its reader took nothing past generation.stall_timeout_ms) or preempted (its reader was
+        behind and it was the oldest over generation.max_preempted)."""
         self._series.add((self._cancellations, (*self._labels, cause)))
         self._cancellations.labels(*self._labels, cause).inc()
 
@@ -507,6 +510,18 @@ class ServiceMetrics:
             labels,
             registry=self.registry,
         )
+        self.generation_preempted = Gauge(
+            "modelyard_generation_preempted_sequences",
+            "Paused sequences that gave their decode slot to waiting ones (cache kept in host memory).",
+            labels,
+            registry=self.registry,
+        )
+        self.generation_preemptions = Counter(
+            "modelyard_generation_preemptions",
+            "Paused sequences that gave up their decode slot because others waited for one.",
+            labels,
+            registry=self.registry,
+        )
         self.generation_step_rows = Histogram(
             "modelyard_generation_decode_batch_rows",
             "Sequences per decode step (the batch that one model run advances).",
@@ -523,13 +538,15 @@ class ServiceMetrics:
         )
         self.generation_finished = Counter(
             "modelyard_generation_finished",
-            "Generations ended, by reason: length, stop, eos, cancelled, deadline, error.",
+            "Generations ended, by reason: length, stop, eos, cancelled, deadline, stalled, preempted, "
+            "error.",
             [*labels, "reason"],
             registry=self.registry,
         )
         self.generation_cancellations = Counter(
             "modelyard_generation_cancellations",
-            "Generations abandoned by their client, by cause: cancelled (or disconnected), deadline.",
+            "Generations abandoned by their client, by cause: cancelled (or disconnected), deadline, "
+            "stalled, preempted (dropped over generation.max_preempted).",
             [*labels, "cause"],
             registry=self.registry,
         )
@@ -543,6 +560,8 @@ class ServiceMetrics:
             self.generation_tokens,
             self.generation_active,
             self.generation_waiting,
+            self.generation_preempted,
+            self.generation_preemptions,
             self.generation_step_rows,
             self.generation_step_seconds,
         ):
@@ -553,6 +572,8 @@ class ServiceMetrics:
             tokens=self.generation_tokens.labels(*labels),
             active=self.generation_active.labels(*labels),
             waiting=self.generation_waiting.labels(*labels),
+            preempted=self.generation_preempted.labels(*labels),
+            preemptions=self.generation_preemptions.labels(*labels),
             step_rows=self.generation_step_rows.labels(*labels),
             step_seconds=self.generation_step_seconds.labels(*labels),
             _finished=self.generation_finished,

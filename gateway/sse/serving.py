@@ -1,7 +1,9 @@
 """SSE generation: `POST /v1/models/{model}/generate` (JSON body) and `GET` with query parameters
 (for EventSource), the fields and events of protocol.py. A request with `Last-Event-ID` (header,
 or `last_event_id` query parameter) resumes the stream it names instead of starting a
-generation. A failure before the first event is an HTTP error instead (errors.py).
+generation, if it carries the credential that started it (streams.Registry.may_resume): with
+another, or none, the stream is answered as unknown. A failure before the first event is an HTTP
+error instead (errors.py).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from modelyard.gateway.config import Settings
 from modelyard.gateway.metrics import GatewayMetrics
 from modelyard.gateway.sse import protocol
 from modelyard.gateway.sse.response import SSEResponse
-from modelyard.gateway.streams import Evicted, Registry, Stream, parse_id
+from modelyard.gateway.streams import Caller, Evicted, Registry, Stream, parse_id
 from modelyard.gateway.upstream import Metadata, Upstream, forward
 from modelyard.inference.v1 import inference_service_pb2 as pb
 
@@ -37,22 +39,29 @@ class GenerateEndpoints:
         model = http.model_name(request.path_params["model"], "model")
         last = _last_event_id(request)
         if last is not None:
-            return self._resume(model, last)
+            return self._resume(model, last, self.caller(request))
         return await self.start(request, model, await http.read_json(request, self.settings.max_body_bytes))
 
     async def get(self, request: Request) -> Response:
         model = http.model_name(request.path_params["model"], "model")
         last = _last_event_id(request)
         if last is not None:
-            return self._resume(model, last)
+            return self._resume(model, last, self.caller(request))
         return await self.start(request, model, http.query_fields(request, protocol.QUERY_NUMBERS))
 
-    async def open_stream(self, generate: pb.GenerateRequest, metadata: Metadata) -> Stream:
+    def caller(self, request: Request) -> Caller:
+        """Who sends `request`, for the registry: its credential, its tenant, its peer."""
+        peer = request.client.host if request.client is not None else ""
+        return self.registry.caller(
+            request.headers.get(headers.AUTHORIZATION, ""), request.headers.get(headers.TENANT_ID, ""), peer
+        )
+
+    async def open_stream(self, generate: pb.GenerateRequest, metadata: Metadata, caller: Caller) -> Stream:
         """Start the upstream call and wait for its first event; the stream has one reader attached
         (the caller must detach it), or the call's failure is raised as an HttpError."""
         started = time.perf_counter()
         call = self.upstream.inference.Generate(generate, metadata=metadata, timeout=self.upstream.timeout_s)
-        stream = self.registry.start(generate.model_name, call)
+        stream = self.registry.start(generate.model_name, call, caller)
         try:
             async with asyncio.timeout(self.settings.first_event_wait_s):
                 await stream.started()
@@ -71,17 +80,18 @@ class GenerateEndpoints:
     async def start(self, request: Request, model: str, body: dict[str, Any]) -> Response:
         metadata = forward(request.headers)  # 400 before anything starts when a header cannot travel
         generate = protocol.parse_generate(model, body, request.headers.get(headers.REQUEST_ID, "")).message()
-        stream = await self.open_stream(generate, metadata)
+        stream = await self.open_stream(generate, metadata, self.caller(request))
         return self._respond(stream, 0)
 
-    def _resume(self, model: str, last: str) -> Response:
+    def _resume(self, model: str, last: str, caller: Caller) -> Response:
         try:
             stream_id, seq = parse_id(last)
         except ValueError as exc:
             self.metrics.resumes.labels("invalid").inc()
             raise errors.bad_request(str(exc)) from None
         stream = self.registry.get(stream_id)
-        if stream is None or stream.model != model:
+        # Another's stream is answered exactly as one that does not exist: nothing tells them apart.
+        if stream is None or stream.model != model or not self.registry.may_resume(stream, caller):
             self.metrics.resumes.labels("unknown").inc()
             raise errors.not_found(
                 f"stream {names.echo(stream_id)} is unknown or expired (streams are kept "

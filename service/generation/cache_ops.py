@@ -53,6 +53,14 @@ class CacheOps(Protocol):
         """`rows` of the cache, from column `start` on (a copy: the batch cache is freed after)."""
         ...
 
+    def offload(self, past: Sequence[Tensor]) -> list[Tensor]:
+        """One sequence's cache in host memory (a preempted sequence's, off the device)."""
+        ...
+
+    def place(self, past: Sequence[Tensor]) -> list[Tensor]:
+        """A cache back where the batch's lives (an offloaded one onto the device)."""
+        ...
+
 
 class HostCacheOps:
     def __init__(self, layout: DecoderLayout) -> None:
@@ -79,6 +87,12 @@ class HostCacheOps:
     def select(self, past: Sequence[Tensor], rows: Sequence[int], start: int) -> list[Tensor]:
         index = np.asarray(rows, dtype=np.int64)
         return [np.ascontiguousarray(np.asarray(array)[index, :, start:]) for array in past]
+
+    def offload(self, past: Sequence[Tensor]) -> list[Tensor]:
+        return list(past)  # already in host memory
+
+    def place(self, past: Sequence[Tensor]) -> list[Tensor]:
+        return list(past)
 
 
 class DeviceCacheOps:
@@ -153,6 +167,20 @@ class DeviceCacheOps:
             binding.bind_output(f"out{i}", self._device, self._device_id)
         session.run_with_iobinding(binding, self._run_options)
         return list(binding.get_outputs())
+
+    def offload(self, past: Sequence[Tensor]) -> list[Tensor]:
+        # Copied, not dropped and recomputed: a prefill of prompt and tokens computes the cache
+        # with other kernels than the steps did, so the rejoined sequence could choose otherwise
+        # at a near tie; the copy makes what it emits exactly what it would have uninterrupted.
+        return [to_host(tensor) for tensor in past]
+
+    def place(self, past: Sequence[Tensor]) -> list[Tensor]:
+        return [
+            ort.OrtValue.ortvalue_from_numpy(t, self._device, self._device_id)
+            if isinstance(t, np.ndarray)
+            else t
+            for t in past
+        ]
 
 
 def to_host(tensor: Tensor) -> np.ndarray:

@@ -136,7 +136,8 @@ class DecodeBatch(Generic[Member]):
         if not joining:
             return
         parts = [(self._past, self._width)] if self.members else []
-        parts += [(cache.past, cache.length) for _, cache, _ in joining]
+        # A preempted sequence's cache comes back from host memory (ops.offload) first.
+        parts += [(self._runner.ops.place(cache.past), cache.length) for _, cache, _ in joining]
         width = max(part_width for _, part_width in parts)
         self._past = self._runner.ops.join(parts, width)
         self._width = width

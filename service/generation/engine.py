@@ -10,7 +10,8 @@ Each turn of the loop:
 1. drops waiting sequences whose deadline passed (never prefilled), running ones whose reader left
    (cancelled, disconnected) or whose deadline passed, pauses those whose reader is behind (buffer
    full) and resumes those whose reader caught up;
-2. gives free slots to queued sequences and prefills their prompts (first token at once);
+2. preempts paused sequences when others wait for a slot (below), gives free slots to the
+   waiting ones and prefills their prompts (first token at once);
 3. runs decode steps for every running sequence together, as one batch: one executor call runs
    steps back to back, leaving each step's tokens for the event loop as it goes, until something
    needs the loop between steps (an arrival, a leave, a reader behind, a deadline, a finish).
@@ -28,6 +29,16 @@ stream: the hop to the executor and back (mostly waiting for the GIL while the e
 the previous token) cost more than the step itself; now the loop sends while the next step runs.
 With `continuous_batching: false` (or a graph without position_ids, whose positions would shift
 under padding) every sequence decodes in a batch of its own instead.
+
+Preemption: a paused sequence (its reader is not reading: gone, or slower than the model) holds
+a slot that does no work. When others wait for one, it gives it up (PREEMPTED): its cache is kept
+in host memory (on a device it is copied there, not dropped: see cache_ops.offload), with its
+sampling state, so that what it emits once back is exactly what it would have emitted
+uninterrupted. When its reader has taken every event, it waits for a slot again, in line with the
+queued sequences by priority and by the time it started waiting, and rejoins a batch with its
+cache. At most `max_preempted` are kept: past it the oldest one whose reader is still behind is
+dropped (its stream ends ABORTED, reader_stalled). A preempted sequence costs its cache (layers x 2
+x heads x length x head size x the cache's element size) and its stream buffer, no slot, no step.
 """
 
 from __future__ import annotations
@@ -44,7 +55,13 @@ from typing import TypeVar
 
 import numpy as np
 
-from modelyard.service.errors import DeadlineExceeded, ModelUnavailable, ReaderStalled, ServiceError
+from modelyard.service.errors import (
+    DeadlineExceeded,
+    ModelUnavailable,
+    PreemptedDropped,
+    ReaderStalled,
+    ServiceError,
+)
 from modelyard.service.generation.decoder import Cache, DecodeBatch, StepRunner, prefill
 from modelyard.service.generation.model import DecoderModel
 from modelyard.service.generation.sampling import choose, choose_rows
@@ -136,6 +153,10 @@ class Engine:
             self._settings.admission, self._clock, queue_metrics, name
         )
         self._slots: set[Sequence] = set()  # admitted: prefill, running or paused
+        # Preempted sequences by id, oldest preemption first; those ready to rejoin, by readiness.
+        self._preempted: dict[int, Sequence] = {}
+        self._ready: dict[int, Sequence] = {}
+        self._max_preempted = self._settings.max_preempted
         self._unprefilled: deque[Sequence] = deque()  # given a slot, prompt not run yet
         self._batches: list[DecodeBatch[Sequence]] = []
         self._batch_of: dict[int, DecodeBatch[Sequence]] = {}  # id(sequence) -> its batch
@@ -158,6 +179,11 @@ class Engine:
         """Sequences holding a slot out of the decode steps until their reader catches up."""
         return sum(1 for sequence in self._slots if sequence.state is State.PAUSED)
 
+    @property
+    def preempted(self) -> int:
+        """Paused sequences that gave up their slot (kept in host memory)."""
+        return len(self._preempted)
+
     # -- the readers' side -------------------------------------------------------------------
 
     def submit(self, request: GenerationRequest, scheduling: Scheduling = DEFAULT_SCHEDULING) -> Sequence:
@@ -171,9 +197,10 @@ class Engine:
             # deadline, so that both end at the same instant.
             scheduling = scheduling._replace(time_remaining_s=request.deadline - self._clock.now())
         sequence = Sequence(
-            request, self._codec, self._version, self._settings.stream_buffer, self._kick, self._pull
+            request, self._codec, self._version, self._settings.stream_buffer, self._drained, self._pull
         )
         sequence.ticket = self._queue.admit(sequence, scheduling)
+        sequence.level = sequence.ticket.level
         # A free slot is taken now, not at the loop's next turn: arrivals that fit in free slots
         # must not count against (or be refused by) the wait queue's bound.
         self._seat()
@@ -191,6 +218,8 @@ class Engine:
         self._metrics.finished(cause)
         if sequence.state is State.WAITING and sequence.ticket is not None:
             self._queue.remove(sequence.ticket)
+        elif sequence.state is State.PREEMPTED:
+            self._unpreempt(sequence)
         sequence.state = State.DONE
         self._gauges()
         self._kick()
@@ -213,7 +242,7 @@ class Engine:
             self._task = asyncio.get_running_loop().create_task(self._loop(), name="decode-loop")
 
     async def _loop(self) -> None:
-        while self._slots or self._queue:
+        while self._slots or self._queue or self._preempted:
             self._wake.clear()
             try:
                 worked = await self._turn()
@@ -230,9 +259,13 @@ class Engine:
         self._gauges()
 
     def _stalled(self, sequence: Sequence, now: float) -> bool:
+        """Paused (or preempted) while its reader took nothing for the stall limit."""
         return (
             self._stall_s > 0
-            and sequence.state is State.PAUSED
+            and (
+                sequence.state is State.PAUSED
+                or (sequence.state is State.PREEMPTED and sequence.ready_at is None)
+            )
             and now - sequence.paused_since >= self._stall_s
         )
 
@@ -242,19 +275,23 @@ class Engine:
         can abandon a stream whose send failed without closing it), or the moment a paused
         sequence's reader counts as stalled."""
         deadlines = [d for d in (self._queue.next_deadline(),) if d is not None]
+        held = [*self._slots, *self._preempted.values()]
         deadlines += [
-            s.request.deadline
-            for s in self._slots
-            if s.request.deadline is not None and s.state is not State.DONE
+            s.request.deadline for s in held if s.request.deadline is not None and s.state is not State.DONE
         ]
         if self._stall_s:
-            deadlines += [s.paused_since + self._stall_s for s in self._slots if s.state is State.PAUSED]
+            deadlines += [
+                s.paused_since + self._stall_s
+                for s in held
+                if s.state is State.PAUSED or (s.state is State.PREEMPTED and s.ready_at is None)
+            ]
         return min(deadlines, default=None)
 
     async def _turn(self) -> bool:
         """One turn; False when there was nothing to do (every sequence waits for its reader)."""
         self._expire(time.monotonic())
         changes = self._plan_leaving()
+        await self._preempt()
         self._seat()
         admitted = self._admit()
         if admitted:
@@ -272,12 +309,14 @@ class Engine:
             self._metrics.finished("deadline")
             ticket.item.fail(DeadlineExceeded("the deadline passed while the generation waited for a slot"))
         # The queue's deadlines end at the slot; a sequence that has one keeps its client's deadline.
-        for sequence in self._slots:
+        for sequence in [*self._slots, *self._preempted.values()]:
             if sequence.state is not State.DONE and sequence.expired(now):
+                self._unpreempt(sequence)
                 self._metrics.cancelled("deadline")
                 self._metrics.finished("deadline")
                 sequence.fail(DeadlineExceeded("the deadline passed during generation"))
             elif self._stalled(sequence, now):
+                self._unpreempt(sequence)
                 # Its reader took nothing while it was paused: free the slot for the others.
                 self._metrics.cancelled("stalled")
                 self._metrics.finished("stalled")
@@ -305,15 +344,91 @@ class Engine:
         return changes
 
     def _seat(self) -> None:
-        """Give every free slot to the head of the queue: the highest priority, then the oldest."""
+        """Give every free slot to the head of the queue (the highest priority, then the oldest), or
+        to a preempted sequence ready to run again that has waited longer at the same level or
+        waits at a higher one: it gets back its slot with its cache (PAUSED, with room: it joins a
+        batch at the next step)."""
         while len(self._slots) < self._settings.max_concurrent_sequences:
-            ticket = self._queue.pop()
+            ticket = self._queue.head()
+            if self._ready:
+                ready = min(self._ready.values(), key=_waiting_since)
+                if ticket is None or _waiting_since(ready) <= (ticket.level, ticket.enqueued_at):
+                    self._unpreempt(ready)
+                    ready.state, ready.paused_since = State.PAUSED, time.monotonic()
+                    self._slots.add(ready)
+                    continue
             if ticket is None:
                 return
+            self._queue.take((ticket,))
             sequence = ticket.item
             sequence.state = State.PREFILL
             self._slots.add(sequence)
             self._unprefilled.append(sequence)
+
+    # -- preemption --------------------------------------------------------------------------
+
+    def _drained(self, sequence: Sequence) -> None:
+        """A paused or preempted sequence's reader has taken every event: it may run again (a
+        preempted one waits for a slot from now on)."""
+        if sequence.state is State.PREEMPTED and sequence.ready_at is None and not sequence.buffered:
+            sequence.ready_at = self._clock.now()
+            self._ready[id(sequence)] = sequence
+        self._kick()
+
+    async def _preempt(self) -> None:
+        """Paused sequences whose reader is behind give their slots to the sequences waiting for
+        one (queued, or preempted and ready again), the longest paused first."""
+        if not self._max_preempted:
+            return
+        free = self._settings.max_concurrent_sequences - len(self._slots)
+        wanted = len(self._queue) + len(self._ready) - free
+        if wanted <= 0:
+            return
+        paused = sorted(
+            (s for s in self._slots if s.state is State.PAUSED and s.cache is not None and not s.has_room),
+            key=lambda s: s.paused_since,
+        )[:wanted]
+        if not paused:
+            return
+        if self._runner.bound:  # a cache on the device: copied to host memory, in the executor
+            offload = self._runner.ops.offload
+            caches = await asyncio.get_running_loop().run_in_executor(
+                self._executor, lambda: [offload(s.cache.past) if s.cache is not None else [] for s in paused]
+            )
+            for sequence, past in zip(paused, caches, strict=True):
+                if sequence.cache is not None:
+                    sequence.cache = Cache(past, sequence.cache.length)
+        for sequence in paused:
+            # Still paused with its reader behind (it may have left, or read, while the cache moved).
+            if sequence.state is not State.PAUSED or sequence.cache is None or sequence.has_room:
+                continue
+            self._slots.discard(sequence)
+            sequence.state, sequence.ready_at = State.PREEMPTED, None
+            self._preempted[id(sequence)] = sequence
+            self._metrics.preemptions.inc()
+        while len(self._preempted) > self._max_preempted:
+            behind = (s for s in self._preempted.values() if s.ready_at is None)
+            self._drop_preempted(next(behind, None) or next(iter(self._preempted.values())))
+
+    def _drop_preempted(self, sequence: Sequence) -> None:
+        """Over max_preempted: this one's work is dropped; its stream ends ABORTED (reader_stalled)."""
+        self._unpreempt(sequence)
+        self._metrics.cancelled("preempted")
+        self._metrics.finished("preempted")
+        error = PreemptedDropped(
+            "the stream's reader fell behind, so its generation gave its decode slot to waiting ones; "
+            f"it was then the oldest of more than {self._max_preempted} such generations "
+            "(generation.max_preempted) and was dropped"
+        )
+        sequence.fail(error)
+        if sequence.on_stalled is not None:
+            sequence.on_stalled(error)
+
+    def _unpreempt(self, sequence: Sequence) -> None:
+        """No longer preempted (it has its slot again, or it ends)."""
+        self._preempted.pop(id(sequence), None)
+        self._ready.pop(id(sequence), None)
+        sequence.ready_at = None
 
     def _admit(self) -> list[Sequence]:
         """The seated sequences whose prompts run this turn, within the prefill budget."""
@@ -605,9 +720,11 @@ class Engine:
 
     def _fail_all(self, error: ServiceError) -> None:
         waiting = [ticket.item for ticket in self._queue.close()]
-        for sequence in [*self._slots, *waiting]:
+        for sequence in [*self._slots, *self._preempted.values(), *waiting]:
             self._fail(sequence, error)
             self._free(sequence)
+        self._preempted.clear()
+        self._ready.clear()
         self._unprefilled.clear()
         self._batches.clear()
         self._batch_of.clear()
@@ -615,7 +732,13 @@ class Engine:
 
     def _gauges(self) -> None:
         self._metrics.active.set(len(self._slots))
-        self._metrics.waiting.set(len(self._queue))
+        self._metrics.waiting.set(len(self._queue) + len(self._ready))
+        self._metrics.preempted.set(len(self._preempted))
+
+
+def _waiting_since(sequence: Sequence) -> tuple[int, float]:
+    """A ready preempted sequence's place in line for a slot, as a queued ticket's (level, time)."""
+    return sequence.level, sequence.ready_at if sequence.ready_at is not None else 0.0
 
 
 def _unique(items: Iterable[T]) -> list[T]:

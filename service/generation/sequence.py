@@ -68,6 +68,9 @@ class State(enum.Enum):
     PREFILL = "prefill"  # has a slot; its prompt runs next
     RUNNING = "running"  # a row of a decode batch
     PAUSED = "paused"  # holds its slot and cache, out of the batch until its reader catches up
+    # Was paused while others waited for a slot: gave its slot up, its cache kept in host memory,
+    # until its reader has taken every event (ready) and a slot is free again.
+    PREEMPTED = "preempted"
     DONE = "done"
 
 
@@ -78,7 +81,7 @@ class Sequence:
         decoder: Decoder,
         version: int,
         buffer: int,
-        on_drained: Callable[[], None],
+        on_drained: Callable[[Sequence], None],
         pull: Callable[[Sequence], None] | None = None,
     ) -> None:
         self.request = request
@@ -98,6 +101,8 @@ class Sequence:
         self.first_token_at = 0.0
         self.last_token_at = 0.0
         self.paused_since = 0.0  # when it last paused for its reader
+        self.level = 0  # its priority level in the wait queue (a preempted one waits at it again)
+        self.ready_at: float | None = None  # preempted, and its reader has taken everything since
         # Told when the sequence is dropped because its reader stalled: the reader is then blocked
         # in a write, so the transport must end the stream from outside it.
         self.on_stalled: Callable[[BaseException], None] | None = None
@@ -162,6 +167,6 @@ class Sequence:
                 raise item
             taken.append(item)
             self._events.popleft()
-        if self.state is State.PAUSED:
-            self._on_drained()
+        if self.state is State.PAUSED or self.state is State.PREEMPTED:
+            self._on_drained(self)
         return taken

@@ -151,6 +151,11 @@ class GenerationConfig:
     # How long a sequence may stay paused while its reader takes nothing (a stalled client): past
     # it the stream ends (ABORTED) and its decode slot is freed. 0 = no limit.
     stall_timeout_ms: int = 30_000
+    # Paused sequences (reader behind) give up their decode slot to waiting ones and keep their
+    # cache in host memory until their reader reads again; at most this many are kept (past it
+    # the oldest is dropped, its stream ending ABORTED reader_stalled). 0 = no preemption: a
+    # paused sequence holds its slot.
+    max_preempted: int = 64
     admission: AdmissionPolicy = field(default_factory=_generation_admission)
 
 
@@ -359,6 +364,7 @@ def _generation(doc: GenerationDoc) -> GenerationConfig:
         continuous_batching=doc.continuous_batching,
         stream_buffer=doc.stream_buffer,
         stall_timeout_ms=doc.stall_timeout_ms,
+        max_preempted=doc.max_preempted,
         admission=_admission(
             doc,
             "generation",

@@ -155,6 +155,15 @@ class GenerationDoc(_AdmissionDoc):
     stall_timeout_ms: Annotated[
         Count, Meta(description="how long a sequence may stay paused for its reader; 0 = no limit")
     ] = 30_000
+    max_preempted: Annotated[
+        Count,
+        Meta(
+            description=(
+                "paused sequences kept (cache in host memory) after giving their slot to waiting ones; "
+                "0 = paused sequences keep their slots"
+            )
+        ),
+    ] = 64
     # At least 1: a max_queue_size of 0 means "no bound", the opposite of what 0 waiting once meant.
     max_waiting: Annotated[
         Positive, Meta(description="sequences that may wait for a decode slot (the default queue's size)")

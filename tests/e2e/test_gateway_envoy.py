@@ -41,7 +41,10 @@ from tests.sse_client import events_only, read_events, token_ids
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
 CODELM = demo_models.COMMITTED_ROOT / "codelm"
-ONE_SLOT = "generation:\n  max_concurrent_sequences: 1\n  max_tokens: 256\n  stream_buffer: 2\n"
+# A paused stream keeps its slot here (no preemption): a reader that stops holds the one slot.
+ONE_SLOT = (
+    "generation:\n  max_concurrent_sequences: 1\n  max_tokens: 256\n  stream_buffer: 2\n  max_preempted: 0\n"
+)
 GENERATE = "/modelyard.inference.v1.InferenceService/Generate"
 LIST_MODELS = "/modelyard.inference.v1.ModelService/ListModels"
 ORIGIN = "http://localhost:8080"

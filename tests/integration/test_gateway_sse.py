@@ -37,9 +37,11 @@ CODELM = demo_models.COMMITTED_ROOT / "codelm"
 # One slot and a 2-token stream buffer: a reader that stops pauses the sequence quickly.
 SMALL = "generation:\n  max_concurrent_sequences: 4\n  max_tokens: 256\n  stream_buffer: 2\n"
 MODELS = ("codelm", "resumed", "dropped", "kept", "tight", "drained")
-# One decode slot and one queue place: a third request is shed (RESOURCE_EXHAUSTED).
+# One decode slot and one queue place: a third request is shed (RESOURCE_EXHAUSTED). A paused
+# stream keeps its slot (no preemption), so a stream nobody reads holds it.
 TIGHT = (
     "generation:\n  max_concurrent_sequences: 1\n  max_waiting: 1\n  max_tokens: 256\n  stream_buffer: 2\n"
+    "  max_preempted: 0\n"
 )
 
 

@@ -35,11 +35,15 @@ from tests.support import eventually, metric
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
 CODELM = demo_models.COMMITTED_ROOT / "codelm"
+# A paused stream keeps its slot here (max_preempted 0: no preemption), so that a stream nobody
+# reads holds the one slot while the tests look at the queue behind it (preemption has its tests
+# in tests/security/test_abandoned_streams.py).
 TIGHT = """generation:
   max_concurrent_sequences: 1
   max_waiting: 1
   max_tokens: 256
   stream_buffer: 2
+  max_preempted: 0
 """
 # One slot and two priority levels (requests that name none wait at 2, the lowest), whose queues
 # let a request shorten its wait with timeout_us.
@@ -47,6 +51,7 @@ RANKED = """generation:
   max_concurrent_sequences: 1
   max_tokens: 256
   stream_buffer: 2
+  max_preempted: 0
   priority_levels: 2
   default_queue_policy: {max_queue_size: 4, allow_timeout_override: true}
 """

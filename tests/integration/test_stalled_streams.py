@@ -1,6 +1,7 @@
-"""Stalled readers: a Generate stream whose client stops reading (its HTTP/2 window closed) is
-dropped after generation.stall_timeout_ms; its decode slot goes to the next stream, the metrics
-count it, and the stalled client, when it reads again, gets its tokens and then ABORTED."""
+"""Stalled readers: a Generate stream whose client stops reading (its HTTP/2 window closed) gives
+its decode slot to the next stream at once (preemption) and is dropped after
+generation.stall_timeout_ms; the metrics count it, and the stalled client, when it reads again,
+gets its tokens and then ABORTED."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from modelyard.inference.v1 import inference_service_pb2_grpc as pb_grpc
 from modelyard.service.config import Settings
 from modelyard.service.repository.config import DEFAULT_GENERATION_QUEUE_TIMEOUT_US, parse_config
 from modelyard.service.server import Service, build_service
+from tests.support import eventually
 
 # One slot, one queue place, a 2-token stream buffer, and a short stall limit.
 STALLING = """generation:
@@ -60,8 +62,8 @@ async def test_a_stalled_reader_loses_its_slot_and_ends_aborted(service: Service
         )
         first = await stalled.read()
         assert first.sequence_number == 0
-        # The one slot is the stalled stream's; this one waits in the queue until the stall limit
-        # frees the slot (without that, it would wait out its 20 s deadline).
+        # The one slot is the stalled stream's; it gives it up to this one, which waits in the queue
+        # (without that, it would wait for the stall limit to free the slot).
         responses = [
             r
             async for r in pb_grpc.InferenceServiceStub(fast).Generate(
@@ -69,7 +71,12 @@ async def test_a_stalled_reader_loses_its_slot_and_ends_aborted(service: Service
             )
         ]
         assert responses[-1].finish_reason == pb.FINISH_REASON_LENGTH
-        assert _count(service, "modelyard_generation_cancellations_total", cause="stalled") == 1
+        assert _count(service, "modelyard_generation_preemptions_total") == 1
+        # Preempted, its reader still takes nothing: the stall limit drops it all the same.
+        await eventually(
+            lambda: _count(service, "modelyard_generation_cancellations_total", cause="stalled") == 1,
+            "the stalled stream dropped",
+        )
         assert _count(service, "modelyard_generation_finished_total", reason="stalled") == 1
         # The stalled client reads again: the tokens written before the stall, then ABORTED.
         read = 1
