@@ -20,6 +20,12 @@ class InvalidInput(ServiceError):
     """A request's tensors or fields do not fit the model; the message names the tensor or field."""
 
 
+class ModelRejected(ServiceError):
+    """The model's graph refused a request that passed every declared check (a kernel's check on
+    the shapes or values it computed): this version's fault or the values', not told apart here
+    (FAILED_PRECONDITION, model_rejected)."""
+
+
 class ModelUnavailable(ServiceError):
     """The model exists but cannot serve right now (loading, draining, shutting down)."""
 

@@ -29,6 +29,10 @@ Context = grpc.aio.ServicerContext[Any, Any]
 _STATUS: dict[type[BaseException], tuple[grpc.StatusCode, ErrorReason]] = {
     TensorError: (grpc.StatusCode.INVALID_ARGUMENT, ErrorReason.INVALID_ARGUMENT),
     errors.InvalidInput: (grpc.StatusCode.INVALID_ARGUMENT, ErrorReason.INVALID_ARGUMENT),
+    # FAILED_PRECONDITION, not INVALID_ARGUMENT ("problematic regardless of the state of the
+    # system"): the request conformed to the version's declared signature and another version may
+    # serve it; not INTERNAL either, since its values may be what the graph refused.
+    errors.ModelRejected: (grpc.StatusCode.FAILED_PRECONDITION, ErrorReason.MODEL_REJECTED),
     errors.ModelNotFound: (grpc.StatusCode.NOT_FOUND, ErrorReason.MODEL_NOT_FOUND),
     errors.VersionNotFound: (grpc.StatusCode.NOT_FOUND, ErrorReason.VERSION_NOT_FOUND),
     errors.ModelUnavailable: (grpc.StatusCode.UNAVAILABLE, ErrorReason.DRAINING),

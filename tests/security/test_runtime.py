@@ -193,9 +193,12 @@ async def test_a_batch_stops_only_when_every_request_of_it_left(service: Service
     assert to_array(answer.outputs[0]).tolist() == [[4.0]]
 
 
-async def test_a_failure_from_the_requests_values_is_its_own_fault(
+async def test_a_failure_inside_the_graph_from_the_requests_values_is_model_rejected(
     stub: Any,
 ) -> None:
+    # The request fits the signature; the graph refuses the shape its values make. Whose fault
+    # that is (the graph's or the values') another version's answer tells: model_rejected, no
+    # server fault (issue 34).
     request = pb.InferRequest(
         model_name="reshaped",
         inputs=[
@@ -205,8 +208,8 @@ async def test_a_failure_from_the_requests_values_is_its_own_fault(
     )
     with pytest.raises(grpc.aio.AioRpcError) as refused:
         await stub.Infer(request, timeout=5)
-    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert _reason(refused.value) == "invalid_argument"
+    assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert _reason(refused.value) == "model_rejected"
     details = refused.value.details() or ""
     assert "reshape" in details.lower()
     assert "/" not in details and "::" not in details  # no source paths or C++ names of ONNX Runtime
