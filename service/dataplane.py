@@ -30,6 +30,7 @@ from modelyard.service.errors import ServiceError
 from modelyard.service.generation.model import DecoderModel
 from modelyard.service.intake import Bounds, TensorHeader, bounds_for, check_headers, decode_fixed, offload
 from modelyard.service.runtime.manager import ModelManager
+from modelyard.service.runtime.runs import RunTiming
 from modelyard.service.runtime.served import ServedVersion
 from modelyard.service.scheduling.queue import DEFAULT_SCHEDULING, Scheduling
 from modelyard.tensors import TensorError
@@ -120,6 +121,7 @@ class DataPlane:
         inputs: Mapping[str, np.ndarray],
         names: Sequence[str],
         admitted_ns: int,
+        timing: RunTiming,
     ) -> dict[str, np.ndarray]:
         """A run of its own, inline (where `_runs_here`): the common case of a cheap model, so
         a plain function (no coroutine per call), counted in the version's statistics."""
@@ -132,7 +134,8 @@ class DataPlane:
                 arrays = served.instances.run_here(inputs, names, served.label)
             ok = True
         finally:
-            served.record_run(ok, inputs, admitted_ns, start)
+            end = served.record_run(ok, inputs, admitted_ns, start)
+        timing.queue_ns, timing.run_ns = start - admitted_ns, end - start
         return _by_name(names, arrays)
 
     async def _run(
@@ -142,18 +145,20 @@ class DataPlane:
         names: Sequence[str],
         scheduling: Scheduling,
         admitted_ns: int,
+        timing: RunTiming,
     ) -> dict[str, np.ndarray]:
+        timing.admitted_ns = admitted_ns
         if self._runs_here(served):
-            return self._run_here(served, inputs, names, admitted_ns)
+            return self._run_here(served, inputs, names, admitted_ns, timing)
         batcher = self._batchers.get(served)
         if batcher is not None:
             with tracing.step("batch"):
-                return await batcher.infer(inputs, names, scheduling)
+                return await batcher.infer(inputs, names, scheduling, timing)
         start = time.perf_counter_ns()
         ok = False
         try:
             with tracing.step("run"):
-                arrays = await served.instances.run(inputs, names, self._executor, served.label)
+                arrays = await served.instances.run(inputs, names, self._executor, served.label, timing)
             ok = True
         finally:
             served.record_run(ok, inputs, admitted_ns, start)
@@ -174,12 +179,15 @@ class Call:
     frames per request). The lease is held while the request decodes and while it waits in a
     batcher's queue: a retiring version answers what it has admitted before it is released."""
 
-    __slots__ = ("_fitted", "_plane", "served")
+    __slots__ = ("_fitted", "_plane", "admitted_ns", "queue_ns", "run_ns", "served")
 
     def __init__(self, plane: DataPlane, served: ServedVersion) -> None:
         self._plane = plane
         self.served = served
         self._fitted: object = None  # the inputs decode_fixed gave, checked by their headers
+        # The last run's own measurement (RunTiming): its wait from admission and its run, in
+        # perf_counter ns; what a unary answer reports as x-queue-us and x-run-us.
+        self.admitted_ns = self.queue_ns = self.run_ns = 0
 
     def __enter__(self) -> Call:
         return self  # leased since open()
@@ -233,7 +241,7 @@ class Call:
         output_names: Sequence[str] = (),
         scheduling: Scheduling = DEFAULT_SCHEDULING,
     ) -> InferResult:
-        admitted = time.perf_counter_ns()
+        self.admitted_ns = admitted = time.perf_counter_ns()
         served = self.served
         signature = served.runner.signature
         if inputs is self._fitted and not output_names and len(inputs) == 1 == len(signature.inputs):
@@ -244,13 +252,13 @@ class Call:
             names = _checked(served, inputs, output_names, admitted, inputs is self._fitted)
         plane = self._plane
         if plane._runs_here(served):  # most requests of a cheap model: no await on the way
-            outputs = plane._run_here(served, inputs, names, admitted)
+            outputs = plane._run_here(served, inputs, names, admitted, self)
         elif not tracing.enabled and (batcher := plane._batchers.get(served)) is not None:
             # A batched request with no span to open: straight to its batcher (what _run does,
             # without its coroutine and its step)
-            outputs = await batcher.infer(inputs, names, scheduling)
+            outputs = await batcher.infer(inputs, names, scheduling, self)
         else:
-            outputs = await plane._run(served, inputs, names, scheduling, admitted)
+            outputs = await plane._run(served, inputs, names, scheduling, admitted, self)
         # Made as the tuple it is: a NamedTuple's own __new__ is Python (~1 us per request).
         return _result(InferResult, (served.model, served.version, outputs, 0, True))
 
@@ -269,11 +277,11 @@ class Call:
         names = _checked(served, inputs, output_names, time.perf_counter_ns())
         batch = next(iter(inputs.values())).shape[0] if signature.max_batch_size and inputs else 0
         if not batch:
-            outputs = await run(served, inputs, names, scheduling, time.perf_counter_ns())
+            outputs = await run(served, inputs, names, scheduling, time.perf_counter_ns(), self)
             yield InferResult(served.model, served.version, outputs)
             return
         step = min(chunk_size or signature.max_batch_size, signature.max_batch_size)
         for offset in range(0, batch, step):
             chunk = {name: array[offset : offset + step] for name, array in inputs.items()}
-            outputs = await run(served, chunk, names, scheduling, time.perf_counter_ns())
+            outputs = await run(served, chunk, names, scheduling, time.perf_counter_ns(), self)
             yield InferResult(served.model, served.version, outputs, offset, last=offset + step >= batch)

@@ -151,6 +151,8 @@ def deadline_passed(context: Context) -> bool:
     return remaining is not None and remaining <= DEADLINE_SLACK_S
 
 
+_QUEUE_US, _RUN_US = headers.QUEUE_US, headers.RUN_US
+
 # ("x-served-by", "worker-N") when the service runs as one of several workers, else nothing.
 _served_by: tuple[tuple[str, str], ...] = ()
 
@@ -227,6 +229,15 @@ class serving:
         self.version = version
         # answer_metadata's common case (a version that answered before), with no call
         self._context.set_trailing_metadata(_answer_metadata.get(version) or answer_metadata(version))
+
+    def answered_run(self, version: str, queue_ns: int, run_ns: int) -> None:
+        """`answered`, for an inference call: its run's own queue and run time (x-queue-us,
+        x-run-us, microseconds) ride beside x-served-version in the trailing metadata."""
+        self.version = version
+        base = _answer_metadata.get(version) or answer_metadata(version)
+        self._context.set_trailing_metadata(
+            (*base, (_QUEUE_US, str(queue_ns // 1000)), (_RUN_US, str(run_ns // 1000)))
+        )
 
     async def stream_answered(self, version: str) -> None:
         """A stream's version that answers: x-served-version in the initial metadata, before the

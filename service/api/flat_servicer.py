@@ -56,5 +56,5 @@ class FlatInferenceServicer:
             with self._dataplane.open(decoded.model_name, version) as held:
                 inputs = await held.decode(headers, lambda: decoded.tensors)
                 result = await held.infer(inputs, decoded.output_names, scheduling(context, priority))
-            call.answered(str(result.version))
+            call.answered_run(str(result.version), held.queue_ns, held.run_ns)
             return flat.encode_response(result.model, str(result.version), result.outputs)

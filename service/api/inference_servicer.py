@@ -87,7 +87,7 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
             finally:
                 held.served.release()
             version = str(result.version)
-            call.answered(version)
+            call.answered_run(version, held.queue_ns, held.run_ns)
             response = _response(result.model, version, result.outputs, request_id)
         except BaseException as exc:
             await call.failed(exc)

@@ -32,7 +32,7 @@ import numpy as np
 from modelyard.service.errors import DeadlineExceeded, DeviceFault
 from modelyard.service.repository.config import ModelConfig
 from modelyard.service.runtime.providers import ProviderChoice
-from modelyard.service.runtime.runs import ActiveRuns, RunControl
+from modelyard.service.runtime.runs import ActiveRuns, RunControl, RunTiming
 from modelyard.service.runtime.session import (
     INLINE_WATCHDOG_S,
     ModelRunner,
@@ -194,12 +194,23 @@ class Instances:
                 self.ran_inline(elapsed, label, time.thread_time() - cpu)
 
     async def run(
-        self, feeds: Mapping[str, np.ndarray], output_names: Sequence[str], executor: Executor, label: str
+        self,
+        feeds: Mapping[str, np.ndarray],
+        output_names: Sequence[str],
+        executor: Executor,
+        label: str,
+        timing: RunTiming | None = None,
     ) -> list[np.ndarray]:
         """Run once on the chosen instance: inline on the event loop when the model is cheap enough
-        (one instance only), else on the executor, stopped if the caller leaves."""
+        (one instance only), else on the executor, stopped if the caller leaves. `timing`, when
+        given, gets the run's queue and run time (RunTiming)."""
         if self.runs_inline:
-            return self.run_here(feeds, output_names, label)
+            started = time.perf_counter_ns()
+            arrays = self.run_here(feeds, output_names, label)
+            if timing is not None:
+                timing.queue_ns = started - timing.admitted_ns
+                timing.run_ns = time.perf_counter_ns() - started
+            return arrays
         instance = self.start()
         control = self.runs.start()
         loop = asyncio.get_running_loop()
@@ -212,7 +223,11 @@ class Instances:
             try:
                 future = executor.submit(run_checked, instance.runner, feeds, output_names, label, control)
                 future.add_done_callback(partial(_hand_back, loop, partial(_settle, waiter)))
-                return await waiter
+                arrays = await waiter
+                if timing is not None:
+                    timing.queue_ns = control.started_ns - timing.admitted_ns
+                    timing.run_ns = control.run_ns
+                return arrays
             except asyncio.CancelledError as exc:
                 error = exc
                 if future is not None:
@@ -238,11 +253,15 @@ class Instances:
             partial(_hand_back, loop, partial(self._finished, instance, control, waiter))
         )
         try:
-            return await waiter
+            arrays = await waiter
         except asyncio.CancelledError:
             future.cancel()  # still queued: it never starts
             control.terminate(_caller_left(label))
             raise
+        if timing is not None:
+            timing.queue_ns = control.started_ns - timing.admitted_ns
+            timing.run_ns = control.run_ns
+        return arrays
 
     def _finished(
         self,

@@ -18,6 +18,7 @@ import logging
 import threading
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from typing import Protocol
 
 import onnxruntime as ort
 
@@ -31,15 +32,29 @@ EXECUTOR_STOP_S = 2.0
 SHUTDOWN_MESSAGE = "the service is shutting down; the run was stopped before it finished"
 
 
-class RunControl:
-    """One run's RunOptions, and why it was stopped (None while it may run)."""
+class RunTiming(Protocol):
+    """Where a request's run says when it started and how long it took (the data plane's Call):
+    `admitted_ns` is set before the run is asked for; the run sets `queue_ns` (admission to the
+    start of its run: a wait for the version's run slots, a batcher's queue, an executor thread)
+    and `run_ns` (its run on its thread, or its batch's run), both time.perf_counter_ns spans."""
 
-    __slots__ = ("options", "timer", "why")
+    admitted_ns: int
+    queue_ns: int
+    run_ns: int
+
+
+class RunControl:
+    """One run's RunOptions, why it was stopped (None while it may run), and when it ran: set on
+    its executor thread (run_checked), read on the loop once the run's future is done."""
+
+    __slots__ = ("options", "run_ns", "started_ns", "timer", "why")
 
     def __init__(self) -> None:
         self.options = ort.RunOptions()
         self.why: ServiceError | None = None
         self.timer: asyncio.TimerHandle | None = None  # the run-time bound (ActiveRuns.max_run_s)
+        self.started_ns = 0  # time.perf_counter_ns when its thread started the run
+        self.run_ns = 0  # how long the run took there
 
     def terminate(self, why: ServiceError) -> None:
         """Stop the run at ONNX Runtime's next check; it then fails with `why` (the first reason

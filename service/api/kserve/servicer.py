@@ -35,7 +35,7 @@ from modelyard.service.api.model_control import ModelControl
 from modelyard.service.api.names import check_model, quoted
 from modelyard.service.api.scheduling import kserve_priority, kserve_scheduling
 from modelyard.service.api.tensor_headers import kserve_headers, kserve_plain, refuse_extra_tensors
-from modelyard.service.dataplane import DataPlane
+from modelyard.service.dataplane import Call, DataPlane
 from modelyard.service.errors import InvalidInput, ServiceError
 from modelyard.service.intake import INLINE_DECODE_BYTES
 from modelyard.service.metrics import ServiceMetrics
@@ -134,8 +134,8 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
         # context manager); an error awaits failed(), which answers it.
         call = serving(context, self._metrics, "ModelInfer", model)
         try:
-            response = await self._infer(request, context, model)
-            call.answered(response.model_version)
+            response, held = await self._infer(request, context, model)
+            call.answered_run(response.model_version, held.queue_ns, held.run_ns)
         except BaseException as exc:
             await call.failed(exc)
             raise
@@ -156,7 +156,7 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
             async with serving(context, self._metrics, "ModelStreamInfer", request.model_name) as call:
                 try:
                     final_flag = _empty_final_response(request)
-                    response = await self._infer(request, context, request.model_name)
+                    response, _ = await self._infer(request, context, request.model_name)
                 except (ServiceError, TensorError) as exc:
                     first = False
                     yield _in_band_error(request, exc, call.in_band(exc))
@@ -257,8 +257,9 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
 
     async def _infer(
         self, request: pb.ModelInferRequest, context: Context, model: str
-    ) -> pb.ModelInferResponse:
-        """`model`: the request's model_name (read once: each read of a field is a new object)."""
+    ) -> tuple[pb.ModelInferResponse, Call]:
+        """The answer, and the call that ran it (its run's queue and run time). `model`: the
+        request's model_name (read once: each read of a field is a new object)."""
         parameters = request.parameters
         version, request_id, priority = call_fields(
             context,
@@ -321,7 +322,7 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
             )
         else:
             encode_outputs(response, answers, options.in_shm, self._shm.of(partial(self._identify, context)))
-        return response
+        return response, held
 
 
 # The in-band error's parameter that carries its x-error-reason value on a KServe stream.
