@@ -26,7 +26,7 @@ import numpy as np
 from modelyard.service import tracing
 from modelyard.service.batching.batcher import Batcher
 from modelyard.service.batching.layer import BatchingLayer
-from modelyard.service.errors import ServiceError
+from modelyard.service.errors import ServiceError, ShadowDropped
 from modelyard.service.generation.model import DecoderModel
 from modelyard.service.intake import Bounds, TensorHeader, bounds_for, check_headers, decode_fixed, offload
 from modelyard.service.runtime.manager import ModelManager
@@ -79,6 +79,7 @@ class DataPlane:
         self.manager = manager
         self._table = manager.table  # the request path resolves and leases here
         self._executor = executor
+        self._shadow_calls = manager.metrics.shadow_calls
         # The batched versions' batchers (the batching layer's, read-only; none without it).
         self._batchers: Mapping[ServedVersion, Batcher] = batching.batchers if batching is not None else {}
         # Per version, until it retires (a plain dict: read on every request).
@@ -158,11 +159,60 @@ class DataPlane:
         ok = False
         try:
             with tracing.step("run"):
-                arrays = await served.instances.run(inputs, names, self._executor, served.label, timing)
+                arrays = await served.instances.run(
+                    inputs, names, self._executor, served.label, timing, _wait_s(scheduling)
+                )
             ok = True
         finally:
             served.record_run(ok, inputs, admitted_ns, start)
         return _by_name(names, arrays)
+
+    async def _shadow(
+        self,
+        served: ServedVersion,
+        inputs: Mapping[str, np.ndarray],
+        names: Sequence[str],
+        admitted_ns: int,
+        timing: RunTiming,
+    ) -> dict[str, np.ndarray]:
+        """A shadow call (x-model-dye: shadow): run at the lowest priority, on the shadows' own
+        idle-priority thread, only while capacity is spare; else dropped at once (ShadowDropped),
+        never queued: no idle run thread, or a real call waits for a run slot (its version's or
+        any batcher's), or its version has no idle slot. Counted either way."""
+        instances = served.instances
+        why = instances.capacity.spare(len(instances.runs))
+        if not why:
+            batcher = self._batchers.get(served)
+            if not (batcher.has_idle_slot if batcher is not None else instances.has_idle_slot):
+                why = f"{served.label} has no idle run slot"
+            elif any(b.queued for b in self._batchers.values()):
+                why = "calls wait in a batcher's queue"
+        if why:
+            self._shadow_calls.labels(served.model, "dropped").inc()
+            raise ShadowDropped(
+                f"{served.label}: a shadow call runs only on spare capacity, and {why}; dropped, not queued"
+            )
+        self._shadow_calls.labels(served.model, "run").inc()
+        timing.admitted_ns = admitted_ns
+        start = time.perf_counter_ns()
+        ok = False
+        try:
+            with tracing.step("run"):
+                arrays = await instances.run_shadow(inputs, names, served.label, timing)
+            ok = True
+        finally:
+            served.record_run(ok, inputs, admitted_ns, start)
+        return _by_name(names, arrays)
+
+
+def _wait_s(scheduling: Scheduling) -> float | None:
+    """How long a run may wait for its version's run slot: the request's timeout_us or its
+    client's deadline, whichever comes first (None: for ever)."""
+    remaining = scheduling.time_remaining_s
+    if scheduling.timeout_us:
+        timeout = scheduling.timeout_us / 1e6
+        remaining = timeout if remaining is None else min(timeout, remaining)
+    return remaining
 
 
 def _by_name(names: Sequence[str], arrays: Sequence[np.ndarray]) -> dict[str, np.ndarray]:
@@ -179,7 +229,7 @@ class Call:
     frames per request). The lease is held while the request decodes and while it waits in a
     batcher's queue: a retiring version answers what it has admitted before it is released."""
 
-    __slots__ = ("_fitted", "_plane", "admitted_ns", "queue_ns", "run_ns", "served")
+    __slots__ = ("_fitted", "_plane", "admitted_ns", "dye", "queue_ns", "run_ns", "served")
 
     def __init__(self, plane: DataPlane, served: ServedVersion) -> None:
         self._plane = plane
@@ -188,6 +238,7 @@ class Call:
         # The last run's own measurement (RunTiming): its wait from admission and its run, in
         # perf_counter ns; what a unary answer reports as x-queue-us and x-run-us.
         self.admitted_ns = self.queue_ns = self.run_ns = 0
+        self.dye = ""  # the call's x-model-dye, where an API keeps it with the call
 
     def __enter__(self) -> Call:
         return self  # leased since open()
@@ -251,7 +302,9 @@ class Call:
         else:
             names = _checked(served, inputs, output_names, admitted, inputs is self._fitted)
         plane = self._plane
-        if plane._runs_here(served):  # most requests of a cheap model: no await on the way
+        if scheduling.shadow:  # a mirrored call: only on spare capacity
+            outputs = await plane._shadow(served, inputs, names, admitted, self)
+        elif plane._runs_here(served):  # most requests of a cheap model: no await on the way
             outputs = plane._run_here(served, inputs, names, admitted, self)
         elif not tracing.enabled and (batcher := plane._batchers.get(served)) is not None:
             # A batched request with no span to open: straight to its batcher (what _run does,

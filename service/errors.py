@@ -69,6 +69,11 @@ class Overloaded(ServiceError):
     """The model's queue for this kind of work is full; the client may retry later."""
 
 
+class ShadowDropped(Overloaded):
+    """A shadow call (x-model-dye: shadow) found no spare capacity and was dropped, not queued:
+    RESOURCE_EXHAUSTED, shadow_dropped (runtime/capacity.py)."""
+
+
 class DeadlineExceeded(ServiceError):
     """The request's deadline passed before its work was done; the work is dropped, not finished."""
 

@@ -42,6 +42,7 @@ _STATUS: dict[type[BaseException], tuple[grpc.StatusCode, ErrorReason]] = {
     errors.ModelRunError: (grpc.StatusCode.INTERNAL, ErrorReason.MODEL_FAILED),
     errors.NotGenerative: (grpc.StatusCode.FAILED_PRECONDITION, ErrorReason.FAILED_PRECONDITION),
     errors.Overloaded: (grpc.StatusCode.RESOURCE_EXHAUSTED, ErrorReason.QUEUE_FULL),
+    errors.ShadowDropped: (grpc.StatusCode.RESOURCE_EXHAUSTED, ErrorReason.SHADOW_DROPPED),
     errors.DeadlineExceeded: (grpc.StatusCode.DEADLINE_EXCEEDED, ErrorReason.DEADLINE),
     errors.ReaderStalled: (grpc.StatusCode.ABORTED, ErrorReason.READER_STALLED),
     # Not domain errors, but every way a call ends has its row: the client went away (the

@@ -150,7 +150,10 @@ class Batcher:
         self._clock = clock or MonotonicClock()
         self._queue: AdmissionQueue[_Pending] = AdmissionQueue(settings.admission, self._clock, metrics, name)
         self._busy = 0  # batches running
-        self._concurrency = settings.concurrency
+        # Its run slots: the settings', within the version's bound on the service's run threads
+        # (runtime/capacity.py: its share of them while other versions run there too).
+        self._concurrency = min(settings.concurrency, instances.limit)
+        instances.on_limit(self._limit_changed)
         # A request that finds nothing queued and a slot free runs at once, unless the settings
         # hold requests back for company (max_queue_delay). Inline models always find it so: their
         # runs end before the event loop takes the next request.
@@ -166,6 +169,17 @@ class Batcher:
 
     def queued_at(self, level: int) -> int:
         return self._queue.depth(level)
+
+    @property
+    def has_idle_slot(self) -> bool:
+        """A request could run now without waiting, and none waits."""
+        return self._busy < self._concurrency and not self._queue
+
+    def _limit_changed(self, limit: int) -> None:
+        """The version's bound on the run threads changed (another version loaded or retired)."""
+        self._concurrency = min(self.settings.concurrency, limit)
+        if self._queue:
+            self._kick()  # a slot more may start what waits
 
     # -- requests -----------------------------------------------------------------------------
 

@@ -23,6 +23,7 @@ from typing import Protocol
 import onnxruntime as ort
 
 from modelyard.service.errors import DeadlineExceeded, ModelUnavailable, ServiceError
+from modelyard.service.runtime.capacity import RunCapacity
 
 log = logging.getLogger(__name__)
 
@@ -67,12 +68,14 @@ class RunControl:
 class ActiveRuns:
     """The stoppable runs of one service (its executor runs), so that shutdown can stop them all."""
 
-    def __init__(self, max_run_s: float = 0.0) -> None:
+    def __init__(self, max_run_s: float = 0.0, capacity: RunCapacity | None = None) -> None:
         self._runs: set[RunControl] = set()
         self.closing = False
         # The longest a run may take, whether or not its caller set a deadline (a caller without
         # one must not hold a thread and a slot for ever); 0: no bound.
         self.max_run_s = max_run_s
+        # Who may take the run threads: each version's bound, and the shadows (capacity.py).
+        self.capacity = capacity if capacity is not None else RunCapacity()
 
     def __len__(self) -> int:
         return len(self._runs)

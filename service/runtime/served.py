@@ -92,7 +92,14 @@ class ServedVersion:
         # Every instance holds the same model: the first one answers for the signature, the
         # graph's kind and the provider; runs go through `instances`.
         self.runner = runners[0]
-        self.instances = Instances(runners, [r.device for r in runners], runs=runs)
+        execution = config.execution
+        self.instances = Instances(
+            runners,
+            [r.device for r in runners],
+            runs=runs,
+            max_runs=execution.max_concurrent_runs,
+            max_queued=execution.max_queued_runs,
+        )
         self.config = config
         self.fingerprint = fingerprint  # the files it was loaded from; a change means reload
         self.memory_bytes = memory_bytes  # estimate of all its instances, for the model's memory budget
@@ -154,7 +161,8 @@ class ServedVersion:
     def drop_session(self) -> None:
         """Drop the sessions of every instance, so that ONNX Runtime frees them now rather than
         whenever the last reference goes. A request still running past the drain timeout fails
-        instead."""
+        instead. Its share of the run threads goes back to the other versions."""
+        self.instances.retire()
         del self.runner
         del self.instances
 

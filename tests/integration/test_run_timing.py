@@ -1,8 +1,9 @@
-"""Each unary inference answer carries the service's own measurement of its run (issue 34): how
-long it waited from admission to the start of its run (`x-queue-us`) and how long the run took
-(`x-run-us`), in its trailing metadata beside `x-served-version`, on our Infer, InferFlat and
-KServe's ModelInfer: what a sidecar judges a version's latency by, which another version's runs
-sharing the service cannot inflate the way they inflate the call's duration.
+"""Each unary inference answer to a proxy's call (one that carries `x-model-dye`, as the sidecar's
+do) carries the service's own measurement of its run (issue 34): how long it waited from
+admission to the start of its run (`x-queue-us`) and how long the run took (`x-run-us`), in its
+trailing metadata beside `x-served-version`, on our Infer, InferFlat and KServe's ModelInfer: what
+a sidecar judges a version's latency by, which another version's runs sharing the service cannot
+inflate the way they inflate the call's duration. A direct client's answers go without.
 
 A real service in this process; its versions load as real ONNX Runtime runners that the loader
 seam wraps so that a run can be held at a gate (tests/batching_fakes.py). No timing asserts: a run
@@ -36,6 +37,7 @@ from tests.batching_fakes import Runners
 from tests.support import eventually
 
 WIDTH = 8
+DYED = ((headers.MODEL_DYE, headers.DYE_STABLE),)  # as the sidecar sends a stable-dyed call
 ONE_AT_A_TIME = {"max_batch_size": 4, "dynamic_batching": {"max_concurrent_batches": 1}}
 
 
@@ -94,9 +96,9 @@ async def test_a_held_run_and_a_call_queued_behind_it_say_so(
     gate = runners[("batched", 1)].gate
     batcher = service.batching.batcher(service.manager.resolve("batched", "1")) if service.batching else None
     assert batcher is not None
-    first = stub.Infer(request("batched"), timeout=30)
+    first = stub.Infer(request("batched"), metadata=DYED, timeout=30)
     await eventually(lambda: gate.entered == 1, "the first run held at its gate")
-    second = stub.Infer(request("batched"), timeout=30)  # one batch at a time: it queues
+    second = stub.Infer(request("batched"), metadata=DYED, timeout=30)  # one batch at a time: queued
     await eventually(lambda: batcher.queued == 1, "the second call queued behind it")
     held_at = time.perf_counter()
     gate.open()
@@ -117,21 +119,24 @@ async def test_every_unary_inference_answer_carries_its_timing(
     stub: Any = pb_grpc.InferenceServiceStub(channel)
     kserve: Any = kgrpc.GRPCInferenceServiceStub(channel)
     for model in ("cheap", "plain"):  # inline on the loop, and on the executor
-        call = stub.Infer(request(model), timeout=10)
+        call = stub.Infer(request(model), metadata=DYED, timeout=10)
         await call
         timing(await call.trailing_metadata())
+        direct = stub.Infer(request(model), timeout=10)  # no dye: a direct client's call
+        await direct
+        assert headers.RUN_US not in dict(await direct.trailing_metadata())
         k_request = kpb.ModelInferRequest(model_name=model)
         k_request.inputs.add(name="INPUT0", datatype="FP32", shape=[1, WIDTH])
         k_request.raw_input_contents.append(np.ones((1, WIDTH), np.float32).tobytes())
-        k_call = kserve.ModelInfer(k_request, timeout=10)
+        k_call = kserve.ModelInfer(k_request, metadata=DYED, timeout=10)
         await k_call
         timing(await k_call.trailing_metadata())
         method = channel.unary_unary(flat.METHOD, None, None)
         x = np.ones((1, WIDTH), np.float32)
-        f_call = method(flat.encode_request(model, {"INPUT0": x}), timeout=10)
+        f_call = method(flat.encode_request(model, {"INPUT0": x}), metadata=DYED, timeout=10)
         await f_call
         timing(await f_call.trailing_metadata())
     # Errors carry their reason, not a timing.
     with pytest.raises(grpc.aio.AioRpcError) as refused:
-        await stub.Infer(pb.InferRequest(model_name="cheap"), timeout=10)
+        await stub.Infer(pb.InferRequest(model_name="cheap"), metadata=DYED, timeout=10)
     assert headers.RUN_US not in dict(refused.value.trailing_metadata() or ())  # type: ignore[arg-type]

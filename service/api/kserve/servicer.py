@@ -12,6 +12,7 @@ import asyncio
 from collections.abc import AsyncIterator, Callable
 from functools import partial
 
+from modelyard.common.headers import DYE_SHADOW
 from modelyard.common.names import is_valid_name
 from modelyard.common.reasons import ErrorReason
 from modelyard.kserve.v2 import grpc_service_pb2 as pb
@@ -135,7 +136,10 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
         call = serving(context, self._metrics, "ModelInfer", model)
         try:
             response, held = await self._infer(request, context, model)
-            call.answered_run(response.model_version, held.queue_ns, held.run_ns)
+            if held.dye:  # a proxy's call: it judges the version by its run's own timing
+                call.answered_run(response.model_version, held.queue_ns, held.run_ns)
+            else:
+                call.answered(response.model_version)
         except BaseException as exc:
             await call.failed(exc)
             raise
@@ -261,7 +265,7 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
         """The answer, and the call that ran it (its run's queue and run time). `model`: the
         request's model_name (read once: each read of a field is a new object)."""
         parameters = request.parameters
-        version, request_id, priority = call_fields(
+        version, request_id, priority, dye = call_fields(
             context,
             model,
             request.model_version,
@@ -271,6 +275,7 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
         # One version for the whole request: its limits check the tensors, its priority levels
         # and label files apply, and it runs.
         held = self._dataplane.open(model, version)  # leased until the finally (Call)
+        held.dye = dye
         try:
             served = held.served
             # Each container read once (each read of a protobuf field makes a new object).
@@ -289,7 +294,7 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
             else:  # every output, asked nothing (most requests): no call to say so
                 names, options = [], NO_OPTIONS
             classify = options.classify
-            scheduling = kserve_scheduling(context, parameters, priority)
+            scheduling = kserve_scheduling(context, parameters, priority, dye == DYE_SHADOW)
             if scheduling.priority:
                 batching = served.config.dynamic_batching
                 if batching is None or scheduling.priority > batching.admission.priority_levels:

@@ -20,10 +20,11 @@ AUTHORIZATION = "authorization"
 SERVED_VERSION = "x-served-version"
 SERVED_BY = "x-served-by"  # beside it when the service runs several workers: worker-N
 # A unary inference answer's own measurement of its run, in its TRAILING metadata beside
-# x-served-version, decimal microseconds: QUEUE_US from the call's admission (its inputs decoded
-# and checked) to the start of its run (waiting for its version's run slots, a batcher's queue,
-# an executor thread), RUN_US its run there (its batch's run, for a batched request). What a
-# proxy judges a version's latency by: a slow version's runs do not inflate another's RUN_US.
+# x-served-version, on answers to calls that carry MODEL_DYE (a proxy's), decimal microseconds:
+# QUEUE_US from the call's admission (its inputs decoded and checked) to the start of its run
+# (waiting for its version's run slots, a batcher's queue, an executor thread), RUN_US its run
+# there (its batch's run, for a batched request). What a proxy judges a version's latency by: a
+# slow version's runs do not inflate another's RUN_US.
 QUEUE_US = "x-queue-us"
 RUN_US = "x-run-us"
 MODEL_DYE = "x-model-dye"  # DYE_STABLE, DYE_CANARY or DYE_SHADOW

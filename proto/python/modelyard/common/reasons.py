@@ -19,6 +19,8 @@ class ErrorReason(StrEnum):
     PERMISSION_DENIED = "permission_denied"
     # Load: the server is healthy but busy or going away; retry later or elsewhere.
     QUEUE_FULL = "queue_full"  # admission queue full (load shed)
+    # A shadow call (x-model-dye: shadow) that would have delayed real calls: dropped, not queued.
+    SHADOW_DROPPED = "shadow_dropped"
     TENANT_LIMIT = "tenant_limit"  # a tenant's rate or concurrency limit
     DEADLINE = "deadline"  # the request's deadline passed before its work was done
     CANCELLED = "cancelled"  # the client went away
