@@ -167,18 +167,11 @@ class DataPlane:
             served.record_run(ok, inputs, admitted_ns, start)
         return _by_name(names, arrays)
 
-    async def _shadow(
-        self,
-        served: ServedVersion,
-        inputs: Mapping[str, np.ndarray],
-        names: Sequence[str],
-        admitted_ns: int,
-        timing: RunTiming,
-    ) -> dict[str, np.ndarray]:
-        """A shadow call (x-model-dye: shadow): run at the lowest priority, on the shadows' own
-        idle-priority thread, only while capacity is spare; else dropped at once (ShadowDropped),
-        never queued: no idle run thread, or a real call waits for a run slot (its version's or
-        any batcher's), or its version has no idle slot. Counted either way."""
+    def shadow_refusal(self, served: ServedVersion) -> ShadowDropped | None:
+        """Why a shadow call (x-model-dye: shadow) to `served` may not run now, counted as dropped;
+        None when capacity is spare: an idle run thread, an idle run slot of its version (or of
+        its batcher), the shadows' thread free, and no real call waiting for a run slot (its
+        version's or any batcher's). A shadow never queues."""
         instances = served.instances
         why = instances.capacity.spare(len(instances.runs))
         if not why:
@@ -187,18 +180,33 @@ class DataPlane:
                 why = f"{served.label} has no idle run slot"
             elif any(b.queued for b in self._batchers.values()):
                 why = "calls wait in a batcher's queue"
-        if why:
-            self._shadow_calls.labels(served.model, "dropped").inc()
-            raise ShadowDropped(
-                f"{served.label}: a shadow call runs only on spare capacity, and {why}; dropped, not queued"
-            )
+        if not why:
+            return None
+        self._shadow_calls.labels(served.model, "dropped").inc()
+        return ShadowDropped(
+            f"{served.label}: a shadow call runs only on spare capacity, and {why}; dropped, not queued"
+        )
+
+    async def _shadow(
+        self,
+        served: ServedVersion,
+        inputs: Mapping[str, np.ndarray],
+        names: Sequence[str],
+        admitted_ns: int,
+        timing: RunTiming,
+    ) -> dict[str, np.ndarray]:
+        """A shadow call: at the lowest priority, on the shadows' own idle-priority thread, only
+        while capacity is spare (shadow_refusal, asked again: its decoding may have awaited)."""
+        refused = self.shadow_refusal(served)
+        if refused is not None:
+            raise refused
         self._shadow_calls.labels(served.model, "run").inc()
         timing.admitted_ns = admitted_ns
         start = time.perf_counter_ns()
         ok = False
         try:
             with tracing.step("run"):
-                arrays = await instances.run_shadow(inputs, names, served.label, timing)
+                arrays = await served.instances.run_shadow(inputs, names, served.label, timing)
             ok = True
         finally:
             served.record_run(ok, inputs, admitted_ns, start)
@@ -245,6 +253,13 @@ class Call:
 
     def __exit__(self, kind: object, exc: object, tb: object) -> None:
         self.served.release()
+
+    def refuse_shadow(self) -> None:
+        """For a shadow call, before its tensors are decoded: raise ShadowDropped unless capacity
+        is spare now (a dropped shadow costs the service as little as it can)."""
+        refused = self._plane.shadow_refusal(self.served)
+        if refused is not None:
+            raise refused
 
     def _check(self, headers: Sequence[TensorHeader]) -> None:
         """Check a request's tensors (their headers) against the version's bounds."""

@@ -79,8 +79,20 @@ def status_for(exc: BaseException) -> tuple[grpc.StatusCode, ErrorReason]:
     return _INTERNAL
 
 
-def reason_metadata(reason: ErrorReason) -> tuple[tuple[str, str]]:
+def reason_metadata(reason: ErrorReason) -> tuple[tuple[str, str], ...]:
+    if reason is ErrorReason.SHADOW_DROPPED:
+        return _SHADOW_DROPPED
     return ((headers.ERROR_REASON, reason.value),)
+
+
+# How long a proxy should wait before it mirrors to the service again once a shadow was dropped
+# (grpc-retry-pushback-ms): a dropped shadow costs the service a call's CPU on its event loop, and
+# one per stable answer while capacity is not spare is real load (docs/repository.md).
+SHADOW_PUSHBACK_MS = 100
+_SHADOW_DROPPED = (
+    (headers.ERROR_REASON, ErrorReason.SHADOW_DROPPED.value),
+    (headers.RETRY_PUSHBACK_MS, str(SHADOW_PUSHBACK_MS)),
+)
 
 
 async def abort(context: Context, exc: Exception, method: str = "", model: str = "") -> NoReturn:

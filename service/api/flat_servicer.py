@@ -55,6 +55,8 @@ class FlatInferenceServicer:
                 for name, array in decoded.tensors.items()
             ]
             with self._dataplane.open(decoded.model_name, version) as held:
+                if dye == DYE_SHADOW:
+                    held.refuse_shadow()
                 inputs = await held.decode(headers, lambda: decoded.tensors)
                 asked = scheduling(context, priority, 0, dye == DYE_SHADOW)
                 result = await held.infer(inputs, decoded.output_names, asked)

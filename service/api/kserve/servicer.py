@@ -277,6 +277,8 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
         held = self._dataplane.open(model, version)  # leased until the finally (Call)
         held.dye = dye
         try:
+            if dye == DYE_SHADOW:
+                held.refuse_shadow()
             served = held.served
             # Each container read once (each read of a protobuf field makes a new object).
             tensors, outputs = request.inputs, request.outputs
