@@ -69,7 +69,8 @@ def runs_of(service: Service, version: str) -> Instances:
 
 
 def reason(error: grpc.aio.AioRpcError) -> str:
-    return dict(error.trailing_metadata() or ()).get(headers.ERROR_REASON, "")  # type: ignore[arg-type]
+    metadata: Any = error.trailing_metadata() or ()
+    return next((str(value) for key, value in metadata if key == "x-error-reason"), "")
 
 
 async def test_a_busy_version_queues_its_own_runs_and_never_another_versions(
@@ -129,6 +130,8 @@ async def test_shadows_are_dropped_not_queued_while_real_calls_wait(service: Ser
             assert dropped.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
             assert reason(dropped.value) == "shadow_dropped"
             assert "spare capacity" in (dropped.value.details() or "")
+            trailing: Any = dropped.value.trailing_metadata() or ()
+            assert dict(trailing)[headers.RETRY_PUSHBACK_MS] == "100"  # the mirror is asked to wait
         assert shadows("dropped") == 2
         assert (v2.busy, v2.waiting) == (1, 1)  # the shadows did not queue
         # The dye only ever lowers a call's priority: the same call undyed is a real call, and
