@@ -160,7 +160,7 @@ class DataPlane:
         try:
             with tracing.step("run"):
                 arrays = await served.instances.run(
-                    inputs, names, self._executor, served.label, timing, _wait_s(scheduling)
+                    inputs, names, self._executor, served.label, timing, scheduling
                 )
             ok = True
         finally:
@@ -211,16 +211,6 @@ class DataPlane:
         finally:
             served.record_run(ok, inputs, admitted_ns, start)
         return _by_name(names, arrays)
-
-
-def _wait_s(scheduling: Scheduling) -> float | None:
-    """How long a run may wait for its version's run slot: the request's timeout_us or its
-    client's deadline, whichever comes first (None: for ever)."""
-    remaining = scheduling.time_remaining_s
-    if scheduling.timeout_us:
-        timeout = scheduling.timeout_us / 1e6
-        remaining = timeout if remaining is None else min(timeout, remaining)
-    return remaining
 
 
 def _by_name(names: Sequence[str], arrays: Sequence[np.ndarray]) -> dict[str, np.ndarray]:

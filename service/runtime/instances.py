@@ -27,6 +27,7 @@ from concurrent.futures import Executor, Future
 from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
+from typing import Protocol
 
 import numpy as np
 
@@ -48,6 +49,13 @@ log = logging.getLogger(__name__)
 UNHEALTHY_BACKOFF_S = 10.0
 
 Loader = Callable[[Path, ModelConfig, ProviderChoice], ModelRunner]
+
+
+class WaitLimit(Protocol):
+    """How long a run may wait for its version's run slot (a request's Scheduling), asked only
+    when it has to wait."""
+
+    def wait_s(self) -> float | None: ...
 
 
 @dataclass(frozen=True)
@@ -165,9 +173,10 @@ class Instances:
         """A run could start now without waiting, and none waits."""
         return self.busy < self.limit and not self._waiters
 
-    async def _wait_for_slot(self, label: str, wait_s: float | None) -> None:
+    async def _wait_for_slot(self, label: str, limit: WaitLimit | None) -> None:
         """Wait for one of the version's run slots (handed over by _pump, `busy` counted for
-        this run); Overloaded when too many wait, DeadlineExceeded when `wait_s` passes first."""
+        this run); Overloaded when too many wait, DeadlineExceeded when `limit` passes first."""
+        wait_s = limit.wait_s() if limit is not None else None
         if self.max_queued and len(self._waiters) >= self.max_queued:
             raise Overloaded(
                 f"{label} has {self.busy} runs going (its bound: execution.max_concurrent_runs, or "
@@ -306,11 +315,11 @@ class Instances:
         executor: Executor,
         label: str,
         timing: RunTiming | None = None,
-        wait_s: float | None = None,
+        wait: WaitLimit | None = None,
     ) -> list[np.ndarray]:
         """Run once on the chosen instance: inline on the event loop when the model is cheap enough
         (one instance only), else on the executor once one of the version's run slots is free
-        (waiting at most `wait_s`, in order), stopped if the caller leaves. `timing`, when given,
+        (waiting at most what `wait` allows, in order), stopped if the caller leaves. `timing`, when given,
         gets the run's queue and run time (RunTiming)."""
         if self.runs_inline:
             started = time.perf_counter_ns()
@@ -322,7 +331,7 @@ class Instances:
         if self.busy < self.limit and not self._waiters:
             self.busy += 1  # the version's slot, given back when the run itself ends (_ran)
         else:
-            await self._wait_for_slot(label, wait_s)
+            await self._wait_for_slot(label, wait)
         instance = self.start()
         control = self.runs.start()
         loop = asyncio.get_running_loop()
@@ -426,8 +435,10 @@ class Instances:
 
     def _ran(self, waiter: asyncio.Future[list[np.ndarray]], future: Future[list[np.ndarray]]) -> None:
         """A run of the one instance ended (on the loop): its slot goes to the next run, then its
-        caller takes the outcome."""
-        self._give_slot()
+        caller takes the outcome. (_give_slot's body, inline: it runs on every such run.)"""
+        self.busy -= 1
+        if self._waiters:
+            self._pump()
         _settle(waiter, future)
 
     def _finished(

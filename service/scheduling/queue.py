@@ -83,6 +83,15 @@ class Scheduling(NamedTuple):
     # (runtime/capacity.py); it never raises a call's priority.
     shadow: bool = False
 
+    def wait_s(self) -> float | None:
+        """How long the request may wait (its timeout_us or its client's deadline, whichever
+        comes first; None: for ever): a run waiting for its version's run slot."""
+        remaining = self.time_remaining_s
+        if self.timeout_us:
+            timeout = self.timeout_us / 1e6
+            remaining = timeout if remaining is None else min(timeout, remaining)
+        return remaining
+
 
 DEFAULT_SCHEDULING = Scheduling()  # the default level, the level's timeout, no client deadline
 

@@ -80,7 +80,8 @@ async def channel(service: Service) -> AsyncIterator[grpc.aio.Channel]:
 
 
 def _reason(error: grpc.aio.AioRpcError) -> str:
-    return dict(error.trailing_metadata() or ()).get("x-error-reason", "")  # type: ignore[arg-type]
+    metadata: Any = error.trailing_metadata() or ()
+    return next((str(value) for key, value in metadata if key == "x-error-reason"), "")
 
 
 def ours(version: str, rows: int, features: int = FEATURES) -> pb.InferRequest:

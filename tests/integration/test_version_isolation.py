@@ -83,7 +83,7 @@ async def test_a_busy_version_queues_its_own_runs_and_never_another_versions(
         await eventually(lambda: v2.busy == 1 and v2.waiting == 2, "v2 at its bound, two runs waiting")
         started = v2.all[0].runs
         # A call that waits past its deadline is answered so, and never runs.
-        late = stub.Infer(spin("2", 10), timeout=2)
+        late = stub.Infer(spin("2", 10), timeout=5)  # generous: seen waiting before it passes
         await eventually(lambda: v2.waiting == QUEUED, "the late call waiting too")
         # The queue is bounded: one more is shed at once.
         with pytest.raises(grpc.aio.AioRpcError) as shed:

@@ -18,6 +18,7 @@ from modelyard.service.errors import DeadlineExceeded, Overloaded
 from modelyard.service.runtime.capacity import RunCapacity, lowest_priority
 from modelyard.service.runtime.instances import Instances
 from modelyard.service.runtime.runs import ActiveRuns
+from modelyard.service.scheduling.queue import Scheduling
 from tests.batching_fakes import FakeRunner
 from tests.support import eventually
 
@@ -85,7 +86,9 @@ async def test_the_wait_is_bounded_and_honours_deadlines_and_cancels(executor: T
     running = asyncio.ensure_future(only.run(x(1), ["y"], executor, "m"))
     await eventually(lambda: runner.gate.entered == 1, "the run to start")
     waits = asyncio.ensure_future(only.run(x(2), ["y"], executor, "m"))
-    late = asyncio.ensure_future(only.run(x(3), ["y"], executor, "m", wait_s=0.05))
+    await eventually(lambda: only.waiting == 1, "a run waiting")
+    # Generous: its deadline must not pass before the test has seen it wait.
+    late = asyncio.ensure_future(only.run(x(3), ["y"], executor, "m", wait=Scheduling(time_remaining_s=2.0)))
     await eventually(lambda: only.waiting == 2, "two runs waiting")
     with pytest.raises(Overloaded, match="max_queued_runs"):  # the third one is shed at once
         await only.run(x(4), ["y"], executor, "m")
@@ -97,7 +100,8 @@ async def test_the_wait_is_bounded_and_honours_deadlines_and_cancels(executor: T
         await waits
     assert only.waiting == 0 and only.capacity.waiting == 0
     with pytest.raises(DeadlineExceeded):
-        await only.run(x(5), ["y"], executor, "m", wait_s=0.0)  # no time left: not queued
+        # No time left at all: refused at once, not queued.
+        await only.run(x(5), ["y"], executor, "m", wait=Scheduling(timeout_us=1, time_remaining_s=-1.0))
     runner.gate.open()
     await running
     assert [run[0, 0] for run in runner.runs] == [1.0]  # the others never ran
