@@ -122,7 +122,7 @@ class DataPlane:
         inputs: Mapping[str, np.ndarray],
         names: Sequence[str],
         admitted_ns: int,
-        timing: RunTiming,
+        timing: RunTiming | None,
     ) -> dict[str, np.ndarray]:
         """A run of its own, inline (where `_runs_here`): the common case of a cheap model, so
         a plain function (no coroutine per call), counted in the version's statistics."""
@@ -136,7 +136,8 @@ class DataPlane:
             ok = True
         finally:
             end = served.record_run(ok, inputs, admitted_ns, start)
-        timing.queue_ns, timing.run_ns = start - admitted_ns, end - start
+        if timing is not None:
+            timing.queue_ns, timing.run_ns = start - admitted_ns, end - start
         return _by_name(names, arrays)
 
     async def _run(
@@ -146,9 +147,10 @@ class DataPlane:
         names: Sequence[str],
         scheduling: Scheduling,
         admitted_ns: int,
-        timing: RunTiming,
+        timing: RunTiming | None,
     ) -> dict[str, np.ndarray]:
-        timing.admitted_ns = admitted_ns
+        if timing is not None:
+            timing.admitted_ns = admitted_ns
         if self._runs_here(served):
             return self._run_here(served, inputs, names, admitted_ns, timing)
         batcher = self._batchers.get(served)
@@ -234,9 +236,10 @@ class Call:
         self.served = served
         self._fitted: object = None  # the inputs decode_fixed gave, checked by their headers
         # The last run's own measurement (RunTiming): its wait from admission and its run, in
-        # perf_counter ns; what a unary answer reports as x-queue-us and x-run-us.
+        # perf_counter ns; what a unary answer to a dyed call reports as x-queue-us and x-run-us.
         self.admitted_ns = self.queue_ns = self.run_ns = 0
-        self.dye = ""  # the call's x-model-dye, where an API keeps it with the call
+        # The call's x-model-dye (set by the API): only a dyed call's run is timed for its answer.
+        self.dye = ""
 
     def __enter__(self) -> Call:
         return self  # leased since open()
@@ -307,16 +310,17 @@ class Call:
         else:
             names = _checked(served, inputs, output_names, admitted, inputs is self._fitted)
         plane = self._plane
+        timing = self if self.dye else None  # a proxy's call: its answer reports its run's timing
         if scheduling.shadow:  # a mirrored call: only on spare capacity
             outputs = await plane._shadow(served, inputs, names, admitted, self)
         elif plane._runs_here(served):  # most requests of a cheap model: no await on the way
-            outputs = plane._run_here(served, inputs, names, admitted, self)
+            outputs = plane._run_here(served, inputs, names, admitted, timing)
         elif not tracing.enabled and (batcher := plane._batchers.get(served)) is not None:
             # A batched request with no span to open: straight to its batcher (what _run does,
             # without its coroutine and its step)
-            outputs = await batcher.infer(inputs, names, scheduling, self)
+            outputs = await batcher.infer(inputs, names, scheduling, timing)
         else:
-            outputs = await plane._run(served, inputs, names, scheduling, admitted, self)
+            outputs = await plane._run(served, inputs, names, scheduling, admitted, timing)
         # Made as the tuple it is: a NamedTuple's own __new__ is Python (~1 us per request).
         return _result(InferResult, (served.model, served.version, outputs, 0, True))
 
@@ -335,11 +339,11 @@ class Call:
         names = _checked(served, inputs, output_names, time.perf_counter_ns())
         batch = next(iter(inputs.values())).shape[0] if signature.max_batch_size and inputs else 0
         if not batch:
-            outputs = await run(served, inputs, names, scheduling, time.perf_counter_ns(), self)
+            outputs = await run(served, inputs, names, scheduling, time.perf_counter_ns(), None)
             yield InferResult(served.model, served.version, outputs)
             return
         step = min(chunk_size or signature.max_batch_size, signature.max_batch_size)
         for offset in range(0, batch, step):
             chunk = {name: array[offset : offset + step] for name, array in inputs.items()}
-            outputs = await run(served, chunk, names, scheduling, time.perf_counter_ns(), self)
+            outputs = await run(served, chunk, names, scheduling, time.perf_counter_ns(), None)
             yield InferResult(served.model, served.version, outputs, offset, last=offset + step >= batch)

@@ -55,6 +55,7 @@ class FlatInferenceServicer:
                 for name, array in decoded.tensors.items()
             ]
             with self._dataplane.open(decoded.model_name, version) as held:
+                held.dye = dye
                 if dye == DYE_SHADOW:
                     held.refuse_shadow()
                 inputs = await held.decode(headers, lambda: decoded.tensors)

@@ -75,8 +75,10 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
             )
             held = self._dataplane.open(model, version)  # leased until the finally (Call)
             try:
-                if dye == _SHADOW:
-                    held.refuse_shadow()
+                if dye:
+                    held.dye = dye
+                    if dye == _SHADOW:
+                        held.refuse_shadow()
                 signature = held.served.runner.signature
                 refuse_extra_tensors(model, signature, len(tensors), len(output_names))
                 # Decoded only once the tensors' headers fit the version (service/intake.py).
