@@ -2,8 +2,10 @@
 shadow, directly and through the sidecar, for this tree and the trees of --trees in the same rounds.
 
 Model `m`, served with both versions (version_policy all): v1, stable, `INPUT0 * 2` on FP32[1, 256]
-(microseconds: it runs inline on the event loop); v2, the canary, dense_stack 300 x (MatMul 256x256,
-Relu) on the same input (several milliseconds of CPU a run). Each tree runs its own service and two
+(microseconds: it runs inline on the event loop; `--stable dense`: 16 x (MatMul 256x256, Relu), a
+few hundred microseconds on the executor, where each version's bound on the run threads matters);
+v2, the canary, dense_stack 300 x (MatMul 256x256, Relu) on the same input (several milliseconds
+of CPU a run; `--canary-callers N` clients call it in the busy scenes). Each tree runs its own service and two
 sidecars in front of it (routes: canary weight 0; the second mirrors every stable call to the canary,
 `shadow: {share: 100, max_in_flight: 2}`), each process from its tree. One client, closed loop,
 calls v1 for `--duration` seconds per scene:
@@ -25,7 +27,8 @@ service's own count of shadows run and dropped (modelyard_shadow_calls_total) in
 Nothing is pinned: how versions share the machine's cores is what is measured.
 
     .venv/bin/python -m bench.isolation [--trees base=/tmp/base] [--duration 3] [--rounds 3]
-        [--intra-op-threads 0] [--inference-threads 0]
+        [--intra-op-threads 0] [--inference-threads 0] [--stable scale|dense] [--canary-callers 1]
+        [--scenes direct,direct_shadow,direct_busy,sidecar,sidecar_shadow,sidecar_busy]
 
 Results go to bench/results/isolation.json. Everything runs on 127.0.0.1; every process started
 here is stopped before exit.
@@ -76,11 +79,16 @@ SCENES: dict[str, tuple[str, str, bool]] = {
 THIS = "now"
 
 
-def build_repository(root: Path, intra_op_threads: int) -> None:
+# --stable: v1 `scale` runs inline on the event loop (it takes no run thread); `dense` (16 layers,
+# a few hundred microseconds) runs on the executor, where the versions' bounds matter.
+STABLE = {"scale": lambda: scaled_identity(WIDTH, 2.0), "dense": lambda: dense_stack(16, WIDTH, seed=1)}
+
+
+def build_repository(root: Path, intra_op_threads: int, stable: str = "scale") -> None:
     config: dict[str, object] = {"max_batch_size": 8, "version_policy": {"all": {}}}
     if intra_op_threads:
         config["execution"] = {"intra_op_threads": intra_op_threads}
-    write_model(root, "m", 1, scaled_identity(WIDTH, 2.0), config)
+    write_model(root, "m", 1, STABLE[stable](), config)
     write_model(root, "m", 2, dense_stack(CANARY_LAYERS, WIDTH), config)
 
 
@@ -174,7 +182,12 @@ def pct(values: Sequence[float], q: float) -> float:
 
 
 async def scene(
-    address: str, busy_address: str | None, duration_s: float, direct: bool, mirror: bool = False
+    address: str,
+    busy_address: str | None,
+    duration_s: float,
+    direct: bool,
+    mirror: bool = False,
+    canary_callers: int = 1,
 ) -> dict[str, float]:
     """Stable's latencies at `address` for `duration_s`, one client in a closed loop; with
     `busy_address`, a second client calls the canary there back to back meanwhile. Directly,
@@ -212,7 +225,7 @@ async def scene(
                 if pushback.isdigit():
                     paused_until = time.perf_counter() + int(pushback) / 1e3
 
-        load = asyncio.ensure_future(busy()) if busy_address else None
+        load = asyncio.gather(*(busy() for _ in range(canary_callers))) if busy_address else None
         try:
             if load is not None:
                 await asyncio.sleep(0.2)  # the canary under way
@@ -248,7 +261,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     shadows: dict[str, dict[str, float]] = {}
     with tempfile.TemporaryDirectory(prefix="bench-isolation-") as tmp:
         work = Path(tmp)
-        build_repository(work / "models", args.intra_op_threads)
+        build_repository(work / "models", args.intra_op_threads, args.stable)
         trees = [Tree(label, tree, work, args) for label, tree in labels]
         try:
             for tree in trees:
@@ -266,7 +279,12 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                         )
                         mirror = name == "direct_shadow"
                         got = await scene(
-                            tree.addresses[path], busy_at, args.duration, path == "direct", mirror
+                            tree.addresses[path],
+                            busy_at,
+                            args.duration,
+                            path == "direct",
+                            mirror,
+                            args.canary_callers,
                         )
                         if shadowed:
                             after = tree.shadow_calls()
@@ -354,6 +372,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         default=list(SCENES),
         help=f"a comma-separated subset of {','.join(SCENES)} (a disturbed scene needs its undisturbed one)",
     )
+    parser.add_argument("--stable", choices=sorted(STABLE), default="scale", help="v1's graph")
+    parser.add_argument("--canary-callers", type=int, default=1, help="clients calling v2 in the busy scenes")
     parser.add_argument("--output", type=Path, default=DEFAULT_OUTPUT)
     args = parser.parse_args(argv)
     document = asyncio.run(run(args))
