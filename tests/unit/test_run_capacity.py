@@ -14,11 +14,14 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pytest
 
+from modelyard.service.batching.batcher import Batcher, BatchSettings
 from modelyard.service.errors import DeadlineExceeded, Overloaded
+from modelyard.service.metrics import ServiceMetrics
 from modelyard.service.runtime.capacity import RunCapacity, lowest_priority
 from modelyard.service.runtime.instances import Instances
 from modelyard.service.runtime.runs import ActiveRuns
-from modelyard.service.scheduling.queue import Scheduling
+from modelyard.service.runtime.served import VersionStats
+from modelyard.service.scheduling.queue import AdmissionPolicy, Scheduling
 from tests.batching_fakes import FakeRunner
 from tests.support import eventually
 
@@ -163,3 +166,23 @@ def test_the_lowest_priority_is_sched_idle_on_linux() -> None:
     thread.join()
     assert seen == [os.SCHED_IDLE]
     assert os.sched_getscheduler(0) != os.SCHED_IDLE  # the caller's own thread is untouched
+
+
+async def test_a_batchers_run_slots_stay_within_its_versions_share(executor: ThreadPoolExecutor) -> None:
+    runner = FakeRunner()
+    batched, other = versions(2, runner, FakeRunner())
+    settings = BatchSettings(
+        max_batch_size=1, target_rows=1, max_queue_delay_s=0.0, concurrency=2, admission=AdmissionPolicy()
+    )
+    metrics = ServiceMetrics().batching("m", "1", 1)
+    batcher = Batcher(batched, settings, executor, VersionStats(), metrics, name="m")
+    assert batcher._concurrency == 1  # two batches asked, one thread its share
+    runner.gate.close()
+    calls = [asyncio.ensure_future(batcher.infer(x(v), ("y",))) for v in (1, 2)]
+    await eventually(lambda: runner.gate.entered == 1 and batcher.queued == 1, "one batch, one queued")
+    other.retire()  # the other version leaves: the share grows back, and the queued one starts
+    assert batcher._concurrency == 2
+    await eventually(lambda: runner.gate.entered == 2, "the second batch on the thread given back")
+    runner.gate.open()
+    assert [(await call)["y"][0, 0] for call in calls] == [2.0, 4.0]
+    await batcher.close()
