@@ -17,7 +17,7 @@ import pytest
 from modelyard.service.batching.batcher import Batcher, BatchSettings
 from modelyard.service.errors import DeadlineExceeded, Overloaded
 from modelyard.service.metrics import ServiceMetrics
-from modelyard.service.runtime.capacity import RunCapacity, lowest_priority
+from modelyard.service.runtime.capacity import UNBOUNDED, RunCapacity, lowest_priority
 from modelyard.service.runtime.instances import Instances
 from modelyard.service.runtime.runs import ActiveRuns
 from modelyard.service.runtime.served import VersionStats
@@ -44,7 +44,7 @@ def versions(threads: int, *runners: FakeRunner, max_runs: int = 0, max_queued: 
 
 def test_the_threads_are_shared_among_the_versions_that_run_on_them() -> None:
     one = versions(4, FakeRunner())[0]
-    assert one.limit == 4  # alone: every thread, as before
+    assert one.limit == UNBOUNDED  # alone: no bound of its own, its runs queue as before
     capacity = one.capacity
     runs = one.runs
     two = Instances([FakeRunner()], runs=runs)
@@ -58,6 +58,8 @@ def test_the_threads_are_shared_among_the_versions_that_run_on_them() -> None:
     three.retire()
     own.retire()
     assert (one.limit, two.limit) == (2, 2)  # the share grows back
+    two.retire()
+    assert one.limit == UNBOUNDED
 
 
 async def test_a_version_at_its_bound_waits_in_order_and_another_version_does_not(
@@ -84,7 +86,7 @@ async def test_a_version_at_its_bound_waits_in_order_and_another_version_does_no
 
 async def test_the_wait_is_bounded_and_honours_deadlines_and_cancels(executor: ThreadPoolExecutor) -> None:
     runner = FakeRunner()
-    (only,) = versions(1, runner, max_queued=2)
+    (only,) = versions(1, runner, max_runs=1, max_queued=2)
     runner.gate.close()
     running = asyncio.ensure_future(only.run(x(1), ["y"], executor, "m"))
     await eventually(lambda: runner.gate.entered == 1, "the run to start")
@@ -116,7 +118,7 @@ async def test_a_slot_is_given_back_when_the_run_ends_not_when_its_caller_leaves
     executor: ThreadPoolExecutor,
 ) -> None:
     runner = FakeRunner()
-    (only,) = versions(1, runner)
+    (only,) = versions(1, runner, max_runs=1)
     runner.gate.close()
     call = asyncio.ensure_future(only.run(x(1), ["y"], executor, "m"))
     await eventually(lambda: runner.gate.entered == 1, "the run to start")
@@ -132,7 +134,7 @@ async def test_shadows_run_only_on_spare_capacity_on_an_idle_priority_thread(
     executor: ThreadPoolExecutor,
 ) -> None:
     runner = FakeRunner()
-    (only,) = versions(1, runner)
+    (only,) = versions(1, runner, max_runs=1)
     capacity = only.capacity
     assert capacity.spare(len(only.runs)) == ""
     runner.gate.close()
