@@ -334,6 +334,8 @@ class Instances:
             await self._wait_for_slot(label, wait)
         instance = self.start()
         control = self.runs.start()
+        if timing is not None:
+            control.timed = True
         loop = asyncio.get_running_loop()
         waiter: asyncio.Future[list[np.ndarray]] = loop.create_future()
         if len(self.all) == 1:
@@ -387,6 +389,7 @@ class Instances:
         capacity.shadows += 1
         instance = self.start()
         control = self.runs.start()
+        control.timed = timing is not None
         waiter: asyncio.Future[list[np.ndarray]] = asyncio.get_running_loop().create_future()
         return await self._run_many(
             executor, instance, control, waiter, feeds, output_names, label, timing, self._shadow_ended

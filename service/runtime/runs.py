@@ -48,12 +48,13 @@ class RunControl:
     """One run's RunOptions, why it was stopped (None while it may run), and when it ran: set on
     its executor thread (run_checked), read on the loop once the run's future is done."""
 
-    __slots__ = ("options", "run_ns", "started_ns", "timer", "why")
+    __slots__ = ("options", "run_ns", "started_ns", "timed", "timer", "why")
 
     def __init__(self) -> None:
         self.options = ort.RunOptions()
         self.why: ServiceError | None = None
         self.timer: asyncio.TimerHandle | None = None  # the run-time bound (ActiveRuns.max_run_s)
+        self.timed = False  # whether its thread stamps the two below (a dyed call's run)
         self.started_ns = 0  # time.perf_counter_ns when its thread started the run
         self.run_ns = 0  # how long the run took there
 

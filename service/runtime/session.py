@@ -219,6 +219,8 @@ def run_checked(
             return runner.run(feeds, output_names)
         if control.why is not None:  # stopped before it started (it waited for a thread)
             raise control.why
+        if not control.timed:
+            return runner.run(feeds, output_names, control.options)
         control.started_ns = started = time.perf_counter_ns()
         arrays = runner.run(feeds, output_names, control.options)
         control.run_ns = time.perf_counter_ns() - started
