@@ -98,6 +98,10 @@ def from_status(code: grpc.StatusCode, message: str, metadata: dict[str, str]) -
     reason = metadata.get(headers.ERROR_REASON) or _DEFAULT_REASON.get(code, ErrorReason.INTERNAL)
     if reason == ErrorReason.TOO_LARGE:
         status = 413  # not load: retrying the same request fails the same way
+    elif reason == ErrorReason.MODEL_REJECTED:
+        # Well-formed, and it fitted the model's declared inputs, but the model could not process
+        # it: not a malformed request (400), not a server fault by itself (500).
+        status = 422
     retry_after: int | None = None
     if status in (429, 503):
         pushback = metadata.get(headers.RETRY_PUSHBACK_MS, "")

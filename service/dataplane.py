@@ -26,10 +26,11 @@ import numpy as np
 from modelyard.service import tracing
 from modelyard.service.batching.batcher import Batcher
 from modelyard.service.batching.layer import BatchingLayer
-from modelyard.service.errors import ServiceError
+from modelyard.service.errors import ServiceError, ShadowDropped
 from modelyard.service.generation.model import DecoderModel
 from modelyard.service.intake import Bounds, TensorHeader, bounds_for, check_headers, decode_fixed, offload
 from modelyard.service.runtime.manager import ModelManager
+from modelyard.service.runtime.runs import RunTiming
 from modelyard.service.runtime.served import ServedVersion
 from modelyard.service.scheduling.queue import DEFAULT_SCHEDULING, Scheduling
 from modelyard.tensors import TensorError
@@ -78,6 +79,7 @@ class DataPlane:
         self.manager = manager
         self._table = manager.table  # the request path resolves and leases here
         self._executor = executor
+        self._shadow_calls = manager.metrics.shadow_calls
         # The batched versions' batchers (the batching layer's, read-only; none without it).
         self._batchers: Mapping[ServedVersion, Batcher] = batching.batchers if batching is not None else {}
         # Per version, until it retires (a plain dict: read on every request).
@@ -120,6 +122,7 @@ class DataPlane:
         inputs: Mapping[str, np.ndarray],
         names: Sequence[str],
         admitted_ns: int,
+        timing: RunTiming | None,
     ) -> dict[str, np.ndarray]:
         """A run of its own, inline (where `_runs_here`): the common case of a cheap model, so
         a plain function (no coroutine per call), counted in the version's statistics."""
@@ -132,7 +135,9 @@ class DataPlane:
                 arrays = served.instances.run_here(inputs, names, served.label)
             ok = True
         finally:
-            served.record_run(ok, inputs, admitted_ns, start)
+            end = served.record_run(ok, inputs, admitted_ns, start)
+        if timing is not None:
+            timing.queue_ns, timing.run_ns = start - admitted_ns, end - start
         return _by_name(names, arrays)
 
     async def _run(
@@ -142,18 +147,68 @@ class DataPlane:
         names: Sequence[str],
         scheduling: Scheduling,
         admitted_ns: int,
+        timing: RunTiming | None,
     ) -> dict[str, np.ndarray]:
+        if timing is not None:
+            timing.admitted_ns = admitted_ns
         if self._runs_here(served):
-            return self._run_here(served, inputs, names, admitted_ns)
+            return self._run_here(served, inputs, names, admitted_ns, timing)
         batcher = self._batchers.get(served)
         if batcher is not None:
             with tracing.step("batch"):
-                return await batcher.infer(inputs, names, scheduling)
+                return await batcher.infer(inputs, names, scheduling, timing)
         start = time.perf_counter_ns()
         ok = False
         try:
             with tracing.step("run"):
-                arrays = await served.instances.run(inputs, names, self._executor, served.label)
+                arrays = await served.instances.run(
+                    inputs, names, self._executor, served.label, timing, scheduling
+                )
+            ok = True
+        finally:
+            served.record_run(ok, inputs, admitted_ns, start)
+        return _by_name(names, arrays)
+
+    def shadow_refusal(self, served: ServedVersion) -> ShadowDropped | None:
+        """Why a shadow call (x-model-dye: shadow) to `served` may not run now, counted as dropped;
+        None when capacity is spare: an idle run thread, an idle run slot of its version (or of
+        its batcher), the shadows' thread free, and no real call waiting for a run slot (its
+        version's or any batcher's). A shadow never queues."""
+        instances = served.instances
+        why = instances.capacity.spare(len(instances.runs))
+        if not why:
+            batcher = self._batchers.get(served)
+            if not (batcher.has_idle_slot if batcher is not None else instances.has_idle_slot):
+                why = f"{served.label} has no idle run slot"
+            elif any(b.queued for b in self._batchers.values()):
+                why = "calls wait in a batcher's queue"
+        if not why:
+            return None
+        self._shadow_calls.labels(served.model, "dropped").inc()
+        return ShadowDropped(
+            f"{served.label}: a shadow call runs only on spare capacity, and {why}; dropped, not queued"
+        )
+
+    async def _shadow(
+        self,
+        served: ServedVersion,
+        inputs: Mapping[str, np.ndarray],
+        names: Sequence[str],
+        admitted_ns: int,
+        timing: RunTiming,
+    ) -> dict[str, np.ndarray]:
+        """A shadow call: at the lowest priority, on the shadows' own idle-priority thread, only
+        while capacity is spare (shadow_refusal, asked again: its decoding may have awaited)."""
+        refused = self.shadow_refusal(served)
+        if refused is not None:
+            raise refused
+        self._shadow_calls.labels(served.model, "run").inc()
+        timing.admitted_ns = admitted_ns
+        start = time.perf_counter_ns()
+        ok = False
+        try:
+            with tracing.step("run"):
+                arrays = await served.instances.run_shadow(inputs, names, served.label, timing)
             ok = True
         finally:
             served.record_run(ok, inputs, admitted_ns, start)
@@ -174,18 +229,30 @@ class Call:
     frames per request). The lease is held while the request decodes and while it waits in a
     batcher's queue: a retiring version answers what it has admitted before it is released."""
 
-    __slots__ = ("_fitted", "_plane", "served")
+    __slots__ = ("_fitted", "_plane", "admitted_ns", "dye", "queue_ns", "run_ns", "served")
 
     def __init__(self, plane: DataPlane, served: ServedVersion) -> None:
         self._plane = plane
         self.served = served
         self._fitted: object = None  # the inputs decode_fixed gave, checked by their headers
+        # The last run's own measurement (RunTiming): its wait from admission and its run, in
+        # perf_counter ns; what a unary answer to a dyed call reports as x-queue-us and x-run-us.
+        self.admitted_ns = self.queue_ns = self.run_ns = 0
+        # The call's x-model-dye (set by the API): only a dyed call's run is timed for its answer.
+        self.dye = ""
 
     def __enter__(self) -> Call:
         return self  # leased since open()
 
     def __exit__(self, kind: object, exc: object, tb: object) -> None:
         self.served.release()
+
+    def refuse_shadow(self) -> None:
+        """For a shadow call, before its tensors are decoded: raise ShadowDropped unless capacity
+        is spare now (a dropped shadow costs the service as little as it can)."""
+        refused = self._plane.shadow_refusal(self.served)
+        if refused is not None:
+            raise refused
 
     def _check(self, headers: Sequence[TensorHeader]) -> None:
         """Check a request's tensors (their headers) against the version's bounds."""
@@ -233,7 +300,7 @@ class Call:
         output_names: Sequence[str] = (),
         scheduling: Scheduling = DEFAULT_SCHEDULING,
     ) -> InferResult:
-        admitted = time.perf_counter_ns()
+        self.admitted_ns = admitted = time.perf_counter_ns()
         served = self.served
         signature = served.runner.signature
         if inputs is self._fitted and not output_names and len(inputs) == 1 == len(signature.inputs):
@@ -243,14 +310,17 @@ class Call:
         else:
             names = _checked(served, inputs, output_names, admitted, inputs is self._fitted)
         plane = self._plane
-        if plane._runs_here(served):  # most requests of a cheap model: no await on the way
-            outputs = plane._run_here(served, inputs, names, admitted)
+        timing = self if self.dye else None  # a proxy's call: its answer reports its run's timing
+        if scheduling.shadow:  # a mirrored call: only on spare capacity
+            outputs = await plane._shadow(served, inputs, names, admitted, self)
+        elif plane._runs_here(served):  # most requests of a cheap model: no await on the way
+            outputs = plane._run_here(served, inputs, names, admitted, timing)
         elif not tracing.enabled and (batcher := plane._batchers.get(served)) is not None:
             # A batched request with no span to open: straight to its batcher (what _run does,
             # without its coroutine and its step)
-            outputs = await batcher.infer(inputs, names, scheduling)
+            outputs = await batcher.infer(inputs, names, scheduling, timing)
         else:
-            outputs = await plane._run(served, inputs, names, scheduling, admitted)
+            outputs = await plane._run(served, inputs, names, scheduling, admitted, timing)
         # Made as the tuple it is: a NamedTuple's own __new__ is Python (~1 us per request).
         return _result(InferResult, (served.model, served.version, outputs, 0, True))
 
@@ -269,11 +339,11 @@ class Call:
         names = _checked(served, inputs, output_names, time.perf_counter_ns())
         batch = next(iter(inputs.values())).shape[0] if signature.max_batch_size and inputs else 0
         if not batch:
-            outputs = await run(served, inputs, names, scheduling, time.perf_counter_ns())
+            outputs = await run(served, inputs, names, scheduling, time.perf_counter_ns(), None)
             yield InferResult(served.model, served.version, outputs)
             return
         step = min(chunk_size or signature.max_batch_size, signature.max_batch_size)
         for offset in range(0, batch, step):
             chunk = {name: array[offset : offset + step] for name, array in inputs.items()}
-            outputs = await run(served, chunk, names, scheduling, time.perf_counter_ns())
+            outputs = await run(served, chunk, names, scheduling, time.perf_counter_ns(), None)
             yield InferResult(served.model, served.version, outputs, offset, last=offset + step >= batch)

@@ -20,6 +20,12 @@ class InvalidInput(ServiceError):
     """A request's tensors or fields do not fit the model; the message names the tensor or field."""
 
 
+class ModelRejected(ServiceError):
+    """The model's graph refused a request that passed every declared check (a kernel's check on
+    the shapes or values it computed): this version's fault or the values', not told apart here
+    (FAILED_PRECONDITION, model_rejected)."""
+
+
 class ModelUnavailable(ServiceError):
     """The model exists but cannot serve right now (loading, draining, shutting down)."""
 
@@ -61,6 +67,11 @@ class NotGenerative(ServiceError):
 
 class Overloaded(ServiceError):
     """The model's queue for this kind of work is full; the client may retry later."""
+
+
+class ShadowDropped(Overloaded):
+    """A shadow call (x-model-dye: shadow) found no spare capacity and was dropped, not queued:
+    RESOURCE_EXHAUSTED, shadow_dropped (runtime/capacity.py)."""
 
 
 class DeadlineExceeded(ServiceError):

@@ -422,6 +422,13 @@ class ServiceMetrics:
             ["model"],
             registry=self.registry,
         )
+        self.shadow_calls = Counter(
+            "modelyard_shadow_calls",
+            "Shadow calls (x-model-dye: shadow) by model and outcome: run (on spare capacity, at "
+            "the lowest priority) or dropped (they would have delayed real calls).",
+            ["model", "outcome"],
+            registry=self.registry,
+        )
         self._generation_families(["model", "version"])
         self._version_series: dict[tuple[str, str], tuple[int, set[tuple[Removable, tuple[str, ...]]]]] = {}
         self._batching_families()
@@ -477,6 +484,7 @@ class ServiceMetrics:
             self.drain_seconds,
             self.versions_ready,
             self.versions_degraded,
+            self.shadow_calls,
         ):
             family.remove_by_labels({"model": model})
 

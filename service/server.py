@@ -160,6 +160,9 @@ class Service:
             await self.generation.close()  # decode loops use the executor: stop them first
         await self.manager.close()
         await shut_down_executor(self.executor)
+        shadows = self.manager.runs.capacity.close()
+        if shadows is not None:
+            await shut_down_executor(shadows)
         if self.metrics_server is not None:
             self.metrics_server.stop()
 
@@ -244,9 +247,8 @@ def build_service(
     metrics = ServiceMetrics()
     if providers.default == CUDA:
         metrics.registry.register(GpuMemoryCollector())
-    executor = ThreadPoolExecutor(
-        max_workers=settings.inference_threads or usable_cores(), thread_name_prefix="infer"
-    )
+    run_threads = settings.inference_threads or usable_cores()
+    executor = ThreadPoolExecutor(max_workers=run_threads, thread_name_prefix="infer")
     # Before any session exists: sessions opt into the bounded arena as they are created. The
     # default shares half of the memory among the worker processes.
     processes = worker.count if worker is not None else 1
@@ -257,6 +259,7 @@ def build_service(
         metrics=metrics,
         drain_timeout_s=settings.drain_timeout_s,
         max_run_s=settings.max_run_s,
+        run_threads=run_threads,  # each version's default bound is a share of them
         # Generation recognises decoder graphs as they load; the runtime knows nothing of them.
         loader=loader
         or functools.partial(

@@ -454,7 +454,11 @@ def shadow_target(
         return None
     for upstream in pool.candidates(plan.model, canary):
         if breakers.get(upstream.address, plan.model, canary).would_allow():
-            md = (*_strip(plan.forward), (headers.MODEL_VERSION, canary), (headers.MODEL_DYE, "shadow"))
+            md = (
+                *_strip(plan.forward),
+                (headers.MODEL_VERSION, canary),
+                (headers.MODEL_DYE, headers.DYE_SHADOW),
+            )
             return canary, upstream, md
     return None
 

@@ -29,6 +29,10 @@ Context = grpc.aio.ServicerContext[Any, Any]
 _STATUS: dict[type[BaseException], tuple[grpc.StatusCode, ErrorReason]] = {
     TensorError: (grpc.StatusCode.INVALID_ARGUMENT, ErrorReason.INVALID_ARGUMENT),
     errors.InvalidInput: (grpc.StatusCode.INVALID_ARGUMENT, ErrorReason.INVALID_ARGUMENT),
+    # FAILED_PRECONDITION, not INVALID_ARGUMENT ("problematic regardless of the state of the
+    # system"): the request conformed to the version's declared signature and another version may
+    # serve it; not INTERNAL either, since its values may be what the graph refused.
+    errors.ModelRejected: (grpc.StatusCode.FAILED_PRECONDITION, ErrorReason.MODEL_REJECTED),
     errors.ModelNotFound: (grpc.StatusCode.NOT_FOUND, ErrorReason.MODEL_NOT_FOUND),
     errors.VersionNotFound: (grpc.StatusCode.NOT_FOUND, ErrorReason.VERSION_NOT_FOUND),
     errors.ModelUnavailable: (grpc.StatusCode.UNAVAILABLE, ErrorReason.DRAINING),
@@ -38,6 +42,7 @@ _STATUS: dict[type[BaseException], tuple[grpc.StatusCode, ErrorReason]] = {
     errors.ModelRunError: (grpc.StatusCode.INTERNAL, ErrorReason.MODEL_FAILED),
     errors.NotGenerative: (grpc.StatusCode.FAILED_PRECONDITION, ErrorReason.FAILED_PRECONDITION),
     errors.Overloaded: (grpc.StatusCode.RESOURCE_EXHAUSTED, ErrorReason.QUEUE_FULL),
+    errors.ShadowDropped: (grpc.StatusCode.RESOURCE_EXHAUSTED, ErrorReason.SHADOW_DROPPED),
     errors.DeadlineExceeded: (grpc.StatusCode.DEADLINE_EXCEEDED, ErrorReason.DEADLINE),
     errors.ReaderStalled: (grpc.StatusCode.ABORTED, ErrorReason.READER_STALLED),
     # Not domain errors, but every way a call ends has its row: the client went away (the
@@ -74,8 +79,20 @@ def status_for(exc: BaseException) -> tuple[grpc.StatusCode, ErrorReason]:
     return _INTERNAL
 
 
-def reason_metadata(reason: ErrorReason) -> tuple[tuple[str, str]]:
+def reason_metadata(reason: ErrorReason) -> tuple[tuple[str, str], ...]:
+    if reason is ErrorReason.SHADOW_DROPPED:
+        return _SHADOW_DROPPED
     return ((headers.ERROR_REASON, reason.value),)
+
+
+# How long a proxy should wait before it mirrors to the service again once a shadow was dropped
+# (grpc-retry-pushback-ms): a dropped shadow costs the service a call's CPU on its event loop, and
+# one per stable answer while capacity is not spare is real load (docs/repository.md).
+SHADOW_PUSHBACK_MS = 100
+_SHADOW_DROPPED = (
+    (headers.ERROR_REASON, ErrorReason.SHADOW_DROPPED.value),
+    (headers.RETRY_PUSHBACK_MS, str(SHADOW_PUSHBACK_MS)),
+)
 
 
 async def abort(context: Context, exc: Exception, method: str = "", model: str = "") -> NoReturn:
@@ -146,6 +163,8 @@ def deadline_passed(context: Context) -> bool:
     remaining = context.time_remaining()
     return remaining is not None and remaining <= DEADLINE_SLACK_S
 
+
+_QUEUE_US, _RUN_US = headers.QUEUE_US, headers.RUN_US
 
 # ("x-served-by", "worker-N") when the service runs as one of several workers, else nothing.
 _served_by: tuple[tuple[str, str], ...] = ()
@@ -223,6 +242,15 @@ class serving:
         self.version = version
         # answer_metadata's common case (a version that answered before), with no call
         self._context.set_trailing_metadata(_answer_metadata.get(version) or answer_metadata(version))
+
+    def answered_run(self, version: str, queue_ns: int, run_ns: int) -> None:
+        """`answered`, for an inference call: its run's own queue and run time (x-queue-us,
+        x-run-us, microseconds) ride beside x-served-version in the trailing metadata."""
+        self.version = version
+        base = _answer_metadata.get(version) or answer_metadata(version)
+        self._context.set_trailing_metadata(
+            (*base, (_QUEUE_US, str(queue_ns // 1000)), (_RUN_US, str(run_ns // 1000)))
+        )
 
     async def stream_answered(self, version: str) -> None:
         """A stream's version that answers: x-served-version in the initial metadata, before the

@@ -10,6 +10,7 @@ from functools import partial
 import grpc
 import numpy as np
 
+from modelyard.common import headers
 from modelyard.inference.v1 import inference_service_pb2 as pb
 from modelyard.inference.v1 import inference_service_pb2_grpc as pb_grpc
 from modelyard.service.api.errors import Context, deadline_passed, end_stalled, serving
@@ -22,6 +23,7 @@ from modelyard.service.generation.plane import GenerationPlane
 from modelyard.service.metrics import ServiceMetrics
 from modelyard.tensors import datatype_value, to_arrays, to_tensors, to_wire
 
+_SHADOW = headers.DYE_SHADOW
 # After a write fails in gRPC's core, the most its word that the client cancelled may take.
 CANCEL_WAIT_S = 5.0
 
@@ -68,11 +70,15 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         # serving() by hand (as KServe's ModelInfer): no coroutine of its own on success.
         call = serving(context, self._metrics, "Infer", model)
         try:
-            version, request_id, priority = call_fields(
+            version, request_id, priority, dye = call_fields(
                 context, model, request.model_version, request.request_id, request.priority
             )
             held = self._dataplane.open(model, version)  # leased until the finally (Call)
             try:
+                if dye:
+                    held.dye = dye
+                    if dye == _SHADOW:
+                        held.refuse_shadow()
                 signature = held.served.runner.signature
                 refuse_extra_tensors(model, signature, len(tensors), len(output_names))
                 # Decoded only once the tensors' headers fit the version (service/intake.py).
@@ -82,12 +88,15 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
                 else:
                     inputs = await held.decode(our_headers(tensors), partial(to_arrays, tensors))
                 result = await held.infer(
-                    inputs, output_names, scheduling(context, priority, request.timeout_us)
+                    inputs, output_names, scheduling(context, priority, request.timeout_us, dye == _SHADOW)
                 )
             finally:
                 held.served.release()
             version = str(result.version)
-            call.answered(version)
+            if dye:  # a proxy's call: it judges the version by its run's own timing
+                call.answered_run(version, held.queue_ns, held.run_ns)
+            else:
+                call.answered(version)
             response = _response(result.model, version, result.outputs, request_id)
         except BaseException as exc:
             await call.failed(exc)
@@ -99,7 +108,7 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         self, request: pb.InferStreamRequest, context: Context
     ) -> AsyncIterator[pb.InferStreamResponse]:
         async with serving(context, self._metrics, "InferStream", request.model_name) as call:
-            version, request_id, priority = call_fields(
+            version, request_id, priority, _ = call_fields(
                 context, request.model_name, request.model_version, request.request_id, request.priority
             )
             # The whole stream holds the one version it resolved; a cancelled stream lets go of
@@ -139,7 +148,7 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         self, request: pb.GenerateRequest, context: Context
     ) -> None:
         async with serving(context, self._metrics, "Generate", request.model_name) as call:
-            version, request_id, priority = call_fields(
+            version, request_id, priority, _ = call_fields(
                 context, request.model_name, request.model_version, request.request_id, request.priority
             )
             # x-served-version goes out once the request is accepted, overlapping its prefill (its

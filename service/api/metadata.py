@@ -17,15 +17,15 @@ _UINT32_MAX = 2**32 - 1
 
 def call_fields(
     context: Context, model: str, version: str, request_id: str, priority: int
-) -> tuple[str, str, int]:
+) -> tuple[str, str, int, str]:
     """The request's model version, request id and priority: the message's own fields where set,
-    else the x-model-version, x-request-id and x-priority headers. The headers are read in one
-    pass, and only when a field is empty. Every inference call passes here first, so this is where
-    its model name and version meet the name rule (InvalidInput naming the field or header)."""
-    if version and request_id and priority:
-        check_model(model, version)
-        return version, request_id, priority
+    else the x-model-version, x-request-id and x-priority headers; and its x-model-dye ("" when
+    none): a proxy's call, whose unary answer carries its run's timing (x-queue-us, x-run-us),
+    and which as a shadow only ever has its priority lowered. The headers are read in one pass.
+    Every inference call passes here first, so this is where its model name and version meet the
+    name rule (InvalidInput naming the field or header)."""
     version_field = "model_version"
+    dye = ""
     # Values are str: only keys ending in -bin carry bytes.
     for key, value in invocation_metadata(context):
         if key == headers.MODEL_VERSION:
@@ -33,10 +33,13 @@ def call_fields(
                 version, version_field = str(value), headers.MODEL_VERSION
         elif key == headers.REQUEST_ID:
             request_id = request_id or str(value)
-        elif key == headers.PRIORITY and not priority:
-            priority = _priority(str(value))
+        elif key == headers.PRIORITY:
+            if not priority:
+                priority = _priority(str(value))
+        elif key == headers.MODEL_DYE:
+            dye = str(value)
     check_model(model, version, version_field=version_field)
-    return version, request_id, priority
+    return version, request_id, priority, dye
 
 
 def _priority(text: str) -> int:

@@ -17,18 +17,18 @@ TIMEOUT = "timeout"
 _scheduling = tuple.__new__
 
 
-def scheduling(context: Context, priority: int = 0, timeout_us: int = 0) -> Scheduling:
-    """Our API: the request's fields, and the call's gRPC deadline."""
-    return _of(priority, timeout_us, context.time_remaining())
+def scheduling(context: Context, priority: int = 0, timeout_us: int = 0, shadow: bool = False) -> Scheduling:
+    """Our API: the request's fields, the call's gRPC deadline, and whether it is a shadow."""
+    return _of(priority, timeout_us, context.time_remaining(), shadow)
 
 
-def _of(priority: int, timeout_us: int, time_remaining_s: float | None) -> Scheduling:
+def _of(priority: int, timeout_us: int, time_remaining_s: float | None, shadow: bool = False) -> Scheduling:
     # A request that asks nothing (no priority, timeout or deadline) shares the default: a frozen
     # dataclass costs a few microseconds to make, on every request.
-    if not priority and not timeout_us and time_remaining_s is None:
+    if not priority and not timeout_us and time_remaining_s is None and not shadow:
         return DEFAULT_SCHEDULING
     # Made as the tuple it is: a NamedTuple's own __new__ is Python.
-    return _scheduling(Scheduling, (priority, timeout_us, time_remaining_s))
+    return _scheduling(Scheduling, (priority, timeout_us, time_remaining_s, shadow))
 
 
 def kserve_priority(parameters: Mapping[str, InferParameter]) -> int:
@@ -37,13 +37,13 @@ def kserve_priority(parameters: Mapping[str, InferParameter]) -> int:
 
 
 def kserve_scheduling(
-    context: Context, parameters: Mapping[str, InferParameter], priority: int
+    context: Context, parameters: Mapping[str, InferParameter], priority: int, shadow: bool = False
 ) -> Scheduling:
-    """KServe V2: the priority (kserve_priority, or the x-priority header) and Triton's `timeout`
-    request parameter (microseconds)."""
+    """KServe V2: the priority (kserve_priority, or the x-priority header), Triton's `timeout`
+    request parameter (microseconds), and whether it is a shadow."""
     if not parameters:  # most requests
-        return _of(priority, 0, context.time_remaining())
-    return scheduling(context, priority, _count(parameters, TIMEOUT, "microseconds"))
+        return _of(priority, 0, context.time_remaining(), shadow)
+    return scheduling(context, priority, _count(parameters, TIMEOUT, "microseconds"), shadow)
 
 
 def _count(parameters: Mapping[str, InferParameter], name: str, unit: str) -> int:

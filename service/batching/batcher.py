@@ -52,7 +52,7 @@ from modelyard.service.metrics import BatchingMetrics
 from modelyard.service.repository.config import ModelConfig
 from modelyard.service.runtime.instances import Instance, Instances
 from modelyard.service.runtime.providers import CUDA
-from modelyard.service.runtime.runs import RunControl
+from modelyard.service.runtime.runs import RunControl, RunTiming
 from modelyard.service.runtime.served import VersionStats
 from modelyard.service.runtime.session import Runnable as Runner
 from modelyard.service.runtime.session import run_checked, run_error
@@ -122,6 +122,9 @@ class _Pending:
     # Once it runs on the executor: the run's control, and every request of its batch.
     control: RunControl | None = None
     batch: list[_Pending] | None = None
+    # Once it ran: when the run that served it started and how long it took (perf_counter ns).
+    started_ns: int = 0
+    run_ns: int = 0
 
 
 Outcome = Outputs | ServiceError
@@ -147,7 +150,10 @@ class Batcher:
         self._clock = clock or MonotonicClock()
         self._queue: AdmissionQueue[_Pending] = AdmissionQueue(settings.admission, self._clock, metrics, name)
         self._busy = 0  # batches running
-        self._concurrency = settings.concurrency
+        # Its run slots: the settings', within the version's bound on the service's run threads
+        # (runtime/capacity.py: its share of them while other versions run there too).
+        self._concurrency = min(settings.concurrency, instances.limit)
+        instances.on_limit(self._limit_changed)
         # A request that finds nothing queued and a slot free runs at once, unless the settings
         # hold requests back for company (max_queue_delay). Inline models always find it so: their
         # runs end before the event loop takes the next request.
@@ -164,6 +170,17 @@ class Batcher:
     def queued_at(self, level: int) -> int:
         return self._queue.depth(level)
 
+    @property
+    def has_idle_slot(self) -> bool:
+        """A request could run now without waiting, and none waits."""
+        return self._busy < self._concurrency and not self._queue
+
+    def _limit_changed(self, limit: int) -> None:
+        """The version's bound on the run threads changed (another version loaded or retired)."""
+        self._concurrency = min(self.settings.concurrency, limit)
+        if self._queue:
+            self._kick()  # a slot more may start what waits
+
     # -- requests -----------------------------------------------------------------------------
 
     async def infer(
@@ -171,10 +188,12 @@ class Batcher:
         feeds: Mapping[str, np.ndarray],
         names: Sequence[str],
         scheduling: Scheduling = DEFAULT_SCHEDULING,
+        timing: RunTiming | None = None,
     ) -> Outputs:
         """Run one request's (checked) inputs as part of a batch; raise InvalidInput (priority),
         Overloaded (queue full), DeadlineExceeded (deadline passed while queued), ModelUnavailable
-        (the version stopped), or what the run raised."""
+        (the version stopped), or what the run raised. `timing`, when given, gets the request's
+        wait and its run's time (RunTiming: the batch's run, for each request in it)."""
         instances = self._instances
         if self._closed or instances is None:
             raise ModelUnavailable(f"{self.name} is no longer served")
@@ -187,16 +206,19 @@ class Batcher:
             self._metrics.dequeued(level, 0.0)
             self._stats.record_queue(0)
             if instances.runs_inline:
-                return self._run_inline(instances, feeds, tuple(names), rows, arrived)
+                return self._run_inline(instances, feeds, tuple(names), rows, arrived, timing)
             pending = _Pending(
                 feeds, tuple(names), None, rows, asyncio.get_running_loop().create_future(), arrived
             )
             self._start([pending], rows)
             try:
-                return await pending.future
+                outputs = await pending.future
             except asyncio.CancelledError:
                 self._left(pending)
                 raise
+            if timing is not None:
+                timing.queue_ns, timing.run_ns = pending.started_ns - timing.admitted_ns, pending.run_ns
+            return outputs
         pending = _Pending(
             feeds, tuple(names), key, rows, asyncio.get_running_loop().create_future(), arrived
         )
@@ -208,12 +230,15 @@ class Batcher:
         ):
             self._kick()
         try:
-            return await pending.future
+            outputs = await pending.future
         except asyncio.CancelledError:
             # The client left (or its gRPC deadline passed): while queued it never runs.
             self._queue.remove(ticket)
             self._left(pending)
             raise
+        if timing is not None:
+            timing.queue_ns, timing.run_ns = pending.started_ns - timing.admitted_ns, pending.run_ns
+        return outputs
 
     def _left(self, pending: _Pending) -> None:
         """A request's caller left; if its batch is running and nobody else waits for it, stop it."""
@@ -230,12 +255,15 @@ class Batcher:
         names: tuple[str, ...],
         rows: int,
         arrived: int,
+        timing: RunTiming | None = None,
     ) -> Outputs:
         """A request alone, on the event loop: the cheapest path, for models whose runs take
         microseconds (no future, no concatenation, no split; one instance)."""
         self._metrics.batch_size.observe(rows)
         runs: list[tuple[int, int]] = []
         instance = instances.start()
+        if timing is not None:
+            timing.queue_ns = time.perf_counter_ns() - timing.admitted_ns
         start, cpu = time.perf_counter(), time.thread_time()
         try:
             outputs = _execute(instance.runner, feeds, names, self.name, runs)
@@ -246,6 +274,8 @@ class Batcher:
             raise
         instances.finish(instance)
         instances.ran_inline(runs[0][1] / 1e9, self.name, time.thread_time() - cpu)
+        if timing is not None:
+            timing.run_ns = runs[0][1]
         self._stats.record_execution(*runs[0])
         self._stats.record_compute(1, runs[0][1])
         self._stats.record_request(True, time.perf_counter_ns() - arrived)
@@ -474,10 +504,15 @@ def _compute(
             names = tuple(dict.fromkeys(output for each in items for output in each.names))
             break
     try:
-        outputs = _execute(runner, concat([item.feeds for item in items]), names, name, runs, control)
+        feeds = concat([item.feeds for item in items])
+        started = time.perf_counter_ns()
+        outputs = _execute(runner, feeds, names, name, runs, control)
         outcomes: list[Outcome] = list(
             split(outputs, [item.rows for item in items], [item.names for item in items])
         )
+        run_ns = runs[-1][1]
+        for item in items:  # here, on the executor thread: the event loop reads them after the hop
+            item.started_ns, item.run_ns = started, run_ns
     except ServiceError as exc:
         # A device's failure is no request's: running each alone would fail each on it again.
         # A stopped run is not rerun either.
@@ -492,7 +527,10 @@ def _alone(
     runner: Runner, item: _Pending, name: str, runs: list[tuple[int, int]], control: RunControl | None
 ) -> Outcome:
     try:
-        return _execute(runner, item.feeds, item.names, name, runs, control)
+        item.started_ns = time.perf_counter_ns()
+        outputs = _execute(runner, item.feeds, item.names, name, runs, control)
+        item.run_ns = runs[-1][1]
+        return outputs
     except ServiceError as exc:
         return exc
 

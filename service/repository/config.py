@@ -16,9 +16,7 @@ from msgspec import UNSET, UnsetType
 from modelyard.process.documents import DocumentError, load
 from modelyard.service.errors import ModelLoadError
 from modelyard.service.repository.config_file import (
-    DEFAULT_MAX_WAITING as DEFAULT_MAX_WAITING,
-)
-from modelyard.service.repository.config_file import (
+    DEFAULT_MAX_QUEUED_RUNS,
     ConfigDoc,
     ExecutionDoc,
     GenerationDoc,
@@ -27,6 +25,9 @@ from modelyard.service.repository.config_file import (
     QueuePolicyDoc,
     VersionPolicyDoc,
     _AdmissionDoc,
+)
+from modelyard.service.repository.config_file import (
+    DEFAULT_MAX_WAITING as DEFAULT_MAX_WAITING,
 )
 from modelyard.service.repository.files import read_inside, shown
 from modelyard.service.scheduling.queue import AdmissionPolicy, QueuePolicy
@@ -82,6 +83,10 @@ class ExecutionConfig:
     intra_op_threads: int = 0  # 0 = ONNX Runtime's default, per session
     inter_op_threads: int = 0
     instances: int = 1  # sessions on each device (service/runtime/instances.py picks among them)
+    # Runs of each version on the service's run threads at once; 0 = a share of them
+    # (service/runtime/capacity.py). Runs beyond it wait, at most max_queued_runs (0: no bound).
+    max_concurrent_runs: int = 0
+    max_queued_runs: int = DEFAULT_MAX_QUEUED_RUNS
     device_ids: tuple[int, ...] = ()  # CUDA devices to place instances on; () = (device_id,)
     # CUDA runs bind their inputs and outputs (runtime/iobinding.py); False: plain session.run.
     io_binding: bool = True
@@ -282,6 +287,8 @@ def _execution(doc: ExecutionDoc) -> ExecutionConfig:
         instances=doc.instances,
         device_ids=device_ids,
         io_binding=doc.io_binding,
+        max_concurrent_runs=doc.max_concurrent_runs,
+        max_queued_runs=doc.max_queued_runs,
     )
     if execution.sessions > MAX_SESSIONS:
         raise DocumentError(

@@ -67,6 +67,10 @@ class VersionPolicyDoc(_Keys):
     ] = UNSET
 
 
+# `execution.max_queued_runs`: how many runs of a version may wait for its run bound.
+DEFAULT_MAX_QUEUED_RUNS = 128
+
+
 class ExecutionDoc(_Keys):
     provider: Annotated[
         Literal["auto", "cuda", "cpu"], Meta(description="execution provider; auto: CUDA when available")
@@ -80,6 +84,20 @@ class ExecutionDoc(_Keys):
     intra_op_threads: Annotated[Count, Meta(description="per session; 0 = ONNX Runtime's default")] = 0
     inter_op_threads: Annotated[Count, Meta(description="per session; 0 = ONNX Runtime's default")] = 0
     instances: Annotated[Positive, Meta(description="sessions on each device")] = 1
+    max_concurrent_runs: Annotated[
+        Count,
+        Meta(
+            description="runs of each version on the service's run threads at once; 0 = a share of "
+            "the threads among the served versions that run there"
+        ),
+    ] = 0
+    max_queued_runs: Annotated[
+        Count,
+        Meta(
+            description="runs of each version (without dynamic_batching) that may wait for one of "
+            "those; more: RESOURCE_EXHAUSTED; 0 = no bound"
+        ),
+    ] = DEFAULT_MAX_QUEUED_RUNS
     io_binding: Annotated[
         bool, Meta(description="CUDA runs bind inputs and outputs to the device; false: plain session.run")
     ] = True

@@ -19,6 +19,7 @@ from pathlib import Path
 
 from modelyard.service.gpu_memory import DeviceMemory, read_nvml
 from modelyard.service.metrics import ServiceMetrics
+from modelyard.service.runtime.capacity import RunCapacity
 from modelyard.service.runtime.instances import Loader
 from modelyard.service.runtime.loader import LoadHook, VersionLoader
 from modelyard.service.runtime.providers import ProviderChoice
@@ -41,6 +42,7 @@ class ModelManager:
         metrics: ServiceMetrics | None = None,
         drain_timeout_s: float = 30.0,
         max_run_s: float = 0.0,  # the longest one run on an executor thread may take; 0: no bound
+        run_threads: int = 0,  # the executor's threads, shared among the versions; 0: not known
         loader: Loader = load_runner,  # test seam: a loader that fails or blocks on demand
         read_devices: Callable[[], list[DeviceMemory] | None] = read_nvml,  # devices' memory (NVML)
     ) -> None:
@@ -55,7 +57,7 @@ class ModelManager:
         # from running side by side, and one thread keeps freed memory in one malloc arena.
         self._io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model-io")
         # The runs on executor threads of every served version, so that shutdown can stop them.
-        self.runs = ActiveRuns(max_run_s)
+        self.runs = ActiveRuns(max_run_s, RunCapacity(run_threads))
         self.loader = VersionLoader(
             self.table,
             self.board,

@@ -18,10 +18,12 @@ import logging
 import threading
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from typing import Protocol
 
 import onnxruntime as ort
 
 from modelyard.service.errors import DeadlineExceeded, ModelUnavailable, ServiceError
+from modelyard.service.runtime.capacity import RunCapacity
 
 log = logging.getLogger(__name__)
 
@@ -31,15 +33,30 @@ EXECUTOR_STOP_S = 2.0
 SHUTDOWN_MESSAGE = "the service is shutting down; the run was stopped before it finished"
 
 
-class RunControl:
-    """One run's RunOptions, and why it was stopped (None while it may run)."""
+class RunTiming(Protocol):
+    """Where a request's run says when it started and how long it took (the data plane's Call):
+    `admitted_ns` is set before the run is asked for; the run sets `queue_ns` (admission to the
+    start of its run: a wait for the version's run slots, a batcher's queue, an executor thread)
+    and `run_ns` (its run on its thread, or its batch's run), both time.perf_counter_ns spans."""
 
-    __slots__ = ("options", "timer", "why")
+    admitted_ns: int
+    queue_ns: int
+    run_ns: int
+
+
+class RunControl:
+    """One run's RunOptions, why it was stopped (None while it may run), and when it ran: set on
+    its executor thread (run_checked), read on the loop once the run's future is done."""
+
+    __slots__ = ("options", "run_ns", "started_ns", "timed", "timer", "why")
 
     def __init__(self) -> None:
         self.options = ort.RunOptions()
         self.why: ServiceError | None = None
         self.timer: asyncio.TimerHandle | None = None  # the run-time bound (ActiveRuns.max_run_s)
+        self.timed = False  # whether its thread stamps the two below (a dyed call's run)
+        self.started_ns = 0  # time.perf_counter_ns when its thread started the run
+        self.run_ns = 0  # how long the run took there
 
     def terminate(self, why: ServiceError) -> None:
         """Stop the run at ONNX Runtime's next check; it then fails with `why` (the first reason
@@ -52,12 +69,14 @@ class RunControl:
 class ActiveRuns:
     """The stoppable runs of one service (its executor runs), so that shutdown can stop them all."""
 
-    def __init__(self, max_run_s: float = 0.0) -> None:
+    def __init__(self, max_run_s: float = 0.0, capacity: RunCapacity | None = None) -> None:
         self._runs: set[RunControl] = set()
         self.closing = False
         # The longest a run may take, whether or not its caller set a deadline (a caller without
         # one must not hold a thread and a slot for ever); 0: no bound.
         self.max_run_s = max_run_s
+        # Who may take the run threads: each version's bound, and the shadows (capacity.py).
+        self.capacity = capacity if capacity is not None else RunCapacity()
 
     def __len__(self) -> int:
         return len(self._runs)

@@ -92,7 +92,14 @@ class ServedVersion:
         # Every instance holds the same model: the first one answers for the signature, the
         # graph's kind and the provider; runs go through `instances`.
         self.runner = runners[0]
-        self.instances = Instances(runners, [r.device for r in runners], runs=runs)
+        execution = config.execution
+        self.instances = Instances(
+            runners,
+            [r.device for r in runners],
+            runs=runs,
+            max_runs=execution.max_concurrent_runs,
+            max_queued=execution.max_queued_runs,
+        )
         self.config = config
         self.fingerprint = fingerprint  # the files it was loaded from; a change means reload
         self.memory_bytes = memory_bytes  # estimate of all its instances, for the model's memory budget
@@ -109,18 +116,18 @@ class ServedVersion:
     def acquire(self) -> None:
         self.in_flight += 1
 
-    def record_run(self, ok: bool, inputs: Mapping[str, np.ndarray], admitted_ns: int, start_ns: int) -> None:
+    def record_run(self, ok: bool, inputs: Mapping[str, np.ndarray], admitted_ns: int, start_ns: int) -> int:
         """A request that was one run of its own (no batcher), in the statistics: admitted at
-        `admitted_ns`, its run from `start_ns` to now. VersionStats' record_request, and when it
-        succeeded record_queue, record_execution and record_compute(1, ...), in one body: it
-        runs on every such request."""
+        `admitted_ns`, its run from `start_ns` to now (returned, perf_counter ns).
+        VersionStats' record_request, and when it succeeded record_queue, record_execution and
+        record_compute(1, ...), in one body: it runs on every such request."""
         end = time.perf_counter_ns()
         stats = self.stats
         stats.last_inference_ms = time.time_ns() // 1_000_000
         if not ok:
             stats.fail_count += 1
             stats.fail_ns += end - admitted_ns
-            return
+            return end
         compute_ns = end - start_ns
         stats.success_count += 1
         stats.success_ns += end - admitted_ns
@@ -133,6 +140,7 @@ class ServedVersion:
         stats.compute_ns += compute_ns
         stats.compute_request_count += 1
         stats.compute_request_ns += compute_ns
+        return end
 
     def release(self) -> None:
         self.in_flight -= 1
@@ -153,7 +161,8 @@ class ServedVersion:
     def drop_session(self) -> None:
         """Drop the sessions of every instance, so that ONNX Runtime frees them now rather than
         whenever the last reference goes. A request still running past the drain timeout fails
-        instead."""
+        instead. Its share of the run threads goes back to the other versions."""
+        self.instances.retire()
         del self.runner
         del self.instances
 

@@ -29,6 +29,7 @@ from modelyard.service.errors import (
     DeviceFault,
     InvalidInput,
     ModelLoadError,
+    ModelRejected,
     ModelRunError,
     RunMemoryExceeded,
     ServiceError,
@@ -71,14 +72,19 @@ SHRINK_AFTER_S = 0.1
 _MEMORY_MESSAGE = re.compile(
     r"Available memory of \d+ is smaller than requested|Failed to allocate memory|bad_alloc", re.IGNORECASE
 )
-# How a kernel refuses the shapes a request's values made (a computed shape that is negative,
-# overflows or does not fit): the same graph ran its warm-up, so what differs is the request's
-# input. ONNX Runtime raises these as Fail or RuntimeException. Other value checks of a kernel
-# (GatherElements' "Out of range value in index tensor") stay the model's: ONNX Runtime does not
+# How a kernel refuses shapes (a computed shape that is negative, overflows or does not fit, as a
+# Reshape to a constant [1, 4] of a [2, 4] input): ONNX Runtime raises these as Fail or
+# RuntimeException. The request passed the declared checks, so the graph refused it: the graph's
+# fault or the values' (model_rejected), not told apart here. Other kernel checks
+# (GatherElements' "Out of range value in index tensor") stay model_failed: ONNX Runtime does not
 # say whose they are, and a model that fails so on real traffic is what a breaker is for.
 _REQUEST_MESSAGE = re.compile(
     r"shape|dimension|\bdims?\b|broadcast|overflow|too many elements", re.IGNORECASE
 )
+# How a kernel's own failure starts ("Non-zero status code returned while running Reshape node"):
+# an InvalidArgument without it is ONNX Runtime's check of the feeds against the graph's declared
+# inputs (name, type, rank, fixed dimensions), which our checks make first: a net under them.
+_KERNEL_FAILURE = "while running"
 # ONNX Runtime's messages quote where they were thrown: "[ONNXRuntimeError] : 1 : FAIL : ...",
 # then a source path, a line and the C++ function ("/onnxruntime_src/.../reshape_helper.h:91
 # onnxruntime::ReshapeHelper::ReshapeHelper(...) "), none of which a client should see.
@@ -213,7 +219,12 @@ def run_checked(
             return runner.run(feeds, output_names)
         if control.why is not None:  # stopped before it started (it waited for a thread)
             raise control.why
-        return runner.run(feeds, output_names, control.options)
+        if not control.timed:
+            return runner.run(feeds, output_names, control.options)
+        control.started_ns = started = time.perf_counter_ns()
+        arrays = runner.run(feeds, output_names, control.options)
+        control.run_ns = time.perf_counter_ns() - started
+        return arrays
     except Exception as exc:
         if control is not None and control.why is not None:
             raise control.why from None
@@ -221,10 +232,13 @@ def run_checked(
 
 
 def run_error(exc: BaseException, label: str) -> ServiceError:
-    """The answer for a failed run of the model `label` names ("model m version 3"): the
-    request's fault (INVALID_ARGUMENT) where ONNX Runtime says its inputs or the shapes their
-    values made were refused; the run's memory bound (RESOURCE_EXHAUSTED); else a fault of the
-    device or the model (INTERNAL, counted against the version by a sidecar's breaker)."""
+    """The answer for a failed run of the model `label` names ("model m version 3"), whose
+    request passed the version's declared checks: the run's memory bound (RESOURCE_EXHAUSTED);
+    ONNX Runtime's own check of the feeds against the graph's inputs (INVALID_ARGUMENT, the
+    request's fault); a kernel refusing the shapes or values it computed (FAILED_PRECONDITION
+    model_rejected: the graph's fault or the values', which another version's answer tells);
+    else a fault of the device or the model (INTERNAL, counted against the version by a
+    sidecar's breaker)."""
     if isinstance(exc, ServiceError):
         return exc
     message = str(exc)
@@ -235,13 +249,15 @@ def run_error(exc: BaseException, label: str) -> ServiceError:
             f"ask for too large a tensor: {client_message(exc)}"
         )
     if isinstance(exc, InvalidArgument):
-        # Inputs ONNX Runtime itself refuses, or an operator's check on their values.
-        return InvalidInput(f"the model rejected the inputs: {client_message(exc)}")
+        if _KERNEL_FAILURE not in message:
+            return InvalidInput(f"the inputs do not fit the model's graph: {client_message(exc)}")
+        return ModelRejected(f"{label} rejected the inputs inside its graph: {client_message(exc)}")
     if is_device_fault(exc):
         return DeviceFault(f"{label} failed on its device: {client_message(exc)}")
     if isinstance(exc, Fail | RuntimeException) and _REQUEST_MESSAGE.search(message):
-        # The graph ran its warm-up: shapes it now refuses come from this request's input.
-        return InvalidInput(f"the model rejected the inputs' values: {client_message(exc)}")
+        # The inputs fit the signature and the warm-up ran: a shape the graph computed from
+        # this request's shapes or values does not fit.
+        return ModelRejected(f"{label} rejected the inputs inside its graph: {client_message(exc)}")
     return ModelRunError(f"{label} failed: {client_message(exc)}")
 
 

@@ -79,6 +79,18 @@ class Scheduling(NamedTuple):
     priority: int = 0  # 1 is the highest level; 0 means the default level
     timeout_us: int = 0  # lowers the level's default timeout, where the level allows it; 0 = none
     time_remaining_s: float | None = None  # until the client's own deadline (gRPC); None = none
+    # A shadow call (x-model-dye: shadow): the lowest priority there is, only on spare capacity
+    # (runtime/capacity.py); it never raises a call's priority.
+    shadow: bool = False
+
+    def wait_s(self) -> float | None:
+        """How long the request may wait (its timeout_us or its client's deadline, whichever
+        comes first; None: for ever): a run waiting for its version's run slot."""
+        remaining = self.time_remaining_s
+        if self.timeout_us:
+            timeout = self.timeout_us / 1e6
+            remaining = timeout if remaining is None else min(timeout, remaining)
+        return remaining
 
 
 DEFAULT_SCHEDULING = Scheduling()  # the default level, the level's timeout, no client deadline

@@ -82,9 +82,10 @@ async def test_a_failed_run_counts_and_traces_with_its_version_and_is_no_server_
     tenant = (("x-tenant-id", "acme"),)
     with pytest.raises(grpc.aio.AioRpcError) as refused:
         await stub.Infer(reshape([3, 4]), metadata=tenant, timeout=10)  # 35 elements from 4
-    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    # Refused inside the graph after the declared checks passed: model_rejected (issue 34).
+    assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
     registry = service.metrics.registry
-    labels = {"method": "Infer", "model": "reshaped", "code": "INVALID_ARGUMENT"}
+    labels = {"method": "Infer", "model": "reshaped", "code": "FAILED_PRECONDITION"}
     # The client may have its answer a moment before the server's handler has recorded it.
     await eventually(lambda: bool(server_spans(spans, "Infer")), "the call recorded")
     assert metric(registry, "modelyard_requests_total", **labels, version="1") == 1
@@ -93,8 +94,8 @@ async def test_a_failed_run_counts_and_traces_with_its_version_and_is_no_server_
     attributes = dict(span.attributes or {})
     assert attributes["modelyard.version"] == "1"
     assert attributes["modelyard.tenant"] == "acme"
-    assert attributes["modelyard.error_reason"] == "invalid_argument"
-    assert span.status.status_code is StatusCode.UNSET  # the client's mistake, not a server fault
+    assert attributes["modelyard.error_reason"] == "model_rejected"
+    assert span.status.status_code is StatusCode.UNSET  # not a server fault by itself
 
     spans.clear()
     with pytest.raises(grpc.aio.AioRpcError) as missing:

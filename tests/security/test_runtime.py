@@ -124,9 +124,11 @@ def test_graphs_whose_cost_follows_values_never_run_inline(service: Service) -> 
 async def test_a_run_for_ever_neither_freezes_the_loop_nor_outlives_its_deadline(
     service: Service, stub: Any
 ) -> None:
-    # Two: the second waits for the one executor thread, and must not run when its turn comes.
+    # Two: the second waits for the one executor thread (the version's one run slot: issue 34),
+    # and must not run when its turn comes.
     calls = [asyncio.ensure_future(stub.Infer(_spin(FOREVER), timeout=1.5)) for _ in range(2)]
-    await eventually(lambda: len(service.manager.runs) == 2, "both runs under way")
+    spin = service.manager.resolve("spin").instances
+    await eventually(lambda: len(service.manager.runs) == 1 and spin.waiting == 1, "one running, one waiting")
     worst = await _probe_while(service, lambda: not all(call.done() for call in calls))
     assert worst < PROBE_LIMIT_S
     for call in calls:
@@ -193,9 +195,12 @@ async def test_a_batch_stops_only_when_every_request_of_it_left(service: Service
     assert to_array(answer.outputs[0]).tolist() == [[4.0]]
 
 
-async def test_a_failure_from_the_requests_values_is_its_own_fault(
+async def test_a_failure_inside_the_graph_from_the_requests_values_is_model_rejected(
     stub: Any,
 ) -> None:
+    # The request fits the signature; the graph refuses the shape its values make. Whose fault
+    # that is (the graph's or the values') another version's answer tells: model_rejected, no
+    # server fault (issue 34).
     request = pb.InferRequest(
         model_name="reshaped",
         inputs=[
@@ -205,8 +210,8 @@ async def test_a_failure_from_the_requests_values_is_its_own_fault(
     )
     with pytest.raises(grpc.aio.AioRpcError) as refused:
         await stub.Infer(request, timeout=5)
-    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert _reason(refused.value) == "invalid_argument"
+    assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert _reason(refused.value) == "model_rejected"
     details = refused.value.details() or ""
     assert "reshape" in details.lower()
     assert "/" not in details and "::" not in details  # no source paths or C++ names of ONNX Runtime

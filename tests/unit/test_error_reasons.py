@@ -8,7 +8,7 @@ import inspect
 import grpc
 
 from modelyard.common import headers
-from modelyard.common.reasons import ErrorReason
+from modelyard.common.reasons import SERVER_FAULTS, ErrorReason
 from modelyard.service import errors
 from modelyard.service.api import errors as api_errors
 from modelyard.service.api.errors import DEADLINE_SLACK_S, deadline_passed, status_for
@@ -38,6 +38,12 @@ def test_the_rows_a_proxy_depends_on() -> None:
     assert status_for(errors.TooLarge("t")) == (exhausted, ErrorReason.TOO_LARGE)
     assert status_for(TensorError("t")) == (grpc.StatusCode.INVALID_ARGUMENT, ErrorReason.INVALID_ARGUMENT)
     assert status_for(errors.ModelRunError("r")) == (grpc.StatusCode.INTERNAL, ErrorReason.MODEL_FAILED)
+    # Neither the client's plain mistake nor a server fault: another version may serve it.
+    assert status_for(errors.ModelRejected("g")) == (
+        grpc.StatusCode.FAILED_PRECONDITION,
+        ErrorReason.MODEL_REJECTED,
+    )
+    assert ErrorReason.MODEL_REJECTED not in SERVER_FAULTS
     assert status_for(asyncio.CancelledError()) == (grpc.StatusCode.CANCELLED, ErrorReason.CANCELLED)
     assert status_for(KeyError("bug")) == (grpc.StatusCode.INTERNAL, ErrorReason.INTERNAL)
 

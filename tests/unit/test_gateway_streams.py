@@ -136,6 +136,15 @@ def test_resource_exhausted_for_size_is_413_not_load() -> None:
         assert error.status == 413 and error.reason == "too_large" and "retry-after" not in error.headers()
 
 
+def test_a_request_the_model_rejected_inside_its_graph_is_422() -> None:
+    # It fitted the declared inputs (no 400) and is no server fault by itself (no 500).
+    metadata = {"x-error-reason": "model_rejected"}
+    error = errors.from_status(grpc.StatusCode.FAILED_PRECONDITION, "reshape", metadata)
+    assert error.status == 422 and error.reason == "model_rejected" and "retry-after" not in error.headers()
+    plain = errors.from_status(grpc.StatusCode.FAILED_PRECONDITION, "not a decoder", {})
+    assert plain.status == 400 and plain.reason == "failed_precondition"
+
+
 # --- the limits: open streams counted, finished ones bounded by bytes --------------------------
 
 

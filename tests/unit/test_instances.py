@@ -18,7 +18,7 @@ import pytest
 from onnxruntime.capi.onnxruntime_pybind11_state import EPFail, Fail, InvalidArgument
 
 from modelyard.service.batching.batcher import Batcher, BatchSettings, default_concurrency
-from modelyard.service.errors import DeviceFault, InvalidInput, ModelRunError
+from modelyard.service.errors import DeviceFault, InvalidInput, ModelRejected, ModelRunError
 from modelyard.service.metrics import ServiceMetrics
 from modelyard.service.repository.config import ConfigError, ExecutionConfig, ModelConfig, parse_config
 from modelyard.service.runtime.instances import Instances, load_instances, placements
@@ -165,9 +165,13 @@ def test_device_faults_are_told_from_the_requests_own_failures() -> None:
     assert not is_device_fault(Fail("Non-zero status code returned while running Reshape node"))
     assert not is_device_fault(ValueError("CUDA failure in a message of another kind"))
     assert isinstance(run_error(EPFail("boom"), "model m version 1"), DeviceFault)
-    assert isinstance(run_error(InvalidArgument("bad shape"), "model m version 1"), InvalidInput)
-    # A kernel refusing the shapes a request's values made is the request's fault (issue 17).
-    assert isinstance(run_error(Fail("Reshape: the requested shape is invalid"), "m"), InvalidInput)
+    # ONNX Runtime's check of the feeds against the graph's inputs: the request's fault.
+    assert isinstance(run_error(InvalidArgument("Invalid rank for input: x"), "m"), InvalidInput)
+    # A kernel refusing the shapes it computed, from a request that fitted the signature: the
+    # graph's fault or the values' (issue 34), model_rejected either way.
+    assert isinstance(run_error(Fail("Reshape: the requested shape is invalid"), "m"), ModelRejected)
+    kernel = InvalidArgument("Non-zero status code returned while running Gather node: bad indices")
+    assert isinstance(run_error(kernel, "m"), ModelRejected)
     plain = run_error(Fail("the kernel's workspace is not initialised"), "model m version 1")
     assert isinstance(plain, ModelRunError) and not isinstance(plain, DeviceFault)
 

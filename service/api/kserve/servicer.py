@@ -12,6 +12,7 @@ import asyncio
 from collections.abc import AsyncIterator, Callable
 from functools import partial
 
+from modelyard.common.headers import DYE_SHADOW
 from modelyard.common.names import is_valid_name
 from modelyard.common.reasons import ErrorReason
 from modelyard.kserve.v2 import grpc_service_pb2 as pb
@@ -35,7 +36,7 @@ from modelyard.service.api.model_control import ModelControl
 from modelyard.service.api.names import check_model, quoted
 from modelyard.service.api.scheduling import kserve_priority, kserve_scheduling
 from modelyard.service.api.tensor_headers import kserve_headers, kserve_plain, refuse_extra_tensors
-from modelyard.service.dataplane import DataPlane
+from modelyard.service.dataplane import Call, DataPlane
 from modelyard.service.errors import InvalidInput, ServiceError
 from modelyard.service.intake import INLINE_DECODE_BYTES
 from modelyard.service.metrics import ServiceMetrics
@@ -134,8 +135,11 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
         # context manager); an error awaits failed(), which answers it.
         call = serving(context, self._metrics, "ModelInfer", model)
         try:
-            response = await self._infer(request, context, model)
-            call.answered(response.model_version)
+            response, held = await self._infer(request, context, model)
+            if held.dye:  # a proxy's call: it judges the version by its run's own timing
+                call.answered_run(response.model_version, held.queue_ns, held.run_ns)
+            else:
+                call.answered(response.model_version)
         except BaseException as exc:
             await call.failed(exc)
             raise
@@ -156,7 +160,7 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
             async with serving(context, self._metrics, "ModelStreamInfer", request.model_name) as call:
                 try:
                     final_flag = _empty_final_response(request)
-                    response = await self._infer(request, context, request.model_name)
+                    response, _ = await self._infer(request, context, request.model_name)
                 except (ServiceError, TensorError) as exc:
                     first = False
                     yield _in_band_error(request, exc, call.in_band(exc))
@@ -257,10 +261,11 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
 
     async def _infer(
         self, request: pb.ModelInferRequest, context: Context, model: str
-    ) -> pb.ModelInferResponse:
-        """`model`: the request's model_name (read once: each read of a field is a new object)."""
+    ) -> tuple[pb.ModelInferResponse, Call]:
+        """The answer, and the call that ran it (its run's queue and run time). `model`: the
+        request's model_name (read once: each read of a field is a new object)."""
         parameters = request.parameters
-        version, request_id, priority = call_fields(
+        version, request_id, priority, dye = call_fields(
             context,
             model,
             request.model_version,
@@ -270,7 +275,10 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
         # One version for the whole request: its limits check the tensors, its priority levels
         # and label files apply, and it runs.
         held = self._dataplane.open(model, version)  # leased until the finally (Call)
+        held.dye = dye
         try:
+            if dye == DYE_SHADOW:
+                held.refuse_shadow()
             served = held.served
             # Each container read once (each read of a protobuf field makes a new object).
             tensors, outputs = request.inputs, request.outputs
@@ -288,7 +296,7 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
             else:  # every output, asked nothing (most requests): no call to say so
                 names, options = [], NO_OPTIONS
             classify = options.classify
-            scheduling = kserve_scheduling(context, parameters, priority)
+            scheduling = kserve_scheduling(context, parameters, priority, dye == DYE_SHADOW)
             if scheduling.priority:
                 batching = served.config.dynamic_batching
                 if batching is None or scheduling.priority > batching.admission.priority_levels:
@@ -321,7 +329,7 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
             )
         else:
             encode_outputs(response, answers, options.in_shm, self._shm.of(partial(self._identify, context)))
-        return response
+        return response, held
 
 
 # The in-band error's parameter that carries its x-error-reason value on a KServe stream.

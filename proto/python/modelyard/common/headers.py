@@ -19,9 +19,21 @@ AUTHORIZATION = "authorization"
 # stream in its INITIAL metadata, before its first message.
 SERVED_VERSION = "x-served-version"
 SERVED_BY = "x-served-by"  # beside it when the service runs several workers: worker-N
-MODEL_DYE = "x-model-dye"  # DYE_STABLE or DYE_CANARY
+# A unary inference answer's own measurement of its run, in its TRAILING metadata beside
+# x-served-version, on answers to calls that carry MODEL_DYE (a proxy's), decimal microseconds:
+# QUEUE_US from the call's admission (its inputs decoded and checked) to the start of its run
+# (waiting for its version's run slots, a batcher's queue, an executor thread), RUN_US its run
+# there (its batch's run, for a batched request). What a proxy judges a version's latency by: a
+# slow version's runs do not inflate another's RUN_US.
+QUEUE_US = "x-queue-us"
+RUN_US = "x-run-us"
+MODEL_DYE = "x-model-dye"  # DYE_STABLE, DYE_CANARY or DYE_SHADOW
 DYE_STABLE = "stable"
 DYE_CANARY = "canary"  # a sidecar's canary attempt (the service holds its stream's headers for it)
+# A sidecar's mirrored call (nobody waits for its answer): the service runs it at the lowest
+# priority, only on spare capacity, and drops it (RESOURCE_EXHAUSTED shadow_dropped) rather than
+# delay a real call. It only ever lowers the call's own priority.
+DYE_SHADOW = "shadow"
 DYE_FALLBACK = "x-dye-fallback"  # why the dye was overridden (e.g. breaker-open)
 ERROR_REASON = "x-error-reason"  # trailing metadata of every error; values in reasons.py
 # WatchModels with send_initial_state: the number of events of the initial state (a decimal, "0"

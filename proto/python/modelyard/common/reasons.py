@@ -19,12 +19,19 @@ class ErrorReason(StrEnum):
     PERMISSION_DENIED = "permission_denied"
     # Load: the server is healthy but busy or going away; retry later or elsewhere.
     QUEUE_FULL = "queue_full"  # admission queue full (load shed)
+    # A shadow call (x-model-dye: shadow) that would have delayed real calls: dropped, not queued.
+    SHADOW_DROPPED = "shadow_dropped"
     TENANT_LIMIT = "tenant_limit"  # a tenant's rate or concurrency limit
     DEADLINE = "deadline"  # the request's deadline passed before its work was done
     CANCELLED = "cancelled"  # the client went away
     READER_STALLED = "reader_stalled"  # the client stopped reading its stream; its slot was freed
     DRAINING = "draining"  # the model or server is loading, draining or shutting down
     BREAKER_OPEN = "breaker_open"  # a sidecar's breaker refuses calls to this version
+    # The model refused a request that passed every declared check (names, datatypes, shapes
+    # against the signature, limits): inside its graph, on shapes or values no declared check
+    # covers. The version's graph may be at fault (a canary's bug) or the request's values: no
+    # server fault by itself; the same request on another version tells which (a proxy's replay).
+    MODEL_REJECTED = "model_rejected"
     # Faults: the server failed on a request that looked valid.
     MODEL_FAILED = "model_failed"  # the runtime failed running the model, or a load failed
     UNAVAILABLE = "unavailable"  # the upstream could not be reached
