@@ -1,26 +1,47 @@
-"""Helpers the tests share that are not fixtures: the one polling wait, metric reading, and a
-service in a child process."""
+"""Helpers the tests share that are not fixtures: the one polling wait, metric reading, a service
+in this process (`serving`) and a service in a child process."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import re
 import signal
 import subprocess
 import sys
 import time
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
 from modelyard.process import children
 
+if TYPE_CHECKING:
+    from modelyard.service.server import Service
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 EVENTUALLY_LIMIT_S = 20.0  # bounds a broken test only; nothing waits this long when things work
+
+
+@contextlib.asynccontextmanager
+async def serving(repository: Path, **fields: Any) -> AsyncIterator[Service]:
+    """The real service in this process on an ephemeral port, without a metrics listener unless
+    `fields` give one (any other setting too), stopped at the end."""
+    from modelyard.service.config import Settings
+    from modelyard.service.server import build_service
+
+    fields = {"listen": "127.0.0.1:0", "metrics_listen": "", **fields}
+    running = build_service(Settings(repository=repository, **fields))
+    await running.start()
+    try:
+        yield running
+    finally:
+        await running.stop(grace_s=1.0)
 
 
 async def eventually(

@@ -18,10 +18,10 @@ from modelyard.inference.v1 import inference_service_pb2 as ipb
 from modelyard.inference.v1 import inference_service_pb2_grpc as ipb_grpc
 from modelyard.kserve.v2 import grpc_service_pb2 as kpb
 from modelyard.kserve.v2 import grpc_service_pb2_grpc as kpb_grpc
-from modelyard.service.config import Settings
-from modelyard.service.server import Service, build_service
+from modelyard.service.server import Service
 from modelyard.tensors import to_tensor
 from tests import hf_decoder
+from tests.support import serving
 
 CONTEXT = 128  # the decoder's n_positions
 
@@ -66,12 +66,8 @@ def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture
 async def service(root: Path) -> AsyncIterator[Service]:
-    running = build_service(Settings(repository=root, listen="127.0.0.1:0", metrics_listen=""))
-    await running.start()
-    try:
+    async with serving(root) as running:
         yield running
-    finally:
-        await running.stop(grace_s=1.0)
 
 
 @pytest.fixture

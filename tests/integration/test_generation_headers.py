@@ -28,11 +28,10 @@ from modelyard.gateway.app import Gateway
 from modelyard.gateway.config import Settings as GatewaySettings
 from modelyard.inference.v1 import inference_service_pb2 as pb
 from modelyard.inference.v1 import inference_service_pb2_grpc as pb_grpc
-from modelyard.service.config import Settings
 from modelyard.service.generation import decoder, engine
-from modelyard.service.server import Service, build_service
+from modelyard.service.server import Service
 from tests.sidecar_support import known_versions, running_sidecar
-from tests.support import eventually, metric
+from tests.support import eventually, metric, serving
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -92,12 +91,8 @@ def repository(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def service(repository: Path) -> AsyncIterator[Service]:
-    running = build_service(Settings(repository=repository, listen="127.0.0.1:0", metrics_listen=""))
-    await running.start()
-    try:
+    async with serving(repository) as running:
         yield running
-    finally:
-        await running.stop(grace_s=1.0)
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")

@@ -24,9 +24,9 @@ from modelyard.inference.v1 import inference_service_pb2 as pb
 from modelyard.inference.v1 import inference_service_pb2_grpc as pb_grpc
 from modelyard.kserve.v2 import grpc_service_pb2 as kpb
 from modelyard.kserve.v2 import grpc_service_pb2_grpc as kgrpc
-from modelyard.service.config import Settings
-from modelyard.service.server import Service, build_service
+from modelyard.service.server import Service
 from modelyard.tensors import to_array, to_tensor
+from tests.support import serving
 
 FEATURES = 4
 
@@ -65,12 +65,8 @@ async def service(tmp_path: Path) -> AsyncIterator[Service]:
     config = {"version_policy": {"all": {}}, "reload": {"allow_schema_change": True}}
     write_model(root, "m", 1, adds_one(), config)
     write_model(root, "m", 2, reshape_bug(), config)
-    running = build_service(Settings(repository=root, listen="127.0.0.1:0", metrics_listen=""))
-    await running.start()
-    try:
+    async with serving(root) as running:
         yield running
-    finally:
-        await running.stop(grace_s=1.0)
 
 
 @pytest.fixture

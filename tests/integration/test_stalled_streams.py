@@ -16,10 +16,9 @@ import pytest
 from models import demo_models
 from modelyard.inference.v1 import inference_service_pb2 as pb
 from modelyard.inference.v1 import inference_service_pb2_grpc as pb_grpc
-from modelyard.service.config import Settings
 from modelyard.service.repository.config import DEFAULT_GENERATION_QUEUE_TIMEOUT_US, parse_config
-from modelyard.service.server import Service, build_service
-from tests.support import eventually
+from modelyard.service.server import Service
+from tests.support import eventually, serving
 
 # One slot, one queue place, a 2-token stream buffer, and a short stall limit.
 STALLING = """generation:
@@ -37,12 +36,8 @@ async def service(tmp_path: Path) -> AsyncIterator[Service]:
     root = tmp_path / "models"
     shutil.copytree(demo_models.COMMITTED_ROOT / "codelm" / "1", root / "lm" / "1")
     (root / "lm" / "config.yaml").write_text(STALLING)
-    running = build_service(Settings(repository=root, listen="127.0.0.1:0", metrics_listen=""))
-    await running.start()
-    try:
+    async with serving(root) as running:
         yield running
-    finally:
-        await running.stop(grace_s=1.0)
 
 
 def _count(service: Service, name: str, **labels: str) -> float:

@@ -24,8 +24,8 @@ from modelyard.inference.v1 import inference_service_pb2_grpc as ipb_grpc
 from modelyard.inference.v1 import tensor_pb2
 from modelyard.kserve.v2 import grpc_service_pb2 as kpb
 from modelyard.service.api import wire
-from modelyard.service.config import Settings
-from modelyard.service.server import Service, build_service
+from modelyard.service.server import Service
+from tests.support import serving
 
 TOKEN = "large-messages-token"
 INFER = "/inference.GRPCInferenceService/ModelInfer"
@@ -46,20 +46,12 @@ async def service(tmp_path: Path) -> AsyncIterator[Service]:
     demo_models.write_model(root, "scaler", 1, demo_models.scaled_identity(4, 2.0))
     tokens = tmp_path / "tokens"
     tokens.write_text(TOKEN + "\n")
-    running = build_service(
-        Settings(
-            repository=root,
-            listen="127.0.0.1:0",
-            metrics_listen="",
-            auth_tokens_file=str(tokens),
-            auth_inference=True,
-        )
-    )
-    await running.start()
-    try:
+    async with serving(
+        root,
+        auth_tokens_file=str(tokens),
+        auth_inference=True,
+    ) as running:
         yield running
-    finally:
-        await running.stop(grace_s=1.0)
 
 
 @pytest.fixture

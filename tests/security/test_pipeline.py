@@ -16,8 +16,8 @@ from models import demo_models
 from modelyard.common.headers import ERROR_REASON
 from modelyard.inference.v1 import model_service_pb2 as mpb
 from modelyard.kserve.v2 import grpc_service_pb2 as kpb
-from modelyard.service.config import Settings
-from modelyard.service.server import Service, build_service
+from modelyard.service.server import Service
+from tests.support import serving
 
 TOKEN = "pipeline-token"
 BEARER = (("authorization", f"Bearer {TOKEN}"),)
@@ -41,21 +41,13 @@ async def service(tmp_path: Path) -> AsyncIterator[Service]:
     demo_models.write_model(root, "scaler", 1, demo_models.scaled_identity(4, 2.0))
     tokens = tmp_path / "tokens"
     tokens.write_text(TOKEN + "\n")
-    running = build_service(
-        Settings(
-            repository=root,
-            listen="127.0.0.1:0",
-            metrics_listen="",
-            max_message_bytes=LIMIT,
-            auth_tokens_file=str(tokens),
-            auth_inference=True,
-        )
-    )
-    await running.start()
-    try:
+    async with serving(
+        root,
+        max_message_bytes=LIMIT,
+        auth_tokens_file=str(tokens),
+        auth_inference=True,
+    ) as running:
         yield running
-    finally:
-        await running.stop(grace_s=1.0)
 
 
 # One call of each kind, sending `message`: the first response (or the status it ended with).

@@ -25,7 +25,7 @@ from modelyard.gateway.config import Settings as GatewaySettings
 from modelyard.service.config import Settings
 from modelyard.service.server import Service, build_service
 from tests.sse_client import SseEvent, events_only, read_events, token_ids
-from tests.support import eventually
+from tests.support import eventually, serving
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -50,20 +50,12 @@ def repository(tmp_path_factory: pytest.TempPathFactory) -> Path:
 async def service(repository: Path) -> AsyncIterator[Service]:
     tokens = repository.parent / "tokens"
     tokens.write_text(f"{TOKEN_A} inference\n{TOKEN_B} inference\n")
-    running = build_service(
-        Settings(
-            repository=repository,
-            listen="127.0.0.1:0",
-            metrics_listen="",
-            auth_tokens_file=str(tokens),
-            auth_inference=True,
-        )
-    )
-    await running.start()
-    try:
+    async with serving(
+        repository,
+        auth_tokens_file=str(tokens),
+        auth_inference=True,
+    ) as running:
         yield running
-    finally:
-        await running.stop(grace_s=1.0)
 
 
 @pytest_asyncio.fixture(loop_scope="module")
