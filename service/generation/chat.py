@@ -106,7 +106,7 @@ class _TemplateDict:
 class _Namespace(jinja2.utils.Namespace):
     """transformers' `namespace`: no underscore-prefixed attributes (CPython's internals)."""
 
-    def __init__(*args: Any, **kwargs: Any) -> None:  # noqa: N805 (Jinja's own signature trick)
+    def __init__(*args: Any, **kwargs: Any) -> None:
         self, rest = args[0], args[1:]
         for name in dict(*rest, **kwargs):
             _Namespace._check(name)

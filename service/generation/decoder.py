@@ -209,7 +209,9 @@ class DecodeBatch(Generic[Member]):
             length = int(self._lengths[row])
             past = ops.select(self._past, [row], self._width - length)
             mask = np.ones((1, length + 1), dtype=np.int64)
-            feeds = self._layout.feeds(self._next[row : row + 1, None], mask, self._lengths[row : row + 1, None])
+            feeds = self._layout.feeds(
+                self._next[row : row + 1, None], mask, self._lengths[row : row + 1, None]
+            )
             try:
                 self._runner.run(feeds, past)
             except Exception as exc:

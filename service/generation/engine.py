@@ -613,7 +613,9 @@ class Engine:
             batch.set_next(tokens)
             logprobs = (
                 [
-                    token_logprob(row[:vocab], token, m.request.top_logprobs, text) if m.request.logprobs else None
+                    token_logprob(row[:vocab], token, m.request.top_logprobs, text)
+                    if m.request.logprobs
+                    else None
                     for m, row, token in zip(members, logits, tokens, strict=True)
                 ]
                 if scored

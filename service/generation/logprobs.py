@@ -24,7 +24,7 @@ def log_softmax(logits: np.ndarray) -> np.ndarray:
     """Over the last axis, in float64 (a long vocabulary's sum loses nothing)."""
     row = logits.astype(np.float64)
     shifted = row - row.max(axis=-1, keepdims=True)
-    return shifted - np.log(np.exp(shifted).sum(axis=-1, keepdims=True))
+    return np.asarray(shifted - np.log(np.exp(shifted).sum(axis=-1, keepdims=True)))
 
 
 def token_logprob(logits: np.ndarray, token: int, top: int, text: Callable[[int], str]) -> Logprob:

@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
-from typing import Any
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -57,7 +57,7 @@ class DecoderModel:
     context_length: int
     settings: GenerationConfig
     context_source: str = FROM_DEFAULT  # where context_length was read (FROM_*)
-    defaults: GenerationDefaults = GenerationDefaults()  # generation_config.json's
+    defaults: GenerationDefaults = field(default_factory=GenerationDefaults)  # generation_config.json
     chat: ChatTemplate | None = None  # the model's chat template (GenerateRequest.messages)
 
     def warmup_feeds(self) -> dict[str, np.ndarray]:

@@ -78,9 +78,7 @@ def check_fields(params: GenerateParams, model: DecoderModel) -> None:
         raise InvalidInput(f"top_logprobs: must be in [0, {MAX_TOP_LOGPROBS}], got {params.top_logprobs}")
     for name in params.model_defaults:
         if name not in MODEL_DEFAULT_FIELDS:
-            raise InvalidInput(
-                f"model_defaults: {name!r} is not one of {', '.join(MODEL_DEFAULT_FIELDS)}"
-            )
+            raise InvalidInput(f"model_defaults: {name!r} is not one of {', '.join(MODEL_DEFAULT_FIELDS)}")
     limit = model.settings.max_tokens
     if params.max_tokens > limit:
         raise InvalidInput(f"max_tokens: {params.max_tokens} exceeds this model's limit of {limit}")
@@ -136,7 +134,11 @@ def build_request(
             f"{model.context_length} tokens"
         )
     max_tokens = params.max_tokens or model.settings.default_max_tokens
-    if params.strict_context and not params.prompt_only and len(prompt_ids) + max_tokens > model.context_length:
+    if (
+        params.strict_context
+        and not params.prompt_only
+        and len(prompt_ids) + max_tokens > model.context_length
+    ):
         raise InvalidInput(
             f"max_tokens: the model's context is {model.context_length} tokens, but {len(prompt_ids)} "
             f"in the prompt and {max_tokens} to generate make {len(prompt_ids) + max_tokens}; shorten "

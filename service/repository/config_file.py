@@ -196,7 +196,9 @@ class GenerationDoc(_AdmissionDoc):
     ] = []
     chat_reply_opening: Annotated[
         bool,
-        Meta(description="a chat reply's text begins with what the template writes for add_generation_prompt"),
+        Meta(
+            description="a chat reply's text begins with what the template writes for add_generation_prompt"
+        ),
     ] = False
     # At least 1: a max_queue_size of 0 means "no bound", the opposite of what 0 waiting once meant.
     max_waiting: Annotated[

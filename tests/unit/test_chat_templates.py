@@ -102,3 +102,19 @@ def test_rendering_is_bounded_in_size_and_time_and_sandboxed() -> None:
     namespace = ChatTemplate.compile("{% set ns = namespace(_x=1) %}{{ ns._x }}", "ns", {})
     with pytest.raises(InvalidInput, match="messages: "):
         namespace.render([], 1000)
+
+
+def test_codelm_names_the_reply_after_the_request() -> None:
+    codelm = template("codelm")
+    later = [
+        {"role": "user", "content": "add"},
+        {"role": "assistant", "content": "def add(a, b):\n    return a + b"},
+        {"role": "user", "content": "42 is\nthe answer"},
+    ]
+    assert codelm.render(later, 1000) == (
+        "# user: add\ndef add(a, b):\n    return a + b\n# user: 42 is\n# the answer\ndef f_42_is_the_answer("
+    )
+    assert codelm.render([{"role": "user", "content": "¿?"}], 1000) == "# user: ¿?\ndef answer("
+    assert codelm.render([{"role": "assistant", "content": "x = 1"}], 1000) == "x = 1\n"
+    words = "one two three four five six seven"
+    assert codelm.render([{"role": "user", "content": words}], 1000).endswith("def one_two_three_four_five_six(")
