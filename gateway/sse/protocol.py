@@ -55,9 +55,6 @@ class GenerateParams:
             stop=self.stop,
             request_id=self.request_id,
             priority=self.priority,
-            # An asked-for max_tokens the context cannot hold is refused up front (400 naming both
-            # numbers), not cut short mid-stream; without one the text ends at the context.
-            strict_context=self.max_tokens > 0,
         )
         if self.seed is not None:
             request.seed = self.seed

@@ -497,9 +497,10 @@ class Engine:
                 result: _Prefilled | Exception
                 request = sequence.request
                 try:
-                    cache, logits = prefill(
-                        self._runner, layout, request.prompt_ids, all_positions=request.prompt_logprobs
-                    )
+                    if request.prompt_logprobs:  # every position's logits: the prompt's scores
+                        cache, logits = prefill(self._runner, layout, request.prompt_ids, all_positions=True)
+                    else:
+                        cache, logits = prefill(self._runner, layout, request.prompt_ids)
                     last = logits[-1, :vocab] if request.prompt_logprobs else logits[:vocab]
                     token = choose(last, request.sampling, sequence.rng, sequence.produced)
                     top = request.top_logprobs

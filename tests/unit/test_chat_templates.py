@@ -117,4 +117,6 @@ def test_codelm_names_the_reply_after_the_request() -> None:
     assert codelm.render([{"role": "user", "content": "¿?"}], 1000) == "# user: ¿?\ndef answer("
     assert codelm.render([{"role": "assistant", "content": "x = 1"}], 1000) == "x = 1\n"
     words = "one two three four five six seven"
-    assert codelm.render([{"role": "user", "content": words}], 1000).endswith("def one_two_three_four_five_six(")
+    assert codelm.render([{"role": "user", "content": words}], 1000).endswith(
+        "def one_two_three_four_five_six("
+    )
