@@ -52,7 +52,7 @@ class GenerationDefaults:
     pad_token_id: int | None = None
     bos_token_id: int | None = None
     # Default sampling, used for the fields a request leaves to the model (model_defaults).
-    do_sample: bool = False
+    do_sample: bool | None = None  # None: not stated
     temperature: float | None = None
     top_k: int | None = None
     top_p: float | None = None
@@ -152,7 +152,7 @@ def generation_defaults(model_file: Path) -> GenerationDefaults | None:
         eos_token_ids=tuple(t for t in eos_ids if _token_id(t)),
         pad_token_id=raw.get("pad_token_id") if _token_id(raw.get("pad_token_id")) else None,
         bos_token_id=raw.get("bos_token_id") if _token_id(raw.get("bos_token_id")) else None,
-        do_sample=raw.get("do_sample") is True,
+        do_sample=raw["do_sample"] if isinstance(raw.get("do_sample"), bool) else None,
         temperature=_number(raw.get("temperature"), 0.0, 100.0),
         top_k=int(raw["top_k"]) if _token_id(raw.get("top_k")) else None,
         top_p=_number(raw.get("top_p"), 0.0, 1.0),

@@ -169,19 +169,17 @@ def build_request(
 
 def _sampling(params: GenerateParams, model: DecoderModel) -> tuple[float, int, float]:
     """temperature, top_k and top_p: the request's, or for the fields it leaves to the model
-    (model_defaults) generation_config.json's, as transformers applies them (do_sample false:
-    greedy, whatever temperature says)."""
+    (model_defaults) the values generation_config.json states (vLLM's rule: a value it does not
+    state keeps the request's); `do_sample: false` stated there is greedy."""
     temperature, top_k, top_p = params.temperature, params.top_k, params.top_p
     defaults = model.defaults
-    if not defaults.present:  # no generation_config.json: the request's own values
-        return temperature, top_k, top_p
-    if "temperature" in params.model_defaults:
-        if not defaults.do_sample:
-            temperature = 0.0
-        elif defaults.temperature is not None:
-            temperature = defaults.temperature
-    if "top_k" in params.model_defaults and defaults.do_sample and defaults.top_k is not None:
+    wanted = set(params.model_defaults)
+    if defaults.do_sample is False:
+        return (0.0 if "temperature" in wanted else temperature), top_k, top_p
+    if "temperature" in wanted and defaults.temperature is not None:
+        temperature = defaults.temperature
+    if "top_k" in wanted and defaults.top_k is not None:
         top_k = defaults.top_k
-    if "top_p" in params.model_defaults and defaults.do_sample and defaults.top_p is not None:
+    if "top_p" in wanted and defaults.top_p is not None:
         top_p = defaults.top_p
     return temperature, top_k, top_p

@@ -42,12 +42,16 @@ EOS_ID = TOKENIZER.token_to_id(hf_decoder.EOS)
 # A ChatML template as Qwen2's tokenizer_config.json carries it, with the tokenizer's specials.
 CHATML = (
     "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\\n' + message['content'] + "
-    "'<|im_end|>' + '\\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+    "'<|im_end|>' + '\\n'}}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
 # What transformers' apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=False)
 # renders with CHATML (tests/unit/test_chat_templates.py checks the renderer on many templates).
 MESSAGES = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "the quick brown"}]
-RENDERED = "<|im_start|>system\nbe brief<|im_end|>\n<|im_start|>user\nthe quick brown<|im_end|>\n<|im_start|>assistant\n"
+RENDERED = (
+    "<|im_start|>system\nbe brief<|im_end|>\n<|im_start|>user\nthe quick brown<|im_end|>\n"
+    "<|im_start|>assistant\n"
+)
 
 
 def tokenizer_config() -> dict[str, Any]:
@@ -148,11 +152,8 @@ def model_file(root: Path, name: str) -> Path:
 
 def log_softmax(logits: np.ndarray) -> np.ndarray:
     row = logits[..., :VOCAB].astype(np.float64)
-    return (
-        row
-        - row.max(axis=-1, keepdims=True)
-        - np.log(np.exp(row - row.max(axis=-1, keepdims=True)).sum(-1, keepdims=True))
-    )
+    shifted = row - row.max(axis=-1, keepdims=True)
+    return np.asarray(shifted - np.log(np.exp(shifted).sum(axis=-1, keepdims=True)))
 
 
 # --- the context -----------------------------------------------------------------------------------
@@ -248,7 +249,7 @@ async def test_a_row_that_fails_in_a_batch_fails_alone(
         async for response in failing:
             got.extend(response.token_ids)
     assert failed.value.code() == grpc.StatusCode.FAILED_PRECONDITION
-    assert dict(failed.value.trailing_metadata() or ())["x-error-reason"] == "model_rejected"
+    assert trailing(failed.value)["x-error-reason"] == "model_rejected"
     # The prompt's run gave the first token, steps at positions 118..127 ten more; 128 failed.
     assert len(got) == 11
     rest = [[r async for r in _rest(call)] for call in healthy]
@@ -257,6 +258,10 @@ async def test_a_row_that_fails_in_a_batch_fails_alone(
     assert any("failed for one sequence" in r.getMessage() for r in caplog.records)
     # The model still serves.
     assert len(ids(await generate(stub, model_name="short-table", prompt="a", max_tokens=3))) == 3
+
+
+def trailing(error: Any) -> dict[str, Any]:
+    return {key: value for key, value in error.trailing_metadata() or ()}
 
 
 async def _rest(call: Any) -> AsyncIterator[pb.GenerateResponse]:
@@ -271,7 +276,8 @@ async def test_end_tokens_come_from_generation_config(stub, models, repository: 
     want = hf_decoder.reference_greedy(
         model_file(repository, "table"), TOKENIZER.encode("to be or").ids, 12, VOCAB
     )
-    ends = [t for i, t in enumerate(want) if i >= 3 and t not in want[:i]][:1] + [EOS_ID]
+    first_new = next(t for i, t in enumerate(want) if i >= 3 and t not in want[:i])
+    ends = [first_new, EOS_ID]
     exported = repository / "eos"
     hf_decoder.write_export(
         repository,
