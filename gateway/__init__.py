@@ -7,7 +7,8 @@ own (mount.py), and none importing another (import-linter):
 - sse/: app.py (routes, errors.py's body), protocol.py (the request model and event shapes),
   serving.py (start or resume a stream), response.py (an SSE connection on a stream);
 - openai/: app.py (routes, OpenAI's error object), protocol.py (request and response models),
-  serving.py (the endpoints, the streamed chunks), chat_template.py;
+  serving.py (the endpoints, the streamed chunks; chat messages go to the service, which renders
+  them with the model's own template);
 - kserve/: app.py (routes, KServe's error body), protocol.py (request and response models),
   tensors.py (JSON elements <-> raw bytes), serving.py (the endpoints).
 Shared by them: http.py (the one intake: bounded strict JSON, typed and ranged fields, names),

@@ -39,6 +39,8 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_OUT = REPO_ROOT / "models" / "demo" / "codelm"
 EOS = "<|endoftext|>"
+# Where a chat reply (a function the template opened) ends: what follows a function in a file.
+CHAT_STOP = ("\ndef ", "\nclass ", "\n@", "\n\n\n")
 IR_VERSION = 10  # onnx 1.23 writes 14 by default, which ONNX Runtime refuses
 OPSET = 17
 MASKED = -1e9  # the score of a position a query must not see; finite, so a fully masked row stays NaN-free
@@ -401,6 +403,10 @@ def write(
             "eos_token": EOS,
             "continuous_batching": True,
             "stream_buffer": 16,
+            # The chat template (1/chat_template.jinja, kept beside what this writes) opens the
+            # reply's function: the reply's text begins with it and ends where the function does.
+            "chat_stop": list(CHAT_STOP),
+            "chat_reply_opening": True,
         }
     }
     header = "# Written by models/train_demo_lm.py; " + ", ".join(f"{k} {v}" for k, v in info.items()) + ".\n"

@@ -9,6 +9,7 @@ exports compute positions inside the graph). The service must serve it from the 
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 from typing import Any
@@ -53,8 +54,11 @@ def gpt2_like(
     positions: int = 128,
     position_ids: bool = True,
     seed: int = 0,
+    metadata: bool = True,
 ) -> onnx.ModelProto:
-    """logits width = vocab rounded up to a multiple of 64 (as exports pad embedding matrices)."""
+    """logits width = vocab rounded up to a multiple of 64 (as exports pad embedding matrices).
+    `positions` rows in the position table; `metadata`: n_positions in the ONNX metadata (optimum
+    writes none: the context is then in config.json beside the model, or the table's size)."""
     rng = np.random.default_rng(seed)
     width = heads * head_size
     padded_vocab = -(-vocab // 64) * 64
@@ -158,7 +162,8 @@ def gpt2_like(
             outputs.append(helper.make_tensor_value_info(f"present.{i}.{kind}", TensorProto.FLOAT, kv_out))
     graph = helper.make_graph(nodes, "gpt2_like", inputs, outputs, initializer=inits)
     model = helper.make_model(graph, ir_version=IR_VERSION, opset_imports=[helper.make_opsetid("", OPSET)])
-    helper.set_model_props(model, {"n_positions": str(positions)})
+    if metadata:
+        helper.set_model_props(model, {"n_positions": str(positions)})
     onnx.checker.check_model(model, full_check=True)
     return model
 
@@ -174,6 +179,38 @@ def write_decoder(
     if config:
         (root / name / "config.yaml").write_text(config)
     return version / "model.onnx"
+
+
+def write_export(
+    root: Path,
+    name: str,
+    model: onnx.ModelProto,
+    tokenizer: Tokenizer,
+    files: dict[str, Any] | None = None,
+    config: str = "",
+) -> Path:
+    """A folder as optimum writes one: model.onnx and tokenizer.json, with the JSON `files`
+    beside them (config.json, generation_config.json, tokenizer_config.json: name -> object; a
+    str value is written as it is: chat_template.jinja)."""
+    model_file = write_decoder(root, name, model, tokenizer, config)
+    for file_name, value in (files or {}).items():
+        text = value if isinstance(value, str) else json.dumps(value, indent=2)
+        (model_file.parent / file_name).write_text(text)
+    return model_file
+
+
+def reference_logits(model_file: Path, ids: list[int]) -> np.ndarray:
+    """Every position's logits for `ids`, by one run without a cache: [len(ids), padded vocab]."""
+    session = ort.InferenceSession(str(model_file), providers=["CPUExecutionProvider"])
+    names = {i.name: i for i in session.get_inputs()}
+    array = np.asarray(ids, dtype=np.int64)[None]
+    feeds: dict[str, np.ndarray] = {"input_ids": array, "attention_mask": np.ones_like(array)}
+    if "position_ids" in names:
+        feeds["position_ids"] = np.arange(len(ids), dtype=np.int64)[None]
+    for name, spec in names.items():
+        if name.startswith("past_key_values."):
+            feeds[name] = np.zeros((1, spec.shape[1], 0, spec.shape[3]), dtype=np.float32)
+    return np.asarray(session.run(["logits"], feeds)[0][0])
 
 
 def reference_greedy(model_file: Path, prompt: list[int], n: int, vocab: int) -> list[int]:

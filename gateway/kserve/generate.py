@@ -56,6 +56,9 @@ def parse_generate(name: str, version: str, body: dict[str, Any], request_id: st
     )
     if fields.get("seed") is not None:
         message.seed = http.get_int(fields, "seed", http.UINT64)
+    # An asked-for max_tokens that the prompt leaves no room for is refused up front (400 naming
+    # both numbers), as Triton's LLM backends refuse it; without one the text ends at the context.
+    message.strict_context = fields.get("max_tokens") is not None
     return message
 
 

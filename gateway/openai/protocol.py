@@ -1,13 +1,16 @@
 """The OpenAI API's request and response models.
 
-Requests: `parse_completion` (/v1/completions: `prompt` a string, a list of one string, or token
-ids) and `parse_chat_completion` (/v1/chat/completions: `messages`, rendered by chat_template),
-each a `CompletionRequest`: the upstream GenerateRequest, the forwarded headers, and how to
-answer (streaming, usage). Fields are checked by the shared intake (gateway/http.py), in the
-order below; the forwarded headers are checked where OpenAI's sampling fields begin.
+Requests: `parse_completion` (/v1/completions: `prompt` a string, token ids, or a list of either)
+and `parse_chat_completion` (/v1/chat/completions: `messages`, which the service renders with the
+model's own chat template), each a `CompletionRequest`: one upstream GenerateRequest per choice
+(`n` per prompt, seeds `seed + j` for choice j), the forwarded headers, and how to answer
+(streaming, usage, logprobs, echo). Fields are checked by the shared intake (gateway/http.py), in
+the order below; the forwarded headers are checked where OpenAI's sampling fields begin.
 
 Responses: `Chunks` makes OpenAI's objects for one completion (the whole answer, or the stream's
-`data: {chunk}` events ending in `data: [DONE]`); errors are OpenAI's error object.
+`data: {chunk}` events ending in `data: [DONE]`), logprobs in OpenAI's two shapes (completions':
+tokens / token_logprobs / top_logprobs / text_offset; chat's: content [{token, logprob, bytes,
+top_logprobs}]); errors are OpenAI's error object.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 from starlette.responses import JSONResponse, Response
@@ -23,13 +26,15 @@ from starlette.responses import JSONResponse, Response
 from modelyard.common import headers, names
 from modelyard.common.reasons import ErrorReason
 from modelyard.gateway import errors, http
-from modelyard.gateway.openai import chat_template
 from modelyard.gateway.streams import FINISH_REASONS
 from modelyard.gateway.upstream import Metadata, forward, metadata_value
 from modelyard.inference.v1 import inference_service_pb2 as pb
 
 TEXT_COMPLETION, CHAT_COMPLETION = "text_completion", "chat.completion"
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+ROLES = ("system", "user", "assistant", "developer", "tool")
+MAX_CHOICES = 64  # n times the prompts of one request: each is an upstream stream
+MAX_TOP_LOGPROBS = 20  # OpenAI's bound (chat's top_logprobs; completions' logprobs here too)
 DONE = b"data: [DONE]\n\n"
 _ERROR_TYPES = {
     400: "invalid_request_error",
@@ -63,9 +68,6 @@ def _off(value: Any) -> bool:
 # nothing (clients send some by default: `frequency_penalty: 0`, `logprobs: false`) and refused
 # otherwise with 400 naming it, rather than ignored.
 _UNIMPLEMENTED: dict[str, Any] = {
-    "logprobs": _off,
-    "top_logprobs": _off,
-    "echo": _off,
     "suffix": _off,
     "tools": _off,
     "functions": _off,
@@ -81,9 +83,12 @@ class CompletionRequest:
     model: str
     stream: bool
     include_usage: bool  # stream_options.include_usage: a last chunk with the usage
-    generate: pb.GenerateRequest
+    generate: pb.GenerateRequest  # the first choice's
     metadata: Metadata  # the forwarded headers, and `user` as x-user-id when the header is absent
-    opening: str = ""  # the start of the answer the chat template wrote (the content begins with it)
+    choices: tuple[pb.GenerateRequest, ...] = ()  # every choice's, in OpenAI's index order
+    n: int = 1  # choices per prompt
+    logprobs: int | None = None  # top alternatives per token when logprobs were asked for
+    echo: bool = False  # each choice's text (and logprobs) begins with its prompt
 
 
 def unsupported(name: str, message: str) -> errors.HttpError:
@@ -95,47 +100,86 @@ def unsupported(name: str, message: str) -> errors.HttpError:
 
 def parse_completion(body: dict[str, Any], request_headers: Mapping[str, str]) -> CompletionRequest:
     prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-        prompt = prompt[0]
-    fields: dict[str, Any] = {}
-    if isinstance(prompt, str):
-        fields["prompt"] = prompt
-    elif isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
-        fields["prompt_token_ids"] = http.int_list(prompt, "prompt", http.INT64)
-    else:
-        raise http.invalid("prompt", "must be a string, a list of one string, or a list of token ids")
-    return _completion(body, request_headers, fields, TEXT_COMPLETION, DEFAULT_COMPLETION_MAX_TOKENS)
+    prompts: list[dict[str, Any]] = []
+    if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and isinstance(prompt[0], int)):
+        prompt = [prompt]
+    if not isinstance(prompt, list) or not prompt:
+        raise http.invalid("prompt", "must be a string, token ids, or a list of strings or of token id lists")
+    for one in prompt:
+        if isinstance(one, str):
+            prompts.append({"prompt": one})
+        elif (
+            isinstance(one, list) and one and all(isinstance(t, int) and not isinstance(t, bool) for t in one)
+        ):
+            prompts.append({"prompt_token_ids": http.int_list(one, "prompt", http.INT64)})
+        else:
+            raise http.invalid(
+                "prompt", "must be a string, token ids, or a list of strings or of token id lists"
+            )
+    echo = body.get("echo")
+    if echo is not None and not isinstance(echo, bool):
+        raise http.invalid("echo", "must be a boolean")
+    return _completion(body, request_headers, prompts, TEXT_COMPLETION, DEFAULT_COMPLETION_MAX_TOKENS)
 
 
 def parse_chat_completion(body: dict[str, Any], request_headers: Mapping[str, str]) -> CompletionRequest:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise http.invalid("messages", "must be a non-empty list of {role, content} objects")
+    conversation = []
     for i, message in enumerate(messages):
-        if not isinstance(message, dict) or message.get("role") not in chat_template.ROLES:
-            raise http.invalid(f"messages[{i}].role", f"must be one of {', '.join(chat_template.ROLES)}")
+        if not isinstance(message, dict) or message.get("role") not in ROLES:
+            raise http.invalid(f"messages[{i}].role", f"must be one of {', '.join(ROLES)}")
         content = message.get("content")
+        if content is None and message["role"] == "assistant":
+            content = ""
         if isinstance(content, list):  # content parts: keep the text ones
             texts = [p.get("text") for p in content if isinstance(p, dict)]
             content = "".join(t for t in texts if isinstance(t, str))
         if not isinstance(content, str):
             raise http.invalid(f"messages[{i}].content", "must be a string")
-        message["content"] = content
-    rendered = chat_template.render(messages)
+        conversation.append(pb.ChatMessage(role=message["role"], content=content))
     if body.get("max_completion_tokens") is not None and body.get("max_tokens") is None:
         # Checked under its own name first, so that a bad value's error names what was sent.
         http.get_int(body, "max_completion_tokens", http.UINT32)
         body["max_tokens"] = body["max_completion_tokens"]
-    if body.get("stop") is None:
-        body["stop"] = list(rendered.stop)
-    completion = _completion(body, request_headers, {"prompt": rendered.prompt}, CHAT_COMPLETION, 0)
-    return replace(completion, opening=rendered.opening)
+    if body.get("echo") is not None:
+        raise unsupported("echo", "only /v1/completions echoes its prompt")
+    # The service renders the messages with the model's template, and applies the model's
+    # chat_stop when the client sends no stop sequences.
+    return _completion(body, request_headers, [{"messages": conversation}], CHAT_COMPLETION, 0)
+
+
+def _top_logprobs(body: dict[str, Any], kind: str) -> int | None:
+    """The alternatives per token the client asks for, None when it asks for no logprobs:
+    completions' `logprobs: N`; chat's `logprobs: true` with `top_logprobs: N`."""
+    if kind == TEXT_COMPLETION:
+        if body.get("top_logprobs") is not None:
+            raise unsupported("top_logprobs", "a chat parameter: completions take logprobs: N")
+        if body.get("logprobs") is None or body.get("logprobs") is False:
+            return None
+        if body.get("logprobs") is True:
+            raise http.invalid("logprobs", "completions take an integer (the alternatives per token)")
+        return _at_most(http.get_int(body, "logprobs", http.UINT32), "logprobs")
+    wanted = body.get("logprobs")
+    if wanted is not None and not isinstance(wanted, bool):
+        raise http.invalid("logprobs", "must be a boolean (top_logprobs gives the alternatives)")
+    top = _at_most(http.get_int(body, "top_logprobs", http.UINT32), "top_logprobs")
+    if top and not wanted:
+        raise http.invalid("top_logprobs", "needs logprobs: true")
+    return top if wanted else None
+
+
+def _at_most(value: int, name: str) -> int:
+    if value > MAX_TOP_LOGPROBS:
+        raise http.invalid(name, f"at most {MAX_TOP_LOGPROBS} alternatives per token, got {value}")
+    return value
 
 
 def _completion(
     body: dict[str, Any],
     request_headers: Mapping[str, str],
-    fields: dict[str, Any],
+    prompts: list[dict[str, Any]],
     kind: str,
     default_max: int,
 ) -> CompletionRequest:
@@ -143,8 +187,14 @@ def _completion(
     if not model:
         raise http.invalid("model", "required")
     model = http.model_name(model, "model")
-    if http.get_int(body, "n", http.INT64, 1, minimum=1) != 1:
-        raise unsupported("n", "only n=1 is supported (one choice per request)")
+    n = http.get_int(body, "n", http.INT64, 1, minimum=1)
+    if n * len(prompts) > MAX_CHOICES:
+        raise http.invalid("n", f"at most {MAX_CHOICES} choices a request (n times the prompts)")
+    best_of = body.get("best_of")
+    if best_of is not None and best_of != 1 and best_of != n:
+        raise unsupported("best_of", "only best_of equal to n (every choice is returned)")
+    logprobs = _top_logprobs(body, kind)
+    echo = body.get("echo") is True
     for name, off in _UNIMPLEMENTED.items():
         if not off(body.get(name)):
             raise unsupported(name, "not supported by this server")
@@ -164,26 +214,62 @@ def _completion(
         )
     metadata = forward(request_headers)  # 400 before anything starts when a header cannot travel
     include_usage = bool(options.get("include_usage", False))
+    max_tokens = http.get_int(body, "max_tokens", http.UINT32, default_max)
     generate = pb.GenerateRequest(
         model_name=model,
-        max_tokens=http.get_int(body, "max_tokens", http.UINT32, default_max),
+        max_tokens=max_tokens,
         temperature=http.get_float(body, "temperature", 1.0),
         top_p=http.get_float(body, "top_p", 1.0),
         stop=http.get_str_list(body, "stop"),
         request_id=request_headers.get(headers.REQUEST_ID, ""),
-        **fields,
     )
-    if body.get("seed") is not None:
-        generate.seed = http.get_int(body, "seed", http.UINT64)
+    # Sampling values the client leaves out are the model's (generation_config.json), as vLLM's;
+    # OpenAI's defaults (temperature 1, top_p 1) where the model states none.
+    generate.model_defaults.extend(name for name in ("temperature", "top_p") if body.get(name) is None)
+    seed = http.get_int(body, "seed", http.UINT64) if body.get("seed") is not None else None
     generate.frequency_penalty = http.get_float(body, "frequency_penalty", 0.0)
     generate.presence_penalty = http.get_float(body, "presence_penalty", 0.0)
     generate.logit_bias.update(_logit_bias(body))
     # As OpenAI: a prompt plus an asked-for max_tokens over the context is refused, not cut short.
     generate.strict_context = body.get("max_tokens") is not None
+    if logprobs is not None:
+        generate.logprobs = True
+        generate.top_logprobs = logprobs
+    if echo and max_tokens == 0 and body.get("max_tokens") is not None:
+        generate.prompt_only = True  # lm-evaluation-harness's scoring: the prompt's logprobs only
     user = http.get_str(body, "user")
     if user and not request_headers.get(headers.USER_ID):
         metadata += ((headers.USER_ID, metadata_value(user, "user")),)
-    return CompletionRequest(kind, model, stream, include_usage, generate, metadata)
+    choices = []
+    for fields in prompts:
+        for j in range(n):
+            choice = pb.GenerateRequest()
+            choice.CopyFrom(generate)
+            if "messages" in fields:
+                choice.messages.extend(fields["messages"])
+            elif "prompt" in fields:
+                choice.prompt = fields["prompt"]
+            else:
+                choice.prompt_token_ids.extend(fields["prompt_token_ids"])
+            # The prompt's own tokens come back when echoed with logprobs, or to echo token ids.
+            choice.prompt_logprobs = echo and (logprobs is not None or "prompt_token_ids" in fields)
+            if choice.prompt_logprobs:
+                choice.top_logprobs = logprobs or 0
+            if seed is not None:
+                choice.seed = (seed + j) % 2**64  # independent choices, each reproducible
+            choices.append(choice)
+    return CompletionRequest(
+        kind,
+        model,
+        stream,
+        include_usage,
+        choices[0],
+        metadata,
+        tuple(choices),
+        n,
+        logprobs,
+        echo,
+    )
 
 
 def _logit_bias(body: dict[str, Any]) -> dict[int, float]:
@@ -215,15 +301,26 @@ def _bias_error(message: str) -> errors.HttpError:
 
 
 class Chunks:
-    """OpenAI's response objects for one completion."""
+    """OpenAI's response objects for one completion: its choices, whole or streamed."""
 
-    def __init__(self, ident: str, model: str, kind: str, created: int, opening: str = "") -> None:
-        self.opening = opening  # the chat template's start of the answer: the content begins with it
+    def __init__(
+        self,
+        ident: str,
+        model: str,
+        kind: str,
+        created: int,
+        logprobs: int | None = None,
+        echo: bool = False,
+        n: int = 1,
+    ) -> None:
+        self.n = n  # choices per prompt (their usage counts the prompt once)
         self.ident = ident
         self.model = model
         self.kind = kind
         self.chat = kind == CHAT_COMPLETION
         self.created = created
+        self.logprobs = logprobs  # None: no logprobs asked for
+        self.echo = echo
 
     def _envelope(self, kind: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
         return {
@@ -234,53 +331,152 @@ class Chunks:
             "choices": choices,
         }
 
-    def whole(self, responses: list[pb.GenerateResponse]) -> dict[str, Any]:
-        text = self.opening + "".join(r.text for r in responses)
-        last = responses[-1]
-        choice: dict[str, Any] = {"index": 0, "finish_reason": finish(last), "logprobs": None}
-        if self.chat:
-            choice["message"] = {"role": "assistant", "content": text}
-        else:
-            choice["text"] = text
-        out = self._envelope(self.kind, [choice])
-        out["usage"] = usage(last)
+    def choice(self, index: int, request: pb.GenerateRequest) -> Choice:
+        return Choice(self, index, request)
+
+    def whole(self, answers: list[tuple[pb.GenerateRequest, list[pb.GenerateResponse]]]) -> dict[str, Any]:
+        choices = []
+        for index, (request, responses) in enumerate(answers):
+            state = self.choice(index, request)
+            text, logprobs = "", Logprobs(self.chat)
+            for response in responses:
+                piece, entries = state.take(response)
+                text += piece
+                logprobs.extend(entries)
+            choice: dict[str, Any] = {
+                "index": index,
+                "finish_reason": finish(responses[-1]),
+                "logprobs": logprobs.whole() if self.logprobs is not None else None,
+            }
+            if self.chat:
+                choice["message"] = {"role": "assistant", "content": text}
+            else:
+                choice["text"] = text
+            choices.append(choice)
+        out = self._envelope(self.kind, choices)
+        out["usage"] = total_usage([(request, responses[-1]) for request, responses in answers], self.n)
         return out
 
-    def piece(self, text: str | None, finish_reason: str | None, first: bool) -> dict[str, Any]:
-        """A streamed chunk: text (the first one opens the assistant's message in chat)."""
-        choice: dict[str, Any] = {"index": 0, "finish_reason": finish_reason, "logprobs": None}
+    def usage_chunk(self, usage_: dict[str, int]) -> dict[str, Any]:
+        """The streamed chunk with the usage (stream_options.include_usage): no choices."""
+        out = self._envelope(self.kind + ("" if not self.chat else ".chunk"), [])
+        out["usage"] = usage_
+        return out
+
+
+class Logprobs:
+    """One choice's logprobs in OpenAI's shape for its API, built from the service's entries."""
+
+    def __init__(self, chat: bool) -> None:
+        self.chat = chat
+        self.entries: list[pb.TokenLogprob] = []
+        self.offset = 0  # completions' text_offset: characters of the choice's text before a token
+
+    def extend(self, entries: list[pb.TokenLogprob]) -> None:
+        self.entries.extend(entries)
+
+    def whole(self) -> dict[str, Any]:
+        return self.part(self.entries, reset=True)
+
+    def part(self, entries: list[pb.TokenLogprob], reset: bool = False) -> dict[str, Any]:
         if self.chat:
+            return {"content": [_chat_entry(e, top=True) for e in entries], "refusal": None}
+        if reset:
+            self.offset = 0
+        offsets = []
+        for entry in entries:
+            offsets.append(self.offset)
+            self.offset += len(entry.token)
+        return {
+            "tokens": [e.token for e in entries],
+            "token_logprobs": [e.logprob if e.HasField("logprob") else None for e in entries],
+            # The top alternatives and the chosen token (OpenAI: up to logprobs + 1 entries).
+            "top_logprobs": [_top_dict(e) if e.HasField("logprob") else None for e in entries],
+            "text_offset": offsets,
+        }
+
+
+def _top_dict(entry: pb.TokenLogprob) -> dict[str, float]:
+    top = {t.token: t.logprob for t in entry.top_logprobs}
+    top.setdefault(entry.token, entry.logprob)
+    return top
+
+
+def _chat_entry(entry: pb.TokenLogprob, top: bool = False) -> dict[str, Any]:
+    out: dict[str, Any] = {
+        "token": entry.token,
+        "logprob": entry.logprob,
+        "bytes": list(entry.token.encode("utf-8")),
+    }
+    if top:
+        out["top_logprobs"] = [_chat_entry(t) for t in entry.top_logprobs]
+    return out
+
+
+class Choice:
+    """One choice of a completion, as its upstream stream's responses come."""
+
+    def __init__(self, chunks: Chunks, index: int, request: pb.GenerateRequest) -> None:
+        self.chunks = chunks
+        self.index = index
+        self.request = request
+        self.opened = False
+        self.logprobs = Logprobs(chunks.chat)
+
+    def take(self, response: pb.GenerateResponse) -> tuple[str, list[pb.TokenLogprob]]:
+        """A response's text and logprob entries, the echoed prompt before the first one's."""
+        text = response.text
+        entries: list[pb.TokenLogprob] = list(response.logprobs)
+        if not self.opened and self.chunks.echo:
+            prompt = list(response.prompt_logprobs)
+            echoed = self.request.prompt or "".join(e.token for e in prompt)
+            text = echoed + text
+            if self.chunks.logprobs is not None:
+                entries = prompt + entries
+        self.opened = True
+        return text, entries
+
+    def pieces(self, response: pb.GenerateResponse) -> list[dict[str, Any]]:
+        """The streamed chunks of one upstream response: its text (the first one opens the
+        assistant's message in chat), then the finish reason when it is the last."""
+        first = not self.opened
+        text, entries = self.take(response)
+        out = []
+        if text or first or entries:
+            out.append(self._chunk(text, None, first, entries))
+        if response.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
+            out.append(self._chunk(None if self.chunks.chat else "", finish(response), False, []))
+        return out
+
+    def _chunk(
+        self, text: str | None, finish_reason: str | None, first: bool, entries: list[pb.TokenLogprob]
+    ) -> dict[str, Any]:
+        logprobs = self.logprobs.part(entries) if self.chunks.logprobs is not None and entries else None
+        choice: dict[str, Any] = {"index": self.index, "finish_reason": finish_reason, "logprobs": logprobs}
+        if self.chunks.chat:
             delta: dict[str, Any] = {}
             if first:
                 delta["role"] = "assistant"
-                text = self.opening + (text or "") if self.opening else text
             if text is not None:
                 delta["content"] = text
             choice["delta"] = delta
-            return self._envelope("chat.completion.chunk", [choice])
+            return self.chunks._envelope("chat.completion.chunk", [choice])
         choice["text"] = text or ""
-        return self._envelope("text_completion", [choice])
+        return self.chunks._envelope("text_completion", [choice])
 
-    def last(self, response: pb.GenerateResponse) -> dict[str, Any]:
-        """The streamed chunk that ends the choice (its finish reason, no text)."""
-        return self.piece(None if self.chat else "", finish(response), False)
 
-    def usage_chunk(self, response: pb.GenerateResponse) -> dict[str, Any]:
-        """The streamed chunk with the usage (stream_options.include_usage): no choices."""
-        out = self._envelope(self.kind + ("" if not self.chat else ".chunk"), [])
-        out["usage"] = usage(response)
-        return out
+def total_usage(ends: list[tuple[pb.GenerateRequest, pb.GenerateResponse]], n: int) -> dict[str, int]:
+    """A completion's usage: each prompt counted once (its n choices share it), every choice's
+    completion tokens."""
+    prompt = sum(response.usage.prompt_tokens for i, (_, response) in enumerate(ends) if i % n == 0)
+    completion = sum(response.usage.completion_tokens for _, response in ends)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
 def finish(response: pb.GenerateResponse) -> str | None:
     if response.finish_reason == pb.FINISH_REASON_UNSPECIFIED:
         return None
     return _OPENAI_FINISH.get(FINISH_REASONS[response.finish_reason], "stop")
-
-
-def usage(response: pb.GenerateResponse) -> dict[str, int]:
-    prompt, completion = response.usage.prompt_tokens, response.usage.completion_tokens
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
 def data(value: dict[str, Any]) -> bytes:

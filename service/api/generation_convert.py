@@ -7,6 +7,7 @@ from typing import Any
 from modelyard.common import headers
 from modelyard.inference.v1 import inference_service_pb2 as pb
 from modelyard.process.request_metadata import invocation_metadata
+from modelyard.service.generation.logprobs import Logprob
 from modelyard.service.generation.params import GenerateParams
 from modelyard.service.generation.sequence import FinishReason, TokenEvent
 
@@ -43,7 +44,22 @@ def to_generate_params(request: pb.GenerateRequest) -> GenerateParams:
         presence_penalty=request.presence_penalty,
         logit_bias=tuple(request.logit_bias.items()),
         strict_context=request.strict_context,
+        messages=tuple((m.role, m.content) for m in request.messages),
+        logprobs=request.logprobs,
+        top_logprobs=request.top_logprobs,
+        prompt_logprobs=request.prompt_logprobs,
+        prompt_only=request.prompt_only,
+        model_defaults=tuple(request.model_defaults),
     )
+
+
+def _logprob(entry: Logprob, into: pb.TokenLogprob) -> None:
+    into.token_id = entry.token_id
+    into.token = entry.token
+    if entry.logprob is not None:
+        into.logprob = entry.logprob
+    for alternative in entry.top:
+        _logprob(alternative, into.top_logprobs.add())
 
 
 def to_generate_response(event: TokenEvent, request_id: str) -> pb.GenerateResponse:
@@ -54,6 +70,10 @@ def to_generate_response(event: TokenEvent, request_id: str) -> pb.GenerateRespo
         token_ids=event.token_ids,
         request_id=request_id,
     )
+    for entry in event.logprobs:
+        _logprob(entry, response.logprobs.add())
+    for entry in event.prompt_logprobs:
+        _logprob(entry, response.prompt_logprobs.add())
     if event.finish is not None:
         response.finish_reason = _FINISH[event.finish]
         if event.usage is not None:

@@ -14,6 +14,7 @@ from modelyard.service.api.errors import Context, serving
 from modelyard.service.api.model_control import ModelControl
 from modelyard.service.api.names import check_model, check_names
 from modelyard.service.errors import ModelUnavailable
+from modelyard.service.generation.model import DecoderModel
 from modelyard.service.metrics import ServiceMetrics
 from modelyard.service.runtime.manager import ModelManager
 from modelyard.service.runtime.status import ModelEvent, ModelStatus, VersionState, WatchOverflow
@@ -43,15 +44,30 @@ def describe(status: ModelStatus) -> pb.Model:
             updated_at=timestamp(version.updated_at),
             execution_provider=version.provider,
         )
+        if isinstance(version.kind, DecoderModel):
+            entry.generation.CopyFrom(generation(version.kind))
         if version.signature is not None:
             entry.inputs.extend(to_specs(version.signature.inputs))
             entry.outputs.extend(to_specs(version.signature.outputs))
             if version.version == status.default_version:
                 model.inputs.extend(entry.inputs)
                 model.outputs.extend(entry.outputs)
+                if entry.HasField("generation"):
+                    model.generation.CopyFrom(entry.generation)
     if status.default_version is not None:
         model.default_version = str(status.default_version)
     return model
+
+
+def generation(decoder: DecoderModel) -> pb.Generation:
+    """What a decoder version generates with, as its export states it."""
+    return pb.Generation(
+        context_length=decoder.context_length,
+        context_source=decoder.context_source,
+        eos_token_ids=sorted(decoder.codec.eos_ids) if decoder.codec else [],
+        chat_template=decoder.chat is not None,
+        max_tokens=decoder.settings.max_tokens,
+    )
 
 
 class ModelServicer(pb_grpc.ModelServiceServicer):

@@ -95,14 +95,17 @@ class StepRunner:
         return np.asarray(outputs[0].numpy(), dtype=np.float32), outputs[1:]
 
 
-def prefill(runner: StepRunner, layout: DecoderLayout, prompt: Sequence[int]) -> tuple[Cache, np.ndarray]:
+def prefill(
+    runner: StepRunner, layout: DecoderLayout, prompt: Sequence[int], all_positions: bool = False
+) -> tuple[Cache, np.ndarray]:
     """Run a whole prompt (an empty cache in, its cache out) -> its cache and the last position's
-    logits [vocab]. Prompts are prefilled alone, never padded, so a sequence's cache is the same
-    whether it then decodes alone or in a batch. The cache stays where the runner keeps it."""
+    logits [vocab] (every position's, [prompt, vocab], with `all_positions`: a prompt's scores).
+    Prompts are prefilled alone, never padded, so a sequence's cache is the same whether it then
+    decodes alone or in a batch. The cache stays where the runner keeps it."""
     ids = np.asarray(prompt, dtype=np.int64)[None, :]
     feeds = layout.feeds(ids, np.ones_like(ids), np.arange(ids.shape[1], dtype=np.int64)[None, :])
     logits, present = runner.run(feeds, runner.ops.empty(1))
-    return Cache(present, ids.shape[1]), logits[0, -1]
+    return Cache(present, ids.shape[1]), logits[0] if all_positions else logits[0, -1]
 
 
 class DecodeBatch(Generic[Member]):
@@ -195,6 +198,25 @@ class DecodeBatch(Generic[Member]):
         self._width = width
         self._lengths = self._lengths + 1
         return logits[:, -1]
+
+    def failing_rows(self) -> list[tuple[Member, Exception]]:
+        """After a step failed: each row's step run alone, from its own cache (nothing is kept) ->
+        the rows whose step fails, with their errors. A failed step changed nothing (its outputs
+        were never taken), so the rows that pass continue from the same caches."""
+        failed: list[tuple[Member, Exception]] = []
+        ops = self._runner.ops
+        for row, member in enumerate(self.members):
+            length = int(self._lengths[row])
+            past = ops.select(self._past, [row], self._width - length)
+            mask = np.ones((1, length + 1), dtype=np.int64)
+            feeds = self._layout.feeds(
+                self._next[row : row + 1, None], mask, self._lengths[row : row + 1, None]
+            )
+            try:
+                self._runner.run(feeds, past)
+            except Exception as exc:
+                failed.append((member, exc))
+        return failed
 
     def set_next(self, tokens: Sequence[int]) -> None:
         self._next = np.asarray(tokens, dtype=np.int64)

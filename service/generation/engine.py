@@ -63,6 +63,7 @@ from modelyard.service.errors import (
     ServiceError,
 )
 from modelyard.service.generation.decoder import Cache, DecodeBatch, StepRunner, prefill
+from modelyard.service.generation.logprobs import Logprob, prompt_logprobs, token_logprob
 from modelyard.service.generation.model import DecoderModel
 from modelyard.service.generation.sampling import choose, choose_rows
 from modelyard.service.generation.sequence import (
@@ -84,6 +85,9 @@ log = logging.getLogger(__name__)
 # arrivals can hold up the tokens of the sequences already running.
 PREFILL_TOKEN_BUDGET = 1024
 T = TypeVar("T")
+# A prompt's run: its cache, its first token, that token's log-probability (when asked) and the
+# prompt's own (when asked).
+_Prefilled = tuple[Cache, int, "Logprob | None", tuple[Logprob, ...]]
 # Steps the executor thread may run past what the loop has delivered. Without a bound it held the
 # GIL between its model runs often enough to keep the loop from sending for milliseconds; with
 # 1 it waited on the loop at almost every step (bench.generate: 3 did best, 8 no better).
@@ -108,8 +112,14 @@ class _Run:
     stop: bool = False  # set by the loop: something needs it between steps
     steps: int = 0  # steps run (by the executor thread)
     delivered: int = 0  # steps whose tokens the loop has delivered
-    # Steps run but not yet handed to the loop: (rows, their tokens, the step's seconds).
-    pending: deque[tuple[list[Sequence], list[int], float]] = field(default_factory=deque)
+    # Steps run but not yet handed to the loop: (rows, their tokens, the step's seconds, and the
+    # tokens' log-probabilities where a row asked for them).
+    pending: deque[tuple[list[Sequence], list[int], float, list[Logprob | None] | None]] = field(
+        default_factory=deque
+    )
+    # Rows whose step failed alone (the rest of the batch went on): failed on the loop after the
+    # steps before it are delivered.
+    failed: deque[tuple[Sequence, Exception]] = field(default_factory=deque)
     scheduled: bool = False  # a _drain is on its way to the loop (one wake-up for what piles up)
     waiting: bool = False  # the executor thread waits for the loop to catch up
     # A reader of the batch found no event: wake the loop after the next step. Otherwise the
@@ -146,6 +156,7 @@ class Engine:
         self._metrics = metrics
         self._settings = model.settings
         self._vocab = model.vocab
+        self._eos = self._codec.eos_ids
         self._shared_batches = self._settings.continuous_batching and model.layout.has_position_ids
         # The engine's times are time.monotonic() (request deadlines too); the queue's clock is the same.
         self._clock = MonotonicClock()
@@ -479,31 +490,47 @@ class Engine:
         loop = asyncio.get_running_loop()
         layout = self._model.layout
 
+        vocab, text = self._vocab, self._codec.token_text
+
         def run() -> None:
             for sequence in sequences:
-                result: tuple[Cache, int] | Exception
+                result: _Prefilled | Exception
+                request = sequence.request
                 try:
-                    cache, logits = prefill(self._runner, layout, sequence.request.prompt_ids)
-                    token = choose(
-                        logits[: self._vocab], sequence.request.sampling, sequence.rng, sequence.produced
+                    if request.prompt_logprobs:  # every position's logits: the prompt's scores
+                        cache, logits = prefill(self._runner, layout, request.prompt_ids, all_positions=True)
+                    else:
+                        cache, logits = prefill(self._runner, layout, request.prompt_ids)
+                    last = logits[-1, :vocab] if request.prompt_logprobs else logits[:vocab]
+                    token = choose(last, request.sampling, sequence.rng, sequence.produced)
+                    top = request.top_logprobs
+                    first = token_logprob(last, token, top, text) if request.logprobs else None
+                    scored = (
+                        prompt_logprobs(logits[:, :vocab], request.prompt_ids, top, text)
+                        if request.prompt_logprobs
+                        else ()
                     )
-                    result = (cache, token)
+                    result = (cache, token, first, scored)
                 except Exception as exc:  # one bad prompt must not fail the others
                     result = exc
                 loop.call_soon_threadsafe(self._after_prefill, sequence, result)
 
         await loop.run_in_executor(self._executor, run)
 
-    def _after_prefill(self, sequence: Sequence, result: tuple[Cache, int] | Exception) -> None:
+    def _after_prefill(self, sequence: Sequence, result: _Prefilled | Exception) -> None:
         if isinstance(result, Exception):
             self._fail(sequence, run_error(result, self._name))
             self._free(sequence)
             return
-        cache, token = result
+        cache, token, first, scored = result
         if sequence.state is State.DONE:  # its reader left while the prompt ran
             self._free(sequence)
             return
-        self._deliver(sequence, token, time.monotonic())
+        if sequence.request.prompt_only:  # the prompt's scores, no token
+            self._prompt_only(sequence, scored, time.monotonic())
+            self._free(sequence)
+            return
+        self._deliver(sequence, token, time.monotonic(), first, scored)
         if sequence.done:  # the first token ended it (eos, stop, max_tokens 1)
             self._free(sequence)
             return
@@ -562,17 +589,40 @@ class Engine:
         params = [m.request.sampling for m in members]
         rngs = [m.rng for m in members]
         produced = [m.produced for m in members]
-        vocab = self._vocab
+        vocab, text = self._vocab, self._codec.token_text
         argmax = all(p.greedy and p.plain for p in params)  # choose_rows' plain path, decided once
+        scored = any(m.request.logprobs for m in members)
         while len(batch):
             start = time.perf_counter()
-            logits = batch.step()
+            try:
+                logits = batch.step()
+            except Exception:
+                if not self._isolate(batch, run, loop):
+                    raise
+                # The failed rows left; the others go on from the same caches, as they would have.
+                members = list(batch.members)
+                params = [m.request.sampling for m in members]
+                rngs = [m.rng for m in members]
+                produced = [m.produced for m in members]
+                argmax = all(p.greedy and p.plain for p in params)
+                scored = any(m.request.logprobs for m in members)
+                continue
             if argmax:
                 tokens: list[int] = np.argmax(logits[:, :vocab], axis=-1).tolist()
             else:
                 tokens = choose_rows(logits[:, :vocab], params, rngs, produced)
             batch.set_next(tokens)
-            run.pending.append((members, tokens, time.perf_counter() - start))
+            logprobs = (
+                [
+                    token_logprob(row[:vocab], token, m.request.top_logprobs, text)
+                    if m.request.logprobs
+                    else None
+                    for m, row, token in zip(members, logits, tokens, strict=True)
+                ]
+                if scored
+                else None
+            )
+            run.pending.append((members, tokens, time.perf_counter() - start, logprobs))
             run.steps += 1
             # The loop is woken (a write to its self-pipe, and its thread taking the GIL from this
             # one) only when a reader waits or this thread would have to wait for it; once for
@@ -584,6 +634,23 @@ class Engine:
             if not self._step_again(run, members, tokens) or not self._wait_for_loop(run):
                 break
         return kept
+
+    def _isolate(self, batch: DecodeBatch[Sequence], run: _Run, loop: asyncio.AbstractEventLoop) -> bool:
+        """In the executor, after a step of several rows failed: run each row's step alone to find
+        the rows that fail, and take them out of the batch (their streams fail on the loop, after
+        their earlier tokens). False when no row fails alone (the batch as a whole failed: an
+        out-of-memory, a device fault), or the batch had one row: then the batch fails whole."""
+        if len(batch) < 2:
+            return False
+        failed = batch.failing_rows()
+        if not failed:
+            return False
+        batch.remove([member for member, _ in failed])
+        run.failed.extend(failed)
+        if not run.scheduled:
+            run.scheduled = True
+            loop.call_soon_threadsafe(self._drain, run)
+        return True
 
     def _wait_for_loop(self, run: _Run) -> bool:
         """In the executor: wait (without the GIL) until the loop is at most MAX_AHEAD steps behind,
@@ -611,7 +678,7 @@ class Engine:
             return False
         ahead = run.ahead
         for member, token in zip(members, tokens, strict=True):
-            if member.state is not State.RUNNING or token == self._codec.eos_id:
+            if member.state is not State.RUNNING or token in self._eos:
                 return False
             generated = member.generated + ahead
             if (
@@ -641,27 +708,37 @@ class Engine:
         observe_rows, observe_seconds = self._metrics.step_rows.observe, self._metrics.step_seconds.observe
         now = time.monotonic()
         while run.pending:
-            members, tokens, seconds = run.pending.popleft()
+            members, tokens, seconds, logprobs = run.pending.popleft()
             observe_rows(len(members))
             observe_seconds(seconds)
-            for sequence, token in zip(members, tokens, strict=True):
-                self._deliver(sequence, token, now)
+            for row, (sequence, token) in enumerate(zip(members, tokens, strict=True)):
+                self._deliver(sequence, token, now, logprobs[row] if logprobs else None)
                 if sequence.state is State.DONE or sequence.buffer_full:
                     run.stop = True
             # After the rows' counts include them: the executor thread reads `ahead` from this.
             run.delivered += 1
+        while run.failed:  # after the tokens of the steps before their failure
+            sequence, exc = run.failed.popleft()
+            self._row_failed(sequence, exc)
         if run.waiting:
             run.caught_up.set()
 
     # -- tokens to events --------------------------------------------------------------------
 
-    def _deliver(self, sequence: Sequence, token: int, now: float) -> None:
+    def _deliver(
+        self,
+        sequence: Sequence,
+        token: int,
+        now: float,
+        logprob: Logprob | None = None,
+        scored: tuple[Logprob, ...] = (),
+    ) -> None:
         if sequence.state is State.DONE:
             return  # its reader left during the step: the token is dropped
         sequence.generated += 1
         request = sequence.request
         finish: FinishReason | None = None
-        if token == self._codec.eos_id:
+        if token in self._eos:
             finish, text = FinishReason.EOS, sequence.text.finish()
         else:
             delta = sequence.text.push(token)
@@ -681,7 +758,12 @@ class Engine:
         else:
             self._metrics.inter_token.observe(now - sequence.last_token_at)
         sequence.last_token_at = now
-        event = TokenEvent(sequence.generated - 1, text, (token,), self._version)
+        if sequence.generated == 1 and request.opening:
+            text = request.opening + text
+        logprobs = (logprob,) if logprob is not None else ()
+        event = TokenEvent(
+            sequence.generated - 1, text, (token,), self._version, logprobs=logprobs, prompt_logprobs=scored
+        )
         if finish is not None:
             sequence.state = State.DONE
             self._metrics.finished(finish.value)
@@ -693,8 +775,30 @@ class Engine:
                 finish,
                 Usage(len(request.prompt_ids), sequence.generated),
                 sequence.first_token_at - sequence.submitted_at,
+                logprobs,
+                scored,
             )
         sequence.push(event)
+
+    def _prompt_only(self, sequence: Sequence, scored: tuple[Logprob, ...], now: float) -> None:
+        """A request that generates nothing: one event with the prompt's scores, and its end."""
+        request = sequence.request
+        sequence.first_token_at = now
+        sequence.state = State.DONE
+        self._metrics.finished(FinishReason.LENGTH.value)
+        sequence.push(
+            TokenEvent(
+                0,
+                request.opening,
+                (),
+                self._version,
+                FinishReason.LENGTH,
+                Usage(len(request.prompt_ids), 0),
+                now - sequence.submitted_at,
+                (),
+                scored,
+            )
+        )
 
     # -- bookkeeping -------------------------------------------------------------------------
 
@@ -707,8 +811,16 @@ class Engine:
             self._metrics.finished("error")
             sequence.fail(error)
 
+    def _row_failed(self, sequence: Sequence, error: Exception) -> None:
+        """One row's step failed alone (the others went on): its stream ends with the error."""
+        log.warning("decode step of version %d failed for one sequence: %s", self._version, error)
+        self._fail(sequence, run_error(error, self._name))
+        self._batch_of.pop(id(sequence), None)
+        self._free(sequence)
+
     def _fail_batch(self, batch: DecodeBatch[Sequence], change: _Change, error: BaseException) -> None:
-        """A batch whose step failed is dropped whole: its caches are in an unknown state."""
+        """A batch whose step failed as a whole (no row fails alone, or it had one row) is dropped:
+        its caches are in an unknown state."""
         log.error("decode step of version %d failed: %s", self._version, error)
         members = [*batch.members, *change.pausing, *(s for s, _, _ in change.joining)]
         for sequence in _unique(members):

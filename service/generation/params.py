@@ -9,6 +9,7 @@ import math
 from dataclasses import dataclass
 
 from modelyard.service.errors import InvalidInput
+from modelyard.service.generation.logprobs import MAX_TOP_LOGPROBS
 from modelyard.service.generation.model import DecoderModel
 from modelyard.service.generation.sampling import SamplingParams
 from modelyard.service.generation.sequence import GenerationRequest
@@ -21,6 +22,9 @@ MAX_CHARS_PER_TOKEN = 64
 MAX_PENALTY = 2.0  # |frequency_penalty|, |presence_penalty| (OpenAI's range)
 MAX_BIAS = 100.0  # |logit_bias| values (OpenAI's range)
 MAX_BIASED_TOKENS = 300  # entries of logit_bias (OpenAI's limit)
+MAX_MESSAGES = 1024  # messages of one conversation
+# The sampling fields a request may leave to the model's generation_config.json.
+MODEL_DEFAULT_FIELDS = ("temperature", "top_k", "top_p")
 
 
 @dataclass(frozen=True)
@@ -39,17 +43,42 @@ class GenerateParams:
     presence_penalty: float = 0.0
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias)
     strict_context: bool = False  # refuse prompt + max_tokens over the context (else end early)
+    messages: tuple[tuple[str, str], ...] = ()  # (role, content): rendered by the chat template
+    logprobs: bool = False
+    top_logprobs: int = 0
+    prompt_logprobs: bool = False
+    prompt_only: bool = False  # generate nothing: the prompt's scores only
+    model_defaults: tuple[str, ...] = ()  # sampling fields taken from generation_config.json
 
 
 def check_fields(params: GenerateParams, model: DecoderModel) -> None:
     """Everything that can be checked before tokenizing the prompt."""
-    if not params.prompt and not params.prompt_token_ids:
-        raise InvalidInput("prompt: empty; give prompt text or prompt_token_ids")
-    if params.prompt and len(params.prompt) > model.context_length * MAX_CHARS_PER_TOKEN:
+    if params.messages:
+        if params.prompt or params.prompt_token_ids:
+            raise InvalidInput("messages: give messages, or prompt / prompt_token_ids, not both")
+        if len(params.messages) > MAX_MESSAGES:
+            raise InvalidInput(f"messages: at most {MAX_MESSAGES}, got {len(params.messages)}")
+        characters = sum(len(role) + len(content) for role, content in params.messages)
+        if characters > prompt_chars(model):
+            raise InvalidInput(
+                f"messages: {characters} characters cannot fit the model's context of "
+                f"{model.context_length} tokens"
+            )
+        for i, (role, _) in enumerate(params.messages):
+            if not role:
+                raise InvalidInput(f"messages[{i}].role: empty")
+    elif not params.prompt and not params.prompt_token_ids:
+        raise InvalidInput("prompt: empty; give prompt text, prompt_token_ids or messages")
+    if params.prompt and len(params.prompt) > prompt_chars(model):
         raise InvalidInput(
             f"prompt: {len(params.prompt)} characters cannot fit the model's context of "
             f"{model.context_length} tokens"
         )
+    if not 0 <= params.top_logprobs <= MAX_TOP_LOGPROBS:
+        raise InvalidInput(f"top_logprobs: must be in [0, {MAX_TOP_LOGPROBS}], got {params.top_logprobs}")
+    for name in params.model_defaults:
+        if name not in MODEL_DEFAULT_FIELDS:
+            raise InvalidInput(f"model_defaults: {name!r} is not one of {', '.join(MODEL_DEFAULT_FIELDS)}")
     limit = model.settings.max_tokens
     if params.max_tokens > limit:
         raise InvalidInput(f"max_tokens: {params.max_tokens} exceeds this model's limit of {limit}")
@@ -79,11 +108,20 @@ def check_fields(params: GenerateParams, model: DecoderModel) -> None:
             )
 
 
+def prompt_chars(model: DecoderModel) -> int:
+    """The most characters a prompt (or a rendered chat) may have for the model's context."""
+    return model.context_length * MAX_CHARS_PER_TOKEN
+
+
 def build_request(
-    params: GenerateParams, prompt_ids: list[int], model: DecoderModel, deadline: float | None
+    params: GenerateParams,
+    prompt_ids: list[int],
+    model: DecoderModel,
+    deadline: float | None,
+    opening: str = "",
 ) -> GenerationRequest:
     """The validated request, given the prompt's token ids."""
-    field = "prompt_token_ids" if params.prompt_token_ids else "prompt"
+    field = "prompt_token_ids" if params.prompt_token_ids else "messages" if params.messages else "prompt"
     if not prompt_ids:
         raise InvalidInput(f"{field}: the prompt has no tokens")
     vocab = model.vocab
@@ -96,19 +134,24 @@ def build_request(
             f"{model.context_length} tokens"
         )
     max_tokens = params.max_tokens or model.settings.default_max_tokens
-    if params.strict_context and len(prompt_ids) + max_tokens > model.context_length:
+    if (
+        params.strict_context
+        and not params.prompt_only
+        and len(prompt_ids) + max_tokens > model.context_length
+    ):
         raise InvalidInput(
             f"max_tokens: the model's context is {model.context_length} tokens, but {len(prompt_ids)} "
             f"in the prompt and {max_tokens} to generate make {len(prompt_ids) + max_tokens}; shorten "
             "the prompt or lower max_tokens"
         )
+    temperature, top_k, top_p = _sampling(params, model)
     return GenerationRequest(
         prompt_ids=tuple(prompt_ids),
         max_tokens=max_tokens,
         sampling=SamplingParams(
-            temperature=params.temperature,
-            top_k=params.top_k,
-            top_p=params.top_p or 1.0,
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p or 1.0,
             seed=params.seed,
             frequency_penalty=params.frequency_penalty,
             presence_penalty=params.presence_penalty,
@@ -116,4 +159,27 @@ def build_request(
         ),
         stop=params.stop,
         deadline=deadline,
+        logprobs=params.logprobs,
+        top_logprobs=params.top_logprobs,
+        prompt_logprobs=params.prompt_logprobs,
+        prompt_only=params.prompt_only,
+        opening=opening,
     )
+
+
+def _sampling(params: GenerateParams, model: DecoderModel) -> tuple[float, int, float]:
+    """temperature, top_k and top_p: the request's, or for the fields it leaves to the model
+    (model_defaults) the values generation_config.json states (vLLM's rule: a value it does not
+    state keeps the request's); `do_sample: false` stated there is greedy."""
+    temperature, top_k, top_p = params.temperature, params.top_k, params.top_p
+    defaults = model.defaults
+    wanted = set(params.model_defaults)
+    if defaults.do_sample is False:
+        return (0.0 if "temperature" in wanted else temperature), top_k, top_p
+    if "temperature" in wanted and defaults.temperature is not None:
+        temperature = defaults.temperature
+    if "top_k" in wanted and defaults.top_k is not None:
+        top_k = defaults.top_k
+    if "top_p" in wanted and defaults.top_p is not None:
+        top_p = defaults.top_p
+    return temperature, top_k, top_p

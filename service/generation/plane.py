@@ -8,6 +8,7 @@ served version gets its own decode loop (Engine), created on its first Generate.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 import weakref
 from collections.abc import AsyncGenerator, Awaitable, Callable
@@ -18,8 +19,9 @@ from modelyard.service.errors import NotGenerative
 from modelyard.service.generation.decoder import StepRunner
 from modelyard.service.generation.engine import Engine
 from modelyard.service.generation.model import DecoderModel
-from modelyard.service.generation.params import GenerateParams, build_request, check_fields
+from modelyard.service.generation.params import GenerateParams, build_request, check_fields, prompt_chars
 from modelyard.service.generation.sequence import TokenEvent
+from modelyard.service.generation.tokenizer import TextCodec
 from modelyard.service.metrics import BatchingMetrics, GenerationMetrics, ServiceMetrics
 from modelyard.service.runtime.manager import ModelManager
 from modelyard.service.runtime.providers import CUDA
@@ -83,18 +85,18 @@ class GenerationPlane:
                 )
             check_fields(params, decoder)
             codec = decoder.codec
-            if params.prompt_token_ids:
+            opening = ""
+            if params.messages:
+                prompt, opening = await self._render(served.model, served.version, decoder, params)
+                if not params.stop and decoder.settings.chat_stop:
+                    params = dataclasses.replace(params, stop=decoder.settings.chat_stop)
+                # As transformers and vLLM: the template writes the special tokens (a BOS) itself.
+                prompt_ids = await self._encode(codec, prompt, add_special_tokens=False)
+            elif params.prompt_token_ids:
                 prompt_ids = list(params.prompt_token_ids)
-            elif len(params.prompt) <= INLINE_PROMPT_CHARS:
-                # A short prompt's tokenizing (tens of us) costs less than the executor's round
-                # trip, which is on the first token's path (two thread hand-offs, 0.1-0.4 ms, and
-                # a wait behind decode steps under load).
-                prompt_ids = codec.encode(params.prompt)
-            else:  # a long prompt's tokenizing is CPU work: not on the event loop
-                prompt_ids = await asyncio.get_running_loop().run_in_executor(
-                    self._executor, codec.encode, params.prompt
-                )
-            request = build_request(params, prompt_ids, decoder, deadline)
+            else:
+                prompt_ids = await self._encode(codec, params.prompt)
+            request = build_request(params, prompt_ids, decoder, deadline, opening)
             engine = self._engine(served)
             sequence = engine.submit(request, scheduling)
             sequence.on_stalled = on_stalled
@@ -121,6 +123,41 @@ class GenerationPlane:
                     late = deadline is not None and time.monotonic() >= deadline
                     late = late or (deadline_passed is not None and deadline_passed())
                     engine.release(sequence, "deadline" if late else "cancelled")
+
+    async def _encode(self, codec: TextCodec, text: str, add_special_tokens: bool = True) -> list[int]:
+        if len(text) <= INLINE_PROMPT_CHARS:
+            # A short prompt's tokenizing (tens of us) costs less than the executor's round
+            # trip, which is on the first token's path (two thread hand-offs, 0.1-0.4 ms, and
+            # a wait behind decode steps under load).
+            return codec.encode(text, add_special_tokens)
+        # A long prompt's tokenizing is CPU work: not on the event loop.
+        return await asyncio.get_running_loop().run_in_executor(
+            self._executor, codec.encode, text, add_special_tokens
+        )
+
+    async def _render(
+        self, model: str, version: int, decoder: DecoderModel, params: GenerateParams
+    ) -> tuple[str, str]:
+        """The chat's prompt, rendered by the model's template (in the executor: a template is
+        code), and the reply's opening where the model's config asks for one: what the template
+        writes for add_generation_prompt (codelm's opens the reply's function)."""
+        chat = decoder.chat
+        if chat is None:
+            raise NotGenerative(
+                f"model {model!r} version {version} has no chat template (chat_template in its "
+                "tokenizer_config.json, or chat_template.jinja beside its tokenizer.json): send a prompt"
+            )
+        messages = [{"role": role, "content": content} for role, content in params.messages]
+        limit = prompt_chars(decoder)
+
+        def render() -> tuple[str, str]:
+            prompt = chat.render(messages, limit)
+            if not decoder.settings.chat_reply_opening:
+                return prompt, ""
+            bare = chat.render(messages, limit, add_generation_prompt=False)
+            return prompt, prompt[len(bare) :] if prompt.startswith(bare) else ""
+
+        return await asyncio.get_running_loop().run_in_executor(self._executor, render)
 
     async def close(self) -> None:
         """End every decode loop (on shutdown, after the server stopped taking calls)."""
@@ -179,4 +216,6 @@ def merge(events: list[TokenEvent], index: int) -> TokenEvent:
         last.finish,
         last.usage,
         last.time_to_first_token_s,
+        tuple(p for e in events for p in e.logprobs),
+        events[0].prompt_logprobs,
     )

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from modelyard.service.generation.decoder import Cache
+from modelyard.service.generation.logprobs import Logprob
 from modelyard.service.generation.sampling import Produced, SamplingParams
 from modelyard.service.generation.text import Decoder, TextStream
 from modelyard.service.scheduling.queue import Ticket
@@ -41,6 +42,11 @@ class GenerationRequest:
     sampling: SamplingParams
     stop: tuple[str, ...] = ()
     deadline: float | None = None  # time.monotonic() after which the work is dropped
+    logprobs: bool = False  # each generated token's log-probability with its event
+    top_logprobs: int = 0  # with logprobs or prompt_logprobs: the N most likely at each position
+    prompt_logprobs: bool = False  # the first event carries the prompt's log-probabilities
+    prompt_only: bool = False  # generate nothing (the prompt's scores only)
+    opening: str = ""  # text the first event begins with (a chat template's reply opening)
 
 
 @dataclass(frozen=True)
@@ -61,6 +67,8 @@ class TokenEvent:
     finish: FinishReason | None = None
     usage: Usage | None = None
     time_to_first_token_s: float = 0.0
+    logprobs: tuple[Logprob, ...] = ()  # one per token id, when the request asked
+    prompt_logprobs: tuple[Logprob, ...] = ()  # the first event's, when the request asked
 
 
 class State(enum.Enum):

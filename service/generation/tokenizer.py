@@ -22,13 +22,21 @@ class TokenizerError(Exception):
 class TextCodec:
     """Text <-> token ids. Thread-safe for encode/decode (the Rust tokenizer takes no Python state)."""
 
-    def __init__(self, tokenizer: Tokenizer, eos_token: str = "") -> None:
+    def __init__(self, tokenizer: Tokenizer, eos_token: str = "", eos_ids: Sequence[int] = ()) -> None:
+        """`eos_token`: config.yaml's end-of-text token (it wins); `eos_ids`: the export's own end
+        tokens (generation_config.json's eos_token_id, a list in many chat models); with neither,
+        the tokenizer's known end-of-text token."""
         self._tokenizer = tokenizer
         self.vocab_size: int = tokenizer.get_vocab_size(with_added_tokens=True)
-        self.eos_id: int | None = self._eos_id(eos_token)
+        self.eos_ids: frozenset[int] = self._eos_ids(eos_token, eos_ids)
+
+    def is_eos(self, token: int) -> bool:
+        return token in self.eos_ids
 
     @classmethod
-    def from_file(cls, path: Path, eos_token: str = "", root: Path | None = None) -> TextCodec:
+    def from_file(
+        cls, path: Path, eos_token: str = "", root: Path | None = None, eos_ids: Sequence[int] = ()
+    ) -> TextCodec:
         """The tokenizer in `path`, read only once it resolves inside the repository `root`
         (default: <root>/<model>/<version>/tokenizer.json's root)."""
         root = path.parent.parent.parent if root is None else root
@@ -43,28 +51,38 @@ class TextCodec:
         except Exception as exc:  # the Rust side raises a bare Exception for any parse error
             raise TokenizerError(f"{name}: not a tokenizers tokenizer.json: {exc}") from None
         try:
-            return cls(tokenizer, eos_token)
+            return cls(tokenizer, eos_token, eos_ids)
         except TokenizerError as exc:
             raise TokenizerError(f"{name}: {exc}") from None
 
-    def encode(self, text: str) -> list[int]:
-        return list(self._tokenizer.encode(text).ids)
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids)
 
     def decode(self, ids: Sequence[int]) -> str:
         # Special tokens (the end-of-text token) are markers, not text.
         return str(self._tokenizer.decode(list(ids), skip_special_tokens=True))
 
-    def _eos_id(self, configured: str) -> int | None:
+    def token_text(self, token: int) -> str:
+        """One token's text as logprobs show it: special tokens as written (`</s>`)."""
+        return str(self._tokenizer.decode([token], skip_special_tokens=False))
+
+    def token_id(self, token: str) -> int | None:
+        found = self._tokenizer.token_to_id(token)
+        return None if found is None else int(found)
+
+    def _eos_ids(self, configured: str, exported: Sequence[int]) -> frozenset[int]:
         if configured:
             token_id = self._tokenizer.token_to_id(configured)
             if token_id is None:
                 raise TokenizerError(f"generation.eos_token {configured!r} is not a token of the tokenizer")
-            return int(token_id)
+            return frozenset({int(token_id)})
+        if exported:
+            return frozenset(int(t) for t in exported)
         for name in KNOWN_EOS:
             token_id = self._tokenizer.token_to_id(name)
             if token_id is not None:
-                return int(token_id)
-        return None  # generation then ends by length or stop sequence only
+                return frozenset({int(token_id)})
+        return frozenset()  # generation then ends by length or stop sequence only
 
 
 def find_tokenizer(model_file: Path) -> Path | None:

@@ -149,7 +149,9 @@ class GenerationConfig:
     max_concurrent_sequences: int = 16  # sequences decoding at once (the rows of a decode step)
     max_tokens: int = 512  # the largest max_tokens a request may ask for
     default_max_tokens: int = 64  # for requests that leave max_tokens at 0
-    context_length: int = 0  # 0 = from the model file's metadata (context_length, n_positions, ...)
+    # 0 = the export's own (config.json, model metadata, its position table); else used when the
+    # export states none, or to lower it (service/generation/model.py).
+    context_length: int = 0
     eos_token: str = ""  # "" = the tokenizer's end-of-text special token, if it has a known one
     continuous_batching: bool = True  # False: every sequence decodes alone (a benchmark baseline)
     stream_buffer: int = 16  # tokens buffered per stream before its sequence pauses for the reader
@@ -161,6 +163,11 @@ class GenerationConfig:
     # the oldest is dropped, its stream ending ABORTED reader_stalled). 0 = no preemption: a
     # paused sequence holds its slot.
     max_preempted: int = 64
+    # Chat (Generate's messages): stop sequences of a reply when the request sends none, and
+    # whether the reply's text begins with what the template writes for add_generation_prompt
+    # (codelm's template opens the reply's function there).
+    chat_stop: tuple[str, ...] = ()
+    chat_reply_opening: bool = False
     admission: AdmissionPolicy = field(default_factory=_generation_admission)
 
 
@@ -372,6 +379,8 @@ def _generation(doc: GenerationDoc) -> GenerationConfig:
         stream_buffer=doc.stream_buffer,
         stall_timeout_ms=doc.stall_timeout_ms,
         max_preempted=doc.max_preempted,
+        chat_stop=tuple(doc.chat_stop),
+        chat_reply_opening=doc.chat_reply_opening,
         admission=_admission(
             doc,
             "generation",

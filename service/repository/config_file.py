@@ -164,7 +164,15 @@ class GenerationDoc(_AdmissionDoc):
     max_concurrent_sequences: Annotated[Positive, Meta(description="sequences decoding at once")] = 16
     max_tokens: Annotated[Positive, Meta(description="the largest max_tokens a request may ask for")] = 512
     default_max_tokens: Annotated[Positive, Meta(description="for requests that leave max_tokens at 0")] = 64
-    context_length: Annotated[Count, Meta(description="0 = from the model file's metadata")] = 0
+    context_length: Annotated[
+        Count,
+        Meta(
+            description=(
+                "0 = the export's own (config.json, model metadata, its position table); "
+                "else used when it states none, or to lower it"
+            )
+        ),
+    ] = 0
     eos_token: Annotated[str, Meta(description='"" = the tokenizer\'s end-of-text token')] = ""
     continuous_batching: Annotated[bool, Meta(description="false: every sequence decodes alone")] = True
     stream_buffer: Annotated[
@@ -182,6 +190,16 @@ class GenerationDoc(_AdmissionDoc):
             )
         ),
     ] = 64
+    chat_stop: Annotated[
+        list[Annotated[str, Meta(min_length=1, max_length=256)]],
+        Meta(max_length=16, description="stop sequences of a chat reply when the request sends none"),
+    ] = []
+    chat_reply_opening: Annotated[
+        bool,
+        Meta(
+            description="a chat reply's text begins with what the template writes for add_generation_prompt"
+        ),
+    ] = False
     # At least 1: a max_queue_size of 0 means "no bound", the opposite of what 0 waiting once meant.
     max_waiting: Annotated[
         Positive, Meta(description="sequences that may wait for a decode slot (the default queue's size)")

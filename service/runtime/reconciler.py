@@ -304,6 +304,7 @@ class RepositoryReconciler:
             reason=f"degraded: {degraded}" if degraded else "",
             signature=served.runner.signature,
             provider=served.runner.provider,
+            kind=served.runner.kind,
         )
 
     def _set_model(self, name: str, reason: str, max_batch_size: int = 0) -> None:

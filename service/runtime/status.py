@@ -33,6 +33,9 @@ class VersionStatus:
     reason: str = ""
     signature: Signature | None = None
     provider: str = ""
+    # What a layer above recognised in the graph (a decoder's DecoderModel: ModelService shows
+    # its generation settings); None for plain graphs and versions not loaded.
+    kind: object | None = None
 
 
 @dataclass(frozen=True)

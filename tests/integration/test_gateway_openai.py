@@ -15,7 +15,6 @@ import pytest_asyncio
 from models import demo_models
 from modelyard.gateway.app import Gateway
 from modelyard.gateway.config import Settings as GatewaySettings
-from modelyard.gateway.openai import chat_template
 from modelyard.service.config import Settings
 from modelyard.service.server import build_service
 from tests.sse_client import events_only, read_events
@@ -101,16 +100,18 @@ async def test_completion_whole_and_streamed_agree_with_the_sse_endpoint(client,
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 12
 
 
-async def test_chat_completion_uses_the_documented_template(client, gateway) -> None:
+# codelm's own template (models/demo/codelm/1/chat_template.jinja) and its config's chat keys.
+CODELM_STOP = ["\ndef ", "\nclass ", "\n@", "\n\n\n"]
+
+
+async def test_chat_completion_uses_the_models_own_template(client, gateway) -> None:
     messages = [
         {"role": "system", "content": "short Python functions"},
         {"role": "user", "content": "Add two numbers!"},
     ]
-    rendered = chat_template.render(messages)
     opening = "def add_two_numbers("
-    assert rendered.prompt == f"# system: short Python functions\n# user: Add two numbers!\n{opening}"
-    assert rendered.opening == opening and rendered.stop == chat_template.STOP
-    want = opening + await sse_text(gateway, rendered.prompt, 24, rendered.stop)
+    prompt = f"# system: short Python functions\n# user: Add two numbers!\n{opening}"
+    want = opening + await sse_text(gateway, prompt, 24, tuple(CODELM_STOP))
     whole = await client.chat.completions.create(
         model="codelm", messages=messages, max_tokens=24, temperature=0
     )
@@ -130,21 +131,6 @@ async def test_chat_completion_uses_the_documented_template(client, gateway) -> 
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == want
     assert chunks[-1].choices[0].finish_reason == whole.choices[0].finish_reason
     assert all(c.usage is None for c in chunks)  # include_usage not asked for
-
-
-async def test_the_template_ends_each_answer_as_a_function_ends() -> None:
-    later = chat_template.render(
-        [
-            {"role": "user", "content": "add"},
-            {"role": "assistant", "content": "def add(a, b):\n    return a + b"},
-            {"role": "user", "content": "42 is\nthe answer"},
-        ]
-    )
-    assert later.prompt == (
-        "# user: add\ndef add(a, b):\n    return a + b\n# user: 42 is\n# the answer\ndef f_42_is_the_answer("
-    )
-    assert chat_template.render([{"role": "user", "content": "¿?"}]).opening == "def answer("
-    assert chat_template.render([{"role": "assistant", "content": "x = 1"}]).opening == ""
 
 
 async def test_errors_come_as_openai_error_objects(client) -> None:
@@ -168,9 +154,8 @@ async def test_errors_come_as_openai_error_objects(client) -> None:
 
 
 UNIMPLEMENTED = [
-    ("n", {"n": 2}),
-    ("logprobs", {"logprobs": True}),
-    ("top_logprobs", {"top_logprobs": 2}),
+    ("top_logprobs", {"top_logprobs": 2}),  # without logprobs: true
+    ("echo", {"extra_body": {"echo": True}}),  # completions' only
     ("tools", {"tools": [{"type": "function", "function": {"name": "f"}}]}),
     ("response_format", {"response_format": {"type": "json_object"}}),
     ("stream_options", {"stream_options": {"include_usage": True}}),  # without stream

@@ -221,9 +221,9 @@ async def test_a_short_prompt_is_tokenized_on_the_event_loop_and_a_long_one_in_t
     loop_thread = threading.current_thread()  # the test runs on the service's event loop
     real = TextCodec.encode
 
-    def encode(codec: TextCodec, prompt: str) -> list[int]:
+    def encode(codec: TextCodec, prompt: str, add_special_tokens: bool = True) -> list[int]:
         on_loop.append((len(prompt), threading.current_thread() is loop_thread))
-        return real(codec, prompt)
+        return real(codec, prompt, add_special_tokens)
 
     monkeypatch.setattr(TextCodec, "encode", encode)
     short, long = PROMPTS[0], PROMPTS[3] * (INLINE_PROMPT_CHARS // len(PROMPTS[3]) + 1)

@@ -452,10 +452,12 @@ def test_a_decompression_bomb_is_still_413(harness: Harness, seen: Seen) -> None
         ({"temperature": "hot"}, "temperature"),
         ({"top_p": 10**400}, "top_p"),
         ({"seed": -1}, "seed"),
-        ({"n": 2}, "n"),
+        ({"n": 0}, "n"),
+        ({"n": 65}, "n"),  # more choices than a request may start upstream streams
         ({"stream": "yes"}, "stream"),
         ({"stream_options": {"include_usage": True}}, "stream_options"),
-        ({"logprobs": True}, "logprobs"),
+        ({"logprobs": "yes"}, "logprobs"),
+        ({"top_logprobs": 21}, "top_logprobs"),
         ({"user": "caf\u00e9"}, "user"),
         ({"stop": 5}, "stop"),
     ],
@@ -467,7 +469,9 @@ def test_openai_errors_name_their_param(
     if param == "max_completion_tokens" and path == COMPLETIONS:
         pytest.skip("max_completion_tokens is the chat API's")
     response = refused_before_upstream(harness, seen, path, json={**base, **extra})
-    openai_error(response, param, "unsupported" if param in ("n", "logprobs") else "invalid_argument")
+    # completions' top_logprobs is the chat API's parameter (completions take logprobs: N)
+    unsupported = param == "top_logprobs" and path == COMPLETIONS
+    openai_error(response, param, "unsupported" if unsupported else "invalid_argument")
 
 
 def test_an_invalid_model_in_the_path_names_model(harness: Harness) -> None:

@@ -84,7 +84,12 @@ def test_committed_demo_repository_is_fresh(demo: Path) -> None:
 def test_committed_trained_models_are_complete_and_small() -> None:
     """The trained language model is committed whole (so `make up` needs no training) and small."""
     trained = {rel: data for rel, data in tree(COMMITTED_DEMO).items() if rel not in built(COMMITTED_DEMO)}
-    assert set(trained) == {"codelm/config.yaml", "codelm/1/model.onnx", "codelm/1/tokenizer.json"}
+    assert set(trained) == {
+        "codelm/config.yaml",
+        "codelm/1/model.onnx",
+        "codelm/1/tokenizer.json",
+        "codelm/1/chat_template.jinja",  # its chat template, a file of its own (not trained)
+    }
     assert len(trained["codelm/1/model.onnx"]) < 8 * 1024 * 1024
     model = onnx.load_model_from_string(trained["codelm/1/model.onnx"])
     assert model.ir_version <= 10  # what ONNX Runtime accepts

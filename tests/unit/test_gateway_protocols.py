@@ -74,7 +74,7 @@ def test_sse_fields_are_checked_in_order() -> None:
 def test_openai_forwarded_headers_are_checked_after_the_model_fields_before_sampling() -> None:
     bad_header = {"x-user-id": "\u00e9"}
     with pytest.raises(errors.HttpError) as before:
-        openai.parse_completion({"prompt": "x", "n": 2, "model": "m"}, bad_header)
+        openai.parse_completion({"prompt": "x", "n": 0, "model": "m"}, bad_header)
     assert "n:" in before.value.message
     with pytest.raises(errors.HttpError) as after:
         openai.parse_completion({"prompt": "x", "model": "m", "max_tokens": -1}, bad_header)
@@ -86,7 +86,9 @@ def test_openai_chat_request() -> None:
     completion = openai.parse_chat_completion(body, {"x-request-id": "r"})
     assert completion.kind == openai.CHAT_COMPLETION and not completion.stream
     assert completion.generate.max_tokens == 5 and completion.generate.request_id == "r"
-    assert completion.generate.prompt.startswith("# user: hi")
+    # The service renders the messages with the model's own template.
+    assert [(m.role, m.content) for m in completion.generate.messages] == [("user", "hi")]
+    assert not completion.generate.prompt
     user = openai.parse_completion({"model": "m", "prompt": "x", "user": "u1"}, {})
     assert ("x-user-id", "u1") in user.metadata
     assert user.generate.max_tokens == openai.DEFAULT_COMPLETION_MAX_TOKENS

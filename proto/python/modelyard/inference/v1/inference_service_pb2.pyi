@@ -318,6 +318,12 @@ class GenerateRequest(_message.Message):
     PRESENCE_PENALTY_FIELD_NUMBER: _builtins.int
     LOGIT_BIAS_FIELD_NUMBER: _builtins.int
     STRICT_CONTEXT_FIELD_NUMBER: _builtins.int
+    MESSAGES_FIELD_NUMBER: _builtins.int
+    LOGPROBS_FIELD_NUMBER: _builtins.int
+    TOP_LOGPROBS_FIELD_NUMBER: _builtins.int
+    PROMPT_LOGPROBS_FIELD_NUMBER: _builtins.int
+    PROMPT_ONLY_FIELD_NUMBER: _builtins.int
+    MODEL_DEFAULTS_FIELD_NUMBER: _builtins.int
     model_name: _builtins.str
     """model_name names a decoder language model in the repository."""
     model_version: _builtins.str
@@ -373,7 +379,24 @@ class GenerateRequest(_message.Message):
     strict_context: _builtins.bool
     """strict_context refuses (INVALID_ARGUMENT, naming both numbers) a prompt whose tokens plus
     max_tokens exceed the model's context, instead of ending the generation early with
-    FINISH_REASON_LENGTH when the context is full (the default).
+    FINISH_REASON_LENGTH when the context is full (the default). The context is the export's own
+    (ModelService's Generation.context_length).
+    """
+    logprobs: _builtins.bool
+    """logprobs: each generated token comes with its log-probability (GenerateResponse.logprobs):
+    the model's log-softmax over its vocabulary, before temperature, penalties and bias.
+    """
+    top_logprobs: _builtins.int
+    """top_logprobs, with logprobs or prompt_logprobs: the N most likely tokens at each position
+    too, 0 to 20.
+    """
+    prompt_logprobs: _builtins.bool
+    """prompt_logprobs: the first event carries the prompt's tokens with their log-probabilities
+    (GenerateResponse.prompt_logprobs; the first token has none), as OpenAI's echo scores them.
+    """
+    prompt_only: _builtins.bool
+    """prompt_only generates no token: the stream is one event (with prompt_logprobs, the prompt's
+    scores) ending with FINISH_REASON_LENGTH and 0 completion tokens (OpenAI's max_tokens 0).
     """
     @_builtins.property
     def prompt_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
@@ -389,6 +412,21 @@ class GenerateRequest(_message.Message):
     def logit_bias(self) -> _containers.ScalarMap[_builtins.int, _builtins.float]:
         """logit_bias adds a bias in [-100, 100] to the logits of up to 300 token ids of the model's
         vocabulary at every step (-100 in effect bans a token, 100 forces it).
+        """
+
+    @_builtins.property
+    def messages(self) -> _containers.RepeatedCompositeFieldContainer[Global___ChatMessage]:
+        """messages, instead of prompt or prompt_token_ids: a conversation, rendered into the prompt by
+        the model's chat template (tokenizer_config.json's chat_template, or chat_template.jinja) as
+        Hugging Face's apply_chat_template(messages, add_generation_prompt=True) renders it. A model
+        without a template is FAILED_PRECONDITION.
+        """
+
+    @_builtins.property
+    def model_defaults(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """model_defaults names the sampling fields ("temperature", "top_k", "top_p") that take the
+        model's generation_config.json values instead of this request's (its do_sample false: greedy);
+        a name the model states no value for keeps the request's field.
         """
 
     def __init__(
@@ -411,16 +449,90 @@ class GenerateRequest(_message.Message):
         presence_penalty: _builtins.float = ...,
         logit_bias: _abc.Mapping[_builtins.int, _builtins.float] | None = ...,
         strict_context: _builtins.bool = ...,
+        messages: _abc.Iterable[Global___ChatMessage] | None = ...,
+        logprobs: _builtins.bool = ...,
+        top_logprobs: _builtins.int = ...,
+        prompt_logprobs: _builtins.bool = ...,
+        prompt_only: _builtins.bool = ...,
+        model_defaults: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_seed", b"_seed", "seed", b"seed"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_seed", b"_seed", "frequency_penalty", b"frequency_penalty", "logit_bias", b"logit_bias", "max_tokens", b"max_tokens", "model_name", b"model_name", "model_version", b"model_version", "presence_penalty", b"presence_penalty", "priority", b"priority", "prompt", b"prompt", "prompt_token_ids", b"prompt_token_ids", "request_id", b"request_id", "seed", b"seed", "stop", b"stop", "strict_context", b"strict_context", "temperature", b"temperature", "timeout_us", b"timeout_us", "top_k", b"top_k", "top_p", b"top_p"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_seed", b"_seed", "frequency_penalty", b"frequency_penalty", "logit_bias", b"logit_bias", "logprobs", b"logprobs", "max_tokens", b"max_tokens", "messages", b"messages", "model_defaults", b"model_defaults", "model_name", b"model_name", "model_version", b"model_version", "presence_penalty", b"presence_penalty", "priority", b"priority", "prompt", b"prompt", "prompt_logprobs", b"prompt_logprobs", "prompt_only", b"prompt_only", "prompt_token_ids", b"prompt_token_ids", "request_id", b"request_id", "seed", b"seed", "stop", b"stop", "strict_context", b"strict_context", "temperature", b"temperature", "timeout_us", b"timeout_us", "top_k", b"top_k", "top_logprobs", b"top_logprobs", "top_p", b"top_p"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__seed: _TypeAlias = _typing.Literal["seed"]  # noqa: Y015
     _WhichOneofArgType__seed: _TypeAlias = _typing.Literal["_seed", b"_seed"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType__seed) -> _WhichOneofReturnType__seed | None: ...
 
 Global___GenerateRequest: _TypeAlias = GenerateRequest  # noqa: Y015
+
+@_typing.final
+class ChatMessage(_message.Message):
+    """ChatMessage is one message of a conversation (GenerateRequest.messages)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ROLE_FIELD_NUMBER: _builtins.int
+    CONTENT_FIELD_NUMBER: _builtins.int
+    role: _builtins.str
+    """role is "system", "user", "assistant" or another role the model's template knows."""
+    content: _builtins.str
+    """content is the message's text."""
+    def __init__(
+        self,
+        *,
+        role: _builtins.str = ...,
+        content: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["content", b"content", "role", b"role"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ChatMessage: _TypeAlias = ChatMessage  # noqa: Y015
+
+@_typing.final
+class TokenLogprob(_message.Message):
+    """TokenLogprob is one token with its log-probability (natural logarithm)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TOKEN_ID_FIELD_NUMBER: _builtins.int
+    TOKEN_FIELD_NUMBER: _builtins.int
+    LOGPROB_FIELD_NUMBER: _builtins.int
+    TOP_LOGPROBS_FIELD_NUMBER: _builtins.int
+    token_id: _builtins.int
+    """token_id is the token."""
+    token: _builtins.str
+    """token is its text, decoded alone (special tokens as written)."""
+    logprob: _builtins.float
+    """logprob is its log-probability at its position; unset for a prompt's first token (nothing
+    precedes it).
+    """
+    @_builtins.property
+    def top_logprobs(self) -> _containers.RepeatedCompositeFieldContainer[Global___TokenLogprob]:
+        """top_logprobs are the most likely tokens at that position, most likely first (top_logprobs of
+        the request); their own top_logprobs are empty.
+        """
+
+    def __init__(
+        self,
+        *,
+        token_id: _builtins.int = ...,
+        token: _builtins.str = ...,
+        logprob: _builtins.float | None = ...,
+        top_logprobs: _abc.Iterable[Global___TokenLogprob] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_logprob", b"_logprob", "logprob", b"logprob"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_logprob", b"_logprob", "logprob", b"logprob", "token", b"token", "token_id", b"token_id", "top_logprobs", b"top_logprobs"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__logprob: _TypeAlias = _typing.Literal["logprob"]  # noqa: Y015
+    _WhichOneofArgType__logprob: _TypeAlias = _typing.Literal["_logprob", b"_logprob"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__logprob) -> _WhichOneofReturnType__logprob | None: ...
+
+Global___TokenLogprob: _TypeAlias = TokenLogprob  # noqa: Y015
 
 @_typing.final
 class Usage(_message.Message):
@@ -462,6 +574,8 @@ class GenerateResponse(_message.Message):
     USAGE_FIELD_NUMBER: _builtins.int
     TIME_TO_FIRST_TOKEN_FIELD_NUMBER: _builtins.int
     REQUEST_ID_FIELD_NUMBER: _builtins.int
+    LOGPROBS_FIELD_NUMBER: _builtins.int
+    PROMPT_LOGPROBS_FIELD_NUMBER: _builtins.int
     sequence_number: _builtins.int
     """sequence_number counts events from 0, so that a client can detect gaps and resume.
     An event carries one token, or several when the reader fell behind.
@@ -492,6 +606,16 @@ class GenerateResponse(_message.Message):
         (time queued for a slot included) to its first token.
         """
 
+    @_builtins.property
+    def logprobs(self) -> _containers.RepeatedCompositeFieldContainer[Global___TokenLogprob]:
+        """logprobs, with the request's logprobs: one per token of token_ids, in order."""
+
+    @_builtins.property
+    def prompt_logprobs(self) -> _containers.RepeatedCompositeFieldContainer[Global___TokenLogprob]:
+        """prompt_logprobs, with the request's prompt_logprobs, on the first event only: one per prompt
+        token, the first without a logprob.
+        """
+
     def __init__(
         self,
         *,
@@ -503,10 +627,12 @@ class GenerateResponse(_message.Message):
         usage: Global___Usage | None = ...,
         time_to_first_token: _duration_pb2.Duration | None = ...,
         request_id: _builtins.str = ...,
+        logprobs: _abc.Iterable[Global___TokenLogprob] | None = ...,
+        prompt_logprobs: _abc.Iterable[Global___TokenLogprob] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["time_to_first_token", b"time_to_first_token", "usage", b"usage"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["finish_reason", b"finish_reason", "model_version", b"model_version", "request_id", b"request_id", "sequence_number", b"sequence_number", "text", b"text", "time_to_first_token", b"time_to_first_token", "token_ids", b"token_ids", "usage", b"usage"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["finish_reason", b"finish_reason", "logprobs", b"logprobs", "model_version", b"model_version", "prompt_logprobs", b"prompt_logprobs", "request_id", b"request_id", "sequence_number", b"sequence_number", "text", b"text", "time_to_first_token", b"time_to_first_token", "token_ids", b"token_ids", "usage", b"usage"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

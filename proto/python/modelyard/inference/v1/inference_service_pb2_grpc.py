@@ -103,9 +103,11 @@ class InferenceServiceServicer:
         with an event that carries the finish reason and token usage. Concurrent streams share
         decode steps. A reader that falls behind gets the tokens that piled up in one event and
         pauses its sequence (the server never buffers without bound); a cancelled stream leaves
-        the batch at the next step. Errors: INVALID_ARGUMENT naming the field, FAILED_PRECONDITION
-        for a model that is not a decoder (or has no tokenizer.json), RESOURCE_EXHAUSTED when the
-        model's slots and queue are full, DEADLINE_EXCEEDED when the call's deadline passes.
+        the batch at the next step. A decode step that fails on one stream's row fails that stream
+        alone. Errors: INVALID_ARGUMENT naming the field, FAILED_PRECONDITION for a model that is
+        not a decoder (or has no tokenizer.json, or no chat template for messages),
+        RESOURCE_EXHAUSTED when the model's slots and queue are full, DEADLINE_EXCEEDED when the
+        call's deadline passes.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -60,9 +60,11 @@ class InferenceServiceStub:
     with an event that carries the finish reason and token usage. Concurrent streams share
     decode steps. A reader that falls behind gets the tokens that piled up in one event and
     pauses its sequence (the server never buffers without bound); a cancelled stream leaves
-    the batch at the next step. Errors: INVALID_ARGUMENT naming the field, FAILED_PRECONDITION
-    for a model that is not a decoder (or has no tokenizer.json), RESOURCE_EXHAUSTED when the
-    model's slots and queue are full, DEADLINE_EXCEEDED when the call's deadline passes.
+    the batch at the next step. A decode step that fails on one stream's row fails that stream
+    alone. Errors: INVALID_ARGUMENT naming the field, FAILED_PRECONDITION for a model that is
+    not a decoder (or has no tokenizer.json, or no chat template for messages),
+    RESOURCE_EXHAUSTED when the model's slots and queue are full, DEADLINE_EXCEEDED when the
+    call's deadline passes.
     """
 
 @_typing.type_check_only
@@ -97,9 +99,11 @@ class InferenceServiceAsyncStub(InferenceServiceStub):
     with an event that carries the finish reason and token usage. Concurrent streams share
     decode steps. A reader that falls behind gets the tokens that piled up in one event and
     pauses its sequence (the server never buffers without bound); a cancelled stream leaves
-    the batch at the next step. Errors: INVALID_ARGUMENT naming the field, FAILED_PRECONDITION
-    for a model that is not a decoder (or has no tokenizer.json), RESOURCE_EXHAUSTED when the
-    model's slots and queue are full, DEADLINE_EXCEEDED when the call's deadline passes.
+    the batch at the next step. A decode step that fails on one stream's row fails that stream
+    alone. Errors: INVALID_ARGUMENT naming the field, FAILED_PRECONDITION for a model that is
+    not a decoder (or has no tokenizer.json, or no chat template for messages),
+    RESOURCE_EXHAUSTED when the model's slots and queue are full, DEADLINE_EXCEEDED when the
+    call's deadline passes.
     """
 
 class InferenceServiceServicer(metaclass=_abc_1.ABCMeta):
@@ -149,9 +153,11 @@ class InferenceServiceServicer(metaclass=_abc_1.ABCMeta):
         with an event that carries the finish reason and token usage. Concurrent streams share
         decode steps. A reader that falls behind gets the tokens that piled up in one event and
         pauses its sequence (the server never buffers without bound); a cancelled stream leaves
-        the batch at the next step. Errors: INVALID_ARGUMENT naming the field, FAILED_PRECONDITION
-        for a model that is not a decoder (or has no tokenizer.json), RESOURCE_EXHAUSTED when the
-        model's slots and queue are full, DEADLINE_EXCEEDED when the call's deadline passes.
+        the batch at the next step. A decode step that fails on one stream's row fails that stream
+        alone. Errors: INVALID_ARGUMENT naming the field, FAILED_PRECONDITION for a model that is
+        not a decoder (or has no tokenizer.json, or no chat template for messages),
+        RESOURCE_EXHAUSTED when the model's slots and queue are full, DEADLINE_EXCEEDED when the
+        call's deadline passes.
         """
 
 def add_InferenceServiceServicer_to_server(servicer: InferenceServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

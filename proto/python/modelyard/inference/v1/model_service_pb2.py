@@ -26,39 +26,41 @@ from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__
 from modelyard.inference.v1 import tensor_pb2 as modelyard_dot_inference_dot_v1_dot_tensor__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n*modelyard/inference/v1/model_service.proto\x12\x16modelyard.inference.v1\x1a\x1fgoogle/protobuf/timestamp.proto\x1a#modelyard/inference/v1/tensor.proto\"\x97\x02\n\x0cModelVersion\x12\x0f\n\x07version\x18\x01 \x01(\t\x12\x31\n\x05state\x18\x02 \x01(\x0e\x32\".modelyard.inference.v1.ModelState\x12\x0e\n\x06reason\x18\x03 \x01(\t\x12.\n\nupdated_at\x18\x04 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x32\n\x06inputs\x18\x05 \x03(\x0b\x32\".modelyard.inference.v1.TensorSpec\x12\x33\n\x07outputs\x18\x06 \x03(\x0b\x32\".modelyard.inference.v1.TensorSpec\x12\x1a\n\x12\x65xecution_provider\x18\x07 \x01(\t\"\x89\x02\n\x05Model\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x17\n\x0f\x64\x65\x66\x61ult_version\x18\x02 \x01(\t\x12\x32\n\x06inputs\x18\x03 \x03(\x0b\x32\".modelyard.inference.v1.TensorSpec\x12\x33\n\x07outputs\x18\x04 \x03(\x0b\x32\".modelyard.inference.v1.TensorSpec\x12\x16\n\x0emax_batch_size\x18\x05 \x01(\r\x12\x36\n\x08versions\x18\x06 \x03(\x0b\x32$.modelyard.inference.v1.ModelVersion\x12\x10\n\x08platform\x18\x07 \x01(\t\x12\x0e\n\x06reason\x18\x08 \x01(\t\"\x13\n\x11ListModelsRequest\"C\n\x12ListModelsResponse\x12-\n\x06models\x18\x01 \x03(\x0b\x32\x1d.modelyard.inference.v1.Model\"\x1f\n\x0fGetModelRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"@\n\x10GetModelResponse\x12,\n\x05model\x18\x01 \x01(\x0b\x32\x1d.modelyard.inference.v1.Model\" \n\x10LoadModelRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"A\n\x11LoadModelResponse\x12,\n\x05model\x18\x01 \x01(\x0b\x32\x1d.modelyard.inference.v1.Model\"\"\n\x12UnloadModelRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"C\n\x13UnloadModelResponse\x12,\n\x05model\x18\x01 \x01(\x0b\x32\x1d.modelyard.inference.v1.Model\"?\n\x12WatchModelsRequest\x12\r\n\x05names\x18\x01 \x03(\t\x12\x1a\n\x12send_initial_state\x18\x02 \x01(\x08\"\xa7\x01\n\x13WatchModelsResponse\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\t\x12\x31\n\x05state\x18\x03 \x01(\x0e\x32\".modelyard.inference.v1.ModelState\x12\x0e\n\x06reason\x18\x04 \x01(\t\x12(\n\x04time\x18\x05 \x01(\x0b\x32\x1a.google.protobuf.Timestamp*\xa5\x01\n\nModelState\x12\x1b\n\x17MODEL_STATE_UNSPECIFIED\x10\x00\x12\x17\n\x13MODEL_STATE_LOADING\x10\x01\x12\x15\n\x11MODEL_STATE_READY\x10\x02\x12\x16\n\x12MODEL_STATE_FAILED\x10\x03\x12\x18\n\x14MODEL_STATE_DRAINING\x10\x04\x12\x18\n\x14MODEL_STATE_UNLOADED\x10\x05\x32\x86\x04\n\x0cModelService\x12\x63\n\nListModels\x12).modelyard.inference.v1.ListModelsRequest\x1a*.modelyard.inference.v1.ListModelsResponse\x12]\n\x08GetModel\x12\'.modelyard.inference.v1.GetModelRequest\x1a(.modelyard.inference.v1.GetModelResponse\x12`\n\tLoadModel\x12(.modelyard.inference.v1.LoadModelRequest\x1a).modelyard.inference.v1.LoadModelResponse\x12\x66\n\x0bUnloadModel\x12*.modelyard.inference.v1.UnloadModelRequest\x1a+.modelyard.inference.v1.UnloadModelResponse\x12h\n\x0bWatchModels\x12*.modelyard.inference.v1.WatchModelsRequest\x1a+.modelyard.inference.v1.WatchModelsResponse0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n*modelyard/inference/v1/model_service.proto\x12\x16modelyard.inference.v1\x1a\x1fgoogle/protobuf/timestamp.proto\x1a#modelyard/inference/v1/tensor.proto\"\xcf\x02\n\x0cModelVersion\x12\x0f\n\x07version\x18\x01 \x01(\t\x12\x31\n\x05state\x18\x02 \x01(\x0e\x32\".modelyard.inference.v1.ModelState\x12\x0e\n\x06reason\x18\x03 \x01(\t\x12.\n\nupdated_at\x18\x04 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x32\n\x06inputs\x18\x05 \x03(\x0b\x32\".modelyard.inference.v1.TensorSpec\x12\x33\n\x07outputs\x18\x06 \x03(\x0b\x32\".modelyard.inference.v1.TensorSpec\x12\x1a\n\x12\x65xecution_provider\x18\x07 \x01(\t\x12\x36\n\ngeneration\x18\x08 \x01(\x0b\x32\".modelyard.inference.v1.Generation\"~\n\nGeneration\x12\x16\n\x0e\x63ontext_length\x18\x01 \x01(\r\x12\x16\n\x0e\x63ontext_source\x18\x02 \x01(\t\x12\x15\n\reos_token_ids\x18\x03 \x03(\x03\x12\x15\n\rchat_template\x18\x04 \x01(\x08\x12\x12\n\nmax_tokens\x18\x05 \x01(\r\"\xc1\x02\n\x05Model\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x17\n\x0f\x64\x65\x66\x61ult_version\x18\x02 \x01(\t\x12\x32\n\x06inputs\x18\x03 \x03(\x0b\x32\".modelyard.inference.v1.TensorSpec\x12\x33\n\x07outputs\x18\x04 \x03(\x0b\x32\".modelyard.inference.v1.TensorSpec\x12\x16\n\x0emax_batch_size\x18\x05 \x01(\r\x12\x36\n\x08versions\x18\x06 \x03(\x0b\x32$.modelyard.inference.v1.ModelVersion\x12\x10\n\x08platform\x18\x07 \x01(\t\x12\x0e\n\x06reason\x18\x08 \x01(\t\x12\x36\n\ngeneration\x18\t \x01(\x0b\x32\".modelyard.inference.v1.Generation\"\x13\n\x11ListModelsRequest\"C\n\x12ListModelsResponse\x12-\n\x06models\x18\x01 \x03(\x0b\x32\x1d.modelyard.inference.v1.Model\"\x1f\n\x0fGetModelRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"@\n\x10GetModelResponse\x12,\n\x05model\x18\x01 \x01(\x0b\x32\x1d.modelyard.inference.v1.Model\" \n\x10LoadModelRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"A\n\x11LoadModelResponse\x12,\n\x05model\x18\x01 \x01(\x0b\x32\x1d.modelyard.inference.v1.Model\"\"\n\x12UnloadModelRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"C\n\x13UnloadModelResponse\x12,\n\x05model\x18\x01 \x01(\x0b\x32\x1d.modelyard.inference.v1.Model\"?\n\x12WatchModelsRequest\x12\r\n\x05names\x18\x01 \x03(\t\x12\x1a\n\x12send_initial_state\x18\x02 \x01(\x08\"\xa7\x01\n\x13WatchModelsResponse\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\t\x12\x31\n\x05state\x18\x03 \x01(\x0e\x32\".modelyard.inference.v1.ModelState\x12\x0e\n\x06reason\x18\x04 \x01(\t\x12(\n\x04time\x18\x05 \x01(\x0b\x32\x1a.google.protobuf.Timestamp*\xa5\x01\n\nModelState\x12\x1b\n\x17MODEL_STATE_UNSPECIFIED\x10\x00\x12\x17\n\x13MODEL_STATE_LOADING\x10\x01\x12\x15\n\x11MODEL_STATE_READY\x10\x02\x12\x16\n\x12MODEL_STATE_FAILED\x10\x03\x12\x18\n\x14MODEL_STATE_DRAINING\x10\x04\x12\x18\n\x14MODEL_STATE_UNLOADED\x10\x05\x32\x86\x04\n\x0cModelService\x12\x63\n\nListModels\x12).modelyard.inference.v1.ListModelsRequest\x1a*.modelyard.inference.v1.ListModelsResponse\x12]\n\x08GetModel\x12\'.modelyard.inference.v1.GetModelRequest\x1a(.modelyard.inference.v1.GetModelResponse\x12`\n\tLoadModel\x12(.modelyard.inference.v1.LoadModelRequest\x1a).modelyard.inference.v1.LoadModelResponse\x12\x66\n\x0bUnloadModel\x12*.modelyard.inference.v1.UnloadModelRequest\x1a+.modelyard.inference.v1.UnloadModelResponse\x12h\n\x0bWatchModels\x12*.modelyard.inference.v1.WatchModelsRequest\x1a+.modelyard.inference.v1.WatchModelsResponse0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'modelyard.inference.v1.model_service_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_MODELSTATE']._serialized_start=1321
-  _globals['_MODELSTATE']._serialized_end=1486
+  _globals['_MODELSTATE']._serialized_start=1561
+  _globals['_MODELSTATE']._serialized_end=1726
   _globals['_MODELVERSION']._serialized_start=141
-  _globals['_MODELVERSION']._serialized_end=420
-  _globals['_MODEL']._serialized_start=423
-  _globals['_MODEL']._serialized_end=688
-  _globals['_LISTMODELSREQUEST']._serialized_start=690
-  _globals['_LISTMODELSREQUEST']._serialized_end=709
-  _globals['_LISTMODELSRESPONSE']._serialized_start=711
-  _globals['_LISTMODELSRESPONSE']._serialized_end=778
-  _globals['_GETMODELREQUEST']._serialized_start=780
-  _globals['_GETMODELREQUEST']._serialized_end=811
-  _globals['_GETMODELRESPONSE']._serialized_start=813
-  _globals['_GETMODELRESPONSE']._serialized_end=877
-  _globals['_LOADMODELREQUEST']._serialized_start=879
-  _globals['_LOADMODELREQUEST']._serialized_end=911
-  _globals['_LOADMODELRESPONSE']._serialized_start=913
-  _globals['_LOADMODELRESPONSE']._serialized_end=978
-  _globals['_UNLOADMODELREQUEST']._serialized_start=980
-  _globals['_UNLOADMODELREQUEST']._serialized_end=1014
-  _globals['_UNLOADMODELRESPONSE']._serialized_start=1016
-  _globals['_UNLOADMODELRESPONSE']._serialized_end=1083
-  _globals['_WATCHMODELSREQUEST']._serialized_start=1085
-  _globals['_WATCHMODELSREQUEST']._serialized_end=1148
-  _globals['_WATCHMODELSRESPONSE']._serialized_start=1151
-  _globals['_WATCHMODELSRESPONSE']._serialized_end=1318
-  _globals['_MODELSERVICE']._serialized_start=1489
-  _globals['_MODELSERVICE']._serialized_end=2007
+  _globals['_MODELVERSION']._serialized_end=476
+  _globals['_GENERATION']._serialized_start=478
+  _globals['_GENERATION']._serialized_end=604
+  _globals['_MODEL']._serialized_start=607
+  _globals['_MODEL']._serialized_end=928
+  _globals['_LISTMODELSREQUEST']._serialized_start=930
+  _globals['_LISTMODELSREQUEST']._serialized_end=949
+  _globals['_LISTMODELSRESPONSE']._serialized_start=951
+  _globals['_LISTMODELSRESPONSE']._serialized_end=1018
+  _globals['_GETMODELREQUEST']._serialized_start=1020
+  _globals['_GETMODELREQUEST']._serialized_end=1051
+  _globals['_GETMODELRESPONSE']._serialized_start=1053
+  _globals['_GETMODELRESPONSE']._serialized_end=1117
+  _globals['_LOADMODELREQUEST']._serialized_start=1119
+  _globals['_LOADMODELREQUEST']._serialized_end=1151
+  _globals['_LOADMODELRESPONSE']._serialized_start=1153
+  _globals['_LOADMODELRESPONSE']._serialized_end=1218
+  _globals['_UNLOADMODELREQUEST']._serialized_start=1220
+  _globals['_UNLOADMODELREQUEST']._serialized_end=1254
+  _globals['_UNLOADMODELRESPONSE']._serialized_start=1256
+  _globals['_UNLOADMODELRESPONSE']._serialized_end=1323
+  _globals['_WATCHMODELSREQUEST']._serialized_start=1325
+  _globals['_WATCHMODELSREQUEST']._serialized_end=1388
+  _globals['_WATCHMODELSRESPONSE']._serialized_start=1391
+  _globals['_WATCHMODELSRESPONSE']._serialized_end=1558
+  _globals['_MODELSERVICE']._serialized_start=1729
+  _globals['_MODELSERVICE']._serialized_end=2247
 # @@protoc_insertion_point(module_scope)

@@ -70,6 +70,7 @@ class ModelVersion(_message.Message):
     INPUTS_FIELD_NUMBER: _builtins.int
     OUTPUTS_FIELD_NUMBER: _builtins.int
     EXECUTION_PROVIDER_FIELD_NUMBER: _builtins.int
+    GENERATION_FIELD_NUMBER: _builtins.int
     version: _builtins.str
     """version is the version number as a string ("3")."""
     state: Global___ModelState.ValueType
@@ -92,6 +93,10 @@ class ModelVersion(_message.Message):
     def outputs(self) -> _containers.RepeatedCompositeFieldContainer[_tensor_pb2.TensorSpec]:
         """outputs are the tensors this version produces (known once it has loaded)."""
 
+    @_builtins.property
+    def generation(self) -> Global___Generation:
+        """generation describes a decoder language model version (Generate); unset for other models."""
+
     def __init__(
         self,
         *,
@@ -102,14 +107,57 @@ class ModelVersion(_message.Message):
         inputs: _abc.Iterable[_tensor_pb2.TensorSpec] | None = ...,
         outputs: _abc.Iterable[_tensor_pb2.TensorSpec] | None = ...,
         execution_provider: _builtins.str = ...,
+        generation: Global___Generation | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["updated_at", b"updated_at"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["generation", b"generation", "updated_at", b"updated_at"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["execution_provider", b"execution_provider", "inputs", b"inputs", "outputs", b"outputs", "reason", b"reason", "state", b"state", "updated_at", b"updated_at", "version", b"version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["execution_provider", b"execution_provider", "generation", b"generation", "inputs", b"inputs", "outputs", b"outputs", "reason", b"reason", "state", b"state", "updated_at", b"updated_at", "version", b"version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ModelVersion: _TypeAlias = ModelVersion  # noqa: Y015
+
+@_typing.final
+class Generation(_message.Message):
+    """Generation is what a decoder language model version generates with, as read from its export."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CONTEXT_LENGTH_FIELD_NUMBER: _builtins.int
+    CONTEXT_SOURCE_FIELD_NUMBER: _builtins.int
+    EOS_TOKEN_IDS_FIELD_NUMBER: _builtins.int
+    CHAT_TEMPLATE_FIELD_NUMBER: _builtins.int
+    MAX_TOKENS_FIELD_NUMBER: _builtins.int
+    context_length: _builtins.int
+    """context_length bounds prompt plus generated tokens."""
+    context_source: _builtins.str
+    """context_source says where context_length was read: "config.json", "model metadata",
+    "position table", "config.yaml" or "default".
+    """
+    chat_template: _builtins.bool
+    """chat_template is true when the model has a chat template (GenerateRequest.messages)."""
+    max_tokens: _builtins.int
+    """max_tokens is the largest max_tokens a request may ask for."""
+    @_builtins.property
+    def eos_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """eos_token_ids are the tokens that end a generation (FINISH_REASON_EOS)."""
+
+    def __init__(
+        self,
+        *,
+        context_length: _builtins.int = ...,
+        context_source: _builtins.str = ...,
+        eos_token_ids: _abc.Iterable[_builtins.int] | None = ...,
+        chat_template: _builtins.bool = ...,
+        max_tokens: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["chat_template", b"chat_template", "context_length", b"context_length", "context_source", b"context_source", "eos_token_ids", b"eos_token_ids", "max_tokens", b"max_tokens"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Generation: _TypeAlias = Generation  # noqa: Y015
 
 @_typing.final
 class Model(_message.Message):
@@ -125,6 +173,7 @@ class Model(_message.Message):
     VERSIONS_FIELD_NUMBER: _builtins.int
     PLATFORM_FIELD_NUMBER: _builtins.int
     REASON_FIELD_NUMBER: _builtins.int
+    GENERATION_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     """name is the model's folder name in the repository."""
     default_version: _builtins.str
@@ -149,6 +198,10 @@ class Model(_message.Message):
     def versions(self) -> _containers.RepeatedCompositeFieldContainer[Global___ModelVersion]:
         """versions lists the versions the repository and the version policy select, with state."""
 
+    @_builtins.property
+    def generation(self) -> Global___Generation:
+        """generation describes the default version when it is a decoder language model."""
+
     def __init__(
         self,
         *,
@@ -160,10 +213,11 @@ class Model(_message.Message):
         versions: _abc.Iterable[Global___ModelVersion] | None = ...,
         platform: _builtins.str = ...,
         reason: _builtins.str = ...,
+        generation: Global___Generation | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["generation", b"generation"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["default_version", b"default_version", "inputs", b"inputs", "max_batch_size", b"max_batch_size", "name", b"name", "outputs", b"outputs", "platform", b"platform", "reason", b"reason", "versions", b"versions"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["default_version", b"default_version", "generation", b"generation", "inputs", b"inputs", "max_batch_size", b"max_batch_size", "name", b"name", "outputs", b"outputs", "platform", b"platform", "reason", b"reason", "versions", b"versions"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -14,7 +14,7 @@ import type { Message } from "@bufbuild/protobuf";
  * Describes the file modelyard/inference/v1/inference_service.proto.
  */
 export const file_modelyard_inference_v1_inference_service: GenFile = /*@__PURE__*/
-  fileDesc("Ci5tb2RlbHlhcmQvaW5mZXJlbmNlL3YxL2luZmVyZW5jZV9zZXJ2aWNlLnByb3RvEhZtb2RlbHlhcmQuaW5mZXJlbmNlLnYxIrkBCgxJbmZlclJlcXVlc3QSEgoKbW9kZWxfbmFtZRgBIAEoCRIVCg1tb2RlbF92ZXJzaW9uGAIgASgJEi4KBmlucHV0cxgDIAMoCzIeLm1vZGVseWFyZC5pbmZlcmVuY2UudjEuVGVuc29yEhQKDG91dHB1dF9uYW1lcxgEIAMoCRISCgpyZXF1ZXN0X2lkGAUgASgJEhAKCHByaW9yaXR5GAYgASgNEhIKCnRpbWVvdXRfdXMYByABKAQifwoNSW5mZXJSZXNwb25zZRISCgptb2RlbF9uYW1lGAEgASgJEhUKDW1vZGVsX3ZlcnNpb24YAiABKAkSLwoHb3V0cHV0cxgDIAMoCzIeLm1vZGVseWFyZC5pbmZlcmVuY2UudjEuVGVuc29yEhIKCnJlcXVlc3RfaWQYBCABKAki0wEKEkluZmVyU3RyZWFtUmVxdWVzdBISCgptb2RlbF9uYW1lGAEgASgJEhUKDW1vZGVsX3ZlcnNpb24YAiABKAkSLgoGaW5wdXRzGAMgAygLMh4ubW9kZWx5YXJkLmluZmVyZW5jZS52MS5UZW5zb3ISFAoMb3V0cHV0X25hbWVzGAQgAygJEhIKCnJlcXVlc3RfaWQYBSABKAkSEgoKY2h1bmtfc2l6ZRgGIAEoDRIQCghwcmlvcml0eRgHIAEoDRISCgp0aW1lb3V0X3VzGAggASgEIrwBChNJbmZlclN0cmVhbVJlc3BvbnNlEhIKCm1vZGVsX25hbWUYASABKAkSFQoNbW9kZWxfdmVyc2lvbhgCIAEoCRIvCgdvdXRwdXRzGAMgAygLMh4ubW9kZWx5YXJkLmluZmVyZW5jZS52MS5UZW5zb3ISEgoKcmVxdWVzdF9pZBgEIAEoCRITCgtjaHVua19pbmRleBgFIAEoDRISCgpyb3dfb2Zmc2V0GAYgASgEEgwKBGxhc3QYByABKAgi3AMKD0dlbmVyYXRlUmVxdWVzdBISCgptb2RlbF9uYW1lGAEgASgJEhUKDW1vZGVsX3ZlcnNpb24YAiABKAkSDgoGcHJvbXB0GAMgASgJEhgKEHByb21wdF90b2tlbl9pZHMYBCADKAMSEgoKbWF4X3Rva2VucxgFIAEoDRITCgt0ZW1wZXJhdHVyZRgGIAEoAhINCgV0b3BfaxgHIAEoDRINCgV0b3BfcBgIIAEoAhIRCgRzZWVkGAkgASgESACIAQESDAoEc3RvcBgKIAMoCRISCgpyZXF1ZXN0X2lkGAsgASgJEhAKCHByaW9yaXR5GAwgASgNEhIKCnRpbWVvdXRfdXMYDSABKAQSGQoRZnJlcXVlbmN5X3BlbmFsdHkYDiABKAISGAoQcHJlc2VuY2VfcGVuYWx0eRgPIAEoAhJKCgpsb2dpdF9iaWFzGBAgAygLMjYubW9kZWx5YXJkLmluZmVyZW5jZS52MS5HZW5lcmF0ZVJlcXVlc3QuTG9naXRCaWFzRW50cnkSFgoOc3RyaWN0X2NvbnRleHQYESABKAgaMAoOTG9naXRCaWFzRW50cnkSCwoDa2V5GAEgASgDEg0KBXZhbHVlGAIgASgCOgI4AUIHCgVfc2VlZCI5CgVVc2FnZRIVCg1wcm9tcHRfdG9rZW5zGAEgASgNEhkKEWNvbXBsZXRpb25fdG9rZW5zGAIgASgNIpoCChBHZW5lcmF0ZVJlc3BvbnNlEhcKD3NlcXVlbmNlX251bWJlchgBIAEoBBIVCg1tb2RlbF92ZXJzaW9uGAIgASgJEgwKBHRleHQYAyABKAkSEQoJdG9rZW5faWRzGAQgAygDEjsKDWZpbmlzaF9yZWFzb24YBSABKA4yJC5tb2RlbHlhcmQuaW5mZXJlbmNlLnYxLkZpbmlzaFJlYXNvbhIsCgV1c2FnZRgGIAEoCzIdLm1vZGVseWFyZC5pbmZlcmVuY2UudjEuVXNhZ2USNgoTdGltZV90b19maXJzdF90b2tlbhgHIAEoCzIZLmdvb2dsZS5wcm90b2J1Zi5EdXJhdGlvbhISCgpyZXF1ZXN0X2lkGAggASgJKpMBCgxGaW5pc2hSZWFzb24SHQoZRklOSVNIX1JFQVNPTl9VTlNQRUNJRklFRBAAEhgKFEZJTklTSF9SRUFTT05fTEVOR1RIEAESFgoSRklOSVNIX1JFQVNPTl9TVE9QEAISFQoRRklOSVNIX1JFQVNPTl9FT1MQAxIbChdGSU5JU0hfUkVBU09OX0NBTkNFTExFRBAEMrMCChBJbmZlcmVuY2VTZXJ2aWNlElQKBUluZmVyEiQubW9kZWx5YXJkLmluZmVyZW5jZS52MS5JbmZlclJlcXVlc3QaJS5tb2RlbHlhcmQuaW5mZXJlbmNlLnYxLkluZmVyUmVzcG9uc2USaAoLSW5mZXJTdHJlYW0SKi5tb2RlbHlhcmQuaW5mZXJlbmNlLnYxLkluZmVyU3RyZWFtUmVxdWVzdBorLm1vZGVseWFyZC5pbmZlcmVuY2UudjEuSW5mZXJTdHJlYW1SZXNwb25zZTABEl8KCEdlbmVyYXRlEicubW9kZWx5YXJkLmluZmVyZW5jZS52MS5HZW5lcmF0ZVJlcXVlc3QaKC5tb2RlbHlhcmQuaW5mZXJlbmNlLnYxLkdlbmVyYXRlUmVzcG9uc2UwAWIGcHJvdG8z", [file_google_protobuf_duration, file_modelyard_inference_v1_tensor]);
+  fileDesc("Ci5tb2RlbHlhcmQvaW5mZXJlbmNlL3YxL2luZmVyZW5jZV9zZXJ2aWNlLnByb3RvEhZtb2RlbHlhcmQuaW5mZXJlbmNlLnYxIrkBCgxJbmZlclJlcXVlc3QSEgoKbW9kZWxfbmFtZRgBIAEoCRIVCg1tb2RlbF92ZXJzaW9uGAIgASgJEi4KBmlucHV0cxgDIAMoCzIeLm1vZGVseWFyZC5pbmZlcmVuY2UudjEuVGVuc29yEhQKDG91dHB1dF9uYW1lcxgEIAMoCRISCgpyZXF1ZXN0X2lkGAUgASgJEhAKCHByaW9yaXR5GAYgASgNEhIKCnRpbWVvdXRfdXMYByABKAQifwoNSW5mZXJSZXNwb25zZRISCgptb2RlbF9uYW1lGAEgASgJEhUKDW1vZGVsX3ZlcnNpb24YAiABKAkSLwoHb3V0cHV0cxgDIAMoCzIeLm1vZGVseWFyZC5pbmZlcmVuY2UudjEuVGVuc29yEhIKCnJlcXVlc3RfaWQYBCABKAki0wEKEkluZmVyU3RyZWFtUmVxdWVzdBISCgptb2RlbF9uYW1lGAEgASgJEhUKDW1vZGVsX3ZlcnNpb24YAiABKAkSLgoGaW5wdXRzGAMgAygLMh4ubW9kZWx5YXJkLmluZmVyZW5jZS52MS5UZW5zb3ISFAoMb3V0cHV0X25hbWVzGAQgAygJEhIKCnJlcXVlc3RfaWQYBSABKAkSEgoKY2h1bmtfc2l6ZRgGIAEoDRIQCghwcmlvcml0eRgHIAEoDRISCgp0aW1lb3V0X3VzGAggASgEIrwBChNJbmZlclN0cmVhbVJlc3BvbnNlEhIKCm1vZGVsX25hbWUYASABKAkSFQoNbW9kZWxfdmVyc2lvbhgCIAEoCRIvCgdvdXRwdXRzGAMgAygLMh4ubW9kZWx5YXJkLmluZmVyZW5jZS52MS5UZW5zb3ISEgoKcmVxdWVzdF9pZBgEIAEoCRITCgtjaHVua19pbmRleBgFIAEoDRISCgpyb3dfb2Zmc2V0GAYgASgEEgwKBGxhc3QYByABKAgigQUKD0dlbmVyYXRlUmVxdWVzdBISCgptb2RlbF9uYW1lGAEgASgJEhUKDW1vZGVsX3ZlcnNpb24YAiABKAkSDgoGcHJvbXB0GAMgASgJEhgKEHByb21wdF90b2tlbl9pZHMYBCADKAMSEgoKbWF4X3Rva2VucxgFIAEoDRITCgt0ZW1wZXJhdHVyZRgGIAEoAhINCgV0b3BfaxgHIAEoDRINCgV0b3BfcBgIIAEoAhIRCgRzZWVkGAkgASgESACIAQESDAoEc3RvcBgKIAMoCRISCgpyZXF1ZXN0X2lkGAsgASgJEhAKCHByaW9yaXR5GAwgASgNEhIKCnRpbWVvdXRfdXMYDSABKAQSGQoRZnJlcXVlbmN5X3BlbmFsdHkYDiABKAISGAoQcHJlc2VuY2VfcGVuYWx0eRgPIAEoAhJKCgpsb2dpdF9iaWFzGBAgAygLMjYubW9kZWx5YXJkLmluZmVyZW5jZS52MS5HZW5lcmF0ZVJlcXVlc3QuTG9naXRCaWFzRW50cnkSFgoOc3RyaWN0X2NvbnRleHQYESABKAgSNQoIbWVzc2FnZXMYEiADKAsyIy5tb2RlbHlhcmQuaW5mZXJlbmNlLnYxLkNoYXRNZXNzYWdlEhAKCGxvZ3Byb2JzGBMgASgIEhQKDHRvcF9sb2dwcm9icxgUIAEoDRIXCg9wcm9tcHRfbG9ncHJvYnMYFSABKAgSEwoLcHJvbXB0X29ubHkYFiABKAgSFgoObW9kZWxfZGVmYXVsdHMYFyADKAkaMAoOTG9naXRCaWFzRW50cnkSCwoDa2V5GAEgASgDEg0KBXZhbHVlGAIgASgCOgI4AUIHCgVfc2VlZCIsCgtDaGF0TWVzc2FnZRIMCgRyb2xlGAEgASgJEg8KB2NvbnRlbnQYAiABKAkijQEKDFRva2VuTG9ncHJvYhIQCgh0b2tlbl9pZBgBIAEoAxINCgV0b2tlbhgCIAEoCRIUCgdsb2dwcm9iGAMgASgCSACIAQESOgoMdG9wX2xvZ3Byb2JzGAQgAygLMiQubW9kZWx5YXJkLmluZmVyZW5jZS52MS5Ub2tlbkxvZ3Byb2JCCgoIX2xvZ3Byb2IiOQoFVXNhZ2USFQoNcHJvbXB0X3Rva2VucxgBIAEoDRIZChFjb21wbGV0aW9uX3Rva2VucxgCIAEoDSKRAwoQR2VuZXJhdGVSZXNwb25zZRIXCg9zZXF1ZW5jZV9udW1iZXIYASABKAQSFQoNbW9kZWxfdmVyc2lvbhgCIAEoCRIMCgR0ZXh0GAMgASgJEhEKCXRva2VuX2lkcxgEIAMoAxI7Cg1maW5pc2hfcmVhc29uGAUgASgOMiQubW9kZWx5YXJkLmluZmVyZW5jZS52MS5GaW5pc2hSZWFzb24SLAoFdXNhZ2UYBiABKAsyHS5tb2RlbHlhcmQuaW5mZXJlbmNlLnYxLlVzYWdlEjYKE3RpbWVfdG9fZmlyc3RfdG9rZW4YByABKAsyGS5nb29nbGUucHJvdG9idWYuRHVyYXRpb24SEgoKcmVxdWVzdF9pZBgIIAEoCRI2Cghsb2dwcm9icxgJIAMoCzIkLm1vZGVseWFyZC5pbmZlcmVuY2UudjEuVG9rZW5Mb2dwcm9iEj0KD3Byb21wdF9sb2dwcm9icxgKIAMoCzIkLm1vZGVseWFyZC5pbmZlcmVuY2UudjEuVG9rZW5Mb2dwcm9iKpMBCgxGaW5pc2hSZWFzb24SHQoZRklOSVNIX1JFQVNPTl9VTlNQRUNJRklFRBAAEhgKFEZJTklTSF9SRUFTT05fTEVOR1RIEAESFgoSRklOSVNIX1JFQVNPTl9TVE9QEAISFQoRRklOSVNIX1JFQVNPTl9FT1MQAxIbChdGSU5JU0hfUkVBU09OX0NBTkNFTExFRBAEMrMCChBJbmZlcmVuY2VTZXJ2aWNlElQKBUluZmVyEiQubW9kZWx5YXJkLmluZmVyZW5jZS52MS5JbmZlclJlcXVlc3QaJS5tb2RlbHlhcmQuaW5mZXJlbmNlLnYxLkluZmVyUmVzcG9uc2USaAoLSW5mZXJTdHJlYW0SKi5tb2RlbHlhcmQuaW5mZXJlbmNlLnYxLkluZmVyU3RyZWFtUmVxdWVzdBorLm1vZGVseWFyZC5pbmZlcmVuY2UudjEuSW5mZXJTdHJlYW1SZXNwb25zZTABEl8KCEdlbmVyYXRlEicubW9kZWx5YXJkLmluZmVyZW5jZS52MS5HZW5lcmF0ZVJlcXVlc3QaKC5tb2RlbHlhcmQuaW5mZXJlbmNlLnYxLkdlbmVyYXRlUmVzcG9uc2UwAWIGcHJvdG8z", [file_google_protobuf_duration, file_modelyard_inference_v1_tensor]);
 
 /**
  * InferRequest asks for one run of a model. Fields 1 and 2 (model, version) are fixed: a proxy
@@ -409,11 +409,63 @@ export type GenerateRequest = Message<"modelyard.inference.v1.GenerateRequest"> 
   /**
    * strict_context refuses (INVALID_ARGUMENT, naming both numbers) a prompt whose tokens plus
    * max_tokens exceed the model's context, instead of ending the generation early with
-   * FINISH_REASON_LENGTH when the context is full (the default).
+   * FINISH_REASON_LENGTH when the context is full (the default). The context is the export's own
+   * (ModelService's Generation.context_length).
    *
    * @generated from field: bool strict_context = 17;
    */
   strictContext: boolean;
+
+  /**
+   * messages, instead of prompt or prompt_token_ids: a conversation, rendered into the prompt by
+   * the model's chat template (tokenizer_config.json's chat_template, or chat_template.jinja) as
+   * Hugging Face's apply_chat_template(messages, add_generation_prompt=True) renders it. A model
+   * without a template is FAILED_PRECONDITION.
+   *
+   * @generated from field: repeated modelyard.inference.v1.ChatMessage messages = 18;
+   */
+  messages: ChatMessage[];
+
+  /**
+   * logprobs: each generated token comes with its log-probability (GenerateResponse.logprobs):
+   * the model's log-softmax over its vocabulary, before temperature, penalties and bias.
+   *
+   * @generated from field: bool logprobs = 19;
+   */
+  logprobs: boolean;
+
+  /**
+   * top_logprobs, with logprobs or prompt_logprobs: the N most likely tokens at each position
+   * too, 0 to 20.
+   *
+   * @generated from field: uint32 top_logprobs = 20;
+   */
+  topLogprobs: number;
+
+  /**
+   * prompt_logprobs: the first event carries the prompt's tokens with their log-probabilities
+   * (GenerateResponse.prompt_logprobs; the first token has none), as OpenAI's echo scores them.
+   *
+   * @generated from field: bool prompt_logprobs = 21;
+   */
+  promptLogprobs: boolean;
+
+  /**
+   * prompt_only generates no token: the stream is one event (with prompt_logprobs, the prompt's
+   * scores) ending with FINISH_REASON_LENGTH and 0 completion tokens (OpenAI's max_tokens 0).
+   *
+   * @generated from field: bool prompt_only = 22;
+   */
+  promptOnly: boolean;
+
+  /**
+   * model_defaults names the sampling fields ("temperature", "top_k", "top_p") that take the
+   * model's generation_config.json values instead of this request's (its do_sample false: greedy);
+   * a name the model states no value for keeps the request's field.
+   *
+   * @generated from field: repeated string model_defaults = 23;
+   */
+  modelDefaults: string[];
 };
 
 /**
@@ -422,6 +474,78 @@ export type GenerateRequest = Message<"modelyard.inference.v1.GenerateRequest"> 
  */
 export const GenerateRequestSchema: GenMessage<GenerateRequest> = /*@__PURE__*/
   messageDesc(file_modelyard_inference_v1_inference_service, 4);
+
+/**
+ * ChatMessage is one message of a conversation (GenerateRequest.messages).
+ *
+ * @generated from message modelyard.inference.v1.ChatMessage
+ */
+export type ChatMessage = Message<"modelyard.inference.v1.ChatMessage"> & {
+  /**
+   * role is "system", "user", "assistant" or another role the model's template knows.
+   *
+   * @generated from field: string role = 1;
+   */
+  role: string;
+
+  /**
+   * content is the message's text.
+   *
+   * @generated from field: string content = 2;
+   */
+  content: string;
+};
+
+/**
+ * Describes the message modelyard.inference.v1.ChatMessage.
+ * Use `create(ChatMessageSchema)` to create a new message.
+ */
+export const ChatMessageSchema: GenMessage<ChatMessage> = /*@__PURE__*/
+  messageDesc(file_modelyard_inference_v1_inference_service, 5);
+
+/**
+ * TokenLogprob is one token with its log-probability (natural logarithm).
+ *
+ * @generated from message modelyard.inference.v1.TokenLogprob
+ */
+export type TokenLogprob = Message<"modelyard.inference.v1.TokenLogprob"> & {
+  /**
+   * token_id is the token.
+   *
+   * @generated from field: int64 token_id = 1;
+   */
+  tokenId: bigint;
+
+  /**
+   * token is its text, decoded alone (special tokens as written).
+   *
+   * @generated from field: string token = 2;
+   */
+  token: string;
+
+  /**
+   * logprob is its log-probability at its position; unset for a prompt's first token (nothing
+   * precedes it).
+   *
+   * @generated from field: optional float logprob = 3;
+   */
+  logprob?: number | undefined;
+
+  /**
+   * top_logprobs are the most likely tokens at that position, most likely first (top_logprobs of
+   * the request); their own top_logprobs are empty.
+   *
+   * @generated from field: repeated modelyard.inference.v1.TokenLogprob top_logprobs = 4;
+   */
+  topLogprobs: TokenLogprob[];
+};
+
+/**
+ * Describes the message modelyard.inference.v1.TokenLogprob.
+ * Use `create(TokenLogprobSchema)` to create a new message.
+ */
+export const TokenLogprobSchema: GenMessage<TokenLogprob> = /*@__PURE__*/
+  messageDesc(file_modelyard_inference_v1_inference_service, 6);
 
 /**
  * Usage counts the tokens of a generation.
@@ -449,7 +573,7 @@ export type Usage = Message<"modelyard.inference.v1.Usage"> & {
  * Use `create(UsageSchema)` to create a new message.
  */
 export const UsageSchema: GenMessage<Usage> = /*@__PURE__*/
-  messageDesc(file_modelyard_inference_v1_inference_service, 5);
+  messageDesc(file_modelyard_inference_v1_inference_service, 7);
 
 /**
  * GenerateResponse is one event of a generation stream.
@@ -516,6 +640,21 @@ export type GenerateResponse = Message<"modelyard.inference.v1.GenerateResponse"
    * @generated from field: string request_id = 8;
    */
   requestId: string;
+
+  /**
+   * logprobs, with the request's logprobs: one per token of token_ids, in order.
+   *
+   * @generated from field: repeated modelyard.inference.v1.TokenLogprob logprobs = 9;
+   */
+  logprobs: TokenLogprob[];
+
+  /**
+   * prompt_logprobs, with the request's prompt_logprobs, on the first event only: one per prompt
+   * token, the first without a logprob.
+   *
+   * @generated from field: repeated modelyard.inference.v1.TokenLogprob prompt_logprobs = 10;
+   */
+  promptLogprobs: TokenLogprob[];
 };
 
 /**
@@ -523,7 +662,7 @@ export type GenerateResponse = Message<"modelyard.inference.v1.GenerateResponse"
  * Use `create(GenerateResponseSchema)` to create a new message.
  */
 export const GenerateResponseSchema: GenMessage<GenerateResponse> = /*@__PURE__*/
-  messageDesc(file_modelyard_inference_v1_inference_service, 6);
+  messageDesc(file_modelyard_inference_v1_inference_service, 8);
 
 /**
  * FinishReason says why a generation ended.
@@ -622,9 +761,11 @@ export const InferenceService: GenService<{
    * with an event that carries the finish reason and token usage. Concurrent streams share
    * decode steps. A reader that falls behind gets the tokens that piled up in one event and
    * pauses its sequence (the server never buffers without bound); a cancelled stream leaves
-   * the batch at the next step. Errors: INVALID_ARGUMENT naming the field, FAILED_PRECONDITION
-   * for a model that is not a decoder (or has no tokenizer.json), RESOURCE_EXHAUSTED when the
-   * model's slots and queue are full, DEADLINE_EXCEEDED when the call's deadline passes.
+   * the batch at the next step. A decode step that fails on one stream's row fails that stream
+   * alone. Errors: INVALID_ARGUMENT naming the field, FAILED_PRECONDITION for a model that is
+   * not a decoder (or has no tokenizer.json, or no chat template for messages),
+   * RESOURCE_EXHAUSTED when the model's slots and queue are full, DEADLINE_EXCEEDED when the
+   * call's deadline passes.
    *
    * @generated from rpc modelyard.inference.v1.InferenceService.Generate
    */

@@ -14,7 +14,7 @@ import type { Message } from "@bufbuild/protobuf";
  * Describes the file modelyard/inference/v1/model_service.proto.
  */
 export const file_modelyard_inference_v1_model_service: GenFile = /*@__PURE__*/
-  fileDesc("Ciptb2RlbHlhcmQvaW5mZXJlbmNlL3YxL21vZGVsX3NlcnZpY2UucHJvdG8SFm1vZGVseWFyZC5pbmZlcmVuY2UudjEilwIKDE1vZGVsVmVyc2lvbhIPCgd2ZXJzaW9uGAEgASgJEjEKBXN0YXRlGAIgASgOMiIubW9kZWx5YXJkLmluZmVyZW5jZS52MS5Nb2RlbFN0YXRlEg4KBnJlYXNvbhgDIAEoCRIuCgp1cGRhdGVkX2F0GAQgASgLMhouZ29vZ2xlLnByb3RvYnVmLlRpbWVzdGFtcBIyCgZpbnB1dHMYBSADKAsyIi5tb2RlbHlhcmQuaW5mZXJlbmNlLnYxLlRlbnNvclNwZWMSMwoHb3V0cHV0cxgGIAMoCzIiLm1vZGVseWFyZC5pbmZlcmVuY2UudjEuVGVuc29yU3BlYxIaChJleGVjdXRpb25fcHJvdmlkZXIYByABKAkiiQIKBU1vZGVsEgwKBG5hbWUYASABKAkSFwoPZGVmYXVsdF92ZXJzaW9uGAIgASgJEjIKBmlucHV0cxgDIAMoCzIiLm1vZGVseWFyZC5pbmZlcmVuY2UudjEuVGVuc29yU3BlYxIzCgdvdXRwdXRzGAQgAygLMiIubW9kZWx5YXJkLmluZmVyZW5jZS52MS5UZW5zb3JTcGVjEhYKDm1heF9iYXRjaF9zaXplGAUgASgNEjYKCHZlcnNpb25zGAYgAygLMiQubW9kZWx5YXJkLmluZmVyZW5jZS52MS5Nb2RlbFZlcnNpb24SEAoIcGxhdGZvcm0YByABKAkSDgoGcmVhc29uGAggASgJIhMKEUxpc3RNb2RlbHNSZXF1ZXN0IkMKEkxpc3RNb2RlbHNSZXNwb25zZRItCgZtb2RlbHMYASADKAsyHS5tb2RlbHlhcmQuaW5mZXJlbmNlLnYxLk1vZGVsIh8KD0dldE1vZGVsUmVxdWVzdBIMCgRuYW1lGAEgASgJIkAKEEdldE1vZGVsUmVzcG9uc2USLAoFbW9kZWwYASABKAsyHS5tb2RlbHlhcmQuaW5mZXJlbmNlLnYxLk1vZGVsIiAKEExvYWRNb2RlbFJlcXVlc3QSDAoEbmFtZRgBIAEoCSJBChFMb2FkTW9kZWxSZXNwb25zZRIsCgVtb2RlbBgBIAEoCzIdLm1vZGVseWFyZC5pbmZlcmVuY2UudjEuTW9kZWwiIgoSVW5sb2FkTW9kZWxSZXF1ZXN0EgwKBG5hbWUYASABKAkiQwoTVW5sb2FkTW9kZWxSZXNwb25zZRIsCgVtb2RlbBgBIAEoCzIdLm1vZGVseWFyZC5pbmZlcmVuY2UudjEuTW9kZWwiPwoSV2F0Y2hNb2RlbHNSZXF1ZXN0Eg0KBW5hbWVzGAEgAygJEhoKEnNlbmRfaW5pdGlhbF9zdGF0ZRgCIAEoCCKnAQoTV2F0Y2hNb2RlbHNSZXNwb25zZRISCgptb2RlbF9uYW1lGAEgASgJEg8KB3ZlcnNpb24YAiABKAkSMQoFc3RhdGUYAyABKA4yIi5tb2RlbHlhcmQuaW5mZXJlbmNlLnYxLk1vZGVsU3RhdGUSDgoGcmVhc29uGAQgASgJEigKBHRpbWUYBSABKAsyGi5nb29nbGUucHJvdG9idWYuVGltZXN0YW1wKqUBCgpNb2RlbFN0YXRlEhsKF01PREVMX1NUQVRFX1VOU1BFQ0lGSUVEEAASFwoTTU9ERUxfU1RBVEVfTE9BRElORxABEhUKEU1PREVMX1NUQVRFX1JFQURZEAISFgoSTU9ERUxfU1RBVEVfRkFJTEVEEAMSGAoUTU9ERUxfU1RBVEVfRFJBSU5JTkcQBBIYChRNT0RFTF9TVEFURV9VTkxPQURFRBAFMoYECgxNb2RlbFNlcnZpY2USYwoKTGlzdE1vZGVscxIpLm1vZGVseWFyZC5pbmZlcmVuY2UudjEuTGlzdE1vZGVsc1JlcXVlc3QaKi5tb2RlbHlhcmQuaW5mZXJlbmNlLnYxLkxpc3RNb2RlbHNSZXNwb25zZRJdCghHZXRNb2RlbBInLm1vZGVseWFyZC5pbmZlcmVuY2UudjEuR2V0TW9kZWxSZXF1ZXN0GigubW9kZWx5YXJkLmluZmVyZW5jZS52MS5HZXRNb2RlbFJlc3BvbnNlEmAKCUxvYWRNb2RlbBIoLm1vZGVseWFyZC5pbmZlcmVuY2UudjEuTG9hZE1vZGVsUmVxdWVzdBopLm1vZGVseWFyZC5pbmZlcmVuY2UudjEuTG9hZE1vZGVsUmVzcG9uc2USZgoLVW5sb2FkTW9kZWwSKi5tb2RlbHlhcmQuaW5mZXJlbmNlLnYxLlVubG9hZE1vZGVsUmVxdWVzdBorLm1vZGVseWFyZC5pbmZlcmVuY2UudjEuVW5sb2FkTW9kZWxSZXNwb25zZRJoCgtXYXRjaE1vZGVscxIqLm1vZGVseWFyZC5pbmZlcmVuY2UudjEuV2F0Y2hNb2RlbHNSZXF1ZXN0GisubW9kZWx5YXJkLmluZmVyZW5jZS52MS5XYXRjaE1vZGVsc1Jlc3BvbnNlMAFiBnByb3RvMw", [file_google_protobuf_timestamp, file_modelyard_inference_v1_tensor]);
+  fileDesc("Ciptb2RlbHlhcmQvaW5mZXJlbmNlL3YxL21vZGVsX3NlcnZpY2UucHJvdG8SFm1vZGVseWFyZC5pbmZlcmVuY2UudjEizwIKDE1vZGVsVmVyc2lvbhIPCgd2ZXJzaW9uGAEgASgJEjEKBXN0YXRlGAIgASgOMiIubW9kZWx5YXJkLmluZmVyZW5jZS52MS5Nb2RlbFN0YXRlEg4KBnJlYXNvbhgDIAEoCRIuCgp1cGRhdGVkX2F0GAQgASgLMhouZ29vZ2xlLnByb3RvYnVmLlRpbWVzdGFtcBIyCgZpbnB1dHMYBSADKAsyIi5tb2RlbHlhcmQuaW5mZXJlbmNlLnYxLlRlbnNvclNwZWMSMwoHb3V0cHV0cxgGIAMoCzIiLm1vZGVseWFyZC5pbmZlcmVuY2UudjEuVGVuc29yU3BlYxIaChJleGVjdXRpb25fcHJvdmlkZXIYByABKAkSNgoKZ2VuZXJhdGlvbhgIIAEoCzIiLm1vZGVseWFyZC5pbmZlcmVuY2UudjEuR2VuZXJhdGlvbiJ+CgpHZW5lcmF0aW9uEhYKDmNvbnRleHRfbGVuZ3RoGAEgASgNEhYKDmNvbnRleHRfc291cmNlGAIgASgJEhUKDWVvc190b2tlbl9pZHMYAyADKAMSFQoNY2hhdF90ZW1wbGF0ZRgEIAEoCBISCgptYXhfdG9rZW5zGAUgASgNIsECCgVNb2RlbBIMCgRuYW1lGAEgASgJEhcKD2RlZmF1bHRfdmVyc2lvbhgCIAEoCRIyCgZpbnB1dHMYAyADKAsyIi5tb2RlbHlhcmQuaW5mZXJlbmNlLnYxLlRlbnNvclNwZWMSMwoHb3V0cHV0cxgEIAMoCzIiLm1vZGVseWFyZC5pbmZlcmVuY2UudjEuVGVuc29yU3BlYxIWCg5tYXhfYmF0Y2hfc2l6ZRgFIAEoDRI2Cgh2ZXJzaW9ucxgGIAMoCzIkLm1vZGVseWFyZC5pbmZlcmVuY2UudjEuTW9kZWxWZXJzaW9uEhAKCHBsYXRmb3JtGAcgASgJEg4KBnJlYXNvbhgIIAEoCRI2CgpnZW5lcmF0aW9uGAkgASgLMiIubW9kZWx5YXJkLmluZmVyZW5jZS52MS5HZW5lcmF0aW9uIhMKEUxpc3RNb2RlbHNSZXF1ZXN0IkMKEkxpc3RNb2RlbHNSZXNwb25zZRItCgZtb2RlbHMYASADKAsyHS5tb2RlbHlhcmQuaW5mZXJlbmNlLnYxLk1vZGVsIh8KD0dldE1vZGVsUmVxdWVzdBIMCgRuYW1lGAEgASgJIkAKEEdldE1vZGVsUmVzcG9uc2USLAoFbW9kZWwYASABKAsyHS5tb2RlbHlhcmQuaW5mZXJlbmNlLnYxLk1vZGVsIiAKEExvYWRNb2RlbFJlcXVlc3QSDAoEbmFtZRgBIAEoCSJBChFMb2FkTW9kZWxSZXNwb25zZRIsCgVtb2RlbBgBIAEoCzIdLm1vZGVseWFyZC5pbmZlcmVuY2UudjEuTW9kZWwiIgoSVW5sb2FkTW9kZWxSZXF1ZXN0EgwKBG5hbWUYASABKAkiQwoTVW5sb2FkTW9kZWxSZXNwb25zZRIsCgVtb2RlbBgBIAEoCzIdLm1vZGVseWFyZC5pbmZlcmVuY2UudjEuTW9kZWwiPwoSV2F0Y2hNb2RlbHNSZXF1ZXN0Eg0KBW5hbWVzGAEgAygJEhoKEnNlbmRfaW5pdGlhbF9zdGF0ZRgCIAEoCCKnAQoTV2F0Y2hNb2RlbHNSZXNwb25zZRISCgptb2RlbF9uYW1lGAEgASgJEg8KB3ZlcnNpb24YAiABKAkSMQoFc3RhdGUYAyABKA4yIi5tb2RlbHlhcmQuaW5mZXJlbmNlLnYxLk1vZGVsU3RhdGUSDgoGcmVhc29uGAQgASgJEigKBHRpbWUYBSABKAsyGi5nb29nbGUucHJvdG9idWYuVGltZXN0YW1wKqUBCgpNb2RlbFN0YXRlEhsKF01PREVMX1NUQVRFX1VOU1BFQ0lGSUVEEAASFwoTTU9ERUxfU1RBVEVfTE9BRElORxABEhUKEU1PREVMX1NUQVRFX1JFQURZEAISFgoSTU9ERUxfU1RBVEVfRkFJTEVEEAMSGAoUTU9ERUxfU1RBVEVfRFJBSU5JTkcQBBIYChRNT0RFTF9TVEFURV9VTkxPQURFRBAFMoYECgxNb2RlbFNlcnZpY2USYwoKTGlzdE1vZGVscxIpLm1vZGVseWFyZC5pbmZlcmVuY2UudjEuTGlzdE1vZGVsc1JlcXVlc3QaKi5tb2RlbHlhcmQuaW5mZXJlbmNlLnYxLkxpc3RNb2RlbHNSZXNwb25zZRJdCghHZXRNb2RlbBInLm1vZGVseWFyZC5pbmZlcmVuY2UudjEuR2V0TW9kZWxSZXF1ZXN0GigubW9kZWx5YXJkLmluZmVyZW5jZS52MS5HZXRNb2RlbFJlc3BvbnNlEmAKCUxvYWRNb2RlbBIoLm1vZGVseWFyZC5pbmZlcmVuY2UudjEuTG9hZE1vZGVsUmVxdWVzdBopLm1vZGVseWFyZC5pbmZlcmVuY2UudjEuTG9hZE1vZGVsUmVzcG9uc2USZgoLVW5sb2FkTW9kZWwSKi5tb2RlbHlhcmQuaW5mZXJlbmNlLnYxLlVubG9hZE1vZGVsUmVxdWVzdBorLm1vZGVseWFyZC5pbmZlcmVuY2UudjEuVW5sb2FkTW9kZWxSZXNwb25zZRJoCgtXYXRjaE1vZGVscxIqLm1vZGVseWFyZC5pbmZlcmVuY2UudjEuV2F0Y2hNb2RlbHNSZXF1ZXN0GisubW9kZWx5YXJkLmluZmVyZW5jZS52MS5XYXRjaE1vZGVsc1Jlc3BvbnNlMAFiBnByb3RvMw", [file_google_protobuf_timestamp, file_modelyard_inference_v1_tensor]);
 
 /**
  * ModelVersion is one version of a model and its state.
@@ -71,6 +71,13 @@ export type ModelVersion = Message<"modelyard.inference.v1.ModelVersion"> & {
    * @generated from field: string execution_provider = 7;
    */
   executionProvider: string;
+
+  /**
+   * generation describes a decoder language model version (Generate); unset for other models.
+   *
+   * @generated from field: modelyard.inference.v1.Generation generation = 8;
+   */
+  generation?: Generation | undefined;
 };
 
 /**
@@ -79,6 +86,56 @@ export type ModelVersion = Message<"modelyard.inference.v1.ModelVersion"> & {
  */
 export const ModelVersionSchema: GenMessage<ModelVersion> = /*@__PURE__*/
   messageDesc(file_modelyard_inference_v1_model_service, 0);
+
+/**
+ * Generation is what a decoder language model version generates with, as read from its export.
+ *
+ * @generated from message modelyard.inference.v1.Generation
+ */
+export type Generation = Message<"modelyard.inference.v1.Generation"> & {
+  /**
+   * context_length bounds prompt plus generated tokens.
+   *
+   * @generated from field: uint32 context_length = 1;
+   */
+  contextLength: number;
+
+  /**
+   * context_source says where context_length was read: "config.json", "model metadata",
+   * "position table", "config.yaml" or "default".
+   *
+   * @generated from field: string context_source = 2;
+   */
+  contextSource: string;
+
+  /**
+   * eos_token_ids are the tokens that end a generation (FINISH_REASON_EOS).
+   *
+   * @generated from field: repeated int64 eos_token_ids = 3;
+   */
+  eosTokenIds: bigint[];
+
+  /**
+   * chat_template is true when the model has a chat template (GenerateRequest.messages).
+   *
+   * @generated from field: bool chat_template = 4;
+   */
+  chatTemplate: boolean;
+
+  /**
+   * max_tokens is the largest max_tokens a request may ask for.
+   *
+   * @generated from field: uint32 max_tokens = 5;
+   */
+  maxTokens: number;
+};
+
+/**
+ * Describes the message modelyard.inference.v1.Generation.
+ * Use `create(GenerationSchema)` to create a new message.
+ */
+export const GenerationSchema: GenMessage<Generation> = /*@__PURE__*/
+  messageDesc(file_modelyard_inference_v1_model_service, 1);
 
 /**
  * Model describes a model of the repository.
@@ -142,6 +199,13 @@ export type Model = Message<"modelyard.inference.v1.Model"> & {
    * @generated from field: string reason = 8;
    */
   reason: string;
+
+  /**
+   * generation describes the default version when it is a decoder language model.
+   *
+   * @generated from field: modelyard.inference.v1.Generation generation = 9;
+   */
+  generation?: Generation | undefined;
 };
 
 /**
@@ -149,7 +213,7 @@ export type Model = Message<"modelyard.inference.v1.Model"> & {
  * Use `create(ModelSchema)` to create a new message.
  */
 export const ModelSchema: GenMessage<Model> = /*@__PURE__*/
-  messageDesc(file_modelyard_inference_v1_model_service, 1);
+  messageDesc(file_modelyard_inference_v1_model_service, 2);
 
 /**
  * ListModelsRequest asks for all models.
@@ -164,7 +228,7 @@ export type ListModelsRequest = Message<"modelyard.inference.v1.ListModelsReques
  * Use `create(ListModelsRequestSchema)` to create a new message.
  */
 export const ListModelsRequestSchema: GenMessage<ListModelsRequest> = /*@__PURE__*/
-  messageDesc(file_modelyard_inference_v1_model_service, 2);
+  messageDesc(file_modelyard_inference_v1_model_service, 3);
 
 /**
  * ListModelsResponse lists all models.
@@ -185,7 +249,7 @@ export type ListModelsResponse = Message<"modelyard.inference.v1.ListModelsRespo
  * Use `create(ListModelsResponseSchema)` to create a new message.
  */
 export const ListModelsResponseSchema: GenMessage<ListModelsResponse> = /*@__PURE__*/
-  messageDesc(file_modelyard_inference_v1_model_service, 3);
+  messageDesc(file_modelyard_inference_v1_model_service, 4);
 
 /**
  * GetModelRequest names the model to describe. Field 1 is the model name; field 2 is kept for a
@@ -207,7 +271,7 @@ export type GetModelRequest = Message<"modelyard.inference.v1.GetModelRequest"> 
  * Use `create(GetModelRequestSchema)` to create a new message.
  */
 export const GetModelRequestSchema: GenMessage<GetModelRequest> = /*@__PURE__*/
-  messageDesc(file_modelyard_inference_v1_model_service, 4);
+  messageDesc(file_modelyard_inference_v1_model_service, 5);
 
 /**
  * GetModelResponse describes one model.
@@ -228,7 +292,7 @@ export type GetModelResponse = Message<"modelyard.inference.v1.GetModelResponse"
  * Use `create(GetModelResponseSchema)` to create a new message.
  */
 export const GetModelResponseSchema: GenMessage<GetModelResponse> = /*@__PURE__*/
-  messageDesc(file_modelyard_inference_v1_model_service, 5);
+  messageDesc(file_modelyard_inference_v1_model_service, 6);
 
 /**
  * LoadModelRequest names the model to load. Field 1 is the model name; field 2 is kept for a
@@ -250,7 +314,7 @@ export type LoadModelRequest = Message<"modelyard.inference.v1.LoadModelRequest"
  * Use `create(LoadModelRequestSchema)` to create a new message.
  */
 export const LoadModelRequestSchema: GenMessage<LoadModelRequest> = /*@__PURE__*/
-  messageDesc(file_modelyard_inference_v1_model_service, 6);
+  messageDesc(file_modelyard_inference_v1_model_service, 7);
 
 /**
  * LoadModelResponse describes the model after the load.
@@ -271,7 +335,7 @@ export type LoadModelResponse = Message<"modelyard.inference.v1.LoadModelRespons
  * Use `create(LoadModelResponseSchema)` to create a new message.
  */
 export const LoadModelResponseSchema: GenMessage<LoadModelResponse> = /*@__PURE__*/
-  messageDesc(file_modelyard_inference_v1_model_service, 7);
+  messageDesc(file_modelyard_inference_v1_model_service, 8);
 
 /**
  * UnloadModelRequest names the model to unload. Field 1 is the model name; field 2 is kept for a
@@ -293,7 +357,7 @@ export type UnloadModelRequest = Message<"modelyard.inference.v1.UnloadModelRequ
  * Use `create(UnloadModelRequestSchema)` to create a new message.
  */
 export const UnloadModelRequestSchema: GenMessage<UnloadModelRequest> = /*@__PURE__*/
-  messageDesc(file_modelyard_inference_v1_model_service, 8);
+  messageDesc(file_modelyard_inference_v1_model_service, 9);
 
 /**
  * UnloadModelResponse confirms the unload.
@@ -314,7 +378,7 @@ export type UnloadModelResponse = Message<"modelyard.inference.v1.UnloadModelRes
  * Use `create(UnloadModelResponseSchema)` to create a new message.
  */
 export const UnloadModelResponseSchema: GenMessage<UnloadModelResponse> = /*@__PURE__*/
-  messageDesc(file_modelyard_inference_v1_model_service, 9);
+  messageDesc(file_modelyard_inference_v1_model_service, 10);
 
 /**
  * WatchModelsRequest selects the models to watch.
@@ -343,7 +407,7 @@ export type WatchModelsRequest = Message<"modelyard.inference.v1.WatchModelsRequ
  * Use `create(WatchModelsRequestSchema)` to create a new message.
  */
 export const WatchModelsRequestSchema: GenMessage<WatchModelsRequest> = /*@__PURE__*/
-  messageDesc(file_modelyard_inference_v1_model_service, 10);
+  messageDesc(file_modelyard_inference_v1_model_service, 11);
 
 /**
  * WatchModelsResponse is one state change.
@@ -392,7 +456,7 @@ export type WatchModelsResponse = Message<"modelyard.inference.v1.WatchModelsRes
  * Use `create(WatchModelsResponseSchema)` to create a new message.
  */
 export const WatchModelsResponseSchema: GenMessage<WatchModelsResponse> = /*@__PURE__*/
-  messageDesc(file_modelyard_inference_v1_model_service, 11);
+  messageDesc(file_modelyard_inference_v1_model_service, 12);
 
 /**
  * ModelState is the lifecycle state of one model version.
