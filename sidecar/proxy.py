@@ -223,7 +223,7 @@ class Proxy(_Handler):
                 except forward.Failed as failed:
                     scope.code = failed.code
                     if client is not None:
-                        self._tracing.failed(client, failed.code)
+                        self._tracing.failed(client, failed.code, failed.reason)
                     # The caller's own deadline (ours is the caller's) is no fault; its
                     # duration still tells how slow the upstream was.
                     timed_out = failed.code == grpc.StatusCode.DEADLINE_EXCEEDED and not failed.reason
@@ -285,7 +285,7 @@ class Proxy(_Handler):
                             retry = self._after_failure(plan, early, tried, None)
                             if retry is not None:
                                 if client is not None:
-                                    self._tracing.failed(client, early.code)
+                                    self._tracing.failed(client, early.code, early.reason)
                                 plan = retry
                                 continue
                         shadowed = self._mirror.tokens(info.path, plan, first)
@@ -299,7 +299,7 @@ class Proxy(_Handler):
                         scope.code = failed.code
                         plan.report(failed.code.name, failed.reason, None)
                         if client is not None:
-                            self._tracing.failed(client, failed.code)
+                            self._tracing.failed(client, failed.code, failed.reason)
                         await self._fail(scope, plan, failed, context)
                     finally:
                         if client is not None:
