@@ -241,7 +241,15 @@ class Proxy(_Handler):
                     if client is not None:
                         client.end()
                 scope.code = grpc.StatusCode.OK  # this attempt answered, whatever an earlier one did
-                plan.report("OK", "", None if more is not None else time.perf_counter() - started)
+                # A version's latency is the service's own measure of its run and its own queue
+                # (x-run-us, x-queue-us): what another version sharing the service cannot inflate,
+                # as it inflates the call's duration; the duration when the answer carries none.
+                latency = None
+                if more is None:
+                    latency = forward.service_seconds(trailing)
+                    if latency is None:
+                        latency = time.perf_counter() - started
+                plan.report("OK", "", latency)
                 if initial:  # the service's unary answers carry none (docs/api.md)
                     await context.send_initial_metadata(initial)
                 forward.answer(context, trailing, plan.answer_metadata)

@@ -74,11 +74,17 @@ class BreakerDoc(_Keys):
         float, Meta(gt=0, le=1, description="share of failed canary calls, over stable's share, that trips")
     ] = _BREAKER.canary_error_rate
     latency_multiple: Annotated[
-        float, Meta(gt=1, description="a p99 this many times the baseline's trips")
+        float, Meta(gt=1, description="a p99 this many times the version's own baseline trips")
     ] = _BREAKER.latency_multiple
     latency_floor_s: Annotated[
         float, Meta(ge=0, description="a p99 below this never trips, however small the baseline")
     ] = _BREAKER.latency_floor_s
+    canary_latency_multiple: Annotated[
+        float, Meta(gt=1, description="a canary's p99 (or median) this many times stable's trips")
+    ] = _BREAKER.canary_latency_multiple
+    canary_latency_floor_s: Annotated[
+        float, Meta(ge=0, description="a canary's p99 (or median) below this never trips")
+    ] = _BREAKER.canary_latency_floor_s
     latency_check_s: Annotated[
         float, Meta(ge=0, description="seconds between latency checks; 0: every call")
     ] = _BREAKER.latency_check_s
