@@ -68,7 +68,9 @@ def thirty_percent(i: int) -> bool:
 
 # --- judged against stable -------------------------------------------------------------------
 
-SLOW_POLICY = dataclasses.replace(DEFAULT, latency_min_calls=20, latency_check_s=0, canary_latency_floor_s=0.1)
+SLOW_POLICY = dataclasses.replace(
+    DEFAULT, latency_min_calls=20, latency_check_s=0, canary_latency_floor_s=0.1
+)
 
 
 def test_a_canary_slow_from_its_first_call_is_cut_off_against_stable(clock: Clock) -> None:
