@@ -16,15 +16,16 @@ on `consecutive_faults` faults in a row (the fast path: a dead upstream is cut o
 calls, not once its earlier successes have aged out of the window).
 A canary is judged against stable (`Reference`: the stable version's calls over the same window,
 given by breakers.py for canary-dyed calls): its fault share must reach `canary_error_rate`
-*above* stable's, and its p99 must exceed `canary_latency_multiple` x stable's p99 over the window
-(and `canary_latency_floor_s`, a few milliseconds: the limit scales with stable, not with a fixed
-floor); while either has fewer than `latency_min_calls` timed calls (but `min_calls`), their
-medians are compared instead. So a canary slow from its first call is cut off (its own baseline
-would learn the slowness as normal), and a fault both versions see (a shared dependency) does not
-cut the canary off for a stable that fails as much. Without enough stable calls, a canary is
-judged by its own baseline. A latency is what the proxy reports: the service's own run and queue
-time where the answer carries it (x-run-us, x-queue-us), which another version sharing the service
-cannot inflate, else the call's duration.
+*above* stable's; it trips on latency when its median exceeds `canary_latency_multiple` x stable's
+median over the window (and `canary_latency_floor_s`, a few milliseconds: the limit scales with
+stable, not with a fixed floor), once both hold `min_calls` timed calls, or when its p99 exceeds
+`latency_multiple` x stable's p99 and `latency_floor_s` once both hold `latency_min_calls` (a tail
+is judged as any version's: a fast model's p99 is mostly the scheduler's hiccups). So a canary slow
+from its first call is cut off (its own baseline would learn the slowness as normal), and a fault
+both versions see (a shared dependency) does not cut the canary off for a stable that fails as
+much. Without enough stable calls, a canary is judged by its own baseline. A latency is what the
+proxy reports: the service's own run and queue time where the answer carries it (x-run-us,
+x-queue-us), which another version sharing the service cannot inflate, else the call's duration.
 No single caller decides: each call is recorded with its caller (plan.caller_key: the tenant,
 else the user's sticky key, else the connection), and a trip must also hold on the window without
 the caller who contributes most to it (leave-one-out): without the caller with the most faults,
@@ -86,7 +87,7 @@ class BreakerPolicy:
     consecutive_faults: int = 5  # the fast path: faults in a row that trip whatever the window holds
     latency_multiple: float = 4.0  # a version judged by its own baseline (no stable to compare)
     latency_floor_s: float = 0.25  # ...whose p99 below this never trips, however small the baseline
-    # A canary judged against stable: its p99 (or median) over this multiple of stable's, and over
+    # A canary judged against stable: its median over this multiple of stable's median, and over
     # the floor, trips. Measured: docs/sidecar.md "Breaker defaults" (bench/breaker_defaults.py).
     canary_latency_multiple: float = 3.0
     canary_latency_floor_s: float = 0.002
@@ -447,14 +448,19 @@ class AdaptivePolicy:
         p = self.policy
         stable = reference.latencies() if reference is not None else None
         if stable is not None and min(len(stable), len(latencies)) >= p.min_calls:
-            # A canary, judged against stable over the same window: their p99s once both hold
-            # `latency_min_calls` timed calls, else their medians (a hiccup cannot move a median,
-            # a canary slow on most calls does: so a canary of little traffic is judged too).
-            many = min(len(stable), len(latencies)) >= p.latency_min_calls
-            stat, need = (p99, p.latency_min_calls) if many else (p50, p.min_calls)
-            limit = max(p.canary_latency_floor_s, p.canary_latency_multiple * stat(stable))
+            # A canary, judged against stable over the same window. Most of its calls: its median
+            # over `canary_latency_multiple` x stable's and `canary_latency_floor_s` (a few ms: the
+            # limit scales with stable); a hiccup cannot move a median, a canary slow on most
+            # calls does, from `min_calls` calls on. Its tail, once both hold `latency_min_calls`:
+            # its p99 over `latency_multiple` x stable's and `latency_floor_s`, as any version's
+            # (a fast model's p99 is the scheduler's hiccups: measured, docs/sidecar.md).
+            limit = max(p.canary_latency_floor_s, p.canary_latency_multiple * p50(stable))
             self.reference_limit = limit
-            return self._latency_trip(latencies, stat, need, limit, lone)
+            trip = self._latency_trip(latencies, p50, p.min_calls, limit, lone)
+            if trip is None and min(len(stable), len(latencies)) >= p.latency_min_calls:
+                tail = max(p.latency_floor_s, p.latency_multiple * p99(stable))
+                trip = self._latency_trip(latencies, p99, p.latency_min_calls, tail, lone)
+            return trip
         if len(latencies) < p.latency_min_calls:
             return None
         observed = p99(latencies)  # once: a walk over the histogram
