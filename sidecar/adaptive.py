@@ -89,8 +89,8 @@ class BreakerPolicy:
     latency_floor_s: float = 0.25  # ...whose p99 below this never trips, however small the baseline
     # A canary judged against stable: its median over this multiple of stable's median, and over
     # the floor, trips. Measured: docs/sidecar.md "Breaker defaults" (bench/breaker_defaults.py).
-    canary_latency_multiple: float = 3.0
-    canary_latency_floor_s: float = 0.002
+    canary_latency_multiple: float = 2.5
+    canary_latency_floor_s: float = 0.001
     latency_check_s: float = 0.1
     backoff_s: float = 1.0
     backoff_factor: float = 2.0

@@ -58,7 +58,7 @@ class RolloutSpec:
     max_error_excess: float = 0.02
     max_latency_ratio: float = 2.0
     latency_floor_s: float = 0.05
-    median_floor_s: float = 0.002
+    median_floor_s: float = 0.001
     min_agreement: float = 0.99
 
     def __post_init__(self) -> None:
