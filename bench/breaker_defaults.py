@@ -323,6 +323,7 @@ async def record(address: str, clients: int, seconds: float, shape_share: float,
                 started = time.perf_counter()
                 call = stub.Infer(requests[rows], timeout=60)
                 code = "OK"
+                trailing: Any
                 try:
                     await call
                     trailing = await call.trailing_metadata()
@@ -444,16 +445,16 @@ def live_tables(recordings: dict[str, dict[int, list[list[Call]]]]) -> list[str]
     for label, (signal, policy, replayed) in LIVE_POLICIES.items():
         cells = []
         for name, clients in columns:
-            runs = [replay(calls, signal, policy, replayed) for calls in recordings[name][clients]]
-            caught = [r for r in runs if r.tripped_s is not None]
+            judged = [replay(calls, signal, policy, replayed) for calls in recordings[name][clients]]
+            caught = [r for r in judged if r.tripped_s is not None]
             if name == "healthy":
-                cells.append(f"{len(caught)}/{len(runs)} false trips")
+                cells.append(f"{len(caught)}/{len(judged)} false trips")
             elif not caught:
-                cells.append(f"never (0/{len(runs)})")
+                cells.append(f"never (0/{len(judged)})")
             else:
                 trip_s = statistics.median(r.tripped_s or 0.0 for r in caught)
                 trip_calls = statistics.median(r.calls for r in caught)
-                cells.append(f"{len(caught)}/{len(runs)}, {trip_s:.2f} s ({trip_calls:.0f} calls)")
+                cells.append(f"{len(caught)}/{len(judged)}, {trip_s:.2f} s ({trip_calls:.0f} calls)")
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
     lines += [
         "",

@@ -114,6 +114,7 @@ def dropped_by_service(pushback_ms: str | None = "100") -> grpc.aio.AioRpcError:
         grpc.aio.Metadata(),
         grpc.aio.Metadata(*trailing),
         "no spare capacity for a shadow call",
+        None,
     )
 
 
@@ -126,6 +127,8 @@ def test_a_pushback_is_read_from_a_shadow_dropped_answer_only() -> None:
         grpc.StatusCode.RESOURCE_EXHAUSTED,
         grpc.aio.Metadata(),
         grpc.aio.Metadata(("x-error-reason", "queue_full"), ("grpc-retry-pushback-ms", "100")),
+        "queue full",
+        None,
     )
     assert pushback_s(busy) is None  # a real call's load shed is the canary's finding, not a drop
     assert pushback_s(RuntimeError("boom")) is None
@@ -161,7 +164,9 @@ async def test_a_shadow_the_service_dropped_counts_as_dropped_and_holds_its_targ
     assert sample("dropped") == 3
 
     async def failing_canary(request: bytes) -> bytes:
-        raise grpc.aio.AioRpcError(grpc.StatusCode.INTERNAL, grpc.aio.Metadata(), grpc.aio.Metadata())
+        raise grpc.aio.AioRpcError(
+            grpc.StatusCode.INTERNAL, grpc.aio.Metadata(), grpc.aio.Metadata(), "kernel failed", None
+        )
 
     assert shadows.mirror(policy, "m", INFER, b"", stable, failing_canary, ("1", "2"), target)
     await eventually(lambda: sample("failed") == 1, "the shadow failed")
