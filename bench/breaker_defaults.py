@@ -174,14 +174,15 @@ def _median_rule(multiple: float, floor_s: float) -> BreakerPolicy:
 LIVE_POLICIES: dict[str, tuple[str, BreakerPolicy, bool]] = {
     "before (duration, 4x, 0.25 s, no replay)": ("duration", _BEFORE, False),
     "duration, 2.5x, 1 ms": ("duration", _median_rule(2.5, 0.001), True),
-    "service, 4x, 0.25 s": ("service", _BEFORE, True),
-    "service, 4x, 1 ms": ("service", _median_rule(4.0, 0.001), True),
-    "service, 3x, 2 ms": ("service", _median_rule(3.0, 0.002), True),
-    "service, 3x, 1 ms": ("service", _median_rule(3.0, 0.001), True),
-    "service, 2.5x, 2 ms": ("service", _median_rule(2.5, 0.002), True),
-    "service, 2.5x, 1 ms (default)": ("service", BreakerPolicy(), True),
-    "service, 2.5x, 0.5 ms": ("service", _median_rule(2.5, 0.0005), True),
-    "service, 2x, 1 ms": ("service", _median_rule(2.0, 0.001), True),
+    "run + queue, 4x, 0.25 s": ("service", _BEFORE, True),
+    "run + queue, 3x, 2 ms": ("service", _median_rule(3.0, 0.002), True),
+    "run + queue, 2.5x, 1 ms": ("service", _median_rule(2.5, 0.001), True),
+    "run, 4x, 1 ms": ("run", _median_rule(4.0, 0.001), True),
+    "run, 3x, 2 ms": ("run", _median_rule(3.0, 0.002), True),
+    "run, 3x, 1 ms": ("run", _median_rule(3.0, 0.001), True),
+    "run, 2.5x, 1 ms": ("run", _median_rule(2.5, 0.001), True),
+    "run, 2x, 1 ms": ("run", _median_rule(2.0, 0.001), True),
+    "run, 2.5x, 0.5 ms": ("run", _median_rule(2.5, 0.0005), True),
 }
 # The sidecar that records: weight 50, breakers that never trip (the canary keeps its calls).
 RECORDING_ROUTES = {
@@ -206,6 +207,13 @@ class Call:
     code: str
     duration: float  # the call's, at the client
     service: float | None  # x-queue-us + x-run-us, seconds
+    run: float | None = None  # x-run-us alone
+
+    def latency(self, signal: str) -> float:
+        """The call's latency as `signal` reads it ("duration", "service", "run"), the duration
+        when the answer carried no timing."""
+        found = self.service if signal == "service" else self.run if signal == "run" else None
+        return found if found is not None else self.duration
 
 
 @dataclasses.dataclass
@@ -224,7 +232,7 @@ def replay(calls: Sequence[Call], signal: str, policy: BreakerPolicy, replayed: 
     first: float | None = None
     for call in calls:
         now[0] = call.at
-        latency = call.service if signal == "service" and call.service is not None else call.duration
+        latency = call.latency(signal)
         caller = hash(("peer", call.client))
         refused = call.fallback == "canary-fault"  # the canary refused it; stable answered
         if call.dye == "canary" or refused:
@@ -256,10 +264,11 @@ def replay(calls: Sequence[Call], signal: str, policy: BreakerPolicy, replayed: 
 GATE_ROWS: dict[str, tuple[str, float]] = {
     "before (duration, p99 only)": ("duration", 3600.0),
     "duration, median floor 1 ms": ("duration", 0.001),
-    "service, p99 only": ("service", 3600.0),
-    "service, median floor 2 ms": ("service", 0.002),
-    "service, median floor 1 ms (default)": ("service", 0.001),
-    "service, median floor 0.5 ms": ("service", 0.0005),
+    "run + queue, median floor 1 ms": ("service", 0.001),
+    "run, p99 only": ("run", 3600.0),
+    "run, median floor 2 ms": ("run", 0.002),
+    "run, median floor 1 ms": ("run", 0.001),
+    "run, median floor 0.5 ms": ("run", 0.0005),
 }
 
 
@@ -281,7 +290,7 @@ def gate_red(calls: Sequence[Call], signal: str, median_floor_s: float, tick_s: 
         now[0] = call.at
         if call.code != "OK" or call.fallback:
             continue
-        latency = call.service if signal == "service" and call.service is not None else call.duration
+        latency = call.latency(signal)
         outcomes.record(keys[call.version], False, latency)
         if call.at >= next_tick:
             next_tick += tick_s
@@ -331,9 +340,10 @@ async def record(address: str, clients: int, seconds: float, shape_share: float,
                     code, trailing = exc.code().name, exc.trailing_metadata()
                 ended = time.perf_counter()
                 md = {k: v for k, v in trailing or () if isinstance(v, str)}
-                service = None
+                service = run = None
                 if "x-run-us" in md:
-                    service = (int(md["x-run-us"]) + int(md.get("x-queue-us", "0"))) / 1e6
+                    run = int(md["x-run-us"]) / 1e6
+                    service = run + int(md.get("x-queue-us", "0")) / 1e6
                 calls.append(
                     Call(
                         ended - began,
@@ -344,12 +354,20 @@ async def record(address: str, clients: int, seconds: float, shape_share: float,
                         code,
                         ended - started,
                         service,
+                        run,
                     )
                 )
 
     await asyncio.gather(*(client(i) for i in range(clients)))
     calls.sort(key=lambda c: c.at)
     return calls
+
+
+def _busy(count: int) -> list[Any]:
+    """`count` processes that each keep a core busy (a loaded machine), stopped by the caller."""
+    import subprocess
+
+    return [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(count)]
 
 
 async def _until_dyed(address: str) -> None:
@@ -410,7 +428,13 @@ async def live_recordings(args: argparse.Namespace) -> dict[str, dict[int, list[
                 for clients in args.clients:
                     found[name][clients] = []
                     for run in range(args.runs):
-                        calls = await record(address, clients, args.live_seconds, share, run)
+                        busy = _busy(args.busy)
+                        try:
+                            calls = await record(address, clients, args.live_seconds, share, run)
+                        finally:
+                            for proc in busy:
+                                proc.kill()
+                                proc.wait()
                         found[name][clients].append(calls)
                         print(
                             f"recorded {name} at {clients} clients, run {run + 1}: {len(calls)} calls",
@@ -428,10 +452,10 @@ def _p50(values: list[float]) -> float:
 
 
 def _p50s(calls: list[Call], version: str, dye: str) -> str:
-    """The median service time and duration (ms) of the version's own good answers."""
+    """The median run, service time and duration (ms) of the version's own good answers."""
     chosen = [c for c in calls if c.version == version and c.dye == dye and not c.fallback and c.code == "OK"]
-    service = [c.service for c in chosen if c.service is not None]
-    return f"{_p50(service) * 1e3:.2f} / {_p50([c.duration for c in chosen]) * 1e3:.2f}"
+    medians = [_p50([c.latency(signal) for c in chosen]) * 1e3 for signal in ("run", "service", "duration")]
+    return " / ".join(f"{m:.2f}" for m in medians)
 
 
 def live_tables(recordings: dict[str, dict[int, list[list[Call]]]]) -> list[str]:
@@ -458,8 +482,8 @@ def live_tables(recordings: dict[str, dict[int, list[list[Call]]]]) -> list[str]
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
     lines += [
         "",
-        "| canary, clients | calls per run | stable p50 ms (service / duration) "
-        "| canary p50 ms (service / duration) |",
+        "| canary, clients | calls per run | stable p50 ms (run / run + queue / duration) "
+        "| canary p50 ms (run / run + queue / duration) |",
         "|---|---|---|---|",
     ]
     for name, clients in columns:
@@ -495,6 +519,9 @@ def main() -> None:
     parser.add_argument("--live-seconds", type=float, default=8.0, help="--live: seconds per recording")
     parser.add_argument("--work", type=int, default=500, help="--live: stable's Loop iterations (~1 ms)")
     parser.add_argument("--shape-share", type=float, default=0.3, help="--live: calls with a batch of 2")
+    parser.add_argument(
+        "--busy", type=int, default=0, help="--live: processes keeping a core busy while recording"
+    )
     parser.add_argument(
         "--canaries", type=lambda text: text.split(","), default=list(LIVE_CANARIES), help="--live: which"
     )

@@ -24,8 +24,8 @@ is judged as any version's: a fast model's p99 is mostly the scheduler's hiccups
 from its first call is cut off (its own baseline would learn the slowness as normal), and a fault
 both versions see (a shared dependency) does not cut the canary off for a stable that fails as
 much. Without enough stable calls, a canary is judged by its own baseline. A latency is what the
-proxy reports: the service's own run and queue time where the answer carries it (x-run-us,
-x-queue-us), which another version sharing the service cannot inflate, else the call's duration.
+proxy reports: the service's own run time where the answer carries it (x-run-us), which another
+version sharing the service cannot inflate, else the call's duration.
 No single caller decides: each call is recorded with its caller (plan.caller_key: the tenant,
 else the user's sticky key, else the connection), and a trip must also hold on the window without
 the caller who contributes most to it (leave-one-out): without the caller with the most faults,

@@ -36,7 +36,7 @@ Request = bytes | AsyncIterator[bytes]  # one message, or the caller's stream of
 # for it when a stream's headers are empty. Streams that send their own headers pay nothing.
 TRAILERS_ONLY_WAIT_S = 0.1
 MESSAGE_MAX = 1024  # characters of an upstream's status message passed on (then `...`)
-_RUN_US, _QUEUE_US = headers.RUN_US, headers.QUEUE_US
+_RUN_US = headers.RUN_US
 # A reason for every error the client gets: an upstream or gRPC itself may answer without one
 # (an unreachable upstream, a transport limit); docs/api.md's reading of a reason-less status.
 _REASON_OF_CODE = {
@@ -74,23 +74,20 @@ def error_reason(trailing: Iterable[Any] | None) -> str:
     return ""
 
 
-def service_seconds(trailing: Iterable[Any] | None) -> float | None:
-    """The upstream's own measure of a unary answer, seconds: its run (x-run-us) and its wait from
-    admission to the run (x-queue-us: the version's own run slots and batcher; docs/api.md), or
-    None when the answer carries none (an older service, a fake) or an unreadable one."""
-    run = queue = None
+def run_seconds(trailing: Iterable[Any] | None) -> float | None:
+    """The upstream's own measure of a unary answer's run (x-run-us: its run on its thread, or its
+    batch's; docs/api.md), in seconds, or None when the answer carries none (an older service, a
+    fake) or an unreadable one. Another version in the same service cannot inflate it, as it
+    inflates the call's duration; its queue (x-queue-us) is left out: with callers spread over the
+    versions' own queues by chance, the queues' lengths swing apart (docs/sidecar.md)."""
     for key, value in trailing or ():
         if key == _RUN_US:
-            run = value
-        elif key == _QUEUE_US:
-            queue = value
-    if run is None:
-        return None
-    try:
-        micros = int(run) + (int(queue) if queue is not None else 0)
-    except (TypeError, ValueError):
-        return None
-    return micros / 1e6 if micros >= 0 else None
+            try:
+                micros = int(value)
+            except (TypeError, ValueError):
+                return None
+            return micros / 1e6 if micros >= 0 else None
+    return None
 
 
 def is_fault(code: grpc.StatusCode, trailing: Iterable[Any] | None) -> bool:

@@ -241,12 +241,12 @@ class Proxy(_Handler):
                     if client is not None:
                         client.end()
                 scope.code = grpc.StatusCode.OK  # this attempt answered, whatever an earlier one did
-                # A version's latency is the service's own measure of its run and its own queue
-                # (x-run-us, x-queue-us): what another version sharing the service cannot inflate,
-                # as it inflates the call's duration; the duration when the answer carries none.
+                # A version's latency is the service's own measure of its run (x-run-us): what
+                # another version sharing the service cannot inflate, as it inflates the call's
+                # duration; the duration when the answer carries none.
                 latency = None
                 if more is None:
-                    latency = forward.service_seconds(trailing)
+                    latency = forward.run_seconds(trailing)
                     if latency is None:
                         latency = time.perf_counter() - started
                 plan.report("OK", "", latency)

@@ -11,7 +11,7 @@ judged on the canary's calls made since the step began, against stable's:
   `median_floor_s`, a few milliseconds: the limit scales with stable), and its p99 at most
   `max_latency_ratio` times stable's (never red below `latency_floor_s`: a fast model's p99 is
   mostly the scheduler's hiccups, which must not fail a rollout). The latencies are the breakers'
-  (the service's own run and queue time where its answer carries them);
+  (the service's own run time where its answer carries it);
 - shadow: where shadowing is on, the share of mirrored rows (argmax) and greedy tokens that agree
   at least `min_agreement`.
 

@@ -9,7 +9,7 @@ sidecar in front of it (in this process, so that its spans and breakers can be r
 - a request that both versions refuse (a value outside the models' lookup table): the client's own
   fault, charged to neither version, even from a lone caller that sends nothing else;
 - a canary several times slower than stable from its first call (a CPU-heavy Loop) is cut off on
-  the service's own run and queue times, at 1 and at 16 clients; a healthy one (the same graph as
+  the service's own run times (x-run-us), at 1 and at 16 clients; a healthy one (the same graph as
   stable) under the same load is not.
 
 No timing is asserted: outcomes only (who answered, tripped or not), with generous deadlines.
@@ -272,7 +272,7 @@ async def test_a_request_both_versions_refuse_is_the_clients_fault_and_charged_t
         assert metric(registry, fallbacks, model="m", reason="canary-fault") is None
 
 
-# --- latency: judged on the service's own run and queue times -----------------------------------
+# --- latency: judged on the service's own run times -------------------------------------------
 
 
 async def _load(sidecar: Sidecar, clients: int, until: Any, calls_each: int) -> list[Answered]:
@@ -304,11 +304,7 @@ async def test_a_canary_several_times_slower_from_its_start_is_cut_off(
         opened = lambda: breaker_state(sidecar, "m", "2") == {"open"}  # noqa: E731
         answers = await _load(sidecar, clients, opened, calls_each=max(100, 3000 // clients))
         assert opened(), snapshot(sidecar, "2")
-        found = snapshot(sidecar, "2")
-        assert found["reason"] == "latency"
-        # Judged against stable with a limit that scales with it, far under the fixed floor a
-        # version judged by its own baseline keeps (0.25 s): the canary is a few ms a call.
-        assert found["limit_s"] is not None and found["limit_s"] < DEFAULT.latency_floor_s / 10
+        assert snapshot(sidecar, "2")["reason"] == "latency"  # judged against stable's median
         assert {a.version for a in answers} <= {"1", "2"}
         async with grpc.aio.insecure_channel(sidecar.address) as channel:
             after = [await infer(channel, user=f"new-{i}") for i in range(20)]
