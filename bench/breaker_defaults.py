@@ -33,15 +33,18 @@ count. Model `m` (models/canary_models.py): v1 stable adds one after `--work` Lo
 - healthy: the same graph as stable (what must not be cut off).
 
 Each recording (per call: when, which client, the dye and version that answered, the fallback, the
-call's duration at the client and the service's x-queue-us + x-run-us) is then replayed through the
+call's duration at the client, the service's x-run-us and x-queue-us) is then replayed through the
 real breaker (the sidecar's Breakers, the recorded times as its clock) under each policy of
 LIVE_POLICIES: the judgement before this change (the call's duration, 4 x stable, a 0.25 s floor,
-a canary's model_rejected no fault), and the candidates (the service's time or the duration, the
-multiple, the floor). Printed per policy, canary and client count: caught (recordings in which the
-canary's breaker opened), the median seconds and canary calls from the canary's first call to the
-trip; for the healthy canary, false trips. And each canary's recorded medians (both signals).
+a canary's model_rejected no fault), and the candidates (the latency read as x-run-us, x-run-us +
+x-queue-us or the duration; the median rule's multiple and floor). `--busy N` keeps N more cores
+busy while recording (a loaded machine). Printed per policy, canary and client count: caught
+(recordings in which the canary's breaker opened), the median seconds and canary calls from the
+canary's first call to the trip; for the healthy canary, false trips. Then each canary's recorded
+medians (every signal), and the rollout's latency gate on the same recordings.
 
     .venv/bin/python -m bench.breaker_defaults --live [--runs 5] [--live-seconds 8] [--work 500]
+        [--busy 0] [--save FILE] [--load FILE]
 """
 
 from __future__ import annotations
