@@ -272,6 +272,46 @@ async def test_a_request_both_versions_refuse_is_the_clients_fault_and_charged_t
         assert metric(registry, fallbacks, model="m", reason="canary-fault") is None
 
 
+async def test_a_stream_the_canary_refuses_before_its_first_message_is_replayed_on_stable(
+    shape_bug: ServiceProcess, tmp_path: Path
+) -> None:
+    """InferStream of 4 rows (chunks of 2): the canary refuses it before its first message, stable
+    streams the answer, the canary is charged; values both refuse: charged to neither."""
+    async with (
+        sidecar_for(shape_bug, tmp_path, config=routes(tmp_path)) as sidecar,
+        grpc.aio.insecure_channel(sidecar.address) as channel,
+    ):
+        stub = pb_grpc.InferenceServiceStub(channel)
+
+        async def stream(value: float) -> tuple[list[pb.InferStreamResponse], dict[str, str], str]:
+            x = np.full((4, FEATURES), value, np.float32)
+            request = pb.InferStreamRequest(model_name="m", inputs=[to_tensor("INPUT0", x)], chunk_size=2)
+            call = stub.InferStream(request, metadata=[CANARY], timeout=60)
+            chunks: list[pb.InferStreamResponse] = []
+            try:
+                chunks = [chunk async for chunk in call]
+            except grpc.aio.AioRpcError as error:
+                trailing = error.trailing_metadata() or ()
+                return chunks, {k: v for k, v in trailing if isinstance(v, str)}, "error"
+            initial = {k: v for k, v in await call.initial_metadata() or () if isinstance(v, str)}
+            return chunks, initial, "ok"
+
+        chunks, md, ended = await stream(1.0)
+        assert ended == "ok" and chunks and {c.model_version for c in chunks} == {"1"}
+        rows = [row for c in chunks for row in to_array(c.outputs[0]).tolist()]
+        assert rows == [[2.0] * FEATURES] * 4
+        assert (md["x-model-dye"], md["x-dye-fallback"]) == ("stable", "canary-fault")
+        assert snapshot(sidecar, "2")["window_faults"] == 1
+        chunks, md, ended = await stream(100.0)
+        assert (ended, chunks, md["x-error-reason"], md["x-dye-fallback"]) == (
+            "error",
+            [],
+            "model_rejected",
+            "replayed",
+        )
+        assert snapshot(sidecar, "2")["window_faults"] == 1  # the request's fault: not charged
+
+
 # --- latency: judged on the service's own run times -------------------------------------------
 
 
