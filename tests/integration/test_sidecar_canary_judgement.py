@@ -291,7 +291,7 @@ async def test_a_stream_the_canary_refuses_before_its_first_message_is_replayed_
             try:
                 chunks = [chunk async for chunk in call]
             except grpc.aio.AioRpcError as error:
-                trailing = error.trailing_metadata() or ()
+                trailing: Any = error.trailing_metadata() or ()
                 return chunks, {k: v for k, v in trailing if isinstance(v, str)}, "error"
             initial = {k: v for k, v in await call.initial_metadata() or () if isinstance(v, str)}
             return chunks, initial, "ok"

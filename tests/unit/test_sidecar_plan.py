@@ -329,7 +329,7 @@ def test_a_canary_refusal_is_replayed_on_stable_and_charged_only_when_stable_ans
     assert replay is not None and replay.replay_of is plan and not plan.reported  # its verdict waits
     assert replay.answer_metadata == (("x-model-dye", STABLE), ("x-dye-fallback", FALLBACK_CANARY_FAULT))
     replay.report("OK", "", 0.001)
-    assert plan.reported and plan.charged and replay.replay_of is None
+    assert (plan.reported, plan.charged, replay.replay_of) == (True, True, None)
     assert (len(canary_window), canary_window.faults) == (1, 1)
 
     # Stable refuses it too: the request's fault, charged to neither, and the answer says so.
@@ -352,7 +352,7 @@ def test_a_canary_refusal_is_replayed_on_stable_and_charged_only_when_stable_ans
     assert shape(again) == ("b", "1", STABLE, FALLBACK_CANARY_FAULT, False)
     assert again is not None and again.replay_of is plan and not plan.reported
     again.report("CANCELLED", "", None, gone=True)  # the caller left: no verdict on the canary
-    assert plan.reported and not plan.charged and again.fallback == FALLBACK_REPLAYED
+    assert (plan.reported, plan.charged, again.fallback) == (True, False, FALLBACK_REPLAYED)
 
 
 def test_a_refusal_of_stable_or_a_pinned_version_is_the_answer() -> None:
