@@ -16,12 +16,16 @@ on `consecutive_faults` faults in a row (the fast path: a dead upstream is cut o
 calls, not once its earlier successes have aged out of the window).
 A canary is judged against stable (`Reference`: the stable version's calls over the same window,
 given by breakers.py for canary-dyed calls): its fault share must reach `canary_error_rate`
-*above* stable's, and its p99 must exceed `latency_multiple` x stable's p99 over the window (and
-the floor); while either has fewer than `latency_min_calls` timed calls (but `min_calls`), their
-medians are compared instead. So a canary slow from its first call is cut off (its own baseline
-would learn the slowness as normal), and a fault both versions see (a shared dependency) does not
-cut the canary off for a stable that fails as much. Without enough stable calls, a canary is
-judged by its own baseline.
+*above* stable's; it trips on latency when its median exceeds `canary_latency_multiple` x stable's
+median over the window (and `canary_latency_floor_s`, a few milliseconds: the limit scales with
+stable, not with a fixed floor), once both hold `min_calls` timed calls, or when its p99 exceeds
+`latency_multiple` x stable's p99 and `latency_floor_s` once both hold `latency_min_calls` (a tail
+is judged as any version's: a fast model's p99 is mostly the scheduler's hiccups). So a canary slow
+from its first call is cut off (its own baseline would learn the slowness as normal), and a fault
+both versions see (a shared dependency) does not cut the canary off for a stable that fails as
+much. Without enough stable calls, a canary is judged by its own baseline. A latency is what the
+proxy reports: the service's own run time where the answer carries it (x-run-us), which another
+version sharing the service cannot inflate, else the call's duration.
 No single caller decides: each call is recorded with its caller (plan.caller_key: the tenant,
 else the user's sticky key, else the connection), and a trip must also hold on the window without
 the caller who contributes most to it (leave-one-out): without the caller with the most faults,
@@ -81,8 +85,12 @@ class BreakerPolicy:
     error_rate: float = 0.5  # a version without fallback: its trip refuses calls, so only a heavy fault share
     canary_error_rate: float = 0.2  # over stable's share; measured: docs/sidecar.md "Breaker defaults"
     consecutive_faults: int = 5  # the fast path: faults in a row that trip whatever the window holds
-    latency_multiple: float = 4.0
-    latency_floor_s: float = 0.25  # a p99 below this never trips, however small the baseline
+    latency_multiple: float = 4.0  # a version judged by its own baseline (no stable to compare)
+    latency_floor_s: float = 0.25  # ...whose p99 below this never trips, however small the baseline
+    # A canary judged against stable: its median over this multiple of stable's median, and over
+    # the floor, trips. Measured: docs/sidecar.md "Breaker defaults" (bench/breaker_defaults.py).
+    canary_latency_multiple: float = 2.5
+    canary_latency_floor_s: float = 0.001
     latency_check_s: float = 0.1
     backoff_s: float = 1.0
     backoff_factor: float = 2.0
@@ -114,8 +122,12 @@ class BreakerPolicy:
             raise ValueError("probe_escape must be in (0, 1)")
         if not (0 < self.error_rate <= 1 and 0 < self.canary_error_rate <= 1):
             raise ValueError("error_rate and canary_error_rate must be in (0, 1]")
-        if self.latency_multiple <= 1 or self.backoff_factor < 1:
-            raise ValueError("latency_multiple must exceed 1 and backoff_factor be at least 1")
+        if self.latency_multiple <= 1 or self.canary_latency_multiple <= 1 or self.backoff_factor < 1:
+            raise ValueError(
+                "latency_multiple and canary_latency_multiple must exceed 1 and backoff_factor be at least 1"
+            )
+        if self.latency_floor_s < 0 or self.canary_latency_floor_s < 0:
+            raise ValueError("latency_floor_s and canary_latency_floor_s must not be negative")
         if not 0 < self.backoff_s <= self.backoff_max_s:
             raise ValueError("backoff_s must be positive and at most backoff_max_s")
 
@@ -436,14 +448,19 @@ class AdaptivePolicy:
         p = self.policy
         stable = reference.latencies() if reference is not None else None
         if stable is not None and min(len(stable), len(latencies)) >= p.min_calls:
-            # A canary, judged against stable over the same window: their p99s once both hold
-            # `latency_min_calls` timed calls, else their medians (a hiccup cannot move a median,
-            # a canary slow on most calls does: so a canary of little traffic is judged too).
-            many = min(len(stable), len(latencies)) >= p.latency_min_calls
-            stat, need = (p99, p.latency_min_calls) if many else (p50, p.min_calls)
-            limit = max(p.latency_floor_s, p.latency_multiple * stat(stable))
+            # A canary, judged against stable over the same window. Most of its calls: its median
+            # over `canary_latency_multiple` x stable's and `canary_latency_floor_s` (a few ms: the
+            # limit scales with stable); a hiccup cannot move a median, a canary slow on most
+            # calls does, from `min_calls` calls on. Its tail, once both hold `latency_min_calls`:
+            # its p99 over `latency_multiple` x stable's and `latency_floor_s`, as any version's
+            # (a fast model's p99 is the scheduler's hiccups: measured, docs/sidecar.md).
+            limit = max(p.canary_latency_floor_s, p.canary_latency_multiple * p50(stable))
             self.reference_limit = limit
-            return self._latency_trip(latencies, stat, need, limit, lone)
+            trip = self._latency_trip(latencies, p50, p.min_calls, limit, lone)
+            if trip is None and min(len(stable), len(latencies)) >= p.latency_min_calls:
+                tail = max(p.latency_floor_s, p.latency_multiple * p99(stable))
+                trip = self._latency_trip(latencies, p99, p.latency_min_calls, tail, lone)
+            return trip
         if len(latencies) < p.latency_min_calls:
             return None
         observed = p99(latencies)  # once: a walk over the histogram

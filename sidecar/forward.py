@@ -36,6 +36,7 @@ Request = bytes | AsyncIterator[bytes]  # one message, or the caller's stream of
 # for it when a stream's headers are empty. Streams that send their own headers pay nothing.
 TRAILERS_ONLY_WAIT_S = 0.1
 MESSAGE_MAX = 1024  # characters of an upstream's status message passed on (then `...`)
+_RUN_US = headers.RUN_US
 # A reason for every error the client gets: an upstream or gRPC itself may answer without one
 # (an unreachable upstream, a transport limit); docs/api.md's reading of a reason-less status.
 _REASON_OF_CODE = {
@@ -71,6 +72,22 @@ def error_reason(trailing: Iterable[Any] | None) -> str:
         if key == headers.ERROR_REASON:
             return value if isinstance(value, str) else value.decode()
     return ""
+
+
+def run_seconds(trailing: Iterable[Any] | None) -> float | None:
+    """The upstream's own measure of a unary answer's run (x-run-us: its run on its thread, or its
+    batch's; docs/api.md), in seconds, or None when the answer carries none (an older service, a
+    fake) or an unreadable one. Another version in the same service cannot inflate it, as it
+    inflates the call's duration; its queue (x-queue-us) is left out: with callers spread over the
+    versions' own queues by chance, the queues' lengths swing apart (docs/sidecar.md)."""
+    for key, value in trailing or ():
+        if key == _RUN_US:
+            try:
+                micros = int(value)
+            except (TypeError, ValueError):
+                return None
+            return micros / 1e6 if micros >= 0 else None
+    return None
 
 
 def is_fault(code: grpc.StatusCode, trailing: Iterable[Any] | None) -> bool:

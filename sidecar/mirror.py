@@ -30,23 +30,26 @@ class Mirror:
 
     def answered(self, path: str, plan: Plan, request: bytes, answer: bytes) -> None:
         """A unary call answered: mirror its request to the canary, if the route file asks."""
-        if plan.dye != STABLE or path not in METHODS:
-            return
+        if plan.dye != STABLE or plan.fallback or path not in METHODS:
+            return  # a canary-dyed call that stable answered: the canary has just failed it
         policy = self._routes.table.shadow
         if policy.share <= 0 or not self._shadows.wants(policy) or (target := self._target(plan)) is None:
             return
         canary, upstream, md = target
+        held = (upstream.address, plan.model, canary)  # what a shadow_dropped's pushback holds
+        if self._shadows.held(held, plan.model):
+            return
         method = upstream.method(path, "unary_unary")
 
         async def send(message: bytes) -> bytes:
             answer: bytes = await method(with_version(message, canary), metadata=md, timeout=30)
             return answer
 
-        self._shadows.mirror(policy, plan.model, path, request, answer, send, (plan.version, canary))
+        self._shadows.mirror(policy, plan.model, path, request, answer, send, (plan.version, canary), held)
 
     def tokens(self, path: str, plan: Plan, request: bytes | None) -> list[int] | None:
         """A list to collect the stable stream's tokens in, when this Generate is mirrored."""
-        if path != GENERATE or plan.dye != STABLE or request is None:
+        if path != GENERATE or plan.dye != STABLE or plan.fallback or request is None:
             return None
         if not self._shadows.wants(self._routes.table.shadow) or not is_greedy(request):
             return None
@@ -57,6 +60,9 @@ class Mirror:
         if (target := self._target(plan)) is None:
             return
         canary, upstream, md = target
+        held = (upstream.address, plan.model, canary)
+        if self._shadows.held(held, plan.model):
+            return
         method = upstream.method(GENERATE, "unary_stream")
 
         async def send(message: bytes) -> list[int]:
@@ -66,7 +72,7 @@ class Mirror:
             return produced
 
         policy = self._routes.table.shadow
-        self._shadows.mirror_tokens(policy, plan.model, request, tokens, send, (plan.version, canary))
+        self._shadows.mirror_tokens(policy, plan.model, request, tokens, send, (plan.version, canary), held)
 
     def _target(self, plan: Plan) -> tuple[str, Upstream, planner.Metadata] | None:
         return planner.shadow_target(plan, self._routes.table, self._upstreams, self._breakers)

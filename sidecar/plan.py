@@ -11,7 +11,9 @@ scope's) -> `first` (an upstream whose breaker gives a permit; a canary falls ba
 none does; while every breaker of the canary is open, the route's weight is effectively 0:
 `effective_weight`) ->
 after a failed attempt, `after_failure` (its verdict to the breaker; another upstream for an
-unreachable one, stable for a canary fault, or None: the failure is the answer).
+unreachable one, stable for a canary fault, or None: the failure is the answer). A canary attempt
+the graph refused (`model_rejected`) is replayed on stable, and its verdict waits for the replay's:
+stable's answer makes it the canary's fault, stable's refusal the request's (no fault at all).
 """
 
 from __future__ import annotations
@@ -44,6 +46,9 @@ OTHER = "_other"  # the one metric label of every model or tenant the sidecar ho
 FALLBACK_BREAKER = "breaker-open"
 FALLBACK_UNAVAILABLE = "unavailable"
 FALLBACK_CANARY_FAULT = "canary-fault"
+# A canary's `model_rejected` replayed on stable that stable did not answer either (it refused the
+# request too, or the call ended first): the request's fault, charged to neither version.
+FALLBACK_REPLAYED = "replayed"
 # Request headers the sidecar sets itself (or that only make sense on one hop).
 _DROP = frozenset({headers.MODEL_VERSION, headers.MODEL_DYE, "user-agent", "te", "content-type"})
 # Status codes (by name) that count against an upstream when the answer carries no reason.
@@ -171,6 +176,10 @@ class Plan(Generic[U]):
     # What the client's response metadata gets from the sidecar (`answer_metadata` of the dye and
     # fallback), set with them by `first` and `_next`: a field, not a property (a call a call).
     answer_metadata: Metadata = ()
+    # A replay on stable of a canary attempt that the canary's graph refused (model_rejected): that
+    # attempt, whose verdict waits for this one's outcome (`report`: answered, the canary's fault).
+    replay_of: Plan[Any] | None = None
+    charged: bool = False  # a canary attempt a replay settled: whether it counted as a fault
 
     @property
     def known(self) -> bool:
@@ -195,7 +204,10 @@ class Plan(Generic[U]):
 
     def report(self, code: str, reason: str, latency: float | None, *, gone: bool = False) -> None:
         """The attempt's outcome to its breaker, once; `gone`: the caller cancelled (or the
-        sidecar is shutting down), so there is no verdict on the upstream."""
+        sidecar is shutting down), so there is no verdict on the upstream. A replay's outcome
+        settles the canary attempt it replayed (`replayed`)."""
+        if self.replay_of is not None:
+            self.replayed(code == "OK" and not gone)
         if self.reported or self.breaker is None or self.permit is None:
             return
         self.reported = True
@@ -211,6 +223,26 @@ class Plan(Generic[U]):
             has_fallback,
             self.stable if has_fallback else "",  # stable: a canary is judged against it
         )
+
+    def replayed(self, answered: bool) -> None:
+        """This replay on stable ended: `answered`, stable served what the canary's graph refused,
+        so the refusal was the canary's fault (charged: its breaker, the rollout's error gate);
+        else it was the request's, and neither version is charged (the answer says `replayed`)."""
+        canary, self.replay_of = self.replay_of, None
+        if canary is None:
+            return
+        canary.charged = answered
+        if not answered:
+            self.fallback = FALLBACK_REPLAYED
+            self.answer_metadata = answer_metadata(self.dye, FALLBACK_REPLAYED)
+        breaker, permit = canary.breaker, canary.permit
+        if canary.reported or breaker is None or permit is None:
+            return
+        canary.reported = True
+        if answered:  # a canary attempt, judged against stable as any (its latency: none, it failed)
+            breaker.report(permit, True, None, canary.caller, True, canary.stable)
+        else:
+            breaker.release(permit)  # no verdict on the canary
 
 
 Found = tuple[U, Breaker | None, Permit | None]
@@ -423,22 +455,40 @@ def after_failure(
     and the next attempt is returned (another upstream for an unreachable one, stable for a
     canary fault: a canary's faults count against its breaker, never against a user), or None
     when the failure is the answer. `tried` gathers the upstreams tried so far; `view`: the
-    model's view now (ModelViews.of)."""
+    model's view now (ModelViews.of).
+
+    A canary attempt its graph refused (`model_rejected`: the request passed every declared check
+    of the version) is replayed on stable, with its verdict held (`Plan.replay_of`): whose fault
+    it was, the canary's graph or the request's values, only stable's answer to the same request
+    tells (Plan.replayed). A replay that fails goes to another stable upstream only when
+    unreachable, its canary still waiting; otherwise the canary is charged nothing."""
+    if plan.dye == CANARY and plan.stable and reason == ErrorReason.MODEL_REJECTED:
+        found, _, _ = take(view, plan.stable, (), pool, breakers)
+        if found is not None:
+            tried.append(plan.upstream)
+            replay = _next(plan, plan.stable, STABLE, FALLBACK_CANARY_FAULT, found, _strip(plan.forward))
+            replay.replay_of = plan
+            return replay
+    pending, plan.replay_of = plan.replay_of, None  # a replay's canary waits for its last attempt
     plan.report(code, reason, latency)
     unreachable = is_unreachable(code, reason)
-    if not unreachable and not (plan.dye == CANARY and is_fault(code, reason)):
-        return None
-    tried.append(plan.upstream)
-    forward = _strip(plan.forward)
-    if unreachable:
-        found, _, _ = take(view, plan.version, tried, pool, breakers, fallback_to_any=False)
-        if found is not None:
-            return _next(plan, plan.version, plan.dye, plan.fallback, found, forward)
-    if plan.dye == CANARY and plan.stable:
-        found, _, _ = take(view, plan.stable, tried if unreachable else (), pool, breakers)
-        if found is not None:
-            reason = FALLBACK_UNAVAILABLE if unreachable else FALLBACK_CANARY_FAULT
-            return _next(plan, plan.stable, STABLE, reason, found, forward, fell_back=True)
+    if unreachable or (plan.dye == CANARY and is_fault(code, reason)):
+        tried.append(plan.upstream)
+        forward = _strip(plan.forward)
+        if unreachable:
+            found, _, _ = take(view, plan.version, tried, pool, breakers, fallback_to_any=False)
+            if found is not None:
+                retry = _next(plan, plan.version, plan.dye, plan.fallback, found, forward)
+                retry.replay_of = pending
+                return retry
+        if plan.dye == CANARY and plan.stable:
+            found, _, _ = take(view, plan.stable, tried if unreachable else (), pool, breakers)
+            if found is not None:
+                reason = FALLBACK_UNAVAILABLE if unreachable else FALLBACK_CANARY_FAULT
+                return _next(plan, plan.stable, STABLE, reason, found, forward, fell_back=True)
+    if pending is not None:
+        plan.replay_of = pending
+        plan.replayed(False)  # stable did not answer it either: the request's fault
     return None
 
 

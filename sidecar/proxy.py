@@ -223,7 +223,7 @@ class Proxy(_Handler):
                 except forward.Failed as failed:
                     scope.code = failed.code
                     if client is not None:
-                        self._tracing.failed(client, failed.code)
+                        self._tracing.failed(client, failed.code, failed.reason)
                     # The caller's own deadline (ours is the caller's) is no fault; its
                     # duration still tells how slow the upstream was.
                     timed_out = failed.code == grpc.StatusCode.DEADLINE_EXCEEDED and not failed.reason
@@ -241,7 +241,15 @@ class Proxy(_Handler):
                     if client is not None:
                         client.end()
                 scope.code = grpc.StatusCode.OK  # this attempt answered, whatever an earlier one did
-                plan.report("OK", "", None if more is not None else time.perf_counter() - started)
+                # A version's latency is the service's own measure of its run (x-run-us): what
+                # another version sharing the service cannot inflate, as it inflates the call's
+                # duration; the duration when the answer carries none.
+                latency = None
+                if more is None:
+                    latency = forward.run_seconds(trailing)
+                    if latency is None:
+                        latency = time.perf_counter() - started
+                plan.report("OK", "", latency)
                 if initial:  # the service's unary answers carry none (docs/api.md)
                     await context.send_initial_metadata(initial)
                 forward.answer(context, trailing, plan.answer_metadata)
@@ -285,7 +293,7 @@ class Proxy(_Handler):
                             retry = self._after_failure(plan, early, tried, None)
                             if retry is not None:
                                 if client is not None:
-                                    self._tracing.failed(client, early.code)
+                                    self._tracing.failed(client, early.code, early.reason)
                                 plan = retry
                                 continue
                         shadowed = self._mirror.tokens(info.path, plan, first)
@@ -299,7 +307,7 @@ class Proxy(_Handler):
                         scope.code = failed.code
                         plan.report(failed.code.name, failed.reason, None)
                         if client is not None:
-                            self._tracing.failed(client, failed.code)
+                            self._tracing.failed(client, failed.code, failed.reason)
                         await self._fail(scope, plan, failed, context)
                     finally:
                         if client is not None:

@@ -7,8 +7,11 @@ judged on the canary's calls made since the step began, against stable's:
 
 - errors: the canary's error rate (server faults, including those answered by stable's fallback)
   at most `max_error_excess` above stable's;
-- latency: the canary's p99 at most `max_latency_ratio` times stable's (never red below
-  `latency_floor_s`, so jitter on fast models does not fail a rollout);
+- latency: the canary's median at most `max_latency_ratio` times stable's (never red below
+  `median_floor_s`, a few milliseconds: the limit scales with stable), and its p99 at most
+  `max_latency_ratio` times stable's (never red below `latency_floor_s`: a fast model's p99 is
+  mostly the scheduler's hiccups, which must not fail a rollout). The latencies are the breakers'
+  (the service's own run time where its answer carries it);
 - shadow: where shadowing is on, the share of mirrored rows (argmax) and greedy tokens that agree
   at least `min_agreement`.
 
@@ -55,6 +58,7 @@ class RolloutSpec:
     max_error_excess: float = 0.02
     max_latency_ratio: float = 2.0
     latency_floor_s: float = 0.05
+    median_floor_s: float = 0.001
     min_agreement: float = 0.99
 
     def __post_init__(self) -> None:
@@ -75,6 +79,7 @@ class RolloutSpec:
             ("max_error_excess", 0.0, 1.0),
             ("max_latency_ratio", 0.0, MAX_LATENCY_RATIO),
             ("latency_floor_s", 0.0, MAX_LATENCY_FLOOR_S),
+            ("median_floor_s", 0.0, MAX_LATENCY_FLOOR_S),
             ("min_agreement", 0.0, 1.0),
         ):
             value = getattr(self, name)
@@ -97,6 +102,7 @@ class RolloutSpec:
             "max_error_excess": self.max_error_excess,
             "max_latency_ratio": self.max_latency_ratio,
             "latency_floor_s": self.latency_floor_s,
+            "median_floor_s": self.median_floor_s,
             "min_agreement": self.min_agreement,
         }
 
@@ -109,6 +115,7 @@ class Tally:
     faults: int = 0
     timed: int = 0  # calls with a latency (unary)
     p99_s: float | None = None
+    p50_s: float | None = None
 
     @property
     def error_rate(self) -> float:
@@ -148,9 +155,17 @@ def judge(spec: RolloutSpec, ev: Evidence) -> dict[str, Verdict]:
     elif stable.p99_s is None:
         verdicts["latency"] = Verdict(OFF, "stable has no timed calls to compare with")
     else:
-        limit = max(spec.latency_floor_s, stable.p99_s * spec.max_latency_ratio)
+        ratio = spec.max_latency_ratio
+        tail = canary.p99_s > max(spec.latency_floor_s, stable.p99_s * ratio)
+        most = (
+            canary.p50_s is not None
+            and stable.p50_s is not None
+            and canary.p50_s > max(spec.median_floor_s, stable.p50_s * ratio)
+        )
         detail = f"canary p99 {canary.p99_s * 1000:.1f} ms vs stable {stable.p99_s * 1000:.1f} ms"
-        verdicts["latency"] = Verdict(RED if canary.p99_s > limit else GREEN, detail)
+        if canary.p50_s is not None and stable.p50_s is not None:
+            detail += f", median {canary.p50_s * 1000:.1f} ms vs {stable.p50_s * 1000:.1f} ms"
+        verdicts["latency"] = Verdict(RED if tail or most else GREEN, detail)
     if not ev.shadowing:
         verdicts["shadow"] = Verdict(OFF)
     elif ev.compared < spec.judge_calls:

@@ -34,7 +34,14 @@ from typing import Any
 from urllib.parse import quote
 
 DEFAULT_URL = "http://127.0.0.1:9101"
-GATE_OPTIONS = ("judge_calls", "max_error_excess", "max_latency_ratio", "latency_floor_s", "min_agreement")
+GATE_OPTIONS = (
+    "judge_calls",
+    "max_error_excess",
+    "max_latency_ratio",
+    "latency_floor_s",
+    "median_floor_s",
+    "min_agreement",
+)
 
 
 def _finite(text: str) -> float:

@@ -84,7 +84,10 @@ class Outcomes:
             faults += o.fault
             if o.latency is not None:
                 latencies.append(o.latency)
-        return Tally(calls, faults, len(latencies), _p99(latencies))
+        p99 = _p99(latencies)  # sorts them
+        return Tally(
+            calls, faults, len(latencies), p99, latencies[(len(latencies) - 1) // 2] if latencies else None
+        )
 
     def watch(self, models: Iterable[str]) -> None:
         self.watched = frozenset(models)
@@ -95,6 +98,7 @@ class Outcomes:
 
 
 def _p99(values: list[float]) -> float | None:
+    """The nearest-rank p99 of `values`, sorted in place (the median is then the middle one)."""
     if not values:
         return None
     values.sort()

@@ -74,11 +74,17 @@ class BreakerDoc(_Keys):
         float, Meta(gt=0, le=1, description="share of failed canary calls, over stable's share, that trips")
     ] = _BREAKER.canary_error_rate
     latency_multiple: Annotated[
-        float, Meta(gt=1, description="a p99 this many times the baseline's trips")
+        float, Meta(gt=1, description="a p99 this many times the baseline (a canary's: stable's p99) trips")
     ] = _BREAKER.latency_multiple
     latency_floor_s: Annotated[
         float, Meta(ge=0, description="a p99 below this never trips, however small the baseline")
     ] = _BREAKER.latency_floor_s
+    canary_latency_multiple: Annotated[
+        float, Meta(gt=1, description="a canary's median this many times stable's median trips")
+    ] = _BREAKER.canary_latency_multiple
+    canary_latency_floor_s: Annotated[
+        float, Meta(ge=0, description="a canary's median below this never trips")
+    ] = _BREAKER.canary_latency_floor_s
     latency_check_s: Annotated[
         float, Meta(ge=0, description="seconds between latency checks; 0: every call")
     ] = _BREAKER.latency_check_s
@@ -161,11 +167,18 @@ class RolloutDoc(_Keys):
     ] = _ROLLOUT.max_error_excess
     max_latency_ratio: Annotated[
         float,
-        Meta(gt=0, le=MAX_LATENCY_RATIO, description="red when the canary's p99 exceeds stable's times this"),
+        Meta(
+            gt=0,
+            le=MAX_LATENCY_RATIO,
+            description="red when the canary's median or p99 exceeds stable's times this",
+        ),
     ] = _ROLLOUT.max_latency_ratio
     latency_floor_s: Annotated[
         float, Meta(ge=0, le=MAX_LATENCY_FLOOR_S, description="a canary p99 below this is never red")
     ] = _ROLLOUT.latency_floor_s
+    median_floor_s: Annotated[
+        float, Meta(ge=0, le=MAX_LATENCY_FLOOR_S, description="a canary median below this is never red")
+    ] = _ROLLOUT.median_floor_s
     min_agreement: Annotated[
         float, Meta(ge=0, le=1, description="red when shadow agreement (argmax rows, greedy tokens) is lower")
     ] = _ROLLOUT.min_agreement

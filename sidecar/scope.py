@@ -99,6 +99,7 @@ class Scope(Flight):
         "path",
         "plan",
         "reason",
+        "replayed",
         "span",
     )
 
@@ -112,6 +113,9 @@ class Scope(Flight):
         self.code = _OK
         self.reason = ""
         self.plan: Plan[Any] | None = None
+        # A canary attempt replayed on stable (plan.after_failure) and the code it failed with:
+        # counted once the replay settled whose fault it was (close).
+        self.replayed: tuple[Plan[Any], str] | None = None
         self.caller: int | None = None
         tracing = scopes.tracing
         self.span = tracing.server_span(path, md) if tracing.enabled else None  # no call untraced
@@ -149,9 +153,12 @@ class Scope(Flight):
         answered is still a canary fault in the metrics."""
         previous = self.plan
         if previous is not None:
-            self._scopes.metrics.attempted(
-                previous.label, version_label(previous), previous.dye, CODE_NAMES[self.code], True
-            )
+            if plan.replay_of is previous:  # a fault or not: the replay will tell (close)
+                self.replayed = (previous, CODE_NAMES[self.code])
+            else:
+                self._scopes.metrics.attempted(
+                    previous.label, version_label(previous), previous.dye, CODE_NAMES[self.code], True
+                )
             self.code, self.reason = grpc.StatusCode.OK, ""  # the new attempt's, from here on
         self.plan = plan
         calls.note_model(plan.model, plan.version)  # for its log lines and access line
@@ -191,6 +198,8 @@ class Scope(Flight):
         cancelled = code is _CANCELLED
         if plan is not None and not plan.reported:
             plan.report(name, "", None, gone=cancelled)
+        if self.replayed is not None and plan is not None:
+            self._settled(*self.replayed, plan)
         if self._tenant:
             scopes.limits.release(self._tenant)
         took = time.perf_counter() - self._started
@@ -203,6 +212,16 @@ class Scope(Flight):
         if version and plan.breaker is None:  # version_label, inline
             version = OTHER
         scopes.metrics.answered(self.path, plan.label, version, plan.dye, name, plan.fallback, took, fault)
+
+    def _settled(self, canary: Plan[Any], code: str, answer: Plan[Any]) -> None:
+        """The canary attempt a replay settled: a fault when stable answered it (`charged`), and
+        the call's fallback (`canary-fault`, or `replayed`: the request's fault), counted now."""
+        if answer.replay_of is not None:  # the call ended with its replay unsettled (no verdict)
+            answer.replayed(False)
+        metrics = self._scopes.metrics
+        metrics.attempted(canary.label, version_label(canary), canary.dye, code, canary.charged)
+        if answer.label != OTHER:
+            metrics.fallbacks.labels(answer.model, answer.fallback).inc()
 
 
 def version_label(plan: Plan[Any]) -> str:

@@ -5,7 +5,10 @@ in the mirrored call's trace (tracing on), naming the stable and canary versions
 its result as an event, and a debug log line. The client only ever gets the
 stable answer and never waits for the shadow: the mirror runs in the background after the answer
 has gone, and at most `max_in_flight` at once; beyond that a new shadow call is dropped
-(counted), so shadow load goes first under pressure.
+(counted), so shadow load goes first under pressure. The service drops a shadow too when it would
+delay a real call (RESOURCE_EXHAUSTED `shadow_dropped`, with `grpc-retry-pushback-ms`): counted as
+dropped, and no new shadow goes to that upstream and version until the pushback has passed
+(`held`), so a busy service is not sent a call per stable answer only to refuse it.
 
 Answers are decoded here (protobuf only, no numpy): only for mirrored calls, off the hot path.
 """
@@ -18,12 +21,15 @@ import contextlib
 import logging
 import random
 import sys
-from collections.abc import Awaitable, Callable, Coroutine, Sequence
+import time
+from collections.abc import Awaitable, Callable, Coroutine, Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 from google.protobuf.message import DecodeError
 
+from modelyard.common import headers
+from modelyard.common.reasons import ErrorReason
 from modelyard.inference.v1 import inference_service_pb2, tensor_pb2
 from modelyard.kserve.v2 import grpc_service_pb2
 from modelyard.sidecar.metrics import SidecarMetrics
@@ -35,6 +41,10 @@ GENERATE = "/modelyard.inference.v1.InferenceService/Generate"
 MODEL_INFER = "/inference.GRPCInferenceService/ModelInfer"
 METHODS = frozenset({INFER, MODEL_INFER})
 MAX_COMPARED = 1 << 20  # elements per output; beyond it only the first ones are compared
+# A service's shadow_dropped without a pushback of its own: how long to hold (its own is 100 ms);
+# and the longest pushback honoured (an upstream cannot stop the shadows for long by asking).
+DEFAULT_PUSHBACK_S = 0.1
+MAX_PUSHBACK_S = 10.0
 
 # KServe datatype names (our enum's names without DATA_TYPE_) -> array typecodes.
 _TYPECODES = {
@@ -168,6 +178,28 @@ Send = Callable[[bytes], Awaitable[bytes]]
 SendStream = Callable[[bytes], Awaitable[list[int]]]
 
 
+def pushback_s(exc: BaseException) -> float | None:
+    """How long the service asked the mirror to wait when it dropped a shadow (`shadow_dropped`:
+    it had no spare capacity), in seconds; None for any other failure. Read from a gRPC error by
+    its methods (grpc.aio.AioRpcError's): this module imports no transport (the planner imports
+    the route table, which imports this module)."""
+    trailing_metadata = getattr(exc, "trailing_metadata", None)
+    if trailing_metadata is None:
+        return None
+    trailing: Any = trailing_metadata() or ()
+    found = {key: value for key, value in trailing if isinstance(value, str)}
+    if found.get(headers.ERROR_REASON) != ErrorReason.SHADOW_DROPPED:
+        return None
+    try:
+        asked = int(found.get(headers.RETRY_PUSHBACK_MS, "")) / 1000
+    except ValueError:
+        return DEFAULT_PUSHBACK_S
+    return min(max(asked, 0.0), MAX_PUSHBACK_S)
+
+
+Target = Hashable  # where a shadow goes (upstream, model, version): what a pushback holds
+
+
 class Shadows:
     """Mirrors calls in the background, bounded; the proxy calls `mirror` once it has answered."""
 
@@ -176,14 +208,36 @@ class Shadows:
         metrics: SidecarMetrics,
         chance: Callable[[], float] = random.random,
         tracing: Traces | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._metrics = metrics
         self._chance = chance
         self._tracing: Traces = tracing if tracing is not None else _Untraced()
+        self._clock = clock
         self._in_flight: set[asyncio.Task[None]] = set()
+        # Targets whose service dropped a shadow, until when (its pushback); only the served
+        # versions' upstreams ever get here, and a held target leaves once its time has passed.
+        self._held: dict[Target, float] = {}
 
     def wants(self, policy: ShadowPolicy) -> bool:
         return policy.share > 0 and self._chance() * 100 < policy.share
+
+    def held(self, target: Target, model: str) -> bool:
+        """Whether a shadow to `target` waits out its service's pushback: if so it is dropped
+        (counted), never sent."""
+        until = self._held.get(target)
+        if until is None:
+            return False
+        if self._clock() >= until:
+            del self._held[target]
+            return False
+        self._metrics.shadow_calls.labels(model, "dropped").inc()
+        return True
+
+    def _hold(self, target: Target, seconds: float) -> None:
+        until = self._clock() + seconds
+        if until > self._held.get(target, 0.0):
+            self._held[target] = until
 
     def mirror(
         self,
@@ -194,11 +248,13 @@ class Shadows:
         stable: bytes,
         send: Send,
         versions: Versions = ("", ""),
+        target: Target = None,
     ) -> bool:
         """Send `request` to the canary in the background and compare its answer with `stable`,
         unless `max_in_flight` shadow calls are running; returns whether it started. `versions`:
-        (stable, canary), for the trace and the log."""
-        return self._start(policy, model, self._run(model, method, request, stable, send, versions))
+        (stable, canary), for the trace and the log; `target`: where it goes, held for the
+        service's pushback if it drops the shadow."""
+        return self._start(policy, model, self._run(model, method, request, stable, send, versions, target))
 
     def mirror_tokens(
         self,
@@ -208,9 +264,10 @@ class Shadows:
         stable: list[int],
         send: SendStream,
         versions: Versions = ("", ""),
+        target: Target = None,
     ) -> bool:
         """The same for a greedy Generate: the canary's tokens against the stable stream's."""
-        return self._start(policy, model, self._run_tokens(model, request, stable, send, versions))
+        return self._start(policy, model, self._run_tokens(model, request, stable, send, versions, target))
 
     def _start(self, policy: ShadowPolicy, model: str, work: Coroutine[Any, Any, None]) -> bool:
         if len(self._in_flight) >= policy.max_in_flight:
@@ -223,13 +280,19 @@ class Shadows:
         return True
 
     async def _run_tokens(
-        self, model: str, request: bytes, stable: list[int], send: SendStream, versions: Versions
+        self,
+        model: str,
+        request: bytes,
+        stable: list[int],
+        send: SendStream,
+        versions: Versions,
+        target: Target = None,
     ) -> None:
         with self._tracing.shadow(model, *versions, GENERATE) as span:
             try:
                 canary = await send(request)
             except Exception as exc:
-                self._failed(span, model, versions, exc)
+                self._failed(span, model, versions, exc, target)
                 return
             compared, agreeing = token_agreement(stable, canary)
             self._metrics.shadow_calls.labels(model, "compared").inc()
@@ -238,13 +301,20 @@ class Shadows:
             self._compared(span, model, versions, {"tokens": compared, "tokens_agreeing": agreeing})
 
     async def _run(
-        self, model: str, method: str, request: bytes, stable: bytes, send: Send, versions: Versions
+        self,
+        model: str,
+        method: str,
+        request: bytes,
+        stable: bytes,
+        send: Send,
+        versions: Versions,
+        target: Target = None,
     ) -> None:
         with self._tracing.shadow(model, *versions, method) as span:
             try:
                 answer = await send(request)
             except Exception as exc:  # the canary's failure is a finding, not an error of ours
-                self._failed(span, model, versions, exc)
+                self._failed(span, model, versions, exc, target)
                 return
             try:
                 result = compare(decode_outputs(method, stable), decode_outputs(method, answer))
@@ -259,7 +329,15 @@ class Shadows:
             found = {"rows": result.rows, "rows_agreeing": result.rows_agreeing}
             self._compared(span, model, versions, {**found, "max_abs_diff": result.max_abs_diff})
 
-    def _failed(self, span: Any, model: str, versions: Versions, exc: Exception) -> None:
+    def _failed(self, span: Any, model: str, versions: Versions, exc: Exception, target: Target) -> None:
+        wait_s = pushback_s(exc)
+        if wait_s is not None:  # the service had no spare capacity: dropped, not failed
+            if target is not None:
+                self._hold(target, wait_s)
+            self._metrics.shadow_calls.labels(model, "dropped").inc()
+            if span is not None:
+                span.add_event("dropped", {"pushback_ms": round(wait_s * 1000)})
+            return
         log.debug("shadow call on %s (stable %s, canary %s) failed: %s", model, *versions, exc)
         self._metrics.shadow_calls.labels(model, "failed").inc()
         if span is not None:

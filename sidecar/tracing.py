@@ -397,11 +397,14 @@ class Tracing:
             raise
 
     @staticmethod
-    def failed(client: Any, code: grpc.StatusCode) -> None:
-        """An attempt's client span (from `attempt`) failed with `code`."""
+    def failed(client: Any, code: grpc.StatusCode, reason: str = "") -> None:
+        """An attempt's client span (from `attempt`) failed with `code` (and the upstream's
+        x-error-reason: a canary's `model_rejected` replayed on stable says so)."""
         from opentelemetry.trace import Status, StatusCode
 
         client.set_attribute("rpc.grpc.status_code", code.value[0])
+        if reason:
+            client.set_attribute("modelyard.error_reason", reason)
         client.set_status(Status(StatusCode.ERROR, code.name))
 
     def _outgoing(self, plan: Plan[Any], context: Any, route: bool = True) -> Metadata:

@@ -68,7 +68,9 @@ def thirty_percent(i: int) -> bool:
 
 # --- judged against stable -------------------------------------------------------------------
 
-SLOW_POLICY = dataclasses.replace(DEFAULT, latency_min_calls=20, latency_check_s=0, latency_floor_s=0.1)
+SLOW_POLICY = dataclasses.replace(
+    DEFAULT, latency_min_calls=20, latency_check_s=0, canary_latency_floor_s=0.1
+)
 
 
 def test_a_canary_slow_from_its_first_call_is_cut_off_against_stable(clock: Clock) -> None:
@@ -81,7 +83,7 @@ def test_a_canary_slow_from_its_first_call_is_cut_off_against_stable(clock: Cloc
     # latency_min_calls of them, and one more: the p99 holds without the slowest caller too
     assert calls == SLOW_POLICY.latency_min_calls + 1
     assert state(canary) is State.OPEN and canary.adaptive.reason == "latency"
-    assert canary.adaptive.latency_limit() == pytest.approx(0.1)  # the floor: 4 x 20 ms is under it
+    assert canary.adaptive.latency_limit() == pytest.approx(0.1)  # the floor: 3 x 20 ms is under it
     # Judged against itself alone (no stable calls), the same canary learns 0.4 s as normal.
     _, _, alone = versions(Clock(), SLOW_POLICY)
     for i in range(60):
@@ -102,7 +104,11 @@ def test_a_slow_canary_of_little_traffic_is_judged_by_medians_at_the_defaults(cl
         calls += 1
     assert state(canary) is State.OPEN and canary.adaptive.reason == "latency"
     assert calls <= DEFAULT.min_calls + 1
-    assert canary.adaptive.latency_limit() == DEFAULT.latency_floor_s
+    # The limit scales with stable: a multiple of its median (20 ms, counted within +-1%), not the
+    # fixed floor of a version judged by its own baseline (latency_floor_s, 0.25 s).
+    limit = canary.adaptive.latency_limit()
+    assert limit == pytest.approx(DEFAULT.canary_latency_multiple * 0.02, rel=0.02)
+    assert limit is not None and limit < DEFAULT.latency_floor_s
 
 
 def test_the_floor_keeps_jitter_from_tripping_a_canary(clock: Clock) -> None:

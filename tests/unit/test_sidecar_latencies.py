@@ -1,10 +1,14 @@
-"""The breakers' latency histogram: percentiles within the stated bucket error, O(1) windows."""
+"""The breakers' latency histogram: percentiles within the stated bucket error, O(1) windows; and
+what a latency is (the service's x-run-us where the answer carries it)."""
 
 from __future__ import annotations
 
 import math
 import random
 
+import pytest
+
+from modelyard.sidecar import forward
 from modelyard.sidecar.adaptive import RATIO, BreakerPolicy, Latencies, Window, bucket_of, p50, p99
 
 ERROR = math.sqrt(RATIO) - 1  # docs/sidecar.md: a percentile within +-1% of its sample
@@ -64,3 +68,20 @@ def test_the_top_slow_caller_is_left_out() -> None:
     assert len(window.latencies) == 21  # the window's own is unchanged
     merged = Latencies.merged([window.latencies, others])
     assert len(merged) == 32 and merged.above(0.5) == 10 + 1 + 1
+
+
+@pytest.mark.parametrize(
+    ("trailing", "seconds"),
+    [
+        ((("x-served-version", "1"), ("x-queue-us", "9000"), ("x-run-us", "1500")), 0.0015),  # run only
+        ((("x-run-us", "0"),), 0.0),
+        ((("x-served-version", "1"),), None),  # an older service: the call's duration instead
+        (None, None),
+        ((("x-run-us", "soon"),), None),  # unreadable: the duration
+        ((("x-run-us", "-5"),), None),
+    ],
+)
+def test_a_latency_is_the_services_run_time_where_the_answer_carries_it(
+    trailing: tuple[tuple[str, str], ...] | None, seconds: float | None
+) -> None:
+    assert forward.run_seconds(trailing) == seconds

@@ -18,6 +18,7 @@ from modelyard.sidecar.limits import ANY_TENANT, TenantLimit
 from modelyard.sidecar.plan import (
     FALLBACK_BREAKER,
     FALLBACK_CANARY_FAULT,
+    FALLBACK_REPLAYED,
     FALLBACK_UNAVAILABLE,
     OTHER,
     Plan,
@@ -316,6 +317,51 @@ def test_after_a_failed_attempt(
         versions = [v for k, v in following.forward if k == "x-model-version"]
         dyes = [v for k, v in following.forward if k == "x-model-dye"]
         assert (versions, dyes) == ([following.version], [following.dye])
+
+
+def test_a_canary_refusal_is_replayed_on_stable_and_charged_only_when_stable_answers() -> None:
+    world = World(TWO_UPSTREAMS)
+    canary_window = world.breakers.get("a", "m", "2").adaptive.window
+    # Stable answers: the canary's graph was at fault, charged as a fault once the replay ended.
+    plan = world.first(CANARY_2)
+    replay = world.after(plan, "FAILED_PRECONDITION", "model_rejected")
+    assert shape(replay) == ("a", "1", STABLE, FALLBACK_CANARY_FAULT, False)  # counted once settled
+    assert replay is not None and replay.replay_of is plan and not plan.reported  # its verdict waits
+    assert replay.answer_metadata == (("x-model-dye", STABLE), ("x-dye-fallback", FALLBACK_CANARY_FAULT))
+    replay.report("OK", "", 0.001)
+    assert (plan.reported, plan.charged, replay.replay_of) == (True, True, None)
+    assert (len(canary_window), canary_window.faults) == (1, 1)
+
+    # Stable refuses it too: the request's fault, charged to neither, and the answer says so.
+    plan = world.first(CANARY_2)
+    replay = world.after(plan, "FAILED_PRECONDITION", "model_rejected")
+    assert replay is not None
+    assert world.after(replay, "FAILED_PRECONDITION", "model_rejected") is None
+    assert plan.reported and not plan.charged
+    assert (len(canary_window), canary_window.faults) == (1, 1)  # no verdict: nothing recorded
+    assert replay.fallback == FALLBACK_REPLAYED
+    assert replay.answer_metadata == (("x-model-dye", STABLE), ("x-dye-fallback", FALLBACK_REPLAYED))
+    stable_window = world.breakers.get("a", "m", "1").adaptive.window
+    assert (len(stable_window), stable_window.faults) == (2, 0)  # stable's refusal is no fault
+
+    # An unreachable stable: the replay goes to another, the canary still waiting for its verdict.
+    plan = world.first(CANARY_2)
+    replay = world.after(plan, "FAILED_PRECONDITION", "model_rejected")
+    assert replay is not None
+    again = world.after(replay, "UNAVAILABLE", "")
+    assert shape(again) == ("b", "1", STABLE, FALLBACK_CANARY_FAULT, False)
+    assert again is not None and again.replay_of is plan and not plan.reported
+    again.report("CANCELLED", "", None, gone=True)  # the caller left: no verdict on the canary
+    assert (plan.reported, plan.charged, again.fallback) == (True, False, FALLBACK_REPLAYED)
+
+
+def test_a_refusal_of_stable_or_a_pinned_version_is_the_answer() -> None:
+    world = World(TWO_VERSIONS)
+    for decision in (STABLE_1, PINNED_2):
+        plan = world.first(decision)
+        assert world.after(plan, "FAILED_PRECONDITION", "model_rejected") is None
+        window = world.breakers.get("a", "m", decision.version).adaptive.window
+        assert (len(window), window.faults) == (1, 0)
 
 
 def test_a_fallen_back_attempt_that_is_unreachable_keeps_its_fallback_and_is_not_counted_again() -> None:

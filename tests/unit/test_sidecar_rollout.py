@@ -140,9 +140,30 @@ def test_a_canary_that_starts_failing_at_step_3_is_rolled_back() -> None:
 def test_a_canary_slower_than_stable_is_rolled_back_but_jitter_is_not() -> None:
     h = Harness()
     rollout = h.driver.start("scaler", SPEC, "ops")
-    h.step(canary_latency=0.03)  # 3x a 10 ms stable, but under the 50 ms floor: green
-    assert rollout.step == 1
-    h.step(canary_latency=0.5)
+    # Jitter: a few calls 3x a 10 ms stable (the canary's p99, under the p99's 50 ms floor), its
+    # median stable's: green.
+    h.calls("1", 100)
+    h.calls("2", 57)
+    h.calls("2", 3, latency=0.03)
+    h.clock.now += 60
+    h.driver.tick()
+    assert rollout.step == 1 and rollout.gates["latency"].result == "green"
+    # Slower on most calls (1.5x): within max_latency_ratio, green.
+    h.step(canary_latency=0.015)
+    assert rollout.step == 2
+    # 3x on most calls: its median over 2x stable's (the floor, a few ms, scales with stable).
+    h.step(canary_latency=0.03)
+    assert rollout.state == FAILED and "median 30.0 ms vs 10.0 ms" in str(rollout.reason)
+
+
+def test_a_slow_tail_is_judged_on_p99s_over_their_own_floor() -> None:
+    h = Harness()
+    rollout = h.driver.start("scaler", SPEC, "ops")
+    h.calls("1", 100)
+    h.calls("2", 55)
+    h.calls("2", 5, latency=0.5)  # its median stable's, its p99 half a second
+    h.clock.now += 60
+    h.driver.tick()
     assert rollout.state == FAILED and "latency: canary p99 500.0 ms vs stable 10.0 ms" in str(rollout.reason)
 
 

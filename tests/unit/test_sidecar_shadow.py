@@ -1,5 +1,6 @@
 """Shadow comparison: output differences and argmax agreement from real response bytes; the
-bound on shadow calls in flight (extra ones are dropped, never queued)."""
+bound on shadow calls in flight (extra ones are dropped, never queued); a shadow the service
+dropped (shadow_dropped) counts as dropped and holds its target for the service's pushback."""
 
 from __future__ import annotations
 
@@ -7,21 +8,27 @@ import asyncio
 import math
 import struct
 
+import grpc
+
 from modelyard.inference.v1 import inference_service_pb2 as pb
 from modelyard.inference.v1 import tensor_pb2
 from modelyard.kserve.v2 import grpc_service_pb2 as kserve
 from modelyard.sidecar.metrics import SidecarMetrics
 from modelyard.sidecar.shadow import (
+    DEFAULT_PUSHBACK_S,
     INFER,
+    MAX_PUSHBACK_S,
     MODEL_INFER,
     ShadowPolicy,
     Shadows,
     compare,
     decode_outputs,
     is_greedy,
+    pushback_s,
     token_agreement,
     token_ids,
 )
+from tests.support import eventually
 
 
 def answer(rows: list[list[float]]) -> bytes:
@@ -95,3 +102,73 @@ def test_greedy_generations_compare_by_their_common_prefix() -> None:
     assert token_agreement([1, 2, 3, 4], [1, 2, 9, 4]) == (4, 2)  # after a difference, nothing counts
     assert token_agreement([1, 2], [1, 2, 3]) == (3, 2)
     assert token_agreement([], []) == (0, 0)
+
+
+def dropped_by_service(pushback_ms: str | None = "100") -> grpc.aio.AioRpcError:
+    """The service's answer to a shadow it had no spare capacity for (as runtime/capacity.py)."""
+    trailing = [("x-error-reason", "shadow_dropped")]
+    if pushback_ms is not None:
+        trailing.append(("grpc-retry-pushback-ms", pushback_ms))
+    return grpc.aio.AioRpcError(
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+        grpc.aio.Metadata(),
+        grpc.aio.Metadata(*trailing),
+        "no spare capacity for a shadow call",
+        None,
+    )
+
+
+def test_a_pushback_is_read_from_a_shadow_dropped_answer_only() -> None:
+    assert pushback_s(dropped_by_service("250")) == 0.25
+    assert pushback_s(dropped_by_service(None)) == DEFAULT_PUSHBACK_S
+    assert pushback_s(dropped_by_service("junk")) == DEFAULT_PUSHBACK_S
+    assert pushback_s(dropped_by_service("99999999")) == MAX_PUSHBACK_S  # no long silence on request
+    busy = grpc.aio.AioRpcError(
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+        grpc.aio.Metadata(),
+        grpc.aio.Metadata(("x-error-reason", "queue_full"), ("grpc-retry-pushback-ms", "100")),
+        "queue full",
+        None,
+    )
+    assert pushback_s(busy) is None  # a real call's load shed is the canary's finding, not a drop
+    assert pushback_s(RuntimeError("boom")) is None
+
+
+async def test_a_shadow_the_service_dropped_counts_as_dropped_and_holds_its_target() -> None:
+    metrics = SidecarMetrics()
+    now = [10.0]
+    shadows = Shadows(metrics, chance=lambda: 0.0, clock=lambda: now[0])
+    policy = ShadowPolicy(share=100, max_in_flight=4)
+    stable = answer([[1.0, 2.0]])
+    sent = []
+
+    async def busy_canary(request: bytes) -> bytes:
+        sent.append(request)
+        raise dropped_by_service("100")
+
+    def sample(outcome: str) -> float:
+        labels = {"model": "m", "outcome": outcome}
+        return metrics.registry.get_sample_value("modelyard_sidecar_shadow_calls_total", labels) or 0.0
+
+    target = ("127.0.0.1:1", "m", "2")
+    assert not shadows.held(target, "m")
+    assert shadows.mirror(policy, "m", INFER, b"", stable, busy_canary, ("1", "2"), target)
+    await eventually(lambda: sample("dropped") == 1, "the shadow answered")
+    assert (len(sent), sample("failed")) == (1, 0)
+    # Until the pushback has passed, no shadow goes to that target (each one counted as dropped).
+    assert shadows.held(target, "m") and shadows.held(target, "m")
+    assert not shadows.held(("127.0.0.1:1", "m", "3"), "m")  # another version is not held
+    assert sample("dropped") == 3
+    now[0] += 0.1
+    assert not shadows.held(target, "m")
+    assert sample("dropped") == 3
+
+    async def failing_canary(request: bytes) -> bytes:
+        raise grpc.aio.AioRpcError(
+            grpc.StatusCode.INTERNAL, grpc.aio.Metadata(), grpc.aio.Metadata(), "kernel failed", None
+        )
+
+    assert shadows.mirror(policy, "m", INFER, b"", stable, failing_canary, ("1", "2"), target)
+    await eventually(lambda: sample("failed") == 1, "the shadow failed")
+    assert not shadows.held(target, "m")  # a failure holds nothing
+    await shadows.close()
