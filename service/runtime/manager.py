@@ -12,11 +12,14 @@ read status and control models through the manager.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import logging
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractContextManager
 from pathlib import Path
 
+from modelyard.common.names import echo
+from modelyard.service.errors import ModelNotFound
 from modelyard.service.gpu_memory import DeviceMemory, read_nvml
 from modelyard.service.metrics import ServiceMetrics
 from modelyard.service.runtime.capacity import RunCapacity
@@ -31,6 +34,8 @@ from modelyard.service.runtime.status import ModelStatus, StatusBoard, Watcher
 from modelyard.service.runtime.table import Lease, ServedTable
 
 __all__ = ["LoadOverride", "ModelManager"]
+
+log = logging.getLogger(__name__)
 
 
 class ModelManager:
@@ -128,6 +133,20 @@ class ModelManager:
     async def load_all(self) -> None:
         """Load every model of the repository; a model that fails does not stop the others."""
         await self.reconciler.reconcile_all()
+        self.loaded_all = True
+
+    async def load_listed(self, names: Sequence[str]) -> None:
+        """Explicit mode's start, as Triton's `--load-model`: only the models named load (`*`:
+        every one); the repository's others are known, unloaded, until LoadModel loads them."""
+        if "*" in names:
+            await self.load_all()
+            return
+        await self.reconciler.hold_all_but(set(names))
+        for name in dict.fromkeys(names):  # in the order given, once each
+            try:
+                await self.reconciler.load(name)
+            except ModelNotFound:
+                log.error("--load-model %s: no model of that name in the repository", echo(name))
         self.loaded_all = True
 
     async def reconcile_all(self) -> None:

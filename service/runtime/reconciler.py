@@ -20,7 +20,7 @@ from pathlib import Path
 from types import MappingProxyType
 
 from modelyard.common.names import echo, name_problem
-from modelyard.service.errors import ModelLoadError, ModelNotFound
+from modelyard.service.errors import UNKNOWN_MODEL, ModelLoadError, ModelNotFound
 from modelyard.service.metrics import ServiceMetrics
 from modelyard.service.repository.config import ModelConfig, load_config
 from modelyard.service.repository.files import scrub
@@ -33,6 +33,9 @@ from modelyard.service.runtime.status import ModelStatus, StatusBoard, VersionSt
 from modelyard.service.runtime.table import ServedTable
 
 log = logging.getLogger(__name__)
+
+# Why a model of the repository does not serve in explicit mode before any load asked for it.
+NOT_LOADED = "not loaded: the service runs in explicit mode (--load-model, or a load request, loads it)"
 
 
 @dataclass(frozen=True)
@@ -86,6 +89,14 @@ class RepositoryReconciler:
         for name in sorted(set(names) | self._board.names()):
             await self.reconcile(name)
 
+    async def hold_all_but(self, names: set[str]) -> None:
+        """Explicit mode's start: the repository's models other than `names` are known and held
+        unloaded (listed in the index and by GetModel, not loaded) until an explicit load."""
+        found = await asyncio.get_running_loop().run_in_executor(self._io, scan_repository, self.repository)
+        for name in sorted(set(found) - names):
+            self._held.add(name)
+            self._set_model(name, reason=NOT_LOADED)
+
     async def load(self, name: str, override: LoadOverride | None = None) -> ModelStatus:
         """Explicit load (LoadModel, RepositoryModelLoad): serve what is on disk now, or with
         `override` what the request brings; a later load without one goes back to the repository."""
@@ -101,7 +112,7 @@ class RepositoryReconciler:
             elif status.default_version is None and override is not None and override.upload is not None:
                 await self._drop_failed_upload(name)
         if status is None:
-            raise ModelNotFound(f"model {echo(name)} is not in the repository")
+            raise ModelNotFound(UNKNOWN_MODEL.format(echo(name)))
         return status
 
     async def reconcile(self, name: str) -> ModelStatus | None:

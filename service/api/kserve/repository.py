@@ -7,9 +7,12 @@ from __future__ import annotations
 from modelyard.kserve.v2 import grpc_service_pb2 as pb
 from modelyard.service.api.kserve.triton_config import load_parameters
 from modelyard.service.api.model_control import ModelControl
-from modelyard.service.errors import ModelLoadError
+from modelyard.service.api.names import quoted
+from modelyard.service.errors import ModelLoadError, ServiceError
 from modelyard.service.runtime.manager import ModelManager
 from modelyard.service.runtime.status import VersionState
+
+FAILED_TO_LOAD = "failed to load"
 
 # Triton reports a model's state with these words in its repository index.
 _INDEX_STATE = {
@@ -41,12 +44,18 @@ def index(manager: ModelManager, request: pb.RepositoryIndexRequest) -> pb.Repos
 async def load(
     control: ModelControl, request: pb.RepositoryModelLoadRequest
 ) -> pb.RepositoryModelLoadResponse:
-    status = await control.load(
-        request.model_name, "model_name", lambda: load_parameters(request.model_name, request.parameters)
-    )
+    name = request.model_name
+    try:
+        status = await control.load(name, "model_name", lambda: load_parameters(name, request.parameters))
+    except ServiceError as exc:
+        # Every refused load starts as Triton's does ("failed to load '<name>'"), which Triton's
+        # clients match; the error keeps its kind (and so its code and x-error-reason).
+        if not str(exc).startswith(FAILED_TO_LOAD):
+            exc.args = (f"{FAILED_TO_LOAD} {quoted(name)}: {exc}",)
+        raise
     if status.default_version is None:
         reasons = [status.reason] + [v.reason for v in status.versions.values() if v.reason]
-        raise ModelLoadError(f"failed to load {request.model_name!r}: {'; '.join(r for r in reasons if r)}")
+        raise ModelLoadError(f"{FAILED_TO_LOAD} {quoted(name)}: {'; '.join(r for r in reasons if r)}")
     return pb.RepositoryModelLoadResponse()
 
 

@@ -72,8 +72,10 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
         uploads: UploadSpace | None = None,  # where a load's files go; None: no limit
         # Who a call's caller is, for the shared-memory regions it owns (Authorizer.identity).
         identify: Callable[[Context], str] = lambda context: "",
+        server_name: str = "modelyard",  # ServerMetadata.name (--server-name; Triton's is "triton")
     ) -> None:
         self._identify = identify
+        self._server_name = server_name
         self._manager = manager
         self._control = ModelControl(manager, uploads)
         self._whole_service_ready = whole_service_ready
@@ -104,7 +106,7 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
     async def ServerMetadata(
         self, request: pb.ServerMetadataRequest, context: Context
     ) -> pb.ServerMetadataResponse:
-        return pb.ServerMetadataResponse(name="modelyard", version=__version__, extensions=EXTENSIONS)
+        return pb.ServerMetadataResponse(name=self._server_name, version=__version__, extensions=EXTENSIONS)
 
     async def ModelMetadata(
         self, request: pb.ModelMetadataRequest, context: Context
