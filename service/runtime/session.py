@@ -33,6 +33,7 @@ from modelyard.service.errors import (
     ModelRunError,
     RunMemoryExceeded,
     ServiceError,
+    Unsupported,
 )
 from modelyard.service.repository.config import ModelConfig, TensorConfig
 from modelyard.service.runtime import bf16
@@ -161,10 +162,15 @@ class ModelRunner:
             else:
                 arrays = self._session_run(output_names, ort_feeds, options)  # any sequence of str
         except UnicodeDecodeError:  # the binding decodes string outputs as UTF-8, strictly
-            raise ModelRunError(
+            message = (
                 "a BYTES output holds bytes that are not UTF-8, which ONNX Runtime's Python binding "
                 "cannot return"
-            ) from None
+            )
+            if any(a.dtype.kind == "S" for a in ort_feeds.values()):
+                # The request's own bytes that are not UTF-8 reached an output (an echo): a limit
+                # of this server with these values, not a fault of the model.
+                raise Unsupported(f"{message} (the request's BYTES that are not UTF-8 reached it)") from None
+            raise ModelRunError(message) from None
         except Exception:
             # A failed run may have grown the arena (up to its bound) before it failed. (Its own
             # failure is the answer, not one of the shrinking run.)
