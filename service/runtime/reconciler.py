@@ -26,6 +26,7 @@ from modelyard.service.repository.config import ModelConfig, load_config
 from modelyard.service.repository.files import scrub
 from modelyard.service.repository.scanner import fingerprint, scan_model, scan_repository
 from modelyard.service.repository.uploads import Upload
+from modelyard.service.repository.warmup_config import warmup_files
 from modelyard.service.runtime.loader import VersionLoader
 from modelyard.service.runtime.served import ServedModel, ServedVersion
 from modelyard.service.runtime.signature import Signature
@@ -203,10 +204,12 @@ class RepositoryReconciler:
         self._forget_unselected(name, selected)
 
         current = dict(served.versions) if (served := self._table.get(name)) else {}
-        # Label files count as part of each version: a changed (or newly added) one reloads it.
-        labels = [source.path / output.label_filename for output in config.outputs if output.label_filename]
+        # Label and warm-up files count as part of each version: a changed (or newly added) one
+        # reloads it.
+        beside = [source.path / output.label_filename for output in config.outputs if output.label_filename]
+        beside += warmup_files(source.path, config.model_warmup)
         fingerprints = await loop.run_in_executor(
-            None, lambda: {n: fingerprint(source.versions[n], labels) for n in selected}
+            None, lambda: {n: fingerprint(source.versions[n], beside) for n in selected}
         )
         kept: dict[int, ServedVersion] = {}
         loaded: dict[int, ServedVersion] = {}
@@ -307,12 +310,13 @@ class RepositoryReconciler:
         self._failed = {k: v for k, v in self._failed.items() if k[0] != name}
 
     def _version_ready(self, served: ServedVersion) -> VersionStatus:
-        degraded = served.runner.degraded
+        degraded, warmup = served.runner.degraded, served.runner.warmup_note
+        reasons = [f"degraded: {degraded}" if degraded else "", warmup]
         return VersionStatus(
             served.version,
             VersionState.READY,
             time.time(),
-            reason=f"degraded: {degraded}" if degraded else "",
+            reason="; ".join(r for r in reasons if r),
             signature=served.runner.signature,
             provider=served.runner.provider,
         )

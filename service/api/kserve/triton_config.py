@@ -38,8 +38,9 @@ _TOP = {
     "version_policy",
     "dynamic_batching",
     "instance_group",
+    "model_warmup",
 }
-_INPUT = {"name", "data_type", "dims"}
+_INPUT = {"name", "data_type", "dims", "format"}
 _OUTPUT = {"name", "data_type", "dims", "label_filename"}
 _BATCHING = {
     "preferred_batch_size",
@@ -116,6 +117,8 @@ def _to_document(config: config_pb.ModelConfig, model: str) -> dict[str, Any]:
         doc["dynamic_batching"] = _batching(config.dynamic_batching)
     if config.instance_group:
         doc["execution"] = _execution(config.instance_group)
+    if config.model_warmup:
+        doc["model_warmup"] = [_warmup(w, f"model_warmup[{i}]") for i, w in enumerate(config.model_warmup)]
     return doc
 
 
@@ -145,6 +148,8 @@ def _tensor(tensor: Any, allowed: set[str], where: str, batch: int) -> dict[str,
     }
     if getattr(tensor, "label_filename", ""):
         doc["label_filename"] = tensor.label_filename
+    if getattr(tensor, "format", 0):
+        doc["format"] = config_pb.ModelInput.Format.Name(tensor.format)
     return doc
 
 
@@ -190,6 +195,22 @@ def _queue_policy(policy: config_pb.ModelQueuePolicy, where: str) -> dict[str, A
         "default_timeout_us": policy.default_timeout_microseconds,
         "allow_timeout_override": policy.allow_timeout_override,
     }
+
+
+def _warmup(sample: config_pb.ModelWarmup, where: str) -> dict[str, Any]:
+    """A warm-up sample: the same keys in config.yaml, datatypes by their KServe names."""
+    inputs = {}
+    for name, item in sample.inputs.items():
+        at = f"{where}.inputs[{name}]"
+        entry: dict[str, Any] = {"datatype": _datatype(item.data_type, at), "dims": list(item.dims)}
+        choice = item.WhichOneof("input_data_type")
+        if choice == "input_data_file":
+            entry["input_data_file"] = item.input_data_file
+        elif choice is not None:
+            entry[choice] = True
+        inputs[name] = entry
+    # Triton's batch_size 0 skips the sample; config.yaml's default is 1, so it is always given.
+    return {"name": sample.name, "batch_size": sample.batch_size, "count": sample.count, "inputs": inputs}
 
 
 def _execution(groups: Any) -> dict[str, Any]:
@@ -243,13 +264,19 @@ def triton_config(served: ServedVersion) -> config_pb.ModelConfig:
     # Triton's dims leave out the batch dimension when the model batches.
     skip = 1 if signature.max_batch_size else 0
     labels = {t.name: t.label_filename for t in config.outputs}
+    formats = {t.name: config_pb.ModelInput.Format.Value(t.format) for t in config.inputs}
     triton = config_pb.ModelConfig(
         name=served.model,
         platform=PLATFORM,
         backend="onnxruntime",
         max_batch_size=signature.max_batch_size,
         input=[
-            config_pb.ModelInput(name=t.name, data_type=_triton_type(t.datatype), dims=t.shape[skip:])
+            config_pb.ModelInput(
+                name=t.name,
+                data_type=_triton_type(t.datatype),
+                dims=t.shape[skip:],
+                format=formats.get(t.name, config_pb.ModelInput.FORMAT_NONE),
+            )
             for t in signature.inputs
         ],
         output=[
@@ -263,6 +290,18 @@ def triton_config(served: ServedVersion) -> config_pb.ModelConfig:
         ],
         instance_group=[_instance_group(served)],
     )
+    for sample in config.model_warmup:
+        warmup = triton.model_warmup.add(name=sample.name, batch_size=sample.batch_size, count=sample.count)
+        for name, item in sample.inputs:
+            entry = warmup.inputs[name]
+            entry.data_type = _triton_type(item.datatype)
+            entry.dims.extend(item.dims)
+            if item.source == "file":
+                entry.input_data_file = item.file
+            elif item.source == "random":
+                entry.random_data = True
+            else:
+                entry.zero_data = True
     policy = config.version_policy
     if policy.kind == "latest":
         triton.version_policy.latest.num_versions = policy.latest
