@@ -40,6 +40,7 @@ from modelyard.service.batching.layer import BatchingLayer
 from modelyard.service.config import ENV_PREFIX, Settings
 from modelyard.service.cores import usable_cores
 from modelyard.service.dataplane import DataPlane
+from modelyard.service.ensembles import loader as ensembles
 from modelyard.service.generation.model import recognize_decoder
 from modelyard.service.generation.plane import GenerationPlane
 from modelyard.service.gpu_memory import GpuMemoryCollector
@@ -280,6 +281,8 @@ def build_service(
     batching = BatchingLayer(executor, metrics, clock)
     manager.on_load(batching.attach)
     dataplane = DataPlane(manager, executor, batching)
+    # Ensembles' versions run their steps through the data plane (the runtime knows none).
+    manager.add_platform(ensembles.PLATFORM, ensembles.EnsembleLoader(dataplane).load)
     generation = GenerationPlane(manager, executor, metrics)
     limits = [
         # Above the configured limit, which the handlers check so as to answer with a reason.

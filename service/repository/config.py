@@ -29,6 +29,7 @@ from modelyard.service.repository.config_file import (
 from modelyard.service.repository.config_file import (
     DEFAULT_MAX_WAITING as DEFAULT_MAX_WAITING,
 )
+from modelyard.service.repository.ensemble_config import EnsembleConfig, parse_ensemble
 from modelyard.service.repository.files import read_inside, shown
 from modelyard.service.repository.warmup_config import WarmupSample, parse_warmup
 from modelyard.service.scheduling.queue import AdmissionPolicy, QueuePolicy
@@ -190,6 +191,10 @@ class ModelConfig:
     # Triton's model_warmup: the samples a version runs before it serves (runtime/warmup.py);
     # () = synthetic inputs (zeros, empty strings), skipped where the model refuses them.
     model_warmup: tuple[WarmupSample, ...] = ()
+    # Triton's platform: onnxruntime_onnx (a version is model.onnx) or ensemble (`ensemble` says
+    # its steps; service/ensembles/ runs them).
+    platform: str = "onnxruntime_onnx"
+    ensemble: EnsembleConfig | None = None
 
 
 def load_config(model_dir: Path, root: Path | None = None) -> ModelConfig:
@@ -229,6 +234,7 @@ def parse_config(raw: object) -> ModelConfig:
     (config_file.ConfigDoc), then what no single key can say."""
     try:
         doc = load(raw, ConfigDoc, "config")
+        ensemble = _ensemble(doc)
         return ModelConfig(
             max_batch_size=doc.max_batch_size,
             version_policy=_version_policy(doc.version_policy),
@@ -242,9 +248,30 @@ def parse_config(raw: object) -> ModelConfig:
             generation=_generation(doc.generation),
             limits=LimitsConfig(doc.limits.max_elements, doc.limits.max_request_bytes),
             model_warmup=parse_warmup(doc.model_warmup),
+            platform=doc.platform,
+            ensemble=ensemble,
         )
     except DocumentError as exc:
         raise ConfigError(str(exc)) from None
+
+
+def _ensemble(doc: ConfigDoc) -> EnsembleConfig | None:
+    """An ensemble's steps (platform: ensemble), and the keys that only a model file's version
+    has refused beside them."""
+    if doc.platform != "ensemble":
+        if doc.ensemble_scheduling is not None:
+            raise DocumentError("ensemble_scheduling", "needs platform: ensemble")
+        return None
+    if doc.ensemble_scheduling is None:
+        raise DocumentError("platform", "ensemble needs ensemble_scheduling (its steps)")
+    if not doc.inputs or not doc.outputs:
+        raise DocumentError("platform", "an ensemble declares its inputs and outputs (it has no graph)")
+    for key in ("dynamic_batching", "model_warmup"):
+        if getattr(doc, key):
+            raise DocumentError(key, "not for an ensemble (its steps' models batch and warm up)")
+    return parse_ensemble(
+        doc.ensemble_scheduling, [t.name for t in doc.inputs], [t.name for t in doc.outputs]
+    )
 
 
 def _version_policy(doc: VersionPolicyDoc) -> VersionPolicy:

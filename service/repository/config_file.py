@@ -248,6 +248,27 @@ class WarmupDoc(_Keys):
     )
 
 
+# ensemble_scheduling (service/repository/ensemble_config.py): Triton's ensembles.
+class EnsembleStepDoc(_Keys):
+    model_name: Annotated[str, Meta(min_length=1, description="the model this step runs")]
+    model_version: Annotated[
+        int, Meta(ge=-1, description="the version it runs; -1: the newest served (pinned per request)")
+    ] = -1
+    input_map: Annotated[
+        dict[str, str], Meta(description="the step model's input name -> the ensemble tensor it is fed")
+    ] = msgspec.field(default_factory=dict)
+    output_map: Annotated[
+        dict[str, str], Meta(description="the step model's output name -> the ensemble tensor it makes")
+    ] = msgspec.field(default_factory=dict)
+
+
+class EnsembleSchedulingDoc(_Keys):
+    step: Annotated[
+        Annotated[list[EnsembleStepDoc], Meta(min_length=1)],
+        Meta(description="the steps; each runs once its inputs exist (a DAG of tensors)"),
+    ]
+
+
 class ConfigDoc(_Keys):
     """models/<name>/config.yaml."""
 
@@ -278,3 +299,10 @@ class ConfigDoc(_Keys):
         list[WarmupDoc],
         Meta(description="the samples a version runs before it serves (Triton's model_warmup)"),
     ] = msgspec.field(default_factory=list)
+    platform: Annotated[
+        Literal["onnxruntime_onnx", "ensemble"],
+        Meta(description="onnxruntime_onnx (versions hold model.onnx) or ensemble (steps of other models)"),
+    ] = "onnxruntime_onnx"
+    ensemble_scheduling: Annotated[
+        EnsembleSchedulingDoc | None, Meta(description="an ensemble's steps (platform: ensemble)")
+    ] = None

@@ -24,7 +24,7 @@ from modelyard.service.gpu_memory import DeviceMemory, read_nvml
 from modelyard.service.metrics import ServiceMetrics
 from modelyard.service.runtime.capacity import RunCapacity
 from modelyard.service.runtime.instances import Loader
-from modelyard.service.runtime.loader import LoadHook, VersionLoader
+from modelyard.service.runtime.loader import LoadHook, PlatformLoad, VersionLoader
 from modelyard.service.runtime.providers import ProviderChoice
 from modelyard.service.runtime.reconciler import LoadOverride, RepositoryReconciler
 from modelyard.service.runtime.runs import ActiveRuns
@@ -117,6 +117,11 @@ class ModelManager:
     def on_load(self, hook: LoadHook) -> None:
         """Call `hook` with every version that loads from now on, before it serves a request."""
         self.loader.on_load(hook)
+
+    def add_platform(self, platform: str, load: PlatformLoad) -> None:
+        """Load the versions of models of `platform` (config.yaml's platform, e.g. ensemble) with
+        `load` (the layer that runs them; the runtime knows none)."""
+        self.loader.add_platform(platform, load)
 
     @property
     def retiring(self) -> int:

@@ -87,7 +87,10 @@ class RepositoryReconciler:
                 name_problem(folder) or "not a model name",
             )
         self._skipped = skipped
-        for name in sorted(set(names) | self._board.names()):
+        # Folders that hold version folders but no model file (ensembles, most likely) go last,
+        # so that the models their steps run serve when they load.
+        last = {n for n, source in names.items() if source.folders and not source.versions}
+        for name in sorted(set(names) | self._board.names(), key=lambda n: (n in last, n)):
             await self.reconcile(name)
 
     async def hold_all_but(self, names: set[str]) -> None:
@@ -195,7 +198,9 @@ class RepositoryReconciler:
             return self._board.status(name)
         for problem in source.problems:
             log.error("model %s: %s", name, problem)
-        selected = config.version_policy.select(list(source.versions))
+        # An ensemble's versions are its (empty) version folders; a model's, those with a model file.
+        on_disk = source.folders if config.ensemble is not None else source.versions
+        selected = config.version_policy.select(list(on_disk))
         reason = "; ".join(source.problems)
         if not selected:
             reason = reason or f"no version folder with a {name}/<version>/model.onnx"
@@ -209,7 +214,7 @@ class RepositoryReconciler:
         beside = [source.path / output.label_filename for output in config.outputs if output.label_filename]
         beside += warmup_files(source.path, config.model_warmup)
         fingerprints = await loop.run_in_executor(
-            None, lambda: {n: fingerprint(source.versions[n], beside) for n in selected}
+            None, lambda: {n: fingerprint(on_disk[n], beside) for n in selected}
         )
         kept: dict[int, ServedVersion] = {}
         loaded: dict[int, ServedVersion] = {}
@@ -225,11 +230,11 @@ class RepositoryReconciler:
             # drain-first load may release that version).
             reference = (newest.version, newest.runner.signature) if newest else None
             version = await self._load_version(
-                name, number, source.versions[number], config, fingerprints[number], reference, current
+                name, number, on_disk[number], config, fingerprints[number], reference, current
             )
             if version is not None:
                 loaded[number] = version
-        self._publish(name, config, selected, kept, loaded, source.versions)
+        self._publish(name, config, selected, kept, loaded, on_disk)
         return self._board.status(name)
 
     async def _load_version(
@@ -310,7 +315,7 @@ class RepositoryReconciler:
         self._failed = {k: v for k, v in self._failed.items() if k[0] != name}
 
     def _version_ready(self, served: ServedVersion) -> VersionStatus:
-        degraded, warmup = served.runner.degraded, served.runner.warmup_note
+        degraded, warmup = served.runner.degraded, served.runner.load_note
         reasons = [f"degraded: {degraded}" if degraded else "", warmup]
         return VersionStatus(
             served.version,

@@ -133,8 +133,8 @@ class ModelRunner:
     degraded: str = ""
     # How runs on a device bind their tensors (iobinding.py); None: session.run (the CPU).
     binding: DeviceBinding | None = None
-    # Why the version loaded without a warm-up run ("" when it had one): its status says so.
-    warmup_note: str = ""
+    # What its status says beside READY (why it loaded without a warm-up run); "" for nothing.
+    load_note: str = ""
 
     @property
     def runs_inline(self) -> bool:
@@ -374,7 +374,7 @@ def load_runner(
     return dataclasses.replace(
         runner,
         warmup_run_s=warmup_run_s,
-        warmup_note=note,
+        load_note=note,
         sample_feeds=feeds,
         shrink_options=_shrink_options(runner.provider, config),
         device=f"cuda:{config.execution.device_id}" if runner.provider == CUDA else "cpu",

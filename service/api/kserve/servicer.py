@@ -30,7 +30,7 @@ from modelyard.service.api.kserve.tensors import (
     parameter_value,
     requested_outputs,
 )
-from modelyard.service.api.kserve.triton_config import PLATFORM, triton_config
+from modelyard.service.api.kserve.triton_config import triton_config
 from modelyard.service.api.metadata import call_fields
 from modelyard.service.api.model_control import ModelControl
 from modelyard.service.api.names import check_model, quoted
@@ -126,7 +126,7 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
             return pb.ModelMetadataResponse(
                 name=request.name,
                 versions=versions,
-                platform=PLATFORM,
+                platform=served.config.platform,  # onnxruntime_onnx, or ensemble
                 inputs=[_tensor_metadata(t) for t in signature.inputs],
                 outputs=[_tensor_metadata(t) for t in signature.outputs],
             )

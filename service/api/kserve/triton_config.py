@@ -26,6 +26,7 @@ from modelyard.service.runtime.served import ServedVersion
 from modelyard.service.scheduling.queue import QueuePolicy
 
 PLATFORM = "onnxruntime_onnx"
+ENSEMBLE = "ensemble"
 BACKEND = "onnxruntime"
 
 _TOP = {
@@ -39,6 +40,7 @@ _TOP = {
     "dynamic_batching",
     "instance_group",
     "model_warmup",
+    "ensemble_scheduling",
 }
 _INPUT = {"name", "data_type", "dims", "format"}
 _OUTPUT = {"name", "data_type", "dims", "label_filename"}
@@ -101,8 +103,10 @@ def _to_document(config: config_pb.ModelConfig, model: str) -> dict[str, Any]:
         raise InvalidInput(
             f"load parameter 'config': name {quoted(config.name)} is not the model {quoted(model)}"
         )
-    if config.platform and config.platform != PLATFORM:
-        raise InvalidInput(f"load parameter 'config': platform {quoted(config.platform)} (only {PLATFORM!r})")
+    if config.platform and config.platform not in (PLATFORM, ENSEMBLE):
+        raise InvalidInput(
+            f"load parameter 'config': platform {quoted(config.platform)} (only {PLATFORM!r} or {ENSEMBLE!r})"
+        )
     if config.backend and config.backend != BACKEND:
         raise InvalidInput(f"load parameter 'config': backend {quoted(config.backend)} (only {BACKEND!r})")
     batch = config.max_batch_size
@@ -117,6 +121,20 @@ def _to_document(config: config_pb.ModelConfig, model: str) -> dict[str, Any]:
         doc["dynamic_batching"] = _batching(config.dynamic_batching)
     if config.instance_group:
         doc["execution"] = _execution(config.instance_group)
+    if config.platform == ENSEMBLE:
+        doc["platform"] = ENSEMBLE
+    if config.HasField("ensemble_scheduling"):
+        doc["ensemble_scheduling"] = {
+            "step": [
+                {
+                    "model_name": step.model_name,
+                    "model_version": step.model_version,
+                    "input_map": dict(step.input_map),
+                    "output_map": dict(step.output_map),
+                }
+                for step in config.ensemble_scheduling.step
+            ]
+        }
     if config.model_warmup:
         doc["model_warmup"] = [_warmup(w, f"model_warmup[{i}]") for i, w in enumerate(config.model_warmup)]
     return doc
@@ -265,10 +283,11 @@ def triton_config(served: ServedVersion) -> config_pb.ModelConfig:
     skip = 1 if signature.max_batch_size else 0
     labels = {t.name: t.label_filename for t in config.outputs}
     formats = {t.name: config_pb.ModelInput.Format.Value(t.format) for t in config.inputs}
+    ensemble = config.ensemble
     triton = config_pb.ModelConfig(
         name=served.model,
-        platform=PLATFORM,
-        backend="onnxruntime",
+        platform=config.platform,
+        backend="" if ensemble is not None else BACKEND,  # an ensemble has none, as Triton's
         max_batch_size=signature.max_batch_size,
         input=[
             config_pb.ModelInput(
@@ -288,8 +307,16 @@ def triton_config(served: ServedVersion) -> config_pb.ModelConfig:
             )
             for t in signature.outputs
         ],
-        instance_group=[_instance_group(served)],
+        instance_group=[] if ensemble is not None else [_instance_group(served)],
     )
+    if ensemble is not None:
+        for step in ensemble.steps:
+            triton.ensemble_scheduling.step.add(
+                model_name=step.model,
+                model_version=step.version,
+                input_map=dict(step.inputs),
+                output_map=dict(step.outputs),
+            )
     for sample in config.model_warmup:
         warmup = triton.model_warmup.add(name=sample.name, batch_size=sample.batch_size, count=sample.count)
         for name, item in sample.inputs:
