@@ -66,6 +66,39 @@ def test_input_format_and_model_warmup_map_onto_ours() -> None:
         )
 
 
+def test_an_ensemble_maps_onto_ours() -> None:
+    text = json.dumps(
+        {
+            "platform": "ensemble",
+            "max_batch_size": 2,
+            "input": [{"name": "IN", "data_type": "TYPE_STRING", "dims": [1]}],
+            "output": [{"name": "OUT", "data_type": "TYPE_FP32", "dims": [4]}],
+            "ensemble_scheduling": {
+                "step": [
+                    {
+                        "model_name": "a",
+                        "model_version": -1,
+                        "input_map": {"x": "IN"},
+                        "output_map": {"y": "mid"},
+                    },
+                    {
+                        "model_name": "b",
+                        "model_version": 3,
+                        "input_map": {"x": "mid"},
+                        "output_map": {"y": "OUT"},
+                    },
+                ]
+            },
+        }
+    )
+    config = parse_triton_config(text, "e")
+    assert config.platform == "ensemble" and config.ensemble is not None
+    assert [(s.model, s.version, s.inputs, s.outputs) for s in config.ensemble.steps] == [
+        ("a", -1, (("x", "IN"),), (("y", "mid"),)),
+        ("b", 3, (("x", "mid"),), (("y", "OUT"),)),
+    ]
+
+
 def test_instance_group_maps_onto_instances_per_device() -> None:
     gpus = parse_triton_config('{"instance_group": [{"kind": "KIND_GPU", "count": 2, "gpus": [0, 1]}]}', "m")
     assert (gpus.execution.provider, gpus.execution.instances, gpus.execution.device_ids) == (
