@@ -10,6 +10,7 @@ configs, so that the example clients run unchanged against them.
   [-1, H, W, 3] scaled to [0, 1]; the first step of the ensemble `preprocess_inception_ensemble`
 - `image_classifier`: FP32 [-1, H, W, 3] (FORMAT_NHWC) -> FP32 [-1, CLASSES], a dense layer over
   the image's mean colour, for image_client.py; `labels` name its classes
+- `simple_int8`, `simple_identity` (BYTES), and `densenet_onnx`'s tensors for grpc_client.py
 
 ONNX Runtime has no image decoder (ai.onnx ImageDecoder has no kernel in 1.31), so the ensemble's
 images are PPM text, which ONNX's string ops can read; a PNG's bytes reach a model only as BYTES.
@@ -47,6 +48,54 @@ def simple() -> onnx.ModelProto:
         [_io("OUTPUT0", TensorProto.INT32, shape), _io("OUTPUT1", TensorProto.INT32, shape)],
     )
     return make_model(graph, "Triton's simple: sum and difference")
+
+
+def simple_int8() -> onnx.ModelProto:
+    """simple on INT8 (grpc_explicit_int8_content_client.py)."""
+    model = simple()
+    for value in (*model.graph.input, *model.graph.output):
+        value.type.tensor_type.elem_type = TensorProto.INT8
+    onnx.checker.check_model(model, full_check=True)
+    return model
+
+
+def simple_identity() -> onnx.ModelProto:
+    """INPUT0 BYTES [-1, -1] -> OUTPUT0, the same (simple_*_string_infer_client.py)."""
+    shape: list[Any] = ["batch", "n"]
+    graph = helper.make_graph(
+        [helper.make_node("Identity", ["INPUT0"], ["OUTPUT0"])],
+        "simple_identity",
+        [_io("INPUT0", TensorProto.STRING, shape)],
+        [_io("OUTPUT0", TensorProto.STRING, shape)],
+    )
+    return make_model(graph, "Triton's simple_identity")
+
+
+def densenet_stand_in() -> onnx.ModelProto:
+    """densenet_onnx's tensors (data_0 FP32 [3, 224, 224] -> fc6_1 FP32 [1000, 1, 1]), not its
+    network: grpc_client.py only sends and prints."""
+    nodes = [
+        helper.make_node("ReduceMean", ["data_0", "axes"], ["mean"], keepdims=1),  # [3, 1, 1]
+        helper.make_node("Tile", ["mean", "repeats"], ["tiled"]),  # [3000, 1, 1]
+        helper.make_node("Slice", ["tiled", "start", "end"], ["fc6_1"]),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "densenet_stand_in",
+        [_io("data_0", TensorProto.FLOAT, [3, 224, 224])],
+        [_io("fc6_1", TensorProto.FLOAT, [1000, 1, 1])],
+        initializer=[
+            numpy_helper.from_array(np.array([1, 2], np.int64), "axes"),
+            numpy_helper.from_array(np.array([1000, 1, 1], np.int64), "repeats"),
+            numpy_helper.from_array(np.array([0], np.int64), "start"),
+            numpy_helper.from_array(np.array([1000], np.int64), "end"),
+        ],
+    )
+    model = helper.make_model(
+        graph, ir_version=10, opset_imports=[helper.make_opsetid("", 18)], producer_name="tests.triton_models"
+    )
+    onnx.checker.check_model(model, full_check=True)
+    return model
 
 
 def simple_string() -> onnx.ModelProto:
@@ -238,3 +287,15 @@ def write_ensemble(root: Path, name: str, config: dict[str, Any], versions: tupl
     for version in versions:
         (folder / str(version)).mkdir(exist_ok=True)
     (folder / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
+
+
+def write_example_repository(root: Path) -> None:
+    """The eight models Triton's example clients (other than the sequence, decoupled and CUDA
+    ones) ask for; simple_model_control expects exactly eight in the repository. simple_string has
+    no model_warmup, as a Triton user's config would have none: it loads without a warm-up."""
+    write_model(root, "simple", 1, simple(), SIMPLE_CONFIG)
+    write_model(root, "simple_int8", 1, simple_int8(), {"max_batch_size": MAX_BATCH})
+    write_model(root, "simple_identity", 1, simple_identity(), {"max_batch_size": MAX_BATCH})
+    write_simple_string(root, warm_up=False)
+    write_model(root, "densenet_onnx", 1, densenet_stand_in())
+    write_image_models(root)
