@@ -342,8 +342,9 @@ def load_runner(
     note = ""
     # Triton's model_warmup: the config's samples, each run as many times as it says (a failure
     # fails the load, as Triton's); the first one also times the inline decision. Without them,
-    # synthetic inputs: a model that refuses them inside its graph (a string model casting "" to
-    # a number) loads without a warm-up, and says so, rather than fail for want of real inputs.
+    # synthetic inputs: a model whose kernel refuses their values (a string model casting "" to a
+    # number) loads without a warm-up, and says so, rather than fail for want of real inputs; one
+    # that refuses their shapes, or fails otherwise, fails the load as before.
     samples = _configured_samples(config, signature, model_file) if kind is None else []
     if samples:
         for name, sample_feed, runs in samples[1:]:
@@ -527,7 +528,7 @@ def _apply_config(
 
 
 class _SyntheticRefused(ModelLoadError):
-    """A kernel of the graph refused the synthetic warm-up inputs (their values, not the graph)."""
+    """A kernel of the graph refused the synthetic warm-up inputs' values (_refused_values)."""
 
     def __init__(self, message: str, why: str) -> None:
         super().__init__(message, "warmup")
@@ -562,10 +563,18 @@ def _warm_up(
     except Exception as exc:
         named = f" (model_warmup sample {sample!r})" if sample else ""
         message = f"{model_file}: warm-up run{named} failed: {_first_line(exc)}"
-        if synthetic and _KERNEL_FAILURE in str(exc):
+        if synthetic and _refused_values(exc):
             raise _SyntheticRefused(message, client_message(exc)) from None
         raise ModelLoadError(message, "warmup") from None
     return fastest
+
+
+def _refused_values(exc: BaseException) -> bool:
+    """Whether a warm-up run failed on its inputs' values: a kernel refused them (a Cast of "" to
+    a number), not their shapes (a Reshape that fits no input of that size is the graph's fault,
+    and fails the load as before) nor anything else (memory, a non-UTF-8 output)."""
+    text = str(exc)
+    return _KERNEL_FAILURE in text and not _REQUEST_MESSAGE.search(text)
 
 
 def _configured_samples(
