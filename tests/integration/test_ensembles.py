@@ -287,3 +287,23 @@ async def test_steps_that_do_not_fit_their_models_fail_the_load(service: Service
         await service.manager.reconcile(name)
         status = service.manager.status(name).versions[1]
         assert status.state == VersionState.FAILED and words in status.reason, status.reason
+
+
+async def test_unload_dependents_unloads_the_ensembles_of_a_model(service: Service, stub: Any) -> None:
+    unload = kpb.RepositoryModelUnloadRequest(model_name="simple")
+    unload.parameters["unload_dependents"].bool_param = True
+    await stub.RepositoryModelUnload(unload)
+    assert service.manager.served("simple") is None and service.manager.served("fan_out") is None
+    assert service.manager.served("a_chain") is not None  # it runs another model
+    # Without it (tritonclient sends false), the ensembles stay; their requests wait for the step.
+    await stub.RepositoryModelLoad(kpb.RepositoryModelLoadRequest(model_name="simple"))
+    await stub.RepositoryModelLoad(kpb.RepositoryModelLoadRequest(model_name="fan_out"))
+    plain = kpb.RepositoryModelUnloadRequest(model_name="scale")
+    plain.parameters["unload_dependents"].bool_param = False
+    await stub.RepositoryModelUnload(plain)
+    assert service.manager.served("a_chain") is not None
+    wrong = kpb.RepositoryModelUnloadRequest(model_name="scale")
+    wrong.parameters["unload_dependents"].string_param = "yes"
+    with pytest.raises(grpc.aio.AioRpcError) as refused:
+        await stub.RepositoryModelUnload(wrong)
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT

@@ -8,7 +8,7 @@ from modelyard.kserve.v2 import grpc_service_pb2 as pb
 from modelyard.service.api.kserve.triton_config import load_parameters
 from modelyard.service.api.model_control import ModelControl
 from modelyard.service.api.names import quoted
-from modelyard.service.errors import ModelLoadError, ServiceError
+from modelyard.service.errors import InvalidInput, ModelLoadError, ServiceError
 from modelyard.service.runtime.manager import ModelManager
 from modelyard.service.runtime.status import VersionState
 
@@ -62,5 +62,26 @@ async def load(
 async def unload(
     control: ModelControl, request: pb.RepositoryModelUnloadRequest
 ) -> pb.RepositoryModelUnloadResponse:
-    await control.unload(request.model_name, "model_name")
+    name = request.model_name
+    dependents = []
+    if "unload_dependents" in request.parameters:
+        flag = request.parameters["unload_dependents"]
+        if flag.WhichOneof("parameter_choice") != "bool_param":
+            raise InvalidInput("unload parameter 'unload_dependents' must be a bool")
+        if flag.bool_param:  # as Triton: the ensembles that run the model go with it
+            dependents = _ensembles_running(control.manager, name)
+    await control.unload(name, "model_name")
+    for dependent in dependents:
+        await control.unload(dependent, "model_name")
     return pb.RepositoryModelUnloadResponse()
+
+
+def _ensembles_running(manager: ModelManager, name: str) -> list[str]:
+    """The served ensembles with a step that runs `name`."""
+    found = []
+    for status in manager.statuses():
+        served = manager.served(status.name)
+        ensemble = served.config.ensemble if served is not None else None
+        if ensemble is not None and name in ensemble.models:
+            found.append(status.name)
+    return found
