@@ -25,7 +25,6 @@ import time
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 
@@ -145,13 +144,14 @@ def _step_error(exc: ServiceError, where: str) -> ServiceError:
     return named
 
 
-def _first(group: BaseExceptionGroup[Any]) -> BaseException:
+def _first(group: BaseExceptionGroup[BaseException]) -> BaseException:
     for exc in group.exceptions:
         if isinstance(exc, BaseExceptionGroup):
             return _first(exc)
         if not isinstance(exc, asyncio.CancelledError):
             return exc
-    return group.exceptions[0]
+    first: BaseException = group.exceptions[0]
+    return first
 
 
 class EnsembleSteps(Instances):

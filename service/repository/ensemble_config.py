@@ -77,8 +77,8 @@ def parse_ensemble(
                 tuple(step.output_map.items()),
             )
         )
-    for i, step in enumerate(steps):
-        for model_input, tensor in step.inputs:
+    for i, parsed in enumerate(steps):
+        for model_input, tensor in parsed.inputs:
             if tensor not in made and tensor not in inputs:
                 raise DocumentError(
                     f"ensemble_scheduling.step[{i}].input_map.{model_input}",

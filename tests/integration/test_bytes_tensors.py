@@ -92,7 +92,8 @@ async def test_non_utf8_that_reaches_a_string_output_is_unsupported(stub: Any, m
     # with these values (UNIMPLEMENTED, unsupported), not a fault of the model.
     assert caught.value.code() == grpc.StatusCode.UNIMPLEMENTED
     assert "not UTF-8" in (caught.value.details() or "")
-    assert dict(caught.value.trailing_metadata() or ())["x-error-reason"] == "unsupported"
+    metadata: Any = caught.value.trailing_metadata() or ()
+    assert dict(metadata)["x-error-reason"] == "unsupported"
     # The model still answers.
     ok = await stub.Infer(pb.InferRequest(model_name=model, inputs=[to_tensor("TEXT", objects(ROWS))]))
     assert to_array(ok.outputs[0]).tolist() == ROWS
@@ -114,10 +115,10 @@ async def test_a_batch_of_binary_and_nul_requests_answers_each(stub: Any) -> Non
     binary = objects([[b"\xff\xfe", b"\x89PNG\r\n"]])
     nul = objects([["é".encode(), b"a\x00b"]])
 
-    async def call(rows: np.ndarray) -> list[list[int]]:
+    async def call(rows: np.ndarray) -> Any:
         request = pb.InferRequest(model_name="lookup_batched", inputs=[to_tensor("TEXT", rows)])
         return to_array((await stub.Infer(request)).outputs[0]).tolist()
 
     for _ in range(5):
         answers = await asyncio.gather(call(binary), call(nul), call(binary), call(nul))
-        assert answers == [[[0, 2]], [[1, -1]]] * 2
+        assert list(answers) == [[[0, 2]], [[1, -1]]] * 2

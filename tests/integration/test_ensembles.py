@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import shutil
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
@@ -133,6 +133,15 @@ async def stub(service: Service) -> AsyncIterator[kgrpc.GRPCInferenceServiceStub
         yield kgrpc.GRPCInferenceServiceStub(channel)
 
 
+def serving(service: Service, version: int) -> Callable[[], bool]:
+    return lambda: service.manager.resolve("scale").version == version
+
+
+def reason(error: grpc.aio.AioRpcError) -> str:
+    metadata: Any = error.trailing_metadata() or ()
+    return str(dict(metadata)["x-error-reason"])
+
+
 def request(model: str, **inputs: np.ndarray) -> kpb.ModelInferRequest:
     req = kpb.ModelInferRequest(model_name=model)
     for name, array in inputs.items():
@@ -222,9 +231,7 @@ async def test_answers_under_swaps_are_each_of_one_version(
             staging = tmp_path / f"staging{version}"
             write_model(staging, "scale", version, demo_models.scaled_identity(FEATURES, scale))
             shutil.move(str(staging / "scale" / str(version)), str(root / "scale" / str(version)))
-            await eventually(
-                lambda v=version: service.manager.resolve("scale").version == v, f"version {version}"
-            )
+            await eventually(serving(service, version), f"version {version}")
         await asyncio.gather(*clients)
     # 2*2, 3*3 or 5*5: never one step on one version and the next on another (6, 10, 15).
     assert answers <= {4.0, 9.0, 25.0}, answers
@@ -238,7 +245,7 @@ async def test_a_step_whose_model_is_not_served_is_unavailable_naming_it(service
     with pytest.raises(grpc.aio.AioRpcError) as caught:
         await stub.ModelInfer(request("absent_chain", X=x))
     assert caught.value.code() == grpc.StatusCode.UNAVAILABLE
-    assert dict(caught.value.trailing_metadata())["x-error-reason"] == "draining"
+    assert reason(caught.value) == "draining"
     assert "ensemble absent_chain version 1: step 0 (model 'absent')" in (caught.value.details() or "")
     # A step model unloaded later: the same answer, until it is back.
     await stub.RepositoryModelUnload(kpb.RepositoryModelUnloadRequest(model_name="scale"))
@@ -257,7 +264,7 @@ async def test_a_failing_step_keeps_its_kind_and_names_the_step(stub: Any) -> No
     with pytest.raises(grpc.aio.AioRpcError) as caught:
         await stub.ModelInfer(request("picky_chain", X=np.ones((2, FEATURES), np.float32)))
     assert caught.value.code() == grpc.StatusCode.FAILED_PRECONDITION
-    assert dict(caught.value.trailing_metadata())["x-error-reason"] == "model_rejected"
+    assert reason(caught.value) == "model_rejected"
     assert (caught.value.details() or "").startswith(
         "ensemble picky_chain version 1: step 0 (model 'picky' version 1)"
     )

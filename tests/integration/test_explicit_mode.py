@@ -48,7 +48,7 @@ def served(service: Service) -> set[str]:
     return {s.name for s in service.manager.statuses() if s.default_version is not None}
 
 
-async def infer_scaler(stub: kgrpc.GRPCInferenceServiceStub) -> kpb.ModelInferResponse:
+async def infer_scaler(stub: Any) -> kpb.ModelInferResponse:
     request = kpb.ModelInferRequest(model_name="scaler")
     request.inputs.add(name="INPUT0", datatype="FP32", shape=[1, 16])
     request.raw_input_contents.append(np.ones((1, 16), np.float32).tobytes())
@@ -60,7 +60,7 @@ async def test_nothing_loads_at_start_but_every_model_is_listed(start: Any) -> N
     service = await start()
     assert served(service) == set()
     async with grpc.aio.insecure_channel(service.address) as channel:
-        stub = kgrpc.GRPCInferenceServiceStub(channel)
+        stub: Any = kgrpc.GRPCInferenceServiceStub(channel)
         # The server is ready (its start is done); no model is.
         assert (await stub.ServerReady(kpb.ServerReadyRequest())).ready
         assert not (await stub.ModelReady(kpb.ModelReadyRequest(name="scaler"))).ready

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -20,7 +21,7 @@ from tests.strings_model import byte_lookup, string_identity
 SAMPLES = [b"hello", b"", b"a\x00b", "é".encode(), b"\x00", b"x" * 1000]
 
 
-def objects(items: list[object]) -> np.ndarray:
+def objects(items: Sequence[object]) -> np.ndarray:
     array = np.empty(len(items), dtype=object)
     array[:] = items
     return array
