@@ -102,7 +102,7 @@ async def test_grpc_texts(stack: tuple[Service, Gateway]) -> None:
             "contents field must not be specified when using raw_input_contents for 'INPUT0' "
             "for model 'simple'"
         )
-        loads = (
+        loads: tuple[tuple[str, dict[str, str], grpc.StatusCode], ...] = (
             ("wrong_model_name", {}, grpc.StatusCode.NOT_FOUND),
             ("simple", {"config": '"max_batch_size": {{16}}'}, grpc.StatusCode.INVALID_ARGUMENT),
         )
