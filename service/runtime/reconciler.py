@@ -315,8 +315,8 @@ class RepositoryReconciler:
         self._failed = {k: v for k, v in self._failed.items() if k[0] != name}
 
     def _version_ready(self, served: ServedVersion) -> VersionStatus:
-        degraded, warmup = served.runner.degraded, served.runner.load_note
-        reasons = [f"degraded: {degraded}" if degraded else "", warmup]
+        degraded, note = served.runner.degraded, served.runner.load_note
+        reasons = [f"degraded: {degraded}" if degraded else "", note]
         return VersionStatus(
             served.version,
             VersionState.READY,
