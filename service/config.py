@@ -10,12 +10,19 @@ from typing import Annotated, Literal
 
 from msgspec import Meta
 
+from modelyard.common.names import echo, is_valid_name
 from modelyard.process import grpc_server, logs
 from modelyard.process.settings import LISTEN, LISTEN_OR_EMPTY
 from modelyard.process.settings import parse_settings as parse
 from modelyard.process.workers import worker_count as worker_count  # shared with the sidecar
 
 ENV_PREFIX = "MODELYARD_SERVICE_"
+
+
+def _model_names(values: tuple[str, ...]) -> None:
+    for value in values:
+        if value != "*" and not is_valid_name(value):
+            raise ValueError(f"{echo(value)} is not a model name (or * for every model)")
 
 
 def _seconds(text: str) -> Meta:
@@ -86,8 +93,19 @@ class Settings:
     ] = "1"
     control_mode: Annotated[
         Literal["watch", "explicit"],
-        Meta(description="watch (load changes on disk) or explicit (only LoadModel/UnloadModel)"),
+        Meta(
+            description="watch (load changes on disk) or explicit (load only the --load-model models at "
+            "start, then only LoadModel/UnloadModel)"
+        ),
     ] = "watch"
+    # As Triton's --load-model: explicit mode loads nothing at start but these (`*`: every model).
+    load_model: Annotated[
+        tuple[str, ...],
+        Meta(
+            description="explicit mode: a model to load at start (repeatable; * for every model)",
+            extra={"check": _model_names},
+        ),
+    ] = ()
     watch_method: Annotated[
         Literal["events", "poll"],
         Meta(description="events (inotify) or poll (file systems without change events)"),
@@ -132,6 +150,10 @@ class Settings:
     shm_max_bytes: Annotated[
         int, Meta(ge=0, description="bytes that registered system shared memory regions may span together")
     ] = 8 * 1024 * 1024 * 1024
+    # ServerMetadata.name: Triton's example clients check for "triton".
+    server_name: Annotated[
+        str, Meta(min_length=1, max_length=64, description="the server name ServerMetadata answers")
+    ] = "modelyard"
     log_level: logs.Level = "INFO"
     log_format: logs.Format = "text"
     # Off by default: a line per call costs a JSON encode and a write at every call's rate.

@@ -33,7 +33,7 @@ from modelyard.service.runtime.manager import ModelManager
 from modelyard.service.runtime.runs import RunTiming
 from modelyard.service.runtime.served import ServedVersion
 from modelyard.service.scheduling.queue import DEFAULT_SCHEDULING, Scheduling
-from modelyard.tensors import TensorError
+from modelyard.tensors import TensorError, name_of
 
 T = TypeVar("T")
 _result = tuple.__new__
@@ -273,6 +273,22 @@ class Call:
             # check_inputs refuses it (Triton's statistics count it so).
             served.stats.record_request(False, time.perf_counter_ns() - started)
             raise
+
+    def check_arrays(self, arrays: Mapping[str, np.ndarray]) -> None:
+        """Check tensors made in the service (an ensemble step's inputs) against the version's
+        bounds and limits, as a request's headers are checked before it decodes."""
+        self._check(
+            [
+                TensorHeader(
+                    name,
+                    name_of(a.dtype),
+                    a.shape,
+                    sum(len(x) for x in a.reshape(-1)) if a.dtype == object else a.nbytes,
+                    a.dtype == object,
+                )
+                for name, a in arrays.items()
+            ]
+        )
 
     async def decode(self, headers: Sequence[TensorHeader], decode: Callable[[], T]) -> T:
         """Check a request's tensors (their headers) against the version, then decode them:

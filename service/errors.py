@@ -11,6 +11,12 @@ class ModelNotFound(ServiceError):
     """No model of that name is known."""
 
 
+# Triton's words for a model or version it does not serve, which Triton's clients and tests match
+# ("Request for unknown model"); the quoted name (names.echo) goes in the braces.
+UNKNOWN_MODEL = "Request for unknown model: {} is not found"
+UNKNOWN_VERSION = "Request for unknown model: {} version {} is not found"
+
+
 class VersionNotFound(ModelNotFound):
     """The model is known, but the requested version is not served (a subclass: callers that only
     care that nothing answers catch ModelNotFound)."""

@@ -40,6 +40,7 @@ from modelyard.service.batching.layer import BatchingLayer
 from modelyard.service.config import ENV_PREFIX, Settings
 from modelyard.service.cores import usable_cores
 from modelyard.service.dataplane import DataPlane
+from modelyard.service.ensembles import loader as ensembles
 from modelyard.service.generation.model import recognize_decoder
 from modelyard.service.generation.plane import GenerationPlane
 from modelyard.service.gpu_memory import GpuMemoryCollector
@@ -50,6 +51,7 @@ from modelyard.service.runtime.instances import Loader
 from modelyard.service.runtime.manager import ModelManager
 from modelyard.service.runtime.memory import usable_memory_bytes
 from modelyard.service.runtime.providers import CUDA, detect_providers
+from modelyard.service.runtime.reconciler import NOT_LOADED
 from modelyard.service.runtime.runs import ActiveRuns, shut_down_executor
 from modelyard.service.runtime.session import bound_run_memory, inline_run_limit_s, load_runner
 from modelyard.service.runtime.status import ModelEvent, Watcher
@@ -117,9 +119,16 @@ class Service:
                 resync_s=self.settings.resync_s,
             )
             await self.watcher.start()  # before the first load, so that no change slips between
-        await self.manager.load_all()
+        if self.settings.control_mode == "explicit":
+            await self.manager.load_listed(self.settings.load_model)
+        else:
+            if self.settings.load_model:
+                log.warning("--load-model is for explicit mode; in watch mode every model loads")
+            await self.manager.load_all()
         ready = [s.name for s in self.manager.statuses() if s.default_version is not None]
-        failed = [s.name for s in self.manager.statuses() if s.default_version is None]
+        failed = [
+            s.name for s in self.manager.statuses() if s.default_version is None and s.reason != NOT_LOADED
+        ]
         if self.link is not None:
             await self.health.set(workers.LOCAL, health_names.SERVING)
             await self.link.wait_admitted()
@@ -272,6 +281,8 @@ def build_service(
     batching = BatchingLayer(executor, metrics, clock)
     manager.on_load(batching.attach)
     dataplane = DataPlane(manager, executor, batching)
+    # Ensembles' versions run their steps through the data plane (the runtime knows none).
+    manager.add_platform(ensembles.PLATFORM, ensembles.EnsembleLoader(dataplane).load)
     generation = GenerationPlane(manager, executor, metrics)
     limits = [
         # Above the configured limit, which the handlers check so as to answer with a reason.
@@ -313,6 +324,7 @@ def build_service(
                 whole_service_ready=(lambda: link.service_serving) if link is not None else None,
                 uploads=UploadSpace(settings.max_upload_bytes),
                 identify=identities(authorizer),
+                server_name=settings.server_name,
             ),
         ),
         # The FlatBuffers method (no protobuf): its servicer gives its handler (bytes in and out).

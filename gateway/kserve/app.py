@@ -38,7 +38,7 @@ def api(upstream: Upstream, settings: Settings) -> mount.Api:
     kserve = KServeEndpoints(upstream, settings)
     ext = ExtensionEndpoints(kserve.call, upstream, settings.max_body_bytes)
     generate = GenerateEndpoints(upstream, settings.max_body_bytes)
-    shm = "/v2/systemsharedmemory"
+    shm, cuda = "/v2/systemsharedmemory", "/v2/cudasharedmemory"
     routes = [
         Route("/v2/models/stats", ext.stats, methods=["GET"]),  # before /v2/models/{model}
         Route("/v2/health/live", kserve.live, methods=["GET"]),
@@ -67,5 +67,10 @@ def api(upstream: Upstream, settings: Settings) -> mount.Api:
         Route(shm + "/region/{region}/register", ext.shm_register, methods=["POST"]),
         Route(shm + "/unregister", ext.shm_unregister, methods=["POST"]),
         Route(shm + "/region/{region}/unregister", ext.shm_unregister, methods=["POST"]),
+        Route(cuda + "/status", ext.cuda_status, methods=["GET"]),
+        Route(cuda + "/region/{region}/status", ext.cuda_status, methods=["GET"]),
+        Route(cuda + "/region/{region}/register", ext.cuda_register, methods=["POST"]),
+        Route(cuda + "/unregister", ext.cuda_unregister, methods=["POST"]),
+        Route(cuda + "/region/{region}/unregister", ext.cuda_unregister, methods=["POST"]),
     ]
     return mount.Api("kserve", owns, routes, error_response)

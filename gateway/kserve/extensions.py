@@ -3,8 +3,9 @@ server docs, docs/protocol/extension_*.md, give the JSON): model configuration
 (`/v2/models/{m}[/versions/{v}]/config`), statistics (`/v2/models[/{m}[/versions/{v}]]/stats`),
 the model repository (`POST /v2/repository/index`, `.../models/{m}/load|unload`), logging
 (`GET|POST /v2/logging`), trace (`GET|POST /v2[/models/{m}]/trace/setting`, also without
-`/setting`) and system shared memory (`/v2/systemsharedmemory[/region/{r}]/status|register|
-unregister`)."""
+`/setting`), system shared memory (`/v2/systemsharedmemory[/region/{r}]/status|register|
+unregister`) and CUDA shared memory (`/v2/cudasharedmemory/...`, the same routes: the service
+answers that none is registered, and refuses a register)."""
 
 from __future__ import annotations
 
@@ -142,6 +143,36 @@ class ExtensionEndpoints:
     async def shm_unregister(self, request: Request) -> Response:
         asked = kpb.SystemSharedMemoryUnregisterRequest(name=request.path_params.get("region", ""))
         await self._call(self._stub.SystemSharedMemoryUnregister, asked, request)
+        return Response(b"", media_type="application/json")
+
+    # CUDA shared memory: answered by the service as over gRPC (nothing is ever registered; a
+    # register is refused, UNIMPLEMENTED: this server imports no CUDA IPC handle), in Triton's JSON.
+
+    async def cuda_status(self, request: Request) -> Response:
+        asked = kpb.CudaSharedMemoryStatusRequest(name=request.path_params.get("region", ""))
+        answer = await self._call(self._stub.CudaSharedMemoryStatus, asked, request)
+        return JSONResponse([messages.to_json(r) for r in answer.regions.values()])
+
+    async def cuda_register(self, request: Request) -> Response:
+        body = await self._body(request)
+        handle = http.get_dict(body, "raw_handle")
+        encoded = http.get_str(handle, "b64", "")
+        try:
+            raw = base64.b64decode(encoded or "", validate=True)
+        except binascii.Error:
+            raise errors.bad_request("raw_handle.b64: is not valid base64") from None
+        asked = kpb.CudaSharedMemoryRegisterRequest(
+            name=request.path_params["region"],
+            raw_handle=raw,
+            device_id=http.get_int(body, "device_id", http.INT64),
+            byte_size=http.get_int(body, "byte_size", http.UINT64),
+        )
+        await self._call(self._stub.CudaSharedMemoryRegister, asked, request)
+        return Response(b"", media_type="application/json")
+
+    async def cuda_unregister(self, request: Request) -> Response:
+        asked = kpb.CudaSharedMemoryUnregisterRequest(name=request.path_params.get("region", ""))
+        await self._call(self._stub.CudaSharedMemoryUnregister, asked, request)
         return Response(b"", media_type="application/json")
 
 

@@ -29,7 +29,9 @@ from modelyard.service.repository.config_file import (
 from modelyard.service.repository.config_file import (
     DEFAULT_MAX_WAITING as DEFAULT_MAX_WAITING,
 )
+from modelyard.service.repository.ensemble_config import EnsembleConfig, parse_ensemble
 from modelyard.service.repository.files import read_inside, shown
+from modelyard.service.repository.warmup_config import WarmupSample, parse_warmup
 from modelyard.service.scheduling.queue import AdmissionPolicy, QueuePolicy
 from modelyard.tensors import is_known
 
@@ -51,6 +53,8 @@ class TensorConfig:
     # Outputs only: a file in the model's folder with one class label per line (Triton's
     # classification extension reads labels from it).
     label_filename: str = ""
+    # Inputs only: Triton's image layout (FORMAT_NONE, FORMAT_NHWC, FORMAT_NCHW), told to clients.
+    format: str = "FORMAT_NONE"
 
 
 @dataclass(frozen=True)
@@ -191,6 +195,13 @@ class ModelConfig:
     reload: ReloadConfig = field(default_factory=ReloadConfig)
     generation: GenerationConfig = field(default_factory=GenerationConfig)
     limits: LimitsConfig = field(default_factory=LimitsConfig)
+    # Triton's model_warmup: the samples a version runs before it serves (runtime/warmup.py);
+    # () = synthetic inputs (zeros, empty strings), skipped where the model refuses them.
+    model_warmup: tuple[WarmupSample, ...] = ()
+    # Triton's platform: onnxruntime_onnx (a version is model.onnx) or ensemble (`ensemble` says
+    # its steps; service/ensembles/ runs them).
+    platform: str = "onnxruntime_onnx"
+    ensemble: EnsembleConfig | None = None
 
 
 def load_config(model_dir: Path, root: Path | None = None) -> ModelConfig:
@@ -230,11 +241,12 @@ def parse_config(raw: object) -> ModelConfig:
     (config_file.ConfigDoc), then what no single key can say."""
     try:
         doc = load(raw, ConfigDoc, "config")
+        ensemble = _ensemble(doc)
         return ModelConfig(
             max_batch_size=doc.max_batch_size,
             version_policy=_version_policy(doc.version_policy),
-            inputs=_tensors(doc.inputs, "inputs"),
-            outputs=_tensors(doc.outputs, "outputs"),
+            inputs=_tensors(doc.inputs, "inputs", doc.max_batch_size),
+            outputs=_tensors(doc.outputs, "outputs", doc.max_batch_size),
             execution=_execution(doc.execution),
             dynamic_batching=None if doc.dynamic_batching is None else _batching(doc),
             reload=ReloadConfig(
@@ -242,9 +254,31 @@ def parse_config(raw: object) -> ModelConfig:
             ),
             generation=_generation(doc.generation),
             limits=LimitsConfig(doc.limits.max_elements, doc.limits.max_request_bytes),
+            model_warmup=parse_warmup(doc.model_warmup),
+            platform=doc.platform,
+            ensemble=ensemble,
         )
     except DocumentError as exc:
         raise ConfigError(str(exc)) from None
+
+
+def _ensemble(doc: ConfigDoc) -> EnsembleConfig | None:
+    """An ensemble's steps (platform: ensemble), and the keys that only a model file's version
+    has refused beside them."""
+    if doc.platform != "ensemble":
+        if doc.ensemble_scheduling is not None:
+            raise DocumentError("ensemble_scheduling", "needs platform: ensemble")
+        return None
+    if doc.ensemble_scheduling is None:
+        raise DocumentError("platform", "ensemble needs ensemble_scheduling (its steps)")
+    if not doc.inputs or not doc.outputs:
+        raise DocumentError("platform", "an ensemble declares its inputs and outputs (it has no graph)")
+    for key in ("dynamic_batching", "model_warmup"):
+        if getattr(doc, key):
+            raise DocumentError(key, "not for an ensemble (its steps' models batch and warm up)")
+    return parse_ensemble(
+        doc.ensemble_scheduling, [t.name for t in doc.inputs], [t.name for t in doc.outputs]
+    )
 
 
 def _version_policy(doc: VersionPolicyDoc) -> VersionPolicy:
@@ -258,13 +292,23 @@ def _version_policy(doc: VersionPolicyDoc) -> VersionPolicy:
     return VersionPolicy("all")
 
 
-def _tensors(docs: Sequence[InputDoc], where: str) -> tuple[TensorConfig, ...]:
+def _tensors(
+    docs: Sequence[InputDoc | OutputDoc], where: str, max_batch_size: int
+) -> tuple[TensorConfig, ...]:
     tensors = []
     for i, doc in enumerate(docs):
         if not is_known(doc.datatype):
             raise DocumentError(f"{where}[{i}] ({doc.name}).datatype", f"unknown datatype {doc.datatype!r}")
         labels = doc.label_filename if isinstance(doc, OutputDoc) else ""
-        tensors.append(TensorConfig(doc.name, doc.datatype, tuple(doc.shape), labels))
+        layout = doc.format if isinstance(doc, InputDoc) else "FORMAT_NONE"
+        if layout != "FORMAT_NONE" and len(doc.shape) - (1 if max_batch_size else 0) != 3:
+            # As Triton: an image layout names three dimensions (beside the batch's).
+            raise DocumentError(
+                f"{where}[{i}] ({doc.name}).format",
+                f"{layout} needs 3 dimensions beside the batch's, the shape {doc.shape} has "
+                f"{len(doc.shape) - (1 if max_batch_size else 0)}",
+            )
+        tensors.append(TensorConfig(doc.name, doc.datatype, tuple(doc.shape), labels, layout))
     names = [t.name for t in tensors]
     if len(set(names)) != len(names):
         raise DocumentError(where, "duplicate tensor names")

@@ -28,7 +28,7 @@ class _Keys(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, omit_defau
     """A mapping of known keys: an unknown key is an error (a typo must fail loudly)."""
 
 
-class InputDoc(_Keys):
+class _TensorDoc(_Keys):
     name: Annotated[str, Meta(min_length=1, description="tensor name, as in the model file")]
     datatype: Annotated[
         str,
@@ -43,7 +43,18 @@ class InputDoc(_Keys):
     ]
 
 
-class OutputDoc(InputDoc):
+# Triton's ModelInput.Format: how an image input's dimensions are laid out (clients read it).
+InputFormat = Literal["FORMAT_NONE", "FORMAT_NHWC", "FORMAT_NCHW"]
+
+
+class InputDoc(_TensorDoc):
+    format: Annotated[
+        InputFormat,
+        Meta(description="image layout (Triton's): NHWC and NCHW need 3 dimensions beside the batch's"),
+    ] = "FORMAT_NONE"
+
+
+class OutputDoc(_TensorDoc):
     label_filename: Annotated[
         str,
         Meta(
@@ -213,6 +224,69 @@ class LimitsDoc(_Keys):
     )
 
 
+# model_warmup (service/repository/warmup_config.py): Triton's warm-up samples.
+# A warm-up file is a plain file name in the model's `warmup` folder: no folders, nothing hidden.
+WARMUP_FILE = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$"
+WARMUP_FOLDER = "warmup"
+
+
+class WarmupInputDoc(_Keys):
+    datatype: Annotated[
+        str,
+        Meta(
+            description="KServe datatype of the input (FP32, BYTES, ...)",
+            extra_json_schema={"enum": sorted(NUMPY_BY_NAME)},
+        ),
+    ]
+    dims: Annotated[
+        list[Annotated[int, Meta(ge=0)]],
+        Meta(description="the sample's dimensions, without the batch dimension; fixed sizes only"),
+    ]
+    zero_data: Annotated[bool, Meta(description="zeros (empty strings for BYTES)")] = False
+    random_data: Annotated[
+        bool, Meta(description="random values of the datatype (empty strings for BYTES)")
+    ] = False
+    input_data_file: Annotated[
+        str,
+        Meta(
+            pattern=f"^$|{WARMUP_FILE}",
+            description="a file in the model's warmup folder: the row's raw little-endian bytes, or for "
+            "BYTES its elements each after a 4-byte little-endian length (Triton's layout)",
+            extra={"expects": "a file name in the model's warmup folder"},
+        ),
+    ] = ""
+
+
+class WarmupDoc(_Keys):
+    name: Annotated[str, Meta(min_length=1, description="the sample's name, for logs")]
+    batch_size: Annotated[int, Meta(ge=0, description="rows of the sample; 0: skipped")] = 1
+    count: Annotated[int, Meta(ge=0, description="runs of the sample; 0: once")] = 0
+    inputs: Annotated[dict[str, WarmupInputDoc], Meta(description="every input of the model, by name")] = (
+        msgspec.field(default_factory=dict)
+    )
+
+
+# ensemble_scheduling (service/repository/ensemble_config.py): Triton's ensembles.
+class EnsembleStepDoc(_Keys):
+    model_name: Annotated[str, Meta(min_length=1, description="the model this step runs")]
+    model_version: Annotated[
+        int, Meta(ge=-1, description="the version it runs; -1: the newest served (pinned per request)")
+    ] = -1
+    input_map: Annotated[
+        dict[str, str], Meta(description="the step model's input name -> the ensemble tensor it is fed")
+    ] = msgspec.field(default_factory=dict)
+    output_map: Annotated[
+        dict[str, str], Meta(description="the step model's output name -> the ensemble tensor it makes")
+    ] = msgspec.field(default_factory=dict)
+
+
+class EnsembleSchedulingDoc(_Keys):
+    step: Annotated[
+        Annotated[list[EnsembleStepDoc], Meta(min_length=1)],
+        Meta(description="the steps; each runs once its inputs exist (a DAG of tensors)"),
+    ]
+
+
 class ConfigDoc(_Keys):
     """models/<name>/config.yaml."""
 
@@ -239,3 +313,14 @@ class ConfigDoc(_Keys):
     limits: Annotated[LimitsDoc, Meta(description="what one request may ask of the model")] = msgspec.field(
         default_factory=LimitsDoc
     )
+    model_warmup: Annotated[
+        list[WarmupDoc],
+        Meta(description="the samples a version runs before it serves (Triton's model_warmup)"),
+    ] = msgspec.field(default_factory=list)
+    platform: Annotated[
+        Literal["onnxruntime_onnx", "ensemble"],
+        Meta(description="onnxruntime_onnx (versions hold model.onnx) or ensemble (steps of other models)"),
+    ] = "onnxruntime_onnx"
+    ensemble_scheduling: Annotated[
+        EnsembleSchedulingDoc | None, Meta(description="an ensemble's steps (platform: ensemble)")
+    ] = None

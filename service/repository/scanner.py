@@ -26,6 +26,9 @@ class ModelSource:
     path: Path
     versions: dict[int, Path] = field(default_factory=dict)  # version -> model.onnx
     problems: tuple[str, ...] = ()  # folder-level problems, e.g. "1" and "v1" both present
+    # Every version folder, model file or not: an ensemble's versions are empty folders (as
+    # Triton's), version -> <folder>/model.onnx all the same (a path that need not exist).
+    folders: dict[int, Path] = field(default_factory=dict)
 
 
 def is_model_name(text: str) -> bool:
@@ -57,11 +60,14 @@ def scan_model(root: Path, name: str) -> ModelSource:
     if not path.is_dir():
         raise ModelLoadError(f"model {name!r} is not in the repository")
     versions: dict[int, Path] = {}
+    folders: dict[int, Path] = {}
     problems = []
     for entry in sorted(path.iterdir()):
         version = parse_version(entry.name)
         if version is None or not entry.is_dir():
             continue
+        if is_inside(root, entry):
+            folders.setdefault(version, entry / MODEL_FILE)
         model_file = entry / MODEL_FILE
         if not model_file.is_file():
             continue  # an empty or half-written version folder is not a version yet
@@ -76,7 +82,7 @@ def scan_model(root: Path, name: str) -> ModelSource:
             )
             continue
         versions[version] = model_file
-    return ModelSource(name, path, versions, tuple(problems))
+    return ModelSource(name, path, versions, tuple(problems), folders)
 
 
 def fingerprint(model_file: Path, beside: Sequence[Path] = ()) -> tuple[object, ...]:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import Executor
 from pathlib import Path
 from types import MappingProxyType
@@ -45,6 +45,11 @@ log = logging.getLogger(__name__)
 # A layer above (batching) attaching to a version that just loaded, before it serves; it lets go
 # through ServedVersion.on_retire.
 LoadHook = Callable[[ServedVersion], None]
+# The version of a model whose platform is no ONNX Runtime session (an ensemble: its steps run
+# other models), built by the layer that runs it: (name, number, version folder's model file
+# path, config, fingerprint) -> the version, or ModelLoadError.
+PlatformLoad = Callable[[str, int, Path, ModelConfig, tuple[object, ...]], Awaitable[ServedVersion]]
+ONNX_PLATFORM = "onnxruntime_onnx"
 
 
 class VersionLoader:
@@ -71,10 +76,37 @@ class VersionLoader:
         self._read_devices = read_devices
         self._load_hooks: list[LoadHook] = []
         self._retiring: set[asyncio.Task[None]] = set()
+        self._platforms: dict[str, PlatformLoad] = {}
 
     def on_load(self, hook: LoadHook) -> None:
         """Call `hook` with every version that loads from now on, before it serves a request."""
         self._load_hooks.append(hook)
+
+    def add_platform(self, platform: str, load: PlatformLoad) -> None:
+        """Load the versions of models of `platform` (config.yaml's platform) with `load`."""
+        self._platforms[platform] = load
+
+    async def _load_platform(
+        self, name: str, number: int, model_file: Path, config: ModelConfig, print_: tuple[object, ...]
+    ) -> ServedVersion:
+        """A version that is no session of ours: its platform's layer builds it."""
+        started = time.perf_counter()
+        try:
+            load = self._platforms.get(config.platform)
+            if load is None:
+                raise ModelLoadError(f"platform {config.platform!r} is not served here", "config")
+            served = await load(name, number, model_file, config, print_)
+        except ModelLoadError as exc:
+            log.error("model %s version %d failed to load: %s", name, number, exc)
+            self._metrics.load_failures.labels(name, exc.kind).inc()
+            self._metrics.model_loads.labels(name, "failed").inc()
+            raise
+        self._metrics.model_loads.labels(name, "ready").inc()
+        self._metrics.load_seconds.labels(name).observe(time.perf_counter() - started)
+        log.info("model %s version %d loaded (%s)", name, number, config.platform)
+        for attach in self._load_hooks:
+            attach(served)
+        return served
 
     @property
     def retiring(self) -> int:
@@ -92,6 +124,8 @@ class VersionLoader:
         current: dict[int, ServedVersion],
     ) -> ServedVersion:
         """Validate and load one version; ModelLoadError (logged and counted) if it cannot."""
+        if config.platform != ONNX_PLATFORM:
+            return await self._load_platform(name, number, model_file, config, print_)
         loop = asyncio.get_running_loop()
         started = time.perf_counter()
         try:

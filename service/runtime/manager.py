@@ -12,16 +12,19 @@ read status and control models through the manager.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import logging
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractContextManager
 from pathlib import Path
 
+from modelyard.common.names import echo
+from modelyard.service.errors import ModelNotFound
 from modelyard.service.gpu_memory import DeviceMemory, read_nvml
 from modelyard.service.metrics import ServiceMetrics
 from modelyard.service.runtime.capacity import RunCapacity
 from modelyard.service.runtime.instances import Loader
-from modelyard.service.runtime.loader import LoadHook, VersionLoader
+from modelyard.service.runtime.loader import LoadHook, PlatformLoad, VersionLoader
 from modelyard.service.runtime.providers import ProviderChoice
 from modelyard.service.runtime.reconciler import LoadOverride, RepositoryReconciler
 from modelyard.service.runtime.runs import ActiveRuns
@@ -31,6 +34,8 @@ from modelyard.service.runtime.status import ModelStatus, StatusBoard, Watcher
 from modelyard.service.runtime.table import Lease, ServedTable
 
 __all__ = ["LoadOverride", "ModelManager"]
+
+log = logging.getLogger(__name__)
 
 
 class ModelManager:
@@ -113,6 +118,11 @@ class ModelManager:
         """Call `hook` with every version that loads from now on, before it serves a request."""
         self.loader.on_load(hook)
 
+    def add_platform(self, platform: str, load: PlatformLoad) -> None:
+        """Load the versions of models of `platform` (config.yaml's platform, e.g. ensemble) with
+        `load` (the layer that runs them; the runtime knows none)."""
+        self.loader.add_platform(platform, load)
+
     @property
     def retiring(self) -> int:
         """Versions out of the table whose release has not finished yet."""
@@ -128,6 +138,20 @@ class ModelManager:
     async def load_all(self) -> None:
         """Load every model of the repository; a model that fails does not stop the others."""
         await self.reconciler.reconcile_all()
+        self.loaded_all = True
+
+    async def load_listed(self, names: Sequence[str]) -> None:
+        """Explicit mode's start, as Triton's `--load-model`: only the models named load (`*`:
+        every one); the repository's others are known, unloaded, until LoadModel loads them."""
+        if "*" in names:
+            await self.load_all()
+            return
+        await self.reconciler.hold_all_but(set(names))
+        for name in dict.fromkeys(names):  # in the order given, once each
+            try:
+                await self.reconciler.load(name)
+            except ModelNotFound:
+                log.error("--load-model %s: no model of that name in the repository", echo(name))
         self.loaded_all = True
 
     async def reconcile_all(self) -> None:

@@ -20,12 +20,13 @@ from pathlib import Path
 from types import MappingProxyType
 
 from modelyard.common.names import echo, name_problem
-from modelyard.service.errors import ModelLoadError, ModelNotFound
+from modelyard.service.errors import UNKNOWN_MODEL, ModelLoadError, ModelNotFound
 from modelyard.service.metrics import ServiceMetrics
 from modelyard.service.repository.config import ModelConfig, load_config
 from modelyard.service.repository.files import scrub
 from modelyard.service.repository.scanner import fingerprint, scan_model, scan_repository
 from modelyard.service.repository.uploads import Upload
+from modelyard.service.repository.warmup_config import warmup_files
 from modelyard.service.runtime.loader import VersionLoader
 from modelyard.service.runtime.served import ServedModel, ServedVersion
 from modelyard.service.runtime.signature import Signature
@@ -33,6 +34,9 @@ from modelyard.service.runtime.status import ModelStatus, StatusBoard, VersionSt
 from modelyard.service.runtime.table import ServedTable
 
 log = logging.getLogger(__name__)
+
+# Why a model of the repository does not serve in explicit mode before any load asked for it.
+NOT_LOADED = "not loaded: the service runs in explicit mode (--load-model, or a load request, loads it)"
 
 
 @dataclass(frozen=True)
@@ -83,8 +87,19 @@ class RepositoryReconciler:
                 name_problem(folder) or "not a model name",
             )
         self._skipped = skipped
-        for name in sorted(set(names) | self._board.names()):
+        # Folders that hold version folders but no model file (ensembles, most likely) go last,
+        # so that the models their steps run serve when they load.
+        last = {n for n, source in names.items() if source.folders and not source.versions}
+        for name in sorted(set(names) | self._board.names(), key=lambda n: (n in last, n)):
             await self.reconcile(name)
+
+    async def hold_all_but(self, names: set[str]) -> None:
+        """Explicit mode's start: the repository's models other than `names` are known and held
+        unloaded (listed in the index and by GetModel, not loaded) until an explicit load."""
+        found = await asyncio.get_running_loop().run_in_executor(self._io, scan_repository, self.repository)
+        for name in sorted(set(found) - names):
+            self._held.add(name)
+            self._set_model(name, reason=NOT_LOADED)
 
     async def load(self, name: str, override: LoadOverride | None = None) -> ModelStatus:
         """Explicit load (LoadModel, RepositoryModelLoad): serve what is on disk now, or with
@@ -101,7 +116,7 @@ class RepositoryReconciler:
             elif status.default_version is None and override is not None and override.upload is not None:
                 await self._drop_failed_upload(name)
         if status is None:
-            raise ModelNotFound(f"model {echo(name)} is not in the repository")
+            raise ModelNotFound(UNKNOWN_MODEL.format(echo(name)))
         return status
 
     async def reconcile(self, name: str) -> ModelStatus | None:
@@ -183,7 +198,9 @@ class RepositoryReconciler:
             return self._board.status(name)
         for problem in source.problems:
             log.error("model %s: %s", name, problem)
-        selected = config.version_policy.select(list(source.versions))
+        # An ensemble's versions are its (empty) version folders; a model's, those with a model file.
+        on_disk = source.folders if config.ensemble is not None else source.versions
+        selected = config.version_policy.select(list(on_disk))
         reason = "; ".join(source.problems)
         if not selected:
             reason = reason or f"no version folder with a {name}/<version>/model.onnx"
@@ -192,10 +209,12 @@ class RepositoryReconciler:
         self._forget_unselected(name, selected)
 
         current = dict(served.versions) if (served := self._table.get(name)) else {}
-        # Label files count as part of each version: a changed (or newly added) one reloads it.
-        labels = [source.path / output.label_filename for output in config.outputs if output.label_filename]
+        # Label and warm-up files count as part of each version: a changed (or newly added) one
+        # reloads it.
+        beside = [source.path / output.label_filename for output in config.outputs if output.label_filename]
+        beside += warmup_files(source.path, config.model_warmup)
         fingerprints = await loop.run_in_executor(
-            None, lambda: {n: fingerprint(source.versions[n], labels) for n in selected}
+            None, lambda: {n: fingerprint(on_disk[n], beside) for n in selected}
         )
         kept: dict[int, ServedVersion] = {}
         loaded: dict[int, ServedVersion] = {}
@@ -211,11 +230,11 @@ class RepositoryReconciler:
             # drain-first load may release that version).
             reference = (newest.version, newest.runner.signature) if newest else None
             version = await self._load_version(
-                name, number, source.versions[number], config, fingerprints[number], reference, current
+                name, number, on_disk[number], config, fingerprints[number], reference, current
             )
             if version is not None:
                 loaded[number] = version
-        self._publish(name, config, selected, kept, loaded, source.versions)
+        self._publish(name, config, selected, kept, loaded, on_disk)
         return self._board.status(name)
 
     async def _load_version(
@@ -296,12 +315,13 @@ class RepositoryReconciler:
         self._failed = {k: v for k, v in self._failed.items() if k[0] != name}
 
     def _version_ready(self, served: ServedVersion) -> VersionStatus:
-        degraded = served.runner.degraded
+        degraded, note = served.runner.degraded, served.runner.load_note
+        reasons = [f"degraded: {degraded}" if degraded else "", note]
         return VersionStatus(
             served.version,
             VersionState.READY,
             time.time(),
-            reason=f"degraded: {degraded}" if degraded else "",
+            reason="; ".join(r for r in reasons if r),
             signature=served.runner.signature,
             provider=served.runner.provider,
             kind=served.runner.kind,

@@ -6,6 +6,7 @@ import contextlib
 import dataclasses
 import functools
 import logging
+import math
 import re
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -33,6 +34,7 @@ from modelyard.service.errors import (
     ModelRunError,
     RunMemoryExceeded,
     ServiceError,
+    Unsupported,
 )
 from modelyard.service.repository.config import ModelConfig, TensorConfig
 from modelyard.service.runtime import bf16
@@ -43,7 +45,7 @@ from modelyard.service.runtime.providers import CPU, CUDA, ProviderChoice
 from modelyard.service.runtime.runs import RunControl
 from modelyard.service.runtime.signature import Signature, TensorSpec
 from modelyard.service.runtime.strings import feeds_for_ort, outputs_from_ort
-from modelyard.tensors import NUMPY_BY_NAME
+from modelyard.service.runtime.warmup import sample_feeds, synthetic
 
 log = logging.getLogger(__name__)
 
@@ -131,6 +133,8 @@ class ModelRunner:
     degraded: str = ""
     # How runs on a device bind their tensors (iobinding.py); None: session.run (the CPU).
     binding: DeviceBinding | None = None
+    # What its status says beside READY (why it loaded without a warm-up run); "" for nothing.
+    load_note: str = ""
 
     @property
     def runs_inline(self) -> bool:
@@ -161,10 +165,15 @@ class ModelRunner:
             else:
                 arrays = self._session_run(output_names, ort_feeds, options)  # any sequence of str
         except UnicodeDecodeError:  # the binding decodes string outputs as UTF-8, strictly
-            raise ModelRunError(
+            message = (
                 "a BYTES output holds bytes that are not UTF-8, which ONNX Runtime's Python binding "
                 "cannot return"
-            ) from None
+            )
+            if any(a.dtype.kind == "S" for a in ort_feeds.values()):
+                # The request's own bytes that are not UTF-8 reached an output (an echo): a limit
+                # of this server with these values, not a fault of the model.
+                raise Unsupported(f"{message} (the request's BYTES that are not UTF-8 reached it)") from None
+            raise ModelRunError(message) from None
         except Exception:
             # A failed run may have grown the arena (up to its bound) before it failed. (Its own
             # failure is the answer, not one of the shrinking run.)
@@ -329,22 +338,44 @@ def load_runner(
         if kind is None
         else None,
     )
-    if kind is not None:
-        feeds = kind.warmup_feeds()
+    limit = inline_limit_s if kind is None else 0.0
+    note = ""
+    # Triton's model_warmup: the config's samples, each run as many times as it says (a failure
+    # fails the load, as Triton's); the first one also times the inline decision. Without them,
+    # synthetic inputs: a model whose kernel refuses their values (a string model casting "" to a
+    # number) loads without a warm-up, and says so, rather than fail for want of real inputs; one
+    # that refuses their shapes, or fails otherwise, fails the load as before.
+    samples = _configured_samples(config, signature, model_file) if kind is None else []
+    if samples:
+        for name, sample_feed, runs in samples[1:]:
+            _run_sample(runner, sample_feed, runs, model_file, name)
+        name, feeds, runs = samples[0]
+        warmup_run_s = _warm_up(runner, feeds, model_file, limit, sample=name, runs=runs)
     else:
-        feeds = {spec.name: _sample(spec) for spec in signature.inputs}
-    warmup_run_s = _warm_up(runner, feeds, model_file, inline_limit_s if kind is None else 0.0)
+        feeds = kind.warmup_feeds() if kind is not None else {s.name: synthetic(s) for s in signature.inputs}
+        try:
+            warmup_run_s = _warm_up(runner, feeds, model_file, limit, synthetic=kind is None)
+        except _SyntheticRefused as exc:
+            note = (
+                f"warm-up skipped: the graph refused a synthetic input (zeros, empty strings): {exc.why}; "
+                "model_warmup in config.yaml gives it real ones"
+            )
+            log.warning("%s: %s", model_file, note)
+            warmup_run_s, feeds = math.inf, {}
     driven = "a layer above runs it" if kind is not None else "the warm-up is too slow to run inline"
+    if note:
+        driven = "no warm-up ran, so its cost is not known"
     peak_run_s = 0.0
     if kind is None and warmup_run_s < inline_limit_s:
         # Fast enough to run inline: but only if no request's values can make it slow.
         driven = value_driven(model_file, signature)
         if not driven and signature.max_batch_size > 1:
-            largest = {spec.name: _sample(spec, signature.max_batch_size) for spec in signature.inputs}
+            largest = _largest(signature, feeds if samples else None)
             peak_run_s = _warm_up(runner, largest, model_file, inline_limit_s)
     return dataclasses.replace(
         runner,
         warmup_run_s=warmup_run_s,
+        load_note=note,
         sample_feeds=feeds,
         shrink_options=_shrink_options(runner.provider, config),
         device=f"cuda:{config.execution.device_id}" if runner.provider == CUDA else "cpu",
@@ -496,37 +527,88 @@ def _apply_config(
     return tuple(specs)
 
 
+class _SyntheticRefused(ModelLoadError):
+    """A kernel of the graph refused the synthetic warm-up inputs' values (_refused_values)."""
+
+    def __init__(self, message: str, why: str) -> None:
+        super().__init__(message, "warmup")
+        self.why = why
+
+
 def _warm_up(
     runner: ModelRunner,
     feeds: Mapping[str, np.ndarray],
     model_file: Path,
     inline_limit_s: float = 0.0,
     clock: Callable[[], float] = time.perf_counter,
+    *,
+    synthetic: bool = False,  # the inputs are made up: a kernel's refusal is _SyntheticRefused
+    sample: str = "",  # the config's sample these feeds are (for the message)
+    runs: int = 0,  # at least this many runs (a sample's count)
 ) -> float:
     """The fastest of WARMUP_RUNS runs (other work on the machine only ever slows a run down, and a
     start under load once sent a 20 us model to the executor for good with the median); while that
     is over `inline_limit_s` but near it (WARMUP_SETTLE_FACTOR), up to WARMUP_SETTLE_RUNS more."""
     fastest = float("inf")
-    runs = 0
+    done = 0
     try:
-        while runs < WARMUP_RUNS or (
-            runs < WARMUP_RUNS + WARMUP_SETTLE_RUNS
+        while done < max(WARMUP_RUNS, runs) or (
+            done < WARMUP_RUNS + WARMUP_SETTLE_RUNS
             and inline_limit_s <= fastest < WARMUP_SETTLE_FACTOR * inline_limit_s
         ):
             start = clock()
             runner.run(feeds, runner.signature.output_names)
             fastest = min(fastest, clock() - start)
-            runs += 1
+            done += 1
     except Exception as exc:
-        raise ModelLoadError(f"{model_file}: warm-up run failed: {_first_line(exc)}", "warmup") from None
+        named = f" (model_warmup sample {sample!r})" if sample else ""
+        message = f"{model_file}: warm-up run{named} failed: {_first_line(exc)}"
+        if synthetic and _refused_values(exc):
+            raise _SyntheticRefused(message, client_message(exc)) from None
+        raise ModelLoadError(message, "warmup") from None
     return fastest
 
 
-def _sample(spec: TensorSpec, rows: int = 1) -> np.ndarray:
-    shape = tuple((rows if i == 0 else 1) if d < 0 else d for i, d in enumerate(spec.shape))
-    if spec.datatype == "BYTES":
-        return np.full(shape, b"", dtype=object)
-    return np.zeros(shape, dtype=NUMPY_BY_NAME[spec.datatype])
+def _refused_values(exc: BaseException) -> bool:
+    """Whether a warm-up run failed on its inputs' values: a kernel refused them (a Cast of "" to
+    a number), not their shapes (a Reshape that fits no input of that size is the graph's fault,
+    and fails the load as before) nor anything else (memory, a non-UTF-8 output)."""
+    text = str(exc)
+    return _KERNEL_FAILURE in text and not _REQUEST_MESSAGE.search(text)
+
+
+def _configured_samples(
+    config: ModelConfig, signature: Signature, model_file: Path
+) -> list[tuple[str, dict[str, np.ndarray], int]]:
+    """The config's warm-up samples (those of batch_size 0 are skipped, as Triton's) as (name,
+    feeds, runs). The model folder is <root>/<model>/<version>/model.onnx's grandparent."""
+    model_dir = model_file.parent.parent
+    root = model_dir.parent
+    return [
+        (sample.name, sample_feeds(sample, signature, model_dir, root), sample.runs)
+        for sample in config.model_warmup
+        if sample.batch_size
+    ]
+
+
+def _run_sample(
+    runner: ModelRunner, feeds: Mapping[str, np.ndarray], runs: int, model_file: Path, name: str
+) -> None:
+    try:
+        for _ in range(runs):
+            runner.run(feeds, runner.signature.output_names)
+    except Exception as exc:
+        raise ModelLoadError(
+            f"{model_file}: warm-up run (model_warmup sample {name!r}) failed: {_first_line(exc)}", "warmup"
+        ) from None
+
+
+def _largest(signature: Signature, sample: Mapping[str, np.ndarray] | None) -> dict[str, np.ndarray]:
+    """Inputs of max_batch_size rows: the sample's first row repeated (real data), or synthetic."""
+    rows = signature.max_batch_size
+    if sample is None:
+        return {spec.name: synthetic(spec, rows) for spec in signature.inputs}
+    return {name: np.repeat(array[:1], rows, axis=0) for name, array in sample.items()}
 
 
 def _first_line(exc: BaseException) -> str:

@@ -10,7 +10,7 @@ import numpy as np
 
 from modelyard.common.names import echo
 from modelyard.service.errors import InvalidInput
-from modelyard.service.runtime.strings import check_utf8
+from modelyard.service.runtime.strings import check_strings
 from modelyard.tensors import NUMPY_BY_NAME, name_of
 
 
@@ -92,7 +92,7 @@ class Signature:
                     raise InvalidInput(f"inputs disagree on the batch size: {sorted({batch, shape[0]})}")
                 batch = shape[0]
             if spec.datatype == "BYTES":
-                check_utf8(spec.name, array)
+                check_strings(spec.name, array)
 
     def select_outputs(self, names: Sequence[str]) -> tuple[str, ...]:
         """The outputs to compute: the requested names in order, or all of them when none are named."""

@@ -11,7 +11,7 @@ from dataclasses import dataclass, replace
 from types import MappingProxyType
 
 from modelyard.common.names import echo
-from modelyard.service.errors import ModelNotFound, ModelUnavailable, ServiceError
+from modelyard.service.errors import UNKNOWN_MODEL, ModelNotFound, ModelUnavailable, ServiceError
 from modelyard.service.runtime.signature import Signature
 
 WATCH_QUEUE_SIZE = 1024
@@ -95,7 +95,7 @@ class StatusBoard:
     def status(self, name: str) -> ModelStatus:
         status = self._status.get(name)
         if status is None:
-            raise ModelNotFound(f"model {echo(name)} is not in the repository")
+            raise ModelNotFound(UNKNOWN_MODEL.format(echo(name)))
         return status
 
     def get(self, name: str) -> ModelStatus | None:
@@ -112,7 +112,7 @@ class StatusBoard:
         """Why `name` has no version to serve (the served table's miss)."""
         status = self._status.get(name)
         if status is None:
-            return ModelNotFound(f"model {echo(name)} is not in the repository")
+            return ModelNotFound(UNKNOWN_MODEL.format(echo(name)))
         if name in self._reloading:
             return ModelUnavailable(
                 f"model {echo(name)} is swapping versions within its memory budget; retry shortly"

@@ -16,7 +16,7 @@ from collections.abc import Callable, Mapping
 from types import MappingProxyType
 
 from modelyard.common.names import echo
-from modelyard.service.errors import InvalidInput, ServiceError, VersionNotFound
+from modelyard.service.errors import UNKNOWN_VERSION, InvalidInput, ServiceError, VersionNotFound
 from modelyard.service.runtime.served import ServedModel, ServedVersion
 from modelyard.service.versions import parse_version
 
@@ -62,12 +62,15 @@ class ServedTable:
             return model.default
         number = parse_version(version)
         if number is None:
-            raise InvalidInput(f"model_version {echo(version)} is not a version number (e.g. '3' or 'v3')")
+            # Triton's words (its clients match them), then what a version is here.
+            raise InvalidInput(
+                f"failed to get model version from specified version string {echo(version)}: "
+                "a version is a number ('3', or 'v3')"
+            )
         served = model.versions.get(number)
         if served is None:
             raise VersionNotFound(
-                f"model {echo(name)} has no served version {number}; "
-                f"served versions: {sorted(model.versions)}"
+                f"{UNKNOWN_VERSION.format(echo(name), number)}; served versions: {sorted(model.versions)}"
             )
         return served
 

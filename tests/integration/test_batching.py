@@ -77,7 +77,9 @@ def clock() -> ManualClock:
 
 @pytest.fixture
 async def live(root: Path, runners: Runners, clock: ManualClock) -> AsyncIterator[Service]:
-    settings = Settings(repository=root, listen="127.0.0.1:0", metrics_listen="", control_mode="explicit")
+    settings = Settings(
+        repository=root, listen="127.0.0.1:0", metrics_listen="", control_mode="explicit", load_model=("*",)
+    )
     service = build_service(settings, loader=runners.loader(), clock=clock)
     await service.start()
     try:

@@ -234,7 +234,7 @@ async def test_every_unrouted_path_answers_in_json_with_a_reason(gateway) -> Non
         for method, path in [
             ("GET", "/v2/nosuch"),
             ("GET", "/v2/models/scaler/nosuch"),
-            ("POST", "/v2/cudasharedmemory/status"),
+            ("GET", "/v2/cudasharedmemory/nosuch"),
             ("GET", "/v2x"),
         ]:
             answer = await http.request(method, path)

@@ -267,7 +267,7 @@ async def test_deleting_and_adding_models(live: Service, root: Path) -> None:
     assert metric(registry, "modelyard_requests_total", model="extra", **ok) == 1
     shutil.rmtree(root / "extra")
     await eventually(lambda: "extra" not in {s.name for s in live.manager.statuses()})
-    with pytest.raises(Exception, match="not in the repository"):
+    with pytest.raises(Exception, match="Request for unknown model: 'extra' is not found"):
         live.manager.resolve("extra")
     # Its series left with it, and its name no longer labels requests.
     await eventually(lambda: not live.manager.retiring)
@@ -294,7 +294,7 @@ async def test_kubernetes_style_symlink_swap(tmp_path: Path) -> None:
 
 
 async def test_explicit_mode_loads_only_when_asked(root: Path, tmp_path: Path) -> None:
-    service = await started(root, control_mode="explicit", management_open=True)
+    service = await started(root, control_mode="explicit", load_model=("m",), management_open=True)
     try:
         publish_by_rename(root, tmp_path / "staging", 2, model_bytes(2))
         assert service.watcher is None  # nothing follows the disk: only LoadModel brings v2 in

@@ -64,6 +64,7 @@ async def live(root: Path, runners: Runners) -> AsyncIterator[Service]:
         listen="127.0.0.1:0",
         metrics_listen="",
         control_mode="explicit",
+        load_model=("*",),
         management_open=True,
     )
     service = build_service(settings, loader=runners.loader())

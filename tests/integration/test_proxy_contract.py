@@ -102,6 +102,7 @@ async def live(root: Path, runners: Runners, clock: ManualClock) -> AsyncIterato
         listen="127.0.0.1:0",
         metrics_listen="",
         control_mode="explicit",
+        load_model=("*",),
         management_open=True,
         max_message_bytes=LIMIT,
     )
@@ -253,7 +254,7 @@ async def test_kserve_stream_names_its_first_version_and_answers_each_request(ks
     ]
     assert [r.error_message for r in answers[:2]] == ["", ""]
     failed = answers[2]
-    assert "no served version 7" in failed.error_message and failed.infer_response.id == "c"
+    assert "'scaler' version 7 is not found" in failed.error_message and failed.infer_response.id == "c"
     assert failed.infer_response.parameters[ERROR_REASON_PARAMETER].string_param == "version_not_found"
     # A stream whose first answer is an error has no served version to name.
     call = kserve.ModelStreamInfer(iter([kserve_scaler("7"), kserve_scaler()]))

@@ -128,7 +128,14 @@ async def test_requests_spread_over_workers_and_one_scrape_sums_them(
 
 async def test_explicit_load_and_unload_reach_every_worker(service_process, small_repository: Path) -> None:
     process = service_process(
-        small_repository, "--workers", "2", "--control-mode", "explicit", "--management-open"
+        small_repository,
+        "--workers",
+        "2",
+        "--control-mode",
+        "explicit",
+        "--load-model",
+        "*",
+        "--management-open",
     )
     async with connections(process.address) as channels:
         workers = await by_worker(channels)
@@ -168,7 +175,15 @@ async def test_model_control_through_workers_needs_a_credential(
     tokens = tmp_path / "tokens"
     tokens.write_text("s3cret\n")
     process = service_process(
-        small_repository, "--workers", "2", "--control-mode", "explicit", "--auth-tokens-file", str(tokens)
+        small_repository,
+        "--workers",
+        "2",
+        "--control-mode",
+        "explicit",
+        "--load-model",
+        "*",
+        "--auth-tokens-file",
+        str(tokens),
     )
     async with connections(process.address, 4) as channels:
         control = model_grpc.ModelServiceStub(channels[0])
@@ -320,7 +335,14 @@ async def readiness(channel: grpc.aio.Channel) -> tuple[list[tuple[str, str, str
 
 async def test_kserve_readiness_answers_for_every_worker(service_process, small_repository: Path) -> None:
     process = service_process(
-        small_repository, "--workers", "2", "--control-mode", "explicit", "--management-open"
+        small_repository,
+        "--workers",
+        "2",
+        "--control-mode",
+        "explicit",
+        "--load-model",
+        "*",
+        "--management-open",
     )
     ready, unloaded = model_pb.MODEL_STATE_READY, model_pb.MODEL_STATE_UNLOADED
     async with connections(process.address) as channels:
@@ -365,7 +387,9 @@ async def test_kserve_readiness_answers_for_every_worker(service_process, small_
 async def test_kserve_server_ready_needs_every_worker(
     service_process, small_repository: Path, tmp_path: Path
 ) -> None:
-    process = service_process(small_repository, "--workers", "2", "--control-mode", "explicit")
+    process = service_process(
+        small_repository, "--workers", "2", "--control-mode", "explicit", "--load-model", "*"
+    )
     async with connections(process.address) as channels:
         workers = await by_worker(channels)
         survivor = kgrpc.GRPCInferenceServiceStub(workers["worker-1"][0])

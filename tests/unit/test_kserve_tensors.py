@@ -235,9 +235,7 @@ def test_raw_byte_count_mismatch_names_tensor_and_both_sizes() -> None:
 
 def test_raw_contents_must_cover_every_input() -> None:
     request = raw_request(("a", "FP32", [1], b"\0" * 4))
-    request.inputs.add(
-        name="b", datatype="FP32", shape=[1], contents=InferTensorContents(fp32_contents=[1.0])
-    )
+    request.inputs.add(name="b", datatype="FP32", shape=[1])
     rejects(request, "input 'b' has no raw_input_contents entry", "2 inputs but 1 raw")
     extra = raw_request(("a", "FP32", [1], b"\0" * 4))
     extra.raw_input_contents.append(b"\0" * 4)
@@ -247,7 +245,13 @@ def test_raw_contents_must_cover_every_input() -> None:
 def test_raw_and_typed_contents_cannot_mix() -> None:
     request = raw_request(("a", "FP32", [1], b"\0" * 4))
     request.inputs[0].contents.fp32_contents.append(1.0)
-    rejects(request, "'a'", "'contents' must not be set")
+    # Triton's words (its clients match them), before any count check.
+    rejects(
+        request, "contents field must not be specified when using raw_input_contents for 'a' for model 'm'"
+    )
+    both = raw_request(("a", "FP32", [1], b"\0" * 4))
+    both.inputs.add(name="b", datatype="FP32", shape=[1], contents=InferTensorContents(fp32_contents=[1.0]))
+    rejects(both, "contents field must not be specified when using raw_input_contents for 'b'")
 
 
 def test_duplicate_input_names() -> None:

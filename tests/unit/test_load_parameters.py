@@ -38,6 +38,67 @@ def test_full_triton_config_maps_onto_ours() -> None:
     assert config.execution.provider == "cpu"
 
 
+def test_input_format_and_model_warmup_map_onto_ours() -> None:
+    text = json.dumps(
+        {
+            "max_batch_size": 4,
+            "input": [{"name": "x", "data_type": "TYPE_FP32", "dims": [8, 8, 3], "format": "FORMAT_NHWC"}],
+            "model_warmup": [
+                {
+                    "name": "w",
+                    "batch_size": 2,
+                    "count": 3,
+                    "inputs": {"x": {"data_type": "TYPE_FP32", "dims": [8, 8, 3], "random_data": True}},
+                }
+            ],
+        }
+    )
+    config = parse_triton_config(text, "m")
+    assert config.inputs == (TensorConfig("x", "FP32", (-1, 8, 8, 3), format="FORMAT_NHWC"),)
+    (sample,) = config.model_warmup
+    assert (sample.name, sample.batch_size, sample.count) == ("w", 2, 3)
+    assert sample.inputs[0][0] == "x" and sample.inputs[0][1].source == "random"
+    with pytest.raises(InvalidInput, match=r"FORMAT_NCHW needs 3 dimensions beside the batch's"):
+        parse_triton_config(
+            '{"max_batch_size": 4, "input": [{"name": "x", "data_type": "TYPE_FP32", "dims": [8, 8], '
+            '"format": "FORMAT_NCHW"}]}',
+            "m",
+        )
+
+
+def test_an_ensemble_maps_onto_ours() -> None:
+    text = json.dumps(
+        {
+            "platform": "ensemble",
+            "max_batch_size": 2,
+            "input": [{"name": "IN", "data_type": "TYPE_STRING", "dims": [1]}],
+            "output": [{"name": "OUT", "data_type": "TYPE_FP32", "dims": [4]}],
+            "ensemble_scheduling": {
+                "step": [
+                    {
+                        "model_name": "a",
+                        "model_version": -1,
+                        "input_map": {"x": "IN"},
+                        "output_map": {"y": "mid"},
+                    },
+                    {
+                        "model_name": "b",
+                        "model_version": 3,
+                        "input_map": {"x": "mid"},
+                        "output_map": {"y": "OUT"},
+                    },
+                ]
+            },
+        }
+    )
+    config = parse_triton_config(text, "e")
+    assert config.platform == "ensemble" and config.ensemble is not None
+    assert [(s.model, s.version, s.inputs, s.outputs) for s in config.ensemble.steps] == [
+        ("a", -1, (("x", "IN"),), (("y", "mid"),)),
+        ("b", 3, (("x", "mid"),), (("y", "OUT"),)),
+    ]
+
+
 def test_instance_group_maps_onto_instances_per_device() -> None:
     gpus = parse_triton_config('{"instance_group": [{"kind": "KIND_GPU", "count": 2, "gpus": [0, 1]}]}', "m")
     assert (gpus.execution.provider, gpus.execution.instances, gpus.execution.device_ids) == (

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -10,17 +11,17 @@ import pytest
 from onnx import TensorProto, helper
 
 from models.demo_models import make_model, serialize
-from modelyard.service.errors import InvalidInput, ModelLoadError
+from modelyard.service.errors import InvalidInput, ModelLoadError, TooLarge, Unsupported
 from modelyard.service.repository.config import ModelConfig
 from modelyard.service.runtime.providers import detect_providers
 from modelyard.service.runtime.session import load_runner
-from modelyard.service.runtime.strings import check_utf8
-from tests.strings_model import string_identity
+from modelyard.service.runtime.strings import check_strings, to_ort
+from tests.strings_model import byte_lookup, string_identity
 
 SAMPLES = [b"hello", b"", b"a\x00b", "é".encode(), b"\x00", b"x" * 1000]
 
 
-def objects(items: list[object]) -> np.ndarray:
+def objects(items: Sequence[object]) -> np.ndarray:
     array = np.empty(len(items), dtype=object)
     array[:] = items
     return array
@@ -43,14 +44,34 @@ def test_onnxruntime_str_elements_keep_nul_and_empty(session: ort.InferenceSessi
     assert out.tolist() == texts
 
 
-def test_numpy_fixed_width_strings_lose_nul_so_they_are_not_used(session: ort.InferenceSession) -> None:
+def test_numpy_fixed_width_strings_stop_at_nul(session: ort.InferenceSession) -> None:
     (out,) = session.run(None, {"TEXT": np.array([b"a\x00b"], dtype="S")})
     assert out.tolist() == ["a"]
 
 
-def test_non_utf8_cannot_be_expressed(session: ort.InferenceSession) -> None:
-    with pytest.raises(UnicodeDecodeError):
-        session.run(None, {"TEXT": np.array([b"\xff"], dtype="S")})
+@pytest.fixture(scope="module")
+def lookup() -> ort.InferenceSession:
+    return ort.InferenceSession(
+        serialize(byte_lookup([b"\xff\xfe", b"ok"], batch=False)), providers=["CPUExecutionProvider"]
+    )
+
+
+def test_fixed_width_bytes_reach_the_model_as_raw_bytes(lookup: ort.InferenceSession) -> None:
+    # One wider than the longest element: each is then a NUL-terminated C string.
+    (ids,) = lookup.run(None, {"TEXT": np.array([b"\xff\xfe", b"ok", b"\xff"], dtype="S3")})
+    assert ids.tolist() == [0, 1, -1]
+
+
+def test_an_element_as_wide_as_the_dtype_runs_into_the_next(lookup: ort.InferenceSession) -> None:
+    # Why to_ort makes the width one more than the longest element: the binding reads C strings.
+    # (The last element is empty, all NULs, so that nothing is read past the array's end.)
+    (ids,) = lookup.run(None, {"TEXT": np.array([b"\xff\xfe", b"ok", b""], dtype="S2")})
+    assert ids.tolist() == [-1, 1, -1]
+
+
+def test_non_utf8_cannot_come_back_or_go_in_as_str(session: ort.InferenceSession) -> None:
+    with pytest.raises(UnicodeDecodeError):  # the output is decoded as UTF-8, strictly
+        session.run(None, {"TEXT": np.array([b"\xff"], dtype="S2")})
     with pytest.raises(UnicodeEncodeError):
         session.run(None, {"TEXT": objects(["\udcff"])})
 
@@ -66,10 +87,51 @@ def test_runner_round_trips_bytes(tmp_path: Path) -> None:
     assert echo.reshape(-1).tolist() == SAMPLES
 
 
-def test_non_utf8_input_is_refused_naming_tensor_and_element() -> None:
-    check_utf8("TEXT", objects([b"ok", "é".encode()]))
-    with pytest.raises(InvalidInput, match=r"input 'TEXT': BYTES element 1 is not valid UTF-8"):
-        check_utf8("TEXT", objects([b"ok", b"\xff\xfe"]))
+def test_utf8_goes_as_text_and_other_bytes_as_fixed_width() -> None:
+    text = objects([b"ok", "é".encode(), b"a\x00b", b""])
+    check_strings("TEXT", text)
+    assert to_ort("TEXT", text).tolist() == ["ok", "é", "a\x00b", ""]
+    binary = objects([b"ok", b"\xff\xfe", b""])
+    check_strings("TEXT", binary)
+    fed = to_ort("TEXT", binary)
+    assert fed.dtype == np.dtype("S3") and fed.tolist() == [b"ok", b"\xff\xfe", b""]
+
+
+def test_non_utf8_beside_a_nul_is_refused_naming_tensor_and_elements() -> None:
+    with pytest.raises(
+        InvalidInput, match=r"input 'TEXT': BYTES element 1 is not UTF-8 and element 2 holds a NUL"
+    ):
+        check_strings("TEXT", objects([b"ok", b"\xff\xfe", b"a\x00"]))
+
+
+def test_to_ort_refuses_what_a_batch_of_valid_requests_makes_together() -> None:
+    # Each request passed check_strings; joined in one batch they cannot be fed as they are (the
+    # batcher then runs each request alone).
+    joined = objects([b"\xff\xfe", b"a\x00b"])
+    with pytest.raises(InvalidInput, match="element 0 is not UTF-8 and element 1 holds a NUL"):
+        to_ort("TEXT", joined)
+
+
+def test_a_fixed_width_copy_far_larger_than_its_elements_is_refused() -> None:
+    many = objects([b"\xff"] + [b""] * 100_000 + [b"x" * 4096])
+    with pytest.raises(TooLarge, match=r"input 'TEXT'.*100002 x 4097 bytes"):
+        check_strings("TEXT", many)
+    check_strings("TEXT", objects([b"\xff" * 100] * 1000))  # even lengths: no padding to speak of
+
+
+def test_runner_feeds_non_utf8_bytes_and_refuses_echoing_them(tmp_path: Path) -> None:
+    path = tmp_path / "lookup.onnx"
+    path.write_bytes(serialize(byte_lookup([b"\xff\xfe", "é".encode(), b"\x00"])))
+    runner = load_runner(path, ModelConfig(), detect_providers())
+    (ids,) = runner.run({"TEXT": objects([b"\xff\xfe", "é".encode(), b"zz"]).reshape(1, 3)}, ["ID"])
+    assert ids.tolist() == [[0, 1, -1]]
+    (ids,) = runner.run({"TEXT": objects([b"\x00", "é".encode()]).reshape(1, 2)}, ["ID"])  # UTF-8: NUL kept
+    assert ids.tolist() == [[2, 1]]
+    echo_path = tmp_path / "echo.onnx"
+    echo_path.write_bytes(serialize(string_identity(batch=True)))
+    echo = load_runner(echo_path, ModelConfig(), detect_providers())
+    with pytest.raises(Unsupported, match="not UTF-8"):
+        echo.run({"TEXT": objects([b"\xff"]).reshape(1, 1)}, ["ECHO"])
 
 
 def test_a_model_that_emits_non_utf8_fails_to_load_saying_why(tmp_path: Path) -> None:

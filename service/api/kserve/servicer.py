@@ -30,7 +30,7 @@ from modelyard.service.api.kserve.tensors import (
     parameter_value,
     requested_outputs,
 )
-from modelyard.service.api.kserve.triton_config import PLATFORM, triton_config
+from modelyard.service.api.kserve.triton_config import triton_config
 from modelyard.service.api.metadata import call_fields
 from modelyard.service.api.model_control import ModelControl
 from modelyard.service.api.names import check_model, quoted
@@ -72,8 +72,10 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
         uploads: UploadSpace | None = None,  # where a load's files go; None: no limit
         # Who a call's caller is, for the shared-memory regions it owns (Authorizer.identity).
         identify: Callable[[Context], str] = lambda context: "",
+        server_name: str = "modelyard",  # ServerMetadata.name (--server-name; Triton's is "triton")
     ) -> None:
         self._identify = identify
+        self._server_name = server_name
         self._manager = manager
         self._control = ModelControl(manager, uploads)
         self._whole_service_ready = whole_service_ready
@@ -104,7 +106,7 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
     async def ServerMetadata(
         self, request: pb.ServerMetadataRequest, context: Context
     ) -> pb.ServerMetadataResponse:
-        return pb.ServerMetadataResponse(name="modelyard", version=__version__, extensions=EXTENSIONS)
+        return pb.ServerMetadataResponse(name=self._server_name, version=__version__, extensions=EXTENSIONS)
 
     async def ModelMetadata(
         self, request: pb.ModelMetadataRequest, context: Context
@@ -124,7 +126,7 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
             return pb.ModelMetadataResponse(
                 name=request.name,
                 versions=versions,
-                platform=PLATFORM,
+                platform=served.config.platform,  # onnxruntime_onnx, or ensemble
                 inputs=[_tensor_metadata(t) for t in signature.inputs],
                 outputs=[_tensor_metadata(t) for t in signature.outputs],
             )

@@ -78,6 +78,14 @@ def decode_inputs(request: ModelInferRequest, shm: Regions | None = None) -> dic
     located = [_shm_location(tensor, "input") for tensor in request.inputs]
     inline = [t for t, at in zip(request.inputs, located, strict=True) if at is None]
     raw = request.raw_input_contents
+    if raw:
+        for tensor in inline:
+            if tensor.HasField("contents"):
+                # Triton's words, which its clients match; checked before the counts, as Triton does.
+                raise InvalidInput(
+                    f"contents field must not be specified when using raw_input_contents for "
+                    f"{quoted(tensor.name)} for model {quoted(request.model_name)}"
+                )
     if raw and len(raw) != len(inline):
         if len(raw) < len(inline):
             missing = inline[len(raw)].name
@@ -107,10 +115,6 @@ def decode_inputs(request: ModelInferRequest, shm: Regions | None = None) -> dic
             region, offset, size = at
             arrays[tensor.name] = _from_raw(tensor, shm.read(region, offset, size, tensor.name))
         elif raw:
-            if tensor.HasField("contents"):
-                raise InvalidInput(
-                    f"input {quoted(tensor.name)}: 'contents' must not be set when raw_input_contents is used"
-                )
             arrays[tensor.name] = _from_raw(tensor, raw[raw_index])
             raw_index += 1
         else:

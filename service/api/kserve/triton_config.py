@@ -26,6 +26,7 @@ from modelyard.service.runtime.served import ServedVersion
 from modelyard.service.scheduling.queue import QueuePolicy
 
 PLATFORM = "onnxruntime_onnx"
+ENSEMBLE = "ensemble"
 BACKEND = "onnxruntime"
 
 _TOP = {
@@ -38,8 +39,10 @@ _TOP = {
     "version_policy",
     "dynamic_batching",
     "instance_group",
+    "model_warmup",
+    "ensemble_scheduling",
 }
-_INPUT = {"name", "data_type", "dims"}
+_INPUT = {"name", "data_type", "dims", "format"}
 _OUTPUT = {"name", "data_type", "dims", "label_filename"}
 _BATCHING = {
     "preferred_batch_size",
@@ -100,8 +103,10 @@ def _to_document(config: config_pb.ModelConfig, model: str) -> dict[str, Any]:
         raise InvalidInput(
             f"load parameter 'config': name {quoted(config.name)} is not the model {quoted(model)}"
         )
-    if config.platform and config.platform != PLATFORM:
-        raise InvalidInput(f"load parameter 'config': platform {quoted(config.platform)} (only {PLATFORM!r})")
+    if config.platform and config.platform not in (PLATFORM, ENSEMBLE):
+        raise InvalidInput(
+            f"load parameter 'config': platform {quoted(config.platform)} (only {PLATFORM!r} or {ENSEMBLE!r})"
+        )
     if config.backend and config.backend != BACKEND:
         raise InvalidInput(f"load parameter 'config': backend {quoted(config.backend)} (only {BACKEND!r})")
     batch = config.max_batch_size
@@ -116,6 +121,22 @@ def _to_document(config: config_pb.ModelConfig, model: str) -> dict[str, Any]:
         doc["dynamic_batching"] = _batching(config.dynamic_batching)
     if config.instance_group:
         doc["execution"] = _execution(config.instance_group)
+    if config.platform == ENSEMBLE:
+        doc["platform"] = ENSEMBLE
+    if config.HasField("ensemble_scheduling"):
+        doc["ensemble_scheduling"] = {
+            "step": [
+                {
+                    "model_name": step.model_name,
+                    "model_version": step.model_version,
+                    "input_map": dict(step.input_map),
+                    "output_map": dict(step.output_map),
+                }
+                for step in config.ensemble_scheduling.step
+            ]
+        }
+    if config.model_warmup:
+        doc["model_warmup"] = [_warmup(w, f"model_warmup[{i}]") for i, w in enumerate(config.model_warmup)]
     return doc
 
 
@@ -145,6 +166,8 @@ def _tensor(tensor: Any, allowed: set[str], where: str, batch: int) -> dict[str,
     }
     if getattr(tensor, "label_filename", ""):
         doc["label_filename"] = tensor.label_filename
+    if getattr(tensor, "format", 0):
+        doc["format"] = config_pb.ModelInput.Format.Name(tensor.format)
     return doc
 
 
@@ -190,6 +213,22 @@ def _queue_policy(policy: config_pb.ModelQueuePolicy, where: str) -> dict[str, A
         "default_timeout_us": policy.default_timeout_microseconds,
         "allow_timeout_override": policy.allow_timeout_override,
     }
+
+
+def _warmup(sample: config_pb.ModelWarmup, where: str) -> dict[str, Any]:
+    """A warm-up sample: the same keys in config.yaml, datatypes by their KServe names."""
+    inputs = {}
+    for name, item in sample.inputs.items():
+        at = f"{where}.inputs[{name}]"
+        entry: dict[str, Any] = {"datatype": _datatype(item.data_type, at), "dims": list(item.dims)}
+        choice = item.WhichOneof("input_data_type")
+        if choice == "input_data_file":
+            entry["input_data_file"] = item.input_data_file
+        elif choice is not None:
+            entry[choice] = True
+        inputs[name] = entry
+    # Triton's batch_size 0 skips the sample; config.yaml's default is 1, so it is always given.
+    return {"name": sample.name, "batch_size": sample.batch_size, "count": sample.count, "inputs": inputs}
 
 
 def _execution(groups: Any) -> dict[str, Any]:
@@ -243,13 +282,20 @@ def triton_config(served: ServedVersion) -> config_pb.ModelConfig:
     # Triton's dims leave out the batch dimension when the model batches.
     skip = 1 if signature.max_batch_size else 0
     labels = {t.name: t.label_filename for t in config.outputs}
+    formats = {t.name: config_pb.ModelInput.Format.Value(t.format) for t in config.inputs}
+    ensemble = config.ensemble
     triton = config_pb.ModelConfig(
         name=served.model,
-        platform=PLATFORM,
-        backend="onnxruntime",
+        platform=config.platform,
+        backend="" if ensemble is not None else BACKEND,  # an ensemble has none, as Triton's
         max_batch_size=signature.max_batch_size,
         input=[
-            config_pb.ModelInput(name=t.name, data_type=_triton_type(t.datatype), dims=t.shape[skip:])
+            config_pb.ModelInput(
+                name=t.name,
+                data_type=_triton_type(t.datatype),
+                dims=t.shape[skip:],
+                format=formats.get(t.name, config_pb.ModelInput.FORMAT_NONE),
+            )
             for t in signature.inputs
         ],
         output=[
@@ -261,8 +307,28 @@ def triton_config(served: ServedVersion) -> config_pb.ModelConfig:
             )
             for t in signature.outputs
         ],
-        instance_group=[_instance_group(served)],
+        instance_group=[] if ensemble is not None else [_instance_group(served)],
     )
+    if ensemble is not None:
+        for step in ensemble.steps:
+            triton.ensemble_scheduling.step.add(
+                model_name=step.model,
+                model_version=step.version,
+                input_map=dict(step.inputs),
+                output_map=dict(step.outputs),
+            )
+    for sample in config.model_warmup:
+        warmup = triton.model_warmup.add(name=sample.name, batch_size=sample.batch_size, count=sample.count)
+        for name, item in sample.inputs:
+            entry = warmup.inputs[name]
+            entry.data_type = _triton_type(item.datatype)
+            entry.dims.extend(item.dims)
+            if item.source == "file":
+                entry.input_data_file = item.file
+            elif item.source == "random":
+                entry.random_data = True
+            else:
+                entry.zero_data = True
     policy = config.version_policy
     if policy.kind == "latest":
         triton.version_policy.latest.num_versions = policy.latest
