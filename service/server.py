@@ -313,6 +313,7 @@ def build_service(
                 whole_service_ready=(lambda: link.service_serving) if link is not None else None,
                 uploads=UploadSpace(settings.max_upload_bytes),
                 identify=identities(authorizer),
+                sequences=batching.sequences,
             ),
         ),
         # The FlatBuffers method (no protobuf): its servicer gives its handler (bytes in and out).

@@ -38,6 +38,7 @@ from modelyard.service.repository.config import ModelConfig, TensorConfig
 from modelyard.service.runtime import bf16
 from modelyard.service.runtime.cost import value_driven
 from modelyard.service.runtime.device_errors import names_a_device_failure, names_out_of_device_memory
+from modelyard.service.runtime.internal import split_signature
 from modelyard.service.runtime.iobinding import DeviceBinding, binding_for
 from modelyard.service.runtime.providers import CPU, CUDA, ProviderChoice
 from modelyard.service.runtime.runs import RunControl
@@ -131,6 +132,10 @@ class ModelRunner:
     degraded: str = ""
     # How runs on a device bind their tensors (iobinding.py); None: session.run (the CPU).
     binding: DeviceBinding | None = None
+    # Graph inputs the service feeds itself, not in the signature (runtime/internal.py): a
+    # stateful model's controls and state, a repeat model's index. Runs of such a model are fed
+    # them by the layer that runs it (service/sequences/, service/decoupled/).
+    internal_inputs: tuple[TensorSpec, ...] = ()
 
     @property
     def runs_inline(self) -> bool:
@@ -307,7 +312,7 @@ def load_runner(
     except Exception as exc:  # ORT raises a variety of types for a bad file
         raise ModelLoadError(f"{model_file}: onnxruntime cannot load it: {_first_line(exc)}") from None
     degraded = _degraded(config, providers, provider, session.get_providers()[0], model_file)
-    signature = _signature(session, config, model_file)
+    signature, internal = _signature(session, config, model_file)
     metadata = dict(session.get_modelmeta().custom_metadata_map)
     kind: GraphKind | None = None
     for recognize in recognizers:
@@ -326,13 +331,14 @@ def load_runner(
         binding=binding_for(
             session.get_providers()[0], config.execution.device_id, signature, config.execution.io_binding
         )
-        if kind is None
+        if kind is None and not any(spec.datatype == "BYTES" for spec in internal)
         else None,
+        internal_inputs=internal,
     )
     if kind is not None:
         feeds = kind.warmup_feeds()
     else:
-        feeds = {spec.name: _sample(spec) for spec in signature.inputs}
+        feeds = {spec.name: _sample(spec) for spec in signature.inputs + internal}
     warmup_run_s = _warm_up(runner, feeds, model_file, inline_limit_s if kind is None else 0.0)
     driven = "a layer above runs it" if kind is not None else "the warm-up is too slow to run inline"
     peak_run_s = 0.0
@@ -340,7 +346,9 @@ def load_runner(
         # Fast enough to run inline: but only if no request's values can make it slow.
         driven = value_driven(model_file, signature)
         if not driven and signature.max_batch_size > 1:
-            largest = {spec.name: _sample(spec, signature.max_batch_size) for spec in signature.inputs}
+            largest = {
+                spec.name: _sample(spec, signature.max_batch_size) for spec in signature.inputs + internal
+            }
             peak_run_s = _warm_up(runner, largest, model_file, inline_limit_s)
     return dataclasses.replace(
         runner,
@@ -442,9 +450,13 @@ def bound_run_memory(max_bytes: int) -> int:
     return max_bytes
 
 
-def _signature(session: ort.InferenceSession, config: ModelConfig, model_file: Path) -> Signature:
+def _signature(
+    session: ort.InferenceSession, config: ModelConfig, model_file: Path
+) -> tuple[Signature, tuple[TensorSpec, ...]]:
+    """The signature clients see, and the internal inputs (runtime/internal.py)."""
     inputs = tuple(_spec(arg, model_file) for arg in session.get_inputs())
     outputs = tuple(_spec(arg, model_file) for arg in session.get_outputs())
+    inputs, outputs, internal = split_signature(inputs, outputs, config, model_file)
     if config.inputs:
         inputs = _apply_config(inputs, config.inputs, "input", model_file)
     if config.outputs:
@@ -457,7 +469,7 @@ def _signature(session: ort.InferenceSession, config: ModelConfig, model_file: P
                     f"{list(spec.shape)}, whose first dimension is not a dynamic batch dimension",
                     "schema",
                 )
-    return Signature(inputs, outputs, config.max_batch_size)
+    return Signature(inputs, outputs, config.max_batch_size), internal
 
 
 def _spec(arg: Any, model_file: Path) -> TensorSpec:
