@@ -197,6 +197,7 @@ class StateConfig:
     # file under initial_state/, read with config.yaml); None: zeros, each -1 dimension 1.
     initial_shape: tuple[int, ...] | None = None
     initial_data: bytes | None = None  # None with initial_shape: zeros
+    initial_file: str = ""  # where initial_data was read from (initial_state/<file>)
 
 
 @dataclass(frozen=True)
@@ -525,7 +526,7 @@ def _sequences(config: ConfigDoc, doc: SequenceBatchingDoc) -> SequenceBatchingC
         if config.max_batch_size and (not shape or shape[0] != -1):
             raise DocumentError(f"{at}.shape", "starts with the batch dimension (-1): max_batch_size > 0")
         initial_shape: tuple[int, ...] | None = None
-        initial_data: bytes | None = None
+        initial_file = ""
         if state.initial_state is not None:
             initial = state.initial_state
             if initial.zero_data == bool(initial.data_file):
@@ -540,12 +541,15 @@ def _sequences(config: ConfigDoc, doc: SequenceBatchingDoc) -> SequenceBatchingC
                     f"{list(initial_shape)} does not fit the state's shape {list(shape)}"
                     + (" (one row: the batch dimension is 1)" if config.max_batch_size else ""),
                 )
-            if initial.data_file:
-                # Read with config.yaml (with_initial_states): a marker until then.
-                initial_data = initial.data_file.encode()
+            initial_file = initial.data_file  # read with config.yaml (with_initial_states)
         states.append(
             StateConfig(
-                state.input_name, state.output_name, state.datatype, shape, initial_shape, initial_data
+                state.input_name,
+                state.output_name,
+                state.datatype,
+                shape,
+                initial_shape,
+                initial_file=initial_file,
             )
         )
     names = [c.name for c in controls] + [s.input_name for s in states]
@@ -615,14 +619,14 @@ def with_initial_states(config: ModelConfig, model_dir: Path, root: Path) -> Mod
     """`config` with each state's initial_state.data_file read (its raw elements, exactly the
     state's size), from inside the repository. Without data files, `config` itself."""
     batching = config.sequence_batching
-    if batching is None or not any(s.initial_data is not None for s in batching.states):
+    if batching is None or not any(s.initial_file for s in batching.states):
         return config
     states = []
     for state in batching.states:
-        if state.initial_data is None or state.initial_shape is None:
+        if not state.initial_file or state.initial_shape is None:
             states.append(state)
             continue
-        path = model_dir / INITIAL_STATE_DIR / state.initial_data.decode()
+        path = model_dir / INITIAL_STATE_DIR / state.initial_file
         where = f"sequence_batching.states ({state.input_name}).initial_state.data_file"
         size = NUMPY_BY_NAME[state.datatype].itemsize
         for dim in state.initial_shape:

@@ -61,7 +61,7 @@ def initial_state(state: StateConfig, batched: bool) -> np.ndarray:
         if batched:
             shape = (1, *shape[1:])
         return _zeros(shape, state.datatype)
-    if state.initial_data is None:
+    if state.initial_data is None:  # zero_data (or a file not read: parse_config alone)
         return _zeros(state.initial_shape, state.datatype)
     return (
         np.frombuffer(state.initial_data, dtype=dtype.newbyteorder("<"))

@@ -56,6 +56,7 @@ ENABLE_FINAL_RESPONSE = "triton_enable_empty_final_response"
 FINAL_RESPONSE = "triton_final_response"
 EXTENSIONS = [
     "classification",
+    "sequence",
     "model_repository",
     "schedule_policy",
     "model_configuration",
