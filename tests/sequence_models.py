@@ -4,6 +4,8 @@
   (INPUT + START) * READY, INT32 [batch, 1], controls START and READY (int32 0/1), direct.
 - `simple_dyna_sequence`: Triton's `simple_dyna_sequence`: OUTPUT = READY * (INPUT + START +
   END * CORRID), CORRID UINT64, strategy oldest.
+- `simple_string_dyna_sequence`: Triton's (a custom backend there): the running sum of the
+  inputs as implicit state, + the correlation id (a string, CORRID BYTES) at END.
 - `accumulator`: implicit state: OUTPUT_STATE = INPUT + INPUT_STATE * (1 - START), OUTPUT the
   same (the running sum of a sequence's inputs), Triton's create_onnx_modelfile_wo_initial_state.
 - `counter`: FP32 state with an initial_state (zeros or a file): OUTPUT = STATE_IN + INPUT, no
@@ -59,6 +61,30 @@ def simple_dyna_sequence() -> onnx.ModelProto:
         [helper.make_tensor_value_info("OUTPUT", INT32, ROW)],
     )
     return make_model(graph, "Triton's simple_dyna_sequence: READY * (INPUT + START + END * CORRID)")
+
+
+def simple_string_dyna_sequence() -> onnx.ModelProto:
+    """Triton's simple_string_dyna_sequence (a custom backend there): the running sum of the
+    sequence's inputs as implicit state, plus the correlation id (a string holding an integer,
+    CORRID BYTES) on the END step: OUTPUT = READY * (STATE + END * int(CORRID))."""
+    one = helper.make_tensor("one", INT32, [1], [1])
+    graph = helper.make_graph(
+        [
+            helper.make_node("Sub", ["one", "START"], ["not_start"]),
+            helper.make_node("Mul", ["INPUT_STATE", "not_start"], ["kept"]),
+            helper.make_node("Add", ["INPUT", "kept"], ["OUTPUT_STATE"]),
+            helper.make_node("Cast", ["CORRID"], ["corrid"], to=INT32),
+            helper.make_node("Mul", ["END", "corrid"], ["at_end"]),
+            helper.make_node("Add", ["OUTPUT_STATE", "at_end"], ["sum"]),
+            helper.make_node("Mul", ["READY", "sum"], ["OUTPUT"]),
+        ],
+        "simple_string_dyna_sequence",
+        [helper.make_tensor_value_info(n, INT32, ROW) for n in ("INPUT", "START", "END", "READY", "INPUT_STATE")]
+        + [helper.make_tensor_value_info("CORRID", TensorProto.STRING, ROW)],
+        [helper.make_tensor_value_info(n, INT32, ROW) for n in ("OUTPUT", "OUTPUT_STATE")],
+        initializer=[one],
+    )
+    return make_model(graph, "Triton's simple_string_dyna_sequence: a running sum, + CORRID at END")
 
 
 def accumulator() -> onnx.ModelProto:
@@ -180,6 +206,21 @@ def write_triton_models(root: Path, idle_us: int = 60_000_000, instances: int = 
         {
             **sequence_config(
                 dyna_controls, strategy="oldest", idle_us=idle_us, max_candidate_sequences=64, max_queue_delay_us=0
+            ),
+            **execution,
+        },
+    )
+    write_model(
+        root,
+        "simple_string_dyna_sequence",
+        1,
+        simple_string_dyna_sequence(),
+        {
+            **sequence_config(
+                [*dyna_controls[:3], {"name": "CORRID", "kind": "corrid", "datatype": "BYTES"}],
+                strategy="oldest",
+                idle_us=idle_us,
+                states=[ACCUMULATOR_STATE],
             ),
             **execution,
         },

@@ -338,7 +338,8 @@ def load_runner(
     if kind is not None:
         feeds = kind.warmup_feeds()
     else:
-        feeds = {spec.name: _sample(spec) for spec in signature.inputs + internal}
+        feeds = {spec.name: _sample(spec) for spec in signature.inputs}
+        feeds.update({spec.name: _internal_sample(spec) for spec in internal})
     warmup_run_s = _warm_up(runner, feeds, model_file, inline_limit_s if kind is None else 0.0)
     driven = "a layer above runs it" if kind is not None else "the warm-up is too slow to run inline"
     peak_run_s = 0.0
@@ -346,9 +347,8 @@ def load_runner(
         # Fast enough to run inline: but only if no request's values can make it slow.
         driven = value_driven(model_file, signature)
         if not driven and signature.max_batch_size > 1:
-            largest = {
-                spec.name: _sample(spec, signature.max_batch_size) for spec in signature.inputs + internal
-            }
+            largest = {spec.name: _sample(spec, signature.max_batch_size) for spec in signature.inputs}
+            largest.update({spec.name: _internal_sample(spec, signature.max_batch_size) for spec in internal})
             peak_run_s = _warm_up(runner, largest, model_file, inline_limit_s)
     return dataclasses.replace(
         runner,
@@ -539,6 +539,15 @@ def _sample(spec: TensorSpec, rows: int = 1) -> np.ndarray:
     if spec.datatype == "BYTES":
         return np.full(shape, b"", dtype=object)
     return np.zeros(shape, dtype=NUMPY_BY_NAME[spec.datatype])
+
+
+def _internal_sample(spec: TensorSpec, rows: int = 1) -> np.ndarray:
+    """An input the service feeds itself (runtime/internal.py), as it feeds a row without a
+    request: zeros, and a string correlation id "0" (as ONNX Runtime takes strings: str)."""
+    sample = _sample(spec, rows)
+    if spec.datatype == "BYTES":
+        return np.full(sample.shape, "0", dtype=object)
+    return sample
 
 
 def _first_line(exc: BaseException) -> str:

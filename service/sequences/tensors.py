@@ -25,7 +25,8 @@ def control_tensor(control: ControlInput, values: Sequence[bool | int | str], ba
     if control.kind == "corrid":
         if control.datatype == "BYTES":
             # ONNX Runtime takes strings as str objects (runtime/strings.py).
-            return np.array([str(v) if v else "" for v in values], dtype=object).reshape(shape)
+            # A row without a step carries id 0, as Triton's null requests do ("0" as a string).
+            return np.array([str(v) for v in values], dtype=object).reshape(shape)
         dtype = NUMPY_BY_NAME[control.datatype]
         return np.array(values, dtype=dtype).reshape(shape)
     false, true = control.false_true
