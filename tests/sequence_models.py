@@ -79,7 +79,10 @@ def simple_string_dyna_sequence() -> onnx.ModelProto:
             helper.make_node("Mul", ["READY", "sum"], ["OUTPUT"]),
         ],
         "simple_string_dyna_sequence",
-        [helper.make_tensor_value_info(n, INT32, ROW) for n in ("INPUT", "START", "END", "READY", "INPUT_STATE")]
+        [
+            helper.make_tensor_value_info(n, INT32, ROW)
+            for n in ("INPUT", "START", "END", "READY", "INPUT_STATE")
+        ]
         + [helper.make_tensor_value_info("CORRID", TensorProto.STRING, ROW)],
         [helper.make_tensor_value_info(n, INT32, ROW) for n in ("OUTPUT", "OUTPUT_STATE")],
         initializer=[one],
@@ -205,7 +208,11 @@ def write_triton_models(root: Path, idle_us: int = 60_000_000, instances: int = 
         simple_dyna_sequence(),
         {
             **sequence_config(
-                dyna_controls, strategy="oldest", idle_us=idle_us, max_candidate_sequences=64, max_queue_delay_us=0
+                dyna_controls,
+                strategy="oldest",
+                idle_us=idle_us,
+                max_candidate_sequences=64,
+                max_queue_delay_us=0,
             ),
             **execution,
         },
