@@ -103,6 +103,13 @@ class DataPlane:
         served.in_flight += 1  # the lease (ServedVersion.acquire, inline: it runs on every request)
         return call
 
+    def hold(self, served: ServedVersion) -> Call:
+        """`open` for a version already known (a live sequence's, which its lease keeps even
+        once a reload took it out of the served table)."""
+        tracing.resolved(served.version_name)
+        served.in_flight += 1
+        return Call(self, served)
+
     async def infer(
         self,
         model: str,

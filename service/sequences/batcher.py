@@ -121,9 +121,10 @@ class SequenceDirectory:
     def __init__(self) -> None:
         self._versions: dict[tuple[str, SequenceKey], ServedVersion] = {}
 
-    def version_of(self, model: str, sequence_id: SequenceKey) -> str:
-        served = self._versions.get((model, sequence_id))
-        return served.version_name if served is not None else ""
+    def version_of(self, model: str, sequence_id: SequenceKey) -> ServedVersion | None:
+        """The version the sequence lives on (one a reload took out of the served table included:
+        the sequence's lease keeps it until the sequence ends); None when it is not live."""
+        return self._versions.get((model, sequence_id))
 
     def add(self, served: ServedVersion, sequence_id: SequenceKey) -> None:
         self._versions[(served.model, sequence_id)] = served
@@ -185,6 +186,10 @@ class SequenceBatcher:
     @property
     def has_idle_slot(self) -> bool:
         return not self._queued and any(not lane.running for lane in self._lanes)
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
 
     @property
     def live(self) -> int:

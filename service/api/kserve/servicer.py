@@ -300,13 +300,14 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
             request.id,
             kserve_priority(parameters) if parameters else 0,
         )
-        if step is not None and not version and not step.start:
-            # A step that names no version goes where its sequence lives (a reload meanwhile
-            # leaves a live sequence on its version until it ends).
-            version = self._sequences.version_of(model, step.sequence_id)
         # One version for the whole request: its limits check the tensors, its priority levels
-        # and label files apply, and it runs.
-        held = self._dataplane.open(model, version)  # leased until the finally (Call)
+        # and label files apply, and it runs. A sequence's step goes where its sequence lives
+        # (a reload meanwhile leaves a live sequence on its version until it ends).
+        live = self._sequences.version_of(model, step.sequence_id) if step and not step.start else None
+        if live is not None and version in ("", live.version_name, f"v{live.version_name}"):
+            held = self._dataplane.hold(live)
+        else:
+            held = self._dataplane.open(model, version)  # leased until the finally (Call)
         held.dye = dye
         lease = True
         try:
