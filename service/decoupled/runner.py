@@ -115,7 +115,9 @@ class DecoupledRunner:
                     f"{list(array.shape)}"
                 )
         delays = self._waits(feeds, repeat.delay_input, repeat.max_delay_ms) if repeat.delay_input else None
-        hold_s = self._waits(feeds, repeat.hold_input, repeat.max_delay_ms)[0] if repeat.hold_input else 0.0
+        hold_s = (
+            self._waits(feeds, repeat.hold_input, repeat.max_delay_ms, 1)[0] if repeat.hold_input else 0.0
+        )
         loop = asyncio.get_running_loop()
         await self._holds.acquire()
         held = True
@@ -144,9 +146,9 @@ class DecoupledRunner:
             timer.cancel()
             let_go()
 
-    def _waits(self, feeds: Mapping[str, np.ndarray], name: str, max_ms: int) -> list[float]:
+    def _waits(self, feeds: Mapping[str, np.ndarray], name: str, max_ms: int, least: int = 0) -> list[float]:
         values = [int(v) for v in np.asarray(feeds[name]).reshape(-1)]
-        if not values:
+        if len(values) < least:
             raise InvalidInput(f"input {name!r} holds no value")
         for value in values:
             if value > max_ms:
