@@ -158,6 +158,8 @@ class Service:
             self._events.cancel()
         if self.generation is not None:
             await self.generation.close()  # decode loops use the executor: stop them first
+        if self.batching is not None:
+            await self.batching.close_sequences()  # no step can come now: nothing to wait for
         await self.manager.close()
         await shut_down_executor(self.executor)
         shadows = self.manager.runs.capacity.close()

@@ -99,6 +99,13 @@ class BatchingLayer:
         )
         served.on_retire(self._detach)
 
+    async def close_sequences(self) -> None:
+        """Shutting down, once no call can come any more: release every live sequence, so that
+        the versions' drain waits for the requests running, not for sequences' next steps."""
+        for batcher in list(self._batchers.values()):
+            if isinstance(batcher, SequenceBatcher):
+                await batcher.close()
+
     async def _detach(self, served: ServedVersion) -> None:
         """The version retired and drained: close its batcher and let go of it."""
         batcher = self._batchers.pop(served, None)
