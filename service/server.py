@@ -272,6 +272,12 @@ def build_service(
     )
     # The layers above the runtime attach to each version as it loads and let go as it retires.
     batching = BatchingLayer(executor, metrics, clock)
+    if worker is not None:
+        # A sequence lives in the worker that took its START; workers share no sequence state.
+        batching.sequence_note = (
+            "; with --workers, a sequence lives in the worker process that took its START: send all "
+            "of its steps on one connection (one channel), or serve sequence models with one worker"
+        )
     manager.on_load(batching.attach)
     dataplane = DataPlane(manager, executor, batching)
     generation = GenerationPlane(manager, executor, metrics)

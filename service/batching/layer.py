@@ -49,6 +49,9 @@ class BatchingLayer:
         # Which version each live sequence lives on, for every sequence model (the KServe API
         # sends a step that names no version there).
         self.sequences = SequenceDirectory()
+        # Said with every step of a sequence this process does not have (a worker's: set by the
+        # composition root).
+        self.sequence_note = ""
 
     def batcher(self, served: ServedVersion) -> VersionBatcher | None:
         """The version's batcher; None when its requests run one by one."""
@@ -67,7 +70,9 @@ class BatchingLayer:
                 "" if len(served.instances.all) == 1 else "s",
                 sequences.max_sequence_idle_us,
             )
-            self._batchers[served] = SequenceBatcher(served, sequences, self._executor, self.sequences)
+            self._batchers[served] = SequenceBatcher(
+                served, sequences, self._executor, self.sequences, note=self.sequence_note
+            )
             served.on_retire(self._detach)
             return
         if config.decoupled is not None:

@@ -142,6 +142,7 @@ class SequenceBatcher:
         executor: Executor,
         directory: SequenceDirectory | None = None,
         clock: Callable[[], float] = time.monotonic,
+        note: str = "",  # said of a sequence this process does not have (a worker's)
     ) -> None:
         self.served = served
         self.settings = settings
@@ -176,6 +177,7 @@ class SequenceBatcher:
         self._client_outputs = served.runner.signature.output_names
         self._queued = 0
         self._closed = False
+        self._note = note
 
     # -- what the data plane asks of a batcher ------------------------------------------------
 
@@ -244,7 +246,7 @@ class SequenceBatcher:
                 f"; {step.shown} was released after idling for more than "
                 f"{self.settings.max_sequence_idle_us} us (sequence_batching.max_sequence_idle_us)"
                 if step.sequence_id in self._expired
-                else f"; {step.shown} is not live on {self.name} (never started, or ended)"
+                else f"; {step.shown} is not live on {self.name} (never started, or ended){self._note}"
             )
             raise SequenceStateError(
                 f"inference request for {step.shown} to model '{self._model}' must specify the START flag on "
