@@ -48,6 +48,7 @@ from modelyard.service.runtime.manager import ModelManager
 from modelyard.service.runtime.served import ServedVersion
 from modelyard.service.runtime.signature import TensorSpec
 from modelyard.service.sequences.batcher import SequenceDirectory
+from modelyard.service.sequences.step import Step
 from modelyard.service.shm.registry import SharedMemoryRegistry
 from modelyard.tensors import TensorError
 
@@ -274,6 +275,15 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
                 self._manager.status(request.model_name)  # NOT_FOUND for a model it does not know
             return settings.answer_trace_setting(self._traces, request)
 
+    def _live_version(self, model: str, version: str, step: Step) -> ServedVersion | None:
+        """The version a step's live sequence lives on, unless it is a START or names another."""
+        if step.start:
+            return None
+        live = self._sequences.version_of(model, step.sequence_id)
+        if live is None or version not in ("", live.version_name, f"v{live.version_name}"):
+            return None
+        return live
+
     @overload
     async def _infer(
         self, request: pb.ModelInferRequest, context: Context, model: str, decoupled: Literal[False] = False
@@ -292,24 +302,21 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
         (`decoupled`), a decoupled version's request answers decoupled.Responses instead, which
         holds the version's lease until its last response."""
         parameters = request.parameters
-        step = sequence_step(parameters) if parameters else None
+        if parameters:
+            priority, step = kserve_priority(parameters), sequence_step(parameters)
+        else:  # most requests
+            priority, step = 0, None
         version, request_id, priority, dye = call_fields(
-            context,
-            model,
-            request.model_version,
-            request.id,
-            kserve_priority(parameters) if parameters else 0,
+            context, model, request.model_version, request.id, priority
         )
         # One version for the whole request: its limits check the tensors, its priority levels
         # and label files apply, and it runs. A sequence's step goes where its sequence lives
         # (a reload meanwhile leaves a live sequence on its version until it ends).
-        live = self._sequences.version_of(model, step.sequence_id) if step and not step.start else None
-        if live is not None and version in ("", live.version_name, f"v{live.version_name}"):
+        if step is not None and (live := self._live_version(model, version, step)) is not None:
             held = self._dataplane.hold(live)
         else:
             held = self._dataplane.open(model, version)  # leased until the finally (Call)
         held.dye = dye
-        lease = True
         try:
             if dye == DYE_SHADOW:
                 held.refuse_shadow()
@@ -342,7 +349,7 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
                         f"model '{model}' is decoupled: its outputs are not written to shared memory "
                         "(each response carries its own)"
                     )
-                lease = False  # the responses hold it, until the last one
+                served.acquire()  # the responses' own lease, until the last one
                 answered = partial(_answered, request_id, classify, served)
                 return Responses(held, responses, answered, request), held
             if step is not None:
@@ -350,8 +357,7 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
             else:
                 result = await held.infer(inputs, names, scheduling)
         finally:
-            if lease:
-                held.served.release()
+            held.served.release()
         # Fields set one by one: cheaper than the constructor's keywords (and no empty id set).
         response = pb.ModelInferResponse()
         response.model_name, response.model_version = result.model, str(result.version)
