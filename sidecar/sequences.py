@@ -46,6 +46,8 @@ IDLE_S = 600.0  # a pin with no step for this long is dropped
 MAX_PINS = 65_536
 MAX_ID_BYTES = 1024  # a longer string id is not pinned (the service refuses it)
 MAX_FIELDS = 64  # top-level fields walked at most (as wire.MAX_FIELDS)
+# The tags of ModelInferRequest's fields after `parameters`: inputs, outputs, raw_input_contents.
+_AFTER_PARAMETERS = frozenset({0x2A, 0x32, 0x3A})
 
 _VARINT, _I64, _LEN, _I32 = 0, 1, 2, 5
 _PARAMETERS = (4 << 3) | _LEN  # ModelInferRequest.parameters, a map entry per field
@@ -63,6 +65,17 @@ class SequenceStep:
 def read_step(data: bytes) -> SequenceStep | None:
     """The message's sequence parameters, or None when it names no sequence (no sequence_id, 0,
     "", a malformed prefix: the service answers what it makes of those)."""
+    # Most calls carry no parameters: their first field after the name, version and id (1-3, as
+    # encoders write them, each a one-byte length here) is an input (5) or beyond, seen inline.
+    pos, end = 0, len(data)
+    if pos < end and data[pos] == 0x0A and pos + 1 < end and data[pos + 1] < 0x80:
+        pos += 2 + data[pos + 1]
+        if pos < end and data[pos] == 0x12 and pos + 1 < end and data[pos + 1] < 0x80:
+            pos += 2 + data[pos + 1]
+        if pos < end and data[pos] == 0x1A and pos + 1 < end and data[pos + 1] < 0x80:
+            pos += 2 + data[pos + 1]
+        if pos >= end or data[pos] in _AFTER_PARAMETERS:
+            return None
     try:
         return _read_step(data)
     except (WireError, IndexError, struct.error, UnicodeDecodeError):
