@@ -53,8 +53,15 @@ class BatchingLayer:
         # composition root).
         self.sequence_note = ""
 
-    def batcher(self, served: ServedVersion) -> VersionBatcher | None:
-        """The version's batcher; None when its requests run one by one."""
+    def batcher(self, served: ServedVersion) -> Batcher | None:
+        """The version's dynamic batcher; None when its requests run one by one (or through one
+        of the other kinds: `runner_of`)."""
+        found = self._batchers.get(served)
+        return found if isinstance(found, Batcher) else None
+
+    def runner_of(self, served: ServedVersion) -> VersionBatcher | None:
+        """What runs the version's requests: a dynamic batcher, a sequence batcher or a decoupled
+        runner; None when its requests run one by one."""
         return self._batchers.get(served)
 
     def attach(self, served: ServedVersion) -> None:

@@ -65,11 +65,8 @@ async def refused(call: Any) -> tuple[grpc.StatusCode, str, str]:
     with pytest.raises(grpc.aio.AioRpcError) as caught:
         await call
     error = caught.value
-    return (
-        error.code(),
-        error.details() or "",
-        dict(error.trailing_metadata() or ()).get("x-error-reason", ""),
-    )
+    trailing: Any = error.trailing_metadata() or ()
+    return error.code(), error.details() or "", dict(trailing).get("x-error-reason", "")
 
 
 async def run_sequence(stub: Any, model: str, sequence_id: int | str, values: list[int]) -> list[int]:
@@ -83,7 +80,7 @@ async def run_sequence(stub: Any, model: str, sequence_id: int | str, values: li
 def batcher_of(service: Service, model: str) -> SequenceBatcher:
     assert service.batching is not None
     served = service.manager.table.resolve(model, "")
-    found = service.batching.batcher(served)
+    found = service.batching.runner_of(served)
     assert isinstance(found, SequenceBatcher)
     return found
 
@@ -323,7 +320,8 @@ async def test_a_live_sequence_stays_on_its_version_across_a_reload(
     )
 
     async def v2_serves() -> bool:
-        return (await stub.ModelReady(pb.ModelReadyRequest(name="accumulator", version="2"))).ready
+        answer = await stub.ModelReady(pb.ModelReadyRequest(name="accumulator", version="2"))
+        return bool(answer.ready)
 
     await eventually(v2_serves, "version 2 serving")
     # New sequences start on the new version; the live one goes on where it started, state intact.

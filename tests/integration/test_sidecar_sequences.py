@@ -134,5 +134,6 @@ async def test_a_step_the_service_refuses_is_answered_with_its_reason(tmp_path: 
             with pytest.raises(grpc.aio.AioRpcError) as caught:
                 await stub.ModelInfer(step("accumulator", 1, 31, start=start))
             assert caught.value.code() == grpc.StatusCode.FAILED_PRECONDITION
-            reason = dict(caught.value.trailing_metadata() or ()).get("x-error-reason")
+            trailing: Any = caught.value.trailing_metadata() or ()
+            reason = dict(trailing).get("x-error-reason")
             assert reason == "failed_precondition"

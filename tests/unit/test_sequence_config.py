@@ -94,7 +94,7 @@ def test_an_initial_state_file_is_read_with_the_config(tmp_path: Path) -> None:
     state = {**ACCUMULATOR_STATE, "initial_state": {"shape": [1, 1], "data_file": "start"}}
     (model / "config.yaml").write_text(json.dumps(config(states=[state])))
     (model / "initial_state" / "start").write_bytes(np.array([[42]], "<i4").tobytes())
-    (loaded,) = load_config(model, tmp_path).sequence_batching.states  # type: ignore[union-attr]
+    (loaded,) = load_config(model, tmp_path).sequence_batching.states
     assert initial_state(loaded, batched=True).tolist() == [[42]]
     (model / "initial_state" / "start").write_bytes(b"\0" * 3)
     with pytest.raises(ConfigError, match=r"holds 3 bytes; .* takes 4"):
@@ -237,16 +237,16 @@ def test_triton_json_without_a_counterpart_is_refused(change: dict[str, Any], sa
 
 
 def test_control_tensors_as_triton_feeds_them() -> None:
-    start = parse_config(config()).sequence_batching.controls[0]  # type: ignore[union-attr]
+    start = parse_config(config()).sequence_batching.controls[0]
     assert control_tensor(start, [True, False], batched=True).tolist() == [[1], [0]]
     assert control_tensor(start, [True], batched=False).shape == (1,)
     (flag,) = parse_config(
         config(control_inputs=[{"name": "R", "kind": "ready", "datatype": "FP32", "false_true": [-1, 2.5]}])
-    ).sequence_batching.controls  # type: ignore[union-attr]
+    ).sequence_batching.controls
     assert control_tensor(flag, [False, True], batched=True).tolist() == [[-1.0], [2.5]]
     corrid = parse_config(
         config(control_inputs=[{"name": "C", "kind": "corrid", "datatype": "UINT32"}])
-    ).sequence_batching.controls[0]  # type: ignore[union-attr]
+    ).sequence_batching.controls[0]
     assert control_tensor(corrid, [7, 0], batched=True).dtype == np.uint32
     with pytest.raises(InvalidInput, match="does not fit"):
         check_corrid(corrid, 2**40, "m")
