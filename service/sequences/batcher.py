@@ -149,7 +149,6 @@ class SequenceBatcher:
         self.name = served.label
         self._model = served.model
         self._instances = served.instances
-        self._runner_inline = served.instances.runs_inline
         self._executor = executor
         self._stats = served.stats
         self._directory = directory if directory is not None else SequenceDirectory()
@@ -458,12 +457,14 @@ class SequenceBatcher:
                 real += 1
         self._stats.record_queue(waited, real)
         plan = _Plan(rows, self._feeds_for(rows), self._names_for(rows))
-        if self._runner_inline:
+        if self._instances.runs_inline:  # a cheap model: on the loop (its watchdog may move it off)
+            started, cpu = time.perf_counter(), time.thread_time()
             try:
                 done = _compute(instance.runner, plan, self._batched, self._state_map, self.name, None)
             except Exception as exc:  # a bug in _compute: answer the steps rather than hang them
                 done = _Computed([run_error(exc, self.name)] * len(rows), [])
-            self._finished(lane, plan, done)
+            self._instances.ran_inline(time.perf_counter() - started, self.name, time.thread_time() - cpu)
+            self._finished(lane, plan, done, inline=True)
             return
         control = self._instances.runs.start()
         try:
@@ -485,7 +486,7 @@ class SequenceBatcher:
             done = _Computed([run_error(exc, self.name)] * len(plan.rows), [])
         self._finished(lane, plan, done)
 
-    def _finished(self, lane: _Lane, plan: _Plan, done: _Computed) -> None:
+    def _finished(self, lane: _Lane, plan: _Plan, done: _Computed, inline: bool = False) -> None:
         lane.running = False
         self._instances.finish(
             lane.instance, next((o for o in done.outcomes if isinstance(o, DeviceFault)), None)
@@ -528,8 +529,12 @@ class SequenceBatcher:
         else:
             for _, compute_ns in done.runs:
                 stats.record_compute(1, compute_ns)
-        # The next batch: this lane's, and (oldest) nothing else waits on it.
-        self._plan(lane)
+        # The next batch of this lane; after an inline run, at the loop's next turn (the answers
+        # go out first, and no batch plans the next from inside its own call).
+        if inline:
+            asyncio.get_running_loop().call_soon(self._plan, lane)
+        else:
+            self._plan(lane)
 
     def _feeds_for(self, rows: list[_Row]) -> dict[str, np.ndarray]:
         """The batch's inputs: the steps' own, the controls, the states (on the event loop: a

@@ -40,6 +40,13 @@ class Responses:
         self._results = results
         self._answered = answered
         self._request = request
+        self._leased = True
+
+    def release(self) -> None:
+        """Give back the version's lease (once; `stream` does when it ends)."""
+        if self._leased:
+            self._leased = False
+            self._held.served.release()
 
     async def stream(
         self, final_flag: bool, call: serving, first: bool, in_band: InBand
@@ -65,7 +72,7 @@ class Responses:
                 return
         finally:
             await self._results.aclose()
-            served.release()
+            self.release()
         call.version = call.version or served.version_name
         if final_flag:
             empty = pb.ModelInferResponse(

@@ -177,9 +177,12 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
                     continue
                 if isinstance(response, Responses):
                     # A decoupled version: 0..N responses, then (when asked) the empty final one.
-                    async for answer in response.stream(final_flag, call, first, _in_band_failure):
-                        yield answer
-                    first = False
+                    try:
+                        async for answer in response.stream(final_flag, call, first, _in_band_failure):
+                            first = False
+                            yield answer
+                    finally:
+                        response.release()  # if the stream never started (the client left)
                     continue
                 if first:
                     first = False
