@@ -24,8 +24,8 @@ from typing import NamedTuple, TypeVar
 import numpy as np
 
 from modelyard.service import tracing
-from modelyard.service.batching.batcher import Batcher
-from modelyard.service.batching.layer import BatchingLayer
+from modelyard.service.batching.layer import BatchingLayer, VersionBatcher
+from modelyard.service.decoupled.runner import DecoupledRunner
 from modelyard.service.errors import ServiceError, ShadowDropped
 from modelyard.service.generation.model import DecoderModel
 from modelyard.service.intake import Bounds, TensorHeader, bounds_for, check_headers, decode_fixed, offload
@@ -33,6 +33,8 @@ from modelyard.service.runtime.manager import ModelManager
 from modelyard.service.runtime.runs import RunTiming
 from modelyard.service.runtime.served import ServedVersion
 from modelyard.service.scheduling.queue import DEFAULT_SCHEDULING, Scheduling
+from modelyard.service.sequences.batcher import SequenceBatcher
+from modelyard.service.sequences.step import Step
 from modelyard.tensors import TensorError, name_of
 
 T = TypeVar("T")
@@ -81,7 +83,9 @@ class DataPlane:
         self._executor = executor
         self._shadow_calls = manager.metrics.shadow_calls
         # The batched versions' batchers (the batching layer's, read-only; none without it).
-        self._batchers: Mapping[ServedVersion, Batcher] = batching.batchers if batching is not None else {}
+        self._batchers: Mapping[ServedVersion, VersionBatcher] = (
+            batching.batchers if batching is not None else {}
+        )
         # Per version, until it retires (a plain dict: read on every request).
         self._bounds: dict[ServedVersion, Bounds] = {}
 
@@ -98,6 +102,13 @@ class DataPlane:
         call = Call(self, served)
         served.in_flight += 1  # the lease (ServedVersion.acquire, inline: it runs on every request)
         return call
+
+    def hold(self, served: ServedVersion) -> Call:
+        """`open` for a version already known (a live sequence's, which its lease keeps even
+        once a reload took it out of the served table)."""
+        tracing.resolved(served.version_name)
+        served.in_flight += 1
+        return Call(self, served)
 
     async def infer(
         self,
@@ -363,3 +374,47 @@ class Call:
             chunk = {name: array[offset : offset + step] for name, array in inputs.items()}
             outputs = await run(served, chunk, names, scheduling, time.perf_counter_ns(), None)
             yield InferResult(served.model, served.version, outputs, offset, last=offset + step >= batch)
+
+    async def infer_step(
+        self,
+        inputs: Mapping[str, np.ndarray],
+        output_names: Sequence[str],
+        scheduling: Scheduling,
+        step: Step,
+    ) -> InferResult:
+        """A request that names a sequence (KServe's sequence_id): one step of it, on a sequence
+        model's batcher (service/sequences/); on any other model, an ordinary request (as Triton
+        ignores the sequence parameters of a model without a sequence batcher)."""
+        served = self.served
+        batcher = self._plane._batchers.get(served)
+        if not isinstance(batcher, SequenceBatcher):
+            return await self.infer(inputs, output_names, scheduling)
+        self.admitted_ns = admitted = time.perf_counter_ns()
+        names = _checked(served, inputs, output_names, admitted, inputs is self._fitted)
+        outputs = await batcher.step(inputs, names, step, scheduling, self if self.dye else None)
+        return _result(InferResult, (served.model, served.version, outputs, 0, True))
+
+    def decoupled(
+        self,
+        inputs: Mapping[str, np.ndarray],
+        output_names: Sequence[str] = (),
+        scheduling: Scheduling = DEFAULT_SCHEDULING,
+    ) -> AsyncGenerator[InferResult] | None:
+        """A decoupled version's responses to the request (service/decoupled/), each as it comes;
+        None for a version that is not decoupled (one response: `infer`)."""
+        runner = self._plane._batchers.get(self.served)
+        if not isinstance(runner, DecoupledRunner):
+            return None
+        return self._responses(runner, inputs, output_names, scheduling)
+
+    async def _responses(
+        self,
+        runner: DecoupledRunner,
+        inputs: Mapping[str, np.ndarray],
+        output_names: Sequence[str],
+        scheduling: Scheduling,
+    ) -> AsyncGenerator[InferResult]:
+        served = self.served
+        names = _checked(served, inputs, output_names, time.perf_counter_ns(), inputs is self._fitted)
+        async for outputs in runner.responses(inputs, names, scheduling):
+            yield InferResult(served.model, served.version, outputs, 0, False)

@@ -67,6 +67,13 @@ class DeviceFault(ModelRunError):
     request's input: the model instance that ran it is skipped for a while (runtime/instances.py)."""
 
 
+class SequenceStateError(ServiceError):
+    """A sequence step the state of its sequence does not allow: a step of a sequence that is not
+    live (never started, ended, or released after idling), or a START for a live one
+    (FAILED_PRECONDITION, failed_precondition: the request is well formed, the sequence is not
+    where it says)."""
+
+
 class NotGenerative(ServiceError):
     """Generate was asked of a model that cannot generate: not a decoder, or no tokenizer."""
 

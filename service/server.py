@@ -167,6 +167,8 @@ class Service:
             self._events.cancel()
         if self.generation is not None:
             await self.generation.close()  # decode loops use the executor: stop them first
+        if self.batching is not None:
+            await self.batching.close_sequences()  # no step can come now: nothing to wait for
         await self.manager.close()
         await shut_down_executor(self.executor)
         shadows = self.manager.runs.capacity.close()
@@ -279,6 +281,12 @@ def build_service(
     )
     # The layers above the runtime attach to each version as it loads and let go as it retires.
     batching = BatchingLayer(executor, metrics, clock)
+    if worker is not None:
+        # A sequence lives in the worker that took its START; workers share no sequence state.
+        batching.sequence_note = (
+            "; with --workers, a sequence lives in the worker process that took its START: send all "
+            "of its steps on one connection (one channel), or serve sequence models with one worker"
+        )
     manager.on_load(batching.attach)
     dataplane = DataPlane(manager, executor, batching)
     # Ensembles' versions run their steps through the data plane (the runtime knows none).
@@ -325,6 +333,7 @@ def build_service(
                 uploads=UploadSpace(settings.max_upload_bytes),
                 identify=identities(authorizer),
                 server_name=settings.server_name,
+                sequences=batching.sequences,
             ),
         ),
         # The FlatBuffers method (no protobuf): its servicer gives its handler (bytes in and out).

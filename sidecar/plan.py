@@ -397,14 +397,17 @@ def unrouted(request: Plan[Any], pool: Pool[U], *, model_addressed: bool) -> Pla
     return plan
 
 
-def first(request: Plan[Any], caller: int, pool: Pool[U], breakers: Breakers) -> Plan[U]:
+def first(
+    request: Plan[Any], caller: int, pool: Pool[U], breakers: Breakers, exclude: Sequence[U] = ()
+) -> Plan[U]:
     """The first attempt of a data call (`read` with `routed`), planned in the call's own Plan (a
     refused call's is left as it was): an upstream for the version it decided whose breaker lets
     the call through; a canary with none falls back to stable (`breaker-open` when a breaker
     refused, else `unavailable`); with none for the version either, the call is refused. While
     every breaker of the canary is open (`Breakers.shut`), a call dyed canary by the route's weight
     is dyed stable (the effective weight is 0: no new user is sent there, and none is told of a
-    fallback); one that asked for the canary with `x-canary-weight` falls back as above."""
+    fallback); one that asked for the canary with `x-canary-weight` falls back as above.
+    `exclude`: upstreams it may not go to (a sequence's step goes to its sequence's: sequences.py)."""
     dye, version, stable, fallback = request.dye, request.version, request.stable, ""
     if (
         dye == CANARY
@@ -414,7 +417,7 @@ def first(request: Plan[Any], caller: int, pool: Pool[U], breakers: Breakers) ->
     ):
         dye, version = STABLE, stable
     view = request.view
-    found, blocked, served = take(view, version, (), pool, breakers)
+    found, blocked, served = take(view, version, exclude, pool, breakers)
     if found is None and dye == CANARY and stable:
         fallback = FALLBACK_BREAKER if blocked else FALLBACK_UNAVAILABLE
         dye, version = STABLE, stable

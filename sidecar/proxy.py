@@ -38,7 +38,7 @@ from modelyard.kserve.v2 import grpc_service_pb2
 from modelyard.process import request_metadata
 from modelyard.process.drain import Drain
 from modelyard.process.request_metadata import invocation_metadata
-from modelyard.sidecar import forward
+from modelyard.sidecar import forward, sequences
 from modelyard.sidecar import plan as planner
 from modelyard.sidecar.breakers import Breakers
 from modelyard.sidecar.limits import TenantLimits
@@ -133,6 +133,7 @@ class Proxy(_Handler):
         self._tracing = tracing
         self._scopes = Scopes(limits, metrics, tracing)
         self.views = ModelViews(routes, upstreams)  # cleared by the sidecar on every change
+        self._sequences = sequences.SequencePins()  # where each stateful sequence's steps go
         self._view_of = self.views.of
         self._handlers: dict[str, _MethodHandler] = {}
         for info in method_table().values():
@@ -282,6 +283,9 @@ class Proxy(_Handler):
                 tried: list[Upstream] = []
                 while True:
                     scope.attempt(plan)
+                    if more is not None and info.path == sequences.MODEL_STREAM_INFER:
+                        # The sequences' steps on the stream are pinned where it goes.
+                        more = self._sequences.follow(more, plan)
                     request = (
                         plan.body(first or b"") if more is None else forward.requests(first, more, plan.body)
                     )
@@ -338,6 +342,12 @@ class Proxy(_Handler):
         if tenant:
             scope.admit(tenant, table.tenants)
         scope.caller = planner.caller_key(asked.received, table.stickiness_header, context.peer)
+        if info.path in sequences.METHODS and first and (step := sequences.read_step(first)) is not None:
+            # A stateful sequence's step: where its sequence lives (sequences.py).
+            exclude = self._sequences.route(asked, step, upstreams)
+            plan = planner.first(asked, scope.caller, upstreams, self._breakers, exclude)
+            self._sequences.routed(plan, step)
+            return plan
         return planner.first(asked, scope.caller, upstreams, self._breakers)
 
     async def _refuse(self, scope: Scope, refused: Refused, context: Context) -> NoReturn:

@@ -28,6 +28,7 @@ from modelyard.kserve.v2 import grpc_service_pb2 as kpb
 
 HEADER_LENGTH = "inference-header-content-length"
 SHM_REGION = "shared_memory_region"
+SEQUENCE_ID = "sequence_id"  # Triton's sequence parameter (a uint64 or a string)
 # Content-Encoding -> zlib's wbits: what tritonclient sends with request_compression_algorithm.
 _ENCODINGS = {"gzip": 16 + zlib.MAX_WBITS, "deflate": zlib.MAX_WBITS, "identity": 0}
 
@@ -178,7 +179,10 @@ def _infer_request(
     if not binary_out and binary_all:
         binary_out[""] = True  # every output binary
     for key, value in parameters.items():
-        if key != "binary_data_output":
+        if key == SEQUENCE_ID and type(value) is int and value > http.INT64[2]:
+            # Triton's sequence ids are uint64: one above the int64 range goes as uint64_param.
+            request.parameters[key].uint64_param = http.ranged(value, "parameters.sequence_id", http.UINT64)
+        elif key != "binary_data_output":
             request.parameters[key].CopyFrom(_param(value, f"parameters.{names.echo(key, 64)}"))
     return request, binary_out, shm_out
 

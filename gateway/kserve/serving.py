@@ -21,10 +21,11 @@ from modelyard.gateway.upstream import Upstream, forward, returned
 from modelyard.kserve.v2 import grpc_service_pb2 as kpb
 
 # The upstream's extensions this API serves over REST: the ones with routes here (extensions.py)
-# and the ones that are fields of an infer request (classification, schedule_policy). Not
-# cuda_shared_memory (no REST routes here).
+# and the ones that are fields of an infer request (classification, schedule_policy, sequence's
+# parameters). Not cuda_shared_memory (no REST routes here).
 REST_EXTENSIONS = (
     "classification",
+    "sequence",
     "model_repository",
     "schedule_policy",
     "model_configuration",

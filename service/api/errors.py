@@ -41,6 +41,7 @@ _STATUS: dict[type[BaseException], tuple[grpc.StatusCode, ErrorReason]] = {
     errors.Unsupported: (grpc.StatusCode.UNIMPLEMENTED, ErrorReason.UNSUPPORTED),
     errors.ModelRunError: (grpc.StatusCode.INTERNAL, ErrorReason.MODEL_FAILED),
     errors.NotGenerative: (grpc.StatusCode.FAILED_PRECONDITION, ErrorReason.FAILED_PRECONDITION),
+    errors.SequenceStateError: (grpc.StatusCode.FAILED_PRECONDITION, ErrorReason.FAILED_PRECONDITION),
     errors.Overloaded: (grpc.StatusCode.RESOURCE_EXHAUSTED, ErrorReason.QUEUE_FULL),
     errors.ShadowDropped: (grpc.StatusCode.RESOURCE_EXHAUSTED, ErrorReason.SHADOW_DROPPED),
     errors.DeadlineExceeded: (grpc.StatusCode.DEADLINE_EXCEEDED, ErrorReason.DEADLINE),

@@ -6,7 +6,7 @@ unknown keys are errors, a typo in a serving config must fail loudly) and the ch
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Literal
 
@@ -18,11 +18,13 @@ from modelyard.service.errors import ModelLoadError
 from modelyard.service.repository.config_file import (
     DEFAULT_MAX_QUEUED_RUNS,
     ConfigDoc,
+    DecoupledDoc,
     ExecutionDoc,
     GenerationDoc,
     InputDoc,
     OutputDoc,
     QueuePolicyDoc,
+    SequenceBatchingDoc,
     VersionPolicyDoc,
     _AdmissionDoc,
 )
@@ -33,7 +35,7 @@ from modelyard.service.repository.ensemble_config import EnsembleConfig, parse_e
 from modelyard.service.repository.files import read_inside, shown
 from modelyard.service.repository.warmup_config import WarmupSample, parse_warmup
 from modelyard.service.scheduling.queue import AdmissionPolicy, QueuePolicy
-from modelyard.tensors import is_known
+from modelyard.tensors import NUMPY_BY_NAME, is_known
 
 CONFIG_FILE = "config.yaml"
 
@@ -185,6 +187,76 @@ class LimitsConfig:
 
 
 @dataclass(frozen=True)
+class ControlInput:
+    """A graph input the sequence batcher fills for each step (Triton's control_input)."""
+
+    name: str
+    kind: Literal["start", "end", "ready", "corrid"]
+    datatype: str
+    false_true: tuple[float, float] = (0.0, 1.0)  # start, end, ready: the values for false and true
+
+
+@dataclass(frozen=True)
+class StateConfig:
+    """Implicit state: `output_name` of one step is `input_name` of the next step of its sequence."""
+
+    input_name: str
+    output_name: str
+    datatype: str
+    shape: tuple[int, ...]  # as the graph input's, with the batch dimension when max_batch_size > 0
+    # The first step's value: its shape and raw little-endian bytes (initial_state: zero_data or a
+    # file under initial_state/, read with config.yaml); None: zeros, each -1 dimension 1.
+    initial_shape: tuple[int, ...] | None = None
+    initial_data: bytes | None = None  # None with initial_shape: zeros
+    initial_file: str = ""  # where initial_data was read from (initial_state/<file>)
+
+
+@dataclass(frozen=True)
+class SequenceBatchingConfig:
+    """A stateful model (Triton's sequence batcher; service/sequences/)."""
+
+    strategy: Literal["direct", "oldest"] = "direct"
+    max_sequence_idle_us: int = 1_000_000
+    max_queue_delay_us: int = 0
+    max_candidate_sequences: int = 16  # oldest: live sequences per instance
+    preferred_batch_sizes: tuple[int, ...] = ()  # oldest
+    controls: tuple[ControlInput, ...] = ()
+    states: tuple[StateConfig, ...] = ()
+
+    @property
+    def internal_inputs(self) -> tuple[str, ...]:
+        """Graph inputs the service fills itself: no client sends them."""
+        return tuple(c.name for c in self.controls) + tuple(s.input_name for s in self.states)
+
+    @property
+    def state_outputs(self) -> tuple[str, ...]:
+        return tuple(s.output_name for s in self.states)
+
+
+@dataclass(frozen=True)
+class RepeatConfig:
+    """A decoupled producer over a plain graph: one run, and one response, per element of `inputs`
+    (service/decoupled/repeat.py)."""
+
+    inputs: tuple[str, ...]
+    index_input: str = ""  # a graph input fed the run's index, UINT32 [1]
+    delay_input: str = ""  # one of `inputs`: ms to wait before each response
+    hold_input: str = ""  # ms the request holds its instance (Triton's repeat WAIT)
+    max_delay_ms: int = 60_000
+
+
+@dataclass(frozen=True)
+class DecoupledConfig:
+    """0..N responses per request over ModelStreamInfer (Triton's model_transaction_policy)."""
+
+    repeat: RepeatConfig | None = None
+
+    @property
+    def internal_inputs(self) -> tuple[str, ...]:
+        return (self.repeat.index_input,) if self.repeat is not None and self.repeat.index_input else ()
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     max_batch_size: int = 0
     version_policy: VersionPolicy = field(default_factory=VersionPolicy)
@@ -202,6 +274,28 @@ class ModelConfig:
     # its steps; service/ensembles/ runs them).
     platform: str = "onnxruntime_onnx"
     ensemble: EnsembleConfig | None = None
+    sequence_batching: SequenceBatchingConfig | None = None
+    decoupled: DecoupledConfig | None = None
+
+    @property
+    def internal_inputs(self) -> tuple[str, ...]:
+        """Graph inputs the service fills (sequence controls and state, a repeat's index): they
+        are not part of the signature clients see."""
+        inputs: tuple[str, ...] = ()
+        if self.sequence_batching is not None:
+            inputs += self.sequence_batching.internal_inputs
+        if self.decoupled is not None:
+            inputs += self.decoupled.internal_inputs
+        return inputs
+
+    @property
+    def hidden_outputs(self) -> tuple[str, ...]:
+        """Graph outputs clients do not see: a state's output, unless `outputs` lists it (as
+        Triton, which returns the output state only to a client that the config lets ask)."""
+        if self.sequence_batching is None:
+            return ()
+        listed = {t.name for t in self.outputs}
+        return tuple(name for name in self.sequence_batching.state_outputs if name not in listed)
 
 
 def load_config(model_dir: Path, root: Path | None = None) -> ModelConfig:
@@ -223,7 +317,8 @@ def load_config(model_dir: Path, root: Path | None = None) -> ModelConfig:
     except yaml.YAMLError as exc:
         raise ConfigError(f"{name}: not valid YAML{_where(exc)}") from None
     try:
-        return parse_config(raw if raw is not None else {})
+        config = parse_config(raw if raw is not None else {})
+        return with_initial_states(config, model_dir, root)
     except ConfigError as exc:
         raise ConfigError(f"{name}: {exc}") from None
 
@@ -257,6 +352,10 @@ def parse_config(raw: object) -> ModelConfig:
             model_warmup=parse_warmup(doc.model_warmup),
             platform=doc.platform,
             ensemble=ensemble,
+            sequence_batching=None
+            if doc.sequence_batching is None
+            else _sequences(doc, doc.sequence_batching),
+            decoupled=None if doc.decoupled is None else _decoupled(doc, doc.decoupled),
         )
     except DocumentError as exc:
         raise ConfigError(str(exc)) from None
@@ -439,3 +538,162 @@ def _generation(doc: GenerationDoc) -> GenerationConfig:
             f"{config.default_max_tokens} exceeds generation.max_tokens ({config.max_tokens})",
         )
     return config
+
+
+# Triton's control kinds whose values are false/true flags, and the datatypes each kind may have.
+_FLAG_TYPES = ("INT32", "FP32", "BOOL")
+_CORRID_TYPES = ("UINT64", "INT64", "UINT32", "INT32", "BYTES")
+
+
+def _sequences(config: ConfigDoc, doc: SequenceBatchingDoc) -> SequenceBatchingConfig:
+    where = "sequence_batching"
+    if config.dynamic_batching is not None:
+        raise DocumentError(where, "a model has one scheduler: give dynamic_batching or sequence_batching")
+    if config.decoupled is not None:
+        raise DocumentError(where, "a decoupled sequence model is not supported")
+    controls = []
+    for i, control in enumerate(doc.control_inputs):
+        at = f"{where}.control_inputs[{i}] ({control.name})"
+        if control.kind == "corrid":
+            if control.datatype not in _CORRID_TYPES:
+                raise DocumentError(f"{at}.datatype", f"a corrid control is one of {list(_CORRID_TYPES)}")
+            if not isinstance(control.false_true, UnsetType):
+                raise DocumentError(f"{at}.false_true", "a corrid control carries the id, not flags")
+            controls.append(ControlInput(control.name, control.kind, control.datatype))
+            continue
+        if control.datatype not in _FLAG_TYPES:
+            raise DocumentError(f"{at}.datatype", f"a {control.kind} control is one of {list(_FLAG_TYPES)}")
+        if isinstance(control.false_true, UnsetType):
+            raise DocumentError(f"{at}.false_true", "give the values for false and true, e.g. [0, 1]")
+        false, true = control.false_true
+        controls.append(ControlInput(control.name, control.kind, control.datatype, (false, true)))
+    kinds = [c.kind for c in controls]
+    if len(set(kinds)) != len(kinds):
+        raise DocumentError(f"{where}.control_inputs", "one control of each kind at most")
+    states = []
+    for i, state in enumerate(doc.states):
+        at = f"{where}.states[{i}] ({state.input_name})"
+        if not is_known(state.datatype):
+            raise DocumentError(f"{at}.datatype", f"unknown datatype {state.datatype!r}")
+        shape = tuple(state.shape)
+        if config.max_batch_size and (not shape or shape[0] != -1):
+            raise DocumentError(f"{at}.shape", "starts with the batch dimension (-1): max_batch_size > 0")
+        initial_shape: tuple[int, ...] | None = None
+        initial_file = ""
+        if state.initial_state is not None:
+            initial = state.initial_state
+            if initial.zero_data == bool(initial.data_file):
+                raise DocumentError(f"{at}.initial_state", "give zero_data: true or a data_file")
+            initial_shape = tuple(initial.shape)
+            fits = len(initial_shape) == len(shape) and all(
+                want in (-1, have) for want, have in zip(shape, initial_shape, strict=True)
+            )
+            if not fits or (config.max_batch_size and initial_shape[0] != 1):
+                raise DocumentError(
+                    f"{at}.initial_state.shape",
+                    f"{list(initial_shape)} does not fit the state's shape {list(shape)}"
+                    + (" (one row: the batch dimension is 1)" if config.max_batch_size else ""),
+                )
+            initial_file = initial.data_file  # read with config.yaml (with_initial_states)
+        states.append(
+            StateConfig(
+                state.input_name,
+                state.output_name,
+                state.datatype,
+                shape,
+                initial_shape,
+                initial_file=initial_file,
+            )
+        )
+    names = [c.name for c in controls] + [s.input_name for s in states]
+    if len(set(names)) != len(names):
+        raise DocumentError(where, "control and state inputs must have distinct names")
+    outputs = [s.output_name for s in states]
+    if len(set(outputs)) != len(outputs):
+        raise DocumentError(f"{where}.states", "two states have the same output_name")
+    listed = {t.name for t in config.inputs}
+    clash = sorted(listed & set(names))
+    if clash:
+        raise DocumentError(
+            "inputs",
+            f"{clash[0]!r} is a control or state input, filled by the service: leave it out of inputs",
+        )
+    preferred = tuple(doc.preferred_batch_sizes)
+    if any(size > max(1, config.max_batch_size) for size in preferred):
+        raise DocumentError(
+            f"{where}.preferred_batch_sizes",
+            f"{list(preferred)} has a size above max_batch_size {config.max_batch_size}",
+        )
+    return SequenceBatchingConfig(
+        strategy=doc.strategy,
+        max_sequence_idle_us=doc.max_sequence_idle_us,
+        max_queue_delay_us=doc.max_queue_delay_us,
+        max_candidate_sequences=doc.max_candidate_sequences,
+        preferred_batch_sizes=preferred,
+        controls=tuple(controls),
+        states=tuple(states),
+    )
+
+
+def _decoupled(config: ConfigDoc, doc: DecoupledDoc) -> DecoupledConfig:
+    if config.dynamic_batching is not None:
+        raise DocumentError(
+            "decoupled", "a decoupled model runs each request alone: leave out dynamic_batching"
+        )
+    if doc.repeat is None:
+        return DecoupledConfig()
+    repeat = doc.repeat
+    where = "decoupled.repeat"
+    if config.max_batch_size:
+        raise DocumentError(where, "needs max_batch_size 0 (each run takes one element, as Triton's repeat)")
+    inputs = tuple(repeat.inputs)
+    if len(set(inputs)) != len(inputs):
+        raise DocumentError(f"{where}.inputs", "names an input twice")
+    if repeat.delay_input and repeat.delay_input not in inputs:
+        raise DocumentError(
+            f"{where}.delay_input", f"{repeat.delay_input!r} is not one of inputs {list(inputs)}"
+        )
+    for key in ("index_input", "hold_input"):
+        name = getattr(repeat, key)
+        if name and name in inputs:
+            raise DocumentError(f"{where}.{key}", f"{name!r} is one of inputs: it is not split")
+    if repeat.index_input and repeat.index_input == repeat.hold_input:
+        raise DocumentError(f"{where}.hold_input", "is the index input")
+    return DecoupledConfig(
+        RepeatConfig(inputs, repeat.index_input, repeat.delay_input, repeat.hold_input, repeat.max_delay_ms)
+    )
+
+
+# Where a state's initial value is read from: <model>/initial_state/<data_file> (as Triton).
+INITIAL_STATE_DIR = "initial_state"
+
+
+def with_initial_states(config: ModelConfig, model_dir: Path, root: Path) -> ModelConfig:
+    """`config` with each state's initial_state.data_file read (its raw elements, exactly the
+    state's size), from inside the repository. Without data files, `config` itself."""
+    batching = config.sequence_batching
+    if batching is None or not any(s.initial_file for s in batching.states):
+        return config
+    states = []
+    for state in batching.states:
+        if not state.initial_file or state.initial_shape is None:
+            states.append(state)
+            continue
+        path = model_dir / INITIAL_STATE_DIR / state.initial_file
+        where = f"sequence_batching.states ({state.input_name}).initial_state.data_file"
+        size = NUMPY_BY_NAME[state.datatype].itemsize
+        for dim in state.initial_shape:
+            size *= dim
+        if state.datatype == "BYTES":
+            raise ConfigError(f"{where}: a BYTES state starts from zero_data only")
+        try:
+            data = read_inside(root, path, limit=size)
+        except ModelLoadError as exc:
+            raise ConfigError(f"{where}: {exc}") from None
+        if len(data) != size:
+            raise ConfigError(
+                f"{where}: {shown(root, path)} holds {len(data)} bytes; the state's initial shape "
+                f"{list(state.initial_shape)} of {state.datatype} takes {size}"
+            )
+        states.append(replace(state, initial_data=data))
+    return replace(config, sequence_batching=replace(batching, states=tuple(states)))

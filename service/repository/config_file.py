@@ -257,6 +257,49 @@ class WarmupInputDoc(_Keys):
     ] = ""
 
 
+# -- stateful models (Triton's sequence batcher) and decoupled models ---------------------------
+
+# How long an idle sequence is kept (Triton's default max_sequence_idle_microseconds: 1 s).
+DEFAULT_MAX_SEQUENCE_IDLE_US = 1_000_000
+
+
+class ControlInputDoc(_Keys):
+    """A graph input the sequence batcher fills (Triton's control_input with one control)."""
+
+    name: Annotated[str, Meta(min_length=1, description="the graph input, as in the model file")]
+    kind: Annotated[
+        Literal["start", "end", "ready", "corrid"],
+        Meta(description="CONTROL_SEQUENCE_START, _END, _READY or _CORRID"),
+    ]
+    datatype: Annotated[
+        Literal["INT32", "FP32", "BOOL", "UINT64", "INT64", "UINT32", "BYTES"],
+        Meta(
+            description="start/end/ready: INT32, FP32 or BOOL; corrid: UINT64, INT64, UINT32, INT32 or BYTES"
+        ),
+    ]
+    false_true: Annotated[
+        Annotated[list[float], Meta(min_length=2, max_length=2)] | UnsetType,
+        Meta(description="start/end/ready: the values for false and true (Triton's *_false_true)"),
+    ] = UNSET
+
+
+class InitialStateDoc(_Keys):
+    """A state's value at the start of a sequence (Triton's initial_state): zeros or a file."""
+
+    shape: Annotated[
+        list[Count], Meta(description="its dimensions; with the batch dimension (1) when max_batch_size > 0")
+    ]
+    zero_data: Annotated[bool, Meta(description="zeros (give this or data_file)")] = False
+    data_file: Annotated[
+        str,
+        Meta(
+            pattern=f"^$|{LABEL_FILE.pattern}",
+            description="a file in the model's initial_state/ folder: the value's raw little-endian elements",
+            extra={"expects": "a file name in the model's initial_state/ folder"},
+        ),
+    ] = ""
+
+
 class WarmupDoc(_Keys):
     name: Annotated[str, Meta(min_length=1, description="the sample's name, for logs")]
     batch_size: Annotated[int, Meta(ge=0, description="rows of the sample; 0: skipped")] = 1
@@ -285,6 +328,85 @@ class EnsembleSchedulingDoc(_Keys):
         Annotated[list[EnsembleStepDoc], Meta(min_length=1)],
         Meta(description="the steps; each runs once its inputs exist (a DAG of tensors)"),
     ]
+
+
+class StateDoc(_Keys):
+    """Implicit state (Triton's state): a step's output fed back as the next step's input."""
+
+    input_name: Annotated[str, Meta(min_length=1, description="the graph input that takes the state")]
+    output_name: Annotated[str, Meta(min_length=1, description="the graph output that gives the next state")]
+    datatype: Annotated[
+        str,
+        Meta(description="KServe datatype of the state", extra_json_schema={"enum": sorted(NUMPY_BY_NAME)}),
+    ]
+    shape: Annotated[
+        list[Annotated[int, Meta(ge=-1)]],
+        Meta(description="dimensions, -1 = any; with the batch dimension (-1) when max_batch_size > 0"),
+    ]
+    initial_state: Annotated[
+        InitialStateDoc | None, Meta(description="the first step's value; default zeros, -1 dimensions 1")
+    ] = None
+
+
+class SequenceBatchingDoc(_Keys):
+    """A stateful model: steps of a sequence (KServe parameter sequence_id) go to one instance, in
+    order, with the control inputs and implicit state filled by the service."""
+
+    strategy: Annotated[
+        Literal["direct", "oldest"],
+        Meta(description="direct: a batch slot per sequence; oldest: batches of the oldest steps"),
+    ] = "direct"
+    max_sequence_idle_us: Annotated[
+        Positive, Meta(description="an idle sequence is released after this long, µs")
+    ] = DEFAULT_MAX_SEQUENCE_IDLE_US
+    max_queue_delay_us: Annotated[
+        Count, Meta(description="how long a batch that is not full may wait for other sequences' steps, µs")
+    ] = 0
+    max_candidate_sequences: Annotated[
+        Positive, Meta(description="oldest: live sequences per instance; beyond, a START is refused")
+    ] = 16
+    preferred_batch_sizes: Annotated[
+        list[Positive], Meta(description="oldest: a batch leaves as soon as it reaches the largest of these")
+    ] = msgspec.field(default_factory=list)
+    control_inputs: Annotated[
+        list[ControlInputDoc], Meta(description="graph inputs the service fills per step")
+    ] = msgspec.field(default_factory=list)
+    states: Annotated[list[StateDoc], Meta(description="implicit state kept per sequence")] = msgspec.field(
+        default_factory=list
+    )
+
+
+class RepeatDoc(_Keys):
+    """A decoupled producer: the graph runs once per element of `inputs`, each run one response."""
+
+    inputs: Annotated[
+        list[Annotated[str, Meta(min_length=1)]],
+        Meta(min_length=1, description="inputs split along their first dimension (one element a run)"),
+    ]
+    index_input: Annotated[
+        str, Meta(description="a graph input the service feeds the run's index (UINT32 [1]); optional")
+    ] = ""
+    delay_input: Annotated[
+        str, Meta(description="one of `inputs` (UINT32): ms to wait before each response; optional")
+    ] = ""
+    hold_input: Annotated[
+        str,
+        Meta(
+            description="an input (UINT32 [1]): ms the request holds its instance (the repeat WAIT); optional"
+        ),
+    ] = ""
+    max_delay_ms: Annotated[
+        Positive, Meta(description="the longest wait a request may ask for, per response or hold")
+    ] = 60_000
+
+
+class DecoupledDoc(_Keys):
+    """Triton's model_transaction_policy {decoupled: true}: 0..N responses per request, on
+    ModelStreamInfer only."""
+
+    repeat: Annotated[
+        RepeatDoc | None, Meta(description="run the graph once per input element; without it, one response")
+    ] = None
 
 
 class ConfigDoc(_Keys):
@@ -323,4 +445,11 @@ class ConfigDoc(_Keys):
     ] = "onnxruntime_onnx"
     ensemble_scheduling: Annotated[
         EnsembleSchedulingDoc | None, Meta(description="an ensemble's steps (platform: ensemble)")
+    ] = None
+    sequence_batching: Annotated[
+        SequenceBatchingDoc | None,
+        Meta(description="a stateful model: Triton's sequence batcher (sequence_id, controls, state)"),
+    ] = None
+    decoupled: Annotated[
+        DecoupledDoc | None, Meta(description="0..N responses per request over ModelStreamInfer")
     ] = None

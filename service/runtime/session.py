@@ -40,6 +40,7 @@ from modelyard.service.repository.config import ModelConfig, TensorConfig
 from modelyard.service.runtime import bf16
 from modelyard.service.runtime.cost import value_driven
 from modelyard.service.runtime.device_errors import names_a_device_failure, names_out_of_device_memory
+from modelyard.service.runtime.internal import split_signature
 from modelyard.service.runtime.iobinding import DeviceBinding, binding_for
 from modelyard.service.runtime.providers import CPU, CUDA, ProviderChoice
 from modelyard.service.runtime.runs import RunControl
@@ -135,6 +136,10 @@ class ModelRunner:
     binding: DeviceBinding | None = None
     # What its status says beside READY (why it loaded without a warm-up run); "" for nothing.
     load_note: str = ""
+    # Graph inputs the service feeds itself, not in the signature (runtime/internal.py): a
+    # stateful model's controls and state, a repeat model's index. Runs of such a model are fed
+    # them by the layer that runs it (service/sequences/, service/decoupled/).
+    internal_inputs: tuple[TensorSpec, ...] = ()
 
     @property
     def runs_inline(self) -> bool:
@@ -316,7 +321,7 @@ def load_runner(
     except Exception as exc:  # ORT raises a variety of types for a bad file
         raise ModelLoadError(f"{model_file}: onnxruntime cannot load it: {_first_line(exc)}") from None
     degraded = _degraded(config, providers, provider, session.get_providers()[0], model_file)
-    signature = _signature(session, config, model_file)
+    signature, internal = _signature(session, config, model_file)
     metadata = dict(session.get_modelmeta().custom_metadata_map)
     kind: GraphKind | None = None
     for recognize in recognizers:
@@ -335,8 +340,9 @@ def load_runner(
         binding=binding_for(
             session.get_providers()[0], config.execution.device_id, signature, config.execution.io_binding
         )
-        if kind is None
+        if kind is None and not any(spec.datatype == "BYTES" for spec in internal)
         else None,
+        internal_inputs=internal,
     )
     limit = inline_limit_s if kind is None else 0.0
     note = ""
@@ -346,13 +352,20 @@ def load_runner(
     # number) loads without a warm-up, and says so, rather than fail for want of real inputs; one
     # that refuses their shapes, or fails otherwise, fails the load as before.
     samples = _configured_samples(config, signature, model_file) if kind is None else []
+    # The inputs the service feeds itself (a sequence's controls and state) are no sample's.
+    internal_feeds = {spec.name: _internal_sample(spec) for spec in internal}
     if samples:
         for name, sample_feed, runs in samples[1:]:
-            _run_sample(runner, sample_feed, runs, model_file, name)
+            _run_sample(runner, {**sample_feed, **internal_feeds}, runs, model_file, name)
         name, feeds, runs = samples[0]
+        feeds = {**feeds, **internal_feeds}
         warmup_run_s = _warm_up(runner, feeds, model_file, limit, sample=name, runs=runs)
     else:
-        feeds = kind.warmup_feeds() if kind is not None else {s.name: synthetic(s) for s in signature.inputs}
+        feeds = (
+            kind.warmup_feeds()
+            if kind is not None
+            else {**{s.name: synthetic(s) for s in signature.inputs}, **internal_feeds}
+        )
         try:
             warmup_run_s = _warm_up(runner, feeds, model_file, limit, synthetic=kind is None)
         except _SyntheticRefused as exc:
@@ -371,6 +384,7 @@ def load_runner(
         driven = value_driven(model_file, signature)
         if not driven and signature.max_batch_size > 1:
             largest = _largest(signature, feeds if samples else None)
+            largest.update({spec.name: _internal_sample(spec, signature.max_batch_size) for spec in internal})
             peak_run_s = _warm_up(runner, largest, model_file, inline_limit_s)
     return dataclasses.replace(
         runner,
@@ -473,9 +487,13 @@ def bound_run_memory(max_bytes: int) -> int:
     return max_bytes
 
 
-def _signature(session: ort.InferenceSession, config: ModelConfig, model_file: Path) -> Signature:
+def _signature(
+    session: ort.InferenceSession, config: ModelConfig, model_file: Path
+) -> tuple[Signature, tuple[TensorSpec, ...]]:
+    """The signature clients see, and the internal inputs (runtime/internal.py)."""
     inputs = tuple(_spec(arg, model_file) for arg in session.get_inputs())
     outputs = tuple(_spec(arg, model_file) for arg in session.get_outputs())
+    inputs, outputs, internal = split_signature(inputs, outputs, config, model_file)
     if config.inputs:
         inputs = _apply_config(inputs, config.inputs, "input", model_file)
     if config.outputs:
@@ -488,7 +506,7 @@ def _signature(session: ort.InferenceSession, config: ModelConfig, model_file: P
                     f"{list(spec.shape)}, whose first dimension is not a dynamic batch dimension",
                     "schema",
                 )
-    return Signature(inputs, outputs, config.max_batch_size)
+    return Signature(inputs, outputs, config.max_batch_size), internal
 
 
 def _spec(arg: Any, model_file: Path) -> TensorSpec:
@@ -609,6 +627,15 @@ def _largest(signature: Signature, sample: Mapping[str, np.ndarray] | None) -> d
     if sample is None:
         return {spec.name: synthetic(spec, rows) for spec in signature.inputs}
     return {name: np.repeat(array[:1], rows, axis=0) for name, array in sample.items()}
+
+
+def _internal_sample(spec: TensorSpec, rows: int = 1) -> np.ndarray:
+    """An input the service feeds itself (runtime/internal.py), as it feeds a row without a
+    request: zeros, and a string correlation id "0" (as ONNX Runtime takes strings: str)."""
+    sample = synthetic(spec, rows)
+    if spec.datatype == "BYTES":
+        return np.full(sample.shape, "0", dtype=object)
+    return sample
 
 
 def _first_line(exc: BaseException) -> str:

@@ -109,7 +109,7 @@ def load_section():
     out["fits"] = enc(client.infer("scaler", [tensor("INPUT0", x[:4], "FP32")]).as_numpy("OUTPUT0"))
     out["malformed"] = error_of(lambda: client.load_model("scaler", config='{"max_batch_size": '))
     out["unknown_field"] = error_of(lambda: client.load_model("scaler", config='{"no_such": 1}'))
-    sequence = json.dumps({"sequence_batching": {"max_sequence_idle_microseconds": 5}})
+    sequence = json.dumps({"sequence_batching": {"iterative_sequence": True}})  # (provisional in Triton)
     out["unsupported"] = error_of(lambda: client.load_model("scaler", config=sequence))
     too_big = json.dumps({"max_batch_size": 4, "dynamic_batching": {"preferred_batch_size": [8]}})
     out["invalid_value"] = error_of(lambda: client.load_model("scaler", config=too_big))
@@ -403,7 +403,7 @@ def test_load_with_config_override_and_files(run: Run) -> None:
     np.testing.assert_array_equal(arr(result["fits"]), np.full((4, 16), 2.0, np.float32))
     assert_error(result["malformed"], "INVALID_ARGUMENT", "config")
     assert_error(result["unknown_field"], "INVALID_ARGUMENT", "no_such")
-    assert_error(result["unsupported"], "INVALID_ARGUMENT", "sequence_batching")
+    assert_error(result["unsupported"], "INVALID_ARGUMENT", "sequence_batching.iterative_sequence")
     assert_error(result["invalid_value"], "INVALID_ARGUMENT", "preferred_batch_sizes")
     assert result["still_four"] == 4  # a refused load changes nothing
     assert result["reverted"] == 64  # a load without a config goes back to config.yaml

@@ -106,3 +106,29 @@ def test_kserve_infer_request_and_binary_split() -> None:
         kserve.split_body(body, str(len(body) + 1))
     assert too_long.value.status == 400
     assert kserve.parse_model_path({"model": "m"}) == kserve.ModelPath("m", "")
+
+
+def test_kserve_sequence_parameters_go_upstream_as_triton_sends_them() -> None:
+    def parameters(extra: str) -> dict[str, object]:
+        head = (
+            b'{"inputs":[{"name":"x","datatype":"INT32","shape":[1],"data":[1]}],"parameters":'
+            + extra.encode()
+        )
+        message = kserve.parse_infer("m", "", head + b"}", b"").message
+        return {
+            k: (v.WhichOneof("parameter_choice"), getattr(v, v.WhichOneof("parameter_choice")))
+            for k, v in message.parameters.items()
+        }
+
+    sent = parameters('{"sequence_id":1000,"sequence_start":true,"sequence_end":false}')
+    assert sent == {
+        "sequence_id": ("int64_param", 1000),
+        "sequence_start": ("bool_param", True),
+        "sequence_end": ("bool_param", False),
+    }
+    assert parameters('{"sequence_id":"a-uuid"}') == {"sequence_id": ("string_param", "a-uuid")}
+    # Triton's ids are uint64: one above the int64 range is sent as uint64_param.
+    assert parameters('{"sequence_id":18446744073709551615}') == {"sequence_id": ("uint64_param", 2**64 - 1)}
+    with pytest.raises(errors.HttpError) as too_big:
+        parameters('{"sequence_id":18446744073709551616}')
+    assert too_big.value.status == 400

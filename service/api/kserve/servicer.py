@@ -9,8 +9,9 @@ shared memory to shared_memory.py, log and trace settings to settings.py."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 from functools import partial
+from typing import Literal, overload
 
 from modelyard.common.headers import DYE_SHADOW
 from modelyard.common.names import is_valid_name
@@ -21,6 +22,8 @@ from modelyard.service import __version__
 from modelyard.service.api.errors import Context, abort, in_band_message, serving
 from modelyard.service.api.kserve import repository, settings, shared_memory, statistics
 from modelyard.service.api.kserve.classification import top_k
+from modelyard.service.api.kserve.decoupled import Responses
+from modelyard.service.api.kserve.sequences import sequence_step
 from modelyard.service.api.kserve.settings import LogSettings, TraceSettings
 from modelyard.service.api.kserve.tensors import (
     NO_OPTIONS,
@@ -36,13 +39,16 @@ from modelyard.service.api.model_control import ModelControl
 from modelyard.service.api.names import check_model, quoted
 from modelyard.service.api.scheduling import kserve_priority, kserve_scheduling
 from modelyard.service.api.tensor_headers import kserve_headers, kserve_plain, refuse_extra_tensors
-from modelyard.service.dataplane import Call, DataPlane
-from modelyard.service.errors import InvalidInput, ServiceError
+from modelyard.service.dataplane import Call, DataPlane, InferResult
+from modelyard.service.errors import InvalidInput, ServiceError, Unsupported
 from modelyard.service.intake import INLINE_DECODE_BYTES
 from modelyard.service.metrics import ServiceMetrics
 from modelyard.service.repository.uploads import UploadSpace
 from modelyard.service.runtime.manager import ModelManager
+from modelyard.service.runtime.served import ServedVersion
 from modelyard.service.runtime.signature import TensorSpec
+from modelyard.service.sequences.batcher import SequenceDirectory
+from modelyard.service.sequences.step import Step
 from modelyard.service.shm.registry import SharedMemoryRegistry
 from modelyard.tensors import TensorError
 
@@ -51,6 +57,7 @@ ENABLE_FINAL_RESPONSE = "triton_enable_empty_final_response"
 FINAL_RESPONSE = "triton_final_response"
 EXTENSIONS = [
     "classification",
+    "sequence",
     "model_repository",
     "schedule_policy",
     "model_configuration",
@@ -73,9 +80,12 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
         # Who a call's caller is, for the shared-memory regions it owns (Authorizer.identity).
         identify: Callable[[Context], str] = lambda context: "",
         server_name: str = "modelyard",  # ServerMetadata.name (--server-name; Triton's is "triton")
+        # Where each live sequence lives (the batching layer's), for steps that name no version.
+        sequences: SequenceDirectory | None = None,
     ) -> None:
         self._identify = identify
         self._server_name = server_name
+        self._sequences = sequences if sequences is not None else SequenceDirectory()
         self._manager = manager
         self._control = ModelControl(manager, uploads)
         self._whole_service_ready = whole_service_ready
@@ -162,10 +172,19 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
             async with serving(context, self._metrics, "ModelStreamInfer", request.model_name) as call:
                 try:
                     final_flag = _empty_final_response(request)
-                    response, _ = await self._infer(request, context, request.model_name)
+                    response, _ = await self._infer(request, context, request.model_name, decoupled=True)
                 except (ServiceError, TensorError) as exc:
                     first = False
                     yield _in_band_error(request, exc, call.in_band(exc))
+                    continue
+                if isinstance(response, Responses):
+                    # A decoupled version: 0..N responses, then (when asked) the empty final one.
+                    try:
+                        async for answer in response.stream(final_flag, call, first, _in_band_failure):
+                            first = False
+                            yield answer
+                    finally:
+                        response.release()  # if the stream never started (the client left)
                     continue
                 if first:
                     first = False
@@ -261,22 +280,47 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
                 self._manager.status(request.model_name)  # NOT_FOUND for a model it does not know
             return settings.answer_trace_setting(self._traces, request)
 
+    def _live_version(self, model: str, version: str, step: Step) -> ServedVersion | None:
+        """The version a step's live sequence lives on, unless it is a START or names another."""
+        if step.start:
+            return None
+        live = self._sequences.version_of(model, step.sequence_id)
+        if live is None or version not in ("", live.version_name, f"v{live.version_name}"):
+            return None
+        return live
+
+    @overload
     async def _infer(
-        self, request: pb.ModelInferRequest, context: Context, model: str
-    ) -> tuple[pb.ModelInferResponse, Call]:
+        self, request: pb.ModelInferRequest, context: Context, model: str, decoupled: Literal[False] = False
+    ) -> tuple[pb.ModelInferResponse, Call]: ...
+
+    @overload
+    async def _infer(
+        self, request: pb.ModelInferRequest, context: Context, model: str, decoupled: Literal[True]
+    ) -> tuple[pb.ModelInferResponse | Responses, Call]: ...
+
+    async def _infer(
+        self, request: pb.ModelInferRequest, context: Context, model: str, decoupled: bool = False
+    ) -> tuple[pb.ModelInferResponse | Responses, Call]:
         """The answer, and the call that ran it (its run's queue and run time). `model`: the
-        request's model_name (read once: each read of a field is a new object)."""
+        request's model_name (read once: each read of a field is a new object). On a stream
+        (`decoupled`), a decoupled version's request answers decoupled.Responses instead, which
+        holds the version's lease until its last response."""
         parameters = request.parameters
+        if parameters:
+            priority, step = kserve_priority(parameters), sequence_step(parameters)
+        else:  # most requests
+            priority, step = 0, None
         version, request_id, priority, dye = call_fields(
-            context,
-            model,
-            request.model_version,
-            request.id,
-            kserve_priority(parameters) if parameters else 0,
+            context, model, request.model_version, request.id, priority
         )
         # One version for the whole request: its limits check the tensors, its priority levels
-        # and label files apply, and it runs.
-        held = self._dataplane.open(model, version)  # leased until the finally (Call)
+        # and label files apply, and it runs. A sequence's step goes where its sequence lives
+        # (a reload meanwhile leaves a live sequence on its version until it ends).
+        if step is not None and (live := self._live_version(model, version, step)) is not None:
+            held = self._dataplane.hold(live)
+        else:
+            held = self._dataplane.open(model, version)  # leased until the finally (Call)
         held.dye = dye
         try:
             if dye == DYE_SHADOW:
@@ -304,7 +348,19 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
                 if batching is None or scheduling.priority > batching.admission.priority_levels:
                     # As Triton: a priority the model does not have means its default level.
                     scheduling = scheduling._replace(priority=0)
-            result = await held.infer(inputs, names, scheduling)
+            if decoupled and (responses := held.decoupled(inputs, names, scheduling)) is not None:
+                if options.in_shm:
+                    raise Unsupported(
+                        f"model '{model}' is decoupled: its outputs are not written to shared memory "
+                        "(each response carries its own)"
+                    )
+                served.acquire()  # the responses' own lease, until the last one
+                answered = partial(_answered, request_id, classify, served)
+                return Responses(held, responses, answered, request), held
+            if step is not None:
+                result = await held.infer_step(inputs, names, scheduling, step)
+            else:
+                result = await held.infer(inputs, names, scheduling)
         finally:
             held.served.release()
         # Fields set one by one: cheaper than the constructor's keywords (and no empty id set).
@@ -334,6 +390,26 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
         return response, held
 
 
+def _answered(
+    request_id: str, classify: Mapping[str, int], served: ServedVersion, result: InferResult
+) -> pb.ModelInferResponse:
+    """One response of a decoupled request (its outputs inline: no shared memory)."""
+    response = pb.ModelInferResponse()
+    response.model_name, response.model_version = result.model, str(result.version)
+    if request_id:
+        response.id = request_id
+    answers = result.outputs
+    if classify:
+        answers = {
+            name: top_k(name, array, classify[name], False, served.labels.get(name, ()))
+            if name in classify
+            else array
+            for name, array in answers.items()
+        }
+    encode_outputs(response, answers)
+    return response
+
+
 # The in-band error's parameter that carries its x-error-reason value on a KServe stream.
 ERROR_REASON_PARAMETER = "error_reason"
 
@@ -347,6 +423,12 @@ def _in_band_error(
     failed.parameters[ERROR_REASON_PARAMETER].string_param = reason.value
     message = in_band_message(exc, "ModelStreamInfer", request.model_name)
     return pb.ModelStreamInferResponse(error_message=message, infer_response=failed)
+
+
+def _in_band_failure(
+    request: pb.ModelInferRequest, exc: Exception, call: serving
+) -> pb.ModelStreamInferResponse:
+    return _in_band_error(request, exc, call.in_band(exc))
 
 
 def _empty_final_response(request: pb.ModelInferRequest) -> bool:

@@ -17,6 +17,7 @@ from google.protobuf.message import Message
 
 from modelyard.kserve.v2 import model_config_pb2 as config_pb
 from modelyard.kserve.v2.grpc_service_pb2 import ModelRepositoryParameter
+from modelyard.service.api.kserve.triton_sequences import sequence_document, sequence_message
 from modelyard.service.api.model_control import LoadParameters
 from modelyard.service.api.names import clipped, quoted
 from modelyard.service.errors import InvalidInput, ModelLoadError
@@ -41,6 +42,8 @@ _TOP = {
     "instance_group",
     "model_warmup",
     "ensemble_scheduling",
+    "sequence_batching",
+    "model_transaction_policy",
 }
 _INPUT = {"name", "data_type", "dims", "format"}
 _OUTPUT = {"name", "data_type", "dims", "label_filename"}
@@ -137,6 +140,10 @@ def _to_document(config: config_pb.ModelConfig, model: str) -> dict[str, Any]:
         }
     if config.model_warmup:
         doc["model_warmup"] = [_warmup(w, f"model_warmup[{i}]") for i, w in enumerate(config.model_warmup)]
+    if config.HasField("sequence_batching"):
+        doc["sequence_batching"] = sequence_document(config.sequence_batching, batch)
+    if config.model_transaction_policy.decoupled:
+        doc["decoupled"] = {}
     return doc
 
 
@@ -348,6 +355,12 @@ def triton_config(served: ServedVersion) -> config_pb.ModelConfig:
         )
         for level, level_policy in admission.priority_queue_policy:
             triton.dynamic_batching.priority_queue_policy[level].CopyFrom(_triton_queue_policy(level_policy))
+    if config.sequence_batching is not None:
+        triton.sequence_batching.CopyFrom(
+            sequence_message(config.sequence_batching, signature.max_batch_size)
+        )
+    if config.decoupled is not None:
+        triton.model_transaction_policy.decoupled = True
     return triton
 
 

@@ -1,0 +1,1 @@
+"""Decoupled models: 0..N responses per request (config `decoupled`)."""

@@ -1,0 +1,1 @@
+"""Stateful models: Triton's sequence batcher (config `sequence_batching`)."""
