@@ -565,7 +565,7 @@ class SequenceBatcher:
                 held = row.sequence.state if row.sequence is not None else None
                 parts.append(held[name] if held is not None else self._initial[name])
             value = parts[0] if len(parts) == 1 else np.concatenate(parts, axis=0)
-            feeds[name] = to_ort(value) if name in self._string_states else value
+            feeds[name] = to_ort(name, value) if name in self._string_states else value
         return feeds
 
     def _names_for(self, rows: list[_Row]) -> tuple[str, ...]:
