@@ -11,6 +11,8 @@ configs, so that the example clients run unchanged against them.
 - `image_classifier`: FP32 [-1, H, W, 3] (FORMAT_NHWC) -> FP32 [-1, CLASSES], a dense layer over
   the image's mean colour, for image_client.py; `labels` name its classes
 - `simple_int8`, `simple_identity` (BYTES), and `densenet_onnx`'s tensors for grpc_client.py
+- `custom_identity_int32`: INT32 [-1, 16] -> the same (Triton's custom identity backend, which
+  memory_growth_test.py calls)
 
 ONNX Runtime has no image decoder (ai.onnx ImageDecoder has no kernel in 1.31), so the ensemble's
 images are PPM text, which ONNX's string ops can read; a PNG's bytes reach a model only as BYTES.
@@ -69,6 +71,18 @@ def simple_identity() -> onnx.ModelProto:
         [_io("OUTPUT0", TensorProto.STRING, shape)],
     )
     return make_model(graph, "Triton's simple_identity")
+
+
+def custom_identity_int32() -> onnx.ModelProto:
+    """INPUT0 INT32 [-1, 16] -> OUTPUT0, the same (memory_growth_test.py)."""
+    shape: list[Any] = ["batch", 16]
+    graph = helper.make_graph(
+        [helper.make_node("Identity", ["INPUT0"], ["OUTPUT0"])],
+        "custom_identity_int32",
+        [_io("INPUT0", TensorProto.INT32, shape)],
+        [_io("OUTPUT0", TensorProto.INT32, shape)],
+    )
+    return make_model(graph, "Triton's custom_identity_int32")
 
 
 def densenet_stand_in() -> onnx.ModelProto:

@@ -8,7 +8,8 @@ repository's commit 58a44caa, except simple_grpc_model_control.py, taken from be
 added a check that Triton answers an over-long file name INTERNAL; this server answers it
 INVALID_ARGUMENT, the code Triton's own TODO there says is right). The sequence, decoupled
 (custom_repeat) and CUDA shared-memory clients are not here: the first two are another part of
-issue 38, the last need a GPU. memory_growth_test.py needs Triton's custom_identity_int32 backend.
+issue 38, the last need a GPU. memory_growth_test.py, which has no address flag, runs on Triton's own
+ports in a network namespace of its own (the last test).
 
 The service runs as Triton's examples expect the server: `--server-name triton` (the health and
 metadata clients check the name), management open (they register shared memory, load and unload),
@@ -26,6 +27,7 @@ from pathlib import Path
 
 import pytest
 
+from models.demo_models import write_model
 from tests import triton_models
 from tests.sidecar_support import SidecarProcess, start_sidecar_process
 from tests.support import REPO_ROOT, ChildProcess, ServiceProcess, start_child, start_service_process
@@ -246,3 +248,27 @@ def test_model_control_in_explicit_mode(tmp_path: Path) -> None:
     finally:
         for process in (gateway, sidecar, service):
             process.stop()
+
+
+def test_memory_growth_test_on_triton_s_own_ports(tmp_path: Path) -> None:
+    """memory_growth_test.py has no address flag: it calls localhost:8001 (gRPC) and :8000 (HTTP).
+    It runs in a network namespace of its own (`unshare --net`, as root in CI), where those ports
+    are the sidecar's and the gateway's and nothing else's (tests/triton_examples_netns.py)."""
+    if subprocess.run(["unshare", "--net", "true"], capture_output=True).returncode != 0:
+        pytest.skip("unshare --net is not permitted here (it needs root or user namespaces)")
+    root = tmp_path / "models"
+    write_model(
+        root, "custom_identity_int32", 1, triton_models.custom_identity_int32(), {"max_batch_size": 8}
+    )
+    done = subprocess.run(
+        ["unshare", "--net", sys.executable, "-m", "tests.triton_examples_netns", str(root)],
+        capture_output=True,
+        text=True,
+        timeout=280,
+        cwd=REPO_ROOT,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert (
+        "memory_growth_test -i grpc: exit 0" in done.stdout
+        and "memory_growth_test -i http: exit 0" in done.stdout
+    )
