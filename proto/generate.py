@@ -27,7 +27,7 @@ PROTO_ROOT = Path(__file__).resolve().parent
 PACKAGE_ROOT = PROTO_ROOT / "python"
 # The subpackages protoc writes, one per top-level proto package folder under proto/modelyard.
 PROTOC_GENERATED = ("inference", "kserve")
-# The one flatc writes (namespace modelyard.flat.v1); modelyard/flat/__init__.py is hand-written.
+# The one flatc writes (namespace modelyard.flat.v1); proto/python/flat/__init__.py is hand-written.
 FLATC_GENERATED = ("flat/v1",)
 GENERATED = PROTOC_GENERATED + FLATC_GENERATED
 # Another flatc writes other code (a drift the check would report): the version the code is from.
