@@ -256,16 +256,21 @@ async def test_bad_requests_answer_in_band_and_the_stream_goes_on(kserve, ours) 
         llm_request("y", rid="temp", temperature="warm"),
         llm_request("y", rid="input", inputs={"beam_width": 2}),
         llm_request("", rid="empty"),
+        # Hostile values: JSON nested 50,000 deep, a number of 5,000 digits.
+        llm_request("y", rid="deep", inputs={"sampling_parameters": "[" * 50_000}),
+        llm_request("y", rid="digits", max_tokens="9" * 5_000),
     ]
     messages = await streamed(kserve, *bad, llm_request("def main(", rid="ok", max_tokens=3))
     errors = {m.infer_response.id: m.error_message for m in messages if m.error_message}
-    assert errors.keys() == {"long", "n", "echo", "temp", "input", "empty"}
+    assert errors.keys() == {"long", "n", "echo", "temp", "input", "empty", "deep", "digits"}
     assert errors["long"].startswith("max_tokens: the model's context is 256 tokens, but ")
     assert "request parameter 'n' is not supported" in errors["n"]
     assert errors["echo"] == "When streaming, `exclude_input_in_output` = False is not allowed."
     assert "request parameter 'temperature': expected a number, got 'warm'" in errors["temp"]
     assert "input 'beam_width' is not an input of a decoder model" in errors["input"]
     assert "'text_input' is empty" in errors["empty"]
+    assert errors["deep"] == "input 'sampling_parameters': not JSON"
+    assert errors["digits"].startswith("request parameter 'max_tokens': expected an integer, got '9999")
     for message in messages:
         if message.error_message:  # the request's last response: final, with its reason
             response = message.infer_response

@@ -400,7 +400,7 @@ def _sampling_json(array: np.ndarray) -> dict[str, Any]:
     (text,) = _text(array, SAMPLING_PARAMETERS)
     try:
         document = json.loads(text)
-    except ValueError:
+    except (ValueError, RecursionError):  # RecursionError: arrays nested thousands deep
         raise InvalidInput(f"input {SAMPLING_PARAMETERS!r}: not JSON") from None
     if not isinstance(document, dict):
         raise InvalidInput(
@@ -465,7 +465,7 @@ def _from_value(field: _Field, value: Any, where: str) -> Any:
             return value
         if isinstance(value, float) and value.is_integer():
             return int(value)
-        if isinstance(value, str) and value.strip().lstrip("+-").isdigit():
+        if isinstance(value, str) and value.strip().lstrip("+-").isdigit() and len(value) <= 32:
             return int(value)
         raise wrong
     if isinstance(value, int | float):
