@@ -96,10 +96,11 @@ def llm_request(
     model: str = "codelm",
     rid: str = "r",
     inputs: dict[str, Any] | None = None,
+    params: dict[str, Any] | None = None,
     **parameters: Any,
 ) -> pb.ModelInferRequest:
     """`text_input`, `inputs` as tensors (bool, int, float, str or a list of str) and request
-    `parameters` (as tritonclient writes them: str, bool or int)."""
+    parameters, `params` and `parameters` (as tritonclient writes them: str, bool or int)."""
     request = pb.ModelInferRequest(model_name=model, id=rid)
     request.inputs.add(name="text_input", datatype="BYTES", shape=[1])
     request.raw_input_contents.append(_bytes_element(text))
@@ -118,7 +119,7 @@ def llm_request(
             continue
         request.inputs.add(name=name, datatype=datatype, shape=[1])
         request.raw_input_contents.append(raw)
-    for key, value in parameters.items():
+    for key, value in {**(params or {}), **parameters}.items():
         if isinstance(value, bool):
             request.parameters[key].bool_param = value
         elif isinstance(value, int):
@@ -202,8 +203,8 @@ async def test_the_last_text_carries_the_final_flag_and_no_empty_response_follow
     asked = {"triton_enable_empty_final_response": True}
     messages = await streamed(
         kserve,
-        llm_request("class Parser:", rid="a", max_tokens=5, stream=True, **asked),
-        llm_request("class Parser:", rid="b", max_tokens=5, **asked),
+        llm_request("class Parser:", rid="a", params=asked, max_tokens=5, stream=True),
+        llm_request("class Parser:", rid="b", params=asked, max_tokens=5),
         llm_request("class Parser:", rid="c", max_tokens=5, stream=True),
     )
     seen = [shown(m) for m in messages]
@@ -234,9 +235,9 @@ async def test_sampling_fields_as_inputs_json_or_parameters(kserve, ours) -> Non
         llm_request(
             prompt, rid="json", inputs={"sampling_parameters": json_fields, "exclude_input_in_output": True}
         ),
-        llm_request(prompt, rid="parameters", stop=stop, exclude_input_in_output=True, **as_strings),
+        llm_request(prompt, rid="parameters", params=as_strings, stop=stop, exclude_input_in_output=True),
         # vLLM's top_k -1: no top-k cut; the seed still makes it the same sampling as Generate's.
-        llm_request(prompt, rid="all", exclude_input_in_output=True, **{**as_strings, "top_k": "-1"}),
+        llm_request(prompt, rid="all", params={**as_strings, "top_k": "-1"}, exclude_input_in_output=True),
     )
     by_id = {m.infer_response.id: shown(m)[1] for m in messages}
     assert not [m.error_message for m in messages if m.error_message]
@@ -287,7 +288,8 @@ async def test_unary_model_infer_is_refused_as_for_a_decoupled_model(kserve) -> 
     assert (caught.value.details() or "").startswith(
         "ModelInfer RPC doesn't support models with decoupled transaction policy"
     )
-    assert dict(caught.value.trailing_metadata() or ())["x-error-reason"] == "unsupported"
+    trailing: Any = caught.value.trailing_metadata() or ()
+    assert dict(trailing)["x-error-reason"] == "unsupported"
     assert (await kserve.ModelReady(pb.ModelReadyRequest(name="codelm"))).ready
 
 
