@@ -334,6 +334,7 @@ def build_service(
                 identify=identities(authorizer),
                 server_name=settings.server_name,
                 sequences=batching.sequences,
+                generation=generation,
             ),
         ),
         # The FlatBuffers method (no protobuf): its servicer gives its handler (bytes in and out).

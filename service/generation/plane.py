@@ -26,6 +26,7 @@ from modelyard.service.metrics import BatchingMetrics, GenerationMetrics, Servic
 from modelyard.service.runtime.manager import ModelManager
 from modelyard.service.runtime.providers import CUDA
 from modelyard.service.runtime.served import ServedVersion
+from modelyard.service.runtime.table import Lease
 from modelyard.service.scheduling.queue import DEFAULT_SCHEDULING, Scheduling
 
 # Generate's span attributes (OpenTelemetry's GenAI names for the token counts).
@@ -55,6 +56,7 @@ class GenerationPlane:
         deadline_passed: Callable[[], bool] | None = None,
         on_stalled: Callable[[BaseException], None] | None = None,
         accepted: Callable[[int], Awaitable[None]] | None = None,
+        served: ServedVersion | None = None,
     ) -> AsyncGenerator[TokenEvent]:
         """Stream a generation's events, ending with the one that carries the finish reason.
         `scheduling` gives its priority and queue timeout for a decode slot, and the time left to
@@ -65,11 +67,14 @@ class GenerationPlane:
         reader is then blocked writing, so the transport must end the stream). `accepted` is
         awaited once with the version, as soon as the request passed every check and is queued for
         a slot: the transport sends the stream's headers then, while the prompt runs, rather than
-        behind the first token (a failure after it ends the stream as one failing mid-way does)."""
+        behind the first token (a failure after it ends the stream as one failing mid-way does).
+        `served`: the version, when the caller resolved it already (KServe's stream, which tells a
+        decoder from other models by it); the stream leases it as it would the one it resolves."""
         remaining = scheduling.time_remaining_s
         arrived = time.monotonic()
         deadline = None if remaining is None else arrived + remaining
-        with self._manager.table.lease(model, version) as served:
+        lease = Lease(served) if served is not None else self._manager.table.lease(model, version)
+        with lease as served:
             tracing.resolved(str(served.version))
             decoder = served.runner.kind
             if not isinstance(decoder, DecoderModel):

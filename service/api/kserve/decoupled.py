@@ -12,7 +12,7 @@ requests are answered in order (Triton's may interleave)."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 
 from modelyard.kserve.v2 import grpc_service_pb2 as pb
 from modelyard.service.api.errors import serving
@@ -50,7 +50,7 @@ class Responses:
 
     async def stream(
         self, final_flag: bool, call: serving, first: bool, in_band: InBand
-    ) -> AsyncIterator[pb.ModelStreamInferResponse]:
+    ) -> AsyncGenerator[pb.ModelStreamInferResponse]:
         """The stream's messages for this request. `first`: no response of the stream has been
         sent yet (its x-served-version goes with this request's first response)."""
         served = self._held.served

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Callable, Mapping
+from contextlib import aclosing
 from functools import partial
 from typing import Literal, overload
 
@@ -20,9 +21,10 @@ from modelyard.kserve.v2 import grpc_service_pb2 as pb
 from modelyard.kserve.v2 import grpc_service_pb2_grpc as pb_grpc
 from modelyard.service import __version__
 from modelyard.service.api.errors import Context, abort, in_band_message, serving
-from modelyard.service.api.kserve import repository, settings, shared_memory, statistics
+from modelyard.service.api.kserve import decoupled_decoder, repository, settings, shared_memory, statistics
 from modelyard.service.api.kserve.classification import top_k
 from modelyard.service.api.kserve.decoupled import Responses
+from modelyard.service.api.kserve.decoupled_decoder import DecoderResponses, text_decoder
 from modelyard.service.api.kserve.sequences import sequence_step
 from modelyard.service.api.kserve.settings import LogSettings, TraceSettings
 from modelyard.service.api.kserve.tensors import (
@@ -41,6 +43,7 @@ from modelyard.service.api.scheduling import kserve_priority, kserve_scheduling
 from modelyard.service.api.tensor_headers import kserve_headers, kserve_plain, refuse_extra_tensors
 from modelyard.service.dataplane import Call, DataPlane, InferResult
 from modelyard.service.errors import InvalidInput, ServiceError, Unsupported
+from modelyard.service.generation.plane import GenerationPlane
 from modelyard.service.intake import INLINE_DECODE_BYTES
 from modelyard.service.metrics import ServiceMetrics
 from modelyard.service.repository.uploads import UploadSpace
@@ -82,7 +85,10 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
         server_name: str = "modelyard",  # ServerMetadata.name (--server-name; Triton's is "triton")
         # Where each live sequence lives (the batching layer's), for steps that name no version.
         sequences: SequenceDirectory | None = None,
+        # Generate's path, for the decoder models' text on ModelStreamInfer (decoupled_decoder.py).
+        generation: GenerationPlane | None = None,
     ) -> None:
+        self._generation = generation
         self._identify = identify
         self._server_name = server_name
         self._sequences = sequences if sequences is not None else SequenceDirectory()
@@ -133,12 +139,14 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
                 versions = [str(v) for v in sorted(model.versions)] if model else []
             call.answered(str(served.version))
             signature = served.runner.signature
+            # A decoder model shows the text tensors it answers on a stream (decoupled_decoder.py).
+            inputs, outputs = decoupled_decoder.tensors(served) or (signature.inputs, signature.outputs)
             return pb.ModelMetadataResponse(
                 name=request.name,
                 versions=versions,
                 platform=served.config.platform,  # onnxruntime_onnx, or ensemble
-                inputs=[_tensor_metadata(t) for t in signature.inputs],
-                outputs=[_tensor_metadata(t) for t in signature.outputs],
+                inputs=[_tensor_metadata(t) for t in inputs],
+                outputs=[_tensor_metadata(t) for t in outputs],
             )
 
     async def ModelInfer(self, request: pb.ModelInferRequest, context: Context) -> pb.ModelInferResponse:
@@ -177,12 +185,16 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
                     first = False
                     yield _in_band_error(request, exc, call.in_band(exc))
                     continue
-                if isinstance(response, Responses):
+                if isinstance(response, Responses | DecoderResponses):
                     # A decoupled version: 0..N responses, then (when asked) the empty final one.
                     try:
-                        async for answer in response.stream(final_flag, call, first, _in_band_failure):
-                            first = False
-                            yield answer
+                        # aclosing: a client gone mid-way ends the request's work at once.
+                        async with aclosing(
+                            response.stream(final_flag, call, first, _in_band_failure)
+                        ) as answers:
+                            async for answer in answers:
+                                first = False
+                                yield answer
                     finally:
                         response.release()  # if the stream never started (the client left)
                     continue
@@ -202,7 +214,10 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
             check_model(request.name, request.version, name_field="name", version_field="version")
             served = self._manager.resolve(request.name, request.version)
             call.answered(str(served.version))
-            return pb.ModelConfigResponse(config=triton_config(served))
+            config = triton_config(served)
+            if text_decoder(served) is not None:
+                decoupled_decoder.describe(config)
+            return pb.ModelConfigResponse(config=config)
 
     async def ModelStatistics(
         self, request: pb.ModelStatisticsRequest, context: Context
@@ -297,15 +312,16 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
     @overload
     async def _infer(
         self, request: pb.ModelInferRequest, context: Context, model: str, decoupled: Literal[True]
-    ) -> tuple[pb.ModelInferResponse | Responses, Call]: ...
+    ) -> tuple[pb.ModelInferResponse | Responses | DecoderResponses, Call]: ...
 
     async def _infer(
         self, request: pb.ModelInferRequest, context: Context, model: str, decoupled: bool = False
-    ) -> tuple[pb.ModelInferResponse | Responses, Call]:
+    ) -> tuple[pb.ModelInferResponse | Responses | DecoderResponses, Call]:
         """The answer, and the call that ran it (its run's queue and run time). `model`: the
         request's model_name (read once: each read of a field is a new object). On a stream
         (`decoupled`), a decoupled version's request answers decoupled.Responses instead, which
-        holds the version's lease until its last response."""
+        holds the version's lease until its last response (DecoderResponses for a decoder model's
+        text, which Generate's path answers)."""
         parameters = request.parameters
         if parameters:
             priority, step = kserve_priority(parameters), sequence_step(parameters)
@@ -326,6 +342,12 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
             if dye == DYE_SHADOW:
                 held.refuse_shadow()
             served = held.served
+            if text_decoder(served) is not None:  # Triton's LLM tensors and responses: decoupled_decoder.py
+                regions = self._shm.of(partial(self._identify, context))
+                text = DecoderResponses.open(
+                    self._generation, served, request, context, request_id, priority, regions, decoupled
+                )
+                return text, held
             # Each container read once (each read of a protobuf field makes a new object).
             tensors, outputs = request.inputs, request.outputs
             refuse_extra_tensors(model, served.runner.signature, len(tensors), len(outputs))
