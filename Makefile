@@ -22,19 +22,25 @@ test: lint browser-deps installs
 installs: $(VENV)/.installed-dev
 	$(PY) -m tests.installs
 
+# This tree's package laid out as it installs, in a folder of links outside the repository
+# (bench/lib/trees.py): mypy and import-linter read it there, since neither follows an editable
+# install's import hook (mypy names a file by its place there: .../modelyard/service/x.py), and
+# lint's commands run this tree's code with it, whichever tree the virtual environment installed.
+PACKAGE_LINKS = $(shell $(PY) -m bench.lib.trees --pythonpath .)
+
 lint: $(VENV)/.installed-dev $(BUF) system-deps
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
-	$(VENV)/bin/mypy proto/python/modelyard tests bench models/__init__.py models/demo_models.py models/value_models.py proto/generate.py docs/reference.py
-	$(VENV)/bin/lint-imports
+	$(VENV)/bin/mypy $(PACKAGE_LINKS)/modelyard tests bench models/__init__.py models/demo_models.py models/value_models.py proto/generate.py docs/reference.py
+	PYTHONPATH=$(PACKAGE_LINKS) $(VENV)/bin/lint-imports
 	$(PY) proto/generate.py --check
-	$(PY) -m modelyard.envoy.render --check
+	PYTHONPATH=$(PACKAGE_LINKS) $(PY) -m modelyard.envoy.render --check
 	$(PY) docs/reference.py --check
 	cd deploy/observability && promtool check rules alerts.yaml && promtool test rules alerts_test.yaml
 	$(VENV)/bin/envoy --mode validate -c envoy/envoy.yaml --log-level warn
 	$(VENV)/bin/envoy --mode validate -c deploy/kubernetes/envoy.yaml --log-level warn
 	# Every pod of every Kubernetes build meets Pod Security "restricted" (and the check catches each rule).
-	$(PY) -m pytest -q --no-header tests/unit/test_kubernetes_manifests.py -k restricted
+	PYTHONPATH=$(PACKAGE_LINKS) $(PY) -m pytest -q --no-header tests/unit/test_kubernetes_manifests.py -k restricted
 	$(MAKE) --no-print-directory web-check
 	$(BUF) lint
 	$(BUF) breaking --against proto/baseline.binpb

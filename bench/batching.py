@@ -21,7 +21,7 @@ bulk at the default (low) priority, and, for reference, under the same bulk on t
     .venv/bin/python -m bench.batching [--duration 3] [--rounds 3] [--levels 1,8,32,64] [--no-burst]
         [--trees base=/tmp/before,now=.]
 
-With `--trees LABEL=PATH,...` each source tree's service (its proto/python first on PYTHONPATH)
+With `--trees LABEL=PATH,...` each source tree's service (its code first on PYTHONPATH)
 serves the same repository, and in phase 1 the trees take turns window by window (each mode of
 every tree, next to each other in time), so that a change is judged by a paired before/after on
 a shared machine: each tree's gains, and every later tree's CPU per request and throughput over
@@ -63,7 +63,7 @@ import grpc
 import numpy as np
 
 from bench.lib.procfs import tree_cpu_seconds
-from bench.lib.trees import source_trees
+from bench.lib.trees import pythonpath, source_trees
 from models.demo_models import dense_stack, scaled_identity, write_model
 from modelyard.inference.v1 import inference_service_pb2 as pb
 from modelyard.kserve.v2 import grpc_service_pb2 as kpb
@@ -126,10 +126,10 @@ class Server:
 
 @contextmanager
 def served(repository: Path, tree: Path | None = None) -> Iterator[Server]:
-    """The service, from this tree or from `tree` (run there, its proto/python first)."""
+    """The service, from this tree or from `tree` (run there, its code first on the path)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("MODELYARD_")}
     if tree is not None:
-        env["PYTHONPATH"] = f"{tree / 'proto' / 'python'}{os.pathsep}{tree}"
+        env["PYTHONPATH"] = f"{pythonpath(tree)}{os.pathsep}{tree}"
     cmd = [sys.executable, "-m", "modelyard.service", "--repository", str(repository)]
     cmd += ["--listen", "127.0.0.1:0", "--metrics-listen", "", "--log-level", "INFO"]
     proc: subprocess.Popen[str] = children.popen(

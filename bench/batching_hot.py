@@ -9,7 +9,8 @@ second, the event loop thread's CPU and the process's CPU per request, and rows 
 callgrind (`--callgrind`, with `--model sleep`) only the measured window is counted, so that two
 trees' instructions per request are a steady before/after pair on a shared machine:
 
-    PYTHONPATH=TREE/proto/python valgrind --tool=callgrind --instr-atstart=no \\
+    PYTHONPATH=$(.venv/bin/python -m bench.lib.trees --pythonpath TREE) \\
+        valgrind --tool=callgrind --instr-atstart=no \\
         --callgrind-out-file=OUT .venv/bin/python -m bench.batching_hot --model sleep --callgrind
     callgrind_annotate OUT | grep TOTALS    # divided by --requests
 

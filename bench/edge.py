@@ -46,7 +46,7 @@ import grpc
 import httpx
 
 from bench.lib.procfs import rss_kib
-from bench.lib.trees import source_trees
+from bench.lib.trees import pythonpath, source_trees
 from bench.processes import SIDECAR_READY, start_announced
 from bench.stack import Gateway, Stack
 from modelyard.inference.v1 import inference_service_pb2 as pb
@@ -203,7 +203,7 @@ class Sidecar:
     on the stack's service: the sidecar hop from another tree in the same turns (--sidecar-trees)."""
 
     def __init__(self, upstream: str, tree: Path) -> None:
-        env = dict(os.environ, PYTHONPATH=str(tree / "proto" / "python"))
+        env = dict(os.environ, PYTHONPATH=pythonpath(tree))
         cmd = [sys.executable, "-m", "modelyard.sidecar", "--listen", "127.0.0.1:0", "--upstream", upstream]
         self.proc, self.address = start_announced(
             [*cmd, "--admin-listen", ""], tree, env, SIDECAR_READY, f"the sidecar from {tree}"
@@ -218,7 +218,7 @@ class TreeService:
     `tree`'s code, with this tree's sidecar and gateway on it (--service-trees)."""
 
     def __init__(self, tree: Path) -> None:
-        env = dict(os.environ, PYTHONPATH=str(tree / "proto" / "python"))
+        env = dict(os.environ, PYTHONPATH=pythonpath(tree))
         cmd = [sys.executable, "-m", "modelyard.service", "--repository", str(ROOT / "models" / "demo")]
         self.proc, self.address = start_announced(
             [*cmd, "--listen", "127.0.0.1:0", "--metrics-listen", ""],

@@ -306,12 +306,13 @@ class Traced:
     its steps appended to a trace file of its own; `address` is what it logged it serves on."""
 
     def __init__(self, name: str, mode: str, argv: Sequence[str], tree: Path, trace: Path) -> None:
+        from bench.lib.trees import pythonpath
         from bench.processes import SIDECAR_READY, start_announced
 
         self.name = name
         self.trace = trace
         self.trace.write_text("")
-        env = dict(os.environ, EDGE_TRACE=str(self.trace), PYTHONPATH=str(tree / "proto" / "python"))
+        env = dict(os.environ, EDGE_TRACE=str(self.trace), PYTHONPATH=pythonpath(tree))
         ready = r"serving HTTP on (http://\S+)" if mode == "--serve" else SIDECAR_READY
         self.proc, self.address = start_announced(
             [sys.executable, str(Path(__file__).resolve()), mode, *argv],

@@ -24,6 +24,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from bench.lib.trees import pythonpath
+
 ROOT = Path(__file__).resolve().parents[1]
 PROMPT = "def __init__(self"
 WARMUP = 10
@@ -77,7 +79,7 @@ async def serve_one(requests: int) -> dict[str, list[float]]:
 
 
 def run_tree(tree: Path, requests: int) -> dict[str, list[float]]:
-    env = dict(os.environ, PYTHONPATH=str(tree / "proto" / "python"), PYTHONDONTWRITEBYTECODE="1")
+    env = dict(os.environ, PYTHONPATH=pythonpath(tree), PYTHONDONTWRITEBYTECODE="1")
     done = subprocess.run(
         [sys.executable, "-m", "bench.first_token", "--serve-one", str(requests)],
         cwd=ROOT,

@@ -35,7 +35,7 @@ from typing import Any
 import grpc
 
 from bench.floor import CONFIG, MODELS, open_calls, request_for, send_all
-from bench.lib.trees import source_trees
+from bench.lib.trees import pythonpath, source_trees
 from bench.processes import ROOT, SERVICE_READY, ServerProcess
 from models.demo_models import write_model
 
@@ -78,7 +78,7 @@ def server(label: str, tree: Path | None, repository: Path, workdir: Path) -> Se
     if tree is None:
         argv = [*prefix, str(ROOT / "bench" / "bare_server.py"), str(repository)]
         return ServerProcess(label, argv, workdir, BARE_READY)
-    os.environ["PYTHONPATH"] = str(tree / "proto" / "python")
+    os.environ["PYTHONPATH"] = pythonpath(tree)
     argv = [*prefix, "modelyard.service", "--repository", str(repository)]
     argv += ["--listen", "127.0.0.1:0", "--metrics-listen", "127.0.0.1:0", "--grace-s", "1"]
     return ServerProcess(label, argv, workdir, SERVICE_READY, cwd=tree)

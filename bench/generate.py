@@ -48,6 +48,7 @@ import numpy as np
 import onnxruntime as ort
 from tokenizers import Tokenizer
 
+from bench.lib.trees import pythonpath
 from bench.processes import running_service
 from modelyard.inference.v1 import inference_service_pb2 as pb
 from modelyard.inference.v1 import inference_service_pb2_grpc as pb_grpc
@@ -345,7 +346,7 @@ def tree_configs(streams: Sequence[int]) -> list[tuple[str, int]]:
 async def compare_trees(
     trees: dict[str, str], repository: Path, windows: int, seconds: float, tokens: int, streams: Sequence[int]
 ) -> dict[tuple[str, str, int], list[Window]]:
-    """Each tree's service (its proto/python first on PYTHONPATH) and the bare loop take turns,
+    """Each tree's service (its code first on PYTHONPATH) and the bare loop take turns,
     window by window, all on the server core: drift on a shared machine hits them alike.
     -> windows by (tree or "bare", model, streams)."""
     tokenizer = Tokenizer.from_file(str(CODELM / "1" / "tokenizer.json"))
@@ -354,7 +355,7 @@ async def compare_trees(
     async with AsyncExitStack() as stack:
         stubs = {}
         for name, tree in trees.items():
-            os.environ["PYTHONPATH"] = str(Path(tree) / "proto" / "python")
+            os.environ["PYTHONPATH"] = pythonpath(Path(tree))
             server = await stack.enter_async_context(running_service(repository, repository, prefix=prefix))
             channel = await stack.enter_async_context(grpc.aio.insecure_channel(f"127.0.0.1:{server.port}"))
             stubs[name] = (pb_grpc.InferenceServiceStub(channel), server.pid)

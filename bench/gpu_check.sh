@@ -42,10 +42,13 @@ if ls .gpu/parts/site.tar.xz.part* >/dev/null 2>&1; then
     ls -l .gpu/parts
     cat .gpu/parts/site.tar.xz.part* | xz -dc | tar -x -C "$(dirname "$SITE")" ||
         { echo "the carried parts do not make a whole archive: carry every part of .gpu/parts"; exit 1; }
-    export PYTHONPATH="$SITE:$PWD/proto/python:$PWD"
+    # This tree's modelyard: its package laid out in a folder of links (bench/lib/trees.py).
+    links=$(python3 -m bench.lib.trees --pythonpath .) || exit 1
+    export PYTHONPATH="$SITE:$links:$PWD"
 else
     echo "no .gpu/parts: using this environment as it is"
-    export PYTHONPATH="$PWD/proto/python:$PWD${PYTHONPATH:+:$PYTHONPATH}"
+    links=$(python3 -m bench.lib.trees --pythonpath .) || exit 1
+    export PYTHONPATH="$links:$PWD${PYTHONPATH:+:$PYTHONPATH}"
 fi
 export PYTHONUNBUFFERED=1
 # CUDA's libraries from this machine's own nvidia-* wheels (CUDA 13's nvidia/cu13/lib, cuDNN's

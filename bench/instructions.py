@@ -54,7 +54,7 @@ from typing import Any
 import grpc
 
 from bench.floor import CONFIG, MODELS, open_calls, request_for, send_all
-from bench.lib.trees import source_trees
+from bench.lib.trees import pythonpath, source_trees
 from bench.processes import ROOT, SERVICE_READY, ServerProcess
 from models.demo_models import write_model
 
@@ -96,7 +96,7 @@ def server(
         if label == BARE_SERVED_ONLY:
             argv.append("--served-only")
         return ServerProcess(label, argv, workdir, re.compile(r"^(\d+)$", re.M))
-    os.environ["PYTHONPATH"] = str(tree / "proto" / "python")
+    os.environ["PYTHONPATH"] = pythonpath(tree)
     argv = [*valgrind, sys.executable, "-c", LAUNCHER, "--repository", str(repository)]
     # The metrics listener on a free port too: the default one may be another service's.
     argv += ["--listen", "127.0.0.1:0", "--metrics-listen", "127.0.0.1:0", "--grace-s", "1"]
@@ -309,7 +309,7 @@ async def measure_sidecar(
     out = (keep or workdir) / f"{label}.callgrind"
     own_path = os.environ.get("PYTHONPATH", "")
     if tree is not None:
-        os.environ["PYTHONPATH"] = str(tree / "proto" / "python")
+        os.environ["PYTHONPATH"] = pythonpath(tree)
     try:
         process = sidecar_server(label, tree, upstream, routes, env, workdir, out)
         process.spawn()

@@ -52,7 +52,7 @@ import grpc
 import numpy as np
 
 from bench.lib.report import source_state, write_json
-from bench.lib.trees import source_trees
+from bench.lib.trees import pythonpath, source_trees
 from bench.processes import ROOT, SERVICE_READY, ServerProcess, service_command
 from models.demo_models import dense_stack, scaled_identity, write_model
 from modelyard.inference.v1 import inference_service_pb2 as pb
@@ -103,7 +103,7 @@ class Tree:
     def __init__(self, label: str, tree: Path, work: Path, args: argparse.Namespace) -> None:
         self.label = label
         self.tree = tree
-        env = ["env", f"PYTHONPATH={tree / 'proto' / 'python'}"]
+        env = ["env", f"PYTHONPATH={pythonpath(tree)}"]
         argv = [*env, *service_command(work / "models"), "--metrics-listen", "127.0.0.1:0", "--grace-s", "1"]
         if args.inference_threads:
             argv += ["--inference-threads", str(args.inference_threads)]

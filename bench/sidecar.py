@@ -64,6 +64,7 @@ import grpc
 import numpy as np
 
 from bench.lib.procfs import tree_cpu_seconds
+from bench.lib.trees import pythonpath
 from bench.processes import ServerProcess, running_service
 from models import demo_models
 from modelyard.inference.v1 import inference_service_pb2 as pb
@@ -249,8 +250,8 @@ async def wait_sidecar_ready(address: str) -> None:
 
 
 def _tree_env(tree: Path | None) -> list[str]:
-    """`env` arguments that run another tree's code (its proto/python first on the path)."""
-    return [] if tree is None else [f"PYTHONPATH={tree / 'proto' / 'python'}"]
+    """`env` arguments that run another tree's code (its code first on the path)."""
+    return [] if tree is None else [f"PYTHONPATH={pythonpath(tree)}"]
 
 
 def _ready(url: str) -> bool:

@@ -8,7 +8,8 @@ counts are a steady before/after pair (two runs of one tree differ by ~0.3k inst
 the breakers' latency check, which runs per unit of time, is kept out of the count). To compare
 trees, run this file for each (from one checkout, TREE on PYTHONPATH):
 
-    PYTHONPATH=TREE/proto/python valgrind --tool=callgrind --instr-atstart=no \\
+    PYTHONPATH=$(.venv/bin/python -m bench.lib.trees --pythonpath TREE) \\
+        valgrind --tool=callgrind --instr-atstart=no \\
         --callgrind-out-file=OUT .venv/bin/python -m bench.sidecar_hot --callgrind [--calls 2000]
     callgrind_annotate OUT | grep TOTALS    # divided by --calls
 """

@@ -12,6 +12,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from bench.lib.trees import pythonpath
 from bench.processes import start_announced
 from modelyard.process import children
 
@@ -32,14 +33,14 @@ class Stack:
     SIGINT (the supervisor then stops its children in order), killed if it hangs."""
 
     def __init__(self, *args: str, metrics: bool = False, tree: Path = ROOT) -> None:
-        """The stack from `tree`'s code (its proto/python first on PYTHONPATH; default this one)."""
+        """The stack from `tree`'s code (its code first on PYTHONPATH; default this one)."""
         cmd = [sys.executable, "-m", "modelyard.deploy", "--service-listen", "127.0.0.1:0"]
         self.service_metrics = f"127.0.0.1:{free_port()}" if metrics else ""
         self.sidecar_admin = f"127.0.0.1:{free_port()}" if metrics else ""
         cmd += ["--service-metrics", self.service_metrics, "--sidecar-admin", self.sidecar_admin]
         cmd += ["--sidecar-listen", "127.0.0.1:0", "--gateway-listen", "127.0.0.1:0"]
         cmd += ["--envoy-port", "0", "--envoy-admin-port", "0", *args]
-        env = dict(os.environ, PYTHONPATH=str(tree / "proto" / "python")) if tree != ROOT else None
+        env = dict(os.environ, PYTHONPATH=pythonpath(tree)) if tree != ROOT else None
         self.proc: subprocess.Popen[str] = children.popen(
             cmd,
             cwd=tree,
@@ -89,12 +90,12 @@ def _find(pattern: str, text: str) -> str:
 
 class Gateway:
     """One more gateway process beside the stack's (`python -m modelyard.gateway`), from `tree`'s
-    code (its proto/python first on PYTHONPATH) and with extra `flags`, calling `upstream`: a hop
-    of its own to measure (gateway -> service), or the same hop from another tree or with other
-    flags, taking turns with the stack's in one run."""
+    code (first on PYTHONPATH) and with extra `flags`, calling `upstream`: a hop of its own to
+    measure (gateway -> service), or the same hop from another tree or with other flags, taking
+    turns with the stack's in one run."""
 
     def __init__(self, upstream: str, tree: Path = ROOT, flags: Sequence[str] = ()) -> None:
-        env = dict(os.environ, PYTHONPATH=str(tree / "proto" / "python"))
+        env = dict(os.environ, PYTHONPATH=pythonpath(tree))
         cmd = [sys.executable, "-m", "modelyard.gateway", "--listen", "127.0.0.1:0", "--upstream", upstream]
         self.proc, self.url = start_announced(
             [*cmd, *flags], tree, env, r"serving HTTP on (http://\S+)", f"the gateway from {tree}"

@@ -28,7 +28,7 @@ from pathlib import Path
 import grpc
 
 from bench.floor import CONFIG, MODELS, measure, open_calls, request_for
-from bench.lib.trees import source_trees
+from bench.lib.trees import pythonpath, source_trees
 from bench.processes import ROOT, SERVICE_READY, ServerProcess, service_command
 from models.demo_models import write_model
 
@@ -43,9 +43,10 @@ LINES = (
 
 def tree_service(label: str, tree: Path, repository: Path, workdir: Path, prefix: list[str]) -> ServerProcess:
     """The service of `tree`, started from there (ServerProcess.spawn copies os.environ)."""
-    os.environ["PYTHONPATH"] = f"{tree / 'proto' / 'python'}{os.pathsep}{tree}"
+    os.environ["PYTHONPATH"] = f"{pythonpath(tree)}{os.pathsep}{tree}"
     argv = [*service_command(repository, prefix), "--metrics-listen", "127.0.0.1:0", "--grace-s", "1"]
-    if not (tree / "proto" / "python" / "modelyard" / "service").exists():
+    old = tree / "proto" / "python" / "modelyard"
+    if old.is_dir() and not (old / "service").exists():
         argv[argv.index("modelyard.service")] = "service"  # a tree from before the namespace move
     server = ServerProcess(label, argv, workdir, SERVICE_READY, cwd=tree)
     server.spawn()

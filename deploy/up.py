@@ -4,7 +4,7 @@ admin /ready says LIVE), prints the URLs, and on Ctrl-C (SIGINT) or SIGTERM stop
 order. A process that dies is reported and the rest are stopped: nothing is left behind.
 
 Each address may use port 0: the supervisor reads every process's bound address from its log and
-renders Envoy's config (envoy/render.py) with the addresses that are really in use. Without the
+renders Envoy's config (envoy/python/render.py) with the addresses that are really in use. Without the
 sidecar's extra installed (its dependencies, see sidecar_installed), the gateway and Envoy call the
 service directly (same API).
 
@@ -12,7 +12,7 @@ Management is the caller's who ran it, by credential: at start a fresh managemen
 to a 0600 file in the run's private folder (removed at exit; `--management-tokens-file` uses an
 operator's file instead), the service takes it as `--auth-tokens-file` and the sidecar as
 `--admin-tokens-file`, and the supervisor prints how to use it. Envoy's public edge serves no
-management at all (envoy/render.py): manage through the gateway's, the sidecar's or the service's
+management at all (envoy/python/render.py): manage through the gateway's, the sidecar's or the service's
 own port.
 """
 

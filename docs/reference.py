@@ -17,7 +17,12 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "proto" / "python")]
+sys.path[:0] = [str(ROOT)]
+
+from bench.lib import trees  # noqa: E402
+
+# This tree's own modelyard, whichever tree the virtual environment's editable install is of.
+sys.path.insert(1, trees.pythonpath(ROOT))
 
 import msgspec  # noqa: E402
 

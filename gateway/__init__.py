@@ -16,3 +16,8 @@ upstream.py (the channel, forwarded and returned headers), errors.py (gRPC outco
 streams.py (generation streams and their resume buffer), streaming.py (the one streaming
 response), metrics.py, listener.py (the connection guard), config.py, tls.py.
 """
+
+# gateway/ installs as modelyard.gateway (pyproject.toml's package-dir). Under another name (its
+# folder's, with the repository root on the path) it would be a second copy of the code and its state.
+if __name__ != "modelyard.gateway":
+    raise ImportError(f"{__name__}: import modelyard.gateway (gateway/ is not a package of its own)")

@@ -1,9 +1,9 @@
 """Generate the Python contracts (modelyard.inference.*, modelyard.kserve.*) from the .proto files,
 and the FlatBuffers accessors (modelyard.flat.v1.*) from the .fbs files with flatc.
 
-The package root is proto/python/modelyard: its generated subpackages (GENERATED below) sit beside
-hand-written modules (modelyard.tensors, modelyard.common, modelyard.flat's numpy codec in
-flat/__init__.py) that the generator never touches.
+The generated subpackages (GENERATED below) are written to proto/python/<subpackage>, the folders
+that pyproject.toml's package-dir maps to modelyard.<subpackage>; modelyard.flat's numpy codec
+(proto/python/flat/__init__.py) is hand-written and never touched.
 One command, reproducible: `python proto/generate.py` rewrites the generated subpackages;
 `--check` generates into a temporary folder and fails if they differ (stale generated code).
 flatc is Debian's flatbuffers-compiler (`make system-deps`), not a Python package.
@@ -23,10 +23,11 @@ from pathlib import Path
 from grpc_tools import protoc
 
 PROTO_ROOT = Path(__file__).resolve().parent
+# Where modelyard.<subpackage> lives (protoc and flatc write modelyard/<subpackage> under their --out).
 PACKAGE_ROOT = PROTO_ROOT / "python"
 # The subpackages protoc writes, one per top-level proto package folder under proto/modelyard.
 PROTOC_GENERATED = ("inference", "kserve")
-# The one flatc writes (namespace modelyard.flat.v1); modelyard/flat/__init__.py is hand-written.
+# The one flatc writes (namespace modelyard.flat.v1); proto/python/flat/__init__.py is hand-written.
 FLATC_GENERATED = ("flat/v1",)
 GENERATED = PROTOC_GENERATED + FLATC_GENERATED
 # Another flatc writes other code (a drift the check would report): the version the code is from.
@@ -99,8 +100,8 @@ def main() -> int:
         with tempfile.TemporaryDirectory() as tmp:
             generate(Path(tmp))
             for sub in GENERATED:
-                shutil.rmtree(PACKAGE_ROOT / "modelyard" / sub, ignore_errors=True)
-                shutil.copytree(Path(tmp) / "modelyard" / sub, PACKAGE_ROOT / "modelyard" / sub)
+                shutil.rmtree(PACKAGE_ROOT / sub, ignore_errors=True)
+                shutil.copytree(Path(tmp) / "modelyard" / sub, PACKAGE_ROOT / sub)
         return 0
     with tempfile.TemporaryDirectory() as tmp:
         generate(Path(tmp))
@@ -108,9 +109,9 @@ def main() -> int:
             found
             for sub in GENERATED
             for found in (
-                differences(Path(tmp) / "modelyard" / sub, PACKAGE_ROOT / "modelyard" / sub)
-                if (PACKAGE_ROOT / "modelyard" / sub).exists()
-                else [f"proto/python/modelyard/{sub} is missing"]
+                differences(Path(tmp) / "modelyard" / sub, PACKAGE_ROOT / sub)
+                if (PACKAGE_ROOT / sub).exists()
+                else [f"proto/python/{sub} is missing"]
             )
         ]
     if stale:

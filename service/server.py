@@ -20,6 +20,7 @@ from modelyard.inference.v1 import inference_service_pb2, model_service_pb2
 from modelyard.kserve.v2 import grpc_service_pb2
 from modelyard.process import access as access_log
 from modelyard.process.auth import Authorizer, AuthSettings
+from modelyard.process.cores import usable_cores
 from modelyard.process.drain import Drain
 from modelyard.process.grpc_server import connection_options
 from modelyard.process.lifecycle import bound
@@ -38,7 +39,6 @@ from modelyard.service.api.pipeline import ServiceHandlers, Wrapper, register, s
 from modelyard.service.api.wire import GuardFor, OnUndecodable, authorize, decode_guard
 from modelyard.service.batching.layer import BatchingLayer
 from modelyard.service.config import ENV_PREFIX, Settings
-from modelyard.service.cores import usable_cores
 from modelyard.service.dataplane import DataPlane
 from modelyard.service.ensembles import loader as ensembles
 from modelyard.service.generation.model import recognize_decoder

@@ -83,7 +83,7 @@ class Settings:
     max_message_bytes: Annotated[
         int, Meta(ge=1, description="largest request or response message, in bytes")
     ] = 64 * 1024 * 1024
-    # Connections of the gRPC listener (modelyard/common/grpc_server.py).
+    # Connections of the gRPC listener (modelyard.process.grpc_server).
     grpc_max_concurrent_streams: grpc_server.MaxStreams = 256
     grpc_max_connection_idle_s: grpc_server.ConnectionIdle = 300.0
     grpc_max_connection_age_s: grpc_server.ConnectionAge = 3600.0

@@ -1,4 +1,4 @@
-"""A real Envoy for the end-to-end tests: the config rendered by envoy/render.py with ephemeral
+"""A real Envoy for the end-to-end tests: the config rendered by envoy/python/render.py with ephemeral
 ports, its own --base-id (two Envoys on one host must not share hot-restart memory), stopped by
 the test that started it."""
 

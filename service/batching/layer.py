@@ -14,8 +14,8 @@ import logging
 from collections.abc import Mapping
 from concurrent.futures import Executor
 
+from modelyard.process.cores import usable_cores
 from modelyard.service.batching.batcher import Batcher, BatchSettings
-from modelyard.service.cores import usable_cores
 from modelyard.service.decoupled.runner import DecoupledRunner
 from modelyard.service.metrics import ServiceMetrics
 from modelyard.service.runtime.served import ServedVersion

@@ -13,7 +13,7 @@ import ctypes.util
 from collections.abc import Callable
 from pathlib import Path
 
-from modelyard.service.cores import CGROUP
+from modelyard.process.cores import CGROUP
 
 _trim: Callable[[int], int] | None = None
 try:

@@ -24,7 +24,7 @@ from onnxruntime.capi.onnxruntime_pybind11_state import (
     RuntimeException,
 )
 
-from modelyard.service.cores import usable_cores
+from modelyard.process.cores import usable_cores
 from modelyard.service.datatypes import NAME_BY_ORT
 from modelyard.service.errors import (
     DeviceFault,

@@ -1,4 +1,4 @@
-"""End to end through a real Envoy (config rendered by envoy/render.py, ephemeral ports, own
+"""End to end through a real Envoy (config rendered by envoy/python/render.py, ephemeral ports, own
 --base-id): gRPC-Web to the sidecar cluster, SSE to the gateway, CORS, operator canary weights.
 
 The gateway and Envoy's sidecar cluster call a real sidecar in front of the service where the sidecar

@@ -29,8 +29,9 @@ def run(
 ) -> subprocess.CompletedProcess[str]:
     """The process's exit, bounded: one that starts serving instead is killed and the test fails."""
     base = {k: v for k, v in os.environ.items() if not k.startswith("MODELYARD_")}
-    # From another folder `python -m` finds our packages through the path.
-    base["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), str(REPO_ROOT / "proto" / "python")])
+    # From another folder `python -m` finds `models` through the path, and modelyard as this process
+    # does (the editable install, or a link tree first on PYTHONPATH: bench/lib/trees.py).
+    base["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])
     return subprocess.run(
         [sys.executable, "-m", f"modelyard.{module}", *args],
         capture_output=True,

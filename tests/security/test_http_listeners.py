@@ -5,7 +5,7 @@ long SSE stream, quieter than none of them, is not cut.
 
 Raw TCP clients on loopback against a real gateway in this process (small timeouts set through its
 settings), then the same against a real Envoy in front of it (tests/envoy_support.py, config from
-envoy/render.py); each test waits for the socket's EOF under a bounded deadline.
+envoy/python/render.py); each test waits for the socket's EOF under a bounded deadline.
 """
 
 from __future__ import annotations

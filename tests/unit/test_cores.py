@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from modelyard.process.cores import cpu_quota, usable_cores
 from modelyard.service.config import worker_count
-from modelyard.service.cores import cpu_quota, usable_cores
 
 AFFINITY = len(os.sched_getaffinity(0))
 

@@ -1,4 +1,4 @@
-"""envoy/render.py's management policy: by default every management route and method
+"""envoy/python/render.py's management policy: by default every management route and method
 (modelyard.common.surfaces) is answered by Envoy itself before any route that forwards, paths are
 normalised before routes match, and `management_routes` (`--management-routes`) forwards them.
 (The real Envoy's answers: tests/security/test_default_edge.py.)"""

@@ -1,4 +1,4 @@
-"""envoy/render.py's command line and header policy: an operator's variant is rendered to --out
+"""envoy/python/render.py's command line and header policy: an operator's variant is rendered to --out
 without touching the tracked files; by default every route removes a client's x-canary-weight and
 x-model-dye (and sets the operator's weight where rendered)."""
 

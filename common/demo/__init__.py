@@ -1,5 +1,6 @@
 """The demo model repository as package data: `modelyard demo-models DIR` copies it out, so an
-installed service has models to try without this checkout (`repository` links to models/demo).
+installed service has models to try without this checkout (the wheel's `repository` is
+models/demo, mapped by pyproject.toml's package-dir).
 
 Shipped built rather than as its builders (models/demo_models.py): the builders would need onnx at
 run time and still could not make the trained language model (codelm, 4.3 MB of the 4.4 MB;
@@ -12,10 +13,15 @@ import shutil
 from importlib import resources
 from pathlib import Path
 
+# A checkout's own (common/demo/ -> the repository root): an editable install maps packages, not
+# data, so there the demo repository is where it is kept, models/demo.
+_CHECKOUT = Path(__file__).resolve().parents[2] / "models" / "demo"
+
 
 def repository() -> Path:
-    """The installed demo repository (a folder inside the installed package)."""
-    return Path(str(resources.files(__name__) / "repository"))
+    """The installed demo repository (a folder inside the installed package), else a checkout's."""
+    installed = Path(str(resources.files(__name__) / "repository"))
+    return installed if installed.is_dir() else _CHECKOUT
 
 
 def copy_to(target: Path) -> list[str]:

@@ -11,3 +11,8 @@ Processes (each with its own install extra): `modelyard.service`, `modelyard.sid
 over `modelyard.process`, the code they share at run time. `modelyard.cli` is the `modelyard`
 command. Neither the contracts nor modelyard.process import a process; `make lint` enforces it.
 """
+
+# common/ installs as modelyard (pyproject.toml's package-dir). Under another name (its
+# folder's, with the repository root on the path) it would be a second copy of the code and its state.
+if __name__ != "modelyard":
+    raise ImportError(f"{__name__}: import modelyard (common/ is not a package of its own)")
