@@ -236,8 +236,10 @@ class Rollout:
         return event
 
     def canary_is(self, canary: str, now: float) -> Event | None:
-        """The canary version the upstreams serve now; a new one restarts an active rollout."""
-        if not self.active or canary == self.canary:
+        """The canary version the upstreams serve now; a new one restarts an active rollout. None
+        known (a sidecar just started, before its upstreams report what they serve, or every
+        upstream gone) holds the rollout where it is: only a different version restarts it."""
+        if not self.active or canary == self.canary or not canary:
             return None
         before, self.canary = self.canary, canary
         self.step, self.step_started, self.gates = 0, now, {}

@@ -207,6 +207,26 @@ def test_a_restart_mid_rollout_resumes_where_it_was() -> None:
     assert (resumed.state, again.weight()) == (SUCCEEDED, 100)
 
 
+def test_a_restarted_sidecar_holds_the_step_until_its_upstreams_report_the_canary() -> None:
+    """A restart's first ticks can run before the upstreams say what they serve: no canary known
+    then is no new canary, so the step saved is kept (it used to fall back to the first)."""
+    h = Harness()
+    rollout = h.driver.start("scaler", SPEC, "ops")
+    h.step()
+    h.step()
+    again = Harness(saved=h.saved(), clock=h.clock)
+    resumed = again.driver.rollouts["scaler"]
+    again.served["scaler"] = set()  # nothing reported yet
+    again.driver.tick()
+    again.clock.now += 60
+    again.driver.tick()
+    assert (resumed.state, resumed.step, again.weight()) == (RUNNING, 2, 25)
+    assert resumed.history == rollout.history  # no `restarted`
+    again.served["scaler"] = {"1", "2"}
+    again.step()
+    assert resumed.step == 3
+
+
 def test_a_new_canary_version_mid_rollout_restarts_from_the_first_step() -> None:
     h = Harness()
     rollout = h.driver.start("scaler", SPEC, "ops")
