@@ -9,9 +9,10 @@ Run as a script: prints the bound port on stdout (one line), then serves until S
 
 By default both services are added the generated way (add_*Servicer_to_server), as a plain
 grpc.aio server is written: every method of both becomes a grpc.aio registered method, and the
-server waits on one pending request per registered method at every call (~5.7k instructions a
-call each, ~24 here). The service registers none (service/api/pipeline.py). --served-only is the
-stricter floor: the two served methods in one generic handler, no registered method.
+server waits on one pending request per registered method at every call, so each of the ~24
+here adds to every call's cost (docs/benchmarks.md, "Costs the code is shaped by"). The service
+registers none (service/api/pipeline.py). --served-only is the stricter floor: the two served
+methods in one generic handler, no registered method.
 
 REPOSITORY holds <model>/1/model.onnx (the service's layout); every model in it is served.
 """

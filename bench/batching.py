@@ -504,7 +504,7 @@ def main() -> int:
         }
         if args.trees:  # by tree, and the paired ratios to the first
             report |= {"levels": by_level, "gains": gains, "burst": burst, "paired": pairs}
-        else:  # as before --trees
+        else:  # one tree: the report without a tree level
             report |= {"levels": by_level[""], "gains": gains[""], "burst": burst.get("", {})}
         args.output.parent.mkdir(parents=True, exist_ok=True)
         args.output.write_text(json.dumps(report, indent=2, default=str))

@@ -20,7 +20,7 @@ faults, but every canary call takes 0.5 s against stable's 20 ms from the first 
 
     .venv/bin/python -m bench.breaker_defaults [--rate 10] [--seeds 20] [--duration 300]
 
-`--live` (issue 34): the canaries of issue 34 with both versions in one real service, a real
+`--live`: the canaries of models/canary_models.py with both versions in one real service, a real
 sidecar in front (canary weight 50, its breakers set never to trip: every call is recorded as the
 sidecar saw it, the canary's calls never stop) and 1 or 16 clients in closed loops (each on its own
 connection: a caller each), `--runs` recordings of `--live-seconds` each per canary and client
@@ -35,13 +35,14 @@ count. Model `m` (models/canary_models.py): v1 stable adds one after `--work` Lo
 Each recording (per call: when, which client, the dye and version that answered, the fallback, the
 call's duration at the client, the service's x-run-us and x-queue-us) is then replayed through the
 real breaker (the sidecar's Breakers, the recorded times as its clock) under each policy of
-LIVE_POLICIES: the judgement before this change (the call's duration, 4 x stable, a 0.25 s floor,
-a canary's model_rejected no fault), and the candidates (the latency read as x-run-us, x-run-us +
-x-queue-us or the duration; the median rule's multiple and floor). `--busy N` keeps N more cores
-busy while recording (a loaded machine). Printed per policy, canary and client count: caught
-(recordings in which the canary's breaker opened), the median seconds and canary calls from the
-canary's first call to the trip; for the healthy canary, false trips. Then each canary's recorded
-medians (every signal), and the rollout's latency gate on the same recordings.
+LIVE_POLICIES: the earlier judgement, the defaults before issue 34 (the call's duration, 4 x
+stable, a 0.25 s floor, a canary's model_rejected no fault), and the candidates (the latency read
+as x-run-us, x-run-us + x-queue-us or the duration; the median rule's multiple and floor).
+`--busy N` keeps N more cores busy while recording (a loaded machine). Printed per policy, canary
+and client count: caught (recordings in which the canary's breaker opened), the median seconds and
+canary calls from the canary's first call to the trip; for the healthy canary, false trips. Then
+each canary's recorded medians (every signal), and the rollout's latency gate on the same
+recordings.
 
     .venv/bin/python -m bench.breaker_defaults --live [--runs 5] [--live-seconds 8] [--work 500]
         [--busy 0] [--save FILE] [--load FILE]
@@ -157,7 +158,7 @@ def table(rate: float, seeds: int, duration: float) -> list[str]:
     return lines
 
 
-# --- live: issue 34's canaries recorded through a real sidecar, replayed through the breaker -------
+# --- live: the canaries recorded through a real sidecar, replayed through the breaker --------------
 
 LIVE_CANARIES = ("shape", "slow", "healthy")
 LIVE_CLIENTS = (1, 16)

@@ -6,8 +6,9 @@ Each tree's service runs in a child process of its own (this file, with that tre
 PYTHONPATH: the service in process, on loopback, the demo model), called by a client in the same
 process one request at a time (codelm, 4 tokens). Two intervals per request: from the first token
 delivered by the decode loop (Engine._after_prefill, on the event loop) to the first message's
-write starting (inference_servicer.write), the work between the token and its message (before
-issue 19's eleventh session, the stream's headers batch); and the client's TTFT. Trees take turns
+write starting (inference_servicer.write), the work between the token and its message (in a
+tree where the stream's headers wait for the first message, their write too); and the client's
+TTFT. Trees take turns
 round by round, so load from elsewhere falls on each alike; medians, p10 and p90 per tree.
 """
 

@@ -12,7 +12,7 @@ the service's CPU per token (its threads' run time, from /proc schedstat) agains
 at one stream, and at more streams batched against unbatched (on a saturated core, tokens/s
 goes as one over CPU per token, so their ratio is the batching gain).
 
-`--pin` measures as bench.floor does (issue 12's harness): the service and the bare loop each on
+`--pin` measures as bench.floor does: the service and the bare loop each on
 core 1 with one intra-op thread, this client on core 0, so that the client's work does not land
 on the server's core. Without it every process may use every core (ONNX Runtime's default
 threads), as an operator runs it.

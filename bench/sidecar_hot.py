@@ -4,8 +4,9 @@ at once. The set-up is bench/sidecar.py's (two versions of tiny, a 10% canary, t
 with a limit far above the load, a fresh x-user-id per call); tracing follows the OTEL_*
 environment as in the sidecar. Prints the microseconds per call of each round; under callgrind
 (`--callgrind`) only the last round is counted, with the collector off, so that two trees'
-counts are a steady before/after pair (two runs of one tree differ by ~0.3k instructions a call;
-the breakers' latency check, which runs per unit of time, is kept out of the count). To compare
+counts are a steady before/after pair (two runs of one tree agree to a few hundred instructions
+a call, far less than the changes it is run for; the breakers' latency check, which runs per unit
+of time, is kept out of the count). To compare
 trees, run this file for each (from one checkout, TREE on PYTHONPATH):
 
     PYTHONPATH=$(.venv/bin/python -m bench.lib.trees --pythonpath TREE) \\

@@ -17,8 +17,8 @@ a bad-values storm from one tenant, a huge ConstantOfShape, a Loop of 10^12 trip
 deadline, undecodable bytes, a message of a million tiny fields, bad HTTP bodies and headers at the
 gateway, bad admin bodies at the sidecar, connections held open with half a request, and a client
 that abandons streams: generations started through Envoy at --abandon-rate a second, each socket
-dropped (RST) as soon as its answer's head is in, continuously (issue 33: with more abandoned
-streams than decode slots, other clients waited for the resume window).
+dropped (RST) as soon as its answer's head is in, continuously (more abandoned streams than
+decode slots must not make other clients wait out the resume window).
 
 Reported: errors of the normal traffic (goal 0), p50/p99 of the normal traffic in the quiet and in
 the hostile windows and their ratio (goal: p99 within 1.5x; the SSE clients' time to first token

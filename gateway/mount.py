@@ -5,7 +5,8 @@ KServe's `{"error": ...}`), Starlette's own answers (no such route: 404, a metho
 405) included.
 
 An API's routes keep their full paths (nothing is stripped, unlike starlette's Mount), so a
-route's template is its metrics label as before, and handlers see the request as it came.
+route's template is its full path and so its metrics label, and handlers see the request as it
+came.
 """
 
 from __future__ import annotations

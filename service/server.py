@@ -18,7 +18,7 @@ from modelyard import flat as flat_contract
 from modelyard.common import health as health_names
 from modelyard.inference.v1 import inference_service_pb2, model_service_pb2
 from modelyard.kserve.v2 import grpc_service_pb2
-from modelyard.process import access as access_log
+from modelyard.process import access_log
 from modelyard.process.auth import Authorizer, AuthSettings
 from modelyard.process.cores import usable_cores
 from modelyard.process.drain import Drain

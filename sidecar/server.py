@@ -12,7 +12,7 @@ from pathlib import Path
 import grpc
 
 from modelyard.common import health as health_names
-from modelyard.process import access
+from modelyard.process import access_log as access
 from modelyard.process.auth import Authorizer, AuthSettings
 from modelyard.process.drain import Drain
 from modelyard.process.grpc_server import connection_options

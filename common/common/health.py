@@ -53,7 +53,8 @@ def generic_handlers(servicer: HealthServicer) -> Sequence[grpc.GenericRpcHandle
     """Check and Watch for server.add_generic_rpc_handlers, and not also as grpc.aio registered
     methods, as the generated add_HealthServicer_to_server makes them: grpc.aio's server keeps one
     pending request per registered method and waits on all of them each time calls come in, so
-    two more cost every proxied call ~11k instructions (~1.3% of a sidecar's call)."""
+    every registered method adds work to every other call, proxied calls included (the figure is
+    in docs/benchmarks.md, "Costs the code is shaped by")."""
     collected = _GenericOnly()
     health_pb2_grpc.add_HealthServicer_to_server(servicer, collected)
     return collected.handlers

@@ -1,7 +1,8 @@
 """A call's request metadata as its method's look-up was given it, for the handler to read.
 
 grpc.aio builds the request metadata for a generic handler's `service(handler_call_details)`, and
-context.invocation_metadata() builds it again, ~8k instructions a call. grpc.aio looks a call's
+context.invocation_metadata() builds it again, on every call that reads it (docs/benchmarks.md,
+"Costs the code is shaped by"), so the look-up keeps the one it was given. grpc.aio looks a call's
 method up and runs its handler in one task of the call's own, so a context variable set in the
 look-up is that call's alone (tasks the handler starts copy it, for the same call).
 """

@@ -22,7 +22,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from modelyard.common import headers
-from modelyard.gateway import errors, http, streaming
+from modelyard.gateway import errors, http, streamed_response
 from modelyard.gateway.kserve import protocol
 from modelyard.gateway.upstream import EOF, Upstream, forward, returned
 from modelyard.inference.v1 import inference_service_pb2 as pb
@@ -80,7 +80,7 @@ class GenerateEndpoints:
 
     async def generate_stream(self, request: Request) -> Response:
         model, call, first, served = await self._open(request)
-        return streaming.UpstreamEvents(_events(model, call, first), call, served)
+        return streamed_response.UpstreamEvents(_events(model, call, first), call, served)
 
     async def _open(self, request: Request) -> tuple[str, Any, pb.GenerateResponse, dict[str, str]]:
         """The call, its first response and the headers to return: a failure before generation

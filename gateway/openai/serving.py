@@ -21,7 +21,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from modelyard.common import headers
-from modelyard.gateway import errors, http, streaming
+from modelyard.gateway import errors, http, streamed_response
 from modelyard.gateway.config import Settings
 from modelyard.gateway.openai import protocol
 from modelyard.gateway.openai.protocol import Chunks, CompletionRequest
@@ -100,7 +100,7 @@ class OpenAIEndpoints:
         )
         if completion.stream:
             events = _events(chunks, completion, firsts, calls, completion.include_usage)
-            return streaming.UpstreamEvents(events, calls, served)
+            return streamed_response.UpstreamEvents(events, calls, served)
         try:
             answers = await asyncio.gather(
                 *(_whole(call, response) for call, response in zip(calls.calls, firsts, strict=True))

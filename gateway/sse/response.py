@@ -8,7 +8,7 @@ from collections.abc import Mapping
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
-from modelyard.gateway import streaming
+from modelyard.gateway import streamed_response
 from modelyard.gateway.metrics import GatewayMetrics
 from modelyard.gateway.streams import Evicted, Registry, Stream, format_id
 
@@ -39,7 +39,7 @@ class SSEResponse(Response):
         self.heartbeat_s = heartbeat_s
         self.retry_ms = retry_ms
         self.response_headers = {
-            **streaming.EVENT_STREAM_HEADERS,
+            **streamed_response.EVENT_STREAM_HEADERS,
             **stream.headers,
             "x-stream-id": stream.id,
             **extra_headers,
@@ -57,7 +57,7 @@ class SSEResponse(Response):
         try:
             # What is there already (the first event, usually) goes out with the headers.
             first = self._take()
-            if not await streaming.stream(send, receive, self.response_headers, self._write, first):
+            if not await streamed_response.stream(send, receive, self.response_headers, self._write, first):
                 self.metrics.disconnects.inc()
         finally:
             self.metrics.attached.dec()
@@ -86,7 +86,7 @@ class SSEResponse(Response):
             self.stream.delivered(self._written)
             self._written = -1
 
-    async def _write(self, write: streaming.Write) -> None:
+    async def _write(self, write: streamed_response.Write) -> None:
         self._delivered()  # the first chunk went out with the headers
         while not self._ended:
             if not self._new:

@@ -1,11 +1,11 @@
-"""The gateway's one streaming response (gateway.streaming.stream), without a network."""
+"""The gateway's one streamed response (gateway.streamed_response.stream), without a network."""
 
 from __future__ import annotations
 
 import asyncio
 from typing import Any
 
-from modelyard.gateway import streaming
+from modelyard.gateway import streamed_response
 
 
 class Connection:
@@ -26,11 +26,11 @@ class Connection:
 async def test_a_writer_that_ends_closes_the_body() -> None:
     connection = Connection()
 
-    async def body(write: streaming.Write) -> None:
+    async def body(write: streamed_response.Write) -> None:
         await write(b"a")
         await write(b"b")
 
-    ended = await streaming.stream(connection.send, connection.receive, {"x-h": "1"}, body)
+    ended = await streamed_response.stream(connection.send, connection.receive, {"x-h": "1"}, body)
     assert ended
     assert connection.sent[0] == {"type": "http.response.start", "status": 200, "headers": [(b"x-h", b"1")]}
     assert [m["body"] for m in connection.sent[1:]] == [b"a", b"b", b""]
@@ -41,7 +41,7 @@ async def test_a_disconnect_cancels_the_writer_and_leaves_the_body_open() -> Non
     connection = Connection()
     cancelled = asyncio.Event()
 
-    async def body(write: streaming.Write) -> None:
+    async def body(write: streamed_response.Write) -> None:
         await write(b"a")
         connection.gone.set()
         try:
@@ -50,7 +50,9 @@ async def test_a_disconnect_cancels_the_writer_and_leaves_the_body_open() -> Non
             cancelled.set()
             raise
 
-    ended = await asyncio.wait_for(streaming.stream(connection.send, connection.receive, {}, body), 10)
+    ended = await asyncio.wait_for(
+        streamed_response.stream(connection.send, connection.receive, {}, body), 10
+    )
     assert not ended
     assert cancelled.is_set()
     assert [m["body"] for m in connection.sent[1:]] == [b"a"]  # no closing frame
@@ -59,8 +61,8 @@ async def test_a_disconnect_cancels_the_writer_and_leaves_the_body_open() -> Non
 async def test_a_writer_that_fails_leaves_the_body_open() -> None:
     connection = Connection()
 
-    async def body(write: streaming.Write) -> None:
+    async def body(write: streamed_response.Write) -> None:
         raise RuntimeError("upstream fault")
 
-    assert not await streaming.stream(connection.send, connection.receive, {}, body)
+    assert not await streamed_response.stream(connection.send, connection.receive, {}, body)
     assert len(connection.sent) == 1

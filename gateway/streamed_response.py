@@ -1,4 +1,4 @@
-"""The one streaming response of the gateway's APIs: a 200 with event-stream headers, then a body
+"""The one streamed response of the gateway's APIs: a 200 with event-stream headers, then a body
 that a writer sends chunk by chunk, raced against the client's disconnect. Whichever ends first
 cancels the other, so a client that leaves stops its writer at once (SSE detaches its stream,
 OpenAI cancels its upstream call), and a writer that ends closes the body."""
