@@ -7,7 +7,11 @@ error after; without Prometheus (absent, then killed) the step holds and says wh
 
 from __future__ import annotations
 
+import asyncio
+import json
 import signal
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 
@@ -132,10 +136,23 @@ async def test_a_canary_failing_on_one_pod_is_rolled_back_everywhere(fleet: Flee
 async def test_without_prometheus_the_step_holds_and_says_why(fleet: Fleet) -> None:
     port = free_port()  # nothing listens there yet: Prometheus is absent
     controller = fleet.start_controller(free_port(), f"http://127.0.0.1:{port}", "held-rollouts.json")
-    spec = {"steps": [10, 50, 100], "dwell_s": 2, "min_calls": 10, "judge_calls": 5}
+    spec = {"dwell_s": 2}
     async with Traffic(fleet, "held").running():
-        status, view = await call(f"{controller.url}/rollouts/held", "POST", spec)
-        assert status == 201, view
+        # Started from a shell, as an operator does: `modelyard canary --controller URL rollout start`.
+        started = await asyncio.to_thread(
+            subprocess.run,
+            [
+                *(sys.executable, "-m", "modelyard.cli", "canary", "--controller", controller.url),
+                *("--token-file", str(fleet.tokens), "rollout", "start", "held", "--steps", "10,50,100"),
+                *("--dwell-s", "2", "--min-calls", "10", "--judge-calls", "5"),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert started.returncode == 0, started.stderr
+        view = json.loads(started.stdout)
+        assert (view["state"], view["weight"], view["spec"]["dwell_s"]) == ("running", 10, 2), view
         await eventually(lambda: _all(fleet, "held", 10), "weight 10 on every sidecar", within_s=5)
         await _held_past_dwell(controller, "held", 0, spec["dwell_s"])
         metrics = (await call(f"{controller.url}/metrics"))[1]
