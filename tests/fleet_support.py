@@ -137,14 +137,16 @@ class Fleet:
                 _, doc = await call(f"{pod.admin}/canary")
             except OSError:
                 return None
-            return (doc["models"].get(model) or {}).get("canary_weight")
+            weight = (doc["models"].get(model) or {}).get("canary_weight")
+            return float(weight) if weight is not None else None
 
         return list(await asyncio.gather(*(one(p) for p in self.pods)))
 
     async def owners(self, model: str) -> list[str | None]:
         async def one(pod: Pod) -> str | None:
             _, doc = await call(f"{pod.admin}/canary")
-            return (doc["models"].get(model) or {}).get("owner")
+            owner = (doc["models"].get(model) or {}).get("owner")
+            return str(owner) if owner is not None else None
 
         return list(await asyncio.gather(*(one(p) for p in self.pods)))
 

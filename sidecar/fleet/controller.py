@@ -32,7 +32,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 from modelyard.sidecar.fleet.gates import Prometheus, PrometheusError, Queries, gather, worst
 from modelyard.sidecar.fleet.pods import AdminClient, AdminRefused, Pod
 from modelyard.sidecar.fleet.store import Store
-from modelyard.sidecar.rollout import ADMIN, FAILED, GATES, RED, RESULTS, Rollout, RolloutSpec, judge
+from modelyard.sidecar.rollout import ADMIN, FAILED, GATES, RED, RESULTS, RUNNING, Rollout, RolloutSpec, judge
 from modelyard.sidecar.state import audit
 
 log = logging.getLogger(__name__)
@@ -354,7 +354,7 @@ class Controller:
                 self._transition(rollout, "")
                 managed.held = None
                 changed = True
-            elif rollout.active and evidence.canary.calls < rollout.spec.min_calls:
+            elif rollout.state == RUNNING and evidence.canary.calls < rollout.spec.min_calls:
                 calls = evidence.canary.calls
                 self._hold(
                     managed,

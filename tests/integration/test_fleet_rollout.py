@@ -39,7 +39,8 @@ def _every(weights: list[float | None], weight: float) -> bool:
 async def test_a_healthy_canary_is_promoted_on_every_pod_through_restarts(fleet: Fleet) -> None:
     port = free_port()
     controller = fleet.start_controller(port, fleet.prometheus_url, "scaler-rollouts.json")
-    spec = {"steps": [10, 50, 100], "dwell_s": 4, "min_calls": 10, "judge_calls": 5}
+    dwell_s = 4
+    spec = {"steps": [10, 50, 100], "dwell_s": dwell_s, "min_calls": 10, "judge_calls": 5}
     url = f"{controller.url}/rollouts/scaler"
     async with Traffic(fleet, "scaler").running():
         assert (await call(url, "POST", spec, token=None))[0] == 401
@@ -73,7 +74,7 @@ async def test_a_healthy_canary_is_promoted_on_every_pod_through_restarts(fleet:
         await eventually(shown_unreachable, "sidecar 0 shown unreachable", within_s=10)
         view = await controller.rollout("scaler")
         assert view["step"] == 1 and view["state"] == "running", view
-        dwell_end = view["step_started"] + spec["dwell_s"] + 2
+        dwell_end = float(view["step_started"]) + dwell_s + 2
 
         async def dwell_passed_held() -> bool:
             view = await controller.rollout("scaler")
@@ -180,7 +181,7 @@ async def _held_past_dwell(controller: Controller, model: str, step: int, dwell_
     await eventually(held, "the step held for want of Prometheus", within_s=20)
     view = await controller.rollout(model)
     assert view["reason"].startswith("held: "), view["reason"]
-    dwell_end = view["step_started"] + dwell_s + 2
+    dwell_end = float(view["step_started"]) + dwell_s + 2
 
     async def passed() -> bool:
         view = await controller.rollout(model)

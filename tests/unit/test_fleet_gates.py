@@ -64,7 +64,8 @@ class FakePrometheus(Prometheus):
 
     def __init__(self, answers: dict[str, dict[str, float]], down: bool = False) -> None:
         super().__init__("http://prometheus.invalid")
-        self.answers, self.down, self.asked = answers, down, []
+        self.answers, self.down = answers, down
+        self.asked: list[str] = []
 
     async def query(self, promql: str) -> dict[str, float]:
         self.asked.append(promql)
