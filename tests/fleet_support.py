@@ -184,7 +184,7 @@ class Fleet:
         deadline = time.monotonic() + 60
         while True:  # its targets' health through its own API: the event we wait on
             assert proc.poll() is None, (where / "log").read_text()
-            with contextlib.suppress(OSError, ValueError):
+            with contextlib.suppress(OSError, ValueError, TypeError, KeyError):  # starting: 503 text
                 _, doc = request(f"{url}/api/v1/targets", token=None)
                 health = [t["health"] for t in doc["data"]["activeTargets"]]
                 if len(health) == len(self.pods) and set(health) == {"up"}:

@@ -189,8 +189,11 @@ class Controller:
                 await self.save()
                 await self.reconcile()
             await self._release()
-            for model, managed in self.rollouts.items():
-                self.metrics.show(model, managed, self.synced(model))
+            for model in self.rollouts:
+                self._show(model)
+
+    def _show(self, model: str) -> None:
+        self.metrics.show(model, self.rollouts[model], self.synced(model))
 
     async def save(self) -> None:
         await self.store.save({m: managed.doc() for m, managed in sorted(self.rollouts.items())})
@@ -353,6 +356,7 @@ class Controller:
                     rollout.history[-1]["reason"] = rollout.reason
                 self._transition(rollout, "")
                 managed.held = None
+                self._show(model)  # now: the pushes that follow may take a while
                 changed = True
             elif rollout.state == RUNNING and evidence.canary.calls < rollout.spec.min_calls:
                 calls = evidence.canary.calls
@@ -396,6 +400,7 @@ class Controller:
             )
             self.rollouts[model] = Managed(rollout)
             self._transition(rollout, by)
+            self._show(model)
             await self.save()
         self.wake()
         return self.view(model)
@@ -413,6 +418,7 @@ class Controller:
                     409, f"the rollout of {model} is {shown_state(rollout)}: it cannot {action}"
                 )
             self._transition(rollout, by)
+            self._show(model)
             await self.save()
         self.wake()
         return self.view(model)

@@ -5,9 +5,12 @@ Every query is a template (`$model`, `$dye`: canary or stable, `$canary`: the ca
 `$window`: the step's window, e.g. `42s`) answered by Prometheus' HTTP API (`/api/v1/query`) as a
 vector by `instance` (the scraped sidecar). The fleet's numbers are the sums over the pods (the
 p99s: a quantile over the fleet's summed buckets), judged as one sidecar judges its own; each pod's
-are judged too, against its own stable over the same window, so one bad pod among many is not
-averaged away. `QUERIES` is the documented default; a YAML file (`--queries FILE`) overrides any
-of its keys (docs/fleet-rollouts.md).
+errors, shadow agreement and breaker are judged too, against its own stable over the same window,
+so one bad pod among many is not averaged away. Latency is judged on the fleet's p99 only: a tail
+over every canary call already shows a pod that is slow on every call (it holds 1/N of the canary's
+calls, over 1% below 100 pods), while a pod's p99 over its few calls is its slowest one, and N of
+them would fail a healthy canary N times as often. `QUERIES` is the documented default; a YAML
+file (`--queries FILE`) overrides any of its keys (docs/fleet-rollouts.md).
 
 Latency is the sidecar's own `modelyard_sidecar_request_seconds` (arrival to answer), not the
 service's x-run-us that a sidecar's local rollout judges: that run time is not exported by the
@@ -46,10 +49,6 @@ class Queries:
     )
     p99_fleet: str = (
         "histogram_quantile(0.99, sum by (le) "
-        f"(rate(modelyard_sidecar_request_seconds_bucket{_BY_DYE}[$window])))"
-    )
-    p99_pods: str = (
-        "histogram_quantile(0.99, sum by (instance, le) "
         f"(rate(modelyard_sidecar_request_seconds_bucket{_BY_DYE}[$window])))"
     )
     shadow_rows: str = (
@@ -161,12 +160,12 @@ async def gather(
         promql = Template(template).safe_substitute(model=model, dye=dye, canary=canary, window=window)
         return prometheus.query(promql)
 
-    names = ("calls", "faults", "p99_fleet", "p99_pods")
+    names = ("calls", "faults", "p99_fleet")
     asked = [ask(getattr(queries, n), dye) for dye in ("canary", "stable") for n in names]
     asked += [ask(queries.shadow_rows), ask(queries.shadow_agreeing), ask(queries.breaker), ask(queries.pods)]
     answers: list[dict[str, float]] = list(await asyncio.gather(*asked))
-    c_calls, c_faults, c_p99, c_p99_pods, s_calls, s_faults, s_p99, s_p99_pods = answers[:8]
-    rows, agreeing, breaker, seen = answers[8:]
+    c_calls, c_faults, c_p99, s_calls, s_faults, s_p99 = answers[:6]
+    rows, agreeing, breaker, seen = answers[6:]
 
     def tally(calls: float, faults: float, p99: float | None) -> Tally:
         n = round(calls)
@@ -176,8 +175,8 @@ async def gather(
         def one(vector: dict[str, float]) -> float:
             return sum(vector.values()) if key is None else vector.get(key, 0.0)
 
-        canary_p99 = c_p99.get("") if key is None else c_p99_pods.get(key)
-        stable_p99 = s_p99.get("") if key is None else s_p99_pods.get(key)
+        canary_p99 = c_p99.get("") if key is None else None  # the fleet's only (above)
+        stable_p99 = s_p99.get("") if key is None else None
         compared = round(one(rows))
         open_ = any(v >= 2 for k, v in breaker.items() if key is None or k == key)
         return Evidence(

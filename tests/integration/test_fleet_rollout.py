@@ -97,7 +97,7 @@ async def test_a_healthy_canary_is_promoted_on_every_pod_through_restarts(fleet:
         view = await controller.rollout("scaler")
         assert (view["state"], view["step"], view["weight"]) == ("running", 1, 50), view
 
-        await eventually(lambda: _state(controller, "scaler", "succeeded"), "the rollout to succeed", 60)
+        await _until_state(controller, "scaler", "succeeded", within_s=60)
         await eventually(lambda: _all(fleet, "scaler", 100), "weight 100 on every sidecar", within_s=5)
     view = await controller.rollout("scaler")
     weights = [(e["event"], e["weight"]) for e in view["history"]]
@@ -116,7 +116,7 @@ async def test_a_canary_failing_on_one_pod_is_rolled_back_everywhere(fleet: Flee
         status, view = await call(f"{controller.url}/rollouts/flaky", "POST", spec)
         assert status == 201, view
         await eventually(lambda: _all(fleet, "flaky", 10), "weight 10 on every sidecar", within_s=5)
-        await eventually(lambda: _state(controller, "flaky", "rolled_back"), "the rollback", within_s=60)
+        await _until_state(controller, "flaky", "rolled_back", within_s=60)
         view = await controller.rollout("flaky")
         failed_at = view["history"][-1]["at"]
         await eventually(lambda: _all(fleet, "flaky", 0), "weight 0 on every sidecar", within_s=10)
@@ -201,10 +201,22 @@ async def _released(fleet: Fleet, model: str) -> bool:
 
 async def _step(controller: Controller, model: str, step: int) -> bool:
     view = await controller.rollout(model)
-    assert view["state"] == "running", view
+    assert view["state"] == "running", f"{view['state']}: {view['reason']} {view['gates']}"
     return bool(view["step"] >= step)
 
 
 async def _state(controller: Controller, model: str, state: str) -> bool:
     view = await controller.rollout(model)
     return bool(view["state"] == state)
+
+
+async def _until_state(controller: Controller, model: str, state: str, within_s: float) -> None:
+    """Wait for a rollout's state; a timeout says where it was and why."""
+    try:
+        await eventually(lambda: _state(controller, model, state), f"the rollout {state}", within_s)
+    except AssertionError:
+        view = await controller.rollout(model)
+        seen = [(s["url"], s["reachable"], s["applied_weight"], s["error"]) for s in view["sidecars"]]
+        raise AssertionError(
+            f"not {state}: {view['state']} step {view['step']}: {view['reason']}; {view['gates']}; {seen}"
+        ) from None

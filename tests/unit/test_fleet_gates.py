@@ -28,8 +28,7 @@ def test_the_default_queries_read_the_sidecars_series() -> None:
     assert "modelyard_sidecar_attempts_total" in QUERIES.calls
     assert 'fault="true"' in QUERIES.faults
     assert QUERIES.p99_fleet.startswith("histogram_quantile(0.99, sum by (le)")
-    assert "modelyard_sidecar_request_seconds_bucket" in QUERIES.p99_pods
-    assert "by (instance, le)" in QUERIES.p99_pods
+    assert "modelyard_sidecar_request_seconds_bucket" in QUERIES.p99_fleet
     assert "modelyard_sidecar_shadow_rows_agreeing_total" in QUERIES.shadow_agreeing
     assert 'version="$canary"' in QUERIES.breaker
     promql = Template(QUERIES.faults).substitute(model="scaler", dye="canary", window="60s")
@@ -90,8 +89,6 @@ def fleet(canary_faults: dict[str, float], calls: float = 100.0) -> FakePromethe
             'attempts_total{model="scaler",dye="stable"}': dict.fromkeys(PODS, 400.0),
             'sum by (le)&dye="canary"': {"": 0.004},
             'sum by (le)&dye="stable"': {"": 0.003},
-            'instance, le&dye="canary"': dict.fromkeys(PODS, 0.004),
-            'instance, le&dye="stable"': dict.fromkeys(PODS, 0.003),
             "breaker_state": dict.fromkeys(PODS, 0.0),
             "canary_weight": dict.fromkeys(PODS, 1.0),
         }
@@ -101,11 +98,11 @@ def fleet(canary_faults: dict[str, float], calls: float = 100.0) -> FakePromethe
 async def test_the_fleets_evidence_is_the_sum_of_its_pods() -> None:
     prometheus = fleet({"a:9101": 1.0})  # one fault in a pod's 100 canary calls: within the excess
     found = await gather(prometheus, QUERIES, "scaler", "2", 12.0)
-    assert len(prometheus.asked) == 12 and all("[60s]" in q or "[" not in q for q in prometheus.asked)
+    assert len(prometheus.asked) == 10 and all("[60s]" in q or "[" not in q for q in prometheus.asked)
     assert found.seen == 3 and sorted(found.pods) == list(PODS)
     assert (found.fleet.canary.calls, found.fleet.canary.faults, found.fleet.canary.p99_s) == (300, 1, 0.004)
     assert (found.fleet.stable.calls, found.fleet.stable.p99_s) == (1200, 0.003)
-    assert found.pods["a:9101"].canary == Tally(100, 1, 100, 0.004)
+    assert found.pods["a:9101"].canary == Tally(100, 1, 0, None)  # latency: the fleet's only
     assert not found.fleet.shadowing and not found.fleet.breaker_open
     assert all(v.result != RED for v in judge(SPEC, found.fleet).values())
     assert worst(SPEC, found) == (found.fleet, "")
