@@ -41,10 +41,24 @@ _SIDECAR_READY = re.compile(r"sidecar serving gRPC on (\S+?), admin on (http://\
 _CONTROLLER_READY = re.compile(r"rollout controller serving on (http://\S+?);")
 
 
+_GIVEN: set[int] = set()
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A free port below the kernel's ephemeral range (32768 up): a sidecar restarted on it, or
+    Prometheus started late on it, does not find it taken by some process's outgoing connection;
+    never the same one twice in a run."""
+    while True:
+        port = random.randrange(20_000, 32_768)
+        if port in _GIVEN:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _GIVEN.add(port)
+        return port
 
 
 def request(url: str, method: str = "GET", body: object = None, token: str | None = TOKEN) -> tuple[int, Any]:

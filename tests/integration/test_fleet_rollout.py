@@ -2,8 +2,9 @@
 Prometheus scraping every sidecar each second, and the controller (`python -m modelyard.rollouts`)
 judging the fleet's gates through Prometheus' query API and pushing each step's weight to every
 sidecar. A healthy canary is promoted 10, 50, 100 on all three through a SIGKILL of a sidecar and
-of the controller; a canary failing on one pod only is rolled back everywhere, with no client
-error after; without Prometheus (absent, then killed) the step holds and says why."""
+of the controller (while that sidecar is down); a canary failing on one pod only is rolled back
+everywhere, with no client error after; without Prometheus (absent, then killed) the step holds
+and says why."""
 
 from __future__ import annotations
 
@@ -85,17 +86,19 @@ async def test_a_healthy_canary_is_promoted_on_every_pod_through_restarts(fleet:
         metrics = (await call(f"{controller.url}/metrics"))[1]
         assert metric(metrics, "modelyard_rollouts_held", model="scaler", why="sidecars") == 1
 
+        # The controller SIGKILLed and started again: it resumes at its step (held still: the
+        # sidecar is still down).
+        controller.stop(signal.SIGKILL)
+        controller = fleet.start_controller(port, fleet.prometheus_url, "scaler-rollouts.json")
+        view = await controller.rollout("scaler")
+        assert (view["state"], view["step"], view["weight"]) == ("running", 1, 50), view
+        await eventually(shown_unreachable, "sidecar 0 shown unreachable again", within_s=10)
+
         # Restarted (no state file: it starts at weight 0): the fleet's weight within 10 s.
         fleet.start_sidecar(fleet.pods[0])
         restarted = time.monotonic()
         await eventually(lambda: _all(fleet, "scaler", 50), "the restarted sidecar at 50", within_s=10)
         assert time.monotonic() - restarted < 10
-
-        # The controller SIGKILLed and started again: it resumes at its step.
-        controller.stop(signal.SIGKILL)
-        controller = fleet.start_controller(port, fleet.prometheus_url, "scaler-rollouts.json")
-        view = await controller.rollout("scaler")
-        assert (view["state"], view["step"], view["weight"]) == ("running", 1, 50), view
 
         await _until_state(controller, "scaler", "succeeded", within_s=60)
         await eventually(lambda: _all(fleet, "scaler", 100), "weight 100 on every sidecar", within_s=5)
