@@ -205,7 +205,7 @@ class Controller:
             return
         try:
             found = await self._discover()
-        except OSError as exc:  # keep the ones known: a DNS hiccup must not forget the fleet
+        except (OSError, ValueError) as exc:  # keep the ones known: a DNS hiccup must not forget them
             log.warning("rollouts: finding the sidecars failed: %s", exc)
             return
         for url in found:
@@ -237,7 +237,7 @@ class Controller:
             except AdminRefused as exc:  # a local rollout, another owner, a model it lacks
                 pod.refused[model] = f"PUT /canary/{model}: {exc}"
                 continue
-            except OSError as exc:
+            except (OSError, ValueError) as exc:
                 self._unreachable(pod, f"PUT /canary/{model}: {exc}")
                 return
             before = pod.applied(model)
@@ -285,7 +285,7 @@ class Controller:
                 continue
             weight = managed.rollout.weight
             for pod in self.pods.values():
-                with contextlib.suppress(OSError, AdminRefused):
+                with contextlib.suppress(OSError, ValueError, AdminRefused):
                     await self.client.set_weight(pod.url, model, weight, self.owner, 0)
             managed.released = True
             await self.save()

@@ -21,6 +21,7 @@ sidecars, and what a client waits is what the fleet is judged on; the p99 floor
 from __future__ import annotations
 
 import asyncio
+import http.client
 import json
 import math
 import urllib.error
@@ -123,7 +124,7 @@ class Prometheus:
                 doc = json.loads(answer.read())
         except urllib.error.HTTPError as exc:
             raise PrometheusError(f"prometheus answered {exc.code} to {promql!r}") from None
-        except (OSError, ValueError) as exc:
+        except (OSError, ValueError, http.client.HTTPException) as exc:
             raise PrometheusError(f"prometheus at {self.url} is unreachable: {exc}") from None
         data = doc.get("data") if isinstance(doc, dict) else None
         if doc.get("status") != "success" or not isinstance(data, dict) or data.get("resultType") != "vector":

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import datetime
+import http.client
 import json
 import ssl
 import urllib.error
@@ -56,6 +57,8 @@ class KubeClient:
                 return json.loads(answer.read())
         except urllib.error.HTTPError as exc:
             raise KubeError(exc.code, f"{method} {path}: {exc.code} {exc.reason}") from None
+        except (http.client.HTTPException, ValueError) as exc:
+            raise OSError(f"{method} {path}: not the API server's answer ({exc!r})") from None
 
     def endpoint_urls(self, service: str, port: int, scheme: str = "http") -> list[str]:
         """The ready addresses of a Service's EndpointSlices, as sidecar admin URLs."""

@@ -8,6 +8,7 @@ token. Standard library HTTP in threads: the controller needs no web client.
 from __future__ import annotations
 
 import asyncio
+import http.client
 import json
 import socket
 import ssl
@@ -80,6 +81,8 @@ class AdminClient:
             except (ValueError, KeyError, TypeError, OSError):
                 message = str(exc.reason)
             raise AdminRefused(exc.code, f"{exc.code} {message}") from None
+        except http.client.HTTPException as exc:  # not HTTP at all: as good as unreachable
+            raise OSError(f"{method} {url}: not an HTTP answer ({exc!r})") from None
 
     async def canary(self, pod: str) -> dict[str, Any]:
         """GET /canary; OSError (unreachable), AdminRefused."""

@@ -7,6 +7,7 @@ runs the same against real processes."""
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 from prometheus_client import CollectorRegistry
@@ -213,3 +214,34 @@ async def test_another_owner_is_shown_and_holds_the_promotion(monkeypatch: Any) 
     view = c.view("scaler")
     assert view["step"] == 0 and "http://b:9101 refused the weight" in view["reason"], view["reason"]
     assert "owns the weight" in view["sidecars"][1]["error"]
+
+
+async def test_a_sidecar_answering_no_http_is_shown_unreachable(monkeypatch: Any) -> None:
+    async def garbage(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(b"SSH-2.0-not-a-sidecar\r\n\r\n")
+        await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(garbage, "127.0.0.1", 0)
+    url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+    clock = Clock()
+    c = Controller(
+        sidecars=[url],
+        prometheus=None,
+        queries=Queries(),
+        store=MemoryStore(),
+        client=AdminClient(timeout_s=5),
+        owner=OWNER,
+        registry=CollectorRegistry(),
+        clock=clock,
+    )
+    try:
+        await c.start()
+        await c.begin("scaler", SPEC, "test")
+        await c.tick()  # does not raise
+        (shown,) = c.view("scaler")["sidecars"]
+        assert shown["reachable"] is False and "not an HTTP answer" in shown["error"], shown
+    finally:
+        server.close()
+        await server.wait_closed()
