@@ -98,6 +98,10 @@ class ControllerMetrics:
             registry=registry,
         )
 
+    def forget(self) -> None:
+        for gauge in (self.state, self.step, self.weight, self.held, self.gate, self.synced, self.sidecar_up):
+            gauge.clear()
+
     def show(self, model: str, managed: Managed, synced: bool) -> None:
         rollout = managed.rollout
         for state in SHOWN_STATES:
@@ -162,6 +166,7 @@ class Controller:
         elif self.leader and not leading:
             log.warning("lost the lead: waiting (another replica leads)")
             self.rollouts = {}
+            self.metrics.forget()  # the leader's series are the new leader's now
         self.leader = leading
         self.metrics.leader.set(1 if leading else 0)
         return leading

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from prometheus_client import CollectorRegistry
+from prometheus_client import CollectorRegistry, generate_latest
 
 from modelyard.sidecar.fleet.controller import Controller
 from modelyard.sidecar.fleet.gates import FleetEvidence, Prometheus, PrometheusError, Queries
@@ -88,7 +88,7 @@ def controller(sidecars: Sidecars, clock: Clock, monkeypatch: Any, found: list[A
         store=MemoryStore(),
         client=sidecars,
         owner=OWNER,
-        registry=CollectorRegistry(),
+        registry=kw.pop("registry", CollectorRegistry()),
         clock=clock,
         lease_s=30,
         **kw,
@@ -245,3 +245,26 @@ async def test_a_sidecar_answering_no_http_is_shown_unreachable(monkeypatch: Any
     finally:
         server.close()
         await server.wait_closed()
+
+
+async def test_a_replica_that_loses_the_lead_stops_and_shows_nothing(monkeypatch: Any) -> None:
+    sidecars, clock = Sidecars("http://a:9101"), Clock()
+    found: list[Any] = [healthy(["http://a:9101"])]
+    registry = CollectorRegistry()
+    c = controller(sidecars, clock, monkeypatch, found, registry=registry)
+    await c.start()
+    await c.begin("scaler", SPEC, "test")
+    await c.tick()
+    assert c.metrics.weight.labels("scaler")._value.get() == 10
+    leading = [False]
+
+    async def lead() -> bool:
+        return leading[0]
+
+    monkeypatch.setattr(c.store, "lead", lead)
+    puts = len(sidecars.puts)
+    clock.now += 60
+    await c.tick()
+    assert not c.leader and c.rollouts == {} and len(sidecars.puts) == puts  # it does nothing
+    metrics = generate_latest(registry).decode()
+    assert "modelyard_rollouts_weight{" not in metrics and "modelyard_rollouts_leader 0.0" in metrics
