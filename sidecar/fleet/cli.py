@@ -12,7 +12,6 @@ docs/fleet-rollouts.md says what each does.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import logging
 import sys
@@ -25,9 +24,11 @@ from modelyard.process.auth import Authorizer, AuthSettings
 from modelyard.process.lifecycle import EXIT_USAGE, BindError, bind_reason, run_process
 from modelyard.process.logs import configure as configure_logging
 from modelyard.process.settings import split_address
+from modelyard.process.startup import check_listeners, usage_error
 from modelyard.process.tls import TlsFiles
 from modelyard.sidecar.fleet import kube
 from modelyard.sidecar.fleet.api import ControllerApi
+from modelyard.sidecar.fleet.config import ENV_PREFIX, Settings, parse_settings
 from modelyard.sidecar.fleet.controller import Controller
 from modelyard.sidecar.fleet.gates import Prometheus, load_queries
 from modelyard.sidecar.fleet.pods import AdminClient, from_dns
@@ -36,37 +37,6 @@ from modelyard.sidecar.state import StateError
 
 PROG = "modelyard rollouts"
 log = logging.getLogger(__name__)
-
-
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    p.add_argument("--listen", default="127.0.0.1:9105", help="HOST:PORT of the API (port 0: any)")
-    p.add_argument("--sidecar", action="append", default=[], help="a sidecar's admin URL (repeat)")
-    p.add_argument("--sidecars-from-dns", default="", help="HOST[:PORT]: a headless Service's records")
-    p.add_argument(
-        "--sidecars-from-endpointslices", default="", help="the inference Service whose pods to find"
-    )
-    p.add_argument("--sidecar-admin-port", type=int, default=9101, help="with --sidecars-from-endpointslices")
-    p.add_argument("--sidecar-token-file", default="", help="the first word: the token sidecars take")
-    p.add_argument("--sidecar-ca", default="", help="verifies HTTPS sidecar admin endpoints")
-    p.add_argument("--prometheus", default="", help="Prometheus' URL (its HTTP query API judges the gates)")
-    p.add_argument("--queries", default="", help="a YAML file overriding the gate queries")
-    p.add_argument("--state-file", default="", help="the rollouts' state, kept across restarts")
-    p.add_argument("--kubernetes-state", default="", help="ConfigMap and Lease NAME (in the pod's namespace)")
-    p.add_argument("--identity", default="", help="this replica's name in the Lease (default: the owner)")
-    p.add_argument("--tick-s", type=float, default=1.0)
-    p.add_argument("--lease-s", type=float, default=30.0, help="the sidecars' lease on a pushed weight")
-    p.add_argument("--advertise", default="", help="this controller's URL, named as the weights' owner")
-    p.add_argument("--tokens-file", default="", help="tokens (management scope) for changes")
-    p.add_argument("--auth-reads", action="store_true", help="reads need a token too")
-    p.add_argument("--open", action="store_true", help="changes from anyone who reaches the port")
-    p.add_argument("--tls-cert", default="")
-    p.add_argument("--tls-key", default="")
-    p.add_argument("--log-level", default="info")
-    p.add_argument("--log-format", default="text", choices=("text", "json"))
-    return p
 
 
 def _first_word(path: str) -> str:
@@ -82,7 +52,7 @@ def _first_word(path: str) -> str:
 class RolloutsProcess:
     """What run_process drives: the API and the loop."""
 
-    def __init__(self, args: argparse.Namespace) -> None:
+    def __init__(self, args: Settings) -> None:
         self.host, self.port = split_address(args.listen)
         tls = TlsFiles.from_settings(args.tls_cert, args.tls_key)
         self.owner = "controller " + (args.advertise or f"{'https' if tls else 'http'}://{args.listen}")
@@ -152,9 +122,7 @@ class RolloutsProcess:
         try:
             await self.api.start()
         except OSError as exc:
-            raise BindError(
-                "MODELYARD_ROLLOUTS_", "listen", f"{self.host}:{self.port}", bind_reason(exc)
-            ) from exc
+            raise BindError(ENV_PREFIX, "listen", f"{self.host}:{self.port}", bind_reason(exc)) from exc
         await self.controller.start()
         self._loop = asyncio.get_running_loop().create_task(self.controller.run())
         scheme = "https" if self.tls else "http"
@@ -176,16 +144,20 @@ class RolloutsProcess:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = _parser()
-    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    args = parse_settings(sys.argv[1:] if argv is None else argv)
     if not args.sidecar and not args.sidecars_from_dns and not args.sidecars_from_endpointslices:
-        parser.error(
-            "name the sidecars: --sidecar URL, --sidecars-from-dns or --sidecars-from-endpointslices"
-        )
-    if not args.tick_s > 0 or not 0 < args.lease_s <= 600 or args.lease_s < 3 * args.tick_s:
-        parser.error("--tick-s must be above 0 and --lease-s from 3 ticks to 600 seconds")
+        message = "name the sidecars (or sidecars_from_dns, sidecars_from_endpointslices)"
+        return usage_error(PROG, ENV_PREFIX, "sidecar", message)
+    if args.lease_s < 3 * args.tick_s:
+        message = f"{args.lease_s:g} is under 3 ticks (tick_s): the lease is renewed every third of it"
+        return usage_error(PROG, ENV_PREFIX, "lease_s", message)
     if args.state_file and args.kubernetes_state:
-        parser.error("give --state-file or --kubernetes-state, not both")
+        return usage_error(
+            PROG, ENV_PREFIX, "kubernetes_state", "give state_file or kubernetes_state, not both"
+        )
+    failed = check_listeners(args, ("listen",), ENV_PREFIX, PROG)
+    if failed is not None:
+        return failed
     configure_logging(args.log_level, args.log_format, "rollouts")
     try:
         process = RolloutsProcess(args)

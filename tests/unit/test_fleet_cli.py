@@ -16,17 +16,38 @@ from modelyard.sidecar.fleet.pods import from_dns
 
 
 def test_a_controller_needs_its_sidecars(capsys: pytest.CaptureFixture[str]) -> None:
-    with pytest.raises(SystemExit) as exited:
-        main(["--prometheus", "http://127.0.0.1:9090"])
-    assert exited.value.code == 2
-    assert "name the sidecars" in capsys.readouterr().err
+    assert main(["--prometheus", "http://127.0.0.1:9090"]) == 2
+    err = capsys.readouterr().err
+    assert "argument --sidecar: name the sidecars" in err and "MODELYARD_ROLLOUTS_SIDECAR" in err
 
 
-@pytest.mark.parametrize("flags", [["--tick-s", "0"], ["--lease-s", "1"], ["--lease-s", "601"]])
-def test_ticks_and_leases_are_bounded(flags: list[str], capsys: pytest.CaptureFixture[str]) -> None:
-    with pytest.raises(SystemExit) as exited:
-        main(["--sidecar", "http://127.0.0.1:9101", *flags])
-    assert exited.value.code == 2 and "--lease-s" in capsys.readouterr().err
+@pytest.mark.parametrize(
+    ("flags", "words"),
+    [
+        (["--tick-s", "0"], "argument --tick-s"),
+        (["--lease-s", "601"], "argument --lease-s"),
+        (["--lease-s", "2", "--tick-s", "1"], "under 3 ticks"),
+        (["--state-file", "x", "--kubernetes-state", "y"], "not both"),
+        (["--listen", "nonsense"], "argument --listen"),
+    ],
+)
+def test_bad_settings_are_one_line_and_exit_2(
+    flags: list[str], words: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    try:
+        code = main(["--sidecar", "http://127.0.0.1:9101", *flags])
+    except SystemExit as exited:  # a value its declaration refuses (the settings parser)
+        code = int(str(exited.code))
+    assert code == 2
+    err = capsys.readouterr().err
+    assert words in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_the_environment_sets_it_too() -> None:
+    from modelyard.sidecar.fleet.config import parse_settings
+
+    settings = parse_settings([], {"MODELYARD_ROLLOUTS_SIDECAR": "http://a:9101,http://b:9101"})
+    assert settings.sidecar == ("http://a:9101", "http://b:9101")
 
 
 def test_a_state_file_that_is_not_the_state_stops_it_at_start(tmp_path: Path) -> None:
