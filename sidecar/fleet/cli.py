@@ -56,6 +56,7 @@ class RolloutsProcess:
         self.host, self.port = split_address(args.listen)
         tls = TlsFiles.from_settings(args.tls_cert, args.tls_key)
         self.owner = "controller " + (args.advertise or f"{'https' if tls else 'http'}://{args.listen}")
+        self._advertised = bool(args.advertise)
         registry = CollectorRegistry()
         store: Store
         if args.kubernetes_state:
@@ -123,6 +124,9 @@ class RolloutsProcess:
             await self.api.start()
         except OSError as exc:
             raise BindError(ENV_PREFIX, "listen", f"{self.host}:{self.port}", bind_reason(exc)) from exc
+        if self.port == 0 and not self._advertised:  # its name says the port it got
+            scheme = "https" if self.tls else "http"
+            self.controller.owner = f"controller {scheme}://{self.host}:{self.api.port}"
         await self.controller.start()
         self._loop = asyncio.get_running_loop().create_task(self.controller.run())
         scheme = "https" if self.tls else "http"
