@@ -2,9 +2,12 @@
 rollouts: GET /rollouts, GET|POST /rollouts/<model>, POST /rollouts/<model>/pause|resume|abort.
 
 An asyncio server on the sidecar's event loop (plain asyncio streams: the sidecar host needs no
-web framework), HTTP/1.1 with keep-alive, over HTTPS (and mTLS) when TLS files are given: the
-handshake runs per connection with the current certificate (modelyard.process.tls.HttpTls, so a
-renewal is served without a restart). What one connection may cost is bounded (AdminLimits):
+web framework), HTTP/1.1 with keep-alive, over HTTPS (and mTLS) when TLS files are given: each
+handshake takes the current certificate (modelyard.process.tls.HttpTls, swapped in by the
+listening context's server-name callback, which OpenSSL runs on every handshake, with or without
+a name: a renewal is served without a restart). The listener does TLS from the first byte: a
+handshake started on the plain stream after accepting lost a client's ClientHello whenever it
+arrived before the switch (it hung until the timeout). What one connection may cost is bounded (AdminLimits):
 the request head must arrive within `header_timeout_s` and be at most `max_header_bytes`, the
 body within `body_timeout_s` and at most `max_body_bytes` (413 beyond, before it is read; a
 chunked body is refused 411), an idle keep-alive connection is closed after `idle_timeout_s`,
@@ -235,7 +238,12 @@ class AdminServer:
             )
             return
         self._server = await asyncio.start_server(
-            self._connection, self._host or None, self._port, limit=self._limits.max_header_bytes
+            self._connection,
+            self._host or None,
+            self._port,
+            limit=self._limits.max_header_bytes,
+            ssl=_listening(self._tls) if self._tls is not None else None,
+            ssl_handshake_timeout=self._limits.header_timeout_s if self._tls is not None else None,
         )
 
     async def stop(self) -> None:
@@ -258,8 +266,6 @@ class AdminServer:
                 refused = HttpError(503, ErrorReason.QUEUE_FULL, "too many admin connections", close=True)
                 await _write(writer, refused.response(), head_only=False)
                 return
-            if self._tls is not None:
-                await asyncio.wait_for(writer.start_tls(self._tls.current()), self._limits.header_timeout_s)
             await self._serve(reader, writer)
         except (OSError, ssl.SSLError, TimeoutError, asyncio.IncompleteReadError) as exc:
             log.debug("admin connection ended: %r", exc)  # the client's business, not a log flood
@@ -527,6 +533,18 @@ class AdminServer:
         except RolloutError as exc:
             reason = ErrorReason.FAILED_PRECONDITION
             raise HttpError(exc.status, reason, str(exc)) from exc
+
+
+def _listening(contexts: HttpTls) -> ssl.SSLContext:
+    """The listener's context: the first one serves until the files change; every handshake
+    swaps in the current one (its certificate and CA store; the verify mode stays the same)."""
+
+    def swap(connection: ssl.SSLObject, server_name: str | None, listening: ssl.SSLContext) -> None:
+        connection.context = contexts.current()
+
+    listening = contexts.current()
+    listening.sni_callback = swap
+    return listening
 
 
 def _parse_head(head: bytes) -> Request:
