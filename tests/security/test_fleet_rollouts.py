@@ -300,3 +300,16 @@ async def test_https_both_ways_with_the_ca_verified(tmp_path: Path) -> None:
             assert await asyncio.to_thread(get) == {"status": "ok", "leader": True}
     finally:
         await api.stop()
+
+
+async def test_a_local_rollout_keeps_its_weight_from_a_controller(tmp_path: Path) -> None:
+    async with a_sidecar(tmp_path) as sidecar:
+        base = f"http://{sidecar.admin_address}"
+        assert (await call(f"{base}/rollouts/scaler", "POST", SPEC, token=TOKEN))[0] == 201
+        body = {"canary_weight": 50, "owner": "controller http://10.0.0.9:9105", "lease_s": 30}
+        status, answer, _ = await call(f"{base}/canary/scaler", "PUT", body, token=TOKEN)
+        assert (status, answer["reason"]) == (409, "failed_precondition") and "a rollout sets" in answer[
+            "error"
+        ]
+        _, view, _ = await call(f"{base}/canary")
+        assert view["models"]["scaler"]["canary_weight"] == 10 and "owner" not in view["models"]["scaler"]
