@@ -1,6 +1,8 @@
 """The `modelyard` command: `modelyard serve|sidecar|gateway ...` runs that process's own command
 line (the same as `python -m modelyard.{service,sidecar,gateway} ...`); `modelyard canary ...`
-talks to a sidecar's admin endpoint (weights and rollouts: modelyard.sidecar.rollout_cli).
+talks to a sidecar's admin endpoint (weights and rollouts: modelyard.sidecar.rollout_cli), or with
+`--controller URL` to the fleet rollout controller that `modelyard rollouts ...` runs
+(modelyard.sidecar.fleet; also `python -m modelyard.rollouts`).
 
 The process package is imported by name when its verb is used, so a sidecar host runs `modelyard
 sidecar` without the service's dependencies installed, and this package imports no process.
@@ -26,9 +28,10 @@ COMMANDS = {
     "gateway": "gateway",
     "up": "deploy",
     "canary": "sidecar",
+    "rollouts": "sidecar",
 }
 # verbs whose module is not the package's cli (the admin clients need none of the process's code)
-MODULES = {"canary": "modelyard.sidecar.rollout_cli"}
+MODULES = {"canary": "modelyard.sidecar.rollout_cli", "rollouts": "modelyard.sidecar.fleet.cli"}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -32,6 +32,7 @@ from modelyard.process.settings import Option, options  # noqa: E402
 from modelyard.service import config as service  # noqa: E402
 from modelyard.service.repository.config_file import ConfigDoc  # noqa: E402
 from modelyard.sidecar import config as sidecar  # noqa: E402
+from modelyard.sidecar.fleet import config as rollouts  # noqa: E402
 from modelyard.sidecar.route_file import RouteFileDoc  # noqa: E402
 
 OPERATIONS = ROOT / "docs" / "operations.md"
@@ -41,6 +42,7 @@ PROCESSES: list[tuple[str, type, str]] = [
     ("sidecar", sidecar.Settings, sidecar.ENV_PREFIX),
     ("gateway", gateway.Settings, gateway.ENV_PREFIX),
     ("up", up.Settings, up.ENV_PREFIX),
+    ("rollouts", rollouts.Settings, rollouts.ENV_PREFIX),
 ]
 SCHEMAS: list[tuple[Path, type, str]] = [
     (ROOT / "service" / "repository" / "config.schema.json", ConfigDoc, "Modelyard model config.yaml"),

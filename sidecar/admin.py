@@ -2,9 +2,12 @@
 rollouts: GET /rollouts, GET|POST /rollouts/<model>, POST /rollouts/<model>/pause|resume|abort.
 
 An asyncio server on the sidecar's event loop (plain asyncio streams: the sidecar host needs no
-web framework), HTTP/1.1 with keep-alive, over HTTPS (and mTLS) when TLS files are given: the
-handshake runs per connection with the current certificate (modelyard.process.tls.HttpTls, so a
-renewal is served without a restart). What one connection may cost is bounded (AdminLimits):
+web framework), HTTP/1.1 with keep-alive, over HTTPS (and mTLS) when TLS files are given: each
+handshake takes the current certificate (modelyard.process.tls.HttpTls, swapped in by the
+listening context's server-name callback, which OpenSSL runs on every handshake, with or without
+a name: a renewal is served without a restart). The listener does TLS from the first byte: a
+handshake started on the plain stream after accepting lost a client's ClientHello whenever it
+arrived before the switch (it hung until the timeout). What one connection may cost is bounded (AdminLimits):
 the request head must arrive within `header_timeout_s` and be at most `max_header_bytes`, the
 body within `body_timeout_s` and at most `max_body_bytes` (413 beyond, before it is read; a
 chunked body is refused 411), an idle keep-alive connection is closed after `idle_timeout_s`,
@@ -35,7 +38,9 @@ body that is not an object, nested too deeply or not JSON at all is a 400 `inval
 
 PUT /canary/<model> for a model neither the route table nor the upstreams know is a 404 (a 503
 `unavailable`, with Retry-After, while an upstream has not reported its models yet: the model may
-be one it serves); one whose weight an active rollout sets is a 409 (pause or abort it first).
+be one it serves); one whose weight an active rollout sets is a 409 (pause or abort it first), and
+so is one whose weight a fleet rollout controller owns (`owner`, `lease_s` in its PUT; GET /canary
+shows the owner: sidecar/fleet/ownership.py), unless the PUT names the same owner.
 Every accepted change is one audit line (sidecar/state.py: who, what, when) and is kept in the
 state file when there is one.
 
@@ -68,6 +73,7 @@ from modelyard.process.auth import Authorizer, Decision
 from modelyard.process.documents import DocumentError, load
 from modelyard.process.throttle import LogThrottle
 from modelyard.process.tls import HttpTls, TlsFiles, is_loopback, warn_if_plaintext
+from modelyard.sidecar.fleet.ownership import WeightOwners, check_claim
 from modelyard.sidecar.rollout import RolloutSpec
 from modelyard.sidecar.rollout_driver import RolloutDriver, RolloutError
 from modelyard.sidecar.route_file import RolloutDoc
@@ -190,9 +196,11 @@ class AdminServer:
         clock: Callable[[], float] = time.time,  # the audit lines' time
         unix_path: str = "",  # serve on this unix socket instead (a worker's, for its supervisor)
         on_admit: Callable[[], None] | None = None,  # a worker's: POST ADMIT on its socket
+        owners: WeightOwners | None = None,  # the fleet controllers' leases on weights
+        what: str = "the sidecar's admin endpoint",  # in the warnings (the fleet controller's API)
     ) -> None:
         if not unix_path:
-            warn_if_plaintext(host, "the sidecar's admin endpoint", tls)
+            warn_if_plaintext(host, what, tls)
         self._host, self._port = host, port
         self._registry = registry
         self._routes = routes
@@ -212,6 +220,7 @@ class AdminServer:
         self._throttle = LogThrottle(log)
         self._unix_path = unix_path
         self._on_admit = on_admit
+        self.owners = owners or WeightOwners(time.monotonic)
         self._server: asyncio.Server | None = None
         self._connections: set[asyncio.Task[None]] = set()
 
@@ -229,7 +238,12 @@ class AdminServer:
             )
             return
         self._server = await asyncio.start_server(
-            self._connection, self._host or None, self._port, limit=self._limits.max_header_bytes
+            self._connection,
+            self._host or None,
+            self._port,
+            limit=self._limits.max_header_bytes,
+            ssl=_listening(self._tls) if self._tls is not None else None,
+            ssl_handshake_timeout=self._limits.header_timeout_s if self._tls is not None else None,
         )
 
     async def stop(self) -> None:
@@ -252,8 +266,6 @@ class AdminServer:
                 refused = HttpError(503, ErrorReason.QUEUE_FULL, "too many admin connections", close=True)
                 await _write(writer, refused.response(), head_only=False)
                 return
-            if self._tls is not None:
-                await asyncio.wait_for(writer.start_tls(self._tls.current()), self._limits.header_timeout_s)
             await self._serve(reader, writer)
         except (OSError, ssl.SSLError, TimeoutError, asyncio.IncompleteReadError) as exc:
             log.debug("admin connection ended: %r", exc)  # the client's business, not a log flood
@@ -430,6 +442,20 @@ class AdminServer:
                 f"a rollout sets the weight of {echo(model)}: pause or abort it first",
             )
         body = _json_object(raw)
+        claim = None
+        if "owner" in body or "lease_s" in body:
+            try:
+                claim = check_claim(body.pop("owner", None), body.pop("lease_s", None))
+            except ValueError as exc:
+                raise HttpError(400, ErrorReason.INVALID_ARGUMENT, str(exc)) from exc
+        held = self.owners.holder(model)
+        if held is not None and (claim is None or claim[0] != held.owner):
+            raise HttpError(
+                409,
+                ErrorReason.FAILED_PRECONDITION,
+                f"{echo(held.owner)} owns the weight of {echo(model)} (a fleet rollout): change it "
+                "there, or abort that rollout",
+            )
         table = self._routes.table
         if model not in table.models and len(table.models) >= MAX_ROUTES:
             raise HttpError(
@@ -441,9 +467,13 @@ class AdminServer:
             route = parse_model_route({**base, **body}, f"canary/{model}")
         except (ValueError, ConfigError, RecursionError) as exc:
             raise HttpError(400, ErrorReason.INVALID_ARGUMENT, _capped(str(exc))) from exc
+        if claim is not None:
+            self.owners.claim(model, *claim)
+            if held is not None and route == current:  # a renewal: nothing to write or audit
+                return _json(200, {"model": model, **route_doc(route), **self.owners.view(model)})
         old = self._routes.set_route(model, route, by=by)
         audit(f"model={model} {route_change(old.route, route)}", by, self._clock())
-        return _json(200, {"model": model, **route_doc(route)})
+        return _json(200, {"model": model, **route_doc(route), **self.owners.view(model)})
 
     def _canary_view(self) -> dict[str, object]:
         """The routes, and beside each served model's configured weight the weight routing applies
@@ -466,6 +496,7 @@ class AdminServer:
         change = self._routes.sources.get(model)
         if change is not None:
             view.update(source=change.source, changed_at=change.at, changed_by=change.by or None)
+        view.update(self.owners.view(model))  # a fleet controller's lease on the weight
         return view
 
     # --- rollouts -------------------------------------------------------------------------
@@ -494,10 +525,26 @@ class AdminServer:
             if method != "POST":
                 raise HttpError(404, ErrorReason.UNSUPPORTED, f"no {echo(method)} {echo(request.path)}")
             spec = _rollout_spec(request.body)
+            held = self.owners.holder(model)
+            if held is not None:
+                message = f"{echo(held.owner)} owns the weight of {echo(model)}: start the rollout there"
+                raise HttpError(409, ErrorReason.FAILED_PRECONDITION, message)
             return _json(201, self._rollouts.start(model, spec, _author(request)).view())
         except RolloutError as exc:
             reason = ErrorReason.FAILED_PRECONDITION
             raise HttpError(exc.status, reason, str(exc)) from exc
+
+
+def _listening(contexts: HttpTls) -> ssl.SSLContext:
+    """The listener's context: the first one serves until the files change; every handshake
+    swaps in the current one (its certificate and CA store; the verify mode stays the same)."""
+
+    def swap(connection: ssl.SSLObject, server_name: str | None, listening: ssl.SSLContext) -> None:
+        connection.context = contexts.current()
+
+    listening = contexts.current()
+    listening.sni_callback = swap
+    return listening
 
 
 def _parse_head(head: bytes) -> Request:

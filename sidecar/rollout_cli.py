@@ -7,6 +7,11 @@
         [--min-agreement X]
     modelyard canary rollout status [MODEL]
     modelyard canary rollout pause|resume|abort MODEL
+    modelyard canary --controller URL rollout start|status|pause|resume|abort ...
+
+With --controller (MODELYARD_ROLLOUTS_URL) the rollout verbs go to the fleet rollout controller
+(`modelyard rollouts`, docs/fleet-rollouts.md): one rollout across every sidecar of the fleet, the
+same requests and answers (its token the same way: --token, --token-file, ...).
 
 Also `python -m modelyard.sidecar.rollout_cli ...`. The admin URL comes from --admin-url, else
 MODELYARD_ADMIN_URL (default http://127.0.0.1:9101); the token from --token, --token-file (its first
@@ -60,6 +65,11 @@ def _parser() -> argparse.ArgumentParser:
         prog="modelyard canary", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--admin-url", default=os.environ.get("MODELYARD_ADMIN_URL", DEFAULT_URL))
+    parser.add_argument(
+        "--controller",
+        default=os.environ.get("MODELYARD_ROLLOUTS_URL", ""),
+        help="the fleet rollout controller's URL: rollouts across every sidecar (env MODELYARD_ROLLOUTS_URL)",
+    )
     parser.add_argument("--token", help="the admin token (env MODELYARD_ADMIN_TOKEN)")
     parser.add_argument(
         "--token-file", help="a file whose first word is the admin token (env MODELYARD_ADMIN_TOKEN_FILE)"
@@ -155,8 +165,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         token = _token(args)
     except ValueError as exc:  # a number that is not finite, a token file that is not one
         parser.error(str(exc))
+    if args.controller and args.verb != "rollout":
+        parser.error(
+            "--controller takes the rollout verbs only (the weights are each sidecar's: --admin-url)"
+        )
+    base = args.controller or args.admin_url
     request = urllib.request.Request(
-        args.admin_url.rstrip("/") + path,
+        base.rstrip("/") + path,
         data=data,
         method=method,
         headers={"Content-Type": "application/json"},
@@ -175,7 +190,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"modelyard canary: {exc.code} {exc.reason}", file=sys.stderr)
         return 1
     except (OSError, ValueError) as exc:
-        print(f"modelyard canary: no answer from {args.admin_url}: {exc}", file=sys.stderr)
+        print(f"modelyard canary: no answer from {base}: {exc}", file=sys.stderr)
         return 2
     if args.verb == "get" and args.model:
         found = (doc.get("models") or {}).get(args.model)

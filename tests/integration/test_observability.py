@@ -230,6 +230,7 @@ async def test_every_metric_the_dashboard_and_rules_name_is_in_a_real_scrape(
     registry = CollectorRegistry()
     registry.register(GpuMemoryCollector(lambda: [DeviceMemory(0, 1 << 30, 80 << 30)]))
     scrapes["gpu"] = generate_latest(registry).decode()
+    scrapes["rollouts"] = _rollout_controller_scrape()
 
     exported = set().union(*(exported_names(text) for text in scrapes.values()))
     # The traffic really went through each of them, as the test means.
@@ -269,4 +270,23 @@ async def test_every_metric_the_dashboard_and_rules_name_is_in_a_real_scrape(
         "ModelyardQueueFull",
         "ModelyardModelLoadFailed",
         "ModelyardWorkerRestarts",
+        "ModelyardRolloutStuck",
+        "ModelyardRolloutRolledBack",
     }
+
+
+def _rollout_controller_scrape() -> str:
+    """The fleet rollout controller's metrics (modelyard.sidecar.fleet) with one rollout in them,
+    rolled back and held, as its /metrics renders them (tests/integration/test_fleet_rollout.py
+    scrapes the real process)."""
+    from modelyard.sidecar.fleet.controller import ControllerMetrics, Managed
+    from modelyard.sidecar.rollout import Rollout, RolloutSpec
+
+    registry = CollectorRegistry()
+    metrics = ControllerMetrics(registry)
+    rollout = Rollout.begin("scaler", RolloutSpec(steps=(10, 100)), 1000.0, "2", by="t", origin="admin")
+    metrics.show("scaler", Managed(rollout, held="no Prometheus", held_kind="prometheus"), synced=True)
+    metrics.transitions.labels("scaler", "failed").inc()
+    metrics.sidecar_up.labels("http://10.0.0.7:9101").set(1)
+    metrics.leader.set(1)
+    return generate_latest(registry).decode()

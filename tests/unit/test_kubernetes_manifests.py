@@ -26,6 +26,7 @@ from modelyard.envoy import render
 from modelyard.gateway.config import parse_settings as gateway_settings
 from modelyard.service.config import parse_settings as service_settings
 from modelyard.sidecar.config import parse_settings as sidecar_settings
+from modelyard.sidecar.fleet.config import parse_settings as rollouts_settings
 from modelyard.sidecar.routes import parse_table
 from tests import crds, kubernetes_renders
 
@@ -37,6 +38,7 @@ PARSERS: dict[str, Callable[[list[str]], Any]] = {
     "serve": service_settings,
     "sidecar": sidecar_settings,
     "gateway": gateway_settings,
+    "rollouts": rollouts_settings,
 }
 
 
