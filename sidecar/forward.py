@@ -1,12 +1,13 @@
 """The forwarder: moves one attempt's bytes and metadata between the caller and an upstream.
 
 For the four call kinds: a call with one response (unary-unary, stream-unary: `ask`, then
-`answer`) and a call with a response stream (unary-stream, stream-stream: `start`, `ended_early`,
-then `relay`). Messages are bytes, never decoded; the upstream's response metadata, trailers and
+`answer`) and a call with a response stream (unary-stream, stream-stream: `opened`, then
+`relay`). `ask` and `opened` are the proxy's attempt loop's exchanges: same arguments, an answer
+or `Failed`. Messages are bytes, never decoded; the upstream's response metadata, trailers and
 full status (code, message, trailers) pass through. An attempt the upstream answered with an
 error raises `Failed`; what the caller then gets is `client_status` (a status message capped,
 a reason where the upstream gave none). Which upstream, which version, whether to try again:
-the planner's business (plan.py), not this module's.
+the layers' business (layers/), not this module's.
 """
 
 from __future__ import annotations
@@ -23,8 +24,8 @@ import grpc
 
 from modelyard.common import headers
 from modelyard.common.reasons import ErrorReason
-from modelyard.sidecar import plan as planner
-from modelyard.sidecar.plan import Metadata
+from modelyard.sidecar.layers import retry
+from modelyard.sidecar.layers.read import Metadata
 from modelyard.sidecar.scope import Flight
 from modelyard.sidecar.upstreams import Upstream
 
@@ -67,6 +68,16 @@ class Failed(Exception):
         return error_reason(self.trailing)
 
 
+class EndedEarly(Failed):
+    """A response stream's attempt ended with an error and nothing else (a trailers-only answer:
+    nothing has reached the caller). `call`, ended: when it is not retried, its relay answers
+    the error as it answers any a stream ends with."""
+
+    def __init__(self, call: Any, failed: Failed) -> None:
+        super().__init__(failed.code, failed.details, failed.trailing)
+        self.call = call
+
+
 def error_reason(trailing: Iterable[Any] | None) -> str:
     for key, value in trailing or ():
         if key == headers.ERROR_REASON:
@@ -91,8 +102,8 @@ def run_seconds(trailing: Iterable[Any] | None) -> float | None:
 
 
 def is_fault(code: grpc.StatusCode, trailing: Iterable[Any] | None) -> bool:
-    """Whether an answer counts against the upstream: the planner's rule (plan.is_fault)."""
-    return planner.is_fault(code.name, error_reason(trailing))
+    """Whether an answer counts against the upstream: the retry policy's rule (retry.is_fault)."""
+    return retry.is_fault(code.name, error_reason(trailing))
 
 
 def client_status(
@@ -219,6 +230,38 @@ def start(
     call = upstream.method(path, kind)(request, metadata=outgoing(metadata), timeout=time_left)
     flight.follow(call)
     return call
+
+
+async def opened(
+    upstream: Upstream,
+    path: str,
+    kind: str,
+    request: Request,
+    metadata: Metadata,
+    time_left: float | None,
+    flight: Flight,
+) -> Any:
+    """A response stream's attempt, started (`start`), once it is known not to have ended before
+    its first message: `EndedEarly` when it did (`ended_early`), so that it may be retried."""
+    call = start(upstream, path, kind, request, metadata, time_left, flight)
+    early = await ended_early(call)
+    if early is not None:
+        raise EndedEarly(call, early)
+    return call
+
+
+async def opened_unchecked(
+    upstream: Upstream,
+    path: str,
+    kind: str,
+    request: Request,
+    metadata: Metadata,
+    time_left: float | None,
+    flight: Flight,
+) -> Any:
+    """A response stream's attempt, started, for a method never retried (the caller streams its
+    requests): its relay tells how it ends."""
+    return start(upstream, path, kind, request, metadata, time_left, flight)
 
 
 async def ended_early(call: Any) -> Failed | None:

@@ -9,7 +9,7 @@ import pytest
 from modelyard.sidecar.adaptive import BreakerPolicy, State
 from modelyard.sidecar.breakers import Breaker, BreakerKey, Breakers
 from modelyard.sidecar.forward import MESSAGE_MAX, client_status, is_fault
-from modelyard.sidecar.plan import caller_key
+from modelyard.sidecar.layers.read import caller_key
 
 POLICY = BreakerPolicy(
     window_s=10,
