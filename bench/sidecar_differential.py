@@ -41,7 +41,7 @@ from modelyard.common import health
 from modelyard.inference.v1 import inference_service_pb2 as ipb
 from modelyard.inference.v1 import model_service_pb2 as mpb
 from modelyard.kserve.v2 import grpc_service_pb2 as kpb
-from modelyard.sidecar.routing import bucket
+from modelyard.sidecar.dyeing import bucket
 
 MODEL = "m"
 INFER = "/inference.GRPCInferenceService/ModelInfer"

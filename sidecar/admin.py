@@ -71,7 +71,7 @@ from modelyard.process.tls import HttpTls, TlsFiles, is_loopback, warn_if_plaint
 from modelyard.sidecar.rollout import RolloutSpec
 from modelyard.sidecar.rollout_driver import RolloutDriver, RolloutError
 from modelyard.sidecar.route_file import RolloutDoc
-from modelyard.sidecar.routes import ConfigError, RouteSource, parse_model_route, route_change, route_doc
+from modelyard.sidecar.route_table import ConfigError, RouteSource, parse_model_route, route_change, route_doc
 from modelyard.sidecar.state import StateWriteError, audit, who
 
 log = logging.getLogger(__name__)

@@ -4,7 +4,7 @@ pybreaker keeps the state (in its pluggable storage) and tells listeners about t
 its own `call` can't guard a coroutine (it counts the un-awaited coroutine as a success and
 holds a thread lock across the call). So the proxy asks `allow()` before the call and reports
 the outcome with `report()` when the call (or stream) has ended; the decisions (when to trip,
-backoff, probes) come from adaptive.py. Everything runs on the event loop thread.
+backoff, probes) come from breaker_policy.py. Everything runs on the event loop thread.
 
 A canary-dyed call's outcome is judged against stable: `report(..., stable=VERSION)` hands the
 policy the stable version's calls over the same window (adaptive.Reference, from every breaker of
@@ -24,7 +24,7 @@ from typing import Any
 
 import pybreaker
 
-from modelyard.sidecar.adaptive import (
+from modelyard.sidecar.breaker_policy import (
     AdaptivePolicy,
     BreakerPolicy,
     Caller,
@@ -85,7 +85,7 @@ class Breaker:
         self._on_change = on_change
         self._windows = windows
         self._cb = pybreaker.CircuitBreaker(
-            fail_max=2**31 - 1,  # never trips by pybreaker's own count; adaptive.py decides
+            fail_max=2**31 - 1,  # never trips by pybreaker's own count; breaker_policy.py decides
             reset_timeout=policy.backoff_s,
             name=f"{key.upstream}/{key.model}/{key.version}",
             listeners=[_Listener(self)],
@@ -148,7 +148,7 @@ class Breaker:
     ) -> None:
         """The outcome of an allowed call: `fault` counts against the upstream; `latency` (s) is
         given for calls whose duration means something (unary), else None; `caller` is who made
-        it (adaptive.py: no single caller trips a breaker); `lone_trips`: the version has a
+        it (breaker_policy.py: no single caller trips a breaker); `lone_trips`: the version has a
         fallback, so a lone caller's faults may open it (AdaptivePolicy.record); `stable`: the
         stable version a canary-dyed call is judged against (empty: none)."""
         if self.observe is not None:

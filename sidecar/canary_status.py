@@ -8,9 +8,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from modelyard.sidecar.breakers import Breakers
+from modelyard.sidecar.dyeing import stable_and_canary
 from modelyard.sidecar.layers.view import Pool, Target
-from modelyard.sidecar.routes import RouteTable
-from modelyard.sidecar.routing import stable_and_canary
+from modelyard.sidecar.route_table import RouteTable
 
 
 @dataclass(frozen=True, slots=True)

@@ -19,7 +19,7 @@ from prometheus_client.registry import Collector
 from prometheus_client.samples import Sample
 from prometheus_client.utils import floatToGoString
 
-from modelyard.sidecar.adaptive import State
+from modelyard.sidecar.breaker_policy import State
 from modelyard.sidecar.breakers import BreakerKey
 
 STATE_VALUES = {State.CLOSED: 0, State.HALF_OPEN: 1, State.OPEN: 2}

@@ -10,14 +10,14 @@ through).
 from __future__ import annotations
 
 from modelyard.sidecar.breakers import Breakers
+from modelyard.sidecar.dyeing import STABLE
 from modelyard.sidecar.layers.attempt import Attempt
 from modelyard.sidecar.layers.balance import shadow_target
 from modelyard.sidecar.layers.read import Metadata
-from modelyard.sidecar.routes import RouteSource
-from modelyard.sidecar.routing import STABLE
+from modelyard.sidecar.message_fields import with_version
+from modelyard.sidecar.route_table import RouteSource
 from modelyard.sidecar.shadow import GENERATE, METHODS, Shadows, is_greedy, token_ids
 from modelyard.sidecar.upstreams import Upstream, Upstreams
-from modelyard.sidecar.wire import with_version
 
 
 class Mirror:

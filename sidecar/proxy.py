@@ -1,7 +1,7 @@
 """The proxy: every method of the service forwarded as bytes (no decode, no re-encode).
 
 Data calls (Infer, InferStream, Generate, KServe ModelInfer and ModelStreamInfer) are dyed
-(routing.py), guarded by breakers (breakers.py) and tenant limits (limits.py); the chosen version
+(dyeing.py), guarded by breakers (breakers.py) and tenant limits (tenant_limits.py); the chosen version
 travels as field 2 (appended to the message: the last occurrence wins on the wire) and as the
 `x-model-version` header. Other calls go to an upstream that serves the named model, or any.
 Metadata, deadline, cancellation and the full status (code, message, trailers) pass through;
@@ -18,7 +18,7 @@ relayed; the scope closes.
 Names and versions are checked at this edge (modelyard.common.names) before they reach any
 state. Only models and versions the upstreams serve (WatchModels) get breakers and their own
 metric label; anything else is forwarded without state under the label `_other`. Breakers learn
-who each call came from (layers.read.caller_key), so that no single caller opens one (adaptive.py).
+who each call came from (layers.read.caller_key), so that no single caller opens one (breaker_policy.py).
 """
 
 from __future__ import annotations
@@ -45,15 +45,15 @@ from modelyard.sidecar.breakers import Breakers
 from modelyard.sidecar.layers import attempt as attempts
 from modelyard.sidecar.layers import balance, read, retry, route
 from modelyard.sidecar.layers.read import Refused
-from modelyard.sidecar.limits import TenantLimits
 from modelyard.sidecar.metrics import SidecarMetrics
 from modelyard.sidecar.mirror import Mirror
-from modelyard.sidecar.routes import RouteSource
+from modelyard.sidecar.model_views import ModelViews
+from modelyard.sidecar.route_table import RouteSource
 from modelyard.sidecar.scope import Scope, Scopes
 from modelyard.sidecar.shadow import Shadows, token_ids
+from modelyard.sidecar.tenant_limits import TenantLimits
 from modelyard.sidecar.tracing import Tracing
 from modelyard.sidecar.upstreams import Upstream, Upstreams
-from modelyard.sidecar.views import ModelViews
 
 Context = grpc.aio.ServicerContext[bytes, bytes]
 if TYPE_CHECKING:

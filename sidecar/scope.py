@@ -1,7 +1,7 @@
 """The per-call scope: what one proxied call holds from its first byte to its answer.
 
 A call's server span (tracing.CallSpan), its place among the calls in flight (so that shutdown
-can end it with an answer), its tenant slot (limits.py), who it came from (layers.read.caller_key),
+can end it with an answer), its tenant slot (tenant_limits.py), who it came from (layers.read.caller_key),
 its current attempt (a frozen layers.attempt.Attempt) and what became of it (its verdict to its
 breaker, given once: `verdict`; a canary attempt replayed on stable, whose verdict waits for the
 replay's: `replay_ended`), and its metrics. The layers are pure; this is the call's state. Made
@@ -26,8 +26,8 @@ from modelyard.process import calls
 from modelyard.sidecar.layers.attempt import Attempt, replayed_unanswered
 from modelyard.sidecar.layers.read import OTHER, Metadata, Refused
 from modelyard.sidecar.layers.retry import is_fault, settle_replay, verdict
-from modelyard.sidecar.limits import ANY_TENANT, TenantLimit, TenantLimits
 from modelyard.sidecar.metrics import SidecarMetrics
+from modelyard.sidecar.tenant_limits import ANY_TENANT, TenantLimit, TenantLimits
 from modelyard.sidecar.tracing import UNTRACED, Tracing
 
 # A status code's name: the enum's `name` is a property, read several times per call.

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from modelyard.sidecar.layers.route import Route
-from modelyard.sidecar.wire import WireError, _varint, read_model_fields
+from modelyard.sidecar.message_fields import WireError, _varint, read_model_fields
 
 MODEL_INFER = "/inference.GRPCInferenceService/ModelInfer"
 MODEL_STREAM_INFER = "/inference.GRPCInferenceService/ModelStreamInfer"

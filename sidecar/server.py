@@ -19,19 +19,19 @@ from modelyard.process.grpc_server import connection_options
 from modelyard.process.lifecycle import BindError, bind_reason, bound
 from modelyard.process.settings import split_address
 from modelyard.process.tls import ClientTls, TlsFiles, grpc_server_credentials, warn_if_plaintext
-from modelyard.sidecar.adaptive import Clock, State
 from modelyard.sidecar.admin import AdminLimits, AdminServer, admin_warnings
+from modelyard.sidecar.breaker_policy import Clock, State
 from modelyard.sidecar.breakers import BreakerKey, Breakers
 from modelyard.sidecar.canary_status import CanaryStatus, canary_status
 from modelyard.sidecar.config import ENV_PREFIX, Settings
-from modelyard.sidecar.limits import TenantLimits
 from modelyard.sidecar.metrics import SidecarMetrics
 from modelyard.sidecar.proxy import Proxy
 from modelyard.sidecar.rollout_driver import RolloutDriver
-from modelyard.sidecar.routes import RouteSource
+from modelyard.sidecar.route_table import RouteSource
 from modelyard.sidecar.saved import read_saved
 from modelyard.sidecar.shadow import Shadows
 from modelyard.sidecar.state import StateFile, remove_stale
+from modelyard.sidecar.tenant_limits import TenantLimits
 from modelyard.sidecar.tracing import Tracing, configure
 from modelyard.sidecar.upstreams import Upstreams, UpstreamSpec
 from modelyard.sidecar.workers.role import WorkerRole
@@ -172,7 +172,7 @@ class Sidecar:
         await self.tracing.close()
 
     def upstreams_changed(self) -> None:
-        self.proxy.views.clear()  # what a model's view holds may have changed (views.py)
+        self.proxy.views.clear()  # what a model's view holds may have changed (model_views.py)
         self._changed.set()
 
     async def _follow_upstreams(self) -> None:

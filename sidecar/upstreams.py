@@ -37,7 +37,7 @@ from modelyard.common import headers
 from modelyard.inference.v1 import model_service_pb2, model_service_pb2_grpc
 from modelyard.process.tls import ClientTls, Renewals
 from modelyard.sidecar.config import check_upstream
-from modelyard.sidecar.routing import normalize_version
+from modelyard.sidecar.dyeing import normalize_version
 
 log = logging.getLogger(__name__)
 

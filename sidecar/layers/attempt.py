@@ -15,10 +15,10 @@ from typing import Any, Generic, NamedTuple, TypeVar
 
 from modelyard.common import headers
 from modelyard.sidecar.breakers import Breaker, Permit
+from modelyard.sidecar.dyeing import CANARY, PINNED, STABLE
 from modelyard.sidecar.layers.read import Asked, Metadata
 from modelyard.sidecar.layers.view import Target
-from modelyard.sidecar.routing import CANARY, PINNED, STABLE
-from modelyard.sidecar.wire import WireError, read_model_fields, with_version
+from modelyard.sidecar.message_fields import WireError, read_model_fields, with_version
 
 U = TypeVar("U", bound=Target)
 

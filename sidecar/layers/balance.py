@@ -14,6 +14,7 @@ from modelyard.common import headers
 from modelyard.common.names import echo
 from modelyard.common.reasons import ErrorReason
 from modelyard.sidecar.breakers import Breaker, Breakers, Permit
+from modelyard.sidecar.dyeing import CANARY, PINNED, STABLE, stable_and_canary
 from modelyard.sidecar.layers.attempt import (
     ANSWERS,
     FALLBACK_BREAKER,
@@ -27,8 +28,7 @@ from modelyard.sidecar.layers.attempt import (
 from modelyard.sidecar.layers.read import Asked, Metadata, Refused
 from modelyard.sidecar.layers.route import Route
 from modelyard.sidecar.layers.view import ModelView, Pool, Served, U, is_stateful
-from modelyard.sidecar.routes import RouteTable
-from modelyard.sidecar.routing import CANARY, PINNED, STABLE, stable_and_canary
+from modelyard.sidecar.route_table import RouteTable
 
 Found = tuple[U, Breaker | None, Permit | None]
 

@@ -14,8 +14,8 @@ from typing import Any, NamedTuple
 from modelyard.common import headers
 from modelyard.common.names import InvalidName, check_name, check_version
 from modelyard.common.reasons import ErrorReason
-from modelyard.sidecar.limits import ANY_TENANT, TenantLimit
-from modelyard.sidecar.wire import ModelFields, WireError, read_model_fields
+from modelyard.sidecar.message_fields import ModelFields, WireError, read_model_fields
+from modelyard.sidecar.tenant_limits import ANY_TENANT, TenantLimit
 
 Metadata = tuple[tuple[str, str | bytes], ...]
 Read = tuple[bytes, ModelFields]  # a message and its fields 1 and 2 (wire.read_model_fields)

@@ -22,6 +22,7 @@ from typing import Any
 
 from modelyard.common.reasons import ErrorReason, is_server_fault
 from modelyard.sidecar.breakers import Breakers
+from modelyard.sidecar.dyeing import CANARY, STABLE
 from modelyard.sidecar.layers.attempt import (
     FALLBACK_CANARY_FAULT,
     FALLBACK_UNAVAILABLE,
@@ -31,7 +32,6 @@ from modelyard.sidecar.layers.attempt import (
 )
 from modelyard.sidecar.layers.balance import take
 from modelyard.sidecar.layers.view import ModelView, Pool, U
-from modelyard.sidecar.routing import CANARY, STABLE
 
 # Status codes (by name) that count against an upstream when the answer carries no reason.
 FAULT_CODES = frozenset({"UNAVAILABLE", "INTERNAL", "UNKNOWN", "DEADLINE_EXCEEDED"})

@@ -14,8 +14,8 @@ from typing import NamedTuple
 from modelyard.common import headers
 from modelyard.common.reasons import ErrorReason
 from modelyard.sidecar.breakers import Breakers
+from modelyard.sidecar.dyeing import CANARY, STABLE, RoutingError, choose
 from modelyard.sidecar.layers.read import Asked, Refused
-from modelyard.sidecar.routing import CANARY, STABLE, RoutingError, choose
 
 
 class Route(NamedTuple):

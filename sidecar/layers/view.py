@@ -14,9 +14,9 @@ from dataclasses import dataclass, field
 from typing import Any, Generic, Protocol, TypeVar
 
 from modelyard.sidecar.breakers import Breaker
+from modelyard.sidecar.dyeing import ModelRoute, stable_and_canary
 from modelyard.sidecar.layers.read import OTHER, Metadata
-from modelyard.sidecar.routes import RouteTable
-from modelyard.sidecar.routing import ModelRoute, stable_and_canary
+from modelyard.sidecar.route_table import RouteTable
 
 
 class Target(Protocol):

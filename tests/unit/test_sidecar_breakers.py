@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from modelyard.sidecar.adaptive import BreakerPolicy, State
+from modelyard.sidecar.breaker_policy import BreakerPolicy, State
 from modelyard.sidecar.breakers import Breaker, BreakerKey, Breakers
 
 POLICY = BreakerPolicy(

@@ -12,17 +12,17 @@ from typing import Any
 
 import pytest
 
-from modelyard.sidecar.adaptive import BreakerPolicy, State
+from modelyard.sidecar.breaker_policy import BreakerPolicy, State
 from modelyard.sidecar.breakers import Breaker, BreakerKey, Breakers
 from modelyard.sidecar.canary_status import canary_status
+from modelyard.sidecar.dyeing import CANARY, STABLE, ModelRoute
 from modelyard.sidecar.layers import balance, route
 from modelyard.sidecar.layers.attempt import Attempt
 from modelyard.sidecar.layers.read import Asked
 from modelyard.sidecar.layers.route import Route
 from modelyard.sidecar.layers.view import model_view
 from modelyard.sidecar.metrics import SidecarMetrics
-from modelyard.sidecar.routes import RouteTable
-from modelyard.sidecar.routing import CANARY, STABLE, ModelRoute
+from modelyard.sidecar.route_table import RouteTable
 from tests.support import metric
 
 DEFAULT = BreakerPolicy()

@@ -11,8 +11,9 @@ from dataclasses import dataclass, field
 import pytest
 
 from modelyard.common.names import InvalidName
-from modelyard.sidecar.adaptive import BreakerPolicy, State
+from modelyard.sidecar.breaker_policy import BreakerPolicy, State
 from modelyard.sidecar.breakers import Breakers
+from modelyard.sidecar.dyeing import CANARY, PINNED, STABLE, Decision, ModelRoute
 from modelyard.sidecar.layers import balance, read, retry, route
 from modelyard.sidecar.layers.attempt import (
     FALLBACK_BREAKER,
@@ -24,11 +25,10 @@ from modelyard.sidecar.layers.attempt import (
 from modelyard.sidecar.layers.read import OTHER, Asked, Metadata, Refused
 from modelyard.sidecar.layers.route import Route
 from modelyard.sidecar.layers.view import ModelView, Views, is_stateful, model_view
-from modelyard.sidecar.limits import ANY_TENANT, TenantLimit, TenantLimits
 from modelyard.sidecar.metrics import SidecarMetrics
-from modelyard.sidecar.routes import RouteTable
-from modelyard.sidecar.routing import CANARY, PINNED, STABLE, Decision, ModelRoute
+from modelyard.sidecar.route_table import RouteTable
 from modelyard.sidecar.scope import Scope, Scopes
+from modelyard.sidecar.tenant_limits import ANY_TENANT, TenantLimit, TenantLimits
 from modelyard.sidecar.tracing import Tracing
 
 POLICY = BreakerPolicy(min_calls=2, error_rate=0.5, backoff_s=5, backoff_max_s=5, probes=1)

@@ -11,13 +11,13 @@ import grpc
 import pytest
 from prometheus_client import generate_latest
 
-from modelyard.sidecar.adaptive import BreakerPolicy, State
+from modelyard.sidecar.breaker_policy import BreakerPolicy, State
 from modelyard.sidecar.breakers import Breakers
 from modelyard.sidecar.layers.attempt import Attempt, answer_metadata
 from modelyard.sidecar.layers.read import OTHER, Refused
-from modelyard.sidecar.limits import ANY_TENANT, TenantLimit, TenantLimits
 from modelyard.sidecar.metrics import SidecarMetrics
 from modelyard.sidecar.scope import Scopes
+from modelyard.sidecar.tenant_limits import ANY_TENANT, TenantLimit, TenantLimits
 from modelyard.sidecar.tracing import Tracing
 
 PATH = "/inference.GRPCInferenceService/ModelInfer"

@@ -41,13 +41,13 @@ from msgspec import UnsetType
 from modelyard.common import headers
 from modelyard.common.names import InvalidName, check_version
 from modelyard.process.documents import DocumentError, load
-from modelyard.sidecar.adaptive import BreakerPolicy
-from modelyard.sidecar.limits import TenantLimit
+from modelyard.sidecar.breaker_policy import BreakerPolicy
+from modelyard.sidecar.dyeing import ModelRoute, normalize_version
 from modelyard.sidecar.rollout import RolloutSpec
 from modelyard.sidecar.route_file import ModelRouteDoc, RouteFileDoc
-from modelyard.sidecar.routing import ModelRoute, normalize_version
 from modelyard.sidecar.shadow import ShadowPolicy
 from modelyard.sidecar.state import audit
+from modelyard.sidecar.tenant_limits import TenantLimit
 
 T = TypeVar("T")
 
