@@ -176,7 +176,7 @@ class AdminServer:
         routes: RouteSource,
         breakers: Callable[[], list[dict[str, object]]],
         *,
-        canaries: Callable[[], Iterable[Any]] = list,  # plan.CanaryStatus of each served model
+        canaries: Callable[[], Iterable[Any]] = list,  # canary_status.CanaryStatus of each model
         tls: TlsFiles | None = None,
         authorizer: Authorizer | None = None,  # None or unconfigured: no credential asked
         auth_reads: bool = False,

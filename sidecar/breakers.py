@@ -7,10 +7,11 @@ the outcome with `report()` when the call (or stream) has ended; the decisions (
 backoff, probes) come from breaker_policy.py. Everything runs on the event loop thread.
 
 A canary-dyed call's outcome is judged against stable: `report(..., stable=VERSION)` hands the
-policy the stable version's calls over the same window (adaptive.Reference, from every breaker of
-that model and version). While every breaker of a canary version is open (its backoff running),
-the canary's effective weight is 0 (`Breakers.shut`, read by plan.py's routing); `Breakers.is_open`
-answers "is this model's canary breaker open?" for whoever acts on it (a rollout).
+policy the stable version's calls over the same window (breaker_policy.Reference, from every
+breaker of that model and version). While every breaker of a canary version is open (its backoff
+running), the canary's effective weight is 0 (`Breakers.shut`, read by the route layer:
+layers/route.py); `Breakers.is_open` answers "is this model's canary breaker open?" for whoever
+acts on it (a rollout).
 """
 
 from __future__ import annotations
