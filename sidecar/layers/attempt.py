@@ -9,9 +9,8 @@ The values an attempt's `fallback` takes (the answer's `x-dye-fallback`) are nam
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Callable
-from typing import Any, Generic, NamedTuple, TypeVar
+from dataclasses import FrozenInstanceError, dataclass
+from typing import TYPE_CHECKING, Any, Generic, NoReturn, Self, TypeVar
 
 from modelyard.common import headers
 from modelyard.sidecar.breakers import Breaker, Permit
@@ -31,12 +30,13 @@ FALLBACK_CANARY_FAULT = "canary-fault"  # the canary failed it (a fault, or its 
 FALLBACK_REPLAYED = "replayed"
 
 
-# A tuple subclass, not a frozen dataclass: see read.Asked (`made` is its constructor on a call's path).
-class Attempt(NamedTuple, Generic[U]):
-    """One attempt of a call: see the module's docstring. `breaker` None: a model (or version)
-    the upstreams do not serve, which gets no state; `caller` is who made the call (read.caller_key:
-    the breakers' leave-one-out); `replay_of` the canary attempt this one replays on stable (its
-    verdict waits for this one's outcome: retry.settle_replay)."""
+@dataclass(slots=True, eq=False)
+class _AttemptFields(Generic[U]):
+    """An Attempt's fields and reads (see Attempt, the frozen class over them: only its __new__
+    makes one of these). `breaker` None: a model (or version) the upstreams do not serve, which
+    gets no state; `caller` is who made the call (read.caller_key: the breakers' leave-one-out);
+    `replay_of` the canary attempt this one replays on stable (its verdict waits for this one's
+    outcome: retry.settle_replay)."""
 
     model: str
     version: str
@@ -72,9 +72,29 @@ class Attempt(NamedTuple, Generic[U]):
         return with_version(message, self.version)
 
 
-# An Attempt from all its fields at once (in their order), without the Python frame of a
-# NamedTuple's own __new__.
-made: Callable[[tuple[Any, ...]], Attempt[Any]] = functools.partial(tuple.__new__, Attempt)
+class Attempt(_AttemptFields[U]):
+    """One attempt of a call (see the module's docstring), frozen as a frozen dataclass is (an
+    assignment raises FrozenInstanceError) but made as a plain slots dataclass is: its fields are
+    stored by _AttemptFields' own __init__ (one fast slot store each), then the instance becomes
+    an Attempt, whose __setattr__ refuses every change. A frozen dataclass's __init__ would set
+    each field through object.__setattr__, a Python-level call per field, on every call's path."""
+
+    __slots__ = ()
+
+    def __new__(cls, *fields: Any) -> Self:  # positional, in the fields' order
+        made = _AttemptFields(*fields)
+        made.__class__ = cls  # the same slots: frozen from here on
+        return made  # type: ignore[return-value]
+
+    if not TYPE_CHECKING:  # the fields' __init__ would assign through __setattr__
+        __init__ = object.__init__  # __new__ made it whole
+
+    def __setattr__(self, name: str, value: Any) -> NoReturn:
+        raise FrozenInstanceError(f"cannot assign to field {name!r}")
+
+    def __delattr__(self, name: str) -> NoReturn:
+        raise FrozenInstanceError(f"cannot delete field {name!r}")
+
 
 # The usual answers' metadata, made once (by dye, without a fallback).
 ANSWERS: dict[str, Metadata] = {"": (), **{d: ((headers.MODEL_DYE, d),) for d in (STABLE, CANARY, PINNED)}}
@@ -90,24 +110,22 @@ def answer_metadata(dye: str, fallback: str) -> Metadata:
 def unrouted(asked: Asked, upstream: U) -> Attempt[U]:
     """The one attempt of a call that is not dyed: no state (no breaker, no permit, no dye)."""
     label = asked.view.label
-    return made(
-        (
-            asked.model,
-            asked.pin,
-            "",
-            "",
-            "",
-            upstream,
-            None,
-            None,
-            asked.forward,
-            None,
-            label,
-            (),
-            asked,
-            False,
-            None,
-        )
+    return Attempt(
+        asked.model,
+        asked.pin,
+        "",
+        "",
+        "",
+        upstream,
+        None,
+        None,
+        asked.forward,
+        None,
+        label,
+        (),
+        asked,
+        False,
+        None,
     )
 
 
@@ -126,31 +144,45 @@ def following(
     with `forward` (the call's metadata without the sidecar's version and dye headers)."""
     upstream, breaker, permit = found
     forward = (*forward, (headers.MODEL_VERSION, version), (headers.MODEL_DYE, dye))
-    return made(
-        (
-            attempt.model,
-            version,
-            dye,
-            fallback,
-            attempt.stable,
-            upstream,
-            breaker,
-            permit,
-            forward,
-            attempt.caller,
-            attempt.label,
-            answer_metadata(dye, fallback),
-            attempt.asked,
-            fell_back,
-            replay_of,
-        )
+    return Attempt(
+        attempt.model,
+        version,
+        dye,
+        fallback,
+        attempt.stable,
+        upstream,
+        breaker,
+        permit,
+        forward,
+        attempt.caller,
+        attempt.label,
+        answer_metadata(dye, fallback),
+        attempt.asked,
+        fell_back,
+        replay_of,
     )
 
 
 def replayed_unanswered(attempt: Attempt[U]) -> Attempt[U]:
     """A replay of a canary attempt that stable did not answer either: its answer says `replayed`."""
-    return attempt._replace(
-        fallback=FALLBACK_REPLAYED, answer_metadata=answer_metadata(attempt.dye, FALLBACK_REPLAYED)
+    a = attempt
+    answer = answer_metadata(a.dye, FALLBACK_REPLAYED)
+    return Attempt(
+        a.model,
+        a.version,
+        a.dye,
+        FALLBACK_REPLAYED,
+        a.stable,
+        a.upstream,
+        a.breaker,
+        a.permit,
+        a.forward,
+        a.caller,
+        a.label,
+        answer,
+        a.asked,
+        a.fell_back,
+        a.replay_of,
     )
 
 

@@ -21,7 +21,6 @@ from modelyard.sidecar.layers.attempt import (
     FALLBACK_UNAVAILABLE,
     Attempt,
     answer_metadata,
-    made,
     stripped,
     unrouted,
 )
@@ -61,24 +60,22 @@ def first(
         )
     upstream, breaker, permit = found
     forward = (*asked.forward, *served.headers[dye]) if version else asked.forward
-    return made(
-        (
-            asked.model,
-            version,
-            dye,
-            fallback,
-            stable,
-            upstream,
-            breaker,
-            permit,
-            forward,
-            caller,
-            view.label,
-            ANSWERS[dye] if not fallback else answer_metadata(dye, fallback),
-            asked,
-            bool(fallback),
-            None,
-        )
+    return Attempt(
+        asked.model,
+        version,
+        dye,
+        fallback,
+        stable,
+        upstream,
+        breaker,
+        permit,
+        forward,
+        caller,
+        view.label,
+        ANSWERS[dye] if not fallback else answer_metadata(dye, fallback),
+        asked,
+        bool(fallback),
+        None,
     )
 
 

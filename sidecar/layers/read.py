@@ -7,9 +7,9 @@ Status codes are named by their gRPC names ("INVALID_ARGUMENT"): the proxy trans
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Mapping
-from typing import Any, NamedTuple
+from dataclasses import FrozenInstanceError, dataclass
+from typing import TYPE_CHECKING, Any, NoReturn, Self
 
 from modelyard.common import headers
 from modelyard.common.names import InvalidName, check_name, check_version
@@ -18,7 +18,7 @@ from modelyard.sidecar.message_fields import ModelFields, WireError, read_model_
 from modelyard.sidecar.tenant_limits import ANY_TENANT, TenantLimit
 
 Metadata = tuple[tuple[str, str | bytes], ...]
-Read = tuple[bytes, ModelFields]  # a message and its fields 1 and 2 (wire.read_model_fields)
+Read = tuple[bytes, ModelFields]  # a message and its fields 1 and 2 (message_fields.read_model_fields)
 
 OTHER = "_other"  # the one metric label of every model or tenant the sidecar holds no state for
 # Request headers the sidecar sets itself (or that only make sense on one hop).
@@ -62,12 +62,9 @@ class Names:
         return model
 
 
-# A tuple subclass, not a frozen dataclass: immutable all the same, and made on a call's path in
-# one C call (`made`), where a frozen dataclass's __init__ sets each field through
-# object.__setattr__, one Python-level call per field, on every call.
-class Asked(NamedTuple):
-    """A call as it asked (what `read` found): the model and the version it pinned, its headers,
-    the metadata forwarded upstream, its model's view, and its first message as read."""
+@dataclass(slots=True, eq=False)
+class _AskedFields:
+    """An Asked's fields (see Asked, the frozen class over them, as attempt.Attempt is)."""
 
     model: str
     pin: str  # the version it pinned (field 2 or x-model-version); empty: none
@@ -82,8 +79,26 @@ class Asked(NamedTuple):
         return str(self.view.label)
 
 
-# An Asked from all its fields at once, without the Python frame of a NamedTuple's own __new__.
-_asked: Callable[[tuple[Any, ...]], Asked] = functools.partial(tuple.__new__, Asked)
+class Asked(_AskedFields):
+    """A call as it asked (what `read` found): the model and the version it pinned, its headers,
+    the metadata forwarded upstream, its model's view, and its first message as read. Frozen,
+    and made fast, as attempt.Attempt is (see there why)."""
+
+    __slots__ = ()
+
+    def __new__(cls, *fields: Any) -> Self:  # positional, in the fields' order
+        made = _AskedFields(*fields)
+        made.__class__ = cls  # the same slots: frozen from here on
+        return made  # type: ignore[return-value]
+
+    if not TYPE_CHECKING:  # the fields' __init__ would assign through __setattr__
+        __init__ = object.__init__  # __new__ made it whole
+
+    def __setattr__(self, name: str, value: Any) -> NoReturn:
+        raise FrozenInstanceError(f"cannot assign to field {name!r}")
+
+    def __delattr__(self, name: str) -> NoReturn:
+        raise FrozenInstanceError(f"cannot delete field {name!r}")
 
 
 def read(
@@ -105,7 +120,7 @@ def read(
             kept.append(item)  # the pair itself, not a copy
     forward = tuple(kept)
     if not model_addressed:
-        return _asked(("", "", received, forward, views(""), None))
+        return Asked("", "", received, forward, views(""), None)
     message = request or b""
     try:
         fields = read_model_fields(message)
@@ -122,7 +137,7 @@ def read(
             pin = _checked(check_version, fields.version, "model_version", received, headers.MODEL_VERSION)
     except InvalidName as exc:
         raise Refused("INVALID_ARGUMENT", str(exc), ErrorReason.INVALID_ARGUMENT) from exc
-    return _asked((model, pin, received, forward, views(model), (message, fields)))
+    return Asked(model, pin, received, forward, views(model), (message, fields))
 
 
 def caller_key(received: Mapping[str, str], stickiness_header: str, peer: str | Callable[[], str]) -> int:

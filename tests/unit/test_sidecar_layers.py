@@ -5,6 +5,7 @@ Pure: plain upstream stand-ins, real breakers on a stepped clock, no gRPC."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
@@ -596,3 +597,17 @@ def test_the_body_gets_the_chosen_version_unless_it_names_one() -> None:
     assert plan.body(message("m", "1")) == message("m", "1")
     assert plan.body(message("other")) == message("other")
     assert plan.body(b"\x0a\xff") == b"\x0a\xff"
+
+
+def test_the_values_between_the_layers_are_frozen() -> None:
+    world = World(TWO_VERSIONS)
+    asked = world.request()
+    attempt = world.first(CANARY_2)
+    for value, name in ((asked, "model"), (attempt, "version"), (attempt, "permit")):
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            setattr(value, name, "x")
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            delattr(value, name)
+    assert (asked.model, attempt.version) == ("m", "2")
+    with pytest.raises(AttributeError):
+        routed_by(CANARY_2).version = "1"  # type: ignore[misc]  # a Route is a tuple

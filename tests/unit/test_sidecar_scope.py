@@ -188,7 +188,9 @@ async def test_a_canary_fault_answered_by_stable_counts_as_a_canary_fault(
 
 
 async def test_a_version_without_a_breaker_is_labelled_other(scopes: Scopes, metrics: SidecarMetrics) -> None:
-    made_up = Attempt("m", "987", "", "", "", Up("a"), None, None, (), None, "m", ())  # a pin nobody serves
+    made_up: Attempt[Up] = Attempt(
+        "m", "987", "", "", "", Up("a"), None, None, (), None, "m", ()
+    )  # a pin nobody serves
     with scopes.open(PATH, ()) as scope:
         scope.begin(made_up)
         scope.code = grpc.StatusCode.NOT_FOUND

@@ -254,7 +254,7 @@ def test_an_unsampled_callers_trace_is_continued_without_an_sdk_span(
     caller = f"{PARENT[:-2]}{flags}"
     md = (("x-user-id", "u"), ("traceparent", caller))
     span = tracing.server_span(PATH, md)
-    plan = Attempt("m", "2", "canary", "", "1", _Up("a"), None, None, md, None, "m", ())
+    plan: Attempt[Any] = Attempt("m", "2", "canary", "", "1", _Up("a"), None, None, md, None, "m", ())
     sent = [v for k, v in _attempted(tracing, span, plan) if k == "traceparent"]
     span.end(plan, grpc.StatusCode.OK)
     assert started == [] and exported.get_finished_spans() == ()
