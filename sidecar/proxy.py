@@ -214,9 +214,9 @@ class Proxy(_Handler):
         sidecar's refusal), sent by `exchange`; while an attempt fails before anything reached
         the caller and its method's rule lets it be retried (the caller sent one message, which
         can be sent again), the retry policy's next attempt. Returns the attempt that answered,
-        its client span (its caller ends it), `exchange`'s answer and when it started; the failure that is the
-        answer is answered here (`_fail`), but a response stream's, which its relay answers as it
-        answers any error a stream ends with (forward.EndedEarly)."""
+        its client span (its caller ends it), `exchange`'s answer and when it started. The
+        failure that is the answer is answered here (`_fail`), but a response stream's, which
+        its relay answers as it answers any error a stream ends with (forward.EndedEarly)."""
         try:
             attempt = self._first_attempt(info, first, scope, context)
         except Refused as refused:
