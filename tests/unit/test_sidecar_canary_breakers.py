@@ -1,7 +1,7 @@
-"""A canary's breaker judged against stable (breaker_policy.Reference), the burst fast path, the run of
-good probes sized by the share seen, the backoff reset when an upstream is reachable again, and
-the effective weight (plan.first, plan.canary_status, the metrics): real breakers, a clock stepped
-by hand, no sockets."""
+"""A canary's breaker judged against stable (breaker_policy.Reference), the burst fast path, the
+run of good probes sized by the share seen, the backoff reset when an upstream is reachable
+again, and the effective weight (layers.route.effective, canary_status, the metrics): real
+breakers, a clock stepped by hand, no sockets."""
 
 from __future__ import annotations
 
