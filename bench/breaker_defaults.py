@@ -1,5 +1,5 @@
 """The breaker defaults, measured: a canary failing a share of its calls against the real breaker
-(sidecar/breakers.py, sidecar/adaptive.py) on a simulated clock; no sockets, no sleeps.
+(sidecar/breakers.py, sidecar/breaker_policy.py) on a simulated clock; no sockets, no sleeps.
 
 Canary traffic: `--rate` calls per second (default 10: a 10% canary of a 100 calls/s model), each
 from one of 1000 users (the leave-one-out sees many callers), judged against a stable version that
@@ -63,7 +63,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from modelyard.sidecar.adaptive import BreakerPolicy, State
+from modelyard.sidecar.breaker_policy import BreakerPolicy, State
 from modelyard.sidecar.breakers import Breakers
 
 # Before issue 20: error rate 0.5 for every version, no burst rule, a run of 3 probes, no reference.

@@ -77,7 +77,7 @@ from modelyard.sidecar.fleet.ownership import WeightOwners, check_claim
 from modelyard.sidecar.rollout import RolloutSpec
 from modelyard.sidecar.rollout_driver import RolloutDriver, RolloutError
 from modelyard.sidecar.route_file import RolloutDoc
-from modelyard.sidecar.routes import ConfigError, RouteSource, parse_model_route, route_change, route_doc
+from modelyard.sidecar.route_table import ConfigError, RouteSource, parse_model_route, route_change, route_doc
 from modelyard.sidecar.state import StateWriteError, audit, who
 
 log = logging.getLogger(__name__)
@@ -182,7 +182,7 @@ class AdminServer:
         routes: RouteSource,
         breakers: Callable[[], list[dict[str, object]]],
         *,
-        canaries: Callable[[], Iterable[Any]] = list,  # plan.CanaryStatus of each served model
+        canaries: Callable[[], Iterable[Any]] = list,  # canary_status.CanaryStatus of each model
         tls: TlsFiles | None = None,
         authorizer: Authorizer | None = None,  # None or unconfigured: no credential asked
         auth_reads: bool = False,

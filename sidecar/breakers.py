@@ -4,13 +4,14 @@ pybreaker keeps the state (in its pluggable storage) and tells listeners about t
 its own `call` can't guard a coroutine (it counts the un-awaited coroutine as a success and
 holds a thread lock across the call). So the proxy asks `allow()` before the call and reports
 the outcome with `report()` when the call (or stream) has ended; the decisions (when to trip,
-backoff, probes) come from adaptive.py. Everything runs on the event loop thread.
+backoff, probes) come from breaker_policy.py. Everything runs on the event loop thread.
 
 A canary-dyed call's outcome is judged against stable: `report(..., stable=VERSION)` hands the
-policy the stable version's calls over the same window (adaptive.Reference, from every breaker of
-that model and version). While every breaker of a canary version is open (its backoff running),
-the canary's effective weight is 0 (`Breakers.shut`, read by plan.py's routing); `Breakers.is_open`
-answers "is this model's canary breaker open?" for whoever acts on it (a rollout).
+policy the stable version's calls over the same window (breaker_policy.Reference, from every
+breaker of that model and version). While every breaker of a canary version is open (its backoff
+running), the canary's effective weight is 0 (`Breakers.shut`, read by the route layer:
+layers/route.py); `Breakers.is_open` answers "is this model's canary breaker open?" for whoever
+acts on it (a rollout).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from typing import Any
 
 import pybreaker
 
-from modelyard.sidecar.adaptive import (
+from modelyard.sidecar.breaker_policy import (
     AdaptivePolicy,
     BreakerPolicy,
     Caller,
@@ -85,7 +86,7 @@ class Breaker:
         self._on_change = on_change
         self._windows = windows
         self._cb = pybreaker.CircuitBreaker(
-            fail_max=2**31 - 1,  # never trips by pybreaker's own count; adaptive.py decides
+            fail_max=2**31 - 1,  # never trips by pybreaker's own count; breaker_policy.py decides
             reset_timeout=policy.backoff_s,
             name=f"{key.upstream}/{key.model}/{key.version}",
             listeners=[_Listener(self)],
@@ -148,7 +149,7 @@ class Breaker:
     ) -> None:
         """The outcome of an allowed call: `fault` counts against the upstream; `latency` (s) is
         given for calls whose duration means something (unary), else None; `caller` is who made
-        it (adaptive.py: no single caller trips a breaker); `lone_trips`: the version has a
+        it (breaker_policy.py: no single caller trips a breaker); `lone_trips`: the version has a
         fallback, so a lone caller's faults may open it (AdaptivePolicy.record); `stable`: the
         stable version a canary-dyed call is judged against (empty: none)."""
         if self.observe is not None:

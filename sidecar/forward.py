@@ -1,12 +1,13 @@
 """The forwarder: moves one attempt's bytes and metadata between the caller and an upstream.
 
 For the four call kinds: a call with one response (unary-unary, stream-unary: `ask`, then
-`answer`) and a call with a response stream (unary-stream, stream-stream: `start`, `ended_early`,
-then `relay`). Messages are bytes, never decoded; the upstream's response metadata, trailers and
+`answer`) and a call with a response stream (unary-stream, stream-stream: `opened`, then
+`relay`). `ask` and `opened` are the proxy's attempt loop's exchanges: same arguments, an answer
+or `Failed`. Messages are bytes, never decoded; the upstream's response metadata, trailers and
 full status (code, message, trailers) pass through. An attempt the upstream answered with an
 error raises `Failed`; what the caller then gets is `client_status` (a status message capped,
 a reason where the upstream gave none). Which upstream, which version, whether to try again:
-the planner's business (plan.py), not this module's.
+the layers' business (layers/), not this module's.
 """
 
 from __future__ import annotations
@@ -23,8 +24,8 @@ import grpc
 
 from modelyard.common import headers
 from modelyard.common.reasons import ErrorReason
-from modelyard.sidecar import plan as planner
-from modelyard.sidecar.plan import Metadata
+from modelyard.sidecar.layers import retry
+from modelyard.sidecar.layers.read import Metadata
 from modelyard.sidecar.scope import Flight
 from modelyard.sidecar.upstreams import Upstream
 
@@ -67,6 +68,16 @@ class Failed(Exception):
         return error_reason(self.trailing)
 
 
+class EndedEarly(Failed):
+    """A response stream's attempt ended with an error and nothing else (a trailers-only answer:
+    nothing has reached the caller). `call`, ended: when it is not retried, its relay answers
+    the error as it answers any a stream ends with."""
+
+    def __init__(self, call: Any, failed: Failed) -> None:
+        super().__init__(failed.code, failed.details, failed.trailing)
+        self.call = call
+
+
 def error_reason(trailing: Iterable[Any] | None) -> str:
     for key, value in trailing or ():
         if key == headers.ERROR_REASON:
@@ -91,8 +102,8 @@ def run_seconds(trailing: Iterable[Any] | None) -> float | None:
 
 
 def is_fault(code: grpc.StatusCode, trailing: Iterable[Any] | None) -> bool:
-    """Whether an answer counts against the upstream: the planner's rule (plan.is_fault)."""
-    return planner.is_fault(code.name, error_reason(trailing))
+    """Whether an answer counts against the upstream: the retry policy's rule (retry.is_fault)."""
+    return retry.is_fault(code.name, error_reason(trailing))
 
 
 def client_status(
@@ -133,9 +144,9 @@ class Outgoing(tuple[tuple[str, str | bytes], ...], grpc.aio.Metadata):  # type:
     """An attempt's request metadata as grpc.aio takes it without a Python step per entry: a
     tuple (what its call hands gRPC's core) that is a grpc.aio.Metadata (which its multicallable
     keeps as it is). A plain tuple is made a Metadata first (Metadata.add per entry) and then a
-    tuple again (Metadata.__iter__, a generator, per entry): ~1.5k instructions an entry, on the
-    4-5 entries of every attempt. Iterated and counted as the tuple; read by key (an interceptor,
-    a test's fake) as a Metadata of the same entries; never changed."""
+    tuple again (Metadata.__iter__, a generator, per entry): Python steps for each entry of every
+    attempt, where this hands the tuple on as it is. Iterated and counted as the tuple; read by
+    key (an interceptor, a test's fake) as a Metadata of the same entries; never changed."""
 
     __slots__ = ()
 
@@ -174,7 +185,7 @@ async def ask(
 ) -> tuple[bytes, Metadata, Any]:
     """One attempt with one response, started (`start`) and awaited: the upstream's response,
     headers and trailers once the call has finished; `Failed` for an error. The caller gets them
-    by `answer`, once the planner has its outcome."""
+    by `answer`, once the scope has given the attempt's verdict."""
     call = start(upstream, path, kind, request, metadata, time_left, flight)
     try:
         response: bytes = await call
@@ -195,8 +206,8 @@ def answer(context: Context, trailing: Iterable[Any] | None, added: Metadata) ->
     the caller (its headers, when it sent any, go first: `context.send_initial_metadata`). A
     unary answer's sidecar headers ride in the trailing metadata, beside the service's
     x-served-version (docs/api.md): grpc.aio sends initial metadata that a handler sets as a batch
-    of its own (about 60 us of the sidecar's CPU per call), while the trailing metadata goes in
-    the answer's final batch. A plain function: one coroutine a call less."""
+    of its own (a write, and its completion, for every call), while the trailing metadata goes in
+    the answer's final batch. A plain function, not a coroutine: nothing here waits."""
     md = (*trailing, *added) if trailing else added  # with_metadata, inline
     if md:
         context.set_trailing_metadata(md)
@@ -219,6 +230,38 @@ def start(
     call = upstream.method(path, kind)(request, metadata=outgoing(metadata), timeout=time_left)
     flight.follow(call)
     return call
+
+
+async def opened(
+    upstream: Upstream,
+    path: str,
+    kind: str,
+    request: Request,
+    metadata: Metadata,
+    time_left: float | None,
+    flight: Flight,
+) -> Any:
+    """A response stream's attempt, started (`start`), once it is known not to have ended before
+    its first message: `EndedEarly` when it did (`ended_early`), so that it may be retried."""
+    call = start(upstream, path, kind, request, metadata, time_left, flight)
+    early = await ended_early(call)
+    if early is not None:
+        raise EndedEarly(call, early)
+    return call
+
+
+async def opened_unchecked(
+    upstream: Upstream,
+    path: str,
+    kind: str,
+    request: Request,
+    metadata: Metadata,
+    time_left: float | None,
+    flight: Flight,
+) -> Any:
+    """A response stream's attempt, started, for a method never retried (the caller streams its
+    requests): its relay tells how it ends."""
+    return start(upstream, path, kind, request, metadata, time_left, flight)
 
 
 async def ended_early(call: Any) -> Failed | None:

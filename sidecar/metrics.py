@@ -19,11 +19,11 @@ from prometheus_client.registry import Collector
 from prometheus_client.samples import Sample
 from prometheus_client.utils import floatToGoString
 
-from modelyard.sidecar.adaptive import State
+from modelyard.sidecar.breaker_policy import State
 from modelyard.sidecar.breakers import BreakerKey
 
 STATE_VALUES = {State.CLOSED: 0, State.HALF_OPEN: 1, State.OPEN: 2}
-# model, configured canary weight, effective canary weight (plan.canary_status), known models only
+# model, configured canary weight, effective canary weight (canary_status.py), known models only
 CanaryWeights = Callable[[], Iterable[tuple[str, float, float]]]
 
 

@@ -3,20 +3,21 @@ compares the answers, in the background, bounded).
 
 A stable-dyed unary call (shadow.METHODS) is mirrored once it has answered; a stable-dyed greedy
 Generate has its tokens collected as they stream, then is mirrored. The canary's upstream is the
-planner's choice (plan.shadow_target: one whose breaker would let a call through).
+balance layer's choice (layers.balance.shadow_target: one whose breaker would let a call
+through).
 """
 
 from __future__ import annotations
 
-from modelyard.sidecar import plan as planner
 from modelyard.sidecar.breakers import Breakers
-from modelyard.sidecar.routes import RouteSource
-from modelyard.sidecar.routing import STABLE
+from modelyard.sidecar.dyeing import STABLE
+from modelyard.sidecar.layers.attempt import Attempt
+from modelyard.sidecar.layers.balance import shadow_target
+from modelyard.sidecar.layers.read import Metadata
+from modelyard.sidecar.message_fields import with_version
+from modelyard.sidecar.route_table import RouteSource
 from modelyard.sidecar.shadow import GENERATE, METHODS, Shadows, is_greedy, token_ids
 from modelyard.sidecar.upstreams import Upstream, Upstreams
-from modelyard.sidecar.wire import with_version
-
-Plan = planner.Plan[Upstream]
 
 
 class Mirror:
@@ -28,16 +29,16 @@ class Mirror:
         self._routes = routes
         self._shadows = shadows
 
-    def answered(self, path: str, plan: Plan, request: bytes, answer: bytes) -> None:
+    def answered(self, path: str, attempt: Attempt[Upstream], request: bytes, answer: bytes) -> None:
         """A unary call answered: mirror its request to the canary, if the route file asks."""
-        if plan.dye != STABLE or plan.fallback or path not in METHODS:
+        if attempt.dye != STABLE or attempt.fallback or path not in METHODS:
             return  # a canary-dyed call that stable answered: the canary has just failed it
         policy = self._routes.table.shadow
-        if policy.share <= 0 or not self._shadows.wants(policy) or (target := self._target(plan)) is None:
+        if policy.share <= 0 or not self._shadows.wants(policy) or (target := self._target(attempt)) is None:
             return
         canary, upstream, md = target
-        held = (upstream.address, plan.model, canary)  # what a shadow_dropped's pushback holds
-        if self._shadows.held(held, plan.model):
+        held = (upstream.address, attempt.model, canary)  # what a shadow_dropped's pushback holds
+        if self._shadows.held(held, attempt.model):
             return
         method = upstream.method(path, "unary_unary")
 
@@ -45,23 +46,25 @@ class Mirror:
             answer: bytes = await method(with_version(message, canary), metadata=md, timeout=30)
             return answer
 
-        self._shadows.mirror(policy, plan.model, path, request, answer, send, (plan.version, canary), held)
+        self._shadows.mirror(
+            policy, attempt.model, path, request, answer, send, (attempt.version, canary), held
+        )
 
-    def tokens(self, path: str, plan: Plan, request: bytes | None) -> list[int] | None:
+    def tokens(self, path: str, attempt: Attempt[Upstream], request: bytes | None) -> list[int] | None:
         """A list to collect the stable stream's tokens in, when this Generate is mirrored."""
-        if path != GENERATE or plan.dye != STABLE or plan.fallback or request is None:
+        if path != GENERATE or attempt.dye != STABLE or attempt.fallback or request is None:
             return None
         if not self._shadows.wants(self._routes.table.shadow) or not is_greedy(request):
             return None
         return []
 
-    def generated(self, plan: Plan, request: bytes, tokens: list[int]) -> None:
+    def generated(self, attempt: Attempt[Upstream], request: bytes, tokens: list[int]) -> None:
         """A mirrored Generate ended: the canary generates for the same request, to compare."""
-        if (target := self._target(plan)) is None:
+        if (target := self._target(attempt)) is None:
             return
         canary, upstream, md = target
-        held = (upstream.address, plan.model, canary)
-        if self._shadows.held(held, plan.model):
+        held = (upstream.address, attempt.model, canary)
+        if self._shadows.held(held, attempt.model):
             return
         method = upstream.method(GENERATE, "unary_stream")
 
@@ -72,7 +75,9 @@ class Mirror:
             return produced
 
         policy = self._routes.table.shadow
-        self._shadows.mirror_tokens(policy, plan.model, request, tokens, send, (plan.version, canary), held)
+        self._shadows.mirror_tokens(
+            policy, attempt.model, request, tokens, send, (attempt.version, canary), held
+        )
 
-    def _target(self, plan: Plan) -> tuple[str, Upstream, planner.Metadata] | None:
-        return planner.shadow_target(plan, self._routes.table, self._upstreams, self._breakers)
+    def _target(self, attempt: Attempt[Upstream]) -> tuple[str, Upstream, Metadata] | None:
+        return shadow_target(attempt, self._routes.table, self._upstreams, self._breakers)

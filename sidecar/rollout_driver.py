@@ -25,6 +25,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Gauge
 
 from modelyard.sidecar.breakers import BreakerKey
+from modelyard.sidecar.dyeing import stable_and_canary
 from modelyard.sidecar.rollout import (
     ADMIN,
     GATES,
@@ -36,8 +37,7 @@ from modelyard.sidecar.rollout import (
     RolloutSpec,
     Tally,
 )
-from modelyard.sidecar.routes import FROM_ROLLOUT, RouteSource
-from modelyard.sidecar.routing import stable_and_canary
+from modelyard.sidecar.route_table import FROM_ROLLOUT, RouteSource
 from modelyard.sidecar.state import audit
 
 log = logging.getLogger(__name__)

@@ -13,8 +13,7 @@ import msgspec
 from msgspec import UNSET, Meta, UnsetType
 
 from modelyard.common import headers
-from modelyard.sidecar.adaptive import BreakerPolicy
-from modelyard.sidecar.limits import TenantLimit
+from modelyard.sidecar.breaker_policy import BreakerPolicy
 from modelyard.sidecar.rollout import (
     MAX_CALLS,
     MAX_DWELL_S,
@@ -24,6 +23,7 @@ from modelyard.sidecar.rollout import (
     RolloutSpec,
 )
 from modelyard.sidecar.shadow import ShadowPolicy
+from modelyard.sidecar.tenant_limits import TenantLimit
 
 Weight = Annotated[
     float,
@@ -56,7 +56,7 @@ class ModelRouteDoc(_Keys):
 
 
 class BreakerDoc(_Keys):
-    """Circuit breakers per upstream and version (sidecar/adaptive.py)."""
+    """Circuit breakers per upstream and version (sidecar/breaker_policy.py)."""
 
     window_s: Annotated[float, Meta(gt=0, description="seconds of calls the error rate and p99 look at")] = (
         _BREAKER.window_s
@@ -120,7 +120,7 @@ class BreakerDoc(_Keys):
 
 
 class TenantDoc(_Keys):
-    """One tenant's admission (sidecar/limits.py); 0 = unlimited."""
+    """One tenant's admission (sidecar/tenant_limits.py); 0 = unlimited."""
 
     rate: Annotated[float, Meta(ge=0, description="calls per second; 0 = no rate limit")] = _TENANT.rate
     burst: Annotated[float, Meta(ge=0, description="bucket size; 0 = max(1, rate)")] = _TENANT.burst

@@ -17,7 +17,7 @@ from modelyard.common.names import InvalidName, check_name, check_version
 from modelyard.process.documents import DocumentError, load
 from modelyard.sidecar.rollout import MAX_HISTORY, Rollout
 from modelyard.sidecar.route_file import RolloutDoc, Weight
-from modelyard.sidecar.routes import FROM_FILE, Change, ConfigError
+from modelyard.sidecar.route_table import FROM_FILE, Change, ConfigError
 from modelyard.sidecar.state import StateError, load_state
 
 Seconds = Annotated[float, Meta(ge=0)]  # wall-clock seconds (finite: the file's JSON allows no other)

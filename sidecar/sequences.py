@@ -36,7 +36,8 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from modelyard.sidecar.wire import WireError, _varint, read_model_fields
+from modelyard.sidecar.layers.route import Route
+from modelyard.sidecar.message_fields import WireError, _varint, read_model_fields
 
 MODEL_INFER = "/inference.GRPCInferenceService/ModelInfer"
 MODEL_STREAM_INFER = "/inference.GRPCInferenceService/ModelStreamInfer"
@@ -213,40 +214,42 @@ class SequencePins:
 
     # -- the proxy's calls ----------------------------------------------------------------------
 
-    def route(self, plan: Any, step: SequenceStep, pool: Any) -> Sequence[Any]:
-        """Before a routed call's first attempt is planned: a step of a pinned sequence takes its
-        pin's version and dye (no canary fallback mid-sequence: the call's `stable` is cleared),
-        and the upstreams it may not go to are returned (every other one serving its version)."""
+    def route(self, asked: Any, route: Route, step: SequenceStep, pool: Any) -> tuple[Route, Sequence[Any]]:
+        """Before a routed call's first attempt is made (layers.balance.first): a step of a pinned
+        sequence takes its pin's version and dye (no canary fallback mid-sequence: the route's
+        `stable` is cleared), and the upstreams it may not go to are returned with the route
+        (every other one serving its version)."""
         if step.start:
-            return ()
-        pin = self.get(plan.model, step.sequence_id)
+            return route, ()
+        pin = self.get(asked.model, step.sequence_id)
         if pin is None:
-            return ()
-        if not plan.pin:  # a client's own version pin wins
-            plan.version, plan.dye = pin.version, pin.dye
-        plan.stable = ""
-        return [u for u in pool.serving(plan.model, plan.version) if u is not pin.upstream] or ()
+            return route, ()
+        version, dye = route.version, route.dye
+        if not asked.pin:  # a client's own version pin wins
+            version, dye = pin.version, pin.dye
+        excluded = [u for u in pool.serving(asked.model, version) if u is not pin.upstream]
+        return Route(version, dye, ""), excluded or ()
 
-    def routed(self, plan: Any, step: SequenceStep) -> None:
+    def routed(self, attempt: Any, step: SequenceStep) -> None:
         """The call's first attempt is planned: its sequence is pinned there (or unpinned at END)."""
         if step.end:
-            self.unpin(plan.model, step.sequence_id)
+            self.unpin(attempt.model, step.sequence_id)
         else:
-            self.pin(plan.model, step.sequence_id, plan.version, plan.dye, plan.upstream)
+            self.pin(attempt.model, step.sequence_id, attempt.version, attempt.dye, attempt.upstream)
 
-    async def follow(self, messages: AsyncIterator[bytes], plan: Any) -> AsyncIterator[bytes]:
+    async def follow(self, messages: AsyncIterator[bytes], attempt: Any) -> AsyncIterator[bytes]:
         """A stream's messages after its first, each passed on as it is; the steps among them
         are pinned to the stream's version and upstream (unpinned at END)."""
         async for message in messages:
             step = read_step(message)
             if step is not None:
                 try:
-                    model = read_model_fields(message).name or plan.model
+                    model = read_model_fields(message).name or attempt.model
                 except WireError:
-                    model = plan.model
-                version = plan.version if model == plan.model else ""
+                    model = attempt.model
+                version = attempt.version if model == attempt.model else ""
                 if step.end:
                     self.unpin(model, step.sequence_id)
                 else:
-                    self.pin(model, step.sequence_id, version, plan.dye, plan.upstream)
+                    self.pin(model, step.sequence_id, version, attempt.dye, attempt.upstream)
             yield message

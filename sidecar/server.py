@@ -19,19 +19,19 @@ from modelyard.process.grpc_server import connection_options
 from modelyard.process.lifecycle import BindError, bind_reason, bound
 from modelyard.process.settings import split_address
 from modelyard.process.tls import ClientTls, TlsFiles, grpc_server_credentials, warn_if_plaintext
-from modelyard.sidecar import plan as planner
-from modelyard.sidecar.adaptive import Clock, State
 from modelyard.sidecar.admin import AdminLimits, AdminServer, admin_warnings
+from modelyard.sidecar.breaker_policy import Clock, State
 from modelyard.sidecar.breakers import BreakerKey, Breakers
+from modelyard.sidecar.canary_status import CanaryStatus, canary_status
 from modelyard.sidecar.config import ENV_PREFIX, Settings
-from modelyard.sidecar.limits import TenantLimits
 from modelyard.sidecar.metrics import SidecarMetrics
 from modelyard.sidecar.proxy import Proxy
 from modelyard.sidecar.rollout_driver import RolloutDriver
-from modelyard.sidecar.routes import RouteSource
+from modelyard.sidecar.route_table import RouteSource
 from modelyard.sidecar.saved import read_saved
 from modelyard.sidecar.shadow import Shadows
 from modelyard.sidecar.state import StateFile, remove_stale
+from modelyard.sidecar.tenant_limits import TenantLimits
 from modelyard.sidecar.tracing import Tracing, configure
 from modelyard.sidecar.upstreams import Upstreams, UpstreamSpec
 from modelyard.sidecar.workers.role import WorkerRole
@@ -135,7 +135,7 @@ class Sidecar:
         if self.settle_heap:
             # What start-up made (modules, protobuf descriptors, the tracing SDK) lives as long
             # as the process: out of the collector's reach, so that its collections under load
-            # walk only what calls made (~4% of the traced sidecar's instructions a call).
+            # walk only what calls made, not the whole heap of start-up each time.
             gc.collect()
             gc.freeze()
         if self.worker is not None:  # the supervisor says "sidecar serving" once all are up
@@ -172,7 +172,7 @@ class Sidecar:
         await self.tracing.close()
 
     def upstreams_changed(self) -> None:
-        self.proxy.views.clear()  # what a model's view holds may have changed (views.py)
+        self.proxy.views.clear()  # what a model's view holds may have changed (model_views.py)
         self._changed.set()
 
     async def _follow_upstreams(self) -> None:
@@ -220,11 +220,11 @@ class Sidecar:
             and key.version in (route.stable, route.canary)
         )
 
-    def canaries(self) -> list[planner.CanaryStatus]:
+    def canaries(self) -> list[CanaryStatus]:
         """The canary of every served model (configured and effective weight, breaker state)."""
         models = sorted({m for u in self.upstreams.all for m in u.served})
         table = self.routes.table
-        return [planner.canary_status(m, table, self.upstreams, self.breakers) for m in models]
+        return [canary_status(m, table, self.upstreams, self.breakers) for m in models]
 
     async def _watch_config(self) -> None:
         while True:
@@ -259,7 +259,7 @@ def build_sidecar(
     def breaker_changed(key: BreakerKey, old: State, new: State, reason: str) -> None:
         weight = ""
         if sidecar_ref:  # a canary's line says what routing now applies
-            status = planner.canary_status(key.model, routes.table, sidecar_ref[0].upstreams, breakers)
+            status = canary_status(key.model, routes.table, sidecar_ref[0].upstreams, breakers)
             if status.canary == key.version:
                 weight = f"; canary effective weight {status.effective_weight:g} (of {status.weight:g})"
         log.warning(

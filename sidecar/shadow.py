@@ -159,7 +159,7 @@ def token_agreement(stable: Sequence[int], canary: Sequence[int]) -> tuple[int, 
 
 class Traces(Protocol):
     """The span of one comparison (tracing.Tracing.shadow; not imported here: the route table
-    imports this module, and the planner imports the route table, never tracing)."""
+    imports this module, and the call path's layers import the route table, never tracing)."""
 
     def shadow(
         self, model: str, stable: str, canary: str, method: str
@@ -181,7 +181,7 @@ SendStream = Callable[[bytes], Awaitable[list[int]]]
 def pushback_s(exc: BaseException) -> float | None:
     """How long the service asked the mirror to wait when it dropped a shadow (`shadow_dropped`:
     it had no spare capacity), in seconds; None for any other failure. Read from a gRPC error by
-    its methods (grpc.aio.AioRpcError's): this module imports no transport (the planner imports
+    its methods (grpc.aio.AioRpcError's): this module imports no transport (the layers import
     the route table, which imports this module)."""
     trailing_metadata = getattr(exc, "trailing_metadata", None)
     if trailing_metadata is None:

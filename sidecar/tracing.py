@@ -30,7 +30,8 @@ from modelyard.process import logs
 from modelyard.process.tracing import otlp_provider
 
 if TYPE_CHECKING:
-    from modelyard.sidecar.plan import Metadata, Plan
+    from modelyard.sidecar.layers.attempt import Attempt
+    from modelyard.sidecar.layers.read import Metadata
 
 log = logging.getLogger(__name__)
 _ID_BLOCK = 24 * 256  # bytes of random ids drawn at once (server_span): 256 calls' worth
@@ -95,13 +96,6 @@ def _preset_ids_type() -> Any:
             return bool(self.ids.is_trace_id_random())
 
     return PresetIds
-
-
-class _Continued(str):
-    """The traceparent that stands for an unsampled call's span when the call continues its
-    caller's trace (a root's is a plain str): its attempts replace the caller's traceparent."""
-
-    __slots__ = ()
 
 
 def _ids_random(ids: Any) -> bool:
@@ -263,9 +257,10 @@ class Tracing:
             self._drops_unsampled_parents = _drops_unsampled_remote_parents(roots._sampler.sampler)
             self._parent_format = TraceContextTextMapPropagator._TRACEPARENT_HEADER_FORMAT_RE
 
-    def server_span(self, path: str, md: Metadata) -> Any:
+    def server_span(self, path: str, md: Metadata) -> CallSpan:
+        """The call's server span (UNTRACED when tracing is off)."""
         if not self.enabled:
-            return None
+            return UNTRACED
         for key, _ in md:
             if key in _CONTEXT_HEADERS:
                 break
@@ -284,7 +279,7 @@ class Tracing:
                 if ids[8:16] >= least:  # the ratio rule, on the trace id's low 64 bits (big-endian)
                     traceparent = f"00-{ids.hex('-', -16)}-02"  # random trace id flag: set
                     _UNSAMPLED.set(traceparent)
-                    return traceparent
+                    return CallSpan(self, None, traceparent)
                 # Taken: the tracer's span, on this very trace id.
                 self._roots.ids.preset = int.from_bytes(ids[:16], "big")
             else:
@@ -292,17 +287,17 @@ class Tracing:
                 traceparent = self._roots.unsampled(path[1:], attributes)
                 if traceparent:
                     _UNSAMPLED.set(traceparent)
-                    return traceparent
+                    return CallSpan(self, None, traceparent)
             return self._started(path, dict(md), self._roots.empty)
         found = dict(md)
         continued = self._unsampled_child(found)
         if continued is not None:
             _UNSAMPLED.set(continued)
-            return continued
+            return CallSpan(self, None, continued, True)
         carrier = {k: v for k, v in found.items() if isinstance(v, str)}
         return self._started(path, found, self._propagator.extract(carrier))
 
-    def _started(self, path: str, found: Mapping[str, str | bytes], parent: Any) -> Any:
+    def _started(self, path: str, found: Mapping[str, str | bytes], parent: Any) -> CallSpan:
         """The SDK's server span of a call (`found`: its metadata), under `parent` (a context),
         current for the rest of the call's task so that its log lines carry its ids."""
         attributes = _server_attributes(path, found)
@@ -312,9 +307,9 @@ class Tracing:
         self._context.attach(self._trace.set_span_in_context(span, parent))
         if _UNSAMPLED.get() is not None:
             _UNSAMPLED.set(None)  # this call's log lines read the OTel context's span
-        return span
+        return CallSpan(self, span)
 
-    def _unsampled_child(self, found: Mapping[str, str | bytes]) -> _Continued | None:
+    def _unsampled_child(self, found: Mapping[str, str | bytes]) -> str | None:
         """The traceparent of a call whose caller's traceparent says "not sampled", with no
         tracestate or baggage, when the sampler leaves such a call out (ParentBased's default):
         the caller's trace id, a new span id, the caller's random-trace-id flag, read as the W3C
@@ -343,55 +338,28 @@ class Tracing:
         ):
             return None
         ids = (trace_id, self._roots.span_id(), "02" if sampled & 2 else "00")
-        return _Continued("00-%s-%016x-%s" % ids)  # noqa: UP031
+        return "00-%s-%016x-%s" % ids  # noqa: UP031
 
-    def attempt(self, parent: Any, plan: Plan[Any], path: str) -> tuple[Metadata, Any]:
-        """One upstream attempt of the call whose server span is `parent`: the request metadata
-        to send (with the trace context and the route's baggage when tracing) and the attempt's
-        client span, or None when it has none (untraced, or not sampled). The caller ends a client
-        span once the attempt is over (`failed` first for a failure). A pair, not an object: most
-        attempts have no span, and then nothing is made but the metadata."""
-        if parent is None:
-            return plan.forward, None
-        # An unsampled call's attempts carry its traceparent (not sampled: the service's
-        # parent-based sampler leaves the call out too) and no route baggage: the service's span
-        # reads model.version and model.dye from it only when it records, and the version and
-        # dye travel as headers anyway (x-model-version, x-model-dye). One header fewer a call.
-        if type(parent) is str:
-            # An unsampled root (no span): its traceparent, as the W3C propagator writes it
-            # (`forward` holds none: the call brought no trace context).
-            return (*plan.forward, (_TRACEPARENT, parent)), None
-        if type(parent) is _Continued:
-            # The same for an unsampled call that continues its caller's trace, whose traceparent
-            # `forward` holds (and no tracestate or baggage): replaced by the call's.
-            forward = tuple([kv for kv in plan.forward if kv[0] != _TRACEPARENT])
-            return (*forward, (_TRACEPARENT, str(parent))), None
-        if not parent.is_recording():
-            # A call the sampler left out: a client span would record nothing either; its trace
-            # context (not sampled) and the caller's baggage, as it came, go on.
-            return self._outgoing(plan, self._trace.set_span_in_context(parent), route=False), None
-        return self._traced_attempt(parent, plan, path)
-
-    def _traced_attempt(self, parent: Any, plan: Plan[Any], path: str) -> tuple[Metadata, Any]:
+    def _traced_attempt(self, parent: Any, attempt: Attempt[Any], path: str) -> tuple[Metadata, Any]:
         trace = self._trace
         context = trace.set_span_in_context(parent)
-        attributes: dict[str, Any] = {"net.peer.name": plan.upstream.address, **_route_attributes(plan)}
-        if plan.breaker is not None:
-            attributes["modelyard.breaker.state"] = plan.breaker.state.value
+        attributes: dict[str, Any] = {"net.peer.name": attempt.upstream.address, **_route_attributes(attempt)}
+        if attempt.breaker is not None:
+            attributes["modelyard.breaker.state"] = attempt.breaker.state.value
         kind = self._client_kind
         span = self._tracer.start_span(path[1:], context=context, kind=kind, attributes=attributes)
         try:
-            if plan.version and not self._baggage.get_all(context):
+            if attempt.version and not self._baggage.get_all(context):
                 # No baggage came with the call: the span's trace context, as the W3C propagator
                 # writes it (a recording span's context is valid), and the route's own baggage.
                 ids = span.get_span_context()
                 carrier = {_TRACEPARENT: f"00-{ids.trace_id:032x}-{ids.span_id:016x}-{ids.trace_flags:02x}"}
                 if ids.trace_state:
                     carrier["tracestate"] = ids.trace_state.to_header()
-                carrier.update(self._baggage_of(plan.version, plan.dye))
-                forward = tuple([kv for kv in plan.forward if kv[0] not in carrier])
+                carrier.update(self._baggage_of(attempt.version, attempt.dye))
+                forward = tuple([kv for kv in attempt.forward if kv[0] not in carrier])
                 return (*forward, *carrier.items()), span
-            return self._outgoing(plan, trace.set_span_in_context(span, context)), span
+            return self._outgoing(attempt, trace.set_span_in_context(span, context)), span
         except BaseException:
             span.end()
             raise
@@ -407,17 +375,17 @@ class Tracing:
             client.set_attribute("modelyard.error_reason", reason)
         client.set_status(Status(StatusCode.ERROR, code.name))
 
-    def _outgoing(self, plan: Plan[Any], context: Any, route: bool = True) -> Metadata:
+    def _outgoing(self, attempt: Attempt[Any], context: Any, route: bool = True) -> Metadata:
         """The attempt's request metadata: the forwarded headers, and `context`'s traceparent
         (and tracestate) and baggage, with the attempt's `model.version` and `model.dye` added
         (`route`: a sampled attempt's; _traced_attempt writes the usual case itself)."""
         carrier: dict[str, str] = {}
         baggage = self._baggage
-        if route and plan.version:
-            context = baggage.set_baggage("model.version", plan.version, context)
-            context = baggage.set_baggage("model.dye", plan.dye, context)
+        if route and attempt.version:
+            context = baggage.set_baggage("model.version", attempt.version, context)
+            context = baggage.set_baggage("model.dye", attempt.dye, context)
         self._propagator.inject(carrier, context)
-        return tuple((k, v) for k, v in plan.forward if k not in carrier) + tuple(carrier.items())
+        return tuple((k, v) for k, v in attempt.forward if k not in carrier) + tuple(carrier.items())
 
     def _baggage_of(self, version: str, dye: str) -> tuple[tuple[str, str], ...]:
         """The `baggage` header of only model.version and model.dye, as the propagator writes it."""
@@ -431,27 +399,6 @@ class Tracing:
             if len(self._route_baggage) < ROUTE_BAGGAGE_KEPT:  # a pinned version may be anything
                 self._route_baggage[(version, dye)] = found
         return found
-
-    def refused(self, span: Any, reason: str) -> None:
-        if span is not None and not isinstance(span, str):  # an unsampled call's keeps nothing
-            span.set_attribute("modelyard.error_reason", reason)
-
-    def end(self, span: Any, plan: Plan[Any] | None, code: grpc.StatusCode, reason: str = "") -> None:
-        """The call's server span ends: ERROR only for a server fault (OpenTelemetry's rule for
-        server spans), never for a client's mistake or a load refusal."""
-        if span is None or isinstance(span, str) or not span.is_recording():
-            return  # an unsampled call keeps nothing: its attributes, status and end are no-ops
-        from opentelemetry.trace import Status, StatusCode
-
-        # One set_attributes (one lock, one validation pass), in the order they were set apart.
-        attributes: dict[str, Any] = {} if plan is None else _route_attributes(plan)
-        attributes["rpc.grpc.status_code"] = code.value[0]
-        if reason:
-            attributes["modelyard.error_reason"] = reason
-        span.set_attributes(attributes)
-        if is_fault(code, reason):
-            span.set_status(Status(StatusCode.ERROR, code.name))
-        span.end()
 
     @contextmanager
     def shadow(self, model: str, stable: str, canary: str, method: str) -> Iterator[Any]:
@@ -507,10 +454,86 @@ def log_ids() -> tuple[str, str] | None:
     return format(context.trace_id, "032x"), format(context.span_id, "016x")
 
 
-def call_span(span: Any) -> Any:
-    """The OTel span of a server span from Tracing.server_span (None when tracing is off): an
-    unsampled call's made from its traceparent."""
-    return unsampled_span(span) if isinstance(span, str) else span
+class CallSpan:
+    """A call's server span, one type whatever stands for it (Tracing.server_span):
+    - none (`UNTRACED`: tracing off): its attempts carry the call's metadata as it is;
+    - an unsampled call's `traceparent` (no SDK span: see Tracing), which its attempts carry;
+      `continues`: the call continues its caller's trace, whose traceparent its attempts replace;
+    - the SDK's `span`, recording or not.
+    Every question about the call's spans is one of its methods, so that the proxy and the scope
+    hold no type tests of their own and a change of tracing is a change of this module."""
+
+    __slots__ = ("_continues", "_tracing", "span", "traceparent")
+
+    def __init__(
+        self, tracing: Tracing | None, span: Any = None, traceparent: str = "", continues: bool = False
+    ) -> None:
+        self._tracing = tracing
+        self.span = span
+        self.traceparent = traceparent
+        self._continues = continues
+
+    def attempt(self, attempt: Attempt[Any], path: str) -> tuple[Metadata, Any]:
+        """One upstream attempt of the call: the request metadata to send (with the trace context,
+        and the route's baggage on a sampled call) and the attempt's client span, or None when it
+        has none (untraced, or not sampled). The caller ends a client span once the attempt is
+        over (`Tracing.failed` first for a failure). A pair, not an object: most attempts have
+        no span, and then nothing is made but the metadata."""
+        tracing = self._tracing
+        if tracing is None:
+            return attempt.forward, None
+        # An unsampled call's attempts carry its traceparent (not sampled: the service's
+        # parent-based sampler leaves the call out too) and no route baggage: the service's span
+        # reads model.version and model.dye from it only when it records, and the version and
+        # dye travel as headers anyway (x-model-version, x-model-dye): one header fewer.
+        traceparent = self.traceparent
+        if traceparent:
+            if not self._continues:
+                # A root (`forward` holds no trace context): its traceparent, as the W3C
+                # propagator writes it.
+                return (*attempt.forward, (_TRACEPARENT, traceparent)), None
+            # It continues its caller's trace, whose traceparent `forward` holds (and no
+            # tracestate or baggage): replaced by the call's.
+            forward = tuple([kv for kv in attempt.forward if kv[0] != _TRACEPARENT])
+            return (*forward, (_TRACEPARENT, traceparent)), None
+        span = self.span
+        if not span.is_recording():
+            # A call the sampler left out: a client span would record nothing either; its trace
+            # context (not sampled) and the caller's baggage, as it came, go on.
+            context = tracing._trace.set_span_in_context(span)
+            return tracing._outgoing(attempt, context, route=False), None
+        return tracing._traced_attempt(span, attempt, path)
+
+    def refused(self, reason: str) -> None:
+        """The sidecar answered the call itself, for `reason` (an unsampled call keeps nothing)."""
+        if self.span is not None:
+            self.span.set_attribute("modelyard.error_reason", reason)
+
+    def end(self, attempt: Attempt[Any] | None, code: grpc.StatusCode, reason: str = "") -> None:
+        """The call's server span ends: ERROR only for a server fault (OpenTelemetry's rule for
+        server spans), never for a client's mistake or a load refusal."""
+        span = self.span
+        if span is None or not span.is_recording():
+            return  # an unsampled call keeps nothing: its attributes, status and end are no-ops
+        from opentelemetry.trace import Status, StatusCode
+
+        # One set_attributes (one lock, one validation pass), in the order they were set apart.
+        attributes: dict[str, Any] = {} if attempt is None else _route_attributes(attempt)
+        attributes["rpc.grpc.status_code"] = code.value[0]
+        if reason:
+            attributes["modelyard.error_reason"] = reason
+        span.set_attributes(attributes)
+        if is_fault(code, reason):
+            span.set_status(Status(StatusCode.ERROR, code.name))
+        span.end()
+
+    def otel(self) -> Any:
+        """The OTel span (None when tracing is off): an unsampled call's, non-recording, made
+        from its traceparent only when asked."""
+        return unsampled_span(self.traceparent) if self.traceparent else self.span
+
+
+UNTRACED = CallSpan(None)  # every call's while tracing is off: one object, no span
 
 
 def unsampled_span(traceparent: str) -> Any:
@@ -561,14 +584,14 @@ def _server_attributes(path: str, carrier: Mapping[str, str | bytes]) -> dict[st
     return attributes
 
 
-def _route_attributes(plan: Plan[Any]) -> dict[str, str]:
-    attributes = {"modelyard.model": plan.model}
-    if plan.version:
-        attributes["modelyard.version"] = plan.version
-    if plan.dye:
-        attributes["modelyard.dye"] = plan.dye
-    if plan.fallback:
-        attributes["modelyard.fallback"] = plan.fallback
+def _route_attributes(attempt: Attempt[Any]) -> dict[str, str]:
+    attributes = {"modelyard.model": attempt.model}
+    if attempt.version:
+        attributes["modelyard.version"] = attempt.version
+    if attempt.dye:
+        attributes["modelyard.dye"] = attempt.dye
+    if attempt.fallback:
+        attributes["modelyard.fallback"] = attempt.fallback
     return attributes
 
 

@@ -12,9 +12,9 @@ events that is (x-initial-state-count, in the watch's initial metadata; 0 for an
 which sends no event), and the state is taken whole once they all arrived. An older service sends
 no count: it has reported at its first event. One that will never say (its WatchModels is
 unimplemented, or an older service with no models that says nothing for REPORT_WAIT_S while its
-health serves) counts as reported too, with what it serves unknown (its label, or anything, decides
-as before). Until every upstream reported, the sidecar cannot tell a model nobody serves from one
-not reported yet (the admin endpoint's 503), and it is not ready (sidecar/server.py).
+health serves) counts as reported too, with what it serves unknown (its label decides what goes
+there; without one, any call may). Until every upstream reported, the sidecar cannot tell a model
+nobody serves from one not reported yet (the admin endpoint's 503), and it is not ready (sidecar/server.py).
 
 Over TLS (modelyard.process.tls.ClientTls), a change of the CA or client certificate files (a
 renewal) is picked up without a restart: every upstream gets new channels made with them, its
@@ -37,7 +37,7 @@ from modelyard.common import headers
 from modelyard.inference.v1 import model_service_pb2, model_service_pb2_grpc
 from modelyard.process.tls import ClientTls, Renewals
 from modelyard.sidecar.config import check_upstream
-from modelyard.sidecar.routing import normalize_version
+from modelyard.sidecar.dyeing import normalize_version
 
 log = logging.getLogger(__name__)
 

@@ -23,7 +23,7 @@ import yaml
 from modelyard.common import health
 from modelyard.inference.v1 import inference_service_pb2 as pb
 from modelyard.inference.v1 import model_service_pb2 as mpb
-from modelyard.sidecar.adaptive import BreakerPolicy
+from modelyard.sidecar.breaker_policy import BreakerPolicy
 from modelyard.sidecar.server import Sidecar
 from tests.sidecar_support import (
     SteppedClock,

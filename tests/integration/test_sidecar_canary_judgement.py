@@ -40,7 +40,7 @@ from models.canary_models import CONFIG, FEATURES, adds_one, reshape_bug
 from models.demo_models import write_model
 from modelyard.inference.v1 import inference_service_pb2 as pb
 from modelyard.inference.v1 import inference_service_pb2_grpc as pb_grpc
-from modelyard.sidecar.adaptive import BreakerPolicy
+from modelyard.sidecar.breaker_policy import BreakerPolicy
 from modelyard.sidecar.server import Sidecar
 from modelyard.sidecar.tracing import Tracing
 from modelyard.tensors import to_array, to_tensor

@@ -13,7 +13,7 @@ import grpc
 import pytest
 
 from modelyard.sidecar import forward
-from modelyard.sidecar.plan import Metadata
+from modelyard.sidecar.layers.read import Metadata
 from modelyard.sidecar.scope import Flight
 from modelyard.sidecar.upstreams import Upstream, UpstreamSpec
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from modelyard.sidecar.adaptive import BreakerPolicy, State
+from modelyard.sidecar.breaker_policy import BreakerPolicy, State
 from modelyard.sidecar.breakers import Breaker, BreakerKey, Breakers
 
 POLICY = BreakerPolicy(
@@ -127,7 +127,7 @@ def test_a_failed_probe_reopens_with_a_growing_capped_backoff(breaker: Breaker, 
 def test_trips_when_p99_latency_exceeds_the_learned_baseline(breaker: Breaker, changes) -> None:
     for _ in range(40):
         call(breaker, latency=0.020)
-    assert breaker.adaptive.baseline == pytest.approx(0.020, rel=0.01)  # a bucket's error (adaptive.RATIO)
+    assert breaker.adaptive.baseline == pytest.approx(0.020, rel=0.01)  # a bucket: breaker_policy.RATIO
     for _ in range(10):
         call(breaker, latency=0.030)  # slower, but under 4x the baseline
     assert state(breaker) is State.CLOSED
@@ -141,7 +141,7 @@ def test_a_slide_towards_slow_is_not_learned(breaker: Breaker, changes) -> None:
         call(breaker, latency=0.020)
     for _ in range(30):
         call(breaker, latency=0.050)  # 2.5x: not a trip, not healthy enough to learn from
-    assert breaker.adaptive.baseline == pytest.approx(0.020, rel=0.01)  # a bucket's error (adaptive.RATIO)
+    assert breaker.adaptive.baseline == pytest.approx(0.020, rel=0.01)  # a bucket: breaker_policy.RATIO
     call(breaker, latency=0.090)  # 4.5x the baseline (a learned 50 ms would have hidden it)
     assert state(breaker) is State.OPEN and changes[-1][2] == "latency"
 

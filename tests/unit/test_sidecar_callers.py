@@ -1,4 +1,4 @@
-"""No single caller opens a breaker (adaptive.py's leave-one-out rule), and what counts as a fault
+"""No single caller opens a breaker (breaker_policy.py's leave-one-out rule), and what counts as a fault
 (proxy.is_fault) and what a client is told (proxy.client_status): pure parts, a stepped clock."""
 
 from __future__ import annotations
@@ -6,10 +6,10 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from modelyard.sidecar.adaptive import BreakerPolicy, State
+from modelyard.sidecar.breaker_policy import BreakerPolicy, State
 from modelyard.sidecar.breakers import Breaker, BreakerKey, Breakers
 from modelyard.sidecar.forward import MESSAGE_MAX, client_status, is_fault
-from modelyard.sidecar.plan import caller_key
+from modelyard.sidecar.layers.read import caller_key
 
 POLICY = BreakerPolicy(
     window_s=10,

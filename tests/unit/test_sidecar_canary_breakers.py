@@ -1,7 +1,7 @@
-"""A canary's breaker judged against stable (adaptive.Reference), the burst fast path, the run of
-good probes sized by the share seen, the backoff reset when an upstream is reachable again, and
-the effective weight (plan.first, plan.canary_status, the metrics): real breakers, a clock stepped
-by hand, no sockets."""
+"""A canary's breaker judged against stable (breaker_policy.Reference), the burst fast path, the
+run of good probes sized by the share seen, the backoff reset when an upstream is reachable
+again, and the effective weight (layers.route.effective, canary_status, the metrics): real
+breakers, a clock stepped by hand, no sockets."""
 
 from __future__ import annotations
 
@@ -12,12 +12,17 @@ from typing import Any
 
 import pytest
 
-from modelyard.sidecar import plan as planner
-from modelyard.sidecar.adaptive import BreakerPolicy, State
+from modelyard.sidecar.breaker_policy import BreakerPolicy, State
 from modelyard.sidecar.breakers import Breaker, BreakerKey, Breakers
+from modelyard.sidecar.canary_status import canary_status
+from modelyard.sidecar.dyeing import CANARY, STABLE, ModelRoute
+from modelyard.sidecar.layers import balance, route
+from modelyard.sidecar.layers.attempt import Attempt
+from modelyard.sidecar.layers.read import Asked
+from modelyard.sidecar.layers.route import Route
+from modelyard.sidecar.layers.view import model_view
 from modelyard.sidecar.metrics import SidecarMetrics
-from modelyard.sidecar.routes import RouteTable
-from modelyard.sidecar.routing import CANARY, STABLE, ModelRoute
+from modelyard.sidecar.route_table import RouteTable
 from tests.support import metric
 
 DEFAULT = BreakerPolicy()
@@ -283,14 +288,17 @@ def test_an_open_canary_has_effective_weight_zero_until_its_backoff_ends(clock: 
     breakers, _, canary = versions(clock)
     pool = Pool({"s": {"1"}, "c": {"2"}})
     table = RouteTable(models={"m": ModelRoute(canary_weight=30)})
-    view = planner.model_view("m", table, pool)
+    view = model_view("m", table, pool)
 
-    def dyed_canary(received: dict[str, str]) -> planner.Plan[Any]:
-        """A call dyed canary (version 2, stable 1), as `read` leaves it (`first` plans in it)."""
-        return planner.asked("m", "", received, (), view, None, "2", CANARY, "1")
+    def first(received: dict[str, str]) -> Attempt[Any]:
+        """The first attempt of a call dyed canary (version 2, stable 1) by route.decide."""
+        asked = Asked("m", "", received, (), view)
+        return balance.first(
+            asked, route.effective(Route("2", CANARY, "1"), asked, breakers), 7, pool, breakers
+        )
 
     def status() -> tuple[float, float, str | None]:
-        found = planner.canary_status("m", table, pool, breakers)
+        found = canary_status("m", table, pool, breakers)
         return found.weight, found.effective_weight, found.breaker
 
     assert status() == (30, 30, "closed")
@@ -298,14 +306,14 @@ def test_an_open_canary_has_effective_weight_zero_until_its_backoff_ends(clock: 
         canary_call(canary, i, fault=True)
     assert status() == (30, 0, "open") and breakers.is_open("m", "2") and not breakers.is_open("m", "1")
     # Dyed canary by the route: stable, with no fallback to tell (no new user goes there).
-    plan = planner.first(dyed_canary({}), 7, pool, breakers)
+    plan = first({})
     assert (plan.version, plan.dye, plan.fallback) == ("1", STABLE, "")
     # Asked for by the caller's own header: a per-call fallback, told.
-    plan = planner.first(dyed_canary({"x-canary-weight": "100"}), 7, pool, breakers)
+    plan = first({"x-canary-weight": "100"})
     assert (plan.version, plan.dye, plan.fallback) == ("1", STABLE, "breaker-open")
     clock.now += DEFAULT.backoff_s  # probes may go: the weight is back, for the probes to come
     assert status() == (30, 30, "open")
-    plan = planner.first(dyed_canary({}), 7, pool, breakers)
+    plan = first({})
     assert (plan.version, plan.dye, plan.fallback) == ("2", CANARY, "")
     assert status() == (30, 30, "half-open") and breakers.is_open("m", "2")
 
@@ -313,7 +321,7 @@ def test_an_open_canary_has_effective_weight_zero_until_its_backoff_ends(clock: 
 def test_a_model_without_a_canary_has_effective_weight_zero(clock: Clock) -> None:
     breakers, _, _ = versions(clock)
     table = RouteTable(models={"m": ModelRoute(canary_weight=30)})
-    found = planner.canary_status("m", table, Pool({"s": {"1"}}), breakers)
+    found = canary_status("m", table, Pool({"s": {"1"}}), breakers)
     assert (found.canary, found.weight, found.effective_weight) == ("", 30, 0)
 
 
@@ -342,10 +350,7 @@ def test_the_canary_weights_are_exported_at_each_scrape(clock: Clock) -> None:
     pool = Pool({"s": {"1"}, "c": {"2"}})
     table = RouteTable(models={"m": ModelRoute(canary_weight=30)})
     metrics.canary_weights(
-        lambda: [
-            (s.model, s.weight, s.effective_weight)
-            for s in [planner.canary_status("m", table, pool, breakers)]
-        ]
+        lambda: [(s.model, s.weight, s.effective_weight) for s in [canary_status("m", table, pool, breakers)]]
     )
     assert metric(metrics.registry, "modelyard_sidecar_canary_effective_weight", model="m") == 30
     for i in range(DEFAULT.consecutive_faults):

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from modelyard.sidecar.config import parse_settings
-from modelyard.sidecar.limits import TenantLimit, TenantLimits
-from modelyard.sidecar.routes import ConfigError, parse_table
-from modelyard.sidecar.routing import ModelRoute
+from modelyard.sidecar.dyeing import ModelRoute
+from modelyard.sidecar.route_table import ConfigError, parse_table
+from modelyard.sidecar.tenant_limits import TenantLimit, TenantLimits
 from modelyard.sidecar.upstreams import UpstreamSpec
 
 

@@ -9,7 +9,7 @@ import random
 import pytest
 
 from modelyard.sidecar import forward
-from modelyard.sidecar.adaptive import RATIO, BreakerPolicy, Latencies, Window, bucket_of, p50, p99
+from modelyard.sidecar.breaker_policy import RATIO, BreakerPolicy, Latencies, Window, bucket_of, p50, p99
 
 ERROR = math.sqrt(RATIO) - 1  # docs/sidecar.md: a percentile within +-1% of its sample
 

@@ -23,7 +23,7 @@ from modelyard.sidecar.rollout import (
     judge,
 )
 from modelyard.sidecar.rollout_driver import RolloutDriver, RolloutError
-from modelyard.sidecar.routes import FROM_ROLLOUT, RouteSource
+from modelyard.sidecar.route_table import FROM_ROLLOUT, RouteSource
 from modelyard.sidecar.state import audit_log
 
 SPEC = RolloutSpec(steps=(1, 5, 25, 50, 100), dwell_s=60, min_calls=50, judge_calls=20)

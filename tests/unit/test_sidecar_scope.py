@@ -1,6 +1,7 @@
 """The per-call scope (sidecar/scope.py): a tenant slot held for the call and given back once, the
-call's attempt settled with its breaker, a fallback counted once, metrics once per call, however
-often (and however) it is closed. Real limits, metrics and breakers; tracing off."""
+call's attempt (a frozen layers.attempt.Attempt) settled with its breaker, a fallback counted
+once, metrics once per call, however often (and however) it is closed. Real limits, metrics
+and breakers; tracing off."""
 
 from __future__ import annotations
 
@@ -10,12 +11,13 @@ import grpc
 import pytest
 from prometheus_client import generate_latest
 
-from modelyard.sidecar.adaptive import BreakerPolicy, State
+from modelyard.sidecar.breaker_policy import BreakerPolicy, State
 from modelyard.sidecar.breakers import Breakers
-from modelyard.sidecar.limits import ANY_TENANT, TenantLimit, TenantLimits
+from modelyard.sidecar.layers.attempt import Attempt, answer_metadata
+from modelyard.sidecar.layers.read import OTHER, Refused
 from modelyard.sidecar.metrics import SidecarMetrics
-from modelyard.sidecar.plan import OTHER, Plan, Refused
 from modelyard.sidecar.scope import Scopes
+from modelyard.sidecar.tenant_limits import ANY_TENANT, TenantLimit, TenantLimits
 from modelyard.sidecar.tracing import Tracing
 
 PATH = "/inference.GRPCInferenceService/ModelInfer"
@@ -81,11 +83,12 @@ async def test_a_tenant_slot_is_held_until_the_call_closes_and_given_back_once(
 
 def plan(
     breakers: Breakers, *, version: str = "1", fallback: str = "", label: str = "m", dye: str = "stable"
-) -> Plan[Up]:
+) -> Attempt[Up]:
     breaker = breakers.get("a", "m", version)
     permit = breaker.allow()
     assert permit is not None
-    return Plan(
+    answer = answer_metadata(dye, fallback)
+    return Attempt(
         "m",
         version,
         dye,
@@ -95,8 +98,11 @@ def plan(
         breaker,
         permit,
         (),
-        label=label,
-        fell_back=bool(fallback),
+        None,
+        label,
+        answer,
+        None,
+        bool(fallback),
     )
 
 
@@ -115,11 +121,11 @@ async def test_closing_settles_the_attempts_permit_with_the_calls_code(
     breakers = Breakers(BreakerPolicy(), lambda *args: None)
     attempt = plan(breakers)
     with scopes.open(PATH, ()) as scope:
-        scope.attempt(attempt)
+        scope.begin(attempt)
         scope.code = code
     scope.close()
     window = breakers.get("a", "m", "1").adaptive.window
-    assert attempt.reported
+    assert scope.settled
     assert (len(window), window.faults) == ((0, 0) if gone else (1, int(fault)))
     assert requests(metrics, "m", "stable", code.name, version="1") == 1
     assert attempts(metrics, "1", "stable", code.name, fault) == 1
@@ -138,7 +144,7 @@ async def test_a_cancelled_probe_is_freed_for_the_next_caller(scopes: Scopes) ->
     assert breaker.state is State.OPEN
     now[0] += 5
     with scopes.open(PATH, ()) as scope:
-        scope.attempt(plan(breakers))  # the one probe
+        scope.begin(plan(breakers))  # the one probe
         assert breaker.allow() is None
         scope.code = grpc.StatusCode.CANCELLED
     assert breaker.allow() is not None
@@ -149,10 +155,10 @@ async def test_a_fallback_is_counted_once_and_only_for_a_model_with_a_label(
 ) -> None:
     breakers = Breakers(BreakerPolicy(), lambda *args: None)
     with scopes.open(PATH, ()) as scope:
-        scope.attempt(plan(breakers, fallback="breaker-open"))
-        scope.attempt(plan(breakers))  # a retry on another upstream: not a new fallback
+        scope.begin(plan(breakers, fallback="breaker-open"))
+        scope.begin(plan(breakers))  # a retry on another upstream: not a new fallback
     with scopes.open(PATH, ()) as scope:
-        scope.attempt(plan(breakers, fallback="canary-fault", label=OTHER))
+        scope.begin(plan(breakers, fallback="canary-fault", label=OTHER))
     assert sample(metrics, "modelyard_sidecar_dye_fallbacks_total", model="m", reason="breaker-open") == 1
     assert sample(metrics, "modelyard_sidecar_dye_fallbacks_total", model="m", reason="canary-fault") == 0
 
@@ -171,9 +177,9 @@ async def test_a_canary_fault_answered_by_stable_counts_as_a_canary_fault(
 ) -> None:
     breakers = Breakers(BreakerPolicy(), lambda *args: None)
     with scopes.open(PATH, ()) as scope:
-        scope.attempt(plan(breakers, version="2", dye="canary"))
-        scope.code = grpc.StatusCode.INTERNAL  # the canary failed; the planner sends it to stable
-        scope.attempt(plan(breakers, fallback="canary-fault"))
+        scope.begin(plan(breakers, version="2", dye="canary"))
+        scope.code = grpc.StatusCode.INTERNAL  # the canary failed; the retry policy sends it to stable
+        scope.begin(plan(breakers, fallback="canary-fault"))
         scope.code = grpc.StatusCode.OK
     assert attempts(metrics, "2", "canary", "INTERNAL", True) == 1
     assert attempts(metrics, "1", "stable", "OK", False) == 1
@@ -182,9 +188,11 @@ async def test_a_canary_fault_answered_by_stable_counts_as_a_canary_fault(
 
 
 async def test_a_version_without_a_breaker_is_labelled_other(scopes: Scopes, metrics: SidecarMetrics) -> None:
-    made_up = Plan("m", "987", "", "", "", Up("a"), None, None, (), label="m")  # a pin nobody serves
+    made_up: Attempt[Up] = Attempt(
+        "m", "987", "", "", "", Up("a"), None, None, (), None, "m", ()
+    )  # a pin nobody serves
     with scopes.open(PATH, ()) as scope:
-        scope.attempt(made_up)
+        scope.begin(made_up)
         scope.code = grpc.StatusCode.NOT_FOUND
     assert requests(metrics, "m", "", "NOT_FOUND", version=OTHER) == 1
     assert '"987"' not in generate_latest(metrics.registry).decode()  # as a label (a timestamp may hold 987)

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from modelyard.kserve.v2 import grpc_service_pb2 as pb
+from modelyard.sidecar.layers.route import Route
 from modelyard.sidecar.sequences import SequencePins, SequenceStep, read_step
 
 
@@ -71,6 +72,8 @@ def test_read_step_never_walks_the_tensors() -> None:
 
 @dataclass
 class Plan:
+    """An attempt (or the call as asked) as the sequence pins read it."""
+
     model: str = "m"
     version: str = "1"
     dye: str = "stable"
@@ -97,22 +100,21 @@ class Clock:
 def test_a_started_sequence_goes_where_its_start_went() -> None:
     pins = SequencePins()
     pool = Pool()
-    start = Plan(version="2", dye="canary", stable="1", upstream="b")
-    assert pins.route(start, SequenceStep(9, start=True), pool) == ()  # a START routes as any call
-    pins.routed(start, SequenceStep(9, start=True))
-    later = Plan(version="1", dye="stable", stable="1")
-    exclude = pins.route(later, SequenceStep(9), pool)
-    assert (later.version, later.dye, later.stable) == ("2", "canary", "")  # no fallback mid-way
+    asked = Plan()  # the call as asked (layers.read.Asked: its model and pin)
+    canary = Route("2", "canary", "1")
+    assert pins.route(asked, canary, SequenceStep(9, start=True), pool) == (canary, ())  # as any call
+    pins.routed(Plan(version="2", dye="canary", stable="1", upstream="b"), SequenceStep(9, start=True))
+    routed, exclude = pins.route(asked, Route("1", "stable", "1"), SequenceStep(9), pool)
+    assert routed == Route("2", "canary", "")  # no fallback mid-way
     assert list(exclude) == ["a", "c"]
     # A client's own version pin wins over the sequence's.
-    pinned = Plan(version="3", dye="pinned", pin="3")
-    pins.route(pinned, SequenceStep(9), pool)
-    assert pinned.version == "3"
+    routed, _ = pins.route(Plan(pin="3"), Route("3", "pinned", ""), SequenceStep(9), pool)
+    assert routed.version == "3"
     # END unpins: the id may start afresh anywhere.
     pins.routed(Plan(upstream="b"), SequenceStep(9, end=True))
     assert len(pins) == 0
-    fresh = Plan()
-    assert pins.route(fresh, SequenceStep(9), pool) == () and fresh.version == "1"
+    stable = Route("1", "stable", "1")
+    assert pins.route(asked, stable, SequenceStep(9), pool) == (stable, ())
 
 
 def test_pins_are_bounded_and_idle_ones_dropped() -> None:

@@ -14,8 +14,9 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.sdk.trace.sampling import ALWAYS_OFF, ALWAYS_ON, ParentBased
 
-from modelyard.sidecar.plan import Metadata, Plan
-from modelyard.sidecar.tracing import Tracing, call_span, configure, log_ids
+from modelyard.sidecar.layers.attempt import Attempt
+from modelyard.sidecar.layers.read import Metadata
+from modelyard.sidecar.tracing import CallSpan, Tracing, configure, log_ids
 
 PATH = "/inference.GRPCInferenceService/ModelInfer"
 
@@ -44,8 +45,8 @@ class _Up:
     address: str
 
 
-def _plan(version: str = "2", dye: str = "canary") -> Plan[Any]:
-    return Plan("m", version, dye, "", "1", _Up("a"), None, None, (("x-user-id", "u"),))
+def _plan(version: str = "2", dye: str = "canary") -> Attempt[Any]:
+    return Attempt("m", version, dye, "", "1", _Up("a"), None, None, (("x-user-id", "u"),), None, "m", ())
 
 
 def _traced(sampler: Any) -> tuple[Tracing, InMemorySpanExporter]:
@@ -55,9 +56,9 @@ def _traced(sampler: Any) -> tuple[Tracing, InMemorySpanExporter]:
     return Tracing(provider), exported
 
 
-def _attempted(tracing: Tracing, span: Any, plan: Plan[Any]) -> Metadata:
+def _attempted(tracing: Tracing, span: CallSpan, plan: Attempt[Any]) -> Metadata:
     """One attempt of the call (its client span, if it has one, ended): the metadata it sends."""
-    metadata, client = tracing.attempt(span, plan, PATH)
+    metadata, client = span.attempt(plan, PATH)
     if client is not None:
         client.end()
     return metadata
@@ -73,12 +74,12 @@ def test_an_unsampled_call_passes_its_trace_context_on_without_the_route_baggage
     tracing, exported = _traced(ParentBased(ALWAYS_ON))
     span = tracing.server_span(PATH, (("traceparent", PARENT),))
     md = {k: v for k, v in _attempted(tracing, span, _plan()) if isinstance(v, str)}
-    tracing.end(span, _plan(), grpc.StatusCode.OK)
-    assert not call_span(span).is_recording() and exported.get_finished_spans() == ()
+    span.end(_plan(), grpc.StatusCode.OK)
+    assert not span.otel().is_recording() and exported.get_finished_spans() == ()
     assert md["x-user-id"] == "u"
     version, trace_id, parent_id, flags = md["traceparent"].split("-")
     assert (version, trace_id, flags) == ("00", "0af7651916cd43dd8448eb211c80319c", "00")
-    assert parent_id == format(call_span(span).get_span_context().span_id, "016x")  # no client span
+    assert parent_id == format(span.otel().get_span_context().span_id, "016x")  # no client span
     assert "baggage" not in md
 
 
@@ -96,7 +97,7 @@ def test_a_sampled_attempt_adds_the_route_baggage_and_every_attempt_keeps_the_ca
         try:
             span = tracing.server_span(PATH, (("baggage", caller),) if caller else ())
             sent.append(dict(_attempted(tracing, span, _plan("1", "stable"))).get("baggage"))
-            tracing.end(span, _plan("1", "stable"), grpc.StatusCode.OK)
+            span.end(_plan("1", "stable"), grpc.StatusCode.OK)
         finally:
             context.detach(token)
     assert sent[0] == "model.version=1,model.dye=stable" and sent[1] is None
@@ -124,11 +125,11 @@ def test_a_sampled_attempt_sends_what_the_propagators_write(caller: Metadata) ->
     token = context.attach(context.Context())
     try:
         span = tracing.server_span(PATH, caller)
-        metadata, client = tracing.attempt(span, _plan(), PATH)
+        metadata, client = span.attempt(_plan(), PATH)
         written: dict[str, str] = {}
         TraceContextTextMapPropagator().inject(written, trace.set_span_in_context(client))
         client.end()
-        tracing.end(span, _plan(), grpc.StatusCode.OK)
+        span.end(_plan(), grpc.StatusCode.OK)
     finally:
         context.detach(token)
     assert ("tracestate" in written) == bool(caller)
@@ -153,13 +154,13 @@ def test_an_unsampled_root_call_sends_what_the_propagators_write() -> None:
             found = log_ids()  # its log lines carry its ids
             metadata = _attempted(tracing, span, plan)
             md = dict(metadata)
-            tracing.end(span, plan, grpc.StatusCode.OK)
+            span.end(plan, grpc.StatusCode.OK)
         finally:
             context.detach(token)
         written: dict[str, str] = {}
-        TraceContextTextMapPropagator().inject(written, trace.set_span_in_context(call_span(span)))
-        ids = call_span(span).get_span_context()
-        assert not call_span(span).is_recording() and ids.is_valid
+        TraceContextTextMapPropagator().inject(written, trace.set_span_in_context(span.otel()))
+        ids = span.otel().get_span_context()
+        assert not span.otel().is_recording() and ids.is_valid
         assert found == (format(ids.trace_id, "032x"), format(ids.span_id, "016x"))
         assert md["traceparent"] == written["traceparent"]
         assert "baggage" not in md and "tracestate" not in md
@@ -173,10 +174,10 @@ def _root_calls(tracing: Tracing, calls: int) -> list[Any]:
         token = context.attach(context.Context())
         try:
             span = tracing.server_span(PATH, (("x-user-id", "u"),))
-            tracing.end(span, _plan(), grpc.StatusCode.OK)
+            span.end(_plan(), grpc.StatusCode.OK)
         finally:
             context.detach(token)
-        spans.append(call_span(span))
+        spans.append(span.otel())
     return spans
 
 
@@ -253,18 +254,18 @@ def test_an_unsampled_callers_trace_is_continued_without_an_sdk_span(
     caller = f"{PARENT[:-2]}{flags}"
     md = (("x-user-id", "u"), ("traceparent", caller))
     span = tracing.server_span(PATH, md)
-    plan = Plan("m", "2", "canary", "", "1", _Up("a"), None, None, md)
+    plan: Attempt[Any] = Attempt("m", "2", "canary", "", "1", _Up("a"), None, None, md, None, "m", ())
     sent = [v for k, v in _attempted(tracing, span, plan) if k == "traceparent"]
-    tracing.end(span, plan, grpc.StatusCode.OK)
+    span.end(plan, grpc.StatusCode.OK)
     assert started == [] and exported.get_finished_spans() == ()
     assert len(sent) == 1 and sent[0] != caller
     version, trace_id, span_id, sent_flags = str(sent[0]).split("-")
     assert (version, trace_id, sent_flags) == ("00", PARENT.split("-")[1], flags)
-    ids = call_span(span).get_span_context()
+    ids = span.otel().get_span_context()
     assert span_id == format(ids.span_id, "016x") and ids.trace_flags == int(flags, 16)
     sampled = tracing.server_span(PATH, (("traceparent", f"{PARENT[:-2]}01"),))  # the SDK's path
-    assert started == ["inference.GRPCInferenceService/ModelInfer"] and sampled.is_recording()
-    tracing.end(sampled, plan, grpc.StatusCode.OK)
+    assert started == ["inference.GRPCInferenceService/ModelInfer"] and sampled.otel().is_recording()
+    sampled.end(plan, grpc.StatusCode.OK)
     (recorded,) = exported.get_finished_spans()
     assert recorded.parent is not None and recorded.parent.span_id == int(PARENT.split("-")[2], 16)
 
@@ -292,8 +293,8 @@ def test_an_unsampled_callers_traceparent_is_read_as_the_propagator_reads_it(hea
     span = tracing.server_span(PATH, (("traceparent", header),))
     parent = trace.get_current_span(TraceContextTextMapPropagator().extract({"traceparent": header}))
     accepted = parent.get_span_context().is_valid
-    assert isinstance(span, str) is accepted
-    ids = call_span(span).get_span_context()
+    assert bool(span.traceparent) is accepted  # no SDK span: only its traceparent
+    ids = span.otel().get_span_context()
     assert (ids.trace_id == parent.get_span_context().trace_id) is accepted
     assert ids.span_id != parent.get_span_context().span_id
 
@@ -308,16 +309,16 @@ def test_an_unsampled_calls_log_lines_and_shadow_span_are_of_its_trace() -> None
     token = context.attach(context.Context())
     try:
         span = tracing.server_span(PATH, (("x-user-id", "u"),))
-        ids = call_span(span).get_span_context()
+        ids = span.otel().get_span_context()
         assert log_ids() == (format(ids.trace_id, "032x"), format(ids.span_id, "016x"))
         with tracing.shadow("m", "1", "2", PATH):
             pass
-        tracing.end(span, _plan(), grpc.StatusCode.OK)
+        span.end(_plan(), grpc.StatusCode.OK)
         (shadow,) = exported.get_finished_spans()
         assert shadow.name == "modelyard.sidecar/shadow" and shadow.parent is not None
         assert (shadow.context.trace_id, shadow.parent.span_id) == (ids.trace_id, ids.span_id)
         sampled = tracing.server_span(PATH, (("traceparent", f"{PARENT[:-2]}01"),))
-        ids = sampled.get_span_context()
+        ids = sampled.otel().get_span_context()
         assert log_ids() == (format(ids.trace_id, "032x"), format(ids.span_id, "016x"))
     finally:
         context.detach(token)
@@ -338,11 +339,11 @@ def test_a_forked_child_does_not_send_its_parents_trace_ids() -> None:
     from opentelemetry.sdk.trace.sampling import ParentBasedTraceIdRatio
 
     tracing, _ = _traced(ParentBasedTraceIdRatio(0.0))
-    assert isinstance(tracing.server_span(PATH, ()), str)  # a block of ids is drawn
+    assert tracing.server_span(PATH, ()).traceparent  # a block of ids is drawn
     read, write = os.pipe()
     child = os.fork()
     if child == 0:  # pragma: no cover (the child)
-        os.write(write, str(tracing.server_span(PATH, ())).encode())
+        os.write(write, tracing.server_span(PATH, ()).traceparent.encode())
         os._exit(0)
     os.close(write)
     _, status = os.waitpid(child, 0)

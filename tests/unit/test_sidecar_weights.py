@@ -10,8 +10,8 @@ from pathlib import Path
 
 import yaml
 
-from modelyard.sidecar.routes import FROM_ADMIN, FROM_FILE, FROM_STATE, RouteSource
-from modelyard.sidecar.routing import ModelRoute, decide
+from modelyard.sidecar.dyeing import ModelRoute, decide
+from modelyard.sidecar.route_table import FROM_ADMIN, FROM_FILE, FROM_STATE, RouteSource
 from modelyard.sidecar.state import load_state, write_atomically
 
 

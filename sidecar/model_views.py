@@ -1,4 +1,4 @@
-"""The models' views (plan.ModelView): the one owner of what a dyed call reads per model that
+"""The models' views (layers.view.ModelView): the one owner of what a dyed call reads per model that
 changes only with the route table, the versions the upstreams serve, or the breakers.
 
 A view is made on a model's first call and kept while the upstreams serve the model (a name
@@ -17,8 +17,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from modelyard.sidecar import plan as planner
-from modelyard.sidecar.routes import RouteSource, RouteTable
+from modelyard.sidecar.layers.view import ModelView, model_view
+from modelyard.sidecar.route_table import RouteSource, RouteTable
 from modelyard.sidecar.upstreams import Upstream, Upstreams
 
 
@@ -27,10 +27,10 @@ class ModelViews:
         self._routes = routes
         self._upstreams = upstreams
         self._table: RouteTable | None = None
-        self._views: dict[str, planner.ModelView[Upstream]] = {}
+        self._views: dict[str, ModelView[Upstream]] = {}
 
-    def of(self, model: str) -> planner.ModelView[Any]:
-        """The model's view under the current table (planner.Views)."""
+    def of(self, model: str) -> ModelView[Any]:
+        """The model's view under the current table (layers.view.Views)."""
         table = self._routes.table
         if table is self._table:
             found = self._views.get(model)
@@ -38,7 +38,7 @@ class ModelViews:
                 return found
         else:
             self._table, self._views = table, {}
-        view = planner.model_view(model, table, self._upstreams)
+        view = model_view(model, table, self._upstreams)
         if view.known:
             self._views[model] = view
         return view

@@ -1,33 +1,39 @@
-"""The planner (sidecar/plan.py): what a call asks for, its first attempt, what a failed attempt
-means and the next one, table by table. Pure: plain upstream stand-ins, real breakers on a
-stepped clock, no gRPC."""
+"""The call path's layers (sidecar/layers/): what a call asks for (read), its route, its first
+attempt (balance), what a failed attempt means and the next one (retry), table by table, with
+each attempt's verdict given through a real per-call scope (scope.py) as the proxy gives it.
+Pure: plain upstream stand-ins, real breakers on a stepped clock, no gRPC."""
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 import pytest
 
-from modelyard.sidecar import plan as planner
-from modelyard.sidecar.adaptive import BreakerPolicy, State
+from modelyard.common.names import InvalidName
+from modelyard.sidecar.breaker_policy import BreakerPolicy, State
 from modelyard.sidecar.breakers import Breakers
-from modelyard.sidecar.limits import ANY_TENANT, TenantLimit
-from modelyard.sidecar.plan import (
+from modelyard.sidecar.dyeing import CANARY, PINNED, STABLE, Decision, ModelRoute
+from modelyard.sidecar.layers import balance, read, retry, route
+from modelyard.sidecar.layers.attempt import (
     FALLBACK_BREAKER,
     FALLBACK_CANARY_FAULT,
     FALLBACK_REPLAYED,
     FALLBACK_UNAVAILABLE,
-    OTHER,
-    Plan,
-    Refused,
+    Attempt,
 )
-from modelyard.sidecar.routes import RouteTable
-from modelyard.sidecar.routing import CANARY, PINNED, STABLE, Decision, ModelRoute
+from modelyard.sidecar.layers.read import OTHER, Asked, Metadata, Refused
+from modelyard.sidecar.layers.route import Route
+from modelyard.sidecar.layers.view import ModelView, Views, is_stateful, model_view
+from modelyard.sidecar.metrics import SidecarMetrics
+from modelyard.sidecar.route_table import RouteTable
+from modelyard.sidecar.scope import Scope, Scopes
+from modelyard.sidecar.tenant_limits import ANY_TENANT, TenantLimit, TenantLimits
+from modelyard.sidecar.tracing import Tracing
 
 POLICY = BreakerPolicy(min_calls=2, error_rate=0.5, backoff_s=5, backoff_max_s=5, probes=1)
+PATH = "/inference.GRPCInferenceService/ModelInfer"
 
 
 @dataclass(frozen=True)
@@ -66,19 +72,22 @@ class Pool:
         return list(self.ups.values())
 
 
-def views(pool: Pool, table: RouteTable | None = None) -> planner.Views:
-    """Each model's view made afresh (views.ModelViews keeps them; the planner reads them)."""
-    return lambda model: planner.model_view(model, table or RouteTable(), pool)
+def views(pool: Pool, table: RouteTable | None = None) -> Views:
+    """Each model's view made afresh (views.ModelViews keeps them; the layers read them)."""
+    return lambda model: model_view(model, table or RouteTable(), pool)
 
 
 class World:
-    """A pool, its breakers (on a clock that only moves by hand) and a route table."""
+    """A pool, its breakers (on a clock that only moves by hand) and a route table; each call's
+    scope, which gives its attempts' verdicts (`calls`: attempt -> its call's scope)."""
 
     def __init__(self, served: dict[str, dict[str, set[str]]], table: RouteTable | None = None) -> None:
         self.pool = Pool(served)
         self.now = 100.0
         self.breakers = Breakers(POLICY, lambda *args: None, clock=lambda: self.now)
         self.table = table or RouteTable()
+        self.scopes = Scopes(TenantLimits(), SidecarMetrics(), Tracing())
+        self.calls: dict[int, Scope] = {}
         # Dyed canary by the caller's own x-canary-weight: a shut canary falls back call by call
         # (dyed by the route's weight, it is dyed stable instead: test_a_shut_canary_...).
         self.received: dict[str, str] = {"x-canary-weight": "50"}
@@ -92,42 +101,58 @@ class World:
             breaker.report(permit, True, None, caller)
         assert breaker.state is State.OPEN
 
-    def view(self, model: str = "m") -> planner.ModelView[Up]:
-        return planner.model_view(model, self.table, self.pool)
+    def view(self, model: str = "m") -> ModelView[Up]:
+        return model_view(model, self.table, self.pool)
 
-    def request(self, model: str = "m", pin: str = "") -> Plan[Any]:
-        return planner.asked(model, pin, self.received, (("x-request-id", "r1"),), self.view(model))
+    def request(self, model: str = "m", pin: str = "") -> Asked:
+        return Asked(model, pin, self.received, (("x-request-id", "r1"),), self.view(model))
 
-    def first(self, decision: Decision, model: str = "m") -> Plan[Up]:
-        return planner.first(decided(self.request(model), decision), 7, self.pool, self.breakers)
+    def first(self, decision: Decision, model: str = "m") -> Attempt[Up]:
+        asked = self.request(model)
+        routed = route.effective(routed_by(decision), asked, self.breakers)
+        attempt = balance.first(asked, routed, 7, self.pool, self.breakers)
+        scope = self.scopes.open(PATH, ())
+        scope.begin(attempt)
+        self.calls[id(attempt)] = scope
+        return attempt
+
+    def scope(self, attempt: Attempt[Up]) -> Scope:
+        return self.calls[id(attempt)]
 
     def after(
-        self, plan: Plan[Up], code: str, reason: str = "", tried: list[Up] | None = None
-    ) -> Plan[Up] | None:
-        return planner.after_failure(
-            plan,
+        self, attempt: Attempt[Up], code: str, reason: str = "", tried: list[Up] | None = None
+    ) -> Attempt[Up] | None:
+        """As the proxy's attempt loop does: the retry policy's next attempt, the failed one's
+        verdict through its call's scope, the next one begun there."""
+        following = retry.after_failure(
+            attempt,
             code,
             reason,
-            None,
             tried if tried is not None else [],
-            self.view(plan.model),
+            self.view(attempt.model),
             self.pool,
             self.breakers,
         )
+        scope = self.scope(attempt)
+        scope.failed(code, reason, None, following)
+        if following is not None:
+            scope.begin(following)
+            self.calls[id(following)] = scope
+        return following
 
 
-def decided(request: Plan[Any], decision: Decision) -> Plan[Any]:
-    """The request as `read` leaves a data call's: with its routing decision."""
-    return dataclasses.replace(request, version=decision.version, dye=decision.dye, stable=decision.stable)
+def routed_by(decision: Decision) -> Route:
+    """The route `route.decide` gives a data call so decided."""
+    return Route(decision.version, decision.dye, decision.stable)
 
 
-def decision_of(request: Plan[Any]) -> Decision:
-    """The routing decision `read` kept in a data call's request, as routing.decide gives it."""
-    canary = request.version if request.dye == CANARY else ""
-    return Decision(request.version, request.dye, canary, request.stable)
+def decision_of(routed: Route) -> Decision:
+    """The route as routing.decide gives it."""
+    canary = routed.version if routed.dye == CANARY else ""
+    return Decision(routed.version, routed.dye, canary, routed.stable)
 
 
-def shape(plan: Plan[Up] | None) -> tuple[str, str, str, str, bool] | None:
+def shape(plan: Attempt[Up] | None) -> tuple[str, str, str, str, bool] | None:
     if plan is None:
         return None
     return (plan.upstream.address, plan.version, plan.dye, plan.fallback, plan.fell_back)
@@ -166,7 +191,7 @@ PINNED_2 = Decision("2", PINNED)
     ],
 )
 def test_is_fault(code: str, reason: str, fault: bool) -> None:
-    assert planner.is_fault(code, reason) is fault
+    assert retry.is_fault(code, reason) is fault
 
 
 @pytest.mark.parametrize(
@@ -174,7 +199,7 @@ def test_is_fault(code: str, reason: str, fault: bool) -> None:
     [("UNAVAILABLE", "", True), ("UNAVAILABLE", "draining", False), ("INTERNAL", "", False)],
 )
 def test_is_unreachable(code: str, reason: str, unreachable: bool) -> None:
-    assert planner.is_unreachable(code, reason) is unreachable
+    assert retry.is_unreachable(code, reason) is unreachable
 
 
 # --- the first attempt ---------------------------------------------------------------------
@@ -258,7 +283,7 @@ def test_which_versions_get_a_breaker(
     model: str, version: str, route: ModelRoute | None, stateful: bool
 ) -> None:
     table = RouteTable(models={"m": route}) if route is not None else RouteTable()
-    assert planner.is_stateful(model, version, table, Pool(TWO_VERSIONS)) is stateful
+    assert is_stateful(model, version, table, Pool(TWO_VERSIONS)) is stateful
 
 
 # --- what a failed attempt means, and the next one -----------------------------------------
@@ -303,12 +328,13 @@ def test_after_a_failed_attempt(
     tried: list[Up] = []
     following = world.after(plan, code, reason, tried)
     assert shape(following) == expected
-    assert plan.reported  # the failed attempt's verdict went to its breaker, whatever follows
+    scope = world.scope(plan)
+    assert scope.settled or scope.current is not plan  # its verdict went to its breaker, whatever follows
     window = world.breakers.get("a", "m", decision.version).adaptive.window
-    assert (len(window), window.faults) == (1, int(planner.is_fault(code, reason)))
+    assert (len(window), window.faults) == (1, int(retry.is_fault(code, reason)))
     if following is not None:
         assert tried == [world.pool.ups["a"]]
-        assert following.permit is not None and not following.reported
+        assert following.permit is not None and scope.current is following and not scope.settled
         assert (following.caller, following.label, following.stable) == (7, "m", plan.stable)
         dyed = (("x-model-dye", following.dye),)
         fell_back = (("x-dye-fallback", following.fallback),) if following.fallback else ()
@@ -326,10 +352,12 @@ def test_a_canary_refusal_is_replayed_on_stable_and_charged_only_when_stable_ans
     plan = world.first(CANARY_2)
     replay = world.after(plan, "FAILED_PRECONDITION", "model_rejected")
     assert shape(replay) == ("a", "1", STABLE, FALLBACK_CANARY_FAULT, False)  # counted once settled
-    assert replay is not None and replay.replay_of is plan and not plan.reported  # its verdict waits
+    scope = world.scope(plan)
+    assert replay is not None and replay.replay_of is plan and scope.pending is plan  # its verdict waits
+    assert len(canary_window) == 0
     assert replay.answer_metadata == (("x-model-dye", STABLE), ("x-dye-fallback", FALLBACK_CANARY_FAULT))
-    replay.report("OK", "", 0.001)
-    assert (plan.reported, plan.charged, replay.replay_of) == (True, True, None)
+    scope.report("OK", "", 0.001)
+    assert (scope.pending, scope.charged, scope.current) == (None, True, replay)
     assert (len(canary_window), canary_window.faults) == (1, 1)
 
     # Stable refuses it too: the request's fault, charged to neither, and the answer says so.
@@ -337,10 +365,12 @@ def test_a_canary_refusal_is_replayed_on_stable_and_charged_only_when_stable_ans
     replay = world.after(plan, "FAILED_PRECONDITION", "model_rejected")
     assert replay is not None
     assert world.after(replay, "FAILED_PRECONDITION", "model_rejected") is None
-    assert plan.reported and not plan.charged
+    scope = world.scope(plan)
+    assert scope.pending is None and not scope.charged
     assert (len(canary_window), canary_window.faults) == (1, 1)  # no verdict: nothing recorded
-    assert replay.fallback == FALLBACK_REPLAYED
-    assert replay.answer_metadata == (("x-model-dye", STABLE), ("x-dye-fallback", FALLBACK_REPLAYED))
+    assert scope.current is not None and scope.current.fallback == FALLBACK_REPLAYED
+    answer = (("x-model-dye", STABLE), ("x-dye-fallback", FALLBACK_REPLAYED))
+    assert scope.current.answer_metadata == answer
     stable_window = world.breakers.get("a", "m", "1").adaptive.window
     assert (len(stable_window), stable_window.faults) == (2, 0)  # stable's refusal is no fault
 
@@ -350,9 +380,12 @@ def test_a_canary_refusal_is_replayed_on_stable_and_charged_only_when_stable_ans
     assert replay is not None
     again = world.after(replay, "UNAVAILABLE", "")
     assert shape(again) == ("b", "1", STABLE, FALLBACK_CANARY_FAULT, False)
-    assert again is not None and again.replay_of is plan and not plan.reported
-    again.report("CANCELLED", "", None, gone=True)  # the caller left: no verdict on the canary
-    assert (plan.reported, plan.charged, again.fallback) == (True, False, FALLBACK_REPLAYED)
+    scope = world.scope(plan)
+    assert again is not None and again.replay_of is plan and scope.pending is plan
+    scope.report("CANCELLED", "", None, gone=True)  # the caller left: no verdict on the canary
+    assert scope.current is not None
+    assert (scope.pending, scope.charged, scope.current.fallback) == (None, False, FALLBACK_REPLAYED)
+    assert (len(canary_window), canary_window.faults) == (1, 1)
 
 
 def test_a_refusal_of_stable_or_a_pinned_version_is_the_answer() -> None:
@@ -378,7 +411,7 @@ def test_retries_skip_every_upstream_tried_so_far() -> None:
     tried: list[Up] = []
     plan = world.first(STABLE_1)
     seen = [plan.upstream.address]
-    for _ in range(5):  # bounded: a planner that forgot `tried` would go round for ever
+    for _ in range(5):  # bounded: a retry policy that forgot `tried` would go round for ever
         following = world.after(plan, "UNAVAILABLE", tried=tried)
         if following is None:
             break
@@ -400,8 +433,8 @@ def test_a_retry_for_a_version_nobody_serves_does_not_go_to_any_upstream() -> No
 def test_an_attempt_is_reported_once_and_a_gone_caller_only_frees_its_probe() -> None:
     world = World(TWO_VERSIONS)
     plan = world.first(STABLE_1)
-    plan.report("INTERNAL", "", 0.01)
-    plan.report("INTERNAL", "", 0.01)
+    world.scope(plan).report("INTERNAL", "", 0.01)
+    world.scope(plan).report("INTERNAL", "", 0.01)
     window = world.breakers.get("a", "m", "1").adaptive.window
     assert (len(window), window.faults) == (1, 1)
 
@@ -410,7 +443,7 @@ def test_an_attempt_is_reported_once_and_a_gone_caller_only_frees_its_probe() ->
     probe = world.first(PINNED_2)
     assert probe.permit is not None and probe.permit.probe
     assert world.breakers.get("a", "m", "2").allow() is None  # the probe slot is taken
-    probe.report("CANCELLED", "", None, gone=True)
+    world.scope(probe).report("CANCELLED", "", None, gone=True)
     assert world.breakers.get("a", "m", "2").state is State.HALF_OPEN  # no verdict
     assert world.breakers.get("a", "m", "2").allow() is not None  # the slot is free again
 
@@ -439,23 +472,21 @@ def message(name: str = "", version: str = "") -> bytes:
         (b"\x0a\xff", (), "not a valid message"),
     ],
 )
-def test_reading_the_model_and_pin(
-    body: bytes, md: planner.Metadata, expected: tuple[str, str] | str
-) -> None:
+def test_reading_the_model_and_pin(body: bytes, md: Metadata, expected: tuple[str, str] | str) -> None:
     pool = Pool(TWO_VERSIONS)
     if isinstance(expected, str):
         with pytest.raises(Refused) as refused:
-            planner.read(body, md, views(pool), model_addressed=True)
+            read.read(body, md, views(pool), read.Names(), True)
         assert (refused.value.code, refused.value.reason) == ("INVALID_ARGUMENT", "invalid_argument")
         assert expected in str(refused.value)
         assert refused.value.metadata == (("x-error-reason", "invalid_argument"),)
         return
-    asked = planner.read(body, md, views(pool), model_addressed=True)
-    assert (asked.model, asked.pin, asked.known, asked.label) == (*expected, True, "m")
+    asked = read.read(body, md, views(pool), read.Names(), True)
+    assert (asked.model, asked.pin, asked.view.known, asked.label) == (*expected, True, "m")
 
 
 def test_reading_drops_what_the_sidecar_sets_itself_and_ignores_fields_of_unaddressed_calls() -> None:
-    md: planner.Metadata = (
+    md: Metadata = (
         ("x-model-version", "1"),
         ("x-model-dye", "canary"),
         ("user-agent", "u"),
@@ -465,40 +496,50 @@ def test_reading_drops_what_the_sidecar_sets_itself_and_ignores_fields_of_unaddr
         ("x-user-id", "u1"),
         ("bin-bin", b"\x00"),
     )
-    asked = planner.read(message("nobody"), md, views(Pool(TWO_VERSIONS)), model_addressed=False)
-    assert (asked.model, asked.pin, asked.known, asked.label) == ("", "", False, OTHER)
+    asked = read.read(message("nobody"), md, views(Pool(TWO_VERSIONS)), read.Names(), False)
+    assert (asked.model, asked.pin, asked.view.known, asked.label) == ("", "", False, OTHER)
     assert asked.forward == (("x-user-id", "u1"), ("bin-bin", b"\x00"))
     assert "bin-bin" not in asked.received and asked.received["x-user-id"] == "u1"
-    unknown = planner.read(message("nobody"), (), views(Pool(TWO_VERSIONS)), model_addressed=True)
-    assert (unknown.model, unknown.known, unknown.label) == ("nobody", False, OTHER)
+    unknown = read.read(message("nobody"), (), views(Pool(TWO_VERSIONS)), read.Names(), True)
+    assert (unknown.model, unknown.view.known, unknown.label) == ("nobody", False, OTHER)
 
 
 def test_a_call_that_is_not_dyed_goes_to_a_serving_upstream_else_any() -> None:
     pool = Pool({"a": {"other": {"1"}}, "b": {"m": {"1"}}})
     view = views(pool)
-    plan = planner.unrouted(planner.asked("m", "", {}, (), view("m")), pool, model_addressed=True)
+    plan = balance.unrouted_first(Asked("m", "", {}, (), view("m")), pool, True)
     assert (plan.upstream.address, plan.breaker, plan.dye, plan.label) == ("b", None, "", "m")
-    plan = planner.unrouted(planner.asked("m", "", {}, (), view("m")), pool, model_addressed=False)
+    plan = balance.unrouted_first(Asked("m", "", {}, (), view("m")), pool, False)
     assert plan.upstream.address == "a"
-    plan = planner.unrouted(planner.asked("x", "", {}, (), view("x")), pool, model_addressed=True)
+    plan = balance.unrouted_first(Asked("x", "", {}, (), view("x")), pool, True)
     assert (plan.upstream.address, plan.label) == ("a", OTHER)
 
 
 def test_a_bad_weight_header_is_refused_and_a_good_one_decides() -> None:
     view = views(Pool(TWO_VERSIONS))
+
+    def decided(body: bytes, md: Metadata) -> Route:
+        breakers = Breakers(POLICY, lambda *a: None)
+        return route.decide(read.read(body, md, view, read.Names(), True), breakers)
+
     with pytest.raises(Refused) as refused:
-        planner.read(message("m"), (("x-canary-weight", "101"),), view, model_addressed=True, routed=True)
+        decided(message("m"), (("x-canary-weight", "101"),))
     assert (refused.value.code, refused.value.reason) == ("INVALID_ARGUMENT", "invalid_argument")
     md = (("x-canary-weight", "100"), ("x-user-id", "u"))
-    everyone = planner.read(message("m"), md, view, model_addressed=True, routed=True)
-    assert decision_of(everyone) == CANARY_2
-    pinned = planner.read(message("m", "v2"), md, view, model_addressed=True, routed=True)
-    assert decision_of(pinned) == PINNED_2
-    unknown = planner.read(message("x"), md, view, model_addressed=True, routed=True)  # versions not known
-    assert decision_of(unknown) == Decision("", "")
+    assert decision_of(decided(message("m"), md)) == CANARY_2
+    assert decision_of(decided(message("m", "v2"), md)) == PINNED_2
+    assert decision_of(decided(message("x"), md)) == Decision("", "")  # versions not known
     # A call that is not dyed is not decided (a bad weight header is no business of it).
-    plain = planner.read(message("m"), (("x-canary-weight", "101"),), view, model_addressed=True)
-    assert (plain.version, plain.dye, plain.stable) == ("", "", "")
+    read.read(message("m"), (("x-canary-weight", "101"),), view, read.Names(), True)
+
+
+def test_names_seen_valid_are_kept_bounded() -> None:
+    names = read.Names()
+    for n in range(read.VALID_NAMES_KEPT + 5):
+        assert names.checked(f"m{n}", {}) == f"m{n}"
+    assert len(names.valid) == read.VALID_NAMES_KEPT
+    with pytest.raises(InvalidName):
+        names.checked("bad name!", {})
 
 
 # --- tenants and callers -------------------------------------------------------------------
@@ -517,11 +558,11 @@ TENANTS = {"acme": TenantLimit(concurrency=1), ANY_TENANT: TenantLimit(concurren
     ],
 )
 def test_tenant_bucket(tenants: dict[str, TenantLimit], received: dict[str, str], bucket: str) -> None:
-    assert planner.tenant_bucket(tenants, received) == bucket
+    assert read.tenant_bucket(tenants, received) == bucket
 
 
 def test_the_caller_is_its_tenant_else_its_sticky_key_else_its_connection() -> None:
-    key = planner.caller_key
+    key = read.caller_key
     assert key({"x-tenant-id": "t", "x-user-id": "u"}, "x-user-id", "p") == hash(("tenant", "t"))
     assert key({"x-user-id": "u"}, "x-user-id", "p") == hash(("user", "u"))
     assert key({"x-user-id": "u"}, "x-session", "p") == hash(("peer", "p"))
@@ -533,21 +574,21 @@ def test_the_caller_is_its_tenant_else_its_sticky_key_else_its_connection() -> N
 def test_the_shadow_target_is_the_canary_on_an_upstream_whose_breaker_would_allow() -> None:
     world = World(TWO_UPSTREAMS)
     stable = world.first(STABLE_1)
-    target = planner.shadow_target(stable, world.table, world.pool, world.breakers)
+    target = balance.shadow_target(stable, world.table, world.pool, world.breakers)
     assert target is not None
     canary, upstream, md = target
     assert (canary, upstream.address) == ("2", "a")
     assert md == (("x-request-id", "r1"), ("x-model-version", "2"), ("x-model-dye", "shadow"))
     world.open("a", "m", "2")
-    target = planner.shadow_target(stable, world.table, world.pool, world.breakers)
+    target = balance.shadow_target(stable, world.table, world.pool, world.breakers)
     assert target is not None and target[1].address == "b"
     world.open("b", "m", "2")
-    assert planner.shadow_target(stable, world.table, world.pool, world.breakers) is None
+    assert balance.shadow_target(stable, world.table, world.pool, world.breakers) is None
     canary_plan = World(TWO_VERSIONS).first(CANARY_2)
-    assert planner.shadow_target(canary_plan, world.table, world.pool, world.breakers) is None
+    assert balance.shadow_target(canary_plan, world.table, world.pool, world.breakers) is None
     one_version = World({"a": {"m": {"1"}}})
     only = one_version.first(STABLE_1)
-    assert planner.shadow_target(only, one_version.table, one_version.pool, one_version.breakers) is None
+    assert balance.shadow_target(only, one_version.table, one_version.pool, one_version.breakers) is None
 
 
 def test_the_body_gets_the_chosen_version_unless_it_names_one() -> None:
@@ -556,3 +597,17 @@ def test_the_body_gets_the_chosen_version_unless_it_names_one() -> None:
     assert plan.body(message("m", "1")) == message("m", "1")
     assert plan.body(message("other")) == message("other")
     assert plan.body(b"\x0a\xff") == b"\x0a\xff"
+
+
+def test_the_values_between_the_layers_are_frozen() -> None:
+    world = World(TWO_VERSIONS)
+    asked = world.request()
+    attempt = world.first(CANARY_2)
+    for value, name in ((asked, "model"), (attempt, "version"), (attempt, "permit")):
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            setattr(value, name, "x")
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            delattr(value, name)
+    assert (asked.model, attempt.version) == ("m", "2")
+    with pytest.raises(AttributeError):
+        routed_by(CANARY_2).version = "1"  # type: ignore[misc]  # a Route is a tuple

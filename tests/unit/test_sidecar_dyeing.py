@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from modelyard.sidecar.routing import (
+from modelyard.sidecar.dyeing import (
     BUCKETS,
     CANARY,
     PINNED,

@@ -1,4 +1,4 @@
-"""The models' views (sidecar/views.py): kept across calls, and dropped by every change they
+"""The models' views (sidecar/model_views.py): kept across calls, and dropped by every change they
 follow, so that the next call sees a route reload, a change of the versions served, a breaker
 made anew and a breaker's state at once. Through the sidecar's own ModelInfer handler, with an
 upstream call faked at the channel (nothing is sent)."""
@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any, cast
 
 from modelyard.kserve.v2 import grpc_service_pb2 as kpb
-from modelyard.sidecar.adaptive import State
+from modelyard.sidecar.breaker_policy import State
 from modelyard.sidecar.config import Settings
 from modelyard.sidecar.server import Sidecar, build_sidecar
 from tests.support import eventually

@@ -47,7 +47,8 @@ class ModelRoute:
     cohort: str = field(default="", compare=False)
 
 
-# Not frozen (a value all the same): a frozen dataclass's __init__ costs ~0.2 us a field, per call.
+# Not frozen (a value all the same): a frozen dataclass's __init__ sets each field through
+# object.__setattr__, a Python-level call per field, and a Decision may be made per call.
 @dataclass(slots=True)
 class Decision:
     version: str  # empty: the model's versions are unknown; the service picks its default
@@ -127,8 +128,8 @@ def choose(
     route: ModelRoute, stable: str, canary: str, pin: str, sticky_key: str | None, header_weight: str | None
 ) -> Choice:
     """`decide`, given the route's stable and canary (stable_and_canary): what a dyed call runs,
-    with those two read from its model's view (plan.ModelView). A tuple, not a Decision: no
-    object of its own a call (plan.read keeps it in the call's Plan)."""
+    with those two read from its model's view (layers.view.ModelView). A tuple, not a Decision:
+    the route layer takes it as its Route (layers/route.py: decide)."""
     if pin:
         return normalize_version(pin), PINNED, ""
     if not stable:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from modelyard.sidecar.limits import ANY_TENANT, TenantLimit, TenantLimits
+from modelyard.sidecar.tenant_limits import ANY_TENANT, TenantLimit, TenantLimits
 
 
 def test_unconfigured_tenants_share_one_bucket_and_one_limit() -> None:

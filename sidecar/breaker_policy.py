@@ -26,7 +26,7 @@ both versions see (a shared dependency) does not cut the canary off for a stable
 much. Without enough stable calls, a canary is judged by its own baseline. A latency is what the
 proxy reports: the service's own run time where the answer carries it (x-run-us), which another
 version sharing the service cannot inflate, else the call's duration.
-No single caller decides: each call is recorded with its caller (plan.caller_key: the tenant,
+No single caller decides: each call is recorded with its caller (layers.read.caller_key: the tenant,
 else the user's sticky key, else the connection), and a trip must also hold on the window without
 the caller who contributes most to it (leave-one-out): without the caller with the most faults,
 the others' calls must still have at least one fault and a fault share of `error_rate`; without

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from modelyard.inference.v1 import inference_service_pb2 as pb
 from modelyard.inference.v1 import tensor_pb2
 from modelyard.kserve.v2 import grpc_service_pb2 as kserve
-from modelyard.sidecar.wire import (
+from modelyard.sidecar.message_fields import (
     MAX_FIELDS,
     VALUE_MAX,
     ModelFields,

@@ -4,7 +4,7 @@
     canary_weight: 0                  # default weight for models without their own entry
     models:
       scaler: {canary_weight: 10, stable: "1", canary: "2"}   # versions optional
-    breaker: {window_s: 10, min_calls: 20, error_rate: 0.5, ...}  # see adaptive.BreakerPolicy
+    breaker: {window_s: 10, min_calls: 20, error_rate: 0.5, ...}  # see breaker_policy.BreakerPolicy
     tenants:
       acme: {rate: 50, burst: 100, concurrency: 8}             # see limits.TenantLimit
       "*": {rate: 0, burst: 0, concurrency: 0}   # all other tenants, together; 0 = unlimited
@@ -41,13 +41,13 @@ from msgspec import UnsetType
 from modelyard.common import headers
 from modelyard.common.names import InvalidName, check_version
 from modelyard.process.documents import DocumentError, load
-from modelyard.sidecar.adaptive import BreakerPolicy
-from modelyard.sidecar.limits import TenantLimit
+from modelyard.sidecar.breaker_policy import BreakerPolicy
+from modelyard.sidecar.dyeing import ModelRoute, normalize_version
 from modelyard.sidecar.rollout import RolloutSpec
 from modelyard.sidecar.route_file import ModelRouteDoc, RouteFileDoc
-from modelyard.sidecar.routing import ModelRoute, normalize_version
 from modelyard.sidecar.shadow import ShadowPolicy
 from modelyard.sidecar.state import audit
+from modelyard.sidecar.tenant_limits import TenantLimit
 
 T = TypeVar("T")
 
