@@ -281,8 +281,8 @@ def gate_red(calls: Sequence[Call], signal: str, median_floor_s: float, tick_s: 
     tick (every `tick_s` of recorded time, as the driver judges), with `median_floor_s`: the real
     gate (rollout.judge) on the real driver's tallies (rollout_driver.Outcomes)."""
     from modelyard.sidecar.breakers import BreakerKey
-    from modelyard.sidecar.rollout import RED, Evidence, RolloutSpec, judge
-    from modelyard.sidecar.rollout_driver import STABLE_REFERENCE, Outcomes
+    from modelyard.sidecar.rollout.driver import STABLE_REFERENCE, Outcomes
+    from modelyard.sidecar.rollout.policy import RED, Evidence, RolloutSpec, judge
 
     spec = RolloutSpec(median_floor_s=median_floor_s)
     now = [0.0]

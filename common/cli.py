@@ -1,6 +1,6 @@
 """The `modelyard` command: `modelyard serve|sidecar|gateway ...` runs that process's own command
 line (the same as `python -m modelyard.{service,sidecar,gateway} ...`); `modelyard canary ...`
-talks to a sidecar's admin endpoint (weights and rollouts: modelyard.sidecar.rollout_cli), or with
+talks to a sidecar's admin endpoint (weights and rollouts: modelyard.sidecar.rollout.canary_cli), or with
 `--controller URL` to the fleet rollout controller that `modelyard rollouts ...` runs
 (modelyard.sidecar.fleet; also `python -m modelyard.rollouts`).
 
@@ -31,7 +31,7 @@ COMMANDS = {
     "rollouts": "sidecar",
 }
 # verbs whose module is not the package's cli (the admin clients need none of the process's code)
-MODULES = {"canary": "modelyard.sidecar.rollout_cli", "rollouts": "modelyard.sidecar.fleet.cli"}
+MODULES = {"canary": "modelyard.sidecar.rollout.canary_cli", "rollouts": "modelyard.sidecar.fleet.cli"}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

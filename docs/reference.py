@@ -33,7 +33,7 @@ from modelyard.service import config as service  # noqa: E402
 from modelyard.service.repository.config_file import ConfigDoc  # noqa: E402
 from modelyard.sidecar import config as sidecar  # noqa: E402
 from modelyard.sidecar.fleet import config as rollouts  # noqa: E402
-from modelyard.sidecar.route_file import RouteFileDoc  # noqa: E402
+from modelyard.sidecar.routes.file import RouteFileDoc  # noqa: E402
 
 OPERATIONS = ROOT / "docs" / "operations.md"
 # (table name in operations.md, settings class, variable prefix)

@@ -41,7 +41,7 @@ PUT /canary/<model> for a model neither the route table nor the upstreams know i
 be one it serves); one whose weight an active rollout sets is a 409 (pause or abort it first), and
 so is one whose weight a fleet rollout controller owns (`owner`, `lease_s` in its PUT; GET /canary
 shows the owner: sidecar/fleet/ownership.py), unless the PUT names the same owner.
-Every accepted change is one audit line (sidecar/state.py: who, what, when) and is kept in the
+Every accepted change is one audit line (sidecar/routes/state_file.py: who, what, when) and is kept in the
 state file when there is one.
 
     curl -X PUT localhost:9101/canary/scaler -H "authorization: Bearer $TOKEN" -d '{"canary_weight": 25}'
@@ -74,11 +74,17 @@ from modelyard.process.documents import DocumentError, load
 from modelyard.process.throttle import LogThrottle
 from modelyard.process.tls import HttpTls, TlsFiles, is_loopback, warn_if_plaintext
 from modelyard.sidecar.fleet.ownership import WeightOwners, check_claim
-from modelyard.sidecar.rollout import RolloutSpec
-from modelyard.sidecar.rollout_driver import RolloutDriver, RolloutError
-from modelyard.sidecar.route_file import RolloutDoc
-from modelyard.sidecar.route_table import ConfigError, RouteSource, parse_model_route, route_change, route_doc
-from modelyard.sidecar.state import StateWriteError, audit, who
+from modelyard.sidecar.rollout.driver import RolloutDriver, RolloutError
+from modelyard.sidecar.rollout.policy import RolloutSpec
+from modelyard.sidecar.routes.file import RolloutDoc
+from modelyard.sidecar.routes.state_file import StateWriteError, audit, who
+from modelyard.sidecar.routes.table import (
+    ConfigError,
+    RouteSource,
+    parse_model_route,
+    route_change,
+    route_doc,
+)
 
 log = logging.getLogger(__name__)
 
@@ -629,7 +635,7 @@ def _peer(writer: asyncio.StreamWriter) -> str:
 
 
 def _author(request: Request) -> str:
-    """Who made a change (sidecar/state.py: the token's fingerprint and the peer)."""
+    """Who made a change (sidecar/routes/state_file.py: the token's fingerprint and the peer)."""
     scheme, _, token = request.headers.get("authorization", "").partition(" ")
     return who(token.strip() if scheme.lower() == "bearer" else None, request.peer)
 

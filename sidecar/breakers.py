@@ -56,7 +56,7 @@ class Permit:
 
 # key, old state, new state, why (the trip reason on opening, else empty)
 OnChange = Callable[[BreakerKey, State, State, str], None]
-# key, fault, latency: every outcome reported (the rollouts' gates read them: rollout_driver.py)
+# key, fault, latency: every outcome reported (the rollouts' gates read them: rollout/driver.py)
 Observe = Callable[[BreakerKey, bool, float | None], None]
 # (model, version) -> the windows of that version's breakers (a canary's reference)
 Windows = Callable[[str, str], list[Window]]

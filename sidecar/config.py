@@ -66,7 +66,7 @@ class Settings:
     config_poll_s: Annotated[
         float, Meta(gt=0, description="seconds between checks of the route file for changes")
     ] = 1.0
-    # Empty: admin changes and rollouts last until a restart (sidecar/state.py).
+    # Empty: admin changes and rollouts last until a restart (sidecar/routes/state_file.py).
     state_file: Annotated[
         str,
         Meta(

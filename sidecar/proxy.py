@@ -12,7 +12,7 @@ calls in flight, tenant slot, metrics); the layers (layers/: read -> route -> ba
 first attempt; the one attempt loop (`_attempts`) sends it (forward.py moves the bytes) and, when
 it fails before anything reached the caller and the method's retry rule allows (layers/retry.py
 RULES), asks the retry policy for the next one, or lets the failure be the answer; a unary
-answer is passed on (a stable one may be mirrored to the canary: mirror.py), a response stream
+answer is passed on (a stable one may be mirrored to the canary: shadow/mirror.py), a response stream
 relayed; the scope closes.
 
 Names and versions are checked at this edge (modelyard.common.names) before they reach any
@@ -46,11 +46,11 @@ from modelyard.sidecar.layers import attempt as attempts
 from modelyard.sidecar.layers import balance, read, retry, route
 from modelyard.sidecar.layers.read import Refused
 from modelyard.sidecar.metrics import SidecarMetrics
-from modelyard.sidecar.mirror import Mirror
 from modelyard.sidecar.model_views import ModelViews
-from modelyard.sidecar.route_table import RouteSource
+from modelyard.sidecar.routes.table import RouteSource
 from modelyard.sidecar.scope import Scope, Scopes
-from modelyard.sidecar.shadow import Shadows, token_ids
+from modelyard.sidecar.shadow.compare import Shadows, token_ids
+from modelyard.sidecar.shadow.mirror import Mirror
 from modelyard.sidecar.tenant_limits import TenantLimits
 from modelyard.sidecar.tracing import Tracing
 from modelyard.sidecar.upstreams import Upstream, Upstreams

@@ -33,7 +33,7 @@ from modelyard.sidecar.fleet.controller import Controller
 from modelyard.sidecar.fleet.gates import Prometheus, load_queries
 from modelyard.sidecar.fleet.pods import AdminClient, from_dns
 from modelyard.sidecar.fleet.store import FileStore, MemoryStore, Store
-from modelyard.sidecar.state import StateError
+from modelyard.sidecar.routes.state_file import StateError
 
 PROG = "modelyard rollouts"
 log = logging.getLogger(__name__)

@@ -1,6 +1,6 @@
 """The fleet rollout controller's loop: each tick (`tick_s`) it finds the sidecars, reads each one's
 weights and pushes the fleet's (reconcile), judges every active rollout on the fleet's evidence
-from Prometheus (gates.py) with the sidecar's own policy (modelyard.sidecar.rollout), and saves
+from Prometheus (gates.py) with the sidecar's own policy (modelyard.sidecar.rollout.policy), and saves
 each transition (store.py) before it is pushed. A change over the API wakes it at once.
 
 Who wins a weight: while a rollout of a model is active, the controller owns that model's weight
@@ -32,8 +32,18 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 from modelyard.sidecar.fleet.gates import Prometheus, PrometheusError, Queries, gather, worst
 from modelyard.sidecar.fleet.pods import AdminClient, AdminRefused, Pod
 from modelyard.sidecar.fleet.store import Store
-from modelyard.sidecar.rollout import ADMIN, FAILED, GATES, RED, RESULTS, RUNNING, Rollout, RolloutSpec, judge
-from modelyard.sidecar.state import audit
+from modelyard.sidecar.rollout.policy import (
+    ADMIN,
+    FAILED,
+    GATES,
+    RED,
+    RESULTS,
+    RUNNING,
+    Rollout,
+    RolloutSpec,
+    judge,
+)
+from modelyard.sidecar.routes.state_file import audit
 
 log = logging.getLogger(__name__)
 

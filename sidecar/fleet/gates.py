@@ -1,5 +1,5 @@
 """The fleet's gates: the controller's Prometheus queries, and the Evidence they make for the
-sidecar's rollout policy (modelyard.sidecar.rollout.judge), for the fleet and for each pod.
+sidecar's rollout policy (modelyard.sidecar.rollout.policy.judge), for the fleet and for each pod.
 
 Every query is a template (`$model`, `$dye`: canary or stable, `$canary`: the canary's version,
 `$window`: the step's window, e.g. `42s`) answered by Prometheus' HTTP API (`/api/v1/query`) as a
@@ -34,7 +34,7 @@ from typing import Any
 
 import yaml
 
-from modelyard.sidecar.rollout import RED, Evidence, RolloutSpec, Tally, Verdict, judge
+from modelyard.sidecar.rollout.policy import RED, Evidence, RolloutSpec, Tally, Verdict, judge
 
 _BY_DYE = '{model="$model",dye="$dye"}'
 

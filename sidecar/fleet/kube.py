@@ -23,7 +23,7 @@ from typing import Any
 from urllib.parse import quote
 
 from modelyard.sidecar.fleet.store import check_saved
-from modelyard.sidecar.state import StateError, parse_json
+from modelyard.sidecar.routes.state_file import StateError, parse_json
 
 ACCOUNT = Path("/var/run/secrets/kubernetes.io/serviceaccount")
 KEY = "rollouts.json"

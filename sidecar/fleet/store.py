@@ -1,7 +1,7 @@
 """Where the controller's state lives and who leads: `FileStore` on one host, `MemoryStore` with
 no state file (a restart forgets; it warns), kube.py's `KubeStore` in Kubernetes.
 
-FileStore: the state file is JSON written whole the sidecar's way (sidecar/state.py: a temporary
+FileStore: the state file is JSON written whole the sidecar's way (sidecar/routes/state_file.py: a temporary
 file beside it, fsynced, renamed over it, the folder fsynced), and checked whole when a replica
 takes the lead (a file that is not the controller's state stops it: exit 2). The leader holds an
 exclusive lock (flock) on `<file>.lock` for its life; a second replica on the host waits, trying
@@ -19,8 +19,8 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from modelyard.common.names import InvalidName, check_name
-from modelyard.sidecar.rollout import Rollout
-from modelyard.sidecar.state import StateError, load_state, remove_stale, write_atomically
+from modelyard.sidecar.rollout.policy import Rollout
+from modelyard.sidecar.routes.state_file import StateError, load_state, remove_stale, write_atomically
 
 
 class Store(Protocol):

@@ -16,7 +16,7 @@ from typing import Any, Generic, Protocol, TypeVar
 from modelyard.sidecar.breakers import Breaker
 from modelyard.sidecar.dyeing import ModelRoute, stable_and_canary
 from modelyard.sidecar.layers.read import OTHER, Metadata
-from modelyard.sidecar.route_table import RouteTable
+from modelyard.sidecar.routes.table import RouteTable
 
 
 class Target(Protocol):
@@ -71,7 +71,7 @@ class ModelView(Generic[U]):
     canary: str
     table: RouteTable
     # The table mirrors a share of stable answers to the canary (its shadow policy's share > 0):
-    # only then is an answer offered to the mirror (mirror.py), which decides per call.
+    # only then is an answer offered to the mirror (shadow/mirror.py), which decides per call.
     mirrored: bool = False
     versions: dict[str, Served[U]] = field(default_factory=dict)
 

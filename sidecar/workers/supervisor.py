@@ -35,7 +35,7 @@ from modelyard.process.supervisor import WorkerFailed, WorkerKind, Workers, Work
 from modelyard.process.tls import TlsFiles
 from modelyard.sidecar import admin as admin_http
 from modelyard.sidecar.config import ENV_PREFIX, Settings
-from modelyard.sidecar.route_table import RouteSource
+from modelyard.sidecar.routes.table import RouteSource
 from modelyard.sidecar.workers import client, merge, role
 
 __all__ = ["Change", "Slot", "Supervisor", "WorkerFailed"]

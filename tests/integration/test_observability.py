@@ -280,7 +280,7 @@ def _rollout_controller_scrape() -> str:
     rolled back and held, as its /metrics renders them (tests/integration/test_fleet_rollout.py
     scrapes the real process)."""
     from modelyard.sidecar.fleet.controller import ControllerMetrics, Managed
-    from modelyard.sidecar.rollout import Rollout, RolloutSpec
+    from modelyard.sidecar.rollout.policy import Rollout, RolloutSpec
 
     registry = CollectorRegistry()
     metrics = ControllerMetrics(registry)

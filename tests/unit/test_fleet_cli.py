@@ -1,5 +1,5 @@
 """The fleet rollout controller's command line (sidecar/fleet/cli.py) and `modelyard canary
---controller` (sidecar/rollout_cli.py): usage mistakes are one line and exit 2, before anything
+--controller` (sidecar/rollout/canary_cli.py): usage mistakes are one line and exit 2, before anything
 starts; the sidecars named by DNS are each address's admin URL."""
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from modelyard.sidecar import rollout_cli
 from modelyard.sidecar.fleet.cli import main
 from modelyard.sidecar.fleet.pods import from_dns
+from modelyard.sidecar.rollout import canary_cli as rollout_cli
 
 
 def test_a_controller_needs_its_sidecars(capsys: pytest.CaptureFixture[str]) -> None:

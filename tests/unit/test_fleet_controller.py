@@ -16,7 +16,7 @@ from modelyard.sidecar.fleet.controller import Controller
 from modelyard.sidecar.fleet.gates import FleetEvidence, Prometheus, PrometheusError, Queries
 from modelyard.sidecar.fleet.pods import AdminClient, AdminRefused
 from modelyard.sidecar.fleet.store import MemoryStore
-from modelyard.sidecar.rollout import Evidence, RolloutSpec, Tally
+from modelyard.sidecar.rollout.policy import Evidence, RolloutSpec, Tally
 
 OWNER = "controller http://test"
 SPEC = RolloutSpec(steps=(10, 50, 100), dwell_s=10, min_calls=10, judge_calls=5)

@@ -19,7 +19,7 @@ from modelyard.sidecar.fleet.gates import (
     load_queries,
     worst,
 )
-from modelyard.sidecar.rollout import RED, Evidence, RolloutSpec, Tally, judge
+from modelyard.sidecar.rollout.policy import RED, Evidence, RolloutSpec, Tally, judge
 
 SPEC = RolloutSpec(steps=(10, 50, 100), dwell_s=5, min_calls=10, judge_calls=5)
 

@@ -19,8 +19,8 @@ import pytest
 
 from modelyard.sidecar.fleet.kube import KEY, KubeClient, KubeStore
 from modelyard.sidecar.fleet.store import FileStore
-from modelyard.sidecar.rollout import Rollout, RolloutSpec
-from modelyard.sidecar.state import StateError
+from modelyard.sidecar.rollout.policy import Rollout, RolloutSpec
+from modelyard.sidecar.routes.state_file import StateError
 
 
 def saved(step: int = 1) -> dict[str, Any]:

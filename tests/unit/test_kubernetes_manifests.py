@@ -27,7 +27,7 @@ from modelyard.gateway.config import parse_settings as gateway_settings
 from modelyard.service.config import parse_settings as service_settings
 from modelyard.sidecar.config import parse_settings as sidecar_settings
 from modelyard.sidecar.fleet.config import parse_settings as rollouts_settings
-from modelyard.sidecar.route_table import parse_table
+from modelyard.sidecar.routes.table import parse_table
 from tests import crds, kubernetes_renders
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -6,7 +6,7 @@ import pytest
 
 from modelyard.sidecar.config import parse_settings
 from modelyard.sidecar.dyeing import ModelRoute
-from modelyard.sidecar.route_table import ConfigError, parse_table
+from modelyard.sidecar.routes.table import ConfigError, parse_table
 from modelyard.sidecar.tenant_limits import TenantLimit, TenantLimits
 from modelyard.sidecar.upstreams import UpstreamSpec
 

@@ -11,7 +11,8 @@ import pytest
 
 from modelyard.sidecar.breakers import BreakerKey
 from modelyard.sidecar.metrics import SidecarMetrics
-from modelyard.sidecar.rollout import (
+from modelyard.sidecar.rollout.driver import RolloutDriver, RolloutError
+from modelyard.sidecar.rollout.policy import (
     ABORTED,
     FAILED,
     PAUSED,
@@ -22,9 +23,8 @@ from modelyard.sidecar.rollout import (
     Tally,
     judge,
 )
-from modelyard.sidecar.rollout_driver import RolloutDriver, RolloutError
-from modelyard.sidecar.route_table import FROM_ROLLOUT, RouteSource
-from modelyard.sidecar.state import audit_log
+from modelyard.sidecar.routes.state_file import audit_log
+from modelyard.sidecar.routes.table import FROM_ROLLOUT, RouteSource
 
 SPEC = RolloutSpec(steps=(1, 5, 25, 50, 100), dwell_s=60, min_calls=50, judge_calls=20)
 

@@ -14,7 +14,7 @@ from modelyard.inference.v1 import inference_service_pb2 as pb
 from modelyard.inference.v1 import tensor_pb2
 from modelyard.kserve.v2 import grpc_service_pb2 as kserve
 from modelyard.sidecar.metrics import SidecarMetrics
-from modelyard.sidecar.shadow import (
+from modelyard.sidecar.shadow.compare import (
     DEFAULT_PUSHBACK_S,
     INFER,
     MAX_PUSHBACK_S,

@@ -10,16 +10,16 @@
       "*": {rate: 0, burst: 0, concurrency: 0}   # all other tenants, together; 0 = unlimited
     shadow: {share: 5, max_in_flight: 4}     # mirror 5% of stable unary calls to the canary
     sticky_cohort: model              # model: each model has its own canary users; shared: one cohort
-    rollout:                          # progressive delivery per model (sidecar/rollout.py)
+    rollout:                          # progressive delivery per model (sidecar/rollout/policy.py)
       scaler: {steps: [1, 5, 25, 50, 100], dwell_s: 60, min_calls: 100}
 
-The keys, types and bounds are declared in sidecar/route_file.py. The whole table is built and
+The keys, types and bounds are declared in sidecar/routes/file.py. The whole table is built and
 then rebound, so a request never sees half a configuration.
 
 Each model's route has its own history: the file's entry for it, and changes made over the admin
 endpoint (or by a rollout), each stamped with when it was made. The newer one wins, per model: a
 file edit changes only the models whose entries it changed, and an admin change to one model
-survives edits of the others. Admin changes are kept in the state file (sidecar/state.py) and
+survives edits of the others. Admin changes are kept in the state file (sidecar/routes/state_file.py) and
 come back at start; the file's entries seen then are kept too, so that a restart tells an entry
 edited while the sidecar was down (newer: it wins) from one it had already seen.
 """
@@ -43,10 +43,10 @@ from modelyard.common.names import InvalidName, check_version
 from modelyard.process.documents import DocumentError, load
 from modelyard.sidecar.breaker_policy import BreakerPolicy
 from modelyard.sidecar.dyeing import ModelRoute, normalize_version
-from modelyard.sidecar.rollout import RolloutSpec
-from modelyard.sidecar.route_file import ModelRouteDoc, RouteFileDoc
-from modelyard.sidecar.shadow import ShadowPolicy
-from modelyard.sidecar.state import audit
+from modelyard.sidecar.rollout.policy import RolloutSpec
+from modelyard.sidecar.routes.file import ModelRouteDoc, RouteFileDoc
+from modelyard.sidecar.routes.state_file import audit
+from modelyard.sidecar.shadow.compare import ShadowPolicy
 from modelyard.sidecar.tenant_limits import TenantLimit
 
 T = TypeVar("T")
@@ -176,7 +176,7 @@ def _keys_as_text(raw: object) -> object:
 FROM_FILE = "route_file"
 FROM_ADMIN = "admin"  # a PUT /canary/<model> made since this process started
 FROM_STATE = "state_file"  # an admin change made before a restart, read back from the state file
-FROM_ROLLOUT = "rollout"  # a progressive rollout's step (sidecar/rollout.py)
+FROM_ROLLOUT = "rollout"  # a progressive rollout's step (sidecar/rollout/policy.py)
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ With --controller (MODELYARD_ROLLOUTS_URL) the rollout verbs go to the fleet rol
 (`modelyard rollouts`, docs/fleet-rollouts.md): one rollout across every sidecar of the fleet, the
 same requests and answers (its token the same way: --token, --token-file, ...).
 
-Also `python -m modelyard.sidecar.rollout_cli ...`. The admin URL comes from --admin-url, else
+Also `python -m modelyard.sidecar.rollout.canary_cli ...`. The admin URL comes from --admin-url, else
 MODELYARD_ADMIN_URL (default http://127.0.0.1:9101); the token from --token, --token-file (its first
 word: the sidecar's own tokens file will do), MODELYARD_ADMIN_TOKEN or MODELYARD_ADMIN_TOKEN_FILE, in
 that order (a file keeps the token out of `ps` and the shell's history); the sidecar refuses changes

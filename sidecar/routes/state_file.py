@@ -12,7 +12,7 @@ only then, so an acknowledged change survives a SIGKILL.
 A missing file is an empty state. Anything else that is not the sidecar's state (not a regular
 file: a folder, a FIFO, a symlink; empty, not UTF-8, not JSON, a non-finite number, the wrong
 shape) is a StateError naming the file and what is wrong (the sidecar refuses to start rather than
-drop what an operator set; sidecar/saved.py checks the contents). Temporary files a crash left
+drop what an operator set; sidecar/routes/saved.py checks the contents). Temporary files a crash left
 beside it are removed at start (`remove_stale`).
 
 Audit lines go to the `modelyard.sidecar.audit` logger (INFO), one per change:
@@ -123,7 +123,7 @@ def _read(path: Path) -> bytes | None:
 
 def load_state(path: Path | None) -> dict[str, Any]:
     """The saved state (empty without a file); StateError for a file that is not one. The sections'
-    contents are checked by sidecar/saved.py."""
+    contents are checked by sidecar/routes/saved.py."""
     if path is None:
         return {}
     raw = _read(path)

@@ -14,7 +14,7 @@ from msgspec import UNSET, Meta, UnsetType
 
 from modelyard.common import headers
 from modelyard.sidecar.breaker_policy import BreakerPolicy
-from modelyard.sidecar.rollout import (
+from modelyard.sidecar.rollout.policy import (
     MAX_CALLS,
     MAX_DWELL_S,
     MAX_LATENCY_FLOOR_S,
@@ -22,7 +22,7 @@ from modelyard.sidecar.rollout import (
     MAX_STEPS,
     RolloutSpec,
 )
-from modelyard.sidecar.shadow import ShadowPolicy
+from modelyard.sidecar.shadow.compare import ShadowPolicy
 from modelyard.sidecar.tenant_limits import TenantLimit
 
 Weight = Annotated[
@@ -128,7 +128,7 @@ class TenantDoc(_Keys):
 
 
 class ShadowDoc(_Keys):
-    """Mirroring of stable unary calls to the canary (sidecar/shadow.py)."""
+    """Mirroring of stable unary calls to the canary (sidecar/shadow/compare.py)."""
 
     share: Annotated[float, Meta(ge=0, le=100, description="percent of stable-dyed unary calls mirrored")] = (
         _SHADOW.share
@@ -139,7 +139,7 @@ class ShadowDoc(_Keys):
 
 
 class RolloutDoc(_Keys):
-    """A progressive rollout (sidecar/rollout.py): the canary's weight steps up while its gates are
+    """A progressive rollout (sidecar/rollout/policy.py): the canary's weight steps up while its gates are
     green, and goes to 0 when one is red. Also the body of POST /rollouts/<model>."""
 
     steps: Annotated[

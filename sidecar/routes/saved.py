@@ -1,4 +1,4 @@
-"""What the state file (sidecar/state.py) holds, checked whole before the sidecar uses any of it:
+"""What the state file (sidecar/routes/state_file.py) holds, checked whole before the sidecar uses any of it:
 its shape (declared below, so a message names the key path), every model name and version by the
 one name rule (modelyard.common.names), each route as an admin PUT's, each rollout's spec as a
 POST's (bounded, finite numbers). A file that fails is a StateError naming the file and what is
@@ -15,10 +15,10 @@ from msgspec import Meta
 
 from modelyard.common.names import InvalidName, check_name, check_version
 from modelyard.process.documents import DocumentError, load
-from modelyard.sidecar.rollout import MAX_HISTORY, Rollout
-from modelyard.sidecar.route_file import RolloutDoc, Weight
-from modelyard.sidecar.route_table import FROM_FILE, Change, ConfigError
-from modelyard.sidecar.state import StateError, load_state
+from modelyard.sidecar.rollout.policy import MAX_HISTORY, Rollout
+from modelyard.sidecar.routes.file import RolloutDoc, Weight
+from modelyard.sidecar.routes.state_file import StateError, load_state
+from modelyard.sidecar.routes.table import FROM_FILE, Change, ConfigError
 
 Seconds = Annotated[float, Meta(ge=0)]  # wall-clock seconds (finite: the file's JSON allows no other)
 

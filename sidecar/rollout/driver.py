@@ -26,7 +26,7 @@ from prometheus_client import CollectorRegistry, Gauge
 
 from modelyard.sidecar.breakers import BreakerKey
 from modelyard.sidecar.dyeing import stable_and_canary
-from modelyard.sidecar.rollout import (
+from modelyard.sidecar.rollout.policy import (
     ADMIN,
     GATES,
     MAX_CALLS,
@@ -37,8 +37,8 @@ from modelyard.sidecar.rollout import (
     RolloutSpec,
     Tally,
 )
-from modelyard.sidecar.route_table import FROM_ROLLOUT, RouteSource
-from modelyard.sidecar.state import audit
+from modelyard.sidecar.routes.state_file import audit
+from modelyard.sidecar.routes.table import FROM_ROLLOUT, RouteSource
 
 log = logging.getLogger(__name__)
 
