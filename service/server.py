@@ -291,7 +291,7 @@ def build_service(
     dataplane = DataPlane(manager, executor, batching)
     # Ensembles' versions run their steps through the data plane (the runtime knows none).
     manager.add_platform(ensembles.PLATFORM, ensembles.EnsembleLoader(dataplane).load)
-    generation = GenerationPlane(manager, executor, metrics)
+    generation = GenerationPlane(dataplane, executor, metrics)
     limits = [
         # Above the configured limit, which the handlers check so as to answer with a reason.
         ("grpc.max_receive_message_length", transport_limit(settings.max_message_bytes)),

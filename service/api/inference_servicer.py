@@ -73,8 +73,7 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
             version, request_id, priority, dye = call_fields(
                 context, model, request.model_version, request.request_id, request.priority
             )
-            held = self._dataplane.open(model, version)  # leased until the finally (Call)
-            try:
+            with self._dataplane.open(model, version) as held:  # the request's lease
                 if dye:
                     held.dye = dye
                     if dye == _SHADOW:
@@ -90,8 +89,6 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
                 result = await held.infer(
                     inputs, output_names, scheduling(context, priority, request.timeout_us, dye == _SHADOW)
                 )
-            finally:
-                held.served.release()
             version = str(result.version)
             if dye:  # a proxy's call: it judges the version by its run's own timing
                 call.answered_run(version, held.queue_ns, held.run_ns)

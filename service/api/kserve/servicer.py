@@ -336,16 +336,16 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
         if step is not None and (live := self._live_version(model, version, step)) is not None:
             held = self._dataplane.hold(live)
         else:
-            held = self._dataplane.open(model, version)  # leased until the finally (Call)
-        held.dye = dye
-        try:
+            held = self._dataplane.open(model, version)
+        with held:  # the request's lease, released when the block ends (dataplane.Call)
+            held.dye = dye
             if dye == DYE_SHADOW:
                 held.refuse_shadow()
             served = held.served
             if text_decoder(served) is not None:  # Triton's LLM tensors and responses: decoupled_decoder.py
                 regions = self._shm.of(partial(self._identify, context))
                 text = DecoderResponses.open(
-                    self._generation, served, request, context, request_id, priority, regions, decoupled
+                    self._generation, held, request, context, request_id, priority, regions, decoupled
                 )
                 return text, held
             # Each container read once (each read of a protobuf field makes a new object).
@@ -370,21 +370,19 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
                 if batching is None or scheduling.priority > batching.admission.priority_levels:
                     # As Triton: a priority the model does not have means its default level.
                     scheduling = scheduling._replace(priority=0)
-            if decoupled and (responses := held.decoupled(inputs, names, scheduling)) is not None:
+            if decoupled and held.is_decoupled:
                 if options.in_shm:
                     raise Unsupported(
                         f"model '{model}' is decoupled: its outputs are not written to shared memory "
                         "(each response carries its own)"
                     )
-                served.acquire()  # the responses' own lease, until the last one
+                own = held.detached()  # the responses' own lease, until the last one
                 answered = partial(_answered, request_id, classify, served)
-                return Responses(held, responses, answered, request), held
+                return Responses(own, own.decoupled(inputs, names, scheduling), answered, request), held
             if step is not None:
                 result = await held.infer_step(inputs, names, scheduling, step)
             else:
                 result = await held.infer(inputs, names, scheduling)
-        finally:
-            held.served.release()
         # Fields set one by one: cheaper than the constructor's keywords (and no empty id set).
         response = pb.ModelInferResponse()
         response.model_name, response.model_version = result.model, str(result.version)
