@@ -296,7 +296,10 @@ class Call(Lease):
     __slots__ = ("_fitted", "_plane", "admitted_ns", "dye", "queue_ns", "run_ns")
 
     def __init__(self, plane: DataPlane, served: ServedVersion) -> None:
-        Lease.__init__(self, served)
+        # Lease.__init__, inline (a call is made per request): the lease is taken here.
+        self.served = served
+        self._held = True
+        served.in_flight += 1
         self._plane = plane
         self._fitted: object = None  # the inputs decode_fixed gave, checked by their headers
         # The last run's own measurement (RunTiming): its wait from admission and its run, in
