@@ -72,9 +72,12 @@ class VersionStats:
         self.queue_count += requests
         self.queue_ns += waited_ns
 
-    def record_run(self, ok: bool, items: int, admitted_ns: int, start_ns: int) -> int:
-        """One request that was a run of its own (no batcher), of `items` batch rows: admitted at
-        `admitted_ns`, run from `start_ns` to now (returned, perf_counter ns). What
+    def record_run(
+        self, ok: bool, inputs: Mapping[str, np.ndarray], batched: int, admitted_ns: int, start_ns: int
+    ) -> int:
+        """One request that was a run of its own (no batcher): admitted at `admitted_ns`, run from
+        `start_ns` to now (returned, perf_counter ns). Its items are batch rows: the first
+        input's first dimension where the model batches (`batched`: its max_batch_size). What
         record_request and, when it succeeded, record_queue, record_execution and
         record_compute(1, ...) count, in one body: it runs on every request of a cheap model,
         where four calls more would be a measurable share of the request."""
@@ -89,7 +92,7 @@ class VersionStats:
         self.success_ns += end - admitted_ns
         self.queue_count += 1
         self.queue_ns += start_ns - admitted_ns
-        self.inference_count += items
+        self.inference_count += next(iter(inputs.values())).shape[0] if batched and inputs else 1
         self.execution_count += 1
         self.compute_ns += compute_ns
         self.compute_request_count += 1
@@ -142,14 +145,6 @@ class ServedVersion:
         self._retire_hooks: list[RetireHook] = []
         self.in_flight = 0  # the leases that hold it (Lease: the only code that changes this)
         self._drained: asyncio.Event | None = None
-
-    def record_run(self, ok: bool, inputs: Mapping[str, np.ndarray], admitted_ns: int, start_ns: int) -> int:
-        """A request that was one run of its own (no batcher), in the statistics: admitted at
-        `admitted_ns`, its run from `start_ns` to now (returned, perf_counter ns). Its items are
-        batch rows: the first input's first dimension where the model batches."""
-        batched = self.config.max_batch_size and inputs
-        items = next(iter(inputs.values())).shape[0] if batched else 1
-        return self.stats.record_run(ok, items, admitted_ns, start_ns)
 
     def on_retire(self, hook: RetireHook) -> None:
         """Call `hook` when this version retires, after it drained, before its session is dropped."""

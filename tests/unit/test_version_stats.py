@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import time
 
+import numpy as np
+
 from modelyard.service.runtime.served import VersionStats
 
 
@@ -23,7 +25,14 @@ def test_record_run_counts_what_its_parts_count() -> None:
         fused = VersionStats()
         admitted = time.perf_counter_ns()
         start = admitted + 1_000
-        end = fused.record_run(ok, 3, admitted, start)
+        inputs = {"x": np.zeros((3, 2), np.float32)}  # 3 batch rows, for a model that batches
+        end = fused.record_run(ok, inputs, 8, admitted, start)
         expected = _parts(ok, 3, admitted, start, end)
         fused.last_inference_ms = expected.last_inference_ms  # a wall-clock stamp: both "now"
         assert fused == expected, ok
+
+
+def test_a_model_that_does_not_batch_counts_one_item_per_run() -> None:
+    stats = VersionStats()
+    stats.record_run(True, {"x": np.zeros((3, 2), np.float32)}, 0, 0, 0)
+    assert stats.inference_count == 1 and stats.execution_count == 1
