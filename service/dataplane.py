@@ -4,9 +4,10 @@ Every API (ours, KServe V2, the flat one, Generate, an ensemble's steps) convert
 calls this; nothing here knows about protobuf or gRPC. A request resolves its version once and
 holds it to the end, on every path, unary or streamed:
 
-    with dataplane.open(model, version) as call:
-        inputs = await call.decode(headers, decode)
-        result = await call.infer(inputs, output_names, scheduling)
+    with dataplane.open(model, version, dye) as call:
+        inputs = await call.take_inputs(inputs, outputs, plain, headers, decode)
+        result = await call.infer(inputs, output_names, call.levelled(scheduling))
+    answers = await call.answer(result.outputs, classify, in_shm, regions)  # where asked
 
 so that the version whose limits checked the tensors, whose config sets the priority levels and
 labels, and the one that runs are the same. The `Call` is the request's lease (runtime/served.py's
@@ -22,25 +23,37 @@ import asyncio
 import time
 from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping, Sequence
 from concurrent.futures import Executor
-from typing import NamedTuple, TypeVar
+from typing import NamedTuple
 
 import numpy as np
 
-from modelyard.service import tracing
+from modelyard.common.headers import DYE_SHADOW
+from modelyard.common.names import echo
+from modelyard.service import answers, tracing
 from modelyard.service.batching.layer import BatchingLayer, VersionBatcher
 from modelyard.service.decoupled.runner import DecoupledRunner
-from modelyard.service.errors import ServiceError, ShadowDropped
+from modelyard.service.errors import ServiceError, ShadowDropped, Unsupported
 from modelyard.service.generation.model import DecoderModel
-from modelyard.service.intake import Bounds, TensorHeader, bounds_for, check_headers, decode_fixed, offload
+from modelyard.service.intake import (
+    INLINE_DECODE_BYTES,
+    Bounds,
+    TensorHeader,
+    bounds_for,
+    check_headers,
+    decode_fixed,
+    offload,
+    refuse_extra_tensors,
+)
 from modelyard.service.runtime.manager import ModelManager
 from modelyard.service.runtime.runs import RunTiming
 from modelyard.service.runtime.served import Lease, ServedVersion
 from modelyard.service.scheduling.queue import DEFAULT_SCHEDULING, Scheduling
 from modelyard.service.sequences.batcher import SequenceBatcher
 from modelyard.service.sequences.step import Step
+from modelyard.service.shm.registry import Regions
 from modelyard.tensors import TensorError, name_of
 
-T = TypeVar("T")
+Inputs = dict[str, np.ndarray]
 Outputs = dict[str, np.ndarray]
 _result = tuple.__new__
 
@@ -62,7 +75,7 @@ def _checked(
 ) -> tuple[str, ...]:
     """The outputs to compute, once the inputs fit the version; a request they do not fit counts
     as a failed inference of that version (as Triton's statistics count it). `fitted`: the inputs
-    were decoded from headers that fit (Call.decode_fixed), so that only what their headers do
+    were decoded from headers that fit (Call.take_inputs' plain request), so that only what their headers do
     not show is left to check: that every input is given, and one batch size across inputs."""
     signature = served.runner.signature
     try:
@@ -95,20 +108,21 @@ class DataPlane:
         self._bounds: dict[ServedVersion, Bounds] = {}
         self.known_bounds: Mapping[ServedVersion, Bounds] = self._bounds
 
-    def open(self, model: str, version: str) -> Call:
+    def open(self, model: str, version: str, dye: str = "") -> Call:
         """`with dataplane.open(model, version) as call:` resolves the version now (an unknown
         model or version raises here, leasing nothing) and leases it until the block ends. The
-        call's metrics and span name the version from here on, should it fail."""
+        call's metrics and span name the version from here on, should it fail. `dye`: the call's
+        x-model-dye (a proxy's call: its run is timed for its answer); a shadow call that finds
+        no spare capacity is refused here (ShadowDropped), before its tensors are decoded."""
         served = self._table.resolve(model, version)
         tracing.resolved(served.version_name)
-        return Call(self, served)
+        return Call(self, served, dye)
 
-    def hold(self, served: ServedVersion) -> Call:
+    def hold(self, served: ServedVersion, dye: str = "") -> Call:
         """`open` for a version already known: a live sequence's (which its own lease keeps even
-        once a reload took it out of the served table), or a second lease of a call's version
-        for work that outlives the call's block (a decoupled request's responses)."""
+        once a reload took it out of the served table), or a stream's that resolved it already."""
         tracing.resolved(served.version_name)
-        return Call(self, served)
+        return Call(self, served, dye)
 
     async def infer(
         self,
@@ -281,6 +295,16 @@ async def _outputs(started: Outputs | Awaitable[Outputs]) -> Outputs:
     return started if isinstance(started, dict) else await started
 
 
+def _priority_levels(served: ServedVersion) -> int:
+    """The priority levels a version's requests may ask: its dynamic batcher's, or a decoder's
+    decode queue's; 0 for a version with neither (every request at its default)."""
+    kind = served.runner.kind
+    if isinstance(kind, DecoderModel):
+        return kind.settings.admission.priority_levels
+    batching = served.config.dynamic_batching
+    return batching.admission.priority_levels if batching is not None else 0
+
+
 def _by_name(names: Sequence[str], arrays: Sequence[np.ndarray]) -> dict[str, np.ndarray]:
     """A run's outputs by name (ONNX Runtime returns one array per name asked, in order)."""
     if len(names) == 1 == len(arrays):  # most models: a dict of one, without zip's machinery
@@ -297,18 +321,22 @@ class Call(Lease):
 
     __slots__ = ("_fitted", "_plane", "admitted_ns", "dye", "queue_ns", "run_ns")
 
-    def __init__(self, plane: DataPlane, served: ServedVersion) -> None:
+    def __init__(self, plane: DataPlane, served: ServedVersion, dye: str = "") -> None:
         # Lease.__init__, inline (a call is made per request): the lease is taken here.
         self.served = served
         self._held = True
         served.in_flight += 1
         self._plane = plane
-        self._fitted: object = None  # the inputs decode_fixed gave, checked by their headers
+        self._fitted: object = None  # the inputs take_inputs decoded from plain headers
         # The last run's own measurement (RunTiming): its wait from admission and its run, in
         # perf_counter ns; what a unary answer to a dyed call reports as x-queue-us and x-run-us.
         self.admitted_ns = self.queue_ns = self.run_ns = 0
-        # The call's x-model-dye (set by the API): only a dyed call's run is timed for its answer.
-        self.dye = ""
+        # The call's x-model-dye (a proxy's call): only a dyed call's run is timed for its answer.
+        self.dye = dye
+        if dye == DYE_SHADOW and (refused := plane.shadow_refusal(served)) is not None:
+            # A shadow call runs on spare capacity only: refused before its tensors are decoded.
+            self.release()
+            raise refused
 
     def detached(self) -> Call:
         """A lease of its own on this call's version, for work that outlives this call's block
@@ -322,13 +350,6 @@ class Call(Lease):
     def is_decoupled(self) -> bool:
         """Whether the version answers a request with 0..N responses (`decoupled`)."""
         return isinstance(self._plane.batcher(self.served), DecoupledRunner)
-
-    def refuse_shadow(self) -> None:
-        """For a shadow call, before its tensors are decoded: raise ShadowDropped unless capacity
-        is spare now (a dropped shadow costs the service as little as it can)."""
-        refused = self._plane.shadow_refusal(self.served)
-        if refused is not None:
-            raise refused
 
     def _check(self, headers: Sequence[TensorHeader]) -> None:
         """Check a request's tensors (their headers) against the version's bounds."""
@@ -358,25 +379,98 @@ class Call(Lease):
             ]
         )
 
-    async def decode(self, headers: Sequence[TensorHeader], decode: Callable[[], T]) -> T:
-        """Check a request's tensors (their headers) against the version, then decode them:
-        inline when small, in the executor when large, so that the event loop never waits on a
-        request's decoding. `infer` checks the decoded arrays again."""
-        self._check(headers)
-        if offload(headers):
+    async def take_inputs(
+        self,
+        inputs: int,
+        outputs: int,
+        plain: tuple[Sequence[TensorHeader], Sequence[bytes]] | None,
+        headers: Callable[[], Sequence[TensorHeader]],
+        decode: Callable[[], Inputs],
+    ) -> Inputs:
+        """A request's input tensors, checked against the version before a byte of them is
+        decoded (service/intake.py), for every API alike. `inputs` and `outputs`: how many the
+        request names (many more than the model has are refused before any work per tensor).
+        `plain`: the headers and raw bytes of a plain request (fixed-size datatypes, raw
+        contents: the API tells), decoded without copying, on the loop; `infer` on these arrays
+        checks only what the headers cannot show. Any other request's `headers()` are checked,
+        then `decode()` runs: inline when small, in the executor when large, so that the event
+        loop never waits on a request's decoding; `infer` checks the decoded arrays again."""
+        served = self.served
+        refuse_extra_tensors(served.model, served.runner.signature, inputs, outputs)
+        if plain is not None:
+            self._check(plain[0])
+            arrays = decode_fixed(*plain)
+            self._fitted = arrays
+            return arrays
+        described = headers()
+        self._check(described)
+        if offload(described):
             return await asyncio.get_running_loop().run_in_executor(self._plane.executor, decode)
         return decode()
 
-    def decode_fixed(
-        self, headers: Sequence[TensorHeader], contents: Sequence[bytes]
-    ) -> dict[str, np.ndarray]:
-        """A plain request's tensors (fixed-size datatypes, raw bytes: service/intake.py
-        decode_fixed), checked by their headers and decoded without copying, on the loop. `infer`
-        on these arrays checks only what the headers cannot show (_checked)."""
-        self._check(headers)
-        arrays = decode_fixed(headers, contents)
-        self._fitted = arrays
-        return arrays
+    def levelled(self, scheduling: Scheduling) -> Scheduling:
+        """`scheduling` at a priority the version has: as Triton's KServe rule, a priority level
+        the version does not have (no dynamic batching, or past its levels) means its default.
+        (Our own API refuses such a priority instead: the admission queue says why.)"""
+        if scheduling.priority and scheduling.priority > _priority_levels(self.served):
+            return scheduling._replace(priority=0)
+        return scheduling
+
+    def responses(
+        self,
+        inputs: Mapping[str, np.ndarray],
+        output_names: Sequence[str],
+        scheduling: Scheduling,
+        to_shared_memory: bool = False,
+    ) -> tuple[Call, AsyncGenerator[InferResult]] | None:
+        """A decoupled version's responses to the request (service/decoupled/), each as it comes,
+        on a lease of their own (`detached`: its holder releases it once they end); None for a
+        version that is not decoupled (one response: `infer`). Their outputs ride in each
+        response: one asked into shared memory is refused."""
+        if not self.is_decoupled:
+            return None
+        if to_shared_memory:
+            raise Unsupported(
+                f"model {echo(self.served.model)} is decoupled: its outputs are not written to shared "
+                "memory (each response carries its own)"
+            )
+        own = self.detached()
+        results = own.decoupled(inputs, output_names, scheduling)
+        assert results is not None
+        return own, results
+
+    def classified(self, outputs: Outputs, classify: Mapping[str, int], by_row: bool = True) -> Outputs:
+        """`outputs` with those named in `classify` as Triton's classification strings (their k
+        largest values, with the version's class labels): row by row where `by_row` and the
+        version batches."""
+        served = self.served
+        batched = by_row and bool(served.config.max_batch_size)
+        return answers.classified(outputs, classify, batched, served.labels)
+
+    async def answer(
+        self,
+        outputs: Outputs,
+        classify: Mapping[str, int],
+        in_shm: Mapping[str, answers.ShmLocation],
+        regions: Callable[[], Regions],
+    ) -> Outputs:
+        """A run's outputs as the request asked them beyond their names: classified (`classify`:
+        k by output), and those named in `in_shm` written into the caller's shared memory
+        regions (`regions()`), off the event loop when large. The outputs are returned (an
+        API's answer still names those in shared memory, with an empty payload)."""
+        if classify:
+            outputs = self.classified(outputs, classify)
+        if in_shm:
+            shared = regions()
+            if sum(size for _, _, size in in_shm.values()) > INLINE_DECODE_BYTES:
+                # Large copies into shared memory (pwrite) go off the event loop (the loop's own
+                # executor: the run threads are the models').
+                await asyncio.get_running_loop().run_in_executor(
+                    None, answers.write_to_regions, outputs, in_shm, shared
+                )
+            else:
+                answers.write_to_regions(outputs, in_shm, shared)
+        return outputs
 
     async def infer(
         self,

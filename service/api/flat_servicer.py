@@ -54,11 +54,11 @@ class FlatInferenceServicer:
                 TensorHeader(name, name_of(array.dtype), array.shape, array.nbytes, False)
                 for name, array in decoded.tensors.items()
             ]
-            with self._dataplane.open(decoded.model_name, version) as held:
-                held.dye = dye
-                if dye == DYE_SHADOW:
-                    held.refuse_shadow()
-                inputs = await held.decode(headers, lambda: decoded.tensors)
+            with self._dataplane.open(decoded.model_name, version, dye) as held:
+                # Its arrays are views of the request's bytes already: checked by their headers.
+                inputs = await held.take_inputs(
+                    len(headers), len(decoded.output_names), None, lambda: headers, lambda: decoded.tensors
+                )
                 asked = scheduling(context, priority, 0, dye == DYE_SHADOW)
                 result = await held.infer(inputs, decoded.output_names, asked)
             if dye:  # a proxy's call: it judges the version by its run's own timing

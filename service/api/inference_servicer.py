@@ -17,7 +17,7 @@ from modelyard.service.api.errors import Context, deadline_passed, end_stalled, 
 from modelyard.service.api.generation_convert import headers_early, to_generate_params, to_generate_response
 from modelyard.service.api.metadata import call_fields
 from modelyard.service.api.scheduling import scheduling
-from modelyard.service.api.tensor_headers import our_headers, our_plain, refuse_extra_tensors
+from modelyard.service.api.tensor_headers import our_headers, our_plain
 from modelyard.service.dataplane import DataPlane
 from modelyard.service.generation.plane import GenerationPlane
 from modelyard.service.metrics import ServiceMetrics
@@ -73,19 +73,14 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
             version, request_id, priority, dye = call_fields(
                 context, model, request.model_version, request.request_id, request.priority
             )
-            with self._dataplane.open(model, version) as held:  # the request's lease
-                if dye:
-                    held.dye = dye
-                    if dye == _SHADOW:
-                        held.refuse_shadow()
-                signature = held.served.runner.signature
-                refuse_extra_tensors(model, signature, len(tensors), len(output_names))
-                # Decoded only once the tensors' headers fit the version (service/intake.py).
-                plain = our_plain(tensors)
-                if plain is not None:  # fixed-size datatypes: decoded from the checked headers
-                    inputs = held.decode_fixed(*plain)
-                else:
-                    inputs = await held.decode(our_headers(tensors), partial(to_arrays, tensors))
+            with self._dataplane.open(model, version, dye) as held:  # the request's lease
+                inputs = await held.take_inputs(
+                    len(tensors),
+                    len(output_names),
+                    our_plain(tensors),  # fixed-size datatypes: decoded from the checked headers
+                    partial(our_headers, tensors),
+                    partial(to_arrays, tensors),
+                )
                 result = await held.infer(
                     inputs, output_names, scheduling(context, priority, request.timeout_us, dye == _SHADOW)
                 )
@@ -111,12 +106,14 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
             # The whole stream holds the one version it resolved; a cancelled stream lets go of
             # it at once (the `with` and aclosing end with the handler, not at garbage collection).
             with self._dataplane.open(request.model_name, version) as held:
-                signature = held.served.runner.signature
-                refuse_extra_tensors(
-                    request.model_name, signature, len(request.inputs), len(request.output_names)
+                tensors = request.inputs
+                inputs = await held.take_inputs(
+                    len(tensors),
+                    len(request.output_names),
+                    None,  # decoded in the executor when large (a stream's batch often is)
+                    partial(our_headers, tensors),
+                    partial(to_arrays, tensors),
                 )
-                headers = our_headers(request.inputs)
-                inputs = await held.decode(headers, partial(to_arrays, request.inputs))
                 chunks = held.infer_chunks(
                     inputs,
                     request.output_names,

@@ -4,32 +4,10 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
-from modelyard.common.names import echo
 from modelyard.inference.v1 import tensor_pb2
 from modelyard.kserve.v2.grpc_service_pb2 import ModelInferRequest
-from modelyard.service.errors import InvalidInput
 from modelyard.service.intake import TensorHeader
-from modelyard.service.runtime.signature import Signature
 from modelyard.tensors import NUMPY_BY_NAME, datatype_name, is_known
-
-# A few extra tensors get the precise answer of the checks per tensor (unknown, given twice).
-EXTRA_TENSORS_CHECKED = 64
-
-
-def refuse_extra_tensors(model: str, signature: Signature, inputs: int, outputs: int) -> None:
-    """InvalidInput when a request names many more inputs or outputs than the model has: it
-    cannot be valid, and refusing it before any work per tensor keeps a message of 700,000
-    tensors from holding the event loop for seconds."""
-    if inputs <= len(signature.inputs) + EXTRA_TENSORS_CHECKED and outputs <= (
-        len(signature.outputs) + EXTRA_TENSORS_CHECKED
-    ):
-        return  # every request but those refused (it runs on each)
-    for kind, given, own in (
-        ("inputs", inputs, len(signature.inputs)),
-        ("outputs", outputs, len(signature.outputs)),
-    ):
-        if given > own + EXTRA_TENSORS_CHECKED:
-            raise InvalidInput(f"the request names {given} {kind}; model {echo(model)} has {own}")
 
 
 def our_headers(tensors: Iterable[tensor_pb2.Tensor]) -> list[TensorHeader]:

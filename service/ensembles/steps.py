@@ -117,15 +117,11 @@ def _for_step(
     call: Call, scheduling: Scheduling, deadline: float | None, loop: asyncio.AbstractEventLoop
 ) -> Scheduling:
     """The request's scheduling as a step asks it of its model: the deadline that is left, and
-    the priority where the step's model has that level (as Triton's KServe rule: else its default)."""
-    priority = scheduling.priority
-    batching = call.served.config.dynamic_batching
-    if priority and (batching is None or priority > batching.admission.priority_levels):
-        priority = 0
-    remaining = None if deadline is None else max(0.0, deadline - loop.time())
-    if priority == scheduling.priority and remaining is None:
-        return scheduling
-    return Scheduling(priority, scheduling.timeout_us, remaining, scheduling.shadow)
+    the priority where the step's model has that level (Call.levelled: else its default)."""
+    levelled = call.levelled(scheduling)
+    if deadline is None:
+        return levelled
+    return levelled._replace(time_remaining_s=max(0.0, deadline - loop.time()))
 
 
 def _step_error(exc: ServiceError, where: str) -> ServiceError:

@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any
 
 import grpc
 import numpy as np
@@ -169,7 +168,7 @@ async def test_a_decoupled_request_lets_go_when_its_responses_end_or_its_client_
     # The client leaves after the first of many slow responses.
     stream = kserve.ModelStreamInfer(one(repeat(list(range(20)), delays_ms=[200] * 20)))
     first = await stream.read()
-    assert not first.error_message
+    assert isinstance(first, kpb.ModelStreamInferResponse) and not first.error_message
     assert served.in_flight >= 1  # its responses hold the version
     stream.cancel()
     await _released(served)

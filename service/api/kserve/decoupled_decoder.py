@@ -225,10 +225,9 @@ class DecoderResponses:
                         f"model '{served.model}' is a decoder, and this server does not generate"
                     )
                 asked = parse(self._request, self._decoder, self._regions)
-                scheduling = kserve_scheduling(context, self._request.parameters, self._priority)
-                if scheduling.priority > self._decoder.settings.admission.priority_levels:
-                    # As Triton: a priority the model does not have means its default level.
-                    scheduling = scheduling._replace(priority=0)
+                scheduling = self._held.levelled(
+                    kserve_scheduling(context, self._request.parameters, self._priority)
+                )
                 events = self._plane.generate(
                     served.model,
                     served.version_name,
