@@ -23,7 +23,7 @@ from modelyard.common.names import echo
 from modelyard.service.errors import InvalidInput, TooLarge
 from modelyard.service.generation.layout import ATTENTION_MASK, INPUT_IDS, POSITION_IDS
 from modelyard.service.generation.model import DecoderModel
-from modelyard.service.repository.config import LimitsConfig
+from modelyard.service.repository.model_config import LimitsConfig
 from modelyard.service.runtime.signature import Signature, TensorSpec
 from modelyard.tensors import MAX_SHAPE_ELEMENTS, NUMPY_BY_NAME, element_count
 

@@ -49,7 +49,7 @@ from modelyard.service.errors import (
     ServiceError,
 )
 from modelyard.service.metrics import BatchingMetrics
-from modelyard.service.repository.config import ModelConfig
+from modelyard.service.repository.model_config import ModelConfig
 from modelyard.service.runtime.instances import Instance, Instances
 from modelyard.service.runtime.providers import CUDA
 from modelyard.service.runtime.runs import RunControl, RunTiming

@@ -16,7 +16,7 @@ from typing import Self
 
 import numpy as np
 
-from modelyard.service.repository.config import ModelConfig
+from modelyard.service.repository.model_config import ModelConfig
 from modelyard.service.runtime.instances import Instances
 from modelyard.service.runtime.runs import ActiveRuns
 from modelyard.service.runtime.session import ModelRunner

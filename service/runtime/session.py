@@ -36,7 +36,7 @@ from modelyard.service.errors import (
     ServiceError,
     Unsupported,
 )
-from modelyard.service.repository.config import ModelConfig, TensorConfig
+from modelyard.service.repository.model_config import ModelConfig, TensorConfig
 from modelyard.service.runtime import bf16
 from modelyard.service.runtime.cost import value_driven
 from modelyard.service.runtime.device_errors import names_a_device_failure, names_out_of_device_memory

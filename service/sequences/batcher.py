@@ -50,7 +50,7 @@ from modelyard.service.errors import (
     SequenceStateError,
     ServiceError,
 )
-from modelyard.service.repository.config import SequenceBatchingConfig
+from modelyard.service.repository.model_config import SequenceBatchingConfig
 from modelyard.service.runtime.instances import Instance
 from modelyard.service.runtime.runs import RunControl, RunTiming
 from modelyard.service.runtime.served import Lease, ServedVersion

@@ -2,9 +2,9 @@
 repository, configuration and statistics extensions, over the same data plane as our own API.
 
 Each RPC checks the request's names, converts, and delegates: inference to the data plane
-(tensors.py, classification.py), the repository extension to the model control ModelService
+(tensors.py; classification in service/answers.py), the repository extension to the model control ModelService
 shares (repository.py), Triton's ModelConfig to triton_config.py, statistics to statistics.py,
-shared memory to shared_memory.py, log and trace settings to settings.py."""
+shared memory to shared_memory.py, log and trace settings to log_trace_settings.py."""
 
 from __future__ import annotations
 
@@ -22,11 +22,17 @@ from modelyard.kserve.v2 import grpc_service_pb2 as pb
 from modelyard.kserve.v2 import grpc_service_pb2_grpc as pb_grpc
 from modelyard.service import __version__
 from modelyard.service.api.errors import Context, abort, in_band_message, serving
-from modelyard.service.api.kserve import decoupled_decoder, repository, settings, shared_memory, statistics
+from modelyard.service.api.kserve import (
+    decoupled_decoder,
+    log_trace_settings,
+    repository,
+    shared_memory,
+    statistics,
+)
 from modelyard.service.api.kserve.decoupled import Responses
 from modelyard.service.api.kserve.decoupled_decoder import DecoderResponses, text_decoder
+from modelyard.service.api.kserve.log_trace_settings import LogSettings, TraceSettings
 from modelyard.service.api.kserve.sequences import sequence_step
-from modelyard.service.api.kserve.settings import LogSettings, TraceSettings
 from modelyard.service.api.kserve.tensors import (
     NO_OPTIONS,
     decode_inputs,
@@ -283,7 +289,7 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
 
     async def LogSettings(self, request: pb.LogSettingsRequest, context: Context) -> pb.LogSettingsResponse:
         async with serving(context, self._metrics, "LogSettings", ""):
-            return settings.answer_log_settings(self._logs, request)
+            return log_trace_settings.answer_log_settings(self._logs, request)
 
     async def TraceSetting(
         self, request: pb.TraceSettingRequest, context: Context
@@ -292,7 +298,7 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
             check_model(request.model_name, optional=True)  # no name: the global settings
             if request.model_name:
                 self._manager.status(request.model_name)  # NOT_FOUND for a model it does not know
-            return settings.answer_trace_setting(self._traces, request)
+            return log_trace_settings.answer_trace_setting(self._traces, request)
 
     def _live_version(self, model: str, version: str, step: Step) -> ServedVersion | None:
         """The version a step's live sequence lives on, unless it is a START or names another."""
