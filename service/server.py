@@ -412,7 +412,8 @@ def request_pipelines(
         size_limit(max_message_bytes, metrics),
         access,
     ]
-    # Health and reflection are not size-checked (as before); they pass the rest. Health's Watch
+    # Health and reflection are not size-checked (their requests are small, and a probe must not
+    # be refused); they pass the rest. Health's Watch
     # writes with context.write, which the size check's stream wrapper does not take.
     return Pipelines(apis, [decode, access])
 

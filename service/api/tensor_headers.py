@@ -23,9 +23,9 @@ def our_headers(tensors: Iterable[tensor_pb2.Tensor]) -> list[TensorHeader]:
 # Datatypes whose raw contents decode without touching elements (np.frombuffer).
 _FIXED_SIZE = frozenset(name for name in NUMPY_BY_NAME if name != "BYTES")
 # A plain request's header per tensor, made as the tuple it is (`_header(TensorHeader, (...))`):
-# a NamedTuple's own __new__ is Python, ~1 us per tensor of every request under load. And a
-# shape is read as `tensor.shape[:]` (a list) then made a tuple: half of tuple(tensor.shape),
-# which iterates protobuf's container element by element.
+# a NamedTuple's own __new__ is a Python function, called for every tensor of every request. And
+# a shape is read as `tensor.shape[:]` (a list) then made a tuple: tuple(tensor.shape) would
+# iterate protobuf's container element by element.
 _header = tuple.__new__
 
 

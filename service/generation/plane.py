@@ -32,8 +32,8 @@ from modelyard.service.scheduling.queue import DEFAULT_SCHEDULING, Scheduling
 TTFT_ATTRIBUTE = "modelyard.generation.time_to_first_token_s"
 INPUT_TOKENS = "gen_ai.usage.input_tokens"
 OUTPUT_TOKENS = "gen_ai.usage.output_tokens"
-# Prompts up to this many characters are tokenized on the event loop (0.7-0.8 us a character on
-# a loaded 2-core machine: at most ~0.2 ms), longer ones in the executor.
+# Prompts up to this many characters are tokenized on the event loop (a short hold of the loop,
+# less than the executor's round trip), longer ones in the executor.
 INLINE_PROMPT_CHARS = 256
 
 
@@ -131,9 +131,9 @@ class GenerationPlane:
 
     async def _encode(self, codec: TextCodec, text: str, add_special_tokens: bool = True) -> list[int]:
         if len(text) <= INLINE_PROMPT_CHARS:
-            # A short prompt's tokenizing (tens of us) costs less than the executor's round
-            # trip, which is on the first token's path (two thread hand-offs, 0.1-0.4 ms, and
-            # a wait behind decode steps under load).
+            # A short prompt's tokenizing costs less than the executor's round trip, which is
+            # on the first token's path (two thread hand-offs, and a wait behind decode steps
+            # under load).
             return codec.encode(text, add_special_tokens)
         # A long prompt's tokenizing is CPU work: not on the event loop.
         return await asyncio.get_running_loop().run_in_executor(

@@ -100,7 +100,7 @@ class GenerationSequence:
         self.version = version
         self.state = State.WAITING
         # A greedy choice draws nothing: such a sequence shares one generator that is never drawn
-        # from, instead of seeding its own (about 40 us a request, before its first token).
+        # from, instead of seeding its own (seeding is work on the first token's path).
         self.rng: np.random.Generator = _UNDRAWN if request.sampling.greedy else request.sampling.generator()
         self.produced = Produced(request.sampling)  # for its penalties: touched by the choosing thread
         self.text = TextStream(decoder, request.stop)
