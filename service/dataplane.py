@@ -383,23 +383,25 @@ class Call(Lease):
         self,
         inputs: int,
         outputs: int,
-        plain: tuple[Sequence[TensorHeader], Sequence[bytes]] | None,
+        plain: Callable[[], tuple[Sequence[TensorHeader], Sequence[bytes]] | None] | None,
         headers: Callable[[], Sequence[TensorHeader]],
         decode: Callable[[], Inputs],
     ) -> Inputs:
         """A request's input tensors, checked against the version before a byte of them is
         decoded (service/intake.py), for every API alike. `inputs` and `outputs`: how many the
-        request names (many more than the model has are refused before any work per tensor).
-        `plain`: the headers and raw bytes of a plain request (fixed-size datatypes, raw
-        contents: the API tells), decoded without copying, on the loop; `infer` on these arrays
-        checks only what the headers cannot show. Any other request's `headers()` are checked,
+        request names (many more than the model has are refused before any work per tensor, so
+        each reader below is called only after that). `plain()`: the headers and raw bytes of a
+        plain request (fixed-size datatypes, raw contents: the API tells), or None; a plain
+        request is decoded without copying, on the loop, and `infer` on these arrays checks only
+        what the headers cannot show. Any other request's `headers()` are checked,
         then `decode()` runs: inline when small, in the executor when large, so that the event
         loop never waits on a request's decoding; `infer` checks the decoded arrays again."""
         served = self.served
         refuse_extra_tensors(served.model, served.runner.signature, inputs, outputs)
-        if plain is not None:
-            self._check(plain[0])
-            arrays = decode_fixed(*plain)
+        fixed = plain() if plain is not None else None
+        if fixed is not None:
+            self._check(fixed[0])
+            arrays = decode_fixed(*fixed)
             self._fitted = arrays
             return arrays
         described = headers()

@@ -77,7 +77,7 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
                 inputs = await held.take_inputs(
                     len(tensors),
                     len(output_names),
-                    our_plain(tensors),  # fixed-size datatypes: decoded from the checked headers
+                    partial(our_plain, tensors),  # fixed-size datatypes: decoded from the checked headers
                     partial(our_headers, tensors),
                     partial(to_arrays, tensors),
                 )

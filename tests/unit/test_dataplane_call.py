@@ -65,7 +65,7 @@ async def test_a_plain_request_is_checked_by_its_headers_and_what_they_cannot_sh
         raise AssertionError("a plain request is decoded from its headers")
 
     async def take(held: Call, headers: list[TensorHeader], contents: list[bytes]) -> dict[str, np.ndarray]:
-        return await held.take_inputs(len(headers), 0, (headers, contents), unused, unused)
+        return await held.take_inputs(len(headers), 0, lambda: (headers, contents), unused, unused)
 
     try:
         await manager.load_all()
@@ -92,6 +92,38 @@ async def test_a_plain_request_is_checked_by_its_headers_and_what_they_cannot_sh
         stats = manager.resolve("mio").stats
         # The inputs' checks count a refusal as a failed inference (decoding errors do not, as before).
         assert (stats.success_count, stats.fail_count) == (1, 2)
+    finally:
+        await manager.close()
+        executor.shutdown()
+
+
+async def test_a_request_naming_far_more_tensors_than_the_model_has_is_refused_before_they_are_read(
+    tmp_path: Path,
+) -> None:
+    """take_inputs refuses it from the counts alone: none of the API's readers (plain, headers,
+    decode), whose work is per tensor, is called; and the lease is let go."""
+    demo_models.write_model(tmp_path, "m", 1, demo_models.scaled_identity(4, 1.0))
+    manager = ModelManager(tmp_path, ProviderChoice(False, "test: CPU"))
+    executor = ThreadPoolExecutor(max_workers=1)
+    read: list[str] = []
+
+    def reader(name: str) -> Any:
+        def read_it() -> Any:
+            read.append(name)
+            raise AssertionError(f"{name} was read")
+
+        return read_it
+
+    try:
+        await manager.load_all()
+        plane = DataPlane(manager, executor)
+        for inputs, outputs in ((700_000, 0), (1, 700_000)):
+            with plane.open("m", "") as held, pytest.raises(InvalidInput, match="the request names 700000"):
+                await held.take_inputs(inputs, outputs, reader("plain"), reader("headers"), reader("decode"))
+        assert read == [] and manager.resolve("m").in_flight == 0
+        # At the model's own counts, the readers are used.
+        with plane.open("m", "") as held, pytest.raises(AssertionError, match="plain was read"):
+            await held.take_inputs(1, 1, reader("plain"), reader("headers"), reader("decode"))
     finally:
         await manager.close()
         executor.shutdown()

@@ -360,7 +360,7 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
             inputs = await held.take_inputs(
                 len(tensors),
                 len(outputs),
-                kserve_plain(tensors, request.raw_input_contents),
+                partial(kserve_plain, tensors, request.raw_input_contents),
                 partial(kserve_headers, request),
                 partial(self._decode, request, context),
             )
