@@ -5,7 +5,7 @@ calls this; nothing here knows about protobuf or gRPC. A request resolves its ve
 holds it to the end, on every path, unary or streamed:
 
     with dataplane.open(model, version, dye) as call:
-        inputs = await call.take_inputs(inputs, outputs, plain, headers, decode)
+        inputs = await call.take_inputs(inputs, outputs, request, reader)
         result = await call.infer(inputs, output_names, call.levelled(scheduling))
     answers = await call.answer(result.outputs, classify, in_shm, regions)  # where asked
 
@@ -23,7 +23,8 @@ import asyncio
 import time
 from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping, Sequence
 from concurrent.futures import Executor
-from typing import NamedTuple
+from dataclasses import dataclass
+from typing import Generic, NamedTuple, TypeVar
 
 import numpy as np
 
@@ -55,6 +56,25 @@ from modelyard.tensors import TensorError, name_of
 
 Inputs = dict[str, np.ndarray]
 Outputs = dict[str, np.ndarray]
+S = TypeVar("S")
+
+
+def _not_plain(source: object) -> None:
+    return None
+
+
+@dataclass(frozen=True, slots=True)
+class TensorReader(Generic[S]):
+    """How one API reads its request's tensors (`source`: as its servicer holds them) for
+    Call.take_inputs, made once per API: `plain`, a plain request's headers and raw bytes (None
+    for any other); `headers`, any request's headers, read without decoding; `decode`, its
+    arrays. Plain functions of the source, so that a request makes no reader of its own."""
+
+    headers: Callable[[S], Sequence[TensorHeader]]
+    decode: Callable[[S], Inputs]
+    plain: Callable[[S], tuple[Sequence[TensorHeader], Sequence[bytes]] | None] = _not_plain
+
+
 _result = tuple.__new__
 
 
@@ -379,36 +399,32 @@ class Call(Lease):
             ]
         )
 
-    async def take_inputs(
-        self,
-        inputs: int,
-        outputs: int,
-        plain: Callable[[], tuple[Sequence[TensorHeader], Sequence[bytes]] | None] | None,
-        headers: Callable[[], Sequence[TensorHeader]],
-        decode: Callable[[], Inputs],
-    ) -> Inputs:
+    async def take_inputs(self, inputs: int, outputs: int, source: S, reader: TensorReader[S]) -> Inputs:
         """A request's input tensors, checked against the version before a byte of them is
         decoded (service/intake.py), for every API alike. `inputs` and `outputs`: how many the
         request names (many more than the model has are refused before any work per tensor, so
-        each reader below is called only after that). `plain()`: the headers and raw bytes of a
-        plain request (fixed-size datatypes, raw contents: the API tells), or None; a plain
-        request is decoded without copying, on the loop, and `infer` on these arrays checks only
-        what the headers cannot show. Any other request's `headers()` are checked,
-        then `decode()` runs: inline when small, in the executor when large, so that the event
-        loop never waits on a request's decoding; `infer` checks the decoded arrays again."""
+        `reader` is used only after that). `source`: the request's tensors as the API holds them,
+        which its `reader` reads: a plain request (`reader.plain`: fixed-size datatypes, raw
+        contents) is decoded from its checked headers without copying, on the loop, and `infer`
+        on these arrays checks only what the headers cannot show; any other's `reader.headers`
+        are checked, then `reader.decode` runs: inline when small, in the executor when large, so
+        that the event loop never waits on a request's decoding; `infer` checks the decoded
+        arrays again."""
         served = self.served
         refuse_extra_tensors(served.model, served.runner.signature, inputs, outputs)
-        fixed = plain() if plain is not None else None
+        fixed = reader.plain(source)
         if fixed is not None:
             self._check(fixed[0])
             arrays = decode_fixed(*fixed)
             self._fitted = arrays
             return arrays
-        described = headers()
+        described = reader.headers(source)
         self._check(described)
         if offload(described):
-            return await asyncio.get_running_loop().run_in_executor(self._plane.executor, decode)
-        return decode()
+            return await asyncio.get_running_loop().run_in_executor(
+                self._plane.executor, reader.decode, source
+            )
+        return reader.decode(source)
 
     def levelled(self, scheduling: Scheduling) -> Scheduling:
         """`scheduling` at a priority the version has: as Triton's KServe rule, a priority level

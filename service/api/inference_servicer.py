@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Iterable, Mapping
 from contextlib import aclosing
-from functools import partial
 
 import grpc
 import numpy as np
@@ -13,12 +12,13 @@ import numpy as np
 from modelyard.common import headers
 from modelyard.inference.v1 import inference_service_pb2 as pb
 from modelyard.inference.v1 import inference_service_pb2_grpc as pb_grpc
+from modelyard.inference.v1 import tensor_pb2
 from modelyard.service.api.errors import Context, deadline_passed, end_stalled, serving
 from modelyard.service.api.generation_convert import headers_early, to_generate_params, to_generate_response
 from modelyard.service.api.metadata import call_fields
 from modelyard.service.api.scheduling import scheduling
 from modelyard.service.api.tensor_headers import our_headers, our_plain
-from modelyard.service.dataplane import DataPlane
+from modelyard.service.dataplane import DataPlane, TensorReader
 from modelyard.service.generation.plane import GenerationPlane
 from modelyard.service.metrics import ServiceMetrics
 from modelyard.tensors import datatype_value, to_arrays, to_tensors, to_wire
@@ -58,6 +58,12 @@ def _response(
     return response
 
 
+# Our API's tensors, for the data plane (Call.take_inputs): a plain request's fixed-size
+# datatypes decode from their checked headers; InferStream's decode as any other's.
+OUR_TENSORS = TensorReader(our_headers, to_arrays, our_plain)
+STREAMED_TENSORS: TensorReader[Iterable[tensor_pb2.Tensor]] = TensorReader(our_headers, to_arrays)
+
+
 class InferenceServicer(pb_grpc.InferenceServiceServicer):
     def __init__(self, dataplane: DataPlane, generation: GenerationPlane, metrics: ServiceMetrics) -> None:
         self._dataplane = dataplane
@@ -74,13 +80,7 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
                 context, model, request.model_version, request.request_id, request.priority
             )
             with self._dataplane.open(model, version, dye) as held:  # the request's lease
-                inputs = await held.take_inputs(
-                    len(tensors),
-                    len(output_names),
-                    partial(our_plain, tensors),  # fixed-size datatypes: decoded from the checked headers
-                    partial(our_headers, tensors),
-                    partial(to_arrays, tensors),
-                )
+                inputs = await held.take_inputs(len(tensors), len(output_names), tensors, OUR_TENSORS)
                 result = await held.infer(
                     inputs, output_names, scheduling(context, priority, request.timeout_us, dye == _SHADOW)
                 )
@@ -107,12 +107,9 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
             # it at once (the `with` and aclosing end with the handler, not at garbage collection).
             with self._dataplane.open(request.model_name, version) as held:
                 tensors = request.inputs
+                # Decoded in the executor when large (a stream's batch often is).
                 inputs = await held.take_inputs(
-                    len(tensors),
-                    len(request.output_names),
-                    None,  # decoded in the executor when large (a stream's batch often is)
-                    partial(our_headers, tensors),
-                    partial(to_arrays, tensors),
+                    len(tensors), len(request.output_names), tensors, STREAMED_TENSORS
                 )
                 chunks = held.infer_chunks(
                     inputs,

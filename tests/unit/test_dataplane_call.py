@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from models import demo_models
-from modelyard.service.dataplane import Call, DataPlane
+from modelyard.service.dataplane import Call, DataPlane, TensorReader
 from modelyard.service.errors import InvalidInput
 from modelyard.service.intake import TensorHeader
 from modelyard.service.runtime.manager import ModelManager
@@ -31,7 +31,8 @@ async def test_a_call_runs_on_the_version_it_resolved_though_a_reload_swapped_th
         x = np.ones((1, 4), np.float32)
         headers = [TensorHeader("INPUT0", "FP32", (1, 4), x.nbytes, False)]
         with plane.open("m", "") as held:
-            inputs = await held.take_inputs(1, 0, None, lambda: headers, lambda: {"INPUT0": x})
+            reader: TensorReader[None] = TensorReader(lambda _: headers, lambda _: {"INPUT0": x})
+            inputs = await held.take_inputs(1, 0, None, reader)
             # A new version arrives and is swapped in while this request holds version 1.
             demo_models.write_model(tmp_path, "m", 2, demo_models.scaled_identity(4, 2.0))
             await manager.reconcile("m")
@@ -61,11 +62,13 @@ async def test_a_plain_request_is_checked_by_its_headers_and_what_they_cannot_sh
         headers = [TensorHeader(n, d, x.shape, x.nbytes, False) for n, d, x in tensors]
         return headers, [x.tobytes() for _, _, x in tensors]
 
-    def unused() -> Any:
+    def unused(source: object) -> Any:
         raise AssertionError("a plain request is decoded from its headers")
 
     async def take(held: Call, headers: list[TensorHeader], contents: list[bytes]) -> dict[str, np.ndarray]:
-        return await held.take_inputs(len(headers), 0, lambda: (headers, contents), unused, unused)
+        return await held.take_inputs(
+            len(headers), 0, None, TensorReader(unused, unused, lambda _: (headers, contents))
+        )
 
     try:
         await manager.load_all()
@@ -108,22 +111,24 @@ async def test_a_request_naming_far_more_tensors_than_the_model_has_is_refused_b
     read: list[str] = []
 
     def reader(name: str) -> Any:
-        def read_it() -> Any:
+        def read_it(source: object) -> Any:
             read.append(name)
             raise AssertionError(f"{name} was read")
 
         return read_it
+
+    readers = TensorReader(reader("headers"), reader("decode"), reader("plain"))
 
     try:
         await manager.load_all()
         plane = DataPlane(manager, executor)
         for inputs, outputs in ((700_000, 0), (1, 700_000)):
             with plane.open("m", "") as held, pytest.raises(InvalidInput, match="the request names 700000"):
-                await held.take_inputs(inputs, outputs, reader("plain"), reader("headers"), reader("decode"))
+                await held.take_inputs(inputs, outputs, None, readers)
         assert read == [] and manager.resolve("m").in_flight == 0
         # At the model's own counts, the readers are used.
         with plane.open("m", "") as held, pytest.raises(AssertionError, match="plain was read"):
-            await held.take_inputs(1, 1, reader("plain"), reader("headers"), reader("decode"))
+            await held.take_inputs(1, 1, None, readers)
     finally:
         await manager.close()
         executor.shutdown()
