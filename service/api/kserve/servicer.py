@@ -422,7 +422,7 @@ def _answered(
     response.model_name, response.model_version = result.model, str(result.version)
     if request_id:
         response.id = request_id
-    # Each response's outputs as one flat list per output (as Triton's decoupled classification).
+    # A decoupled response's outputs are classified as one flat list each (not row by row).
     encode_outputs(
         response, held.classified(result.outputs, classify, by_row=False) if classify else result.outputs
     )
