@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from typing import Any
 
 from modelyard.inference.v1 import tensor_pb2
 from modelyard.kserve.v2.grpc_service_pb2 import ModelInferRequest
@@ -29,16 +30,20 @@ _FIXED_SIZE = frozenset(name for name in NUMPY_BY_NAME if name != "BYTES")
 _header = tuple.__new__
 
 
-def kserve_plain(
-    inputs: Sequence[ModelInferRequest.InferInputTensor], raw: Sequence[bytes]
-) -> tuple[list[TensorHeader], list[bytes]] | None:
+# A KServe request's tensors as its servicer hands them to the data plane (Call.take_inputs'
+# source): its inputs and raw_input_contents (each read once by the servicer: each read of a
+# protobuf field makes a new object), then the request and the call's context.
+KServeSource = tuple[Sequence[ModelInferRequest.InferInputTensor], Sequence[bytes], ModelInferRequest, Any]
+
+
+def kserve_plain(source: KServeSource) -> tuple[list[TensorHeader], list[bytes]] | None:
     """The headers and raw contents of a plain request (most): every input in
     raw_input_contents, one raw entry per input, of a fixed-size datatype, with no parameters (no
     shared memory) and no typed contents. Its tensors decode from their headers and these bytes
     (decode_fixed); each raw entry is read once (protobuf copies a bytes field on every read).
     None for any other request: kserve_headers and decode_inputs take it, with their answers.
-    `inputs` and `raw`: the request's inputs and raw_input_contents (each read once by the caller:
-    each read of a protobuf field makes a new object)."""
+    Called on the source as it is (no wrapper of the servicer's): it runs on every request."""
+    inputs, raw = source[0], source[1]
     if len(raw) != len(inputs):
         return None
     headers, contents = [], []

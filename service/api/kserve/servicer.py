@@ -8,7 +8,7 @@ shared memory to shared_memory.py, log and trace settings to log_trace_settings.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import aclosing
 from functools import partial
 from typing import Literal, overload
@@ -46,7 +46,7 @@ from modelyard.service.api.metadata import call_fields
 from modelyard.service.api.model_control import ModelControl
 from modelyard.service.api.names import check_model, quoted
 from modelyard.service.api.scheduling import kserve_priority, kserve_scheduling
-from modelyard.service.api.tensor_headers import kserve_headers, kserve_plain
+from modelyard.service.api.tensor_headers import KServeSource, kserve_headers, kserve_plain
 from modelyard.service.dataplane import Call, DataPlane, InferResult, TensorReader
 from modelyard.service.errors import InvalidInput, ServiceError
 from modelyard.service.generation.plane import GenerationPlane
@@ -107,7 +107,7 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
         self._logs = LogSettings()
         self._traces = TraceSettings()
         # How the data plane reads a request's tensors (Call.take_inputs), made once.
-        self._tensors = TensorReader(_headers_of, self._decode, _plain_of)
+        self._tensors = TensorReader(_headers_of, self._decode, kserve_plain)
 
     async def ServerLive(self, request: pb.ServerLiveRequest, context: Context) -> pb.ServerLiveResponse:
         return pb.ServerLiveResponse(live=True)
@@ -360,9 +360,8 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
                 return text, held
             # Each container read once (each read of a protobuf field makes a new object).
             tensors, outputs = request.inputs, request.outputs
-            inputs = await held.take_inputs(
-                len(tensors), len(outputs), (request, tensors, context), self._tensors
-            )
+            source = (tensors, request.raw_input_contents, request, context)
+            inputs = await held.take_inputs(len(tensors), len(outputs), source, self._tensors)
             if outputs:
                 names, options = requested_outputs(outputs), output_options(outputs)
             else:  # every output, asked nothing (most requests): no call to say so
@@ -395,23 +394,14 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
         """The caller's shared memory regions (its identity asked only if a region is named)."""
         return self._shm.of(partial(self._identify, context))
 
-    def _decode(self, source: _Source) -> dict[str, np.ndarray]:
+    def _decode(self, source: KServeSource) -> dict[str, np.ndarray]:
         """A request's tensors that are not plain (BYTES, typed contents, shared memory)."""
-        request, _, context = source
+        _, _, request, context = source
         return decode_inputs(request, self._regions(context))
 
 
-# A request's tensors as Call.take_inputs gets them: the request, its inputs (read once: each read
-# of a protobuf field makes a new object), and its call (the caller's shared memory regions).
-_Source = tuple[pb.ModelInferRequest, Sequence[pb.ModelInferRequest.InferInputTensor], Context]
-
-
-def _plain_of(source: _Source) -> tuple[list[TensorHeader], list[bytes]] | None:
-    return kserve_plain(source[1], source[0].raw_input_contents)
-
-
-def _headers_of(source: _Source) -> list[TensorHeader]:
-    return kserve_headers(source[0])
+def _headers_of(source: KServeSource) -> list[TensorHeader]:
+    return kserve_headers(source[2])
 
 
 def _answered(
