@@ -42,7 +42,7 @@ from bench.batching import BATCHING, DENSE_LAYERS, DENSE_WIDTH, EXECUTION, MAX_B
 from models.demo_models import dense_stack, write_model
 from modelyard.service.batching.batcher import Batcher, BatchSettings
 from modelyard.service.metrics import ServiceMetrics
-from modelyard.service.repository.config import parse_config
+from modelyard.service.repository.model_config import parse_config
 from modelyard.service.runtime.instances import Instances
 from modelyard.service.runtime.providers import ProviderChoice
 from modelyard.service.runtime.served import VersionStats

@@ -39,9 +39,9 @@ async def serve_one(requests: int) -> dict[str, list[float]]:
     from modelyard.inference.v1 import inference_service_pb2 as pb
     from modelyard.inference.v1 import inference_service_pb2_grpc as pb_grpc
     from modelyard.service.api import inference_servicer as servicer
-    from modelyard.service.config import Settings
     from modelyard.service.generation import engine
     from modelyard.service.server import build_service
+    from modelyard.service.settings import Settings
 
     marks: dict[str, float] = {}
     after_prefill, write = engine.Engine._after_prefill, servicer.write

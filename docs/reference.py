@@ -29,8 +29,8 @@ import msgspec  # noqa: E402
 from modelyard.deploy import up  # noqa: E402
 from modelyard.gateway import config as gateway  # noqa: E402
 from modelyard.process.settings import Option, options  # noqa: E402
-from modelyard.service import config as service  # noqa: E402
-from modelyard.service.repository.config_file import ConfigDoc  # noqa: E402
+from modelyard.service import settings as service  # noqa: E402
+from modelyard.service.repository.model_config_schema import ConfigDoc  # noqa: E402
 from modelyard.sidecar import config as sidecar  # noqa: E402
 from modelyard.sidecar.fleet import config as rollouts  # noqa: E402
 from modelyard.sidecar.routes.file import RouteFileDoc  # noqa: E402

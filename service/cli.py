@@ -13,9 +13,9 @@ from modelyard.process.lifecycle import EXIT_USAGE, Process, run_process
 from modelyard.process.logs import configure as configure_logging
 from modelyard.process.startup import check_folder, check_listeners
 from modelyard.service import tracing
-from modelyard.service.config import ENV_PREFIX, Settings, parse_settings, worker_count
 from modelyard.service.runtime import runs
 from modelyard.service.server import build_service
+from modelyard.service.settings import ENV_PREFIX, Settings, parse_settings, worker_count
 from modelyard.service.workers.member import WorkerRole
 from modelyard.service.workers.supervisor import Supervisor
 

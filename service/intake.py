@@ -23,9 +23,29 @@ from modelyard.common.names import echo
 from modelyard.service.errors import InvalidInput, TooLarge
 from modelyard.service.generation.layout import ATTENTION_MASK, INPUT_IDS, POSITION_IDS
 from modelyard.service.generation.model import DecoderModel
-from modelyard.service.repository.config import LimitsConfig
+from modelyard.service.repository.model_config import LimitsConfig
 from modelyard.service.runtime.signature import Signature, TensorSpec
 from modelyard.tensors import MAX_SHAPE_ELEMENTS, NUMPY_BY_NAME, element_count
+
+# A few extra tensors get the precise answer of the checks per tensor (unknown, given twice).
+EXTRA_TENSORS_CHECKED = 64
+
+
+def refuse_extra_tensors(model: str, signature: Signature, inputs: int, outputs: int) -> None:
+    """InvalidInput when a request names many more inputs or outputs than the model has: it
+    cannot be valid, and refusing it before any work per tensor keeps a message of 700,000
+    tensors from holding the event loop for seconds."""
+    if inputs <= len(signature.inputs) + EXTRA_TENSORS_CHECKED and outputs <= (
+        len(signature.outputs) + EXTRA_TENSORS_CHECKED
+    ):
+        return  # every request but those refused (it runs on each)
+    for kind, given, own in (
+        ("inputs", inputs, len(signature.inputs)),
+        ("outputs", outputs, len(signature.outputs)),
+    ):
+        if given > own + EXTRA_TENSORS_CHECKED:
+            raise InvalidInput(f"the request names {given} {kind}; model {echo(model)} has {own}")
+
 
 # Payloads that take Python work per element (BYTES, typed contents) above this many bytes are
 # decoded in an executor; below it the hop to a thread costs more than the decoding.

@@ -28,17 +28,16 @@ from modelyard.process.metrics_http import MetricsServer
 from modelyard.process.settings import split_address
 from modelyard.process.throttle import LogThrottle
 from modelyard.process.tls import TlsFiles, grpc_server_credentials, warn_if_plaintext
-from modelyard.service.api.access import guards, identities
+from modelyard.service.api.credentials import guards, identities
 from modelyard.service.api.errors import set_served_by
 from modelyard.service.api.flat_servicer import FlatInferenceServicer
+from modelyard.service.api.guards import GuardFor, OnUndecodable, authorize, decode_guard
 from modelyard.service.api.inference_servicer import InferenceServicer
 from modelyard.service.api.kserve.servicer import KServeServicer
-from modelyard.service.api.limits import size_limit, transport_limit
+from modelyard.service.api.message_limits import size_limit, transport_limit
 from modelyard.service.api.model_servicer import ModelServicer
 from modelyard.service.api.pipeline import ServiceHandlers, Wrapper, register, service_of
-from modelyard.service.api.wire import GuardFor, OnUndecodable, authorize, decode_guard
 from modelyard.service.batching.layer import BatchingLayer
-from modelyard.service.config import ENV_PREFIX, Settings
 from modelyard.service.dataplane import DataPlane
 from modelyard.service.ensembles import loader as ensembles
 from modelyard.service.generation.model import recognize_decoder
@@ -56,6 +55,7 @@ from modelyard.service.runtime.runs import ActiveRuns, shut_down_executor
 from modelyard.service.runtime.session import bound_run_memory, inline_run_limit_s, load_runner
 from modelyard.service.runtime.status import ModelEvent, Watcher
 from modelyard.service.scheduling.clock import Clock
+from modelyard.service.settings import ENV_PREFIX, Settings
 from modelyard.service.shm.files import FileRegionStore
 from modelyard.service.shm.registry import RegionLimits, SharedMemoryRegistry
 from modelyard.service.workers import protocol as workers
@@ -291,7 +291,7 @@ def build_service(
     dataplane = DataPlane(manager, executor, batching)
     # Ensembles' versions run their steps through the data plane (the runtime knows none).
     manager.add_platform(ensembles.PLATFORM, ensembles.EnsembleLoader(dataplane).load)
-    generation = GenerationPlane(manager, executor, metrics)
+    generation = GenerationPlane(dataplane, executor, metrics)
     limits = [
         # Above the configured limit, which the handlers check so as to answer with a reason.
         ("grpc.max_receive_message_length", transport_limit(settings.max_message_bytes)),
@@ -397,12 +397,12 @@ def request_pipelines(
     #   Innermost, so that those calls pass every check below like any other call.
     # - noting (modelyard.process.access): the model and version of the parsed request, for the
     #   call's log lines and access line; only where the call context is kept (no cost otherwise).
-    # - decode (service/api/wire.py): the request parsed, undecodable bytes refused with
+    # - decode (service/api/guards.py): the request parsed, undecodable bytes refused with
     #   INVALID_ARGUMENT (and one rate-limited log line), not UNKNOWN with a traceback per
     #   request. It hands on its handlers without a deserializer: the wrappers outside it see
     #   the message as bytes, and nothing is parsed before they pass it.
-    # - size_limit (service/api/limits.py): the message's size checked before it is parsed.
-    # - authorize (service/api/wire.py, the guards of service/api/access.py): outermost, so that
+    # - size_limit (service/api/message_limits.py): the message's size checked before it is parsed.
+    # - authorize (service/api/guards.py, the guards of service/api/credentials.py): outermost, so that
     #   a caller without credentials is refused before anything else; a guarded unary method is
     #   registered as request-streaming, so that its message is read only after the guard.
     apis = [
@@ -412,7 +412,8 @@ def request_pipelines(
         size_limit(max_message_bytes, metrics),
         access,
     ]
-    # Health and reflection are not size-checked (as before); they pass the rest. Health's Watch
+    # Health and reflection are not size-checked (their requests are small, and a probe must not
+    # be refused); they pass the rest. Health's Watch
     # writes with context.write, which the size check's stream wrapper does not take.
     return Pipelines(apis, [decode, access])
 

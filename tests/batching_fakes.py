@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from modelyard.service.repository.config import ModelConfig
+from modelyard.service.repository.model_config import ModelConfig
 from modelyard.service.runtime.providers import ProviderChoice
 from modelyard.service.runtime.session import ModelRunner, load_runner
 

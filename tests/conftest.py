@@ -11,8 +11,8 @@ import grpc
 import pytest
 
 from models import demo_models
-from modelyard.service.config import Settings
 from modelyard.service.server import Service, build_service
+from modelyard.service.settings import Settings
 from tests.sidecar_support import SidecarProcess, start_sidecar_process
 from tests.support import ServiceProcess, start_service_process
 

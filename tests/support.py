@@ -32,8 +32,8 @@ EVENTUALLY_LIMIT_S = 20.0  # bounds a broken test only; nothing waits this long 
 async def serving(repository: Path, **fields: Any) -> AsyncIterator[Service]:
     """The real service in this process on an ephemeral port, without a metrics listener unless
     `fields` give one (any other setting too), stopped at the end."""
-    from modelyard.service.config import Settings
     from modelyard.service.server import build_service
+    from modelyard.service.settings import Settings
 
     fields = {"listen": "127.0.0.1:0", "metrics_listen": "", **fields}
     running = build_service(Settings(repository=repository, **fields))

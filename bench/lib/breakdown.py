@@ -97,9 +97,9 @@ async def breakdown(repository: Path, request: pb.InferRequest, iterations: int)
                 pass
 
         def lease_and_check() -> None:
-            with manager.lease(model, "") as version:
-                version.runner.signature.check_inputs(arrays)
-                version.runner.signature.select_outputs(request.output_names)
+            with dataplane.open(model, "") as call:
+                call.served.runner.signature.check_inputs(arrays)
+                call.served.runner.signature.select_outputs(request.output_names)
 
         n = iterations
         steps: list[tuple[str, Callable[[], object] | None, Callable[[], Awaitable[object]] | None]] = [

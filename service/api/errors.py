@@ -238,8 +238,8 @@ class serving:
     def answered(self, version: str) -> None:
         """A unary call's version that answers: x-served-version rides in the trailing metadata,
         with the answer's status. Not the initial metadata: grpc.aio sends initial metadata set by
-        the handler as a batch of its own (~50 us of CPU per call), the trailing metadata in the
-        final batch. An error after this replaces it with its x-error-reason."""
+        the handler as a batch of its own (a write to the transport of its own per call), the
+        trailing metadata in the final batch. An error after this replaces it with its x-error-reason."""
         self.version = version
         # answer_metadata's common case (a version that answered before), with no call
         self._context.set_trailing_metadata(_answer_metadata.get(version) or answer_metadata(version))

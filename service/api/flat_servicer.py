@@ -7,13 +7,14 @@ from __future__ import annotations
 from typing import Any
 
 import grpc
+import numpy as np
 
 from modelyard import flat
 from modelyard.common.headers import DYE_SHADOW
 from modelyard.service.api.errors import Context, serving
 from modelyard.service.api.metadata import call_fields
 from modelyard.service.api.scheduling import scheduling
-from modelyard.service.dataplane import DataPlane
+from modelyard.service.dataplane import DataPlane, TensorReader
 from modelyard.service.intake import TensorHeader
 from modelyard.service.metrics import ServiceMetrics
 from modelyard.tensors import TensorError, name_of
@@ -21,6 +22,22 @@ from modelyard.tensors import TensorError, name_of
 
 def _identity(data: bytes) -> bytes:
     return data
+
+
+def _headers(decoded: flat.Infer) -> list[TensorHeader]:
+    return [
+        TensorHeader(name, name_of(array.dtype), array.shape, array.nbytes, False)
+        for name, array in decoded.tensors.items()
+    ]
+
+
+def _arrays(decoded: flat.Infer) -> dict[str, np.ndarray]:
+    return decoded.tensors
+
+
+# A flat request's tensors, for the data plane (Call.take_inputs): its arrays are views of the
+# request's bytes already, checked by their headers.
+_FLAT = TensorReader(_headers, _arrays)
 
 
 class FlatInferenceServicer:
@@ -50,15 +67,10 @@ class FlatInferenceServicer:
                 assert failure is not None
                 raise failure
             version, _, priority, dye = call_fields(context, decoded.model_name, decoded.model_version, "", 0)
-            headers = [
-                TensorHeader(name, name_of(array.dtype), array.shape, array.nbytes, False)
-                for name, array in decoded.tensors.items()
-            ]
-            with self._dataplane.open(decoded.model_name, version) as held:
-                held.dye = dye
-                if dye == DYE_SHADOW:
-                    held.refuse_shadow()
-                inputs = await held.decode(headers, lambda: decoded.tensors)
+            with self._dataplane.open(decoded.model_name, version, dye) as held:
+                inputs = await held.take_inputs(
+                    len(decoded.tensors), len(decoded.output_names), decoded, _FLAT
+                )
                 asked = scheduling(context, priority, 0, dye == DYE_SHADOW)
                 result = await held.infer(inputs, decoded.output_names, asked)
             if dye:  # a proxy's call: it judges the version by its run's own timing

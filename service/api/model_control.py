@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 from modelyard.service.api.names import check_model
 from modelyard.service.errors import ModelLoadError
-from modelyard.service.repository.config import ModelConfig
+from modelyard.service.repository.model_config import ModelConfig
 from modelyard.service.repository.uploads import UploadSpace, write_upload
 from modelyard.service.runtime.manager import LoadOverride, ModelManager
 from modelyard.service.runtime.status import ModelStatus, VersionState

@@ -13,9 +13,9 @@ add_*Servicer_to_server functions build them, and found by one generic handler p
 (a dict by full method name). None is a grpc.aio registered method, as the generated functions
 would make every method: grpc.aio's server keeps one pending request per registered method (and
 one for all the rest) and waits on all of them with asyncio.wait each time calls come in, whose
-Python visits every one of them. The 33 methods registered so cost every call ~170k instructions
-(~5.7k each; a tiny model's whole request is ~680k), the few hot ones alone ~17k, the generic
-lookup ~1k (one Python call).
+Python visits every one of them: with every method of the services registered so, each call
+would pay for all of them, a large share of a tiny model's whole request; the generic lookup is
+one Python call and a dict lookup.
 
 The lookup also keeps the call's request metadata (modelyard.process.request_metadata): gRPC builds
 it for the lookup, and context.invocation_metadata() would build it again.

@@ -3,33 +3,12 @@
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from typing import Any
 
-from modelyard.common.names import echo
 from modelyard.inference.v1 import tensor_pb2
 from modelyard.kserve.v2.grpc_service_pb2 import ModelInferRequest
-from modelyard.service.errors import InvalidInput
 from modelyard.service.intake import TensorHeader
-from modelyard.service.runtime.signature import Signature
 from modelyard.tensors import NUMPY_BY_NAME, datatype_name, is_known
-
-# A few extra tensors get the precise answer of the checks per tensor (unknown, given twice).
-EXTRA_TENSORS_CHECKED = 64
-
-
-def refuse_extra_tensors(model: str, signature: Signature, inputs: int, outputs: int) -> None:
-    """InvalidInput when a request names many more inputs or outputs than the model has: it
-    cannot be valid, and refusing it before any work per tensor keeps a message of 700,000
-    tensors from holding the event loop for seconds."""
-    if inputs <= len(signature.inputs) + EXTRA_TENSORS_CHECKED and outputs <= (
-        len(signature.outputs) + EXTRA_TENSORS_CHECKED
-    ):
-        return  # every request but those refused (it runs on each)
-    for kind, given, own in (
-        ("inputs", inputs, len(signature.inputs)),
-        ("outputs", outputs, len(signature.outputs)),
-    ):
-        if given > own + EXTRA_TENSORS_CHECKED:
-            raise InvalidInput(f"the request names {given} {kind}; model {echo(model)} has {own}")
 
 
 def our_headers(tensors: Iterable[tensor_pb2.Tensor]) -> list[TensorHeader]:
@@ -45,22 +24,26 @@ def our_headers(tensors: Iterable[tensor_pb2.Tensor]) -> list[TensorHeader]:
 # Datatypes whose raw contents decode without touching elements (np.frombuffer).
 _FIXED_SIZE = frozenset(name for name in NUMPY_BY_NAME if name != "BYTES")
 # A plain request's header per tensor, made as the tuple it is (`_header(TensorHeader, (...))`):
-# a NamedTuple's own __new__ is Python, ~1 us per tensor of every request under load. And a
-# shape is read as `tensor.shape[:]` (a list) then made a tuple: half of tuple(tensor.shape),
-# which iterates protobuf's container element by element.
+# a NamedTuple's own __new__ is a Python function, called for every tensor of every request. And
+# a shape is read as `tensor.shape[:]` (a list) then made a tuple: tuple(tensor.shape) would
+# iterate protobuf's container element by element.
 _header = tuple.__new__
 
 
-def kserve_plain(
-    inputs: Sequence[ModelInferRequest.InferInputTensor], raw: Sequence[bytes]
-) -> tuple[list[TensorHeader], list[bytes]] | None:
+# A KServe request's tensors as its servicer hands them to the data plane (Call.take_inputs'
+# source): its inputs and raw_input_contents (each read once by the servicer: each read of a
+# protobuf field makes a new object), then the request and the call's context.
+KServeSource = tuple[Sequence[ModelInferRequest.InferInputTensor], Sequence[bytes], ModelInferRequest, Any]
+
+
+def kserve_plain(source: KServeSource) -> tuple[list[TensorHeader], list[bytes]] | None:
     """The headers and raw contents of a plain request (most): every input in
     raw_input_contents, one raw entry per input, of a fixed-size datatype, with no parameters (no
     shared memory) and no typed contents. Its tensors decode from their headers and these bytes
     (decode_fixed); each raw entry is read once (protobuf copies a bytes field on every read).
     None for any other request: kserve_headers and decode_inputs take it, with their answers.
-    `inputs` and `raw`: the request's inputs and raw_input_contents (each read once by the caller:
-    each read of a protobuf field makes a new object)."""
+    Called on the source as it is (no wrapper of the servicer's): it runs on every request."""
+    inputs, raw = source[0], source[1]
     if len(raw) != len(inputs):
         return None
     headers, contents = [], []

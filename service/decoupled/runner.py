@@ -27,7 +27,7 @@ from concurrent.futures import Executor
 import numpy as np
 
 from modelyard.service.errors import InvalidInput, ModelUnavailable, Unsupported
-from modelyard.service.repository.config import RepeatConfig
+from modelyard.service.repository.model_config import RepeatConfig
 from modelyard.service.runtime.runs import RunTiming
 from modelyard.service.runtime.served import ServedVersion
 from modelyard.service.scheduling.queue import DEFAULT_SCHEDULING, Scheduling

@@ -19,8 +19,8 @@ from typing import Any, cast
 from modelyard.service.dataplane import DataPlane
 from modelyard.service.ensembles.steps import EnsembleSteps, Plan
 from modelyard.service.errors import ModelLoadError, ServiceError
-from modelyard.service.repository.config import ModelConfig
 from modelyard.service.repository.labels import load_labels
+from modelyard.service.repository.model_config import ModelConfig
 from modelyard.service.runtime.served import ServedVersion
 from modelyard.service.runtime.session import ModelRunner
 from modelyard.service.runtime.signature import Signature, TensorSpec

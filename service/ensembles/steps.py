@@ -24,6 +24,7 @@ import copy
 import time
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Executor
+from contextlib import ExitStack
 from dataclasses import dataclass
 
 import numpy as np
@@ -51,33 +52,26 @@ class Plan:
     async def run(
         self, feeds: Mapping[str, np.ndarray], names: Sequence[str], scheduling: Scheduling
     ) -> Arrays:
-        calls = self._open()
-        try:
+        with ExitStack() as leases:  # each step's call, released when the request ends
+            calls = self._open(leases)
             made = await self._flow(calls, feeds, scheduling)
-        finally:
-            for call in calls:
-                call.served.release()
         return {name: made[name] for name in names}
 
-    def _open(self) -> list[Call]:
-        """Every step's version, resolved and leased together (no await between): one set of
-        versions for the whole request."""
+    def _open(self, leases: ExitStack) -> list[Call]:
+        """Every step's call (DataPlane.open), its version resolved and leased together with the
+        others' (no await between): one set of versions for the whole request. Each is entered
+        on `leases` as it opens, so that a step that cannot open releases those before it."""
         calls: list[Call] = []
         pinned: dict[str, str] = {}  # model -> the version its newest-version steps run on
-        try:
-            for index, step in enumerate(self.steps):
-                version = step.pinned or pinned.get(step.model, "")
-                try:
-                    call = self.dataplane.open(step.model, version)
-                except ServiceError as exc:
-                    raise _step_error(exc, f"{self.label}: step {index} (model {step.model!r})") from None
-                calls.append(call)
-                if not step.pinned:
-                    pinned[step.model] = call.served.version_name
-        except BaseException:
-            for call in calls:
-                call.served.release()
-            raise
+        for index, step in enumerate(self.steps):
+            version = step.pinned or pinned.get(step.model, "")
+            try:
+                call = leases.enter_context(self.dataplane.open(step.model, version))
+            except ServiceError as exc:
+                raise _step_error(exc, f"{self.label}: step {index} (model {step.model!r})") from None
+            calls.append(call)
+            if not step.pinned:
+                pinned[step.model] = call.served.version_name
         return calls
 
     async def _flow(
@@ -123,15 +117,11 @@ def _for_step(
     call: Call, scheduling: Scheduling, deadline: float | None, loop: asyncio.AbstractEventLoop
 ) -> Scheduling:
     """The request's scheduling as a step asks it of its model: the deadline that is left, and
-    the priority where the step's model has that level (as Triton's KServe rule: else its default)."""
-    priority = scheduling.priority
-    batching = call.served.config.dynamic_batching
-    if priority and (batching is None or priority > batching.admission.priority_levels):
-        priority = 0
-    remaining = None if deadline is None else max(0.0, deadline - loop.time())
-    if priority == scheduling.priority and remaining is None:
-        return scheduling
-    return Scheduling(priority, scheduling.timeout_us, remaining, scheduling.shadow)
+    the priority where the step's model has that level (Call.levelled: else its default)."""
+    levelled = call.levelled(scheduling)
+    if deadline is None:
+        return levelled
+    return levelled._replace(time_remaining_s=max(0.0, deadline - loop.time()))
 
 
 def _step_error(exc: ServiceError, where: str) -> ServiceError:

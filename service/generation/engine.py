@@ -17,7 +17,7 @@ Each turn of the loop:
    needs the loop between steps (an arrival, a leave, a reader behind, a deadline, a finish).
 
 The hand-over of tokens costs the fewest wake-ups it can: a reader that runs out of events takes
-what the steps left pending itself (`Sequence.take` pulls), and the executor thread wakes the loop
+what the steps left pending itself (`GenerationSequence.take` pulls), and the executor thread wakes the loop
 (its self-pipe) only when a reader found nothing, or when it would otherwise run more than
 MAX_AHEAD steps ahead; what piled up meanwhile goes over in one wake-up. With one stream whose
 reader is busy writing the previous token, that is one wake-up fewer per token.
@@ -69,7 +69,7 @@ from modelyard.service.generation.sampling import choose, choose_rows
 from modelyard.service.generation.sequence import (
     FinishReason,
     GenerationRequest,
-    Sequence,
+    GenerationSequence,
     State,
     TokenEvent,
     Usage,
@@ -98,9 +98,9 @@ MAX_AHEAD = 3
 class _Change:
     """What one batch does this turn, decided on the event loop, applied in the executor."""
 
-    leaving: list[Sequence] = field(default_factory=list)
-    pausing: list[Sequence] = field(default_factory=list)
-    joining: list[tuple[Sequence, Cache, int]] = field(default_factory=list)
+    leaving: list[GenerationSequence] = field(default_factory=list)
+    pausing: list[GenerationSequence] = field(default_factory=list)
+    joining: list[tuple[GenerationSequence, Cache, int]] = field(default_factory=list)
 
 
 @dataclass
@@ -114,12 +114,12 @@ class _Run:
     delivered: int = 0  # steps whose tokens the loop has delivered
     # Steps run but not yet handed to the loop: (rows, their tokens, the step's seconds, and the
     # tokens' log-probabilities where a row asked for them).
-    pending: deque[tuple[list[Sequence], list[int], float, list[Logprob | None] | None]] = field(
+    pending: deque[tuple[list[GenerationSequence], list[int], float, list[Logprob | None] | None]] = field(
         default_factory=deque
     )
     # Rows whose step failed alone (the rest of the batch went on): failed on the loop after the
     # steps before it are delivered.
-    failed: deque[tuple[Sequence, Exception]] = field(default_factory=deque)
+    failed: deque[tuple[GenerationSequence, Exception]] = field(default_factory=deque)
     scheduled: bool = False  # a _drain is on its way to the loop (one wake-up for what piles up)
     waiting: bool = False  # the executor thread waits for the loop to catch up
     # A reader of the batch found no event: wake the loop after the next step. Otherwise the
@@ -160,17 +160,17 @@ class Engine:
         self._shared_batches = self._settings.continuous_batching and model.layout.has_position_ids
         # The engine's times are time.monotonic() (request deadlines too); the queue's clock is the same.
         self._clock = MonotonicClock()
-        self._queue: AdmissionQueue[Sequence] = AdmissionQueue(
+        self._queue: AdmissionQueue[GenerationSequence] = AdmissionQueue(
             self._settings.admission, self._clock, queue_metrics, name
         )
-        self._slots: set[Sequence] = set()  # admitted: prefill, running or paused
+        self._slots: set[GenerationSequence] = set()  # admitted: prefill, running or paused
         # Preempted sequences by id, oldest preemption first; those ready to rejoin, by readiness.
-        self._preempted: dict[int, Sequence] = {}
-        self._ready: dict[int, Sequence] = {}
+        self._preempted: dict[int, GenerationSequence] = {}
+        self._ready: dict[int, GenerationSequence] = {}
         self._max_preempted = self._settings.max_preempted
-        self._unprefilled: deque[Sequence] = deque()  # given a slot, prompt not run yet
-        self._batches: list[DecodeBatch[Sequence]] = []
-        self._batch_of: dict[int, DecodeBatch[Sequence]] = {}  # id(sequence) -> its batch
+        self._unprefilled: deque[GenerationSequence] = deque()  # given a slot, prompt not run yet
+        self._batches: list[DecodeBatch[GenerationSequence]] = []
+        self._batch_of: dict[int, DecodeBatch[GenerationSequence]] = {}  # id(sequence) -> its batch
         self._runs: dict[int, _Run] = {}  # id(batch) -> its steps running in the executor now
         self._stall_s = self._settings.stall_timeout_ms / 1000
         self._wake = asyncio.Event()
@@ -197,7 +197,9 @@ class Engine:
 
     # -- the readers' side -------------------------------------------------------------------
 
-    def submit(self, request: GenerationRequest, scheduling: Scheduling = DEFAULT_SCHEDULING) -> Sequence:
+    def submit(
+        self, request: GenerationRequest, scheduling: Scheduling = DEFAULT_SCHEDULING
+    ) -> GenerationSequence:
         """Queue a validated request at its priority; raise what AdmissionQueue.admit raises:
         InvalidInput (no such priority), DeadlineExceeded (already late), Overloaded (its
         level's queue is full)."""
@@ -207,7 +209,7 @@ class Engine:
             # The queue measures the client's time from now: what is left of the request's
             # deadline, so that both end at the same instant.
             scheduling = scheduling._replace(time_remaining_s=request.deadline - self._clock.now())
-        sequence = Sequence(
+        sequence = GenerationSequence(
             request, self._codec, self._version, self._settings.stream_buffer, self._drained, self._pull
         )
         sequence.ticket = self._queue.admit(sequence, scheduling)
@@ -219,7 +221,7 @@ class Engine:
         self._kick()
         return sequence
 
-    def release(self, sequence: Sequence, cause: str) -> None:
+    def release(self, sequence: GenerationSequence, cause: str) -> None:
         """The reader left before the end ("cancelled" or "deadline"): the sequence leaves its
         batch at the next step, and its cache is freed there."""
         if sequence.state is State.DONE:
@@ -269,7 +271,7 @@ class Engine:
                 await self._clock.wait(self._wake, self._next_deadline())
         self._gauges()
 
-    def _stalled(self, sequence: Sequence, now: float) -> bool:
+    def _stalled(self, sequence: GenerationSequence, now: float) -> bool:
         """Paused (or preempted) while its reader took nothing for the stall limit."""
         return (
             self._stall_s > 0
@@ -378,7 +380,7 @@ class Engine:
 
     # -- preemption --------------------------------------------------------------------------
 
-    def _drained(self, sequence: Sequence) -> None:
+    def _drained(self, sequence: GenerationSequence) -> None:
         """A paused or preempted sequence's reader has taken every event: it may run again (a
         preempted one waits for a slot from now on)."""
         if sequence.state is State.PREEMPTED and sequence.ready_at is None and not sequence.buffered:
@@ -421,7 +423,7 @@ class Engine:
             behind = (s for s in self._preempted.values() if s.ready_at is None)
             self._drop_preempted(next(behind, None) or next(iter(self._preempted.values())))
 
-    def _drop_preempted(self, sequence: Sequence) -> None:
+    def _drop_preempted(self, sequence: GenerationSequence) -> None:
         """Over max_preempted: this one's work is dropped; its stream ends ABORTED (reader_stalled)."""
         self._unpreempt(sequence)
         self._metrics.cancelled("preempted")
@@ -435,15 +437,15 @@ class Engine:
         if sequence.on_stalled is not None:
             sequence.on_stalled(error)
 
-    def _unpreempt(self, sequence: Sequence) -> None:
+    def _unpreempt(self, sequence: GenerationSequence) -> None:
         """No longer preempted (it has its slot again, or it ends)."""
         self._preempted.pop(id(sequence), None)
         self._ready.pop(id(sequence), None)
         sequence.ready_at = None
 
-    def _admit(self) -> list[Sequence]:
+    def _admit(self) -> list[GenerationSequence]:
         """The seated sequences whose prompts run this turn, within the prefill budget."""
-        admitted: list[Sequence] = []
+        admitted: list[GenerationSequence] = []
         budget = PREFILL_TOKEN_BUDGET
         while self._unprefilled:
             sequence = self._unprefilled[0]
@@ -474,14 +476,14 @@ class Engine:
             sequence.cache = None
             sequence.state = State.RUNNING
 
-    def _batch_for_joining(self) -> DecodeBatch[Sequence]:
+    def _batch_for_joining(self) -> DecodeBatch[GenerationSequence]:
         if self._shared_batches and self._batches:
             return self._batches[0]
-        batch: DecodeBatch[Sequence] = DecodeBatch(self._runner, self._model.layout)
+        batch: DecodeBatch[GenerationSequence] = DecodeBatch(self._runner, self._model.layout)
         self._batches.append(batch)
         return batch
 
-    async def _prefill(self, sequences: list[Sequence]) -> None:
+    async def _prefill(self, sequences: list[GenerationSequence]) -> None:
         """Run the admitted prompts in the executor, one after another. Each first token is handed
         to the event loop as soon as its prompt is done (call_soon_threadsafe), so that it streams
         while the next prompt runs; all those callbacks run before this coroutine resumes, since
@@ -517,7 +519,7 @@ class Engine:
 
         await loop.run_in_executor(self._executor, run)
 
-    def _after_prefill(self, sequence: Sequence, result: _Prefilled | Exception) -> None:
+    def _after_prefill(self, sequence: GenerationSequence, result: _Prefilled | Exception) -> None:
         if isinstance(result, Exception):
             self._fail(sequence, run_error(result, self._name))
             self._free(sequence)
@@ -578,7 +580,11 @@ class Engine:
                 self._batches.remove(batch)
 
     def _steps(
-        self, batch: DecodeBatch[Sequence], change: _Change, run: _Run, loop: asyncio.AbstractEventLoop
+        self,
+        batch: DecodeBatch[GenerationSequence],
+        change: _Change,
+        run: _Run,
+        loop: asyncio.AbstractEventLoop,
     ) -> dict[int, tuple[Cache, int]]:
         """In the executor: apply the batch's changes, then step it while no row needs the loop.
         -> the caches of the rows that paused."""
@@ -635,7 +641,9 @@ class Engine:
                 break
         return kept
 
-    def _isolate(self, batch: DecodeBatch[Sequence], run: _Run, loop: asyncio.AbstractEventLoop) -> bool:
+    def _isolate(
+        self, batch: DecodeBatch[GenerationSequence], run: _Run, loop: asyncio.AbstractEventLoop
+    ) -> bool:
         """In the executor, after a step of several rows failed: run each row's step alone to find
         the rows that fail, and take them out of the batch (their streams fail on the loop, after
         their earlier tokens). False when no row fails alone (the batch as a whole failed: an
@@ -667,7 +675,7 @@ class Engine:
                 run.caught_up.wait(0.001)
             run.waiting = False
 
-    def _step_again(self, run: _Run, members: list[Sequence], tokens: list[int]) -> bool:
+    def _step_again(self, run: _Run, members: list[GenerationSequence], tokens: list[int]) -> bool:
         """In the executor, after a step: whether the next one can run without the loop. Not when
         the loop asked, a deadline is due, a row ended (its end-of-text token, its length; a stop
         sequence or a cancel shows as DONE, perhaps a step late, whose token is then dropped) or
@@ -689,7 +697,7 @@ class Engine:
                 return False
         return True
 
-    def _pull(self, sequence: Sequence) -> None:
+    def _pull(self, sequence: GenerationSequence) -> None:
         """On the loop, from a reader that has no event: what its batch's running steps left
         pending, and a wake-up after the next step if that was nothing (`_Run.wanted`)."""
         batch = self._batch_of.get(id(sequence))
@@ -727,7 +735,7 @@ class Engine:
 
     def _deliver(
         self,
-        sequence: Sequence,
+        sequence: GenerationSequence,
         token: int,
         now: float,
         logprob: Logprob | None = None,
@@ -780,7 +788,7 @@ class Engine:
             )
         sequence.push(event)
 
-    def _prompt_only(self, sequence: Sequence, scored: tuple[Logprob, ...], now: float) -> None:
+    def _prompt_only(self, sequence: GenerationSequence, scored: tuple[Logprob, ...], now: float) -> None:
         """A request that generates nothing: one event with the prompt's scores, and its end."""
         request = sequence.request
         sequence.first_token_at = now
@@ -802,23 +810,25 @@ class Engine:
 
     # -- bookkeeping -------------------------------------------------------------------------
 
-    def _free(self, sequence: Sequence) -> None:
+    def _free(self, sequence: GenerationSequence) -> None:
         sequence.cache = None
         self._slots.discard(sequence)
 
-    def _fail(self, sequence: Sequence, error: ServiceError) -> None:
+    def _fail(self, sequence: GenerationSequence, error: ServiceError) -> None:
         if sequence.state is not State.DONE:
             self._metrics.finished("error")
             sequence.fail(error)
 
-    def _row_failed(self, sequence: Sequence, error: Exception) -> None:
+    def _row_failed(self, sequence: GenerationSequence, error: Exception) -> None:
         """One row's step failed alone (the others went on): its stream ends with the error."""
         log.warning("decode step of version %d failed for one sequence: %s", self._version, error)
         self._fail(sequence, run_error(error, self._name))
         self._batch_of.pop(id(sequence), None)
         self._free(sequence)
 
-    def _fail_batch(self, batch: DecodeBatch[Sequence], change: _Change, error: BaseException) -> None:
+    def _fail_batch(
+        self, batch: DecodeBatch[GenerationSequence], change: _Change, error: BaseException
+    ) -> None:
         """A batch whose step failed as a whole (no row fails alone, or it had one row) is dropped:
         its caches are in an unknown state."""
         log.error("decode step of version %d failed: %s", self._version, error)
@@ -848,7 +858,7 @@ class Engine:
         self._metrics.preempted.set(len(self._preempted))
 
 
-def _waiting_since(sequence: Sequence) -> tuple[int, float]:
+def _waiting_since(sequence: GenerationSequence) -> tuple[int, float]:
     """A ready preempted sequence's place in line for a slot, as a queued ticket's (level, time)."""
     return sequence.level, sequence.ready_at if sequence.ready_at is not None else 0.0
 

@@ -32,7 +32,7 @@ from modelyard.service.generation.export import (
 from modelyard.service.generation.export import CONTEXT_KEYS as EXPORT_CONTEXT_KEYS
 from modelyard.service.generation.layout import DecoderLayout, NotADecoder, decoder_layout
 from modelyard.service.generation.tokenizer import TextCodec, TokenizerError, find_tokenizer
-from modelyard.service.repository.config import GenerationConfig, ModelConfig
+from modelyard.service.repository.model_config import GenerationConfig, ModelConfig
 from modelyard.service.runtime.signature import Signature
 
 log = logging.getLogger(__name__)

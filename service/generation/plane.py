@@ -1,4 +1,4 @@
-"""The transport-agnostic Generate path: resolve and lease a version, validate, stream its events.
+"""The transport-agnostic Generate path: open a version (the data plane's lease), validate, stream its events.
 
 A stream leases the version it resolved for its whole life, so a stream that started on v1
 finishes on v1 even if v2 is swapped in meanwhile (the retiring v1 drains until it does). Each
@@ -15,6 +15,7 @@ from collections.abc import AsyncGenerator, Awaitable, Callable
 from concurrent.futures import Executor
 
 from modelyard.service import tracing
+from modelyard.service.dataplane import DataPlane
 from modelyard.service.errors import NotGenerative
 from modelyard.service.generation.decoder import StepRunner
 from modelyard.service.generation.engine import Engine
@@ -23,24 +24,22 @@ from modelyard.service.generation.params import GenerateParams, build_request, c
 from modelyard.service.generation.sequence import TokenEvent
 from modelyard.service.generation.tokenizer import TextCodec
 from modelyard.service.metrics import BatchingMetrics, GenerationMetrics, ServiceMetrics
-from modelyard.service.runtime.manager import ModelManager
 from modelyard.service.runtime.providers import CUDA
 from modelyard.service.runtime.served import ServedVersion
-from modelyard.service.runtime.table import Lease
 from modelyard.service.scheduling.queue import DEFAULT_SCHEDULING, Scheduling
 
 # Generate's span attributes (OpenTelemetry's GenAI names for the token counts).
 TTFT_ATTRIBUTE = "modelyard.generation.time_to_first_token_s"
 INPUT_TOKENS = "gen_ai.usage.input_tokens"
 OUTPUT_TOKENS = "gen_ai.usage.output_tokens"
-# Prompts up to this many characters are tokenized on the event loop (0.7-0.8 us a character on
-# a loaded 2-core machine: at most ~0.2 ms), longer ones in the executor.
+# Prompts up to this many characters are tokenized on the event loop (a short hold of the loop,
+# less than the executor's round trip), longer ones in the executor.
 INLINE_PROMPT_CHARS = 256
 
 
 class GenerationPlane:
-    def __init__(self, manager: ModelManager, executor: Executor, metrics: ServiceMetrics) -> None:
-        self._manager = manager
+    def __init__(self, dataplane: DataPlane, executor: Executor, metrics: ServiceMetrics) -> None:
+        self._dataplane = dataplane  # where a stream resolves and leases its version
         self._executor = executor
         self._metrics = metrics
         # Weak keys: an engine lives as long as its version is referenced (served or draining).
@@ -73,9 +72,10 @@ class GenerationPlane:
         remaining = scheduling.time_remaining_s
         arrived = time.monotonic()
         deadline = None if remaining is None else arrived + remaining
-        lease = Lease(served) if served is not None else self._manager.table.lease(model, version)
-        with lease as served:
-            tracing.resolved(str(served.version))
+        # The stream's lease (dataplane.Call), held until the stream ends or is closed.
+        held = self._dataplane.hold(served) if served is not None else self._dataplane.open(model, version)
+        with held:
+            served = held.served
             decoder = served.runner.kind
             if not isinstance(decoder, DecoderModel):
                 raise NotGenerative(
@@ -131,9 +131,9 @@ class GenerationPlane:
 
     async def _encode(self, codec: TextCodec, text: str, add_special_tokens: bool = True) -> list[int]:
         if len(text) <= INLINE_PROMPT_CHARS:
-            # A short prompt's tokenizing (tens of us) costs less than the executor's round
-            # trip, which is on the first token's path (two thread hand-offs, 0.1-0.4 ms, and
-            # a wait behind decode steps under load).
+            # A short prompt's tokenizing costs less than the executor's round trip, which is
+            # on the first token's path (two thread hand-offs, and a wait behind decode steps
+            # under load).
             return codec.encode(text, add_special_tokens)
         # A long prompt's tokenizing is CPU work: not on the event loop.
         return await asyncio.get_running_loop().run_in_executor(

@@ -23,7 +23,7 @@ from modelyard.service.generation.sampling import Produced, SamplingParams
 from modelyard.service.generation.text import Decoder, TextStream
 from modelyard.service.scheduling.queue import Ticket
 
-_UNDRAWN = np.random.default_rng(0)  # see Sequence.rng
+_UNDRAWN = np.random.default_rng(0)  # see GenerationSequence.rng
 
 
 class FinishReason(enum.Enum):
@@ -82,21 +82,25 @@ class State(enum.Enum):
     DONE = "done"
 
 
-class Sequence:
+class GenerationSequence:
+    """One Generate request's life in its version's decode loop (engine.py): waiting for a slot,
+    its prompt's prefill, its decode steps, paused for its reader or preempted, done; and the
+    events it leaves for its reader (`take`). Named apart from collections.abc.Sequence."""
+
     def __init__(
         self,
         request: GenerationRequest,
         decoder: Decoder,
         version: int,
         buffer: int,
-        on_drained: Callable[[Sequence], None],
-        pull: Callable[[Sequence], None] | None = None,
+        on_drained: Callable[[GenerationSequence], None],
+        pull: Callable[[GenerationSequence], None] | None = None,
     ) -> None:
         self.request = request
         self.version = version
         self.state = State.WAITING
         # A greedy choice draws nothing: such a sequence shares one generator that is never drawn
-        # from, instead of seeding its own (about 40 us a request, before its first token).
+        # from, instead of seeding its own (seeding is work on the first token's path).
         self.rng: np.random.Generator = _UNDRAWN if request.sampling.greedy else request.sampling.generator()
         self.produced = Produced(request.sampling)  # for its penalties: touched by the choosing thread
         self.text = TextStream(decoder, request.stop)
@@ -104,7 +108,7 @@ class Sequence:
         self.cache: Cache | None = None  # while PAUSED, or between prefill and joining a batch
         self.next_token = 0
         self.cancel_cause = ""  # set when the reader leaves: "cancelled" or "deadline"
-        self.ticket: Ticket[Sequence] | None = None  # its place in the wait queue, while WAITING
+        self.ticket: Ticket[GenerationSequence] | None = None  # its place in the wait queue, while WAITING
         self.submitted_at = time.monotonic()
         self.first_token_at = 0.0
         self.last_token_at = 0.0

@@ -51,8 +51,8 @@ class IncrementalDetokenizer:
             released = after[len(self._before) :]
             last_read, self._read = self._read, len(self._ids)
             if self._read - self._prefix > self.WINDOW:
-                # The window moves up to the last release: the tokens released before it are
-                # context no longer (as when it moved on every release).
+                # The window moves up to the last release: the tokens released before it are no
+                # longer needed as context for decoding what follows.
                 self._prefix = last_read
                 self._before = self._decoder.decode(self._ids[self._prefix : self._read])
             else:

@@ -1,4 +1,4 @@
-"""`platform: ensemble` and `ensemble_scheduling` in config.yaml (its keys: config_file's
+"""`platform: ensemble` and `ensemble_scheduling` in config.yaml (its keys: model_config_schema's
 EnsembleSchedulingDoc): Triton's ensembles, a DAG of steps that feed tensors from model to model
 (service/ensembles/ runs them).
 
@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 from modelyard.common.names import is_valid_name, name_problem
 from modelyard.process.documents import DocumentError
-from modelyard.service.repository.config_file import EnsembleSchedulingDoc
+from modelyard.service.repository.model_config_schema import EnsembleSchedulingDoc
 
 
 @dataclass(frozen=True)

@@ -6,8 +6,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from modelyard.service.errors import ModelLoadError
-from modelyard.service.repository.config import ConfigError, ModelConfig
 from modelyard.service.repository.files import read_inside, shown
+from modelyard.service.repository.model_config import ConfigError, ModelConfig
 
 MAX_LABEL_FILE_BYTES = 16 * 1024 * 1024
 

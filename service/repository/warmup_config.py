@@ -1,4 +1,4 @@
-"""`model_warmup` in config.yaml (its keys: config_file.WarmupDoc): Triton's warm-up samples
+"""`model_warmup` in config.yaml (its keys: model_config_schema.WarmupDoc): Triton's warm-up samples
 (model_config.proto ModelWarmup), the requests a version runs before it serves instead of the
 synthetic ones (service/runtime/warmup.py builds them).
 
@@ -21,8 +21,8 @@ from pathlib import Path
 from typing import Literal
 
 from modelyard.process.documents import DocumentError
-from modelyard.service.repository.config_file import WARMUP_FOLDER as WARMUP_FOLDER
-from modelyard.service.repository.config_file import WarmupDoc
+from modelyard.service.repository.model_config_schema import WARMUP_FOLDER as WARMUP_FOLDER
+from modelyard.service.repository.model_config_schema import WarmupDoc
 from modelyard.tensors import is_known
 
 Source = Literal["zero", "random", "file"]

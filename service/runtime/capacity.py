@@ -9,7 +9,7 @@ threads among the versions that run there, `max(1, threads // versions)` (and ne
 instances: each is a session the config asked to run side by side), so that the bounds add up to
 no more than the threads while there are no more versions than threads (then a version at its
 bound never waits for a thread another version holds). A version alone has no bound of its own:
-its runs queue for the threads as before. The share follows the served table: a version that
+its runs queue for the executor's threads directly. The share follows the served table: a version that
 loads lowers it, one that retires raises it again (and its waiting runs start). Versions that run
 inline on the event loop take no thread and do not count.
 
@@ -90,9 +90,9 @@ class RunCapacity:
     def _reshare(self) -> None:
         if not self.threads:
             return
-        # A version alone needs no bound of its own: its runs queue for the threads as they
-        # always did (the executor's own queue: no wait of ours per run, which costs ~10k
-        # instructions a run under saturation).
+        # A version alone needs no bound of its own: its runs queue for the threads in the
+        # executor's own queue, with no wait of ours per run (a wait of ours is a Python future
+        # and its wake-up on every run, a cost that shows under saturation).
         versions = len(self._sharers)
         share = max(1, self.threads // versions) if versions > 1 else UNBOUNDED
         if share == self.share:

@@ -1,12 +1,13 @@
 """The model instances of one served version: sessions of the same model file placed on devices
 (`execution.instances` on each of `execution.device_ids`), and the choice of which one runs a request.
 
-The choice is the seeds' multi-GPU scheduling: the fewest pending runs among healthy instances,
-ties to the lowest index. Instances are numbered device by device in turn, so ties spread a light
-load over the devices before any device takes two. An instance whose run failed on its device
-(DeviceFault) rests for UNHEALTHY_BACKOFF_S and is skipped while another is healthy; no request is
-refused for want of a healthy instance (with every instance resting, the least busy of all runs
-it). The counts are plain ints, touched on the event loop only; the runs go to the executor.
+The choice is least-loaded dispatch across the instances (and so across GPUs): the fewest pending
+runs among healthy instances, ties to the lowest index. Instances are numbered device by device in
+turn, so ties spread a light load over the devices before any device takes two. An instance whose
+run failed on its device (DeviceFault) rests for UNHEALTHY_BACKOFF_S and is skipped while another
+is healthy; no request is refused for want of a healthy instance (with every instance resting, the
+least busy of all runs it). The counts are plain ints, touched on the event loop only; the runs go
+to the executor.
 
 A run on the executor can be stopped (runtime/runs.py): when its caller leaves (its deadline
 passed, or it cancelled) the run's RunOptions.terminate is set, so that its thread, its instance
@@ -32,7 +33,7 @@ from typing import Protocol
 import numpy as np
 
 from modelyard.service.errors import DeadlineExceeded, DeviceFault, Overloaded
-from modelyard.service.repository.config import ModelConfig
+from modelyard.service.repository.model_config import ModelConfig
 from modelyard.service.runtime.providers import ProviderChoice
 from modelyard.service.runtime.runs import ActiveRuns, RunControl, RunTiming
 from modelyard.service.runtime.session import (
@@ -469,7 +470,7 @@ def _hand_back(
 ) -> None:
     """A run's future is done (on its executor thread, or where shutdown cancelled it): `settle`
     on the loop, in one hop. (run_in_executor's wrap_future takes the hop and then a callback of
-    its own on the loop, and its copy of the state: ~15 us of CPU a run on one core.)"""
+    its own on the loop, and copies the state: two hops' work on the loop for every run.)"""
     with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits any more
         loop.call_soon_threadsafe(settle, future)
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from modelyard.service.errors import ModelLoadError
-from modelyard.service.repository.config import ModelConfig
+from modelyard.service.repository.model_config import ModelConfig
 from modelyard.service.runtime.signature import TensorSpec
 
 

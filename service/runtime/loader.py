@@ -25,9 +25,9 @@ from modelyard.service.errors import ModelLoadError
 from modelyard.service.gpu_memory import DeviceMemory, memory_of, read_nvml
 from modelyard.service.metrics import ServiceMetrics
 from modelyard.service.repository.checksum import verify_checksum
-from modelyard.service.repository.config import ModelConfig
 from modelyard.service.repository.files import check_tree_inside
 from modelyard.service.repository.labels import load_labels
+from modelyard.service.repository.model_config import ModelConfig
 from modelyard.service.repository.scanner import version_bytes
 from modelyard.service.runtime.device_budget import MIB, plan_device_load
 from modelyard.service.runtime.instances import Loader, load_instances, placements

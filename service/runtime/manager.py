@@ -31,7 +31,7 @@ from modelyard.service.runtime.runs import ActiveRuns
 from modelyard.service.runtime.served import ServedModel, ServedVersion
 from modelyard.service.runtime.session import load_runner
 from modelyard.service.runtime.status import ModelStatus, StatusBoard, Watcher
-from modelyard.service.runtime.table import Lease, ServedTable
+from modelyard.service.runtime.table import ServedTable
 
 __all__ = ["LoadOverride", "ModelManager"]
 
@@ -84,10 +84,6 @@ class ModelManager:
     def resolve(self, name: str, version: str = "") -> ServedVersion:
         """The served version a request runs on: the pinned one, or the newest served."""
         return self.table.resolve(name, version)
-
-    def lease(self, name: str, version: str = "") -> Lease:
-        """`with manager.lease(name, version) as served:` holds that version until the block ends."""
-        return self.table.lease(name, version)
 
     # -- state -----------------------------------------------------------------------------
 

@@ -22,8 +22,8 @@ from types import MappingProxyType
 from modelyard.common.names import echo, name_problem
 from modelyard.service.errors import UNKNOWN_MODEL, ModelLoadError, ModelNotFound
 from modelyard.service.metrics import ServiceMetrics
-from modelyard.service.repository.config import ModelConfig, load_config
 from modelyard.service.repository.files import scrub
+from modelyard.service.repository.model_config import ModelConfig, load_config
 from modelyard.service.repository.scanner import fingerprint, scan_model, scan_repository
 from modelyard.service.repository.uploads import Upload
 from modelyard.service.repository.warmup_config import warmup_files

@@ -1,4 +1,9 @@
-"""What the served table holds: loaded model versions, with in-flight counts for draining."""
+"""What the served table holds: loaded model versions, and the leases that hold them.
+
+A `Lease` is the one way anything holds a version: a request's (the data plane's `Call` is one),
+a live sequence's, a stream's. A version counts its leases (`in_flight`); one taken out of the
+table drains (waits for that count to reach 0) before its sessions are dropped. A lease is
+released exactly once, by its `with` block's end or by `release()`, whichever comes first."""
 
 from __future__ import annotations
 
@@ -7,10 +12,11 @@ import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
+from typing import Self
 
 import numpy as np
 
-from modelyard.service.repository.config import ModelConfig
+from modelyard.service.repository.model_config import ModelConfig
 from modelyard.service.runtime.instances import Instances
 from modelyard.service.runtime.runs import ActiveRuns
 from modelyard.service.runtime.session import ModelRunner
@@ -66,6 +72,33 @@ class VersionStats:
         self.queue_count += requests
         self.queue_ns += waited_ns
 
+    def record_run(
+        self, ok: bool, inputs: Mapping[str, np.ndarray], batched: int, admitted_ns: int, start_ns: int
+    ) -> int:
+        """One request that was a run of its own (no batcher): admitted at `admitted_ns`, run from
+        `start_ns` to now (returned, perf_counter ns). Its items are batch rows: the first
+        input's first dimension where the model batches (`batched`: its max_batch_size). What
+        record_request and, when it succeeded, record_queue, record_execution and
+        record_compute(1, ...) count, in one body: it runs on every request of a cheap model,
+        where four calls more would be a measurable share of the request."""
+        end = time.perf_counter_ns()
+        self.last_inference_ms = time.time_ns() // 1_000_000
+        if not ok:
+            self.fail_count += 1
+            self.fail_ns += end - admitted_ns
+            return end
+        compute_ns = end - start_ns
+        self.success_count += 1
+        self.success_ns += end - admitted_ns
+        self.queue_count += 1
+        self.queue_ns += start_ns - admitted_ns
+        self.inference_count += next(iter(inputs.values())).shape[0] if batched and inputs else 1
+        self.execution_count += 1
+        self.compute_ns += compute_ns
+        self.compute_request_count += 1
+        self.compute_request_ns += compute_ns
+        return end
+
 
 class ServedVersion:
     """One loaded version. Requests lease it for their whole duration, so that a version taken out
@@ -110,42 +143,8 @@ class ServedVersion:
         self.stats = VersionStats()
         # The workers of the layers above (a batcher, a decode loop), stopped when it retires.
         self._retire_hooks: list[RetireHook] = []
-        self.in_flight = 0
+        self.in_flight = 0  # the leases that hold it (Lease: the only code that changes this)
         self._drained: asyncio.Event | None = None
-
-    def acquire(self) -> None:
-        self.in_flight += 1
-
-    def record_run(self, ok: bool, inputs: Mapping[str, np.ndarray], admitted_ns: int, start_ns: int) -> int:
-        """A request that was one run of its own (no batcher), in the statistics: admitted at
-        `admitted_ns`, its run from `start_ns` to now (returned, perf_counter ns).
-        VersionStats' record_request, and when it succeeded record_queue, record_execution and
-        record_compute(1, ...), in one body: it runs on every such request."""
-        end = time.perf_counter_ns()
-        stats = self.stats
-        stats.last_inference_ms = time.time_ns() // 1_000_000
-        if not ok:
-            stats.fail_count += 1
-            stats.fail_ns += end - admitted_ns
-            return end
-        compute_ns = end - start_ns
-        stats.success_count += 1
-        stats.success_ns += end - admitted_ns
-        stats.queue_count += 1
-        stats.queue_ns += start_ns - admitted_ns
-        # Items are batch rows: the first input's first dimension where the model batches.
-        batched = self.config.max_batch_size and inputs
-        stats.inference_count += next(iter(inputs.values())).shape[0] if batched else 1
-        stats.execution_count += 1
-        stats.compute_ns += compute_ns
-        stats.compute_request_count += 1
-        stats.compute_request_ns += compute_ns
-        return end
-
-    def release(self) -> None:
-        self.in_flight -= 1
-        if self.in_flight == 0 and self._drained is not None:
-            self._drained.set()
 
     def on_retire(self, hook: RetireHook) -> None:
         """Call `hook` when this version retires, after it drained, before its session is dropped."""
@@ -176,6 +175,35 @@ class ServedVersion:
             return True
         except TimeoutError:
             return False
+
+
+class Lease:
+    """A hold on one served version, from its making to its release (exactly once: `release()`
+    or the end of its `with` block, whichever comes first; later calls do nothing). A class with
+    slots, not a generator: a request makes one. The data plane's `Call` is the lease of a
+    request; a live sequence takes one of its own for as long as it lives."""
+
+    __slots__ = ("_held", "served")
+
+    def __init__(self, served: ServedVersion) -> None:
+        self.served = served
+        self._held = True
+        served.in_flight += 1
+
+    def __enter__(self) -> Self:
+        return self
+
+    def release(self, *exc: object) -> None:
+        """Let go of the version (once); the last lease of a draining version wakes its drain."""
+        if self._held:
+            self._held = False
+            served = self.served
+            served.in_flight -= 1
+            if served.in_flight == 0 and served._drained is not None:
+                served._drained.set()
+
+    # The block's end is a release (one body: no frame of its own per request).
+    __exit__ = release
 
 
 @dataclass(frozen=True)

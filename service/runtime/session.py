@@ -36,7 +36,7 @@ from modelyard.service.errors import (
     ServiceError,
     Unsupported,
 )
-from modelyard.service.repository.config import ModelConfig, TensorConfig
+from modelyard.service.repository.model_config import ModelConfig, TensorConfig
 from modelyard.service.runtime import bf16
 from modelyard.service.runtime.cost import value_driven
 from modelyard.service.runtime.device_errors import names_a_device_failure, names_out_of_device_memory
@@ -50,17 +50,18 @@ from modelyard.service.runtime.warmup import sample_feeds, synthetic
 
 log = logging.getLogger(__name__)
 
-# A run this cheap costs less than the hop to an executor thread and back (measured: ~40-60 us on
-# this 2-core machine), so it runs inline on the event loop; anything slower goes to the executor.
+# A run this cheap costs less than the hop to an executor thread and back (the limit is about what
+# that hop costs on a small machine), so it runs inline on the event loop; anything slower goes to
+# the executor.
 INLINE_RUN_LIMIT_S = 50e-6
 # With one usable core per process (pinned, or as many workers as cores) an executor thread adds
 # no parallelism, only the hop: runs up to this long go inline, which bounds how long one run holds
 # the event loop (and so the latency it adds to other requests).
 ONE_CORE_INLINE_RUN_LIMIT_S = 500e-6
 WARMUP_RUNS = 5
-# A fresh session's first runs take several times what its warm runs do (the floor's MLP, pinned:
-# 1.4 ms falling to 0.16 ms over ~10 runs, CPU time as well as wall), so the fastest of
-# WARMUP_RUNS judged it cold: under load its start-up sent it to the executor 19 times in 20. A
+# A fresh session's first runs take several times what its warm runs do (over its first ten runs
+# or so, in CPU time as well as wall), so the fastest of WARMUP_RUNS alone may judge it cold:
+# under load, a model whose warm runs belong inline would start on the executor almost always. A
 # model whose fastest run is over the inline limit but within WARMUP_SETTLE_FACTOR of it runs up
 # to WARMUP_SETTLE_RUNS more, until one is under: its place follows what a warm run costs.
 WARMUP_SETTLE_FACTOR = 4.0
@@ -296,8 +297,8 @@ def is_device_fault(exc: BaseException) -> bool:
 def direct_run(session: ort.InferenceSession) -> Callable[..., list[np.ndarray]]:
     """`session.run`, or for a CPU-only session the binding's own run: the Python wrapper's checks
     (every input given, no foreign OrtValues) are made by our callers before each run (the
-    signature, a decoder's layout), and its EP fallback has no other provider to go to. ~3 us of
-    CPU per request under load, ~5 us per decode step."""
+    signature, a decoder's layout), and its EP fallback has no other provider to go to: those
+    checks, in Python, once per request and once per decode step, are what this saves."""
     inner: Any = getattr(session, "_sess", None)
     if session.get_providers() == [CPU] and inner is not None and hasattr(inner, "run"):
         return cast(Callable[..., list[np.ndarray]], inner.run)
@@ -350,7 +351,7 @@ def load_runner(
     # fails the load, as Triton's); the first one also times the inline decision. Without them,
     # synthetic inputs: a model whose kernel refuses their values (a string model casting "" to a
     # number) loads without a warm-up, and says so, rather than fail for want of real inputs; one
-    # that refuses their shapes, or fails otherwise, fails the load as before.
+    # that refuses their shapes, or fails otherwise, fails the load (the graph is at fault).
     samples = _configured_samples(config, signature, model_file) if kind is None else []
     # The inputs the service feeds itself (a sequence's controls and state) are no sample's.
     internal_feeds = {spec.name: _internal_sample(spec) for spec in internal}
@@ -564,8 +565,8 @@ def _warm_up(
     sample: str = "",  # the config's sample these feeds are (for the message)
     runs: int = 0,  # at least this many runs (a sample's count)
 ) -> float:
-    """The fastest of WARMUP_RUNS runs (other work on the machine only ever slows a run down, and a
-    start under load once sent a 20 us model to the executor for good with the median); while that
+    """The fastest of WARMUP_RUNS runs (other work on the machine only ever slows a run down, so the
+    median of a start under load could send a cheap model to the executor for good); while that
     is over `inline_limit_s` but near it (WARMUP_SETTLE_FACTOR), up to WARMUP_SETTLE_RUNS more."""
     fastest = float("inf")
     done = 0
@@ -590,7 +591,7 @@ def _warm_up(
 def _refused_values(exc: BaseException) -> bool:
     """Whether a warm-up run failed on its inputs' values: a kernel refused them (a Cast of "" to
     a number), not their shapes (a Reshape that fits no input of that size is the graph's fault,
-    and fails the load as before) nor anything else (memory, a non-UTF-8 output)."""
+    and fails the load) nor anything else (memory, a non-UTF-8 output)."""
     text = str(exc)
     return _KERNEL_FAILURE in text and not _REQUEST_MESSAGE.search(text)
 

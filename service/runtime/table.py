@@ -1,9 +1,9 @@
-"""The served table: the versions each model serves now, and the leases requests hold on them.
+"""The served table: the versions each model serves now, which requests resolve and lease.
 
 The table is an immutable mapping replaced in one assignment, so a request sees either the old
 set of versions or the new one, never half of each. A request resolves its version once, leases
-it, and keeps it to the end; a version taken out of the table is drained, then released (the
-loader does that).
+it (runtime/served.py's Lease, which the data plane's `open` makes) and keeps it to the end; a
+version taken out of the table is drained, then released (the loader does that).
 
 Nothing here knows the repository: what is on disk is the reconciler's, and why a model does not
 serve is the status board's (a miss asks `explain` for the error to raise). This is the request
@@ -19,22 +19,6 @@ from modelyard.common.names import echo
 from modelyard.service.errors import UNKNOWN_VERSION, InvalidInput, ServiceError, VersionNotFound
 from modelyard.service.runtime.served import ServedModel, ServedVersion
 from modelyard.service.versions import parse_version
-
-
-class Lease:
-    """Holds a served version for one request (a class, not a generator: it runs per request)."""
-
-    __slots__ = ("_served",)
-
-    def __init__(self, served: ServedVersion) -> None:
-        self._served = served
-
-    def __enter__(self) -> ServedVersion:
-        self._served.acquire()
-        return self._served
-
-    def __exit__(self, *exc: object) -> None:
-        self._served.release()
 
 
 class ServedTable:
@@ -73,10 +57,6 @@ class ServedTable:
                 f"{UNKNOWN_VERSION.format(echo(name), number)}; served versions: {sorted(model.versions)}"
             )
         return served
-
-    def lease(self, name: str, version: str = "") -> Lease:
-        """`with table.lease(name, version) as served:` holds that version until the block ends."""
-        return Lease(self.resolve(name, version))
 
     def get(self, name: str) -> ServedModel | None:
         return self._models.get(name)

@@ -73,8 +73,9 @@ class AdmissionPolicy:
 
 class Scheduling(NamedTuple):
     """What a request asks of the queue: its priority, a timeout, and its client's deadline. A
-    tuple: made for every request with a deadline (a frozen dataclass costs ~4k instructions to
-    make; service/api/scheduling.py makes it as the tuple it is)."""
+    tuple: made for every request with a deadline (a frozen dataclass's __init__ is Python and
+    sets each field through object.__setattr__; service/api/scheduling.py makes it as the tuple
+    it is)."""
 
     priority: int = 0  # 1 is the highest level; 0 means the default level
     timeout_us: int = 0  # lowers the level's default timeout, where the level allows it; 0 = none

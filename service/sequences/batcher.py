@@ -50,10 +50,10 @@ from modelyard.service.errors import (
     SequenceStateError,
     ServiceError,
 )
-from modelyard.service.repository.config import SequenceBatchingConfig
+from modelyard.service.repository.model_config import SequenceBatchingConfig
 from modelyard.service.runtime.instances import Instance
 from modelyard.service.runtime.runs import RunControl, RunTiming
-from modelyard.service.runtime.served import ServedVersion
+from modelyard.service.runtime.served import Lease, ServedVersion
 from modelyard.service.runtime.session import run_checked, run_error
 from modelyard.service.runtime.strings import to_ort
 from modelyard.service.scheduling.queue import DEFAULT_SCHEDULING, Scheduling
@@ -95,6 +95,8 @@ class _Sequence:
     running: bool = False
     ending: bool = False  # its END step is queued or running: no step may follow
     idle_since: float = 0.0  # monotonic; while it has no step waiting or running
+    # Its version's lease while it lives (runtime/served.py): a reload leaves it on its version.
+    lease: Lease | None = None
 
 
 @dataclass(eq=False, slots=True)
@@ -320,7 +322,7 @@ class SequenceBatcher:
         lane.live += 1
         self._live[step.sequence_id] = sequence
         self._expired.pop(step.sequence_id, None)
-        self.served.acquire()  # the version stays while the sequence lives
+        sequence.lease = Lease(self.served)  # the version stays while the sequence lives
         self._directory.add(self.served, step.sequence_id)
         return sequence
 
@@ -336,7 +338,8 @@ class SequenceBatcher:
             lane.slots[sequence.slot] = None
         sequence.state = None
         self._directory.remove(self.served, sequence.id)
-        self.served.release()
+        if sequence.lease is not None:
+            sequence.lease.release()
 
     def _rested(self, sequence: _Sequence) -> None:
         """The sequence has no step waiting or running: it idles from now on."""

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from modelyard.service.errors import InvalidInput
-from modelyard.service.repository.config import ControlInput, StateConfig
+from modelyard.service.repository.model_config import ControlInput, StateConfig
 from modelyard.tensors import NUMPY_BY_NAME
 
 

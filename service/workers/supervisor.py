@@ -34,7 +34,7 @@ from modelyard.process.metrics_sum import per_worker
 from modelyard.process.settings import split_address
 from modelyard.process.supervisor import WorkerFailed, WorkerKind, Workers, WorkerSlot
 from modelyard.process.tls import TlsFiles
-from modelyard.service.config import ENV_PREFIX, Settings
+from modelyard.service.settings import ENV_PREFIX, Settings
 from modelyard.service.workers import protocol
 from modelyard.service.workers.member import CHANNEL_OPTIONS
 from modelyard.service.workers.metrics_sum import parse, sum_families

@@ -25,8 +25,8 @@ import pytest_asyncio
 from models import demo_models
 from modelyard.gateway.app import Gateway
 from modelyard.gateway.config import Settings as GatewaySettings
-from modelyard.service.config import Settings
 from modelyard.service.server import Service, build_service
+from modelyard.service.settings import Settings
 from tests.envoy_support import start_envoy
 from tests.sidecar_support import start_sidecar_process
 from tests.support import REPO_ROOT, eventually, start_service_process

@@ -26,8 +26,8 @@ from modelyard.gateway.config import Settings as GatewaySettings
 from modelyard.inference.v1 import inference_service_pb2 as pb
 from modelyard.inference.v1 import inference_service_pb2_grpc as pb_grpc
 from modelyard.inference.v1 import model_service_pb2 as model_pb
-from modelyard.service.config import Settings
 from modelyard.service.server import Service, build_service
+from modelyard.service.settings import Settings
 from tests.envoy_support import (
     EnvoyProcess,
     grpc_web_frame,

@@ -25,8 +25,8 @@ from modelyard.inference.v1 import inference_service_pb2 as pb
 from modelyard.inference.v1 import inference_service_pb2_grpc as pb_grpc
 from modelyard.kserve.v2 import grpc_service_pb2 as kserve_pb
 from modelyard.kserve.v2 import grpc_service_pb2_grpc as kserve_grpc
-from modelyard.service.config import Settings
 from modelyard.service.server import build_service
+from modelyard.service.settings import Settings
 from modelyard.tensors import to_tensor
 from tests.integration.test_gateway_process import _SERVING as GATEWAY_SERVING
 from tests.sidecar_support import start_sidecar_process

@@ -17,8 +17,8 @@ from modelyard.inference.v1 import inference_service_pb2_grpc as pb_grpc
 from modelyard.inference.v1 import model_service_pb2 as mpb
 from modelyard.inference.v1 import model_service_pb2_grpc as mpb_grpc
 from modelyard.inference.v1 import tensor_pb2
-from modelyard.service.config import Settings
 from modelyard.service.server import build_service
+from modelyard.service.settings import Settings
 from modelyard.tensors import to_array, to_tensor
 from tests.bf16_model import bf16_double
 

@@ -27,7 +27,6 @@ from modelyard.inference.v1 import inference_service_pb2 as pb
 from modelyard.inference.v1 import inference_service_pb2_grpc as pb_grpc
 from modelyard.inference.v1 import model_service_pb2 as mpb
 from modelyard.inference.v1 import model_service_pb2_grpc as mpb_grpc
-from modelyard.service.config import Settings
 from modelyard.service.generation.decoder import StepRunner
 from modelyard.service.gpu_memory import memory_of, used_mib
 from modelyard.service.runtime.iobinding import DeviceBinding
@@ -35,6 +34,7 @@ from modelyard.service.runtime.manager import ModelManager
 from modelyard.service.runtime.providers import CPU, CUDA, detect_providers
 from modelyard.service.runtime.status import VersionState
 from modelyard.service.server import Service, build_service
+from modelyard.service.settings import Settings
 from modelyard.tensors import to_array, to_tensor
 from tests.support import eventually
 

@@ -20,9 +20,9 @@ from models.demo_models import scaled_identity, write_model
 from modelyard.inference.v1 import model_service_pb2 as mpb
 from modelyard.inference.v1 import model_service_pb2_grpc as mpb_grpc
 from modelyard.service import server
-from modelyard.service.config import Settings
 from modelyard.service.runtime import providers
 from modelyard.service.runtime.providers import CPU, CUDA, ProviderChoice, detect_providers
+from modelyard.service.settings import Settings
 from tests.support import eventually, metric
 
 

@@ -17,8 +17,8 @@ import pytest
 
 from modelyard.kserve.v2 import grpc_service_pb2 as pb
 from modelyard.kserve.v2 import grpc_service_pb2_grpc as pb_grpc
-from modelyard.service.config import Settings
 from modelyard.service.server import build_service
+from modelyard.service.settings import Settings
 from tests.sequence_models import write_triton_models
 
 FINAL = "triton_final_response"

@@ -31,8 +31,8 @@ from modelyard.inference.v1 import inference_service_pb2_grpc as ipb_grpc
 from modelyard.kserve.v2 import grpc_service_pb2 as pb
 from modelyard.kserve.v2 import grpc_service_pb2_grpc as pb_grpc
 from modelyard.kserve.v2 import model_config_pb2 as config_pb
-from modelyard.service.config import Settings
 from modelyard.service.server import Service, build_service
+from modelyard.service.settings import Settings
 from tests import hf_decoder
 from tests.sidecar_support import known_versions, running_sidecar
 from tests.support import REPO_ROOT, eventually, metric

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import shutil
 from collections.abc import AsyncIterator, Callable
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
@@ -18,10 +19,10 @@ from models import demo_models
 from models.demo_models import write_model
 from modelyard.kserve.v2 import grpc_service_pb2 as kpb
 from modelyard.kserve.v2 import grpc_service_pb2_grpc as kgrpc
-from modelyard.service.config import Settings
 from modelyard.service.runtime.status import VersionState
 from modelyard.service.scheduling.queue import DEFAULT_SCHEDULING
 from modelyard.service.server import Service, build_service
+from modelyard.service.settings import Settings
 from modelyard.tensors import encode_bytes
 from tests import triton_models
 from tests.support import eventually
@@ -193,7 +194,8 @@ async def test_a_fan_out_that_joins(stub: Any) -> None:
 
 async def test_a_swap_mid_request_never_mixes_versions(service: Service, root: Path, tmp_path: Path) -> None:
     plan = service.manager.resolve("a_chain").instances.plan  # type: ignore[attr-defined]
-    calls = plan._open()  # what a request does first: every step's version pinned and leased
+    leases = ExitStack()
+    calls = plan._open(leases)  # what a request does first: every step's version pinned and leased
     pinned = calls[0].served
     staging = tmp_path / "staging"
     write_model(staging, "scale", 2, demo_models.scaled_identity(FEATURES, 3.0))
@@ -201,11 +203,9 @@ async def test_a_swap_mid_request_never_mixes_versions(service: Service, root: P
     await eventually(lambda: service.manager.resolve("scale").version == 2, "scale version 2 serving")
     assert pinned.in_flight >= 2  # still leased by the request: not released under it
     x = np.ones((1, FEATURES), np.float32)
-    try:
+    with leases:
         made = await plan._flow(calls, {"X": x}, DEFAULT_SCHEDULING)
-    finally:
-        for call in calls:
-            call.served.release()
+    assert pinned.in_flight == 0  # the request's leases all released, once
     np.testing.assert_array_equal(made["Y"], x * 4)  # v1 twice, not v1 then v2
     # New requests run on version 2, both steps.
     async with grpc.aio.insecure_channel(service.address) as channel:

@@ -15,9 +15,9 @@ import pytest
 from models import demo_models
 from modelyard.kserve.v2 import grpc_service_pb2 as kpb
 from modelyard.kserve.v2 import grpc_service_pb2_grpc as kgrpc
-from modelyard.service.config import Settings, parse_settings
 from modelyard.service.runtime.reconciler import NOT_LOADED
 from modelyard.service.server import Service, build_service
+from modelyard.service.settings import Settings, parse_settings
 from tests.support import start_service_process
 
 

@@ -17,8 +17,8 @@ import pytest_asyncio
 
 from modelyard.gateway.app import Gateway
 from modelyard.gateway.config import Settings as GatewaySettings
-from modelyard.service.config import Settings
 from modelyard.service.server import build_service
+from modelyard.service.settings import Settings
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 

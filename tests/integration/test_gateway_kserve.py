@@ -19,8 +19,8 @@ from modelyard.gateway.app import Gateway
 from modelyard.gateway.config import Settings as GatewaySettings
 from modelyard.kserve.v2 import grpc_service_pb2 as kpb
 from modelyard.kserve.v2 import grpc_service_pb2_grpc as kserve_grpc
-from modelyard.service.config import Settings as ServiceSettings
 from modelyard.service.server import Service, build_service
+from modelyard.service.settings import Settings as ServiceSettings
 from tests.support import eventually
 
 

@@ -26,8 +26,8 @@ from modelyard.gateway.app import Gateway
 from modelyard.gateway.config import Settings as GatewaySettings
 from modelyard.inference.v1 import inference_service_pb2 as pb
 from modelyard.inference.v1 import inference_service_pb2_grpc as pb_grpc
-from modelyard.service.config import Settings
 from modelyard.service.server import Service, build_service
+from modelyard.service.settings import Settings
 from tests.sse_client import SseEvent, events_only, read_events, token_ids
 from tests.support import start_service_process
 

@@ -18,8 +18,8 @@ from modelyard.gateway.app import Gateway
 from modelyard.gateway.config import Settings as GatewaySettings
 from modelyard.gateway.config import parse_settings
 from modelyard.process import auth
-from modelyard.service.config import Settings as ServiceSettings
 from modelyard.service.server import Service, build_service
+from modelyard.service.settings import Settings as ServiceSettings
 from tests.certs import Authority, Pem, install, make_pki
 
 TOKEN = "gateway-test-token"

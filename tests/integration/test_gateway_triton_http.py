@@ -27,8 +27,8 @@ from models import demo_models
 from modelyard.gateway.app import Gateway
 from modelyard.gateway.config import Settings as GatewaySettings
 from modelyard.gateway.kserve.serving import GATEWAY_EXTENSIONS, REST_EXTENSIONS
-from modelyard.service.config import Settings
 from modelyard.service.server import build_service
+from modelyard.service.settings import Settings
 from tests.integration.test_perf_analyzer import run_perf_analyzer
 from tests.sse_client import read_events
 

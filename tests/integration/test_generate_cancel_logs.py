@@ -18,8 +18,8 @@ import pytest_asyncio
 from models import demo_models
 from modelyard.inference.v1 import inference_service_pb2 as pb
 from modelyard.inference.v1 import inference_service_pb2_grpc as pb_grpc
-from modelyard.service.config import Settings
 from modelyard.service.server import Service, build_service
+from modelyard.service.settings import Settings
 from tests.sidecar_support import start_sidecar_process
 from tests.support import eventually
 

@@ -25,10 +25,10 @@ from tokenizers import Tokenizer
 from models import demo_models
 from modelyard.inference.v1 import inference_service_pb2 as pb
 from modelyard.inference.v1 import inference_service_pb2_grpc as pb_grpc
-from modelyard.service.config import Settings
 from modelyard.service.generation.plane import INLINE_PROMPT_CHARS
 from modelyard.service.generation.tokenizer import TextCodec
 from modelyard.service.server import Service, build_service
+from modelyard.service.settings import Settings
 from tests import hf_decoder
 from tests.support import eventually, metric
 

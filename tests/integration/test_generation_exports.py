@@ -30,8 +30,8 @@ from modelyard.inference.v1 import inference_service_pb2 as pb
 from modelyard.inference.v1 import inference_service_pb2_grpc as pb_grpc
 from modelyard.inference.v1 import model_service_pb2 as model_pb
 from modelyard.inference.v1 import model_service_pb2_grpc as model_grpc
-from modelyard.service.config import Settings
 from modelyard.service.server import Service, build_service
+from modelyard.service.settings import Settings
 from tests import hf_decoder
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")

@@ -25,9 +25,9 @@ from modelyard.inference.v1 import model_service_pb2 as mpb
 from modelyard.inference.v1 import model_service_pb2_grpc as mpb_grpc
 from modelyard.kserve.v2 import grpc_service_pb2 as kpb
 from modelyard.kserve.v2 import grpc_service_pb2_grpc as kgrpc
-from modelyard.service.config import Settings
 from modelyard.service.runtime.status import VersionState
 from modelyard.service.server import Service, build_service
+from modelyard.service.settings import Settings
 from modelyard.tensors import to_array, to_tensor
 from tests.support import eventually, metric
 

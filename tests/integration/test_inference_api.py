@@ -12,8 +12,8 @@ import pytest
 from modelyard.inference.v1 import inference_service_pb2 as pb
 from modelyard.inference.v1 import inference_service_pb2_grpc as pb_grpc
 from modelyard.inference.v1 import tensor_pb2
-from modelyard.service.config import Settings
 from modelyard.service.server import build_service
+from modelyard.service.settings import Settings
 from modelyard.tensors import to_array, to_tensor
 
 

@@ -23,9 +23,9 @@ from modelyard.inference.v1 import inference_service_pb2_grpc as pb_grpc
 from modelyard.kserve.v2 import grpc_service_pb2 as kpb
 from modelyard.kserve.v2 import grpc_service_pb2_grpc as kpb_grpc
 from modelyard.kserve.v2 import model_config_pb2 as config_pb
-from modelyard.service.config import Settings
 from modelyard.service.runtime.status import VersionState
 from modelyard.service.server import Service, build_service
+from modelyard.service.settings import Settings
 from modelyard.tensors import to_array, to_tensor
 from tests import hf_decoder
 from tests.batching_fakes import RecordingRunner, Runners

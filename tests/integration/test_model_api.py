@@ -20,8 +20,8 @@ from modelyard.inference.v1 import inference_service_pb2_grpc as ipb_grpc
 from modelyard.inference.v1 import model_service_pb2 as pb
 from modelyard.inference.v1 import model_service_pb2_grpc as pb_grpc
 from modelyard.inference.v1 import tensor_pb2
-from modelyard.service.config import Settings
 from modelyard.service.server import Service, build_service
+from modelyard.service.settings import Settings
 from modelyard.tensors import to_tensor
 from tests.support import eventually
 

@@ -18,9 +18,9 @@ import pytest
 from models.demo_models import write_model
 from modelyard.kserve.v2 import grpc_service_pb2 as kpb
 from modelyard.kserve.v2 import grpc_service_pb2_grpc as kgrpc
-from modelyard.service.config import Settings
 from modelyard.service.runtime.status import VersionState
 from modelyard.service.server import Service, build_service
+from modelyard.service.settings import Settings
 from modelyard.tensors import decode_bytes, encode_bytes
 from tests import triton_models
 

@@ -32,11 +32,11 @@ from modelyard.kserve.v2 import grpc_service_pb2 as kpb
 from modelyard.kserve.v2 import grpc_service_pb2_grpc as kpb_grpc
 from modelyard.service.api.kserve.servicer import ERROR_REASON_PARAMETER
 from modelyard.service.batching.batcher import Batcher
-from modelyard.service.config import Settings
-from modelyard.service.repository.config import ModelConfig
+from modelyard.service.repository.model_config import ModelConfig
 from modelyard.service.runtime.providers import ProviderChoice
 from modelyard.service.runtime.session import ModelRunner
 from modelyard.service.server import Service, build_service
+from modelyard.service.settings import Settings
 from modelyard.tensors import to_array, to_tensor
 from tests.batching_fakes import ManualClock, RecordingRunner, Runners
 from tests.support import eventually

@@ -18,9 +18,9 @@ from modelyard.inference.v1 import model_service_pb2 as pb
 from modelyard.inference.v1 import model_service_pb2_grpc as pb_grpc
 from modelyard.kserve.v2 import grpc_service_pb2 as kpb
 from modelyard.kserve.v2 import grpc_service_pb2_grpc as kgrpc
-from modelyard.service.config import Settings
 from modelyard.service.generation.tokenizer import TextCodec, TokenizerError, find_tokenizer
 from modelyard.service.server import build_service
+from modelyard.service.settings import Settings
 
 SECRET = "root:x: [hunter2"  # a first line that YAML refuses, so a parser error would quote it
 

@@ -29,9 +29,9 @@ from modelyard.inference.v1 import inference_service_pb2 as pb
 from modelyard.inference.v1 import inference_service_pb2_grpc as pb_grpc
 from modelyard.kserve.v2 import grpc_service_pb2 as kpb
 from modelyard.kserve.v2 import grpc_service_pb2_grpc as kgrpc
-from modelyard.service.config import Settings
 from modelyard.service.runtime.session import load_runner
 from modelyard.service.server import Service, build_service
+from modelyard.service.settings import Settings
 from modelyard.tensors import to_tensor
 from tests.batching_fakes import Runners
 from tests.support import eventually

@@ -18,9 +18,9 @@ from models.demo_models import write_model
 from modelyard.kserve.v2 import grpc_service_pb2 as pb
 from modelyard.kserve.v2 import grpc_service_pb2_grpc as pb_grpc
 from modelyard.kserve.v2 import model_config_pb2 as config_pb
-from modelyard.service.config import Settings
 from modelyard.service.sequences.batcher import SequenceBatcher
 from modelyard.service.server import Service, build_service
+from modelyard.service.settings import Settings
 from tests.sequence_models import (
     ACCUMULATOR_STATE,
     _int32_controls,

@@ -23,8 +23,8 @@ from models import demo_models, value_models
 from modelyard.inference.v1 import inference_service_pb2 as pb
 from modelyard.inference.v1 import inference_service_pb2_grpc as pb_grpc
 from modelyard.service import tracing
-from modelyard.service.config import Settings
 from modelyard.service.server import Service, build_service
+from modelyard.service.settings import Settings
 from modelyard.tensors import to_tensor
 from tests.support import eventually, metric
 

@@ -19,8 +19,8 @@ import grpc
 import onnx
 
 from models import demo_models
-from modelyard.service.config import Settings as ServiceSettings
 from modelyard.service.server import Service, build_service
+from modelyard.service.settings import Settings as ServiceSettings
 from modelyard.sidecar.config import Settings
 from modelyard.sidecar.server import Sidecar, build_sidecar
 from tests.integration.test_sidecar_breakers import fails_on_large_values

@@ -17,8 +17,8 @@ import pytest
 from models.demo_models import write_model
 from modelyard.kserve.v2 import grpc_service_pb2 as pb
 from modelyard.kserve.v2 import grpc_service_pb2_grpc as pb_grpc
-from modelyard.service.config import Settings
 from modelyard.service.server import Service, build_service
+from modelyard.service.settings import Settings
 from tests.integration.test_sequences import batcher_of, step, value_of
 from tests.sequence_models import ACCUMULATOR_STATE, _int32_controls, accumulator, sequence_config
 from tests.sidecar_support import known_versions, running_sidecar

@@ -22,8 +22,8 @@ from opentelemetry.trace import SpanKind, StatusCode
 from models import demo_models
 from modelyard.inference.v1 import inference_service_pb2 as pb
 from modelyard.inference.v1 import inference_service_pb2_grpc as pb_grpc
-from modelyard.service.config import Settings as ServiceSettings
 from modelyard.service.server import Service, build_service
+from modelyard.service.settings import Settings as ServiceSettings
 from modelyard.sidecar.server import Sidecar
 from modelyard.sidecar.tracing import Tracing
 from modelyard.tensors import to_tensor

@@ -17,8 +17,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from modelyard.kserve.v2 import grpc_service_pb2 as kserve
 from modelyard.kserve.v2 import grpc_service_pb2_grpc as kserve_grpc
 from modelyard.process import auth
-from modelyard.service.config import Settings as ServiceSettings
 from modelyard.service.server import Service, build_service
+from modelyard.service.settings import Settings as ServiceSettings
 from modelyard.sidecar import upstreams
 from modelyard.sidecar.config import parse_settings
 from modelyard.sidecar.server import _security

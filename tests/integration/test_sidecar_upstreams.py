@@ -23,8 +23,8 @@ from prometheus_client import CollectorRegistry
 
 from modelyard.common import headers, health
 from modelyard.inference.v1 import model_service_pb2 as mpb
-from modelyard.service.config import Settings as ServiceSettings
 from modelyard.service.server import build_service
+from modelyard.service.settings import Settings as ServiceSettings
 from modelyard.sidecar import upstreams as upstreams_module
 from modelyard.sidecar.admin import AdminServer, Request
 from modelyard.sidecar.config import Settings as SidecarSettings

@@ -16,7 +16,7 @@ import pytest
 from models import demo_models
 from modelyard.inference.v1 import inference_service_pb2 as pb
 from modelyard.inference.v1 import inference_service_pb2_grpc as pb_grpc
-from modelyard.service.repository.config import DEFAULT_GENERATION_QUEUE_TIMEOUT_US, parse_config
+from modelyard.service.repository.model_config import DEFAULT_GENERATION_QUEUE_TIMEOUT_US, parse_config
 from modelyard.service.server import Service
 from tests.support import eventually, serving
 

@@ -132,8 +132,8 @@ def test_the_stack_checks_its_addresses() -> None:
 
 
 def _service(address: str, flag: str, repository: Path) -> Process:
-    from modelyard.service.config import parse_settings
     from modelyard.service.server import build_service
+    from modelyard.service.settings import parse_settings
 
     others = {"--listen": "127.0.0.1:0", "--metrics-listen": ""}
     args = [*(x for k, v in others.items() if k != flag for x in (k, v)), flag, address]
@@ -141,7 +141,7 @@ def _service(address: str, flag: str, repository: Path) -> Process:
 
 
 def _supervisor(address: str, flag: str, repository: Path) -> Process:
-    from modelyard.service.config import parse_settings
+    from modelyard.service.settings import parse_settings
     from modelyard.service.workers.supervisor import Supervisor
 
     args = ["--repository", str(repository), "--metrics-listen", "", flag, address]

@@ -20,8 +20,8 @@ from modelyard.gateway.app import Gateway
 from modelyard.gateway.config import Settings as GatewaySettings
 from modelyard.kserve.v2 import grpc_service_pb2 as kpb
 from modelyard.kserve.v2 import grpc_service_pb2_grpc as kgrpc
-from modelyard.service.config import Settings
 from modelyard.service.server import Service, build_service
+from modelyard.service.settings import Settings
 from tests import triton_models
 from tests.strings_model import byte_lookup
 

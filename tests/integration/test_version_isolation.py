@@ -27,9 +27,9 @@ from models.value_models import FOREVER
 from modelyard.common import headers
 from modelyard.inference.v1 import inference_service_pb2 as pb
 from modelyard.inference.v1 import inference_service_pb2_grpc as pb_grpc
-from modelyard.service.config import Settings
 from modelyard.service.runtime.instances import Instances
 from modelyard.service.server import Service, build_service
+from modelyard.service.settings import Settings
 from modelyard.tensors import to_array, to_tensor
 from tests.support import eventually, metric
 

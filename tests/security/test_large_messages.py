@@ -23,7 +23,7 @@ from modelyard.inference.v1 import inference_service_pb2 as ipb
 from modelyard.inference.v1 import inference_service_pb2_grpc as ipb_grpc
 from modelyard.inference.v1 import tensor_pb2
 from modelyard.kserve.v2 import grpc_service_pb2 as kpb
-from modelyard.service.api import wire
+from modelyard.service.api import guards
 from modelyard.service.server import Service
 from tests.support import serving
 
@@ -58,13 +58,13 @@ async def service(tmp_path: Path) -> AsyncIterator[Service]:
 def parsed(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """The size of every request message the guarded handlers parse."""
     sizes: list[int] = []
-    original = wire._Refuse.parse
+    original = guards._Refuse.parse
 
     async def counting(self: Any, raw: Any) -> Any:
         sizes.append(len(raw))
         return await original(self, raw)
 
-    monkeypatch.setattr(wire._Refuse, "parse", counting)
+    monkeypatch.setattr(guards._Refuse, "parse", counting)
     return sizes
 
 

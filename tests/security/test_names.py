@@ -29,8 +29,8 @@ from modelyard.inference.v1 import model_service_pb2_grpc as mpb_grpc
 from modelyard.kserve.v2 import grpc_service_pb2 as kpb
 from modelyard.kserve.v2 import grpc_service_pb2_grpc as kpb_grpc
 from modelyard.service.api.errors import MESSAGE_MAX_BYTES, client_message
-from modelyard.service.config import Settings
 from modelyard.service.server import Service, build_service
+from modelyard.service.settings import Settings
 from modelyard.tensors import to_tensor
 from tests.support import eventually
 

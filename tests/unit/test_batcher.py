@@ -23,7 +23,7 @@ from modelyard.service.errors import (
     Overloaded,
 )
 from modelyard.service.metrics import ServiceMetrics
-from modelyard.service.repository.config import ExecutionConfig, ModelConfig
+from modelyard.service.repository.model_config import ExecutionConfig, ModelConfig
 from modelyard.service.runtime.instances import Instances
 from modelyard.service.runtime.providers import CPU, CUDA
 from modelyard.service.runtime.served import VersionStats

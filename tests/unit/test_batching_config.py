@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 
 from modelyard.service.batching.batcher import BatchSettings
-from modelyard.service.repository.config import ConfigError, parse_config
+from modelyard.service.repository.model_config import ConfigError, parse_config
 from modelyard.service.runtime.providers import CPU
 from modelyard.service.scheduling.queue import AdmissionPolicy, QueuePolicy
 

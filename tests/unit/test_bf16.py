@@ -9,7 +9,7 @@ import numpy as np
 
 from models.demo_models import serialize
 from modelyard import tensors
-from modelyard.service.repository.config import ModelConfig
+from modelyard.service.repository.model_config import ModelConfig
 from modelyard.service.runtime.providers import detect_providers
 from modelyard.service.runtime.session import load_runner
 from tests.bf16_model import bf16_double

@@ -7,10 +7,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from modelyard.service.api.kserve.classification import top_k
+from modelyard.service.answers import top_k
 from modelyard.service.errors import InvalidInput
-from modelyard.service.repository.config import ConfigError, ModelConfig, TensorConfig
 from modelyard.service.repository.labels import load_labels
+from modelyard.service.repository.model_config import ConfigError, ModelConfig, TensorConfig
 
 
 def test_rows_descending_ties_by_lower_index_with_labels() -> None:

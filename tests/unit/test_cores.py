@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from modelyard.process.cores import cpu_quota, usable_cores
-from modelyard.service.config import worker_count
+from modelyard.service.settings import worker_count
 
 AFFINITY = len(os.sched_getaffinity(0))
 

@@ -11,7 +11,7 @@ import pytest
 
 from models import demo_models
 from modelyard.service.gpu_memory import DeviceMemory, cuda_to_nvml, memory_of
-from modelyard.service.repository.config import ModelConfig
+from modelyard.service.repository.model_config import ModelConfig
 from modelyard.service.runtime.device_budget import (
     DEVICE_RESERVE_BYTES,
     MIB,

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from modelyard.service.repository.config import ConfigError, parse_config
+from modelyard.service.repository.model_config import ConfigError, parse_config
 from tests.triton_models import ENSEMBLE_CONFIG
 
 

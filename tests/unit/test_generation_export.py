@@ -18,7 +18,7 @@ from modelyard.service.generation.export import (
 from modelyard.service.generation.layout import decoder_layout
 from modelyard.service.generation.model import DecoderModel, context_length
 from modelyard.service.generation.params import GenerateParams, build_request
-from modelyard.service.repository.config import GenerationConfig
+from modelyard.service.repository.model_config import GenerationConfig
 from modelyard.service.runtime.signature import Signature, TensorSpec
 from tests import hf_decoder
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from modelyard.service.generation.layout import NotADecoder, decoder_layout
-from modelyard.service.repository.config import (
+from modelyard.service.repository.model_config import (
     DEFAULT_GENERATION_QUEUE_TIMEOUT_US,
     DEFAULT_MAX_WAITING,
     ConfigError,

@@ -6,7 +6,7 @@ import grpc
 import pytest
 
 from modelyard.process.grpc_server import INT_MAX, MAX_METADATA_BYTES, connection_options
-from modelyard.service.config import Settings as ServiceSettings
+from modelyard.service.settings import Settings as ServiceSettings
 from modelyard.sidecar.config import Settings as SidecarSettings
 
 

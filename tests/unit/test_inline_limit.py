@@ -12,7 +12,7 @@ import pytest
 from onnx import TensorProto, helper
 
 from models import demo_models
-from modelyard.service.repository.config import load_config
+from modelyard.service.repository.model_config import load_config
 from modelyard.service.runtime.providers import detect_providers
 from modelyard.service.runtime.session import (
     INLINE_RUN_LIMIT_S,

@@ -20,7 +20,7 @@ from onnxruntime.capi.onnxruntime_pybind11_state import EPFail, Fail, InvalidArg
 from modelyard.service.batching.batcher import Batcher, BatchSettings, default_concurrency
 from modelyard.service.errors import DeviceFault, InvalidInput, ModelRejected, ModelRunError
 from modelyard.service.metrics import ServiceMetrics
-from modelyard.service.repository.config import ConfigError, ExecutionConfig, ModelConfig, parse_config
+from modelyard.service.repository.model_config import ConfigError, ExecutionConfig, ModelConfig, parse_config
 from modelyard.service.runtime.instances import Instances, load_instances, placements
 from modelyard.service.runtime.providers import CPU, CUDA, ProviderChoice
 from modelyard.service.runtime.served import VersionStats

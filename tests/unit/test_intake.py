@@ -6,7 +6,7 @@ import pytest
 
 from modelyard.service.errors import InvalidInput
 from modelyard.service.intake import INLINE_DECODE_BYTES, TensorHeader, bounds_for, check_headers, offload
-from modelyard.service.repository.config import LimitsConfig
+from modelyard.service.repository.model_config import LimitsConfig
 from modelyard.service.runtime.signature import Signature, TensorSpec
 from modelyard.tensors import TensorError
 

@@ -22,7 +22,7 @@ from models import demo_models
 from modelyard.service.batching.batcher import Batcher, BatchSettings
 from modelyard.service.errors import DeadlineExceeded, InvalidInput
 from modelyard.service.metrics import ServiceMetrics
-from modelyard.service.repository.config import ModelConfig, parse_config
+from modelyard.service.repository.model_config import ModelConfig, parse_config
 from modelyard.service.runtime.instances import Instances
 from modelyard.service.runtime.iobinding import UNTYPED_PREFIX, DeviceBinding, binding_for, typed_failure
 from modelyard.service.runtime.providers import CPU, CUDA, ProviderChoice

@@ -24,7 +24,7 @@ import yaml
 
 from modelyard.envoy import render
 from modelyard.gateway.config import parse_settings as gateway_settings
-from modelyard.service.config import parse_settings as service_settings
+from modelyard.service.settings import parse_settings as service_settings
 from modelyard.sidecar.config import parse_settings as sidecar_settings
 from modelyard.sidecar.fleet.config import parse_settings as rollouts_settings
 from modelyard.sidecar.routes.table import parse_table

@@ -10,7 +10,7 @@ import pytest
 from modelyard.kserve.v2.grpc_service_pb2 import ModelRepositoryParameter
 from modelyard.service.api.kserve.triton_config import load_parameters, parse_triton_config
 from modelyard.service.errors import InvalidInput, TooLarge
-from modelyard.service.repository.config import TensorConfig
+from modelyard.service.repository.model_config import TensorConfig
 from modelyard.service.repository.uploads import UploadSpace, check_paths, write_upload
 
 

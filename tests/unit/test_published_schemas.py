@@ -13,7 +13,7 @@ import jsonschema
 import pytest
 import yaml
 
-from modelyard.service.repository.config import ConfigError, parse_config
+from modelyard.service.repository.model_config import ConfigError, parse_config
 from modelyard.sidecar.routes.table import ConfigError as RouteError
 from modelyard.sidecar.routes.table import parse_table
 from tests.support import REPO_ROOT

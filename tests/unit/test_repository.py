@@ -6,8 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from modelyard.service.config import parse_settings
-from modelyard.service.repository.config import (
+from modelyard.service.repository.model_config import (
     ConfigError,
     ModelConfig,
     VersionPolicy,
@@ -15,6 +14,7 @@ from modelyard.service.repository.config import (
     parse_config,
 )
 from modelyard.service.repository.scanner import scan_model, scan_repository
+from modelyard.service.settings import parse_settings
 from modelyard.service.versions import parse_version
 
 

@@ -15,7 +15,7 @@ from modelyard.kserve.v2 import model_config_pb2 as config_pb
 from modelyard.service.api.kserve.triton_config import parse_triton_config
 from modelyard.service.api.kserve.triton_sequences import sequence_message
 from modelyard.service.errors import InvalidInput, ModelLoadError
-from modelyard.service.repository.config import ConfigError, load_config, parse_config
+from modelyard.service.repository.model_config import ConfigError, load_config, parse_config
 from modelyard.service.runtime.providers import ProviderChoice
 from modelyard.service.runtime.session import load_runner
 from modelyard.service.sequences.tensors import check_corrid, control_tensor, initial_state

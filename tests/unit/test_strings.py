@@ -12,7 +12,7 @@ from onnx import TensorProto, helper
 
 from models.demo_models import make_model, serialize
 from modelyard.service.errors import InvalidInput, ModelLoadError, TooLarge, Unsupported
-from modelyard.service.repository.config import ModelConfig
+from modelyard.service.repository.model_config import ModelConfig
 from modelyard.service.runtime.providers import detect_providers
 from modelyard.service.runtime.session import load_runner
 from modelyard.service.runtime.strings import check_strings, to_ort

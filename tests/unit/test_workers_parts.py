@@ -10,7 +10,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 
 from modelyard.inference.v1 import model_service_pb2 as pb
 from modelyard.kserve.v2 import grpc_service_pb2 as kpb
-from modelyard.service.config import worker_count
+from modelyard.service.settings import worker_count
 from modelyard.service.shm.files import FileRegionStore
 from modelyard.service.shm.registry import RegionSpec
 from modelyard.service.workers import protocol

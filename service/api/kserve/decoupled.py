@@ -27,26 +27,26 @@ InBand = Callable[[pb.ModelInferRequest, Exception, serving], pb.ModelStreamInfe
 
 
 class Responses:
-    """The responses of one decoupled request; the version stays leased until the last one."""
+    """The responses of one decoupled request, on `held`: its own lease of the request's version
+    (Call.detached), released once the last response is out (or `release`, should the stream
+    never start)."""
 
     def __init__(
         self,
         held: Call,
-        results: AsyncGenerator[InferResult],
+        results: AsyncGenerator[InferResult] | None,
         answered: Callable[[InferResult], pb.ModelInferResponse],
         request: pb.ModelInferRequest,
     ) -> None:
         self._held = held
+        assert results is not None  # a decoupled version's call (Call.is_decoupled)
         self._results = results
         self._answered = answered
         self._request = request
-        self._leased = True
 
     def release(self) -> None:
-        """Give back the version's lease (once; `stream` does when it ends)."""
-        if self._leased:
-            self._leased = False
-            self._held.served.release()
+        """Give back the version's lease (once: a lease's release; `stream` does when it ends)."""
+        self._held.release()
 
     async def stream(
         self, final_flag: bool, call: serving, first: bool, in_band: InBand

@@ -43,6 +43,7 @@ from modelyard.service.api.kserve.tensors import decode_inputs, parameter_value
 from modelyard.service.api.names import quoted
 from modelyard.service.api.scheduling import kserve_scheduling
 from modelyard.service.api.tensor_headers import kserve_headers
+from modelyard.service.dataplane import Call
 from modelyard.service.decoupled.runner import UNARY_REFUSED
 from modelyard.service.errors import InvalidInput, ServiceError, Unsupported
 from modelyard.service.generation.model import DecoderModel
@@ -161,13 +162,14 @@ class Asked:
 
 
 class DecoderResponses:
-    """The responses of one request to a text decoder; the version stays leased (by the servicer's
-    `acquire`, given back by `release`) until the last one."""
+    """The responses of one request to a text decoder, on `held`: its own lease of the request's
+    version (Call.detached), released once the last response is out (or `release`, should the
+    stream never start)."""
 
     def __init__(
         self,
         plane: GenerationPlane | None,
-        served: ServedVersion,
+        held: Call,
         decoder: DecoderModel,
         request: pb.ModelInferRequest,
         context: Context,
@@ -176,20 +178,20 @@ class DecoderResponses:
         regions: Regions,
     ) -> None:
         self._plane = plane
-        self._served = served
+        self._held = held
+        self._served = held.served
         self._decoder = decoder
         self._request = request
         self._context = context
         self._request_id = request_id
         self._priority = priority
         self._regions = regions
-        self._leased = True
 
     @classmethod
     def open(
         cls,
         plane: GenerationPlane | None,
-        served: ServedVersion,
+        call: Call,
         request: pb.ModelInferRequest,
         context: Context,
         request_id: str,
@@ -197,20 +199,18 @@ class DecoderResponses:
         regions: Regions,
         streamed: bool,
     ) -> DecoderResponses:
-        """The responses to a request for a text decoder (`text_decoder(served)`), leasing the
-        version; on a unary call, Triton's refusal."""
+        """The responses to a request for a text decoder (`text_decoder(call.served)`), on a lease
+        of their own of the call's version; on a unary call, Triton's refusal."""
+        served = call.served
         decoder = text_decoder(served)
         assert decoder is not None
         if not streamed:
             raise Unsupported(f"{UNARY_REFUSED} (model '{served.model}': call ModelStreamInfer)")
-        served.acquire()
-        return cls(plane, served, decoder, request, context, request_id, priority, regions)
+        return cls(plane, call.detached(), decoder, request, context, request_id, priority, regions)
 
     def release(self) -> None:
-        """Give back the version's lease (once; `stream` does when it ends)."""
-        if self._leased:
-            self._leased = False
-            self._served.release()
+        """Give back the version's lease (once: a lease's release; `stream` does when it ends)."""
+        self._held.release()
 
     async def stream(
         self, final_flag: bool, call: serving, first: bool, in_band: InBand
@@ -225,10 +225,9 @@ class DecoderResponses:
                         f"model '{served.model}' is a decoder, and this server does not generate"
                     )
                 asked = parse(self._request, self._decoder, self._regions)
-                scheduling = kserve_scheduling(context, self._request.parameters, self._priority)
-                if scheduling.priority > self._decoder.settings.admission.priority_levels:
-                    # As Triton: a priority the model does not have means its default level.
-                    scheduling = scheduling._replace(priority=0)
+                scheduling = self._held.levelled(
+                    kserve_scheduling(context, self._request.parameters, self._priority)
+                )
                 events = self._plane.generate(
                     served.model,
                     served.version_name,

@@ -2,17 +2,18 @@
 repository, configuration and statistics extensions, over the same data plane as our own API.
 
 Each RPC checks the request's names, converts, and delegates: inference to the data plane
-(tensors.py, classification.py), the repository extension to the model control ModelService
+(tensors.py; classification in service/answers.py), the repository extension to the model control ModelService
 shares (repository.py), Triton's ModelConfig to triton_config.py, statistics to statistics.py,
-shared memory to shared_memory.py, log and trace settings to settings.py."""
+shared memory to shared_memory.py, log and trace settings to log_trace_settings.py."""
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import aclosing
 from functools import partial
 from typing import Literal, overload
+
+import numpy as np
 
 from modelyard.common.headers import DYE_SHADOW
 from modelyard.common.names import is_valid_name
@@ -21,12 +22,17 @@ from modelyard.kserve.v2 import grpc_service_pb2 as pb
 from modelyard.kserve.v2 import grpc_service_pb2_grpc as pb_grpc
 from modelyard.service import __version__
 from modelyard.service.api.errors import Context, abort, in_band_message, serving
-from modelyard.service.api.kserve import decoupled_decoder, repository, settings, shared_memory, statistics
-from modelyard.service.api.kserve.classification import top_k
+from modelyard.service.api.kserve import (
+    decoupled_decoder,
+    log_trace_settings,
+    repository,
+    shared_memory,
+    statistics,
+)
 from modelyard.service.api.kserve.decoupled import Responses
 from modelyard.service.api.kserve.decoupled_decoder import DecoderResponses, text_decoder
+from modelyard.service.api.kserve.log_trace_settings import LogSettings, TraceSettings
 from modelyard.service.api.kserve.sequences import sequence_step
-from modelyard.service.api.kserve.settings import LogSettings, TraceSettings
 from modelyard.service.api.kserve.tensors import (
     NO_OPTIONS,
     decode_inputs,
@@ -40,11 +46,11 @@ from modelyard.service.api.metadata import call_fields
 from modelyard.service.api.model_control import ModelControl
 from modelyard.service.api.names import check_model, quoted
 from modelyard.service.api.scheduling import kserve_priority, kserve_scheduling
-from modelyard.service.api.tensor_headers import kserve_headers, kserve_plain, refuse_extra_tensors
-from modelyard.service.dataplane import Call, DataPlane, InferResult
-from modelyard.service.errors import InvalidInput, ServiceError, Unsupported
+from modelyard.service.api.tensor_headers import KServeSource, kserve_headers, kserve_plain
+from modelyard.service.dataplane import Call, DataPlane, InferResult, TensorReader
+from modelyard.service.errors import InvalidInput, ServiceError
 from modelyard.service.generation.plane import GenerationPlane
-from modelyard.service.intake import INLINE_DECODE_BYTES
+from modelyard.service.intake import TensorHeader
 from modelyard.service.metrics import ServiceMetrics
 from modelyard.service.repository.uploads import UploadSpace
 from modelyard.service.runtime.manager import ModelManager
@@ -52,7 +58,7 @@ from modelyard.service.runtime.served import ServedVersion
 from modelyard.service.runtime.signature import TensorSpec
 from modelyard.service.sequences.batcher import SequenceDirectory
 from modelyard.service.sequences.step import Step
-from modelyard.service.shm.registry import SharedMemoryRegistry
+from modelyard.service.shm.registry import Regions, SharedMemoryRegistry
 from modelyard.tensors import TensorError
 
 # Triton's streaming parameters: the request asks, each response says whether it is the last.
@@ -100,6 +106,8 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
         self._metrics = metrics
         self._logs = LogSettings()
         self._traces = TraceSettings()
+        # How the data plane reads a request's tensors (Call.take_inputs), made once.
+        self._tensors = TensorReader(_headers_of, self._decode, kserve_plain)
 
     async def ServerLive(self, request: pb.ServerLiveRequest, context: Context) -> pb.ServerLiveResponse:
         return pb.ServerLiveResponse(live=True)
@@ -284,7 +292,7 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
 
     async def LogSettings(self, request: pb.LogSettingsRequest, context: Context) -> pb.LogSettingsResponse:
         async with serving(context, self._metrics, "LogSettings", ""):
-            return settings.answer_log_settings(self._logs, request)
+            return log_trace_settings.answer_log_settings(self._logs, request)
 
     async def TraceSetting(
         self, request: pb.TraceSettingRequest, context: Context
@@ -293,7 +301,7 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
             check_model(request.model_name, optional=True)  # no name: the global settings
             if request.model_name:
                 self._manager.status(request.model_name)  # NOT_FOUND for a model it does not know
-            return settings.answer_trace_setting(self._traces, request)
+            return log_trace_settings.answer_trace_setting(self._traces, request)
 
     def _live_version(self, model: str, version: str, step: Step) -> ServedVersion | None:
         """The version a step's live sequence lives on, unless it is a START or names another."""
@@ -334,101 +342,80 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
         # and label files apply, and it runs. A sequence's step goes where its sequence lives
         # (a reload meanwhile leaves a live sequence on its version until it ends).
         if step is not None and (live := self._live_version(model, version, step)) is not None:
-            held = self._dataplane.hold(live)
+            held = self._dataplane.hold(live, dye)
         else:
-            held = self._dataplane.open(model, version)  # leased until the finally (Call)
-        held.dye = dye
-        try:
-            if dye == DYE_SHADOW:
-                held.refuse_shadow()
-            served = held.served
-            if text_decoder(served) is not None:  # Triton's LLM tensors and responses: decoupled_decoder.py
-                regions = self._shm.of(partial(self._identify, context))
+            held = self._dataplane.open(model, version, dye)
+        with held:  # the request's lease, released when the block ends (dataplane.Call)
+            if text_decoder(held.served) is not None:  # Triton's LLM tensors: decoupled_decoder.py
                 text = DecoderResponses.open(
-                    self._generation, served, request, context, request_id, priority, regions, decoupled
+                    self._generation,
+                    held,
+                    request,
+                    context,
+                    request_id,
+                    priority,
+                    self._regions(context),
+                    decoupled,
                 )
                 return text, held
             # Each container read once (each read of a protobuf field makes a new object).
             tensors, outputs = request.inputs, request.outputs
-            refuse_extra_tensors(model, served.runner.signature, len(tensors), len(outputs))
-            # Decoded only once the tensors' headers fit the model (service/intake.py).
-            plain = kserve_plain(tensors, request.raw_input_contents)
-            if plain is not None:  # raw contents only: decoded from the checked headers
-                inputs = held.decode_fixed(*plain)
-            else:
-                headers = kserve_headers(request)
-                regions = self._shm.of(partial(self._identify, context))
-                inputs = await held.decode(headers, partial(decode_inputs, request, regions))
+            source = (tensors, request.raw_input_contents, request, context)
+            inputs = await held.take_inputs(len(tensors), len(outputs), source, self._tensors)
             if outputs:
                 names, options = requested_outputs(outputs), output_options(outputs)
             else:  # every output, asked nothing (most requests): no call to say so
                 names, options = [], NO_OPTIONS
-            classify = options.classify
             scheduling = kserve_scheduling(context, parameters, priority, dye == DYE_SHADOW)
-            if scheduling.priority:
-                batching = served.config.dynamic_batching
-                if batching is None or scheduling.priority > batching.admission.priority_levels:
-                    # As Triton: a priority the model does not have means its default level.
-                    scheduling = scheduling._replace(priority=0)
-            if decoupled and (responses := held.decoupled(inputs, names, scheduling)) is not None:
-                if options.in_shm:
-                    raise Unsupported(
-                        f"model '{model}' is decoupled: its outputs are not written to shared memory "
-                        "(each response carries its own)"
-                    )
-                served.acquire()  # the responses' own lease, until the last one
-                answered = partial(_answered, request_id, classify, served)
-                return Responses(held, responses, answered, request), held
+            if scheduling.priority:  # (most requests ask none)
+                scheduling = held.levelled(scheduling)
+            if decoupled and (responses := held.responses(inputs, names, scheduling, bool(options.in_shm))):
+                own, results = responses
+                answered = partial(_answered, request_id, options.classify, own)
+                return Responses(own, results, answered, request), held
             if step is not None:
                 result = await held.infer_step(inputs, names, scheduling, step)
             else:
                 result = await held.infer(inputs, names, scheduling)
-        finally:
-            held.served.release()
         # Fields set one by one: cheaper than the constructor's keywords (and no empty id set).
         response = pb.ModelInferResponse()
         response.model_name, response.model_version = result.model, str(result.version)
         if request_id:
             response.id = request_id
-        answers = result.outputs
-        if classify:
-            batched = bool(served.config.max_batch_size)
-            answers = {
-                name: top_k(name, array, classify[name], batched, served.labels.get(name, ()))
-                if name in classify
-                else array
-                for name, array in answers.items()
-            }
-        if not options.in_shm:
-            encode_outputs(response, answers)
-        elif sum(size for _, _, size in options.in_shm.values()) > INLINE_DECODE_BYTES:
-            # Large copies into shared memory (pwrite) go off the event loop.
-            regions = self._shm.of(partial(self._identify, context))
-            await asyncio.get_running_loop().run_in_executor(
-                None, encode_outputs, response, answers, options.in_shm, regions
-            )
+        if options is NO_OPTIONS:
+            encode_outputs(response, result.outputs)
         else:
-            encode_outputs(response, answers, options.in_shm, self._shm.of(partial(self._identify, context)))
+            regions = partial(self._regions, context)
+            answers = await held.answer(result.outputs, options.classify, options.in_shm, regions)
+            encode_outputs(response, answers, options.in_shm)
         return response, held
+
+    def _regions(self, context: Context) -> Regions:
+        """The caller's shared memory regions (its identity asked only if a region is named)."""
+        return self._shm.of(partial(self._identify, context))
+
+    def _decode(self, source: KServeSource) -> dict[str, np.ndarray]:
+        """A request's tensors that are not plain (BYTES, typed contents, shared memory)."""
+        _, _, request, context = source
+        return decode_inputs(request, self._regions(context))
+
+
+def _headers_of(source: KServeSource) -> list[TensorHeader]:
+    return kserve_headers(source[2])
 
 
 def _answered(
-    request_id: str, classify: Mapping[str, int], served: ServedVersion, result: InferResult
+    request_id: str, classify: Mapping[str, int], held: Call, result: InferResult
 ) -> pb.ModelInferResponse:
     """One response of a decoupled request (its outputs inline: no shared memory)."""
     response = pb.ModelInferResponse()
     response.model_name, response.model_version = result.model, str(result.version)
     if request_id:
         response.id = request_id
-    answers = result.outputs
-    if classify:
-        answers = {
-            name: top_k(name, array, classify[name], False, served.labels.get(name, ()))
-            if name in classify
-            else array
-            for name, array in answers.items()
-        }
-    encode_outputs(response, answers)
+    # A decoupled response's outputs are classified as one flat list each (not row by row).
+    encode_outputs(
+        response, held.classified(result.outputs, classify, by_row=False) if classify else result.outputs
+    )
     return response
 
 

@@ -9,7 +9,7 @@ InvalidInput naming the tensor.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,6 +22,7 @@ from modelyard.kserve.v2.grpc_service_pb2 import (
     ModelInferRequest,
     ModelInferResponse,
 )
+from modelyard.service.answers import ShmLocation
 from modelyard.service.api.names import quoted
 from modelyard.service.errors import InvalidInput, Unsupported
 from modelyard.service.shm.registry import Regions
@@ -65,7 +66,6 @@ _SHM_REGION = "shared_memory_region"
 _SHM_OFFSET = "shared_memory_offset"
 _SHM_SIZE = "shared_memory_byte_size"
 _SHM_KEYS = (_SHM_REGION, _SHM_OFFSET, _SHM_SIZE)
-ShmLocation = tuple[str, int, int]  # region, offset, byte size
 
 
 def decode_inputs(request: ModelInferRequest, shm: Regions | None = None) -> dict[str, Array]:
@@ -123,54 +123,29 @@ def decode_inputs(request: ModelInferRequest, shm: Regions | None = None) -> dic
 
 
 def encode_outputs(
-    response: ModelInferResponse,
-    outputs: Mapping[str, npt.ArrayLike],
-    in_shm: Mapping[str, ShmLocation] | None = None,
-    shm: Regions | None = None,
+    response: ModelInferResponse, outputs: Mapping[str, npt.ArrayLike], in_shm: Collection[str] = ()
 ) -> None:
-    """Append each array to the response as an output tensor with its data in raw_output_contents,
-    or written into its shared memory region (then, as Triton, with an empty raw entry so that
-    raw contents stay aligned with outputs)."""
+    """Append each array to the response as an output tensor with its data in raw_output_contents;
+    one named in `in_shm` was written into its shared memory region (answers.write_to_regions),
+    so that, as Triton, it gets an empty raw entry (raw contents stay aligned with outputs)."""
     # Each container read once: each read of a protobuf field makes a new object.
     tensors, raw = response.outputs, response.raw_output_contents
     if len(tensors) != len(raw):
         raise ValueError("response already holds outputs without raw contents; cannot append raw outputs")
-    if not in_shm:  # the common case: every output's bytes in the response
-        add, append = tensors.add, raw.append
-        for name, value in outputs.items():
-            array = np.asarray(value)
-            try:
-                datatype, data = to_wire(array)
-            except ValueError:
-                raise Unsupported(
-                    f"output {quoted(name)}: numpy dtype {array.dtype} has no KServe V2 datatype"
-                ) from None
-            add(name=name, datatype=datatype, shape=array.shape)
-            append(data)
-        return
+    add, append = tensors.add, raw.append
     for name, value in outputs.items():
         array = np.asarray(value)
         try:
-            datatype = name_of(array.dtype)
-            at = in_shm.get(name)
-            if at is not None and shm is not None:
-                region, offset, size = at
-                if array.dtype == NUMPY_BY_NAME[datatype] and datatype != "BYTES":
-                    # Straight from the array into the region: no intermediate bytes object.
-                    shm.write(
-                        region, offset, size, np.ascontiguousarray(array).reshape(-1).view(np.uint8), name
-                    )
-                else:
-                    shm.write(region, offset, size, to_wire(array)[1], name)
-                data = b""
+            if in_shm and name in in_shm:
+                datatype, data = name_of(array.dtype), b""
             else:
                 datatype, data = to_wire(array)
         except ValueError:
             raise Unsupported(
                 f"output {quoted(name)}: numpy dtype {array.dtype} has no KServe V2 datatype"
             ) from None
-        response.outputs.add(name=name, datatype=datatype, shape=array.shape)
-        response.raw_output_contents.append(data)
+        add(name=name, datatype=datatype, shape=array.shape)
+        append(data)
 
 
 def requested_outputs(outputs: Sequence[ModelInferRequest.InferRequestedOutputTensor]) -> list[str]:

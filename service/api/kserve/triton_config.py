@@ -21,7 +21,7 @@ from modelyard.service.api.kserve.triton_sequences import sequence_document, seq
 from modelyard.service.api.model_control import LoadParameters
 from modelyard.service.api.names import clipped, quoted
 from modelyard.service.errors import InvalidInput, ModelLoadError
-from modelyard.service.repository.config import ModelConfig, parse_config
+from modelyard.service.repository.model_config import ModelConfig, parse_config
 from modelyard.service.repository.uploads import check_paths
 from modelyard.service.runtime.served import ServedVersion
 from modelyard.service.scheduling.queue import QueuePolicy

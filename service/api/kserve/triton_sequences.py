@@ -15,8 +15,8 @@ from google.protobuf.message import Message
 
 from modelyard.kserve.v2 import model_config_pb2 as config_pb
 from modelyard.service.errors import InvalidInput
-from modelyard.service.repository.config import SequenceBatchingConfig
-from modelyard.service.repository.config_file import DEFAULT_MAX_SEQUENCE_IDLE_US
+from modelyard.service.repository.model_config import SequenceBatchingConfig
+from modelyard.service.repository.model_config_schema import DEFAULT_MAX_SEQUENCE_IDLE_US
 
 _Batching = config_pb.ModelSequenceBatching
 _SEQUENCE = {"max_sequence_idle_microseconds", "direct", "oldest", "control_input", "state"}

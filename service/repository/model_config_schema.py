@@ -1,7 +1,7 @@
 """What a model's `config.yaml` may say: its keys as written, their types, defaults, bounds and help,
 declared once (modelyard.process.documents). The parsing and key-path messages come from it, and so
 does `service/repository/config.schema.json`, the JSON Schema editors validate config.yaml with.
-service/repository/config.py turns a document into the ModelConfig the service uses and checks
+service/repository/model_config.py turns a document into the ModelConfig the service uses and checks
 what a single key cannot say (one version policy, batch sizes within max_batch_size, ...).
 
 Keys left out are UNSET where the default depends on other keys (device_id vs device_ids, a

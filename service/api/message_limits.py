@@ -51,7 +51,7 @@ def size_limit(limit: int, metrics: ServiceMetrics) -> Wrapper:
 
 
 def _size_checked(method: str, handler: Handler, limit: int, metrics: ServiceMetrics) -> Handler:
-    # The decode guard (service/api/wire.py) hands on its handlers without a deserializer: it
+    # The decode guard (service/api/guards.py) hands on its handlers without a deserializer: it
     # parses after its guard. A handler that has one is parsed here, after the size check.
     deserializer: Any = handler.request_deserializer
     parse: Any = deserializer if deserializer is not None else _as_is

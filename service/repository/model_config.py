@@ -1,5 +1,5 @@
 """Per-model configuration (`models/<name>/config.yaml`) as the service uses it: frozen dataclasses,
-built from the file's typed declaration (service/repository/config_file.py: keys, types, bounds;
+built from the file's typed declaration (service/repository/model_config_schema.py: keys, types, bounds;
 unknown keys are errors, a typo in a serving config must fail loudly) and the checks that span keys.
 """
 
@@ -15,7 +15,9 @@ from msgspec import UNSET, UnsetType
 
 from modelyard.process.documents import DocumentError, load
 from modelyard.service.errors import ModelLoadError
-from modelyard.service.repository.config_file import (
+from modelyard.service.repository.ensemble_config import EnsembleConfig, parse_ensemble
+from modelyard.service.repository.files import read_inside, shown
+from modelyard.service.repository.model_config_schema import (
     DEFAULT_MAX_QUEUED_RUNS,
     ConfigDoc,
     DecoupledDoc,
@@ -28,11 +30,9 @@ from modelyard.service.repository.config_file import (
     VersionPolicyDoc,
     _AdmissionDoc,
 )
-from modelyard.service.repository.config_file import (
+from modelyard.service.repository.model_config_schema import (
     DEFAULT_MAX_WAITING as DEFAULT_MAX_WAITING,
 )
-from modelyard.service.repository.ensemble_config import EnsembleConfig, parse_ensemble
-from modelyard.service.repository.files import read_inside, shown
 from modelyard.service.repository.warmup_config import WarmupSample, parse_warmup
 from modelyard.service.scheduling.queue import AdmissionPolicy, QueuePolicy
 from modelyard.tensors import NUMPY_BY_NAME, is_known
@@ -333,7 +333,7 @@ def _where(exc: yaml.YAMLError) -> str:
 
 def parse_config(raw: object) -> ModelConfig:
     """A parsed config.yaml as the service's ModelConfig: the keys checked against their declaration
-    (config_file.ConfigDoc), then what no single key can say."""
+    (model_config_schema.ConfigDoc), then what no single key can say."""
     try:
         doc = load(raw, ConfigDoc, "config")
         ensemble = _ensemble(doc)

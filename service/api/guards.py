@@ -4,7 +4,7 @@
 (service/api/pipeline.py; the order is stated in service/server.py): every method handler of
 the servicers passes through both, authorize outermost and decode_guard inside the size check.
 
-- Authorization: a guard (service/api/access.py) chosen per method at registration runs first
+- Authorization: a guard (service/api/credentials.py) chosen per method at registration runs first
   and aborts the call (UNAUTHENTICATED / PERMISSION_DENIED) when it is not allowed. A guarded
   unary method is registered as request-streaming, so that its message is not even read before
   the guard (gRPC reads a unary call's message before its handler runs).

@@ -20,7 +20,7 @@ from modelyard.process.auth import Authorizer, Decision, Scope
 from modelyard.process.request_metadata import invocation_metadata
 from modelyard.process.throttle import LogThrottle
 from modelyard.service.api.errors import Context
-from modelyard.service.api.wire import Guard, GuardFor
+from modelyard.service.api.guards import Guard, GuardFor
 from modelyard.service.metrics import ServiceMetrics
 
 log = logging.getLogger(__name__)
