@@ -18,7 +18,7 @@ test: lint browser-deps installs
 # The install step of `make test`: fresh virtual environments with the built wheel and the
 # `service-cpu` and `service-cuda` extras from the package registry (.cache/installs/EXTRA; made
 # anew when an extra's dependencies change; ~25 s and ~80 s on a clean machine, 0.3 and 2.6 GB), where
-# tests/integration/test_installs.py starts the service as users install it.
+# tests/deploy/integration/test_installs.py starts the service as users install it.
 installs: $(VENV)/.installed-dev
 	$(PY) -m tests.installs
 
@@ -40,7 +40,7 @@ lint: $(VENV)/.installed-dev $(BUF) system-deps
 	$(VENV)/bin/envoy --mode validate -c envoy/envoy.yaml --log-level warn
 	$(VENV)/bin/envoy --mode validate -c deploy/kubernetes/envoy.yaml --log-level warn
 	# Every pod of every Kubernetes build meets Pod Security "restricted" (and the check catches each rule).
-	PYTHONPATH=$(PACKAGE_LINKS) $(PY) -m pytest -q --no-header tests/unit/test_kubernetes_manifests.py -k restricted
+	PYTHONPATH=$(PACKAGE_LINKS) $(PY) -m pytest -q --no-header tests/deploy/unit/test_kubernetes_manifests.py -k restricted
 	$(MAKE) --no-print-directory web-check
 	$(BUF) lint
 	$(BUF) breaking --against proto/baseline.binpb
@@ -70,7 +70,7 @@ web-check: web-deps
 	$(WEB_BUNDLE) --outfile=../../.cache/web-check/app.js
 	cmp gateway/static/app.js .cache/web-check/app.js
 
-# Debian's chromium for the browser test (tests/e2e/test_browser.py), and playwright-core.
+# Debian's chromium for the browser test (tests/edge/browser/test_browser.py), and playwright-core.
 browser-deps: web-deps
 	@command -v chromium >/dev/null 2>&1 || { apt-get update -qq && apt-get install -y -qq chromium >/dev/null; }
 

@@ -67,8 +67,8 @@ cuda_ok=$(python3 -c 'import sys; from modelyard.service.runtime.providers impor
 c = d(); print("provider:", c.default, "-", c.summary(), file=sys.stderr); print(int(c.cuda_usable))')
 
 step "CUDA tests (they skip, saying why, where CUDA cannot run)"
-bounded 300 python3 -m pytest -q -rs -p no:cacheprovider tests/integration/test_cuda.py \
-    tests/integration/test_cuda_fallback.py || status=1
+bounded 300 python3 -m pytest -q -rs -p no:cacheprovider tests/service/integration/test_cuda.py \
+    tests/service/integration/test_cuda_fallback.py || status=1
 
 step "Infer: CPU and CUDA, service against bare ONNX Runtime"
 bounded 240 python3 -m bench.gpu --providers cpu,cuda --duration 3 --out "$OUT/gpu.json" || status=1

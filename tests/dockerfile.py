@@ -1,7 +1,7 @@
 """deploy/Dockerfile read as Docker reads it (no daemon here to build it): its stages'
 instructions, and the build context its `wheel` stage copies, with Dockerfile.dockerignore's
 exclusions. tests/installs.py builds the wheel from exactly that copy, so the wheel the tests install
-is the one the image would build; tests/unit/test_dockerfile.py checks the stages."""
+is the one the image would build; tests/deploy/unit/test_dockerfile.py checks the stages."""
 
 from __future__ import annotations
 

@@ -28,7 +28,7 @@ import yaml
 
 from models import demo_models
 from modelyard.process import children
-from tests.integration.test_sidecar_breakers import fails_on_large_values
+from tests.sidecar.integration.test_breakers import fails_on_large_values
 from tests.sidecar_support import infer
 from tests.support import ChildProcess, ServiceProcess, start_child, start_service_process
 

@@ -1,6 +1,6 @@
 """Fresh virtual environments, each holding the built wheel with one extra, installed from the
 package registry as a user installs it: `python -m tests.installs [EXTRA ...]` (make test's
-install step) makes them under .cache/installs/EXTRA, and tests/integration/test_installs.py runs
+install step) makes them under .cache/installs/EXTRA, and tests/deploy/integration/test_installs.py runs
 the service from them (making one itself where it is missing or stale, so a bare pytest works too,
 paying the install once).
 

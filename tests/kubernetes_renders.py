@@ -1,6 +1,6 @@
 """The kustomize builds of deploy/kubernetes (the base) and each overlay in deploy/overlays/, and
 their committed renders in deploy/rendered/ (what `kubectl apply -k` would apply, for review and
-for the checks of tests/unit/test_kubernetes_manifests.py).
+for the checks of tests/deploy/unit/test_kubernetes_manifests.py).
 
 `python -m tests.kubernetes_renders` rewrites the renders (needs kubectl, whose built-in
 kustomize builds offline). The token files the base's secretGenerator reads are not in git: the

@@ -1,6 +1,6 @@
 """Triton's memory_growth_test.py, unchanged, in a network namespace of its own: the client has no
 address flag (it calls localhost:8001 over gRPC and localhost:8000 over HTTP, Triton's default
-ports), so this script, run by `unshare --net` (tests/integration/test_triton_examples.py), brings up
+ports), so this script, run by `unshare --net` (tests/triton/integration/test_triton_examples.py), brings up
 the namespace's loopback and serves those two ports there, where nothing else listens: the sidecar
 on 8001 in front of the service, the gateway on 8000 in front of the sidecar. It runs the client
 over both protocols and stops every process it started; it exits with the first client's failure.

@@ -3,7 +3,7 @@
 Triton's BYTES elements are byte strings, and so are ours: any bytes travel through the APIs, the
 batcher, ensembles and shared memory. ONNX Runtime keeps a string tensor's elements as C++
 `std::string`s, which hold any bytes too; the limits are its Python binding's (onnxruntime 1.31,
-checked by tests/unit/test_strings.py), and they decide how a tensor is fed:
+checked by tests/service/unit/test_strings.py), and they decide how a tensor is fed:
 
 - an object array of `str` reaches the model as those strings' UTF-8, embedded NULs and empty
   strings intact; `bytes` elements in an object array are not taken as bytes (the binding calls

@@ -8,7 +8,7 @@ Written from the public specification: KServe's "Open Inference Protocol" (V2) g
 and triton-inference-server/common protobuf/grpc_service.proto, plus Triton's statistics
 extension document for InferResponseStatistics. Message names, field names, field numbers and
 types follow the specification exactly; the wire-compatibility test
-(tests/integration/test_kserve_wire_compat.py) checks them against the descriptors that
+(tests/triton/integration/test_kserve_wire_compat.py) checks them against the descriptors that
 tritonclient ships.
 
 Why the package is `inference`: a gRPC method's path is "/<package>.<Service>/<Method>", so

@@ -7,7 +7,7 @@ Written from the public specification: triton-inference-server/common
 protobuf/model_config.proto (with the later changes documented by Triton: uint64 priority
 levels in ModelDynamicBatching, iterative sequences, state buffer options and ordered oldest
 sequence batching). Field names, numbers and types follow the specification exactly; the
-wire-compatibility test (tests/integration/test_kserve_wire_compat.py) checks them against the
+wire-compatibility test (tests/triton/integration/test_kserve_wire_compat.py) checks them against the
 descriptors that tritonclient ships.
 
 Why the package is `inference`: grpc_service.proto's ModelConfigResponse refers to
