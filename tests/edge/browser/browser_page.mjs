@@ -11,7 +11,7 @@ import { fileURLToPath } from "node:url";
 import path from "node:path";
 
 const here = path.dirname(fileURLToPath(import.meta.url));
-const require = createRequire(path.join(here, "..", "..", "gateway", "web", "package.json"));
+const require = createRequire(path.join(here, "..", "..", "..", "gateway", "web", "package.json"));
 const { chromium } = require("playwright-core");
 
 const [mode, url, artifacts, model] = process.argv.slice(2);

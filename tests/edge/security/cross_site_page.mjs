@@ -7,7 +7,7 @@ import { fileURLToPath } from "node:url";
 import path from "node:path";
 
 const here = path.dirname(fileURLToPath(import.meta.url));
-const require = createRequire(path.join(here, "..", "..", "gateway", "web", "package.json"));
+const require = createRequire(path.join(here, "..", "..", "..", "gateway", "web", "package.json"));
 const { chromium } = require("playwright-core");
 
 const [pageUrl] = process.argv.slice(2);
