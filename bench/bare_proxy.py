@@ -22,8 +22,8 @@ from typing import TYPE_CHECKING, Any
 import grpc
 
 from modelyard.process.grpc_server import connection_options
-from modelyard.sidecar.config import Settings
 from modelyard.sidecar.proxy import method_table
+from modelyard.sidecar.settings import Settings
 
 Context = grpc.aio.ServicerContext[bytes, bytes]
 if TYPE_CHECKING:

@@ -89,8 +89,8 @@ def callgrind(switch: str) -> None:
 
 
 async def run(args: argparse.Namespace) -> list[float]:
-    from modelyard.sidecar.config import Settings
     from modelyard.sidecar.server import build_sidecar
+    from modelyard.sidecar.settings import Settings
 
     routes = Path(tempfile.mkdtemp()) / "routes.yaml"
     # The breakers' latency check runs per unit of time (at most every latency_check_s), not per

@@ -27,12 +27,12 @@ sys.path.insert(1, trees.pythonpath(ROOT))
 import msgspec  # noqa: E402
 
 from modelyard.deploy import up  # noqa: E402
-from modelyard.gateway import config as gateway  # noqa: E402
+from modelyard.gateway import settings as gateway  # noqa: E402
 from modelyard.process.settings import Option, options  # noqa: E402
 from modelyard.service import settings as service  # noqa: E402
 from modelyard.service.repository.model_config_schema import ConfigDoc  # noqa: E402
-from modelyard.sidecar import config as sidecar  # noqa: E402
-from modelyard.sidecar.fleet import config as rollouts  # noqa: E402
+from modelyard.sidecar import settings as sidecar  # noqa: E402
+from modelyard.sidecar.fleet import settings as rollouts  # noqa: E402
 from modelyard.sidecar.routes.file import RouteFileDoc  # noqa: E402
 
 OPERATIONS = ROOT / "docs" / "operations.md"

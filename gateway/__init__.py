@@ -14,7 +14,7 @@ own (mount.py), and none importing another (import-linter):
 Shared by them: http.py (the one intake: bounded strict JSON, typed and ranged fields, names),
 upstream.py (the channel, forwarded and returned headers), errors.py (gRPC outcomes -> HTTP),
 streams.py (generation streams and their resume buffer), streamed_response.py (the one
-streamed response), metrics.py, listener.py (the connection guard), config.py, tls.py.
+streamed response), metrics.py, listener.py (the connection guard), settings.py, tls.py.
 """
 
 # gateway/ installs as modelyard.gateway (pyproject.toml's package-dir). Under another name (its

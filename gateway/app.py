@@ -21,11 +21,11 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from modelyard.common import headers
 from modelyard.gateway import mount, origin
-from modelyard.gateway.config import ENV_PREFIX, Settings
 from modelyard.gateway.kserve import app as kserve_app
 from modelyard.gateway.listener import Limits, protocol_class
 from modelyard.gateway.metrics import GatewayMetrics, metrics_app
 from modelyard.gateway.openai import app as openai_app
+from modelyard.gateway.settings import ENV_PREFIX, Settings
 from modelyard.gateway.sse import app as sse_app
 from modelyard.gateway.streams import Registry
 from modelyard.gateway.tls import UpstreamTls, listener_context

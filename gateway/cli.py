@@ -7,7 +7,7 @@ import sys
 from collections.abc import Sequence
 
 from modelyard.gateway.app import build_gateway
-from modelyard.gateway.config import ENV_PREFIX, parse_settings
+from modelyard.gateway.settings import ENV_PREFIX, parse_settings
 from modelyard.process.lifecycle import run_process
 from modelyard.process.logs import configure as configure_logging
 from modelyard.process.startup import check_listeners

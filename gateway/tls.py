@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import ssl
 
-from modelyard.gateway.config import Settings
+from modelyard.gateway.settings import Settings
 from modelyard.process.tls import ClientTls, HttpTls, TlsFiles
 
 

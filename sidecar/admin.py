@@ -77,14 +77,14 @@ from modelyard.sidecar.fleet.ownership import WeightOwners, check_claim
 from modelyard.sidecar.rollout.driver import RolloutDriver, RolloutError
 from modelyard.sidecar.rollout.policy import RolloutSpec
 from modelyard.sidecar.routes.file import RolloutDoc
-from modelyard.sidecar.routes.state_file import StateWriteError, audit, who
-from modelyard.sidecar.routes.table import (
+from modelyard.sidecar.routes.route_table import (
     ConfigError,
     RouteSource,
     parse_model_route,
     route_change,
     route_doc,
 )
+from modelyard.sidecar.routes.state_file import StateWriteError, audit, who
 
 log = logging.getLogger(__name__)
 

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from modelyard.sidecar.breakers import Breakers
 from modelyard.sidecar.dyeing import stable_and_canary
 from modelyard.sidecar.layers.view import Pool, Target
-from modelyard.sidecar.routes.table import RouteTable
+from modelyard.sidecar.routes.route_table import RouteTable
 
 
 @dataclass(frozen=True, slots=True)

@@ -12,10 +12,10 @@ from modelyard.process.lifecycle import EXIT_USAGE, run_process
 from modelyard.process.logs import configure as configure_logging
 from modelyard.process.startup import check_listeners, usage_error
 from modelyard.process.workers import worker_count
-from modelyard.sidecar.config import ENV_PREFIX, parse_settings
 from modelyard.sidecar.routes.saved import read_saved
 from modelyard.sidecar.routes.state_file import StateError
 from modelyard.sidecar.server import build_sidecar
+from modelyard.sidecar.settings import ENV_PREFIX, parse_settings
 from modelyard.sidecar.workers.role import WorkerRole
 from modelyard.sidecar.workers.supervisor import Supervisor
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 from typing import Any
 
 from modelyard.sidecar.layers.view import ModelView, model_view
-from modelyard.sidecar.routes.table import RouteSource, RouteTable
+from modelyard.sidecar.routes.route_table import RouteSource, RouteTable
 from modelyard.sidecar.upstreams import Upstream, Upstreams
 
 

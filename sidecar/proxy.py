@@ -47,7 +47,7 @@ from modelyard.sidecar.layers import balance, read, retry, route
 from modelyard.sidecar.layers.read import Refused
 from modelyard.sidecar.metrics import SidecarMetrics
 from modelyard.sidecar.model_views import ModelViews
-from modelyard.sidecar.routes.table import RouteSource
+from modelyard.sidecar.routes.route_table import RouteSource
 from modelyard.sidecar.scope import Scope, Scopes
 from modelyard.sidecar.shadow.compare import Shadows, token_ids
 from modelyard.sidecar.shadow.mirror import Mirror

@@ -23,13 +23,13 @@ from modelyard.sidecar.admin import AdminLimits, AdminServer, admin_warnings
 from modelyard.sidecar.breaker_policy import Clock, State
 from modelyard.sidecar.breakers import BreakerKey, Breakers
 from modelyard.sidecar.canary_status import CanaryStatus, canary_status
-from modelyard.sidecar.config import ENV_PREFIX, Settings
 from modelyard.sidecar.metrics import SidecarMetrics
 from modelyard.sidecar.proxy import Proxy
 from modelyard.sidecar.rollout.driver import RolloutDriver
+from modelyard.sidecar.routes.route_table import RouteSource
 from modelyard.sidecar.routes.saved import read_saved
 from modelyard.sidecar.routes.state_file import StateFile, remove_stale
-from modelyard.sidecar.routes.table import RouteSource
+from modelyard.sidecar.settings import ENV_PREFIX, Settings
 from modelyard.sidecar.shadow.compare import Shadows
 from modelyard.sidecar.tenant_limits import TenantLimits
 from modelyard.sidecar.tracing import Tracing, configure

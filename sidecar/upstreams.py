@@ -36,8 +36,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from modelyard.common import headers
 from modelyard.inference.v1 import model_service_pb2, model_service_pb2_grpc
 from modelyard.process.tls import ClientTls, Renewals
-from modelyard.sidecar.config import check_upstream
 from modelyard.sidecar.dyeing import normalize_version
+from modelyard.sidecar.settings import check_upstream
 
 log = logging.getLogger(__name__)
 
@@ -80,7 +80,7 @@ class UpstreamSpec:
 
     @classmethod
     def parse(cls, text: str) -> UpstreamSpec:
-        address, label = check_upstream(text)  # the setting's own check (config.py)
+        address, label = check_upstream(text)  # the setting's own check (settings.py)
         versions = frozenset(normalize_version(v) for v in label) if label else None
         return cls(address, versions)
 

@@ -22,8 +22,8 @@ from modelyard.common import health
 from modelyard.inference.v1 import inference_service_pb2 as pb
 from modelyard.inference.v1 import inference_service_pb2_grpc as pb_grpc
 from modelyard.inference.v1 import model_service_pb2 as mpb
-from modelyard.sidecar.config import Settings
 from modelyard.sidecar.server import Sidecar, build_sidecar
+from modelyard.sidecar.settings import Settings
 from modelyard.sidecar.tracing import Tracing
 from modelyard.tensors import to_tensor
 from tests.support import ChildProcess, eventually, start_child

@@ -9,10 +9,10 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from modelyard.gateway import errors, mount
-from modelyard.gateway.config import Settings
 from modelyard.gateway.kserve.extensions import ExtensionEndpoints
 from modelyard.gateway.kserve.generate import GenerateEndpoints
 from modelyard.gateway.kserve.serving import KServeEndpoints
+from modelyard.gateway.settings import Settings
 from modelyard.gateway.upstream import Upstream
 
 

@@ -15,8 +15,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from modelyard.gateway import errors, http
-from modelyard.gateway.config import Settings
 from modelyard.gateway.kserve import protocol
+from modelyard.gateway.settings import Settings
 from modelyard.gateway.upstream import Upstream, forward, returned
 from modelyard.kserve.v2 import grpc_service_pb2 as kpb
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 from starlette.routing import Route
 
 from modelyard.gateway import mount
-from modelyard.gateway.config import Settings
 from modelyard.gateway.openai.protocol import error_response
 from modelyard.gateway.openai.serving import OpenAIEndpoints
+from modelyard.gateway.settings import Settings
 from modelyard.gateway.upstream import Upstream
 
 

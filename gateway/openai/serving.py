@@ -22,9 +22,9 @@ from starlette.responses import JSONResponse, Response
 
 from modelyard.common import headers
 from modelyard.gateway import errors, http, streamed_response
-from modelyard.gateway.config import Settings
 from modelyard.gateway.openai import protocol
 from modelyard.gateway.openai.protocol import Chunks, CompletionRequest
+from modelyard.gateway.settings import Settings
 from modelyard.gateway.upstream import EOF, Upstream, forward, returned
 from modelyard.inference.v1 import inference_service_pb2 as pb
 from modelyard.inference.v1 import model_service_pb2 as model_pb

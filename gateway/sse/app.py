@@ -5,8 +5,8 @@ from __future__ import annotations
 from starlette.routing import Route
 
 from modelyard.gateway import mount
-from modelyard.gateway.config import Settings
 from modelyard.gateway.metrics import GatewayMetrics
+from modelyard.gateway.settings import Settings
 from modelyard.gateway.sse.serving import GenerateEndpoints
 from modelyard.gateway.streams import Registry
 from modelyard.gateway.upstream import Upstream

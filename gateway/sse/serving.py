@@ -17,8 +17,8 @@ from starlette.responses import Response
 
 from modelyard.common import headers, names
 from modelyard.gateway import errors, http
-from modelyard.gateway.config import Settings
 from modelyard.gateway.metrics import GatewayMetrics
+from modelyard.gateway.settings import Settings
 from modelyard.gateway.sse import protocol
 from modelyard.gateway.sse.response import SSEResponse
 from modelyard.gateway.streams import Caller, Evicted, Registry, Stream, parse_id

@@ -35,7 +35,7 @@ from modelyard.sidecar.admin import (
     _rollout_spec,
 )
 from modelyard.sidecar.fleet.controller import ControlError, Controller
-from modelyard.sidecar.routes.table import RouteSource
+from modelyard.sidecar.routes.route_table import RouteSource
 
 CONTROLLER_OFF = (
     "changes are off on this rollout controller: give it a credential (--tokens-file, then send "

@@ -28,10 +28,10 @@ from modelyard.process.startup import check_listeners, usage_error
 from modelyard.process.tls import TlsFiles
 from modelyard.sidecar.fleet import kube
 from modelyard.sidecar.fleet.api import ControllerApi
-from modelyard.sidecar.fleet.config import ENV_PREFIX, Settings, parse_settings
 from modelyard.sidecar.fleet.controller import Controller
 from modelyard.sidecar.fleet.gates import Prometheus, load_queries
 from modelyard.sidecar.fleet.pods import AdminClient, from_dns
+from modelyard.sidecar.fleet.settings import ENV_PREFIX, Settings, parse_settings
 from modelyard.sidecar.fleet.store import FileStore, MemoryStore, Store
 from modelyard.sidecar.routes.state_file import StateError
 

@@ -27,7 +27,7 @@ from modelyard.sidecar.layers.attempt import (
 from modelyard.sidecar.layers.read import Asked, Metadata, Refused
 from modelyard.sidecar.layers.route import Route
 from modelyard.sidecar.layers.view import ModelView, Pool, Served, U, is_stateful
-from modelyard.sidecar.routes.table import RouteTable
+from modelyard.sidecar.routes.route_table import RouteTable
 
 Found = tuple[U, Breaker | None, Permit | None]
 

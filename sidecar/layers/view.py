@@ -16,7 +16,7 @@ from typing import Any, Generic, Protocol, TypeVar
 from modelyard.sidecar.breakers import Breaker
 from modelyard.sidecar.dyeing import ModelRoute, stable_and_canary
 from modelyard.sidecar.layers.read import OTHER, Metadata
-from modelyard.sidecar.routes.table import RouteTable
+from modelyard.sidecar.routes.route_table import RouteTable
 
 
 class Target(Protocol):

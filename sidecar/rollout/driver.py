@@ -37,8 +37,8 @@ from modelyard.sidecar.rollout.policy import (
     RolloutSpec,
     Tally,
 )
+from modelyard.sidecar.routes.route_table import FROM_ROLLOUT, RouteSource
 from modelyard.sidecar.routes.state_file import audit
-from modelyard.sidecar.routes.table import FROM_ROLLOUT, RouteSource
 
 log = logging.getLogger(__name__)
 

@@ -17,8 +17,8 @@ from modelyard.common.names import InvalidName, check_name, check_version
 from modelyard.process.documents import DocumentError, load
 from modelyard.sidecar.rollout.policy import MAX_HISTORY, Rollout
 from modelyard.sidecar.routes.file import RolloutDoc, Weight
+from modelyard.sidecar.routes.route_table import FROM_FILE, Change, ConfigError
 from modelyard.sidecar.routes.state_file import StateError, load_state
-from modelyard.sidecar.routes.table import FROM_FILE, Change, ConfigError
 
 Seconds = Annotated[float, Meta(ge=0)]  # wall-clock seconds (finite: the file's JSON allows no other)
 

@@ -15,7 +15,7 @@ from modelyard.sidecar.layers.attempt import Attempt
 from modelyard.sidecar.layers.balance import shadow_target
 from modelyard.sidecar.layers.read import Metadata
 from modelyard.sidecar.message_fields import with_version
-from modelyard.sidecar.routes.table import RouteSource
+from modelyard.sidecar.routes.route_table import RouteSource
 from modelyard.sidecar.shadow.compare import GENERATE, METHODS, Shadows, is_greedy, token_ids
 from modelyard.sidecar.upstreams import Upstream, Upstreams
 

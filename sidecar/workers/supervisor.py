@@ -34,8 +34,8 @@ from modelyard.process.settings import split_address
 from modelyard.process.supervisor import WorkerFailed, WorkerKind, Workers, WorkerSlot
 from modelyard.process.tls import TlsFiles
 from modelyard.sidecar import admin as admin_http
-from modelyard.sidecar.config import ENV_PREFIX, Settings
-from modelyard.sidecar.routes.table import RouteSource
+from modelyard.sidecar.routes.route_table import RouteSource
+from modelyard.sidecar.settings import ENV_PREFIX, Settings
 from modelyard.sidecar.workers import client, merge, role
 
 __all__ = ["Change", "Slot", "Supervisor", "WorkerFailed"]

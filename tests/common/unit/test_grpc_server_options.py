@@ -7,7 +7,7 @@ import pytest
 
 from modelyard.process.grpc_server import INT_MAX, MAX_METADATA_BYTES, connection_options
 from modelyard.service.settings import Settings as ServiceSettings
-from modelyard.sidecar.config import Settings as SidecarSettings
+from modelyard.sidecar.settings import Settings as SidecarSettings
 
 
 def test_options_come_from_the_settings_and_zero_means_no_limit() -> None:

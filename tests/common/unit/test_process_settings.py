@@ -9,9 +9,9 @@ from typing import Any
 import pytest
 
 from modelyard.deploy.up import parse_settings as up_settings
-from modelyard.gateway.config import parse_settings as gateway_settings
+from modelyard.gateway.settings import parse_settings as gateway_settings
 from modelyard.service.settings import parse_settings as service_settings
-from modelyard.sidecar.config import parse_settings as sidecar_settings
+from modelyard.sidecar.settings import parse_settings as sidecar_settings
 
 Parse = Callable[[Sequence[str] | None, Mapping[str, str] | None], Any]
 PROCESSES: list[tuple[Parse, str]] = [

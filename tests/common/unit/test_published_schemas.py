@@ -14,8 +14,8 @@ import pytest
 import yaml
 
 from modelyard.service.repository.model_config import ConfigError, parse_config
-from modelyard.sidecar.routes.table import ConfigError as RouteError
-from modelyard.sidecar.routes.table import parse_table
+from modelyard.sidecar.routes.route_table import ConfigError as RouteError
+from modelyard.sidecar.routes.route_table import parse_table
 from tests.support import REPO_ROOT
 
 CONFIG_SCHEMA = REPO_ROOT / "service" / "repository" / "config.schema.json"

@@ -23,11 +23,11 @@ import pytest
 import yaml
 
 from modelyard.envoy import render
-from modelyard.gateway.config import parse_settings as gateway_settings
+from modelyard.gateway.settings import parse_settings as gateway_settings
 from modelyard.service.settings import parse_settings as service_settings
-from modelyard.sidecar.config import parse_settings as sidecar_settings
-from modelyard.sidecar.fleet.config import parse_settings as rollouts_settings
-from modelyard.sidecar.routes.table import parse_table
+from modelyard.sidecar.fleet.settings import parse_settings as rollouts_settings
+from modelyard.sidecar.routes.route_table import parse_table
+from modelyard.sidecar.settings import parse_settings as sidecar_settings
 from tests import crds, kubernetes_renders
 
 ROOT = Path(__file__).resolve().parents[3]

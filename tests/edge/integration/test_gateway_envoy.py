@@ -22,7 +22,7 @@ import pytest_asyncio
 
 from models import demo_models
 from modelyard.gateway.app import Gateway
-from modelyard.gateway.config import Settings as GatewaySettings
+from modelyard.gateway.settings import Settings as GatewaySettings
 from modelyard.inference.v1 import inference_service_pb2 as pb
 from modelyard.inference.v1 import inference_service_pb2_grpc as pb_grpc
 from modelyard.inference.v1 import model_service_pb2 as model_pb

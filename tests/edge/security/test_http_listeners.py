@@ -23,7 +23,7 @@ import pytest_asyncio
 
 from modelyard.envoy import render
 from modelyard.gateway.app import Gateway
-from modelyard.gateway.config import Settings
+from modelyard.gateway.settings import Settings
 from modelyard.inference.v1 import inference_service_pb2 as pb
 from tests.envoy_support import start_envoy
 from tests.sse_client import events_only, read_events

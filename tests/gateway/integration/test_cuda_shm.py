@@ -16,7 +16,7 @@ import pytest
 import pytest_asyncio
 
 from modelyard.gateway.app import Gateway
-from modelyard.gateway.config import Settings as GatewaySettings
+from modelyard.gateway.settings import Settings as GatewaySettings
 from modelyard.service.server import build_service
 from modelyard.service.settings import Settings
 

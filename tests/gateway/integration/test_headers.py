@@ -12,7 +12,7 @@ import httpx
 import pytest_asyncio
 
 from modelyard.gateway.app import Gateway
-from modelyard.gateway.config import Settings as GatewaySettings
+from modelyard.gateway.settings import Settings as GatewaySettings
 from modelyard.inference.v1 import inference_service_pb2 as pb
 from tests.sse_client import events_only, read_events
 

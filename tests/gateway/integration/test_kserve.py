@@ -16,7 +16,7 @@ import tritonclient.http as tritonhttp
 from tritonclient.utils import InferenceServerException
 
 from modelyard.gateway.app import Gateway
-from modelyard.gateway.config import Settings as GatewaySettings
+from modelyard.gateway.settings import Settings as GatewaySettings
 from modelyard.kserve.v2 import grpc_service_pb2 as kpb
 from modelyard.kserve.v2 import grpc_service_pb2_grpc as kserve_grpc
 from modelyard.service.server import Service, build_service

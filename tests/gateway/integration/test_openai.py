@@ -14,7 +14,7 @@ import pytest_asyncio
 
 from models import demo_models
 from modelyard.gateway.app import Gateway
-from modelyard.gateway.config import Settings as GatewaySettings
+from modelyard.gateway.settings import Settings as GatewaySettings
 from modelyard.service.server import build_service
 from modelyard.service.settings import Settings
 from tests.sse_client import events_only, read_events

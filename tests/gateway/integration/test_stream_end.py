@@ -15,7 +15,7 @@ import grpc
 import httpx
 
 from modelyard.gateway.app import Gateway
-from modelyard.gateway.config import Settings as GatewaySettings
+from modelyard.gateway.settings import Settings as GatewaySettings
 from modelyard.inference.v1 import inference_service_pb2 as pb
 from tests.support import eventually
 

@@ -15,8 +15,8 @@ import pytest
 from models import demo_models
 from modelyard.gateway import upstream
 from modelyard.gateway.app import Gateway
-from modelyard.gateway.config import Settings as GatewaySettings
-from modelyard.gateway.config import parse_settings
+from modelyard.gateway.settings import Settings as GatewaySettings
+from modelyard.gateway.settings import parse_settings
 from modelyard.process import auth
 from modelyard.service.server import Service, build_service
 from modelyard.service.settings import Settings as ServiceSettings

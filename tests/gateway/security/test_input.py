@@ -24,8 +24,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from modelyard.gateway.app import build_app
-from modelyard.gateway.config import Settings
 from modelyard.gateway.metrics import GatewayMetrics
+from modelyard.gateway.settings import Settings
 from modelyard.gateway.streams import Registry
 from modelyard.gateway.upstream import Upstream
 from modelyard.inference.v1 import inference_service_pb2 as pb

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import gc
 
-from modelyard.sidecar.config import Settings
 from modelyard.sidecar.server import build_sidecar
+from modelyard.sidecar.settings import Settings
 
 
 async def _frozen_after_start(settle_heap: bool) -> int:

@@ -21,8 +21,8 @@ import onnx
 from models import demo_models
 from modelyard.service.server import Service, build_service
 from modelyard.service.settings import Settings as ServiceSettings
-from modelyard.sidecar.config import Settings
 from modelyard.sidecar.server import Sidecar, build_sidecar
+from modelyard.sidecar.settings import Settings
 from tests.sidecar.integration.test_breakers import fails_on_large_values
 from tests.sidecar_support import infer, known_versions
 from tests.support import eventually

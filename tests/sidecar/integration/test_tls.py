@@ -20,8 +20,8 @@ from modelyard.process import auth
 from modelyard.service.server import Service, build_service
 from modelyard.service.settings import Settings as ServiceSettings
 from modelyard.sidecar import upstreams
-from modelyard.sidecar.config import parse_settings
 from modelyard.sidecar.server import _security
+from modelyard.sidecar.settings import parse_settings
 from tests.certs import Authority, Pem, install, make_pki
 from tests.sidecar_support import infer, known_versions, running_sidecar
 from tests.support import eventually

@@ -27,9 +27,9 @@ from modelyard.service.server import build_service
 from modelyard.service.settings import Settings as ServiceSettings
 from modelyard.sidecar import upstreams as upstreams_module
 from modelyard.sidecar.admin import AdminServer, Request
-from modelyard.sidecar.config import Settings as SidecarSettings
-from modelyard.sidecar.routes.table import RouteSource
+from modelyard.sidecar.routes.route_table import RouteSource
 from modelyard.sidecar.server import Sidecar
+from modelyard.sidecar.settings import Settings as SidecarSettings
 from modelyard.sidecar.workers import role
 from modelyard.sidecar.workers import supervisor as supervisor_module
 from modelyard.sidecar.workers.supervisor import Supervisor

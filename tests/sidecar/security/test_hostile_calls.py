@@ -25,8 +25,8 @@ from grpc_health.v1 import health_pb2_grpc
 from modelyard.common import health
 from modelyard.inference.v1 import inference_service_pb2 as pb
 from modelyard.inference.v1 import model_service_pb2 as mpb
-from modelyard.sidecar.config import Settings
 from modelyard.sidecar.server import Sidecar, build_sidecar
+from modelyard.sidecar.settings import Settings
 from tests.sidecar_support import admin_async, breaker_state, infer, known_versions, pairs, running_sidecar
 from tests.support import eventually
 

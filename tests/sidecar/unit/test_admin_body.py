@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry
 
 from modelyard.sidecar.admin import AdminServer, HttpError
-from modelyard.sidecar.routes.table import RouteSource
+from modelyard.sidecar.routes.route_table import RouteSource
 
 json_values = st.recursive(
     st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=20),

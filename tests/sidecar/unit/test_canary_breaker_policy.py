@@ -22,7 +22,7 @@ from modelyard.sidecar.layers.read import Asked
 from modelyard.sidecar.layers.route import Route
 from modelyard.sidecar.layers.view import model_view
 from modelyard.sidecar.metrics import SidecarMetrics
-from modelyard.sidecar.routes.table import RouteTable
+from modelyard.sidecar.routes.route_table import RouteTable
 from tests.support import metric
 
 DEFAULT = BreakerPolicy()

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from modelyard.sidecar.config import parse_settings
 from modelyard.sidecar.dyeing import ModelRoute
-from modelyard.sidecar.routes.table import ConfigError, parse_table
+from modelyard.sidecar.routes.route_table import ConfigError, parse_table
+from modelyard.sidecar.settings import parse_settings
 from modelyard.sidecar.tenant_limits import TenantLimit, TenantLimits
 from modelyard.sidecar.upstreams import UpstreamSpec
 

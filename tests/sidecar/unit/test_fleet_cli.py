@@ -44,7 +44,7 @@ def test_bad_settings_are_one_line_and_exit_2(
 
 
 def test_the_environment_sets_it_too() -> None:
-    from modelyard.sidecar.fleet.config import parse_settings
+    from modelyard.sidecar.fleet.settings import parse_settings
 
     settings = parse_settings([], {"MODELYARD_ROLLOUTS_SIDECAR": "http://a:9101,http://b:9101"})
     assert settings.sidecar == ("http://a:9101", "http://b:9101")

@@ -27,7 +27,7 @@ from modelyard.sidecar.layers.read import OTHER, Asked, Metadata, Refused
 from modelyard.sidecar.layers.route import Route
 from modelyard.sidecar.layers.view import ModelView, Views, is_stateful, model_view
 from modelyard.sidecar.metrics import SidecarMetrics
-from modelyard.sidecar.routes.table import RouteTable
+from modelyard.sidecar.routes.route_table import RouteTable
 from modelyard.sidecar.scope import Scope, Scopes
 from modelyard.sidecar.tenant_limits import ANY_TENANT, TenantLimit, TenantLimits
 from modelyard.sidecar.tracing import Tracing

@@ -14,8 +14,8 @@ from typing import Any, cast
 
 from modelyard.kserve.v2 import grpc_service_pb2 as kpb
 from modelyard.sidecar.breaker_policy import State
-from modelyard.sidecar.config import Settings
 from modelyard.sidecar.server import Sidecar, build_sidecar
+from modelyard.sidecar.settings import Settings
 from tests.support import eventually
 
 PATH = "/inference.GRPCInferenceService/ModelInfer"

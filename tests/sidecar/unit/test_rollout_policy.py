@@ -23,8 +23,8 @@ from modelyard.sidecar.rollout.policy import (
     Tally,
     judge,
 )
+from modelyard.sidecar.routes.route_table import FROM_ROLLOUT, RouteSource
 from modelyard.sidecar.routes.state_file import audit_log
-from modelyard.sidecar.routes.table import FROM_ROLLOUT, RouteSource
 
 SPEC = RolloutSpec(steps=(1, 5, 25, 50, 100), dwell_s=60, min_calls=50, judge_calls=20)
 

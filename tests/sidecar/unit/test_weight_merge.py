@@ -11,8 +11,8 @@ from pathlib import Path
 import yaml
 
 from modelyard.sidecar.dyeing import ModelRoute, decide
+from modelyard.sidecar.routes.route_table import FROM_ADMIN, FROM_FILE, FROM_STATE, RouteSource
 from modelyard.sidecar.routes.state_file import load_state, write_atomically
-from modelyard.sidecar.routes.table import FROM_ADMIN, FROM_FILE, FROM_STATE, RouteSource
 
 
 class Clock:

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from modelyard.process.metrics_sum import sum_scrapes
-from modelyard.sidecar.config import Settings
+from modelyard.sidecar.settings import Settings
 from modelyard.sidecar.workers import merge
 from modelyard.sidecar.workers.supervisor import Change, Supervisor
 

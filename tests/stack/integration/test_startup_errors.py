@@ -149,8 +149,8 @@ def _supervisor(address: str, flag: str, repository: Path) -> Process:
 
 
 def _sidecar(address: str, flag: str, repository: Path) -> Process:
-    from modelyard.sidecar.config import parse_settings
     from modelyard.sidecar.server import build_sidecar
+    from modelyard.sidecar.settings import parse_settings
 
     others = {"--listen": "127.0.0.1:0", "--admin-listen": ""}
     args = [*(x for k, v in others.items() if k != flag for x in (k, v)), flag, address]
@@ -159,7 +159,7 @@ def _sidecar(address: str, flag: str, repository: Path) -> Process:
 
 def _gateway(address: str, flag: str, repository: Path) -> Process:
     from modelyard.gateway.app import build_gateway
-    from modelyard.gateway.config import parse_settings
+    from modelyard.gateway.settings import parse_settings
 
     return build_gateway(parse_settings([flag, address], {}))
 

@@ -25,8 +25,8 @@ from tritonclient.utils import InferenceServerException
 
 from models import demo_models
 from modelyard.gateway.app import Gateway
-from modelyard.gateway.config import Settings as GatewaySettings
 from modelyard.gateway.kserve.serving import GATEWAY_EXTENSIONS, REST_EXTENSIONS
+from modelyard.gateway.settings import Settings as GatewaySettings
 from modelyard.service.server import build_service
 from modelyard.service.settings import Settings
 from tests.sse_client import read_events

@@ -17,7 +17,7 @@ import pytest_asyncio
 
 from models.demo_models import write_model
 from modelyard.gateway.app import Gateway
-from modelyard.gateway.config import Settings as GatewaySettings
+from modelyard.gateway.settings import Settings as GatewaySettings
 from modelyard.kserve.v2 import grpc_service_pb2 as kpb
 from modelyard.kserve.v2 import grpc_service_pb2_grpc as kgrpc
 from modelyard.service.server import Service, build_service
