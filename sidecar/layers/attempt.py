@@ -9,12 +9,13 @@ The values an attempt's `fallback` takes (the answer's `x-dye-fallback`) are nam
 
 from __future__ import annotations
 
-from dataclasses import FrozenInstanceError, dataclass
-from typing import TYPE_CHECKING, Any, Generic, NoReturn, Self, TypeVar
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
 
 from modelyard.common import headers
 from modelyard.sidecar.breakers import Breaker, Permit
 from modelyard.sidecar.dyeing import CANARY, PINNED, STABLE
+from modelyard.sidecar.layers.frozen import Frozen
 from modelyard.sidecar.layers.read import Asked, Metadata
 from modelyard.sidecar.layers.view import Target
 from modelyard.sidecar.message_fields import WireError, read_model_fields, with_version
@@ -72,28 +73,11 @@ class _AttemptFields(Generic[U]):
         return with_version(message, self.version)
 
 
-class Attempt(_AttemptFields[U]):
-    """One attempt of a call (see the module's docstring), frozen as a frozen dataclass is (an
-    assignment raises FrozenInstanceError) but made as a plain slots dataclass is: its fields are
-    stored by _AttemptFields' own __init__ (one fast slot store each), then the instance becomes
-    an Attempt, whose __setattr__ refuses every change. A frozen dataclass's __init__ would set
-    each field through object.__setattr__, a Python-level call per field, on every call's path."""
+class Attempt(Frozen, _AttemptFields[U]):
+    """One attempt of a call (see the module's docstring), frozen and made fast (frozen.py)."""
 
     __slots__ = ()
-
-    def __new__(cls, *fields: Any) -> Self:  # positional, in the fields' order
-        made = _AttemptFields(*fields)
-        made.__class__ = cls  # the same slots: frozen from here on
-        return made  # type: ignore[return-value]
-
-    if not TYPE_CHECKING:  # the fields' __init__ would assign through __setattr__
-        __init__ = object.__init__  # __new__ made it whole
-
-    def __setattr__(self, name: str, value: Any) -> NoReturn:
-        raise FrozenInstanceError(f"cannot assign to field {name!r}")
-
-    def __delattr__(self, name: str) -> NoReturn:
-        raise FrozenInstanceError(f"cannot delete field {name!r}")
+    fields_class = _AttemptFields
 
 
 # The usual answers' metadata, made once (by dye, without a fallback).

@@ -8,12 +8,13 @@ Status codes are named by their gRPC names ("INVALID_ARGUMENT"): the proxy trans
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import FrozenInstanceError, dataclass
-from typing import TYPE_CHECKING, Any, NoReturn, Self
+from dataclasses import dataclass
+from typing import Any
 
 from modelyard.common import headers
 from modelyard.common.names import InvalidName, check_name, check_version
 from modelyard.common.reasons import ErrorReason
+from modelyard.sidecar.layers.frozen import Frozen
 from modelyard.sidecar.message_fields import ModelFields, WireError, read_model_fields
 from modelyard.sidecar.tenant_limits import ANY_TENANT, TenantLimit
 
@@ -79,26 +80,13 @@ class _AskedFields:
         return str(self.view.label)
 
 
-class Asked(_AskedFields):
+class Asked(Frozen, _AskedFields):
     """A call as it asked (what `read` found): the model and the version it pinned, its headers,
     the metadata forwarded upstream, its model's view, and its first message as read. Frozen,
-    and made fast, as attempt.Attempt is (see there why)."""
+    and made fast (frozen.py)."""
 
     __slots__ = ()
-
-    def __new__(cls, *fields: Any) -> Self:  # positional, in the fields' order
-        made = _AskedFields(*fields)
-        made.__class__ = cls  # the same slots: frozen from here on
-        return made  # type: ignore[return-value]
-
-    if not TYPE_CHECKING:  # the fields' __init__ would assign through __setattr__
-        __init__ = object.__init__  # __new__ made it whole
-
-    def __setattr__(self, name: str, value: Any) -> NoReturn:
-        raise FrozenInstanceError(f"cannot assign to field {name!r}")
-
-    def __delattr__(self, name: str) -> NoReturn:
-        raise FrozenInstanceError(f"cannot delete field {name!r}")
+    fields_class = _AskedFields
 
 
 def read(
