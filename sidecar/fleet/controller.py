@@ -6,7 +6,8 @@ each transition (store.py) before it is pushed. A change over the API wakes it a
 Who wins a weight: while a rollout of a model is active, the controller owns that model's weight
 on every sidecar (a lease it renews; ownership.py): a hand-made PUT there is refused 409. When the
 rollout ends (succeeded, rolled back, aborted) its final weight is pushed until every sidecar has
-it, then the leases are released and the weight is the operators' again.
+it, then the leases are released and the weight is the operators' again; a sidecar found after
+that is told the final weight once (no lease), so a new pod begins at the fleet's weight.
 
 What holds a step (never promotes blind), shown as the rollout's `reason` and in
 `modelyard_rollouts_held{why}`: Prometheus absent, down, or seeing fewer sidecars than the
@@ -24,7 +25,7 @@ import logging
 import math
 import time
 from collections.abc import Awaitable, Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
@@ -64,13 +65,19 @@ class Managed:
     released: bool = False  # ended, its final weight everywhere, the leases given back
     held: str | None = None  # why the step holds now
     held_kind: str = ""
+    # Released: the sidecars that have its final weight (those of the release, and any found
+    # later that were told it); a pod gone from them is told again if it comes back.
+    told: list[str] = field(default_factory=list)
 
     def doc(self) -> dict[str, Any]:
-        return {**self.rollout.doc(), "released": self.released}
+        return {**self.rollout.doc(), "released": self.released, "told": self.told}
 
     @staticmethod
     def from_doc(model: str, raw: dict[str, Any]) -> Managed:
-        return Managed(Rollout.from_doc(model, raw), released=bool(raw.get("released", False)))
+        told = raw.get("told", [])
+        if not isinstance(told, list) or not all(isinstance(url, str) for url in told):
+            raise ValueError("told: must be a list of sidecar URLs")
+        return Managed(Rollout.from_doc(model, raw), released=bool(raw.get("released", False)), told=told)
 
 
 def shown_state(rollout: Rollout) -> str:
@@ -204,6 +211,7 @@ class Controller:
                 await self.save()
                 await self.reconcile()
             await self._release()
+            await self._tell_late()
             for model in self.rollouts:
                 self._show(model)
 
@@ -303,6 +311,7 @@ class Controller:
                 with contextlib.suppress(OSError, ValueError, AdminRefused):
                     await self.client.set_weight(pod.url, model, weight, self.owner, 0)
             managed.released = True
+            managed.told = list(self.pods)
             await self.save()
             log.info(
                 "rollouts: %s %s at weight %g on every sidecar; released",
@@ -310,6 +319,36 @@ class Controller:
                 managed.rollout.state,
                 weight,
             )
+
+    async def _tell_late(self) -> None:
+        """A sidecar found after a rollout ended and released its leases (a new pod, or one that
+        left the Service's records and came back) gets that rollout's final weight once, without
+        a lease: a newly started pod begins at the fleet's weight, which is the operators' again."""
+        changed = False
+        for model, managed in self.rollouts.items():
+            if not managed.released:
+                continue
+            known = [url for url in managed.told if url in self.pods]
+            if known != managed.told:
+                managed.told, changed = known, True
+            weight = managed.rollout.weight
+            for pod in list(self.pods.values()):
+                if pod.url in managed.told or not pod.reachable or model not in pod.models:
+                    continue
+                if pod.applied(model) != weight:
+                    try:
+                        await self.client.set_weight(pod.url, model, weight, self.owner, 0)
+                    except (OSError, ValueError, AdminRefused) as exc:
+                        log.warning("rollouts: %s: the final weight of %s not taken: %s", pod.url, model, exc)
+                        continue
+                    pod.models[model]["canary_weight"] = weight
+                    log.info(
+                        "rollouts: %s (found after the rollout) weight of %s -> %g", pod.url, model, weight
+                    )
+                managed.told.append(pod.url)
+                changed = True
+        if changed:
+            await self.save()
 
     def canary_version(self, model: str) -> str:
         for pod in self.pods.values():

@@ -179,6 +179,38 @@ async def test_a_pod_found_later_starts_at_the_fleets_weight(monkeypatch: Any) -
     assert [s["url"] for s in c.view("scaler")["sidecars"]] == ["http://b:9101"]
 
 
+async def test_a_pod_found_after_the_release_gets_the_final_weight_once(monkeypatch: Any) -> None:
+    sidecars, clock = Sidecars("http://a:9101", "http://b:9101"), Clock()
+    found: list[Any] = [healthy(["http://a:9101"])]
+    listed = ["http://a:9101"]
+
+    async def discover() -> list[str]:
+        return list(listed)
+
+    c = controller(sidecars, clock, monkeypatch, found, urls=[], discover=discover)
+    await c.start()
+    await c.begin("scaler", SPEC, "test")
+    for _ in range(3):
+        await c.tick()
+        clock.now += 11
+    await c.tick()
+    assert c.view("scaler")["released"] is True and weights(sidecars) == [100, 0]
+    listed.append("http://b:9101")  # a pod started after the rollout ended
+    await c.tick()
+    assert weights(sidecars) == [100, 100]
+    assert "owner" not in sidecars.views["http://b:9101"]["scaler"]  # no lease: the operators' weight
+    sidecars.views["http://b:9101"]["scaler"]["canary_weight"] = 30  # an operator's change, by hand
+    await c.tick()
+    assert weights(sidecars) == [100, 30]  # told once, never fought
+    listed.remove("http://b:9101")
+    await c.tick()
+    listed.append("http://b:9101")  # gone from the Service's records and back: a new pod
+    await c.tick()
+    assert weights(sidecars) == [100, 100]
+    saved = await c.store.load()
+    assert saved["scaler"]["told"] == ["http://a:9101", "http://b:9101"]
+
+
 async def test_without_prometheus_the_step_holds(monkeypatch: Any) -> None:
     sidecars, clock = Sidecars("http://a:9101"), Clock()
     found: list[Any] = [PrometheusError("prometheus at http://prometheus.test is unreachable: refused")]
